@@ -1,0 +1,48 @@
+"""Registry settings, from CLI flags and DUET_* environment variables."""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+@dataclass
+class RegistryConfig:
+    redis_url: str = DEFAULT_REDIS_URL
+    prefix: str = "duet"               # key namespace; lets tests or deployments share a Redis
+    ttl_s: float = 6.0                 # a worker that misses heartbeats for this long is gone
+    heartbeat_interval_s: float = 1.0  # keep well under ttl_s (>= 3 beats per TTL)
+    scan_interval_s: float = 1.0       # watcher's full re-scan period (leaves show up here)
+    socket_timeout_s: float = 2.0      # bounds every Redis call, so an outage never hangs a loop
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_interval_s * 2 > self.ttl_s:
+            raise ValueError(
+                f"heartbeat_interval_s={self.heartbeat_interval_s} must be at most half of ttl_s={self.ttl_s}"
+            )
+
+    @property
+    def ttl_ms(self) -> int:
+        return max(1, int(self.ttl_s * 1000))
+
+    @staticmethod
+    def add_args(parser: argparse.ArgumentParser) -> None:
+        """Add --redis-url (default from DUET_REDIS_URL) and the registry timing flags."""
+        env = os.environ
+        parser.add_argument("--redis-url", default=env.get("DUET_REDIS_URL", DEFAULT_REDIS_URL),
+                            help="Redis registry URL (env DUET_REDIS_URL)")
+        parser.add_argument("--registry-ttl", type=float,
+                            default=float(env.get("DUET_REGISTRY_TTL", RegistryConfig.ttl_s)),
+                            help="seconds a worker entry lives without heartbeat (env DUET_REGISTRY_TTL)")
+        parser.add_argument("--registry-heartbeat", type=float,
+                            default=float(env.get("DUET_REGISTRY_HEARTBEAT", RegistryConfig.heartbeat_interval_s)),
+                            help="heartbeat period in seconds (env DUET_REGISTRY_HEARTBEAT)")
+        parser.add_argument("--registry-prefix", default=env.get("DUET_REGISTRY_PREFIX", RegistryConfig.prefix),
+                            help="Redis key namespace (env DUET_REGISTRY_PREFIX)")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "RegistryConfig":
+        return cls(redis_url=args.redis_url, prefix=args.registry_prefix, ttl_s=args.registry_ttl,
+                   heartbeat_interval_s=args.registry_heartbeat)

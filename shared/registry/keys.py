@@ -1,0 +1,40 @@
+"""Redis key and channel names of the registry (one place, so every reader agrees).
+
+  <p>:worker:<id>         hash   WorkerInfo fields + load; TTL renewed by heartbeat
+  <p>:worker:<id>:nixl    hash   rank -> NIXL agent metadata bytes; same TTL
+  <p>:worker:<id>:pages   set    page hashes (decimal) the worker's prefix cache holds; same TTL
+  <p>:workers:events      pubsub JSON {"event": "join"|"leave", "worker_id", "instance_nonce"}
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RegistryKeys:
+    prefix: str = "duet"
+
+    def worker(self, worker_id: str) -> str:
+        return f"{self.prefix}:worker:{worker_id}"
+
+    def nixl(self, worker_id: str) -> str:
+        return f"{self.prefix}:worker:{worker_id}:nixl"
+
+    def pages(self, worker_id: str) -> str:
+        return f"{self.prefix}:worker:{worker_id}:pages"
+
+    @property
+    def events_channel(self) -> str:
+        return f"{self.prefix}:workers:events"
+
+    @property
+    def worker_scan_pattern(self) -> str:
+        return f"{self.prefix}:worker:*"
+
+    def worker_id_from_key(self, key: str) -> str | None:
+        """The id of a main worker key; None for sub-keys (:nixl, :pages) and foreign keys."""
+        head = f"{self.prefix}:worker:"
+        if not key.startswith(head):
+            return None
+        rest = key[len(head):]
+        return rest if rest and ":" not in rest else None

@@ -1,0 +1,139 @@
+"""What a worker publishes about itself, and how it is stored in a Redis hash.
+
+Static fields are written at registration; the load fields are rewritten by every
+heartbeat. Everything is a string field of one hash (lists as JSON), so any Redis
+client (or `redis-cli HGETALL`) can read an entry.
+"""
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import socket
+from dataclasses import asdict, dataclass, field
+
+ROLES = ("prefill", "decode", "both")
+_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+
+
+@dataclass
+class RankKvPool:
+    """One TP rank's KV pool as a NIXL peer sees it (see shared.kv_transfer.PoolInfo)."""
+
+    rank: int
+    agent_name: str      # NIXL agent name of that rank
+    base_addr: int       # address of page 0 in the owning process
+    page_bytes: int      # bytes per page (page-major pool: page i = [base + i*page_bytes, +page_bytes))
+    num_pages: int
+    mem_type: str = "DRAM"  # "DRAM" or "VRAM"
+    device_id: int = 0
+
+
+@dataclass
+class WorkerLoad:
+    """Load a worker reports with every heartbeat (the router's inputs)."""
+
+    free_pages: int = 0
+    total_pages: int = 0
+    queued_prefill_tokens: int = 0  # prompt tokens waiting for or in prefill
+    running_requests: int = 0       # requests in the decode batch (or in prefill, for prefill)
+    waiting_requests: int = 0       # admitted but not yet running
+    kv_usage: float = 0.0           # share of pages held by live work (DESIGN.md telemetry)
+
+
+@dataclass
+class WorkerInfo:
+    worker_id: str
+    role: str                       # prefill | decode | both
+    address: str                    # gRPC host:port
+    model: str
+    metrics_address: str = ""       # HTTP host:port serving /metrics
+    tp: int = 1
+    page_size: int = 0
+    compat_hash: str = ""           # model + KV layout + dtype; pairs must match
+    instance_nonce: str = field(default_factory=lambda: secrets.token_hex(8))
+    max_running_requests: int = 0   # decode batch cap (0 = unknown)
+    kv_pools: list[RankKvPool] = field(default_factory=list)  # one per rank (NIXL peers)
+    load: WorkerLoad = field(default_factory=WorkerLoad)
+    heartbeat_seq: int = 0          # bumps each heartbeat (no wall clocks across hosts)
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if not _ID_RE.match(self.worker_id):
+            raise ValueError(f"worker_id {self.worker_id!r} must match {_ID_RE.pattern}")
+
+    @property
+    def agent_names(self) -> list[str]:
+        return [pool.agent_name for pool in sorted(self.kv_pools, key=lambda p: p.rank)]
+
+    def pool(self, rank: int) -> RankKvPool:
+        for pool in self.kv_pools:
+            if pool.rank == rank:
+                return pool
+        raise KeyError(f"worker {self.worker_id} publishes no KV pool for rank {rank}")
+
+    # --- Redis hash encoding -------------------------------------------------
+
+    def static_fields(self) -> dict[str, str]:
+        return {
+            "worker_id": self.worker_id,
+            "role": self.role,
+            "address": self.address,
+            "metrics": self.metrics_address,
+            "model": self.model,
+            "tp": str(self.tp),
+            "page_size": str(self.page_size),
+            "compat_hash": self.compat_hash,
+            "instance_nonce": self.instance_nonce,
+            "max_running_requests": str(self.max_running_requests),
+            "nixl_agents": json.dumps(self.agent_names),
+            "kv_pools": json.dumps([asdict(p) for p in self.kv_pools]),
+        }
+
+    def load_fields(self) -> dict[str, str]:
+        fields = {f"load_{k}": str(v) for k, v in asdict(self.load).items()}
+        fields["heartbeat_seq"] = str(self.heartbeat_seq)
+        return fields
+
+    def to_hash(self) -> dict[str, str]:
+        return {**self.static_fields(), **self.load_fields()}
+
+    @classmethod
+    def from_hash(cls, raw: dict) -> "WorkerInfo":
+        """Decode HGETALL output (bytes or str keys/values). Raises ValueError/KeyError if malformed."""
+        h = {_s(k): _s(v) for k, v in raw.items()}
+        load = WorkerLoad(
+            free_pages=int(h.get("load_free_pages", 0)),
+            total_pages=int(h.get("load_total_pages", 0)),
+            queued_prefill_tokens=int(h.get("load_queued_prefill_tokens", 0)),
+            running_requests=int(h.get("load_running_requests", 0)),
+            waiting_requests=int(h.get("load_waiting_requests", 0)),
+            kv_usage=float(h.get("load_kv_usage", 0.0)),
+        )
+        pools = [RankKvPool(**p) for p in json.loads(h.get("kv_pools", "[]"))]
+        return cls(
+            worker_id=h["worker_id"],
+            role=h["role"],
+            address=h["address"],
+            model=h["model"],
+            metrics_address=h.get("metrics", ""),
+            tp=int(h.get("tp", 1)),
+            page_size=int(h.get("page_size", 0)),
+            compat_hash=h.get("compat_hash", ""),
+            instance_nonce=h["instance_nonce"],
+            max_running_requests=int(h.get("max_running_requests", 0)),
+            kv_pools=pools,
+            load=load,
+            heartbeat_seq=int(h.get("heartbeat_seq", 0)),
+        )
+
+
+def default_worker_id(role: str) -> str:
+    """<role>-<hostname>-<random>: unique per process; in k8s the pod name is a better id."""
+    host = re.sub(r"[^A-Za-z0-9.-]", "-", socket.gethostname())[:60]
+    return f"{role}-{host}-{secrets.token_hex(3)}"
+
+
+def _s(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
