@@ -1,0 +1,61 @@
+"""Extend (prefill with a cached prefix) attention over the paged KV cache.
+
+The new tokens' K/V are already in the cache. Sequence b has extend_len_b =
+qo_indptr[b+1] - qo_indptr[b] new queries and seq_lens[b] kv tokens in all;
+its query i sits at position seq_lens[b] - extend_len_b + i and attends to kv
+positions <= its own (causal over prefix + new tokens).
+"""
+
+from typing import Optional
+
+import torch
+
+from kernels.paged_kv import PagedCacheShape, gather_dense_kv
+
+
+def _check(q, k_cache, v_cache, page_table, qo_indptr, seq_lens) -> PagedCacheShape:
+    shape = PagedCacheShape.of(k_cache, v_cache)
+    if q.dim() != 3 or q.shape[2] != shape.head_dim:
+        raise ValueError(f"q must be [T, H_q, {shape.head_dim}], got {tuple(q.shape)}")
+    if q.shape[1] % shape.num_kv_heads != 0:
+        raise ValueError(f"H_q={q.shape[1]} is not a multiple of H_kv={shape.num_kv_heads}")
+    batch = seq_lens.shape[0]
+    if page_table.dim() != 2 or page_table.shape[0] != batch or qo_indptr.shape != (batch + 1,):
+        raise ValueError("page_table must be [B, P], qo_indptr [B+1], seq_lens [B]")
+    return shape
+
+
+def extend_attention_reference(q, k_cache, v_cache, page_table, qo_indptr, seq_lens, sm_scale) -> torch.Tensor:
+    """Plain torch, float32 math, one sequence at a time (CPU or GPU)."""
+    shape = _check(q, k_cache, v_cache, page_table, qo_indptr, seq_lens)
+    group = q.shape[1] // shape.num_kv_heads
+    out = torch.empty_like(q)
+    starts, lens = qo_indptr.tolist(), seq_lens.tolist()
+    for b, seq_len in enumerate(lens):
+        q_lo, q_hi = starts[b], starts[b + 1]
+        ext = q_hi - q_lo
+        if ext == 0:
+            continue
+        k = gather_dense_kv(k_cache, page_table[b], seq_len).float().repeat_interleave(group, dim=1)
+        v = gather_dense_kv(v_cache, page_table[b], seq_len).float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("thd,lhd->htl", q[q_lo:q_hi].float(), k) * sm_scale
+        q_pos = torch.arange(seq_len - ext, seq_len, device=q.device)
+        kv_pos = torch.arange(seq_len, device=q.device)
+        scores = scores.masked_fill(kv_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        out[q_lo:q_hi] = torch.einsum("htl,lhd->thd", torch.softmax(scores, -1), v).to(q.dtype)
+    return out
+
+
+def extend_attention(
+    q, k_cache, v_cache, page_table, qo_indptr, seq_lens, sm_scale,
+    max_extend_len: Optional[int] = None, out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Triton. max_extend_len (the longest extend in the batch) sizes the grid;
+    the engine knows it on the host, and without it this reads qo_indptr back
+    (one device sync)."""
+    _check(q, k_cache, v_cache, page_table, qo_indptr, seq_lens)
+    from kernels.triton_extend_attention import launch_extend_attention
+
+    if max_extend_len is None:
+        max_extend_len = int((qo_indptr[1:] - qo_indptr[:-1]).max().item()) if seq_lens.numel() else 0
+    return launch_extend_attention(q, k_cache, v_cache, page_table, qo_indptr, seq_lens, sm_scale, max_extend_len, out)

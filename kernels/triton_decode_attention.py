@@ -1,0 +1,183 @@
+"""Triton kernels behind kernels.decode_attention (imported lazily: needs triton).
+
+Stage 1, grid (B, H_kv * head_blocks, splits): one program reads one split of
+one sequence's KV for one kv head once and serves all the q heads of its group
+(rows of a tl.dot), keeping an online softmax; it writes its partial output and
+log-sum-exp (base 2). Stage 2, grid (B, H_q): weights the splits by their lse.
+Each sequence divides its own length over the splits on the device, so the
+grid is fixed for a given B and split count (CUDA graphs).
+"""
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.paged_kv import next_power_of_2
+
+_LOG2E = 1.4426950408889634
+_BLOCK_N = 64  # kv tokens per inner step
+_MIN_TOKENS_PER_SPLIT = 128
+_MAX_SPLITS = 32
+
+
+@triton.jit
+def _decode_stage1(
+    q, k_cache, v_cache, page_table, seq_lens, mid_o, mid_lse, qk_scale_log2,
+    stride_q_b, stride_q_h,
+    stride_k_page, stride_k_head, stride_k_off,
+    stride_v_page, stride_v_head, stride_v_off,
+    stride_pt_b,
+    stride_mo_b, stride_mo_h, stride_mo_s,
+    stride_ml_b, stride_ml_h,
+    GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1) // HEAD_BLOCKS
+    head_block = tl.program_id(1) % HEAD_BLOCKS
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens + b)
+    # split length rounded up to whole BLOCK_N steps keeps loads aligned
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    local = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = local < GROUP
+    heads = kv_head * GROUP + local
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+
+    if start < end:
+        qv = tl.load(
+            q + b.to(tl.int64) * stride_q_b + heads[:, None] * stride_q_h + d[None, :],
+            mask=head_ok[:, None] & d_ok[None, :], other=0.0,
+        )
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        pt_row = page_table + b.to(tl.int64) * stride_pt_b
+        k_base = k_cache + kv_head.to(tl.int64) * stride_k_head
+        v_base = v_cache + kv_head.to(tl.int64) * stride_v_head
+        for n0 in range(start, end, BLOCK_N):
+            pos = n0 + tl.arange(0, BLOCK_N)
+            pos_ok = pos < end
+            page = tl.load(pt_row + pos // PAGE_SIZE, mask=pos_ok, other=0).to(tl.int64)
+            off = pos % PAGE_SIZE
+            kv_mask = pos_ok[:, None] & d_ok[None, :]
+            kt = tl.load(
+                k_base + page[:, None] * stride_k_page + off[:, None] * stride_k_off + d[None, :],
+                mask=kv_mask, other=0.0,
+            )
+            s = tl.dot(qv, tl.trans(kt), input_precision=DOT_PRECISION) * qk_scale_log2
+            s = tl.where(pos_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            vt = tl.load(
+                v_base + page[:, None] * stride_v_page + off[:, None] * stride_v_off + d[None, :],
+                mask=kv_mask, other=0.0,
+            )
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PRECISION)
+            m_i = m_new
+        mo = mid_o + b.to(tl.int64) * stride_mo_b + heads[:, None] * stride_mo_h + split * stride_mo_s + d[None, :]
+        tl.store(mo, acc / l_i[:, None], mask=head_ok[:, None] & d_ok[None, :])
+        ml = mid_lse + b.to(tl.int64) * stride_ml_b + heads * stride_ml_h + split
+        tl.store(ml, m_i + tl.log2(l_i), mask=head_ok)
+
+
+@triton.jit
+def _decode_stage2(
+    mid_o, mid_lse, seq_lens, o,
+    stride_mo_b, stride_mo_h, stride_mo_s,
+    stride_ml_b, stride_ml_h,
+    stride_o_b, stride_o_h,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_len = tl.load(seq_lens + b)
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    s = tl.arange(0, BLOCK_S)
+    # stage 1 wrote only the splits that hold tokens; never read the others
+    s_ok = (s < NUM_SPLITS) & (s * split_len < seq_len)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    lse = tl.load(mid_lse + b.to(tl.int64) * stride_ml_b + h * stride_ml_h + s, mask=s_ok, other=float("-inf"))
+    part = tl.load(
+        mid_o + b.to(tl.int64) * stride_mo_b + h * stride_mo_h + s[:, None] * stride_mo_s + d[None, :],
+        mask=s_ok[:, None] & d_ok[None, :], other=0.0,
+    )
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # seq_len 0: every weight is 0
+    w = tl.exp2(lse - m)
+    total = tl.maximum(tl.sum(w, 0), 1e-30)
+    out = tl.sum(part * w[:, None], 0) / total
+    tl.store(o + b.to(tl.int64) * stride_o_b + h * stride_o_h + d, out.to(o.dtype.element_ty), mask=d_ok)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8  # interpreter: any small number keeps the grids small
+
+
+def choose_num_kv_splits(batch: int, kv_programs_per_seq: int, kv_capacity: int, num_sms: int) -> int:
+    """Enough splits to give every SM about two programs, but never splits
+    shorter than _MIN_TOKENS_PER_SPLIT of the page table's capacity."""
+    wanted = triton.cdiv(2 * num_sms, max(1, batch * kv_programs_per_seq))
+    by_length = triton.cdiv(kv_capacity, _MIN_TOKENS_PER_SPLIT)
+    return max(1, min(wanted, by_length, _MAX_SPLITS))
+
+
+def launch_decode_attention(
+    q, k_cache, v_cache, page_table, seq_lens, sm_scale,
+    num_kv_splits: Optional[int] = None, out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    block_h = min(max(16, next_power_of_2(group)), 64)  # tl.dot needs >= 16 rows
+    head_blocks = triton.cdiv(group, block_h)
+    if num_kv_splits is None:
+        num_kv_splits = choose_num_kv_splits(
+            batch, num_kv_heads * head_blocks, page_table.shape[1] * page_size, _num_sms(q.device)
+        )
+    o = torch.empty_like(q) if out is None else out
+    if batch == 0:
+        return o
+    mid_o = torch.empty((batch, num_q_heads, num_kv_splits, head_dim), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((batch, num_q_heads, num_kv_splits), dtype=torch.float32, device=q.device)
+    block_d = next_power_of_2(head_dim)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    _decode_stage1[(batch, num_kv_heads * head_blocks, num_kv_splits)](
+        q, k_cache, v_cache, page_table, seq_lens, mid_o, mid_lse, sm_scale * _LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        page_table.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim,
+        BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_N=_BLOCK_N,
+        NUM_SPLITS=num_kv_splits, PAGE_SIZE=page_size, DOT_PRECISION=precision,
+        num_warps=4, num_stages=2,
+    )
+    _decode_stage2[(batch, num_q_heads)](
+        mid_o, mid_lse, seq_lens, o,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        o.stride(0), o.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=_BLOCK_N,
+        NUM_SPLITS=num_kv_splits, BLOCK_S=max(2, next_power_of_2(num_kv_splits)),
+        num_warps=4,
+    )
+    return o

@@ -1,0 +1,130 @@
+"""Triton kernel behind kernels.extend_attention (imported lazily: needs triton).
+
+Grid (query blocks, H_q, B). A program holds BLOCK_M queries of one sequence
+and one head and streams that sequence's paged KV in BLOCK_N steps with an
+online softmax: first the kv positions every query of the block may see (no
+mask), then the diagonal steps under the causal mask.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.paged_kv import next_power_of_2
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _extend_kernel(
+    q, k_cache, v_cache, page_table, qo_indptr, seq_lens, o, qk_scale_log2,
+    stride_q_t, stride_q_h,
+    stride_k_page, stride_k_head, stride_k_off,
+    stride_v_page, stride_v_head, stride_v_off,
+    stride_pt_b, stride_o_t, stride_o_h,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    m_block = tl.program_id(0)
+    head = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start = tl.load(qo_indptr + b)
+    ext_len = tl.load(qo_indptr + b + 1) - q_start
+    if m_block * BLOCK_M < ext_len:
+        seq_len = tl.load(seq_lens + b)
+        prefix_len = seq_len - ext_len
+        kv_head = head // GROUP
+
+        m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_ok = m < ext_len
+        q_pos = prefix_len + m
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < HEAD_DIM
+        tok = (q_start + m).to(tl.int64)
+        qv = tl.load(q + tok[:, None] * stride_q_t + head * stride_q_h + d[None, :],
+                     mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        pt_row = page_table + b.to(tl.int64) * stride_pt_b
+        k_base = k_cache + kv_head.to(tl.int64) * stride_k_head
+        v_base = v_cache + kv_head.to(tl.int64) * stride_v_head
+
+        first_q_pos = prefix_len + m_block * BLOCK_M
+        last_q_pos = prefix_len + tl.minimum(m_block * BLOCK_M + BLOCK_M, ext_len) - 1
+        full_end = (first_q_pos // BLOCK_N) * BLOCK_N  # steps below every query of the block
+        # unmasked steps: every kv position < first_q_pos <= seq_len
+        for n0 in range(0, full_end, BLOCK_N):
+            pos = n0 + tl.arange(0, BLOCK_N)
+            page = tl.load(pt_row + pos // PAGE_SIZE).to(tl.int64)
+            off = pos % PAGE_SIZE
+            kt = tl.load(k_base + page[:, None] * stride_k_page + off[:, None] * stride_k_off + d[None, :],
+                         mask=d_ok[None, :], other=0.0)
+            s = tl.dot(qv, tl.trans(kt), input_precision=DOT_PRECISION) * qk_scale_log2
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            vt = tl.load(v_base + page[:, None] * stride_v_page + off[:, None] * stride_v_off + d[None, :],
+                         mask=d_ok[None, :], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PRECISION)
+            m_i = m_new
+        # diagonal steps: causal mask, and nothing read at or past last_q_pos + 1
+        for n0 in range(full_end, last_q_pos + 1, BLOCK_N):
+            pos = n0 + tl.arange(0, BLOCK_N)
+            pos_ok = pos <= last_q_pos
+            page = tl.load(pt_row + pos // PAGE_SIZE, mask=pos_ok, other=0).to(tl.int64)
+            off = pos % PAGE_SIZE
+            kv_mask = pos_ok[:, None] & d_ok[None, :]
+            kt = tl.load(k_base + page[:, None] * stride_k_page + off[:, None] * stride_k_off + d[None, :],
+                         mask=kv_mask, other=0.0)
+            s = tl.dot(qv, tl.trans(kt), input_precision=DOT_PRECISION) * qk_scale_log2
+            # rows past ext_len keep their own (unused) diagonal so they never go all -inf
+            s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            vt = tl.load(v_base + page[:, None] * stride_v_page + off[:, None] * stride_v_off + d[None, :],
+                         mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PRECISION)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(o + tok[:, None] * stride_o_t + head * stride_o_h + d[None, :],
+                 out.to(o.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+
+
+def _block_sizes(head_dim: int, device: torch.device):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+    if device.type != "cuda":
+        return 16, 16, 4, 1  # interpreter: small tiles run fastest
+    if head_dim <= 64:
+        return 128, 64, 4, 3
+    return 128, 64, 8, 3
+
+
+def launch_extend_attention(q, k_cache, v_cache, page_table, qo_indptr, seq_lens, sm_scale, max_extend_len: int, out=None):
+    num_tokens, num_q_heads, head_dim = q.shape
+    batch = seq_lens.shape[0]
+    num_kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    o = torch.empty_like(q) if out is None else out
+    if num_tokens == 0 or batch == 0 or max_extend_len == 0:
+        return o
+    block_m, block_n, num_warps, num_stages = _block_sizes(head_dim, q.device)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    grid = (triton.cdiv(max_extend_len, block_m), num_q_heads, batch)
+    _extend_kernel[grid](
+        q, k_cache, v_cache, page_table, qo_indptr, seq_lens, o, sm_scale * _LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        page_table.stride(0), o.stride(0), o.stride(1),
+        GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
+        BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size, DOT_PRECISION=precision,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return o
