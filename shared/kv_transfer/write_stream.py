@@ -1,0 +1,95 @@
+"""One reservation's writes from one prefill rank, then its completion notice.
+
+Prefill posts a write for each run of pages as chunks finish (so the transfer hides
+behind compute), then `finish(notice)`. The notice is sent only after every write
+reported DONE (NIXL flushes each transfer, so DONE means the data is at the peer),
+so decode never sees the notice before the last byte. If any write fails the
+stream is FAILED and the caller frees its pages; decode recomputes or fails after
+its own deadline.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from shared.kv_transfer.agent import DONE, FAILED, PENDING, KvTransferAgent, Peer, TransferError, WriteHandle
+from shared.kv_transfer.notice import TransferNotice
+
+
+class PageWriteStream:
+    def __init__(self, agent: KvTransferAgent, peer: Peer, dst_page_ids: Sequence[int]):
+        """dst_page_ids: the reservation's pages on the peer rank, in prompt order."""
+        self.agent = agent
+        self.peer = peer
+        self.dst_page_ids = list(dst_page_ids)
+        self._handles: list[WriteHandle] = []
+        self._written = [False] * len(self.dst_page_ids)
+        self._notice: TransferNotice | None = None
+        self.state = PENDING
+        self.error = ""
+
+    def write(self, first_page_index: int, src_page_ids: Sequence[int]) -> None:
+        """Write local pages into reservation slots first_page_index, first_page_index+1, ..."""
+        if self.state != PENDING or self._notice is not None:
+            raise TransferError(f"stream is {self.state}{' and finished' if self._notice else ''}")
+        end = first_page_index + len(src_page_ids)
+        if first_page_index < 0 or end > len(self.dst_page_ids):
+            raise TransferError(f"pages [{first_page_index}, {end}) outside a reservation of "
+                                f"{len(self.dst_page_ids)} pages")
+        try:
+            handle = self.agent.write_pages(self.peer, src_page_ids, self.dst_page_ids[first_page_index:end])
+        except TransferError as exc:
+            self._set_failed(str(exc))
+            raise
+        self._handles.append(handle)
+        for i in range(first_page_index, end):
+            self._written[i] = True
+
+    def finish(self, notice: TransferNotice) -> None:
+        """No more writes; send `notice` once all writes have landed (see poll())."""
+        self._notice = notice
+        self.poll()
+
+    def abort(self, notice: TransferNotice) -> None:
+        """Stop writing; once no write is in flight any more, tell the peer (kind="abort")
+        so it can reuse the pages at once instead of waiting for its deadline."""
+        self._notice = TransferNotice(**{**notice.__dict__, "kind": "abort"})
+        if self.state == FAILED:  # failed writes are no longer in flight: the abort can go out
+            self.state = PENDING
+        self.poll()
+
+    def poll(self) -> str:
+        """Advance: PENDING, DONE (all writes landed and notice sent) or FAILED. Non-blocking."""
+        if self.state != PENDING:
+            return self.state
+        aborting = self._notice is not None and self._notice.kind == "abort"
+        for handle in self._handles:
+            if self.agent.poll(handle) == FAILED and not aborting:
+                self._set_failed(handle.error or "write failed")
+                return self.state
+        if self._notice is None or any(h.state == PENDING for h in self._handles):
+            return self.state
+        notice = self._notice
+        if notice.kv_bytes == 0 and self.bytes_sent:
+            notice = TransferNotice(**{**notice.__dict__, "kv_bytes": self.bytes_sent})
+        try:
+            self.agent.send_notif(self.peer, notice.encode())
+        except TransferError as exc:
+            self._set_failed(str(exc))
+            return self.state
+        self.state = DONE
+        return self.state
+
+    def _set_failed(self, reason: str) -> None:
+        self.state, self.error = FAILED, reason
+
+    @property
+    def pages_written(self) -> int:
+        return sum(self._written)
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(h.num_bytes for h in self._handles if h.state == DONE)
+
+    @property
+    def num_descriptors(self) -> int:
+        return sum(h.num_descriptors for h in self._handles)
