@@ -26,19 +26,20 @@ def _check(q, k_cache, v_cache, page_table, seq_lens) -> PagedCacheShape:
 
 
 def decode_attention_reference(q, k_cache, v_cache, page_table, seq_lens, sm_scale) -> torch.Tensor:
-    """Plain torch, float32 math, one sequence at a time (CPU or GPU).
+    """Plain torch, float32 math (float64 for float64 inputs), one sequence at a time (CPU or GPU).
     A sequence with seq_len 0 (a padded batch slot) gets zeros."""
     shape = _check(q, k_cache, v_cache, page_table, seq_lens)
     group = q.shape[1] // shape.num_kv_heads
+    acc = torch.promote_types(q.dtype, torch.float32)  # float32, or float64 for float64 inputs
     out = torch.zeros_like(q)
     for b, length in enumerate(seq_lens.tolist()):
         if length == 0:
             continue
-        k = gather_dense_kv(k_cache, page_table[b], length).float()  # [L, H_kv, D]
-        v = gather_dense_kv(v_cache, page_table[b], length).float()
+        k = gather_dense_kv(k_cache, page_table[b], length).to(acc)  # [L, H_kv, D]
+        v = gather_dense_kv(v_cache, page_table[b], length).to(acc)
         k = k.repeat_interleave(group, dim=1)  # [L, H_q, D]
         v = v.repeat_interleave(group, dim=1)
-        scores = torch.einsum("hd,lhd->hl", q[b].float(), k) * sm_scale
+        scores = torch.einsum("hd,lhd->hl", q[b].to(acc), k) * sm_scale
         probs = torch.softmax(scores, dim=-1)
         out[b] = torch.einsum("hl,lhd->hd", probs, v).to(q.dtype)
     return out

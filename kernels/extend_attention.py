@@ -26,9 +26,10 @@ def _check(q, k_cache, v_cache, page_table, qo_indptr, seq_lens) -> PagedCacheSh
 
 
 def extend_attention_reference(q, k_cache, v_cache, page_table, qo_indptr, seq_lens, sm_scale) -> torch.Tensor:
-    """Plain torch, float32 math, one sequence at a time (CPU or GPU)."""
+    """Plain torch, float32 math (float64 for float64 inputs), one sequence at a time (CPU or GPU)."""
     shape = _check(q, k_cache, v_cache, page_table, qo_indptr, seq_lens)
     group = q.shape[1] // shape.num_kv_heads
+    acc = torch.promote_types(q.dtype, torch.float32)  # float32, or float64 for float64 inputs
     out = torch.empty_like(q)
     starts, lens = qo_indptr.tolist(), seq_lens.tolist()
     for b, seq_len in enumerate(lens):
@@ -36,9 +37,9 @@ def extend_attention_reference(q, k_cache, v_cache, page_table, qo_indptr, seq_l
         ext = q_hi - q_lo
         if ext == 0:
             continue
-        k = gather_dense_kv(k_cache, page_table[b], seq_len).float().repeat_interleave(group, dim=1)
-        v = gather_dense_kv(v_cache, page_table[b], seq_len).float().repeat_interleave(group, dim=1)
-        scores = torch.einsum("thd,lhd->htl", q[q_lo:q_hi].float(), k) * sm_scale
+        k = gather_dense_kv(k_cache, page_table[b], seq_len).to(acc).repeat_interleave(group, dim=1)
+        v = gather_dense_kv(v_cache, page_table[b], seq_len).to(acc).repeat_interleave(group, dim=1)
+        scores = torch.einsum("thd,lhd->htl", q[q_lo:q_hi].to(acc), k) * sm_scale
         q_pos = torch.arange(seq_len - ext, seq_len, device=q.device)
         kv_pos = torch.arange(seq_len, device=q.device)
         scores = scores.masked_fill(kv_pos[None, None, :] > q_pos[None, :, None], float("-inf"))

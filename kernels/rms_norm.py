@@ -18,12 +18,13 @@ def _check(x, weight, residual):
 
 def rms_norm_reference(x, weight, eps: float, residual: Optional[torch.Tensor] = None):
     _check(x, weight, residual)
+    acc = torch.promote_types(x.dtype, torch.float32)  # float32, or float64 for float64 inputs
     h = x
     if residual is not None:
-        h = (x.float() + residual.float()).to(x.dtype)
-    hf = h.float()
+        h = (x.to(acc) + residual.to(acc)).to(x.dtype)
+    hf = h.to(acc)
     normed = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
-    out = (normed * weight.float()).to(x.dtype)
+    out = (normed * weight.to(acc)).to(x.dtype)
     return out if residual is None else (out, h)
 
 

@@ -30,7 +30,7 @@ def _check(positions, q, k, cos_sin_cache):
 
 
 def _rotate_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
-    """x [T, H, D] float32; cos/sin [T, 1, D/2]."""
+    """x [T, H, D] in the math dtype; cos/sin [T, 1, D/2]."""
     if is_neox:
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
@@ -40,10 +40,11 @@ def _rotate_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_
 
 def rotary_embedding_reference(positions, q, k, cos_sin_cache, is_neox: bool = True):
     head_dim = _check(positions, q, k, cos_sin_cache)
-    cos, sin = cos_sin_cache[positions.long()].float().unsqueeze(1).chunk(2, dim=-1)
+    acc = torch.promote_types(q.dtype, torch.float32)  # float32, or float64 for float64 inputs
+    cos, sin = cos_sin_cache[positions.long()].to(acc).unsqueeze(1).chunk(2, dim=-1)
     for x in (q, k):
         xh = _as_heads(x, head_dim)
-        xh.copy_(_rotate_reference(xh.float(), cos, sin, is_neox).to(x.dtype))
+        xh.copy_(_rotate_reference(xh.to(acc), cos, sin, is_neox).to(x.dtype))
     return q, k
 
 

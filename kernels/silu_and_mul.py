@@ -10,7 +10,8 @@ def _check(x):
 
 def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
     _check(x)
-    gate, up = x.float().chunk(2, dim=-1)
+    acc = torch.promote_types(x.dtype, torch.float32)  # float32, or float64 for float64 inputs
+    gate, up = x.to(acc).chunk(2, dim=-1)
     return (torch.nn.functional.silu(gate) * up).to(x.dtype)
 
 

@@ -21,8 +21,9 @@ def _store_kv_kernel(
     off = slot % PAGE_SIZE
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
-    # slot < 0 marks a padding token: write nothing
-    mask = (h < num_heads)[:, None] & (d < head_dim)[None, :] & (slot >= 0)
+    # slot < 0 marks a padding token: no heads, so nothing is read or written
+    live_heads = tl.where(slot >= 0, num_heads, 0)
+    mask = (h < live_heads)[:, None] & (d < head_dim)[None, :]
     kv_k = tl.load(k + tok * stride_k_tok + h[:, None] * stride_k_head + d[None, :], mask=mask)
     kv_v = tl.load(v + tok * stride_v_tok + h[:, None] * stride_v_head + d[None, :], mask=mask)
     dst_k = k_cache + page * stride_kc_page + off * stride_kc_off + h[:, None] * stride_kc_head + d[None, :]
