@@ -1,0 +1,27 @@
+"""What every attention backend needs to know about one forward step."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    is_decode: bool  # every sequence adds one token
+    page_size: int
+    # per sequence [B]
+    seq_lens: torch.Tensor  # int32: KV length after this step (prefix + new)
+    extend_lens: torch.Tensor  # int32: new tokens this step
+    qo_indptr: torch.Tensor  # int32 [B+1]: offsets of each sequence's new tokens
+    page_table: torch.Tensor  # int32 [B, max_pages], padded with the padding page
+    # per new token [T]
+    slot_mapping: torch.Tensor  # int64: page * page_size + offset where its K/V goes
+    # host copies for backends that loop on the CPU
+    seq_lens_host: list[int]
+    extend_lens_host: list[int]
+    num_pages_host: list[int]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_host)

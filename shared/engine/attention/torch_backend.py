@@ -1,0 +1,58 @@
+"""Plain-torch attention over the paged pool (the CPU path and the reference).
+
+Decode steps gather every sequence's pages at once and run one masked SDPA over the padded
+batch; extend steps loop over sequences with a causal mask offset by the cached prefix."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .base import AttentionBackend
+from .metadata import AttentionMetadata
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def forward(self, q, k, v, layer, meta: AttentionMetadata, scale):
+        kc, vc = self.pool.k_cache(layer), self.pool.v_cache(layer)
+        ps = meta.page_size
+        pages, offs = meta.slot_mapping // ps, meta.slot_mapping % ps
+        kc[pages, :, offs] = k
+        vc[pages, :, offs] = v
+        if meta.is_decode:
+            return self._decode(q, kc, vc, meta, scale)
+        return self._extend(q, kc, vc, meta, scale)
+
+    @staticmethod
+    def _gather(cache, pages):
+        """[B, P] page ids -> [B, H, P*ps, D] contiguous K or V."""
+        g = cache[pages]  # [B, P, H, ps, D]
+        b, p, h, ps, d = g.shape
+        return g.permute(0, 2, 1, 3, 4).reshape(b, h, p * ps, d)
+
+    def _decode(self, q, kc, vc, meta, scale):
+        table = meta.page_table.long()
+        kb, vb = self._gather(kc, table), self._gather(vc, table)
+        mask = torch.arange(kb.shape[2], device=q.device)[None, :] < meta.seq_lens[:, None]
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), kb, vb, attn_mask=mask[:, None, None, :],
+                                           scale=scale, enable_gqa=True)
+        return o.squeeze(2)
+
+    def _extend(self, q, kc, vc, meta, scale):
+        out = torch.empty_like(q)
+        start = 0
+        for b, (seq_len, ext) in enumerate(zip(meta.seq_lens_host, meta.extend_lens_host)):
+            n = meta.num_pages_host[b]
+            idx = meta.page_table[b:b + 1, :n].long()
+            kb = self._gather(kc, idx)[0, :, :seq_len]
+            vb = self._gather(vc, idx)[0, :, :seq_len]
+            qb = q[start:start + ext].transpose(0, 1)  # [Hq, ext, D]
+            mask = None
+            if ext > 1:
+                qpos = torch.arange(ext, device=q.device)[:, None] + (seq_len - ext)
+                mask = torch.arange(seq_len, device=q.device)[None, :] <= qpos
+            ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale, enable_gqa=True)
+            out[start:start + ext] = ob.transpose(0, 1)
+            start += ext
+        return out

@@ -1,0 +1,49 @@
+"""Engine settings: one dataclass, filled by the offline API, the CLI and the workers."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .parallel import TPContext
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "float64": torch.float64}
+CPU_DEFAULT_KV_BYTES = 1 << 30  # absolute on CPU: several workers share one small machine
+
+
+@dataclass
+class EngineConfig:
+    model_dir: str | None = None  # None: the embedded default model
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (| float64 for tests)
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    page_size: int = 16
+    kv_cache_memory: int | None = None  # bytes; None: CPU default or GPU fraction
+    mem_fraction: float = 0.85  # GPU: share of total memory for weights + KV (+ graphs)
+    max_num_batched_tokens: int | None = None  # per-step token budget (chunked prefill)
+    max_running_requests: int = 256
+    max_model_len: int | None = None
+    enable_prefix_cache: bool = True
+    attention_backend: str = "auto"  # auto | torch | triton | flashinfer
+    cuda_graph: bool = True
+    cuda_graph_max_bs: int = 256
+    overlap_schedule: bool = False
+    num_threads: int | None = None  # torch intra-op threads on CPU
+    tp: TPContext = field(default_factory=TPContext)
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose auto, float32, bfloat16 or float16")
+        return DTYPES[self.dtype]
+
+    def resolve_batched_tokens(self, device: torch.device) -> int:
+        if self.max_num_batched_tokens:
+            return self.max_num_batched_tokens
+        return 8192 if device.type == "cuda" else 1024

@@ -1,0 +1,284 @@
+"""The engine: requests in, tokens out, one `step()` at a time.
+
+Single-threaded by design: the worker processes call it from one loop thread and feed it
+through a queue. Prefill and decode workers use the same class: `prefill_only` requests
+stop after their first token and hold their pages for the KV transfer; reservations and
+`add_prefilled` let a decode worker receive KV computed elsewhere."""
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from .attention.select import make_attention_backend
+from .config import CPU_DEFAULT_KV_BYTES, EngineConfig
+from .kv_manager import KVManager
+from .kv_pool import KVLayout, KVPool
+from .model_config import ModelConfig
+from .model_runner import ModelRunner
+from .models.loader import load_model
+from .outputs import StepOutput
+from .request import Req, ReqStatus
+from .sampler import SampleRow, sample
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+
+log = logging.getLogger("duet.engine")
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prefill_tokens_computed: int = 0  # prompt tokens whose KV this engine computed
+    decode_tokens_computed: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    requests_finished: int = 0
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, **overrides):
+        config = config or EngineConfig()
+        for k, v in overrides.items():
+            if not hasattr(config, k):
+                raise TypeError(f"unknown engine option {k!r}")
+            setattr(config, k, v)
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        from .default_model import resolve_model_dir
+        self.model_dir = resolve_model_dir(config.model_dir)
+        self.model_config = mc = ModelConfig.from_dir(self.model_dir)
+        self.device = config.resolve_device()
+        self.dtype = config.resolve_dtype(self.device)
+        self.tp = config.tp
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        t0 = time.monotonic()
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.model = load_model(mc, self.tp, self.dtype, self.device, self.max_model_len)
+        self.layout = self._size_kv()
+        self.pool = KVPool(self.layout, self.device)
+        self.backend = make_attention_backend(config.attention_backend, self.pool, self.device)
+        self.kv = KVManager(self.layout.num_pages, self.layout.page_size, config.enable_prefix_cache)
+        self.scheduler = Scheduler(self.kv, config.resolve_batched_tokens(self.device), config.max_running_requests)
+        self.runner = ModelRunner(self.model, self.pool, self.backend, self.device)
+        if self.device.type == "cuda" and config.cuda_graph and self.backend.supports_cuda_graph:
+            from .cuda_graph import CudaGraphRunner
+            self.runner.graphs = CudaGraphRunner(self.model, self.backend, self.pool, self.device,
+                                                 max_bs=min(config.cuda_graph_max_bs, config.max_running_requests),
+                                                 max_pages=-(-self.max_model_len // self.layout.page_size))
+        self.requests: dict[str, Req] = {}
+        self.stats = EngineStats()
+        self._tokenizer = None
+        log.info("engine ready in %.1fs: %s %s on %s, %s, KV %d pages x %d tokens (%.0f MiB), backend %s",
+                 time.monotonic() - t0, mc.architecture, str(self.dtype).removeprefix("torch."),
+                 self.device, f"tp {self.tp.rank}/{self.tp.size}", self.layout.num_pages, self.layout.page_size,
+                 self.layout.num_pages * self.layout.bytes_per_page / 2**20, self.backend.name)
+
+    # -- sizing -------------------------------------------------------------------------
+    def _size_kv(self) -> KVLayout:
+        mc, cfg = self.model_config, self.config
+        kw = dict(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads // self.tp.size,
+                  page_size=cfg.page_size, head_dim=mc.head_dim, dtype=self.dtype)
+        if cfg.kv_cache_memory:
+            budget = cfg.kv_cache_memory
+        elif self.device.type == "cpu":
+            budget = CPU_DEFAULT_KV_BYTES
+        else:
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            budget = int(total * cfg.mem_fraction) - used - (1 << 30)  # 1 GiB for activations/graphs
+            if budget <= 0:
+                raise MemoryError(f"no GPU memory left for the KV cache at mem_fraction={cfg.mem_fraction}")
+        return KVLayout.pages_for_budget(budget, **kw)
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        return self._tokenizer
+
+    # -- requests -----------------------------------------------------------------------
+    def _make_req(self, prompt_ids, params: SamplingParams, rid, prefill_only) -> Req:
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        room = self.max_model_len - len(prompt_ids)
+        if room < 1:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the model's context length is "
+                             f"{self.max_model_len}")
+        max_new = room if params.max_tokens is None else params.max_tokens
+        if max_new > room:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_new}) exceeds the "
+                             f"model's context length ({self.max_model_len})")
+        if self.kv.pages_for(len(prompt_ids) + max_new) > self.kv.capacity:
+            raise ValueError(f"request needs {len(prompt_ids) + max_new} tokens of KV; this worker "
+                             f"holds {self.kv.capacity * self.layout.page_size}")
+        rid = rid or uuid.uuid4().hex
+        if rid in self.requests:
+            raise ValueError(f"duplicate request id {rid}")
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
+        return Req(rid=rid, prompt_ids=list(prompt_ids), params=params, max_new_tokens=max_new,
+                   seed=seed, prefill_only=prefill_only)
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
+                    rid: str | None = None, prefill_only: bool = False) -> str:
+        req = self._make_req(prompt_ids, params or SamplingParams(), rid, prefill_only)
+        self.requests[req.rid] = req
+        self.scheduler.add(req)
+        return req.rid
+
+    def reserve(self, reservation_id: str, num_tokens: int) -> list[int] | None:
+        """Decode side: set pages aside for a prompt whose KV another worker will write."""
+        return self.kv.reserve(reservation_id, num_tokens)
+
+    def cancel_reservation(self, reservation_id: str) -> bool:
+        return self.kv.cancel_reservation(reservation_id)
+
+    def add_prefilled(self, reservation_id: str, prompt_ids: list[int], first_token: int,
+                      params: SamplingParams, seed: int | None, rid: str | None = None) -> str:
+        """Decode side: join a request whose prompt KV landed in the reserved pages."""
+        if seed is not None:
+            params.seed = seed
+        req = self._make_req(prompt_ids, params, rid, False)
+        req.page_ids = self.kv.take_reservation(reservation_id)
+        req.token_ids.append(first_token)
+        req.num_computed = len(prompt_ids)
+        self.requests[req.rid] = req
+        if self._check_finished(req, first_token):
+            self._finish(req)
+        else:
+            self.scheduler.add_running(req)
+        return req.rid
+
+    def release_held(self, rid: str) -> None:
+        """Prefill side: the KV transfer of a held request is done (or failed); free or
+        cache its pages."""
+        req = self.requests.pop(rid, None)
+        if req is not None and req.status is ReqStatus.HELD:
+            self.kv.release(req, cache=True)
+            req.status = ReqStatus.FINISHED
+
+    def abort(self, rid: str) -> StepOutput | None:
+        req = self.requests.get(rid)
+        if req is None:
+            return None
+        if req.status is ReqStatus.HELD:
+            self.release_held(rid)
+            return None
+        self.scheduler.remove(req)
+        req.finish_reason = "abort"
+        self._finish(req)
+        return StepOutput(rid, [], finished=True, finish_reason="abort")
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def get(self, rid: str) -> Req | None:
+        return self.requests.get(rid)
+
+    # -- the step -------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.items:
+            return []
+        logits = self.runner.forward(batch)
+        self.stats.steps += 1
+        outs: list[StepOutput] = []
+        sampling = [it for it in batch.items if it.samples]
+        for it in batch.items:
+            it.req.num_computed = it.end
+            if it.req.num_output == 0 or it.req.prefill_only:
+                self.stats.prefill_tokens_computed += it.length
+            else:
+                self.stats.decode_tokens_computed += it.length
+        if sampling:
+            rows = [self._sample_row(it.req) for it in sampling]
+            res = sample(logits, rows)
+            for i, it in enumerate(sampling):
+                outs.append(self._append(it.req, res.token_ids[i],
+                                         res.logprobs[i] if res.logprobs else None,
+                                         res.top_logprobs[i] if res.top_logprobs else None))
+        return outs
+
+    def _sample_row(self, req: Req) -> SampleRow:
+        suppress = []
+        if req.num_output < req.params.min_tokens:
+            suppress = self.model_config.eos_token_ids + req.params.stop_token_ids
+        return SampleRow(params=req.params, seed=req.seed, position=len(req.token_ids),
+                         prompt_ids=req.prompt_ids, output_ids=req.output_ids, suppress_ids=suppress)
+
+    def _append(self, req: Req, token: int, lp, top) -> StepOutput:
+        first = req.num_output == 0
+        if first:
+            self.stats.cached_tokens += req.num_cached_tokens
+        req.token_ids.append(token)
+        out = StepOutput(req.rid, [token], [lp], [top or []], num_prompt_tokens=req.num_prompt,
+                         num_cached_tokens=req.num_cached_tokens)
+        if self._check_finished(req, token):
+            self.scheduler.remove(req)
+            self._finish(req)
+            out.finished, out.finish_reason, out.stop_reason = True, req.finish_reason, req.stop_reason
+        elif req.prefill_only and first:
+            self.scheduler.remove(req)
+            req.status = ReqStatus.HELD
+            out.prefill_done = True
+        if req.params.stop:
+            out.text = req.output_text
+        return out
+
+    def _check_finished(self, req: Req, token: int) -> bool:
+        p = req.params
+        if req.num_output >= p.min_tokens:
+            if not p.ignore_eos and token in self.model_config.eos_token_ids:
+                req.finish_reason, req.stop_reason = "stop", None
+                return True
+            if token in p.stop_token_ids:
+                req.finish_reason, req.stop_reason = "stop", token
+                return True
+        if p.stop:
+            text = self.tokenizer.decode(req.output_ids, skip_special_tokens=p.skip_special_tokens)
+            hit = _find_stop(text, p.stop, len(req.output_text))
+            if hit is not None and req.num_output >= p.min_tokens:
+                idx, s = hit
+                req.output_text = text[:idx]
+                req.finish_reason, req.stop_reason = "stop", s
+                return True
+            req.output_text = text
+        if req.num_output >= req.max_new_tokens:
+            req.finish_reason = "length"
+            return True
+        return False
+
+    def _finish(self, req: Req) -> None:
+        self.kv.release(req, cache=req.finish_reason != "abort" or req.num_computed > 0)
+        req.status = ReqStatus.FINISHED
+        self.requests.pop(req.rid, None)
+        self.stats.requests_finished += 1
+
+    # -- accounting -----------------------------------------------------------------------
+    @property
+    def kv_usage(self) -> float:
+        return self.kv.usage_ratio
+
+    def check_idle(self) -> None:
+        assert not self.scheduler.has_work and not self.requests, "engine still has requests"
+        self.kv.check_idle()
+
+
+def _find_stop(text: str, stops: list[str], prev_len: int) -> tuple[int, str] | None:
+    """Earliest stop string that ends in the newly added text."""
+    best = None
+    for s in stops:
+        i = text.find(s, max(0, prev_len - len(s) + 1))
+        if i != -1 and (best is None or i < best[0]):
+            best = (i, s)
+    return best

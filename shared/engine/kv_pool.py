@@ -1,0 +1,102 @@
+"""The paged KV cache: one tensor, page-major, so a request's pages move as few large blocks.
+
+Layout: [num_pages, num_layers, 2, kv_heads, page_size, head_dim]. Page i is one contiguous
+byte range holding K and V of every layer for page_size tokens, so a run of consecutive
+page ids is one transfer descriptor. Page 0 is kept back as a padding page (page-table
+padding and CUDA-graph dummy rows write there), never handed out."""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import torch
+
+PADDING_PAGE = 0
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    num_pages: int
+    num_layers: int
+    num_kv_heads: int
+    page_size: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.num_pages, self.num_layers, 2, self.num_kv_heads, self.page_size, self.head_dim)
+
+    @property
+    def bytes_per_page(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.num_kv_heads * self.page_size * self.head_dim * elem
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.bytes_per_page // self.page_size
+
+    @property
+    def compat_key(self) -> str:
+        """What both ends of a KV transfer must agree on (heads here are per TP rank)."""
+        return (f"L{self.num_layers}-H{self.num_kv_heads}-P{self.page_size}-D{self.head_dim}-"
+                f"{str(self.dtype).removeprefix('torch.')}")
+
+    @classmethod
+    def pages_for_budget(cls, budget_bytes: int, **kw) -> "KVLayout":
+        probe = cls(num_pages=1, **kw)
+        pages = budget_bytes // probe.bytes_per_page
+        if pages < 2:
+            raise ValueError(f"KV budget of {budget_bytes} bytes holds fewer than 2 pages "
+                             f"({probe.bytes_per_page} bytes each)")
+        return cls(num_pages=int(pages), **kw)
+
+
+class KVPool:
+    def __init__(self, layout: KVLayout, device: torch.device):
+        self.layout = layout
+        self.device = device
+        self.buffer = torch.zeros(layout.shape, dtype=layout.dtype, device=device)
+
+    def k_cache(self, layer: int) -> torch.Tensor:
+        """[num_pages, kv_heads, page_size, head_dim] view (strided across pages)."""
+        return self.buffer[:, layer, 0]
+
+    def v_cache(self, layer: int) -> torch.Tensor:
+        return self.buffer[:, layer, 1]
+
+
+class PageAllocator:
+    """Free-page bookkeeping. Hands out the lowest free ids first so a request's pages tend
+    to be consecutive (fewer, larger transfer descriptors)."""
+
+    def __init__(self, num_pages: int):
+        self.num_pages = num_pages
+        self._free = list(range(1, num_pages))  # page 0 is the padding page
+        heapq.heapify(self._free)
+        self._is_free = bytearray(num_pages)
+        for p in self._free:
+            self._is_free[p] = 1
+
+    @property
+    def capacity(self) -> int:
+        return self.num_pages - 1
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise MemoryError(f"asked for {n} KV pages, {len(self._free)} free")
+        pages = [heapq.heappop(self._free) for _ in range(n)]
+        for p in pages:
+            self._is_free[p] = 0
+        return pages
+
+    def free(self, pages) -> None:
+        for p in pages:
+            if p == PADDING_PAGE or self._is_free[p]:
+                raise AssertionError(f"double free or padding page freed: page {p}")
+            self._is_free[p] = 1
+            heapq.heappush(self._free, p)

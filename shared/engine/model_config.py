@@ -1,0 +1,86 @@
+"""The shape of a model, read from a Hugging Face folder's config.json."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+class ModelLoadError(ValueError):
+    """A model folder that cannot be served, with a message that says why."""
+
+
+@dataclass
+class ModelConfig:
+    model_dir: Path
+    architecture: str
+    family: str  # llama | qwen2 | qwen3
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+    torch_dtype: str | None
+    hf_config: object  # transformers PretrainedConfig, for rope parameters
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        model_dir = Path(model_dir)
+        if not model_dir.is_dir():
+            raise ModelLoadError(f"model folder not found: {model_dir}")
+        cfg_path = model_dir / "config.json"
+        if not cfg_path.is_file():
+            raise ModelLoadError(f"{model_dir} has no config.json: not a Hugging Face model folder")
+        raw = json.loads(cfg_path.read_text())
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ModelLoadError(
+                f"unsupported architecture {archs or raw.get('model_type')!r} in {cfg_path}; "
+                f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+        from transformers import AutoConfig  # heavy; only here
+        hf = AutoConfig.from_pretrained(model_dir)
+        family = SUPPORTED_ARCHITECTURES[arch]
+        heads = hf.num_attention_heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+        eos = _eos_ids(model_dir, raw)
+        return cls(
+            model_dir=model_dir, architecture=arch, family=family,
+            hidden_size=hf.hidden_size, intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers, num_heads=heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
+            head_dim=head_dim, vocab_size=hf.vocab_size, rms_norm_eps=hf.rms_norm_eps,
+            max_position_embeddings=getattr(hf, "max_position_embeddings", 4096),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", getattr(hf, "tie_word_embeddings", False))),
+            attention_bias=bool(raw.get("attention_bias", family == "qwen2")),
+            qk_norm=family == "qwen3", eos_token_ids=eos, bos_token_id=raw.get("bos_token_id"),
+            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"), hf_config=hf)
+
+
+def _eos_ids(model_dir: Path, raw: dict) -> list[int]:
+    """EOS ids from generation_config.json (what generate() stops on), else config.json."""
+    ids: list[int] = []
+    gen = model_dir / "generation_config.json"
+    for src in ([json.loads(gen.read_text())] if gen.is_file() else []) + [raw]:
+        val = src.get("eos_token_id")
+        if val is None:
+            continue
+        ids = list(val) if isinstance(val, list) else [val]
+        break
+    return [int(i) for i in ids]

@@ -1,0 +1,162 @@
+"""Building blocks shared by the Llama-family models, tensor-parallel aware.
+
+Each parallel layer knows how to take its shard out of a full checkpoint tensor
+(`load_full`), so the loader stays generic."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..parallel import TPContext
+
+
+class RMSNorm(nn.Module):
+    """HF's LlamaRMSNorm arithmetic exactly (normalise in float32, cast back, then scale)."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            x = x + residual
+            residual = x
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * h.to(dtype)
+        return out if residual is None else (out, residual)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W's output rows split across ranks. `parts` lists the sizes of
+    stacked sub-matrices (e.g. q, k, v) so each is split separately."""
+
+    def __init__(self, in_features: int, parts: list[int], bias: bool, tp: TPContext, dtype):
+        super().__init__()
+        self.tp = tp
+        self.parts = [tp.shard(p, "output features") for p in parts]
+        out = sum(self.parts)
+        self.weight = nn.Parameter(torch.empty(out, in_features, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out, dtype=dtype), requires_grad=False) if bias else None
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+    def load_full(self, tensor: torch.Tensor, part: int = 0, is_bias: bool = False) -> None:
+        n = self.parts[part]
+        shard = tensor.narrow(0, self.tp.rank * n, n)
+        start = sum(self.parts[:part])
+        target = self.bias if is_bias else self.weight
+        target.data.narrow(0, start, n).copy_(shard)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W's input columns split; partial sums are all-reduced unless the
+    caller fuses that reduction with what follows (reduce=False)."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TPContext, dtype, reduce: bool = True):
+        super().__init__()
+        self.tp = tp
+        self.in_shard = tp.shard(in_features, "input features")
+        self.reduce = reduce
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_shard, dtype=dtype), requires_grad=False)
+
+    def forward(self, x):
+        y = F.linear(x, self.weight)
+        return self.tp.all_reduce(y) if self.reduce else y
+
+    def load_full(self, tensor: torch.Tensor, part: int = 0, is_bias: bool = False) -> None:
+        self.weight.data.copy_(tensor.narrow(1, self.tp.rank * self.in_shard, self.in_shard))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split by vocabulary range; each rank looks up its own range and the
+    partial (zero elsewhere) results are all-reduced."""
+
+    def __init__(self, vocab: int, dim: int, tp: TPContext, dtype):
+        super().__init__()
+        self.tp = tp
+        self.vocab = vocab
+        self.per_rank = (vocab + tp.size - 1) // tp.size
+        self.start = tp.rank * self.per_rank
+        self.end = min(vocab, self.start + self.per_rank)
+        self.weight = nn.Parameter(torch.zeros(self.per_rank, dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        mask = (local < 0) | (local >= self.end - self.start)
+        out = F.embedding(local.masked_fill(mask, 0), self.weight)
+        out = out.masked_fill(mask.unsqueeze(-1), 0)
+        return self.tp.all_reduce(out)
+
+    def load_full(self, tensor: torch.Tensor, part: int = 0, is_bias: bool = False) -> None:
+        rows = self.end - self.start
+        self.weight.data[:rows].copy_(tensor[self.start:self.end])
+
+
+class ParallelLMHead(nn.Module):
+    """Logits for the vocabulary, each rank computing its slice, gathered on every rank."""
+
+    def __init__(self, embedding: VocabParallelEmbedding | None, vocab: int, dim: int, tp: TPContext, dtype):
+        super().__init__()
+        self.tp = tp
+        self.vocab = vocab
+        if embedding is not None:  # tied: share the embedding's shard
+            self.weight = embedding.weight
+            self.start, self.end = embedding.start, embedding.end
+        else:
+            per = (vocab + tp.size - 1) // tp.size
+            self.start = tp.rank * per
+            self.end = min(vocab, self.start + per)
+            self.weight = nn.Parameter(torch.zeros(per, dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(h, self.weight)
+        if self.tp.size > 1:
+            logits = self.tp.all_gather_last_dim(logits)
+        return logits[..., : self.vocab]
+
+    def load_full(self, tensor: torch.Tensor, part: int = 0, is_bias: bool = False) -> None:
+        self.weight.data[: self.end - self.start].copy_(tensor[self.start:self.end])
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin table for every position, computed exactly as HF does (float32, then cast).
+
+    The inverse frequencies come from transformers' own rope-init functions, so every
+    rope scaling the config names (linear, llama3, yarn, ...) matches HF."""
+
+    def __init__(self, hf_config, head_dim: int, max_positions: int, dtype, device):
+        super().__init__()
+        params = getattr(hf_config, "rope_parameters", None) or {}
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            scaling = 1.0
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+            if rope_type not in ROPE_INIT_FUNCTIONS or rope_type == "dynamic":
+                raise ValueError(f"rope scaling type {rope_type!r} is not supported")
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+        pos = torch.arange(max_positions, dtype=torch.float)
+        freqs = pos[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", (emb.cos() * scaling).to(dtype).to(device), persistent=False)
+        self.register_buffer("sin", (emb.sin() * scaling).to(dtype).to(device), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q: [T, Hq, D], k: [T, Hk, D]; returns rotated copies."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

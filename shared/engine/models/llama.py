@@ -1,0 +1,143 @@
+"""Llama-family decoder (Llama, Mistral-style, Qwen2, Qwen3 dense) over paged KV.
+
+One class covers the three families; they differ only in q/k/v bias (Qwen2), per-head
+RMSNorm on q and k before rotary (Qwen3), and the head_dim/rope settings in the config."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..model_config import ModelConfig
+from ..parallel import TPContext
+from .layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm, RotaryEmbedding,
+                     RowParallelLinear, VocabParallelEmbedding)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPContext, dtype):
+        super().__init__()
+        self.layer_id = layer_id
+        if cfg.num_kv_heads % tp.size:
+            raise ValueError(f"num_key_value_heads ({cfg.num_kv_heads}) is not divisible by "
+                             f"tensor-parallel size {tp.size}")
+        self.num_heads = tp.shard(cfg.num_heads, "num_attention_heads")
+        self.num_kv_heads = cfg.num_kv_heads // tp.size
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        d = cfg.head_dim
+        self.qkv_proj = ColumnParallelLinear(
+            cfg.hidden_size, [cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d],
+            bias=cfg.attention_bias, tp=tp, dtype=dtype)
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, tp, dtype)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.scaling = d ** -0.5
+
+    def forward(self, positions, h, rotary: RotaryEmbedding, fb):
+        qkv = self.qkv_proj(h)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        o = fb.attn_backend.forward(q, k, v, self.layer_id, fb.attn, self.scaling)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPContext, dtype):
+        super().__init__()
+        i = cfg.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [i, i], bias=False, tp=tp, dtype=dtype)
+        self.down_proj = RowParallelLinear(i, cfg.hidden_size, tp, dtype)
+        self.inter = tp.shard(i, "intermediate_size")
+
+    def forward(self, h):
+        gate, up = self.gate_up_proj(h).split([self.inter, self.inter], dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPContext, dtype):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_id, tp, dtype)
+        self.mlp = MLP(cfg, tp, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, positions, h, residual, rotary, fb):
+        if residual is None:
+            residual = h
+            h = self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(positions, h, rotary, fb)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype, device, max_positions: int):
+        super().__init__()
+        self.cfg = cfg
+        self.tp = tp
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, dtype) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = ParallelLMHead(self.embed_tokens if cfg.tie_word_embeddings else None,
+                                      cfg.vocab_size, cfg.hidden_size, tp, dtype)
+        self.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, max_positions, dtype, device)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb) -> torch.Tensor:
+        """Hidden states after the final norm, one row per input token."""
+        h = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            h, residual = layer(positions, h, residual, self.rotary, fb)
+        h, _ = self.norm(h, residual)
+        return h
+
+    @torch.inference_mode()
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(h)
+
+    def param_for(self, hf_name: str):
+        """Map a checkpoint tensor name to (module, part index, is_bias), or None to skip."""
+        name = hf_name.removeprefix("model.")
+        if name.startswith("lm_head."):
+            return (None if self.cfg.tie_word_embeddings else (self.lm_head, 0, False))
+        if name == "embed_tokens.weight":
+            return self.embed_tokens, 0, False
+        if name == "norm.weight":
+            return self.norm, 0, False
+        if not name.startswith("layers."):
+            return None
+        _, idx, rest = name.split(".", 2)
+        layer = self.layers[int(idx)]
+        is_bias = rest.endswith(".bias")
+        stacked = {"self_attn.q_proj": (layer.self_attn.qkv_proj, 0),
+                   "self_attn.k_proj": (layer.self_attn.qkv_proj, 1),
+                   "self_attn.v_proj": (layer.self_attn.qkv_proj, 2),
+                   "mlp.gate_proj": (layer.mlp.gate_up_proj, 0),
+                   "mlp.up_proj": (layer.mlp.gate_up_proj, 1),
+                   "self_attn.o_proj": (layer.self_attn.o_proj, 0),
+                   "mlp.down_proj": (layer.mlp.down_proj, 0)}
+        prefix = rest.rsplit(".", 1)[0]
+        if prefix in stacked:
+            mod, part = stacked[prefix]
+            return mod, part, is_bias
+        plain = {"input_layernorm": layer.input_layernorm,
+                 "post_attention_layernorm": layer.post_attention_layernorm,
+                 "self_attn.q_norm": layer.self_attn.q_norm,
+                 "self_attn.k_norm": layer.self_attn.k_norm}
+        if prefix in plain and plain[prefix] is not None:
+            return plain[prefix], 0, False
+        if "rotary_emb" in rest:
+            return None
+        raise KeyError(f"unexpected checkpoint tensor {hf_name}")

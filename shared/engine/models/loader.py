@@ -1,0 +1,57 @@
+"""Load a Hugging Face checkpoint (safetensors, sharded or not) into our model, each TP
+rank taking its own shard at load time."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..model_config import ModelConfig, ModelLoadError
+from ..parallel import TPContext
+from .llama import LlamaForCausalLM
+
+
+def _checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [model_dir / n for n in names]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"checkpoint shards listed in {index.name} are missing: {', '.join(missing)}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors weights in {model_dir}")
+    return files
+
+
+def load_model(cfg: ModelConfig, tp: TPContext, dtype: torch.dtype, device: torch.device,
+               max_positions: int) -> LlamaForCausalLM:
+    from safetensors import safe_open
+    files = _checkpoint_files(cfg.model_dir)
+    with torch.device("cpu"):
+        model = LlamaForCausalLM(cfg, tp, dtype, "cpu", max_positions)
+    seen: set[int] = set()
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                target = model.param_for(name)
+                if target is None:
+                    continue
+                mod, part, is_bias = target
+                tensor = f.get_tensor(name).to(dtype)
+                if hasattr(mod, "load_full"):
+                    mod.load_full(tensor, part, is_bias)
+                else:
+                    mod.weight.data.copy_(tensor)
+                seen.add(id(mod))
+    expected = {id(m) for m in model.modules() if isinstance(getattr(m, "weight", None), torch.nn.Parameter)}
+    if cfg.tie_word_embeddings:
+        expected.discard(id(model.lm_head))
+    missing = [n for n, m in model.named_modules() if id(m) in expected and id(m) not in seen]
+    if missing:
+        raise ModelLoadError(f"checkpoint in {cfg.model_dir} lacks weights for: {', '.join(missing[:5])}"
+                             + (" ..." if len(missing) > 5 else ""))
+    return model.to(device)

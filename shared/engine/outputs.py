@@ -1,0 +1,38 @@
+"""What the engine reports back, per step and per finished request."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepOutput:
+    """New tokens of one request from one engine step."""
+    rid: str
+    token_ids: list[int]
+    logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None  # stop | length | abort | error
+    stop_reason: str | int | None = None
+    prefill_done: bool = False  # prefill-only request produced its first token
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+    text: str | None = None  # output text so far, only when stop strings are in use
+
+
+@dataclass
+class RequestOutput:
+    """A whole finished request (offline API)."""
+    rid: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+    logprobs: list[float | None] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    num_cached_tokens: int = 0
+
+    def __getitem__(self, key):  # results readable as keys too
+        return getattr(self, key)

@@ -1,0 +1,67 @@
+"""A request as the engine tracks it: tokens, pages, and how far its KV is computed."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from .radix_cache import RadixNode
+from .sampling_params import SamplingParams
+
+
+class ReqStatus(enum.Enum):
+    WAITING = "waiting"  # queued; holds no pages
+    RUNNING = "running"  # prefilling (chunk by chunk) or decoding
+    HELD = "held"  # prefill-only request done; pages kept until its KV transfer finishes
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_new_tokens: int
+    seed: int
+    prefill_only: bool = False  # disaggregated prefill: stop after the first token, hold pages
+    token_ids: list[int] = field(default_factory=list)  # prompt + output
+    page_ids: list[int] = field(default_factory=list)  # page i holds tokens [i*ps, (i+1)*ps)
+    num_computed: int = 0  # tokens whose KV is in the cache (cached_len)
+    num_tree_pages: int = 0  # leading page_ids owned by the radix tree (shared, locked)
+    prefix_node: RadixNode | None = None
+    num_cached_tokens: int = 0  # prefix-cache hit at first admission
+    status: ReqStatus = ReqStatus.WAITING
+    finish_reason: str | None = None  # stop | length | abort | error
+    stop_reason: str | int | None = None
+    error: str | None = None
+    arrival: float = field(default_factory=time.monotonic)
+    output_text: str = ""  # kept only when stop strings need it
+
+    def __post_init__(self):
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_ids)
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_ids):]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - len(self.prompt_ids)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens whose KV still has to be computed before the next sample."""
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.status is ReqStatus.RUNNING and self.remaining == 1 and self.num_output > 0
+
+    @property
+    def finished(self) -> bool:
+        return self.status is ReqStatus.FINISHED

@@ -1,0 +1,126 @@
+"""Token selection for a batch: penalties, temperature, top-k/top-p/min-p, and seeded
+sampling that depends only on (seed, position).
+
+Random draws come from a counter-based hash of (seed, position, token id) rather than a
+stateful generator, so a request samples the same tokens whatever batch it shares, on
+whichever worker (prefill or decode) makes a given position, split or colocated."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix64(x: int) -> int:
+    """splitmix64 finaliser (host side, per request and position)."""
+    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
+
+
+def draw_key(seed: int, position: int) -> int:
+    return _mix64(_mix64(seed & 0xFFFFFFFFFFFFFFFF) ^ position) & _M32
+
+
+def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[n] int64 keys -> [n, vocab] float32 Gumbel noise, a pure function of (key, index).
+    Multipliers stay below 2**31 so int64 products never overflow."""
+    idx = torch.arange(vocab, device=keys.device, dtype=torch.int64)
+    x = (keys[:, None] ^ ((idx[None, :] * 0x61C88647) & _M32))
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & _M32
+    x = x ^ (x >> 16)
+    u = (x.to(torch.float64) + 0.5) / 4294967296.0
+    return (-torch.log(-torch.log(u))).to(torch.float32)
+
+
+@dataclass
+class SampleRow:
+    """What the sampler needs of one request for one draw."""
+    params: object  # SamplingParams
+    seed: int
+    position: int  # index of the token being generated
+    prompt_ids: list[int]
+    output_ids: list[int]
+    suppress_ids: list[int]  # e.g. EOS while min_tokens is not reached
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[float] | None  # of the chosen token, under the model's distribution
+    top_logprobs: list[list[tuple[int, float]]] | None
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    for i, r in enumerate(rows):
+        p = r.params
+        if p.repetition_penalty != 1.0:
+            ids = torch.tensor(sorted(set(r.prompt_ids) | set(r.output_ids)), device=logits.device)
+            vals = logits[i, ids]
+            logits[i, ids] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if (p.frequency_penalty or p.presence_penalty) and r.output_ids:
+            ids = torch.tensor(r.output_ids, device=logits.device)
+            counts = torch.zeros(logits.shape[1], device=logits.device).index_add_(
+                0, ids, torch.ones(len(r.output_ids), device=logits.device))
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+
+
+def filter_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                             min_p: torch.Tensor) -> torch.Tensor:
+    """Mask to -inf everything outside each row's top-k / nucleus / min-p set."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    ranks = torch.arange(logits.shape[1], device=logits.device)[None, :]
+    drop = ranks >= top_k[:, None]
+    drop |= (probs.cumsum(dim=-1) - probs) > top_p[:, None]
+    drop |= probs < min_p[:, None] * probs[:, :1]
+    drop[:, 0] = False  # always keep the most likely token
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
+    """logits [n, V] (any float dtype) -> one token per row."""
+    logits = logits.float()
+    n, vocab = logits.shape
+    want_lp = any(r.params.logprobs is not None for r in rows)
+    raw_logprobs = logits.log_softmax(dim=-1) if want_lp else None
+    if any(r.params.uses_penalties for r in rows):
+        logits = logits.clone()
+        apply_penalties(logits, rows)
+    for i, r in enumerate(rows):
+        if r.suppress_ids:
+            logits[i, r.suppress_ids] = float("-inf")
+    greedy = [r.params.greedy for r in rows]
+    out = logits.argmax(dim=-1)
+    if not all(greedy):
+        dev = logits.device
+        temps = torch.tensor([max(r.params.temperature, 1e-6) for r in rows], device=dev)
+        scaled = logits / temps[:, None]
+        if any(r.params.top_k > 0 or r.params.top_p < 1 or r.params.min_p > 0 for r in rows):
+            top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in rows], device=dev)
+            top_p = torch.tensor([r.params.top_p for r in rows], device=dev)
+            min_p = torch.tensor([r.params.min_p for r in rows], device=dev)
+            scaled = filter_top_k_top_p_min_p(scaled, top_k, top_p, min_p)
+        keys = torch.tensor([draw_key(r.seed, r.position) for r in rows], dtype=torch.int64, device=dev)
+        drawn = (scaled.log_softmax(dim=-1) + gumbel_noise(keys, vocab)).argmax(dim=-1)
+        mask = torch.tensor(greedy, device=dev)
+        out = torch.where(mask, out, drawn)
+    tokens = out.tolist()
+    lps = tops = None
+    if want_lp:
+        chosen = raw_logprobs.gather(1, out[:, None]).squeeze(1).tolist()
+        lps, tops = [], []
+        max_n = max((r.params.logprobs or 0) for r in rows)
+        top_v, top_i = raw_logprobs.topk(max(max_n, 1), dim=-1) if max_n else (None, None)
+        for i, r in enumerate(rows):
+            lps.append(chosen[i] if r.params.logprobs is not None else None)
+            k = r.params.logprobs or 0
+            tops.append(list(zip(top_i[i, :k].tolist(), top_v[i, :k].tolist())) if k else [])
+    return SampleResult(tokens, lps, tops)

@@ -1,0 +1,123 @@
+"""Continuous batching with chunked prefill under a per-step token budget.
+
+Each step takes every decoding request (one token each), then fills what is left of the
+token budget with prefill chunks, oldest first. Admission needs free pages; when they run
+out, new work waits in the queue (back-pressure) and, if decoding requests cannot grow,
+the youngest running request is retracted (its pages freed, recomputed later)."""
+from __future__ import annotations
+
+from collections import deque
+
+from .batch import Batch, ScheduledReq
+from .kv_manager import KVManager
+from .request import Req, ReqStatus
+
+
+class Scheduler:
+    def __init__(self, kv: KVManager, max_batched_tokens: int, max_running: int):
+        self.kv = kv
+        self.max_batched_tokens = max_batched_tokens
+        self.max_running = max_running
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []  # admitted, in arrival order
+        self.num_retracted = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def queued_prefill_tokens(self) -> int:
+        return sum(r.remaining for r in self.waiting) + sum(
+            r.remaining for r in self.running if not r.is_decoding)
+
+    def add(self, req: Req, front: bool = False) -> None:
+        req.status = ReqStatus.WAITING
+        (self.waiting.appendleft if front else self.waiting.append)(req)
+
+    def add_running(self, req: Req) -> None:
+        """A request whose KV is already in place (decode side of a transfer)."""
+        req.status = ReqStatus.RUNNING
+        self.running.append(req)
+
+    def remove(self, req: Req) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+
+    def schedule(self) -> Batch:
+        batch = Batch()
+        budget = self.max_batched_tokens
+        # 1. decodes: each needs room for one more token
+        for req in list(self.running):
+            if not req.is_decoding or req.status is not ReqStatus.RUNNING:
+                continue
+            while not self.kv.grow(req, req.num_computed + 1):
+                victim = self._youngest_running(exclude=req)
+                if victim is None:
+                    break
+                self._retract(victim)
+            if req.status is not ReqStatus.RUNNING or len(req.page_ids) * self.kv.page_size <= req.num_computed:
+                continue  # could not grow even alone; stays for the next step
+            batch.items.append(ScheduledReq(req, req.num_computed, 1))
+            budget -= 1
+        # 2. prefill chunks of admitted requests, then new admissions (FIFO)
+        for req in self.running:
+            if budget <= 0:
+                break
+            if req.status is ReqStatus.RUNNING and not req.is_decoding:
+                item = self._chunk(req, budget)
+                if item is None:
+                    break
+                batch.items.append(item)
+                budget -= item.length
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            req = self.waiting[0]
+            self.kv.match_prefix(req)
+            if req.num_cached_tokens == 0:
+                req.num_cached_tokens = req.num_computed
+            item = self._chunk(req, budget)
+            if item is None:
+                self.kv.drop_prefix(req)
+                break  # back-pressure: wait for pages
+            self.waiting.popleft()
+            req.status = ReqStatus.RUNNING
+            self.running.append(req)
+            batch.items.append(item)
+            budget -= item.length
+        if not batch.items and len(self.running) > 1:
+            # admitted prefills hold all the pages between them: free the youngest so the
+            # oldest can finish (otherwise none ever would)
+            self._retract(self.running[-1])
+        return batch
+
+    def _chunk(self, req: Req, budget: int) -> ScheduledReq | None:
+        """The next prefill chunk that fits both the budget and free pages (keeping one
+        page per decoding request in hand so admissions do not starve decodes)."""
+        length = min(req.remaining, budget)
+        keep = sum(1 for r in self.running if r.is_decoding)
+        spare = self.kv.available - keep
+        have = len(req.page_ids) * self.kv.page_size - req.num_computed
+        max_len = have + max(spare, 0) * self.kv.page_size
+        length = min(length, max_len)
+        if length <= 0:
+            return None
+        if not self.kv.grow(req, req.num_computed + length):
+            return None
+        return ScheduledReq(req, req.num_computed, length)
+
+    def _youngest_running(self, exclude: Req) -> Req | None:
+        for req in reversed(self.running):
+            if req is not exclude and req.status is ReqStatus.RUNNING:
+                return req
+        return None
+
+    def _retract(self, req: Req) -> None:
+        """Free a running request's pages and queue it again at the front; its tokens so
+        far are kept and recomputed (sampling is keyed on position, so nothing changes)."""
+        self.running.remove(req)
+        self.kv.release(req, cache=False)
+        req.num_computed = 0
+        self.num_retracted += 1
+        self.add(req, front=True)
