@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -28,9 +29,9 @@ class RegistryConfig:
         return max(1, int(self.ttl_s * 1000))
 
     @staticmethod
-    def add_args(parser: argparse.ArgumentParser) -> None:
+    def add_args(parser: argparse.ArgumentParser, env: Mapping[str, str] | None = None) -> None:
         """Add --redis-url (default from DUET_REDIS_URL) and the registry timing flags."""
-        env = os.environ
+        env = os.environ if env is None else env
         parser.add_argument("--redis-url", default=env.get("DUET_REDIS_URL", DEFAULT_REDIS_URL),
                             help="Redis registry URL (env DUET_REDIS_URL)")
         parser.add_argument("--registry-ttl", type=float,

@@ -1,0 +1,43 @@
+"""`duet router`: the Router gRPC service (off the data path)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+from services.router.config import RouterConfig
+from services.router.server import RouterServer
+from shared.telemetry.tracing import setup_tracing
+
+
+async def serve(config: RouterConfig) -> None:
+    tracing = setup_tracing("router")
+    server = RouterServer(config, tracing=tracing)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    try:
+        await stop.wait()
+    finally:
+        await server.stop()
+        tracing.shutdown()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = RouterConfig.from_argv(argv)
+    logging.basicConfig(level=config.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(serve(config))
+    except RuntimeError as exc:
+        logging.getLogger("duet.router").error("%s", exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

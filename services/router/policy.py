@@ -1,0 +1,136 @@
+"""How the router picks workers (pure functions; the service feeds them).
+
+Prefill: cost = queue_weight * queued_tokens + (prompt_tokens - cached_tokens), i.e. the
+prefill work ahead of this request's first token. A worker holding the prompt's prefix
+is cheaper by the cached tokens, but once its queue is longer than that saving the
+next worker wins, so one hot system prompt does not pin all traffic (Dynamo's KV router
+and SGLang's cache-aware router weigh the same two terms).
+queued_tokens = max(reported by heartbeat, routed here and not released): the report
+covers other router replicas, the local count covers the burst since the last beat,
+and taking the max avoids counting a request twice.
+
+Decode: cost = KV usage after placing the request + batch_weight * batch occupancy,
+preferring workers whose free pages fit the request (decode's Reserve still does the
+real admission). Same max(reported, local) rule for pages and running requests.
+
+Ties go to the worker with fewer requests routed here, then rotate, so equal workers
+share a burst evenly.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from services.router.config import RoutingWeights
+from services.router.inflight import WorkerInflight
+from shared.registry.worker_info import WorkerInfo
+
+_NO_LOAD = WorkerInflight()
+
+
+@dataclass(frozen=True)
+class PrefillChoice:
+    worker: WorkerInfo
+    cached_tokens: int
+    uncached_tokens: int
+    cost: float
+
+
+@dataclass(frozen=True)
+class DecodeChoice:
+    worker: WorkerInfo
+    pages: int
+    cost: float
+
+
+def cached_tokens_for(cached_pages: int, page_size: int, prompt_tokens: int) -> int:
+    """Prompt tokens a worker can skip; the last prompt token is always computed (it yields the logits)."""
+    return max(0, min(cached_pages * page_size, prompt_tokens - 1))
+
+
+def pages_needed(prompt_tokens: int, max_tokens: int, page_size: int) -> int:
+    if page_size <= 0:
+        return 0
+    return math.ceil(max(0, prompt_tokens + max_tokens) / page_size)
+
+
+def _rotate(items: Sequence, offset: int) -> list:
+    if not items:
+        return []
+    k = offset % len(items)
+    return list(items[k:]) + list(items[:k])
+
+
+def choose_prefill(
+    workers: Sequence[WorkerInfo],
+    *,
+    prompt_tokens: int,
+    cached_pages: dict[str, int],
+    inflight: dict[str, WorkerInflight],
+    weights: RoutingWeights,
+    rotation: int = 0,
+) -> PrefillChoice | None:
+    best: PrefillChoice | None = None
+    best_key = None
+    for worker in _rotate(workers, rotation):
+        local = inflight.get(worker.worker_id, _NO_LOAD)
+        queued = max(worker.load.queued_prefill_tokens, local.prefill_tokens)
+        cached = cached_tokens_for(cached_pages.get(worker.worker_id, 0), worker.page_size, prompt_tokens)
+        uncached = prompt_tokens - cached
+        cost = weights.prefill_queue_weight * queued + uncached
+        key = (cost, local.prefill_requests)
+        if best_key is None or key < best_key:
+            best, best_key = PrefillChoice(worker, cached, uncached, cost), key
+    return best
+
+
+def choose_decode(
+    workers: Sequence[WorkerInfo],
+    *,
+    prompt_tokens: int,
+    max_tokens: int,
+    inflight: dict[str, WorkerInflight],
+    weights: RoutingWeights,
+    rotation: int = 0,
+) -> DecodeChoice | None:
+    best: DecodeChoice | None = None
+    best_key = None
+    for worker in _rotate(workers, rotation):
+        local = inflight.get(worker.worker_id, _NO_LOAD)
+        need = pages_needed(prompt_tokens, max_tokens, worker.page_size)
+        total = worker.load.total_pages
+        used = max(total - worker.load.free_pages, local.decode_pages) if total > 0 else 0
+        fits = total <= 0 or total - used >= need
+        usage_after = (used + need) / total if total > 0 else 0.0
+        running = max(worker.load.running_requests + worker.load.waiting_requests, local.decode_requests)
+        batch_cap = worker.max_running_requests or weights.nominal_decode_batch
+        cost = usage_after + weights.decode_batch_weight * running / batch_cap
+        key = (not fits, cost, local.decode_requests)
+        if best_key is None or key < best_key:
+            best, best_key = DecodeChoice(worker, need, cost), key
+    return best
+
+
+def choose_colocated(
+    workers: Sequence[WorkerInfo],
+    *,
+    prompt_tokens: int,
+    max_tokens: int,
+    cached_pages: dict[str, int],
+    inflight: dict[str, WorkerInflight],
+    weights: RoutingWeights,
+    rotation: int = 0,
+) -> tuple[PrefillChoice, DecodeChoice] | None:
+    """A `both` worker runs prefill and decode: order by prefill cost (prefix cache, queue),
+    then by decode cost."""
+    best, best_key = None, None
+    for worker in _rotate(workers, rotation):
+        prefill = choose_prefill([worker], prompt_tokens=prompt_tokens, cached_pages=cached_pages,
+                                 inflight=inflight, weights=weights)
+        decode = choose_decode([worker], prompt_tokens=prompt_tokens, max_tokens=max_tokens,
+                               inflight=inflight, weights=weights)
+        key = (prefill.cost, decode.cost)
+        if best_key is None or key < best_key:
+            best, best_key = (prefill, decode), key
+    return best

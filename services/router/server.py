@@ -1,0 +1,62 @@
+"""Router process wiring: watcher + gRPC server + /metrics, started and stopped together."""
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from protos import duet_pb2_grpc
+from services.router.config import RouterConfig
+from services.router.service import RouterService
+from shared.registry.watcher import WorkerWatcher
+from shared.telemetry.metrics import DuetMetrics, MetricsServer, start_metrics_server
+from shared.telemetry.tracing import Tracing
+
+log = logging.getLogger(__name__)
+
+
+class RouterServer:
+    """`await start()` returns once the first registry scan is done and the port is bound."""
+
+    def __init__(self, config: RouterConfig, *, tracing: Tracing | None = None, metrics: DuetMetrics | None = None):
+        self.config = config
+        self.metrics = metrics or DuetMetrics("router")
+        self.watcher = WorkerWatcher(config.registry, model=config.model or None)
+        self.service = RouterService(config, self.watcher, self.metrics,
+                                     tracer=tracing.tracer if tracing is not None else None)
+        self._grpc: grpc.aio.Server | None = None
+        self._metrics_server: MetricsServer | None = None
+        self.port = 0
+
+    @property
+    def metrics_port(self) -> int:
+        return self._metrics_server.port if self._metrics_server else 0
+
+    async def start(self) -> int:
+        await self.watcher.start()
+        if not self.watcher.redis_ok:
+            log.warning("registry %s not reachable yet; routing starts when it is", self.config.registry.redis_url)
+        self._grpc = grpc.aio.server()
+        duet_pb2_grpc.add_RouterServicer_to_server(self.service, self._grpc)
+        self.port = self._grpc.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if self.port == 0:
+            raise RuntimeError(f"could not bind the router to {self.config.host}:{self.config.port}")
+        await self._grpc.start()
+        if self.config.metrics_port:
+            self._metrics_server = start_metrics_server(self.metrics, self.config.metrics_port, self.config.host)
+        log.info("router listening on %s:%d (metrics %s), %d workers known",
+                 self.config.host, self.port, self.metrics_port or "off", len(self.watcher.workers()))
+        return self.port
+
+    async def wait(self) -> None:
+        if self._grpc is not None:
+            await self._grpc.wait_for_termination()
+
+    async def stop(self) -> None:
+        if self._grpc is not None:
+            await self._grpc.stop(self.config.grace_s)
+            self._grpc = None
+        if self._metrics_server is not None:
+            self._metrics_server.stop()
+            self._metrics_server = None
+        await self.watcher.stop()

@@ -1,0 +1,8 @@
+"""Telemetry shared by every Duet service.
+
+Modules (import them directly; this file stays free of imports):
+  metrics      DuetMetrics (the duet_* Prometheus metrics, one registry per process)
+               and start_metrics_server (HTTP /metrics)
+  tracing      setup_tracing: OpenTelemetry SDK from standard OTEL_* env (no exporter by default)
+  propagation  W3C trace context into/out of gRPC metadata and HTTP headers
+"""

@@ -1,0 +1,101 @@
+"""The duet_* Prometheus metrics, in a registry owned by the process (no global registry).
+
+Every service creates one DuetMetrics and serves it with start_metrics_server. The
+gauges are set by their owners (workers); the histograms/counters are observed
+where the event happens. Names follow DESIGN.md (HPA reads the gauges through
+prometheus-adapter).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, PlatformCollector,
+                               ProcessCollector, start_http_server)
+
+# latency buckets: 5 ms .. 60 s (TTFT of a long prompt on CPU is seconds)
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+_TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class DuetMetrics:
+    """All Duet metrics, registered in `self.registry` (a fresh CollectorRegistry by default)."""
+
+    def __init__(self, service: str, registry: CollectorRegistry | None = None, *, process_metrics: bool = True):
+        """service: gateway | router | prefill | decode | both (a label on duet_requests_total)."""
+        self.service = service
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        if process_metrics:
+            ProcessCollector(registry=r)
+            PlatformCollector(registry=r)
+        self.kv_transfer_bytes = Counter(
+            "duet_kv_transfer_bytes", "KV cache bytes moved between workers", ["direction"], registry=r)
+        self.kv_transfer_seconds = Histogram(
+            "duet_kv_transfer_seconds", "Duration of one KV write (post to remote completion)",
+            buckets=_TRANSFER_BUCKETS, registry=r)
+        self.kv_cache_usage = Gauge(
+            "duet_kv_cache_usage_ratio",
+            "Share of KV pages held by live work (running, reserved, awaiting transfer); evictable cache excluded",
+            registry=r)
+        self.queued_prefill_tokens = Gauge(
+            "duet_queued_prefill_tokens", "Prompt tokens waiting for or in prefill", registry=r)
+        self.running_requests = Gauge(
+            "duet_running_requests", "Requests in the running batch", registry=r)
+        self.waiting_requests = Gauge(
+            "duet_waiting_requests", "Requests admitted but not yet running", registry=r)
+        self.time_to_first_token = Histogram(
+            "duet_time_to_first_token_seconds", "Time from request arrival to the first token",
+            buckets=_TTFT_BUCKETS, registry=r)
+        self.inter_token_latency = Histogram(
+            "duet_inter_token_latency_seconds", "Time between consecutive output tokens of a request",
+            buckets=_ITL_BUCKETS, registry=r)
+        self.request_latency = Histogram(
+            "duet_e2e_request_latency_seconds", "Time from request arrival to its last token",
+            buckets=_E2E_BUCKETS, registry=r)
+        self.requests = Counter(
+            "duet_requests", "Finished requests by service and outcome", ["service", "outcome"], registry=r)
+        self.route_decisions = Counter(
+            "duet_router_decisions", "Router answers by kind", ["kind"], registry=r)
+
+    # --- helpers used across services -----------------------------------------
+
+    def observe_kv_transfer(self, direction: str, num_bytes: int, seconds: float | None = None) -> None:
+        """direction: "sent" (prefill side) or "received" (decode side)."""
+        self.kv_transfer_bytes.labels(direction=direction).inc(num_bytes)
+        if seconds is not None:
+            self.kv_transfer_seconds.observe(seconds)
+
+    def request_finished(self, outcome: str) -> None:
+        """outcome: ok | error | cancelled | rejected | timeout."""
+        self.requests.labels(service=self.service, outcome=outcome).inc()
+
+    def set_load(self, *, kv_usage: float, queued_prefill_tokens: int, running_requests: int,
+                 waiting_requests: int = 0) -> None:
+        self.kv_cache_usage.set(kv_usage)
+        self.queued_prefill_tokens.set(queued_prefill_tokens)
+        self.running_requests.set(running_requests)
+        self.waiting_requests.set(waiting_requests)
+
+
+@dataclass
+class MetricsServer:
+    server: WSGIServer
+    port: int
+
+    @property
+    def address(self) -> str:
+        return f"{self.server.server_address[0]}:{self.port}"
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def start_metrics_server(metrics: DuetMetrics | CollectorRegistry, port: int, host: str = "0.0.0.0") -> MetricsServer:
+    """Serve /metrics on host:port in a daemon thread (port 0 picks a free port)."""
+    registry = metrics.registry if isinstance(metrics, DuetMetrics) else metrics
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return MetricsServer(server=server, port=server.server_port)

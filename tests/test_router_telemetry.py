@@ -1,0 +1,93 @@
+"""Router telemetry: /metrics over real HTTP, W3C trace context carried through gRPC metadata."""
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+
+import grpc
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from protos import duet_pb2, duet_pb2_grpc
+from services.router.config import RouterConfig
+from services.router.server import RouterServer
+from shared.registry.config import RegistryConfig
+from shared.registry.publisher import WorkerPublisher
+from shared.registry.worker_info import WorkerInfo
+from shared.telemetry.metrics import DuetMetrics
+from shared.telemetry.propagation import (extract_grpc_context, extract_http_context, inject_grpc_metadata,
+                                          inject_http_headers)
+from shared.telemetry.tracing import setup_tracing
+from tests.redis_server import redis_server  # noqa: F401  (fixture)
+
+
+def test_route_span_joins_caller_trace_and_metrics_are_served(redis_server):
+    exporter = InMemorySpanExporter()
+    router_tracing = setup_tracing("router", env={}, extra_exporter=exporter, install_global=False)
+    gateway_tracing = setup_tracing("gateway", env={"OTEL_SERVICE_NAME": "gw-test"}, install_global=False)
+    assert router_tracing.service_name == "duet-router" and gateway_tracing.service_name == "gw-test"
+    assert router_tracing.exporters == ["InMemorySpanExporter"]  # nothing exported by default
+    registry = RegistryConfig(redis_url=redis_server.url, ttl_s=2.0, heartbeat_interval_s=0.2, scan_interval_s=0.2)
+    config = RouterConfig(host="127.0.0.1", port=0, metrics_port=0, registry=registry)
+
+    async def scenario():
+        # metrics_port=0 means "off" in the config; start the HTTP server on a free port ourselves
+        server = RouterServer(config, tracing=router_tracing)
+        await server.start()
+        from shared.telemetry.metrics import start_metrics_server
+        http = start_metrics_server(server.metrics, 0, "127.0.0.1")
+        pubs = [WorkerPublisher(WorkerInfo(worker_id=i, role=r, address="x:1", model="m", page_size=16), registry)
+                for i, r in (("p", "prefill"), ("d", "decode"))]
+        for pub in pubs:
+            await pub.start()
+        assert await server.watcher.wait_for(lambda w: len(w.workers()) == 2, 5)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = duet_pb2_grpc.RouterStub(channel)
+            with gateway_tracing.tracer.start_as_current_span("gateway-request") as root:
+                metadata = inject_grpc_metadata()
+                assert any(k == "traceparent" for k, _ in metadata)
+                await stub.Route(duet_pb2.RouteRequest(prompt_tokens=10), metadata=metadata)
+            trace_id = root.get_span_context().trace_id
+        spans = exporter.get_finished_spans()
+        route = [s for s in spans if s.name == "route"]
+        assert len(route) == 1
+        assert route[0].context.trace_id == trace_id, "router span did not join the caller's trace"
+        assert route[0].parent is not None and route[0].parent.span_id == root.get_span_context().span_id
+        assert route[0].resource.attributes["service.name"] == "duet-router"
+        assert route[0].attributes["duet.route"] == "split"
+        body = urllib.request.urlopen(f"http://127.0.0.1:{http.port}/metrics", timeout=5).read().decode()
+        assert 'duet_router_decisions_total{kind="split"} 1.0' in body
+        for name in ("duet_kv_transfer_bytes_total", "duet_time_to_first_token_seconds_bucket",
+                     "duet_kv_cache_usage_ratio", "duet_queued_prefill_tokens", "duet_running_requests",
+                     "duet_inter_token_latency_seconds_bucket", "duet_kv_transfer_seconds_bucket"):
+            assert name in body or name.replace("_total", "") in body, name
+        http.stop()
+        for pub in pubs:
+            await pub.stop()
+        await server.stop()
+
+    asyncio.run(scenario())
+
+
+def test_metrics_helpers_and_http_propagation():
+    metrics = DuetMetrics("prefill", process_metrics=False)
+    metrics.observe_kv_transfer("sent", 4096, 0.002)
+    metrics.observe_kv_transfer("sent", 1024)
+    metrics.request_finished("ok")
+    metrics.set_load(kv_usage=0.25, queued_prefill_tokens=300, running_requests=2)
+    value = metrics.registry.get_sample_value
+    assert value("duet_kv_transfer_bytes_total", {"direction": "sent"}) == 5120
+    assert value("duet_kv_transfer_seconds_count") == 1
+    assert value("duet_requests_total", {"service": "prefill", "outcome": "ok"}) == 1
+    assert value("duet_kv_cache_usage_ratio") == 0.25 and value("duet_queued_prefill_tokens") == 300
+    # two DuetMetrics in one process do not collide (one registry each)
+    DuetMetrics("decode", process_metrics=False).observe_kv_transfer("received", 1)
+    assert value("duet_kv_transfer_bytes_total", {"direction": "received"}) is None
+
+    tracing = setup_tracing("gateway", env={}, install_global=False)
+    with tracing.tracer.start_as_current_span("outer") as span:
+        headers = inject_http_headers({"Content-Type": "x"})
+    ctx = extract_http_context({k.upper(): v for k, v in headers.items()})
+    from opentelemetry import trace
+    assert trace.get_current_span(ctx).get_span_context().trace_id == span.get_span_context().trace_id
+    ctx2 = extract_grpc_context([("traceparent", headers["traceparent"]), ("x-bin", b"\x00")])
+    assert trace.get_current_span(ctx2).get_span_context().span_id == span.get_span_context().span_id
