@@ -129,8 +129,13 @@ class Engine:
                    seed=seed, prefill_only=prefill_only)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
-                    rid: str | None = None, prefill_only: bool = False) -> str:
+                    rid: str | None = None, prefill_only: bool = False,
+                    output_prefix: list[int] | None = None) -> str:
+        """Queue a request. `output_prefix`: tokens already generated elsewhere (decode
+        recomputing a prefill whose KV never arrived); they count as output."""
         req = self._make_req(prompt_ids, params or SamplingParams(), rid, prefill_only)
+        if output_prefix:
+            req.token_ids.extend(output_prefix)
         self.requests[req.rid] = req
         self.scheduler.add(req)
         return req.rid
@@ -165,6 +170,7 @@ class Engine:
         if req is not None and req.status is ReqStatus.HELD:
             self.kv.release(req, cache=True)
             req.status = ReqStatus.FINISHED
+            self.stats.requests_finished += 1
 
     def abort(self, rid: str) -> StepOutput | None:
         req = self.requests.get(rid)
@@ -223,14 +229,18 @@ class Engine:
         req.token_ids.append(token)
         out = StepOutput(req.rid, [token], [lp], [top or []], num_prompt_tokens=req.num_prompt,
                          num_cached_tokens=req.num_cached_tokens)
-        if self._check_finished(req, token):
-            self.scheduler.remove(req)
-            self._finish(req)
-            out.finished, out.finish_reason, out.stop_reason = True, req.finish_reason, req.stop_reason
-        elif req.prefill_only and first:
+        done = self._check_finished(req, token)
+        if req.prefill_only and first:
+            # the KV transfer still reads these pages: hold them until release_held()
             self.scheduler.remove(req)
             req.status = ReqStatus.HELD
             out.prefill_done = True
+            if done:
+                out.finished, out.finish_reason, out.stop_reason = True, req.finish_reason, req.stop_reason
+        elif done:
+            self.scheduler.remove(req)
+            self._finish(req)
+            out.finished, out.finish_reason, out.stop_reason = True, req.finish_reason, req.stop_reason
         if req.params.stop:
             out.text = req.output_text
         return out
@@ -259,7 +269,7 @@ class Engine:
         return False
 
     def _finish(self, req: Req) -> None:
-        self.kv.release(req, cache=req.finish_reason != "abort" or req.num_computed > 0)
+        self.kv.release(req, cache=True)
         req.status = ReqStatus.FINISHED
         self.requests.pop(req.rid, None)
         self.stats.requests_finished += 1

@@ -8,10 +8,10 @@ from .request import Req
 
 
 class KVManager:
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_cache: bool):
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_cache: bool, kv_events=None):
         self.page_size = page_size
         self.allocator = PageAllocator(num_pages)
-        self.cache = RadixCache(self.allocator, page_size, enabled=enable_prefix_cache)
+        self.cache = RadixCache(self.allocator, page_size, enabled=enable_prefix_cache, events=kv_events)
         self.reserved: dict[str, list[int]] = {}  # reservation id -> pages (decode side)
 
     # -- capacity -----------------------------------------------------------------------

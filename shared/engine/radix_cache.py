@@ -21,13 +21,17 @@ class RadixNode:
     children: dict[tuple[int, ...], "RadixNode"] = field(default_factory=dict)
     lock_ref: int = 0
     last_access: float = 0.0
+    hashes: list[int] = field(default_factory=list)  # chained page hashes, when published
 
     def __lt__(self, other: "RadixNode") -> bool:
         return self.last_access < other.last_access
 
 
 class RadixCache:
-    def __init__(self, allocator: PageAllocator, page_size: int, enabled: bool = True):
+    def __init__(self, allocator: PageAllocator, page_size: int, enabled: bool = True, events=None):
+        """events: optional object with stored(hashes) / removed(hashes) (KV events that
+        tell routers which prompt pages this worker holds)."""
+        self.events = events
         self.allocator = allocator
         self.page_size = page_size
         self.enabled = enabled
@@ -69,7 +73,9 @@ class RadixCache:
         """Split `node` after n_pages; returns the new upper node."""
         cut = n_pages * self.page_size
         upper = RadixNode(key=node.key[:cut], pages=node.pages[:n_pages], parent=node.parent,
-                          lock_ref=node.lock_ref, last_access=node.last_access)
+                          lock_ref=node.lock_ref, last_access=node.last_access,
+                          hashes=node.hashes[:n_pages])
+        node.hashes = node.hashes[n_pages:]
         node.parent.children[upper.key[:self.page_size]] = upper
         node.key, node.pages = node.key[cut:], node.pages[n_pages:]
         node.parent = upper
@@ -114,6 +120,10 @@ class RadixCache:
                                 parent=node, last_access=now)
                 node.children[new.key[:ps]] = new
                 self.num_cached_pages += len(new.pages)
+                if self.events is not None:
+                    from shared.registry.prefix_hashes import chained_page_hashes
+                    new.hashes = chained_page_hashes(tokens, ps)[pos // ps:]
+                    self.events.stored(new.hashes)
                 return duplicates, new
             n = 0
             while n < len(child.pages) and pos + (n + 1) * ps <= len(tokens) and \
@@ -143,6 +153,8 @@ class RadixCache:
         while freed < num_pages and leaves:
             leaf = heapq.heappop(leaves)
             self.allocator.free(leaf.pages)
+            if self.events is not None and leaf.hashes:
+                self.events.removed(leaf.hashes)
             freed += len(leaf.pages)
             self.num_cached_pages -= len(leaf.pages)
             parent = leaf.parent
