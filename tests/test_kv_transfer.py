@@ -1,6 +1,7 @@
 """NIXL page transfers between two real agents in one process (UCX, host memory)."""
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -99,6 +100,19 @@ def test_write_stream_sends_notice_after_all_writes(agents):
         stream.write(0, [1])  # finished streams take no more writes
 
 
+def test_aborted_stream_sends_abort_notice_after_writes_settle(agents):
+    src, dst = agents
+    dst.get_notifs()
+    peer = src.add_peer("decode-1", "nonce-a", dst.metadata(), dst.pool_info)
+    stream = PageWriteStream(src, peer, [1, 2, 3, 4])
+    stream.write(0, [10, 11])
+    stream.abort(TransferNotice(reservation_id=9, generation=2, rank=0, request_id="gone"))
+    assert asyncio.run(stream.wait_async(10)) == DONE, stream.error
+    notices = wait_notices(dst, 1)
+    assert [(n.kind, n.reservation_id, n.generation) for n in notices] == [("abort", 9, 2)]
+    assert stream.pages_written == 2
+
+
 def test_bad_page_ids_and_unknown_peer_are_refused(agents):
     src, dst = agents
     peer = src.add_peer("decode-1", "nonce-a", dst.metadata(), dst.pool_info)
@@ -132,3 +146,27 @@ def test_changed_nonce_reloads_peer_metadata():
         new.close()
     finally:
         src.close()
+
+
+def test_tp_rank_writes_own_rank_and_notifies_decode_rank0():
+    """Prefill rank 1 writes to decode rank 1 and tells decode rank 0 (the scheduler)."""
+    src = KvTransferAgent("tp-prefill-r1", make_pool("random"))
+    dec0 = KvTransferAgent("tp-decode-r0", make_pool("zeros"))
+    dec1 = KvTransferAgent("tp-decode-r1", make_pool("zeros"))
+    try:
+        to_r1 = src.add_peer("decode-tp", "n1", dec1.metadata(), dec1.pool_info, rank=1)
+        to_r0 = src.add_peer("decode-tp", "n1", dec0.metadata(), dec0.pool_info, rank=0)
+        assert src.peer("decode-tp", 1) is to_r1 and src.peer("decode-tp", 0) is to_r0
+        stream = PageWriteStream(src, to_r1, [7, 8], notice_peer=to_r0)
+        stream.write(0, [1, 2])
+        stream.finish(TransferNotice(reservation_id=4, generation=1, rank=1, first_token_id=5))
+        assert stream.wait(10) == DONE, stream.error
+        assert torch.equal(dec1.pool[7:9], src.pool[1:3]) and int(torch.count_nonzero(dec0.pool)) == 0
+        notices = wait_notices(dec0, 1)
+        assert [(n.rank, n.reservation_id) for n in notices] == [(1, 4)]
+        assert dec1.get_notices() == []
+        src.remove_peer("decode-tp")  # drops both ranks
+        assert src.peer("decode-tp", 0) is None and src.peer("decode-tp", 1) is None
+    finally:
+        for agent in (src, dec0, dec1):
+            agent.close()

@@ -39,6 +39,11 @@ class Peer:
     instance_nonce: str
     agent_name: str      # NIXL agent name of the remote rank
     pool: PoolInfo       # the remote rank's pool
+    rank: int = 0        # the remote TP rank
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.worker_id, self.rank)
 
 
 @dataclass
@@ -86,7 +91,7 @@ class KvTransferAgent:
         self._lock = threading.RLock()
         self._nixl = nixl_agent(name, nixl_agent_config(backends=list(backends)))
         self._reg = self._nixl.register_memory(pool)
-        self._peers: dict[str, Peer] = {}
+        self._peers: dict[tuple[str, int], Peer] = {}
         self._inflight: list[WriteHandle] = []
         self.bytes_sent = 0
         self.writes_done = 0
@@ -101,44 +106,48 @@ class KvTransferAgent:
         with self._lock:
             return self._nixl.get_agent_metadata()
 
-    def add_peer(self, worker_id: str, instance_nonce: str, metadata: bytes, pool: PoolInfo) -> Peer:
-        """Load a remote rank's metadata, or return the cached peer if the nonce is unchanged."""
+    def add_peer(self, worker_id: str, instance_nonce: str, metadata: bytes, pool: PoolInfo,
+                 rank: int = 0) -> Peer:
+        """Load a remote rank's metadata, or return the cached peer if the nonce is unchanged.
+
+        A new nonce for a known worker (it restarted) drops every cached rank of it first."""
         with self._lock:
-            cached = self._peers.get(worker_id)
+            cached = self._peers.get((worker_id, rank))
             if cached is not None and cached.instance_nonce == instance_nonce:
                 return cached
-            if cached is not None:
+            stale = [p for p in self._peers.values() if p.worker_id == worker_id and p.instance_nonce != instance_nonce]
+            for old in stale:
                 log.info("peer %s restarted (nonce %s -> %s): dropping its metadata and writes",
-                         worker_id, cached.instance_nonce, instance_nonce)
-                self._drop_peer(cached, reason="peer restarted")
+                         worker_id, old.instance_nonce, instance_nonce)
+                self._drop_peer(old, reason="peer restarted")
             agent_name = self._nixl.add_remote_agent(metadata)
             if isinstance(agent_name, bytes):
                 agent_name = agent_name.decode()
-            peer = Peer(worker_id=worker_id, instance_nonce=instance_nonce, agent_name=agent_name, pool=pool)
-            self._peers[worker_id] = peer
+            peer = Peer(worker_id=worker_id, instance_nonce=instance_nonce, agent_name=agent_name, pool=pool,
+                        rank=rank)
+            self._peers[peer.key] = peer
             return peer
 
-    def peer(self, worker_id: str) -> Peer | None:
-        return self._peers.get(worker_id)
+    def peer(self, worker_id: str, rank: int = 0) -> Peer | None:
+        return self._peers.get((worker_id, rank))
 
     def remove_peer(self, worker_id: str) -> None:
-        """Forget a peer (it left the registry); its in-flight writes fail."""
+        """Forget every rank of a worker (it left the registry); their in-flight writes fail."""
         with self._lock:
-            peer = self._peers.get(worker_id)
-            if peer is not None:
+            for peer in [p for p in self._peers.values() if p.worker_id == worker_id]:
                 self._drop_peer(peer, reason="peer removed")
 
     def _drop_peer(self, peer: Peer, reason: str) -> None:
-        for handle in [h for h in self._inflight if h.peer.worker_id == peer.worker_id]:
+        for handle in [h for h in self._inflight if h.peer.key == peer.key]:
             self._fail(handle, reason)
-        self._peers.pop(peer.worker_id, None)
+        self._peers.pop(peer.key, None)
         try:
             self._nixl.remove_remote_agent(peer.agent_name)
         except Exception as exc:  # already gone inside NIXL
             log.debug("remove_remote_agent(%s): %s", peer.agent_name, exc)
 
     def _check_current(self, peer: Peer) -> None:
-        current = self._peers.get(peer.worker_id)
+        current = self._peers.get(peer.key)
         if current is None or current.instance_nonce != peer.instance_nonce:
             raise TransferError(f"peer {peer.worker_id} (nonce {peer.instance_nonce}) is no longer known")
 

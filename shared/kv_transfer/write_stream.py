@@ -9,6 +9,8 @@ its own deadline.
 """
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Sequence
 
 from shared.kv_transfer.agent import DONE, FAILED, PENDING, KvTransferAgent, Peer, TransferError, WriteHandle
@@ -16,10 +18,14 @@ from shared.kv_transfer.notice import TransferNotice
 
 
 class PageWriteStream:
-    def __init__(self, agent: KvTransferAgent, peer: Peer, dst_page_ids: Sequence[int]):
-        """dst_page_ids: the reservation's pages on the peer rank, in prompt order."""
+    def __init__(self, agent: KvTransferAgent, peer: Peer, dst_page_ids: Sequence[int],
+                 notice_peer: Peer | None = None):
+        """dst_page_ids: the reservation's pages on the peer rank, in prompt order.
+        notice_peer: where the notice goes (default: the data peer). With TP, every prefill
+        rank can notify decode rank 0 (its scheduler) while writing to its own decode rank."""
         self.agent = agent
         self.peer = peer
+        self.notice_peer = notice_peer or peer
         self.dst_page_ids = list(dst_page_ids)
         self._handles: list[WriteHandle] = []
         self._written = [False] * len(self.dst_page_ids)
@@ -72,11 +78,26 @@ class PageWriteStream:
         if notice.kv_bytes == 0 and self.bytes_sent:
             notice = TransferNotice(**{**notice.__dict__, "kv_bytes": self.bytes_sent})
         try:
-            self.agent.send_notif(self.peer, notice.encode())
+            self.agent.send_notif(self.notice_peer, notice.encode())
         except TransferError as exc:
             self._set_failed(str(exc))
             return self.state
         self.state = DONE
+        return self.state
+
+    def wait(self, timeout_s: float, poll_interval_s: float = 0.0005) -> str:
+        """Block until DONE/FAILED or the timeout (then still PENDING)."""
+        end = time.monotonic() + timeout_s
+        while self.poll() == PENDING and time.monotonic() < end:
+            time.sleep(poll_interval_s)
+        return self.state
+
+    async def wait_async(self, timeout_s: float, poll_interval_s: float = 0.001) -> str:
+        """Same as wait() without blocking the event loop."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout_s
+        while self.poll() == PENDING and loop.time() < end:
+            await asyncio.sleep(poll_interval_s)
         return self.state
 
     def _set_failed(self, reason: str) -> None:
