@@ -1,0 +1,30 @@
+"""`duet loadtest ...` and `python -m loadtest ...`.
+
+    duet loadtest [run] --base-url URL [flags]    load-test a server (default command)
+    duet loadtest compare A.json B.json          two result files side by side
+    duet loadtest report results.json            table and plots again, optionally other SLOs
+"""
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv[0] if argv and not argv[0].startswith("-") else "run"
+    rest = argv[1:] if argv and argv[0] == command else argv
+    if command == "run":
+        from loadtest.cli_args import config_from, run_parser
+        from loadtest.run_command import run_command
+
+        return run_command(config_from(run_parser().parse_args(rest)))
+    if command in ("compare", "report"):
+        from loadtest.file_commands import compare_main, report_main
+
+        return (compare_main if command == "compare" else report_main)(rest)
+    print(f"duet loadtest: unknown command {command!r} (run, compare, report)", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

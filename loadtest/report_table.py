@@ -1,0 +1,76 @@
+"""The table a person reads at the end: one column per run (a sweep has several)."""
+from __future__ import annotations
+
+from typing import Callable
+
+from loadtest.config import SLO
+from loadtest.metrics import Distribution, RunSummary
+
+
+def _num(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:,.{digits}f}"
+
+
+def _errors(s: RunSummary) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(s.errors.items())) or "none"
+
+
+def _dist_rows(name: str, get: Callable[[RunSummary], Distribution]) -> list[tuple[str, Callable]]:
+    return [
+        (f"{name} mean / p50 (ms)", lambda s: f"{_num(get(s).mean)} / {_num(get(s).p50)}"),
+        (f"{name} p90 / p99 (ms)", lambda s: f"{_num(get(s).p90)} / {_num(get(s).p99)}"),
+    ]
+
+
+def slo_text(slo: SLO) -> str:
+    parts = [f"{n} <= {v:g} ms" for n, v in (("TTFT", slo.ttft_ms), ("TPOT", slo.tpot_ms), ("E2E", slo.e2e_ms))
+             if v is not None]
+    return ", ".join(parts) if parts else "none set (every finished request counts)"
+
+
+def _token_check(s: RunSummary) -> str:
+    tc = s.token_check
+    if tc.checked == 0:
+        return "-"
+    with_usage = tc.checked - tc.missing_usage
+    if with_usage == 0:
+        return "server sent no usage"
+    out = f"prompt {with_usage - tc.prompt_mismatches}/{with_usage}"
+    out += f", output {with_usage - tc.output_mismatches}/{with_usage} exact"
+    if tc.prompt_mismatches or tc.output_mismatches:
+        out += f" (max off {max(tc.prompt_max_abs_diff, tc.output_max_abs_diff)})"
+    return out
+
+
+ROWS: list[tuple[str, Callable[[RunSummary], str]]] = [
+    ("Requests ok / failed", lambda s: f"{s.completed} / {s.failed}"),
+    ("Errors", _errors),
+    ("Duration (s)", lambda s: _num(s.duration_s, 2)),
+    ("Request throughput (req/s)", lambda s: _num(s.request_throughput, 2)),
+    ("Input tokens", lambda s: f"{s.input_tokens:,}"),
+    ("Output tokens", lambda s: f"{s.output_tokens:,}"),
+    ("Input throughput (tok/s)", lambda s: _num(s.input_throughput)),
+    ("Output throughput (tok/s)", lambda s: _num(s.output_throughput)),
+    ("Mean concurrency", lambda s: _num(s.mean_concurrency, 2)),
+    ("Max send lag behind schedule (ms)", lambda s: _num(s.max_send_lag_ms)),
+    *_dist_rows("TTFT", lambda s: s.ttft),
+    *_dist_rows("ITL", lambda s: s.itl),
+    *_dist_rows("TPOT", lambda s: s.tpot),
+    *_dist_rows("E2E latency", lambda s: s.e2e),
+    ("Goodput (share of requests)", lambda s: "-" if s.goodput.share is None else f"{100 * s.goodput.share:.1f}%"),
+    ("Goodput (req/s)", lambda s: _num(s.goodput.rate, 2)),
+    ("Usage vs tokenizer", _token_check),
+]
+
+
+def render_table(summaries: list[RunSummary], title: str, slo: SLO) -> str:
+    header = ["", *[s.label for s in summaries]]
+    body = [[name, *[fn(s) for s in summaries]] for name, fn in ROWS]
+    widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
+
+    def line(row: list[str]) -> str:
+        return "  ".join([row[0].ljust(widths[0]), *[c.rjust(w) for c, w in zip(row[1:], widths[1:])]])
+
+    rule = "-" * len(line(header))
+    out = [title, rule, line(header), rule, *[line(r) for r in body], rule, f"Goodput SLO: {slo_text(slo)}"]
+    return "\n".join(out)

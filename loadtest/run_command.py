@@ -1,0 +1,147 @@
+"""`duet loadtest [run]`: build the workload, run each rate, report, save, plot."""
+from __future__ import annotations
+
+import asyncio
+import datetime as _dt
+import math
+import pathlib
+import random
+import sys
+import time
+
+from loadtest.arrivals import ArrivalProcess, format_rate
+from loadtest.config import RunConfig
+from loadtest.endpoint import api_base, discover_model
+from loadtest.metrics import RunSummary, summarize
+from loadtest.records import RequestRecord
+from loadtest.report_table import render_table
+from loadtest.results_io import write_results
+from loadtest.runner import RateRun, RunResult, run_paced, server_rejects_ignore_eos, warm_up
+from loadtest.sse_client import PreparedRequest, build_body, make_client
+from loadtest.tokenizer_source import TokenCounter, load_tokenizer
+from loadtest.workloads.build import build_workload
+from loadtest.workloads.request_spec import RequestSpec
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def prepare(specs: list[RequestSpec], cfg: RunConfig, model: str, counter: TokenCounter) -> list[PreparedRequest]:
+    out = []
+    for spec in specs:
+        messages = spec.chat_messages() if cfg.endpoint.api == "chat" else None
+        prompt = None if messages is not None else spec.completion_prompt()
+        out.append(PreparedRequest(
+            body=build_body(cfg.endpoint, model, messages, prompt, spec.output_len),
+            prompt_len=counter.prompt_tokens(messages, prompt),
+            max_tokens=spec.output_len,
+        ))
+    return out
+
+
+def _plans(cfg: RunConfig, specs: list[RequestSpec]) -> list[tuple[str, float, object]]:
+    """(label, offered rate, send-time iterator) per run: one per rate, or the trace's own times."""
+    if cfg.workload.name == "trace":
+        return [("trace", math.nan, iter([s.arrival_at or 0.0 for s in specs]))]
+    plans = []
+    for rate in cfg.load.request_rates:
+        label = f"{format_rate(rate)} req/s" if math.isfinite(rate) else (
+            f"conc {cfg.load.max_concurrency}" if cfg.load.max_concurrency else "unpaced")
+        times = ArrivalProcess(rate, cfg.load.burstiness).times(random.Random(cfg.workload.seed))
+        plans.append((label, rate, times))
+    return plans
+
+
+async def _run_all(cfg: RunConfig, url: str, prepared: list[PreparedRequest], specs: list[RequestSpec]) -> list[RunResult]:
+    load = cfg.load
+    # A trace plays once (its send times run out); a duration run cycles the pool until time is up.
+    count = load.request_limit
+    if count is None and load.duration_s is None:
+        count = len(prepared)
+    conns = load.max_concurrency or 1000
+    async with make_client(cfg.endpoint, conns) as client:
+        if cfg.endpoint.ignore_eos == "auto" and await server_rejects_ignore_eos(client, url, cfg.endpoint, prepared[0]):
+            _say("server rejects ignore_eos: sending without it, so outputs may end before max_tokens")
+            for p in prepared:
+                p.body.pop("ignore_eos", None)
+        warm = await warm_up(client, url, cfg.endpoint, prepared, load.warmup_requests, load.max_concurrency,
+                             cfg.output.progress)
+        if warm and not any(r.ok for r in warm):
+            r = warm[0]
+            raise SystemExit(f"warm-up failed: {r.error_kind}: {r.error_detail}")
+        results = []
+        for k, (label, rate, times) in enumerate(_plans(cfg, specs)):
+            if k:
+                await asyncio.sleep(load.sweep_pause_s)
+            run = RateRun(client, url, cfg.endpoint, prepared, times, count, load.duration_s, load.max_concurrency,
+                          load.drain_timeout_s, cfg.output.progress, label)
+            started = time.time()
+            records = await run_paced(run)
+            results.append(RunResult(label, rate, records, started, warm if k == 0 else []))
+    return results
+
+
+def count_output_tokens(records: list[RequestRecord], counter: TokenCounter, keep_text: bool) -> None:
+    """After the run (not during it): re-count each output with our tokenizer."""
+    for r in records:
+        if r.output_text is not None:
+            r.output_tokens_tokenizer = counter.text_tokens(r.output_text)
+        if not keep_text:
+            r.output_text = None
+
+
+def default_output_dir(cfg: RunConfig) -> pathlib.Path:
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return pathlib.Path("loadtest-results") / f"{stamp}-{cfg.workload.name}"
+
+
+def title_of(cfg: RunConfig, base: str, model: str, workload_size: int) -> str:
+    w = cfg.workload
+    what = {"sharegpt": "ShareGPT", "random": f"random {w.input_len}->{w.output_len} tokens",
+            "shared-prefix": f"shared prefix {w.sp_groups}x{w.sp_system_len}+{w.sp_question_len}->{w.sp_output_len}",
+            "trace": f"trace {w.trace_path}"}[w.name]
+    label = f"{cfg.output.label}: " if cfg.output.label else ""
+    return f"{label}{cfg.endpoint.api} API at {base}, model {model}, {what}, {workload_size} requests per run"
+
+
+def run_command(cfg: RunConfig) -> int:
+    base = api_base(cfg.endpoint.base_url)
+    model = cfg.endpoint.model or discover_model(base, cfg.endpoint.headers)
+    _say(f"loading tokenizer {cfg.tokenizer or '(Duet default model)'}")
+    counter = TokenCounter(load_tokenizer(cfg.tokenizer))
+    specs = build_workload(cfg.workload, counter)
+    prepared = prepare(specs, cfg, model, counter)
+    _say(f"{len(prepared)} {cfg.workload.name} requests ready; sending to {base}{cfg.endpoint.path}")
+
+    runs = asyncio.run(_run_all(cfg, base + cfg.endpoint.path, prepared, specs))
+    summaries: list[RunSummary] = []
+    for run in runs:
+        count_output_tokens(run.records, counter, cfg.output.save_text)
+        count_output_tokens(run.warmup, counter, cfg.output.save_text)
+        summaries.append(summarize(run.label, run.request_rate, run.records, cfg.slo, len(run.warmup)))
+
+    title = title_of(cfg, base, model, len(prepared))
+    table = render_table(summaries, title, cfg.slo)
+    print(table)
+    out_dir = pathlib.Path(cfg.output.output_dir) if cfg.output.output_dir else default_output_dir(cfg)
+    meta = {"label": cfg.output.label, "title": title, "base_url": base, "model": model,
+            "tokenizer": cfg.tokenizer, "config": cfg.to_json()}
+    write_results(out_dir / "results.json", meta, runs, summaries)
+    (out_dir / "report.txt").write_text(table + "\n")
+    written = [out_dir / "results.json", out_dir / "report.txt"]
+    if cfg.output.plots:
+        written += write_plots(runs, summaries, cfg, out_dir, cfg.output.label or pathlib.PurePath(model).name)
+    _say("wrote " + ", ".join(str(p) for p in written))
+    return 0 if any(s.completed for s in summaries) else 1
+
+
+def write_plots(runs: list[RunResult], summaries: list[RunSummary], cfg: RunConfig, out_dir: pathlib.Path,
+                name: str) -> list[pathlib.Path]:
+    from loadtest.plots import plot_latency_cdfs, plot_sweep
+
+    paths = [plot_latency_cdfs([(r.label, r.records) for r in runs], out_dir / "latency_cdf.png", cfg.slo,
+                               f"Latency CDFs: {name}")]
+    if sum(math.isfinite(s.request_rate) for s in summaries) > 1:
+        paths.append(plot_sweep({name: summaries}, out_dir / "sweep.png", cfg.slo, f"Request-rate sweep: {name}"))
+    return paths

@@ -1,0 +1,116 @@
+"""Drive one run at one arrival pattern: warm-up, paced sends, drain."""
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import httpx
+
+from loadtest.config import EndpointConfig
+from loadtest.progress import Progress
+from loadtest.records import RequestRecord
+from loadtest.sse_client import PreparedRequest, monotonic_from, send_streaming
+
+
+@dataclass
+class RunResult:
+    label: str
+    request_rate: float  # inf when unpaced; nan for a trace replay
+    records: list[RequestRecord]
+    started_unix: float
+    warmup: list[RequestRecord] = field(default_factory=list)
+
+
+@dataclass
+class RateRun:
+    """What one paced run needs; `count` and `duration_s` bound it (either or both)."""
+
+    client: httpx.AsyncClient
+    url: str
+    endpoint: EndpointConfig
+    prepared: list[PreparedRequest]
+    send_times: Iterator[float]
+    count: int | None
+    duration_s: float | None
+    max_concurrency: int | None
+    drain_timeout_s: float
+    progress: bool = True
+    desc: str = "requests"
+
+
+async def run_paced(run: RateRun) -> list[RequestRecord]:
+    clock = monotonic_from(time.perf_counter())
+    gate = asyncio.Semaphore(run.max_concurrency) if run.max_concurrency else None
+    records: list[RequestRecord] = []
+    tasks: list[asyncio.Task] = []
+    with Progress(total=run.count, desc=run.desc, enabled=run.progress) as progress:
+
+        async def one(rec: RequestRecord, prep: PreparedRequest) -> None:
+            progress.started()
+            try:
+                await send_streaming(run.client, run.url, run.endpoint, prep, rec, clock)
+            finally:
+                if gate is not None:
+                    gate.release()
+                progress.finished(rec.ok)
+
+        for i, at in enumerate(run.send_times):
+            if run.count is not None and i >= run.count:
+                break
+            if run.duration_s is not None and at >= run.duration_s:
+                break
+            delay = at - clock()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if gate is not None:
+                await gate.acquire()  # a closed loop: the next send waits for a free slot
+            if run.duration_s is not None and clock() >= run.duration_s:
+                if gate is not None:
+                    gate.release()
+                break
+            prep = run.prepared[i % len(run.prepared)]
+            rec = RequestRecord(index=i, scheduled_at=at, prompt_len=prep.prompt_len, max_tokens=prep.max_tokens)
+            records.append(rec)
+            tasks.append(asyncio.create_task(one(rec, prep)))
+
+        await _drain(tasks, run.drain_timeout_s if run.duration_s is not None else None)
+    for rec in records:
+        if rec.done_at is None:  # cut off by the drain deadline
+            rec.ok, rec.error_kind, rec.done_at = False, "cancelled_at_end", clock()
+    return records
+
+
+async def _drain(tasks: list[asyncio.Task], timeout_s: float | None) -> None:
+    if not tasks:
+        return
+    _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+    for t in pending:
+        t.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+
+
+async def warm_up(client: httpx.AsyncClient, url: str, endpoint: EndpointConfig, prepared: list[PreparedRequest],
+                  n: int, max_concurrency: int | None, progress: bool) -> list[RequestRecord]:
+    """A few requests before measuring (connections, lazy model loading, caches)."""
+    if n <= 0:
+        return []
+    run = RateRun(client, url, endpoint, prepared, _zeros(), n, None, max_concurrency, math.inf, progress, "warm-up")
+    return await run_paced(run)
+
+
+def _zeros() -> Iterator[float]:
+    while True:
+        yield 0.0
+
+
+
+async def server_rejects_ignore_eos(client: httpx.AsyncClient, url: str, endpoint: EndpointConfig,
+                                    sample: PreparedRequest) -> bool:
+    """One tiny request with ignore_eos: does the server refuse the field (400/422 naming it)?"""
+    probe = PreparedRequest({**sample.body, "max_tokens": 1, "ignore_eos": True}, sample.prompt_len, 1)
+    rec = RequestRecord(index=-1, scheduled_at=0.0, prompt_len=sample.prompt_len, max_tokens=1)
+    await send_streaming(client, url, endpoint, probe, rec, monotonic_from(time.perf_counter()))
+    return rec.http_status in (400, 422) and "ignore_eos" in (rec.error_detail or "")

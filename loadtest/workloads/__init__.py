@@ -1,0 +1,1 @@
+"""Workloads: where prompts and output lengths come from."""
