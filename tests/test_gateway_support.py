@@ -74,3 +74,146 @@ def sentencepiece_tokenizer_dir(folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(str(folder))
     return folder
+
+
+# --- a scripted backend and a real uvicorn server -------------------------------------
+
+import asyncio
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ScriptedBackend:
+    """A GenerationBackend that replays a fixed token script (a stand-in for the engine
+    where a test needs exact control: refusals, mid-stream failures, slow tokens).
+    It records every request and every early close, which is what the tests check."""
+
+    script: list[int]
+    eos_token_id: int
+    model_name: str = "tiny"
+    max_context_len: int = 256
+    delay_s: float = 0.0
+    tokens_per_event: int = 1
+    refuse: Exception | None = None            # raised before the first token
+    fail_after_tokens: int | None = None       # raise `fail_with` after this many tokens
+    fail_with: Exception | None = None
+    is_ready: bool = True
+    requests: list = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+
+    def ready(self) -> bool:
+        return self.is_ready
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    async def generate(self, request):
+        from services.gateway.backend import TokenEvent, TokenLogprob
+
+        self.requests.append(request)
+        sampling = request.sampling
+        sent = 0
+        try:
+            if self.refuse is not None:
+                raise self.refuse
+            script = list(self.script) + [self.eos_token_id]
+            if sampling.ignore_eos:  # keep "generating" EOS until max_tokens
+                script += [self.eos_token_id] * max(0, sampling.max_tokens - len(script))
+            while sent < len(script):
+                if self.delay_s:
+                    await asyncio.sleep(self.delay_s)
+                batch = script[sent:sent + self.tokens_per_event]
+                finish = None
+                for i, token in enumerate(batch):
+                    n = sent + i + 1
+                    if token == self.eos_token_id and not sampling.ignore_eos:
+                        finish = "stop"
+                    elif n >= sampling.max_tokens:
+                        finish = "length"
+                    if finish:
+                        batch = batch[: i + 1]
+                        break
+                if self.fail_after_tokens is not None and sent + len(batch) > self.fail_after_tokens:
+                    raise self.fail_with
+                logprobs = None
+                if sampling.logprobs:
+                    logprobs = [
+                        TokenLogprob(t, -0.25 * (sent + j + 1),
+                                     [((t + k) % 300, -0.25 * (sent + j + 1) - k) for k in range(sampling.top_logprobs)])
+                        for j, t in enumerate(batch)
+                    ]
+                if finish:
+                    # Done before the last yield: a consumer may close us right after it.
+                    self.finished.append(request.request_id)
+                yield TokenEvent(batch, logprobs=logprobs, finish_reason=finish,
+                                 cached_tokens=2 if sent == 0 else None)
+                sent += len(batch)
+                if finish:
+                    return
+        except (GeneratorExit, asyncio.CancelledError):
+            if request.request_id not in self.finished:
+                self.cancelled.append(request.request_id)
+            raise
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class UvicornThread:
+    """A real uvicorn server on 127.0.0.1:<free port>, in a thread of this process."""
+
+    def __init__(self, app, port: int | None = None):
+        import uvicorn
+
+        self.port = port or free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    lifespan="on", timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "UvicornThread":
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def wait_until(predicate, timeout: float = 5.0, interval: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+def sse_data(lines) -> list:
+    """Parse SSE `data:` payloads (JSON objects, or the string "[DONE]")."""
+    import json as _json
+
+    out = []
+    for line in lines:
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            out.append(payload if payload == "[DONE]" else _json.loads(payload))
+    return out

@@ -1,0 +1,259 @@
+"""The OpenAI endpoints: parse, tokenize, run one Generation, answer as JSON or SSE."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from opentelemetry import propagate, trace
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from services.gateway.backend import BackendError, GenerationBackend, GenerationRequest, SamplingOptions
+from services.gateway.errors import (
+    APIError,
+    from_backend_error,
+    from_invalid_request,
+    internal_error,
+    model_not_found,
+)
+from services.gateway.generation import Generation, OutputDelta
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.prompt import PromptBuilder
+from services.gateway.response_format import ChatFormatter, CompletionFormatter
+from services.gateway.sampling import chat_sampling, completion_sampling
+from services.gateway.sse import DONE_EVENT, ClientDisconnected, EventStreamResponse, run_until_disconnect, sse_event
+from services.gateway.token_strings import TokenStrings
+from shared.openai_protocol.errors import InvalidRequest
+from shared.openai_protocol.requests import parse_chat_request, parse_completion_request
+
+log = logging.getLogger("duet.gateway")
+
+ENDPOINT_CHAT = "chat_completions"
+ENDPOINT_COMPLETIONS = "completions"
+# Label for requests whose client went away (nginx's 499: client closed request).
+STATUS_CANCELLED = "cancelled"
+
+
+@dataclass
+class GatewayContext:
+    """Everything a request needs, built once at start (no module globals)."""
+
+    backend: GenerationBackend
+    prompts: PromptBuilder
+    metrics: GatewayMetrics
+    served_model_name: str
+    max_context_len: int
+    tracer: Any = field(default_factory=lambda: trace.get_tracer("duet-gateway"))
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.token_strings = TokenStrings(self.prompts.tokenizer)
+
+
+@dataclass
+class PreparedRequest:
+    """A checked request: what to generate and how to write it out."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingOptions
+    formatter: ChatFormatter | CompletionFormatter
+    stream: bool
+    include_usage: bool
+
+
+class OpenAIEndpoints:
+    def __init__(self, ctx: GatewayContext):
+        self.ctx = ctx
+
+    # --- routes -------------------------------------------------------------------
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._serve(request, ENDPOINT_CHAT, self._prepare_chat)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, ENDPOINT_COMPLETIONS, self._prepare_completion)
+
+    async def list_models(self) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def get_model(self, model: str) -> Response:
+        if model != self.ctx.served_model_name:
+            return model_not_found(model).response()
+        return JSONResponse(self._model_card())
+
+    async def health(self) -> Response:
+        if self.ctx.backend.ready():
+            return JSONResponse({"status": "ok"})
+        return APIError(503, "the backend is not ready to serve yet", "server_error", None,
+                        "not_ready").response()
+
+    async def prometheus(self) -> Response:
+        return Response(self.ctx.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    def _model_card(self) -> dict:
+        return {"id": self.ctx.served_model_name, "object": "model", "created": self.ctx.created,
+                "owned_by": "duet", "max_model_len": self.ctx.max_context_len}
+
+    # --- request preparation -----------------------------------------------------------
+
+    def _check_model(self, model: str | None) -> None:
+        # A missing model means the one we serve (as vLLM does); a wrong one is a 404.
+        if model is not None and model != self.ctx.served_model_name:
+            raise model_not_found(model)
+
+    async def _prepare_chat(self, body: bytes) -> PreparedRequest:
+        req = parse_chat_request(body)
+        self._check_model(req.model)
+        prompt_ids = await asyncio.to_thread(
+            self.ctx.prompts.chat_prompt_ids, req.template_messages(), req.chat_template_kwargs)
+        sampling = chat_sampling(req, len(prompt_ids), self.ctx.max_context_len)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        formatter = ChatFormatter(request_id, self.ctx.served_model_name, int(time.time()), self.ctx.token_strings,
+                                  logprobs=sampling.logprobs, top_logprobs=sampling.top_logprobs,
+                                  include_usage=req.include_usage)
+        return PreparedRequest(request_id, prompt_ids, sampling, formatter, bool(req.stream), req.include_usage)
+
+    async def _prepare_completion(self, body: bytes) -> PreparedRequest:
+        req = parse_completion_request(body)
+        self._check_model(req.model)
+        prompt = req.single_prompt()
+        if isinstance(prompt, str):
+            prompt_ids = await asyncio.to_thread(self.ctx.prompts.text_prompt_ids, prompt)
+        else:
+            prompt_ids = self.ctx.prompts.check_token_ids(prompt)
+        sampling = completion_sampling(req, len(prompt_ids), self.ctx.max_context_len)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        formatter = CompletionFormatter(request_id, self.ctx.served_model_name, int(time.time()),
+                                        self.ctx.token_strings, logprobs=req.logprobs,
+                                        include_usage=req.include_usage)
+        return PreparedRequest(request_id, prompt_ids, sampling, formatter, bool(req.stream), req.include_usage)
+
+    # --- serving --------------------------------------------------------------------------
+
+    async def _serve(self, request: Request, endpoint: str,
+                     prepare: Callable[[bytes], Awaitable[PreparedRequest]]) -> Response:
+        arrived_at = time.monotonic()
+        metrics = self.ctx.metrics
+        metrics.inflight.labels(endpoint).inc()
+        span = self.ctx.tracer.start_span(
+            f"POST /v1/{endpoint.replace('_', '/')}", context=propagate.extract(dict(request.headers)),
+            kind=trace.SpanKind.SERVER)
+        outcome = _Outcome(lambda status: self._finish(endpoint, status, span))
+        try:
+            try:
+                prepared = await prepare(await request.body())
+            except InvalidRequest as exc:
+                raise from_invalid_request(exc) from None
+            span.set_attribute("duet.request_id", prepared.request_id)
+            span.set_attribute("duet.prompt_tokens", len(prepared.prompt_token_ids))
+            trace_context: dict[str, str] = {}
+            propagate.inject(trace_context, context=trace.set_span_in_context(span))
+            gen_request = GenerationRequest(prepared.request_id, prepared.prompt_token_ids, prepared.sampling,
+                                            model=self.ctx.served_model_name, trace_context=trace_context)
+            metrics.prompt_tokens.labels(endpoint).inc(len(prepared.prompt_token_ids))
+            generation = Generation(self.ctx.backend, gen_request, self.ctx.prompts.tokenizer, metrics, endpoint,
+                                    arrived_at=arrived_at)
+            headers = {"X-Request-Id": prepared.request_id}
+            if prepared.stream:
+                response = await self._stream(request, generation, prepared, outcome, headers)
+                outcome.handed_off = True  # the stream records its own outcome when it ends
+                return response
+            body = await run_until_disconnect(request.receive, self._collect(generation, prepared))
+            outcome.record(200)
+            return JSONResponse(body, headers=headers)
+        except APIError as exc:
+            outcome.record(exc.status)
+            return exc.response()
+        except BackendError as exc:
+            error = from_backend_error(exc)
+            outcome.record(error.status)
+            return error.response()
+        except ClientDisconnected:
+            outcome.record(STATUS_CANCELLED)
+            return Response(status_code=499)
+        except Exception:
+            log.exception("request failed")
+            outcome.record(500)
+            return internal_error().response()
+        finally:
+            if not outcome.handed_off:
+                outcome.record(STATUS_CANCELLED)  # no-op when recorded; cancelled task otherwise
+
+    def _finish(self, endpoint: str, status, span) -> None:
+        self.ctx.metrics.requests.labels(endpoint, str(status)).inc()
+        self.ctx.metrics.inflight.labels(endpoint).dec()
+        span.set_attribute("http.status_code", status if isinstance(status, int) else 499)
+        span.end()
+
+    async def _collect(self, generation: Generation, prepared: PreparedRequest) -> dict:
+        deltas: list[OutputDelta] = []
+        async for delta in generation.deltas():
+            deltas.append(delta)
+        return prepared.formatter.response(deltas, generation.stats)
+
+    async def _stream(self, request: Request, generation: Generation, prepared: PreparedRequest,
+                      outcome: "_Outcome", headers: dict[str, str]) -> Response:
+        deltas = generation.deltas()
+        # Wait for the first delta before answering 200, so that a refusal (no KV room,
+        # no workers) is still a proper HTTP status rather than an in-stream error.
+        try:
+            first = await run_until_disconnect(request.receive, _next(deltas))
+        except BaseException:
+            await deltas.aclose()
+            raise
+        formatter = prepared.formatter
+        status: dict[str, Any] = {"value": 200}
+
+        async def events():
+            try:
+                for chunk in formatter.opening_chunks():
+                    yield sse_event(chunk)
+                delta = first
+                while True:
+                    for chunk in formatter.chunks_for(delta):
+                        yield sse_event(chunk)
+                    if delta.finish_reason is not None:
+                        break
+                    delta = await deltas.__anext__()
+                if prepared.include_usage:
+                    yield sse_event(formatter.usage_chunk(generation.stats))
+                yield DONE_EVENT
+            except BackendError as exc:
+                error = from_backend_error(exc)
+                status["value"] = error.status
+                yield error.sse_event()
+            except Exception:
+                log.exception("stream failed")
+                status["value"] = 500
+                yield internal_error().sse_event()
+
+        async def on_close(disconnected: bool) -> None:
+            await deltas.aclose()  # aborts the backend's work if it is still running
+            outcome.record(STATUS_CANCELLED if disconnected else status["value"])
+
+        return EventStreamResponse(events(), on_close, headers)
+
+
+async def _next(iterator):
+    return await iterator.__anext__()
+
+
+class _Outcome:
+    """Records a request's outcome exactly once (metrics, span)."""
+
+    def __init__(self, finish: Callable[[Any], None]):
+        self._finish = finish
+        self.recorded = False
+        self.handed_off = False
+
+    def record(self, status) -> None:
+        if not self.recorded:
+            self.recorded = True
+            self._finish(status)

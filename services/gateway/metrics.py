@@ -1,0 +1,43 @@
+"""The gateway's Prometheus metrics, in a registry of its own (no process-global state)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Seconds; TTFT spans queueing and prefill, ITL one decode step.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+
+
+@dataclass
+class GatewayMetrics:
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.time_to_first_token = Histogram(
+            "duet_time_to_first_token_seconds", "Request arrival to first token, seconds",
+            ["endpoint"], buckets=TTFT_BUCKETS, registry=r)
+        self.inter_token_latency = Histogram(
+            "duet_inter_token_latency_seconds", "Time between consecutive output tokens, seconds",
+            ["endpoint"], buckets=ITL_BUCKETS, registry=r)
+        self.e2e_latency = Histogram(
+            "duet_e2e_request_latency_seconds", "Request arrival to last token, seconds",
+            ["endpoint"], buckets=E2E_BUCKETS, registry=r)
+        self.requests = Counter(
+            "duet_requests_total", "Finished requests by endpoint and outcome (HTTP status, or "
+            "'cancelled' when the client left)", ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter(
+            "duet_prompt_tokens_total", "Prompt tokens of admitted requests", ["endpoint"], registry=r)
+        self.generation_tokens = Counter(
+            "duet_generation_tokens_total", "Generated tokens", ["endpoint"], registry=r)
+        self.cached_prompt_tokens = Counter(
+            "duet_cached_prompt_tokens_total", "Prompt tokens served from a prefix cache", ["endpoint"], registry=r)
+        self.inflight = Gauge(
+            "duet_gateway_inflight_requests", "Requests being served by this gateway", ["endpoint"], registry=r)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

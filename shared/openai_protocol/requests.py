@@ -1,0 +1,255 @@
+"""Request bodies of POST /v1/chat/completions and /v1/completions.
+
+pydantic checks the shape and JSON types (strict: "0.5" is not a number, 1 is not a
+boolean); `check()` then checks ranges and combinations with messages that name the
+parameter, as OpenAI's API does. Unknown fields are ignored (as vLLM does), so
+clients that send newer OpenAI fields keep working. Extensions follow vLLM's names:
+top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids, chat_template_kwargs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from shared.openai_protocol.errors import InvalidRequest
+
+MAX_TOP_LOGPROBS = 20
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# Union member names pydantic puts into an error's location; not part of the param path.
+_LOC_NOISE = {"str", "int", "float", "bool", "dict", "list", "none", "function-after", "function-before"}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class _SamplingFields(_Body):
+    """Fields both endpoints share."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM-style extensions (the openai client sends them through extra_body)
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+
+    @property
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def _check_sampling(self) -> None:
+        _range("temperature", self.temperature, 0.0, 2.0)
+        if self.top_p is not None and not (0.0 < self.top_p <= 1.0):
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        _range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _range("min_p", self.min_p, 0.0, 1.0)
+        if self.top_k is not None and self.top_k < -1:
+            raise InvalidRequest(f"top_k must be -1 or 0 (off) or >= 1, got {self.top_k}", "top_k")
+        if self.repetition_penalty is not None and not self.repetition_penalty > 0.0:
+            raise InvalidRequest(f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+                                 "repetition_penalty")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise InvalidRequest(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
+        if self.n is not None and self.n != 1:
+            raise InvalidRequest(f"n={self.n} is not supported: this server returns exactly one choice (n=1)", "n")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequest("stream_options is only allowed when stream is true", "stream_options")
+        for i, stop in enumerate(self.stop_list):
+            if stop == "":
+                raise InvalidRequest("stop strings must not be empty", f"stop[{i}]" if isinstance(self.stop, list) else "stop")
+        for i, token_id in enumerate(self.stop_token_ids or []):
+            if token_id < 0:
+                raise InvalidRequest(f"stop_token_ids must be non-negative, got {token_id}", f"stop_token_ids[{i}]")
+        if self.logit_bias:
+            raise InvalidRequest("logit_bias is not supported", "logit_bias")
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @property
+    def completion_limit(self) -> int | None:
+        """max_completion_tokens wins over the older max_tokens, as in OpenAI's API."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_top_logprobs(self) -> int:
+        return self.top_logprobs or 0
+
+    def check(self) -> None:
+        self._check_sampling()
+        if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
+            raise InvalidRequest(f"max_completion_tokens must be at least 1, got {self.max_completion_tokens}",
+                                 "max_completion_tokens")
+        if not self.messages:
+            raise InvalidRequest("messages must contain at least one message", "messages")
+        for i, message in enumerate(self.messages):
+            _check_message(message, f"messages[{i}]")
+        if self.top_logprobs is not None:
+            _range("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)
+            if self.top_logprobs > 0 and not self.logprobs:
+                raise InvalidRequest("top_logprobs requires logprobs to be true", "top_logprobs")
+        if self.tools:
+            raise InvalidRequest("tools (function calling) are not supported by this server", "tools")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise InvalidRequest("tool_choice is not supported by this server", "tool_choice")
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise InvalidRequest("only response_format {\"type\": \"text\"} is supported", "response_format")
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages as chat templates expect them: text content as one string."""
+        out = []
+        for message in self.messages:
+            entry: dict[str, Any] = {"role": message.role, "content": _content_text(message.content)}
+            for key in ("name", "tool_calls", "tool_call_id"):
+                value = getattr(message, key)
+                if value is not None:
+                    entry[key] = value
+            out.append(entry)
+        return out
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]] | None = None
+    logprobs: int | None = None
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check(self) -> None:
+        self._check_sampling()
+        if self.logprobs is not None:
+            _range("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)
+        if self.echo:
+            raise InvalidRequest("echo is not supported by this server", "echo")
+        if self.best_of is not None and self.best_of != 1:
+            raise InvalidRequest("best_of > 1 is not supported by this server", "best_of")
+        if self.suffix:
+            raise InvalidRequest("suffix is not supported by this server", "suffix")
+        self.single_prompt()  # raises on a missing, empty or batched prompt
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt: text or token ids. A batch of one is unwrapped."""
+        prompt = self.prompt
+        if prompt is None:
+            raise InvalidRequest("prompt is required", "prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise InvalidRequest("a batch of several prompts is not supported: send one prompt per request",
+                                     "prompt")
+            prompt = prompt[0]
+        if len(prompt) == 0:
+            raise InvalidRequest("prompt must not be empty", "prompt")
+        if isinstance(prompt, list) and any(t < 0 for t in prompt):
+            raise InvalidRequest("prompt token ids must be non-negative", "prompt")
+        return prompt
+
+
+def parse_chat_request(body: bytes) -> ChatCompletionRequest:
+    request = _parse(ChatCompletionRequest, body)
+    request.check()
+    return request
+
+
+def parse_completion_request(body: bytes) -> CompletionRequest:
+    request = _parse(CompletionRequest, body)
+    request.check()
+    return request
+
+
+def _parse(model: type[BaseModel], body: bytes):
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise _as_invalid_request(exc) from None
+
+
+def _as_invalid_request(exc: ValidationError) -> InvalidRequest:
+    first = exc.errors(include_url=False)[0]
+    if first["type"] == "json_invalid":
+        return InvalidRequest(f"The request body is not valid JSON: {first['msg']}")
+    if first["type"] == "model_type" and not first["loc"]:
+        return InvalidRequest("The request body must be a JSON object")
+    param = _param_path(first["loc"])
+    if first["type"] == "missing":
+        return InvalidRequest(f"Missing required parameter: '{param}'", param)
+    return InvalidRequest(f"Invalid type for '{param}': {first['msg']}", param)
+
+
+def _param_path(loc: tuple) -> str:
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part in _LOC_NOISE or "[" in str(part):
+            continue
+        else:
+            path += f".{part}" if path else str(part)
+    return path
+
+
+def _range(name: str, value, low, high) -> None:
+    if value is not None and not (low <= value <= high):
+        raise InvalidRequest(f"{name} must be between {low} and {high}, got {value}", name)
+
+
+def _check_message(message: ChatMessage, param: str) -> None:
+    if message.role not in CHAT_ROLES:
+        raise InvalidRequest(f"Invalid role {message.role!r}: expected one of {', '.join(CHAT_ROLES)}",
+                             f"{param}.role")
+    if isinstance(message.content, list):
+        for j, part in enumerate(message.content):
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise InvalidRequest("only text content parts ({\"type\": \"text\", \"text\": ...}) are supported",
+                                     f"{param}.content[{j}]")
+    if message.content is None and message.role != "assistant":
+        raise InvalidRequest(f"Missing required parameter: '{param}.content'", f"{param}.content")
+
+
+def _content_text(content: str | list[dict[str, Any]] | None) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part["text"] for part in content)
