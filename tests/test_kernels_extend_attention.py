@@ -104,6 +104,14 @@ def test_triton_matches_reference(runner, dtype, case):
     assert relative_error(out, ref) < _tolerance(dtype)
 
 
+@pytest.mark.skipif(CUDA, reason="covered by the dtype sweep on CUDA")
+def test_half_precision_in_interpreter(runner):
+    """fp16 through the interpreter (its tl.dot is wrong for bf16; bf16 runs on CUDA)."""
+    kv, q, qo_indptr = _build(([20, 7], [9, 0], 8, 2, 64, 16), torch.float16, runner.device)
+    args = (q, kv.k_cache, kv.v_cache, kv.page_table, qo_indptr, kv.seq_lens, 0.125)
+    assert relative_error(runner(TARGET, *args), extend_attention_reference(*args)) < 5e-3
+
+
 def test_given_max_extend_len_matches_derived(runner):
     """The engine passes max_extend_len from the host; same result as deriving it."""
     case = ([9, 17], [3, 0], 8, 2, 64, 16)
