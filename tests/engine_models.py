@@ -1,0 +1,157 @@
+"""Test helpers for the engine: random-weight HF model folders built from transformers
+configs, HF reference generation, and a loop that drives our engine to completion.
+
+Weights are drawn with a fixed seed and a large init scale so greedy outputs are varied
+(not one token repeated), and norm weights / biases are perturbed so loading them wrongly
+changes the outputs."""
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=512, max_position_embeddings=512, rms_norm_eps=1e-6,
+             bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+# name -> (config class name, overrides). Cover tied/untied embeddings, GQA ratios, Qwen2
+# biases, a Qwen3 whose head_dim differs from hidden/heads, and rope scalings.
+SMALL_CONFIGS: dict[str, tuple[str, dict]] = {
+    "llama_tied_gqa2": ("LlamaConfig", dict(tie_word_embeddings=True, initializer_range=0.3)),
+    "llama_untied_mha_llama3rope": ("LlamaConfig", dict(
+        tie_word_embeddings=False, num_key_value_heads=4, initializer_range=0.3,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 32})),
+    "llama_mqa_linearrope": ("LlamaConfig", dict(
+        tie_word_embeddings=False, num_key_value_heads=1, initializer_range=0.3,
+        rope_parameters={"rope_type": "linear", "rope_theta": 500.0, "factor": 2.0})),
+    "qwen2_untied_bias": ("Qwen2Config", dict(tie_word_embeddings=False, initializer_range=0.3)),
+    "qwen2_tied": ("Qwen2Config", dict(tie_word_embeddings=True, num_key_value_heads=1,
+                                       initializer_range=0.3)),
+    "qwen3_headdim32": ("Qwen3Config", dict(tie_word_embeddings=False, head_dim=32,
+                                            initializer_range=0.3)),
+    "qwen3_tied_gqa4": ("Qwen3Config", dict(tie_word_embeddings=True, num_attention_heads=8,
+                                            num_key_value_heads=2, head_dim=16,
+                                            initializer_range=0.3)),
+}
+
+
+def make_config(kind: str, **overrides):
+    import transformers
+    cls_name, extra = SMALL_CONFIGS[kind]
+    kw = {**SMALL, **extra, **overrides}
+    if cls_name != "LlamaConfig":
+        kw.setdefault("use_sliding_window", False)
+    return getattr(transformers, cls_name)(**kw)
+
+
+def build_model_dir(path: Path, kind: str, seed: int = 0, max_shard_size: str | None = None,
+                    tokenizer_from: Path | None = None, dtype: torch.dtype = torch.float32,
+                    **overrides) -> Path:
+    """Save a random-weight model of config `kind` into `path` (safetensors)."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    cfg = make_config(kind, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.2 * torch.randn_like(p))
+    model = model.to(dtype)
+    path.mkdir(parents=True, exist_ok=True)
+    kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kw)
+    GenerationConfig(bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id,
+                     pad_token_id=cfg.pad_token_id).save_pretrained(path)
+    if tokenizer_from is not None:
+        copy_tokenizer(tokenizer_from, path)
+    return path
+
+
+def copy_tokenizer(src: Path, dst: Path) -> None:
+    """A real tokenizer for a random model (ids below the small vocab decode to real text)."""
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (src / name).is_file():
+            shutil.copy(src / name, dst / name)
+
+
+def random_prompts(n: int, lengths: list[int], vocab: int = 512, seed: int = 1) -> list[list[int]]:
+    """Token-id prompts avoiding the low special ids (0..15), so EOS (2) is never in a prompt."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(16, vocab, (lengths[i % len(lengths)],), generator=g).tolist()
+            for i in range(n)]
+
+
+# -- HF reference --------------------------------------------------------------------------
+def load_hf(model_dir: Path, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager")
+    return model.eval()
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt: list[int], max_new: int, **gen_kw) -> list[int]:
+    """transformers' greedy continuation of one prompt (no padding), stopping at EOS."""
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                         do_sample=False, num_beams=1, top_k=None, top_p=None, temperature=None,
+                         **gen_kw)
+    return out[0, len(prompt):].tolist()
+
+
+@torch.no_grad()
+def hf_logits(model, tokens: list[int]) -> torch.Tensor:
+    """[len(tokens), vocab] logits, row i predicting token i+1 (float64)."""
+    ids = torch.tensor([tokens])
+    return model(ids).logits[0].double()
+
+
+# -- driving our engine --------------------------------------------------------------------
+@dataclass
+class Result:
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    top_logprobs: list = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: object = None
+    text: str | None = None
+    num_cached_tokens: int = 0
+
+
+def run_engine(engine, prompts: list[list[int]], params, max_steps: int = 100_000,
+               rids: list[str] | None = None) -> list[Result]:
+    """Add every prompt at once, step until all finish; results in prompt order."""
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    ids = [engine.add_request(p, sp, rid=(rids[i] if rids else None))
+           for i, (p, sp) in enumerate(zip(prompts, params))]
+    results = {rid: Result() for rid in ids}
+    steps = 0
+    while engine.has_work:
+        for out in engine.step():
+            r = results[out.rid]
+            r.token_ids.extend(out.token_ids)
+            r.logprobs.extend(out.logprobs)
+            r.top_logprobs.extend(out.top_logprobs)
+            r.num_cached_tokens = out.num_cached_tokens
+            if out.text is not None:
+                r.text = out.text
+            if out.finished:
+                r.finish_reason, r.stop_reason = out.finish_reason, out.stop_reason
+        steps += 1
+        assert steps < max_steps, "engine did not finish"
+    return [results[rid] for rid in ids]
+
+
+def assert_all_pages_free(engine) -> None:
+    """Every page is free or cached-and-evictable, nothing is locked or reserved."""
+    engine.check_idle()
+    kv = engine.kv
+    assert kv.allocator.num_free + kv.cache.num_cached_pages == kv.capacity
+    assert kv.cache.num_locked_pages == 0
+    assert engine.kv_usage == 0
+    assert not engine.requests and not engine.scheduler.running and not engine.scheduler.waiting
