@@ -51,7 +51,10 @@ def relax_version_guards(pb2_text: str, grpc_text: str) -> tuple[str, str]:
 
 
 def run_protoc(out_dir: Path, *, with_pyi: bool = True) -> None:
-    """Compile duet.proto into out_dir/protos/ with grpc_tools."""
+    """Compile duet.proto into out_dir/protos/ with grpc_tools.
+
+    Never import grpc_tools into a process that has NIXL loaded: their native
+    libraries clash and the process crashes (seen with grpcio-tools 1.85 + nixl 1.5)."""
     from grpc_tools import protoc  # imported here: only needed to regenerate
     import importlib.resources
 
