@@ -1,0 +1,120 @@
+"""Decode side of the handoff: reserved pages, completion notices, and the rule that
+reserved pages are never reused while a write into them may still land.
+
+Runs on the engine-loop thread. A reservation is freed when it is consumed by a decode,
+or, once cancelled, when its notice (done or abort) arrives, or when its writer has left
+the registry, or after `quarantine_s` (longer than prefill's own write timeout)."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from shared.kv_transfer.notice import TransferNotice
+
+log = logging.getLogger("duet.decode")
+
+
+@dataclass(eq=False)
+class Reservation:
+    reservation_id: int
+    generation: int
+    request_id: str
+    page_ids: list[int]
+    writer_id: str
+    prompt_tokens: int
+    created: float = field(default_factory=time.monotonic)
+    notice: TransferNotice | None = None
+    notice_at: float | None = None
+    cancelled: bool = False
+    waiter: Callable[[], None] | None = None  # wakes the Generate handler
+
+    @property
+    def key(self) -> str:
+        return f"res-{self.reservation_id}"
+
+
+class ReservationBook:
+    def __init__(self, engine, agent, is_live: Callable[[str], bool], quarantine_s: float = 60.0,
+                 metrics=None):
+        self.engine = engine
+        self.agent = agent
+        self.is_live = is_live
+        self.quarantine_s = quarantine_s
+        self.metrics = metrics
+        self.open: dict[int, Reservation] = {}
+        self._ids = itertools.count(1)
+        self.generation = 1  # ids are never reused in one instance; the nonce covers restarts
+
+    # -- admission --------------------------------------------------------------------------
+    def try_reserve(self, request_id: str, prompt_tokens: int, max_tokens: int, writer_id: str,
+                    max_running: int) -> Reservation | None:
+        eng = self.engine
+        running = len(eng.scheduler.running) + len(self.open)
+        if running >= max_running:
+            return None
+        need = eng.kv.pages_for(prompt_tokens)
+        # leave one page per running request for its next decode step, plus this one's first
+        headroom = sum(1 for r in eng.scheduler.running if r.is_decoding) + 1
+        if eng.kv.available - need < headroom:
+            return None
+        rid = next(self._ids)
+        res = Reservation(rid, self.generation, request_id, [], writer_id, prompt_tokens)
+        pages = eng.reserve(res.key, prompt_tokens)
+        if pages is None:
+            return None
+        res.page_ids = pages
+        self.open[rid] = res
+        return res
+
+    def get(self, reservation_id: int, generation: int) -> Reservation | None:
+        res = self.open.get(reservation_id)
+        return res if res is not None and res.generation == generation else None
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def consume(self, res: Reservation) -> None:
+        """The reservation's pages now belong to a running request (engine.add_prefilled)."""
+        self.open.pop(res.reservation_id, None)
+
+    def cancel(self, reservation_id: int, generation: int) -> bool:
+        res = self.get(reservation_id, generation)
+        if res is None:
+            return False
+        res.cancelled = True
+        self._maybe_free(res)
+        return True
+
+    def writes_may_land(self, res: Reservation) -> bool:
+        if res.notice is not None:
+            return False
+        if not self.is_live(res.writer_id):
+            return False
+        return time.monotonic() - res.created < self.quarantine_s
+
+    def _maybe_free(self, res: Reservation) -> None:
+        if res.cancelled and not self.writes_may_land(res):
+            self.open.pop(res.reservation_id, None)
+            self.engine.cancel_reservation(res.key)
+
+    def tick(self) -> bool:
+        for notice in self.agent.get_notices():
+            res = self.get(notice.reservation_id, notice.generation)
+            if res is None:
+                log.debug("late notice for reservation %s/%s ignored", notice.reservation_id, notice.generation)
+                continue
+            res.notice, res.notice_at = notice, time.monotonic()
+            if self.metrics is not None and notice.kind == "done":
+                self.metrics.observe_kv_transfer("received", notice.kv_bytes, res.notice_at - res.created)
+            if res.waiter is not None:
+                res.waiter()
+            self._maybe_free(res)
+        for res in [r for r in self.open.values() if r.cancelled]:
+            self._maybe_free(res)
+        return bool(self.open)
+
+
+def waiter_for(aloop: asyncio.AbstractEventLoop, event: asyncio.Event) -> Callable[[], None]:
+    return lambda: aloop.call_soon_threadsafe(event.set)

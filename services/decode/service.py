@@ -1,0 +1,188 @@
+"""The Decode gRPC service: admission (Reserve/Cancel) and token streaming (Generate).
+
+Generate with a reservation waits for prefill's completion notice, joins the request to
+the running batch and streams from the second token on. If the notice does not come in
+time (or the writer is gone, or it aborted) decode recomputes the prompt itself into fresh
+pages, unless configured to fail. Without a reservation it serves the whole request
+(colocated, a `both` worker)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+import grpc
+
+from protos import duet_pb2, duet_pb2_grpc
+from services.decode.reservations import waiter_for
+from services.worker.context import WorkerContext
+from services.worker.convert import FINISH, sampling_from_proto, tokens_to_proto
+
+log = logging.getLogger("duet.decode")
+
+
+class DecodeService(duet_pb2_grpc.DecodeServicer):
+    def __init__(self, ctx: WorkerContext):
+        self.ctx = ctx
+
+    # -- admission ------------------------------------------------------------------------
+    async def Reserve(self, request: duet_pb2.ReserveRequest, context):
+        ctx = self.ctx
+        if ctx.book is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"a {ctx.config.role} worker takes no reservations")
+        eng = ctx.engine
+        total = request.prompt_tokens + max(request.max_tokens, 1)
+        if request.prompt_tokens <= 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_tokens must be positive")
+        if total > eng.max_model_len:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"prompt ({request.prompt_tokens}) + max_tokens ({request.max_tokens}) exceeds "
+                                f"the context length ({eng.max_model_len})")
+        if eng.kv.pages_for(total) > eng.kv.capacity:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"request needs {total} tokens of KV; this decode worker holds "
+                                f"{eng.kv.capacity * ctx.page_size}")
+        wait_s = (request.timeout_ms / 1000.0) if request.timeout_ms else ctx.config.reserve_timeout_s
+        deadline = time.monotonic() + wait_s
+        with ctx.span("reserve", context, request_id=request.request_id):
+            while True:
+                res = await ctx.loop.acall(lambda: ctx.book.try_reserve(
+                    request.request_id, request.prompt_tokens, request.max_tokens,
+                    request.prefill_worker_id, ctx.config.max_running_requests))
+                if res is not None:
+                    break
+                if time.monotonic() >= deadline:
+                    ctx.metrics.request_finished("rejected")
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                        f"decode worker {ctx.worker_id} has no room after {wait_s:.1f}s")
+                await asyncio.sleep(0.01)
+        reply = duet_pb2.Reservation(
+            reservation_id=res.reservation_id, generation=res.generation, decode_worker_id=ctx.worker_id,
+            decode_instance_nonce=ctx.instance_nonce, page_size=ctx.page_size,
+            num_layers=eng.layout.num_layers, kv_dtype=str(eng.dtype).removeprefix("torch."),
+            compat_hash=ctx.compat_hash)
+        reply.ranks.add(rank=0, agent_name=ctx.agent.name, page_ids=res.page_ids)
+        return reply
+
+    async def Cancel(self, request: duet_pb2.CancelRequest, context):
+        if self.ctx.book is None:
+            return duet_pb2.CancelReply(cancelled=False)
+        ok = await self.ctx.loop.acall(lambda: self.ctx.book.cancel(request.reservation_id, request.generation))
+        return duet_pb2.CancelReply(cancelled=ok)
+
+    # -- streaming ------------------------------------------------------------------------
+    async def Generate(self, request: duet_pb2.GenerateRequest, context):
+        ctx = self.ctx
+        rid = request.request_id or uuid.uuid4().hex
+        try:
+            params = sampling_from_proto(request.sampling)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        prompt = list(request.prompt_token_ids)
+        split = request.HasField("reservation")
+        aloop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        with ctx.span("decode", context, request_id=rid, split=split):
+            if split:
+                started = await self._join_split(request, rid, prompt, params, aloop, q, context)
+            else:
+                started = await self._start_colocated(rid, prompt, params, aloop, q, context)
+            emitted = 1 if split else 0
+            finished = started is not None and started.finished
+            try:
+                if started is not None:  # the request already ended at its first token
+                    yield self._last_chunk(started, [], prompt, emitted)
+                    return
+                while True:
+                    out = await q.get()
+                    if out.error:
+                        ctx.metrics.request_finished("error")
+                        await context.abort(grpc.StatusCode.INTERNAL, out.error)
+                    emitted += len(out.token_ids)
+                    tokens = tokens_to_proto(out)
+                    if out.finished:
+                        finished = True
+                        ctx.metrics.request_finished("ok" if out.finish_reason != "abort" else "cancelled")
+                        yield self._last_chunk(out, tokens, prompt, emitted)
+                        return
+                    yield duet_pb2.TokenChunk(tokens=tokens)
+            finally:
+                if not finished:  # client went away: drop the request, free its pages
+                    ctx.loop.call(lambda: (ctx.loop.detach(rid), ctx.engine.abort(rid)))
+                    ctx.metrics.request_finished("cancelled")
+
+    @staticmethod
+    def _last_chunk(out, tokens, prompt, emitted) -> duet_pb2.TokenChunk:
+        return duet_pb2.TokenChunk(
+            tokens=tokens, finish_reason=FINISH[out.finish_reason],
+            usage=duet_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=emitted,
+                                 cached_tokens=out.num_cached_tokens))
+
+    async def _start_colocated(self, rid, prompt, params, aloop, q, context):
+        ctx = self.ctx
+
+        def start():
+            ctx.engine.add_request(prompt, params, rid=rid)
+            ctx.loop.attach(rid, aloop, q)
+        try:
+            await ctx.loop.acall(start)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return None
+
+    async def _join_split(self, request, rid, prompt, params, aloop, q, context):
+        """Wait for the KV (or decide to recompute) and join the running batch. Returns a
+        finished StepOutput if the request ended right away, else None."""
+        ctx = self.ctx
+        book = ctx.book
+        if book is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker takes no reservations")
+        msg = request.reservation
+        event = asyncio.Event()
+
+        def arm():
+            res = book.get(msg.reservation_id, msg.generation)
+            if res is not None:
+                res.waiter = waiter_for(aloop, event)
+            return res
+        res = await ctx.loop.acall(arm)
+        if res is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"reservation {msg.reservation_id}/{msg.generation} is unknown or was cancelled")
+        deadline = time.monotonic() + ctx.config.notice_timeout_s
+        with ctx.span("kv_transfer_wait", context, request_id=rid):
+            while res.notice is None and time.monotonic() < deadline and ctx.is_live(res.writer_id):
+                try:
+                    await asyncio.wait_for(event.wait(), 0.1)
+                except asyncio.TimeoutError:
+                    pass
+        first = request.first_token.id
+
+        def join():
+            notice = res.notice
+            if notice is not None and notice.kind == "done" and notice.first_token_id == first:
+                book.consume(res)
+                ctx.engine.add_prefilled(res.key, prompt, first, params, seed=None, rid=rid)
+                mode = "transfer"
+            else:
+                if not ctx.config.recompute_on_missing_kv:
+                    book.cancel(res.reservation_id, res.generation)
+                    raise TimeoutError("the prefill worker's KV never arrived")
+                book.cancel(res.reservation_id, res.generation)  # freed once no write can land
+                ctx.engine.add_request(prompt, params, rid=rid, output_prefix=[first])
+                mode = "recompute"
+                log.warning("request %s: KV from %s did not arrive (%s); recomputing the prompt",
+                            rid, res.writer_id, "abort" if notice else "no notice")
+            ctx.recomputes += mode == "recompute"
+            if ctx.engine.get(rid) is None:  # first token already ended it
+                from shared.engine.outputs import StepOutput
+                return StepOutput(rid, [], finished=True, finish_reason="stop")
+            ctx.loop.attach(rid, aloop, q)
+            return None
+        try:
+            return await ctx.loop.acall(join)
+        except TimeoutError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

@@ -1,0 +1,133 @@
+"""Prefill side of a KV handoff, run on the engine-loop thread.
+
+For each request: as chunks finish, whole pages are written into the decode worker's
+reserved pages (so the transfer hides behind compute); when the first token is sampled,
+the rest (the partial last page too) is written and the completion notice is queued
+behind the writes. When every write has landed the request's pages are released into the
+prefix cache and the RPC gets its answer. A failed write or a cancel releases the pages
+and tells decode (abort notice) once nothing is in flight."""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from dataclasses import dataclass, field
+
+from shared.engine.outputs import StepOutput
+from shared.engine.request import ReqStatus
+from shared.kv_transfer.agent import DONE, FAILED, TransferError
+from shared.kv_transfer.notice import TransferNotice
+from shared.kv_transfer.write_stream import PageWriteStream
+
+log = logging.getLogger("duet.prefill")
+
+
+@dataclass
+class PrefillResult:
+    first: StepOutput
+    kv_bytes: int
+    seconds: float
+    computed_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class Outgoing:
+    rid: str
+    stream: PageWriteStream
+    reservation_id: int
+    generation: int
+    num_prompt: int
+    result: concurrent.futures.Future
+    pages_sent: int = 0
+    first: StepOutput | None = None
+    started: float = field(default_factory=time.monotonic)
+    cancelled: bool = False
+    error: str = ""
+
+
+class OutgoingTransfers:
+    """Owned by the engine-loop thread (every method runs there)."""
+
+    def __init__(self, engine, metrics=None):
+        self.engine = engine
+        self.metrics = metrics
+        self.page_size = engine.layout.page_size
+        self.active: dict[str, Outgoing] = {}
+
+    def start(self, rid: str, prompt_ids, params, stream: PageWriteStream,
+              reservation_id: int, generation: int) -> concurrent.futures.Future:
+        if len(stream.dst_page_ids) * self.page_size < len(prompt_ids):
+            raise ValueError(f"reservation has {len(stream.dst_page_ids)} pages; the prompt needs "
+                             f"{-(-len(prompt_ids) // self.page_size)}")
+        self.engine.add_request(prompt_ids, params, rid=rid, prefill_only=True)
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self.active[rid] = Outgoing(rid, stream, reservation_id, generation, len(prompt_ids), fut)
+        return fut
+
+    def cancel(self, rid: str) -> None:
+        out = self.active.get(rid)
+        if out is None:
+            return
+        out.cancelled = True
+        self.engine.abort(rid)  # stops prefill at the next step (or releases held pages)
+        out.stream.abort(self._notice(out, "abort"))
+
+    def on_step(self, outs: list[StepOutput]) -> None:
+        for o in outs:
+            out = self.active.get(o.rid)
+            if out is not None and o.prefill_done:
+                out.first = o
+
+    def _notice(self, out: Outgoing, kind: str) -> TransferNotice:
+        token = out.first.token_ids[0] if out.first else -1
+        return TransferNotice(reservation_id=out.reservation_id, generation=out.generation, rank=0,
+                              request_id=out.rid, kind=kind, first_token_id=token, num_tokens=out.num_prompt)
+
+    def tick(self) -> bool:
+        for rid in list(self.active):
+            self._advance(self.active[rid])
+        return bool(self.active)
+
+    def _advance(self, out: Outgoing) -> None:
+        req = self.engine.get(out.rid)
+        if req is None and not out.cancelled and out.first is None:
+            out.cancelled, out.error = True, "the request ended before its first token"
+            out.stream.abort(self._notice(out, "abort"))
+        if not out.cancelled and out.stream.state not in (DONE, FAILED) and req is not None:
+            held = req.status is ReqStatus.HELD
+            ready = -(-out.num_prompt // self.page_size) if held else req.num_computed // self.page_size
+            ready = min(ready, len(req.page_ids))
+            if ready > out.pages_sent:
+                try:
+                    out.stream.write(out.pages_sent, req.page_ids[out.pages_sent:ready])
+                    out.pages_sent = ready
+                except TransferError as exc:
+                    out.error = str(exc)
+            if held and out.pages_sent * self.page_size >= out.num_prompt and out.stream._notice is None:
+                out.stream.finish(self._notice(out, "done"))
+        state = out.stream.poll()
+        if state in (DONE, FAILED):
+            self._complete(out, state)
+
+    def _complete(self, out: Outgoing, state: str) -> None:
+        self.active.pop(out.rid, None)
+        if self.engine.get(out.rid) is not None:
+            if state == DONE and not out.cancelled:
+                self.engine.release_held(out.rid)
+            else:
+                self.engine.abort(out.rid)
+        seconds = time.monotonic() - out.started
+        sent = out.stream.bytes_sent
+        if self.metrics is not None and sent:
+            self.metrics.observe_kv_transfer("sent", sent, seconds)
+        if out.result.done():
+            return
+        if state == DONE and not out.cancelled and out.first is not None:
+            req_cached = out.first.num_cached_tokens
+            out.result.set_result(PrefillResult(out.first, sent, seconds,
+                                                computed_tokens=out.num_prompt - req_cached,
+                                                cached_tokens=req_cached))
+        else:
+            reason = out.error or out.stream.error or ("cancelled" if out.cancelled else state)
+            out.result.set_exception(TransferError(f"KV transfer to the decode worker failed: {reason}"))

@@ -1,0 +1,66 @@
+"""The Prefill gRPC service: compute a prompt, write its KV into a decode reservation,
+return the first token."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+import grpc
+
+from protos import duet_pb2, duet_pb2_grpc
+from services.worker.context import WorkerContext
+from services.worker.convert import FINISH, sampling_from_proto, tokens_to_proto
+from shared.kv_transfer.agent import TransferError
+from shared.kv_transfer.write_stream import PageWriteStream
+from shared.registry.peers import PeerNotFound
+
+log = logging.getLogger("duet.prefill")
+
+
+class PrefillService(duet_pb2_grpc.PrefillServicer):
+    def __init__(self, ctx: WorkerContext):
+        self.ctx = ctx
+
+    async def Prefill(self, request: duet_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
+        ctx = self.ctx
+        res = request.reservation
+        rid = request.request_id or uuid.uuid4().hex
+        with ctx.span("prefill", context, request_id=rid, prompt_tokens=len(request.prompt_token_ids)):
+            if res.compat_hash != ctx.compat_hash or res.page_size != ctx.page_size:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"reservation layout {res.compat_hash}/{res.page_size} does not match "
+                                    f"this prefill worker's {ctx.compat_hash}/{ctx.page_size}")
+            if not res.ranks:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "reservation has no destination pages")
+            try:
+                params = sampling_from_proto(request.sampling)
+            except ValueError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            try:
+                peer = await ctx.peers.get(res.decode_worker_id, res.decode_instance_nonce, res.compat_hash)
+            except PeerNotFound as exc:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            stream = PageWriteStream(ctx.agent, peer, list(res.ranks[0].page_ids))
+            prompt = list(request.prompt_token_ids)
+            try:
+                fut = await ctx.loop.acall(lambda: ctx.outgoing.start(
+                    rid, prompt, params, stream, res.reservation_id, res.generation))
+            except ValueError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            try:
+                result = await asyncio.wrap_future(fut)
+            except asyncio.CancelledError:
+                ctx.loop.call(lambda: ctx.outgoing.cancel(rid))  # stop at the next chunk, free pages
+                raise
+            except TransferError as exc:
+                ctx.metrics.request_finished("error")
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            ctx.metrics.request_finished("ok")
+            first = result.first
+            reply = duet_pb2.PrefillReply(cached_tokens=result.cached_tokens,
+                                          computed_tokens=result.computed_tokens,
+                                          kv_bytes_sent=result.kv_bytes,
+                                          finish_reason=FINISH[first.finish_reason if first.finished else None])
+            reply.first_token.CopyFrom(tokens_to_proto(first)[0])
+            return reply

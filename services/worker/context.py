@@ -1,0 +1,39 @@
+"""Everything a worker's gRPC services share, passed explicitly."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from shared.telemetry.propagation import extract_grpc_context
+
+
+@dataclass
+class WorkerContext:
+    config: object  # WorkerConfig
+    engine: object  # shared.engine.Engine
+    loop: object  # EngineLoop
+    metrics: object  # DuetMetrics
+    worker_id: str
+    instance_nonce: str
+    compat_hash: str
+    page_size: int
+    tracer: object
+    agent: object | None = None  # KvTransferAgent (prefill/decode roles)
+    peers: object | None = None  # PeerResolver
+    outgoing: object | None = None  # OutgoingTransfers (prefill)
+    book: object | None = None  # ReservationBook (decode)
+    watcher: object | None = None  # WorkerWatcher
+    recomputes: int = 0
+
+    def is_live(self, worker_id: str) -> bool:
+        """Whether a peer is in the last known registry set (a Redis outage keeps it)."""
+        return True if self.watcher is None else self.watcher.is_live(worker_id)
+
+    @contextmanager
+    def span(self, name: str, grpc_context, **attrs):
+        parent = extract_grpc_context(grpc_context.invocation_metadata()) if grpc_context else None
+        with self.tracer.start_as_current_span(name, context=parent) as span:
+            span.set_attribute("duet.worker_id", self.worker_id)
+            for k, v in attrs.items():
+                span.set_attribute(f"duet.{k}", v)
+            yield span

@@ -1,0 +1,34 @@
+"""Proto <-> engine conversions shared by the worker services."""
+from __future__ import annotations
+
+from protos import duet_pb2
+from shared.engine.outputs import StepOutput
+from shared.engine.sampling_params import SamplingParams
+
+FINISH = {None: duet_pb2.FINISH_REASON_UNSPECIFIED, "stop": duet_pb2.FINISH_REASON_STOP,
+          "length": duet_pb2.FINISH_REASON_LENGTH, "abort": duet_pb2.FINISH_REASON_ABORT,
+          "error": duet_pb2.FINISH_REASON_ABORT}
+
+
+def sampling_from_proto(sp: duet_pb2.SamplingParams) -> SamplingParams:
+    """Raises ValueError (-> INVALID_ARGUMENT) for out-of-range values."""
+    return SamplingParams(
+        temperature=sp.temperature, top_p=sp.top_p or 1.0, top_k=sp.top_k if sp.top_k > 0 else -1,
+        min_p=sp.min_p, seed=sp.seed if sp.HasField("seed") else None,
+        max_tokens=sp.max_tokens or None, stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids),
+        ignore_eos=sp.ignore_eos, repetition_penalty=sp.repetition_penalty or 1.0,
+        frequency_penalty=sp.frequency_penalty, presence_penalty=sp.presence_penalty,
+        logprobs=(sp.top_logprobs if sp.logprobs else None))
+
+
+def tokens_to_proto(out: StepOutput, start: int = 0) -> list[duet_pb2.Token]:
+    tokens = []
+    for i in range(start, len(out.token_ids)):
+        tok = duet_pb2.Token(id=out.token_ids[i])
+        lp = out.logprobs[i] if i < len(out.logprobs) else None
+        if lp is not None:
+            tok.logprob = lp
+            for tid, tlp in (out.top_logprobs[i] if i < len(out.top_logprobs) else []):
+                tok.top_logprobs.add(token_id=tid, logprob=tlp)
+        tokens.append(tok)
+    return tokens

@@ -1,0 +1,108 @@
+"""Runs the engine on one thread and lets asyncio handlers talk to it.
+
+The engine is single-threaded by design. gRPC handlers (asyncio) submit closures that run
+on the loop thread between steps, and register a sink per request that receives its
+StepOutputs (delivered into the handler's event loop). Roles add `tick` hooks that run
+every iteration (pushing KV writes, reading completion notices)."""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from shared.engine.outputs import StepOutput
+
+log = logging.getLogger("duet.worker.loop")
+
+
+class EngineLoop:
+    def __init__(self, engine, idle_wait_s: float = 0.02):
+        self.engine = engine
+        self.idle_wait_s = idle_wait_s
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, Callable[[StepOutput], None]] = {}
+        self._ticks: list[Callable[[], bool]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self.on_step: list[Callable[[list[StepOutput]], None]] = []
+        self.fatal: BaseException | None = None
+
+    # -- thread-safe API ----------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._cmds.put(None)
+        self._thread.join(timeout)
+
+    def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
+        """Run fn() on the loop thread; the future holds its result or exception."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._cmds.put((fn, fut))
+        return fut
+
+    async def acall(self, fn: Callable[[], object]):
+        return await asyncio.wrap_future(self.call(fn))
+
+    def add_tick(self, fn: Callable[[], bool]) -> None:
+        """fn() runs every iteration on the loop thread; it returns True while it has
+        something pending (so the loop keeps polling instead of sleeping)."""
+        self._ticks.append(fn)
+
+    def attach(self, rid: str, aloop: asyncio.AbstractEventLoop, q: asyncio.Queue) -> None:
+        """Deliver rid's outputs into q (on aloop). Call on the loop thread (inside call())."""
+        self._sinks[rid] = lambda out: aloop.call_soon_threadsafe(q.put_nowait, out)
+
+    def detach(self, rid: str) -> None:
+        self._sinks.pop(rid, None)
+
+    # -- the loop -----------------------------------------------------------------------
+    def _drain(self, block: bool, timeout: float) -> None:
+        try:
+            item = self._cmds.get(block=block, timeout=timeout if block else None)
+        except queue.Empty:
+            return
+        while item is not None:
+            fn, fut = item
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as exc:  # delivered to the caller
+                    fut.set_exception(exc)
+            try:
+                item = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+
+    def _run(self) -> None:
+        engine = self.engine
+        busy = False
+        try:
+            while not self._stop.is_set():
+                self._drain(block=not (engine.has_work or busy), timeout=self.idle_wait_s)
+                if engine.has_work:
+                    outs = engine.step()
+                    for out in outs:
+                        sink = self._sinks.get(out.rid)
+                        if sink is not None:
+                            sink(out)
+                        if out.finished and not out.prefill_done:
+                            self._sinks.pop(out.rid, None)
+                    for hook in self.on_step:
+                        hook(outs)
+                busy = False
+                for tick in self._ticks:
+                    busy = bool(tick()) or busy
+                if busy and not engine.has_work:
+                    time.sleep(0.0005)  # transfers in flight: poll often, but yield the core
+        except BaseException as exc:  # a dead engine thread must not leave handlers hanging
+            log.exception("engine loop crashed")
+            self.fatal = exc
+            for rid, sink in list(self._sinks.items()):
+                sink(StepOutput(rid, [], finished=True, finish_reason="error", error=f"engine failed: {exc}"))
+            self._sinks.clear()

@@ -1,0 +1,208 @@
+"""`duet prefill|decode|worker`: a worker process around the engine.
+
+Wiring: engine (+ its loop thread) -> NIXL agent over the KV pool -> gRPC services for the
+role -> registry entry with heartbeat -> /metrics. SIGTERM drains: the worker leaves the
+registry first (no new work is routed to it), lets in-flight requests finish within the
+grace period, then stops."""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import secrets
+import signal
+import sys
+from collections.abc import Sequence
+
+import grpc
+
+log = logging.getLogger("duet.worker")
+
+
+def compat_hash(served_model: str, kv_key: str, tp: int) -> str:
+    return hashlib.sha256(f"{served_model}|{kv_key}|tp{tp}".encode()).hexdigest()[:16]
+
+
+async def serve(config) -> int:
+    import torch
+    from prometheus_client import Counter
+
+    from protos import duet_pb2_grpc
+    from services.worker.context import WorkerContext
+    from services.worker.engine_loop import EngineLoop
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import Engine
+    from shared.registry.kv_events import KvEventBuffer
+    from shared.registry.publisher import WorkerPublisher
+    from shared.registry.watcher import WorkerWatcher
+    from shared.registry.worker_info import RankKvPool, WorkerInfo, WorkerLoad, default_worker_id
+    from shared.telemetry.metrics import DuetMetrics, start_metrics_server
+    from shared.telemetry.tracing import setup_tracing
+
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    if config.tp != 1:
+        log.error("--tp %d: multi-rank workers run through the TP launcher (see README); this "
+                  "process serves TP=1", config.tp)
+        return 2
+    engine = Engine(EngineConfig(
+        model_dir=config.model, dtype=config.dtype, device=config.device, page_size=config.page_size,
+        kv_cache_memory=config.kv_cache_memory, mem_fraction=config.mem_fraction,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_running_requests=config.max_running_requests, max_model_len=config.max_model_len,
+        enable_prefix_cache=config.enable_prefix_cache, attention_backend=config.attention_backend,
+        cuda_graph=config.cuda_graph))
+    served = config.served_model_name or engine.model_dir.name
+    role = config.role
+    worker_id = config.worker_id or default_worker_id(role)
+    nonce = secrets.token_hex(8)
+    chash = compat_hash(served, engine.layout.compat_key, config.tp)
+    tracing = setup_tracing(role)
+    metrics = DuetMetrics(role)
+    computed = Counter("duet_engine_tokens_computed", "Tokens whose KV this worker computed",
+                       ["phase"], registry=metrics.registry)
+    recomputed = Counter("duet_kv_recomputes", "Requests decode recomputed because their KV never arrived",
+                         registry=metrics.registry)
+    loop = EngineLoop(engine)
+    ctx = WorkerContext(config=config, engine=engine, loop=loop, metrics=metrics, worker_id=worker_id,
+                        instance_nonce=nonce, compat_hash=chash, page_size=engine.layout.page_size,
+                        tracer=tracing.tracer)
+    kv_events = KvEventBuffer() if role in ("prefill", "both") else None
+    if kv_events is not None:
+        engine.kv.cache.events = kv_events
+    watcher = WorkerWatcher(config.registry, model=served)
+    ctx.watcher = watcher
+    if role in ("prefill", "decode"):
+        from shared.kv_transfer.agent import KvTransferAgent
+        from shared.registry.keys import RegistryKeys
+        from shared.registry.publisher import connect_async
+        from services.worker.peers import PeerResolver
+        ctx.agent = KvTransferAgent(f"{worker_id}-r0-{nonce}", engine.pool.buffer,
+                                    write_timeout_s=config.write_timeout_s)
+        ctx.peers = PeerResolver(ctx.agent, connect_async(config.registry), RegistryKeys(config.registry.prefix))
+    if role == "prefill":
+        from services.prefill.outgoing import OutgoingTransfers
+        ctx.outgoing = OutgoingTransfers(engine, metrics)
+        loop.add_tick(ctx.outgoing.tick)
+        loop.on_step.append(ctx.outgoing.on_step)
+    if role == "decode":
+        from services.decode.reservations import ReservationBook
+        ctx.book = ReservationBook(engine, ctx.agent, ctx.is_live,
+                                   quarantine_s=max(2 * config.write_timeout_s, config.notice_timeout_s),
+                                   metrics=metrics)
+        loop.add_tick(ctx.book.tick)
+
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+    if role in ("prefill", "both"):
+        from services.prefill.service import PrefillService
+        duet_pb2_grpc.add_PrefillServicer_to_server(PrefillService(ctx), server)
+    if role in ("decode", "both"):
+        from services.decode.service import DecodeService
+        duet_pb2_grpc.add_DecodeServicer_to_server(DecodeService(ctx), server)
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if port == 0:
+        log.error("could not bind %s:%d", config.host, config.port)
+        return 1
+    metrics_server = start_metrics_server(metrics, config.metrics_port, config.host)
+    address = f"{config.dial_host}:{port}"
+
+    load = WorkerLoad(total_pages=engine.kv.capacity, free_pages=engine.kv.capacity)
+    last_computed = {"prefill": 0, "decode": 0}
+
+    def snapshot():
+        eng = engine
+        s = eng.scheduler
+        st = eng.stats
+        return (WorkerLoad(free_pages=eng.kv.available, total_pages=eng.kv.capacity,
+                           queued_prefill_tokens=s.queued_prefill_tokens,
+                           running_requests=len(s.running) + (len(ctx.book.open) if ctx.book else 0)
+                           + (len(ctx.outgoing.active) if ctx.outgoing else 0),
+                           waiting_requests=len(s.waiting), kv_usage=eng.kv.usage_ratio),
+                st.prefill_tokens_computed, st.decode_tokens_computed)
+
+    pools = []
+    if ctx.agent is not None:
+        pi = ctx.agent.pool_info
+        pools = [RankKvPool(rank=0, agent_name=ctx.agent.name, base_addr=pi.base_addr, page_bytes=pi.page_bytes,
+                            num_pages=pi.num_pages, mem_type=pi.mem_type, device_id=pi.device_id)]
+    info = WorkerInfo(worker_id=worker_id, role=role, address=address, model=served,
+                      metrics_address=f"{config.dial_host}:{metrics_server.port}", tp=config.tp,
+                      page_size=engine.layout.page_size, compat_hash=chash, instance_nonce=nonce,
+                      max_running_requests=config.max_running_requests, kv_pools=pools, load=load)
+    publisher = WorkerPublisher(info, config.registry,
+                                nixl_metadata={0: ctx.agent.metadata()} if ctx.agent else None,
+                                load_fn=lambda: info.load, kv_events=kv_events)
+
+    loop.start()
+    await server.start()
+    await watcher.start()
+    await publisher.start()
+    print(f"duet {role} worker {worker_id} ready: grpc {address} metrics {info.metrics_address} "
+          f"model {served}", file=sys.stderr, flush=True)
+
+    stop = asyncio.Event()
+    aloop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        aloop.add_signal_handler(sig, stop.set)
+
+    async def refresh_load():
+        while True:
+            try:
+                wl, pre, dec = await loop.acall(snapshot)
+            except RuntimeError:
+                return
+            info.load = wl
+            metrics.set_load(kv_usage=wl.kv_usage, queued_prefill_tokens=wl.queued_prefill_tokens,
+                             running_requests=wl.running_requests, waiting_requests=wl.waiting_requests)
+            computed.labels(phase="prefill").inc(pre - last_computed["prefill"])
+            computed.labels(phase="decode").inc(dec - last_computed["decode"])
+            last_computed.update(prefill=pre, decode=dec)
+            recomputed.inc(ctx.recomputes - recomputed._value.get())
+            if loop.fatal is not None:
+                log.error("engine loop died: %s", loop.fatal)
+                stop.set()
+                return
+            await asyncio.sleep(0.25)
+
+    refresher = asyncio.create_task(refresh_load())
+    try:
+        await stop.wait()
+    finally:
+        log.info("draining: leaving the registry, finishing in-flight work")
+        await publisher.stop(deregister=True)
+        grace = float(os.environ.get("DUET_DRAIN_GRACE", "10"))
+        deadline = aloop.time() + grace
+        while aloop.time() < deadline and loop.fatal is None:
+            busy = await loop.acall(lambda: engine.has_work or bool(engine.requests)
+                                    or bool(ctx.book and ctx.book.open) or bool(ctx.outgoing and ctx.outgoing.active))
+            if not busy:
+                break
+            await asyncio.sleep(0.05)
+        await server.stop(1.0)
+        refresher.cancel()
+        await watcher.stop()
+        loop.stop()
+        metrics_server.stop()
+        if ctx.agent is not None:
+            ctx.agent.close()
+        tracing.shutdown()
+    return 1 if loop.fatal is not None else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from services.worker.config import WorkerConfig
+    config = WorkerConfig.from_argv(argv)
+    logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return asyncio.run(serve(config))
+    except KeyboardInterrupt:
+        return 0
+    except (ValueError, OSError, MemoryError) as exc:
+        log.error("%s", exc)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""NIXL peers of this worker, looked up by registry id (never by an address from a request).
+
+Metadata is fetched from Redis once per (worker id, instance nonce) and cached by the
+agent; a changed nonce (restart at the same id) replaces the cached metadata."""
+from __future__ import annotations
+
+from shared.kv_transfer.agent import KvTransferAgent, Peer
+from shared.kv_transfer.pool_info import PoolInfo
+from shared.registry.keys import RegistryKeys
+from shared.registry.peers import PeerNotFound, fetch_peer
+
+
+class PeerResolver:
+    def __init__(self, agent: KvTransferAgent, redis_client, keys: RegistryKeys, rank: int = 0):
+        self.agent = agent
+        self.redis = redis_client
+        self.keys = keys
+        self.rank = rank
+
+    async def get(self, worker_id: str, instance_nonce: str, compat_hash: str) -> Peer:
+        cached = self.agent.peer(worker_id)
+        if cached is not None and cached.instance_nonce == instance_nonce:
+            return cached
+        record = await fetch_peer(self.redis, self.keys, worker_id)
+        if instance_nonce and record.instance_nonce != instance_nonce:
+            raise PeerNotFound(f"worker {worker_id} restarted since the reservation was made")
+        if compat_hash and record.info.compat_hash != compat_hash:
+            raise PeerNotFound(f"worker {worker_id} serves an incompatible KV layout")
+        if self.rank not in record.nixl_metadata:
+            raise PeerNotFound(f"worker {worker_id} published no NIXL metadata for rank {self.rank}")
+        pool = PoolInfo.from_record(record.info.pool(self.rank))
+        return self.agent.add_peer(worker_id, record.instance_nonce, record.nixl_metadata[self.rank], pool)
+
+    def forget(self, worker_id: str) -> None:
+        self.agent.remove_peer(worker_id)
