@@ -54,7 +54,8 @@ class Scheduler:
             if not req.is_decoding or req.status is not ReqStatus.RUNNING:
                 continue
             while not self.kv.grow(req, req.num_computed + 1):
-                victim = self._youngest_running(exclude=req)
+                # never a request already in this batch: its pages would be freed under it
+                victim = self._youngest_running(exclude=req, scheduled=batch)
                 if victim is None:
                     break
                 self._retract(victim)
@@ -107,9 +108,10 @@ class Scheduler:
             return None
         return ScheduledReq(req, req.num_computed, length)
 
-    def _youngest_running(self, exclude: Req) -> Req | None:
+    def _youngest_running(self, exclude: Req, scheduled: Batch) -> Req | None:
+        taken = {id(it.req) for it in scheduled.items}
         for req in reversed(self.running):
-            if req is not exclude and req.status is ReqStatus.RUNNING:
+            if req is not exclude and req.status is ReqStatus.RUNNING and id(req) not in taken:
                 return req
         return None
 
