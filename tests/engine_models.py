@@ -155,3 +155,10 @@ def assert_all_pages_free(engine) -> None:
     assert kv.cache.num_locked_pages == 0
     assert engine.kv_usage == 0
     assert not engine.requests and not engine.scheduler.running and not engine.scheduler.waiting
+
+
+def kv_bytes_for_pages(model_dir: Path, num_pages: int, page_size: int, elem_bytes: int = 8) -> int:
+    """The kv_cache_memory that gives exactly num_pages pages (one is the padding page)."""
+    from shared.engine.model_config import ModelConfig
+    mc = ModelConfig.from_dir(model_dir)
+    return num_pages * mc.num_layers * 2 * mc.num_kv_heads * page_size * mc.head_dim * elem_bytes
