@@ -1,0 +1,60 @@
+"""`duet up` settings."""
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass
+class UpConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000  # gateway HTTP
+    prefill: int = 1
+    decode: int = 1
+    both: int = 0
+    redis_url: str | None = None  # None: start a private redis-server
+    model: str | None = None
+    kv_cache_memory: str = "512M"  # per worker, absolute on CPU (DESIGN: small machine)
+    threads: int | None = None  # per worker; default: cores shared among workers
+    log_dir: str | None = None
+    worker_args: list[str] = field(default_factory=list)
+    health_timeout_s: float = 300.0
+
+    @property
+    def num_workers(self) -> int:
+        return self.prefill + self.decode + self.both
+
+    @classmethod
+    def from_argv(cls, argv: Sequence[str] | None) -> "UpConfig":
+        e = os.environ.get
+        p = argparse.ArgumentParser(
+            prog="duet up",
+            description="Start the whole Duet stack as local processes: redis (unless --redis-url), "
+                        "router, prefill and decode workers, and the OpenAI-compatible gateway.")
+        p.add_argument("--host", default=e("DUET_HOST", "127.0.0.1"), help="address every service binds")
+        p.add_argument("--port", type=int, default=int(e("DUET_PORT", "8000")), help="gateway HTTP port")
+        p.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
+        p.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
+        p.add_argument("--both", type=int, default=0,
+                       help="colocated workers serving whole requests (e.g. --both 1 --prefill 0 --decode 0)")
+        p.add_argument("--redis-url", default=e("DUET_REDIS_URL"), help="use this Redis instead of starting one")
+        p.add_argument("--model", default=e("DUET_MODEL"), help="HF model folder (default: embedded SmolLM2-135M)")
+        p.add_argument("--kv-cache-memory", default=e("DUET_KV_CACHE_MEMORY", "512M"),
+                       help="KV budget per worker (default 512M; absolute so several workers fit on CPU)")
+        p.add_argument("--threads", type=int, default=None,
+                       help="torch threads per worker (default: the machine's cores shared among workers)")
+        p.add_argument("--log-dir", default=None, help="where each process writes its log")
+        p.add_argument("--health-timeout", type=float, default=300.0)
+        p.add_argument("worker_args", nargs=argparse.REMAINDER,
+                       help="after --, extra flags passed to every worker (e.g. -- --page-size 32)")
+        a = p.parse_args(argv)
+        if min(a.prefill, a.decode, a.both) < 0:
+            p.error("worker counts must be >= 0")
+        if a.both == 0 and (a.prefill == 0 or a.decode == 0):
+            p.error("need at least one prefill and one decode worker, or --both N")
+        extra = [x for x in a.worker_args if x != "--"]
+        return cls(host=a.host, port=a.port, prefill=a.prefill, decode=a.decode, both=a.both,
+                   redis_url=a.redis_url, model=a.model, kv_cache_memory=a.kv_cache_memory,
+                   threads=a.threads, log_dir=a.log_dir, worker_args=extra, health_timeout_s=a.health_timeout)

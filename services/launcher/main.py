@@ -1,0 +1,182 @@
+"""`duet up`: the whole stack as local processes with one command.
+
+Starts redis-server (unless --redis-url), the router, the prefill/decode (or both)
+workers and the gateway; waits until the gateway's /health says it can serve; prints
+where everything is; reports a child that dies; Ctrl-C or SIGTERM stops everything."""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+from services.launcher.children import Child, duet_command, thread_env
+from services.launcher.config import UpConfig
+from services.launcher.redis_process import free_port, start_redis
+
+log = logging.getLogger("duet.up")
+
+
+def _port_taken(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+class Stack:
+    def __init__(self, cfg: UpConfig, log_dir: Path):
+        self.cfg = cfg
+        self.log_dir = log_dir
+        self.children: list[Child] = []
+        self.redis_proc = None
+        self.redis_url = cfg.redis_url
+        self.stopping = False
+
+    def plan(self, model_dir: str) -> None:
+        cfg, host = self.cfg, self.cfg.host
+        cores = os.cpu_count() or 1
+        threads = cfg.threads or max(1, cores // max(1, cfg.num_workers))
+        self.router_port = free_port(host)
+        common = ["--redis-url", self.redis_url]
+        self.children.append(Child("router", duet_command(
+            "router", "--host", host, "--port", str(self.router_port), "--metrics-port", str(free_port(host)),
+            *common), self.log_dir / "router.log", critical=True, env=thread_env(1)))
+        for role, count in (("prefill", cfg.prefill), ("decode", cfg.decode), ("both", cfg.both)):
+            for i in range(count):
+                name = f"{role}-{i}"
+                argv = duet_command("worker", "--role", role, "--worker-id", name, "--host", host,
+                                    "--port", str(free_port(host)), "--metrics-port", str(free_port(host)),
+                                    "--model", model_dir, "--kv-cache-memory", cfg.kv_cache_memory,
+                                    "--threads", str(threads), *common, *cfg.worker_args)
+                self.children.append(Child(name, argv, self.log_dir / f"{name}.log", critical=False,
+                                           env=thread_env(threads)))
+        self.children.append(Child("gateway", duet_command(
+            "gateway", "--host", host, "--port", str(cfg.port), "--router-address", f"{host}:{self.router_port}",
+            "--model", model_dir, *common), self.log_dir / "gateway.log", critical=True, env=thread_env(1)))
+        self.threads = threads
+
+    def start(self) -> None:
+        for child in self.children:
+            child.start()
+
+    def check(self) -> Child | None:
+        """Report children that died; return a critical one if any."""
+        for child in self.children:
+            code = child.exit_code
+            if code is not None and not child.reported:
+                child.reported = True
+                print(f"duet up: {child.name} exited with code {code}; last lines of {child.log_path}:\n"
+                      f"{child.tail()}", file=sys.stderr, flush=True)
+                if child.critical:
+                    return child
+        if self.redis_proc is not None and self.redis_proc.poll() is not None:
+            print("duet up: redis-server exited", file=sys.stderr, flush=True)
+            return self.children[0]
+        return None
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        if self.stopping:
+            return
+        self.stopping = True
+        order = ([c for c in self.children if c.name == "gateway"]
+                 + [c for c in self.children if c.name not in ("gateway", "router")]
+                 + [c for c in self.children if c.name == "router"])
+        for group in (order[:1], order[1:-1], order[-1:]):
+            for child in group:
+                child.terminate()
+            deadline = time.monotonic() + grace_s
+            for child in group:
+                while child.exit_code is None and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                child.kill()
+        if self.redis_proc is not None and self.redis_proc.poll() is None:
+            self.redis_proc.terminate()
+            try:
+                self.redis_proc.wait(5)
+            except Exception:
+                self.redis_proc.kill()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    cfg = UpConfig.from_argv(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s duet up: %(message)s")
+    if _port_taken(cfg.host, cfg.port):
+        print(f"duet up: port {cfg.port} on {cfg.host} is in use; pick another with --port", file=sys.stderr)
+        return 2
+    from shared.engine.default_model import resolve_model_dir
+    try:
+        model_dir = str(resolve_model_dir(cfg.model))  # converts the default model once, with progress
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"duet up: {exc}", file=sys.stderr)
+        return 2
+    log_dir = Path(cfg.log_dir) if cfg.log_dir else Path(tempfile.mkdtemp(prefix="duet-up-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    stack = Stack(cfg, log_dir)
+    if stack.redis_url is None:
+        try:
+            stack.redis_proc, stack.redis_url = start_redis(log_dir, log_dir / "redis.log", cfg.host)
+        except FileNotFoundError as exc:
+            print(f"duet up: {exc}", file=sys.stderr)
+            return 2
+    stopping = {"sig": None}
+
+    def on_signal(signum, _frame):
+        stopping["sig"] = signum
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+
+    stack.plan(model_dir)
+    stack.start()
+    base = f"http://{cfg.host}:{cfg.port}"
+    log.info("starting %d workers (%d prefill, %d decode, %d both; %d threads each), logs in %s",
+             cfg.num_workers, cfg.prefill, cfg.decode, cfg.both, stack.threads, log_dir)
+    deadline = time.monotonic() + cfg.health_timeout_s
+    code = 0
+    try:
+        while not _healthy(base + "/health"):
+            if stopping["sig"] is not None:
+                return 130
+            dead = stack.check()
+            if dead is not None:
+                return 1
+            if time.monotonic() > deadline:
+                print(f"duet up: the gateway did not become healthy in {cfg.health_timeout_s:.0f}s; "
+                      f"logs in {log_dir}", file=sys.stderr)
+                return 1
+            time.sleep(0.25)
+        workers = [c.name for c in stack.children if c.name not in ("gateway", "router")]
+        print(f"\nDuet is up. OpenAI API: {base}/v1   (health {base}/health, metrics {base}/metrics)\n"
+              f"  model   {model_dir}\n"
+              f"  router  {cfg.host}:{stack.router_port}\n"
+              f"  workers {', '.join(workers)}\n"
+              f"  redis   {stack.redis_url}\n"
+              f"  logs    {log_dir}\n"
+              f"Ctrl-C stops everything.\n", file=sys.stderr, flush=True)
+        print(f"{base}/v1", flush=True)  # stdout: the one thing a script needs
+        while stopping["sig"] is None:
+            dead = stack.check()
+            if dead is not None:
+                code = 1
+                break
+            time.sleep(0.5)
+        return code
+    finally:
+        print("duet up: stopping", file=sys.stderr, flush=True)
+        stack.stop()
