@@ -73,4 +73,6 @@ def render_table(summaries: list[RunSummary], title: str, slo: SLO) -> str:
 
     rule = "-" * len(line(header))
     out = [title, rule, line(header), rule, *[line(r) for r in body], rule, f"Goodput SLO: {slo_text(slo)}"]
+    if any(s.token_check.prompt_mismatches * 2 > s.token_check.checked > 0 for s in summaries):
+        out.append("Note: most prompt counts differ from the server's: is --tokenizer the server's model?")
     return "\n".join(out)

@@ -8,6 +8,7 @@ import pathlib
 import random
 import sys
 import time
+from dataclasses import dataclass
 
 from loadtest.arrivals import ArrivalProcess, format_rate
 from loadtest.config import RunConfig
@@ -53,24 +54,41 @@ def _plans(cfg: RunConfig, specs: list[RequestSpec]) -> list[tuple[str, float, o
     return plans
 
 
-async def _run_all(cfg: RunConfig, url: str, prepared: list[PreparedRequest], specs: list[RequestSpec]) -> list[RunResult]:
+@dataclass
+class Session:
+    """What a whole invocation sent: the runs, plus the capability probe (it reaches the
+    server too, so server-side counters include it)."""
+
+    runs: list[RunResult]
+    probe_requests: int = 0
+    ignore_eos_sent: bool = False
+
+    @property
+    def requests_sent(self) -> int:
+        return self.probe_requests + sum(len(r.records) + len(r.warmup) for r in self.runs)
+
+
+async def _run_all(cfg: RunConfig, url: str, prepared: list[PreparedRequest], specs: list[RequestSpec]) -> Session:
     load = cfg.load
     # A trace plays once (its send times run out); a duration run cycles the pool until time is up.
     count = load.request_limit
     if count is None and load.duration_s is None:
         count = len(prepared)
     conns = load.max_concurrency or 1000
+    session = Session([], ignore_eos_sent=cfg.endpoint.ignore_eos != "off")
     async with make_client(cfg.endpoint, conns) as client:
-        if cfg.endpoint.ignore_eos == "auto" and await server_rejects_ignore_eos(client, url, cfg.endpoint, prepared[0]):
-            _say("server rejects ignore_eos: sending without it, so outputs may end before max_tokens")
-            for p in prepared:
-                p.body.pop("ignore_eos", None)
+        if cfg.endpoint.ignore_eos == "auto":
+            session.probe_requests += 1
+            if await server_rejects_ignore_eos(client, url, cfg.endpoint, prepared[0]):
+                _say("server rejects ignore_eos: sending without it, so outputs may end before max_tokens")
+                session.ignore_eos_sent = False
+                for p in prepared:
+                    p.body.pop("ignore_eos", None)
         warm = await warm_up(client, url, cfg.endpoint, prepared, load.warmup_requests, load.max_concurrency,
                              cfg.output.progress)
         if warm and not any(r.ok for r in warm):
             r = warm[0]
             raise SystemExit(f"warm-up failed: {r.error_kind}: {r.error_detail}")
-        results = []
         for k, (label, rate, times) in enumerate(_plans(cfg, specs)):
             if k:
                 await asyncio.sleep(load.sweep_pause_s)
@@ -78,8 +96,8 @@ async def _run_all(cfg: RunConfig, url: str, prepared: list[PreparedRequest], sp
                           load.drain_timeout_s, cfg.output.progress, label)
             started = time.time()
             records = await run_paced(run)
-            results.append(RunResult(label, rate, records, started, warm if k == 0 else []))
-    return results
+            session.runs.append(RunResult(label, rate, records, started, warm if k == 0 else []))
+    return session
 
 
 def count_output_tokens(records: list[RequestRecord], counter: TokenCounter, keep_text: bool) -> None:
@@ -114,7 +132,8 @@ def run_command(cfg: RunConfig) -> int:
     prepared = prepare(specs, cfg, model, counter)
     _say(f"{len(prepared)} {cfg.workload.name} requests ready; sending to {base}{cfg.endpoint.path}")
 
-    runs = asyncio.run(_run_all(cfg, base + cfg.endpoint.path, prepared, specs))
+    session = asyncio.run(_run_all(cfg, base + cfg.endpoint.path, prepared, specs))
+    runs = session.runs
     summaries: list[RunSummary] = []
     for run in runs:
         count_output_tokens(run.records, counter, cfg.output.save_text)
@@ -126,7 +145,8 @@ def run_command(cfg: RunConfig) -> int:
     print(table)
     out_dir = pathlib.Path(cfg.output.output_dir) if cfg.output.output_dir else default_output_dir(cfg)
     meta = {"label": cfg.output.label, "title": title, "base_url": base, "model": model,
-            "tokenizer": cfg.tokenizer, "config": cfg.to_json()}
+            "tokenizer": cfg.tokenizer, "config": cfg.to_json(), "requests_sent": session.requests_sent,
+            "probe_requests": session.probe_requests, "ignore_eos_sent": session.ignore_eos_sent}
     write_results(out_dir / "results.json", meta, runs, summaries)
     (out_dir / "report.txt").write_text(table + "\n")
     written = [out_dir / "results.json", out_dir / "report.txt"]

@@ -5,10 +5,12 @@ exact lengths and checks that the server's counts are what the prompt should cos
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 
+@functools.lru_cache(maxsize=4)  # a sweep or the disagg comparison loads it once, not per run
 def load_tokenizer(name_or_path: str | None) -> Any:
     """A HF tokenizer from a name or folder; None means Duet's default model."""
     from transformers import AutoTokenizer

@@ -50,10 +50,18 @@ def load_conversations(path: str | pathlib.Path | None = None) -> list[tuple[str
         text = pathlib.Path(path).read_text(encoding="utf-8")
     pairs = []
     for item in iter_json_array(text):
-        turns = item.get("conversations") or []
-        if len(turns) >= 2 and turns[0].get("from") == "human" and turns[1].get("from") == "gpt":
-            pairs.append((turns[0].get("value") or "", turns[1].get("value") or ""))
+        pair = _opening(item.get("conversations") or [])
+        if pair is not None:
+            pairs.append(pair)
     return pairs
+
+
+def _opening(turns: list[dict]) -> tuple[str, str] | None:
+    """The first human turn that a gpt turn answers (a third of the file opens with gpt)."""
+    for asked, answered in zip(turns, turns[1:]):
+        if asked.get("from") == "human" and answered.get("from") == "gpt":
+            return asked.get("value") or "", answered.get("value") or ""
+    return None
 
 
 def sample_sharegpt(
