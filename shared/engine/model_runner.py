@@ -1,5 +1,9 @@
 """Turns a scheduled Batch into tensors, runs the model, and returns logits for the rows
-that sample. Owns the model, the KV pool and the attention backend."""
+that sample. Owns the model, the KV pool and the attention backend.
+
+A step is first planned on the host (step_plan.py: one int32 array), then turned into
+device tensors with one copy. With tensor parallelism, rank 0 sends each plan to the
+other ranks (`plan_sink`) before running it, and every rank runs the same forward."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,7 +13,8 @@ import torch
 from .attention.base import AttentionBackend
 from .attention.metadata import AttentionMetadata
 from .batch import Batch
-from .kv_pool import PADDING_PAGE, KVPool
+from .kv_pool import KVPool
+from .step_plan import StepPlan, plan_batch
 
 
 @dataclass
@@ -27,58 +32,66 @@ class ModelRunner:
         self.device = device
         self.page_size = pool.layout.page_size
         self.graphs = None  # CudaGraphRunner, set by the engine on GPU
+        self.plan_sink = None  # TP rank 0: callable(StepPlan) that sends the plan to the other ranks
+        self.future_tokens: torch.Tensor | None = None  # overlap scheduling: placeholder -> token
 
     def build(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        plan = plan_batch(batch, self.page_size)
+        input_ids, positions, meta, rows = self.tensors(plan)
+        return input_ids, positions, meta, rows.tolist()
+
+    def tensors(self, plan: StepPlan):
+        """(input_ids, positions, metadata, sample_rows) as device tensors (int32)."""
+        host = torch.from_numpy(plan.data)
+        if self.device.type == "cuda":
+            dev_data = host.pin_memory().to(self.device, non_blocking=True)
+        else:
+            dev_data = host
+        sec = plan.sections()
+
+        def view(name):
+            a, b = sec[name]
+            return dev_data[a:b]
+
+        b, w = plan.batch_size, plan.width
+        seq_lens_host = plan.host("seq_lens").tolist()
+        ext_host = plan.host("extend_lens").tolist()
         ps = self.page_size
-        ids, pos, slots = [], [], []
-        seq_lens, ext_lens, npages, sample_rows = [], [], [], []
-        max_pages = 0
-        row = 0
-        for it in batch.items:
-            r = it.req
-            ids.extend(r.token_ids[it.start:it.end])
-            rng = range(it.start, it.end)
-            pos.extend(rng)
-            pages = r.page_ids
-            slots.extend(pages[p // ps] * ps + p % ps for p in rng)
-            seq_lens.append(it.end)
-            ext_lens.append(it.length)
-            n = -(-it.end // ps)
-            npages.append(n)
-            max_pages = max(max_pages, n)
-            row += it.length
-            if it.samples:
-                sample_rows.append(row - 1)
-        table = torch.full((len(batch.items), max(max_pages, 1)), PADDING_PAGE, dtype=torch.int32)
-        for b, it in enumerate(batch.items):
-            n = npages[b]
-            table[b, :n] = torch.tensor(it.req.page_ids[:n], dtype=torch.int32)
-        qo = [0]
-        for e in ext_lens:
-            qo.append(qo[-1] + e)
-        dev = self.device
         meta = AttentionMetadata(
-            is_decode=batch.is_decode, page_size=ps,
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            extend_lens=torch.tensor(ext_lens, dtype=torch.int32, device=dev),
-            qo_indptr=torch.tensor(qo, dtype=torch.int32, device=dev),
-            page_table=table.to(dev, non_blocking=True),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            seq_lens_host=seq_lens, extend_lens_host=ext_lens, num_pages_host=npages)
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
-        positions = torch.tensor(pos, dtype=torch.int64, device=dev)
-        return input_ids, positions, meta, sample_rows
+            is_decode=plan.is_decode, page_size=ps,
+            seq_lens=view("seq_lens"), extend_lens=view("extend_lens"), qo_indptr=view("qo_indptr"),
+            page_table=view("page_table").view(b, w), slot_mapping=view("slots"),
+            seq_lens_host=seq_lens_host, extend_lens_host=ext_host,
+            num_pages_host=[-(-s // ps) for s in seq_lens_host])
+        input_ids = view("ids")
+        if self.future_tokens is not None and plan.has_placeholders:
+            input_ids = resolve_placeholders(input_ids, self.future_tokens)
+        return input_ids, view("positions"), meta, view("sample_rows")
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> torch.Tensor | None:
         """Logits [n_sampling_rows, vocab] (None when no sequence samples this step)."""
-        input_ids, positions, meta, rows = self.build(batch)
-        if self.graphs is not None and self.graphs.can_run(batch, meta):
+        plan = plan_batch(batch, self.page_size)
+        if self.plan_sink is not None:
+            self.plan_sink(plan)
+        return self.forward_plan(plan)
+
+    @torch.inference_mode()
+    def forward_plan(self, plan: StepPlan) -> torch.Tensor | None:
+        input_ids, positions, meta, rows = self.tensors(plan)
+        if self.graphs is not None and self.graphs.can_run(None, meta):
             hidden = self.graphs.run(input_ids, positions, meta)
         else:
             self.backend.prepare(meta)
             hidden = self.model(input_ids, positions, ForwardBatch(self.backend, meta))
-        if not rows:
+        if plan.num_sample == 0:
             return None
-        idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
-        return self.model.compute_logits(hidden.index_select(0, idx))
+        if plan.num_sample == plan.num_tokens:  # decode: every row samples
+            return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden.index_select(0, rows))
+
+
+def resolve_placeholders(ids: torch.Tensor, future: torch.Tensor) -> torch.Tensor:
+    """Replace placeholder ids (-(slot+1)) by the tokens sampled into future[slot]."""
+    slot = (-ids - 1).clamp_min(0)
+    return torch.where(ids < 0, future[slot].to(ids.dtype), ids)

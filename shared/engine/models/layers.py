@@ -12,14 +12,19 @@ from ..parallel import TPContext
 
 
 class RMSNorm(nn.Module):
-    """HF's LlamaRMSNorm arithmetic exactly (normalise in float32, cast back, then scale)."""
+    """HF's LlamaRMSNorm arithmetic exactly (normalise in float32, cast back, then scale).
+    fused=True (GPU): one Triton kernel for the residual add and the norm."""
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, fused: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
         self.eps = eps
+        self.fused = fused
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.fused:
+            from kernels.rms_norm import rms_norm
+            return rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
             residual = x
@@ -131,8 +136,9 @@ class RotaryEmbedding(nn.Module):
     The inverse frequencies come from transformers' own rope-init functions, so every
     rope scaling the config names (linear, llama3, yarn, ...) matches HF."""
 
-    def __init__(self, hf_config, head_dim: int, max_positions: int, dtype, device):
+    def __init__(self, hf_config, head_dim: int, max_positions: int, dtype, device, fused: bool = False):
         super().__init__()
+        self.fused = fused
         params = getattr(hf_config, "rope_parameters", None) or {}
         rope_type = params.get("rope_type", "default")
         if rope_type == "default":
@@ -149,9 +155,16 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", (emb.cos() * scaling).to(dtype).to(device), persistent=False)
         self.register_buffer("sin", (emb.sin() * scaling).to(dtype).to(device), persistent=False)
+        half = head_dim // 2
+        # the fused kernel's table: cos of the first half, then sin of the first half
+        self.register_buffer("cos_sin", torch.cat((self.cos[:, :half], self.sin[:, :half]), dim=-1),
+                             persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, Hq, D], k: [T, Hk, D]; returns rotated copies."""
+        """q: [T, Hq, D], k: [T, Hk, D]; returns rotated q, k (in place when fused)."""
+        if self.fused:
+            from kernels.rotary_embedding import rotary_embedding
+            return rotary_embedding(positions, q, k, self.cos_sin, is_neox=True)
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

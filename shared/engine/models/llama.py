@@ -15,7 +15,7 @@ from .layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm, RotaryEmbedd
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPContext, dtype):
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPContext, dtype, fused: bool = False):
         super().__init__()
         self.layer_id = layer_id
         if cfg.num_kv_heads % tp.size:
@@ -30,9 +30,10 @@ class Attention(nn.Module):
         self.qkv_proj = ColumnParallelLinear(
             cfg.hidden_size, [cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d],
             bias=cfg.attention_bias, tp=tp, dtype=dtype)
-        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, tp, dtype)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        # partial sums: the next norm all-reduces them (fused with the residual add on GPU)
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, tp, dtype, reduce=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, fused) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, fused) if cfg.qk_norm else None
         self.scaling = d ** -0.5
 
     def forward(self, positions, h, rotary: RotaryEmbedding, fb):
@@ -50,48 +51,71 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPContext, dtype):
+    def __init__(self, cfg: ModelConfig, tp: TPContext, dtype, fused: bool = False):
         super().__init__()
         i = cfg.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [i, i], bias=False, tp=tp, dtype=dtype)
-        self.down_proj = RowParallelLinear(i, cfg.hidden_size, tp, dtype)
+        self.down_proj = RowParallelLinear(i, cfg.hidden_size, tp, dtype, reduce=False)  # see o_proj
         self.inter = tp.shard(i, "intermediate_size")
+        self.fused = fused
 
     def forward(self, h):
-        gate, up = self.gate_up_proj(h).split([self.inter, self.inter], dim=-1)
+        gate_up = self.gate_up_proj(h)
+        if self.fused:
+            from kernels.silu_and_mul import silu_and_mul
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.split([self.inter, self.inter], dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
+def reduce_add_norm(tp: TPContext, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm):
+    """All-reduce a row-parallel output, add the residual, RMSNorm: (normed, new residual).
+    With TP on GPU one custom kernel does all three (custom_all_reduce.py)."""
+    if tp.size > 1:
+        fused = tp.custom_all_reduce
+        if fused is not None:
+            out = fused.all_reduce_add_rms_norm(x, residual, norm.weight, norm.eps)
+            if out is not None:
+                return out
+        x = tp.all_reduce(x)
+    return norm(x, residual)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPContext, dtype):
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPContext, dtype, fused: bool = False):
         super().__init__()
-        self.self_attn = Attention(cfg, layer_id, tp, dtype)
-        self.mlp = MLP(cfg, tp, dtype)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.tp = tp
+        self.self_attn = Attention(cfg, layer_id, tp, dtype, fused)
+        self.mlp = MLP(cfg, tp, dtype, fused)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, fused)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, fused)
 
     def forward(self, positions, h, residual, rotary, fb):
+        """h: the embedding (residual None) or the previous layer's un-reduced MLP output.
+        Returns this layer's un-reduced MLP output and the residual stream."""
         if residual is None:
             residual = h
             h = self.input_layernorm(h)
         else:
-            h, residual = self.input_layernorm(h, residual)
+            h, residual = reduce_add_norm(self.tp, h, residual, self.input_layernorm)
         h = self.self_attn(positions, h, rotary, fb)
-        h, residual = self.post_attention_layernorm(h, residual)
+        h, residual = reduce_add_norm(self.tp, h, residual, self.post_attention_layernorm)
         return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype, device, max_positions: int):
+    def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype, device, max_positions: int,
+                 fused: bool = False):
+        """fused: use the Triton kernels (fused add+RMSNorm, rotary, silu_and_mul); GPU only."""
         super().__init__()
         self.cfg = cfg
         self.tp = tp
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, dtype) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, dtype, fused) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, fused)
         self.lm_head = ParallelLMHead(self.embed_tokens if cfg.tie_word_embeddings else None,
                                       cfg.vocab_size, cfg.hidden_size, tp, dtype)
-        self.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, max_positions, dtype, device)
+        self.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, max_positions, dtype, device, fused)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb) -> torch.Tensor:
@@ -100,7 +124,7 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer in self.layers:
             h, residual = layer(positions, h, residual, self.rotary, fb)
-        h, _ = self.norm(h, residual)
+        h, _ = reduce_add_norm(self.tp, h, residual, self.norm)
         return h
 
     @torch.inference_mode()

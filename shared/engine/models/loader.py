@@ -28,11 +28,17 @@ def _checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def load_model(cfg: ModelConfig, tp: TPContext, dtype: torch.dtype, device: torch.device,
-               max_positions: int) -> LlamaForCausalLM:
+               max_positions: int, fused: bool = False, load_format: str = "auto") -> LlamaForCausalLM:
+    """fused: Triton kernels in the layers (GPU). load_format "dummy": random weights made
+    on the device (benchmarks of real shapes without a checkpoint), as vLLM's option."""
+    if load_format == "dummy":
+        return _dummy_model(cfg, tp, dtype, device, max_positions, fused)
+    if load_format != "auto":
+        raise ValueError(f"unknown load_format {load_format!r}; choose auto or dummy")
     from safetensors import safe_open
     files = _checkpoint_files(cfg.model_dir)
     with torch.device("cpu"):
-        model = LlamaForCausalLM(cfg, tp, dtype, "cpu", max_positions)
+        model = LlamaForCausalLM(cfg, tp, dtype, "cpu", max_positions, fused)
     seen: set[int] = set()
     for path in files:
         with safe_open(str(path), framework="pt") as f:
@@ -55,3 +61,22 @@ def load_model(cfg: ModelConfig, tp: TPContext, dtype: torch.dtype, device: torc
         raise ModelLoadError(f"checkpoint in {cfg.model_dir} lacks weights for: {', '.join(missing[:5])}"
                              + (" ..." if len(missing) > 5 else ""))
     return model.to(device)
+
+
+def _dummy_model(cfg, tp, dtype, device, max_positions, fused) -> LlamaForCausalLM:
+    """Weights ~ N(0, 0.02) (norm scales ~ 1), drawn on the device: seconds even for 8B."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, tp, dtype, "cpu", max_positions, fused)
+    model = model.to_empty(device=device)
+    if cfg.tie_word_embeddings:  # to_empty makes new parameters: tie them again
+        model.lm_head.weight = model.embed_tokens.weight
+    gen = torch.Generator(device=device).manual_seed(1234 + tp.rank)
+    for name, p in model.named_parameters():
+        if p.dim() == 1 and "norm" in name:
+            p.data.normal_(1.0, 0.02, generator=gen)
+        else:
+            p.data.normal_(0.0, 0.02, generator=gen)
+    # rotary tables are buffers computed from the config, not weights: rebuild them for real
+    from .layers import RotaryEmbedding
+    model.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, max_positions, dtype, device, fused)
+    return model

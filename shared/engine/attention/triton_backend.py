@@ -1,0 +1,72 @@
+"""Attention through the Triton kernels in `kernels/` (the GPU default).
+
+Each layer: store_kv writes this step's K/V at their slots, then flash-decoding (decode
+steps) or the paged extend kernel (prefill chunks with a cached prefix) reads the pool.
+
+CUDA graphs (decode only): init_graph_state makes static metadata buffers sized for the
+largest captured batch; a graph of batch size bs is captured over the first bs rows, and
+replay_metadata copies a step's metadata into them. Padded rows (beyond the real batch)
+get seq_len 1 over the padding page and slot -1, which store_kv skips: they read a page
+that is never written and write nothing."""
+from __future__ import annotations
+
+import torch
+
+from ..kv_pool import PADDING_PAGE
+from .base import AttentionBackend
+from .metadata import AttentionMetadata
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+    supports_cuda_graph = True
+
+    def __init__(self, pool):
+        super().__init__(pool)
+        self._g: dict[str, torch.Tensor] | None = None
+
+    def forward(self, q, k, v, layer, meta: AttentionMetadata, scale):
+        from kernels.decode_attention import decode_attention
+        from kernels.extend_attention import extend_attention
+        from kernels.store_kv import store_kv
+
+        kc, vc = self.pool.k_cache(layer), self.pool.v_cache(layer)
+        store_kv(kc, vc, k, v, meta.slot_mapping)
+        if meta.is_decode:
+            return decode_attention(q, kc, vc, meta.page_table, meta.seq_lens, scale)
+        return extend_attention(q, kc, vc, meta.page_table, meta.qo_indptr, meta.seq_lens, scale,
+                                max_extend_len=max(meta.extend_lens_host))
+
+    # -- CUDA graph hooks -----------------------------------------------------------------
+    def init_graph_state(self, max_bs: int, max_pages: int) -> None:
+        dev = self.pool.device
+        self._g = {
+            "seq_lens": torch.ones(max_bs, dtype=torch.int32, device=dev),
+            "extend_lens": torch.ones(max_bs, dtype=torch.int32, device=dev),
+            "qo_indptr": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
+            "page_table": torch.full((max_bs, max_pages), PADDING_PAGE, dtype=torch.int32, device=dev),
+            "slot_mapping": torch.full((max_bs,), -1, dtype=torch.int32, device=dev),
+        }
+        self._max_pages = max_pages
+
+    def capture_metadata(self, bs: int) -> AttentionMetadata:
+        g = self._g
+        return AttentionMetadata(
+            is_decode=True, page_size=self.pool.layout.page_size,
+            seq_lens=g["seq_lens"][:bs], extend_lens=g["extend_lens"][:bs], qo_indptr=g["qo_indptr"][:bs + 1],
+            page_table=g["page_table"][:bs], slot_mapping=g["slot_mapping"][:bs],
+            seq_lens_host=[1] * bs, extend_lens_host=[1] * bs, num_pages_host=[1] * bs)
+
+    def replay_metadata(self, meta: AttentionMetadata, bs: int) -> None:
+        g = self._g
+        n = meta.batch_size
+        width = meta.page_table.shape[1]
+        if width > self._max_pages:
+            raise ValueError(f"page table of {width} pages exceeds the captured {self._max_pages}")
+        g["seq_lens"][:n].copy_(meta.seq_lens)
+        g["page_table"][:n, :width].copy_(meta.page_table)
+        g["slot_mapping"][:n].copy_(meta.slot_mapping)
+        if bs > n:  # padded rows: harmless values (see the module note)
+            g["seq_lens"][n:bs].fill_(1)
+            g["page_table"][n:bs, 0].fill_(PADDING_PAGE)
+            g["slot_mapping"][n:bs].fill_(-1)

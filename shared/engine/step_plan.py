@@ -1,0 +1,103 @@
+"""One forward step's inputs as a single int32 array.
+
+The scheduler's Batch holds Python objects; the model needs a handful of small integer
+tensors. Packing them into one array gives one host-to-device copy per step (pinned,
+non-blocking, so the CPU can run ahead of the GPU), and one message for tensor-parallel
+rank 0 to send to the other ranks, which rebuild the same tensors from it.
+
+Layout: header [is_decode, T, B, W, S], then ids[T] positions[T] slots[T] seq_lens[B]
+extend_lens[B] qo_indptr[B+1] page_table[B*W] sample_rows[S]. Token ids < 0 are
+placeholders for tokens still being sampled on the device (overlap scheduling)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .batch import Batch
+from .kv_pool import PADDING_PAGE
+
+HEADER = 5
+
+
+@dataclass
+class StepPlan:
+    data: np.ndarray  # int32, header + payload
+
+    @property
+    def is_decode(self) -> bool:
+        return bool(self.data[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.data[1])
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.data[2])
+
+    @property
+    def width(self) -> int:
+        return int(self.data[3])
+
+    @property
+    def num_sample(self) -> int:
+        return int(self.data[4])
+
+    def sections(self) -> dict[str, tuple[int, int]]:
+        """name -> (start, end) offsets into data."""
+        t, b, w, s = self.num_tokens, self.batch_size, self.width, self.num_sample
+        out, pos = {}, HEADER
+        for name, n in (("ids", t), ("positions", t), ("slots", t), ("seq_lens", b), ("extend_lens", b),
+                        ("qo_indptr", b + 1), ("page_table", b * w), ("sample_rows", s)):
+            out[name] = (pos, pos + n)
+            pos += n
+        return out
+
+    def host(self, name: str) -> np.ndarray:
+        a, b = self.sections()[name]
+        return self.data[a:b]
+
+    @property
+    def has_placeholders(self) -> bool:
+        return self.num_tokens > 0 and int(self.host("ids").min()) < 0
+
+
+def plan_batch(batch: Batch, page_size: int) -> StepPlan:
+    ps = page_size
+    ids: list[int] = []
+    pos: list[int] = []
+    slots: list[int] = []
+    seq_lens, ext_lens, npages, sample_rows = [], [], [], []
+    row = 0
+    for it in batch.items:
+        r = it.req
+        pages = r.page_ids
+        if it.length == 1:  # decode: plain Python beats numpy for one token
+            p = it.start
+            ids.append(r.token_ids[p])
+            pos.append(p)
+            slots.append(pages[p // ps] * ps + p % ps)
+        else:
+            ids.extend(r.token_ids[it.start:it.end])
+            rng = np.arange(it.start, it.end, dtype=np.int64)
+            pos.extend(rng.tolist())
+            slots.extend((np.asarray(pages, dtype=np.int64)[rng // ps] * ps + rng % ps).tolist())
+        seq_lens.append(it.end)
+        ext_lens.append(it.length)
+        npages.append(-(-it.end // ps))
+        row += it.length
+        if it.samples:
+            sample_rows.append(row - 1)
+    b = len(batch.items)
+    w = max(max(npages, default=1), 1)
+    table = np.full((b, w), PADDING_PAGE, dtype=np.int32)
+    for i, it in enumerate(batch.items):
+        n = npages[i]
+        table[i, :n] = it.req.page_ids[:n]
+    qo = np.zeros(b + 1, dtype=np.int64)
+    np.cumsum(ext_lens, out=qo[1:])
+    header = [int(batch.is_decode), len(ids), b, w, len(sample_rows)]
+    data = np.concatenate([np.asarray(header + ids + pos + slots + seq_lens + ext_lens, dtype=np.int32),
+                           qo.astype(np.int32), table.reshape(-1), np.asarray(sample_rows, dtype=np.int32)])
+    return StepPlan(data)
