@@ -35,6 +35,10 @@ def _env_with_repo() -> dict[str, str]:
 def converted(tmp_path_factory):
     """Two processes started at once on an empty cache: the lock lets exactly one convert."""
     cache = tmp_path_factory.mktemp("duet-cache")
+    # What a conversion killed half way leaves behind: must be cleaned, never used.
+    leftover = cache / "models" / f".tmp-{DEFAULT_MODEL_NAME}-killed"
+    leftover.mkdir(parents=True)
+    (leftover / "config.json").write_text("{}")
     cmd = [sys.executable, "-m", "shared.engine.default_model", "--cache-dir", str(cache)]
     procs = [
         subprocess.Popen(cmd, cwd=REPO_ROOT, env=_env_with_repo(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -44,7 +48,7 @@ def converted(tmp_path_factory):
     for proc, (out, err) in zip(procs, results):
         assert proc.returncode == 0, err
     paths = {out.strip() for out, _ in results}
-    conversions = sum(err.count("converting the default model") for _, err in results)
+    conversions = sum(err.count("[duet] converting the default model") for _, err in results)
     return cache, paths, conversions, [err for _, err in results]
 
 
@@ -53,6 +57,7 @@ def test_concurrent_starts_convert_once_into_the_cache(converted):
     model_dir = cache / "models" / DEFAULT_MODEL_NAME
     assert paths == {str(model_dir)}
     assert conversions == 1, errs
+    assert sum("waiting for another process" in err for err in errs) == 1, errs
     # Progress went to stderr, and no temporary folder was left behind.
     assert any("dequantize" in err for err in errs)
     assert [p.name for p in (cache / "models").iterdir() if p.is_dir()] == [DEFAULT_MODEL_NAME]

@@ -114,11 +114,16 @@ def _write_marker(model_dir: Path, source: Path) -> None:
 
 
 @contextmanager
-def _file_lock(path: Path):
+def _file_lock(path: Path, on_wait=None):
     """Exclusive advisory lock held for the block (released by the OS if we die)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if on_wait:
+                on_wait()
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
         try:
             yield
         finally:
@@ -161,13 +166,18 @@ def ensure_default_model(cache_dir: Path | None = None, progress: bool = True) -
     final_dir = models_dir / DEFAULT_MODEL_NAME
     if is_converted(final_dir, source):
         return final_dir
-    with _file_lock(models_dir / f"{DEFAULT_MODEL_NAME}.lock"):
+    emit = _progress_logger(progress)
+    lock = models_dir / f"{DEFAULT_MODEL_NAME}.lock"
+    with _file_lock(lock, on_wait=lambda: emit(f"waiting for another process converting the default model ({lock})")):
         # Another process may have finished while we waited for the lock.
         if is_converted(final_dir, source):
             return final_dir
         from .gguf_convert import convert_gguf_to_hf  # torch/transformers: only when converting
 
-        emit = _progress_logger(progress)
+        # Only the lock holder writes temporaries, so any found now are from a killed run.
+        for pattern in (f".tmp-{DEFAULT_MODEL_NAME}-*", f".stale-{DEFAULT_MODEL_NAME}-*"):
+            for leftover in models_dir.glob(pattern):
+                shutil.rmtree(leftover, ignore_errors=True)
         emit(f"converting the default model {DEFAULT_MODEL_NAME} into {final_dir} (once)")
         started = time.monotonic()
         tmp_dir = Path(tempfile.mkdtemp(prefix=f".tmp-{DEFAULT_MODEL_NAME}-", dir=models_dir))
