@@ -11,7 +11,7 @@ from typing import Any, Awaitable, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from opentelemetry import propagate, trace
+from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from services.gateway.backend import BackendError, GenerationBackend, GenerationRequest, SamplingOptions
@@ -30,6 +30,7 @@ from services.gateway.sampling import chat_sampling, completion_sampling
 from services.gateway.sse import DONE_EVENT, ClientDisconnected, EventStreamResponse, run_until_disconnect, sse_event
 from services.gateway.token_strings import TokenStrings
 from shared.openai_protocol.errors import InvalidRequest
+from shared.telemetry.propagation import extract_http_context, inject_http_headers
 from shared.openai_protocol.requests import parse_chat_request, parse_completion_request
 
 log = logging.getLogger("duet.gateway")
@@ -143,7 +144,7 @@ class OpenAIEndpoints:
         metrics = self.ctx.metrics
         metrics.inflight.labels(endpoint).inc()
         span = self.ctx.tracer.start_span(
-            f"POST /v1/{endpoint.replace('_', '/')}", context=propagate.extract(dict(request.headers)),
+            f"POST /v1/{endpoint.replace('_', '/')}", context=extract_http_context(request.headers),
             kind=trace.SpanKind.SERVER)
         outcome = _Outcome(lambda status: self._finish(endpoint, status, span))
         try:
@@ -153,8 +154,7 @@ class OpenAIEndpoints:
                 raise from_invalid_request(exc) from None
             span.set_attribute("duet.request_id", prepared.request_id)
             span.set_attribute("duet.prompt_tokens", len(prepared.prompt_token_ids))
-            trace_context: dict[str, str] = {}
-            propagate.inject(trace_context, context=trace.set_span_in_context(span))
+            trace_context = inject_http_headers({}, context=trace.set_span_in_context(span))
             gen_request = GenerationRequest(prepared.request_id, prepared.prompt_token_ids, prepared.sampling,
                                             model=self.ctx.served_model_name, trace_context=trace_context)
             metrics.prompt_tokens.labels(endpoint).inc(len(prepared.prompt_token_ids))

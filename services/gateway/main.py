@@ -1,0 +1,94 @@
+"""duet gateway: the OpenAI-compatible HTTP front door (FastAPI on uvicorn).
+
+    python -m services.gateway.main --router-address 127.0.0.1:50051 [--redis-url redis://...]
+    python -m services.gateway.main --backend local            # in-process engine, one process
+
+/metrics is served on the same port as the API.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+from services.gateway.backend import GenerationBackend
+from services.gateway.config import GatewayConfig
+from services.gateway.endpoints import GatewayContext
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.prompt import PromptBuilder, read_max_position_embeddings
+
+log = logging.getLogger("duet.gateway")
+
+
+def context_length(config: GatewayConfig, model_dir: Path) -> int:
+    """--max-model-len capped by the model's own limit (the engine applies the same rule)."""
+    model_limit = read_max_position_embeddings(model_dir)
+    if model_limit is None and config.max_model_len is None:
+        raise ValueError(f"{model_dir}/config.json states no context length: pass --max-model-len")
+    limits = [v for v in (config.max_model_len, model_limit) if v]
+    return min(limits)
+
+
+def build_backend(config: GatewayConfig, model_dir: Path, served_name: str, max_context: int) -> GenerationBackend:
+    if config.backend == "local":
+        from services.gateway.local_backend import LocalBackend
+
+        def load_engine():
+            from shared.engine import Engine, EngineConfig
+
+            return Engine(EngineConfig(model_dir=str(model_dir), max_model_len=config.max_model_len))
+
+        return LocalBackend(load_engine, name=served_name, expected_context_len=max_context)
+    from services.gateway.grpc_backend import GrpcBackend, GrpcBackendConfig
+
+    return GrpcBackend(GrpcBackendConfig(
+        router_address=config.router_address, redis_url=config.redis_url, model=served_name,
+        max_context_len=max_context, reserve_timeout_ms=config.reserve_timeout_ms,
+        rpc_timeout_s=config.rpc_timeout_s))
+
+
+def build_context(config: GatewayConfig) -> GatewayContext:
+    from shared.engine.default_model import resolve_model_dir
+
+    model_dir = resolve_model_dir(config.model)
+    served_name = config.served_model_name or model_dir.name
+    max_context = context_length(config, model_dir)
+    prompts = PromptBuilder.from_model_dir(model_dir)
+    backend = build_backend(config, model_dir, served_name, max_context)
+    return GatewayContext(backend, prompts, GatewayMetrics(), served_name, max_context)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config = GatewayConfig.from_argv(argv)
+    except ValueError as exc:
+        print(f"duet gateway: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    import uvicorn
+
+    from services.gateway.app import build_app
+    from shared.engine.default_model import ModelNotFoundError
+    from shared.telemetry.tracing import setup_tracing
+
+    try:
+        ctx = build_context(config)
+    except (ModelNotFoundError, ValueError, OSError) as exc:
+        print(f"duet gateway: {exc}", file=sys.stderr)
+        return 2
+    tracing = setup_tracing("gateway")
+    ctx.tracer = tracing.tracer
+    log.info("serving %s (context %d tokens) on http://%s:%d with the %s backend",
+             ctx.served_model_name, ctx.max_context_len, config.host, config.port, config.backend)
+    try:
+        uvicorn.run(build_app(ctx), host=config.host, port=config.port, log_level=config.log_level.lower(),
+                    timeout_graceful_shutdown=10)
+    finally:
+        tracing.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
