@@ -91,7 +91,8 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
     n, vocab = logits.shape
     want_lp = any(r.params.logprobs is not None for r in rows)
     raw_logprobs = logits.log_softmax(dim=-1) if want_lp else None
-    if any(r.params.uses_penalties for r in rows):
+    if any(r.params.uses_penalties or r.suppress_ids for r in rows):
+        # our own copy to edit: float32 logits come straight from the model, an inference tensor
         logits = logits.clone()
         apply_penalties(logits, rows)
     for i, r in enumerate(rows):
