@@ -49,18 +49,20 @@ class Scheduler:
     def schedule(self) -> Batch:
         batch = Batch()
         budget = self.max_batched_tokens
-        # 1. decodes: each needs room for one more token
+        # 1. decodes: each needs room for one more token. Victims of retraction are always
+        # younger than the request that needs the page (so never one already in this batch);
+        # with no younger one left, the request itself waits.
         for req in list(self.running):
-            if not req.is_decoding or req.status is not ReqStatus.RUNNING:
+            if req.status is not ReqStatus.RUNNING or not req.is_decoding:
                 continue
             while not self.kv.grow(req, req.num_computed + 1):
-                # never a request already in this batch: its pages would be freed under it
-                victim = self._youngest_running(exclude=req, scheduled=batch)
+                victim = self._youngest_after(req)
                 if victim is None:
+                    self._retract(req)
                     break
                 self._retract(victim)
-            if req.status is not ReqStatus.RUNNING or len(req.page_ids) * self.kv.page_size <= req.num_computed:
-                continue  # could not grow even alone; stays for the next step
+            if req.status is not ReqStatus.RUNNING:
+                continue
             batch.items.append(ScheduledReq(req, req.num_computed, 1))
             budget -= 1
         # 2. prefill chunks of admitted requests, then new admissions (FIFO)
@@ -108,11 +110,12 @@ class Scheduler:
             return None
         return ScheduledReq(req, req.num_computed, length)
 
-    def _youngest_running(self, exclude: Req, scheduled: Batch) -> Req | None:
-        taken = {id(it.req) for it in scheduled.items}
-        for req in reversed(self.running):
-            if req is not exclude and req.status is ReqStatus.RUNNING and id(req) not in taken:
-                return req
+    def _youngest_after(self, req: Req) -> Req | None:
+        """The youngest running request admitted after `req`, if any."""
+        idx = self.running.index(req)
+        for other in reversed(self.running[idx + 1:]):
+            if other.status is ReqStatus.RUNNING:
+                return other
         return None
 
     def _retract(self, req: Req) -> None:
