@@ -8,6 +8,7 @@ get each request's StepOutputs back through a per-request asyncio.Queue.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -80,6 +81,19 @@ class LocalBackend:
         self._stop.set()
         self._commands.put(None)
         await asyncio.to_thread(self._thread.join, 30)
+
+    def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
+        """Run fn(engine) on the engine thread between steps (inspection, tests)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run(engine) -> None:
+            try:
+                future.set_result(fn(engine))
+            except BaseException as exc:
+                future.set_exception(exc)
+
+        self._commands.put(run)
+        return future
 
     def wait_loaded(self, timeout: float | None = None) -> bool:
         """Block until the model is loaded (or failed to); True when ready."""

@@ -1,0 +1,180 @@
+"""End to end: the gateway over the real engine (embedded SmolLM2-135M-Instruct, CPU) on a
+real uvicorn server, driven by the official openai client (sync and async)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from services.gateway.app import build_app
+from services.gateway.endpoints import GatewayContext
+from services.gateway.local_backend import LocalBackend
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.prompt import PromptBuilder
+from tests.openai_schema import validate
+from tests.test_gateway_support import UvicornThread, free_port, wait_until
+
+MODEL = "smollm2"
+CONTEXT = 1024
+MESSAGES = [{"role": "user", "content": "Name three colors."}]
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    from shared.engine.default_model import ensure_default_model
+
+    return ensure_default_model(progress=False)
+
+
+@pytest.fixture(scope="module")
+def backend(model_dir):
+    def load():
+        from shared.engine import Engine, EngineConfig
+
+        return Engine(EngineConfig(model_dir=str(model_dir), max_model_len=CONTEXT))
+
+    return LocalBackend(load, name=MODEL, expected_context_len=CONTEXT)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, backend):
+    ctx = GatewayContext(backend, PromptBuilder.from_model_dir(model_dir), GatewayMetrics(), MODEL, CONTEXT)
+    with UvicornThread(build_app(ctx)) as srv:
+        assert backend.wait_loaded(120), f"engine did not load: {backend.load_error}"
+        yield srv
+
+
+@pytest.fixture
+def client(server):
+    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=120) as c:
+        yield c
+
+
+def engine_idle(backend) -> bool:
+    def check(engine):
+        engine.check_idle()  # no requests, every KV page back (cached prefixes are evictable)
+        return True
+
+    try:
+        return backend.call(check).result(10)
+    except AssertionError:
+        return False
+
+
+def test_greedy_chat_stream_equals_non_stream(client, backend, model_dir):
+    whole = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=6)
+    text = whole.choices[0].message.content
+    assert text and whole.usage.completion_tokens <= 6
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, max_tokens=6, stream=True) if chunk.choices)
+    assert streamed == text
+    prompt_ids = PromptBuilder.from_model_dir(model_dir).chat_prompt_ids(MESSAGES)
+    assert whole.usage.prompt_tokens == len(prompt_ids)
+    # The second request shared the first one's prompt: the prefix cache served it.
+    again = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=1)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    assert wait_until(lambda: engine_idle(backend), timeout=10)
+
+
+def test_seeded_sampling_repeats_and_logprobs(client, server):
+    kwargs = dict(model=MODEL, messages=MESSAGES, temperature=0.9, seed=7, max_tokens=4)
+    a = client.chat.completions.create(**kwargs).choices[0].message.content
+    b = client.chat.completions.create(**kwargs).choices[0].message.content
+    assert a == b
+    body = httpx.post(server.base_url + "/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "messages": MESSAGES, "temperature": 0, "max_tokens": 3, "logprobs": True,
+        "top_logprobs": 3}).json()
+    validate(body, "CreateChatCompletionResponse")
+    for entry in body["choices"][0]["logprobs"]["content"]:
+        tops = [t["logprob"] for t in entry["top_logprobs"]]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True)
+        assert entry["logprob"] == pytest.approx(tops[0], abs=1e-5)  # greedy: the sampled token is the best
+        assert entry["logprob"] <= 0
+
+
+def test_stop_string_and_max_tokens_on_completions(client):
+    base = client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=10)
+    text = base.choices[0].text
+    assert base.choices[0].finish_reason == "length" and base.usage.completion_tokens == 10
+    stop = text.strip().split()[1] if len(text.split()) > 1 else text.strip()[:2]
+    cut = client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=10,
+                                    stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == text[: text.index(stop)]
+
+
+def test_concurrent_async_requests(server):
+    async def run():
+        async with openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0,
+                                      timeout=120) as client:
+            prompts = ["One", "Two", "Three"]
+            results = await asyncio.gather(*(
+                client.completions.create(model=MODEL, prompt=p, temperature=0, max_tokens=6) for p in prompts))
+            return [r.usage.completion_tokens for r in results]
+
+    assert asyncio.run(run()) == [6, 6, 6]
+
+
+def test_client_disconnect_aborts_engine_request(server, backend):
+    with httpx.Client(base_url=server.base_url, timeout=120) as http:
+        with http.stream("POST", "/v1/chat/completions", json={
+                "model": MODEL, "messages": MESSAGES, "stream": True, "max_tokens": 500,
+                "ignore_eos": True}) as response:
+            seen = 0
+            for line in response.iter_lines():
+                seen += '"content":' in line
+                if seen == 3:
+                    break
+    assert wait_until(lambda: engine_idle(backend), timeout=10), "engine still holds the abandoned request"
+
+
+def test_errors_from_the_real_stack(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=CONTEXT)
+    assert info.value.code == "context_length_exceeded"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="x")
+
+
+def test_main_serves_with_the_local_backend(model_dir):
+    """`services.gateway.main` as its own process: /health turns 200 once the engine loaded."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "DUET_PORT": str(port)}
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from services.gateway.main import main; "
+                             "sys.exit(main(sys.argv[1:]))", "--backend", "local", "--host", "127.0.0.1",
+                             "--served-model-name", "tiny-local", "--max-model-len", "512",
+                             "--log-level", "warning"], cwd=REPO, env=env)
+    try:
+        base = f"http://127.0.0.1:{port}"
+
+        def healthy() -> bool:
+            try:
+                return httpx.get(base + "/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        assert wait_until(healthy, timeout=120, interval=0.5), "gateway never became healthy"
+        models = httpx.get(base + "/v1/models").json()
+        assert models["data"][0]["id"] == "tiny-local" and models["data"][0]["max_model_len"] == 512
+        with openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120) as client:
+            result = client.completions.create(model="tiny-local", prompt="Hello", max_tokens=3)
+        assert result.usage.completion_tokens == 3
+        assert "duet_time_to_first_token_seconds" in httpx.get(base + "/metrics").text
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    # uvicorn shuts down gracefully (lifespan closes the backend), then re-raises SIGTERM.
+    assert proc.returncode in (0, -15)
