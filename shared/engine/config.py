@@ -29,12 +29,19 @@ class EngineConfig:
     cuda_graph_max_bs: int = 256
     overlap_schedule: bool = False
     num_threads: int | None = None  # torch intra-op threads on CPU
-    tp: TPContext = field(default_factory=TPContext)
+    tp_size: int = 1  # tensor-parallel ranks (processes); this process is rank 0
+    custom_all_reduce: bool = True  # TP on GPU: one-shot P2P all-reduce fused with add+RMSNorm
+    load_format: str = "auto"  # auto: safetensors | dummy: random weights (benchmarks)
+    tp: TPContext = field(default_factory=TPContext)  # this process's rank (set by the engine)
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+            dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        else:
+            dev = torch.device(self.device)
+        if dev.type == "cuda" and self.tp.size > 1:  # rank r uses the r-th GPU from the base
+            dev = torch.device("cuda", (dev.index or 0) + self.tp.rank)
+        return dev
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":

@@ -10,6 +10,7 @@ import logging
 import os
 import time
 import uuid
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,8 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, **overrides):
         config = config or EngineConfig()
         for k, v in overrides.items():
+            if k == "tp" and isinstance(v, int):  # LLM(model, tp=2)
+                k = "tp_size"
             if not hasattr(config, k):
                 raise TypeError(f"unknown engine option {k!r}")
             setattr(config, k, v)
@@ -52,6 +55,15 @@ class Engine:
         from .default_model import resolve_model_dir
         self.model_dir = resolve_model_dir(config.model_dir)
         self.model_config = mc = ModelConfig.from_dir(self.model_dir)
+        self._tp_workers = None
+        if config.tp_size > 1 and config.tp.size == 1:  # this process becomes rank 0 of tp_size
+            from .tp_launcher import check_divisible, launch
+            check_divisible(mc, config.tp_size)
+            if config.overlap_schedule:
+                log.warning("overlap scheduling is not supported with tensor parallelism yet; off")
+                config.overlap_schedule = False
+            config.tp, self._tp_workers = launch(config, config.tp_size, config.resolve_device())
+            weakref.finalize(self, self._tp_workers.shutdown)
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)
         self.tp = config.tp
@@ -59,13 +71,24 @@ class Engine:
         t0 = time.monotonic()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.model = load_model(mc, self.tp, self.dtype, self.device, self.max_model_len)
+        from kernels.availability import triton_available
+        fused = self.device.type == "cuda" and triton_available()
+        self.model = load_model(mc, self.tp, self.dtype, self.device, self.max_model_len, fused=fused,
+                                load_format=config.load_format)
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        if self.tp.size > 1 and self.device.type == "cuda" and config.custom_all_reduce:
+            from .custom_all_reduce import CustomAllReduce
+            car = CustomAllReduce.try_create(self.tp, self.device)
+            if self.tp.all_ranks_agree(car is not None, self.device):  # all use it, or none
+                self.tp.custom_all_reduce = car
         self.layout = self._size_kv()
         self.pool = KVPool(self.layout, self.device)
         self.backend = make_attention_backend(config.attention_backend, self.pool, self.device)
         self.kv = KVManager(self.layout.num_pages, self.layout.page_size, config.enable_prefix_cache)
         self.scheduler = Scheduler(self.kv, config.resolve_batched_tokens(self.device), config.max_running_requests)
         self.runner = ModelRunner(self.model, self.pool, self.backend, self.device)
+        if self._tp_workers is not None:
+            self.runner.plan_sink = self._tp_workers.send_plan
         if self.device.type == "cuda" and config.cuda_graph and self.backend.supports_cuda_graph:
             from .cuda_graph import CudaGraphRunner
             self.runner.graphs = CudaGraphRunner(self.model, self.backend, self.pool, self.device,
@@ -74,10 +97,26 @@ class Engine:
         self.requests: dict[str, Req] = {}
         self.stats = EngineStats()
         self._tokenizer = None
-        log.info("engine ready in %.1fs: %s %s on %s, %s, KV %d pages x %d tokens (%.0f MiB), backend %s",
+        self.overlap = None
+        if config.overlap_schedule:
+            from .overlap import OverlapScheduler
+            self.overlap = OverlapScheduler(self)
+        if self._tp_workers is not None:
+            self._tp_workers.wait_ready()
+        log.info("engine ready in %.1fs: %s %s on %s, %s, weights %.2f GiB, KV %d pages x %d tokens "
+                 "(%.2f GiB), backend %s, cuda graphs %s, custom all-reduce %s, overlap %s",
                  time.monotonic() - t0, mc.architecture, str(self.dtype).removeprefix("torch."),
-                 self.device, f"tp {self.tp.rank}/{self.tp.size}", self.layout.num_pages, self.layout.page_size,
-                 self.layout.num_pages * self.layout.bytes_per_page / 2**20, self.backend.name)
+                 self.device, f"tp {self.tp.rank}/{self.tp.size}", self.weight_bytes / 2**30,
+                 self.layout.num_pages, self.layout.page_size,
+                 self.layout.num_pages * self.layout.bytes_per_page / 2**30, self.backend.name,
+                 "on" if self.runner.graphs is not None else "off",
+                 "on" if self.tp.custom_all_reduce is not None else "off",
+                 "on" if self.overlap is not None else "off")
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (also done when the engine is collected)."""
+        if self._tp_workers is not None:
+            self._tp_workers.shutdown()
 
     # -- sizing -------------------------------------------------------------------------
     def _size_kv(self) -> KVLayout:
@@ -94,7 +133,11 @@ class Engine:
             budget = int(total * cfg.mem_fraction) - used - (1 << 30)  # 1 GiB for activations/graphs
             if budget <= 0:
                 raise MemoryError(f"no GPU memory left for the KV cache at mem_fraction={cfg.mem_fraction}")
-        return KVLayout.pages_for_budget(budget, **kw)
+        layout = KVLayout.pages_for_budget(budget, **kw)
+        if self.tp.size > 1:  # every rank must hold the same pages: take the smallest
+            pages = self.tp.min_across_ranks(layout.num_pages, self.device)
+            layout = KVLayout(num_pages=pages, **kw)
+        return layout
 
     @property
     def tokenizer(self):
@@ -186,13 +229,15 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or (self.overlap is not None and self.overlap.pending is not None)
 
     def get(self, rid: str) -> Req | None:
         return self.requests.get(rid)
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        if self.overlap is not None:
+            return self.overlap.step()
         batch = self.scheduler.schedule()
         if not batch.items:
             return []

@@ -39,6 +39,17 @@ class TPContext:
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
 
+    def min_across_ranks(self, value: int, device: torch.device) -> int:
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
+    def all_ranks_agree(self, flag: bool, device: torch.device) -> bool:
+        """True only if flag is True on every rank (for choices all ranks must share)."""
+        return bool(self.min_across_ranks(int(flag), device))
+
     def shard(self, n: int, what: str) -> int:
         if n % self.size:
             raise ValueError(f"{what} ({n}) is not divisible by tensor-parallel size {self.size}")

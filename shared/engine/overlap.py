@@ -1,0 +1,189 @@
+"""Overlap scheduling: the CPU schedules and prepares step N+1 while the GPU runs step N.
+
+Without it every step ends with the CPU waiting for the sampled tokens (to append them,
+check stops, build the next inputs), and the GPU then waits for the CPU. Here a step is
+launched without waiting: its sampled tokens go to a device-side ring (`future`) and a
+pinned host copy is queued behind them. Each request gets a placeholder id -(slot+1) as
+its newest token, so the scheduler sees it as ready to decode and the next step is built
+at once; its input id is looked up in the ring on the device (model_runner). Only then
+does the CPU wait for step N's tokens, replace the placeholders and run the stop checks
+(as SGLang's future-token map and mini-sglang's overlap loop do).
+
+Costs: a request that finishes at step N was already scheduled in step N+1; that row's
+work is thrown away (its KV writes land in pages it still held; the GPU runs in order,
+so a page reused later is written after). Steps whose sampling needs host data (penalties,
+logprobs) wait for the previous step and sample synchronously."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .request import ReqStatus
+from .sampler import draw_key, filter_top_k_top_p_min_p, gumbel_noise, sample
+
+
+@dataclass
+class _Entry:
+    req: object  # Req
+    index: int  # position in req.token_ids the sampled token belongs at
+    placeholder: int | None  # the id standing in for it, or None (nothing appended)
+
+
+@dataclass
+class InFlight:
+    entries: list[_Entry]
+    host_tokens: torch.Tensor  # [n] int64, filled by a queued device-to-host copy
+    done: torch.cuda.Event | None
+
+
+class OverlapScheduler:
+    def __init__(self, engine):
+        self.engine = engine
+        self.device = engine.device
+        self.capacity = 4 * max(engine.config.max_running_requests, 64)
+        self.future = torch.zeros(self.capacity, dtype=torch.int64, device=self.device)
+        engine.runner.future_tokens = self.future
+        self.cursor = 0
+        self.pending: InFlight | None = None
+        self.num_sync_steps = 0  # steps that had to sample on the host
+
+    def step(self):
+        e = self.engine
+        outs = []
+        if self.pending is not None and e.kv.available < len(e.scheduler.running) + 1:
+            # pages are short: the scheduler may retract requests; give it true token lists
+            outs += self._resolve(self.pending)
+            self.pending = None
+        batch = e.scheduler.schedule()
+        launched = None
+        if batch.items:
+            launched, now = self._launch(batch)  # may resolve self.pending itself first
+            if launched is None:
+                return outs + now
+        if self.pending is not None:
+            outs += self._resolve(self.pending)
+        self.pending = launched
+        return outs
+
+    # -- launch --------------------------------------------------------------------------
+    def _launch(self, batch):
+        e = self.engine
+        logits = e.runner.forward(batch)
+        e.stats.steps += 1
+        sampling = [it for it in batch.items if it.samples]
+        for it in batch.items:
+            it.req.num_computed = it.end
+            if it.req.num_output == 0 or it.req.prefill_only:
+                e.stats.prefill_tokens_computed += it.length
+            else:
+                e.stats.decode_tokens_computed += it.length
+        if not sampling:
+            return None, []
+        if any(it.req.params.uses_penalties or it.req.params.logprobs is not None for it in sampling):
+            return None, self._sample_now(logits, sampling)
+        rows = [e._sample_row(it.req) for it in sampling]
+        tokens = sample_on_device(logits, rows)
+        n = len(sampling)
+        if self.cursor + n > self.capacity:
+            self.cursor = 0
+        start = self.cursor
+        self.cursor += n
+        self.future[start:start + n].copy_(tokens)
+        done = None
+        if self.device.type == "cuda":
+            host = torch.empty(n, dtype=torch.int64, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            host = tokens
+        entries = []
+        for i, it in enumerate(sampling):
+            req = it.req
+            entry = _Entry(req, len(req.token_ids), None)
+            if not req.prefill_only:  # prefill-only requests stop after this token
+                entry.placeholder = -(start + i + 1)
+                req.token_ids.append(entry.placeholder)
+            entries.append(entry)
+        return InFlight(entries, host, done), []
+
+    def _sample_now(self, logits, sampling):
+        """Host-dependent sampling: settle the previous step first, then sample as the
+        plain engine does."""
+        e = self.engine
+        outs = []
+        if self.pending is not None:
+            outs += self._resolve(self.pending)
+            self.pending = None
+        self.num_sync_steps += 1
+        live = [i for i, it in enumerate(sampling) if it.req.status is not ReqStatus.FINISHED]
+        if not live:
+            return outs
+        rows = [e._sample_row(sampling[i].req) for i in live]
+        res = sample(logits[live] if len(live) < len(sampling) else logits, rows)
+        for j, i in enumerate(live):
+            outs.append(e._append(sampling[i].req, res.token_ids[j],
+                                  res.logprobs[j] if res.logprobs else None,
+                                  res.top_logprobs[j] if res.top_logprobs else None))
+        return outs
+
+    # -- results -------------------------------------------------------------------------
+    def _resolve(self, flight: InFlight):
+        e = self.engine
+        if flight.done is not None:
+            flight.done.synchronize()
+        tokens = flight.host_tokens.tolist()
+        outs = []
+        for entry, tok in zip(flight.entries, tokens):
+            req = entry.req
+            if req.status is ReqStatus.FINISHED:
+                continue  # aborted, or finished one step earlier: this row was spare work
+            tail = []
+            if entry.placeholder is not None:
+                if entry.index >= len(req.token_ids) or req.token_ids[entry.index] != entry.placeholder:
+                    continue
+                tail = req.token_ids[entry.index + 1:]
+                del req.token_ids[entry.index:]
+            elif len(req.token_ids) != entry.index:
+                continue
+            out = e._append(req, tok, None, None)
+            if tail and req.status in (ReqStatus.RUNNING, ReqStatus.WAITING):
+                req.token_ids.extend(tail)
+            outs.append(out)
+        return outs
+
+
+def _to_device(values, dtype, device):
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
+def sample_on_device(logits: torch.Tensor, rows) -> torch.Tensor:
+    """sampler.sample()'s token choice (no penalties, no logprobs) without any host sync:
+    returns the [n] int64 tokens on the device."""
+    logits = logits.float()
+    dev = logits.device
+    n, vocab = logits.shape
+    sup_rows = [i for i, r in enumerate(rows) for _ in r.suppress_ids]
+    if sup_rows:
+        sup_ids = [t for r in rows for t in r.suppress_ids]
+        logits = logits.clone()
+        logits.index_put_((_to_device(sup_rows, torch.int64, dev), _to_device(sup_ids, torch.int64, dev)),
+                          torch.tensor(float("-inf"), device=dev))
+    out = logits.argmax(dim=-1)
+    greedy = [r.params.greedy for r in rows]
+    if all(greedy):
+        return out
+    temps = _to_device([max(r.params.temperature, 1e-6) for r in rows], torch.float32, dev)
+    scaled = logits / temps[:, None]
+    if any(r.params.top_k > 0 or r.params.top_p < 1 or r.params.min_p > 0 for r in rows):
+        top_k = _to_device([r.params.top_k if r.params.top_k > 0 else vocab for r in rows], torch.int64, dev)
+        top_p = _to_device([r.params.top_p for r in rows], torch.float32, dev)
+        min_p = _to_device([r.params.min_p for r in rows], torch.float32, dev)
+        scaled = filter_top_k_top_p_min_p(scaled, top_k, top_p, min_p)
+    keys = _to_device([draw_key(r.seed, r.position) for r in rows], torch.int64, dev)
+    drawn = (scaled.log_softmax(dim=-1) + gumbel_noise(keys, vocab)).argmax(dim=-1)
+    return torch.where(_to_device(greedy, torch.bool, dev), out, drawn)
