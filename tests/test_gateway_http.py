@@ -7,7 +7,6 @@ timing); tests/test_gateway_local_engine.py runs the same server over the real e
 
 from __future__ import annotations
 
-import json
 
 import httpx
 import openai
