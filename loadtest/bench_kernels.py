@@ -30,8 +30,8 @@ ELEM = 2  # bytes per element (bf16, or fp16 in --smoke)
 @dataclass
 class Row:
     name: str
-    ms: float
-    graph_ms: float  # CUDA-graph replay (decode only; 0 where not measured)
+    ms: float  # GPU time; decode: CUDA-graph replay with L2 flushed (what the engine runs)
+    eager_ms: float  # decode only: a plain call, host launch overhead included (nan elsewhere)
     gbytes: float
     gflop: float
     floor_ms: float
@@ -93,12 +93,21 @@ def bench(cfg: BenchConfig, fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
-def bench_graph(cfg: BenchConfig, fn) -> float:
+def bench_replay(cfg: BenchConfig, fn) -> float:
+    """Median ms of fn captured in a CUDA graph, L2 flushed before each replay
+    (do_bench does that): GPU time without host launch overhead."""
     if cfg.device != "cuda":
-        return float("nan")
-    import triton.testing
-
-    return triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median")
+        return bench(cfg, fn)
+    fn()  # compile outside the capture
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return bench(cfg, graph.replay)
 
 
 def copy_bandwidth(cfg: BenchConfig) -> float:
@@ -153,8 +162,8 @@ def decode_rows(cfg: BenchConfig, ceil_bw: float, ceil_flops: float, gen: torch.
         args = (q, k_cache, v_cache, page_table, seq_lens, scale)
         decode_attention(*args, out=out)
         err = rel_err(out, decode_attention_reference(*args))
-        ms = bench(cfg, lambda: decode_attention(*args, out=out))
-        graph_ms = bench_graph(cfg, lambda: decode_attention(*args, out=out))
+        ms = bench_replay(cfg, lambda: decode_attention(*args, out=out))
+        eager_ms = bench(cfg, lambda: decode_attention(*args, out=out))
         k_dense, v_dense = dense_kv(k_cache, page_table, ctx), dense_kv(v_cache, page_table, ctx)
         q4 = q[:, :, None, :]
         sdpa_ms = bench(cfg, lambda: torch.nn.functional.scaled_dot_product_attention(
@@ -163,7 +172,7 @@ def decode_rows(cfg: BenchConfig, ceil_bw: float, ceil_flops: float, gen: torch.
         flops = 4 * batch * H_Q * ctx * HEAD_DIM
         floor_ms = max(nbytes / ceil_bw, flops / ceil_flops) * 1e3
         splits = choose_num_kv_splits(batch, H_KV, page_table.shape[1] * PAGE_SIZE, _num_sms(q.device))
-        rows.append(Row(f"decode B={batch} ctx={ctx}", ms, graph_ms, nbytes / 1e9, flops / 1e9, floor_ms,
+        rows.append(Row(f"decode B={batch} ctx={ctx}", ms, eager_ms, nbytes / 1e9, flops / 1e9, floor_ms,
                         sdpa_ms, err, f"splits={splits}"))
         del pool, k_dense, v_dense
     return rows
@@ -197,7 +206,7 @@ def extend_rows(cfg: BenchConfig, ceil_bw: float, ceil_flops: float, gen: torch.
         flops = 4 * num_prompts * H_Q * HEAD_DIM * visible
         nbytes = (2 * q.numel() + num_prompts * total * H_KV * HEAD_DIM * 2) * ELEM
         floor_ms = max(nbytes / ceil_bw, flops / ceil_flops) * 1e3
-        rows.append(Row(f"extend {num_prompts}x{new_tokens} prefix={prefix}", ms, 0.0, nbytes / 1e9, flops / 1e9,
+        rows.append(Row(f"extend {num_prompts}x{new_tokens} prefix={prefix}", ms, float("nan"), nbytes / 1e9, flops / 1e9,
                         floor_ms, sdpa_ms, err))
         del pool, k_dense, v_dense
     return rows
@@ -227,8 +236,86 @@ def small_kernel_rows(cfg: BenchConfig, ceil_bw: float, gen: torch.Generator):
                   lambda: gather_pages(pool, ids), 2 * cfg.gather_n * page_bytes))
     for name, fn, nbytes in cases:
         ms = bench(cfg, fn)
-        rows.append(Row(name, ms, 0.0, nbytes / 1e9, 0.0, nbytes / ceil_bw * 1e3, float("nan"), float("nan")))
+        rows.append(Row(name, ms, float("nan"), nbytes / 1e9, 0.0, nbytes / ceil_bw * 1e3, float("nan"), float("nan")))
     return rows
+
+
+def sweep(cfg: BenchConfig, gen: torch.Generator) -> list:
+    """Compare tilings and split counts (GPU time via graph replay, L2 flushed),
+    each checked against the reference on the timed shape and a ragged batch."""
+    from kernels.decode_attention import decode_attention_reference
+    from kernels.extend_attention import extend_attention_reference
+    from kernels.random_paged_kv import random_paged_kv
+    from kernels.triton_decode_attention import DecodeConfig, launch_decode_attention
+    from kernels.triton_extend_attention import ExtendConfig, launch_extend_attention
+
+    lines = []
+
+    def say(line):
+        print(line, flush=True)
+        lines.append(line)
+
+    scale = 1 / math.sqrt(HEAD_DIM)
+    cpu = torch.Generator().manual_seed(1)
+    ragged = random_paged_kv([1000, 1, 17, 300, 0], H_KV, HEAD_DIM, PAGE_SIZE, cfg.dtype, torch.device(cfg.device), cpu)
+    q_ragged = torch.randn((5, H_Q, HEAD_DIM), generator=cpu).to(cfg.device, cfg.dtype)
+    r_args = (q_ragged, ragged.k_cache, ragged.v_cache, ragged.page_table, ragged.seq_lens, scale)
+    r_ref = decode_attention_reference(*r_args)
+    decode_cfgs = [DecodeConfig(64, 4, 2), DecodeConfig(32, 4, 2), DecodeConfig(64, 4, 3), DecodeConfig(128, 4, 2),
+                   DecodeConfig(64, 8, 2), DecodeConfig(128, 8, 3), DecodeConfig(32, 2, 3), DecodeConfig(16, 4, 3)]
+    say("decode sweep (ms, graph replay, ctx %d): config -> B=8 B=32 B=128 | ragged relerr" % cfg.decode_ctx)
+    setups = []
+    for batch in cfg.decode_batches[1:]:
+        pool, page_table, seq_lens = paged_pool(cfg, batch, cfg.decode_ctx, gen)
+        q = torch.randn((batch, H_Q, HEAD_DIM), device=cfg.device, dtype=cfg.dtype, generator=gen)
+        setups.append((q, pool[:, 1, 0], pool[:, 1, 1], page_table, seq_lens, scale))
+    for dc in decode_cfgs:
+        times = []
+        for args in setups:
+            out = torch.empty_like(args[0])
+            times.append(bench_replay(cfg, lambda: launch_decode_attention(*args, out=out, config=dc)))
+        errs = [rel_err(launch_decode_attention(*r_args, num_kv_splits=sp, config=dc), r_ref) for sp in (None, 3)]
+        say(f"  {dc} -> " + " ".join(f"{t:.4f}" for t in times) + f" | {max(errs):.1e}")
+    say("decode split count (ms, default config): B -> splits:ms")
+    for batch in cfg.decode_batches[:3]:
+        pool, page_table, seq_lens = paged_pool(cfg, batch, cfg.decode_ctx, gen)
+        q = torch.randn((batch, H_Q, HEAD_DIM), device=cfg.device, dtype=cfg.dtype, generator=gen)
+        args = (q, pool[:, 1, 0], pool[:, 1, 1], page_table, seq_lens, scale)
+        out = torch.empty_like(q)
+        cells = [f"{sp}:{bench_replay(cfg, lambda: launch_decode_attention(*args, num_kv_splits=sp, out=out)):.4f}"
+                 for sp in (1, 2, 4, 8, 16, 32)]
+        say(f"  B={batch} -> " + " ".join(cells))
+        del pool
+
+    ext, pre = [300, 1, 129, 64], [0, 700, 33, 1024]
+    eragged = random_paged_kv([e + p for e, p in zip(ext, pre)], H_KV, HEAD_DIM, PAGE_SIZE, cfg.dtype,
+                              torch.device(cfg.device), cpu)
+    eq = torch.randn((sum(ext), H_Q, HEAD_DIM), generator=cpu).to(cfg.device, cfg.dtype)
+    indptr = torch.tensor([0, 300, 301, 430, 494], dtype=torch.int32, device=cfg.device)
+    e_args = (eq, eragged.k_cache, eragged.v_cache, eragged.page_table, indptr, eragged.seq_lens, scale)
+    e_ref = extend_attention_reference(*e_args)
+    extend_cfgs = [ExtendConfig(128, 64, 8, 3), ExtendConfig(128, 64, 8, 2), ExtendConfig(128, 64, 4, 3),
+                   ExtendConfig(128, 128, 8, 3), ExtendConfig(128, 128, 8, 2), ExtendConfig(64, 64, 4, 3),
+                   ExtendConfig(128, 32, 8, 4), ExtendConfig(64, 128, 4, 2), ExtendConfig(128, 64, 8, 4)]
+    say("extend sweep (ms, prefix 0): config -> 1x2048 4x2048 | ragged relerr")
+    esetups = []
+    for prompts in (1, 4):
+        new = cfg.extend_cases[0][1]
+        pool, page_table, seq_lens = paged_pool(cfg, prompts, new, gen)
+        q = torch.randn((prompts * new, H_Q, HEAD_DIM), device=cfg.device, dtype=cfg.dtype, generator=gen)
+        indptr_p = torch.arange(0, prompts + 1, device=cfg.device, dtype=torch.int32) * new
+        esetups.append(((q, pool[:, 1, 0], pool[:, 1, 1], page_table, indptr_p, seq_lens, scale), new))
+    for ec in extend_cfgs:
+        try:
+            times = []
+            for args, new in esetups:
+                out = torch.empty_like(args[0])
+                times.append(bench(cfg, lambda: launch_extend_attention(*args, new, out=out, config=ec)))
+            err = rel_err(launch_extend_attention(*e_args, max(ext), config=ec), e_ref)
+            say(f"  {ec} -> " + " ".join(f"{t:.4f}" for t in times) + f" | {err:.1e}")
+        except Exception as exc:  # e.g. out of shared memory for a tiling
+            say(f"  {ec} -> failed: {type(exc).__name__}: {str(exc)[:120]}")
+    return lines
 
 
 def rel_err(out, ref) -> float:
@@ -240,6 +327,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "bench_kernels.json"))
     parser.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU with TRITON_INTERPRET=1")
+    parser.add_argument("--sweep", action="store_true", help="also compare tilings and split counts")
     args = parser.parse_args()
     cfg = BenchConfig.smoke() if args.smoke else BenchConfig()
     if cfg.device == "cuda" and not torch.cuda.is_available():
@@ -254,14 +342,16 @@ def main() -> int:
     print(f"ceilings: copy {ceil_bw / 1e12:.2f} TB/s (read+write), bf16 matmul {ceil_flops / 1e12:.0f} TFLOP/s")
     rows = decode_rows(cfg, ceil_bw, ceil_flops, gen) + extend_rows(cfg, ceil_bw, ceil_flops, gen)
     rows += small_kernel_rows(cfg, ceil_bw, gen)
-    header = f"{'kernel':36s} {'ms':>8s} {'graph':>7s} {'GB/s':>7s} {'TFLOP/s':>8s} {'floor':>8s} {'x floor':>7s} {'sdpa':>8s} {'relerr':>8s}"
+    header = f"{'kernel':36s} {'ms':>8s} {'eager':>7s} {'GB/s':>7s} {'TFLOP/s':>8s} {'floor':>8s} {'x floor':>7s} {'sdpa':>8s} {'relerr':>8s}"
     print(header)
     for r in rows:
-        print(f"{r.name:36s} {r.ms:8.4f} {r.graph_ms:7.4f} {r.gb_s:7.0f} {r.tflop_s:8.1f} {r.floor_ms:8.4f} "
+        print(f"{r.name:36s} {r.ms:8.4f} {r.eager_ms:7.4f} {r.gb_s:7.0f} {r.tflop_s:8.1f} {r.floor_ms:8.4f} "
               f"{r.floor_ratio:7.2f} {r.sdpa_ms:8.4f} {r.rel_err:8.1e} {r.note}")
+    sweep_lines = sweep(cfg, gen) if args.sweep else []
     with open(args.json, "w") as f:
         json.dump({"device": name, "copy_bytes_per_s": ceil_bw, "bf16_flops_per_s": ceil_flops,
-                   "rows": [asdict(r) | {"gb_s": r.gb_s, "tflop_s": r.tflop_s} for r in rows]}, f, indent=1)
+                   "rows": [asdict(r) | {"gb_s": r.gb_s, "tflop_s": r.tflop_s} for r in rows],
+                   "sweep": sweep_lines}, f, indent=1)
     return 0
 
 

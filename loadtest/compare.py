@@ -62,7 +62,7 @@ def _change(x: float | None, y: float | None, better: str | None) -> str:
     if abs(pct) < 0.05:
         return "="
     text = f"{pct:+.1f}%"
-    if better is not None:
+    if better is not None and abs(pct) >= 1.0:  # below 1% it is noise, not a verdict
         text += " better" if (pct < 0) == (better == LOWER) else " worse"
     return text
 

@@ -1,0 +1,85 @@
+"""The load generator against Duet itself: `duet up` (default model, 1 prefill + 1
+decode), checked against what the gateway counted in /metrics: requests by status,
+prompt tokens and generated tokens.
+
+This starts the whole stack (redis, router, two workers, gateway) on CPU."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from loadtest.__main__ import main as loadtest_main
+from loadtest.duet_stack import DuetStack
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def duet_stack(tmp_path_factory):
+    """`duet up` with its defaults (1 prefill + 1 decode), through the helper
+    loadtest.compare_disagg uses, so that helper is exercised here too."""
+    from shared.engine.default_model import ensure_default_model
+
+    model_dir = ensure_default_model()
+    stack = DuetStack([], tmp_path_factory.mktemp("duet-up"))
+    try:
+        stack.start(health_timeout_s=420)
+    except RuntimeError as e:
+        pytest.fail(f"{e}:\n{(stack.log_dir / 'up.log').read_text()[-4000:]}")
+    try:
+        yield stack.url, model_dir
+    finally:
+        stack.stop()
+        assert stack.proc.poll() is not None
+
+
+def _counters(url: str) -> dict[str, dict[tuple, float]]:
+    """duet_* counter samples by name, keyed by their sorted labels."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    out: dict[str, dict[tuple, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("duet_") and sample.name.endswith("_total"):
+                out.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
+    return out
+
+
+def _delta(before, after, name: str, **labels) -> float:
+    def total(snapshot):
+        return sum(v for k, v in snapshot.get(name, {}).items() if all((lk, lv) in k for lk, lv in labels.items()))
+
+    return total(after) - total(before)
+
+
+@pytest.mark.parametrize("api,workload", [
+    ("completions", ["--workload", "random", "--input-len", "32", "--output-len", "8", "-n", "6", "-r", "4"]),
+    ("chat", ["--workload", "sharegpt", "--sharegpt-output-len", "8", "--sharegpt-max-prompt-len", "128",
+              "-n", "4", "-c", "2"]),
+])
+def test_report_matches_gateway_metrics(duet_stack, tmp_path, api, workload):
+    url, model_dir = duet_stack
+    before = _counters(url)
+    out = tmp_path / api
+    rc = loadtest_main(["--base-url", url, "--api", api, "--tokenizer", str(model_dir), "--ignore-eos", "on",
+                        "--warmup-requests", "1", "-o", str(out), "--no-progress", *workload])
+    assert rc == 0
+    after = _counters(url)
+    doc = json.loads((out / "results.json").read_text())
+    (run,) = doc["runs"]
+    s = run["summary"]
+    sent = run["warmup"] + run["records"]
+    assert s["failed"] == 0, s["errors"]
+    # Requests: every one we sent, and nothing else, finished at the gateway with 200.
+    assert _delta(before, after, "duet_requests_total") == doc["requests_sent"] == len(sent)
+    assert _delta(before, after, "duet_requests_total", status="200") == len(sent)
+    # Tokens: the gateway's counters equal the usage it returned, which equals our tokenizer.
+    assert _delta(before, after, "duet_prompt_tokens_total") == sum(r["usage_prompt_tokens"] for r in sent)
+    assert _delta(before, after, "duet_generation_tokens_total") == sum(r["usage_completion_tokens"] for r in sent)
+    assert all(r["usage_prompt_tokens"] == r["prompt_len"] for r in sent)
+    assert all(r["usage_completion_tokens"] == 8 for r in sent)  # ignore_eos honoured
+    assert s["output_tokens"] == 8 * len(run["records"])
+    assert s["token_check"]["prompt_mismatches"] == 0
+    assert s["ttft"]["count"] == len(run["records"]) and s["tpot"]["p50"] > 0
