@@ -4,7 +4,12 @@ A decode step of a small model is hundreds of tiny kernels; launching them one b
 from Python costs more than running them. Each captured graph covers batch sizes up to
 its own: a step of n sequences pads up to the next captured size (padded rows are made
 harmless by the backend's replay_metadata) and replays. Graphs share one memory pool and
-are captured largest first, so the smaller ones reuse the larger ones' memory."""
+are captured largest first, so the smaller ones reuse the larger ones' memory.
+
+With capture=False (--disable-cuda-graph) the same padded static buffers are used and the
+same kernels run, launched one by one: graphs on and off then compute identical numbers
+(same shapes, so the same GEMM algorithms and attention split counts), and the timing
+difference is launch overhead alone."""
 from __future__ import annotations
 
 import logging
@@ -27,7 +32,7 @@ def batch_size_ladder(max_bs: int) -> list[int]:
 
 class CudaGraphRunner:
     def __init__(self, model, backend, pool, device: torch.device, max_bs: int, max_pages: int,
-                 sizes: list[int] | None = None):
+                 sizes: list[int] | None = None, capture: bool = True):
         from .model_runner import ForwardBatch
 
         self.model = model
@@ -42,6 +47,9 @@ class CudaGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self._forward_batch = ForwardBatch
+        self.capture = capture
+        if not capture:
+            return
         t0 = time.monotonic()
         free_before = torch.cuda.mem_get_info(device)[0]
         self.pool_handle = torch.cuda.graph_pool_handle()
@@ -89,5 +97,7 @@ class CudaGraphRunner:
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         self.backend.replay_metadata(meta, bs)
+        if not self.capture:
+            return self._run_model(bs)[:n]
         self.graphs[bs].replay()
         return self.outputs[bs][:n]

@@ -89,11 +89,13 @@ class Engine:
         self.runner = ModelRunner(self.model, self.pool, self.backend, self.device)
         if self._tp_workers is not None:
             self.runner.plan_sink = self._tp_workers.send_plan
-        if self.device.type == "cuda" and config.cuda_graph and self.backend.supports_cuda_graph:
+        if self.device.type == "cuda" and self.backend.supports_cuda_graph:
+            # graphs off still pads decode batches to the same sizes: identical numbers either way
             from .cuda_graph import CudaGraphRunner
             self.runner.graphs = CudaGraphRunner(self.model, self.backend, self.pool, self.device,
                                                  max_bs=min(config.cuda_graph_max_bs, config.max_running_requests),
-                                                 max_pages=-(-self.max_model_len // self.layout.page_size))
+                                                 max_pages=-(-self.max_model_len // self.layout.page_size),
+                                                 capture=config.cuda_graph)
         self.requests: dict[str, Req] = {}
         self.stats = EngineStats()
         self._tokenizer = None
@@ -109,7 +111,7 @@ class Engine:
                  self.device, f"tp {self.tp.rank}/{self.tp.size}", self.weight_bytes / 2**30,
                  self.layout.num_pages, self.layout.page_size,
                  self.layout.num_pages * self.layout.bytes_per_page / 2**30, self.backend.name,
-                 "on" if self.runner.graphs is not None else "off",
+                 "on" if self.runner.graphs is not None and self.runner.graphs.capture else "off",
                  "on" if self.tp.custom_all_reduce is not None else "off",
                  "on" if self.overlap is not None else "off")
 
