@@ -67,6 +67,9 @@ class BenchConfig:
     gather_n: int = 128
     big_copy_elems: int = 2**29
     matmul_n: int = 8192
+    sweep_decode_ragged: tuple = (1000, 1, 17, 300, 0)  # seq lens for the sweep's correctness check
+    sweep_extend_ragged: tuple = ((300, 1, 129, 64), (0, 700, 33, 1024))  # (new, prefix) lens
+    sweep_limit: int = 0  # try only the first N configs (0: all)
 
     @classmethod
     def smoke(cls) -> "BenchConfig":
@@ -75,7 +78,8 @@ class BenchConfig:
         return cls(device="cuda" if torch.cuda.is_available() else "cpu", dtype=torch.float16, decode_batches=(1, 2),
                    decode_ctx=40, extend_cases=((1, 24, 0), (2, 16, 20)), small_tokens=4, small_hidden=64,
                    small_inter=64, gather_pool_pages=6, gather_layers=2, gather_n=3, big_copy_elems=2**16,
-                   matmul_n=128)
+                   matmul_n=128, sweep_decode_ragged=(40, 1, 0), sweep_extend_ragged=((20, 1), (0, 30)),
+                   sweep_limit=1)
 
 
 def bench(cfg: BenchConfig, fn) -> float:
@@ -257,12 +261,13 @@ def sweep(cfg: BenchConfig, gen: torch.Generator) -> list:
 
     scale = 1 / math.sqrt(HEAD_DIM)
     cpu = torch.Generator().manual_seed(1)
-    ragged = random_paged_kv([1000, 1, 17, 300, 0], H_KV, HEAD_DIM, PAGE_SIZE, cfg.dtype, torch.device(cfg.device), cpu)
-    q_ragged = torch.randn((5, H_Q, HEAD_DIM), generator=cpu).to(cfg.device, cfg.dtype)
+    ragged = random_paged_kv(list(cfg.sweep_decode_ragged), H_KV, HEAD_DIM, PAGE_SIZE, cfg.dtype, torch.device(cfg.device), cpu)
+    q_ragged = torch.randn((len(cfg.sweep_decode_ragged), H_Q, HEAD_DIM), generator=cpu).to(cfg.device, cfg.dtype)
     r_args = (q_ragged, ragged.k_cache, ragged.v_cache, ragged.page_table, ragged.seq_lens, scale)
     r_ref = decode_attention_reference(*r_args)
     decode_cfgs = [DecodeConfig(64, 4, 2), DecodeConfig(32, 4, 2), DecodeConfig(64, 4, 3), DecodeConfig(128, 4, 2),
                    DecodeConfig(64, 8, 2), DecodeConfig(128, 8, 3), DecodeConfig(32, 2, 3), DecodeConfig(16, 4, 3)]
+    decode_cfgs = decode_cfgs[: cfg.sweep_limit or None]
     say("decode sweep (ms, graph replay, ctx %d): config -> B=8 B=32 B=128 | ragged relerr" % cfg.decode_ctx)
     setups = []
     for batch in cfg.decode_batches[1:]:
@@ -283,23 +288,24 @@ def sweep(cfg: BenchConfig, gen: torch.Generator) -> list:
         args = (q, pool[:, 1, 0], pool[:, 1, 1], page_table, seq_lens, scale)
         out = torch.empty_like(q)
         cells = [f"{sp}:{bench_replay(cfg, lambda: launch_decode_attention(*args, num_kv_splits=sp, out=out)):.4f}"
-                 for sp in (1, 2, 4, 8, 16, 32)]
+                 for sp in (1, 2, 4, 8, 16, 32)[: (cfg.sweep_limit + 1) if cfg.sweep_limit else None]]
         say(f"  B={batch} -> " + " ".join(cells))
         del pool
 
-    ext, pre = [300, 1, 129, 64], [0, 700, 33, 1024]
+    ext, pre = (list(x) for x in cfg.sweep_extend_ragged)
     eragged = random_paged_kv([e + p for e, p in zip(ext, pre)], H_KV, HEAD_DIM, PAGE_SIZE, cfg.dtype,
                               torch.device(cfg.device), cpu)
     eq = torch.randn((sum(ext), H_Q, HEAD_DIM), generator=cpu).to(cfg.device, cfg.dtype)
-    indptr = torch.tensor([0, 300, 301, 430, 494], dtype=torch.int32, device=cfg.device)
+    indptr = torch.tensor([0] + torch.tensor(ext).cumsum(0).tolist(), dtype=torch.int32, device=cfg.device)
     e_args = (eq, eragged.k_cache, eragged.v_cache, eragged.page_table, indptr, eragged.seq_lens, scale)
     e_ref = extend_attention_reference(*e_args)
     extend_cfgs = [ExtendConfig(128, 64, 8, 3), ExtendConfig(128, 64, 8, 2), ExtendConfig(128, 64, 4, 3),
                    ExtendConfig(128, 128, 8, 3), ExtendConfig(128, 128, 8, 2), ExtendConfig(64, 64, 4, 3),
                    ExtendConfig(128, 32, 8, 4), ExtendConfig(64, 128, 4, 2), ExtendConfig(128, 64, 8, 4)]
+    extend_cfgs = extend_cfgs[: cfg.sweep_limit or None]
     say("extend sweep (ms, prefix 0): config -> 1x2048 4x2048 | ragged relerr")
     esetups = []
-    for prompts in (1, 4):
+    for prompts in (1, 4)[: 1 if cfg.sweep_limit else None]:
         new = cfg.extend_cases[0][1]
         pool, page_table, seq_lens = paged_pool(cfg, prompts, new, gen)
         q = torch.randn((prompts * new, H_Q, HEAD_DIM), device=cfg.device, dtype=cfg.dtype, generator=gen)

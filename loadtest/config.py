@@ -32,6 +32,11 @@ class EndpointConfig:
     extra_body: dict = field(default_factory=dict)
 
     @property
+    def http_headers(self) -> dict[str, str]:
+        auth = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return {**self.headers, **auth}
+
+    @property
     def path(self) -> str:
         return "/chat/completions" if self.api == "chat" else "/completions"
 

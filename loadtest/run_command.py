@@ -62,6 +62,7 @@ class Session:
     runs: list[RunResult]
     probe_requests: int = 0
     ignore_eos_sent: bool = False
+    interrupted: bool = False
 
     @property
     def requests_sent(self) -> int:
@@ -91,12 +92,20 @@ async def _run_all(cfg: RunConfig, url: str, prepared: list[PreparedRequest], sp
             raise SystemExit(f"warm-up failed: {r.error_kind}: {r.error_detail}")
         for k, (label, rate, times) in enumerate(_plans(cfg, specs)):
             if k:
-                await asyncio.sleep(load.sweep_pause_s)
+                try:
+                    await asyncio.sleep(load.sweep_pause_s)
+                except asyncio.CancelledError:  # Ctrl-C between runs: report those done
+                    asyncio.current_task().uncancel()
+                    session.interrupted = True
+                    break
             run = RateRun(client, url, cfg.endpoint, prepared, times, count, load.duration_s, load.max_concurrency,
                           load.drain_timeout_s, cfg.output.progress, label)
             started = time.time()
-            records = await run_paced(run)
-            session.runs.append(RunResult(label, rate, records, started, warm if k == 0 else []))
+            outcome = await run_paced(run)
+            session.runs.append(RunResult(label, rate, outcome.records, started, warm if k == 0 else []))
+            if outcome.interrupted:
+                session.interrupted = True
+                break
     return session
 
 
@@ -125,7 +134,7 @@ def title_of(cfg: RunConfig, base: str, model: str, workload_size: int) -> str:
 
 def run_command(cfg: RunConfig) -> int:
     base = api_base(cfg.endpoint.base_url)
-    model = cfg.endpoint.model or discover_model(base, cfg.endpoint.headers)
+    model = cfg.endpoint.model or discover_model(base, cfg.endpoint.http_headers)
     _say(f"loading tokenizer {cfg.tokenizer or '(Duet default model)'}")
     counter = TokenCounter(load_tokenizer(cfg.tokenizer))
     specs = build_workload(cfg.workload, counter)
@@ -134,6 +143,8 @@ def run_command(cfg: RunConfig) -> int:
 
     session = asyncio.run(_run_all(cfg, base + cfg.endpoint.path, prepared, specs))
     runs = session.runs
+    if session.interrupted:
+        _say("interrupted: reporting what was sent so far (unfinished requests count as 'interrupted')")
     summaries: list[RunSummary] = []
     for run in runs:
         count_output_tokens(run.records, counter, cfg.output.save_text)
@@ -146,13 +157,16 @@ def run_command(cfg: RunConfig) -> int:
     out_dir = pathlib.Path(cfg.output.output_dir) if cfg.output.output_dir else default_output_dir(cfg)
     meta = {"label": cfg.output.label, "title": title, "base_url": base, "model": model,
             "tokenizer": cfg.tokenizer, "config": cfg.to_json(), "requests_sent": session.requests_sent,
-            "probe_requests": session.probe_requests, "ignore_eos_sent": session.ignore_eos_sent}
+            "probe_requests": session.probe_requests, "ignore_eos_sent": session.ignore_eos_sent,
+            "interrupted": session.interrupted}
     write_results(out_dir / "results.json", meta, runs, summaries)
     (out_dir / "report.txt").write_text(table + "\n")
     written = [out_dir / "results.json", out_dir / "report.txt"]
     if cfg.output.plots:
         written += write_plots(runs, summaries, cfg, out_dir, cfg.output.label or pathlib.PurePath(model).name)
     _say("wrote " + ", ".join(str(p) for p in written))
+    if session.interrupted:
+        return 130
     return 0 if any(s.completed for s in summaries) else 1
 
 

@@ -41,11 +41,18 @@ class RateRun:
     desc: str = "requests"
 
 
-async def run_paced(run: RateRun) -> list[RequestRecord]:
+@dataclass
+class PacedOutcome:
+    records: list[RequestRecord]
+    interrupted: bool = False  # Ctrl-C: sending stopped, in-flight requests were dropped
+
+
+async def run_paced(run: RateRun) -> PacedOutcome:
     clock = monotonic_from(time.perf_counter())
     gate = asyncio.Semaphore(run.max_concurrency) if run.max_concurrency else None
     records: list[RequestRecord] = []
     tasks: list[asyncio.Task] = []
+    interrupted = False
     with Progress(total=run.count, desc=run.desc, enabled=run.progress) as progress:
 
         async def one(rec: RequestRecord, prep: PreparedRequest) -> None:
@@ -57,36 +64,46 @@ async def run_paced(run: RateRun) -> list[RequestRecord]:
                     gate.release()
                 progress.finished(rec.ok)
 
-        for i, at in enumerate(run.send_times):
-            if run.count is not None and i >= run.count:
-                break
-            if run.duration_s is not None and at >= run.duration_s:
-                break
-            delay = at - clock()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            if gate is not None:
-                await gate.acquire()  # a closed loop: the next send waits for a free slot
-            if run.duration_s is not None and clock() >= run.duration_s:
+        try:
+            for i, at in enumerate(run.send_times):
+                if run.count is not None and i >= run.count:
+                    break
+                if run.duration_s is not None and at >= run.duration_s:
+                    break
+                delay = at - clock()
+                if delay > 0:
+                    await asyncio.sleep(delay)
                 if gate is not None:
-                    gate.release()
-                break
-            prep = run.prepared[i % len(run.prepared)]
-            rec = RequestRecord(index=i, scheduled_at=at, prompt_len=prep.prompt_len, max_tokens=prep.max_tokens)
-            records.append(rec)
-            tasks.append(asyncio.create_task(one(rec, prep)))
+                    await gate.acquire()  # a closed loop: the next send waits for a free slot
+                if run.duration_s is not None and clock() >= run.duration_s:
+                    if gate is not None:
+                        gate.release()
+                    break
+                prep = run.prepared[i % len(run.prepared)]
+                rec = RequestRecord(index=i, scheduled_at=at, prompt_len=prep.prompt_len, max_tokens=prep.max_tokens)
+                records.append(rec)
+                tasks.append(asyncio.create_task(one(rec, prep)))
 
-        await _drain(tasks, run.drain_timeout_s if run.duration_s is not None else None)
+            await _drain(tasks, run.drain_timeout_s if run.duration_s is not None else None)
+        except asyncio.CancelledError:
+            # Ctrl-C: keep what finished so the run still gets a report.
+            interrupted = True
+            asyncio.current_task().uncancel()
+            await _drain(tasks, 0)
     for rec in records:
-        if rec.done_at is None:  # cut off by the drain deadline
-            rec.ok, rec.error_kind, rec.done_at = False, "cancelled_at_end", clock()
-    return records
+        if rec.done_at is None:  # cut off by the drain deadline, or by Ctrl-C
+            rec.ok, rec.done_at = False, clock()
+            rec.error_kind = "interrupted" if interrupted else "cancelled_at_end"
+    return PacedOutcome(records, interrupted)
 
 
 async def _drain(tasks: list[asyncio.Task], timeout_s: float | None) -> None:
+    """Wait for the tasks up to timeout_s (None: no limit, 0: not at all), cancel the rest."""
     if not tasks:
         return
-    _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+    pending = set(tasks)
+    if timeout_s != 0:
+        _, pending = await asyncio.wait(tasks, timeout=timeout_s)
     for t in pending:
         t.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
@@ -98,7 +115,10 @@ async def warm_up(client: httpx.AsyncClient, url: str, endpoint: EndpointConfig,
     if n <= 0:
         return []
     run = RateRun(client, url, endpoint, prepared, _zeros(), n, None, max_concurrency, math.inf, progress, "warm-up")
-    return await run_paced(run)
+    outcome = await run_paced(run)
+    if outcome.interrupted:
+        raise asyncio.CancelledError  # nothing measured yet: let Ctrl-C end the program
+    return outcome.records
 
 
 def _zeros() -> Iterator[float]:

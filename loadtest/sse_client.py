@@ -122,11 +122,8 @@ def _fail(record: RequestRecord, kind: str, detail: str, clock: Callable[[], flo
 
 
 def make_client(endpoint: EndpointConfig, max_connections: int | None) -> httpx.AsyncClient:
-    headers = dict(endpoint.headers)
-    if endpoint.api_key:
-        headers["Authorization"] = f"Bearer {endpoint.api_key}"
     return httpx.AsyncClient(
-        headers=headers,
+        headers=endpoint.http_headers,
         timeout=httpx.Timeout(endpoint.timeout_s, connect=30.0),
         limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
     )

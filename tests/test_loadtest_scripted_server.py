@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import signal
 import socket
 import threading
 import time
@@ -35,6 +36,7 @@ class Script:
     fail_429_every: int | None = None  # the n-th request (1-based) with n % k == 0 gets a 429
     stream_error_every: int | None = None  # ... gets an error event after its first token
     reject_ignore_eos: bool = False
+    interrupt_at: int | None = None  # on the n-th request, Ctrl-C the client (the test's main thread)
     received: int = 0
     statuses: list[int] = field(default_factory=list)
     stream_errors: int = 0
@@ -76,6 +78,8 @@ def make_app(script: Script) -> Starlette:
         n = script.received
         script.bodies.append(body)
         script.arrivals.append(time.perf_counter())
+        if script.interrupt_at == n:
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
         if script.reject_ignore_eos and "ignore_eos" in body:
             script.statuses.append(422)
             return JSONResponse({"detail": "Unexpected fields in the request: {'ignore_eos'}"}, status_code=422)
@@ -319,3 +323,22 @@ def test_completions_trace_replay_and_server_that_rejects_ignore_eos(serve, tmp_
     p0, p1 = (script.tokenizer(b["prompt"], add_special_tokens=False)["input_ids"] for b in script.bodies[1:3])
     assert p0[:64] == p1[:64] and p0[64:] != p1[64:70]
     assert not math.isnan(run["summary"]["ttft"]["p50"])
+
+
+def test_ctrl_c_stops_sending_and_still_reports_what_finished(serve, tmp_path):
+    script, url = serve(ttft_s=0.1, itl_s=0.05, interrupt_at=8)
+    out = tmp_path / "i"
+    rc = loadtest_main([
+        "--base-url", url, "--tokenizer", _tok_dir(), "--workload", "random", "--input-len", "10",
+        "--output-len", "6", "-n", "40", "-r", "5,10", "--ignore-eos", "on", "-o", str(out), "--no-progress"])
+    assert rc == 130
+    doc = _results(out)
+    assert doc["interrupted"] is True
+    (run,) = doc["runs"]  # the second rate never started
+    records = run["records"]
+    # Ctrl-C came with request 8 (warm-up is 1): sending stopped there, not after 40.
+    assert 7 <= len(records) <= 9 and script.received == doc["requests_sent"] == 1 + len(records)
+    s = run["summary"]
+    assert s["completed"] >= 2 and set(s["errors"]) <= {"interrupted"}
+    assert s["completed"] + s["errors"].get("interrupted", 0) == len(records)
+    assert (out / "report.txt").exists() and (out / "latency_cdf.png").exists()
