@@ -40,9 +40,5 @@ class ArrivalProcess:
             t += next(gaps)
 
 
-def trace_times(arrivals: list[float]) -> Iterator[float]:
-    yield from arrivals
-
-
 def format_rate(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"

@@ -20,7 +20,8 @@ SHAPES = {
     # small random models for greedy-equality checks against transformers
     "qwen3-small": ("qwen3", dict(QWEN3, vocab_size=4096, hidden_size=512, intermediate_size=1024,
                                   num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-                                  head_dim=64, tie_word_embeddings=False, initializer_range=0.1)),
+                                  head_dim=64, tie_word_embeddings=False, initializer_range=0.1,
+                                  bos_token_id=1, eos_token_id=2)),
     "llama-small": ("llama", dict(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
                                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
                                   rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,

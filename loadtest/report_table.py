@@ -1,6 +1,7 @@
 """The table a person reads at the end: one column per run (a sweep has several)."""
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 from loadtest.config import SLO
@@ -52,7 +53,9 @@ ROWS: list[tuple[str, Callable[[RunSummary], str]]] = [
     ("Input throughput (tok/s)", lambda s: _num(s.input_throughput)),
     ("Output throughput (tok/s)", lambda s: _num(s.output_throughput)),
     ("Mean concurrency", lambda s: _num(s.mean_concurrency, 2)),
-    ("Max send lag behind schedule (ms)", lambda s: _num(s.max_send_lag_ms)),
+    # Unpaced runs have no schedule to lag behind (their wait is for a concurrency slot).
+    ("Max send lag behind schedule (ms)",
+     lambda s: _num(s.max_send_lag_ms) if math.isfinite(s.request_rate) else "-"),
     *_dist_rows("TTFT", lambda s: s.ttft),
     *_dist_rows("ITL", lambda s: s.itl),
     *_dist_rows("TPOT", lambda s: s.tpot),

@@ -1,0 +1,296 @@
+"""`duet bench`: the engine's GPU benchmark suite, on random-weight models of real shapes.
+
+    duet bench [--models qwen3-0.6b,qwen3-8b] [--sections ...] [--json out.json]
+    duet bench --suite tp            # on a 2-GPU host: TP=2 equality, fused all-reduce, TP decode
+
+Sections (single-GPU suite, in order): ceilings (copy bandwidth, bf16 matmul), equality
+(greedy tokens vs transformers, Qwen3 and Llama), decode (step time at batch 1/8/32/128,
+context 1k, against the bytes/bandwidth floor; graphs and overlap on/off), prefill
+(1/4/16 prompts of 2k tokens, tokens/s and TFLOP/s against the matmul peak), offline
+(256 random requests, 100-1024 tokens in and out, Qwen3-0.6B shape, overlap off/on, vs
+transformers generate in sub-batches), hf (transformers decode ms/step: static cache +
+torch.compile reduce-overhead, and eager). Every number is printed as it is measured and
+a table comes last. GPU_NOTES.md records results and the commands that made them."""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+SINGLE_SECTIONS = ("ceilings", "equality", "decode", "prefill", "offline", "hf")
+TP_SECTIONS = ("ceilings", "tp_equality", "allreduce", "tp_decode")
+
+
+class Report:
+    def __init__(self):
+        self.rows: list[tuple[str, str, str]] = []
+        self.data: dict = {}
+
+    def add(self, section: str, what: str, value, note: str = "") -> None:
+        text = f"{value:.3f}" if isinstance(value, float) else str(value)
+        self.rows.append((section, what, text + (f"  ({note})" if note else "")))
+        self.data.setdefault(section, {})[what] = value
+        print(f"[{section}] {what}: {text}" + (f"  ({note})" if note else ""), flush=True)
+
+    def table(self) -> str:
+        w0 = max((len(r[0]) for r in self.rows), default=8)
+        w1 = max((len(r[1]) for r in self.rows), default=8)
+        return "\n".join(f"{s:<{w0}}  {k:<{w1}}  {v}" for s, k, v in self.rows)
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(prog="duet bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--suite", choices=("single", "tp"), default="single")
+    p.add_argument("--sections", default=None, help="comma list (default: all of the suite)")
+    p.add_argument("--models", default="qwen3-0.6b,qwen3-8b", help="shapes for decode/prefill/hf")
+    p.add_argument("--batches", default="1,8,32,128")
+    p.add_argument("--ctx", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=32, help="timed decode steps per point")
+    p.add_argument("--offline-requests", type=int, default=256)
+    p.add_argument("--hf-sub-batch", type=int, default=64)
+    p.add_argument("--hf-max-sub-batches", type=int, default=1,
+                   help="transformers offline: sub-batches actually run (0 = all); its rate is per token")
+    p.add_argument("--hf-compile-models", default="qwen3-0.6b",
+                   help="models whose compiled transformers peer is timed (compiles take minutes)")
+    p.add_argument("--json", default=None)
+    p.add_argument("--workdir", default=None)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = _parse(list(sys.argv[1:] if argv is None else argv))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    import torch
+
+    if not torch.cuda.is_available():
+        print("duet bench: error: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    sections = args.sections.split(",") if args.sections else list(
+        SINGLE_SECTIONS if args.suite == "single" else TP_SECTIONS)
+    root = Path(args.workdir or tempfile.mkdtemp(prefix="duet-bench-"))
+    report = Report()
+    dev = torch.device("cuda", 0)
+    props = torch.cuda.get_device_properties(dev)
+    report.add("env", "device", f"{props.name} x{torch.cuda.device_count()}, {props.total_memory / 2**30:.0f} GiB")
+    import transformers
+    import triton
+    report.add("env", "versions", f"torch {torch.__version__}, triton {triton.__version__}, "
+                                  f"transformers {transformers.__version__}")
+    ctx = dict(args=args, root=root, report=report, dev=dev, ceilings=None)
+    for name in sections:
+        t0 = time.monotonic()
+        try:
+            SECTION_FUNCS[name](ctx)
+        except Exception as e:  # noqa: BLE001 - one failing section must not hide the others
+            traceback.print_exc()
+            report.add(name, "FAILED", f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
+        report.add(name, "section_sec", round(time.monotonic() - t0, 1))
+        gc.collect()
+        torch.cuda.empty_cache()
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.data, indent=1, default=str))
+    print("\n=== duet bench ===\n" + report.table(), flush=True)
+    return 0
+
+
+# -- sections ---------------------------------------------------------------------------
+def _ceilings(ctx):
+    from .bench_shapes import measure_ceilings
+
+    c = measure_ceilings(ctx["dev"])
+    ctx["ceilings"] = c
+    ctx["report"].add("ceilings", "copy_GB_s", c.copy_gb_s, "read+write, 1 GiB bf16 copy")
+    ctx["report"].add("ceilings", "bf16_matmul_TFLOPs", c.matmul_tflops, "8192^3, random data")
+
+
+def _need_ceilings(ctx):
+    if ctx["ceilings"] is None:
+        _ceilings(ctx)
+    return ctx["ceilings"]
+
+
+def _equality(ctx):
+    from .bench_hf import equality_prompts, greedy_equality
+    from .bench_shapes import random_checkpoint_dir
+
+    for name in ("qwen3-small", "llama-small"):
+        ckpt = random_checkpoint_dir(name, ctx["root"], ctx["dev"])
+        res = greedy_equality(ckpt, ctx["dev"], equality_prompts(4096), new_tokens=48)
+        for k, v in res.items():
+            ctx["report"].add("equality", f"{name} {k}", v)
+
+
+def _models(ctx):
+    return [m for m in ctx["args"].models.split(",") if m]
+
+
+def _engine(ctx, name, **kw):
+    from .bench_gpu_engine import make_engine
+    from .bench_shapes import config_only_dir
+
+    return make_engine(config_only_dir(name, ctx["root"]), load_format="dummy", **kw)
+
+
+def _decode(ctx):
+    from .bench_gpu_engine import decode_floor_ms, decode_step_ms, free_engine
+
+    args, rep = ctx["args"], ctx["report"]
+    c = _need_ceilings(ctx)
+    batches = [int(b) for b in args.batches.split(",")]
+    for name in _models(ctx):
+        t0 = time.monotonic()
+        eng = _engine(ctx, name, max_model_len=4096)
+        rep.add("decode", f"{name} engine_start_sec", round(time.monotonic() - t0, 1),
+                f"weights {eng.weight_bytes / 2**30:.2f} GiB, KV {eng.layout.num_pages} pages")
+        for b in batches:
+            floor, gb = decode_floor_ms(eng, b, args.ctx, c.copy_gb_s)
+            ms = decode_step_ms(eng, b, args.ctx, args.steps)
+            rep.add("decode", f"{name} B={b} step_ms", ms, f"floor {floor:.3f} ms ({gb:.2f} GB), x{ms / floor:.2f}")
+            ms_ov = decode_step_ms(eng, b, args.ctx, args.steps, overlap=True)
+            rep.add("decode", f"{name} B={b} step_ms overlap", ms_ov, f"x{ms_ov / floor:.2f} of floor")
+            if b in (1, 32):
+                ms_off = decode_step_ms(eng, b, args.ctx, args.steps, graphs=False)
+                rep.add("decode", f"{name} B={b} step_ms graphs_off", ms_off, f"graphs on {ms:.3f}")
+        ctx.setdefault("decode_ms", {})[name] = {b: rep.data["decode"][f"{name} B={b} step_ms"] for b in batches}
+        free_engine(eng)
+
+
+def _prefill(ctx):
+    from .bench_gpu_engine import free_engine, prefill_rate
+
+    c = _need_ceilings(ctx)
+    for name in _models(ctx):
+        eng = _engine(ctx, name, max_num_batched_tokens=16384, max_model_len=4096)
+        prefill_rate(eng, 1, 2048, seed=99)  # warm-up: Triton compiles the extend kernel
+        for n in (1, 4, 16):
+            r = prefill_rate(eng, n, 2048, seed=n)
+            ctx["report"].add("prefill", f"{name} {n}x2048 tok_s", r["tok_s"],
+                              f"{r['tflops']:.0f} TFLOP/s = {100 * r['tflops'] / c.matmul_tflops:.0f}% of matmul peak")
+        free_engine(eng)
+
+
+def _offline(ctx):
+    from .bench_gpu_engine import free_engine, offline_run, offline_workload
+    from .bench_hf import free, hf_model, hf_offline
+    from .bench_shapes import hf_config
+
+    args, rep = ctx["args"], ctx["report"]
+    name = "qwen3-0.6b"
+    vocab = hf_config(name).vocab_size
+    prompts, outs = offline_workload(args.offline_requests, vocab)
+    runs = {}
+    for overlap in (False, True):
+        eng = _engine(ctx, name, overlap_schedule=overlap, max_model_len=4096)
+        warm_p, warm_o = offline_workload(8, vocab, seed=1)
+        offline_run(eng, warm_p, [16] * 8)
+        r = offline_run(eng, prompts, outs)
+        runs[overlap] = r
+        rep.add("offline", f"{name} overlap={'on' if overlap else 'off'} out_tok_s", r["out_tok_s"],
+                f"{r['requests']} req in {r['sec']:.1f}s, total {r['total_tok_s']:.0f} tok/s")
+        free_engine(eng)
+    same = sum(a == b for a, b in zip(runs[False]["tokens"], runs[True]["tokens"]))
+    rep.add("offline", "overlap on/off identical sequences", f"{same}/{len(prompts)}")
+    # graphs off on the first 32 requests: same tokens as graphs on (same shapes by design)
+    eng = _engine(ctx, name, cuda_graph=False, max_model_len=4096)
+    r_off = offline_run(eng, prompts[:32], outs[:32])
+    free_engine(eng)
+    eng = _engine(ctx, name, max_model_len=4096)
+    r_on = offline_run(eng, prompts[:32], outs[:32])
+    free_engine(eng)
+    same = sum(a == b for a, b in zip(r_off["tokens"], r_on["tokens"]))
+    rep.add("offline", "graphs on/off identical sequences (32 req)", f"{same}/32")
+    model = hf_model(name, ctx["dev"])
+    hf = hf_offline(model, prompts, outs, args.hf_sub_batch, args.hf_max_sub_batches or None)
+    free(model)
+    best = max(runs[False]["out_tok_s"], runs[True]["out_tok_s"])
+    rep.add("offline", "transformers generate out_tok_s", hf["out_tok_s"],
+            f"{hf['requests']} req in sub-batches of {hf['sub_batch']}, {hf['sec']:.1f}s")
+    rep.add("offline", "ratio ours/transformers", best / hf["out_tok_s"])
+
+
+def _hf(ctx):
+    from .bench_hf import free, hf_decode_ms, hf_model
+
+    args, rep = ctx["args"], ctx["report"]
+    compiled = set(args.hf_compile_models.split(","))
+    for name in _models(ctx):
+        model = hf_model(name, ctx["dev"])
+        ours = ctx.get("decode_ms", {}).get(name, {})
+        for b in (1, 32):
+            ms = hf_decode_ms(model, b, args.ctx)
+            rep.add("hf", f"{name} B={b} eager generate ms/step", ms,
+                    f"ours {ours[b]:.3f} ms" if b in ours else "")
+        if name in compiled:
+            ms = hf_decode_ms(model, 1, args.ctx, compiled=True)
+            rep.add("hf", f"{name} B=1 static+compile ms/step", ms,
+                    f"ours {ours[1]:.3f} ms, x{ms / ours[1]:.2f}" if 1 in ours else "")
+        free(model)
+
+
+def _tp_equality(ctx):
+    from shared.engine import Engine, SamplingParams
+
+    from .bench_hf import equality_prompts
+    from .bench_shapes import random_checkpoint_dir
+
+    ckpt = random_checkpoint_dir("qwen3-small", ctx["root"], ctx["dev"])
+    prompts = equality_prompts(4096, n=6)
+    for dtype in ("float32", "bfloat16"):
+        toks = {}
+        for tp in (1, 2):
+            eng = Engine(model_dir=str(ckpt), dtype=dtype, tp_size=tp, kv_cache_memory=1 << 30)
+            params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+            rids = [eng.add_request(p, params) for p in prompts]
+            got = {r: [] for r in rids}
+            while eng.has_work:
+                for out in eng.step():
+                    got[out.rid] += out.token_ids
+            toks[tp] = [got[r] for r in rids]
+            eng.close()
+            del eng
+            gc.collect()
+        same = sum(a == b for a, b in zip(toks[1], toks[2]))
+        ctx["report"].add("tp_equality", f"qwen3-small {dtype} TP2==TP1 sequences", f"{same}/{len(prompts)}")
+
+
+def _allreduce(ctx):
+    from .bench_tp import fused_all_reduce_bench
+
+    for r in fused_all_reduce_bench():
+        ctx["report"].add("allreduce", f"T={r['tokens']} ({r['bytes'] // 1024} KiB) custom_us", r["custom_us"],
+                          f"NCCL+add_norm {r['nccl_us']:.1f} us, x{r['nccl_us'] / r['custom_us']:.2f}, "
+                          f"max|diff| {r['max_abs_diff']:.3g}")
+
+
+def _tp_decode(ctx):
+    from .bench_gpu_engine import decode_floor_ms, decode_step_ms, free_engine
+
+    args, rep = ctx["args"], ctx["report"]
+    c = _need_ceilings(ctx)
+    name = "qwen3-8b"
+    for tp, car in ((1, False), (2, False), (2, True)):
+        eng = _engine(ctx, name, tp_size=tp, custom_all_reduce=car, max_model_len=4096,
+                      cuda_graph_max_bs=64)
+        active = eng.tp.custom_all_reduce is not None
+        for b in (1, 32):
+            floor, _ = decode_floor_ms(eng, b, args.ctx, c.copy_gb_s)  # per rank
+            ms = decode_step_ms(eng, b, args.ctx, args.steps)
+            rep.add("tp_decode", f"{name} TP={tp} custom_ar={'on' if active else 'off'} B={b} step_ms", ms,
+                    f"per-rank floor {floor:.3f} ms")
+        free_engine(eng)
+
+
+SECTION_FUNCS = {"ceilings": _ceilings, "equality": _equality, "decode": _decode, "prefill": _prefill,
+                 "offline": _offline, "hf": _hf, "tp_equality": _tp_equality, "allreduce": _allreduce,
+                 "tp_decode": _tp_decode}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""Engine-side measurements for `duet bench`: decode step time by batch size (graphs and
+overlap on/off), prefill throughput, and the offline many-request run. Each works on an
+Engine driven directly (add_request / step), so the time is what a worker loop sees:
+scheduling, input building, the forward, sampling and the host round trip."""
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import torch
+
+from .bench_shapes import now, prefill_flops, weight_bytes_read_per_step
+
+
+def make_engine(model_dir, **options):
+    from shared.engine import Engine
+
+    return Engine(model_dir=str(model_dir), **options)
+
+
+def free_engine(engine) -> None:
+    engine.close()
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def random_prompts(rng: np.random.Generator, vocab: int, lengths) -> list[list[int]]:
+    return [rng.integers(10, vocab - 10, size=int(n)).tolist() for n in lengths]
+
+
+def _drain(engine, rids) -> None:
+    for rid in rids:
+        engine.abort(rid)
+    while engine.has_work:
+        engine.step()
+
+
+def _set_overlap(engine, on: bool) -> None:
+    from shared.engine.overlap import OverlapScheduler
+
+    while engine.overlap is not None and engine.overlap.pending is not None:
+        engine.step()
+    engine.overlap = OverlapScheduler(engine) if on else None
+
+
+def decode_step_ms(engine, batch: int, ctx: int, steps: int, warm: int = 8, *, graphs: bool = True,
+                   overlap: bool = False, seed: int = 0) -> float:
+    """Median-free plain mean over `steps` engine steps once every request decodes."""
+    from shared.engine import SamplingParams
+
+    g = engine.runner.graphs
+    if g is not None:
+        g.capture = graphs and bool(g.graphs)
+    _set_overlap(engine, overlap)
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(temperature=0, max_tokens=warm + steps + 8, ignore_eos=True)
+    rids = [engine.add_request(p, params) for p in random_prompts(rng, engine.model_config.vocab_size, [ctx] * batch)]
+    while any(engine.get(r) is not None and engine.get(r).num_output < 2 for r in rids):
+        engine.step()
+    for _ in range(warm):
+        engine.step()
+    torch.cuda.synchronize()
+    t0 = now()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    ms = (now() - t0) / steps * 1e3
+    _drain(engine, rids)
+    _set_overlap(engine, False)
+    if g is not None:
+        g.capture = bool(g.graphs)
+    return ms
+
+
+def decode_floor_ms(engine, batch: int, ctx: int, copy_gb_s: float) -> tuple[float, float]:
+    """(floor ms, GB read): weights once plus every sequence's KV, over copy bandwidth."""
+    w = weight_bytes_read_per_step(engine.model, engine.model_config.tie_word_embeddings)
+    kv = batch * (ctx + 16) * engine.layout.bytes_per_token
+    gb = (w + kv) / 1e9
+    return gb / copy_gb_s * 1e3, gb
+
+
+def prefill_rate(engine, num_prompts: int, length: int, seed: int = 1) -> dict:
+    """Time from queueing num_prompts prompts of `length` tokens to all first tokens."""
+    from shared.engine import SamplingParams
+
+    rng = np.random.default_rng(seed)
+    prompts = random_prompts(rng, engine.model_config.vocab_size, [length] * num_prompts)
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    torch.cuda.synchronize()
+    t0 = now()
+    for p in prompts:
+        engine.add_request(p, params)
+    while engine.has_work:
+        engine.step()
+    torch.cuda.synchronize()
+    sec = now() - t0
+    flops = prefill_flops(engine.model_config, length, num_prompts)
+    return dict(prompts=num_prompts, tokens=num_prompts * length, sec=sec,
+                tok_s=num_prompts * length / sec, tflops=flops / sec / 1e12)
+
+
+def offline_workload(n: int, vocab: int, seed: int = 7, lo: int = 100, hi: int = 1024):
+    """mini-sglang's offline bench shape: random prompt and output lengths in [lo, hi]."""
+    rng = np.random.default_rng(seed)
+    ins = rng.integers(lo, hi + 1, size=n)
+    outs = rng.integers(lo, hi + 1, size=n)
+    return random_prompts(rng, vocab, ins), [int(o) for o in outs]
+
+
+def offline_run(engine, prompts, out_lens) -> dict:
+    from shared.engine import SamplingParams
+
+    torch.cuda.synchronize()
+    t0 = now()
+    rids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=o, ignore_eos=True))
+            for p, o in zip(prompts, out_lens)]
+    tokens: dict[str, list[int]] = {r: [] for r in rids}
+    while engine.has_work:
+        for out in engine.step():
+            tokens[out.rid].extend(out.token_ids)
+    sec = now() - t0
+    produced = sum(len(v) for v in tokens.values())
+    assert produced == sum(out_lens), (produced, sum(out_lens))
+    return dict(requests=len(prompts), sec=sec, out_tok_s=produced / sec,
+                total_tok_s=(produced + sum(map(len, prompts))) / sec,
+                tokens=[tokens[r] for r in rids])
