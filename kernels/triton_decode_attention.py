@@ -8,6 +8,7 @@ Each sequence divides its own length over the splits on the device, so the
 grid is fixed for a given B and split count (CUDA graphs).
 """
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -17,9 +18,17 @@ import triton.language as tl
 from kernels.paged_kv import next_power_of_2
 
 _LOG2E = 1.4426950408889634
-_BLOCK_N = 64  # kv tokens per inner step
 _MIN_TOKENS_PER_SPLIT = 128
 _MAX_SPLITS = 32
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Stage-1 tiling (loadtest/bench_kernels.py --sweep compares choices)."""
+
+    block_n: int = 64  # kv tokens per inner step
+    num_warps: int = 4
+    num_stages: int = 2
 
 
 @triton.jit
@@ -139,7 +148,9 @@ def choose_num_kv_splits(batch: int, kv_programs_per_seq: int, kv_capacity: int,
 def launch_decode_attention(
     q, k_cache, v_cache, page_table, seq_lens, sm_scale,
     num_kv_splits: Optional[int] = None, out: Optional[torch.Tensor] = None,
+    config: Optional[DecodeConfig] = None,
 ) -> torch.Tensor:
+    cfg = config or DecodeConfig()
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -167,16 +178,16 @@ def launch_decode_attention(
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim,
-        BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_N=_BLOCK_N,
+        BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_N=cfg.block_n,
         NUM_SPLITS=num_kv_splits, PAGE_SIZE=page_size, DOT_PRECISION=precision,
-        num_warps=4, num_stages=2,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     _decode_stage2[(batch, num_q_heads)](
         mid_o, mid_lse, seq_lens, o,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         o.stride(0), o.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=_BLOCK_N,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=cfg.block_n,
         NUM_SPLITS=num_kv_splits, BLOCK_S=max(2, next_power_of_2(num_kv_splits)),
         num_warps=4,
     )

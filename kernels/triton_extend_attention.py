@@ -6,6 +6,9 @@ online softmax: first the kv positions every query of the block may see (no
 mask), then the diagonal steps under the causal mask.
 """
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -97,18 +100,28 @@ def _extend_kernel(
                  out.to(o.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
 
-def _block_sizes(head_dim: int, dtype: torch.dtype, device: torch.device):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+@dataclass(frozen=True)
+class ExtendConfig:
+    """Tiling (loadtest/bench_kernels.py --sweep compares choices)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def default_extend_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> ExtendConfig:
     if device.type != "cuda":
-        return 32, 16, 4, 1  # interpreter: small tiles run fastest; M != N like on GPU
+        return ExtendConfig(32, 16, 4, 1)  # interpreter: small tiles run fastest; M != N like on GPU
     if dtype == torch.float32:
-        return 64, 32, 4, 2  # fp32 tiles are twice the bytes: stay inside shared memory
+        return ExtendConfig(64, 32, 4, 2)  # fp32 tiles are twice the bytes: stay inside shared memory
     if head_dim <= 64:
-        return 128, 64, 4, 3
-    return 128, 64, 8, 3
+        return ExtendConfig(128, 64, 4, 3)
+    return ExtendConfig(128, 64, 8, 3)
 
 
-def launch_extend_attention(q, k_cache, v_cache, page_table, qo_indptr, seq_lens, sm_scale, max_extend_len: int, out=None):
+def launch_extend_attention(q, k_cache, v_cache, page_table, qo_indptr, seq_lens, sm_scale, max_extend_len: int, out=None,
+                            config: Optional[ExtendConfig] = None):
     num_tokens, num_q_heads, head_dim = q.shape
     batch = seq_lens.shape[0]
     num_kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
@@ -117,7 +130,8 @@ def launch_extend_attention(q, k_cache, v_cache, page_table, qo_indptr, seq_lens
     o = torch.empty_like(q) if out is None else out
     if num_tokens == 0 or batch == 0 or max_extend_len == 0:
         return o
-    block_m, block_n, num_warps, num_stages = _block_sizes(head_dim, q.dtype, q.device)
+    cfg = config or default_extend_config(head_dim, q.dtype, q.device)
+    block_m = cfg.block_m
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     grid = (triton.cdiv(max_extend_len, block_m), num_q_heads, batch)
     _extend_kernel[grid](
@@ -127,7 +141,7 @@ def launch_extend_attention(q, k_cache, v_cache, page_table, qo_indptr, seq_lens
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         page_table.stride(0), o.stride(0), o.stride(1),
         GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
-        BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size, DOT_PRECISION=precision,
-        num_warps=num_warps, num_stages=num_stages,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, PAGE_SIZE=page_size, DOT_PRECISION=precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return o
