@@ -146,7 +146,7 @@ def _decode(ctx):
     batches = [int(b) for b in args.batches.split(",")]
     for name in _models(ctx):
         t0 = time.monotonic()
-        eng = _engine(ctx, name, max_model_len=4096)
+        eng = _engine(ctx, name, max_model_len=4096, cuda_graph_max_bs=max(batches))
         rep.add("decode", f"{name} engine_start_sec", round(time.monotonic() - t0, 1),
                 f"weights {eng.weight_bytes / 2**30:.2f} GiB, KV {eng.layout.num_pages} pages")
         for b in batches:

@@ -66,7 +66,7 @@ def load_model(cfg: ModelConfig, tp: TPContext, dtype: torch.dtype, device: torc
 def _dummy_model(cfg, tp, dtype, device, max_positions, fused) -> LlamaForCausalLM:
     """Weights ~ N(0, 0.02) (norm scales ~ 1), drawn on the device: seconds even for 8B."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, tp, dtype, "cpu", max_positions, fused)
+        model = LlamaForCausalLM(cfg, tp, dtype, "meta", max_positions, fused)
     model = model.to_empty(device=device)
     if cfg.tie_word_embeddings:  # to_empty makes new parameters: tie them again
         model.lm_head.weight = model.embed_tokens.weight
