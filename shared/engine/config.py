@@ -39,7 +39,7 @@ class EngineConfig:
             dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         else:
             dev = torch.device(self.device)
-        if dev.type == "cuda" and self.tp.size > 1:  # rank r uses the r-th GPU from the base
+        if dev.type == "cuda":  # an explicit index (set_device needs one); rank r takes the r-th GPU
             dev = torch.device("cuda", (dev.index or 0) + self.tp.rank)
         return dev
 
