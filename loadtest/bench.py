@@ -139,7 +139,7 @@ def _engine(ctx, name, **kw):
 
 
 def _decode(ctx):
-    from .bench_gpu_engine import decode_floor_ms, decode_step_ms, free_engine
+    from .bench_gpu_engine import decode_floor_ms, decode_step_ms, release_memory
 
     args, rep = ctx["args"], ctx["report"]
     c = _need_ceilings(ctx)
@@ -159,11 +159,13 @@ def _decode(ctx):
                 ms_off = decode_step_ms(eng, b, args.ctx, args.steps, graphs=False)
                 rep.add("decode", f"{name} B={b} step_ms graphs_off", ms_off, f"graphs on {ms:.3f}")
         ctx.setdefault("decode_ms", {})[name] = {b: rep.data["decode"][f"{name} B={b} step_ms"] for b in batches}
-        free_engine(eng)
+        eng.close()
+        del eng
+        release_memory()
 
 
 def _prefill(ctx):
-    from .bench_gpu_engine import free_engine, prefill_rate
+    from .bench_gpu_engine import prefill_rate, release_memory
 
     c = _need_ceilings(ctx)
     for name in _models(ctx):
@@ -173,12 +175,14 @@ def _prefill(ctx):
             r = prefill_rate(eng, n, 2048, seed=n)
             ctx["report"].add("prefill", f"{name} {n}x2048 tok_s", r["tok_s"],
                               f"{r['tflops']:.0f} TFLOP/s = {100 * r['tflops'] / c.matmul_tflops:.0f}% of matmul peak")
-        free_engine(eng)
+        eng.close()
+        del eng
+        release_memory()
 
 
 def _offline(ctx):
-    from .bench_gpu_engine import free_engine, offline_run, offline_workload
-    from .bench_hf import free, hf_model, hf_offline
+    from .bench_gpu_engine import offline_run, offline_workload, release_memory
+    from .bench_hf import hf_model, hf_offline
     from .bench_shapes import hf_config
 
     args, rep = ctx["args"], ctx["report"]
@@ -194,21 +198,28 @@ def _offline(ctx):
         runs[overlap] = r
         rep.add("offline", f"{name} overlap={'on' if overlap else 'off'} out_tok_s", r["out_tok_s"],
                 f"{r['requests']} req in {r['sec']:.1f}s, total {r['total_tok_s']:.0f} tok/s")
-        free_engine(eng)
+        eng.close()
+        del eng
+        release_memory()
     same = sum(a == b for a, b in zip(runs[False]["tokens"], runs[True]["tokens"]))
     rep.add("offline", "overlap on/off identical sequences", f"{same}/{len(prompts)}")
     # graphs off on the first 32 requests: same tokens as graphs on (same shapes by design)
-    eng = _engine(ctx, name, cuda_graph=False, max_model_len=4096)
+    eng = _engine(ctx, name, cuda_graph=False, max_model_len=4096, cuda_graph_max_bs=32)
     r_off = offline_run(eng, prompts[:32], outs[:32])
-    free_engine(eng)
-    eng = _engine(ctx, name, max_model_len=4096)
+    eng.close()
+    del eng
+    release_memory()
+    eng = _engine(ctx, name, max_model_len=4096, cuda_graph_max_bs=32)
     r_on = offline_run(eng, prompts[:32], outs[:32])
-    free_engine(eng)
+    eng.close()
+    del eng
+    release_memory()
     same = sum(a == b for a, b in zip(r_off["tokens"], r_on["tokens"]))
     rep.add("offline", "graphs on/off identical sequences (32 req)", f"{same}/32")
     model = hf_model(name, ctx["dev"])
     hf = hf_offline(model, prompts, outs, args.hf_sub_batch, args.hf_max_sub_batches or None)
-    free(model)
+    del model
+    release_memory()
     best = max(runs[False]["out_tok_s"], runs[True]["out_tok_s"])
     rep.add("offline", "transformers generate out_tok_s", hf["out_tok_s"],
             f"{hf['requests']} req in sub-batches of {hf['sub_batch']}, {hf['sec']:.1f}s")
@@ -216,7 +227,8 @@ def _offline(ctx):
 
 
 def _hf(ctx):
-    from .bench_hf import free, hf_decode_ms, hf_model
+    from .bench_gpu_engine import release_memory
+    from .bench_hf import hf_decode_ms, hf_model
 
     args, rep = ctx["args"], ctx["report"]
     compiled = set(args.hf_compile_models.split(","))
@@ -231,7 +243,8 @@ def _hf(ctx):
             ms = hf_decode_ms(model, 1, args.ctx, compiled=True)
             rep.add("hf", f"{name} B=1 static+compile ms/step", ms,
                     f"ours {ours[1]:.3f} ms, x{ms / ours[1]:.2f}" if 1 in ours else "")
-        free(model)
+        del model
+        release_memory()
 
 
 def _tp_equality(ctx):
@@ -270,7 +283,7 @@ def _allreduce(ctx):
 
 
 def _tp_decode(ctx):
-    from .bench_gpu_engine import decode_floor_ms, decode_step_ms, free_engine
+    from .bench_gpu_engine import decode_floor_ms, decode_step_ms, release_memory
 
     args, rep = ctx["args"], ctx["report"]
     c = _need_ceilings(ctx)
@@ -284,7 +297,9 @@ def _tp_decode(ctx):
             ms = decode_step_ms(eng, b, args.ctx, args.steps)
             rep.add("tp_decode", f"{name} TP={tp} custom_ar={'on' if active else 'off'} B={b} step_ms", ms,
                     f"per-rank floor {floor:.3f} ms")
-        free_engine(eng)
+        eng.close()
+        del eng
+        release_memory()
 
 
 SECTION_FUNCS = {"ceilings": _ceilings, "equality": _equality, "decode": _decode, "prefill": _prefill,

@@ -18,9 +18,8 @@ def make_engine(model_dir, **options):
     return Engine(model_dir=str(model_dir), **options)
 
 
-def free_engine(engine) -> None:
-    engine.close()
-    del engine
+def release_memory() -> None:
+    """After the caller dropped its last reference (del eng): collect cycles, return memory."""
     gc.collect()
     torch.cuda.empty_cache()
 
