@@ -77,10 +77,16 @@ class KvTransferAgent:
         backends: Sequence[str] = ("UCX",),
         write_timeout_s: float = 30.0,
         metrics=None,
+        progress_thread: bool = True,
     ):
         """name: unique NIXL agent name (e.g. f"{worker_id}-r{rank}-{nonce}").
         metrics: optional object with observe_kv_transfer(direction, num_bytes, seconds)
-        (shared.telemetry.metrics.DuetMetrics)."""
+        (shared.telemetry.metrics.DuetMetrics).
+        progress_thread: NIXL's own UCX progress thread. The Python binding runs it with a
+        zero delay, so it spins a core even when idle. Without it, UCX progresses only
+        inside this agent's calls (poll, get_notifs, ...), so both sides must keep
+        polling while a transfer is in flight (host-memory writes over shm/TCP need the
+        target's progress too); the workers' engine loops do, and turn it off."""
         from nixl._api import nixl_agent, nixl_agent_config  # heavy: loads UCX
 
         self.name = name
@@ -89,7 +95,8 @@ class KvTransferAgent:
         self.write_timeout_s = write_timeout_s
         self._metrics = metrics
         self._lock = threading.RLock()
-        self._nixl = nixl_agent(name, nixl_agent_config(backends=list(backends)))
+        self._nixl = nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread,
+                                                        backends=list(backends)))
         self._reg = self._nixl.register_memory(pool)
         self._peers: dict[tuple[str, int], Peer] = {}
         self._inflight: list[WriteHandle] = []
