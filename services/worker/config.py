@@ -38,6 +38,7 @@ class WorkerConfig:
     notice_timeout_s: float = 30.0  # decode: wait for prefill's KV before recomputing
     write_timeout_s: float = 20.0  # prefill: a KV write slower than this has failed
     recompute_on_missing_kv: bool = True
+    nixl_progress_thread: bool = False  # NIXL's thread spins a core; the engine loop polls instead
     log_level: str = "info"
     registry: RegistryConfig = field(default_factory=RegistryConfig)
 
@@ -75,6 +76,10 @@ class WorkerConfig:
         p.add_argument("--write-timeout", type=float, default=float(e("DUET_WRITE_TIMEOUT", "20")))
         p.add_argument("--no-recompute", action="store_true",
                        help="decode fails a request whose KV never arrives instead of recomputing it")
+        p.add_argument("--nixl-progress-thread", action="store_true",
+                       default=e("DUET_NIXL_PROGRESS_THREAD", "") not in ("", "0", "false"),
+                       help="run NIXL's UCX progress thread (it busy-spins a core; off: the engine "
+                            "loop progresses transfers while any is in flight)")
         p.add_argument("--log-level", default=e("DUET_LOG_LEVEL", "info"))
         RegistryConfig.add_args(p, env)
         a = p.parse_args(argv)
@@ -87,6 +92,7 @@ class WorkerConfig:
                    attention_backend=a.attention_backend, cuda_graph=not a.disable_cuda_graph, tp=a.tp,
                    threads=a.threads, reserve_timeout_s=a.reserve_timeout, notice_timeout_s=a.notice_timeout,
                    write_timeout_s=a.write_timeout, recompute_on_missing_kv=not a.no_recompute,
+                   nixl_progress_thread=a.nixl_progress_thread,
                    log_level=a.log_level, registry=RegistryConfig.from_args(a))
 
     @property

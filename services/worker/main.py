@@ -79,7 +79,8 @@ async def serve(config) -> int:
         from shared.registry.publisher import connect_async
         from services.worker.peers import PeerResolver
         ctx.agent = KvTransferAgent(f"{worker_id}-r0-{nonce}", engine.pool.buffer,
-                                    write_timeout_s=config.write_timeout_s)
+                                    write_timeout_s=config.write_timeout_s,
+                                    progress_thread=config.nixl_progress_thread)
         ctx.peers = PeerResolver(ctx.agent, connect_async(config.registry), RegistryKeys(config.registry.prefix))
     if role == "prefill":
         from services.prefill.outgoing import OutgoingTransfers
