@@ -26,10 +26,12 @@ class TorchAttentionBackend(AttentionBackend):
 
     @staticmethod
     def _gather(cache, pages):
-        """[B, P] page ids -> [B, H, P*ps, D] contiguous K or V."""
-        g = cache[pages]  # [B, P, H, ps, D]
-        b, p, h, ps, d = g.shape
-        return g.permute(0, 2, 1, 3, 4).reshape(b, h, p * ps, d)
+        """[B, P] page ids -> [B, H, P*ps, D] K or V. Indexing the head-major view copies
+        once into [H, B, P, ps, D], whose (P, ps) merge is then a free view (indexing the
+        page-major view and reshaping would copy twice)."""
+        g = cache.transpose(0, 1)[:, pages]  # [H, B, P, ps, D]
+        h, b, p, ps, d = g.shape
+        return g.permute(1, 0, 2, 3, 4).reshape(b, h, p * ps, d)
 
     def _decode(self, q, kc, vc, meta, scale):
         table = meta.page_table.long()

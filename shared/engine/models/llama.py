@@ -37,8 +37,7 @@ class Attention(nn.Module):
         self.scaling = d ** -0.5
 
     def forward(self, positions, h, rotary: RotaryEmbedding, fb):
-        qkv = self.qkv_proj(h)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj.forward_parts(h)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
