@@ -101,6 +101,9 @@ async def serve(config) -> int:
     if role in ("decode", "both"):
         from services.decode.service import DecodeService
         duet_pb2_grpc.add_DecodeServicer_to_server(DecodeService(ctx), server)
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     if port == 0:
         log.error("could not bind %s:%d", config.host, config.port)
@@ -139,6 +142,7 @@ async def serve(config) -> int:
     await server.start()
     await watcher.start()
     await publisher.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     print(f"duet {role} worker {worker_id} ready: grpc {address} metrics {info.metrics_address} "
           f"model {served}", file=sys.stderr, flush=True)
 
@@ -171,6 +175,7 @@ async def serve(config) -> int:
         await stop.wait()
     finally:
         log.info("draining: leaving the registry, finishing in-flight work")
+        await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         await publisher.stop(deregister=True)
         grace = float(os.environ.get("DUET_DRAIN_GRACE", "10"))
         deadline = aloop.time() + grace
