@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
              ctx.served_model_name, ctx.max_context_len, config.host, config.port, config.backend)
     try:
         uvicorn.run(build_app(ctx), host=config.host, port=config.port, log_level=config.log_level.lower(),
-                    timeout_graceful_shutdown=10)
+                    timeout_graceful_shutdown=float(os.environ.get("DUET_DRAIN_GRACE", "30")))
     finally:
         tracing.shutdown()
     return 0
