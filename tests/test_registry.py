@@ -145,13 +145,40 @@ def test_redis_outage_keeps_last_set_and_worker_reregisters(redis_server):
             assert pub.failed_beats > 0
             redis_server.start()  # same port, empty data
             # the heartbeat finds its entry gone, re-registers in full (hash, NIXL metadata, page set)
-            assert await watcher.wait_for(lambda w: w.redis_ok and w.is_live("p-9") and w.scans > 0, timeout=5)
+            assert await watcher.wait_for(lambda w: w.redis_ok and w.is_live("p-9") and w.scans > 0
+                                          and pub.registrations >= 2, timeout=5)
         assert pub.registrations >= 2
         sync = redis.Redis.from_url(config.redis_url)
         keys = RegistryKeys(config.prefix)
         assert sync.hget(keys.nixl("p-9"), "0") == b"m0"
         assert sync.smembers(keys.pages("p-9")) == {b"11", b"22"}
         await pub.stop()
+
+    asyncio.run(scenario())
+
+
+def test_redis_restart_keeps_known_workers_for_a_ttl_then_drops_the_silent(redis_server):
+    """A restarted (empty) Redis knows no worker until each re-registers at its next
+    heartbeat: the watcher keeps its last set for one TTL after the outage instead of
+    serving an empty set; a worker that never re-registers leaves after that TTL."""
+    config = fast_config(redis_server.url)
+
+    async def scenario():
+        alive, silent = WorkerPublisher(make_info("p-7"), config), WorkerPublisher(make_info("p-8"), config)
+        for pub in (alive, silent):
+            await pub.start()
+            assert await pub.wait_registered(5)
+        async with WorkerWatcher(config) as watcher:
+            assert watcher.is_live("p-7") and watcher.is_live("p-8")
+            await silent.stop(deregister=False)  # its entry expires with the outage; it never comes back
+            redis_server.stop()
+            await asyncio.sleep(0.6)
+            assert watcher.redis_ok is False
+            redis_server.start()  # same port, empty
+            assert await watcher.wait_for(lambda w: w.redis_ok, timeout=5)
+            assert watcher.is_live("p-7") and watcher.is_live("p-8"), "an empty Redis emptied the set"
+            assert await watcher.wait_for(lambda w: not w.is_live("p-8"), timeout=5)
+        await alive.stop()
 
     asyncio.run(scenario())
 

@@ -42,6 +42,8 @@ class WorkerWatcher:
         self._wake = asyncio.Event()
         self.redis_ok = False
         self.scans = 0
+        self._outage = False  # Redis failed since the last good scan
+        self._keep_known_until = 0.0  # monotonic: after an outage, known workers get a TTL to re-register
 
     # --- reading the set (no I/O) ----------------------------------------------
 
@@ -86,12 +88,22 @@ class WorkerWatcher:
             if self.redis_ok:
                 log.warning("registry unreachable, serving the last known %d workers: %s", len(self._workers), exc)
             self.redis_ok = False
+            self._note_outage()
             return False
         fresh: dict[str, WorkerInfo] = {}
         for worker_id, raw in zip(ids, raws):
             info = self._decode(worker_id, raw)
             if info is not None and self._accepts(info):
                 fresh[worker_id] = info
+        now = asyncio.get_running_loop().time()
+        if self._outage:
+            # A Redis that comes back (restarted, empty) does not know the workers yet: they
+            # re-register at their next heartbeat. Until one TTL has passed, a known worker
+            # missing from the scan is not gone; after that the scan is the truth again.
+            self._outage = False
+            self._keep_known_until = now + self.config.ttl_s
+        if now < self._keep_known_until:
+            fresh = {**self._workers, **fresh}
         self.redis_ok = True
         self.scans += 1
         self._replace(fresh)
@@ -108,6 +120,10 @@ class WorkerWatcher:
         if info is not None and self._accepts(info):
             self._replace({**self._workers, worker_id: info})
         return info
+
+    def _note_outage(self) -> None:
+        if self.scans > 0:  # a Redis that was never reached has no known set to protect
+            self._outage = True
 
     def _decode(self, worker_id: str, raw: dict) -> WorkerInfo | None:
         if not raw:
@@ -190,6 +206,7 @@ class WorkerWatcher:
                 raise
             except Exception as exc:
                 log.debug("registry event subscription dropped: %s", exc)
+                self._note_outage()  # Redis may restart between two scans
             finally:
                 try:
                     await pubsub.aclose()
