@@ -153,15 +153,19 @@ class GrpcBackend:
             await self._router_channel.close()
 
     def ready(self) -> bool:
-        """The router is reachable and, when we watch the registry, a decode-capable
-        worker for our model is live."""
+        """The router is reachable and, when we watch the registry, a usable set for our
+        model is live: a `both` worker, or a prefill and a decode worker with the same KV
+        layout (a decode worker alone cannot serve a split request)."""
         if self._router_channel is None:
             return False
         state = self._router_channel.get_state(try_to_connect=True)
         if state != grpc.ChannelConnectivity.READY:
             return False
         if self._watcher is not None:
-            return bool(self._watcher.workers("decode") or self._watcher.workers("both"))
+            if self._watcher.workers("both"):
+                return True
+            decode_layouts = {w.compat_hash for w in self._watcher.workers("decode")}
+            return any(w.compat_hash in decode_layouts for w in self._watcher.workers("prefill"))
         return True
 
     def _page_size(self) -> int:
