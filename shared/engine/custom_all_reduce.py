@@ -23,6 +23,10 @@ log = logging.getLogger("duet.engine.custom_all_reduce")
 
 DEFAULT_MAX_BYTES = 8 << 20  # one-shot pays off for small messages (decode, short prefills)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Symmetric-memory rendezvous keeps per-process state keyed by group name: a process that
+# already did one (an earlier engine, since torn down) cannot rendezvous again with a fresh
+# peer process (seen hanging on 2 x H200). A process fact, so a module flag.
+_RENDEZVOUS_DONE = False
 
 
 class CustomAllReduce:
@@ -39,9 +43,16 @@ class CustomAllReduce:
                 enable(group.group_name)
             except Exception:  # noqa: BLE001 - newer torch may refuse an already-enabled group
                 pass
+        global _RENDEZVOUS_DONE
+        _RENDEZVOUS_DONE = True
         self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
         self.handle = symm_mem.rendezvous(self.buffer, group.group_name)
         self.peer_ptrs = torch.tensor(list(self.handle.buffer_ptrs), dtype=torch.int64, device=device)
+
+    @staticmethod
+    def fresh_process() -> bool:
+        """False once this process has set one up; ranks must agree before trying."""
+        return not _RENDEZVOUS_DONE
 
     @classmethod
     def try_create(cls, tp, device: torch.device, max_bytes: int = DEFAULT_MAX_BYTES):

@@ -78,7 +78,9 @@ class Engine:
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         if self.tp.size > 1 and self.device.type == "cuda" and config.custom_all_reduce:
             from .custom_all_reduce import CustomAllReduce
-            car = CustomAllReduce.try_create(self.tp, self.device)
+            car = None
+            if self.tp.all_ranks_agree(CustomAllReduce.fresh_process(), self.device):
+                car = CustomAllReduce.try_create(self.tp, self.device)
             if self.tp.all_ranks_agree(car is not None, self.device):  # all use it, or none
                 self.tp.custom_all_reduce = car
         self.layout = self._size_kv()
