@@ -42,9 +42,10 @@ async def serve(config) -> int:
 
     if config.threads:
         torch.set_num_threads(config.threads)
-    if config.tp != 1:
-        log.error("--tp %d: multi-rank workers run through the TP launcher (see README); this "
-                  "process serves TP=1", config.tp)
+    if config.tp != 1 and config.role != "both":
+        log.error("--tp %d with --role %s: KV transfer between tensor-parallel prefill and decode "
+                  "workers (one NIXL stream per rank) is not implemented yet; use --role both for "
+                  "tensor parallelism, or --tp 1", config.tp, config.role)
         return 2
     engine = Engine(EngineConfig(
         model_dir=config.model, dtype=config.dtype, device=config.device, page_size=config.page_size,
@@ -52,7 +53,7 @@ async def serve(config) -> int:
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_running_requests=config.max_running_requests, max_model_len=config.max_model_len,
         enable_prefix_cache=config.enable_prefix_cache, attention_backend=config.attention_backend,
-        cuda_graph=config.cuda_graph))
+        cuda_graph=config.cuda_graph, tp_size=config.tp))
     served = config.served_model_name or engine.model_dir.name
     role = config.role
     worker_id = config.worker_id or default_worker_id(role)
