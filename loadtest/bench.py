@@ -58,6 +58,7 @@ def _parse(argv):
                    help="transformers offline: sub-batches actually run (0 = all); its rate is per token")
     p.add_argument("--hf-compile-models", default="qwen3-0.6b",
                    help="models whose compiled transformers peer is timed (compiles take minutes)")
+    p.add_argument("--tp-batches", default="1,32")
     p.add_argument("--json", default=None)
     p.add_argument("--workdir", default=None)
     return p.parse_args(argv)
@@ -248,29 +249,19 @@ def _hf(ctx):
 
 
 def _tp_equality(ctx):
-    from shared.engine import Engine, SamplingParams
-
     from .bench_hf import equality_prompts
     from .bench_shapes import random_checkpoint_dir
+    from .bench_tp import in_fresh_process
 
-    ckpt = random_checkpoint_dir("qwen3-small", ctx["root"], ctx["dev"])
+    ckpt = str(random_checkpoint_dir("qwen3-small", ctx["root"], ctx["dev"]))
     prompts = equality_prompts(4096, n=6)
     for dtype in ("float32", "bfloat16"):
-        toks = {}
-        for tp in (1, 2):
-            eng = Engine(model_dir=str(ckpt), dtype=dtype, tp_size=tp, kv_cache_memory=1 << 30)
-            params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-            rids = [eng.add_request(p, params) for p in prompts]
-            got = {r: [] for r in rids}
-            while eng.has_work:
-                for out in eng.step():
-                    got[out.rid] += out.token_ids
-            toks[tp] = [got[r] for r in rids]
-            eng.close()
-            del eng
-            gc.collect()
+        toks = {tp: in_fresh_process("loadtest.bench_tp:greedy_tokens", ckpt, dtype, tp, prompts, 48)
+                for tp in (1, 2)}
         same = sum(a == b for a, b in zip(toks[1], toks[2]))
-        ctx["report"].add("tp_equality", f"qwen3-small {dtype} TP2==TP1 sequences", f"{same}/{len(prompts)}")
+        agree = sum(x == y for a, b in zip(toks[1], toks[2]) for x, y in zip(a, b)) / sum(map(len, toks[1]))
+        ctx["report"].add("tp_equality", f"qwen3-small {dtype} TP2==TP1 sequences", f"{same}/{len(prompts)}",
+                          f"{100 * agree:.1f}% of tokens at the same positions")
 
 
 def _allreduce(ctx):
@@ -283,23 +274,20 @@ def _allreduce(ctx):
 
 
 def _tp_decode(ctx):
-    from .bench_gpu_engine import decode_floor_ms, decode_step_ms, release_memory
+    from .bench_shapes import config_only_dir
+    from .bench_tp import in_fresh_process
 
     args, rep = ctx["args"], ctx["report"]
     c = _need_ceilings(ctx)
     name = "qwen3-8b"
+    model_dir = str(config_only_dir(name, ctx["root"]))
+    batches = [int(b) for b in args.tp_batches.split(",")]
     for tp, car in ((1, False), (2, False), (2, True)):
-        eng = _engine(ctx, name, tp_size=tp, custom_all_reduce=car, max_model_len=4096,
-                      cuda_graph_max_bs=64)
-        active = eng.tp.custom_all_reduce is not None
-        for b in (1, 32):
-            floor, _ = decode_floor_ms(eng, b, args.ctx, c.copy_gb_s)  # per rank
-            ms = decode_step_ms(eng, b, args.ctx, args.steps)
-            rep.add("tp_decode", f"{name} TP={tp} custom_ar={'on' if active else 'off'} B={b} step_ms", ms,
-                    f"per-rank floor {floor:.3f} ms")
-        eng.close()
-        del eng
-        release_memory()
+        rows = in_fresh_process("loadtest.bench_tp:tp_decode_rows", model_dir, tp, car, batches, args.ctx,
+                                args.steps, c.copy_gb_s)
+        for r in rows:
+            rep.add("tp_decode", f"{name} TP={tp} custom_ar={'on' if r['custom_ar'] else 'off'} B={r['batch']} "
+                                 f"step_ms", r["step_ms"], f"per-rank floor {r['floor_ms']:.3f} ms")
 
 
 SECTION_FUNCS = {"ceilings": _ceilings, "equality": _equality, "decode": _decode, "prefill": _prefill,

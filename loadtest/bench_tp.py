@@ -5,7 +5,9 @@ them), and TP=2 decode steps with the custom all-reduce on and off."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import queue as queue_mod
 import socket
+import time
 import traceback
 
 import torch
@@ -97,3 +99,70 @@ def fused_all_reduce_bench(world: int = 2, sizes=(1, 8, 32, 128, 512), hidden: i
         if err:
             raise RuntimeError(f"rank {rank}:\n{err}")
     return next(rows for rank, rows, _ in results if rank == 0)
+
+
+# -- engines in fresh rank-0 processes --------------------------------------------------
+# A process that already ran one TP engine cannot set up the fused all-reduce again (see
+# custom_all_reduce.py), and a fresh process also returns every byte of GPU memory: each
+# TP engine of the bench runs in its own child, which starts its own followers.
+def _child(target: str, args, queue) -> None:
+    import importlib
+
+    try:
+        module, _, name = target.partition(":")
+        queue.put(("ok", getattr(importlib.import_module(module), name)(*args)))
+    except Exception:  # noqa: BLE001 - reported to the parent
+        queue.put(("error", traceback.format_exc()))
+
+
+def in_fresh_process(target: str, *args, timeout: float = 400.0):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    p = ctx.Process(target=_child, args=(target, args, queue))
+    p.start()
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                status, value = queue.get(timeout=2)
+                break
+            except queue_mod.Empty:
+                if not p.is_alive() or time.monotonic() > deadline:
+                    raise RuntimeError(f"{target} child ended without a result (exit code {p.exitcode})") from None
+    finally:
+        p.join(30)
+        if p.is_alive():
+            p.kill()
+    if status != "ok":
+        raise RuntimeError(value)
+    return value
+
+
+def greedy_tokens(model_dir: str, dtype: str, tp: int, prompts, new_tokens: int) -> list[list[int]]:
+    from shared.engine import Engine, SamplingParams
+
+    eng = Engine(model_dir=model_dir, dtype=dtype, tp_size=tp, kv_cache_memory=1 << 30)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    rids = [eng.add_request(p, params) for p in prompts]
+    got = {r: [] for r in rids}
+    while eng.has_work:
+        for out in eng.step():
+            got[out.rid] += out.token_ids
+    eng.close()
+    return [got[r] for r in rids]
+
+
+def tp_decode_rows(model_dir: str, tp: int, custom_ar: bool, batches, ctx_len: int, steps: int,
+                   copy_gb_s: float) -> list[dict]:
+    from .bench_gpu_engine import decode_floor_ms, decode_step_ms, make_engine
+
+    eng = make_engine(model_dir, load_format="dummy", tp_size=tp, custom_all_reduce=custom_ar,
+                      max_model_len=4096, cuda_graph_max_bs=max(batches))
+    active = eng.tp.custom_all_reduce is not None
+    rows = []
+    for b in batches:
+        floor, _ = decode_floor_ms(eng, b, ctx_len, copy_gb_s)  # per rank
+        rows.append(dict(tp=tp, custom_ar=active, batch=b, floor_ms=floor,
+                         step_ms=decode_step_ms(eng, b, ctx_len, steps)))
+    eng.close()
+    return rows
