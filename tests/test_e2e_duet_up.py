@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 
 import httpx
 import openai
@@ -135,8 +137,14 @@ def test_stack_serves_health_and_models(stack):
     models = httpx.get(stack.base_url + "/models", timeout=10).json()
     validate(models, "ListModelsResponse")
     assert [m["id"] for m in models["data"]] == ["SmolLM2-135M-Instruct"]
-    roles = {f["role"] for f in stack.workers().values()}
-    assert roles == {"prefill", "decode"}
+    entries = stack.workers()
+    assert {f["role"] for f in entries.values()} == {"prefill", "decode"}
+    for wid, f in entries.items():
+        assert f["model"] == "SmolLM2-135M-Instruct" and f["instance_nonce"]
+        assert f["address"].startswith("127.0.0.1:") and f["metrics"].startswith("127.0.0.1:")
+        assert int(f["load_total_pages"]) > 0 and float(f["load_kv_usage"]) == 0.0
+        assert json.loads(f["nixl_agents"]), wid
+        assert 0 < stack.redis().pttl(f"duet:worker:{wid}") <= 6000  # written with its TTL
 
 
 def test_offline_engine_equals_transformers(references):
@@ -166,44 +174,88 @@ def test_greedy_answers_equal_the_offline_engine(stack, references, prompts, str
 
 def test_kv_bytes_and_computed_tokens_match_the_prompt(stack, tokenizer):
     """Prefill computes the prompt and sends its pages; decode receives exactly those bytes
-    and computes only the new tokens."""
+    and computes only the new tokens. Asked twice: the second time prefill serves the
+    prompt's full pages from its prefix cache, computes only the rest, and still sends
+    every page."""
     prefill, decode = stack.worker_ids("prefill")[0], stack.worker_ids("decode")[0]
     entry = stack.workers()[prefill]
     per_page = page_bytes(model_dir(), PAGE_SIZE)
     assert json.loads(entry["kv_pools"])[0]["page_bytes"] == per_page
     assert int(entry["page_size"]) == PAGE_SIZE
-    before = {w: stack.metrics(w) for w in (prefill, decode)}
-    prompt = "Zanzibar's spice markets, described by a geographer in exactly forty-one careful words:"
+    prompt = ("Zanzibar's spice markets, described by a careful geographer in exactly forty-one words, "
+              "with the names of three spices and the months of the harvest:")
     ids = tokenizer.encode(prompt)
-    result = stack.client().completions.create(model=served_model(stack), prompt=prompt, max_tokens=8,
-                                               temperature=0)
-    assert result.usage.prompt_tokens == len(ids)
-    cached = (result.usage.prompt_tokens_details.cached_tokens
-              if getattr(result.usage, "prompt_tokens_details", None) else 0) or 0
-    completion = result.usage.completion_tokens
+    assert len(ids) > 2 * PAGE_SIZE
     pages = math.ceil(len(ids) / PAGE_SIZE)
+    texts = []
+    for attempt in range(2):
+        before = {w: stack.metrics(w) for w in (prefill, decode)}
+        result = stack.client().completions.create(model=served_model(stack), prompt=prompt, max_tokens=8,
+                                                   temperature=0)
+        texts.append(result.choices[0].text)
+        assert result.usage.prompt_tokens == len(ids)
+        cached = result.usage.prompt_tokens_details.cached_tokens or 0
+        if attempt == 0:
+            assert cached == 0
+        else:  # every full page of the prompt was cached (at least one token is always computed)
+            assert cached == (len(ids) - 1) // PAGE_SIZE * PAGE_SIZE, cached
+        completion = result.usage.completion_tokens
 
-    def delta(worker, name, **labels):
-        return stack.metrics(worker).value(name, **labels) - before[worker].value(name, **labels)
+        def delta(worker, name, **labels):
+            return stack.metrics(worker).value(name, **labels) - before[worker].value(name, **labels)
 
-    # counters are refreshed by the workers' 0.25 s load loop: wait for the decode side
-    wait_until(lambda: delta(decode, "duet_engine_tokens_computed_total", phase="decode") >= completion - 1,
-               10, "decode's computed-token counter")
-    sent = delta(prefill, "duet_kv_transfer_bytes_total", direction="sent")
-    received = delta(decode, "duet_kv_transfer_bytes_total", direction="received")
-    assert sent == received == pages * per_page, (sent, received, pages, per_page)
-    assert delta(prefill, "duet_kv_transfer_seconds_count") == 1
-    assert delta(decode, "duet_kv_transfer_seconds_count") == 1
-    assert delta(prefill, "duet_engine_tokens_computed_total", phase="prefill") == len(ids) - cached
-    assert delta(prefill, "duet_engine_tokens_computed_total", phase="decode") == 0
-    assert delta(decode, "duet_engine_tokens_computed_total", phase="prefill") == 0
-    # the first token came from prefill; decode ran one step per later token
-    assert delta(decode, "duet_engine_tokens_computed_total", phase="decode") == completion - 1
-    assert delta(decode, "duet_kv_recomputes_total") == 0
+        # counters are refreshed by the workers' 0.25 s load loop: wait for the decode side
+        wait_until(lambda: delta(decode, "duet_engine_tokens_computed_total", phase="decode") >= completion - 1,
+                   10, "decode's computed-token counter")
+        sent = delta(prefill, "duet_kv_transfer_bytes_total", direction="sent")
+        received = delta(decode, "duet_kv_transfer_bytes_total", direction="received")
+        assert sent == received == pages * per_page, (sent, received, pages, per_page)
+        assert delta(prefill, "duet_kv_transfer_seconds_count") == 1
+        assert delta(decode, "duet_kv_transfer_seconds_count") == 1
+        assert delta(prefill, "duet_engine_tokens_computed_total", phase="prefill") == len(ids) - cached
+        assert delta(prefill, "duet_engine_tokens_computed_total", phase="decode") == 0
+        assert delta(decode, "duet_engine_tokens_computed_total", phase="prefill") == 0
+        # the first token came from prefill; decode ran one step per later token
+        assert delta(decode, "duet_engine_tokens_computed_total", phase="decode") == completion - 1
+        assert delta(decode, "duet_kv_recomputes_total") == 0
+    assert texts[0] == texts[1]
+    gateway = stack.gateway_metrics()
+    for name in ("duet_time_to_first_token_seconds_count", "duet_inter_token_latency_seconds_count",
+                 "duet_requests_total"):
+        assert gateway.value(name) > 0, name
     stack.wait_idle()
 
 
-@pytest.fixture
+def test_early_endings_free_every_page(stack, references, prompts):
+    """max_tokens=1 ends at prefill's token (the gateway cancels the decode reservation);
+    a stop string ends the stream early (the gateway cancels decode's stream). Either way
+    decode computes nothing more and every page is freed."""
+    offline, _ = references
+    _, completion_prompt, _ = prompts[2]
+    decode = stack.worker_ids("decode")[0]
+    client, model = stack.client(), served_model(stack)
+
+    def decode_steps():
+        return stack.metrics(decode).value("duet_engine_tokens_computed_total", phase="decode")
+    before = decode_steps()
+    r = client.completions.create(model=model, prompt=completion_prompt, max_tokens=1, temperature=0)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 1
+    assert offline[2].text.startswith(r.choices[0].text)
+    stack.wait_idle(timeout=10)
+    assert decode_steps() == before  # decode never ran: the reservation was cancelled
+
+    stop = offline[2].text.split()[2]  # a word a few tokens into the greedy answer
+    stream = client.completions.create(model=model, prompt=completion_prompt, max_tokens=300, temperature=0,
+                                       stop=[stop], stream=True, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert offline[2].text.startswith(text) and stop not in text
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    stack.wait_idle(timeout=15)
+    assert decode_steps() - before < 100  # stopped long before max_tokens
+
+
+@pytest.fixture(scope="module")
 def colocated_stack(request):
     up = DuetUp(new_log_dir("up-both"), "--both", "1", "--prefill", "0", "--decode", "0")
     with managed(request, up.start()) as stack:
@@ -223,6 +275,43 @@ def test_seeded_sample_is_the_same_split_and_colocated(stack, colocated_stack, t
     assert {f["role"] for f in colocated_stack.workers().values()} == {"both"}
     stack.wait_idle()
     colocated_stack.wait_idle()
+
+
+def session_processes(leader_pid: int) -> dict[int, str]:
+    """pid -> command line of every live process in the session duet up leads."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.getsid(int(entry)) != leader_pid:
+                continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{entry}/stat") as f:
+                if f.read().split(")")[1].split()[0] == "Z":
+                    continue  # exited, not yet reaped
+        except (ProcessLookupError, PermissionError, FileNotFoundError):
+            continue
+        out[int(entry)] = cmd
+    return out
+
+
+def test_duet_up_reports_a_dead_worker_and_stops_everything(colocated_stack):
+    """Runs after the seeded test: SIGKILL the colocated worker, duet up reports it and
+    keeps running; SIGTERM duet up, it stops every child and exits by itself."""
+    up = colocated_stack.proc
+    procs = session_processes(up.pid)
+    assert any("redis-server" in c for c in procs.values())
+    worker = [p for p, c in procs.items() if "--worker-id both-0" in c]
+    assert len(worker) == 1 and len(procs) >= 5, procs  # duet up, redis, router, worker, gateway
+    os.kill(worker[0], signal.SIGKILL)
+    wait_until(lambda: "both-0 exited with code -9" in up.log_text(), 15, "duet up to report the dead worker")
+    assert up.alive
+    up.signal(signal.SIGTERM)
+    up.popen.wait(60)
+    assert up.popen.returncode == 0
+    wait_until(lambda: session_processes(up.pid) == {}, 10, "every child of duet up to exit")
 
 
 BAD_REQUESTS = [
