@@ -7,6 +7,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import queue as queue_mod
 import socket
+import sys
 import time
 import traceback
 
@@ -154,15 +155,23 @@ def greedy_tokens(model_dir: str, dtype: str, tp: int, prompts, new_tokens: int)
 
 def tp_decode_rows(model_dir: str, tp: int, custom_ar: bool, batches, ctx_len: int, steps: int,
                    copy_gb_s: float) -> list[dict]:
+    import logging
+
     from .bench_gpu_engine import decode_floor_ms, decode_step_ms, make_engine
 
+    # progress on stderr (this child's report comes back only at its end)
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    t0 = time.monotonic()
     eng = make_engine(model_dir, load_format="dummy", tp_size=tp, custom_all_reduce=custom_ar,
                       max_model_len=4096, cuda_graph_max_bs=max(batches))
     active = eng.tp.custom_all_reduce is not None
+    print(f"[tp_decode child] TP={tp} custom_ar={active} engine ready in {time.monotonic() - t0:.0f}s",
+          file=sys.stderr, flush=True)
     rows = []
     for b in batches:
         floor, _ = decode_floor_ms(eng, b, ctx_len, copy_gb_s)  # per rank
         rows.append(dict(tp=tp, custom_ar=active, batch=b, floor_ms=floor,
                          step_ms=decode_step_ms(eng, b, ctx_len, steps)))
+        print(f"[tp_decode child] B={b}: {rows[-1]['step_ms']:.3f} ms", file=sys.stderr, flush=True)
     eng.close()
     return rows
