@@ -32,6 +32,7 @@ class WorkerConfig:
     enable_prefix_cache: bool = True
     attention_backend: str = "auto"
     cuda_graph: bool = True
+    overlap_schedule: bool = False
     tp: int = 1
     threads: int | None = None
     reserve_timeout_s: float = 10.0  # decode: bounded admission wait
@@ -68,6 +69,9 @@ class WorkerConfig:
         p.add_argument("--disable-prefix-cache", action="store_true")
         p.add_argument("--attention-backend", default=e("DUET_ATTENTION_BACKEND", "auto"))
         p.add_argument("--disable-cuda-graph", action="store_true")
+        p.add_argument("--overlap-schedule", action="store_true",
+                       default=e("DUET_OVERLAP_SCHEDULE", "") in ("1", "true"),
+                       help="prepare step N+1 on the CPU while the GPU runs step N")
         p.add_argument("--tp", type=int, default=int(e("DUET_TP", "1")))
         p.add_argument("--threads", type=int, default=int(e("DUET_THREADS", "0")) or None,
                        help="torch intra-op threads (CPU)")
@@ -89,7 +93,8 @@ class WorkerConfig:
                    page_size=a.page_size, kv_cache_memory=a.kv_cache_memory, mem_fraction=a.mem_fraction,
                    max_num_batched_tokens=a.max_num_batched_tokens, max_running_requests=a.max_running_requests,
                    max_model_len=a.max_model_len, enable_prefix_cache=not a.disable_prefix_cache,
-                   attention_backend=a.attention_backend, cuda_graph=not a.disable_cuda_graph, tp=a.tp,
+                   attention_backend=a.attention_backend, cuda_graph=not a.disable_cuda_graph,
+                   overlap_schedule=a.overlap_schedule, tp=a.tp,
                    threads=a.threads, reserve_timeout_s=a.reserve_timeout, notice_timeout_s=a.notice_timeout,
                    write_timeout_s=a.write_timeout, recompute_on_missing_kv=not a.no_recompute,
                    nixl_progress_thread=a.nixl_progress_thread,

@@ -53,7 +53,8 @@ async def serve(config) -> int:
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_running_requests=config.max_running_requests, max_model_len=config.max_model_len,
         enable_prefix_cache=config.enable_prefix_cache, attention_backend=config.attention_backend,
-        cuda_graph=config.cuda_graph, tp_size=config.tp))
+        cuda_graph=config.cuda_graph, tp_size=config.tp,
+        overlap_schedule=config.overlap_schedule))
     served = config.served_model_name or engine.model_dir.name
     role = config.role
     worker_id = config.worker_id or default_worker_id(role)
