@@ -68,6 +68,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--api", choices=("chat", "completions"), default="completions")
     p.add_argument("--stacks", default="colocated,disagg", help="which of: " + ", ".join(STACKS))
     p.add_argument("--up-arg", action="append", default=[], help="extra flag for every `duet up` (repeat)")
+    p.add_argument("--worker-arg", action="append", default=[],
+                   help="extra flag for every worker, e.g. --worker-arg=--nixl-progress-thread (repeat)")
     p.add_argument("--output-dir", "-o", default="loadtest-results/bench-disagg")
     return p.parse_args(argv), extra
 
@@ -77,8 +79,9 @@ def run_stack(name: str, args, extra: list[str], out: pathlib.Path) -> list[Figu
     from loadtest.results_io import read_results
 
     figures = []
-    print(f"== {name}: duet up {' '.join(STACKS[name] + args.up_arg)}", file=sys.stderr, flush=True)
-    with DuetStack(STACKS[name] + args.up_arg, out / name / "logs") as stack:
+    up_args = STACKS[name] + args.up_arg + (["--", *args.worker_arg] if args.worker_arg else [])
+    print(f"== {name}: duet up {' '.join(up_args)}", file=sys.stderr, flush=True)
+    with DuetStack(up_args, out / name / "logs") as stack:
         for conc in (int(c) for c in args.concurrencies.split(",")):
             run_dir = out / name / f"c{conc}"
             n = max(args.min_requests, conc * args.requests_per_slot)

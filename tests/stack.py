@@ -318,7 +318,7 @@ class DuetUp(_StackBase):
 class ProcessStack(_StackBase):
     """redis + router + workers + gateway, each its own subprocess."""
 
-    def __init__(self, log_dir: Path, *, registry_ttl_s: float = 3.0, kv_cache_memory: str = "64M",
+    def __init__(self, log_dir: Path, *, registry_ttl_s: float = 5.0, kv_cache_memory: str = "64M",
                  worker_args: Sequence[str] = (), gateway_args: Sequence[str] = ()):
         super().__init__()
         self.log_dir = Path(log_dir)

@@ -348,3 +348,15 @@ def test_bad_requests_get_openai_errors_and_leave_no_kv(stack, stream):
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=model, prompt="hi", temperature=-1, stream=stream)
     stack.wait_idle()
+
+
+def test_duet_up_without_redis_server_says_how_to_install_one(tmp_path):
+    import subprocess
+
+    from tests.stack import child_env, duet_argv, free_port
+    env = child_env({"PATH": str(tmp_path)})  # no redis-server on PATH
+    r = subprocess.run(duet_argv("up", "--port", str(free_port()), "--log-dir", str(tmp_path)),
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "redis-server" in r.stderr and "apt-get install redis-server" in r.stderr
+    assert "--redis-url" in r.stderr
