@@ -3,7 +3,10 @@ reserved pages are never reused while a write into them may still land.
 
 Runs on the engine-loop thread. A reservation is freed when it is consumed by a decode,
 or, once cancelled, when its notice (done or abort) arrives, or when its writer has left
-the registry, or after `quarantine_s` (longer than prefill's own write timeout)."""
+the registry, or `quarantine_s` after the cancel (longer than prefill's own write timeout;
+the writer's RPC is cancelled with it). One nobody cancels or claims (its gateway died) is
+freed once no write can land: at once after an abort notice, `claim_timeout_s` after a
+done notice or after its writer left the registry."""
 from __future__ import annotations
 
 import asyncio
@@ -30,7 +33,9 @@ class Reservation:
     notice: TransferNotice | None = None
     notice_at: float | None = None
     cancelled: bool = False
-    waiter: Callable[[], None] | None = None  # wakes the Generate handler
+    cancelled_at: float | None = None
+    settled_at: float | None = None  # unclaimed, and no write can land any more, since then
+    waiter: Callable[[], None] | None = None  # wakes the Generate handler (set: it is claimed)
 
     @property
     def key(self) -> str:
@@ -39,11 +44,12 @@ class Reservation:
 
 class ReservationBook:
     def __init__(self, engine, agent, is_live: Callable[[str], bool], quarantine_s: float = 60.0,
-                 metrics=None):
+                 metrics=None, claim_timeout_s: float = 30.0):
         self.engine = engine
         self.agent = agent
         self.is_live = is_live
         self.quarantine_s = quarantine_s
+        self.claim_timeout_s = claim_timeout_s
         self.metrics = metrics
         self.open: dict[int, Reservation] = {}
         self._ids = itertools.count(1)
@@ -83,7 +89,9 @@ class ReservationBook:
         res = self.get(reservation_id, generation)
         if res is None:
             return False
-        res.cancelled = True
+        res.cancelled, res.waiter = True, None
+        if res.cancelled_at is None:
+            res.cancelled_at = time.monotonic()
         self._maybe_free(res)
         return True
 
@@ -92,7 +100,21 @@ class ReservationBook:
             return False
         if not self.is_live(res.writer_id):
             return False
-        return time.monotonic() - res.created < self.quarantine_s
+        # A live writer may still be computing (and writing) a long prompt: only a cancel,
+        # which also cancels its RPC, starts the clock on its last in-flight write.
+        return res.cancelled_at is None or time.monotonic() - res.cancelled_at < self.quarantine_s
+
+    def _abandoned(self, res: Reservation, now: float) -> bool:
+        """Nobody cancelled it, no Generate claims it, and no write can land any more: the
+        gateway that made it is gone (crashed, or lost its Cancel)."""
+        if res.cancelled or res.waiter is not None or self.writes_may_land(res):
+            res.settled_at = None
+            return False
+        if res.settled_at is None:
+            res.settled_at = now
+        if res.notice is not None and res.notice.kind == "abort":
+            return True  # the writer gave up: no gateway will ask to decode it
+        return now - res.settled_at >= self.claim_timeout_s
 
     def _maybe_free(self, res: Reservation) -> None:
         if res.cancelled and not self.writes_may_land(res):
@@ -111,8 +133,14 @@ class ReservationBook:
             if res.waiter is not None:
                 res.waiter()
             self._maybe_free(res)
-        for res in [r for r in self.open.values() if r.cancelled]:
-            self._maybe_free(res)
+        now = time.monotonic()
+        for res in list(self.open.values()):
+            if not res.cancelled and self._abandoned(res, now):
+                log.warning("reservation %d (request %s) was never claimed; freeing its %d pages",
+                            res.reservation_id, res.request_id, len(res.page_ids))
+                res.cancelled, res.cancelled_at = True, now
+            if res.cancelled:
+                self._maybe_free(res)
         return bool(self.open)
 
 

@@ -152,11 +152,15 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
                                 f"reservation {msg.reservation_id}/{msg.generation} is unknown or was cancelled")
         deadline = time.monotonic() + ctx.config.notice_timeout_s
         with ctx.span("kv_transfer_wait", context, request_id=rid):
-            while res.notice is None and time.monotonic() < deadline and ctx.is_live(res.writer_id):
-                try:
-                    await asyncio.wait_for(event.wait(), 0.1)
-                except asyncio.TimeoutError:
-                    pass
+            try:
+                while res.notice is None and time.monotonic() < deadline and ctx.is_live(res.writer_id):
+                    try:
+                        await asyncio.wait_for(event.wait(), 0.1)
+                    except asyncio.TimeoutError:
+                        pass
+            except asyncio.CancelledError:  # the caller left while we waited: give the pages back
+                ctx.loop.call(lambda: book.cancel(res.reservation_id, res.generation))
+                raise
         first = request.first_token.id
 
         def join():

@@ -93,7 +93,7 @@ async def serve(config) -> int:
         from services.decode.reservations import ReservationBook
         ctx.book = ReservationBook(engine, ctx.agent, ctx.is_live,
                                    quarantine_s=max(2 * config.write_timeout_s, config.notice_timeout_s),
-                                   metrics=metrics)
+                                   metrics=metrics, claim_timeout_s=config.notice_timeout_s)
         loop.add_tick(ctx.book.tick)
 
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
