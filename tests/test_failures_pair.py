@@ -89,6 +89,35 @@ def test_disconnect_during_prefill_stops_prefill_and_frees_the_reservation(stack
     assert snapshot(stack, "decode-0", "duet_requests_total") == before_generate
 
 
+def test_gateway_killed_mid_request_leaves_no_work_on_the_pods(stack, model):
+    """The gateway dies (SIGKILL) while prefill computes a long prompt: its RPCs break,
+    prefill stops, and decode frees the reservation nobody will claim. A new gateway then
+    serves as before."""
+    before = snapshot(stack, "prefill-0", "duet_engine_tokens_computed_total", phase="prefill")
+
+    async def go():
+        async with stack.async_client() as client:
+            task = asyncio.create_task(client.completions.create(
+                model=model, prompt=LONG_PROMPT + " gateway", max_tokens=8, temperature=0, stream=True))
+            await asyncio.to_thread(wait_until, lambda: snapshot(
+                stack, "prefill-0", "duet_engine_tokens_computed_total", phase="prefill") - before >= 4 * CHUNK,
+                60, "prefill to start computing the long prompt", 0.05)
+            assert stack.kv_usage("decode-0") > 0
+            stack.kill("gateway")
+            with pytest.raises(Exception):
+                await task
+    asyncio.run(go())
+    stack.wait_idle(["prefill-0", "decode-0"], timeout=40)
+    computed = snapshot(stack, "prefill-0", "duet_engine_tokens_computed_total", phase="prefill") - before
+    assert computed < prompt_tokens(LONG_PROMPT) - 2 * CHUNK, computed
+    stack.start_gateway()
+    wait_until(lambda: http_status(stack.health_url) == 200, 60, "the new gateway")
+    r = stack.client().completions.create(model=model, prompt="The capital of Spain is", max_tokens=4,
+                                          temperature=0)
+    assert r.usage.completion_tokens >= 1
+    stack.wait_idle(["prefill-0", "decode-0"], timeout=20)
+
+
 def test_redis_briefly_down_keeps_serving_on_the_last_known_workers(stack, model):
     client = stack.client()
 

@@ -140,6 +140,32 @@ def test_missing_notice_makes_decode_recompute_the_prefill(ready, tokenizer):
     stack.wait_idle(timeout=30)  # the abandoned reservation is freed too (writer silent past the deadline)
 
 
+def test_unclaimed_reservation_is_freed_after_the_claim_timeout(ready, tokenizer):
+    """A gateway that dies between prefill's answer and Generate: decode got the KV and
+    the done notice but nobody claims the reservation; it is freed `--notice-timeout`
+    later instead of holding the pages forever."""
+    stack = ready
+    prompt = tokenizer.encode("A reservation nobody claims, written by prefill all the same.")
+    entries = stack.workers()
+    before = stack.metrics("decode-1").value("duet_kv_transfer_bytes_total", direction="received")
+    with grpc.insecure_channel(entries["decode-1"]["address"]) as dch, \
+            grpc.insecure_channel(entries["prefill-1"]["address"]) as pch:
+        res = duet_pb2_grpc.DecodeStub(dch).Reserve(duet_pb2.ReserveRequest(
+            request_id="unclaimed-1", prompt_tokens=len(prompt), max_tokens=4, prefill_worker_id="prefill-1"),
+            timeout=30)
+        reply = duet_pb2_grpc.PrefillStub(pch).Prefill(duet_pb2.PrefillRequest(
+            request_id="unclaimed-1", prompt_token_ids=prompt, reservation=res,
+            sampling=duet_pb2.SamplingParams(temperature=0, max_tokens=4)), timeout=60)
+    done_at = time.monotonic()
+    assert reply.kv_bytes_sent > 0
+    wait_until(lambda: stack.metrics("decode-1").value("duet_kv_transfer_bytes_total", direction="received")
+               - before == reply.kv_bytes_sent, 5, "decode to receive the done notice")
+    assert stack.kv_usage("decode-1") > 0  # held: a Generate may still come
+    stack.wait_idle(["decode-1", "prefill-1"], timeout=NOTICE_TIMEOUT_S + 10)
+    assert time.monotonic() - done_at >= NOTICE_TIMEOUT_S - 1.0
+    assert "was never claimed" in stack.procs["decode-1"].log_text()
+
+
 def test_decode_killed_while_prefill_writes(ready, model):
     stack = ready
     decodes = stack.worker_ids("decode")
