@@ -251,10 +251,10 @@ class Engine:
         sampling = [it for it in batch.items if it.samples]
         for it in batch.items:
             it.req.num_computed = it.end
-            if it.req.num_output == 0 or it.req.prefill_only:
-                self.stats.prefill_tokens_computed += it.length
-            else:
-                self.stats.decode_tokens_computed += it.length
+            # by position: prompt positions are prefill work even when recomputed later
+            prompt_part = max(0, min(it.end, it.req.num_prompt) - it.start)
+            self.stats.prefill_tokens_computed += prompt_part
+            self.stats.decode_tokens_computed += it.length - prompt_part
         if sampling:
             rows = [self._sample_row(it.req) for it in sampling]
             res = sample(logits, rows)
