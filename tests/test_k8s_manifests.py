@@ -461,9 +461,11 @@ def test_grace_period_covers_prestop_and_drain(rendered):
 
     r = rendered
     gateway_main = (REPO / "services" / "gateway" / "main.py").read_text()
-    uvicorn_grace = re.search(r"timeout_graceful_shutdown=(\d+)", gateway_main)
-    assert uvicorn_grace, "the gateway's graceful shutdown time moved; update this test and gateway.yaml"
-    drains = {"gateway": float(uvicorn_grace.group(1)), "router": RouterConfig().grace_s}
+    default_grace = re.search(r'DUET_DRAIN_GRACE", "(\d+)"', gateway_main)
+    assert default_grace, "the gateway's graceful shutdown setting moved; update this test and gateway.yaml"
+    gw = r.pod("gateway")
+    gateway_grace = float(r.env(gw, gw.main).get("DUET_DRAIN_GRACE", default_grace.group(1)))
+    drains = {"gateway": gateway_grace, "router": RouterConfig().grace_s}
     for pod in r.duet_pods:
         pre = prestop_seconds(pod.main)
         if pod.role in WORKER_ROLES:
