@@ -14,12 +14,7 @@ from tests.engine_models import (assert_all_pages_free, build_model_dir, hf_gree
 KIND = "llama_tied_gqa2"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 @pytest.fixture(scope="module")

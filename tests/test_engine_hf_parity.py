@@ -19,12 +19,7 @@ LENGTHS = [5, 13, 29, 2, 17, 8]
 KV_BYTES = 8 << 20  # plenty for these tiny models without zeroing the 1 GiB CPU default
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -15,12 +15,7 @@ KIND = "qwen2_untied_bias"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -22,12 +22,7 @@ PROMPTS = random_prompts(4, [6, 12, 9, 20], seed=42)
 KV = 8 << 20
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 @pytest.fixture(scope="module")
