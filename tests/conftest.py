@@ -13,3 +13,13 @@ def torch_one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def runner():
+    """Runs Triton kernels: natively on CUDA, else in one child process per module under
+    Triton's CPU interpreter (kernels/kernel_runner.py says why a child)."""
+    from kernels.kernel_runner import KernelRunner
+    r = KernelRunner()
+    yield r
+    r.close()

@@ -10,18 +10,11 @@ import torch
 
 from kernels.accuracy import fill_nan_, relative_error
 from kernels.decode_attention import decode_attention_reference
-from kernels.kernel_runner import KernelRunner
 from kernels.random_paged_kv import random_paged_kv
+from tests.kernel_dtypes import kernel_dtypes
 
 TARGET = "kernels.decode_attention:decode_attention"
 CUDA = torch.cuda.is_available()
-
-
-@pytest.fixture(scope="module")
-def runner():
-    r = KernelRunner()
-    yield r
-    r.close()
 
 
 def _seed(*params) -> int:
@@ -30,7 +23,7 @@ def _seed(*params) -> int:
 
 
 def _dtypes():
-    return [torch.bfloat16, torch.float16, torch.float32] if CUDA else [torch.float32]
+    return kernel_dtypes()
 
 
 def _tolerance(dtype) -> float:

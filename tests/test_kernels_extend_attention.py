@@ -10,18 +10,11 @@ import torch
 
 from kernels.accuracy import fill_nan_, relative_error
 from kernels.extend_attention import extend_attention_reference
-from kernels.kernel_runner import KernelRunner
 from kernels.random_paged_kv import random_paged_kv
+from tests.kernel_dtypes import kernel_dtypes
 
 TARGET = "kernels.extend_attention:extend_attention"
 CUDA = torch.cuda.is_available()
-
-
-@pytest.fixture(scope="module")
-def runner():
-    r = KernelRunner()
-    yield r
-    r.close()
 
 
 def _seed(*params) -> int:
@@ -29,7 +22,7 @@ def _seed(*params) -> int:
 
 
 def _dtypes():
-    return [torch.bfloat16, torch.float16, torch.float32] if CUDA else [torch.float32]
+    return kernel_dtypes()
 
 
 def _tolerance(dtype) -> float:

@@ -5,17 +5,10 @@ import pytest
 import torch
 
 from kernels.accuracy import fill_nan_
-from kernels.kernel_runner import KernelRunner
 from kernels.page_copy import gather_pages_reference, scatter_pages_reference
+from tests.kernel_dtypes import kernel_dtypes
 
 CUDA = torch.cuda.is_available()
-
-
-@pytest.fixture(scope="module")
-def runner():
-    r = KernelRunner()
-    yield r
-    r.close()
 
 
 def _pool(num_pages, page_shape, dtype, device, seed):
@@ -26,7 +19,7 @@ def _pool(num_pages, page_shape, dtype, device, seed):
 
 
 def _dtypes():
-    return [torch.bfloat16, torch.float32] if CUDA else [torch.float32]
+    return kernel_dtypes(fp16=False)
 
 
 @pytest.mark.parametrize("dtype", _dtypes())

@@ -7,22 +7,15 @@ import pytest
 import torch
 
 from kernels.accuracy import fill_nan_, relative_error
-from kernels.kernel_runner import KernelRunner
 from kernels.rms_norm import rms_norm_reference
+from tests.kernel_dtypes import kernel_dtypes
 
 TARGET = "kernels.rms_norm:rms_norm"
 CUDA = torch.cuda.is_available()
 
 
-@pytest.fixture(scope="module")
-def runner():
-    r = KernelRunner()
-    yield r
-    r.close()
-
-
 def _dtypes():
-    return [torch.bfloat16, torch.float16, torch.float32] if CUDA else [torch.float32]
+    return kernel_dtypes()
 
 
 def _tolerance(dtype):

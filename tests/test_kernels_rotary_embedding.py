@@ -8,18 +8,11 @@ import pytest
 import torch
 
 from kernels.accuracy import relative_error
-from kernels.kernel_runner import KernelRunner
 from kernels.rotary_embedding import rotary_embedding_reference
+from tests.kernel_dtypes import kernel_dtypes
 
 TARGET = "kernels.rotary_embedding:rotary_embedding"
 CUDA = torch.cuda.is_available()
-
-
-@pytest.fixture(scope="module")
-def runner():
-    r = KernelRunner()
-    yield r
-    r.close()
 
 
 def cos_sin_cache(max_pos: int, head_dim: int, base: float = 10000.0, dtype=torch.float32):
@@ -38,7 +31,7 @@ def _inputs(tokens, h_q, h_kv, head_dim, dtype, device, max_pos=4096):
 
 
 def _dtypes():
-    return [torch.bfloat16, torch.float16, torch.float32] if CUDA else [torch.float32]
+    return kernel_dtypes()
 
 
 @pytest.mark.parametrize("dtype", _dtypes())

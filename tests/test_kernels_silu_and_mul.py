@@ -6,22 +6,15 @@ import pytest
 import torch
 
 from kernels.accuracy import fill_nan_, relative_error
-from kernels.kernel_runner import KernelRunner
 from kernels.silu_and_mul import silu_and_mul_reference
+from tests.kernel_dtypes import kernel_dtypes
 
 TARGET = "kernels.silu_and_mul:silu_and_mul"
 CUDA = torch.cuda.is_available()
 
 
-@pytest.fixture(scope="module")
-def runner():
-    r = KernelRunner()
-    yield r
-    r.close()
-
-
 def _dtypes():
-    return [torch.bfloat16, torch.float16, torch.float32] if CUDA else [torch.float32]
+    return kernel_dtypes()
 
 
 @pytest.mark.parametrize("dtype", _dtypes())

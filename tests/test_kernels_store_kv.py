@@ -6,18 +6,11 @@ import zlib
 import pytest
 import torch
 
-from kernels.kernel_runner import KernelRunner
 from kernels.store_kv import store_kv_reference
+from tests.kernel_dtypes import kernel_dtypes
 
 TARGET = "kernels.store_kv:store_kv"
 CUDA = torch.cuda.is_available()
-
-
-@pytest.fixture(scope="module")
-def runner():
-    r = KernelRunner()
-    yield r
-    r.close()
 
 
 def _case(num_tokens, h_kv, head_dim, page_size, dtype, device, pad_tokens=0):
@@ -32,7 +25,7 @@ def _case(num_tokens, h_kv, head_dim, page_size, dtype, device, pad_tokens=0):
 
 
 def _dtypes():
-    return [torch.bfloat16, torch.float16, torch.float32] if CUDA else [torch.float32]
+    return kernel_dtypes()
 
 
 @pytest.mark.parametrize("dtype", _dtypes())
