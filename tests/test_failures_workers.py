@@ -15,7 +15,9 @@ The tests run in order (each leaves fewer workers). After each, used pages retur
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import signal
 import threading
 import time
 
@@ -65,6 +67,7 @@ class Background:
 
     def __init__(self, fn):
         self.result = self.error = None
+        self.first_chunk = threading.Event()  # set by fn when the first token arrives
         self.thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
         self.thread.start()
 
@@ -84,8 +87,28 @@ def long_request(stack, model):
     def run():
         stream = stack.client().completions.create(model=model, prompt=LONG_PROMPT, max_tokens=4, temperature=0,
                                                    stream=True)
-        return "".join(c.choices[0].text for c in stream if c.choices)
-    return Background(run)
+        text = ""
+        for c in stream:
+            if c.choices:
+                bg.first_chunk.set()
+                text += c.choices[0].text
+        return text
+    bg = Background(run)
+    return bg
+
+
+@contextlib.contextmanager
+def frozen_mid_prefill(stack, writer: str, request: Background):
+    """SIGSTOP the prefill worker and make sure it had not finished the prompt (its first
+    token never reached the client); SIGCONT on exit. What the body does (kill a peer)
+    then happens while prefill still has writes to make, however fast the machine is."""
+    stack.procs[writer].signal(signal.SIGSTOP)
+    try:
+        time.sleep(0.5)  # a first token already on its way reaches the client by now
+        assert not request.first_chunk.is_set(), "prefill finished the long prompt before it could be stopped"
+        yield
+    finally:
+        stack.procs[writer].signal(signal.SIGCONT)
 
 
 def holder(stack, worker_ids, what: str, timeout: float = 60) -> str:
@@ -174,7 +197,8 @@ def test_decode_killed_while_prefill_writes(ready, model):
     request = long_request(stack, model)
     victim = holder(stack, decodes, "a decode reservation for the long prompt")
     writer = holder(stack, prefills, "the prefill worker computing the long prompt")
-    stack.kill(victim)
+    with frozen_mid_prefill(stack, writer, request):
+        stack.kill(victim)
     killed_at = time.monotonic()
     request.join(timeout=60)
     assert request.error is not None, "the request should fail: its decode worker died"
@@ -208,7 +232,8 @@ def test_prefill_killed_after_reservation(ready, model):
     request = long_request(stack, model)
     reserved_on = holder(stack, decodes, "the decode reservation")
     victim = holder(stack, prefills, "the prefill worker computing the long prompt")
-    stack.kill(victim)
+    with frozen_mid_prefill(stack, victim, request):
+        stack.kill(victim)
     request.join(timeout=60)
     assert request.error is not None, "the request should fail: its prefill worker died"
     assert_clean_error(request.error)

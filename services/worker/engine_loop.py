@@ -29,6 +29,9 @@ class EngineLoop:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.on_step: list[Callable[[list[StepOutput]], None]] = []
+        # run after every iteration (a step, a command, a tick or an idle wake-up): load
+        # gauges read here are current as of the last change, not of the last timer tick
+        self.after_iteration: list[Callable[[], None]] = []
         self.fatal: BaseException | None = None
 
     # -- thread-safe API ----------------------------------------------------------------
@@ -98,6 +101,8 @@ class EngineLoop:
                 busy = False
                 for tick in self._ticks:
                     busy = bool(tick()) or busy
+                for hook in self.after_iteration:
+                    hook()
                 if busy and not engine.has_work:
                     time.sleep(0.0005)  # transfers in flight: poll often, but yield the core
         except BaseException as exc:  # a dead engine thread must not leave handlers hanging

@@ -153,24 +153,31 @@ async def serve(config) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         aloop.add_signal_handler(sig, stop.set)
 
-    async def refresh_load():
-        while True:
-            try:
-                wl, pre, dec = await loop.acall(snapshot)
-            except RuntimeError:
-                return
+    published = {"load": None}
+
+    def publish_load():
+        """On the loop thread after every iteration: gauges and heartbeat load change as
+        soon as a reservation, step or free does (a scrape never sees a stale 0)."""
+        wl, pre, dec = snapshot()
+        if wl != published["load"]:
+            published["load"] = wl
             info.load = wl
             metrics.set_load(kv_usage=wl.kv_usage, queued_prefill_tokens=wl.queued_prefill_tokens,
                              running_requests=wl.running_requests, waiting_requests=wl.waiting_requests)
+        if pre != last_computed["prefill"] or dec != last_computed["decode"]:
             computed.labels(phase="prefill").inc(pre - last_computed["prefill"])
             computed.labels(phase="decode").inc(dec - last_computed["decode"])
             last_computed.update(prefill=pre, decode=dec)
+        if ctx.recomputes != recomputed._value.get():
             recomputed.inc(ctx.recomputes - recomputed._value.get())
-            if loop.fatal is not None:
-                log.error("engine loop died: %s", loop.fatal)
-                stop.set()
-                return
+
+    loop.after_iteration.append(publish_load)
+
+    async def refresh_load():
+        while loop.fatal is None:
             await asyncio.sleep(0.25)
+        log.error("engine loop died: %s", loop.fatal)
+        stop.set()
 
     refresher = asyncio.create_task(refresh_load())
     try:
