@@ -129,3 +129,53 @@ def test_rejects_mismatched_shapes():
         qk_norm_rope(positions, q, k, cache, norm=QKNorm(norm.q_weight[:32], norm.k_weight, 1e-6))
     with pytest.raises(ValueError, match="v must have"):
         qk_norm_rope(positions, q, k, cache, kv_write=KVCacheWrite(pool[:, 0, 0], pool[:, 0, 1], v[:2], slots))
+
+
+def check_fused_model_matches_unfused(model_dir: str, device: str) -> dict:
+    """Runs in the kernel runner (interpreter child on CPU). The same checkpoint as a fused
+    model over the Triton backend (qk_norm_rope stores K/V, the backend is told kv_stored)
+    and as the plain torch model over the torch backend: one extend step (two prompts) and
+    one decode step. Returns relative errors of hidden states and of the pools."""
+    from shared.engine.attention.torch_backend import TorchAttentionBackend
+    from shared.engine.attention.triton_backend import TritonAttentionBackend
+    from shared.engine.kv_pool import KVLayout, KVPool
+    from shared.engine.model_config import ModelConfig
+    from shared.engine.model_runner import ForwardBatch
+    from shared.engine.models.loader import load_model
+    from shared.engine.parallel import TPContext
+    from tests.test_triton_backend import PAGE, _meta
+
+    dev = torch.device(device)
+    cfg = ModelConfig.from_dir(model_dir)
+    tp = TPContext()
+    runs = {}
+    for fused, backend_cls in ((True, TritonAttentionBackend), (False, TorchAttentionBackend)):
+        model = load_model(cfg, tp, torch.float32, dev, 64, fused=fused)
+        layout = KVLayout(num_pages=8, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+                          page_size=PAGE, head_dim=cfg.head_dim, dtype=torch.float32)
+        pool = KVPool(layout, dev)
+        backend = backend_cls(pool)
+        g = torch.Generator().manual_seed(5)
+        ids = torch.randint(3, cfg.vocab_size, (8,), generator=g).to(dev)
+        tables = [[1, 2], [4]]
+        extend = _meta([(0, 5), (0, 3)], tables, False, dev)
+        pos = torch.tensor([0, 1, 2, 3, 4, 0, 1, 2], device=dev)
+        h_ext = model(ids, pos, ForwardBatch(backend, extend))
+        decode = _meta([(5, 1), (3, 1)], tables, True, dev)
+        h_dec = model(ids[:2], torch.tensor([5, 3], device=dev), ForwardBatch(backend, decode))
+        runs[fused] = (h_ext, h_dec, pool.buffer.clone())
+    (fe, fd, fp), (ue, ud, up) = runs[True], runs[False]
+    return {"extend": relative_error(fe, ue), "decode": relative_error(fd, ud), "pool": relative_error(fp, up),
+            "pool_written": up.abs().sum().item()}
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_fused_model_matches_unfused(runner, tmp_path, family):
+    from tests.tiny_models import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / family, family)
+    errs = runner("tests.test_kernels_qk_norm_rope:check_fused_model_matches_unfused", str(model_dir),
+                  runner.device.type)
+    assert errs["pool_written"] > 0
+    for name in ("extend", "decode", "pool"):
+        assert errs[name] < 1e-4, (name, errs)

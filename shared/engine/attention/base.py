@@ -22,10 +22,17 @@ class AttentionBackend(ABC):
     def prepare(self, meta: AttentionMetadata) -> None:
         """Once per step, before the layers run (plan split sizes, etc.)."""
 
+    def kv_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (k, v) cache views [num_pages, Hkv, page_size, D] that forward reads for
+        `layer`: a fused kernel writes this step's K/V there, then calls forward with
+        kv_stored=True."""
+        return self.pool.k_cache(layer), self.pool.v_cache(layer)
+
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] -> o [T, Hq, D]; writes k/v at meta.slot_mapping."""
+                meta: AttentionMetadata, scale: float, kv_stored: bool = False) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> o [T, Hq, D]; writes k/v at meta.slot_mapping
+        unless the caller already did (kv_stored, e.g. kernels.qk_norm_rope)."""
 
     # -- CUDA graph hooks (decode only) ---------------------------------------------------
     supports_cuda_graph = False

@@ -58,11 +58,12 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._planned = meta
         self._num_q_heads = num_q_heads
 
-    def forward(self, q, k, v, layer, meta: AttentionMetadata, scale):
+    def forward(self, q, k, v, layer, meta: AttentionMetadata, scale, kv_stored: bool = False):
         from kernels.store_kv import store_kv
 
-        kc, vc = self.pool.k_cache(layer), self.pool.v_cache(layer)
-        store_kv(kc, vc, k, v, meta.slot_mapping)
+        kc, vc = self.kv_cache(layer)
+        if not kv_stored:
+            store_kv(kc, vc, k, v, meta.slot_mapping)
         if self._planned is not meta or self._num_q_heads != q.shape[1]:
             self._plan(meta, q.shape[1], q.dtype, scale)  # first layer of the step
         wrapper = self._decode if meta.is_decode else self._prefill

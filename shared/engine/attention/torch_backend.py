@@ -14,12 +14,13 @@ from .metadata import AttentionMetadata
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def forward(self, q, k, v, layer, meta: AttentionMetadata, scale):
-        kc, vc = self.pool.k_cache(layer), self.pool.v_cache(layer)
-        ps = meta.page_size
-        pages, offs = meta.slot_mapping // ps, meta.slot_mapping % ps
-        kc[pages, :, offs] = k
-        vc[pages, :, offs] = v
+    def forward(self, q, k, v, layer, meta: AttentionMetadata, scale, kv_stored: bool = False):
+        kc, vc = self.kv_cache(layer)
+        if not kv_stored:
+            ps = meta.page_size
+            pages, offs = meta.slot_mapping // ps, meta.slot_mapping % ps
+            kc[pages, :, offs] = k
+            vc[pages, :, offs] = v
         if meta.is_decode:
             return self._decode(q, kc, vc, meta, scale)
         return self._extend(q, kc, vc, meta, scale)

@@ -1,6 +1,7 @@
 """Attention through the Triton kernels in `kernels/` (the GPU default).
 
-Each layer: store_kv writes this step's K/V at their slots, then flash-decoding (decode
+Each layer: store_kv writes this step's K/V at their slots (unless the model's fused
+prologue already did: kv_stored), then flash-decoding (decode
 steps) or the paged extend kernel (prefill chunks with a cached prefix) reads the pool.
 
 CUDA graphs (decode only): init_graph_state makes static metadata buffers sized for the
@@ -25,13 +26,14 @@ class TritonAttentionBackend(AttentionBackend):
         super().__init__(pool)
         self._g: dict[str, torch.Tensor] | None = None
 
-    def forward(self, q, k, v, layer, meta: AttentionMetadata, scale):
+    def forward(self, q, k, v, layer, meta: AttentionMetadata, scale, kv_stored: bool = False):
         from kernels.decode_attention import decode_attention
         from kernels.extend_attention import extend_attention
         from kernels.store_kv import store_kv
 
-        kc, vc = self.pool.k_cache(layer), self.pool.v_cache(layer)
-        store_kv(kc, vc, k, v, meta.slot_mapping)
+        kc, vc = self.kv_cache(layer)
+        if not kv_stored:
+            store_kv(kc, vc, k, v, meta.slot_mapping)
         if meta.is_decode:
             return decode_attention(q, kc, vc, meta.page_table, meta.seq_lens, scale)
         return extend_attention(q, kc, vc, meta.page_table, meta.qo_indptr, meta.seq_lens, scale,

@@ -35,17 +35,36 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, fused) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, fused) if cfg.qk_norm else None
         self.scaling = d ** -0.5
+        self.fused = fused
 
     def forward(self, positions, h, rotary: RotaryEmbedding, fb):
         q, k, v = self.qkv_proj.forward_parts(h)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.fused:
+            return self._forward_fused(positions, q, k, v, rotary, fb)
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
         q, k = rotary(positions, q, k)
         o = fb.attn_backend.forward(q, k, v, self.layer_id, fb.attn, self.scaling)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+    def _forward_fused(self, positions, q, k, v, rotary: RotaryEmbedding, fb):
+        """GPU: one kernel normalises (Qwen3) and rotates q and k in place in the qkv output
+        and writes k and v into this layer's cache; the backend then only attends. Saves the
+        norm/rotary/store launches and the copies that norming strided q/k views costs."""
+        from kernels.qk_norm_rope import KVCacheWrite, QKNorm, qk_norm_rope
+
+        backend, meta = fb.attn_backend, fb.attn
+        k_cache, v_cache = backend.kv_cache(self.layer_id)
+        norm = None
+        if self.q_norm is not None:
+            norm = QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        qk_norm_rope(positions, q, k, rotary.cos_sin, is_neox=True, norm=norm,
+                     kv_write=KVCacheWrite(k_cache, v_cache, v, meta.slot_mapping))
+        o = backend.forward(q, k, v, self.layer_id, meta, self.scaling, kv_stored=True)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
@@ -105,7 +124,8 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype, device, max_positions: int,
                  fused: bool = False):
-        """fused: use the Triton kernels (fused add+RMSNorm, rotary, silu_and_mul); GPU only."""
+        """fused: use the Triton kernels (fused add+RMSNorm, q/k norm + rotary + KV store,
+        silu_and_mul); GPU only."""
         super().__init__()
         self.cfg = cfg
         self.tp = tp
