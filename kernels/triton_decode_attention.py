@@ -4,6 +4,9 @@ Stage 1, grid (B, H_kv * head_blocks, splits): one program reads one split of
 one sequence's KV for one kv head once and serves all the q heads of its group
 (rows of a tl.dot), keeping an online softmax; it writes its partial output and
 log-sum-exp (base 2). Stage 2, grid (B, H_q): weights the splits by their lse.
+With one split there is nothing to reduce: stage 1 writes the output itself and
+stage 2 is not launched (one launch per layer instead of two; SGLang's decode
+kernels drop their reduce step the same way).
 Each sequence divides its own length over the splits on the device, so the
 grid is fixed for a given B and split count (CUDA graphs).
 """
@@ -29,20 +32,23 @@ class DecodeConfig:
     block_n: int = 64  # kv tokens per inner step
     num_warps: int = 4
     num_stages: int = 2
+    direct_single_split: bool = True  # one split: stage 1 writes o, no stage 2 (False: benchmarks' "before")
 
 
 @triton.jit
 def _decode_stage1(
-    q, k_cache, v_cache, page_table, seq_lens, mid_o, mid_lse, qk_scale_log2,
+    q, k_cache, v_cache, page_table, seq_lens, mid_o, mid_lse, o, qk_scale_log2,
     stride_q_b, stride_q_h,
     stride_k_page, stride_k_head, stride_k_off,
     stride_v_page, stride_v_head, stride_v_off,
     stride_pt_b,
     stride_mo_b, stride_mo_h, stride_mo_s,
     stride_ml_b, stride_ml_h,
+    stride_o_b, stride_o_h,
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DIRECT_OUT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_BLOCKS
@@ -60,6 +66,8 @@ def _decode_stage1(
     heads = kv_head * GROUP + local
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
+    out_mask = head_ok[:, None] & d_ok[None, :]
+    o_ptrs = o + b.to(tl.int64) * stride_o_b + heads[:, None] * stride_o_h + d[None, :]
 
     if start < end:
         qv = tl.load(
@@ -94,10 +102,16 @@ def _decode_stage1(
             )
             acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PRECISION)
             m_i = m_new
-        mo = mid_o + b.to(tl.int64) * stride_mo_b + heads[:, None] * stride_mo_h + split * stride_mo_s + d[None, :]
-        tl.store(mo, acc / l_i[:, None], mask=head_ok[:, None] & d_ok[None, :])
-        ml = mid_lse + b.to(tl.int64) * stride_ml_b + heads * stride_ml_h + split
-        tl.store(ml, m_i + tl.log2(l_i), mask=head_ok)
+        if DIRECT_OUT:  # the only split: this is the output
+            tl.store(o_ptrs, (acc / l_i[:, None]).to(o.dtype.element_ty), mask=out_mask)
+        else:
+            mo = mid_o + b.to(tl.int64) * stride_mo_b + heads[:, None] * stride_mo_h + split * stride_mo_s + d[None, :]
+            tl.store(mo, acc / l_i[:, None], mask=out_mask)
+            ml = mid_lse + b.to(tl.int64) * stride_ml_b + heads * stride_ml_h + split
+            tl.store(ml, m_i + tl.log2(l_i), mask=head_ok)
+    else:
+        if DIRECT_OUT:  # seq_len 0 (a padded slot): zeros, as stage 2 would give
+            tl.store(o_ptrs, tl.zeros([BLOCK_H, BLOCK_D], tl.float32).to(o.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -165,23 +179,31 @@ def launch_decode_attention(
     o = torch.empty_like(q) if out is None else out
     if batch == 0:
         return o
-    mid_o = torch.empty((batch, num_q_heads, num_kv_splits, head_dim), dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty((batch, num_q_heads, num_kv_splits), dtype=torch.float32, device=q.device)
+    direct = num_kv_splits == 1 and cfg.direct_single_split
+    if direct:  # no partials: stage 1 writes o; the mid pointers are never used (no allocation)
+        mid_o, mid_lse = o.view(batch, num_q_heads, 1, head_dim), o[:, :, 0]
+    else:
+        mid_o = torch.empty((batch, num_q_heads, num_kv_splits, head_dim), dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((batch, num_q_heads, num_kv_splits), dtype=torch.float32, device=q.device)
     block_d = next_power_of_2(head_dim)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     _decode_stage1[(batch, num_kv_heads * head_blocks, num_kv_splits)](
-        q, k_cache, v_cache, page_table, seq_lens, mid_o, mid_lse, sm_scale * _LOG2E,
+        q, k_cache, v_cache, page_table, seq_lens, mid_o, mid_lse, o, sm_scale * _LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         page_table.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
+        o.stride(0), o.stride(1),
         GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_N=cfg.block_n,
         NUM_SPLITS=num_kv_splits, PAGE_SIZE=page_size, DOT_PRECISION=precision,
+        DIRECT_OUT=direct,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if direct:
+        return o
     _decode_stage2[(batch, num_q_heads)](
         mid_o, mid_lse, seq_lens, o,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),

@@ -168,3 +168,24 @@ def test_page_offsets_beyond_int32():
     out = decode_attention(q, k_cache, v_cache, page_table, seq_lens, 0.088)
     ref = decode_attention_reference(q, k_cache, v_cache, page_table, seq_lens, 0.088)
     assert relative_error(out, ref) < 1e-2
+
+
+def test_single_split_writes_output_directly(runner):
+    """One split: stage 1 writes o and stage 2 is skipped. Same result as the two-stage
+    path (forced by the config) within rounding, zeros for seq_len 0, every element written."""
+    from kernels.triton_decode_attention import DecodeConfig
+
+    target = "kernels.triton_decode_attention:launch_decode_attention"
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    seq_lens = [70, 0, 1, 129]
+    g = torch.Generator().manual_seed(31)
+    kv = random_paged_kv(seq_lens, 2, 64, 16, dtype, runner.device, g)
+    q = torch.randn(len(seq_lens), 8, 64, generator=g).to(runner.device, dtype)
+    args = (q, kv.k_cache, kv.v_cache, kv.page_table, kv.seq_lens, 0.125, 1)
+    direct, two_stage = fill_nan_(torch.empty_like(q)), fill_nan_(torch.empty_like(q))
+    runner(target, *args, direct)
+    runner(target, *args, two_stage, DecodeConfig(direct_single_split=False))
+    ref = decode_attention_reference(*args[:6])
+    assert relative_error(direct, ref) < _tolerance(dtype)
+    assert relative_error(direct, two_stage) < (1e-6 if dtype == torch.float32 else 1e-2)
+    assert (direct[1] == 0).all()
