@@ -1,6 +1,6 @@
 """A colocated worker with --tp 2 (two processes, gloo) serves the same greedy tokens as
-the offline engine at TP=1, over real gRPC with a real Redis registry; split roles with
-TP>1 refuse to start with a clear message; the worker answers grpc.health.v1."""
+the offline engine at TP=1, over real gRPC with a real Redis registry; the worker
+answers grpc.health.v1. (Split roles with TP: tests/test_disagg_tp.py.)"""
 from __future__ import annotations
 
 import os
@@ -73,11 +73,3 @@ def test_both_worker_tp2_matches_tp1(model_dir, tmp_path):
             proc.wait(60)
             log.close()
         assert proc.returncode == 0, (tmp_path / "worker.log").read_text()[-3000:]
-
-
-def test_split_role_with_tp_refuses_clearly(model_dir, tmp_path):
-    out = subprocess.run([sys.executable, "-m", "services.cli", "prefill", "--tp", "2", "--model", str(model_dir)],
-                         capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
-                         timeout=120)
-    assert out.returncode == 2
-    assert "--tp 2 with --role prefill" in out.stderr and "--role both" in out.stderr

@@ -30,8 +30,9 @@ class Reservation:
     writer_id: str
     prompt_tokens: int
     created: float = field(default_factory=time.monotonic)
-    notice: TransferNotice | None = None
+    notice: TransferNotice | None = None  # set once every rank reported (see ReservationBook.tick)
     notice_at: float | None = None
+    rank_notices: dict[int, TransferNotice] = field(default_factory=dict)
     cancelled: bool = False
     cancelled_at: float | None = None
     settled_at: float | None = None  # unclaimed, and no write can land any more, since then
@@ -44,13 +45,17 @@ class Reservation:
 
 class ReservationBook:
     def __init__(self, engine, agent, is_live: Callable[[str], bool], quarantine_s: float = 60.0,
-                 metrics=None, claim_timeout_s: float = 30.0):
+                 metrics=None, claim_timeout_s: float = 30.0, num_ranks: int = 1):
+        """num_ranks: tensor-parallel ranks of this worker; every prefill rank writes its
+        shard and sends its own notice here, and a reservation is written (or aborted)
+        only when all of them have."""
         self.engine = engine
         self.agent = agent
         self.is_live = is_live
         self.quarantine_s = quarantine_s
         self.claim_timeout_s = claim_timeout_s
         self.metrics = metrics
+        self.num_ranks = num_ranks
         self.open: dict[int, Reservation] = {}
         self._ids = itertools.count(1)
         self.generation = 1  # ids are never reused in one instance; the nonce covers restarts
@@ -127,9 +132,12 @@ class ReservationBook:
             if res is None:
                 log.debug("late notice for reservation %s/%s ignored", notice.reservation_id, notice.generation)
                 continue
-            res.notice, res.notice_at = notice, time.monotonic()
-            if self.metrics is not None and notice.kind == "done":
-                self.metrics.observe_kv_transfer("received", notice.kv_bytes, res.notice_at - res.created)
+            res.rank_notices[notice.rank] = notice
+            if len(res.rank_notices) < self.num_ranks:
+                continue  # other ranks may still be writing
+            res.notice, res.notice_at = combined_notice(res.rank_notices), time.monotonic()
+            if self.metrics is not None and res.notice.kind == "done":
+                self.metrics.observe_kv_transfer("received", res.notice.kv_bytes, res.notice_at - res.created)
             if res.waiter is not None:
                 res.waiter()
             self._maybe_free(res)
@@ -146,3 +154,11 @@ class ReservationBook:
 
 def waiter_for(aloop: asyncio.AbstractEventLoop, event: asyncio.Event) -> Callable[[], None]:
     return lambda: aloop.call_soon_threadsafe(event.set)
+
+
+def combined_notice(by_rank: dict[int, TransferNotice]) -> TransferNotice:
+    """One notice for the reservation: rank 0's (its first token), an abort if any rank
+    aborted, and the bytes of every rank."""
+    first = by_rank[min(by_rank)]
+    kind = "abort" if any(n.kind == "abort" for n in by_rank.values()) else "done"
+    return TransferNotice(**{**first.__dict__, "kind": kind, "kv_bytes": sum(n.kv_bytes for n in by_rank.values())})

@@ -49,9 +49,12 @@ class Outgoing:
 class OutgoingTransfers:
     """Owned by the engine-loop thread (every method runs there)."""
 
-    def __init__(self, engine, metrics=None):
+    def __init__(self, engine, metrics=None, followers=None):
+        """followers: FollowerStreams of a tensor-parallel worker (its streams are
+        TpWriteStreams); one flush per tick sends the followers their share."""
         self.engine = engine
         self.metrics = metrics
+        self.followers = followers
         self.page_size = engine.layout.page_size
         self.active: dict[str, Outgoing] = {}
 
@@ -87,6 +90,9 @@ class OutgoingTransfers:
     def tick(self) -> bool:
         for rid in list(self.active):
             self._advance(self.active[rid])
+        if self.followers is not None and self.followers.flush():
+            for rid in list(self.active):  # the followers' states just moved on
+                self._settle(self.active[rid])
         return bool(self.active)
 
     def _advance(self, out: Outgoing) -> None:
@@ -104,8 +110,11 @@ class OutgoingTransfers:
                     out.pages_sent = ready
                 except TransferError as exc:
                     out.error = str(exc)
-            if held and out.pages_sent * self.page_size >= out.num_prompt and out.stream._notice is None:
+            if held and out.pages_sent * self.page_size >= out.num_prompt and not out.stream.notice_queued:
                 out.stream.finish(self._notice(out, "done"))
+        self._settle(out)
+
+    def _settle(self, out: Outgoing) -> None:
         state = out.stream.poll()
         if state in (DONE, FAILED):
             self._complete(out, state)

@@ -12,6 +12,7 @@ from protos import duet_pb2, duet_pb2_grpc
 from services.worker.context import WorkerContext
 from services.worker.convert import FINISH, sampling_from_proto, tokens_to_proto
 from shared.kv_transfer.agent import TransferError
+from shared.kv_transfer.tp_write_stream import TpWriteStream
 from shared.kv_transfer.write_stream import PageWriteStream
 from shared.registry.peers import PeerNotFound
 
@@ -37,15 +38,30 @@ class PrefillService(duet_pb2_grpc.PrefillServicer):
                 params = sampling_from_proto(request.sampling)
             except ValueError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            tp = ctx.config.tp
+            if len(res.ranks) != tp:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"reservation spans {len(res.ranks)} ranks; this prefill worker has {tp}")
             try:
                 peer = await ctx.peers.get(res.decode_worker_id, res.decode_instance_nonce, res.compat_hash)
+                specs = ctx.peers.rank_specs(peer, tp) if tp > 1 else []
             except PeerNotFound as exc:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-            stream = PageWriteStream(ctx.agent, peer, list(res.ranks[0].page_ids))
             prompt = list(request.prompt_token_ids)
+            pages = {r.rank: list(r.page_ids) for r in res.ranks}
+
+            def start():  # on the engine loop: a TP stream queues its followers' share there
+                if len(pages[0]) * ctx.page_size < len(prompt):
+                    raise ValueError(f"reservation has {len(pages[0])} pages; the prompt needs "
+                                     f"{-(-len(prompt) // ctx.page_size)}")
+                stream = PageWriteStream(ctx.agent, peer, pages[0])
+                if tp > 1:
+                    if any(pages.get(r) != pages[0] for r in range(tp)):
+                        raise ValueError("a tensor-parallel reservation must name the same pages on every rank")
+                    stream = TpWriteStream(stream, ctx.outgoing.followers, specs, pages[0])
+                return ctx.outgoing.start(rid, prompt, params, stream, res.reservation_id, res.generation)
             try:
-                fut = await ctx.loop.acall(lambda: ctx.outgoing.start(
-                    rid, prompt, params, stream, res.reservation_id, res.generation))
+                fut = await ctx.loop.acall(start)
             except ValueError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             try:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shared.telemetry.propagation import extract_grpc_context
 
@@ -18,7 +18,8 @@ class WorkerContext:
     compat_hash: str
     page_size: int
     tracer: object
-    agent: object | None = None  # KvTransferAgent (prefill/decode roles)
+    agent: object | None = None  # KvTransferAgent (prefill/decode roles), rank 0's
+    rank_agents: list = field(default_factory=list)  # (agent name, NIXL metadata, PoolInfo) per TP rank
     peers: object | None = None  # PeerResolver
     outgoing: object | None = None  # OutgoingTransfers (prefill)
     book: object | None = None  # ReservationBook (decode)

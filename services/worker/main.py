@@ -42,11 +42,6 @@ async def serve(config) -> int:
 
     if config.threads:
         torch.set_num_threads(config.threads)
-    if config.tp != 1 and config.role != "both":
-        log.error("--tp %d with --role %s: KV transfer between tensor-parallel prefill and decode "
-                  "workers (one NIXL stream per rank) is not implemented yet; use --role both for "
-                  "tensor parallelism, or --tp 1", config.tp, config.role)
-        return 2
     engine = Engine(EngineConfig(
         model_dir=config.model, dtype=config.dtype, device=config.device, page_size=config.page_size,
         kv_cache_memory=config.kv_cache_memory, mem_fraction=config.mem_fraction,
@@ -80,20 +75,28 @@ async def serve(config) -> int:
         from shared.registry.keys import RegistryKeys
         from shared.registry.publisher import connect_async
         from services.worker.peers import PeerResolver
-        ctx.agent = KvTransferAgent(f"{worker_id}-r0-{nonce}", engine.pool.buffer,
+        agent_name = f"{worker_id}-r{{rank}}-{nonce}"
+        ctx.agent = KvTransferAgent(agent_name.format(rank=0), engine.pool.buffer,
                                     write_timeout_s=config.write_timeout_s,
                                     progress_thread=config.nixl_progress_thread)
+        # tensor parallel: every rank registers its own pool shard with its own agent
+        ctx.rank_agents = [(ctx.agent.name, ctx.agent.metadata(), ctx.agent.pool_info)] + [
+            (agent_name.format(rank=r), md, pool) for r, (md, pool) in enumerate(engine.call_followers(
+                "shared.kv_transfer.rank_transfers:open_agent", agent_name, config.write_timeout_s), start=1)]
         ctx.peers = PeerResolver(ctx.agent, connect_async(config.registry), RegistryKeys(config.registry.prefix))
     if role == "prefill":
         from services.prefill.outgoing import OutgoingTransfers
-        ctx.outgoing = OutgoingTransfers(engine, metrics)
+        from shared.kv_transfer.tp_write_stream import FollowerStreams
+        followers = FollowerStreams(engine, config.tp - 1) if config.tp > 1 else None
+        ctx.outgoing = OutgoingTransfers(engine, metrics, followers=followers)
         loop.add_tick(ctx.outgoing.tick)
         loop.on_step.append(ctx.outgoing.on_step)
     if role == "decode":
         from services.decode.reservations import ReservationBook
         ctx.book = ReservationBook(engine, ctx.agent, ctx.is_live,
                                    quarantine_s=max(2 * config.write_timeout_s, config.notice_timeout_s),
-                                   metrics=metrics, claim_timeout_s=config.notice_timeout_s)
+                                   metrics=metrics, claim_timeout_s=config.notice_timeout_s,
+                                   num_ranks=config.tp)
         loop.add_tick(ctx.book.tick)
 
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
@@ -127,17 +130,15 @@ async def serve(config) -> int:
                            waiting_requests=len(s.waiting), kv_usage=eng.kv.usage_ratio),
                 st.prefill_tokens_computed, st.decode_tokens_computed)
 
-    pools = []
-    if ctx.agent is not None:
-        pi = ctx.agent.pool_info
-        pools = [RankKvPool(rank=0, agent_name=ctx.agent.name, base_addr=pi.base_addr, page_bytes=pi.page_bytes,
-                            num_pages=pi.num_pages, mem_type=pi.mem_type, device_id=pi.device_id)]
+    pools = [RankKvPool(rank=r, agent_name=name, base_addr=pi.base_addr, page_bytes=pi.page_bytes,
+                        num_pages=pi.num_pages, mem_type=pi.mem_type, device_id=pi.device_id)
+             for r, (name, _, pi) in enumerate(ctx.rank_agents)]
     info = WorkerInfo(worker_id=worker_id, role=role, address=address, model=served,
                       metrics_address=f"{config.dial_host}:{metrics_server.port}", tp=config.tp,
                       page_size=engine.layout.page_size, compat_hash=chash, instance_nonce=nonce,
                       max_running_requests=config.max_running_requests, kv_pools=pools, load=load)
     publisher = WorkerPublisher(info, config.registry,
-                                nixl_metadata={0: ctx.agent.metadata()} if ctx.agent else None,
+                                nixl_metadata={r: md for r, (_, md, _) in enumerate(ctx.rank_agents)} or None,
                                 load_fn=lambda: info.load, kv_events=kv_events)
 
     loop.start()
@@ -200,6 +201,11 @@ async def serve(config) -> int:
         loop.stop()
         metrics_server.stop()
         if ctx.agent is not None:
+            if config.tp > 1 and loop.fatal is None:
+                try:  # the loop thread is gone: this thread may use the control pipe now
+                    engine.call_followers("shared.kv_transfer.rank_transfers:close_agent")
+                except Exception as exc:
+                    log.warning("closing the other ranks' transfer agents: %s", exc)
             ctx.agent.close()
         tracing.shutdown()
     return 1 if loop.fatal is not None else 0

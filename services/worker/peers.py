@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from shared.kv_transfer.agent import KvTransferAgent, Peer
 from shared.kv_transfer.pool_info import PoolInfo
+from shared.kv_transfer.rank_transfers import PeerSpec
 from shared.registry.keys import RegistryKeys
 from shared.registry.peers import PeerNotFound, fetch_peer
 
@@ -16,6 +17,7 @@ class PeerResolver:
         self.redis = redis_client
         self.keys = keys
         self.rank = rank
+        self._records: dict[str, object] = {}  # worker id -> PeerRecord (all ranks' metadata)
 
     async def get(self, worker_id: str, instance_nonce: str, compat_hash: str) -> Peer:
         cached = self.agent.peer(worker_id)
@@ -29,7 +31,19 @@ class PeerResolver:
         if self.rank not in record.nixl_metadata:
             raise PeerNotFound(f"worker {worker_id} published no NIXL metadata for rank {self.rank}")
         pool = PoolInfo.from_record(record.info.pool(self.rank))
+        self._records[worker_id] = record
         return self.agent.add_peer(worker_id, record.instance_nonce, record.nixl_metadata[self.rank], pool)
+
+    def rank_specs(self, peer: Peer, tp: int) -> list[PeerSpec]:
+        """Every rank of an already resolved peer (get() first), for tensor-parallel followers."""
+        record = self._records.get(peer.worker_id)
+        if record is None or record.instance_nonce != peer.instance_nonce:
+            raise PeerNotFound(f"worker {peer.worker_id}: no registry record for its current instance")
+        missing = [r for r in range(tp) if r not in record.nixl_metadata]
+        if missing:
+            raise PeerNotFound(f"worker {peer.worker_id} published no NIXL metadata for ranks {missing}")
+        return [PeerSpec(peer.worker_id, record.instance_nonce, r, record.nixl_metadata[r],
+                         PoolInfo.from_record(record.info.pool(r))) for r in range(tp)]
 
     def forget(self, worker_id: str) -> None:
         self.agent.remove_peer(worker_id)

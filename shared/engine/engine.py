@@ -56,6 +56,9 @@ class Engine:
         self.model_dir = resolve_model_dir(config.model_dir)
         self.model_config = mc = ModelConfig.from_dir(self.model_dir)
         self._tp_workers = None
+        # per-rank services a worker attaches (e.g. a follower's KV transfer agent, see
+        # shared/kv_transfer/rank_transfers.py); the follower loop gives them idle ticks
+        self.rank_services: dict[str, object] = {}
         if config.tp_size > 1 and config.tp.size == 1:  # this process becomes rank 0 of tp_size
             from .tp_launcher import check_divisible, launch
             check_divisible(mc, config.tp_size)
@@ -116,6 +119,12 @@ class Engine:
                  "on" if self.runner.graphs is not None and self.runner.graphs.capture else "off",
                  "on" if self.tp.custom_all_reduce is not None else "off",
                  "on" if self.overlap is not None else "off")
+
+    def call_followers(self, target: str, *args) -> list:
+        """Run `module:function(engine, *args)` on tensor-parallel ranks 1..N-1 (results in
+        rank order; [] without TP). Call from the thread that steps the engine: the calls
+        share the control pipe with the step plans."""
+        return [] if self._tp_workers is None else self._tp_workers.call(target, *args)
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (also done when the engine is collected)."""

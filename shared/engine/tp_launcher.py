@@ -208,9 +208,16 @@ def follower_main(rank: int, size: int, init: str, config, conn) -> None:
             dist.destroy_process_group()
 
 
+IDLE_TICK_S = 0.002  # while rank 0 sends nothing: how often rank services (KV transfer) progress
+
+
 def _follow(engine, conn) -> None:
     while True:
         try:
+            if engine.rank_services and not conn.poll(IDLE_TICK_S):
+                for service in list(engine.rank_services.values()):
+                    service.idle_tick()
+                continue
             msg = conn.recv_bytes()
         except (EOFError, OSError):
             return  # rank 0 is gone

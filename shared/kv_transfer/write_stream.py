@@ -100,6 +100,11 @@ class PageWriteStream:
             await asyncio.sleep(poll_interval_s)
         return self.state
 
+    @property
+    def notice_queued(self) -> bool:
+        """finish() or abort() was called: no more writes."""
+        return self._notice is not None
+
     def _set_failed(self, reason: str) -> None:
         self.state, self.error = FAILED, reason
 

@@ -1,0 +1,134 @@
+"""KV transfer on a tensor-parallel follower rank (ranks 1..N-1 of a prefill or decode worker).
+
+Every rank holds its own shard of the KV pool (its kv heads), so every rank needs its
+own NIXL agent: prefill rank r writes its pages into decode rank r's pool and sends its
+completion notice to decode rank 0, whose scheduler waits for one notice per rank.
+
+Rank 0 drives this over the tensor-parallel control pipe (`TPWorkers.call`): these
+functions run in the follower with its Engine as the first argument, and the state lives
+on that engine (`engine.rank_services`). Rank 0 batches a tick's operations into one
+`apply_ops` call and gets every stream's state back, so a follower needs no Redis client
+and no thread of its own. While idle, the follower's control loop calls `idle_tick` so
+UCX progresses (host-memory writes need the target to progress too)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.kv_transfer.agent import DONE, FAILED, KvTransferAgent, Peer, TransferError
+from shared.kv_transfer.notice import TransferNotice
+from shared.kv_transfer.pool_info import PoolInfo
+from shared.kv_transfer.write_stream import PageWriteStream
+
+SERVICE_KEY = "kv_transfer"
+
+
+@dataclass(frozen=True)
+class PeerSpec:
+    """What a follower needs to load one remote rank: sent by rank 0, which read it from Redis."""
+
+    worker_id: str
+    instance_nonce: str
+    rank: int
+    metadata: bytes
+    pool: PoolInfo
+
+
+@dataclass(frozen=True)
+class StreamOp:
+    """One operation on one follower stream. kind: open | write | finish | abort.
+    open: args = (every decode rank's PeerSpec by rank, dst page ids): rank r writes to
+    rank r and notifies rank 0;
+    write: (first page index, src page ids); finish/abort: (TransferNotice of rank 0,
+    restamped with the follower's rank and byte count there)."""
+
+    key: str
+    kind: str
+    args: tuple = ()
+
+
+@dataclass
+class StreamState:
+    state: str
+    error: str = ""
+    bytes_sent: int = 0
+
+
+@dataclass
+class RankTransfers:
+    """A follower rank's agent and its open write streams (prefill) or just its agent (decode)."""
+
+    agent: KvTransferAgent
+    rank: int
+    streams: dict[str, PageWriteStream] = field(default_factory=dict)
+
+    def peer(self, spec: PeerSpec) -> Peer:
+        return self.agent.add_peer(spec.worker_id, spec.instance_nonce, spec.metadata, spec.pool, rank=spec.rank)
+
+    def apply(self, ops: list[StreamOp]) -> dict[str, StreamState]:
+        """Apply ops in order, advance every stream, return the state of each stream an op
+        named or that is still open; finished streams are dropped after reporting."""
+        touched = set()
+        for op in ops:
+            touched.add(op.key)
+            try:
+                self._apply_one(op)
+            except (TransferError, ValueError) as exc:
+                stream = self.streams.get(op.key)
+                if stream is not None:
+                    stream.state, stream.error = FAILED, str(exc)
+        states: dict[str, StreamState] = {}
+        for key in touched | set(self.streams):
+            stream = self.streams.get(key)
+            if stream is None:
+                states[key] = StreamState(FAILED, "no such stream on this rank")
+                continue
+            state = stream.poll()
+            states[key] = StreamState(state, stream.error, stream.bytes_sent)
+            if state in (DONE, FAILED):
+                del self.streams[key]  # reported; later ops on it fail, which rank 0 expects
+        return states
+
+    def _apply_one(self, op: StreamOp) -> None:
+        if op.kind == "open":
+            peers, dst = op.args
+            self.streams[op.key] = PageWriteStream(self.agent, self.peer(peers[self.rank]), dst,
+                                                   notice_peer=self.peer(peers[0]))
+            return
+        stream = self.streams.get(op.key)
+        if stream is None:
+            raise TransferError(f"stream {op.key} is not open on this rank")
+        if op.kind == "write":
+            first, src = op.args
+            stream.write(first, src)
+        elif op.kind in ("finish", "abort"):
+            (notice,) = op.args
+            mine = TransferNotice(**{**notice.__dict__, "rank": self.rank, "kv_bytes": 0})
+            (stream.finish if op.kind == "finish" else stream.abort)(mine)
+        else:
+            raise ValueError(f"unknown stream op {op.kind!r}")
+
+    def idle_tick(self) -> None:
+        """Let UCX progress while rank 0 sends nothing (a decode rank is a passive target)."""
+        self.agent.get_notifs()
+        for stream in self.streams.values():
+            stream.poll()
+
+
+# -- entry points run on followers through TPWorkers.call(target, *args) ----------------------
+
+def open_agent(engine, name_template: str, write_timeout_s: float) -> tuple[bytes, PoolInfo]:
+    """Create this rank's agent (named name_template.format(rank=...)) over its pool shard;
+    return (NIXL metadata, pool layout)."""
+    agent = KvTransferAgent(name_template.format(rank=engine.tp.rank), engine.pool.buffer, write_timeout_s=write_timeout_s, progress_thread=False)
+    engine.rank_services[SERVICE_KEY] = RankTransfers(agent, engine.tp.rank)
+    return agent.metadata(), agent.pool_info
+
+
+def apply_ops(engine, ops: list[StreamOp]) -> dict[str, StreamState]:
+    return engine.rank_services[SERVICE_KEY].apply(ops)
+
+
+def close_agent(engine) -> None:
+    service = engine.rank_services.pop(SERVICE_KEY, None)
+    if service is not None:
+        service.agent.close()
