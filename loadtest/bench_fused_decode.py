@@ -72,15 +72,8 @@ def per_layer_us(shape: Shape, fn) -> float:
         return sorted(times)[1] * 1e6 / shape.layers
     import triton.testing
 
-    fn()  # compile outside the capture
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    from loadtest.bench_kernels import capture_graph
+    graph = capture_graph(fn)
     ms = triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
     return ms * 1e3 / shape.layers
 

@@ -102,6 +102,11 @@ def bench_replay(cfg: BenchConfig, fn) -> float:
     (do_bench does that): GPU time without host launch overhead."""
     if cfg.device != "cuda":
         return bench(cfg, fn)
+    return bench(cfg, capture_graph(fn).replay)
+
+
+def capture_graph(fn) -> "torch.cuda.CUDAGraph":
+    """fn captured once in a CUDA graph, after a compile call and a warm-up on a side stream."""
     fn()  # compile outside the capture
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -111,7 +116,7 @@ def bench_replay(cfg: BenchConfig, fn) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return bench(cfg, graph.replay)
+    return graph
 
 
 def copy_bandwidth(cfg: BenchConfig) -> float:
