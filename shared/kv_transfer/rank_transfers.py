@@ -67,20 +67,21 @@ class RankTransfers:
     def apply(self, ops: list[StreamOp]) -> dict[str, StreamState]:
         """Apply ops in order, advance every stream, return the state of each stream an op
         named or that is still open; finished streams are dropped after reporting."""
-        touched = set()
+        touched, errors = set(), {}
         for op in ops:
             touched.add(op.key)
             try:
                 self._apply_one(op)
             except Exception as exc:  # noqa: BLE001 - NIXL raises its own types; the stream fails, the rank lives
+                errors.setdefault(op.key, f"rank {self.rank}: {exc}")  # the first error is the cause
                 stream = self.streams.get(op.key)
                 if stream is not None:
-                    stream.state, stream.error = FAILED, str(exc)
+                    stream.state, stream.error = FAILED, errors[op.key]
         states: dict[str, StreamState] = {}
         for key in touched | set(self.streams):
             stream = self.streams.get(key)
             if stream is None:
-                states[key] = StreamState(FAILED, "no such stream on this rank")
+                states[key] = StreamState(FAILED, errors.get(key, f"rank {self.rank}: no such stream"))
                 continue
             state = stream.poll()
             states[key] = StreamState(state, stream.error, stream.bytes_sent)

@@ -104,7 +104,13 @@ class TpWriteStream:
         local = self.local.poll()
         remote = self.followers.states.get(self.key)
         states = [local] + ([s.state for s in remote] if remote else [PENDING])
-        if FAILED in states:
+        if self._notice is not None and self._notice.kind == "abort":
+            # like PageWriteStream: DONE once every rank has nothing in flight and told
+            # decode (a rank that failed, or never opened, has nothing in flight either)
+            if PENDING in states:
+                return PENDING
+            final = (DONE, "")
+        elif FAILED in states:
             errors = [self.local.error] + [s.error for s in (remote or [])]
             final = (FAILED, "; ".join(e for e in errors if e) or "write failed")
         elif all(s == DONE for s in states):
