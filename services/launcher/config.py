@@ -16,7 +16,7 @@ class UpConfig:
     both: int = 0
     redis_url: str | None = None  # None: start a private redis-server
     model: str | None = None
-    kv_cache_memory: str = "512M"  # per worker, absolute on CPU (DESIGN: small machine)
+    kv_cache_memory: str | None = None  # per worker, as given; default 512M on CPU, planned on GPU (gpus.py)
     threads: int | None = None  # per worker; default: cores shared among workers
     log_dir: str | None = None
     worker_args: list[str] = field(default_factory=list)
@@ -41,8 +41,9 @@ class UpConfig:
                        help="colocated workers serving whole requests (e.g. --both 1 --prefill 0 --decode 0)")
         p.add_argument("--redis-url", default=e("DUET_REDIS_URL"), help="use this Redis instead of starting one")
         p.add_argument("--model", default=e("DUET_MODEL"), help="HF model folder (default: embedded SmolLM2-135M)")
-        p.add_argument("--kv-cache-memory", default=e("DUET_KV_CACHE_MEMORY", "512M"),
-                       help="KV budget per worker (default 512M; absolute so several workers fit on CPU)")
+        p.add_argument("--kv-cache-memory", default=e("DUET_KV_CACHE_MEMORY"),
+                       help="KV budget per worker (default: 512M on CPU, absolute so several workers fit; "
+                            "on GPUs --mem-fraction of a worker's own GPUs, or a share of a shared one)")
         p.add_argument("--threads", type=int, default=None,
                        help="torch threads per worker (default: the machine's cores shared among workers)")
         p.add_argument("--log-dir", default=None, help="where each process writes its log")

@@ -18,6 +18,8 @@ from pathlib import Path
 
 from services.launcher.children import Child, duet_command, thread_env
 from services.launcher.config import UpConfig
+from services.launcher.gpus import WorkerFlags, gpu_memory_bytes, visible_gpus, weight_bytes
+from services.launcher.gpus import plan as place_workers
 from services.launcher.redis_process import free_port, start_redis
 
 log = logging.getLogger("duet.up")
@@ -51,6 +53,11 @@ class Stack:
 
     def plan(self, model_dir: str) -> None:
         cfg, host = self.cfg, self.cfg.host
+        flags = WorkerFlags.parse(cfg.worker_args)
+        gpus = [] if flags.device.startswith("cpu") else visible_gpus()
+        self.placements = place_workers(cfg.num_workers, flags, gpus, explicit_kv=cfg.kv_cache_memory,
+                                        card_bytes=gpu_memory_bytes() if gpus else 0,
+                                        model_bytes=weight_bytes(model_dir) if gpus else 0)
         cores = os.cpu_count() or 1
         threads = cfg.threads or max(1, cores // max(1, cfg.num_workers))
         self.router_port = free_port(host)
@@ -58,15 +65,16 @@ class Stack:
         self.children.append(Child("router", duet_command(
             "router", "--host", host, "--port", str(self.router_port), "--metrics-port", str(free_port(host)),
             *common), self.log_dir / "router.log", critical=True, env=thread_env(1)))
-        for role, count in (("prefill", cfg.prefill), ("decode", cfg.decode), ("both", cfg.both)):
-            for i in range(count):
-                name = f"{role}-{i}"
-                argv = duet_command("worker", "--role", role, "--worker-id", name, "--host", host,
-                                    "--port", str(free_port(host)), "--metrics-port", str(free_port(host)),
-                                    "--model", model_dir, "--kv-cache-memory", cfg.kv_cache_memory,
-                                    "--threads", str(threads), *common, *cfg.worker_args)
-                self.children.append(Child(name, argv, self.log_dir / f"{name}.log", critical=False,
-                                           env=thread_env(threads)))
+        roles = [(role, i) for role, count in (("prefill", cfg.prefill), ("decode", cfg.decode), ("both", cfg.both))
+                 for i in range(count)]
+        for (role, i), place in zip(roles, self.placements):
+            name = f"{role}-{i}"
+            kv = ["--kv-cache-memory", place.kv_cache_memory] if place.kv_cache_memory else []
+            argv = duet_command("worker", "--role", role, "--worker-id", name, "--host", host,
+                                "--port", str(free_port(host)), "--metrics-port", str(free_port(host)),
+                                "--model", model_dir, *kv, "--threads", str(threads), *common, *cfg.worker_args)
+            self.children.append(Child(name, argv, self.log_dir / f"{name}.log", critical=False,
+                                       env={**thread_env(threads), **place.env()}))
         self.children.append(Child("gateway", duet_command(
             "gateway", "--host", host, "--port", str(cfg.port), "--router-address", f"{host}:{self.router_port}",
             "--model", model_dir, *common), self.log_dir / "gateway.log", critical=True, env=thread_env(1)))
@@ -142,7 +150,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
 
-    stack.plan(model_dir)
+    try:
+        stack.plan(model_dir)
+    except ValueError as exc:  # e.g. --tp larger than the visible GPUs
+        print(f"duet up: {exc}", file=sys.stderr)
+        stack.stop()
+        return 2
     stack.start()
     base = f"http://{cfg.host}:{cfg.port}"
     log.info("starting %d workers (%d prefill, %d decode, %d both; %d threads each), logs in %s",
@@ -161,7 +174,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                       f"logs in {log_dir}", file=sys.stderr)
                 return 1
             time.sleep(0.25)
-        workers = [c.name for c in stack.children if c.name not in ("gateway", "router")]
+        workers = [c.name + (f" (GPU {c.env['CUDA_VISIBLE_DEVICES']})" if "CUDA_VISIBLE_DEVICES" in c.env else "")
+                   for c in stack.children if c.name not in ("gateway", "router")]
         print(f"\nDuet is up. OpenAI API: {base}/v1   (health {base}/health, metrics {base}/metrics)\n"
               f"  model   {model_dir}\n"
               f"  router  {cfg.host}:{stack.router_port}\n"

@@ -1,0 +1,96 @@
+"""Which GPUs each `duet up` worker gets, and how its KV cache is sized there.
+
+With enough GPUs every worker gets its own block of `tp` of them (through
+CUDA_VISIBLE_DEVICES, so the worker's cuda:0..tp-1 are its block) and sizes its KV
+cache from --mem-fraction, as a pod does. With fewer, workers share GPUs round-robin and
+each gets an absolute KV budget that fits beside the others, because a fraction of the
+card sized at start-up would let the first worker take the room the next one needs.
+On a CPU-only host, or with --device cpu for the workers, nothing changes."""
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+SHARED_FRACTION = 0.80  # of a shared card's memory, split among the workers on it
+
+
+@dataclass(frozen=True)
+class WorkerFlags:
+    """The worker flags (passed after `--`) that placement depends on."""
+
+    tp: int = 1
+    device: str = "auto"
+    kv_cache_memory: str | None = None
+
+    @classmethod
+    def parse(cls, worker_args: Sequence[str]) -> "WorkerFlags":
+        p = argparse.ArgumentParser(add_help=False)
+        p.add_argument("--tp", type=int, default=int(os.environ.get("DUET_TP") or "1"))
+        p.add_argument("--device", default=os.environ.get("DUET_DEVICE") or "auto")
+        p.add_argument("--kv-cache-memory", default=None)
+        a, _ = p.parse_known_args(list(worker_args))
+        return cls(tp=a.tp, device=a.device, kv_cache_memory=a.kv_cache_memory)
+
+
+@dataclass(frozen=True)
+class Placement:
+    gpus: tuple[int, ...]           # physical GPU indices (CUDA_VISIBLE_DEVICES); () = CPU
+    kv_cache_memory: str | None     # None: the worker sizes from --mem-fraction
+    shared: bool = False            # another worker uses one of these GPUs too
+
+    def env(self) -> dict[str, str]:
+        return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, self.gpus))} if self.gpus else {}
+
+
+def visible_gpus() -> list[int]:
+    """Physical indices of the GPUs this process may use (honours CUDA_VISIBLE_DEVICES)."""
+    try:
+        import torch
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001 - a broken CUDA install means no GPUs for us
+        return []
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed:
+        ids = [int(x) for x in listed.split(",") if x.strip().isdigit()]
+        if len(ids) >= count:
+            return ids[:count]
+    return list(range(count))
+
+
+def gpu_memory_bytes() -> int:
+    import torch
+    return torch.cuda.get_device_properties(0).total_memory
+
+
+def weight_bytes(model_dir: str) -> int:
+    """Bytes of the checkpoint on disk: an upper bound of bf16 weights loaded from a bf16 or fp32 file."""
+    return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+
+
+def plan(num_workers: int, flags: WorkerFlags, gpus: Sequence[int], explicit_kv: str | None = None,
+         cpu_kv: str = "512M", card_bytes: int = 0, model_bytes: int = 0) -> list[Placement]:
+    """One Placement per worker, in start order. explicit_kv: a KV budget the user gave
+    (`duet up --kv-cache-memory` or the worker flag), used as is everywhere; cpu_kv: the
+    per-worker default on CPU (absolute, so several workers fit in host memory)."""
+    explicit_kv = flags.kv_cache_memory or explicit_kv
+    if not gpus or flags.device.startswith("cpu"):
+        return [Placement((), explicit_kv or cpu_kv) for _ in range(num_workers)]
+    tp = max(1, flags.tp)
+    if tp > len(gpus):
+        raise ValueError(f"--tp {tp} needs {tp} GPUs; {len(gpus)} visible")
+    blocks = len(gpus) // tp
+    shared = num_workers > blocks
+    per_block = -(-num_workers // blocks)  # workers on the busiest block
+    if explicit_kv:
+        kv = explicit_kv
+    elif shared:
+        # the model is split tp ways, so each GPU holds model_bytes/tp per worker
+        room = int(card_bytes * SHARED_FRACTION / per_block) - model_bytes // tp - (1 << 30)
+        kv = str(max(room, 256 << 20))
+    else:
+        kv = None
+    return [Placement(tuple(gpus[(i % blocks) * tp:(i % blocks + 1) * tp]), kv, shared)
+            for i in range(num_workers)]
