@@ -29,7 +29,9 @@ from protos import duet_pb2, duet_pb2_grpc
 from tests.openai_schema import validate
 from tests.stack import ProcessStack, managed, model_dir, new_log_dir, offline_llm, offline_outputs, wait_until
 
-LONG_PROMPT = " ".join(f"item {i} is a small grey pebble;" for i in range(160))  # ~1300 tokens
+# ~2600 tokens: at 16 tokens a step, prefill takes ~165 steps, time enough to stop it mid-way
+# even on a fast machine (frozen_mid_prefill checks that it was)
+LONG_PROMPT = " ".join(f"item {i} is a small grey pebble;" for i in range(320))
 CHUNK = 16
 TTL_S = 4.0
 NOTICE_TIMEOUT_S = 3.0
@@ -38,7 +40,7 @@ WRITE_TIMEOUT_S = 3.0
 
 @pytest.fixture(scope="module")
 def stack(request):
-    s = ProcessStack(new_log_dir("fail-workers"), registry_ttl_s=TTL_S, kv_cache_memory="160M",
+    s = ProcessStack(new_log_dir("fail-workers"), registry_ttl_s=TTL_S, kv_cache_memory="320M",
                      worker_args=["--max-num-batched-tokens", str(CHUNK), "--notice-timeout", str(NOTICE_TIMEOUT_S),
                                   "--write-timeout", str(WRITE_TIMEOUT_S)])
     with managed(request, s.start(prefill=2, decode=2)) as s:
