@@ -3,7 +3,6 @@ CPU) against the torch reference, and the reference against a float64 naive
 formulation that reads the pool slot by slot."""
 
 import math
-import zlib
 
 import pytest
 import torch
@@ -11,23 +10,10 @@ import torch
 from kernels.accuracy import fill_nan_, relative_error
 from kernels.decode_attention import decode_attention_reference
 from kernels.random_paged_kv import random_paged_kv
-from tests.kernel_dtypes import kernel_dtypes
+from tests.kernel_dtypes import ATTENTION_TOLERANCE, case_generator, kernel_dtypes
 
 TARGET = "kernels.decode_attention:decode_attention"
 CUDA = torch.cuda.is_available()
-
-
-def _seed(*params) -> int:
-    """Stable per case, so a failure reproduces."""
-    return zlib.crc32(repr(params).encode())
-
-
-def _dtypes():
-    return kernel_dtypes()
-
-
-def _tolerance(dtype) -> float:
-    return {torch.float32: 1e-3, torch.float16: 5e-3, torch.bfloat16: 1e-2}[dtype]
 
 
 def naive_decode(q, pool, layer, page_table, seq_lens, sm_scale):
@@ -64,7 +50,7 @@ CASES = [
 
 @pytest.mark.parametrize("seq_lens,h_q,h_kv,head_dim,page_size", CASES)
 def test_reference_matches_naive_float64(seq_lens, h_q, h_kv, head_dim, page_size):
-    g = torch.Generator().manual_seed(_seed(seq_lens, h_q, h_kv, head_dim, page_size))
+    g = case_generator(seq_lens, h_q, h_kv, head_dim, page_size)
     kv = random_paged_kv(seq_lens, h_kv, head_dim, page_size, torch.float64, torch.device("cpu"), g)
     q = torch.randn(len(seq_lens), h_q, head_dim, generator=g, dtype=torch.float64)
     scale = 1 / math.sqrt(head_dim)
@@ -73,10 +59,10 @@ def test_reference_matches_naive_float64(seq_lens, h_q, h_kv, head_dim, page_siz
     assert relative_error(ref, naive) < 1e-10
 
 
-@pytest.mark.parametrize("dtype", _dtypes())
+@pytest.mark.parametrize("dtype", kernel_dtypes())
 @pytest.mark.parametrize("seq_lens,h_q,h_kv,head_dim,page_size", CASES)
 def test_triton_matches_reference(runner, dtype, seq_lens, h_q, h_kv, head_dim, page_size):
-    g = torch.Generator().manual_seed(_seed(seq_lens, h_q, head_dim, dtype))
+    g = case_generator(seq_lens, h_q, head_dim, dtype)
     kv = random_paged_kv(seq_lens, h_kv, head_dim, page_size, dtype, runner.device, g)
     q = torch.randn(len(seq_lens), h_q, head_dim, generator=g).to(runner.device, dtype)
     scale = 1 / math.sqrt(head_dim)
@@ -84,7 +70,7 @@ def test_triton_matches_reference(runner, dtype, seq_lens, h_q, h_kv, head_dim, 
     runner(TARGET, q, kv.k_cache, kv.v_cache, kv.page_table, kv.seq_lens, scale, out=out)
     assert torch.isfinite(out).all(), "some output elements were not written"
     ref = decode_attention_reference(q, kv.k_cache, kv.v_cache, kv.page_table, kv.seq_lens, scale)
-    assert relative_error(out, ref) < _tolerance(dtype)
+    assert relative_error(out, ref) < ATTENTION_TOLERANCE[dtype]
     for b, n in enumerate(seq_lens):
         if n == 0:
             assert (out[b] == 0).all()
@@ -102,7 +88,7 @@ def test_long_context_splits_agree(runner, num_kv_splits):
     runner(TARGET, q, kv.k_cache, kv.v_cache, kv.page_table, kv.seq_lens, 0.125,
            num_kv_splits=num_kv_splits, out=out)
     ref = decode_attention_reference(q, kv.k_cache, kv.v_cache, kv.page_table, kv.seq_lens, 0.125)
-    assert relative_error(out, ref) < _tolerance(dtype)
+    assert relative_error(out, ref) < ATTENTION_TOLERANCE[dtype]
 
 
 @pytest.mark.skipif(CUDA, reason="covered by the dtype sweep on CUDA")
@@ -186,6 +172,6 @@ def test_single_split_writes_output_directly(runner):
     runner(target, *args, direct)
     runner(target, *args, two_stage, DecodeConfig(direct_single_split=False))
     ref = decode_attention_reference(*args[:6])
-    assert relative_error(direct, ref) < _tolerance(dtype)
+    assert relative_error(direct, ref) < ATTENTION_TOLERANCE[dtype]
     assert relative_error(direct, two_stage) < (1e-6 if dtype == torch.float32 else 1e-2)
     assert (direct[1] == 0).all()

@@ -3,7 +3,6 @@ CPU) against the torch reference, and the reference against a float64 dense
 causal softmax over the gathered KV."""
 
 import math
-import zlib
 
 import pytest
 import torch
@@ -11,22 +10,10 @@ import torch
 from kernels.accuracy import fill_nan_, relative_error
 from kernels.extend_attention import extend_attention_reference
 from kernels.random_paged_kv import random_paged_kv
-from tests.kernel_dtypes import kernel_dtypes
+from tests.kernel_dtypes import ATTENTION_TOLERANCE, case_generator, kernel_dtypes
 
 TARGET = "kernels.extend_attention:extend_attention"
 CUDA = torch.cuda.is_available()
-
-
-def _seed(*params) -> int:
-    return zlib.crc32(repr(params).encode())
-
-
-def _dtypes():
-    return kernel_dtypes()
-
-
-def _tolerance(dtype) -> float:
-    return {torch.float32: 1e-3, torch.float16: 5e-3, torch.bfloat16: 1e-2}[dtype]
 
 
 def naive_extend(q, pool, layer, page_table, ext_lens, prefix_lens, sm_scale):
@@ -68,7 +55,7 @@ CASES = CPU_CASES + (GPU_CASES if CUDA else [])
 
 def _build(case, dtype, device):
     ext_lens, prefix_lens, h_q, h_kv, head_dim, page_size = case
-    g = torch.Generator().manual_seed(_seed(case, dtype))
+    g = case_generator(case, dtype)
     seq_lens = [e + p for e, p in zip(ext_lens, prefix_lens)]
     kv = random_paged_kv(seq_lens, h_kv, head_dim, page_size, dtype, device, g)
     q = torch.randn(sum(ext_lens), h_q, head_dim, generator=g).to(device, dtype)
@@ -85,7 +72,7 @@ def test_reference_matches_naive_float64(case):
     assert relative_error(ref, naive) < 1e-10
 
 
-@pytest.mark.parametrize("dtype", _dtypes())
+@pytest.mark.parametrize("dtype", kernel_dtypes())
 @pytest.mark.parametrize("case", CASES)
 def test_triton_matches_reference(runner, dtype, case):
     kv, q, qo_indptr = _build(case, dtype, runner.device)
@@ -94,7 +81,7 @@ def test_triton_matches_reference(runner, dtype, case):
     runner(TARGET, q, kv.k_cache, kv.v_cache, kv.page_table, qo_indptr, kv.seq_lens, scale, out=out)
     assert torch.isfinite(out).all(), "some output elements were not written"
     ref = extend_attention_reference(q, kv.k_cache, kv.v_cache, kv.page_table, qo_indptr, kv.seq_lens, scale)
-    assert relative_error(out, ref) < _tolerance(dtype)
+    assert relative_error(out, ref) < ATTENTION_TOLERANCE[dtype]
 
 
 @pytest.mark.skipif(CUDA, reason="covered by the dtype sweep on CUDA")

@@ -2,28 +2,22 @@
 reference, which is the composition of the rms_norm, rotary_embedding and store_kv
 references; and that composition vs the model's own unfused torch layers."""
 
-import zlib
-
 import pytest
 import torch
 
 from kernels.accuracy import relative_error
 from kernels.qk_norm_rope import KVCacheWrite, QKNorm, qk_norm_rope_reference
-from tests.kernel_dtypes import kernel_dtypes
+from tests.kernel_dtypes import ELEMENTWISE_TOLERANCE, case_generator, kernel_dtypes
 from tests.test_kernels_rotary_embedding import cos_sin_cache
 
 TARGET = "kernels.qk_norm_rope:qk_norm_rope"
 NUM_PAGES = 12
 
 
-def _tolerance(dtype):
-    return {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
-
-
 def _case(tokens, h_q, h_kv, head_dim, page_size, dtype, device, with_norm=True):
     """One qkv buffer (q, k, v are its column slices), norm weights, a random paged cache
     and distinct slots for the tokens, one of them padding (-1) when there are several."""
-    g = torch.Generator().manual_seed(zlib.crc32(repr((tokens, h_q, h_kv, head_dim, page_size, dtype)).encode()))
+    g = case_generator(tokens, h_q, h_kv, head_dim, page_size, dtype)
     width = (h_q + 2 * h_kv) * head_dim
     qkv = (torch.randn(tokens, width, generator=g) * 2).to(device, dtype)
     positions = torch.randint(0, 4096, (tokens,), generator=g).to(device)
@@ -48,7 +42,6 @@ def _run_both(runner, qkv, positions, norm, pool, slots, h_q, h_kv, head_dim, is
     """Runs Triton on (qkv, pool) and the reference on clones; returns the reference's."""
     cache = cos_sin_cache(4096, head_dim).to(runner.device)
     qkv_ref, pool_ref = qkv.clone(), pool.clone()
-    outs = []
     for buf, pl, call in ((qkv, pool, "triton"), (qkv_ref, pool_ref, "reference")):
         q, k, v = _split(buf, h_q, h_kv, head_dim)
         kv_write = KVCacheWrite(pl[:, 1, 0], pl[:, 1, 1], v, slots) if store else None
@@ -67,7 +60,7 @@ def test_triton_matches_reference(runner, dtype, is_neox, tokens, h_q, h_kv, hea
     qkv, positions, norm, pool, slots = _case(tokens, h_q, h_kv, head_dim, page_size, dtype, runner.device)
     before = qkv.clone()
     qkv_ref, pool_ref = _run_both(runner, qkv, positions, norm, pool, slots, h_q, h_kv, head_dim, is_neox, True)
-    tol = _tolerance(dtype)
+    tol = ELEMENTWISE_TOLERANCE[dtype]
     q_cols = slice(0, (h_q + h_kv) * head_dim)
     assert relative_error(qkv[:, q_cols], qkv_ref[:, q_cols]) < tol
     assert relative_error(qkv[:, q_cols], before[:, q_cols]) > 0.1  # q and k did change

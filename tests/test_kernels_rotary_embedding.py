@@ -2,14 +2,12 @@
 vs HF transformers' apply_rotary_pos_emb (neox) and a complex-number
 formulation (GPT-J interleaved pairs)."""
 
-import zlib
-
 import pytest
 import torch
 
 from kernels.accuracy import relative_error
 from kernels.rotary_embedding import rotary_embedding_reference
-from tests.kernel_dtypes import kernel_dtypes
+from tests.kernel_dtypes import case_generator, kernel_dtypes
 
 TARGET = "kernels.rotary_embedding:rotary_embedding"
 CUDA = torch.cuda.is_available()
@@ -23,18 +21,14 @@ def cos_sin_cache(max_pos: int, head_dim: int, base: float = 10000.0, dtype=torc
 
 
 def _inputs(tokens, h_q, h_kv, head_dim, dtype, device, max_pos=4096):
-    g = torch.Generator().manual_seed(zlib.crc32(repr((tokens, h_q, h_kv, head_dim, dtype)).encode()))
+    g = case_generator(tokens, h_q, h_kv, head_dim, dtype)
     positions = torch.randint(0, max_pos, (tokens,), generator=g)
     q = torch.randn(tokens, h_q * head_dim, generator=g).to(device, dtype)
     k = torch.randn(tokens, h_kv * head_dim, generator=g).to(device, dtype)
     return positions.to(device), q, k, cos_sin_cache(max_pos, head_dim).to(device)
 
 
-def _dtypes():
-    return kernel_dtypes()
-
-
-@pytest.mark.parametrize("dtype", _dtypes())
+@pytest.mark.parametrize("dtype", kernel_dtypes())
 @pytest.mark.parametrize("is_neox", [True, False])
 @pytest.mark.parametrize("tokens,h_q,h_kv,head_dim", [(1, 4, 4, 64), (13, 32, 8, 128), (9, 12, 2, 64)])
 def test_triton_matches_reference(runner, dtype, is_neox, tokens, h_q, h_kv, head_dim):

@@ -1,20 +1,18 @@
 """store_kv: Triton vs the torch reference (exact: it is a copy) and the
 reference vs a token-by-token loop; writes land in the strided layer view only."""
 
-import zlib
-
 import pytest
 import torch
 
 from kernels.store_kv import store_kv_reference
-from tests.kernel_dtypes import kernel_dtypes
+from tests.kernel_dtypes import case_generator, kernel_dtypes
 
 TARGET = "kernels.store_kv:store_kv"
 CUDA = torch.cuda.is_available()
 
 
 def _case(num_tokens, h_kv, head_dim, page_size, dtype, device, pad_tokens=0):
-    g = torch.Generator().manual_seed(zlib.crc32(repr((num_tokens, h_kv, head_dim, page_size, dtype)).encode()))
+    g = case_generator(num_tokens, h_kv, head_dim, page_size, dtype)
     num_pages = num_tokens // page_size + 3
     pool = torch.full((num_pages, 2, 2, h_kv, page_size, head_dim), float("nan"), dtype=dtype, device=device)
     slots = torch.randperm(num_pages * page_size, generator=g)[:num_tokens]
@@ -24,11 +22,7 @@ def _case(num_tokens, h_kv, head_dim, page_size, dtype, device, pad_tokens=0):
     return pool, k, v, slots.to(device)
 
 
-def _dtypes():
-    return kernel_dtypes()
-
-
-@pytest.mark.parametrize("dtype", _dtypes())
+@pytest.mark.parametrize("dtype", kernel_dtypes())
 @pytest.mark.parametrize("num_tokens,h_kv,head_dim,page_size,pad", [
     (37, 2, 64, 1, 0), (50, 8, 128, 16, 3), (130, 1, 64, 64, 0), (9, 3, 96, 16, 2),
 ])

@@ -29,6 +29,8 @@ def test_tp_blocks_follow_the_visible_indices():
     places = plan(2, WorkerFlags(tp=2), [2, 3, 6, 7], card_bytes=80 * GIB)
     assert [p.env()["CUDA_VISIBLE_DEVICES"] for p in places] == ["2,3", "6,7"]
     assert not any(p.shared for p in places)
+    by_uuid = plan(2, WorkerFlags(), ["GPU-aa", "GPU-bb"], card_bytes=80 * GIB)
+    assert [p.env()["CUDA_VISIBLE_DEVICES"] for p in by_uuid] == ["GPU-aa", "GPU-bb"]
 
 
 def test_too_few_gpus_share_round_robin_with_a_budget_that_fits():

@@ -62,8 +62,8 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
             decode_instance_nonce=ctx.instance_nonce, page_size=ctx.page_size,
             num_layers=eng.layout.num_layers, kv_dtype=str(eng.dtype).removeprefix("torch."),
             compat_hash=ctx.compat_hash)
-        for rank, (agent_name, _, _) in enumerate(ctx.rank_agents):  # TP ranks mirror rank 0's page table
-            reply.ranks.add(rank=rank, agent_name=agent_name, page_ids=res.page_ids)
+        for rank, agent in enumerate(ctx.rank_agents):  # TP ranks mirror rank 0's page table
+            reply.ranks.add(rank=rank, agent_name=agent.name, page_ids=res.page_ids)
         return reply
 
     async def Cancel(self, request: duet_pb2.CancelRequest, context):

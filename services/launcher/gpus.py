@@ -37,7 +37,7 @@ class WorkerFlags:
 
 @dataclass(frozen=True)
 class Placement:
-    gpus: tuple[int, ...]           # physical GPU indices (CUDA_VISIBLE_DEVICES); () = CPU
+    gpus: tuple[str | int, ...]     # CUDA_VISIBLE_DEVICES entries (indices or UUIDs); () = CPU
     kv_cache_memory: str | None     # None: the worker sizes from --mem-fraction
     shared: bool = False            # another worker uses one of these GPUs too
 
@@ -45,19 +45,16 @@ class Placement:
         return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, self.gpus))} if self.gpus else {}
 
 
-def visible_gpus() -> list[int]:
-    """Physical indices of the GPUs this process may use (honours CUDA_VISIBLE_DEVICES)."""
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them (indices or
+    UUIDs), so a worker's narrower list stays inside what `duet up` was given."""
     try:
         import torch
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     except Exception:  # noqa: BLE001 - a broken CUDA install means no GPUs for us
         return []
-    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if listed:
-        ids = [int(x) for x in listed.split(",") if x.strip().isdigit()]
-        if len(ids) >= count:
-            return ids[:count]
-    return list(range(count))
+    listed = [x.strip() for x in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
+    return listed[:count] if len(listed) >= count else [str(i) for i in range(count)]
 
 
 def gpu_memory_bytes() -> int:
@@ -70,7 +67,7 @@ def weight_bytes(model_dir: str) -> int:
     return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
 
 
-def plan(num_workers: int, flags: WorkerFlags, gpus: Sequence[int], explicit_kv: str | None = None,
+def plan(num_workers: int, flags: WorkerFlags, gpus: Sequence[str | int], explicit_kv: str | None = None,
          cpu_kv: str = "512M", card_bytes: int = 0, model_bytes: int = 0) -> list[Placement]:
     """One Placement per worker, in start order. explicit_kv: a KV budget the user gave
     (`duet up --kv-cache-memory` or the worker flag), used as is everywhere; cpu_kv: the

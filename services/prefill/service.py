@@ -39,9 +39,10 @@ class PrefillService(duet_pb2_grpc.PrefillServicer):
             except ValueError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             tp = ctx.config.tp
-            if len(res.ranks) != tp:
+            if sorted(r.rank for r in res.ranks) != list(range(tp)):
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                    f"reservation spans {len(res.ranks)} ranks; this prefill worker has {tp}")
+                                    f"reservation names ranks {sorted(r.rank for r in res.ranks)}; "
+                                    f"this prefill worker has {tp}")
             try:
                 peer = await ctx.peers.get(res.decode_worker_id, res.decode_instance_nonce, res.compat_hash)
                 specs = ctx.peers.rank_specs(peer, tp) if tp > 1 else []

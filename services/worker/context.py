@@ -7,6 +7,15 @@ from dataclasses import dataclass, field
 from shared.telemetry.propagation import extract_grpc_context
 
 
+@dataclass(frozen=True)
+class RankAgent:
+    """One tensor-parallel rank's NIXL agent, as the registry entry publishes it."""
+
+    name: str
+    metadata: bytes
+    pool: object  # shared.kv_transfer.pool_info.PoolInfo
+
+
 @dataclass
 class WorkerContext:
     config: object  # WorkerConfig
@@ -19,7 +28,7 @@ class WorkerContext:
     page_size: int
     tracer: object
     agent: object | None = None  # KvTransferAgent (prefill/decode roles), rank 0's
-    rank_agents: list = field(default_factory=list)  # (agent name, NIXL metadata, PoolInfo) per TP rank
+    rank_agents: list["RankAgent"] = field(default_factory=list)  # one per TP rank, rank 0 first
     peers: object | None = None  # PeerResolver
     outgoing: object | None = None  # OutgoingTransfers (prefill)
     book: object | None = None  # ReservationBook (decode)

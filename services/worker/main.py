@@ -31,6 +31,8 @@ async def serve(config) -> int:
     from protos import duet_pb2_grpc
     from services.worker.context import WorkerContext
     from services.worker.engine_loop import EngineLoop
+    from services.worker.context import RankAgent
+    from services.worker.load_publisher import LoadPublisher
     from shared.engine.config import EngineConfig
     from shared.engine.engine import Engine
     from shared.registry.kv_events import KvEventBuffer
@@ -80,8 +82,8 @@ async def serve(config) -> int:
                                     write_timeout_s=config.write_timeout_s,
                                     progress_thread=config.nixl_progress_thread)
         # tensor parallel: every rank registers its own pool shard with its own agent
-        ctx.rank_agents = [(ctx.agent.name, ctx.agent.metadata(), ctx.agent.pool_info)] + [
-            (agent_name.format(rank=r), md, pool) for r, (md, pool) in enumerate(engine.call_followers(
+        ctx.rank_agents = [RankAgent(ctx.agent.name, ctx.agent.metadata(), ctx.agent.pool_info)] + [
+            RankAgent(agent_name.format(rank=r), md, pool) for r, (md, pool) in enumerate(engine.call_followers(
                 "shared.kv_transfer.rank_transfers:open_agent", agent_name, config.write_timeout_s), start=1)]
         ctx.peers = PeerResolver(ctx.agent, connect_async(config.registry), RegistryKeys(config.registry.prefix))
     if role == "prefill":
@@ -117,30 +119,19 @@ async def serve(config) -> int:
     address = f"{config.dial_host}:{port}"
 
     load = WorkerLoad(total_pages=engine.kv.capacity, free_pages=engine.kv.capacity)
-    last_computed = {"prefill": 0, "decode": 0}
 
-    def snapshot():
-        eng = engine
-        s = eng.scheduler
-        st = eng.stats
-        return (WorkerLoad(free_pages=eng.kv.available, total_pages=eng.kv.capacity,
-                           queued_prefill_tokens=s.queued_prefill_tokens,
-                           running_requests=len(s.running) + (len(ctx.book.open) if ctx.book else 0)
-                           + (len(ctx.outgoing.active) if ctx.outgoing else 0),
-                           waiting_requests=len(s.waiting), kv_usage=eng.kv.usage_ratio),
-                st.prefill_tokens_computed, st.decode_tokens_computed)
-
-    pools = [RankKvPool(rank=r, agent_name=name, base_addr=pi.base_addr, page_bytes=pi.page_bytes,
-                        num_pages=pi.num_pages, mem_type=pi.mem_type, device_id=pi.device_id)
-             for r, (name, _, pi) in enumerate(ctx.rank_agents)]
+    pools = [RankKvPool(rank=r, agent_name=a.name, base_addr=a.pool.base_addr, page_bytes=a.pool.page_bytes,
+                        num_pages=a.pool.num_pages, mem_type=a.pool.mem_type, device_id=a.pool.device_id)
+             for r, a in enumerate(ctx.rank_agents)]
     info = WorkerInfo(worker_id=worker_id, role=role, address=address, model=served,
                       metrics_address=f"{config.dial_host}:{metrics_server.port}", tp=config.tp,
                       page_size=engine.layout.page_size, compat_hash=chash, instance_nonce=nonce,
                       max_running_requests=config.max_running_requests, kv_pools=pools, load=load)
     publisher = WorkerPublisher(info, config.registry,
-                                nixl_metadata={r: md for r, (_, md, _) in enumerate(ctx.rank_agents)} or None,
+                                nixl_metadata={r: a.metadata for r, a in enumerate(ctx.rank_agents)} or None,
                                 load_fn=lambda: info.load, kv_events=kv_events)
 
+    loop.after_iteration.append(LoadPublisher(ctx, info, computed, recomputed))
     loop.start()
     await server.start()
     await watcher.start()
@@ -154,33 +145,13 @@ async def serve(config) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         aloop.add_signal_handler(sig, stop.set)
 
-    published = {"load": None}
-
-    def publish_load():
-        """On the loop thread after every iteration: gauges and heartbeat load change as
-        soon as a reservation, step or free does (a scrape never sees a stale 0)."""
-        wl, pre, dec = snapshot()
-        if wl != published["load"]:
-            published["load"] = wl
-            info.load = wl
-            metrics.set_load(kv_usage=wl.kv_usage, queued_prefill_tokens=wl.queued_prefill_tokens,
-                             running_requests=wl.running_requests, waiting_requests=wl.waiting_requests)
-        if pre != last_computed["prefill"] or dec != last_computed["decode"]:
-            computed.labels(phase="prefill").inc(pre - last_computed["prefill"])
-            computed.labels(phase="decode").inc(dec - last_computed["decode"])
-            last_computed.update(prefill=pre, decode=dec)
-        if ctx.recomputes != recomputed._value.get():
-            recomputed.inc(ctx.recomputes - recomputed._value.get())
-
-    loop.after_iteration.append(publish_load)
-
-    async def refresh_load():
+    async def watch_engine():  # a dead engine thread stops the worker
         while loop.fatal is None:
             await asyncio.sleep(0.25)
         log.error("engine loop died: %s", loop.fatal)
         stop.set()
 
-    refresher = asyncio.create_task(refresh_load())
+    refresher = asyncio.create_task(watch_engine())
     try:
         await stop.wait()
     finally:
