@@ -27,7 +27,7 @@ _MAX_SPLITS = 32
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Stage-1 tiling (loadtest/bench_kernels.py --sweep compares choices)."""
+    """Stage-1 tiling (loadtest/bench/kernels.py --sweep compares choices)."""
 
     block_n: int = 64  # kv tokens per inner step
     num_warps: int = 4

@@ -102,7 +102,7 @@ def _extend_kernel(
 
 @dataclass(frozen=True)
 class ExtendConfig:
-    """Tiling (loadtest/bench_kernels.py --sweep compares choices)."""
+    """Tiling (loadtest/bench/kernels.py --sweep compares choices)."""
 
     block_m: int
     block_n: int

@@ -9,7 +9,7 @@ import gc
 import numpy as np
 import torch
 
-from .bench_shapes import now, prefill_flops, weight_bytes_read_per_step
+from .shapes import now, prefill_flops, weight_bytes_read_per_step
 
 
 def make_engine(model_dir, **options):

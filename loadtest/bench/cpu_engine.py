@@ -9,7 +9,7 @@ A batch of random-token prompts (input and output lengths drawn uniformly from
   3. through HF `generate` one prompt at a time, on a subset, extrapolated to the batch.
 Default model (the embedded SmolLM2-135M), float32, greedy.
 
-    PYTHONPATH=. python -m loadtest.bench_engine [--num-prompts 64 --min-len 100 --max-len 500
+    PYTHONPATH=. python -m loadtest.bench.cpu_engine [--num-prompts 64 --min-len 100 --max-len 500
         --threads N --sequential-prompts 4 --json out.json]
 """
 from __future__ import annotations
@@ -152,7 +152,7 @@ def bench_hf_sequential(model, w: Workload, pad_id: int, n: int) -> Measurement:
 
 # -- main --------------------------------------------------------------------------------------
 def parse_args(argv):
-    ap = argparse.ArgumentParser(prog="python -m loadtest.bench_engine", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m loadtest.bench.cpu_engine", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="HF model folder (default: the embedded default model)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--num-prompts", type=int, default=64)

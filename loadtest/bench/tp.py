@@ -157,7 +157,7 @@ def tp_decode_rows(model_dir: str, tp: int, custom_ar: bool, batches, ctx_len: i
                    copy_gb_s: float) -> list[dict]:
     import logging
 
-    from .bench_gpu_engine import decode_floor_ms, decode_step_ms, make_engine
+    from .gpu_engine import decode_floor_ms, decode_step_ms, make_engine
 
     # progress on stderr (this child's report comes back only at its end)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

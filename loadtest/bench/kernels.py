@@ -8,8 +8,8 @@ prints achieved GB/s and TFLOP/s against the device's own ceilings measured
 here: a large device-to-device copy (bytes read + written) and an 8192^3 bf16
 matmul. Floor = max(bytes / copy bandwidth, flops / matmul rate).
 
-    PYTHONPATH=. python loadtest/bench_kernels.py [--json PATH]
-    TRITON_INTERPRET=1 PYTHONPATH=. python loadtest/bench_kernels.py --smoke   # CPU: tiny shapes, checks the script
+    PYTHONPATH=. python -m loadtest.bench.kernels [--json PATH]
+    TRITON_INTERPRET=1 PYTHONPATH=. python -m loadtest.bench.kernels --smoke   # CPU: tiny shapes, checks the script
 """
 
 import argparse

@@ -10,8 +10,8 @@
 Timing: one CUDA graph replays the op for each of LAYERS layers (own KV per layer, as a
 step does), do_bench median of the replay (L2 flushed once per replay), reported per layer.
 
-    python3 -m loadtest.bench_fused_decode [--no-tests] [--json PATH]
-    TRITON_INTERPRET=1 PYTHONPATH=. python loadtest/bench_fused_decode.py --smoke --no-tests   # CPU: checks the script
+    python3 -m loadtest.bench.fused_decode [--no-tests] [--json PATH]
+    TRITON_INTERPRET=1 PYTHONPATH=. python -m loadtest.bench.fused_decode --smoke --no-tests   # CPU: checks the script
 """
 
 import argparse
@@ -72,7 +72,7 @@ def per_layer_us(shape: Shape, fn) -> float:
         return sorted(times)[1] * 1e6 / shape.layers
     import triton.testing
 
-    from loadtest.bench_kernels import capture_graph
+    from loadtest.bench.kernels import capture_graph
     graph = capture_graph(fn)
     ms = triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
     return ms * 1e3 / shape.layers

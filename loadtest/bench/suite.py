@@ -103,7 +103,7 @@ def main(argv=None) -> int:
 
 # -- sections ---------------------------------------------------------------------------
 def _ceilings(ctx):
-    from .bench_shapes import measure_ceilings
+    from .shapes import measure_ceilings
 
     c = measure_ceilings(ctx["dev"])
     ctx["ceilings"] = c
@@ -118,8 +118,8 @@ def _need_ceilings(ctx):
 
 
 def _equality(ctx):
-    from .bench_hf import equality_prompts, greedy_equality
-    from .bench_shapes import random_checkpoint_dir
+    from .hf_peer import equality_prompts, greedy_equality
+    from .shapes import random_checkpoint_dir
 
     for name in ("qwen3-small", "llama-small"):
         ckpt = random_checkpoint_dir(name, ctx["root"], ctx["dev"])
@@ -133,14 +133,14 @@ def _models(ctx):
 
 
 def _engine(ctx, name, **kw):
-    from .bench_gpu_engine import make_engine
-    from .bench_shapes import config_only_dir
+    from .gpu_engine import make_engine
+    from .shapes import config_only_dir
 
     return make_engine(config_only_dir(name, ctx["root"]), load_format="dummy", **kw)
 
 
 def _decode(ctx):
-    from .bench_gpu_engine import decode_floor_ms, decode_step_ms, release_memory
+    from .gpu_engine import decode_floor_ms, decode_step_ms, release_memory
 
     args, rep = ctx["args"], ctx["report"]
     c = _need_ceilings(ctx)
@@ -166,7 +166,7 @@ def _decode(ctx):
 
 
 def _prefill(ctx):
-    from .bench_gpu_engine import prefill_rate, release_memory
+    from .gpu_engine import prefill_rate, release_memory
 
     c = _need_ceilings(ctx)
     for name in _models(ctx):
@@ -182,9 +182,9 @@ def _prefill(ctx):
 
 
 def _offline(ctx):
-    from .bench_gpu_engine import offline_run, offline_workload, release_memory
-    from .bench_hf import hf_model, hf_offline
-    from .bench_shapes import hf_config
+    from .gpu_engine import offline_run, offline_workload, release_memory
+    from .hf_peer import hf_model, hf_offline
+    from .shapes import hf_config
 
     args, rep = ctx["args"], ctx["report"]
     name = "qwen3-0.6b"
@@ -228,8 +228,8 @@ def _offline(ctx):
 
 
 def _hf(ctx):
-    from .bench_gpu_engine import release_memory
-    from .bench_hf import hf_decode_ms, hf_model
+    from .gpu_engine import release_memory
+    from .hf_peer import hf_decode_ms, hf_model
 
     args, rep = ctx["args"], ctx["report"]
     compiled = set(args.hf_compile_models.split(","))
@@ -249,14 +249,14 @@ def _hf(ctx):
 
 
 def _tp_equality(ctx):
-    from .bench_hf import equality_prompts
-    from .bench_shapes import random_checkpoint_dir
-    from .bench_tp import in_fresh_process
+    from .hf_peer import equality_prompts
+    from .shapes import random_checkpoint_dir
+    from .tp import in_fresh_process
 
     ckpt = str(random_checkpoint_dir("qwen3-small", ctx["root"], ctx["dev"]))
     prompts = equality_prompts(4096, n=6)
     for dtype in ("float32", "bfloat16"):
-        toks = {tp: in_fresh_process("loadtest.bench_tp:greedy_tokens", ckpt, dtype, tp, prompts, 48)
+        toks = {tp: in_fresh_process("loadtest.bench.tp:greedy_tokens", ckpt, dtype, tp, prompts, 48)
                 for tp in (1, 2)}
         same = sum(a == b for a, b in zip(toks[1], toks[2]))
         agree = sum(x == y for a, b in zip(toks[1], toks[2]) for x, y in zip(a, b)) / sum(map(len, toks[1]))
@@ -265,7 +265,7 @@ def _tp_equality(ctx):
 
 
 def _allreduce(ctx):
-    from .bench_tp import fused_all_reduce_bench
+    from .tp import fused_all_reduce_bench
 
     for r in fused_all_reduce_bench():
         ctx["report"].add("allreduce", f"T={r['tokens']} ({r['bytes'] // 1024} KiB) custom_us", r["custom_us"],
@@ -274,8 +274,8 @@ def _allreduce(ctx):
 
 
 def _tp_decode(ctx):
-    from .bench_shapes import config_only_dir
-    from .bench_tp import in_fresh_process
+    from .shapes import config_only_dir
+    from .tp import in_fresh_process
 
     args, rep = ctx["args"], ctx["report"]
     c = _need_ceilings(ctx)
@@ -283,7 +283,7 @@ def _tp_decode(ctx):
     model_dir = str(config_only_dir(name, ctx["root"]))
     batches = [int(b) for b in args.tp_batches.split(",")]
     for tp, car in ((1, False), (2, False), (2, True)):
-        rows = in_fresh_process("loadtest.bench_tp:tp_decode_rows", model_dir, tp, car, batches, args.ctx,
+        rows = in_fresh_process("loadtest.bench.tp:tp_decode_rows", model_dir, tp, car, batches, args.ctx,
                                 args.steps, c.copy_gb_s)
         for r in rows:
             rep.add("tp_decode", f"{name} TP={tp} custom_ar={'on' if r['custom_ar'] else 'off'} B={r['batch']} "

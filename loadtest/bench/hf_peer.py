@@ -14,7 +14,7 @@ import gc
 import numpy as np
 import torch
 
-from .bench_shapes import hf_config, now
+from .shapes import hf_config, now
 
 
 def hf_model(name: str, device, dtype=torch.bfloat16, path=None):
