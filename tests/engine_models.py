@@ -38,10 +38,24 @@ SMALL_CONFIGS: dict[str, tuple[str, dict]] = {
                                             initializer_range=0.3)),
 }
 
+# mixtures of experts: a dense layer beside an MoE one (Qwen's mlp_only_layers), a number of
+# experts that is not a power of two, Qwen2-MoE's sigmoid-gated shared expert, top-k 1..3,
+# renormalised top-k or not
+MOE_CONFIGS: dict[str, tuple[str, dict]] = {
+    "qwen3_moe": ("Qwen3MoeConfig", dict(
+        tie_word_embeddings=False, head_dim=16, num_experts=8, num_experts_per_tok=3,
+        moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1], initializer_range=0.3)),
+    "qwen2_moe_shared": ("Qwen2MoeConfig", dict(
+        tie_word_embeddings=False, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, norm_topk_prob=False, initializer_range=0.3)),
+    "mixtral": ("MixtralConfig", dict(
+        tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2, initializer_range=0.3)),
+}
+
 
 def make_config(kind: str, **overrides):
     import transformers
-    cls_name, extra = SMALL_CONFIGS[kind]
+    cls_name, extra = SMALL_CONFIGS.get(kind) or MOE_CONFIGS[kind]
     kw = {**SMALL, **extra, **overrides}
     if cls_name != "LlamaConfig":
         kw.setdefault("use_sliding_window", False)
@@ -90,7 +104,9 @@ def random_prompts(n: int, lengths: list[int], vocab: int = 512, seed: int = 1) 
 # -- HF reference --------------------------------------------------------------------------
 def load_hf(model_dir: Path, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager")
+    # eager experts: transformers' default grouped_mm has no float64
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager",
+                                                 experts_implementation="eager")
     return model.eval()
 
 

@@ -30,6 +30,7 @@ class EngineConfig:
     overlap_schedule: bool = False
     num_threads: int | None = None  # torch intra-op threads on CPU
     tp_size: int = 1  # tensor-parallel ranks (processes); this process is rank 0
+    ep_size: int = 1  # MoE: 1 (experts sliced over the TP ranks) or tp_size (experts split whole)
     custom_all_reduce: bool = True  # TP on GPU: one-shot P2P all-reduce fused with add+RMSNorm
     load_format: str = "auto"  # auto: safetensors | dummy: random weights (benchmarks)
     tp: TPContext = field(default_factory=TPContext)  # this process's rank (set by the engine)

@@ -59,9 +59,15 @@ class Engine:
         # per-rank services a worker attaches (e.g. a follower's KV transfer agent, see
         # shared/kv_transfer/rank_transfers.py); the follower loop gives them idle ticks
         self.rank_services: dict[str, object] = {}
+        if config.ep_size not in (1, config.tp_size):
+            raise ValueError(f"expert-parallel size {config.ep_size} must be 1 or the tensor-parallel "
+                             f"size ({config.tp_size}): experts are split over the same ranks")
+        if config.ep_size > 1 and not mc.is_moe:
+            raise ValueError(f"expert parallelism (ep {config.ep_size}) needs a mixture-of-experts model; "
+                             f"{mc.architecture} is dense")
         if config.tp_size > 1 and config.tp.size == 1:  # this process becomes rank 0 of tp_size
             from .tp_launcher import check_divisible, launch
-            check_divisible(mc, config.tp_size)
+            check_divisible(mc, config.tp_size, expert_parallel=config.ep_size > 1)
             if config.overlap_schedule:
                 log.warning("overlap scheduling is not supported with tensor parallelism yet; off")
                 config.overlap_schedule = False
@@ -77,7 +83,7 @@ class Engine:
         from kernels.availability import triton_available
         fused = self.device.type == "cuda" and triton_available()
         self.model = load_model(mc, self.tp, self.dtype, self.device, self.max_model_len, fused=fused,
-                                load_format=config.load_format)
+                                load_format=config.load_format, expert_parallel=config.ep_size > 1)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         if self.tp.size > 1 and self.device.type == "cuda" and config.custom_all_reduce:
             from .custom_all_reduce import CustomAllReduce

@@ -5,11 +5,17 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from .moe_config import UNSUPPORTED_MOE, MoEConfig, moe_config_for
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    # mixtures of experts: the same attention as their dense siblings, MoE blocks as the config says
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 
 
@@ -21,7 +27,7 @@ class ModelLoadError(ValueError):
 class ModelConfig:
     model_dir: Path
     architecture: str
-    family: str  # llama | qwen2 | qwen3
+    family: str  # llama | qwen2 | qwen3 | qwen3_moe | qwen2_moe | mixtral
     hidden_size: int
     intermediate_size: int
     num_layers: int
@@ -38,6 +44,11 @@ class ModelConfig:
     bos_token_id: int | None
     torch_dtype: str | None
     hf_config: object  # transformers PretrainedConfig, for rope parameters
+    moe: MoEConfig | None = None  # mixture-of-experts layers (None: a dense model)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe is not None
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
@@ -51,6 +62,12 @@ class ModelConfig:
         archs = raw.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
+            moe_arch = next((a for a in archs if a in UNSUPPORTED_MOE), None)
+            if moe_arch is not None:
+                moe_names = ", ".join(a for a, f in SUPPORTED_ARCHITECTURES.items() if f in MOE_FAMILIES)
+                raise ModelLoadError(
+                    f"mixture-of-experts architecture {moe_arch} ({UNSUPPORTED_MOE[moe_arch]}) is not "
+                    f"supported; supported MoE architectures: {moe_names}")
             raise ModelLoadError(
                 f"unsupported architecture {archs or raw.get('model_type')!r} in {cfg_path}; "
                 f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
@@ -68,9 +85,21 @@ class ModelConfig:
             head_dim=head_dim, vocab_size=hf.vocab_size, rms_norm_eps=hf.rms_norm_eps,
             max_position_embeddings=getattr(hf, "max_position_embeddings", 4096),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", getattr(hf, "tie_word_embeddings", False))),
-            attention_bias=bool(raw.get("attention_bias", family == "qwen2")),
-            qk_norm=family == "qwen3", eos_token_ids=eos, bos_token_id=raw.get("bos_token_id"),
-            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"), hf_config=hf)
+            attention_bias=_attention_bias(raw, family),
+            qk_norm=family in ("qwen3", "qwen3_moe"), eos_token_ids=eos, bos_token_id=raw.get("bos_token_id"),
+            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"), hf_config=hf,
+            moe=moe_config_for(family, hf, raw))
+
+
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
+
+
+def _attention_bias(raw: dict, family: str) -> bool:
+    """q/k/v biases: Qwen2 has them (Qwen2-MoE names the switch qkv_bias), the rest only if
+    the config says attention_bias."""
+    if family == "qwen2_moe":
+        return bool(raw.get("qkv_bias", True))
+    return bool(raw.get("attention_bias", family == "qwen2"))
 
 
 def _eos_ids(model_dir: Path, raw: dict) -> list[int]:

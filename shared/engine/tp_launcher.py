@@ -38,11 +38,19 @@ _FORWARD, _CALL, _STOP = b"F\0\0\0", b"C\0\0\0", b"S\0\0\0"
 INIT_TIMEOUT = timedelta(minutes=10)
 
 
-def check_divisible(model_config, tp_size: int) -> None:
+def check_divisible(model_config, tp_size: int, expert_parallel: bool = False) -> None:
     """Clear error before any process starts when the model cannot be split tp_size ways."""
-    for what, n in (("num_attention_heads", model_config.num_heads),
-                    ("num_key_value_heads", model_config.num_kv_heads),
-                    ("intermediate_size", model_config.intermediate_size)):
+    checks = [("num_attention_heads", model_config.num_heads),
+              ("num_key_value_heads", model_config.num_kv_heads)]
+    moe = model_config.moe
+    if moe is None or len(moe.sparse_layers) < model_config.num_layers:  # some dense MLPs
+        checks.append(("intermediate_size", model_config.intermediate_size))
+    if moe is not None:
+        checks.append(("num_experts (expert parallel)", moe.num_experts) if expert_parallel
+                      else ("moe_intermediate_size", moe.intermediate_size))
+        if moe.shared_expert_intermediate_size:
+            checks.append(("shared_expert_intermediate_size", moe.shared_expert_intermediate_size))
+    for what, n in checks:
         if n % tp_size:
             raise ValueError(f"cannot split the model over tensor-parallel size {tp_size}: "
                              f"{what} ({n}) is not divisible by {tp_size}")

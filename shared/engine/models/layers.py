@@ -89,6 +89,28 @@ class RowParallelLinear(nn.Module):
         self.weight.data.copy_(tensor.narrow(1, self.tp.rank * self.in_shard, self.in_shard))
 
 
+class SwiGLU(nn.Module):
+    """The dense SwiGLU MLP (Llama/Qwen `mlp`, and Qwen2-MoE's shared expert). Returns partial
+    sums: the down projection is row-parallel and the caller fuses the reduction with what
+    follows (see reduce_add_norm)."""
+
+    def __init__(self, hidden: int, intermediate: int, tp: TPContext, dtype, fused: bool = False):
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(hidden, [intermediate, intermediate], bias=False, tp=tp,
+                                                 dtype=dtype)
+        self.down_proj = RowParallelLinear(intermediate, hidden, tp, dtype, reduce=False)
+        self.inter = tp.shard(intermediate, "intermediate_size")
+        self.fused = fused
+
+    def forward(self, h):
+        gate_up = self.gate_up_proj(h)
+        if self.fused:
+            from kernels.silu_and_mul import silu_and_mul
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.split([self.inter, self.inter], dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
 class VocabParallelEmbedding(nn.Module):
     """Embedding rows split by vocabulary range; each rank looks up its own range and the
     partial (zero elsewhere) results are all-reduced."""

@@ -1,17 +1,19 @@
-"""Llama-family decoder (Llama, Mistral-style, Qwen2, Qwen3 dense) over paged KV.
+"""Llama-family decoder (Llama, Mistral-style, Qwen2, Qwen3, and their mixture-of-experts
+siblings Qwen2-MoE, Qwen3-MoE, Mixtral) over paged KV.
 
-One class covers the three families; they differ only in q/k/v bias (Qwen2), per-head
-RMSNorm on q and k before rotary (Qwen3), and the head_dim/rope settings in the config."""
+One class covers them all; they differ only in q/k/v bias (Qwen2), per-head RMSNorm on q
+and k before rotary (Qwen3), the head_dim/rope settings in the config, and whether a
+layer's MLP is dense or an MoE block (models/moe.py) with the same interface."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..model_config import ModelConfig
 from ..parallel import TPContext
 from .layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm, RotaryEmbedding,
-                     RowParallelLinear, VocabParallelEmbedding)
+                     RowParallelLinear, SwiGLU, VocabParallelEmbedding)
+from .moe import MoEBlock
 
 
 class Attention(nn.Module):
@@ -68,24 +70,6 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPContext, dtype, fused: bool = False):
-        super().__init__()
-        i = cfg.intermediate_size
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [i, i], bias=False, tp=tp, dtype=dtype)
-        self.down_proj = RowParallelLinear(i, cfg.hidden_size, tp, dtype, reduce=False)  # see o_proj
-        self.inter = tp.shard(i, "intermediate_size")
-        self.fused = fused
-
-    def forward(self, h):
-        gate_up = self.gate_up_proj(h)
-        if self.fused:
-            from kernels.silu_and_mul import silu_and_mul
-            return self.down_proj(silu_and_mul(gate_up))
-        gate, up = gate_up.split([self.inter, self.inter], dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
 def reduce_add_norm(tp: TPContext, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm):
     """All-reduce a row-parallel output, add the residual, RMSNorm: (normed, new residual).
     With TP on GPU one custom kernel does all three (custom_all_reduce.py)."""
@@ -100,11 +84,15 @@ def reduce_add_norm(tp: TPContext, x: torch.Tensor, residual: torch.Tensor, norm
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPContext, dtype, fused: bool = False):
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPContext, dtype, fused: bool = False,
+                 expert_parallel: bool = False):
         super().__init__()
         self.tp = tp
         self.self_attn = Attention(cfg, layer_id, tp, dtype, fused)
-        self.mlp = MLP(cfg, tp, dtype, fused)
+        if cfg.moe is not None and cfg.moe.is_sparse(layer_id):
+            self.mlp = MoEBlock(cfg.moe, cfg.hidden_size, tp, dtype, fused, expert_parallel)
+        else:
+            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, tp, dtype, fused)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, fused)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, fused)
 
@@ -123,14 +111,16 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype, device, max_positions: int,
-                 fused: bool = False):
+                 fused: bool = False, expert_parallel: bool = False):
         """fused: use the Triton kernels (fused add+RMSNorm, q/k norm + rotary + KV store,
-        silu_and_mul); GPU only."""
+        silu_and_mul, fused MoE); GPU only. expert_parallel: MoE experts split whole across
+        the tensor-parallel ranks instead of sliced (models/moe.py)."""
         super().__init__()
         self.cfg = cfg
         self.tp = tp
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, dtype, fused) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, dtype, fused, expert_parallel)
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, fused)
         self.lm_head = ParallelLMHead(self.embed_tokens if cfg.tie_word_embeddings else None,
                                       cfg.vocab_size, cfg.hidden_size, tp, dtype)
@@ -164,13 +154,18 @@ class LlamaForCausalLM(nn.Module):
         _, idx, rest = name.split(".", 2)
         layer = self.layers[int(idx)]
         is_bias = rest.endswith(".bias")
+        if isinstance(layer.mlp, MoEBlock):
+            target = _moe_param(layer.mlp, rest, self.cfg.moe.checkpoint_block)
+            if target is not None:
+                return target
         stacked = {"self_attn.q_proj": (layer.self_attn.qkv_proj, 0),
                    "self_attn.k_proj": (layer.self_attn.qkv_proj, 1),
                    "self_attn.v_proj": (layer.self_attn.qkv_proj, 2),
-                   "mlp.gate_proj": (layer.mlp.gate_up_proj, 0),
-                   "mlp.up_proj": (layer.mlp.gate_up_proj, 1),
-                   "self_attn.o_proj": (layer.self_attn.o_proj, 0),
-                   "mlp.down_proj": (layer.mlp.down_proj, 0)}
+                   "self_attn.o_proj": (layer.self_attn.o_proj, 0)}
+        if isinstance(layer.mlp, SwiGLU):
+            stacked.update({"mlp.gate_proj": (layer.mlp.gate_up_proj, 0),
+                            "mlp.up_proj": (layer.mlp.gate_up_proj, 1),
+                            "mlp.down_proj": (layer.mlp.down_proj, 0)})
         prefix = rest.rsplit(".", 1)[0]
         if prefix in stacked:
             mod, part = stacked[prefix]
@@ -184,3 +179,34 @@ class LlamaForCausalLM(nn.Module):
         if "rotary_emb" in rest:
             return None
         raise KeyError(f"unexpected checkpoint tensor {hf_name}")
+
+
+# per-expert checkpoint names: Qwen's gate/up/down_proj, Mixtral's w1 (gate) / w3 (up) / w2 (down)
+_EXPERT_PARTS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up",
+                 "w2": "down"}
+
+
+def _moe_param(block: MoEBlock, rest: str, block_name: str):
+    """(module, part, is_bias) for a tensor of an MoE block, or None if it is not one.
+    rest: the name after `layers.<i>.`, e.g. `mlp.experts.3.gate_proj.weight`,
+    `block_sparse_moe.gate.weight`, or transformers v5's stacked `mlp.experts.gate_up_proj`."""
+    if not rest.startswith(block_name + "."):
+        return None
+    name = rest[len(block_name) + 1:]
+    if name == "gate.weight":
+        return block.gate, 0, False
+    if name.startswith("experts."):
+        parts = name.split(".")
+        if len(parts) == 2 and parts[1] in ("gate_up_proj", "down_proj"):  # stacked [E, ...]
+            return block.experts, (parts[1].removesuffix("_proj"), None), False
+        if len(parts) == 4 and parts[1].isdigit() and parts[2] in _EXPERT_PARTS and parts[3] == "weight":
+            return block.experts, (_EXPERT_PARTS[parts[2]], int(parts[1])), False
+    if block.shared_expert is not None:
+        shared = {"shared_expert.gate_proj.weight": (block.shared_expert.gate_up_proj, 0),
+                  "shared_expert.up_proj.weight": (block.shared_expert.gate_up_proj, 1),
+                  "shared_expert.down_proj.weight": (block.shared_expert.down_proj, 0),
+                  "shared_expert_gate.weight": (block.shared_expert_gate, 0)}
+        if name in shared:
+            mod, part = shared[name]
+            return mod, part, False
+    return None

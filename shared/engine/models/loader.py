@@ -28,17 +28,19 @@ def _checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def load_model(cfg: ModelConfig, tp: TPContext, dtype: torch.dtype, device: torch.device,
-               max_positions: int, fused: bool = False, load_format: str = "auto") -> LlamaForCausalLM:
+               max_positions: int, fused: bool = False, load_format: str = "auto",
+               expert_parallel: bool = False) -> LlamaForCausalLM:
     """fused: Triton kernels in the layers (GPU). load_format "dummy": random weights made
-    on the device (benchmarks of real shapes without a checkpoint), as vLLM's option."""
+    on the device (benchmarks of real shapes without a checkpoint), as vLLM's option.
+    expert_parallel: MoE experts split whole across the TP ranks (models/moe.py)."""
     if load_format == "dummy":
-        return _dummy_model(cfg, tp, dtype, device, max_positions, fused)
+        return _dummy_model(cfg, tp, dtype, device, max_positions, fused, expert_parallel)
     if load_format != "auto":
         raise ValueError(f"unknown load_format {load_format!r}; choose auto or dummy")
     from safetensors import safe_open
     files = _checkpoint_files(cfg.model_dir)
     with torch.device("cpu"):
-        model = LlamaForCausalLM(cfg, tp, dtype, "cpu", max_positions, fused)
+        model = LlamaForCausalLM(cfg, tp, dtype, "cpu", max_positions, fused, expert_parallel)
     seen: set[int] = set()
     for path in files:
         with safe_open(str(path), framework="pt") as f:
@@ -57,16 +59,19 @@ def load_model(cfg: ModelConfig, tp: TPContext, dtype: torch.dtype, device: torc
     if cfg.tie_word_embeddings:
         expected.discard(id(model.lm_head))
     missing = [n for n, m in model.named_modules() if id(m) in expected and id(m) not in seen]
+    for n, m in model.named_modules():  # stacked tensors filled piece by piece (MoE experts)
+        if hasattr(m, "missing_weights"):
+            missing += [f"{n}.{w}" for w in m.missing_weights()]
     if missing:
         raise ModelLoadError(f"checkpoint in {cfg.model_dir} lacks weights for: {', '.join(missing[:5])}"
                              + (" ..." if len(missing) > 5 else ""))
     return model.to(device)
 
 
-def _dummy_model(cfg, tp, dtype, device, max_positions, fused) -> LlamaForCausalLM:
+def _dummy_model(cfg, tp, dtype, device, max_positions, fused, expert_parallel) -> LlamaForCausalLM:
     """Weights ~ N(0, 0.02) (norm scales ~ 1), drawn on the device: seconds even for 8B."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, tp, dtype, "meta", max_positions, fused)
+        model = LlamaForCausalLM(cfg, tp, dtype, "meta", max_positions, fused, expert_parallel)
     model = model.to_empty(device=device)
     if cfg.tie_word_embeddings:  # to_empty makes new parameters: tie them again
         model.lm_head.weight = model.embed_tokens.weight
@@ -79,4 +84,7 @@ def _dummy_model(cfg, tp, dtype, device, max_positions, fused) -> LlamaForCausal
     # rotary tables are buffers computed from the config, not weights: rebuild them for real
     from .layers import RotaryEmbedding
     model.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, max_positions, dtype, device, fused)
+    for m in model.modules():  # other config-derived buffers (MoE expert maps)
+        if hasattr(m, "init_buffers"):
+            m.init_buffers()
     return model
