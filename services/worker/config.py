@@ -34,6 +34,7 @@ class WorkerConfig:
     cuda_graph: bool = True
     overlap_schedule: bool = False
     tp: int = 1
+    ep: int = 1  # MoE: 1 (experts sliced over the TP ranks) or --tp (experts split whole)
     threads: int | None = None
     reserve_timeout_s: float = 10.0  # decode: bounded admission wait
     notice_timeout_s: float = 30.0  # decode: wait for prefill's KV before recomputing
@@ -73,6 +74,9 @@ class WorkerConfig:
                        default=e("DUET_OVERLAP_SCHEDULE", "") in ("1", "true"),
                        help="prepare step N+1 on the CPU while the GPU runs step N")
         p.add_argument("--tp", type=int, default=int(e("DUET_TP", "1")))
+        p.add_argument("--ep", type=int, default=int(e("DUET_EP", "1")),
+                       help="MoE models: expert-parallel size, 1 or --tp (each rank holds 1/ep of the "
+                            "experts whole instead of a slice of every expert)")
         p.add_argument("--threads", type=int, default=int(e("DUET_THREADS", "0")) or None,
                        help="torch intra-op threads (CPU)")
         p.add_argument("--reserve-timeout", type=float, default=float(e("DUET_RESERVE_TIMEOUT", "10")))
@@ -94,7 +98,7 @@ class WorkerConfig:
                    max_num_batched_tokens=a.max_num_batched_tokens, max_running_requests=a.max_running_requests,
                    max_model_len=a.max_model_len, enable_prefix_cache=not a.disable_prefix_cache,
                    attention_backend=a.attention_backend, cuda_graph=not a.disable_cuda_graph,
-                   overlap_schedule=a.overlap_schedule, tp=a.tp,
+                   overlap_schedule=a.overlap_schedule, tp=a.tp, ep=a.ep,
                    threads=a.threads, reserve_timeout_s=a.reserve_timeout, notice_timeout_s=a.notice_timeout,
                    write_timeout_s=a.write_timeout, recompute_on_missing_kv=not a.no_recompute,
                    nixl_progress_thread=a.nixl_progress_thread,
