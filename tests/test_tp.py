@@ -58,3 +58,27 @@ def _shard_shapes(engine):
 def test_heads_that_do_not_divide_fail_clearly(model_dir):
     with pytest.raises(ValueError, match=r"num_attention_heads \(4\) is not divisible by 3"):
         LLM(str(model_dir), dtype="float64", device="cpu", tp=3)
+
+
+def test_tp2_with_overlap_scheduling_matches_tp1(model_dir):
+    """Overlap with TP: rank 0 samples on its device and broadcasts the tokens into the
+    followers' future rings; every rank resolves the next step's placeholders itself.
+    Greedy and seeded sampling, requests ending at different steps, and a logprobs request
+    (the synchronous path) in the same run."""
+    prompts = PROMPTS + [[3] * 17, [40, 41] * 9]
+    params = _params() + [SamplingParams(temperature=0, max_tokens=7, logprobs=2)]
+    llm1 = LLM(str(model_dir), dtype="float64", device="cpu", num_threads=1)
+    want = [o.token_ids for o in llm1.generate(prompts, params)]
+    del llm1
+    llm2 = LLM(str(model_dir), dtype="float64", device="cpu", num_threads=1, tp=2, overlap_schedule=True)
+    try:
+        eng = llm2.engine
+        assert eng.overlap is not None
+        got = [o.token_ids for o in llm2.generate(prompts, params)]
+        assert got == want
+        assert eng.overlap.num_sync_steps > 0  # the logprobs request sampled on the host
+        again = [o.token_ids for o in llm2.generate(prompts[:3], params[:3])]
+        assert again == want[:3]
+        eng.check_idle()
+    finally:
+        llm2.engine.close()

@@ -73,7 +73,7 @@ def follower_read(engine, reset: bool = True) -> dict:
 
 
 def profile_engine(model: str, tp: int, custom_ar: bool, batches, ctx_len: int, steps: int,
-                   workdir: str, device: str = "auto") -> dict:
+                   workdir: str, device: str = "auto", ar_mode: str = "fused", overlap: bool = False) -> dict:
     """Runs in a fresh process (bench.tp.in_fresh_process)."""
     from pathlib import Path
 
@@ -86,9 +86,12 @@ def profile_engine(model: str, tp: int, custom_ar: bool, batches, ctx_len: int, 
 
     t0 = time.monotonic()
     eng = make_engine(config_only_dir(model, Path(workdir)), load_format="dummy", tp_size=tp, device=device,
-                      custom_all_reduce=custom_ar, max_model_len=4096, cuda_graph_max_bs=max(batches),
+                      custom_all_reduce=custom_ar, custom_all_reduce_mode=ar_mode, overlap_schedule=overlap,
+                      max_model_len=4096, cuda_graph_max_bs=max(batches),
                       **({"kv_cache_memory": 64 << 20} if device == "cpu" else {}))
-    result = dict(tp=tp, custom_ar=eng.tp.custom_all_reduce is not None, start_s=time.monotonic() - t0,
+    car = eng.tp.custom_all_reduce
+    result = dict(tp=tp, custom_ar=car.mode if car is not None else False, overlap=eng.overlap is not None,
+                  start_s=time.monotonic() - t0,
                   graphs=sorted(eng.runner.graphs.graphs) if eng.runner.graphs else [], rows=[])
     print(f"[tp_profile] TP={tp} custom_ar={result['custom_ar']} ready in {result['start_s']:.0f}s, "
           f"graphs {result['graphs'][:3]}...", file=sys.stderr, flush=True)
@@ -102,6 +105,10 @@ def profile_engine(model: str, tp: int, custom_ar: bool, batches, ctx_len: int, 
         eng.call_followers("loadtest.bench.tp_profile:follower_instrument")
     import shared.engine.engine as engine_mod
     timers.wrap(engine_mod, "sample", "rank0 sample (incl. GPU wait)")
+    if eng.overlap is not None:
+        import shared.engine.overlap as overlap_mod
+        timers.wrap(overlap_mod, "sample_on_device", "rank0 sample_on_device")
+        timers.wrap(eng.overlap, "_resolve", "rank0 resolve (incl. GPU wait)")
     for b in batches:
         rng = np.random.default_rng(b)
         params = SamplingParams(temperature=0, max_tokens=steps + 40, ignore_eos=True)
@@ -146,8 +153,10 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default="1,32")
     p.add_argument("--ctx", type=int, default=1024)
     p.add_argument("--steps", type=int, default=32)
-    p.add_argument("--configs", default="1:off,2:on,2:off", help="tp:custom_ar pairs")
+    p.add_argument("--configs", default="1:off,2:on,2:off",
+                   help="comma list of tp:custom_ar[:mode[:overlap]], e.g. 2:on:oneshot:overlap")
     p.add_argument("--device", default="auto", help="cpu: check the script on a small model (gloo)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per configuration")
     a = p.parse_args(argv)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -159,23 +168,27 @@ def main(argv=None) -> int:
     workdir = tempfile.mkdtemp(prefix="tp-profile-")
     results = []
     for cfg in a.configs.split(","):
-        tp, car = cfg.split(":")
+        tp, car, mode, ovl = (cfg.split(":") + ["", ""])[:4]
+        mode = mode or "fused"
         try:
             r = in_fresh_process("loadtest.bench.tp_profile:profile_engine", a.model, int(tp), car == "on",
-                                 batches, a.ctx, a.steps, workdir, a.device, timeout=420)
+                                 batches, a.ctx, a.steps, workdir, a.device, mode, ovl == "overlap",
+                                 timeout=a.timeout)
         except Exception as e:  # noqa: BLE001 - report and go on with the next config
             print(f"TP={tp} custom_ar={car}: FAILED {e}", flush=True)
             continue
         results.append(r)
         for row in r["rows"]:
-            print(f"\n--- TP={r['tp']} custom_ar={r['custom_ar']} B={row['batch']} ---\n{row['top_cpu']}\n"
+            print(f"\n--- TP={r['tp']} custom_ar={r['custom_ar']} overlap={r['overlap']} B={row['batch']} ---\n"
+                  f"{row['top_cpu']}\n"
                   f"{row['top_cuda']}", flush=True)
     print("\n=== tp_profile (ms per step; parts are per call) ===")
     for r in results:
         for row in r["rows"]:
             parts = {k: v for k, v in row.items() if k not in ("top_cpu", "top_cuda", "batch", "step_ms")}
             text = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in parts.items())
-            print(f"TP={r['tp']} car={'on' if r['custom_ar'] else 'off'} B={row['batch']}: step {row['step_ms']:.3f} | "
+            print(f"TP={r['tp']} car={r['custom_ar'] or 'off'} overlap={'on' if r['overlap'] else 'off'} "
+                  f"B={row['batch']}: step {row['step_ms']:.3f} | "
                   f"start {r['start_s']:.0f}s | {text}")
     return 0
 

@@ -1,6 +1,7 @@
 """Engine settings: one dataclass, filled by the offline API, the CLI and the workers."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +33,9 @@ class EngineConfig:
     tp_size: int = 1  # tensor-parallel ranks (processes); this process is rank 0
     ep_size: int = 1  # MoE: 1 (experts sliced over the TP ranks) or tp_size (experts split whole)
     custom_all_reduce: bool = True  # TP on GPU: one-shot P2P all-reduce fused with add+RMSNorm
+    # fused: our reduce+add+RMSNorm kernel between two signal barriers; oneshot: torch's
+    # one-launch copy+sync+sum, then add+RMSNorm (custom_all_reduce.py)
+    custom_all_reduce_mode: str = field(default_factory=lambda: os.environ.get("DUET_CUSTOM_ALLREDUCE", "fused"))
     load_format: str = "auto"  # auto: safetensors | dummy: random weights (benchmarks)
     tp: TPContext = field(default_factory=TPContext)  # this process's rank (set by the engine)
 

@@ -11,7 +11,12 @@ own launch for the small decode messages; this is one read of each peer and it a
 removes the separate add+norm kernel.
 
 The barriers are torch's signal-pad barriers (device kernels, CUDA-graph safe). Sizes
-over the buffer, or dtypes it does not handle, return None: the caller uses NCCL."""
+over the buffer, or dtypes it does not handle, return None: the caller uses NCCL.
+
+mode "oneshot" (DUET_CUSTOM_ALLREDUCE=oneshot) instead uses torch's one-shot kernel that
+copies the local input into the symmetric buffer, synchronises with the peers and sums
+in one launch (`symm_mem.one_shot_all_reduce_copy_out`), then our fused add+RMSNorm:
+two graph nodes per all-reduce instead of four."""
 from __future__ import annotations
 
 import logging
@@ -29,14 +34,23 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _RENDEZVOUS_DONE = False
 
 
+MODES = ("fused", "oneshot")
+
+
 class CustomAllReduce:
     def __init__(self, group, rank: int, world_size: int, device: torch.device,
-                 max_bytes: int = DEFAULT_MAX_BYTES):
+                 max_bytes: int = DEFAULT_MAX_BYTES, mode: str = "fused"):
         import torch.distributed._symmetric_memory as symm_mem
 
+        if mode not in MODES:
+            raise ValueError(f"unknown custom all-reduce mode {mode!r}; choose {' or '.join(MODES)}")
         self.rank, self.world_size, self.device = rank, world_size, device
         self.max_bytes = max_bytes
+        self.mode = mode
         group = group or dist.group.WORLD
+        self.group_name = group.group_name
+        if mode == "oneshot":
+            self._one_shot = torch.ops.symm_mem.one_shot_all_reduce_copy_out  # AttributeError: older torch
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
         if enable is not None:  # needed by older torch, a no-op (or deprecated) on newer
             try:
@@ -55,12 +69,12 @@ class CustomAllReduce:
         return not _RENDEZVOUS_DONE
 
     @classmethod
-    def try_create(cls, tp, device: torch.device, max_bytes: int = DEFAULT_MAX_BYTES):
+    def try_create(cls, tp, device: torch.device, max_bytes: int = DEFAULT_MAX_BYTES, mode: str = "fused"):
         """All ranks must call this together. None (with a log line) where it cannot work."""
         if device.type != "cuda" or tp.size < 2:
             return None
         try:
-            car = cls(tp.group, tp.rank, tp.size, device, max_bytes)
+            car = cls(tp.group, tp.rank, tp.size, device, max_bytes, mode)
             car.self_check()
             return car
         except Exception as e:  # noqa: BLE001 - any failure means: use NCCL
@@ -76,10 +90,18 @@ class CustomAllReduce:
         self.buffer[:nbytes].view(x.dtype).view(x.shape).copy_(x)
         self.handle.barrier(channel=0)
 
+    def _symm_view(self, x: torch.Tensor) -> torch.Tensor:
+        nbytes = x.numel() * x.element_size()
+        return self.buffer[:nbytes].view(x.dtype).view(x.shape)
+
     def all_reduce_add_rms_norm(self, x, residual, weight, eps: float):
         """(rms_norm(sum_ranks(x) + residual) * weight, sum_ranks(x) + residual), or None."""
         if not self.fits(x) or residual.dtype != x.dtype or x.dim() != 2:
             return None
+        if self.mode == "oneshot":
+            from kernels.rms_norm import rms_norm
+            summed = self._one_shot(self._symm_view(x), x, "sum", self.group_name, torch.empty_like(x))
+            return rms_norm(summed, weight, eps, residual)
         self._publish(x)
         from .custom_all_reduce_kernel import launch_reduce
 
@@ -92,6 +114,10 @@ class CustomAllReduce:
         if not self.fits(x):
             return None
         flat = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+        if self.mode == "oneshot":
+            out = self._one_shot(self._symm_view(flat), flat.contiguous(), "sum", self.group_name,
+                                 torch.empty_like(flat))
+            return out.view(x.shape)
         self._publish(flat)
         from .custom_all_reduce_kernel import launch_reduce
 

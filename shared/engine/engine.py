@@ -68,9 +68,6 @@ class Engine:
         if config.tp_size > 1 and config.tp.size == 1:  # this process becomes rank 0 of tp_size
             from .tp_launcher import check_divisible, launch
             check_divisible(mc, config.tp_size, expert_parallel=config.ep_size > 1)
-            if config.overlap_schedule:
-                log.warning("overlap scheduling is not supported with tensor parallelism yet; off")
-                config.overlap_schedule = False
             config.tp, self._tp_workers = launch(config, config.tp_size, config.resolve_device())
             weakref.finalize(self, self._tp_workers.shutdown)
         self.device = config.resolve_device()
@@ -89,7 +86,7 @@ class Engine:
             from .custom_all_reduce import CustomAllReduce
             car = None
             if self.tp.all_ranks_agree(CustomAllReduce.fresh_process(), self.device):
-                car = CustomAllReduce.try_create(self.tp, self.device)
+                car = CustomAllReduce.try_create(self.tp, self.device, mode=config.custom_all_reduce_mode)
             if self.tp.all_ranks_agree(car is not None, self.device):  # all use it, or none
                 self.tp.custom_all_reduce = car
         self.layout = self._size_kv()
@@ -103,10 +100,16 @@ class Engine:
         if self.device.type == "cuda" and self.backend.supports_cuda_graph:
             # graphs off still pads decode batches to the same sizes: identical numbers either way
             from .cuda_graph import CudaGraphRunner
+            capture = config.cuda_graph
+            if capture and self.tp.size > 1 and self.tp.custom_all_reduce is None:
+                # NCCL collectives captured in decode graphs hung on 2 x H200 (tp_profile,
+                # custom all-reduce off: no step in 7 minutes); run those steps eagerly
+                log.warning("tensor parallel without the custom all-reduce: decode CUDA graphs off")
+                capture = False
             self.runner.graphs = CudaGraphRunner(self.model, self.backend, self.pool, self.device,
                                                  max_bs=min(config.cuda_graph_max_bs, config.max_running_requests),
                                                  max_pages=-(-self.max_model_len // self.layout.page_size),
-                                                 capture=config.cuda_graph)
+                                                 capture=capture)
         self.requests: dict[str, Req] = {}
         self.stats = EngineStats()
         self._tokenizer = None

@@ -9,6 +9,11 @@ at once; its input id is looked up in the ring on the device (model_runner). Onl
 does the CPU wait for step N's tokens, replace the placeholders and run the stop checks
 (as SGLang's future-token map and mini-sglang's overlap loop do).
 
+With tensor parallelism every rank resolves placeholders from its own ring: rank 0 sends
+the followers the ring slots after the step's plan, and broadcasts the sampled tokens on
+the device (tp_launcher.send_sampled); the followers' next forward reads them in stream
+order, so no rank waits on the host.
+
 Costs: a request that finishes at step N was already scheduled in step N+1; that row's
 work is thrown away (its KV writes land in pages it still held; the GPU runs in order,
 so a page reused later is written after). Steps whose sampling needs host data (penalties,
@@ -90,6 +95,8 @@ class OverlapScheduler:
         start = self.cursor
         self.cursor += n
         self.future[start:start + n].copy_(tokens)
+        if e._tp_workers is not None:  # the other ranks resolve the same placeholders
+            e._tp_workers.send_sampled(start, tokens)
         done = None
         if self.device.type == "cuda":
             host = torch.empty(n, dtype=torch.int64, pin_memory=True)

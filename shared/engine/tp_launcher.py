@@ -34,7 +34,7 @@ from .step_plan import StepPlan
 
 log = logging.getLogger("duet.engine.tp")
 
-_FORWARD, _CALL, _STOP = b"F\0\0\0", b"C\0\0\0", b"S\0\0\0"
+_FORWARD, _CALL, _STOP, _SAMPLED = b"F\0\0\0", b"C\0\0\0", b"S\0\0\0", b"T\0\0\0"
 INIT_TIMEOUT = timedelta(minutes=10)
 
 
@@ -83,6 +83,16 @@ class TPWorkers:
         payload = _FORWARD + plan.data.tobytes()
         for c in self.conns:
             c.send_bytes(payload)
+
+    def send_sampled(self, start: int, tokens: torch.Tensor) -> None:
+        """Overlap scheduling: the step's tokens were sampled on rank 0's device into its
+        future ring at [start, start+n); every follower receives them with one broadcast on
+        the device (no host sync) into the same slots of its own ring, from which the next
+        step's placeholder ids are resolved on every rank."""
+        header = np.asarray([start, tokens.numel()], dtype=np.int64).tobytes()
+        for c in self.conns:
+            c.send_bytes(_SAMPLED + header)
+        dist.broadcast(tokens, src=0)
 
     def call(self, target: str, *args) -> list:
         """Run `module:function(engine, *args)` on every follower; their results in rank
@@ -233,6 +243,12 @@ def _follow(engine, conn) -> None:
         if kind == _FORWARD:
             plan = StepPlan(np.frombuffer(msg, dtype=np.int32, offset=4).copy())
             engine.runner.forward_plan(plan)
+        elif kind == _SAMPLED:
+            start, n = np.frombuffer(msg, dtype=np.int64, offset=4).tolist()
+            ring = engine.runner.future_tokens
+            tokens = torch.empty(n, dtype=ring.dtype, device=ring.device)
+            dist.broadcast(tokens, src=0)
+            ring[start:start + n].copy_(tokens)
         elif kind == _CALL:
             target, args = pickle.loads(msg[4:])
             try:
