@@ -77,6 +77,42 @@ def test_abort_while_a_step_is_in_flight(model_dir):
     eng.check_idle()
 
 
+def test_prefill_only_requests_awaiting_their_token_are_never_retracted(model_dir):
+    """A prefill worker under page pressure: prefill-only requests whose first token is still
+    being sampled hold their pages; the scheduler must not retract them to make room (their
+    result would land on a request that lost its KV: HELD with no pages, and its transfer
+    would never finish). Every request ends HELD with all of its prompt's pages and the
+    plain loop's first token. (Found by a random search: this case failed before.)"""
+    lengths = [30, 18, 28, 11, 24]
+    prompts = [list(range(20, 20 + n)) for n in lengths]
+    params = SamplingParams(temperature=0, max_tokens=1)
+    plain = Engine(model_dir=str(model_dir), dtype="float64", device="cpu", num_threads=1,
+                   overlap_schedule=False, page_size=4)
+    want = {}
+    for p in prompts:
+        plain.add_request(p, params)
+        while plain.has_work:
+            for out in plain.step():
+                want[len(p)] = out.token_ids[0]
+    page_bytes = 2 * 2 * 2 * 4 * 16 * 8  # layers x (K, V) x kv heads x page x head_dim x float64
+    eng = Engine(model_dir=str(model_dir), dtype="float64", device="cpu", num_threads=1, overlap_schedule=True,
+                 page_size=4, max_num_batched_tokens=8, kv_cache_memory=18 * page_bytes)
+    assert eng.kv.capacity == 17
+    rids = {eng.add_request(p, params, prefill_only=True): len(p) for p in prompts}
+    held = {}
+    for _ in range(400):
+        if not eng.has_work:
+            break
+        for out in eng.step():
+            if out.prefill_done:
+                req = eng.get(out.rid)
+                assert len(req.page_ids) * 4 >= rids[out.rid] and req.num_kv_ready >= rids[out.rid]
+                held[rids[out.rid]] = out.token_ids[0]
+                eng.release_held(out.rid)  # its transfer is done: free the pages
+    assert held == want
+    eng.check_idle()
+
+
 def test_device_sampler_matches_host_sampler():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 300, generator=g, dtype=torch.float64) * 3

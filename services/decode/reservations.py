@@ -37,6 +37,7 @@ class Reservation:
     cancelled_at: float | None = None
     settled_at: float | None = None  # unclaimed, and no write can land any more, since then
     waiter: Callable[[], None] | None = None  # wakes the Generate handler (set: it is claimed)
+    ready_event: object = None  # CUDA event: launched GPU work that may touch the pages has run
 
     @property
     def key(self) -> str:
@@ -78,6 +79,9 @@ class ReservationBook:
         if pages is None:
             return None
         res.page_ids = pages
+        # a step launched before these pages were freed may still write them (overlap
+        # scheduling): the reservation is handed out once that work has run
+        res.ready_event = eng.launched_work_event()
         self.open[rid] = res
         return res
 

@@ -57,6 +57,8 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
                     await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                         f"decode worker {ctx.worker_id} has no room after {wait_s:.1f}s")
                 await asyncio.sleep(0.01)
+            while res.ready_event is not None and not res.ready_event.query():
+                await asyncio.sleep(0.0005)  # at most one in-flight step
         reply = duet_pb2.Reservation(
             reservation_id=res.reservation_id, generation=res.generation, decode_worker_id=ctx.worker_id,
             decode_instance_nonce=ctx.instance_nonce, page_size=ctx.page_size,

@@ -88,6 +88,7 @@ class OutgoingTransfers:
                               request_id=out.rid, kind=kind, first_token_id=token, num_tokens=out.num_prompt)
 
     def tick(self) -> bool:
+        self.engine.poll_kv_ready()
         for rid in list(self.active):
             self._advance(self.active[rid])
         if self.followers is not None and self.followers.flush():
@@ -102,7 +103,9 @@ class OutgoingTransfers:
             out.stream.abort(self._notice(out, "abort"))
         if not out.cancelled and out.stream.state not in (DONE, FAILED) and req is not None:
             held = req.status is ReqStatus.HELD
-            ready = -(-out.num_prompt // self.page_size) if held else req.num_computed // self.page_size
+            # only pages the device has finished (a launched chunk may still be running)
+            done = max(req.num_kv_ready, req.num_cached_tokens)
+            ready = -(-out.num_prompt // self.page_size) if held else done // self.page_size
             ready = min(ready, len(req.page_ids))
             if ready > out.pages_sent:
                 try:

@@ -32,7 +32,7 @@ class WorkerConfig:
     enable_prefix_cache: bool = True
     attention_backend: str = "auto"
     cuda_graph: bool = True
-    overlap_schedule: bool = False
+    overlap_schedule: bool = True
     tp: int = 1
     ep: int = 1  # MoE: 1 (experts sliced over the TP ranks) or --tp (experts split whole)
     threads: int | None = None
@@ -70,9 +70,10 @@ class WorkerConfig:
         p.add_argument("--disable-prefix-cache", action="store_true")
         p.add_argument("--attention-backend", default=e("DUET_ATTENTION_BACKEND", "auto"))
         p.add_argument("--disable-cuda-graph", action="store_true")
-        p.add_argument("--overlap-schedule", action="store_true",
-                       default=e("DUET_OVERLAP_SCHEDULE", "") in ("1", "true"),
-                       help="prepare step N+1 on the CPU while the GPU runs step N")
+        p.add_argument("--overlap-schedule", action=argparse.BooleanOptionalAction,
+                       default=e("DUET_OVERLAP_SCHEDULE", "1").lower() not in ("0", "false", "no"),
+                       help="prepare step N+1 on the CPU while the device runs step N (default on; "
+                            "--no-overlap-schedule or DUET_OVERLAP_SCHEDULE=0 for the plain loop)")
         p.add_argument("--tp", type=int, default=int(e("DUET_TP", "1")))
         p.add_argument("--ep", type=int, default=int(e("DUET_EP", "1")),
                        help="MoE models: expert-parallel size, 1 or --tp (each rank holds 1/ep of the "

@@ -28,7 +28,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | triton | flashinfer
     cuda_graph: bool = True
     cuda_graph_max_bs: int = 256
-    overlap_schedule: bool = False
+    overlap_schedule: bool = True  # CPU prepares step N+1 while the device runs step N (overlap.py)
     num_threads: int | None = None  # torch intra-op threads on CPU
     tp_size: int = 1  # tensor-parallel ranks (processes); this process is rank 0
     ep_size: int = 1  # MoE: 1 (experts sliced over the TP ranks) or tp_size (experts split whole)

@@ -11,6 +11,7 @@ import os
 import time
 import uuid
 import weakref
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -111,6 +112,8 @@ class Engine:
                                                  max_pages=-(-self.max_model_len // self.layout.page_size),
                                                  capture=capture)
         self.requests: dict[str, Req] = {}
+        # launched steps whose prefill-only KV a transfer may not read yet: (event, [(req, end)])
+        self._kv_in_flight: deque = deque()
         self.stats = EngineStats()
         self._tokenizer = None
         self.overlap = None
@@ -251,7 +254,7 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or (self.overlap is not None and self.overlap.pending is not None)
+        return self.scheduler.has_work or (self.overlap is not None and self.overlap.has_pending_work)
 
     def get(self, rid: str) -> Req | None:
         return self.requests.get(rid)
@@ -264,15 +267,11 @@ class Engine:
         if not batch.items:
             return []
         logits = self.runner.forward(batch)
+        self.track_kv_written(batch)
         self.stats.steps += 1
         outs: list[StepOutput] = []
         sampling = [it for it in batch.items if it.samples]
-        for it in batch.items:
-            it.req.num_computed = it.end
-            # by position: prompt positions are prefill work even when recomputed later
-            prompt_part = max(0, min(it.end, it.req.num_prompt) - it.start)
-            self.stats.prefill_tokens_computed += prompt_part
-            self.stats.decode_tokens_computed += it.length - prompt_part
+        self.count_computed(batch)
         if sampling:
             rows = [self._sample_row(it.req) for it in sampling]
             res = sample(logits, rows)
@@ -281,6 +280,48 @@ class Engine:
                                          res.logprobs[i] if res.logprobs else None,
                                          res.top_logprobs[i] if res.top_logprobs else None))
         return outs
+
+    def count_computed(self, batch) -> None:
+        """Advance each request's computed length and the engine's token counters."""
+        for it in batch.items:
+            it.req.num_computed = it.end
+            # by position: prompt positions are prefill work even when recomputed later
+            prompt_part = max(0, min(it.end, it.req.num_prompt) - it.start)
+            self.stats.prefill_tokens_computed += prompt_part
+            self.stats.decode_tokens_computed += it.length - prompt_part
+
+    # -- when launched work has landed ------------------------------------------------------
+    def track_kv_written(self, batch) -> None:
+        """After launching a step: its prefill-only chunks' KV counts as ready for a KV
+        transfer only once the device has run the step (a step that samples nothing
+        returns before the GPU finishes, and with overlap scheduling no step waits)."""
+        items = [(it.req, it.end) for it in batch.items if it.req.prefill_only]
+        if not items:
+            return
+        if self.device.type != "cuda":
+            for req, end in items:
+                req.num_kv_ready = max(req.num_kv_ready, end)
+            return
+        event = torch.cuda.Event()
+        event.record()
+        self._kv_in_flight.append((event, items))
+
+    def poll_kv_ready(self) -> None:
+        """Move num_kv_ready forward for every step the device has finished."""
+        while self._kv_in_flight and self._kv_in_flight[0][0].query():
+            _, items = self._kv_in_flight.popleft()
+            for req, end in items:
+                req.num_kv_ready = max(req.num_kv_ready, end)
+
+    def launched_work_event(self):
+        """An event that completes when everything launched so far has run (None on CPU).
+        Pages handed to a remote writer (a decode reservation) wait for it: with overlap
+        scheduling a step launched before the pages were freed may still write them."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
     def _sample_row(self, req: Req) -> SampleRow:
         suppress = []

@@ -53,6 +53,13 @@ class OverlapScheduler:
         self.pending: InFlight | None = None
         self.num_sync_steps = 0  # steps that had to sample on the host
 
+    @property
+    def has_pending_work(self) -> bool:
+        """A launched step whose tokens some live request still waits for (a flight of
+        aborted requests only is not work: its results would all be dropped)."""
+        return self.pending is not None and any(
+            en.req.status is not ReqStatus.FINISHED for en in self.pending.entries)
+
     def step(self):
         e = self.engine
         outs = []
@@ -75,14 +82,10 @@ class OverlapScheduler:
     def _launch(self, batch):
         e = self.engine
         logits = e.runner.forward(batch)
+        e.track_kv_written(batch)
         e.stats.steps += 1
         sampling = [it for it in batch.items if it.samples]
-        for it in batch.items:
-            it.req.num_computed = it.end
-            if it.req.num_output == 0 or it.req.prefill_only:
-                e.stats.prefill_tokens_computed += it.length
-            else:
-                e.stats.decode_tokens_computed += it.length
+        e.count_computed(batch)
         if not sampling:
             return None, []
         if any(it.req.params.uses_penalties or it.req.params.logprobs is not None for it in sampling):

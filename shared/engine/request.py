@@ -26,7 +26,10 @@ class Req:
     prefill_only: bool = False  # disaggregated prefill: stop after the first token, hold pages
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     page_ids: list[int] = field(default_factory=list)  # page i holds tokens [i*ps, (i+1)*ps)
-    num_computed: int = 0  # tokens whose KV is in the cache (cached_len)
+    num_computed: int = 0  # tokens whose KV is in the cache (cached_len), as of the launched steps
+    # tokens whose KV the device has finished writing (prefill-only requests: what a KV
+    # transfer may read; see Engine.poll_kv_ready)
+    num_kv_ready: int = 0
     num_tree_pages: int = 0  # leading page_ids owned by the radix tree (shared, locked)
     prefix_node: RadixNode | None = None
     num_cached_tokens: int = 0  # prefix-cache hit at first admission

@@ -55,6 +55,8 @@ class Scheduler:
         for req in list(self.running):
             if req.status is not ReqStatus.RUNNING or not req.is_decoding:
                 continue
+            if self._awaiting_result(req):
+                continue
             while not self.kv.grow(req, req.num_computed + 1):
                 victim = self._youngest_after(req)
                 if victim is None:
@@ -69,7 +71,7 @@ class Scheduler:
         for req in self.running:
             if budget <= 0:
                 break
-            if req.status is ReqStatus.RUNNING and not req.is_decoding:
+            if req.status is ReqStatus.RUNNING and not req.is_decoding and not self._awaiting_result(req):
                 item = self._chunk(req, budget)
                 if item is None:
                     break
@@ -89,11 +91,20 @@ class Scheduler:
             self.running.append(req)
             batch.items.append(item)
             budget -= item.length
-        if not batch.items and len(self.running) > 1:
+        stuck = [r for r in self.running if not self._awaiting_result(r)]
+        if not batch.items and len(stuck) > 1:
             # admitted prefills hold all the pages between them: free the youngest so the
             # oldest can finish (otherwise none ever would)
-            self._retract(self.running[-1])
+            self._retract(stuck[-1])
         return batch
+
+    @staticmethod
+    def _awaiting_result(req: Req) -> bool:
+        """Overlap scheduling: the request's next token is still being sampled on the device
+        and nothing can be computed for it now: a prefill-only request whose prompt is done,
+        or one whose pending token is its last (max_tokens). Never scheduled nor retracted
+        meanwhile: its in-flight result must find it as it was."""
+        return req.remaining <= 0 or (req.is_decoding and req.num_output >= req.max_new_tokens)
 
     def _chunk(self, req: Req, budget: int) -> ScheduledReq | None:
         """The next prefill chunk that fits both the budget and free pages (keeping one
@@ -114,7 +125,7 @@ class Scheduler:
         """The youngest running request admitted after `req`, if any."""
         idx = self.running.index(req)
         for other in reversed(self.running[idx + 1:]):
-            if other.status is ReqStatus.RUNNING:
+            if other.status is ReqStatus.RUNNING and not self._awaiting_result(other):
                 return other
         return None
 
@@ -124,5 +135,6 @@ class Scheduler:
         self.running.remove(req)
         self.kv.release(req, cache=False)
         req.num_computed = 0
+        req.num_kv_ready = 0
         self.num_retracted += 1
         self.add(req, front=True)
