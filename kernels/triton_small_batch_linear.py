@@ -24,12 +24,30 @@ from kernels.small_batch_linear_config import SmallBatchConfig
 
 
 @triton.jit
+def _zeros(BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr):
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:  # M == 1: element-wise partial sums in the weight tile's layout, reduced over K after the loop
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    return acc
+
+
+@triton.jit
 def _mac(acc, wt, xt, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """acc[BLOCK_N, BLOCK_M] += wt[BLOCK_N, BLOCK_K] @ xt[BLOCK_M, BLOCK_K]^T in fp32."""
+    """acc += wt[BLOCK_N, BLOCK_K] x xt[BLOCK_M, BLOCK_K]^T in fp32: a tensor-core dot, or
+    (BLOCK_M == 1) CUDA-core multiply-adds with no cross-thread work inside the loop."""
     if USE_DOT:
         acc = tl.dot(wt, tl.trans(xt), acc, input_precision=DOT_PRECISION)
     else:
-        acc += tl.sum(wt.to(tl.float32)[:, None, :] * xt.to(tl.float32)[None, :, :], axis=2)
+        acc += wt.to(tl.float32) * xt.to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _finish(acc, USE_DOT: tl.constexpr):
+    """[BLOCK_N, BLOCK_M] sums."""
+    if not USE_DOT:
+        acc = tl.sum(acc, axis=1)[:, None]
     return acc
 
 
@@ -67,8 +85,8 @@ def _small_batch_linear_kernel(
     w_ptrs = w + rows[:, None] * stride_wn + rk[None, :]
     u_ptrs = w_ptrs + up_elems  # the up half's rows: N rows further down
     x_ptrs = x + rm[:, None] * stride_xm + rk[None, :]
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc = _zeros(BLOCK_N, BLOCK_M, BLOCK_K, USE_DOT)
+    acc_up = _zeros(BLOCK_N, BLOCK_M, BLOCK_K, USE_DOT)
     for k0 in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
             xt = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
@@ -84,6 +102,8 @@ def _small_batch_linear_kernel(
             else:
                 ut = tl.load(u_ptrs + k0, mask=((k0 + rk) < K)[None, :], other=0.0)
             acc_up = _mac(acc_up, ut, xt, USE_DOT, DOT_PRECISION)
+    acc = _finish(acc, USE_DOT)
+    acc_up = _finish(acc_up, USE_DOT)
 
     if SPLIT:
         num_acc = 2 if GATE_UP else 1
@@ -112,7 +132,7 @@ def _block_m(m: int, use_dot: bool) -> int:
     block = 1
     while block < m:
         block *= 2
-    return max(block, 16) if use_dot else block  # tl.dot needs >= 16 rows
+    return max(block, 16) if use_dot else block  # tl.dot needs >= 16 rows; the CUDA-core path runs M == 1 only
 
 
 def launch_small_batch_linear(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor,
@@ -122,6 +142,7 @@ def launch_small_batch_linear(x: torch.Tensor, w: torch.Tensor, bias, out: torch
     SmallBatchWorkspace or None (then split-K allocates its buffers per call)."""
     m, k = x.shape
     n = out.shape[1]
+    use_dot = cfg.use_dot or m > 1  # the CUDA-core path is written for one row
     tiles = triton.cdiv(n, cfg.block_n)
     k_blocks = triton.cdiv(k, cfg.block_k)
     split_k = min(cfg.split_k, k_blocks)
@@ -141,9 +162,9 @@ def launch_small_batch_linear(x: torch.Tensor, w: torch.Tensor, bias, out: torch
         x, w, bias if bias is not None else out, out, partials, counters,
         m, n, k, n * w.stride(0) if gate_up else 0, k_blocks_per_split, split_k,
         x.stride(0), w.stride(0), out.stride(0),
-        BLOCK_M=_block_m(m, cfg.use_dot), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_M=_block_m(m, use_dot), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None, GATE_UP=gate_up, SPLIT=split_k > 1,
-        USE_DOT=cfg.use_dot, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        USE_DOT=use_dot, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

@@ -273,10 +273,13 @@ def _split_for(setup: Setup, lin: Linear, cfg, gate_up: bool, waves: int) -> int
     return max(1, min(-(-waves * sms // tiles), k_blocks // 2, 32))
 
 
+TILES = ((16, 256), (16, 512), (32, 256), (32, 512), (64, 128), (64, 256), (128, 128))
+
+
 def sweep_shape(setup: Setup, sb: ShapeBench, m: int, gate_up: bool, limit: int = 0) -> tuple:
-    """Coordinate descent from the current config: tiles, then warps/stages, then the split
-    count, then dot vs CUDA-core math. Returns (best config, best us, tried count)."""
-    start = _config_of(setup, sb.lin, m, gate_up)
+    """Coordinate descent from the current config: tiles (each with the split count that puts
+    ~4 programs on an SM), then warps x stages, then split counts. At M=1 a second descent
+    starts from the CUDA-core path. Returns (best config, best us, configs tried)."""
     tried: dict = {}
 
     def t(cfg):
@@ -288,27 +291,29 @@ def sweep_shape(setup: Setup, sb: ShapeBench, m: int, gate_up: bool, limit: int 
                 tried[cfg] = float("inf")
         return tried[cfg]
 
-    best = start
-    t(best)
-    fma_ok = m <= 4
-    stages = [
-        [replace(best, block_n=bn, block_k=bk, split_k=1) for bn, bk in
-         ((16, 256), (16, 512), (32, 256), (32, 512), (64, 128), (64, 256), (128, 128))],
-        [replace(best, num_warps=w, num_stages=s) for w in (4, 8) for s in (2, 3, 4)],
-        None,  # split counts, from the tile chosen so far
-        [replace(best, use_dot=not best.use_dot)] if fma_ok or not best.use_dot else [],
-    ]
-    for i, cands in enumerate(stages):
-        if cands is None:
-            splits = {1} | {_split_for(setup, sb.lin, best, gate_up, waves) for waves in (1, 2, 4, 8)}
-            cands = [replace(best, split_k=s) for s in sorted(splits)]
-        elif i == 0:  # tiles: each with the split count that fills the SMs about 4x
-            cands = [replace(c, split_k=_split_for(setup, sb.lin, c, gate_up, 4)) for c in cands]
-        if limit:
-            cands = cands[:limit]
-        for c in cands:
-            if t(c) < tried[best]:
-                best = c
+    def descend(best):
+        t(best)
+        # the CUDA-core loop is not software-pipelined: stages do not matter there
+        warps_stages = ((4, 2), (4, 3), (4, 4), (8, 3)) if best.use_dot else ((4, 1), (8, 1))
+        steps = [
+            lambda b: [replace(b, block_n=bn, block_k=bk, split_k=_split_for(setup, sb.lin, replace(b, block_n=bn,
+                       block_k=bk), gate_up, 4)) for bn, bk in TILES],
+            lambda b: [replace(b, num_warps=w, num_stages=st) for w, st in warps_stages],
+            lambda b: [replace(b, split_k=s) for s in
+                       sorted({1} | {_split_for(setup, sb.lin, b, gate_up, waves) for waves in (1, 2, 4, 8)})],
+        ]
+        for step in steps:
+            cands = step(best)
+            for c in cands[:limit or None]:
+                if t(c) < tried[best]:
+                    best = c
+        return best
+
+    start = _config_of(setup, sb.lin, m, gate_up)
+    bests = [descend(replace(start, use_dot=True))]
+    if m == 1:
+        bests.append(descend(replace(start, use_dot=False, num_stages=1)))
+    best = min(bests, key=lambda c: tried[c])
     return best, tried[best], len(tried)
 
 
@@ -379,9 +384,15 @@ def main() -> int:
     parser.add_argument("--m", default=",".join(map(str, M_VALUES)), help="batch rows to time")
     parser.add_argument("--sweep", action="store_true", help="also search tilings per (shape, M)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes; CPU with TRITON_INTERPRET=1")
-    parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "bench_small_batch_linear.json"))
+    parser.add_argument("--json", default=os.path.join(os.environ["OUT"], "bench_small_batch_linear.json")
+                        if os.environ.get("OUT") else None, help="default: $OUT/bench_small_batch_linear.json when OUT is set")
     args = parser.parse_args()
     if args.smoke:
+        from kernels.availability import triton_interpret_enabled
+
+        if not torch.cuda.is_available() and not triton_interpret_enabled():
+            print("--smoke without CUDA needs TRITON_INTERPRET=1", file=sys.stderr)
+            return 2
         setup, models = Setup.smoke_setup(), list(SMOKE_MODELS.values())
     else:
         if not torch.cuda.is_available():
@@ -426,6 +437,8 @@ def main() -> int:
     for line in summary:
         say(line)
     say(f"total {time.time() - t0:.0f} s")
+    if not args.json:
+        return 0
     with open(args.json, "w") as f:
         json.dump({"device": device_name, "copy_bytes_per_s": copy_bps, "rows": [asdict(r) for r in rows],
                    "layers": summary, "sweep_table": sweep_lines, "log": lines}, f, indent=1)
