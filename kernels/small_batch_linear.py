@@ -43,8 +43,10 @@ class SmallBatchWorkspace:
     counters: torch.Tensor
 
     @classmethod
-    def create(cls, device, max_partial_floats: int = 1 << 21, max_tiles: int = 1 << 13) -> "SmallBatchWorkspace":
-        """Defaults (8 MiB + 32 KiB) cover the tuned table at M <= 16 for the Qwen3 shapes."""
+    def create(cls, device, max_partial_floats: int = 1 << 22, max_tiles: int = 1 << 13) -> "SmallBatchWorkspace":
+        """Defaults (16 MiB + 32 KiB) cover split_k * (2 for gate/up) * M * N up to 4M floats
+        (e.g. 32 splits of a 16 x 8192 output) and 8192 split tiles; a call that needs more
+        raises ValueError (checked on shapes, before any launch)."""
         return cls(torch.empty(max_partial_floats, dtype=torch.float32, device=device),
                    torch.zeros(max_tiles, dtype=torch.int32, device=device))
 

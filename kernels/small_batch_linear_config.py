@@ -57,16 +57,16 @@ TUNED: dict[ShapeKey, dict[int, SmallBatchConfig]] = {}
 
 
 def heuristic_config(m: int, n: int, k: int, elem_bytes: int, num_sms: int, gate_up: bool = False) -> SmallBatchConfig:
-    """512-byte row chunks (16-byte loads, 32 lanes along K), 32 rows a program, and
-    split-K until about four programs per SM are in flight, each split >= 4 K blocks."""
+    """512-byte row chunks (16-byte loads, 32 lanes along K), 32 rows a program (16 when
+    that leaves SMs without a tile), and split-K until about four programs per SM are in
+    flight (the dot path's 3 stages use ~48 KB of shared memory: four fit on an SM)."""
     block_k = 512 // elem_bytes
-    block_n = 32
     outputs = n // 2 if gate_up else n
+    block_n = 32 if -(-outputs // 32) >= num_sms else 16
     tiles = -(-outputs // block_n)
     k_blocks = -(-k // block_k)
-    wanted = -(-4 * num_sms // tiles)
-    split_k = max(1, min(wanted, k_blocks // 4, 16))
-    return SmallBatchConfig(block_n, block_k, split_k, num_warps=4, num_stages=3, use_dot=m_bucket(m) > 2)
+    split_k = max(1, min(-(-4 * num_sms // tiles), k_blocks, 16))
+    return SmallBatchConfig(block_n, block_k, split_k, num_warps=4, num_stages=3, use_dot=True)
 
 
 def get_config(m: int, n: int, k: int, elem_bytes: int = 2, num_sms: int = 132,
