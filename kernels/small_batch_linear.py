@@ -28,7 +28,7 @@ def small_batch_supported(m: int, n: int, k: int, dtype: torch.dtype) -> bool:
     checks that (last dims contiguous)."""
     if dtype not in _DTYPES or not 1 <= m <= MAX_M or n < 1:
         return False
-    return k >= 1 and (k * torch.empty((), dtype=dtype).element_size()) % 16 == 0
+    return k >= 1 and (k * dtype.itemsize) % 16 == 0
 
 
 @dataclass

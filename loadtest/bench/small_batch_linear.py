@@ -169,7 +169,7 @@ class WeightCopies:
     >= setup.min_bytes_per_graph (so the weights come from HBM, not L2)."""
 
     def __init__(self, setup: Setup, n: int, k: int, gen: torch.Generator):
-        nbytes = n * k * torch.empty((), dtype=setup.dtype).element_size()
+        nbytes = n * k * setup.dtype.itemsize
         self.count = max(2, math.ceil(setup.min_bytes_per_graph / nbytes)) if not setup.smoke else 2
         first = (torch.randn(n, k, device=setup.device, generator=gen) * 0.02).to(setup.dtype)
         self.weights = [first] + [first.roll(i, 0).clone() for i in range(1, self.count)]
@@ -233,7 +233,7 @@ def _config_of(setup: Setup, lin: Linear, m: int, gate_up: bool):
     from kernels.small_batch_linear_config import get_config
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count if setup.device == "cuda" else 8
-    elem = torch.empty((), dtype=setup.dtype).element_size()
+    elem = setup.dtype.itemsize
     return get_config(m, lin.n, lin.k, elem, sms, gate_up)
 
 
@@ -245,9 +245,13 @@ def measure_model(setup: Setup, model: ModelShapes, gen: torch.Generator, say) -
         for m in setup.m_values:
             for gate_up in ops:
                 cfg = _config_of(setup, lin, m, gate_up)
+                try:
+                    ours_us, err = sb.ours(m, cfg, gate_up), sb.error(m, cfg, gate_up)
+                except Exception as exc:  # report and go on: one bad tiling must not end the run
+                    say(f"  {model.name} {lin.name} M={m} {_short(cfg)} failed: {type(exc).__name__}: {str(exc)[:200]}")
+                    ours_us, err = float("nan"), float("nan")
                 row = Row(model.name, lin.name, lin.n, lin.k, m, "gate_up+silu" if gate_up else "linear",
-                          sb.ours(m, cfg, gate_up), sb.cublas(m, gate_up), sb.copies.nbytes,
-                          sb.error(m, cfg, gate_up), _short(cfg))
+                          ours_us, sb.cublas(m, gate_up), sb.copies.nbytes, err, _short(cfg))
                 rows.append(row)
                 say(f"  {row.model:14s} {row.linear:8s} {row.op:12s} {lin.n:6d}x{lin.k:<5d} M={m:<2d} "
                     f"ours {row.ours_us:8.2f} us  cuBLAS {row.cublas_us:8.2f} us  x{row.speedup:4.2f}  "
