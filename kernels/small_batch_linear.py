@@ -31,6 +31,13 @@ def small_batch_supported(m: int, n: int, k: int, dtype: torch.dtype) -> bool:
     return k >= 1 and (k * dtype.itemsize) % 16 == 0
 
 
+def small_batch_preferred(m: int, n: int, k: int, dtype: torch.dtype) -> bool:
+    """Where the engine should route a linear here instead of cuBLAS: supported and 16-bit.
+    fp32 runs correctly but its dot is IEEE fp32 on CUDA cores, and its summation order
+    differs from cuBLAS's (fp32 is what the token-for-token HF parity tests run)."""
+    return dtype in (torch.bfloat16, torch.float16) and small_batch_supported(m, n, k, dtype)
+
+
 @dataclass
 class SmallBatchWorkspace:
     """Split-K scratch: fp32 partials and one int32 arrival counter per output tile.

@@ -7,7 +7,8 @@ import torch
 
 from kernels.accuracy import fill_nan_, relative_error
 from kernels.small_batch_linear import (SmallBatchWorkspace, small_batch_gate_up_silu_reference,
-                                        small_batch_linear_reference, small_batch_supported)
+                                        small_batch_linear_reference, small_batch_preferred,
+                                        small_batch_supported)
 from kernels.small_batch_linear_config import TUNED, SmallBatchConfig, get_config, heuristic_config, m_bucket
 from tests.kernel_dtypes import CUDA, case_generator
 
@@ -135,6 +136,9 @@ def test_supported_and_config_lookup():
     assert not small_batch_supported(17, 4096, 4096, torch.bfloat16)
     assert not small_batch_supported(4, 4096, 4100, torch.bfloat16)  # rows not whole 16-byte vectors
     assert not small_batch_supported(4, 4096, 4096, torch.int8)
+    assert small_batch_preferred(8, 6144, 4096, torch.bfloat16)
+    assert small_batch_supported(8, 6144, 4096, torch.float32)
+    assert not small_batch_preferred(8, 6144, 4096, torch.float32)
     assert [m_bucket(m) for m in (1, 2, 3, 5, 9, 16)] == [1, 2, 4, 8, 16, 16]
     for key, row in TUNED.items():  # every tuned entry is a bucket and a valid tiling
         assert set(row) <= {1, 2, 4, 8, 16} and key.n > 0 and key.k > 0

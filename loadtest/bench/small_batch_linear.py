@@ -367,7 +367,8 @@ def layer_lines(rows: list, models, copy_bps: float) -> list:
             fused = pick(lin, "gate_up+silu") if lin.gate_up else None
             ours = min(plain.ours_us, fused.ours_us) if fused else plain.ours_us
             cublas = fused.cublas_us if fused else plain.cublas_us  # cuBLAS + silu_and_mul, as the engine
-            layer_ours, layer_cublas, layer_bytes = layer_ours + ours, layer_cublas + cublas, layer_bytes + plain.weight_bytes
+            layer_ours, layer_cublas = layer_ours + ours, layer_cublas + cublas
+            layer_bytes += plain.weight_bytes
         if not layer_bytes:
             continue
         floor_us = layer_bytes / copy_bps * 1e6 if copy_bps == copy_bps else float("nan")
@@ -388,8 +389,9 @@ def main() -> int:
     parser.add_argument("--m", default=",".join(map(str, M_VALUES)), help="batch rows to time")
     parser.add_argument("--sweep", action="store_true", help="also search tilings per (shape, M)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes; CPU with TRITON_INTERPRET=1")
-    parser.add_argument("--json", default=os.path.join(os.environ["OUT"], "bench_small_batch_linear.json")
-                        if os.environ.get("OUT") else None, help="default: $OUT/bench_small_batch_linear.json when OUT is set")
+    out_dir = os.environ.get("OUT")
+    parser.add_argument("--json", default=os.path.join(out_dir, "bench_small_batch_linear.json") if out_dir else None,
+                        help="default: $OUT/bench_small_batch_linear.json when OUT is set, else none")
     args = parser.parse_args()
     if args.smoke:
         from kernels.availability import triton_interpret_enabled
