@@ -1,0 +1,79 @@
+"""Tilings for kernels.small_batch_linear: a per-shape table (tuned on an H100 with
+`python3 -m loadtest.bench.small_batch_linear --sweep`) and a heuristic for other shapes.
+
+A config is looked up by the weight's shape (N rows, K columns; for the fused gate/up
+kernel N is 2I, the stacked weight's rows), whether it is the gate/up kernel, and the
+batch rounded up to an M bucket. Pure Python: no triton import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+M_BUCKETS = (1, 2, 4, 8, 16)
+MAX_M = M_BUCKETS[-1]
+
+
+@dataclass(frozen=True)
+class SmallBatchConfig:
+    """One program computes BLOCK_N outputs (per gate/up half) over one of split_k K ranges."""
+
+    block_n: int = 32
+    block_k: int = 256
+    split_k: int = 1  # >1: fp32 partials, the last-arriving program of a tile reduces them in split order
+    num_warps: int = 4
+    num_stages: int = 3
+    use_dot: bool = True  # tensor-core dot (x padded to 16 rows) or CUDA-core multiply + sum
+
+    def __post_init__(self):
+        for name in ("block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {v}")
+        if self.split_k < 1:
+            raise ValueError(f"split_k must be >= 1, got {self.split_k}")
+
+
+@dataclass(frozen=True)
+class ShapeKey:
+    n: int  # weight rows (2I for gate/up)
+    k: int
+    gate_up: bool = False
+
+
+def m_bucket(m: int) -> int:
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"small_batch_linear handles 1..{MAX_M} rows, got {m}")
+    return next(b for b in M_BUCKETS if b >= m)
+
+
+def _c(block_n, block_k, split_k, num_warps=4, num_stages=3, use_dot=True) -> SmallBatchConfig:
+    return SmallBatchConfig(block_n, block_k, split_k, num_warps, num_stages, use_dot)
+
+
+# Filled from the device sweep (bf16, H100, 132 SMs). Shapes: Qwen3-8B (TP 1 and 2),
+# Qwen3-0.6B, Qwen3-30B-A3B attention; see kernels/NOTES.md.
+TUNED: dict[ShapeKey, dict[int, SmallBatchConfig]] = {}
+
+
+def heuristic_config(m: int, n: int, k: int, elem_bytes: int, num_sms: int, gate_up: bool = False) -> SmallBatchConfig:
+    """512-byte row chunks (16-byte loads, 32 lanes along K), 32 rows a program (16 when
+    that leaves SMs without a tile), and split-K until about four programs per SM are in
+    flight (the dot path's 3 stages use ~48 KB of shared memory: four fit on an SM)."""
+    block_k = 512 // elem_bytes
+    outputs = n // 2 if gate_up else n
+    block_n = 32 if -(-outputs // 32) >= num_sms else 16
+    tiles = -(-outputs // block_n)
+    k_blocks = -(-k // block_k)
+    split_k = max(1, min(-(-4 * num_sms // tiles), k_blocks, 16))
+    return SmallBatchConfig(block_n, block_k, split_k, num_warps=4, num_stages=3, use_dot=True)
+
+
+def get_config(m: int, n: int, k: int, elem_bytes: int = 2, num_sms: int = 132,
+               gate_up: bool = False) -> SmallBatchConfig:
+    """The tuned config for (n, k, gate_up) and m's bucket on 16-bit weights, else the heuristic."""
+    bucket = m_bucket(m)
+    row = TUNED.get(ShapeKey(n, k, gate_up)) if elem_bytes == 2 else None
+    if row and bucket in row:
+        return row[bucket]
+    return heuristic_config(m, n, k, elem_bytes, num_sms, gate_up)

@@ -1,0 +1,170 @@
+"""Triton kernel behind kernels.small_batch_linear (imported lazily: needs triton).
+
+Grid (tiles, split_k): program (t, s) reads weight rows [t*BLOCK_N, (t+1)*BLOCK_N) (and
+the matching up rows for the fused gate/up kernel) over the s-th K range, once, in
+[BLOCK_N, BLOCK_K] tiles of whole 16-byte vectors; x's [M, BLOCK_K] slice comes from
+L2. Rows past N are clamped to N-1 (loads stay unmasked and vectorised; their outputs
+are never stored). fp32 accumulation.
+
+Split-K reduction, deterministic and CUDA-graph safe: each program stores its fp32
+partial, then (after a CTA barrier) one thread bumps the tile's arrival counter with an
+acq_rel atomic (CUTLASS's split-K semaphore pattern); the program that arrives last
+sums the partials in split order 0..S-1 (same bits whatever the arrival order), runs
+the epilogue, and resets the counter to 0, so every launch leaves the counters as it
+found them. No host sync, no data-dependent allocation.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.small_batch_linear_config import SmallBatchConfig
+
+
+@triton.jit
+def _zeros(BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr):
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:  # M == 1: element-wise partial sums in the weight tile's layout, reduced over K after the loop
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _mac(acc, wt, xt, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc += wt[BLOCK_N, BLOCK_K] x xt[BLOCK_M, BLOCK_K]^T in fp32: a tensor-core dot, or
+    (BLOCK_M == 1) CUDA-core multiply-adds with no cross-thread work inside the loop."""
+    if USE_DOT:
+        acc = tl.dot(wt, tl.trans(xt), acc, input_precision=DOT_PRECISION)
+    else:
+        acc += wt.to(tl.float32) * xt.to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _finish(acc, USE_DOT: tl.constexpr):
+    """[BLOCK_N, BLOCK_M] sums."""
+    if not USE_DOT:
+        acc = tl.sum(acc, axis=1)[:, None]
+    return acc
+
+
+@triton.jit
+def _epilogue(acc, acc_up, bias, out, rn, rm, n_ok, m_ok, stride_om,
+              HAS_BIAS: tl.constexpr, GATE_UP: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(bias + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    if GATE_UP:  # silu(gate) * up, as kernels.silu_and_mul
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    ptrs = out + rm[None, :].to(tl.int64) * stride_om + rn[:, None]
+    tl.store(ptrs, acc.to(out.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+
+
+@triton.jit
+def _small_batch_linear_kernel(
+    x, w, bias, out, partials, counters,
+    M, N, K, up_elems, k_blocks_per_split, split_k,
+    stride_xm, stride_wn, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, GATE_UP: tl.constexpr, SPLIT: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    rows = tl.minimum(rn, N - 1).to(tl.int64)
+    rm = tl.arange(0, BLOCK_M)
+    m_ok = rm < M
+    rk = tl.arange(0, BLOCK_K)
+    k_start = split * k_blocks_per_split * BLOCK_K
+    k_end = tl.minimum(k_start + k_blocks_per_split * BLOCK_K, K)
+
+    w_ptrs = w + rows[:, None] * stride_wn + rk[None, :]
+    u_ptrs = w_ptrs + up_elems  # the up half's rows: N rows further down
+    x_ptrs = x + rm[:, None] * stride_xm + rk[None, :]
+    acc = _zeros(BLOCK_N, BLOCK_M, BLOCK_K, USE_DOT)
+    acc_up = _zeros(BLOCK_N, BLOCK_M, BLOCK_K, USE_DOT)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        if EVEN_K:
+            xt = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
+            wt = tl.load(w_ptrs + k0)
+        else:
+            k_ok = (k0 + rk) < K
+            xt = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            wt = tl.load(w_ptrs + k0, mask=k_ok[None, :], other=0.0)
+        acc = _mac(acc, wt, xt, USE_DOT, DOT_PRECISION)
+        if GATE_UP:
+            if EVEN_K:
+                ut = tl.load(u_ptrs + k0)
+            else:
+                ut = tl.load(u_ptrs + k0, mask=((k0 + rk) < K)[None, :], other=0.0)
+            acc_up = _mac(acc_up, ut, xt, USE_DOT, DOT_PRECISION)
+    acc = _finish(acc, USE_DOT)
+    acc_up = _finish(acc_up, USE_DOT)
+
+    if SPLIT:
+        num_acc = 2 if GATE_UP else 1
+        mask = n_ok[:, None] & m_ok[None, :]
+        p_ptrs = partials + (split * num_acc * M + rm[None, :]) * N + rn[:, None]
+        tl.store(p_ptrs, acc, mask=mask)
+        if GATE_UP:
+            tl.store(p_ptrs + M * N, acc_up, mask=mask)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        arrived = tl.atomic_add(counters + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == split_k - 1:
+            total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            total_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for s in range(0, split_k):  # fixed order: the same bits every run
+                q_ptrs = partials + (s * num_acc * M + rm[None, :]) * N + rn[:, None]
+                total += tl.load(q_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+                if GATE_UP:
+                    total_up += tl.load(q_ptrs + M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            _epilogue(total, total_up, bias, out, rn, rm, n_ok, m_ok, stride_om, HAS_BIAS, GATE_UP)
+            tl.store(counters + tile, 0)  # ready for the next launch (graph replays)
+    else:
+        _epilogue(acc, acc_up, bias, out, rn, rm, n_ok, m_ok, stride_om, HAS_BIAS, GATE_UP)
+
+
+def _block_m(m: int, use_dot: bool) -> int:
+    block = 1
+    while block < m:
+        block *= 2
+    return max(block, 16) if use_dot else block  # tl.dot needs >= 16 rows; the CUDA-core path runs M == 1 only
+
+
+def launch_small_batch_linear(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor,
+                              cfg: SmallBatchConfig, workspace, gate_up: bool) -> torch.Tensor:
+    """x [M, K], w [N_w, K] (row stride free, last dim contiguous), out [M, N_out] with a
+    contiguous last dim; N_out = N_w, or N_w // 2 for gate_up. workspace: a
+    SmallBatchWorkspace or None (then split-K allocates its buffers per call)."""
+    m, k = x.shape
+    n = out.shape[1]
+    use_dot = cfg.use_dot or m > 1  # the CUDA-core path is written for one row
+    tiles = triton.cdiv(n, cfg.block_n)
+    k_blocks = triton.cdiv(k, cfg.block_k)
+    split_k = min(cfg.split_k, k_blocks)
+    k_blocks_per_split = triton.cdiv(k_blocks, split_k)
+    split_k = triton.cdiv(k_blocks, k_blocks_per_split)  # no split left without K
+    num_acc = 2 if gate_up else 1
+    if split_k > 1:
+        need = split_k * num_acc * m * n
+        if workspace is None:
+            partials = torch.empty(need, dtype=torch.float32, device=x.device)
+            counters = torch.zeros(tiles, dtype=torch.int32, device=x.device)
+        else:
+            partials, counters = workspace.buffers(need, tiles)
+    else:
+        partials, counters = out, out  # never touched without split-K
+    _small_batch_linear_kernel[(tiles, split_k)](
+        x, w, bias if bias is not None else out, out, partials, counters,
+        m, n, k, n * w.stride(0) if gate_up else 0, k_blocks_per_split, split_k,
+        x.stride(0), w.stride(0), out.stride(0),
+        BLOCK_M=_block_m(m, use_dot), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None, GATE_UP=gate_up, SPLIT=split_k > 1,
+        USE_DOT=use_dot, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
