@@ -36,6 +36,10 @@ class EngineConfig:
     # fused: our reduce+add+RMSNorm kernel between two signal barriers; oneshot: torch's
     # one-launch copy+sync+sum, then add+RMSNorm (custom_all_reduce.py)
     custom_all_reduce_mode: str = field(default_factory=lambda: os.environ.get("DUET_CUSTOM_ALLREDUCE", "fused"))
+    # decode-size linears (<= 16 rows, bf16/fp16, GPU) through the split-K Triton kernel
+    # (kernels/small_batch_linear.py) instead of cuBLAS
+    small_batch_linear: bool = field(
+        default_factory=lambda: os.environ.get("DUET_SMALL_BATCH_LINEAR", "0").lower() in ("1", "true", "on"))
     load_format: str = "auto"  # auto: safetensors | dummy: random weights (benchmarks)
     tp: TPContext = field(default_factory=TPContext)  # this process's rank (set by the engine)
 

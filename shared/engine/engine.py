@@ -83,6 +83,12 @@ class Engine:
         self.model = load_model(mc, self.tp, self.dtype, self.device, self.max_model_len, fused=fused,
                                 load_format=config.load_format, expert_parallel=config.ep_size > 1)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.small_batch_workspace = None
+        if fused and config.small_batch_linear and self.dtype in (torch.bfloat16, torch.float16):
+            from kernels.small_batch_linear import SmallBatchWorkspace
+            from .models.layers import enable_small_batch_linears
+            self.small_batch_workspace = SmallBatchWorkspace.create(self.device)
+            enable_small_batch_linears(self.model, self.small_batch_workspace)
         if self.tp.size > 1 and self.device.type == "cuda" and config.custom_all_reduce:
             from .custom_all_reduce import CustomAllReduce
             car = None
@@ -123,14 +129,16 @@ class Engine:
         if self._tp_workers is not None:
             self._tp_workers.wait_ready()
         log.info("engine ready in %.1fs: %s %s on %s, %s, weights %.2f GiB, KV %d pages x %d tokens "
-                 "(%.2f GiB), backend %s, cuda graphs %s, custom all-reduce %s, overlap %s",
+                 "(%.2f GiB), backend %s, cuda graphs %s, custom all-reduce %s, overlap %s, "
+                 "small-batch linears %s",
                  time.monotonic() - t0, mc.architecture, str(self.dtype).removeprefix("torch."),
                  self.device, f"tp {self.tp.rank}/{self.tp.size}", self.weight_bytes / 2**30,
                  self.layout.num_pages, self.layout.page_size,
                  self.layout.num_pages * self.layout.bytes_per_page / 2**30, self.backend.name,
                  "on" if self.runner.graphs is not None and self.runner.graphs.capture else "off",
                  "on" if self.tp.custom_all_reduce is not None else "off",
-                 "on" if self.overlap is not None else "off")
+                 "on" if self.overlap is not None else "off",
+                 "on" if self.small_batch_workspace is not None else "off")
 
     def call_followers(self, target: str, *args) -> list:
         """Run `module:function(engine, *args)` on tensor-parallel ranks 1..N-1 (results in

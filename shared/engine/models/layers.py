@@ -11,6 +11,17 @@ from torch import nn
 from ..parallel import TPContext
 
 
+def _linear(module, x, weight, bias=None):
+    """F.linear, or at decode sizes (<= 16 rows, 16-bit, GPU) the split-K small-batch kernel
+    when the engine enabled it on this layer (module.small_batch: its workspace)."""
+    ws = module.small_batch
+    if ws is not None and x.dim() == 2:
+        from kernels.small_batch_linear import small_batch_linear, small_batch_preferred
+        if small_batch_preferred(x.shape[0], weight.shape[0], weight.shape[1], x.dtype):
+            return small_batch_linear(x, weight, bias, workspace=ws)
+    return F.linear(x, weight, bias)
+
+
 class RMSNorm(nn.Module):
     """HF's LlamaRMSNorm arithmetic exactly (normalise in float32, cast back, then scale).
     fused=True (GPU): one Triton kernel for the residual add and the norm."""
@@ -46,9 +57,10 @@ class ColumnParallelLinear(nn.Module):
         out = sum(self.parts)
         self.weight = nn.Parameter(torch.empty(out, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out, dtype=dtype), requires_grad=False) if bias else None
+        self.small_batch = None  # SmallBatchWorkspace when the engine routes decode sizes to Triton
 
     def forward(self, x):
-        return F.linear(x, self.weight, self.bias)
+        return _linear(self, x, self.weight, self.bias)
 
     def forward_parts(self, x) -> list[torch.Tensor]:
         """The stacked outputs separately. On GPU one matmul then views; on CPU one matmul
@@ -80,9 +92,10 @@ class RowParallelLinear(nn.Module):
         self.in_shard = tp.shard(in_features, "input features")
         self.reduce = reduce
         self.weight = nn.Parameter(torch.empty(out_features, self.in_shard, dtype=dtype), requires_grad=False)
+        self.small_batch = None
 
     def forward(self, x):
-        y = F.linear(x, self.weight)
+        y = _linear(self, x, self.weight)
         return self.tp.all_reduce(y) if self.reduce else y
 
     def load_full(self, tensor: torch.Tensor, part: int = 0, is_bias: bool = False) -> None:
@@ -103,6 +116,12 @@ class SwiGLU(nn.Module):
         self.fused = fused
 
     def forward(self, h):
+        ws = self.gate_up_proj.small_batch
+        if ws is not None and h.dim() == 2:
+            from kernels.small_batch_linear import small_batch_gate_up_silu, small_batch_preferred
+            w = self.gate_up_proj.weight
+            if small_batch_preferred(h.shape[0], w.shape[0], w.shape[1], h.dtype):
+                return self.down_proj(small_batch_gate_up_silu(h, w, workspace=ws))
         gate_up = self.gate_up_proj(h)
         if self.fused:
             from kernels.silu_and_mul import silu_and_mul
@@ -153,15 +172,28 @@ class ParallelLMHead(nn.Module):
             self.start = tp.rank * per
             self.end = min(vocab, self.start + per)
             self.weight = nn.Parameter(torch.zeros(per, dim, dtype=dtype), requires_grad=False)
+        self.small_batch = None
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(h, self.weight)
+        logits = _linear(self, h, self.weight)
         if self.tp.size > 1:
             logits = self.tp.all_gather_last_dim(logits)
         return logits[..., : self.vocab]
 
     def load_full(self, tensor: torch.Tensor, part: int = 0, is_bias: bool = False) -> None:
         self.weight.data[: self.end - self.start].copy_(tensor[self.start:self.end])
+
+
+def enable_small_batch_linears(model: nn.Module, workspace) -> int:
+    """Route the model's linears (qkv, o, gate/up + SwiGLU, down, LM head) to the small-batch
+    kernel at decode sizes; one workspace for all (they run one after another on one stream).
+    Returns how many layers were switched."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
+            m.small_batch = workspace
+            n += 1
+    return n
 
 
 class RotaryEmbedding(nn.Module):
