@@ -72,9 +72,50 @@ def decode_step_ms(engine, batch: int, ctx: int, steps: int, warm: int = 8, *, g
     return ms
 
 
+def touched_experts(engine, batch: int, ctx: int, seed: int = 0) -> list[int] | None:
+    """MoE: how many of its local experts each MoE layer reads in a decode step of `batch`
+    sequences at context ~ctx (None for a dense model). One eager step with the routers
+    watched; the real rows only (padded graph rows are routed too, so this is a floor)."""
+    from shared.engine import SamplingParams
+    from shared.engine.models.moe import MoEBlock
+
+    blocks = [m for m in engine.model.modules() if isinstance(m, MoEBlock)]
+    if not blocks:
+        return None
+    rng = np.random.default_rng(seed + 1000)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    rids = [engine.add_request(p, params) for p in random_prompts(rng, engine.model_config.vocab_size, [ctx] * batch)]
+    while any(engine.get(r) is not None and engine.get(r).num_output < 2 for r in rids):
+        engine.step()
+    counts: list[int] = []
+
+    def watch(block, args, out):
+        h = args[0]
+        if h.shape[0] >= batch:
+            ids = torch.topk(out[:batch].float(), block.moe.top_k, dim=-1).indices
+            local = block.expert_map[ids.flatten()]
+            counts.append(int(torch.unique(local[local >= 0]).numel()))
+    hooks = [b.gate.register_forward_hook(lambda mod, a, o, b=b: watch(b, a, o)) for b in blocks]
+    g = engine.runner.graphs
+    capture = g.capture if g is not None else None
+    if g is not None:
+        g.capture = False  # eager: the hooks run
+    try:
+        engine.step()
+    finally:
+        for hk in hooks:
+            hk.remove()
+        if g is not None:
+            g.capture = capture
+    _drain(engine, rids)
+    return counts[-len(blocks):] if len(counts) >= len(blocks) else None
+
+
 def decode_floor_ms(engine, batch: int, ctx: int, copy_gb_s: float) -> tuple[float, float]:
-    """(floor ms, GB read): weights once plus every sequence's KV, over copy bandwidth."""
-    w = weight_bytes_read_per_step(engine.model, engine.model_config.tie_word_embeddings)
+    """(floor ms, GB read): weights once (MoE: the experts the step's tokens route to) plus
+    every sequence's KV, over copy bandwidth."""
+    touched = touched_experts(engine, batch, ctx) if engine.model_config.is_moe else None
+    w = weight_bytes_read_per_step(engine.model, engine.model_config.tie_word_embeddings, touched)
     kv = batch * (ctx + 16) * engine.layout.bytes_per_token
     gb = (w + kv) / 1e9
     return gb / copy_gb_s * 1e3, gb

@@ -18,12 +18,18 @@ from .shapes import hf_config, now
 
 
 def hf_model(name: str, device, dtype=torch.bfloat16, path=None):
+    """transformers' own model (MoE: with its default experts implementation, what a user
+    gets; `experts_impl(model)` names it)."""
     from transformers import AutoModelForCausalLM
 
     if path is not None:
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     with torch.device(device):  # random init on the GPU: seconds, even for 8B
         return AutoModelForCausalLM.from_config(hf_config(name), dtype=dtype).eval()
+
+
+def experts_impl(model) -> str:
+    return str(getattr(model.config, "_experts_implementation", None) or "eager")
 
 
 def _generate_sec(model, ids, new_tokens: int, **kw) -> float:
@@ -48,6 +54,12 @@ def hf_decode_ms(model, batch: int, ctx: int, new_tokens: int = 64, compiled: bo
     full = min(_generate_sec(model, ids, new_tokens, **kw) for _ in range(2))
     one = min(_generate_sec(model, ids, 1, **kw) for _ in range(2))
     return (full - one) / (new_tokens - 1) * 1e3
+
+
+def compiled_decode_ms(name: str, device: str, ctx: int) -> float:
+    """In a fresh process (bench.tp.in_fresh_process): B=1 ms/step of the compiled peer."""
+    model = hf_model(name, torch.device(device))
+    return hf_decode_ms(model, 1, ctx, compiled=True)
 
 
 def hf_offline(model, prompts, out_lens, sub_batch: int, max_sub_batches: int | None) -> dict:

@@ -22,6 +22,17 @@ SHAPES = {
                                   num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
                                   head_dim=64, tie_word_embeddings=False, initializer_range=0.1,
                                   bos_token_id=1, eos_token_id=2)),
+    # Qwen3-30B-A3B (config.json values): 48 layers, 128 experts, top-8, hidden 2048, expert
+    # intermediate 768; 30.5B parameters, 3.3B active per token
+    "qwen3-30b-a3b": ("qwen3_moe", dict(QWEN3, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                                        num_attention_heads=32, num_key_value_heads=4, moe_intermediate_size=768,
+                                        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                                        decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False)),
+    "qwen3-moe-small": ("qwen3_moe", dict(QWEN3, vocab_size=4096, hidden_size=512, intermediate_size=1024,
+                                          num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                                          head_dim=64, moe_intermediate_size=256, num_experts=16,
+                                          num_experts_per_tok=4, norm_topk_prob=True, tie_word_embeddings=False,
+                                          initializer_range=0.1, bos_token_id=1, eos_token_id=2)),
     "llama-small": ("llama", dict(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
                                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
                                   rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
@@ -29,12 +40,15 @@ SHAPES = {
 }
 
 
+ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
 def hf_config(name: str):
-    from transformers import LlamaConfig, Qwen3Config
+    import transformers
 
     family, kw = SHAPES[name]
-    cls = Qwen3Config if family == "qwen3" else LlamaConfig
-    return cls(**kw)
+    cls = {"qwen3": "Qwen3Config", "llama": "LlamaConfig", "qwen3_moe": "Qwen3MoeConfig"}[family]
+    return getattr(transformers, cls)(**kw)
 
 
 def config_only_dir(name: str, root: Path) -> Path:
@@ -42,7 +56,7 @@ def config_only_dir(name: str, root: Path) -> Path:
     d = root / name
     d.mkdir(parents=True, exist_ok=True)
     cfg = hf_config(name)
-    cfg.architectures = ["Qwen3ForCausalLM" if SHAPES[name][0] == "qwen3" else "LlamaForCausalLM"]
+    cfg.architectures = [ARCHITECTURES[SHAPES[name][0]]]
     (d / "config.json").write_text(json.dumps(cfg.to_dict()))
     return d
 
@@ -98,25 +112,46 @@ def measure_ceilings(device: torch.device) -> Ceilings:
     return Ceilings(copy_gb_s=copy, matmul_tflops=2 * n ** 3 / ms / 1e9)
 
 
-def weight_bytes_read_per_step(model, tied: bool) -> int:
+def weight_bytes_read_per_step(model, tied: bool, touched_experts: list[int] | None = None) -> int:
     """Every weight is read once per decode step, except the embedding table (only the
-    batch's rows), which is read whole only when it doubles as the LM head."""
+    batch's rows), which is read whole only when it doubles as the LM head, and MoE experts:
+    only those the step's tokens route to (touched_experts: per MoE layer, in layer order;
+    None counts every expert)."""
+    from shared.engine.models.moe import ExpertWeights
+
+    experts = [m for m in model.modules() if isinstance(m, ExpertWeights)]
+    skip = {id(p) for m in experts for p in (m.w13, m.w2)}
     seen, total = set(), 0
     for p in model.parameters():
-        if id(p) in seen:
+        if id(p) in seen or id(p) in skip:
             continue
         seen.add(id(p))
         total += p.numel() * p.element_size()
     if not tied:
         total -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    for i, m in enumerate(experts):
+        per_expert = (m.w13[0].numel() + m.w2[0].numel()) * m.w13.element_size()
+        n = m.place.num_local_experts if touched_experts is None else touched_experts[i]
+        total += n * per_expert
     return total
 
 
 def layer_matmul_params(cfg) -> int:
+    """Matmul weights one token multiplies by (MoE: the router and its top-k experts, the
+    active parameters)."""
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     qkv = h * d * (cfg.num_heads + 2 * cfg.num_kv_heads)
     o = cfg.num_heads * d * h
-    return cfg.num_layers * (qkv + o + 3 * h * i)
+    moe = cfg.moe
+    total = 0
+    for layer in range(cfg.num_layers):
+        if moe is not None and moe.is_sparse(layer):
+            mlp = h * moe.num_experts + moe.top_k * 3 * h * moe.intermediate_size
+            mlp += 3 * h * moe.shared_expert_intermediate_size + (h if moe.shared_expert_intermediate_size else 0)
+        else:
+            mlp = 3 * h * i
+        total += qkv + o + mlp
+    return total
 
 
 def prefill_flops(cfg, prompt_len: int, num_prompts: int) -> float:

@@ -63,8 +63,32 @@ def gpu_memory_bytes() -> int:
 
 
 def weight_bytes(model_dir: str) -> int:
-    """Bytes of the checkpoint on disk: an upper bound of bf16 weights loaded from a bf16 or fp32 file."""
-    return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+    """Bytes of the checkpoint on disk: an upper bound of bf16 weights loaded from a bf16 or
+    fp32 file. A folder without weights (workers started with --load-format dummy): the bf16
+    size its config.json describes."""
+    on_disk = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+    return on_disk or 2 * config_param_count(Path(model_dir) / "config.json")
+
+
+def config_param_count(config_path: Path) -> int:
+    """Parameters of a Llama/Qwen-family model (dense or MoE) from its config.json (0 if unreadable)."""
+    import json
+    try:
+        c = json.loads(config_path.read_text())
+        h, layers, heads = c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"]
+    except (OSError, ValueError, KeyError):
+        return 0
+    kv = c.get("num_key_value_heads") or heads
+    d = c.get("head_dim") or h // heads
+    attn = h * d * (heads + 2 * kv) + heads * d * h
+    experts = c.get("num_experts") or c.get("num_local_experts") or 0
+    if experts:
+        inter = c.get("moe_intermediate_size") or c["intermediate_size"]
+        mlp = experts * 3 * h * inter + h * experts + 3 * h * (c.get("shared_expert_intermediate_size") or 0)
+    else:
+        mlp = 3 * h * c.get("intermediate_size", 4 * h)
+    embed = c.get("vocab_size", 0) * h * (1 if c.get("tie_word_embeddings") else 2)
+    return embed + layers * (attn + mlp)
 
 
 def plan(num_workers: int, flags: WorkerFlags, gpus: Sequence[str | int], explicit_kv: str | None = None,

@@ -50,7 +50,7 @@ async def serve(config) -> int:
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_running_requests=config.max_running_requests, max_model_len=config.max_model_len,
         enable_prefix_cache=config.enable_prefix_cache, attention_backend=config.attention_backend,
-        cuda_graph=config.cuda_graph, tp_size=config.tp, ep_size=config.ep,
+        cuda_graph=config.cuda_graph, tp_size=config.tp, ep_size=config.ep, load_format=config.load_format,
         overlap_schedule=config.overlap_schedule))
     served = config.served_model_name or engine.model_dir.name
     role = config.role
