@@ -34,6 +34,7 @@ class WorkerConfig:
     cuda_graph: bool = True
     overlap_schedule: bool = True
     tp: int = 1
+    warmup: bool = True  # run every kernel variant once before registering (shared/engine/warmup.py)
     load_format: str = "auto"  # auto: the folder's safetensors | dummy: seeded random weights (benchmarks)
     ep: int = 1  # MoE: 1 (experts sliced over the TP ranks) or --tp (experts split whole)
     threads: int | None = None
@@ -76,6 +77,11 @@ class WorkerConfig:
                        help="prepare step N+1 on the CPU while the device runs step N (default on; "
                             "--no-overlap-schedule or DUET_OVERLAP_SCHEDULE=0 for the plain loop)")
         p.add_argument("--tp", type=int, default=int(e("DUET_TP", "1")))
+        p.add_argument("--warmup", action=argparse.BooleanOptionalAction,
+                       default=e("DUET_WARMUP", "1").lower() not in ("0", "false", "no"),
+                       help="before registering, push requests of every shape bucket through the engine "
+                            "(compiles, graph pools, allocator) so the first real request is as fast as later "
+                            "ones (default on)")
         p.add_argument("--load-format", choices=("auto", "dummy"), default=e("DUET_LOAD_FORMAT", "auto"),
                        help="dummy: random weights drawn on the device from a fixed seed instead of the "
                             "folder's safetensors (benchmarks of real shapes; every worker of one TP size "
@@ -104,7 +110,7 @@ class WorkerConfig:
                    max_num_batched_tokens=a.max_num_batched_tokens, max_running_requests=a.max_running_requests,
                    max_model_len=a.max_model_len, enable_prefix_cache=not a.disable_prefix_cache,
                    attention_backend=a.attention_backend, cuda_graph=not a.disable_cuda_graph,
-                   overlap_schedule=a.overlap_schedule, tp=a.tp, ep=a.ep, load_format=a.load_format,
+                   overlap_schedule=a.overlap_schedule, tp=a.tp, ep=a.ep, load_format=a.load_format, warmup=a.warmup,
                    threads=a.threads, reserve_timeout_s=a.reserve_timeout, notice_timeout_s=a.notice_timeout,
                    write_timeout_s=a.write_timeout, recompute_on_missing_kv=not a.no_recompute,
                    nixl_progress_thread=a.nixl_progress_thread,

@@ -52,6 +52,9 @@ async def serve(config) -> int:
         enable_prefix_cache=config.enable_prefix_cache, attention_backend=config.attention_backend,
         cuda_graph=config.cuda_graph, tp_size=config.tp, ep_size=config.ep, load_format=config.load_format,
         overlap_schedule=config.overlap_schedule))
+    if config.warmup:
+        from shared.engine.warmup import warm_up
+        warm_up(engine)  # before anything can route work here
     served = config.served_model_name or engine.model_dir.name
     role = config.role
     worker_id = config.worker_id or default_worker_id(role)

@@ -1,0 +1,71 @@
+"""Run serving's kernel variants once before a worker says it is ready.
+
+On a GPU the first request of each shape pays for Triton compiles (attention, fused MoE
+and the small-batch linears pick tile configs by token count, so each bucket is its own
+compile), cuBLAS heuristics and allocator growth; the first load-test run after start was
+4x slower than the next (issue 10). Warm-up pushes requests through the engine's own
+step loop: prefill chunks at every token-count bucket up to the step budget, an extend
+over a cached prefix, decode steps at the graph batch sizes, and the host sampling path
+(penalties, logprobs, top-p). Then it drops what it cached and zeroes the counters, so
+metrics and the prefix cache start empty. On CPU nothing compiles: one short request
+checks the path."""
+from __future__ import annotations
+
+import logging
+import time
+
+log = logging.getLogger("duet.engine.warmup")
+
+PREFILL_BUCKETS = (16, 64, 256, 1024, 4096, 16384)
+DECODE_BATCHES = (1, 8, 32)
+
+
+def warm_up(engine, full: bool | None = None) -> float:
+    """Seconds spent. Call before the engine serves (nothing else may be queued).
+    full: every bucket (default: on GPU only)."""
+    from .engine import EngineStats
+    from .sampling_params import SamplingParams
+
+    if engine.has_work or engine.requests:
+        raise RuntimeError("warm-up needs an idle engine")
+    t0 = time.monotonic()
+    vocab = engine.model_config.vocab_size
+    room = min(engine.max_model_len, engine.kv.capacity * engine.layout.page_size) - 8
+    if not (engine.device.type == "cuda" if full is None else full):
+        _run(engine, [[_tok(i, vocab) for i in range(8)]], SamplingParams(temperature=0, max_tokens=2))
+    else:
+        budget = engine.scheduler.max_batched_tokens
+        lengths = sorted({min(n, budget, room) for n in PREFILL_BUCKETS})
+        greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        for n in lengths:  # one prompt per bucket: its chunks run alone
+            _run(engine, [[_tok(n + i, vocab) for i in range(n)]], greedy)
+        base = [_tok(i, vocab) for i in range(min(256, room // 2))]
+        _run(engine, [base], greedy)
+        _run(engine, [base + [_tok(7 * i, vocab) for i in range(32)]], greedy)  # extend over a cached prefix
+        graphs = engine.runner.graphs
+        cap = graphs.max_bs if graphs is not None else 32
+        host = [SamplingParams(temperature=0.7, top_p=0.9, seed=1, max_tokens=4, ignore_eos=True),
+                SamplingParams(temperature=0, max_tokens=4, logprobs=2, repetition_penalty=1.1, ignore_eos=True)]
+        for b in (x for x in DECODE_BATCHES if x <= cap):
+            prompts = [[_tok(31 * j + i, vocab) for i in range(24)] for j in range(b)]
+            params = [greedy] * b if b > 2 else host[:b]
+            _run(engine, prompts, params)
+    engine.kv.cache.reset()
+    engine.stats = EngineStats()
+    engine.scheduler.num_retracted = 0
+    engine.kv.check_idle()
+    seconds = time.monotonic() - t0
+    log.info("warm-up done in %.1fs", seconds)
+    return seconds
+
+
+def _tok(i: int, vocab: int) -> int:
+    return 10 + (i * 7919) % max(1, min(vocab, 32000) - 20)
+
+
+def _run(engine, prompts, params) -> None:
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    for p, sp in zip(prompts, params):
+        engine.add_request(p, sp)
+    while engine.has_work:
+        engine.step()
