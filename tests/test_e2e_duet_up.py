@@ -211,6 +211,9 @@ def test_kv_bytes_and_computed_tokens_match_the_prompt(stack, tokenizer):
         received = delta(decode, "duet_kv_transfer_bytes_total", direction="received")
         assert sent == received == pages * per_page, (sent, received, pages, per_page)
         assert delta(prefill, "duet_kv_transfer_seconds_count") == 1
+        # the handoff tail (last chunk -> last page landed) is part of the whole transfer
+        assert delta(prefill, "duet_kv_handoff_tail_seconds_count") == 1
+        assert 0 < delta(prefill, "duet_kv_handoff_tail_seconds_sum") <= delta(prefill, "duet_kv_transfer_seconds_sum")
         assert delta(decode, "duet_kv_transfer_seconds_count") == 1
         assert delta(prefill, "duet_engine_tokens_computed_total", phase="prefill") == len(ids) - cached
         assert delta(prefill, "duet_engine_tokens_computed_total", phase="decode") == 0

@@ -42,6 +42,7 @@ class Outgoing:
     pages_sent: int = 0
     first: StepOutput | None = None
     started: float = field(default_factory=time.monotonic)
+    prefill_done_at: float | None = None  # the first token sampled: only the handoff tail remains
     cancelled: bool = False
     error: str = ""
 
@@ -81,6 +82,7 @@ class OutgoingTransfers:
             out = self.active.get(o.rid)
             if out is not None and o.prefill_done:
                 out.first = o
+                out.prefill_done_at = time.monotonic()
 
     def _notice(self, out: Outgoing, kind: str) -> TransferNotice:
         token = out.first.token_ids[0] if out.first else -1
@@ -129,10 +131,13 @@ class OutgoingTransfers:
                 self.engine.release_held(out.rid)
             else:
                 self.engine.abort(out.rid)
-        seconds = time.monotonic() - out.started
+        now = time.monotonic()
+        seconds = now - out.started
         sent = out.stream.bytes_sent
         if self.metrics is not None and sent:
             self.metrics.observe_kv_transfer("sent", sent, seconds)
+            if state == DONE and out.prefill_done_at is not None:
+                self.metrics.kv_handoff_tail_seconds.observe(now - out.prefill_done_at)
         if out.result.done():
             return
         if state == DONE and not out.cancelled and out.first is not None:

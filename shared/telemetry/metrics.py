@@ -34,7 +34,13 @@ class DuetMetrics:
         self.kv_transfer_bytes = Counter(
             "duet_kv_transfer_bytes", "KV cache bytes moved between workers", ["direction"], registry=r)
         self.kv_transfer_seconds = Histogram(
-            "duet_kv_transfer_seconds", "Duration of one KV write (post to remote completion)",
+            "duet_kv_transfer_seconds",
+            "One request's KV transfer, first page posted to last page landed (spans its prefill: "
+            "pages stream out as chunks finish)", buckets=_TRANSFER_BUCKETS, registry=r)
+        self.kv_handoff_tail_seconds = Histogram(
+            "duet_kv_handoff_tail_seconds",
+            "What the handoff adds to time to first token: from the prompt's last chunk (first token "
+            "sampled) to its last page and the completion notice landing at decode",
             buckets=_TRANSFER_BUCKETS, registry=r)
         self.kv_cache_usage = Gauge(
             "duet_kv_cache_usage_ratio",
