@@ -98,12 +98,18 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
                     yield self._last_chunk(started, [], prompt, emitted)
                     return
                 while True:
-                    out = await q.get()
-                    if out.error:
-                        ctx.metrics.request_finished("error")
-                        await context.abort(grpc.StatusCode.INTERNAL, out.error)
-                    emitted += len(out.token_ids)
-                    tokens = tokens_to_proto(out)
+                    # every output already queued goes in one message: a stream that fell a few
+                    # steps behind catches up in one write instead of one per token
+                    tokens = []
+                    while True:
+                        out = await q.get() if not tokens else q.get_nowait()
+                        if out.error:
+                            ctx.metrics.request_finished("error")
+                            await context.abort(grpc.StatusCode.INTERNAL, out.error)
+                        emitted += len(out.token_ids)
+                        tokens += tokens_to_proto(out)
+                        if out.finished or q.empty():
+                            break
                     if out.finished:
                         finished = True
                         ctx.metrics.request_finished("ok" if out.finish_reason != "abort" else "cancelled")

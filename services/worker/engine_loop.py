@@ -24,7 +24,9 @@ class EngineLoop:
         self.engine = engine
         self.idle_wait_s = idle_wait_s
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
-        self._sinks: dict[str, Callable[[StepOutput], None]] = {}
+        # rid -> (its handler's event loop, its queue); a step's outputs reach each event
+        # loop in one call (one wake-up per loop per step, not one per request)
+        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._ticks: list[Callable[[], bool]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -59,7 +61,18 @@ class EngineLoop:
 
     def attach(self, rid: str, aloop: asyncio.AbstractEventLoop, q: asyncio.Queue) -> None:
         """Deliver rid's outputs into q (on aloop). Call on the loop thread (inside call())."""
-        self._sinks[rid] = lambda out: aloop.call_soon_threadsafe(q.put_nowait, out)
+        self._sinks[rid] = (aloop, q)
+
+    def _deliver(self, outs: list[StepOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outs:
+            sink = self._sinks.get(out.rid)
+            if sink is not None:
+                by_loop.setdefault(sink[0], []).append((sink[1], out))
+            if out.finished and not out.prefill_done:
+                self._sinks.pop(out.rid, None)
+        for aloop, items in by_loop.items():
+            aloop.call_soon_threadsafe(_put_all, items)
 
     def detach(self, rid: str) -> None:
         self._sinks.pop(rid, None)
@@ -90,12 +103,7 @@ class EngineLoop:
                 self._drain(block=not (engine.has_work or busy), timeout=self.idle_wait_s)
                 if engine.has_work:
                     outs = engine.step()
-                    for out in outs:
-                        sink = self._sinks.get(out.rid)
-                        if sink is not None:
-                            sink(out)
-                        if out.finished and not out.prefill_done:
-                            self._sinks.pop(out.rid, None)
+                    self._deliver(outs)
                     for hook in self.on_step:
                         hook(outs)
                 busy = False
@@ -108,6 +116,11 @@ class EngineLoop:
         except BaseException as exc:  # a dead engine thread must not leave handlers hanging
             log.exception("engine loop crashed")
             self.fatal = exc
-            for rid, sink in list(self._sinks.items()):
-                sink(StepOutput(rid, [], finished=True, finish_reason="error", error=f"engine failed: {exc}"))
+            self._deliver([StepOutput(rid, [], finished=True, finish_reason="error", error=f"engine failed: {exc}")
+                           for rid in list(self._sinks)])
             self._sinks.clear()
+
+
+def _put_all(items) -> None:
+    for q, out in items:
+        q.put_nowait(out)
