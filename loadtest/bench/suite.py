@@ -24,7 +24,7 @@ import traceback
 from pathlib import Path
 
 SINGLE_SECTIONS = ("ceilings", "equality", "decode", "prefill", "offline", "hf")
-TP_SECTIONS = ("ceilings", "tp_equality", "allreduce", "tp_decode")
+TP_SECTIONS = ("ceilings", "tp_equality", "allreduce", "tp_decode", "moe_tp")
 
 
 class Report:
@@ -60,6 +60,8 @@ def _parse(argv):
                    help="models whose compiled transformers peer is timed (compiles take minutes)")
     p.add_argument("--hf-compile-timeout", type=float, default=240.0, help="seconds for one compiled peer")
     p.add_argument("--tp-batches", default="1,32")
+    p.add_argument("--moe-tp-batches", default="1,64")
+    p.add_argument("--moe-tp-layouts", default="2/1,2/2", help="tp/ep pairs for the moe_tp section")
     p.add_argument("--json", default=None)
     p.add_argument("--workdir", default=None)
     return p.parse_args(argv)
@@ -262,15 +264,20 @@ def _tp_equality(ctx):
     from .shapes import random_checkpoint_dir
     from .tp import in_fresh_process
 
-    ckpt = str(random_checkpoint_dir("qwen3-small", ctx["root"], ctx["dev"]))
     prompts = equality_prompts(4096, n=6)
-    for dtype in ("float32", "bfloat16"):
-        toks = {tp: in_fresh_process("loadtest.bench.tp:greedy_tokens", ckpt, dtype, tp, prompts, 48)
-                for tp in (1, 2)}
-        same = sum(a == b for a, b in zip(toks[1], toks[2]))
-        agree = sum(x == y for a, b in zip(toks[1], toks[2]) for x, y in zip(a, b)) / sum(map(len, toks[1]))
-        ctx["report"].add("tp_equality", f"qwen3-small {dtype} TP2==TP1 sequences", f"{same}/{len(prompts)}",
-                          f"{100 * agree:.1f}% of tokens at the same positions")
+    for name, layouts in (("qwen3-small", [(2, 1)]), ("qwen3-moe-small", [(2, 1), (2, 2)])):
+        ckpt = str(random_checkpoint_dir(name, ctx["root"], ctx["dev"]))
+        for dtype in ("float32", "bfloat16"):
+            ref = in_fresh_process("loadtest.bench.tp:greedy_tokens", ckpt, dtype, 1, prompts, 48)
+            for tp, ep in layouts:
+                got = in_fresh_process("loadtest.bench.tp:greedy_tokens", ckpt, dtype, tp, prompts, 48, ep)
+                same = sum(a == b for a, b in zip(ref, got))
+                # tokens equal up to each sequence's first divergence (after it the contexts differ)
+                prefix = sum(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+                             for a, b in zip(ref, got)) / sum(map(len, ref))
+                ctx["report"].add("tp_equality", f"{name} {dtype} TP{tp}/EP{ep}==TP1 sequences",
+                                  f"{same}/{len(prompts)}", f"{100 * prefix:.1f}% of tokens before the first "
+                                  "divergence")
 
 
 def _allreduce(ctx):
@@ -299,9 +306,33 @@ def _tp_decode(ctx):
                                  f"step_ms", r["step_ms"], f"per-rank floor {r['floor_ms']:.3f} ms")
 
 
+def _moe_tp(ctx):
+    """Qwen3-30B-A3B shape: decode step with experts sliced over 2 ranks (TP) and split whole
+    (EP), beside TP=1 on one GPU of the same host (random weights, graphs and overlap on)."""
+    from .shapes import config_only_dir
+    from .tp import in_fresh_process
+
+    args, rep = ctx["args"], ctx["report"]
+    c = _need_ceilings(ctx)
+    name = "qwen3-30b-a3b"
+    model_dir = str(config_only_dir(name, ctx["root"]))
+    batches = [int(b) for b in args.moe_tp_batches.split(",")]
+    layouts = [tuple(int(x) for x in t.split("/")) for t in args.moe_tp_layouts.split(",")]
+    for tp, ep in layouts:
+        try:
+            rows = in_fresh_process("loadtest.bench.tp:tp_decode_rows", model_dir, tp, True, batches, args.ctx,
+                                    args.steps, c.copy_gb_s, ep, (True,), timeout=420)
+        except Exception as e:  # noqa: BLE001 - report and go on
+            rep.add("moe_tp", f"{name} TP={tp} EP={ep}", "FAILED", str(e).strip().splitlines()[-1][:160])
+            continue
+        for r in rows:
+            rep.add("moe_tp", f"{name} TP={tp} EP={ep} B={r['batch']} step_ms", r["step_ms"],
+                    f"per-rank floor {r['floor_ms']:.3f} ms, x{r['step_ms'] / r['floor_ms']:.2f}")
+
+
 SECTION_FUNCS = {"ceilings": _ceilings, "equality": _equality, "decode": _decode, "prefill": _prefill,
                  "offline": _offline, "hf": _hf, "tp_equality": _tp_equality, "allreduce": _allreduce,
-                 "tp_decode": _tp_decode}
+                 "tp_decode": _tp_decode, "moe_tp": _moe_tp}
 
 
 if __name__ == "__main__":

@@ -139,10 +139,10 @@ def in_fresh_process(target: str, *args, timeout: float = 400.0):
     return value
 
 
-def greedy_tokens(model_dir: str, dtype: str, tp: int, prompts, new_tokens: int) -> list[list[int]]:
+def greedy_tokens(model_dir: str, dtype: str, tp: int, prompts, new_tokens: int, ep: int = 1) -> list[list[int]]:
     from shared.engine import Engine, SamplingParams
 
-    eng = Engine(model_dir=model_dir, dtype=dtype, tp_size=tp, kv_cache_memory=1 << 30)
+    eng = Engine(model_dir=model_dir, dtype=dtype, tp_size=tp, ep_size=ep, kv_cache_memory=1 << 30)
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     rids = [eng.add_request(p, params) for p in prompts]
     got = {r: [] for r in rids}
@@ -154,7 +154,7 @@ def greedy_tokens(model_dir: str, dtype: str, tp: int, prompts, new_tokens: int)
 
 
 def tp_decode_rows(model_dir: str, tp: int, custom_ar: bool, batches, ctx_len: int, steps: int,
-                   copy_gb_s: float) -> list[dict]:
+                   copy_gb_s: float, ep: int = 1, overlaps=(False,)) -> list[dict]:
     import logging
 
     from .gpu_engine import decode_floor_ms, decode_step_ms, make_engine
@@ -162,16 +162,18 @@ def tp_decode_rows(model_dir: str, tp: int, custom_ar: bool, batches, ctx_len: i
     # progress on stderr (this child's report comes back only at its end)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     t0 = time.monotonic()
-    eng = make_engine(model_dir, load_format="dummy", tp_size=tp, custom_all_reduce=custom_ar,
+    eng = make_engine(model_dir, load_format="dummy", tp_size=tp, ep_size=ep, custom_all_reduce=custom_ar,
                       max_model_len=4096, cuda_graph_max_bs=max(batches))
     active = eng.tp.custom_all_reduce is not None
-    print(f"[tp_decode child] TP={tp} custom_ar={active} engine ready in {time.monotonic() - t0:.0f}s",
+    print(f"[tp_decode child] TP={tp} EP={ep} custom_ar={active} engine ready in {time.monotonic() - t0:.0f}s",
           file=sys.stderr, flush=True)
     rows = []
     for b in batches:
         floor, _ = decode_floor_ms(eng, b, ctx_len, copy_gb_s)  # per rank
-        rows.append(dict(tp=tp, custom_ar=active, batch=b, floor_ms=floor,
-                         step_ms=decode_step_ms(eng, b, ctx_len, steps)))
-        print(f"[tp_decode child] B={b}: {rows[-1]['step_ms']:.3f} ms", file=sys.stderr, flush=True)
+        for overlap in overlaps:
+            rows.append(dict(tp=tp, ep=ep, custom_ar=active, batch=b, floor_ms=floor, overlap=overlap,
+                             step_ms=decode_step_ms(eng, b, ctx_len, steps, overlap=overlap)))
+            print(f"[tp_decode child] B={b} overlap={overlap}: {rows[-1]['step_ms']:.3f} ms", file=sys.stderr,
+                  flush=True)
     eng.close()
     return rows
