@@ -30,8 +30,30 @@ class MoEConfig:
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
-# (experts, hidden, intermediate, top_k, dtype) -> {bucket: MoEConfig}; filled from device sweeps
-TUNED: dict[tuple, dict[int, MoEConfig]] = {}
+def _t(bm, bn, bk, g, w, st):
+    return GemmTile(bm, bn, bk, g, w, st)
+
+
+# (experts, hidden, intermediate, top_k, dtype) -> {bucket: MoEConfig}, from
+# `python3 -m loadtest.bench.moe_kernel --sweep` on an H200 (2026-11-22); grid in that file
+TUNED: dict[tuple, dict[int, MoEConfig]] = {
+    (128, 2048, 768, 8, "bfloat16"): {  # Qwen3-30B-A3B
+        1: MoEConfig(_t(16, 64, 128, 1, 4, 4), _t(16, 64, 128, 1, 4, 3)),
+        8: MoEConfig(_t(16, 32, 256, 1, 4, 3), _t(16, 64, 128, 1, 4, 4)),
+        32: MoEConfig(_t(16, 32, 128, 1, 4, 3), _t(16, 64, 128, 1, 4, 3)),
+        128: MoEConfig(_t(16, 64, 64, 4, 4, 4), _t(16, 64, 64, 4, 4, 3)),
+        1024: MoEConfig(_t(64, 64, 64, 8, 4, 3), _t(64, 128, 64, 8, 4, 3)),
+        4096: MoEConfig(_t(128, 128, 64, 8, 8, 3), _t(128, 128, 64, 8, 8, 3)),
+    },
+    (128, 2048, 384, 8, "bfloat16"): {  # its TP=2 shard
+        1: MoEConfig(_t(16, 32, 128, 1, 4, 4), _t(16, 64, 128, 1, 4, 3)),
+        8: MoEConfig(_t(16, 32, 128, 1, 4, 3), _t(16, 64, 128, 1, 4, 3)),
+        32: MoEConfig(_t(16, 32, 128, 1, 4, 3), _t(16, 32, 128, 1, 4, 3)),
+        128: MoEConfig(_t(16, 64, 64, 4, 4, 3), _t(16, 64, 64, 4, 4, 3)),
+        1024: MoEConfig(_t(64, 64, 64, 8, 4, 3), _t(64, 128, 64, 8, 4, 3)),
+        4096: MoEConfig(_t(128, 64, 64, 8, 8, 3), _t(128, 64, 64, 8, 8, 3)),
+    },
+}
 
 
 def bucket(m: int) -> int:
@@ -56,9 +78,22 @@ def heuristic(m: int, num_experts: int, top_k: int) -> MoEConfig:
 
 
 def get_config(m: int, num_experts: int, hidden: int, intermediate: int, top_k: int, dtype_name: str) -> MoEConfig:
+    """The tuned entry of the smallest swept token count >= m (the largest past the end)."""
     table = TUNED.get((num_experts, hidden, intermediate, top_k, dtype_name))
     if table:
-        b = bucket(m)
-        if b in table:
-            return table[b]
+        keys = sorted(table)
+        return table[next((k for k in keys if k >= m), keys[-1])]
     return heuristic(m, num_experts, top_k)
+
+
+@dataclass(frozen=True)
+class GemvTile:
+    """The few-token path: a program per (pair, N tile) for gate/up and per (token, N tile)
+    for down, CUDA-core dot products (no 16-row padding, no expert sort)."""
+    block_n: int = 16
+    block_k: int = 256
+    num_warps: int = 4
+
+
+# token counts up to which the few-token path runs (measured crossover, see NOTES)
+GEMV_MAX_TOKENS = 4

@@ -34,12 +34,12 @@ def _route(g, t, e, k, skew=None):
     return weights / weights.sum(-1, keepdim=True), ids
 
 
-def _check(runner, x, w13, w2, weights, ids, expert_map=None, tol=None):
+def _check(runner, x, w13, w2, weights, ids, expert_map=None, tol=None, config=None):
     dev = runner.device
     args = [a.to(dev) for a in (x, w13, w2, weights, ids)]
     emap = expert_map.to(dev) if expert_map is not None else None
     out = fill_nan_(torch.empty_like(args[0]))
-    got = runner(MOE, *args, expert_map=emap, out=out)
+    got = runner(MOE, *args, expert_map=emap, out=out, config=config)
     want = fused_moe_reference(*args, expert_map=emap)
     assert got.shape == want.shape
     if x.shape[0]:
@@ -57,6 +57,23 @@ def test_fused_moe_matches_reference(runner, dtype, t, e, k, h, i):
     w13, w2 = _weights(g, e, h, i, dtype)
     weights, ids = _route(g, t, e, k)
     _check(runner, x, w13, w2, weights, ids)
+
+
+@pytest.mark.parametrize("path", ["gemv", "grouped"])
+@pytest.mark.parametrize("t,e,k,h,i", [(1, 8, 2, 64, 32), (3, 60, 4, 72, 40), (4, 16, 8, 48, 24)])
+def test_few_token_paths_match_reference(runner, path, t, e, k, h, i):
+    """Both paths at decode sizes: per-pair GEMVs (the default up to GEMV_MAX_TOKENS) and the
+    grouped GEMMs; with and without an expert map."""
+    from kernels.fused_moe_config import GemmTile, GemvTile, MoEConfig
+    config = GemvTile(16, 32) if path == "gemv" else MoEConfig(GemmTile(16, 32, 32), GemmTile(16, 32, 32))
+    g = case_generator(path, t, e, k, h, i)
+    x = torch.randn(t, h, generator=g)
+    w13, w2 = _weights(g, e, h, i, torch.float32)
+    weights, ids = _route(g, t, e, k)
+    _check(runner, x, w13, w2, weights, ids, config=config)
+    emap = torch.full((e,), -1, dtype=torch.int32)
+    emap[e // 2:] = torch.arange(e - e // 2, dtype=torch.int32)
+    _check(runner, x, w13[e // 2:], w2[e // 2:], weights, ids, expert_map=emap, config=config)
 
 
 def test_every_token_on_one_expert_and_idle_experts(runner):
