@@ -34,14 +34,16 @@ def select_experts_reference(router_logits: torch.Tensor, top_k: int, renormaliz
     return weights, ids.to(torch.int32)
 
 
-def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool):
-    """Triton: one program per token (softmax, k rounds of argmax, renormalise)."""
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, round_weights_to=None):
+    """Triton: one program per token (softmax, k rounds of argmax, renormalise).
+    round_weights_to: a dtype the weights are rounded to (kept as float32 values), as HF's
+    Qwen routers cast them to the activations' dtype; done in the kernel, not as extra casts."""
     if router_logits.dim() != 2 or not 0 < top_k <= router_logits.shape[1]:
         raise ValueError(f"router_logits must be [T, E] with 0 < top_k <= E, got {tuple(router_logits.shape)}, "
                          f"top_k={top_k}")
     from kernels.triton_fused_moe import launch_select_experts
 
-    return launch_select_experts(router_logits, top_k, renormalize)
+    return launch_select_experts(router_logits, top_k, renormalize, round_weights_to)
 
 
 def _check(x, w13, w2, topk_weights, topk_ids, expert_map):

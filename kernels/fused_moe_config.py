@@ -95,5 +95,7 @@ class GemvTile:
     num_warps: int = 4
 
 
-# token counts up to which the few-token path runs (measured crossover, see NOTES)
-GEMV_MAX_TOKENS = 4
+# token counts up to which the few-token path runs by default: none. On an H200 it lost to the
+# grouped GEMMs at every decode size (M=1: 0.082 ms against 0.040; M=2: 0.059 at its best
+# tile against 0.061; M=4+: slower), so it stays selectable (config=GemvTile()) but off
+GEMV_MAX_TOKENS = 0

@@ -25,7 +25,8 @@ ALIGN_SINGLE_PROGRAM_MAX = 4096
 
 @triton.jit
 def _select_experts_kernel(logits, weights_out, ids_out, num_experts, stride_l,
-                           TOP_K: tl.constexpr, TOP_KP: tl.constexpr, EP: tl.constexpr, RENORM: tl.constexpr):
+                           TOP_K: tl.constexpr, TOP_KP: tl.constexpr, EP: tl.constexpr, RENORM: tl.constexpr,
+                           ROUND_TO: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, EP)
     ok = cols < num_experts
@@ -44,11 +45,16 @@ def _select_experts_kernel(logits, weights_out, ids_out, num_experts, stride_l,
         p = tl.where(cols == i, -1.0, p)
     if RENORM:
         vals = vals / tl.sum(tl.where(slots < TOP_K, vals, 0.0), axis=0)
+    if ROUND_TO is not None:
+        vals = vals.to(ROUND_TO).to(tl.float32)
     tl.store(weights_out + row * TOP_K + slots, vals, mask=slots < TOP_K)
     tl.store(ids_out + row * TOP_K + slots, idxs, mask=slots < TOP_K)
 
 
-def launch_select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool):
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def launch_select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, round_to=None):
     t, e = router_logits.shape
     weights = torch.empty(t, top_k, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(t, top_k, dtype=torch.int32, device=router_logits.device)
@@ -56,7 +62,8 @@ def launch_select_experts(router_logits: torch.Tensor, top_k: int, renormalize: 
         logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
         _select_experts_kernel[(t,)](logits, weights, ids, e, logits.stride(0), TOP_K=top_k,
                                      TOP_KP=triton.next_power_of_2(top_k), EP=triton.next_power_of_2(e),
-                                     RENORM=renormalize, num_warps=4 if e > 256 else 1)
+                                     RENORM=renormalize, ROUND_TO=_TL_DTYPES.get(round_to),
+                                     num_warps=4 if e > 256 else 1)
     return weights, ids
 
 

@@ -150,6 +150,17 @@ def test_select_experts_matches_reference(runner, t, e, k, renorm):
         assert torch.allclose(weights.cpu().sum(-1), torch.ones(t), atol=1e-5)
 
 
+def test_select_experts_rounds_weights_in_the_kernel(runner):
+    """HF's Qwen routers cast the top-k weights to the activations' dtype: the kernel's
+    round_weights_to gives exactly those values (as float32)."""
+    g = case_generator("round")
+    logits = torch.randn(5, 16, generator=g) * 2
+    got, _ = runner(SELECT, logits.to(runner.device), 4, True, torch.float16)
+    want, _ = select_experts_reference(logits, 4, True)
+    assert got.dtype == torch.float32
+    assert torch.equal(got.cpu(), want.to(torch.float16).float())
+
+
 def test_reference_matches_a_plain_loop():
     """The reference itself against the textbook formula in float64."""
     g = case_generator("ref")

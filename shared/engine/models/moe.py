@@ -191,8 +191,8 @@ class MoEBlock(nn.Module):
     def _forward_fused(self, h: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         from kernels.fused_moe import fused_moe, select_experts
 
-        weights, ids = select_experts(logits, self.moe.top_k, self.moe.norm_topk_prob)
-        if self.moe.weights_in_model_dtype and h.dtype != torch.float32:
-            weights = weights.to(h.dtype).float()  # the rounding HF applies
+        # HF rounds the top-k weights to the activations' dtype (Qwen): the kernel does it
+        weights, ids = select_experts(logits, self.moe.top_k, self.moe.norm_topk_prob,
+                                      round_weights_to=h.dtype if self.moe.weights_in_model_dtype else None)
         emap = self.expert_map if self.place.is_expert_parallel else None
         return fused_moe(h, self.experts.w13, self.experts.w2, weights, ids, expert_map=emap)
