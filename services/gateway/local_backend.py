@@ -175,7 +175,7 @@ class LocalBackend:
                         sink = self._sinks.get(out.rid)
                         if sink is not None:
                             sink(out)
-                        if out.finished:
+                        if out.request_finished:
                             self._sinks.pop(out.rid, None)
         except BaseException as exc:  # never leave handlers waiting on a dead engine
             log.exception("engine loop crashed")
@@ -183,7 +183,8 @@ class LocalBackend:
             from shared.engine.outputs import StepOutput
 
             for rid, sink in list(self._sinks.items()):
-                sink(StepOutput(rid, [], finished=True, finish_reason="error", error=f"engine failed: {exc}"))
+                sink(StepOutput(rid, [], finished=True, finish_reason="error", error=f"engine failed: {exc}",
+                                request_finished=True))
             self._sinks.clear()
 
     def _drain(self, engine, block: bool) -> None:

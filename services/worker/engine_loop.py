@@ -94,7 +94,7 @@ class EngineLoop:
                         sink = self._sinks.get(out.rid)
                         if sink is not None:
                             sink(out)
-                        if out.finished and not out.prefill_done:
+                        if out.request_finished and not out.prefill_done:
                             self._sinks.pop(out.rid, None)
                     for hook in self.on_step:
                         hook(outs)
@@ -109,5 +109,6 @@ class EngineLoop:
             log.exception("engine loop crashed")
             self.fatal = exc
             for rid, sink in list(self._sinks.items()):
-                sink(StepOutput(rid, [], finished=True, finish_reason="error", error=f"engine failed: {exc}"))
+                sink(StepOutput(rid, [], finished=True, finish_reason="error", error=f"engine failed: {exc}",
+                                request_finished=True))
             self._sinks.clear()
