@@ -36,4 +36,4 @@ def record_prompt_logprobs(batch, logits: torch.Tensor) -> torch.Tensor:
             row += 1
     if row == logits.shape[0] and len(keep) == row:
         return logits
-    return logits[torch.tensor(keep, device=logits.device)]
+    return logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
