@@ -178,7 +178,7 @@ def test_prompt_logprobs_equal_transformers(model_dir):
     assert got[0] is None and len(got) == len(prompt)
     for pos in range(1, len(prompt)):
         lp, top = got[pos]
-        assert abs(lp - ref[pos - 1, prompt[pos]].item()) < 1e-6
+        assert abs(lp - ref[pos - 1, prompt[pos]].item()) < 1e-4  # float32 log_softmax
         values, ids = ref[pos - 1].topk(2)
         assert [t for t, _ in top] == ids.tolist()
     assert_all_pages_free(eng)
