@@ -30,17 +30,20 @@ from services.gateway.prompt import PromptBuilder
 from services.gateway.response_format import ChatFormatter, CompletionFormatter, EchoPrompt, ToolMode
 from services.gateway.tool_prompt import ToolTemplate
 from shared.openai_protocol.tools import named_choice
-from services.gateway.sampling import chat_sampling, completion_sampling
+from services.gateway.responses_format import ResponsesFormatter
+from services.gateway.sampling import chat_sampling, completion_budget, completion_sampling
 from services.gateway.sse import DONE_EVENT, ClientDisconnected, EventStreamResponse, run_until_disconnect, sse_event
 from services.gateway.token_strings import TokenStrings
 from shared.openai_protocol.errors import InvalidRequest
 from shared.telemetry.propagation import extract_http_context, inject_http_headers
 from shared.openai_protocol.requests import parse_chat_request, parse_completion_request
+from shared.openai_protocol.responses import parse_responses_request
 
 log = logging.getLogger("duet.gateway")
 
 ENDPOINT_CHAT = "chat_completions"
 ENDPOINT_COMPLETIONS = "completions"
+ENDPOINT_RESPONSES = "responses"
 # Label for requests whose client went away (nginx's 499: client closed request).
 STATUS_CANCELLED = "cancelled"
 
@@ -88,6 +91,9 @@ class OpenAIEndpoints:
 
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, ENDPOINT_COMPLETIONS, self._prepare_completion)
+
+    async def responses(self, request: Request) -> Response:
+        return await self._serve(request, ENDPOINT_RESPONSES, self._prepare_responses)
 
     async def list_models(self) -> JSONResponse:
         return JSONResponse({"object": "list", "data": [self._model_card()]})
@@ -147,6 +153,33 @@ class OpenAIEndpoints:
         if self.ctx.tool_call_parser == "none":
             return None
         return ToolMode(self.ctx.tool_template.parser)
+
+    async def _prepare_responses(self, body: bytes) -> PreparedRequest:
+        req = parse_responses_request(body)
+        self._check_model(req.model)
+        choice = req.effective_tool_choice
+        flat = req.tools if choice != "none" else None
+        tools = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
+                 for t in flat or []] or None
+        messages, template_tools = self.ctx.tool_template.render(req.chat_messages(), tools)
+        prompt_ids = await asyncio.to_thread(self.ctx.prompts.chat_prompt_ids, messages, None, template_tools)
+        max_tokens = completion_budget(req.max_output_tokens, None, len(prompt_ids), self.ctx.max_context_len,
+                                       "input")
+        defaults = SamplingOptions()
+        sampling = SamplingOptions(temperature=defaults.temperature if req.temperature is None else req.temperature,
+                                   top_p=defaults.top_p if req.top_p is None else req.top_p, max_tokens=max_tokens)
+        sampling.grammar = response_format_grammar(req.format, "text.format")
+        if flat:
+            sampling.grammar = tool_choice_grammar(flat, choice, req.parallel_tool_calls, flat=True) or sampling.grammar
+        request_id = _response_id()
+        echo = {"instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+                "temperature": sampling.temperature, "top_p": sampling.top_p, "tools": [_function_tool(t) for t in req.tools or []],
+                "tool_choice": req.tool_choice or "auto", "parallel_tool_calls": req.parallel_tool_calls is not False,
+                "metadata": req.metadata or {}, "text": {"format": (req.text.format if req.text and req.text.format
+                                                                    else {"type": "text"})}}
+        formatter = ResponsesFormatter(request_id, self.ctx.served_model_name, int(time.time()), echo,
+                                       tools=self._tool_mode(flat, choice, flat=True))
+        return PreparedRequest(request_id, [prompt_ids], sampling, formatter, bool(req.stream), False)
 
     async def _prepare_completion(self, body: bytes) -> PreparedRequest:
         req = parse_completion_request(body)
@@ -256,16 +289,18 @@ class OpenAIEndpoints:
 
         async def events():
             try:
+                named = formatter.named_events
                 for chunk in formatter.opening_chunks():
-                    yield sse_event(chunk)
+                    yield sse_event(chunk, named)
                 delta = first
                 while delta is not None:
                     for chunk in formatter.chunks_for(delta):
-                        yield sse_event(chunk)
+                        yield sse_event(chunk, named)
                     delta = await anext(deltas, None)
-                if prepared.include_usage:
-                    yield sse_event(formatter.usage_chunk(generation.stats))
-                yield DONE_EVENT
+                for chunk in formatter.closing_chunks(generation.stats):
+                    yield sse_event(chunk, named)
+                if formatter.done_marker:
+                    yield DONE_EVENT
             except BackendError as exc:
                 error = from_backend_error(exc)
                 status["value"] = error.status
@@ -280,6 +315,16 @@ class OpenAIEndpoints:
             outcome.record(STATUS_CANCELLED if disconnected else status["value"])
 
         return EventStreamResponse(events(), on_close, headers)
+
+
+def _function_tool(tool: dict) -> dict:
+    """A Responses function tool as a response repeats it (strict defaults to true there)."""
+    return {"type": "function", "name": tool["name"], "description": tool.get("description"),
+            "parameters": tool.get("parameters"), "strict": tool.get("strict") is not False}
+
+
+def _response_id() -> str:
+    return f"resp_{uuid.uuid4().hex}"
 
 
 async def _next(iterator):

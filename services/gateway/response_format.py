@@ -47,6 +47,8 @@ class ChatFormatter:
     include_usage: bool = False  # streaming only: usage: null on chunks, a final usage chunk
     n: int = 1
     tools: ToolMode | None = None
+    done_marker: bool = True  # streams end with "data: [DONE]"
+    named_events: bool = False
     _streams: dict[int, ToolStream] = field(default_factory=dict, init=False)
 
     # --- streaming ------------------------------------------------------------
@@ -98,6 +100,9 @@ class ChatFormatter:
         chunk = self._chunk([])
         chunk["usage"] = usage_object(stats)
         return chunk
+
+    def closing_chunks(self, stats: GenerationStats) -> list[dict]:
+        return [self.usage_chunk(stats)] if self.include_usage else []
 
     @staticmethod
     def _reason(stream: ToolStream | None, reason: str) -> str:
@@ -160,6 +165,8 @@ class CompletionFormatter:
     n: int = 1  # choices per prompt: choice index = prompt index * n + sequence
     echo: list[EchoPrompt] | None = None  # one per prompt, when the prompt is echoed
     echo_only: bool = False  # max_tokens 0 with echo: the prompt alone
+    done_marker: bool = True
+    named_events: bool = False
     _offsets: dict[int, int] = field(default_factory=dict, init=False)  # characters emitted per choice
 
     def _object(self, choices: list[dict]) -> dict:
@@ -197,6 +204,9 @@ class CompletionFormatter:
         obj = self._object([])
         obj["usage"] = self._usage(stats)
         return obj
+
+    def closing_chunks(self, stats: GenerationStats) -> list[dict]:
+        return [self.usage_chunk(stats)] if self.include_usage else []
 
     def _usage(self, stats: GenerationStats) -> dict:
         usage = usage_object(stats)
