@@ -74,12 +74,14 @@ class GrammarBackend:
     """Per worker: the tokenizer's vocabulary for xgrammar, and the compiled-grammar cache.
     Thread-safe: the RPC handlers compile off the engine thread, the engine makes matchers."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], cache_size: int = 256):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], cache_size: int = 256,
+                 info=None):
+        """info: an xgrammar TokenizerInfo to use instead of one made from `tokenizer`."""
         import xgrammar as xgr
         self._xgr = xgr
         self.vocab_size = vocab_size
-        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                       stop_token_ids=list(stop_token_ids))
+        self.info = info if info is not None else xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         self.words = xgr.get_bitmask_shape(1, vocab_size)[1]
         self._cache: OrderedDict[GrammarSpec, object] = OrderedDict()
