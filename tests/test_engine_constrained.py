@@ -190,3 +190,34 @@ def test_a_bad_schema_is_a_clear_error(model_dir):
         eng.add_request([20, 21], SamplingParams(grammar=GrammarSpec(
             "json_schema", json.dumps({"type": "integer", "minimum": 5, "maximum": 1}))))
     assert not eng.requests
+
+
+def test_overlap_mixes_constrained_free_and_penalised_requests_like_plain(model_dir):
+    prompts = random_prompts(4, [6, 9, 12, 7], seed=12)
+    params = [schema_params(), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=3, presence_penalty=0.5, max_tokens=12, ignore_eos=True),
+              schema_params(temperature=0.9, seed=4, logit_bias={30: 2.0})]
+    plain = run_engine(engine(model_dir), prompts, params)
+    overlap = engine(model_dir, overlap_schedule=True)
+    assert [r.token_ids for r in run_engine(overlap, prompts, params)] == [r.token_ids for r in plain]
+    for r in (plain[0], plain[3]):
+        jsonschema.validate(json.loads(overlap.tokenizer.decode(r.token_ids, skip_special_tokens=True)), SCHEMA)
+    assert_all_pages_free(overlap)
+
+
+def test_decode_recompute_of_an_n_request_forks_after_the_prompt(model_dir):
+    """Decode whose KV never arrived recomputes the prompt, then forks the sequences from
+    the first tokens prefill reported (not reported again); the rest equals the transfer path."""
+    prompt = random_prompts(1, [10], seed=13)[0]
+    params = schema_params(temperature=1.0, seed=21, n=3)
+    pre, dec = engine(model_dir), engine(model_dir)
+    transferred = split_run(pre, dec, prompt, params)
+    eng = engine(model_dir, overlap_schedule=True)
+    rid = eng.add_request(prompt, SamplingParams(**vars(params)), output_prefix=[t[0] for t in transferred])
+    got = {i: [t[0]] for i, t in enumerate(transferred)}
+    while eng.has_work:
+        for out in eng.step():
+            got[out.index].extend(out.token_ids)
+    assert [got[i] for i in range(3)] == transferred
+    assert not eng.is_live(rid)
+    assert_all_pages_free(eng)

@@ -34,13 +34,15 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"a {ctx.config.role} worker takes no reservations")
         eng = ctx.engine
         n = max(request.n, 1)
-        total = request.prompt_tokens + n * max(request.max_tokens, 1)
+        total = request.prompt_tokens + max(request.max_tokens, 1)
         if request.prompt_tokens <= 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_tokens must be positive")
         if total > eng.max_model_len:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"prompt ({request.prompt_tokens}) + max_tokens ({request.max_tokens}) exceeds "
                                 f"the context length ({eng.max_model_len})")
+        # n sequences share the prompt's pages; each grows its own (its last page copied)
+        total += (n - 1) * (max(request.max_tokens, 1) + ctx.page_size)
         if eng.kv.pages_for(total) > eng.kv.capacity:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"request needs {total} tokens of KV; this decode worker holds "
