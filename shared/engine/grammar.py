@@ -145,6 +145,9 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
     copied to the logits' device without a sync when pinned)."""
     import xgrammar as xgr
     mask = bitmask[: logits.shape[0]]
+    indices = rows
     if logits.device.type != "cpu":
-        mask = mask.to(logits.device, non_blocking=True)
-    xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=logits.shape[1], indices=rows)
+        # pinned host memory: a copy from pageable memory would wait for the device to idle
+        mask = (mask if mask.is_pinned() else mask.pin_memory()).to(logits.device, non_blocking=True)
+        indices = torch.tensor(rows, dtype=torch.int32).pin_memory().to(logits.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=logits.shape[1], indices=indices)
