@@ -190,11 +190,10 @@ class OpenAIEndpoints:
                 prompts.append(await asyncio.to_thread(self.ctx.prompts.text_prompt_ids, prompt))
             else:
                 prompts.append(self.ctx.prompts.check_token_ids(prompt))
-        # every prompt must fit; the budget is the one asked for (or the default) for all
+        # every prompt must fit (each is checked); one budget for all: the asked one, or the
+        # default capped by the longest prompt's room
         options = [completion_sampling(req, len(ids), self.ctx.max_context_len) for ids in prompts]
         sampling = min(options, key=lambda o: o.max_tokens)
-        if req.max_tokens is not None:
-            sampling = options[0]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         echo = None
         if req.echo:

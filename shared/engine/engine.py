@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import uuid
 import weakref
@@ -108,6 +109,7 @@ class Engine:
         self.stats = EngineStats()
         self._tokenizer = None
         self._grammars = None
+        self._grammar_lock = threading.Lock()
         self.overlap = None
         if config.overlap_schedule:
             from .overlap import OverlapScheduler
@@ -167,14 +169,15 @@ class Engine:
     def grammars(self):
         """The xgrammar backend (grammar.py), made at the first constrained request; it
         needs the model's tokenizer. Thread-safe: RPC handlers compile on it ahead."""
-        if self._grammars is None:
-            from .grammar import GrammarBackend
-            try:
-                tokenizer = self.tokenizer
-            except (OSError, ValueError) as exc:
-                raise ValueError(f"constrained decoding needs the model's tokenizer: {exc}") from None
-            self._grammars = GrammarBackend(tokenizer, self.model_config.vocab_size,
-                                            self.model_config.eos_token_ids)
+        with self._grammar_lock:
+            if self._grammars is None:
+                from .grammar import GrammarBackend
+                try:
+                    tokenizer = self.tokenizer
+                except (OSError, ValueError) as exc:
+                    raise ValueError(f"constrained decoding needs the model's tokenizer: {exc}") from None
+                self._grammars = GrammarBackend(tokenizer, self.model_config.vocab_size,
+                                                self.model_config.eos_token_ids)
         return self._grammars
 
     # -- requests -----------------------------------------------------------------------
@@ -192,11 +195,14 @@ class Engine:
         if max_new > room:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_new}) exceeds the "
                              f"model's context length ({self.max_model_len})")
-        need = self.kv.pages_for(len(prompt_ids) + max_new)
-        need += (params.n - 1) * self.kv.pages_for(max_new + self.layout.page_size)
+        tokens = len(prompt_ids) + max_new
+        need = self.kv.pages_for(tokens)
+        if params.n > 1:  # the others share the prompt and grow their own pages (the last one copied)
+            tokens += (params.n - 1) * (max_new + self.layout.page_size)
+            need += (params.n - 1) * self.kv.pages_for(max_new + self.layout.page_size)
         if need > self.kv.capacity:
-            raise ValueError(f"request needs {need * self.layout.page_size} tokens of KV (n={params.n}); "
-                             f"this worker holds {self.kv.capacity * self.layout.page_size}")
+            raise ValueError(f"request needs {tokens} tokens of KV; this worker "
+                             f"holds {self.kv.capacity * self.layout.page_size}")
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ValueError(f"logit_bias names token {max(params.logit_bias)}, outside the vocabulary "
                              f"[0, {vocab})")
