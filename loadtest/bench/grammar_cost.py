@@ -105,20 +105,41 @@ def build_engine(args):
 
 
 class FillTimer:
-    """Wraps GrammarBackend.fill to add up the host time spent building masks."""
+    """Adds up the host time spent filling masks (GrammarBackend.fill) and applying them
+    with the logit edits (logit_constraints.apply; on a GPU that is launch time only).
+    On a busy shared CPU these are the steadier measure of the cost: fill + apply per step
+    against the free step."""
 
     def __init__(self, grammars):
-        self.seconds, self.calls = 0.0, 0
-        inner = grammars.fill
+        from shared.engine import logit_constraints
+        self.seconds = self.apply_seconds = 0.0
+        self.calls = 0
+        inner_fill, inner_apply = grammars.fill, logit_constraints.apply
 
         def fill(states, bitmask):
             t0 = time.perf_counter()
             try:
-                return inner(states, bitmask)
+                return inner_fill(states, bitmask)
             finally:
                 self.seconds += time.perf_counter() - t0
                 self.calls += 1
+
+        def apply(logits, rows, constraints):
+            t0 = time.perf_counter()
+            try:
+                return inner_apply(logits, rows, constraints)
+            finally:
+                self.apply_seconds += time.perf_counter() - t0
         grammars.fill = fill
+        logit_constraints.apply = apply  # the sampler looks it up on the module at each call
+
+    def reset(self) -> None:
+        self.seconds = self.apply_seconds = 0.0
+        self.calls = 0
+
+    def per_step_ms(self) -> tuple[float, float]:
+        n = max(self.calls, 1)
+        return self.seconds / n * 1e3, self.apply_seconds / n * 1e3
 
 
 def sync(device) -> None:
@@ -140,7 +161,7 @@ def step_ms(engine, batch: int, ctx: int, steps: int, grammar, overlap: bool, ti
     for _ in range(4):  # warm: graphs for this batch size, the matchers' first states
         engine.step()
     sync(engine.device)
-    timer.seconds, timer.calls = 0.0, 0
+    timer.reset()
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()
@@ -179,17 +200,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {engine.model_dir.name} on {engine.device}, vocab {engine.model_config.vocab_size}, "
           f"ctx {args.ctx}, {args.steps} steps x {args.rounds} rounds per case, "
           f"{'bounded' if args.bounded_strings else 'open'} strings")
-    print(f"{'loop':8} {'batch':>5} {'free ms':>9} {'json ms':>9} {'ratio':>7} {'fill ms/step':>13}")
+    print(f"{'loop':8} {'batch':>5} {'free ms':>9} {'json ms':>9} {'ratio':>7} {'fill ms':>8} {'apply ms':>9} "
+          f"{'(fill+apply)/free':>18}")
     for overlap in (False, True):
         for batch in args.batch:
-            free, constrained, fills = [], [], []
+            free, constrained, fills, applies = [], [], [], []
             for _ in range(args.rounds):  # alternate, so a noisy neighbour hits both alike
                 free.append(step_ms(engine, batch, args.ctx, args.steps, None, overlap, timer))
                 constrained.append(step_ms(engine, batch, args.ctx, args.steps, grammar, overlap, timer))
-                fills.append(timer.seconds / max(timer.calls, 1) * 1e3)
+                fill, apply = timer.per_step_ms()
+                fills.append(fill)
+                applies.append(apply)
             f, c = float(np.median(free)), float(np.median(constrained))
-            print(f"{'overlap' if overlap else 'plain':8} {batch:5d} {f:9.2f} {c:9.2f} {c / f:7.3f} "
-                  f"{float(np.median(fills)):13.3f}", flush=True)
+            fill, apply = float(np.median(fills)), float(np.median(applies))
+            print(f"{'overlap' if overlap else 'plain':8} {batch:5d} {f:9.2f} {c:9.2f} {c / f:7.3f} {fill:8.3f} "
+                  f"{apply:9.3f} {(fill + apply) / f:18.3f}", flush=True)
     return 0
 
 
