@@ -221,3 +221,28 @@ def test_decode_recompute_of_an_n_request_forks_after_the_prompt(model_dir):
     assert [got[i] for i in range(3)] == transferred
     assert not eng.is_live(rid)
     assert_all_pages_free(eng)
+
+
+def _by_index(eng, prompt, params) -> dict[int, list[int]]:
+    eng.add_request(prompt, params)
+    seqs: dict[int, list[int]] = {}
+    while eng.has_work:
+        for out in eng.step():
+            seqs.setdefault(out.index, []).extend(out.token_ids)
+    return seqs
+
+
+def test_tensor_parallel_ranks_fork_the_same_pages(tmp_path):
+    """With TP=2 the last prompt page is copied on rank 1 too (call_followers): the n
+    sequences are TP=1's."""
+    from tests.tiny_models import make_tiny_model
+    d = make_tiny_model(tmp_path / "qwen3", "qwen3", vocab=251, heads=4, kv_heads=2)
+    prompt, params = list(range(20, 33)), SamplingParams(temperature=0.9, seed=5, n=3, max_tokens=8, ignore_eos=True)
+    opts = dict(model_dir=str(d), dtype="float64", device="cpu", num_threads=1, page_size=4)
+    want = _by_index(Engine(**opts), prompt, params)
+    eng = Engine(tp_size=2, **opts)
+    try:
+        assert _by_index(eng, prompt, params) == want
+        eng.check_idle()
+    finally:
+        eng.close()
