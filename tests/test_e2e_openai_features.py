@@ -119,3 +119,28 @@ def test_langchain_openai_tools_and_structured_output(stacks):
         assert streamed.tool_calls and streamed.tool_calls[0]["name"] == "GetWeather"
         assert json.loads(json.dumps(streamed.tool_calls[0]["args"])) == streamed.tool_calls[0]["args"]
     idle(stacks)
+
+
+def test_n_sequences_take_one_prefill_and_one_transfer(stacks):
+    """n=3 through the split stack: prefill computes the prompt once and sends its pages once;
+    decode computes no prompt token (its sequences fork from the transferred pages)."""
+    from tests.stack import wait_until
+    split = stacks["split"]
+    prefill, decode = split.worker_ids("prefill")[0], split.worker_ids("decode")[0]
+    before = {w: split.metrics(w) for w in (prefill, decode)}
+
+    def delta(worker, name, **labels):
+        return split.metrics(worker).value(name, **labels) - before[worker].value(name, **labels)
+    prompt = "A fresh prompt nobody sent before: the three sequences share its pages."
+    r = split.client().completions.create(model=MODEL, prompt=prompt, n=3, max_tokens=6, temperature=1.0, seed=1,
+                                          extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1, 2] and r.usage.completion_tokens == 18
+    cached = r.usage.prompt_tokens_details.cached_tokens or 0
+    wait_until(lambda: delta(decode, "duet_engine_tokens_computed_total", phase="decode") >= 15, 10,
+               "decode's computed-token counter")
+    assert delta(prefill, "duet_engine_tokens_computed_total", phase="prefill") == r.usage.prompt_tokens - cached
+    assert delta(prefill, "duet_kv_transfer_seconds_count") == 1
+    assert delta(decode, "duet_kv_transfer_seconds_count") == 1
+    assert delta(decode, "duet_engine_tokens_computed_total", phase="prefill") == 0
+    assert delta(decode, "duet_engine_tokens_computed_total", phase="decode") == 3 * 5  # after the first tokens
+    split.wait_idle()
