@@ -206,6 +206,9 @@ def check_n_and_prompt_lists(client, model) -> None:
     singles = [chat_json(client, model=model, messages=ASK, temperature=1.0, seed=3 + i, max_tokens=6)
                ["choices"][0]["message"]["content"] for i in range(3)]
     assert texts == singles  # choice i samples with seed + i
+    ended = chat_json(client, model=model, messages=ASK, n=2, max_tokens=1, temperature=0)  # both end at once
+    assert [c["finish_reason"] for c in ended["choices"]] == ["length", "length"]
+    assert ended["usage"]["completion_tokens"] == 2
     chunks = chat_stream(client, model=model, messages=ASK, n=3, temperature=1.0, seed=3, max_tokens=6)
     got = assembled(chunks)
     assert [got[i]["content"] for i in range(3)] == texts and all(got[i]["finish"] for i in range(3))

@@ -9,6 +9,7 @@ free whitespace lets small models loop on newlines until max_tokens, which trunc
 JSON; the output is still valid JSON for any schema."""
 from __future__ import annotations
 
+import logging
 import re
 import threading
 from collections import OrderedDict
@@ -150,4 +151,16 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
         # pinned host memory: a copy from pageable memory would wait for the device to idle
         mask = (mask if mask.is_pinned() else mask.pin_memory()).to(logits.device, non_blocking=True)
         indices = torch.tensor(rows, dtype=torch.int32).pin_memory().to(logits.device, non_blocking=True)
-    xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=logits.shape[1], indices=indices)
+    backend = _APPLY_BACKEND.get(logits.device.type, "auto")
+    try:
+        xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=logits.shape[1], indices=indices, backend=backend)
+    except Exception as exc:  # e.g. xgrammar's Triton kernel on an untested Triton: plain torch instead
+        if backend == "torch_native":
+            raise
+        logging.getLogger("duet.engine").warning("xgrammar's %s bitmask kernel failed (%s); using torch", backend, exc)
+        _APPLY_BACKEND[logits.device.type] = "torch_native"
+        xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=logits.shape[1], indices=indices,
+                                        backend="torch_native")
+
+
+_APPLY_BACKEND: dict[str, str] = {}  # device type -> xgrammar backend, once "auto" failed there
