@@ -9,6 +9,11 @@ One derived schema is added here, not in the copy: "CreateCompletionStreamRespon
 The spec says completion stream chunks share CreateCompletionResponse's shape, yet
 OpenAI's live API (and every client) sends `finish_reason: null` on all chunks but
 the last, which that schema forbids; the derived one allows null there and nothing else.
+
+And "CreateCompletionResponseEcho": with `echo` and `logprobs`, the first prompt token has
+no logprob, and OpenAI's API (like vLLM) answers null for it in token_logprobs and
+top_logprobs, which the spec's number/object items forbid; the derived schema allows
+null items there and nothing else.
 """
 
 from __future__ import annotations
@@ -51,11 +56,20 @@ def _completion_stream_schema(schemas: dict) -> dict:
     return derived
 
 
+def _completion_echo_schema(schemas: dict) -> dict:
+    derived = copy.deepcopy(schemas["CreateCompletionResponse"])
+    logprobs = derived["properties"]["choices"]["items"]["properties"]["logprobs"]["anyOf"][0]["properties"]
+    for key in ("token_logprobs", "top_logprobs"):
+        logprobs[key]["items"] = {"anyOf": [logprobs[key]["items"], {"type": "null"}]}
+    return derived
+
+
 @lru_cache(maxsize=1)
 def _document() -> dict:
     raw = json.loads(SCHEMA_FILE.read_text())
     schemas = _rewrite_nullable(raw["components"]["schemas"])
     schemas["CreateCompletionStreamResponse"] = _completion_stream_schema(schemas)
+    schemas["CreateCompletionResponseEcho"] = _completion_echo_schema(schemas)
     return {"components": {"schemas": schemas}}
 
 
@@ -84,3 +98,26 @@ def validate(obj, schema_name: str) -> None:
 
 def is_valid(obj, schema_name: str) -> bool:
     return _validator(schema_name).is_valid(obj)
+
+
+@lru_cache(maxsize=1)
+def _response_event_schemas() -> dict[str, str]:
+    """Responses API stream event type ("response.created") -> its schema's name."""
+    schemas = _document()["components"]["schemas"]
+    out = {}
+    for ref in schemas["ResponseStreamEvent"]["anyOf"]:
+        name = ref["$ref"].rsplit("/", 1)[1]
+        kind = schemas[name].get("properties", {}).get("type", {}).get("enum", [None])[0]
+        if kind:
+            out[kind] = name
+    return out
+
+
+def validate_response_event(event: dict) -> None:
+    """Validate a Responses stream event against the schema of its own type (the union's
+    errors would not say what is wrong), and against the union."""
+    name = _response_event_schemas().get(event.get("type"))
+    if name is None:
+        raise jsonschema.ValidationError(f"unknown Responses stream event type {event.get('type')!r}")
+    validate(event, name)
+    validate(event, "ResponseStreamEvent")

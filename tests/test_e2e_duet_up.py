@@ -321,7 +321,7 @@ BAD_REQUESTS = [
     ("/chat/completions", {"messages": CHATS[0], "temperature": -1}, 400),
     ("/chat/completions", {"messages": CHATS[0], "max_tokens": 0}, 400),
     ("/chat/completions", {"messages": []}, 400),
-    ("/chat/completions", {"messages": CHATS[0], "n": 2}, 400),
+    ("/chat/completions", {"messages": CHATS[0], "n": 0}, 400),
     ("/chat/completions", {"messages": CHATS[0], "max_tokens": 10 ** 6}, 400),
     ("/completions", {"prompt": "hi", "top_p": 1.5}, 400),
     ("/completions", {"prompt": "hello " * 9000}, 400),

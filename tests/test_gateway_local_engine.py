@@ -177,3 +177,29 @@ def test_main_serves_with_the_local_backend(model_dir):
             proc.wait()
     # uvicorn shuts down gracefully (lifespan closes the backend), then re-raises SIGTERM.
     assert proc.returncode in (0, -15)
+
+
+def test_default_model_json_object_and_tools(client, backend):
+    """SmolLM2 (real weights) under json_object answers a JSON object; with tools and
+    tool_choice auto its answer goes through the Hermes-style fallback prompt and parser:
+    whatever it says is either text or calls that parse (see the README)."""
+    import json
+
+    body = client.chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=120, response_format={"type": "json_object"},
+        messages=[{"role": "user", "content": "Describe a cat with a name and an age, as JSON."}])
+    assert body.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(body.choices[0].message.content), dict)
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "Current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    auto = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=30, tools=tools,
+                                          messages=[{"role": "user", "content": "What is the weather in Paris?"}])
+    choice = auto.choices[0]
+    if choice.message.tool_calls:
+        assert choice.finish_reason == "tool_calls"
+        assert all(json.loads(c.function.arguments) is not None for c in choice.message.tool_calls)
+    else:
+        assert choice.message.content
+    print("SmolLM2 with tools (auto):", choice.finish_reason, choice.message.content, choice.message.tool_calls)
+    assert wait_until(lambda: engine_idle(backend), timeout=10)

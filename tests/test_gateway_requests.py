@@ -42,9 +42,15 @@ def test_chat_defaults_and_text_parts():
     ({"frequency_penalty": 2.1}, "frequency_penalty"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"stop": ""}, "stop"),
-    ({"tools": [{"type": "function"}]}, "tools"),
-    ({"logit_bias": {"1": 5}}, "logit_bias"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function"}]}, "tools[0].function"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ({"logit_bias": {"x": 5}}, "logit_bias"),
+    ({"logit_bias": {"1": 101}}, "logit_bias"),
+    ({"n": 0}, "n"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
 ])
 def test_chat_invalid_fields_name_the_param(fields, param):
@@ -60,11 +66,13 @@ def test_unknown_fields_are_ignored():
 
 
 def test_completion_prompt_forms():
-    assert parse_completion_request(b'{"prompt": "x"}').single_prompt() == "x"
-    assert parse_completion_request(b'{"prompt": ["x"]}').single_prompt() == "x"
-    assert parse_completion_request(b'{"prompt": [1, 2]}').single_prompt() == [1, 2]
-    assert parse_completion_request(b'{"prompt": [[1, 2]]}').single_prompt() == [1, 2]
-    for bad in (b'{"prompt": [[1], [2]]}', b'{"prompt": [-1]}', b'{"prompt": ""}', b'{"prompt": "x", "echo": true}',
+    assert parse_completion_request(b'{"prompt": "x"}').prompts() == ["x"]
+    assert parse_completion_request(b'{"prompt": ["x", "y"]}').prompts() == ["x", "y"]
+    assert parse_completion_request(b'{"prompt": [1, 2]}').prompts() == [[1, 2]]
+    assert parse_completion_request(b'{"prompt": [[1, 2], [3]]}').prompts() == [[1, 2], [3]]
+    echo = parse_completion_request(b'{"prompt": "x", "echo": true, "max_tokens": 0, "logprobs": 1}')
+    assert echo.echo_only and echo.max_tokens == 1
+    for bad in (b'{"prompt": [[1], []]}', b'{"prompt": [-1]}', b'{"prompt": ""}', b'{"prompt": "x", "max_tokens": 0}',
                 b'{"prompt": "x", "best_of": 2}', b'{"prompt": "x", "logprobs": 21}'):
         with pytest.raises(InvalidRequest):
             parse_completion_request(bad)

@@ -31,7 +31,10 @@ def test_committed_code_matches_proto_source():
         subprocess.run([sys.executable, "-c", code, f"-I{regenerate.REPO_ROOT}", str(out),
                         str(regenerate.REPO_ROOT / regenerate.PROTO_FILE)], check=True, timeout=60)
         fresh = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes()).file[0]
-    for message in fresh.message_type:  # protoc's descriptor set adds json_name; the gencode omits it
+    messages = list(fresh.message_type)  # protoc's descriptor set adds json_name; the gencode omits it
+    while messages:
+        message = messages.pop()
+        messages.extend(message.nested_type)  # map fields are nested entry messages
         for field in message.field:
             field.ClearField("json_name")
     committed = descriptor_pb2.FileDescriptorProto.FromString(duet_pb2.DESCRIPTOR.serialized_pb)

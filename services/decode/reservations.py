@@ -63,14 +63,16 @@ class ReservationBook:
 
     # -- admission --------------------------------------------------------------------------
     def try_reserve(self, request_id: str, prompt_tokens: int, max_tokens: int, writer_id: str,
-                    max_running: int) -> Reservation | None:
+                    max_running: int, n: int = 1) -> Reservation | None:
+        """n > 1: the request forks into n sequences sharing the prompt's pages."""
         eng = self.engine
         running = len(eng.scheduler.running) + len(self.open)
-        if running >= max_running:
+        if running + n - 1 >= max_running:
             return None
         need = eng.kv.pages_for(prompt_tokens)
-        # leave one page per running request for its next decode step, plus this one's first
-        headroom = sum(1 for r in eng.scheduler.running if r.is_decoding) + 1
+        # leave one page per running request for its next decode step, plus this one's
+        # first (one per sequence: each copies the prompt's last page and grows on its own)
+        headroom = sum(1 for r in eng.scheduler.running if r.is_decoding) + n
         if eng.kv.available - need < headroom:
             return None
         rid = next(self._ids)

@@ -17,7 +17,8 @@ import grpc
 from protos import duet_pb2, duet_pb2_grpc
 from services.decode.reservations import waiter_for
 from services.worker.context import WorkerContext
-from services.worker.convert import FINISH, sampling_from_proto, tokens_to_proto
+from services.worker.convert import FINISH, prompt_logprobs_to_proto, sampling_from_proto, tokens_to_proto
+from services.worker.grammar_check import compile_ahead
 
 log = logging.getLogger("duet.decode")
 
@@ -32,6 +33,7 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
         if ctx.book is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"a {ctx.config.role} worker takes no reservations")
         eng = ctx.engine
+        n = max(request.n, 1)
         total = request.prompt_tokens + max(request.max_tokens, 1)
         if request.prompt_tokens <= 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_tokens must be positive")
@@ -39,6 +41,8 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"prompt ({request.prompt_tokens}) + max_tokens ({request.max_tokens}) exceeds "
                                 f"the context length ({eng.max_model_len})")
+        # n sequences share the prompt's pages; each grows its own (its last page copied)
+        total += (n - 1) * (max(request.max_tokens, 1) + ctx.page_size)
         if eng.kv.pages_for(total) > eng.kv.capacity:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"request needs {total} tokens of KV; this decode worker holds "
@@ -49,7 +53,7 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
             while True:
                 res = await ctx.loop.acall(lambda: ctx.book.try_reserve(
                     request.request_id, request.prompt_tokens, request.max_tokens,
-                    request.prefill_worker_id, ctx.config.max_running_requests))
+                    request.prefill_worker_id, ctx.config.max_running_requests, n))
                 if res is not None:
                     break
                 if time.monotonic() >= deadline:
@@ -82,6 +86,7 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
             params = sampling_from_proto(request.sampling)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        await compile_ahead(ctx, params, context)
         prompt = list(request.prompt_token_ids)
         split = request.HasField("reservation")
         aloop = asyncio.get_running_loop()
@@ -97,25 +102,34 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
                 if started is not None:  # the request already ended at its first token
                     yield self._last_chunk(started, [], prompt, emitted)
                     return
+                pending = None
                 while True:
-                    # every output already queued goes in one message: a stream that fell a few
-                    # steps behind catches up in one write instead of one per token
-                    tokens = []
-                    while True:
-                        out = await q.get() if not tokens else q.get_nowait()
-                        if out.error:
-                            ctx.metrics.request_finished("error")
-                            await context.abort(grpc.StatusCode.INTERNAL, out.error)
-                        emitted += len(out.token_ids)
-                        tokens += tokens_to_proto(out)
-                        if out.finished or q.empty():
+                    out, pending = pending or await q.get(), None
+                    if out.error:
+                        ctx.metrics.request_finished("error")
+                        await context.abort(grpc.StatusCode.INTERNAL, out.error)
+                    emitted += len(out.token_ids)
+                    tokens = tokens_to_proto(out)
+                    # later outputs of the same sequence already queued go in this message: a
+                    # stream that fell a few steps behind catches up in one write
+                    while not out.finished and out.prompt_logprobs is None and not q.empty():
+                        nxt = q.get_nowait()
+                        if nxt.error or nxt.index != out.index or nxt.prompt_logprobs is not None:
+                            pending = nxt
                             break
-                    if out.finished:
+                        emitted += len(nxt.token_ids)
+                        tokens += tokens_to_proto(nxt)
+                        out = nxt
+                    if out.request_finished:
                         finished = True
                         ctx.metrics.request_finished("ok" if out.finish_reason != "abort" else "cancelled")
                         yield self._last_chunk(out, tokens, prompt, emitted)
                         return
-                    yield duet_pb2.TokenChunk(tokens=tokens)
+                    chunk = duet_pb2.TokenChunk(tokens=tokens, index=out.index,
+                                                finish_reason=FINISH[out.finish_reason if out.finished else None])
+                    if out.prompt_logprobs is not None:
+                        chunk.prompt_logprobs.extend(prompt_logprobs_to_proto(prompt, out.prompt_logprobs))
+                    yield chunk
             finally:
                 if not finished:  # client went away: drop the request, free its pages
                     ctx.loop.call(lambda: (ctx.loop.detach(rid), ctx.engine.abort(rid)))
@@ -123,10 +137,13 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
 
     @staticmethod
     def _last_chunk(out, tokens, prompt, emitted) -> duet_pb2.TokenChunk:
-        return duet_pb2.TokenChunk(
-            tokens=tokens, finish_reason=FINISH[out.finish_reason],
+        chunk = duet_pb2.TokenChunk(
+            tokens=tokens, finish_reason=FINISH[out.finish_reason], index=out.index,
             usage=duet_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=emitted,
                                  cached_tokens=out.num_cached_tokens))
+        if out.prompt_logprobs is not None:
+            chunk.prompt_logprobs.extend(prompt_logprobs_to_proto(prompt, out.prompt_logprobs))
+        return chunk
 
     async def _start_colocated(self, rid, prompt, params, aloop, q, context):
         ctx = self.ctx
@@ -171,24 +188,25 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
                 ctx.loop.call(lambda: book.cancel(res.reservation_id, res.generation))
                 raise
         first = request.first_token.id
+        firsts = [t.id for t in request.first_tokens] or [first]
 
         def join():
             notice = res.notice
             if notice is not None and notice.kind == "done" and notice.first_token_id == first:
                 book.consume(res)
-                ctx.engine.add_prefilled(res.key, prompt, first, params, seed=None, rid=rid)
+                ctx.engine.add_prefilled(res.key, prompt, firsts, params, seed=None, rid=rid)
                 mode = "transfer"
             else:
                 if not ctx.config.recompute_on_missing_kv:
                     book.cancel(res.reservation_id, res.generation)
                     raise TimeoutError("the prefill worker's KV never arrived")
                 book.cancel(res.reservation_id, res.generation)  # freed once no write can land
-                ctx.engine.add_request(prompt, params, rid=rid, output_prefix=[first])
+                ctx.engine.add_request(prompt, params, rid=rid, output_prefix=firsts)
                 mode = "recompute"
                 log.warning("request %s: KV from %s did not arrive (%s); recomputing the prompt",
                             rid, res.writer_id, "abort" if notice else "no notice")
             ctx.recomputes += mode == "recompute"
-            if ctx.engine.get(rid) is None:  # first token already ended it
+            if not ctx.engine.is_live(rid):  # the first token(s) already ended it
                 from shared.engine.outputs import StepOutput
                 return StepOutput(rid, [], finished=True, finish_reason="stop")
             ctx.loop.attach(rid, aloop, q)

@@ -31,6 +31,7 @@ def build_app(ctx: GatewayContext, manage_backend: bool = True) -> FastAPI:
 
     app.add_api_route("/v1/chat/completions", endpoints.chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", endpoints.completions, methods=["POST"])
+    app.add_api_route("/v1/responses", endpoints.responses, methods=["POST"])
     app.add_api_route("/v1/models", endpoints.list_models, methods=["GET"])
     app.add_api_route("/v1/models/{model:path}", endpoints.get_model, methods=["GET"])
     app.add_api_route("/health", endpoints.health, methods=["GET"])

@@ -4,7 +4,8 @@ Two implementations: GrpcBackend (router -> Decode.Reserve -> Prefill -> Decode.
 the disaggregated path) and LocalBackend (an in-process engine: tests, single process).
 
 Contract of `generate`:
-  * it is an async generator of TokenEvent; the last event has finish_reason set;
+  * it is an async generator of TokenEvent; each of the request's n sequences (`index`)
+    ends with an event carrying its finish_reason, and the generator ends after the last;
   * the caller may stop early (a stop string matched, the client left): it closes the
     generator (`aclose()`) or cancels the task iterating it; the backend must then
     release all work for the request (abort in the engine, cancel RPCs/reservation)
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol, runtime_checkable
+
+from shared.engine.grammar_spec import GrammarSpec
 
 FINISH_STOP = "stop"      # EOS, a stop token id or a stop string
 FINISH_LENGTH = "length"  # max_tokens or the context length reached
@@ -41,6 +44,10 @@ class SamplingOptions:
     presence_penalty: float = 0.0
     logprobs: bool = False            # return the sampled token's logprob
     top_logprobs: int = 0             # and this many most likely alternatives
+    n: int = 1                        # sequences from the one prompt (one prefill, shared KV)
+    logit_bias: dict[int, float] | None = None
+    grammar: GrammarSpec | None = None  # constrained decoding (structured outputs, forced tools)
+    prompt_logprobs: int | None = None  # echo: logprob of each prompt token (+ this many alternatives)
 
 
 @dataclass
@@ -69,6 +76,8 @@ class TokenEvent:
     finish_reason: str | None = None            # FINISH_STOP or FINISH_LENGTH on the last event
     cached_tokens: int | None = None            # prompt tokens served from a prefix cache
     computed_tokens: int | None = None          # prompt tokens computed for this request
+    index: int = 0                              # which sequence (n > 1); each ends with its finish_reason
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.. (echo), once, on index 0
 
 
 class BackendError(Exception):

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 BACKENDS = ("grpc", "local")
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "none")
 
 
 @dataclass
@@ -24,6 +25,9 @@ class GatewayConfig:
     max_model_len: int | None = None    # context length; default = the model's config.json
     reserve_timeout_ms: int = 0         # decode admission wait; 0 = decode's default
     rpc_timeout_s: float = 600.0        # bound on each unary RPC (route, reserve, prefill)
+    # How tool calls are read out of answers: auto = from the chat template (hermes or
+    # llama3_json); none = never (tool_choice "auto" then returns text only)
+    tool_call_parser: str = "auto"
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -31,6 +35,8 @@ class GatewayConfig:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.backend == "grpc" and not self.router_address:
             raise ValueError("the grpc backend needs --router-address (env DUET_ROUTER_ADDRESS)")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
 
@@ -61,6 +67,10 @@ class GatewayConfig:
         p.add_argument("--rpc-timeout", type=float,
                        default=float(env.get("DUET_RPC_TIMEOUT", d["rpc_timeout_s"].default)),
                        help="seconds bounding each unary RPC (env DUET_RPC_TIMEOUT)")
+        p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
+                       default=env.get("DUET_TOOL_CALL_PARSER", d["tool_call_parser"].default),
+                       help="format of tool calls in answers; auto: from the chat template "
+                            "(env DUET_TOOL_CALL_PARSER)")
         p.add_argument("--log-level", default=env.get("DUET_LOG_LEVEL", d["log_level"].default),
                        help="env DUET_LOG_LEVEL")
         return p
@@ -72,7 +82,8 @@ class GatewayConfig:
         return cls(host=args.host, port=args.port, backend=backend, router_address=args.router_address,
                    redis_url=args.redis_url, model=args.model, served_model_name=args.served_model_name,
                    max_model_len=args.max_model_len, reserve_timeout_ms=args.reserve_timeout_ms,
-                   rpc_timeout_s=args.rpc_timeout, log_level=args.log_level)
+                   rpc_timeout_s=args.rpc_timeout, tool_call_parser=args.tool_call_parser,
+                   log_level=args.log_level)
 
 
 def _int_or_none(value: str | None) -> int | None:

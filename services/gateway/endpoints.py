@@ -23,20 +23,27 @@ from services.gateway.errors import (
     model_not_found,
 )
 from services.gateway.generation import Generation, OutputDelta
+from services.gateway.generation_set import GenerationSet
+from services.gateway.grammar_request import response_format_grammar, tool_choice_grammar
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.prompt import PromptBuilder
-from services.gateway.response_format import ChatFormatter, CompletionFormatter
-from services.gateway.sampling import chat_sampling, completion_sampling
+from services.gateway.response_format import ChatFormatter, CompletionFormatter, EchoPrompt, ToolMode
+from services.gateway.tool_prompt import ToolTemplate
+from shared.openai_protocol.tools import named_choice
+from services.gateway.responses_format import ResponsesFormatter
+from services.gateway.sampling import chat_sampling, completion_budget, completion_sampling
 from services.gateway.sse import DONE_EVENT, ClientDisconnected, EventStreamResponse, run_until_disconnect, sse_event
 from services.gateway.token_strings import TokenStrings
 from shared.openai_protocol.errors import InvalidRequest
 from shared.telemetry.propagation import extract_http_context, inject_http_headers
 from shared.openai_protocol.requests import parse_chat_request, parse_completion_request
+from shared.openai_protocol.responses import parse_responses_request
 
 log = logging.getLogger("duet.gateway")
 
 ENDPOINT_CHAT = "chat_completions"
 ENDPOINT_COMPLETIONS = "completions"
+ENDPOINT_RESPONSES = "responses"
 # Label for requests whose client went away (nginx's 499: client closed request).
 STATUS_CANCELLED = "cancelled"
 
@@ -52,9 +59,12 @@ class GatewayContext:
     max_context_len: int
     tracer: Any = field(default_factory=lambda: trace.get_tracer("duet-gateway"))
     created: int = field(default_factory=lambda: int(time.time()))
+    tool_call_parser: str = "auto"  # auto | hermes | llama3_json | none (GatewayConfig)
 
     def __post_init__(self) -> None:
         self.token_strings = TokenStrings(self.prompts.tokenizer)
+        parser = "auto" if self.tool_call_parser == "none" else self.tool_call_parser
+        self.tool_template = ToolTemplate.detect(self.prompts.chat_template, parser)
 
 
 @dataclass
@@ -62,11 +72,12 @@ class PreparedRequest:
     """A checked request: what to generate and how to write it out."""
 
     request_id: str
-    prompt_token_ids: list[int]
+    prompts: list[list[int]]  # token ids of each prompt (several: /v1/completions with a list)
     sampling: SamplingOptions
     formatter: ChatFormatter | CompletionFormatter
     stream: bool
     include_usage: bool
+    echo: list[EchoPrompt] | None = None
 
 
 class OpenAIEndpoints:
@@ -80,6 +91,9 @@ class OpenAIEndpoints:
 
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, ENDPOINT_COMPLETIONS, self._prepare_completion)
+
+    async def responses(self, request: Request) -> Response:
+        return await self._serve(request, ENDPOINT_RESPONSES, self._prepare_responses)
 
     async def list_models(self) -> JSONResponse:
         return JSONResponse({"object": "list", "data": [self._model_card()]})
@@ -112,29 +126,84 @@ class OpenAIEndpoints:
     async def _prepare_chat(self, body: bytes) -> PreparedRequest:
         req = parse_chat_request(body)
         self._check_model(req.model)
+        choice = req.effective_tool_choice
+        tools = req.tools if choice != "none" else None
+        messages, template_tools = self.ctx.tool_template.render(req.template_messages(), tools)
         prompt_ids = await asyncio.to_thread(
-            self.ctx.prompts.chat_prompt_ids, req.template_messages(), req.chat_template_kwargs)
+            self.ctx.prompts.chat_prompt_ids, messages, req.chat_template_kwargs, template_tools)
         sampling = chat_sampling(req, len(prompt_ids), self.ctx.max_context_len)
+        sampling.grammar = response_format_grammar(req.response_format)
+        if tools:
+            sampling.grammar = tool_choice_grammar(tools, choice, req.parallel_tool_calls) or sampling.grammar
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         formatter = ChatFormatter(request_id, self.ctx.served_model_name, int(time.time()), self.ctx.token_strings,
                                   logprobs=sampling.logprobs, top_logprobs=sampling.top_logprobs,
-                                  include_usage=req.include_usage)
-        return PreparedRequest(request_id, prompt_ids, sampling, formatter, bool(req.stream), req.include_usage)
+                                  include_usage=req.include_usage, n=sampling.n, tools=self._tool_mode(tools, choice))
+        return PreparedRequest(request_id, [prompt_ids], sampling, formatter, bool(req.stream), req.include_usage)
+
+    def _tool_mode(self, tools, choice, flat: bool = False) -> ToolMode | None:
+        """How answers are read for tool calls (None: never)."""
+        if not tools:
+            return None
+        name = named_choice(choice, flat)
+        if name is not None:
+            return ToolMode("named", name)
+        if choice == "required":
+            return ToolMode("required")
+        if self.ctx.tool_call_parser == "none":
+            return None
+        return ToolMode(self.ctx.tool_template.parser)
+
+    async def _prepare_responses(self, body: bytes) -> PreparedRequest:
+        req = parse_responses_request(body)
+        self._check_model(req.model)
+        choice = req.effective_tool_choice
+        flat = req.tools if choice != "none" else None
+        tools = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
+                 for t in flat or []] or None
+        messages, template_tools = self.ctx.tool_template.render(req.chat_messages(), tools)
+        prompt_ids = await asyncio.to_thread(self.ctx.prompts.chat_prompt_ids, messages, None, template_tools)
+        max_tokens = completion_budget(req.max_output_tokens, None, len(prompt_ids), self.ctx.max_context_len,
+                                       "input")
+        defaults = SamplingOptions()
+        sampling = SamplingOptions(temperature=defaults.temperature if req.temperature is None else req.temperature,
+                                   top_p=defaults.top_p if req.top_p is None else req.top_p, max_tokens=max_tokens)
+        sampling.grammar = response_format_grammar(req.format, "text.format")
+        if flat:
+            sampling.grammar = tool_choice_grammar(flat, choice, req.parallel_tool_calls, flat=True) or sampling.grammar
+        request_id = _response_id()
+        echo = {"instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+                "temperature": sampling.temperature, "top_p": sampling.top_p, "tools": [_function_tool(t) for t in req.tools or []],
+                "tool_choice": req.tool_choice or "auto", "parallel_tool_calls": req.parallel_tool_calls is not False,
+                "metadata": req.metadata or {}, "text": {"format": (req.text.format if req.text and req.text.format
+                                                                    else {"type": "text"})}}
+        formatter = ResponsesFormatter(request_id, self.ctx.served_model_name, int(time.time()), echo,
+                                       tools=self._tool_mode(flat, choice, flat=True))
+        return PreparedRequest(request_id, [prompt_ids], sampling, formatter, bool(req.stream), False)
 
     async def _prepare_completion(self, body: bytes) -> PreparedRequest:
         req = parse_completion_request(body)
         self._check_model(req.model)
-        prompt = req.single_prompt()
-        if isinstance(prompt, str):
-            prompt_ids = await asyncio.to_thread(self.ctx.prompts.text_prompt_ids, prompt)
-        else:
-            prompt_ids = self.ctx.prompts.check_token_ids(prompt)
-        sampling = completion_sampling(req, len(prompt_ids), self.ctx.max_context_len)
+        prompts = []
+        for prompt in req.prompts():
+            if isinstance(prompt, str):
+                prompts.append(await asyncio.to_thread(self.ctx.prompts.text_prompt_ids, prompt))
+            else:
+                prompts.append(self.ctx.prompts.check_token_ids(prompt))
+        # every prompt must fit (each is checked); one budget for all: the asked one, or the
+        # default capped by the longest prompt's room
+        options = [completion_sampling(req, len(ids), self.ctx.max_context_len) for ids in prompts]
+        sampling = min(options, key=lambda o: o.max_tokens)
         request_id = f"cmpl-{uuid.uuid4().hex}"
+        echo = None
+        if req.echo:
+            texts = [p if isinstance(p, str) else self.ctx.prompts.tokenizer.decode(p) for p in req.prompts()]
+            echo = [EchoPrompt(text, ids) for text, ids in zip(texts, prompts)]
         formatter = CompletionFormatter(request_id, self.ctx.served_model_name, int(time.time()),
                                         self.ctx.token_strings, logprobs=req.logprobs,
-                                        include_usage=req.include_usage)
-        return PreparedRequest(request_id, prompt_ids, sampling, formatter, bool(req.stream), req.include_usage)
+                                        include_usage=req.include_usage, n=sampling.n, echo=echo,
+                                        echo_only=req.echo_only)
+        return PreparedRequest(request_id, prompts, sampling, formatter, bool(req.stream), req.include_usage, echo)
 
     # --- serving --------------------------------------------------------------------------
 
@@ -153,13 +222,19 @@ class OpenAIEndpoints:
             except InvalidRequest as exc:
                 raise from_invalid_request(exc) from None
             span.set_attribute("duet.request_id", prepared.request_id)
-            span.set_attribute("duet.prompt_tokens", len(prepared.prompt_token_ids))
+            span.set_attribute("duet.prompt_tokens", sum(len(p) for p in prepared.prompts))
             trace_context = inject_http_headers({}, context=trace.set_span_in_context(span))
-            gen_request = GenerationRequest(prepared.request_id, prepared.prompt_token_ids, prepared.sampling,
-                                            model=self.ctx.served_model_name, trace_context=trace_context)
-            metrics.prompt_tokens.labels(endpoint).inc(len(prepared.prompt_token_ids))
-            generation = Generation(self.ctx.backend, gen_request, self.ctx.prompts.tokenizer, metrics, endpoint,
-                                    arrived_at=arrived_at)
+            generations = []
+            for k, prompt_ids in enumerate(prepared.prompts):
+                rid = prepared.request_id if len(prepared.prompts) == 1 else f"{prepared.request_id}-{k}"
+                gen_request = GenerationRequest(rid, prompt_ids, prepared.sampling,
+                                                model=self.ctx.served_model_name, trace_context=trace_context)
+                metrics.prompt_tokens.labels(endpoint).inc(len(prompt_ids))
+                generations.append(Generation(self.ctx.backend, gen_request, self.ctx.prompts.tokenizer, metrics,
+                                              endpoint, arrived_at=arrived_at))
+                if prepared.echo is not None:
+                    prepared.echo[k].stats = generations[-1].stats
+            generation = GenerationSet(generations, prepared.sampling.n)
             headers = {"X-Request-Id": prepared.request_id}
             if prepared.stream:
                 response = await self._stream(request, generation, prepared, outcome, headers)
@@ -192,13 +267,13 @@ class OpenAIEndpoints:
         span.set_attribute("http.status_code", status if isinstance(status, int) else 499)
         span.end()
 
-    async def _collect(self, generation: Generation, prepared: PreparedRequest) -> dict:
+    async def _collect(self, generation: GenerationSet, prepared: PreparedRequest) -> dict:
         deltas: list[OutputDelta] = []
         async for delta in generation.deltas():
             deltas.append(delta)
         return prepared.formatter.response(deltas, generation.stats)
 
-    async def _stream(self, request: Request, generation: Generation, prepared: PreparedRequest,
+    async def _stream(self, request: Request, generation: GenerationSet, prepared: PreparedRequest,
                       outcome: "_Outcome", headers: dict[str, str]) -> Response:
         deltas = generation.deltas()
         # Wait for the first delta before answering 200, so that a refusal (no KV room,
@@ -213,18 +288,18 @@ class OpenAIEndpoints:
 
         async def events():
             try:
+                named = formatter.named_events
                 for chunk in formatter.opening_chunks():
-                    yield sse_event(chunk)
+                    yield sse_event(chunk, named)
                 delta = first
-                while True:
+                while delta is not None:
                     for chunk in formatter.chunks_for(delta):
-                        yield sse_event(chunk)
-                    if delta.finish_reason is not None:
-                        break
-                    delta = await deltas.__anext__()
-                if prepared.include_usage:
-                    yield sse_event(formatter.usage_chunk(generation.stats))
-                yield DONE_EVENT
+                        yield sse_event(chunk, named)
+                    delta = await anext(deltas, None)
+                for chunk in formatter.closing_chunks(generation.stats):
+                    yield sse_event(chunk, named)
+                if formatter.done_marker:
+                    yield DONE_EVENT
             except BackendError as exc:
                 error = from_backend_error(exc)
                 status["value"] = error.status
@@ -239,6 +314,16 @@ class OpenAIEndpoints:
             outcome.record(STATUS_CANCELLED if disconnected else status["value"])
 
         return EventStreamResponse(events(), on_close, headers)
+
+
+def _function_tool(tool: dict) -> dict:
+    """A Responses function tool as a response repeats it (strict defaults to true there)."""
+    return {"type": "function", "name": tool["name"], "description": tool.get("description"),
+            "parameters": tool.get("parameters"), "strict": tool.get("strict") is not False}
+
+
+def _response_id() -> str:
+    return f"resp_{uuid.uuid4().hex}"
 
 
 async def _next(iterator):

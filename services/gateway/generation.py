@@ -1,7 +1,8 @@
 """One request's token stream turned into text deltas: detokenize, cut at stop strings, time it.
 
 Both endpoints (chat and completions) consume `Generation.deltas()`; they differ only
-in how a delta is written out.
+in how a delta is written out. A request with n > 1 sequences yields deltas of every
+sequence (`index`), each detokenized and cut at stop strings on its own.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class OutputDelta:
     token_ids: list[int]
     logprobs: list[TokenLogprob]
     finish_reason: str | None = None
+    index: int = 0  # which sequence (n > 1)
 
 
 @dataclass
@@ -36,7 +38,9 @@ class GenerationStats:
     prompt_tokens: int
     completion_tokens: int = 0
     cached_tokens: int = 0
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # of the last sequence to finish
+    finish_reasons: dict[int, str] = field(default_factory=dict)  # by sequence index
+    prompt_logprobs: list[TokenLogprob] | None = None  # echo: prompt tokens 1..
     first_token_at: float | None = None
     last_token_at: float | None = None
 
@@ -62,32 +66,43 @@ class Generation:
 
         Leaving early (the consumer stops iterating, or its task is cancelled) closes the
         backend's generator, which aborts the work there."""
-        detok = IncrementalDetokenizer(self.tokenizer, self.request.prompt_token_ids)
-        stops = StopStringMatcher(list(self.request.sampling.stop))
+        n = self.request.sampling.n
+        detoks = [IncrementalDetokenizer(self.tokenizer, self.request.prompt_token_ids) for _ in range(n)]
+        stops = [StopStringMatcher(list(self.request.sampling.stop)) for _ in range(n)]
         async with aclosing(self.backend.generate(self.request)) as events:
             async for event in events:
+                i = event.index
+                if event.prompt_logprobs is not None:
+                    self.stats.prompt_logprobs = event.prompt_logprobs
+                if i in self.stats.finish_reasons:
+                    continue  # this sequence already stopped at a stop string; the engine ends it too
                 self._observe(event.token_ids, event.cached_tokens)
-                text = detok.push(event.token_ids)
+                text = detoks[i].push(event.token_ids)
                 if event.finish_reason is not None:
-                    text += detok.flush()
-                text = stops.feed(text)
+                    text += detoks[i].flush()
+                text = stops[i].feed(text)
                 logprobs = list(event.logprobs or [])
-                if stops.stopped:
-                    # The engine may run a few tokens past the stop string before it sees
-                    # it; closing the generator (leaving the `async with`) aborts them.
-                    yield self._finish(OutputDelta(text, list(event.token_ids), logprobs), FINISH_STOP)
-                    return
+                if stops[i].stopped:
+                    yield self._finish(OutputDelta(text, list(event.token_ids), logprobs, index=i), FINISH_STOP)
+                    if len(self.stats.finish_reasons) == n:
+                        # The engine may run a few tokens past the stop string before it sees
+                        # it; closing the generator (leaving the `async with`) aborts them.
+                        return
+                    continue
                 if event.finish_reason is not None:
-                    text += stops.flush()
-                    yield self._finish(OutputDelta(text, list(event.token_ids), logprobs), event.finish_reason)
-                    return
-                yield OutputDelta(text, list(event.token_ids), logprobs)
+                    text += stops[i].flush()
+                    yield self._finish(OutputDelta(text, list(event.token_ids), logprobs, index=i), event.finish_reason)
+                    if len(self.stats.finish_reasons) == n:
+                        return
+                    continue
+                yield OutputDelta(text, list(event.token_ids), logprobs, index=i)
         raise BackendUnavailable("the backend's token stream ended before the request finished")
 
     def _finish(self, delta: OutputDelta, reason: str) -> OutputDelta:
         delta.finish_reason = reason
         self.stats.finish_reason = reason
-        if self.stats.first_token_at is not None:
+        self.stats.finish_reasons[delta.index] = reason
+        if len(self.stats.finish_reasons) == self.request.sampling.n and self.stats.first_token_at is not None:
             self.metrics.e2e_latency.labels(self.endpoint).observe(self.stats.last_token_at - self.arrived_at)
         return delta
 

@@ -62,9 +62,14 @@ def sampling_to_proto(options: SamplingOptions) -> duet_pb2.SamplingParams:
         max_tokens=options.max_tokens, stop=list(options.stop), stop_token_ids=list(options.stop_token_ids),
         ignore_eos=options.ignore_eos, repetition_penalty=options.repetition_penalty,
         frequency_penalty=options.frequency_penalty, presence_penalty=options.presence_penalty,
-        logprobs=options.logprobs, top_logprobs=options.top_logprobs)
+        logprobs=options.logprobs, top_logprobs=options.top_logprobs, n=options.n,
+        logit_bias=options.logit_bias or {})
     if options.seed is not None:
         msg.seed = options.seed % (1 << 64)  # uint64 on the wire; OpenAI seeds may be negative
+    if options.grammar is not None:
+        msg.grammar.kind, msg.grammar.text = options.grammar.kind, options.grammar.text
+    if options.prompt_logprobs is not None:
+        msg.prompt_logprobs = options.prompt_logprobs
     return msg
 
 
@@ -79,6 +84,11 @@ def rpc_error(exc: grpc.aio.AioRpcError, what: str) -> BackendError:
     if code in _BAD_REQUEST_CODES:
         return BackendBadRequest(detail)
     return BackendError(message)
+
+
+def _prompt_logprobs(tokens) -> list[TokenLogprob] | None:
+    return [TokenLogprob(t.id, t.logprob, [(a.token_id, a.logprob) for a in t.top_logprobs])
+            for t in tokens] or None
 
 
 def _events(tokens, logprobs: bool) -> tuple[list[int], list[TokenLogprob] | None]:
@@ -194,21 +204,32 @@ class GrpcBackend:
                 reply = await self._reserve_and_prefill(request, route, decode, sampling, metadata, state)
                 if reply.finish_reason == duet_pb2.FINISH_REASON_ABORT:
                     raise BackendUnavailable("the prefill worker aborted the request")
-                ids, logprobs = _events([reply.first_token], want_logprobs)
-                finish = _FINISH.get(reply.finish_reason)
-                # TTFT is prefill time: the first token goes out before decode starts. When it
-                # already ends the request (EOS, stop token, max_tokens=1) decode never runs
+                starts = list(reply.sequences) or [duet_pb2.SequenceStart(
+                    first_token=reply.first_token, finish_reason=reply.finish_reason)]
+                # TTFT is prefill time: the first tokens go out before decode starts. When they
+                # already end the request (EOS, stop token, max_tokens=1) decode never runs
                 # and the `finally` below cancels the reservation.
-                yield TokenEvent(ids, logprobs, finish, cached_tokens=reply.cached_tokens,
-                                 computed_tokens=reply.computed_tokens)
-                if finish is not None:
+                open_seqs = set()
+                for index, start in enumerate(starts):
+                    ids, logprobs = _events([start.first_token], want_logprobs)
+                    finish = _FINISH.get(start.finish_reason)
+                    if finish is None:
+                        open_seqs.add(index)
+                    yield TokenEvent(ids, logprobs, finish, cached_tokens=reply.cached_tokens,
+                                     computed_tokens=reply.computed_tokens, index=index,
+                                     prompt_logprobs=_prompt_logprobs(reply.prompt_logprobs) if index == 0 else None)
+                if not open_seqs:
                     return
                 generate.reservation.CopyFrom(state.reservation)
                 generate.prefill_worker_id = route.prefill.worker_id
                 generate.first_token.CopyFrom(reply.first_token)
+                if len(starts) > 1:
+                    generate.first_tokens.extend(s.first_token for s in starts)
+            else:
+                open_seqs = set(range(request.sampling.n))
             # Split: prefill's cached count is the one that matters (decode computed no prompt).
             async for event in self._decode_stream(decode, generate, metadata, want_logprobs, state,
-                                                   report_cached=route.colocated):
+                                                   report_cached=route.colocated, open_seqs=open_seqs):
                 yield event
         finally:
             # Runs on success, failure, early close (stop string) and cancellation (client left).
@@ -237,7 +258,7 @@ class GrpcBackend:
             state.reservation = await decode.Reserve(duet_pb2.ReserveRequest(
                 request_id=request.request_id, prompt_tokens=len(request.prompt_token_ids),
                 max_tokens=request.sampling.max_tokens, prefill_worker_id=route.prefill.worker_id,
-                timeout_ms=self.config.reserve_timeout_ms), metadata=metadata, timeout=self.config.rpc_timeout_s)
+                timeout_ms=self.config.reserve_timeout_ms, n=request.sampling.n), metadata=metadata, timeout=self.config.rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise rpc_error(exc, f"decode worker {route.decode.worker_id} (reserve)") from None
         prefill = duet_pb2_grpc.PrefillStub(self._workers.get(route.prefill))
@@ -251,7 +272,7 @@ class GrpcBackend:
         return reply
 
     async def _decode_stream(self, decode, generate, metadata, want_logprobs, state,
-                             report_cached: bool) -> AsyncIterator[TokenEvent]:
+                             report_cached: bool, open_seqs: set[int]) -> AsyncIterator[TokenEvent]:
         state.stream = decode.Generate(generate, metadata=metadata)
         try:
             async for chunk in state.stream:
@@ -261,11 +282,15 @@ class GrpcBackend:
                 finish = _FINISH.get(chunk.finish_reason)
                 ids, logprobs = _events(chunk.tokens, want_logprobs)
                 if finish is not None:
+                    open_seqs.discard(chunk.index)
+                done = not open_seqs or chunk.HasField("usage")  # usage comes with the last chunk
+                if done:
                     state.stream_done = state.completed = True
-                if ids or finish is not None:
+                if ids or finish is not None or chunk.prompt_logprobs:
                     cached = chunk.usage.cached_tokens if report_cached and chunk.HasField("usage") else None
-                    yield TokenEvent(ids, logprobs, finish, cached_tokens=cached)
-                if finish is not None:
+                    yield TokenEvent(ids, logprobs, finish, cached_tokens=cached, index=chunk.index,
+                                     prompt_logprobs=_prompt_logprobs(chunk.prompt_logprobs))
+                if done:
                     return
         except grpc.aio.AioRpcError as exc:
             state.stream_done = True

@@ -38,7 +38,8 @@ def engine_sampling_params(options: SamplingOptions):
         stop_token_ids=list(options.stop_token_ids), ignore_eos=options.ignore_eos,
         repetition_penalty=options.repetition_penalty, frequency_penalty=options.frequency_penalty,
         presence_penalty=options.presence_penalty,
-        logprobs=options.top_logprobs if options.logprobs else None,
+        logprobs=options.top_logprobs if options.logprobs else None, n=options.n,
+        logit_bias=options.logit_bias, grammar=options.grammar, prompt_logprobs=options.prompt_logprobs,
     )
 
 
@@ -116,12 +117,17 @@ class LocalBackend:
         def add(engine) -> None:
             try:
                 engine.add_request(list(request.prompt_token_ids), params, rid)
-            except ValueError as exc:  # the engine's checks (length, vocabulary, KV capacity)
+            except ValueError as exc:  # the engine's checks (length, vocabulary, KV capacity, grammar)
                 loop.call_soon_threadsafe(_settle, added, exc)
                 return
             self._sinks[rid] = deliver
             loop.call_soon_threadsafe(_settle, added, None)
 
+        if params.grammar is not None:  # compile off the engine thread (a bad one: 400)
+            try:
+                await asyncio.to_thread(lambda: self.engine.grammars.compile(params.grammar))
+            except ValueError as exc:
+                raise BackendBadRequest(str(exc)) from None
         self._commands.put(add)
         finished = False
         try:
@@ -131,7 +137,7 @@ class LocalBackend:
             while True:
                 out = await outputs.get()
                 if out.finish_reason is not None and out.finish_reason not in FINISH_REASONS:
-                    finished = True  # the engine already dropped it
+                    finished = out.request_finished  # the engine already dropped it
                     raise BackendUnavailable(out.error or f"the engine ended the request ({out.finish_reason})")
                 event = TokenEvent(
                     token_ids=list(out.token_ids),
@@ -139,8 +145,10 @@ class LocalBackend:
                     finish_reason=out.finish_reason if out.finished else None,
                     cached_tokens=out.num_cached_tokens,
                     computed_tokens=out.num_prompt_tokens - out.num_cached_tokens,
+                    index=out.index,
+                    prompt_logprobs=_prompt_logprobs(request.prompt_token_ids, out.prompt_logprobs),
                 )
-                if out.finished:
+                if out.request_finished:
                     finished = True
                 yield event
                 if finished:
@@ -175,7 +183,7 @@ class LocalBackend:
                         sink = self._sinks.get(out.rid)
                         if sink is not None:
                             sink(out)
-                        if out.finished:
+                        if out.request_finished:
                             self._sinks.pop(out.rid, None)
         except BaseException as exc:  # never leave handlers waiting on a dead engine
             log.exception("engine loop crashed")
@@ -183,7 +191,8 @@ class LocalBackend:
             from shared.engine.outputs import StepOutput
 
             for rid, sink in list(self._sinks.items()):
-                sink(StepOutput(rid, [], finished=True, finish_reason="error", error=f"engine failed: {exc}"))
+                sink(StepOutput(rid, [], finished=True, finish_reason="error", error=f"engine failed: {exc}",
+                                request_finished=True))
             self._sinks.clear()
 
     def _drain(self, engine, block: bool) -> None:
@@ -202,6 +211,14 @@ class LocalBackend:
 def _settle(future: asyncio.Future, error: BaseException | None) -> None:
     if not future.done():
         future.set_result(error)
+
+
+def _prompt_logprobs(prompt_ids, entries) -> list[TokenLogprob] | None:
+    """The engine's per-position prompt logprobs (position 0 has none), for tokens 1.."""
+    if entries is None:
+        return None
+    return [TokenLogprob(prompt_ids[pos], lp, [(int(t), float(v)) for t, v in top])
+            for pos, (lp, top) in enumerate(entries[1:], start=1)]
 
 
 def _logprobs(out) -> list[TokenLogprob]:

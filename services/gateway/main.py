@@ -57,7 +57,8 @@ def build_context(config: GatewayConfig) -> GatewayContext:
     max_context = context_length(config, model_dir)
     prompts = PromptBuilder.from_model_dir(model_dir)
     backend = build_backend(config, model_dir, served_name, max_context)
-    return GatewayContext(backend, prompts, GatewayMetrics(), served_name, max_context)
+    return GatewayContext(backend, prompts, GatewayMetrics(), served_name, max_context,
+                          tool_call_parser=config.tool_call_parser)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,13 +24,21 @@ class PromptBuilder:
     def vocab_size(self) -> int:
         return len(self.tokenizer)
 
-    def chat_prompt_ids(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    @property
+    def chat_template(self) -> str | None:
+        template = getattr(self.tokenizer, "chat_template", None)
+        return template if isinstance(template, str) else None
+
+    def chat_prompt_ids(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None,
+                        tools: list[dict[str, Any]] | None = None) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequest("this model has no chat template: use /v1/completions", "messages")
         kwargs = dict(template_kwargs or {})
         add_generation_prompt = bool(kwargs.pop("add_generation_prompt", True))
-        for reserved in ("tokenize", "conversation", "return_dict", "return_tensors"):
+        for reserved in ("tokenize", "conversation", "return_dict", "return_tensors", "tools"):
             kwargs.pop(reserved, None)
+        if tools:
+            kwargs["tools"] = tools
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs

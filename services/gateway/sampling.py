@@ -46,6 +46,8 @@ def _common(req, max_tokens: int) -> SamplingOptions:
         repetition_penalty=pick(req.repetition_penalty, defaults.repetition_penalty),
         frequency_penalty=pick(req.frequency_penalty, defaults.frequency_penalty),
         presence_penalty=pick(req.presence_penalty, defaults.presence_penalty),
+        n=req.num_choices,
+        logit_bias=req.token_bias(),
     )
 
 
@@ -63,4 +65,6 @@ def completion_sampling(req: CompletionRequest, prompt_tokens: int, max_context:
     options = _common(req, max_tokens)
     options.logprobs = req.logprobs is not None
     options.top_logprobs = req.logprobs or 0
+    if req.echo and req.logprobs is not None:
+        options.prompt_logprobs = req.logprobs
     return options

@@ -19,8 +19,10 @@ from starlette.types import Receive, Scope, Send
 DONE_EVENT = b"data: [DONE]\n\n"
 
 
-def sse_event(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+def sse_event(obj: Any, named: bool = False) -> bytes:
+    """One SSE event; named: an `event:` line with the object's type (Responses API)."""
+    data = b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    return b"event: " + obj["type"].encode() + b"\n" + data if named else data
 
 
 class ClientDisconnected(Exception):

@@ -25,6 +25,7 @@ log = logging.getLogger("duet.prefill")
 @dataclass
 class PrefillResult:
     first: StepOutput
+    firsts: list[StepOutput]  # every sequence's first token (n > 1), index order
     kv_bytes: int
     seconds: float
     computed_tokens: int
@@ -41,6 +42,7 @@ class Outgoing:
     result: concurrent.futures.Future
     pages_sent: int = 0
     first: StepOutput | None = None
+    firsts: dict[int, StepOutput] = field(default_factory=dict)  # by sequence index
     started: float = field(default_factory=time.monotonic)
     prefill_done_at: float | None = None  # the first token sampled: only the handoff tail remains
     cancelled: bool = False
@@ -81,8 +83,10 @@ class OutgoingTransfers:
         for o in outs:
             out = self.active.get(o.rid)
             if out is not None and o.prefill_done:
-                out.first = o
-                out.prefill_done_at = time.monotonic()
+                out.firsts[o.index] = o  # all n arrive from the same step
+                if o.index == 0:
+                    out.first = o
+                    out.prefill_done_at = time.monotonic()
 
     def _notice(self, out: Outgoing, kind: str) -> TransferNotice:
         token = out.first.token_ids[0] if out.first else -1
@@ -142,7 +146,8 @@ class OutgoingTransfers:
             return
         if state == DONE and not out.cancelled and out.first is not None:
             req_cached = out.first.num_cached_tokens
-            out.result.set_result(PrefillResult(out.first, sent, seconds,
+            firsts = [out.firsts[i] for i in sorted(out.firsts)]
+            out.result.set_result(PrefillResult(out.first, firsts, sent, seconds,
                                                 computed_tokens=out.num_prompt - req_cached,
                                                 cached_tokens=req_cached))
         else:

@@ -10,7 +10,8 @@ import grpc
 
 from protos import duet_pb2, duet_pb2_grpc
 from services.worker.context import WorkerContext
-from services.worker.convert import FINISH, sampling_from_proto, tokens_to_proto
+from services.worker.convert import FINISH, prompt_logprobs_to_proto, sampling_from_proto, tokens_to_proto
+from services.worker.grammar_check import compile_ahead
 from shared.kv_transfer.agent import TransferError
 from shared.kv_transfer.tp_write_stream import TpWriteStream
 from shared.kv_transfer.write_stream import PageWriteStream
@@ -38,6 +39,7 @@ class PrefillService(duet_pb2_grpc.PrefillServicer):
                 params = sampling_from_proto(request.sampling)
             except ValueError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await compile_ahead(ctx, params, context)
             tp = ctx.config.tp
             if sorted(r.rank for r in res.ranks) != list(range(tp)):
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
@@ -80,4 +82,8 @@ class PrefillService(duet_pb2_grpc.PrefillServicer):
                                           kv_bytes_sent=result.kv_bytes,
                                           finish_reason=FINISH[first.finish_reason if first.finished else None])
             reply.first_token.CopyFrom(tokens_to_proto(first)[0])
+            for seq in result.firsts:
+                start = reply.sequences.add(finish_reason=FINISH[seq.finish_reason if seq.finished else None])
+                start.first_token.CopyFrom(tokens_to_proto(seq)[0])
+            reply.prompt_logprobs.extend(prompt_logprobs_to_proto(prompt, first.prompt_logprobs))
             return reply

@@ -69,7 +69,7 @@ class EngineLoop:
             sink = self._sinks.get(out.rid)
             if sink is not None:
                 by_loop.setdefault(sink[0], []).append((sink[1], out))
-            if out.finished and not out.prefill_done:
+            if out.request_finished and not out.prefill_done:
                 self._sinks.pop(out.rid, None)
         for aloop, items in by_loop.items():
             aloop.call_soon_threadsafe(_put_all, items)
@@ -116,8 +116,8 @@ class EngineLoop:
         except BaseException as exc:  # a dead engine thread must not leave handlers hanging
             log.exception("engine loop crashed")
             self.fatal = exc
-            self._deliver([StepOutput(rid, [], finished=True, finish_reason="error", error=f"engine failed: {exc}")
-                           for rid in list(self._sinks)])
+            self._deliver([StepOutput(rid, [], finished=True, finish_reason="error", error=f"engine failed: {exc}",
+                                      request_finished=True) for rid in list(self._sinks)])
             self._sinks.clear()
 
 

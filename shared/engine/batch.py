@@ -21,6 +21,12 @@ class ScheduledReq:
         """True when this step reaches the sequence's last token, so it yields a new token."""
         return self.end == len(self.req.token_ids)
 
+    @property
+    def all_rows(self) -> bool:
+        """Every position's logits are wanted: prompt logprobs, computed once, where the
+        prompt is computed (positions up to num_prompt - 2 predict prompt tokens)."""
+        return self.req.params.prompt_logprobs is not None and self.start < self.req.num_prompt - 1
+
 
 @dataclass
 class Batch:

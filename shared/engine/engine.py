@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import uuid
 import weakref
@@ -25,9 +26,11 @@ from .model_runner import ModelRunner
 from .models.loader import load_model
 from .outputs import StepOutput
 from .request import Req, ReqStatus
+from . import logit_constraints
 from .sampler import SampleRow, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
+from .sequence_group import SequenceGroups
 
 log = logging.getLogger("duet.engine")
 
@@ -120,8 +123,11 @@ class Engine:
         self.requests: dict[str, Req] = {}
         # launched steps whose prefill-only KV a transfer may not read yet: (event, [(req, end)])
         self._kv_in_flight: deque = deque()
+        self.groups = SequenceGroups(self)  # n > 1 requests
         self.stats = EngineStats()
         self._tokenizer = None
+        self._grammars = None
+        self._grammar_lock = threading.Lock()
         self.overlap = None
         if config.overlap_schedule:
             from .overlap import OverlapScheduler
@@ -179,6 +185,21 @@ class Engine:
             self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         return self._tokenizer
 
+    @property
+    def grammars(self):
+        """The xgrammar backend (grammar.py), made at the first constrained request; it
+        needs the model's tokenizer. Thread-safe: RPC handlers compile on it ahead."""
+        with self._grammar_lock:
+            if self._grammars is None:
+                from .grammar import GrammarBackend
+                try:
+                    tokenizer = self.tokenizer
+                except (OSError, ValueError) as exc:
+                    raise ValueError(f"constrained decoding needs the model's tokenizer: {exc}") from None
+                self._grammars = GrammarBackend(tokenizer, self.model_config.vocab_size,
+                                                self.model_config.eos_token_ids)
+        return self._grammars
+
     # -- requests -----------------------------------------------------------------------
     def _make_req(self, prompt_ids, params: SamplingParams, rid, prefill_only) -> Req:
         if not prompt_ids:
@@ -194,24 +215,42 @@ class Engine:
         if max_new > room:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_new}) exceeds the "
                              f"model's context length ({self.max_model_len})")
-        if self.kv.pages_for(len(prompt_ids) + max_new) > self.kv.capacity:
-            raise ValueError(f"request needs {len(prompt_ids) + max_new} tokens of KV; this worker "
+        tokens = len(prompt_ids) + max_new
+        need = self.kv.pages_for(tokens)
+        if params.n > 1:  # the others share the prompt and grow their own pages (the last one copied)
+            tokens += (params.n - 1) * (max_new + self.layout.page_size)
+            need += (params.n - 1) * self.kv.pages_for(max_new + self.layout.page_size)
+        if need > self.kv.capacity:
+            raise ValueError(f"request needs {tokens} tokens of KV; this worker "
                              f"holds {self.kv.capacity * self.layout.page_size}")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias names token {max(params.logit_bias)}, outside the vocabulary "
+                             f"[0, {vocab})")
         rid = rid or uuid.uuid4().hex
         if rid in self.requests:
             raise ValueError(f"duplicate request id {rid}")
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
-        return Req(rid=rid, prompt_ids=list(prompt_ids), params=params, max_new_tokens=max_new,
-                   seed=seed, prefill_only=prefill_only)
+        req = Req(rid=rid, prompt_ids=list(prompt_ids), params=params, max_new_tokens=max_new,
+                  seed=seed, prefill_only=prefill_only)
+        if params.grammar is not None:
+            req.grammar = self.grammars.new_state(params.grammar)  # GrammarError: a ValueError
+        if params.prompt_logprobs is not None:
+            req.prompt_lps = [None] * len(prompt_ids)
+        return req
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
                     rid: str | None = None, prefill_only: bool = False,
                     output_prefix: list[int] | None = None) -> str:
         """Queue a request. `output_prefix`: tokens already generated elsewhere (decode
-        recomputing a prefill whose KV never arrived); they count as output."""
+        recomputing a prefill whose KV never arrived); they count as output. For n > 1 it
+        holds each sequence's first token: they are forked after the prompt, unreported."""
         req = self._make_req(prompt_ids, params or SamplingParams(), rid, prefill_only)
-        if output_prefix:
+        if output_prefix and req.params.n > 1:
+            req.forced_first = list(output_prefix)
+        elif output_prefix:
             req.token_ids.extend(output_prefix)
+            if req.grammar is not None:
+                req.grammar = self.grammars.new_state(req.params.grammar, output_prefix)
         self.requests[req.rid] = req
         self.scheduler.add(req)
         return req.rid
@@ -223,21 +262,32 @@ class Engine:
     def cancel_reservation(self, reservation_id: str) -> bool:
         return self.kv.cancel_reservation(reservation_id)
 
-    def add_prefilled(self, reservation_id: str, prompt_ids: list[int], first_token: int,
+    def add_prefilled(self, reservation_id: str, prompt_ids: list[int], first_token: int | list[int],
                       params: SamplingParams, seed: int | None, rid: str | None = None) -> str:
-        """Decode side: join a request whose prompt KV landed in the reserved pages."""
+        """Decode side: join a request whose prompt KV landed in the reserved pages. For
+        n > 1, first_token lists every sequence's first token (sampled by prefill): the
+        sequences fork from the transferred pages (sequence_group.py)."""
         if seed is not None:
             params.seed = seed
+        firsts = list(first_token) if isinstance(first_token, (list, tuple)) else [first_token]
+        if len(firsts) != params.n:
+            raise ValueError(f"{len(firsts)} first tokens for n={params.n}")
         req = self._make_req(prompt_ids, params, rid, False)
         req.page_ids = self.kv.take_reservation(reservation_id)
-        req.token_ids.append(first_token)
         req.num_computed = len(prompt_ids)
         self.requests[req.rid] = req
-        if self._check_finished(req, first_token):
-            self._finish(req)
-        else:
-            self.scheduler.add_running(req)
+        self.scheduler.add_running(req)
+        seqs = [req]
+        if params.n > 1:
+            seqs += self.groups.spawn(req)
+            self.groups.place(req, seqs[1:])
+        for seq, token in zip(seqs, firsts):
+            self._append(seq, token, None, None)  # prefill reported these tokens
         return req.rid
+
+    def is_live(self, rid: str) -> bool:
+        """Whether any sequence of request `rid` is still being served."""
+        return rid in self.requests or self.groups.is_live(rid)
 
     def release_held(self, rid: str) -> None:
         """Prefill side: the KV transfer of a held request is done (or failed); free or
@@ -249,16 +299,27 @@ class Engine:
             self.stats.requests_finished += 1
 
     def abort(self, rid: str) -> StepOutput | None:
+        if self.groups.is_live(rid):  # every sequence of an n > 1 request
+            for member in self.groups.members(rid):
+                if member in self.requests:
+                    self._abort_one(self.requests[member])
+            self.groups.live.pop(rid, None)  # sequences waiting in no queue (none expected)
+            return StepOutput(rid, [], finished=True, finish_reason="abort", request_finished=True)
         req = self.requests.get(rid)
         if req is None:
             return None
+        return self._abort_one(req)
+
+    def _abort_one(self, req: Req) -> StepOutput | None:
+        rid = req.rid
         if req.status is ReqStatus.HELD:
             self.release_held(rid)
             return None
         self.scheduler.remove(req)
         req.finish_reason = "abort"
         self._finish(req)
-        return StepOutput(rid, [], finished=True, finish_reason="abort")
+        return StepOutput(req.out_rid, [], finished=True, finish_reason="abort", index=req.index,
+                          request_finished=not self.groups.is_live(req.out_rid))
 
     @property
     def has_work(self) -> bool:
@@ -277,16 +338,51 @@ class Engine:
         logits = self.runner.forward(batch)
         self.track_kv_written(batch)
         self.stats.steps += 1
-        outs: list[StepOutput] = []
-        sampling = [it for it in batch.items if it.samples]
         self.count_computed(batch)
-        if sampling:
-            rows = [self._sample_row(it.req) for it in sampling]
-            res = sample(logits, rows)
-            for i, it in enumerate(sampling):
-                outs.append(self._append(it.req, res.token_ids[i],
-                                         res.logprobs[i] if res.logprobs else None,
-                                         res.top_logprobs[i] if res.top_logprobs else None))
+        logits = self._take_prompt_logprobs(batch, logits)
+        sampling = [it.req for it in batch.items if it.samples]
+        return self._sample_and_append(logits, sampling) if sampling else []
+
+    def _take_prompt_logprobs(self, batch, logits):
+        """Record prompt logprobs from the rows kept for them (step_plan: all_rows); returns
+        the logits of the sampling rows only."""
+        if not any(it.all_rows for it in batch.items):
+            return logits
+        from .prompt_logprobs import record_prompt_logprobs
+        return record_prompt_logprobs(batch, logits)
+
+    def _sample_and_append(self, logits, reqs: list[Req]) -> list[StepOutput]:
+        """Choose each request's next token and append it (host-synchronous path). A
+        request's first sample with n > 1 draws all its sequences' first tokens from its
+        row and forks them (sequence_group.py)."""
+        seqs, row_of, forks = [], [], []
+        for i, req in enumerate(reqs):
+            seqs.append(req)
+            row_of.append(i)
+            if req.params.n > 1 and not req.forked and req.index == 0:
+                kids = self.groups.spawn(req)
+                forks.append((req, kids))
+                seqs += kids
+                row_of += [i] * len(kids)
+        if len(seqs) > len(reqs):
+            logits = logits[torch.tensor(row_of, device=logits.device)]
+        forced = {kid.rid: tok for parent, kids in forks if parent.forced_first
+                  for kid, tok in zip([parent, *kids], parent.forced_first)}
+        rows = [self._sample_row(r) for r in seqs]
+        constraints = logit_constraints.prepare(rows, self._grammars, pin=self.device.type == "cuda")
+        res = sample(logits, rows, constraints)
+        for parent, kids in forks:
+            if not parent.prefill_only:
+                self.groups.place(parent, kids)
+        outs = []
+        for j, req in enumerate(seqs):
+            if req.rid in forced:  # decode recomputing an n > 1 prefill: already reported
+                self._append(req, forced[req.rid], None, None)
+                continue
+            outs.append(self._append(req, res.token_ids[j], res.logprobs[j] if res.logprobs else None,
+                                     res.top_logprobs[j] if res.top_logprobs else None))
+            if req.prefill_only and req.index > 0:
+                req.status = ReqStatus.FINISHED  # prefill reports it; decode forks it again
         return outs
 
     def count_computed(self, batch) -> None:
@@ -336,16 +432,25 @@ class Engine:
         if req.num_output < req.params.min_tokens:
             suppress = self.model_config.eos_token_ids + req.params.stop_token_ids
         return SampleRow(params=req.params, seed=req.seed, position=len(req.token_ids),
-                         prompt_ids=req.prompt_ids, output_ids=req.output_ids, suppress_ids=suppress)
+                         prompt_ids=req.prompt_ids, output_ids=req.output_ids, suppress_ids=suppress,
+                         grammar=req.grammar, logit_bias=req.params.logit_bias)
 
     def _append(self, req: Req, token: int, lp, top) -> StepOutput:
         first = req.num_output == 0
         if first:
             self.stats.cached_tokens += req.num_cached_tokens
         req.token_ids.append(token)
-        out = StepOutput(req.rid, [token], [lp], [top or []], num_prompt_tokens=req.num_prompt,
-                         num_cached_tokens=req.num_cached_tokens)
-        done = self._check_finished(req, token)
+        out = StepOutput(req.out_rid, [token], [lp], [top or []], num_prompt_tokens=req.num_prompt,
+                         num_cached_tokens=req.num_cached_tokens, index=req.index)
+        if first and req.prompt_lps is not None and req.index == 0:
+            out.prompt_logprobs = req.prompt_lps
+        if req.grammar is not None and not req.grammar.accept(token):
+            # cannot happen with the mask applied; never hand out text the grammar rejects
+            log.error("request %s: token %d rejected by its grammar; ending it", req.rid, token)
+            req.finish_reason, req.error = "error", f"token {token} does not fit the grammar"
+            done = True
+        else:
+            done = self._check_finished(req, token)
         if req.prefill_only and first:
             # the KV transfer still reads these pages: hold them until release_held()
             self.scheduler.remove(req)
@@ -355,8 +460,9 @@ class Engine:
                 out.finished, out.finish_reason, out.stop_reason = True, req.finish_reason, req.stop_reason
         elif done:
             self.scheduler.remove(req)
-            self._finish(req)
+            out.request_finished = self._finish(req)
             out.finished, out.finish_reason, out.stop_reason = True, req.finish_reason, req.stop_reason
+            out.error = req.error
         if req.params.stop:
             out.text = req.output_text
         return out
@@ -369,6 +475,9 @@ class Engine:
                 return True
             if token in p.stop_token_ids:
                 req.finish_reason, req.stop_reason = "stop", token
+                return True
+            if req.grammar is not None and req.grammar.terminated:  # its stop token was accepted
+                req.finish_reason, req.stop_reason = "stop", None
                 return True
         if p.stop:
             text = self.tokenizer.decode(req.output_ids, skip_special_tokens=p.skip_special_tokens)
@@ -384,11 +493,13 @@ class Engine:
             return True
         return False
 
-    def _finish(self, req: Req) -> None:
+    def _finish(self, req: Req) -> bool:
+        """Release a finished sequence; True when it was the last of its request."""
         self.kv.release(req, cache=True)
         req.status = ReqStatus.FINISHED
         self.requests.pop(req.rid, None)
         self.stats.requests_finished += 1
+        return self.groups.finished(req)
 
     # -- accounting -----------------------------------------------------------------------
     @property
@@ -397,6 +508,7 @@ class Engine:
 
     def check_idle(self) -> None:
         assert not self.scheduler.has_work and not self.requests, "engine still has requests"
+        assert not self.groups.live, f"sequence groups still open: {list(self.groups.live)}"
         self.kv.check_idle()
 
 

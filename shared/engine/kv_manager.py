@@ -48,8 +48,8 @@ class KVManager:
     # -- requests -----------------------------------------------------------------------
     def match_prefix(self, req: Req) -> None:
         """Attach the longest cached prefix (leaving at least one token to compute)."""
-        if req.page_ids:
-            return
+        if req.page_ids or req.params.prompt_logprobs is not None:
+            return  # prompt logprobs need every prompt position computed (as vLLM does)
         pages, node = self.cache.match_prefix(req.token_ids[: len(req.token_ids) - 1])
         self.cache.lock(node)
         req.prefix_node = node

@@ -19,6 +19,12 @@ class StepOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     text: str | None = None  # output text so far, only when stop strings are in use
+    index: int = 0  # which sequence of an n > 1 request
+    # True when every sequence of the request has finished (== finished when n == 1)
+    request_finished: bool = False
+    # with the first token of sequence 0 when asked (params.prompt_logprobs): per prompt
+    # position, None for the first, else (logprob, [(token id, logprob), ...] best first)
+    prompt_logprobs: list | None = None
 
 
 @dataclass

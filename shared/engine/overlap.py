@@ -17,15 +17,19 @@ order, so no rank waits on the host.
 Costs: a request that finishes at step N was already scheduled in step N+1; that row's
 work is thrown away (its KV writes land in pages it still held; the GPU runs in order,
 so a page reused later is written after). Steps whose sampling needs host data (penalties,
-logprobs) wait for the previous step and sample synchronously."""
+logprobs, the first sample of an n > 1 request) wait for the previous step and sample
+synchronously. A grammar's mask needs the previous token on the host too: such a step
+launches its forward, then takes the previous step's tokens and builds the mask on the
+host while the device computes, and samples on the device (SGLang's order)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
+from . import logit_constraints
 from .request import ReqStatus
-from .sampler import draw_key, filter_top_k_top_p_min_p, gumbel_noise, sample
+from .sampler import draw_key, filter_top_k_top_p_min_p, gumbel_noise
 
 
 @dataclass
@@ -71,8 +75,9 @@ class OverlapScheduler:
         launched = None
         if batch.items:
             launched, now = self._launch(batch)  # may resolve self.pending itself first
+            outs += now
             if launched is None:
-                return outs + now
+                return outs
         if self.pending is not None:
             outs += self._resolve(self.pending)
         self.pending = launched
@@ -86,12 +91,20 @@ class OverlapScheduler:
         e.stats.steps += 1
         sampling = [it for it in batch.items if it.samples]
         e.count_computed(batch)
+        logits = e._take_prompt_logprobs(batch, logits)
         if not sampling:
             return None, []
-        if any(it.req.params.uses_penalties or it.req.params.logprobs is not None for it in sampling):
+        if any(_needs_host(it.req) for it in sampling):
             return None, self._sample_now(logits, sampling)
+        early = []
+        if self.pending is not None and any(it.req.grammar is not None for it in sampling):
+            # the mask follows the previous token: take it now (the forward just launched
+            # keeps the device busy meanwhile) and fill the mask before sampling
+            early = self._resolve(self.pending)
+            self.pending = None
         rows = [e._sample_row(it.req) for it in sampling]
-        tokens = sample_on_device(logits, rows)
+        constraints = logit_constraints.prepare(rows, e._grammars, pin=self.device.type == "cuda")
+        tokens = sample_on_device(logits, rows, constraints)
         n = len(sampling)
         if self.cursor + n > self.capacity:
             self.cursor = 0
@@ -116,7 +129,7 @@ class OverlapScheduler:
                 entry.placeholder = -(start + i + 1)
                 req.token_ids.append(entry.placeholder)
             entries.append(entry)
-        return InFlight(entries, host, done), []
+        return InFlight(entries, host, done), early
 
     def _sample_now(self, logits, sampling):
         """Host-dependent sampling: settle the previous step first, then sample as the
@@ -130,13 +143,8 @@ class OverlapScheduler:
         live = [i for i, it in enumerate(sampling) if it.req.status is not ReqStatus.FINISHED]
         if not live:
             return outs
-        rows = [e._sample_row(sampling[i].req) for i in live]
-        res = sample(logits[live] if len(live) < len(sampling) else logits, rows)
-        for j, i in enumerate(live):
-            outs.append(e._append(sampling[i].req, res.token_ids[j],
-                                  res.logprobs[j] if res.logprobs else None,
-                                  res.top_logprobs[j] if res.top_logprobs else None))
-        return outs
+        reqs = [sampling[i].req for i in live]
+        return outs + e._sample_and_append(logits[live] if len(live) < len(sampling) else logits, reqs)
 
     # -- results -------------------------------------------------------------------------
     def _resolve(self, flight: InFlight):
@@ -171,18 +179,28 @@ def _to_device(values, dtype, device):
     return t
 
 
-def sample_on_device(logits: torch.Tensor, rows) -> torch.Tensor:
+def _needs_host(req) -> bool:
+    p = req.params
+    return (p.uses_penalties or p.logprobs is not None or req.forced_first is not None
+            or (p.n > 1 and not req.forked and req.index == 0))
+
+
+def sample_on_device(logits: torch.Tensor, rows, constraints=None) -> torch.Tensor:
     """sampler.sample()'s token choice (no penalties, no logprobs) without any host sync:
     returns the [n] int64 tokens on the device."""
     logits = logits.float()
     dev = logits.device
     n, vocab = logits.shape
     sup_rows = [i for i, r in enumerate(rows) for _ in r.suppress_ids]
+    edit = logit_constraints.needs_edit(rows, constraints)
+    if sup_rows or edit:
+        logits = logits.clone()
     if sup_rows:
         sup_ids = [t for r in rows for t in r.suppress_ids]
-        logits = logits.clone()
         logits.index_put_((_to_device(sup_rows, torch.int64, dev), _to_device(sup_ids, torch.int64, dev)),
                           torch.tensor(float("-inf"), device=dev))
+    if edit:
+        logit_constraints.apply(logits, rows, constraints)
     out = logits.argmax(dim=-1)
     greedy = [r.params.greedy for r in rows]
     if all(greedy):

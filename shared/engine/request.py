@@ -39,10 +39,21 @@ class Req:
     error: str | None = None
     arrival: float = field(default_factory=time.monotonic)
     output_text: str = ""  # kept only when stop strings need it
+    grammar: object = None  # GrammarState (grammar.py) of a constrained request
+    index: int = 0  # sequence index within its request (n > 1)
+    group: str | None = None  # the request's id when this is sequence index > 0 of it
+    forked: bool = False  # n > 1: the other sequences were made (at the first sample)
+    forced_first: list[int] | None = None  # n > 1 recompute: the first tokens already sampled
+    prompt_lps: list | None = None  # prompt logprobs by position: (logprob, top) or None
 
     def __post_init__(self):
         if not self.token_ids:
             self.token_ids = list(self.prompt_ids)
+
+    @property
+    def out_rid(self) -> str:
+        """The id outputs are reported under: the request's, for every sequence of it."""
+        return self.group or self.rid
 
     @property
     def num_prompt(self) -> int:

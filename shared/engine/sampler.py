@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import logit_constraints
+
 _M32 = 0xFFFFFFFF
 
 
@@ -48,6 +50,8 @@ class SampleRow:
     prompt_ids: list[int]
     output_ids: list[int]
     suppress_ids: list[int]  # e.g. EOS while min_tokens is not reached
+    grammar: object = None  # GrammarState of a constrained request (grammar.py)
+    logit_bias: dict[int, float] | None = None
 
 
 @dataclass
@@ -85,19 +89,25 @@ def filter_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: t
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
-    """logits [n, V] (any float dtype) -> one token per row."""
+def sample(logits: torch.Tensor, rows: list[SampleRow], constraints=None) -> SampleResult:
+    """logits [n, V] (any float dtype) -> one token per row. constraints: the rows' grammar
+    bitmask (logit_constraints.prepare, filled before this is called)."""
     logits = logits.float()
     n, vocab = logits.shape
     want_lp = any(r.params.logprobs is not None for r in rows)
     raw_logprobs = logits.log_softmax(dim=-1) if want_lp else None
-    if any(r.params.uses_penalties or r.suppress_ids for r in rows):
+    edit = logit_constraints.needs_edit(rows, constraints)
+    penalize = any(r.params.uses_penalties or r.suppress_ids for r in rows)
+    if edit or penalize:
         # our own copy to edit: float32 logits come straight from the model, an inference tensor
         logits = logits.clone()
+    if penalize:
         apply_penalties(logits, rows)
     for i, r in enumerate(rows):
         if r.suppress_ids:
             logits[i, r.suppress_ids] = float("-inf")
+    if edit:  # last: nothing after it may let a token outside the grammar back in
+        logit_constraints.apply(logits, rows, constraints)
     greedy = [r.params.greedy for r in rows]
     out = logits.argmax(dim=-1)
     if not all(greedy):

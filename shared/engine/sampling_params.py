@@ -3,6 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .grammar_spec import GrammarSpec
+
+MAX_N = 128  # sequences one request may fork into
+
 
 @dataclass
 class SamplingParams:
@@ -21,6 +25,11 @@ class SamplingParams:
     presence_penalty: float = 0.0
     logprobs: int | None = None  # None: off; 0: chosen token only; N: also top-N
     skip_special_tokens: bool = True
+    n: int = 1  # sequences sampled from one prompt; they share its KV pages (one prefill)
+    logit_bias: dict[int, float] | None = None  # token id -> added to the logit (OpenAI)
+    grammar: GrammarSpec | None = None  # constrained decoding (JSON schema, regex, EBNF)
+    prompt_logprobs: int | None = None  # None: off; N: logprob of each prompt token + top-N
+
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -53,12 +62,23 @@ class SamplingParams:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if not (1 <= self.n <= MAX_N):
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
+        for token, bias in (self.logit_bias or {}).items():
+            if not isinstance(token, int) or token < 0 or not (-100.0 <= bias <= 100.0):
+                raise ValueError(f"logit_bias maps token ids >= 0 to values in [-100, 100], got {token}: {bias}")
+        if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= 20):
+            raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    def child_seed(self, seed: int, index: int) -> int:
+        """Sequence `index` of an n > 1 request draws with seed + index (as vLLM does)."""
+        return (seed + index) & 0xFFFFFFFFFFFFFFFF
 
     @property
     def uses_penalties(self) -> bool:

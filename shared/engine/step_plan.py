@@ -87,7 +87,9 @@ def plan_batch(batch: Batch, page_size: int) -> StepPlan:
         ext_lens.append(it.length)
         npages.append(-(-it.end // ps))
         row += it.length
-        if it.samples:
+        if it.all_rows:  # prompt logprobs: every row of the chunk (the sampling one last)
+            sample_rows.extend(range(row - it.length, row))
+        elif it.samples:
             sample_rows.append(row - 1)
     b = len(batch.items)
     w = max(max(npages, default=1), 1)

@@ -14,8 +14,11 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from shared.openai_protocol.errors import InvalidRequest
+from shared.openai_protocol.tools import check_response_format, check_tool_choice, check_tools
 
 MAX_TOP_LOGPROBS = 20
+MAX_N = 128
+MAX_BATCH_CHOICES = 1024  # prompts x n in one completions request  # choices per prompt (vLLM has no cap; one request must stay bounded)
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Union member names pydantic puts into an error's location; not part of the param path.
 _LOC_NOISE = {"str", "int", "float", "bool", "dict", "list", "none", "function-after", "function-before"}
@@ -84,8 +87,8 @@ class _SamplingFields(_Body):
                                  "repetition_penalty")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
-        if self.n is not None and self.n != 1:
-            raise InvalidRequest(f"n={self.n} is not supported: this server returns exactly one choice (n=1)", "n")
+        if self.n is not None and not 1 <= self.n <= MAX_N:
+            raise InvalidRequest(f"n must be between 1 and {MAX_N}, got {self.n}", "n")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed when stream is true", "stream_options")
         for i, stop in enumerate(self.stop_list):
@@ -94,8 +97,24 @@ class _SamplingFields(_Body):
         for i, token_id in enumerate(self.stop_token_ids or []):
             if token_id < 0:
                 raise InvalidRequest(f"stop_token_ids must be non-negative, got {token_id}", f"stop_token_ids[{i}]")
-        if self.logit_bias:
-            raise InvalidRequest("logit_bias is not supported", "logit_bias")
+        self.token_bias()  # raises on bad keys or values
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
+    def token_bias(self) -> dict[int, float] | None:
+        """logit_bias with token-id keys ("50256" -> 50256), values checked (-100..100)."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, value in self.logit_bias.items():
+            if not key.lstrip("-").isdigit() or int(key) < 0:
+                raise InvalidRequest(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+            if not -100.0 <= value <= 100.0:
+                raise InvalidRequest(f"logit_bias values must be between -100 and 100, got {value}", "logit_bias")
+            out[int(key)] = float(value)
+        return out
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -105,6 +124,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -130,12 +150,19 @@ class ChatCompletionRequest(_SamplingFields):
             _range("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)
             if self.top_logprobs > 0 and not self.logprobs:
                 raise InvalidRequest("top_logprobs requires logprobs to be true", "top_logprobs")
-        if self.tools:
-            raise InvalidRequest("tools (function calling) are not supported by this server", "tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise InvalidRequest("tool_choice is not supported by this server", "tool_choice")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise InvalidRequest("only response_format {\"type\": \"text\"} is supported", "response_format")
+        check_tools(self.tools)
+        check_tool_choice(self.tool_choice, self.tools)
+        check_response_format(self.response_format)
+        if self.response_format and self.response_format.get("type") != "text" and \
+                self.effective_tool_choice not in ("none", "auto"):
+            raise InvalidRequest("response_format cannot be combined with a forced tool_choice", "response_format")
+
+    @property
+    def effective_tool_choice(self) -> str | dict[str, Any]:
+        """OpenAI's default: "auto" when tools are given, else "none"."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
 
     def template_messages(self) -> list[dict[str, Any]]:
         """Messages as chat templates expect them: text content as one string."""
@@ -158,32 +185,39 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
 
     def check(self) -> None:
+        if self.echo and self.max_tokens == 0:  # echo alone (lm-eval's loglikelihood): no new token
+            self.max_tokens, self._echo_only = 1, True
         self._check_sampling()
         if self.logprobs is not None:
             _range("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)
-        if self.echo:
-            raise InvalidRequest("echo is not supported by this server", "echo")
-        if self.best_of is not None and self.best_of != 1:
-            raise InvalidRequest("best_of > 1 is not supported by this server", "best_of")
+        if self.best_of is not None and self.best_of != self.num_choices:
+            raise InvalidRequest("best_of must equal n when given (this server returns every sequence)", "best_of")
         if self.suffix:
             raise InvalidRequest("suffix is not supported by this server", "suffix")
-        self.single_prompt()  # raises on a missing, empty or batched prompt
+        prompts = self.prompts()  # raises on a missing or empty prompt
+        if len(prompts) * self.num_choices > MAX_BATCH_CHOICES:
+            raise InvalidRequest(f"at most {MAX_BATCH_CHOICES} choices per request (prompts x n)", "prompt")
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt: text or token ids. A batch of one is unwrapped."""
+    _echo_only: bool = False
+
+    @property
+    def echo_only(self) -> bool:
+        """max_tokens was 0 with echo: answer with the prompt alone."""
+        return self._echo_only
+
+    def prompts(self) -> list[str | list[int]]:
+        """Every prompt (text or token ids); a single one is a list of one."""
         prompt = self.prompt
         if prompt is None:
             raise InvalidRequest("prompt is required", "prompt")
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise InvalidRequest("a batch of several prompts is not supported: send one prompt per request",
-                                     "prompt")
-            prompt = prompt[0]
-        if len(prompt) == 0:
-            raise InvalidRequest("prompt must not be empty", "prompt")
-        if isinstance(prompt, list) and any(t < 0 for t in prompt):
-            raise InvalidRequest("prompt token ids must be non-negative", "prompt")
-        return prompt
+        batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+        for i, one in enumerate(batch):
+            param = f"prompt[{i}]" if len(batch) > 1 else "prompt"
+            if len(one) == 0:
+                raise InvalidRequest("prompt must not be empty", param)
+            if isinstance(one, list) and any(t < 0 for t in one):
+                raise InvalidRequest("prompt token ids must be non-negative", param)
+        return batch
 
 
 def parse_chat_request(body: bytes) -> ChatCompletionRequest:

@@ -23,6 +23,8 @@ ROOTS = (
     "ListModelsResponse",
     "Model",
     "ErrorResponse",
+    "Response",
+    "ResponseStreamEvent",
 )
 PROSE_KEYS = {"description", "example", "examples", "title", "deprecated"}
 REF_PREFIX = "#/components/schemas/"
