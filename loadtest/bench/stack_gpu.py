@@ -29,14 +29,17 @@ STACKS = {  # name -> `duet up` worker layout (GPU placement: services/launcher/
 }
 
 
-def model_folder(name: str, root: pathlib.Path) -> pathlib.Path:
-    """config.json of the shape + the default model's tokenizer (its ids fit every vocab here)."""
-    from shared.engine.default_model import resolve_model_dir
-
+def model_folder(name: str, root: pathlib.Path, tokenizer_from: str | None = None) -> pathlib.Path:
+    """config.json of the shape + a tokenizer (default: the default model's; its ids fit every
+    vocab here)."""
     from .shapes import config_only_dir
 
     d = config_only_dir(name, root)
-    src = pathlib.Path(resolve_model_dir(None))
+    if tokenizer_from:
+        src = pathlib.Path(tokenizer_from)
+    else:
+        from shared.engine.default_model import resolve_model_dir
+        src = pathlib.Path(resolve_model_dir(None))
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
         if (src / f).is_file():
             shutil.copy(src / f, d / f)
@@ -122,6 +125,7 @@ def main(argv=None) -> int:
     p.add_argument("--slo-tpot-ms", type=float, default=12)
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--no-engine-steps", action="store_true")
+    p.add_argument("--tokenizer-from", default=None, help="folder with tokenizer files (default: the default model's)")
     p.add_argument("--up-arg", action="append", default=[], help="extra `duet up` flag (repeat)")
     p.add_argument("--worker-arg", action="append", default=[], help="extra worker flag (repeat)")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "stack-gpu"))
@@ -130,7 +134,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    folder = model_folder(args.model, pathlib.Path(tempfile.mkdtemp(prefix="stack-gpu-")))
+    folder = model_folder(args.model, pathlib.Path(tempfile.mkdtemp(prefix="stack-gpu-")), args.tokenizer_from)
     rows: list[dict] = []
     for name in (s for s in args.stacks.split(",") if s):
         try:

@@ -142,7 +142,8 @@ def in_fresh_process(target: str, *args, timeout: float = 400.0):
 def greedy_tokens(model_dir: str, dtype: str, tp: int, prompts, new_tokens: int, ep: int = 1) -> list[list[int]]:
     from shared.engine import Engine, SamplingParams
 
-    eng = Engine(model_dir=model_dir, dtype=dtype, tp_size=tp, ep_size=ep, kv_cache_memory=1 << 30)
+    eng = Engine(model_dir=model_dir, dtype=dtype, tp_size=tp, ep_size=ep, kv_cache_memory=1 << 30,
+                 cuda_graph_max_bs=max(8, len(prompts)))  # a short graph ladder: quick to start
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     rids = [eng.add_request(p, params) for p in prompts]
     got = {r: [] for r in rids}

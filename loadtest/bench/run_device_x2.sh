@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One call on a 2 x H200 host (`nvidia-h200-x2`) that measures what needs two GPUs, each part
+# bounded so one stuck part cannot eat the others' time. Carry .whl (bundle.sh + xgrammar) and
+# .tok (the default model's tokenizer files); results land in $OUT, a short table per part.
+#   bash loadtest/bench/run_device_x2.sh
+set -u
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+for f in .whl/deb/*.deb; do dpkg -x "$f" /tmp/r; done
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/r/usr/bin:$PATH LD_LIBRARY_PATH=/tmp/r/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
+part() {  # part NAME SECONDS CMD...: run bounded, log to $OUT/NAME.log, print its table
+  local name=$1 secs=$2; shift 2
+  local t0=$SECONDS
+  timeout "$secs" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+  echo "##### $name: rc=$rc in $((SECONDS - t0))s"
+  sed -n '/^=== /,$p' "$OUT/$name.log" | tail -40
+  [ $rc -eq 0 ] || tail -5 "$OUT/$name.log"
+}
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+# TP=2 and EP=2 against TP=1 (greedy, fp32 dense and MoE; bf16 MoE) and the MoE decode steps
+part tp_moe "${T_TP_MOE:-175}" python3 -m loadtest.bench --suite tp --sections ceilings,tp_equality,moe_tp \
+  --moe-tp-layouts 2/1,2/2 --moe-tp-batches 1,64 --steps 16 --json "$OUT/tp_moe.json"
+# dense TP=2 decode step (Qwen3-8B shape): overlap on, our fused all-reduce vs torch's one-shot
+part tp_dense "${T_TP_DENSE:-110}" python3 -m loadtest.bench.tp_profile --batches 1,32 --steps 24 \
+  --configs 2:on:fused:overlap,2:on:oneshot:overlap --timeout 100
+# a MoE checkpoint served disaggregated: prefill on GPU 0, decode on GPU 1
+part moe_split "${T_MOE_SPLIT:-100}" python3 -m loadtest.bench.stack_gpu --model qwen3-30b-a3b --stacks split \
+  --concurrency 4,16 --input-len 1024 --output-len 128 --warmup-concurrency 4 --warmup-requests 8 \
+  --no-engine-steps --tokenizer-from .tok --out "$OUT/moe_split"
+if python3 -c "import loadtest.bench.hetero_tp" 2>/dev/null; then
+  part hetero_tp "${T_HETERO:-95}" python3 -m loadtest.bench.hetero_tp --tokenizer-from .tok
+fi
+# the whole stack against the engine's step: 1 prefill + 1 decode (STACKS=split,colocated2 to
+# compare with two colocated workers when the time allows)
+part stack_dense "${T_STACK:-80}" python3 -m loadtest.bench.stack_gpu --model qwen3-8b --stacks "${STACKS:-split}" \
+  --concurrency 32 --input-len 1024 --output-len 256 --warmup-requests 16 --tokenizer-from .tok \
+  --out "$OUT/stack_dense"
