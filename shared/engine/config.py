@@ -37,9 +37,9 @@ class EngineConfig:
     # one-launch copy+sync+sum, then add+RMSNorm (custom_all_reduce.py)
     custom_all_reduce_mode: str = field(default_factory=lambda: os.environ.get("DUET_CUSTOM_ALLREDUCE", "fused"))
     # decode-size linears (<= 16 rows, bf16/fp16, GPU) through the split-K Triton kernel
-    # (kernels/small_batch_linear.py) instead of cuBLAS
-    small_batch_linear: bool = field(
-        default_factory=lambda: os.environ.get("DUET_SMALL_BATCH_LINEAR", "0").lower() in ("1", "true", "on"))
+    # (kernels/small_batch_linear.py) instead of cuBLAS: "lm_head" (default: the one shape it
+    # won on an H200, 283 vs 341 us for Qwen3-8B's head at M=1), "all", or "off"
+    small_batch_linear: str = field(default_factory=lambda: os.environ.get("DUET_SMALL_BATCH_LINEAR", "lm_head"))
     load_format: str = "auto"  # auto: safetensors | dummy: random weights (benchmarks)
     tp: TPContext = field(default_factory=TPContext)  # this process's rank (set by the engine)
 

@@ -87,11 +87,15 @@ class Engine:
                                 load_format=config.load_format, expert_parallel=config.ep_size > 1)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.small_batch_workspace = None
-        if fused and config.small_batch_linear and self.dtype in (torch.bfloat16, torch.float16):
+        which = {"1": "all", "true": "all", "on": "all", "0": "off", "false": "off"}.get(
+            str(config.small_batch_linear).lower(), str(config.small_batch_linear).lower())
+        if which not in ("lm_head", "all", "off"):
+            raise ValueError(f"small_batch_linear must be lm_head, all or off, not {config.small_batch_linear!r}")
+        if fused and which != "off" and self.dtype in (torch.bfloat16, torch.float16):
             from kernels.small_batch_linear import SmallBatchWorkspace
             from .models.layers import enable_small_batch_linears
             self.small_batch_workspace = SmallBatchWorkspace.create(self.device)
-            enable_small_batch_linears(self.model, self.small_batch_workspace)
+            enable_small_batch_linears(self.model, self.small_batch_workspace, lm_head_only=which == "lm_head")
         if self.tp.size > 1 and self.device.type == "cuda" and config.custom_all_reduce:
             from .custom_all_reduce import CustomAllReduce
             car = None
@@ -144,7 +148,7 @@ class Engine:
                  "on" if self.runner.graphs is not None and self.runner.graphs.capture else "off",
                  "on" if self.tp.custom_all_reduce is not None else "off",
                  "on" if self.overlap is not None else "off",
-                 "on" if self.small_batch_workspace is not None else "off")
+                 which if self.small_batch_workspace is not None else "off")
 
     def call_followers(self, target: str, *args) -> list:
         """Run `module:function(engine, *args)` on tensor-parallel ranks 1..N-1 (results in

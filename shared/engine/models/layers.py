@@ -184,13 +184,14 @@ class ParallelLMHead(nn.Module):
         self.weight.data[: self.end - self.start].copy_(tensor[self.start:self.end])
 
 
-def enable_small_batch_linears(model: nn.Module, workspace) -> int:
-    """Route the model's linears (qkv, o, gate/up + SwiGLU, down, LM head) to the small-batch
-    kernel at decode sizes; one workspace for all (they run one after another on one stream).
-    Returns how many layers were switched."""
+def enable_small_batch_linears(model: nn.Module, workspace, lm_head_only: bool = False) -> int:
+    """Route the model's linears (qkv, o, gate/up + SwiGLU, down, LM head; or the LM head
+    alone) to the small-batch kernel at decode sizes; one workspace for all (they run one
+    after another on one stream). Returns how many layers were switched."""
+    kinds = (ParallelLMHead,) if lm_head_only else (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
     n = 0
     for m in model.modules():
-        if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
+        if isinstance(m, kinds):
             m.small_batch = workspace
             n += 1
     return n
