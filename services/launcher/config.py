@@ -21,6 +21,8 @@ class UpConfig:
     log_dir: str | None = None
     worker_args: list[str] = field(default_factory=list)
     health_timeout_s: float = 300.0
+    prefill_tp: int | None = None  # per-role TP (None: the workers' --tp / DUET_TP)
+    decode_tp: int | None = None
 
     @property
     def num_workers(self) -> int:
@@ -48,6 +50,10 @@ class UpConfig:
                        help="torch threads per worker (default: the machine's cores shared among workers)")
         p.add_argument("--log-dir", default=None, help="where each process writes its log")
         p.add_argument("--health-timeout", type=float, default=300.0)
+        p.add_argument("--prefill-tp", type=int, default=None,
+                       help="tensor-parallel size of the prefill workers (default: --tp after --, else 1); "
+                            "may differ from --decode-tp: KV is re-sharded by heads on the way")
+        p.add_argument("--decode-tp", type=int, default=None, help="tensor-parallel size of the decode workers")
         p.add_argument("worker_args", nargs=argparse.REMAINDER,
                        help="after --, extra flags passed to every worker (e.g. -- --page-size 32)")
         a = p.parse_args(argv)
@@ -55,7 +61,13 @@ class UpConfig:
             p.error("worker counts must be >= 0")
         if a.both == 0 and (a.prefill == 0 or a.decode == 0):
             p.error("need at least one prefill and one decode worker, or --both N")
+        if any(t is not None and t < 1 for t in (a.prefill_tp, a.decode_tp)):
+            p.error("--prefill-tp and --decode-tp must be >= 1")
         extra = [x for x in a.worker_args if x != "--"]
         return cls(host=a.host, port=a.port, prefill=a.prefill, decode=a.decode, both=a.both,
                    redis_url=a.redis_url, model=a.model, kv_cache_memory=a.kv_cache_memory,
-                   threads=a.threads, log_dir=a.log_dir, worker_args=extra, health_timeout_s=a.health_timeout)
+                   threads=a.threads, log_dir=a.log_dir, worker_args=extra, health_timeout_s=a.health_timeout,
+                   prefill_tp=a.prefill_tp, decode_tp=a.decode_tp)
+
+    def role_tp(self, role: str, default: int) -> int:
+        return {"prefill": self.prefill_tp, "decode": self.decode_tp}.get(role) or default
