@@ -68,6 +68,16 @@ def scrape(url: str) -> dict[str, float]:
     return vals
 
 
+def redis_url(up_log: pathlib.Path, timeout_s: float = 60.0) -> str:
+    """duet up prints its Redis URL once the gateway is healthy, a moment after /health says so."""
+    end = time.monotonic() + timeout_s
+    while True:
+        m = re.search(r"redis\s+(redis://\S+)", up_log.read_text())
+        if m or time.monotonic() > end:
+            return m.group(1) if m else ""
+        time.sleep(0.5)
+
+
 def run_layout(name: str, model: pathlib.Path, args, tok, equal_prompts, want, out: pathlib.Path) -> list[dict]:
     import httpx
     import redis
@@ -81,8 +91,7 @@ def run_layout(name: str, model: pathlib.Path, args, tok, equal_prompts, want, o
     t0 = time.monotonic()
     with DuetStack(up, out / name.replace(">", "") / "logs") as stack:
         ready_s = time.monotonic() - t0
-        text = (out / name.replace(">", "") / "logs" / "up.log").read_text()
-        r = redis.Redis.from_url(re.search(r"redis\s+(redis://\S+)", text).group(1), decode_responses=True)
+        r = redis.Redis.from_url(redis_url(out / name.replace(">", "") / "logs" / "up.log"), decode_responses=True)
         metrics_url = r.hgetall("duet:worker:prefill-0")["metrics"]
         client = OpenAI(base_url=stack.url + "/v1", api_key="none", timeout=600)
         mid = client.models.list().data[0].id
@@ -93,7 +102,8 @@ def run_layout(name: str, model: pathlib.Path, args, tok, equal_prompts, want, o
         rows.append(dict(layout=name, kind="equality", equal=equal, of=len(want), ready_s=ready_s))
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
         for length in args.prompt_lens:
-            texts = prompt_texts(tok, args.trials + 1, length, seed=length + 7 * p + d)
+            warm = length == args.prompt_lens[0]  # one warm-up request before the first length only
+            texts = prompt_texts(tok, args.trials + warm, length, seed=length + 7 * p + d)
             for i, ptext in enumerate(texts):
                 before = scrape(metrics_url)
                 t = time.perf_counter()
@@ -101,14 +111,14 @@ def run_layout(name: str, model: pathlib.Path, args, tok, equal_prompts, want, o
                                                    stream=True, stream_options={"include_usage": True})
                 ttft, usage = None, None
                 for chunk in stream:
-                    if ttft is None and chunk.choices and chunk.choices[0].text:
+                    if ttft is None and chunk.choices:  # the first token (its text may be empty)
                         ttft = time.perf_counter() - t
                     usage = chunk.usage or usage
                 time.sleep(0.2)  # the prefill worker settles its metrics after the RPC answer
                 after = scrape(metrics_url)
                 delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-                if i == 0:
-                    continue  # warm-up of this length
+                if warm and i == 0:
+                    continue
                 rows.append(dict(layout=name, kind="handoff", prompt_tokens=usage.prompt_tokens if usage else length,
                                  ttft_ms=1e3 * (ttft or 0),
                                  tail_ms=1e3 * delta.get("duet_kv_handoff_tail_seconds_sum", 0),
@@ -124,7 +134,7 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default="qwen3-0.6b")
     p.add_argument("--layouts", default="2->1,1->1", help="prefill->decode TP sizes, comma list")
     p.add_argument("--prompt-lens", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 16384])
-    p.add_argument("--trials", type=int, default=3, help="measured prompts per length (after one warm-up)")
+    p.add_argument("--trials", type=int, default=2, help="measured prompts per length")
     p.add_argument("--max-tokens", type=int, default=16, help="greedy tokens compared per equality prompt")
     p.add_argument("--max-model-len", type=int, default=17408)
     p.add_argument("--page-size", type=int, default=16)
