@@ -131,6 +131,8 @@ def main(argv=None) -> int:
     p.add_argument("--worker-arg", action="append", default=[], help="extra worker flag (repeat)")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "stack-gpu"))
     args = p.parse_args(argv)
+    import signal
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's SIGTERM still stops the stacks
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     out = pathlib.Path(args.out)

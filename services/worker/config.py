@@ -32,7 +32,7 @@ class WorkerConfig:
     enable_prefix_cache: bool = True
     attention_backend: str = "auto"
     cuda_graph: bool = True
-    overlap_schedule: bool = True
+    overlap_schedule: bool | None = None  # None: the engine's default (off with TP on GPUs)
     tp: int = 1
     warmup: bool = True  # run every kernel variant once before registering (shared/engine/warmup.py)
     load_format: str = "auto"  # auto: the folder's safetensors | dummy: seeded random weights (benchmarks)
@@ -73,8 +73,9 @@ class WorkerConfig:
         p.add_argument("--attention-backend", default=e("DUET_ATTENTION_BACKEND", "auto"))
         p.add_argument("--disable-cuda-graph", action="store_true")
         p.add_argument("--overlap-schedule", action=argparse.BooleanOptionalAction,
-                       default=e("DUET_OVERLAP_SCHEDULE", "1").lower() not in ("0", "false", "no"),
-                       help="prepare step N+1 on the CPU while the device runs step N (default on; "
+                       default=_optional_flag(e("DUET_OVERLAP_SCHEDULE")),
+                       help="prepare step N+1 on the CPU while the device runs step N (default on, "
+                            "except with --tp > 1 on GPUs, where it measured slower; "
                             "--no-overlap-schedule or DUET_OVERLAP_SCHEDULE=0 for the plain loop)")
         p.add_argument("--tp", type=int, default=int(e("DUET_TP", "1")))
         p.add_argument("--warmup", action=argparse.BooleanOptionalAction,
@@ -130,3 +131,10 @@ def _size(text: str) -> int:
     if text and text[-1] in mult:
         return int(float(text[:-1]) * mult[text[-1]])
     return int(text or 0)
+
+
+def _optional_flag(value: str | None) -> bool | None:
+    """An on/off env value, or None when unset (the component's own default)."""
+    if value is None or value == "":
+        return None
+    return value.lower() not in ("0", "false", "no", "off")

@@ -28,7 +28,10 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | triton | flashinfer
     cuda_graph: bool = True
     cuda_graph_max_bs: int = 256
-    overlap_schedule: bool = True  # CPU prepares step N+1 while the device runs step N (overlap.py)
+    # CPU prepares step N+1 while the device runs step N (overlap.py). None: on, except with
+    # TP on GPUs, where it measured slower (2 x H200, Qwen3-8B shape, B=32: 15.0 ms/step
+    # overlapped vs 7.4 plain; equal at B=1; loadtest/bench/GPU_NOTES.md)
+    overlap_schedule: bool | None = None
     num_threads: int | None = None  # torch intra-op threads on CPU
     tp_size: int = 1  # tensor-parallel ranks (processes); this process is rank 0
     ep_size: int = 1  # MoE: 1 (experts sliced over the TP ranks) or tp_size (experts split whole)

@@ -133,7 +133,10 @@ class Engine:
         self._grammars = None
         self._grammar_lock = threading.Lock()
         self.overlap = None
-        if config.overlap_schedule:
+        overlap = config.overlap_schedule
+        if overlap is None:
+            overlap = not (self.tp.size > 1 and self.device.type == "cuda")
+        if overlap:
             from .overlap import OverlapScheduler
             self.overlap = OverlapScheduler(self)
         if self._tp_workers is not None:
