@@ -5,6 +5,7 @@ import asyncio
 import urllib.request
 
 import grpc
+import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from protos import duet_pb2, duet_pb2_grpc
@@ -91,3 +92,48 @@ def test_metrics_helpers_and_http_propagation():
     assert trace.get_current_span(ctx).get_span_context().trace_id == span.get_span_context().trace_id
     ctx2 = extract_grpc_context([("traceparent", headers["traceparent"]), ("x-bin", b"\x00")])
     assert trace.get_current_span(ctx2).get_span_context().span_id == span.get_span_context().span_id
+
+
+def test_otlp_settings_from_the_standard_environment(caplog):
+    """OTEL_TRACES_EXPORTER / OTEL_EXPORTER_OTLP_{PROTOCOL,ENDPOINT} pick the exporter and its URL
+    as the OTel spec says; both OTLP exporters are installed by default (no extra)."""
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
+
+    from shared.telemetry.otlp import OtlpTarget, otlp_target
+    from shared.telemetry.tracing import exporter_names
+
+    assert otlp_target({}) == OtlpTarget("grpc", "http://localhost:4317")
+    assert otlp_target({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}) == OtlpTarget(
+        "http/protobuf", "http://localhost:4318/v1/traces")
+    # the base endpoint gets the signal path over HTTP, not over gRPC; the traces one is used as is
+    assert otlp_target({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf", "OTEL_EXPORTER_OTLP_ENDPOINT":
+                        "http://collector:4318/"}).endpoint == "http://collector:4318/v1/traces"
+    assert otlp_target({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317"}).endpoint == "http://collector:4317"
+    assert otlp_target({"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+                        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://a:4318",
+                        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://b:9/x"}) == OtlpTarget("http/protobuf", "http://b:9/x")
+    with pytest.raises(ValueError, match="OTEL_EXPORTER_OTLP_PROTOCOL"):
+        otlp_target({"OTEL_EXPORTER_OTLP_PROTOCOL": "grcp"})
+
+    assert exporter_names({}) == []  # nothing configured: nothing exported
+    assert exporter_names({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317"}) == ["otlp"]  # an endpoint says where
+    assert exporter_names({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_TRACES_EXPORTER": "none"}) == []
+    assert exporter_names({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_SDK_DISABLED": "true"}) == []
+
+    def provider_exporters(env):
+        tracing = setup_tracing("decode", env=env, install_global=False)
+        processors = tracing.provider._active_span_processor._span_processors
+        found = [type(p.span_exporter if hasattr(p, "span_exporter") else p._batch_processor._exporter)
+                 for p in processors]
+        tracing.shutdown()
+        return tracing, found
+
+    tracing, found = provider_exporters({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1"})
+    assert tracing.exporters == ["otlp"] and found == [GrpcExporter] and tracing.service_name == "duet-decode"
+    _, found = provider_exporters({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+                                   "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1"})
+    assert found == [HttpExporter]
+    with caplog.at_level("ERROR"):
+        tracing, found = provider_exporters({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "udp"})
+    assert found == [] and tracing.exporters == [] and "udp" in caplog.text  # said loudly, not silently dropped
