@@ -221,3 +221,24 @@ def test_default_model_json_object_and_tools(client, backend):
         assert choice.message.content
     print("SmolLM2 with tools (auto):", choice.finish_reason, choice.message.content, choice.message.tool_calls)
     assert wait_until(lambda: engine_idle(backend), timeout=10)
+
+
+def test_a_model_that_fails_to_load_is_a_503_reason():
+    """The loader thread's failure is reported by ready() and by every request, not a hang."""
+    from services.gateway.backend import BackendUnavailable, GenerationRequest, SamplingOptions
+
+    def load():
+        raise FileNotFoundError("no weights in /nowhere")
+
+    backend = LocalBackend(load, name=MODEL, expected_context_len=CONTEXT)
+
+    async def scenario():
+        await backend.start()
+        assert not await asyncio.to_thread(backend.wait_loaded, 10)
+        assert backend.max_context_len == CONTEXT
+        with pytest.raises(BackendUnavailable, match="failed to load: no weights"):
+            async for _ in backend.generate(GenerationRequest("r", [1, 2], SamplingOptions())):
+                pass
+        await backend.close()
+
+    asyncio.run(scenario())
