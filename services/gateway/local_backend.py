@@ -73,7 +73,8 @@ class LocalBackend:
         return self.engine.max_model_len if self.engine is not None else self.expected_context_len
 
     def ready(self) -> bool:
-        return self._loaded.is_set() and self._loop is not None and self._loop.fatal is None
+        return (self._loaded.is_set() and not self._closed and self._loop is not None
+                and self._loop.fatal is None)
 
     async def start(self) -> None:
         self._loader.start()
@@ -152,6 +153,8 @@ class LocalBackend:
             return f"the model failed to load: {self.load_error}"
         if self._loop is not None and self._loop.fatal is not None:
             return f"the engine failed: {self._loop.fatal}"
+        if self._closed:
+            return "the gateway is shutting down"
         return "the model is still loading"
 
     def _load(self) -> None:
