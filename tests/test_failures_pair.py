@@ -60,7 +60,7 @@ def test_disconnect_mid_stream_drops_the_request_on_decode(stack, model):
     assert snapshot(stack, "decode-0", "duet_engine_tokens_computed_total", phase="decode") - before_decode \
         == computed
     status = stack.gateway_metrics()
-    assert status.value("duet_requests_total", status="cancelled") >= 1
+    assert status.value("duet_requests_total", service="gateway", outcome="cancelled", status="499") >= 1
 
 
 def test_disconnect_during_prefill_stops_prefill_and_frees_the_reservation(stack, model):

@@ -449,8 +449,8 @@ def test_metrics(http, client, scripted):
     text = after.text
     ep = {"endpoint": "chat_completions"}
     delta = lambda name, **labels: sample(text, name, **labels) - sample(before, name, **labels)  # noqa: E731
-    assert delta("duet_requests_total", status="200", **ep) == 1
-    assert delta("duet_requests_total", status="400", **ep) == 1
+    assert delta("duet_requests_total", service="gateway", outcome="ok", status="200", **ep) == 1
+    assert delta("duet_requests_total", service="gateway", outcome="rejected", status="400", **ep) == 1
     assert delta("duet_time_to_first_token_seconds_count", **ep) == 1
     assert delta("duet_inter_token_latency_seconds_count", **ep) == result.usage.completion_tokens - 1
     assert delta("duet_prompt_tokens_total", **ep) == result.usage.prompt_tokens

@@ -19,6 +19,7 @@ from services.gateway.local_backend import LocalBackend
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.prompt import PromptBuilder
 from tests.openai_schema import validate
+from tests.otlp_receiver import GrpcReceiver, HttpReceiver
 from tests.test_gateway_support import UvicornThread, free_port, wait_until
 
 MODEL = "smollm2"
@@ -144,37 +145,54 @@ def test_errors_from_the_real_stack(client):
         client.completions.create(model="other", prompt="x")
 
 
-def test_main_serves_with_the_local_backend(model_dir):
-    """`services.gateway.main` as its own process: /health turns 200 once the engine loaded."""
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_main_serves_with_the_local_backend(model_dir, protocol):
+    """`services.gateway.main` as its own process: /health turns 200 once the engine loaded.
+    With the standard OTEL_* variables pointing at a real OTLP receiver (gRPC TraceService or
+    HTTP POST /v1/traces), the request's server span reaches it while the process runs."""
+    receiver = GrpcReceiver() if protocol == "grpc" else HttpReceiver()
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "DUET_PORT": str(port)}
-    proc = subprocess.Popen([sys.executable, "-c", "import sys; from services.gateway.main import main; "
-                             "sys.exit(main(sys.argv[1:]))", "--backend", "local", "--host", "127.0.0.1",
-                             "--served-model-name", "tiny-local", "--max-model-len", "512",
-                             "--log-level", "warning"], cwd=REPO, env=env)
-    try:
-        base = f"http://127.0.0.1:{port}"
-
-        def healthy() -> bool:
-            try:
-                return httpx.get(base + "/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        assert wait_until(healthy, timeout=120, interval=0.5), "gateway never became healthy"
-        models = httpx.get(base + "/v1/models").json()
-        assert models["data"][0]["id"] == "tiny-local" and models["data"][0]["max_model_len"] == 512
-        with openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120) as client:
-            result = client.completions.create(model="tiny-local", prompt="Hello", max_tokens=3)
-        assert result.usage.completion_tokens == 3
-        assert "duet_time_to_first_token_seconds" in httpx.get(base + "/metrics").text
-    finally:
-        proc.terminate()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env.update({"PYTHONPATH": str(REPO), "DUET_PORT": str(port), "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
+                "OTEL_EXPORTER_OTLP_PROTOCOL": protocol, "OTEL_BSP_SCHEDULE_DELAY": "200"})
+    if protocol == "grpc":  # explicit; for http the endpoint alone turns OTLP on (tracing.py)
+        env.update({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_SERVICE_NAME": "gw-otlp-test"})
+    service_name = env.get("OTEL_SERVICE_NAME", "duet-gateway")
+    with receiver:
+        proc = subprocess.Popen([sys.executable, "-c", "import sys; from services.gateway.main import main; "
+                                 "sys.exit(main(sys.argv[1:]))", "--backend", "local", "--host", "127.0.0.1",
+                                 "--served-model-name", "tiny-local", "--max-model-len", "512",
+                                 "--log-level", "warning"], cwd=REPO, env=env)
         try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            base = f"http://127.0.0.1:{port}"
+
+            def healthy() -> bool:
+                try:
+                    return httpx.get(base + "/health", timeout=2).status_code == 200
+                except httpx.HTTPError:
+                    return False
+
+            assert wait_until(healthy, timeout=120, interval=0.5), "gateway never became healthy"
+            models = httpx.get(base + "/v1/models").json()
+            assert models["data"][0]["id"] == "tiny-local" and models["data"][0]["max_model_len"] == 512
+            with openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120) as client:
+                raw = client.completions.with_raw_response.create(model="tiny-local", prompt="Hello", max_tokens=3)
+            assert raw.parse().usage.completion_tokens == 3
+            request_id = raw.headers["x-request-id"]
+            assert "duet_time_to_first_token_seconds" in httpx.get(base + "/metrics").text
+            spans = receiver.wait_for(lambda s: s.attributes.get("duet.request_id") == request_id, timeout=20)
+            assert len(spans) == 1, f"the request's span never reached the OTLP {protocol} receiver"
+            span = spans[0]
+            assert span.name == "POST /v1/completions" and span.kind == 2  # SPAN_KIND_SERVER
+            assert span.attributes["http.status_code"] == 200
+            assert span.resource["service.name"] == service_name
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
     # uvicorn shuts down gracefully (lifespan closes the backend), then re-raises SIGTERM.
     assert proc.returncode in (0, -15)
 
@@ -203,3 +221,24 @@ def test_default_model_json_object_and_tools(client, backend):
         assert choice.message.content
     print("SmolLM2 with tools (auto):", choice.finish_reason, choice.message.content, choice.message.tool_calls)
     assert wait_until(lambda: engine_idle(backend), timeout=10)
+
+
+def test_a_model_that_fails_to_load_is_a_503_reason():
+    """The loader thread's failure is reported by ready() and by every request, not a hang."""
+    from services.gateway.backend import BackendUnavailable, GenerationRequest, SamplingOptions
+
+    def load():
+        raise FileNotFoundError("no weights in /nowhere")
+
+    backend = LocalBackend(load, name=MODEL, expected_context_len=CONTEXT)
+
+    async def scenario():
+        await backend.start()
+        assert not await asyncio.to_thread(backend.wait_loaded, 10)
+        assert backend.max_context_len == CONTEXT
+        with pytest.raises(BackendUnavailable, match="failed to load: no weights"):
+            async for _ in backend.generate(GenerationRequest("r", [1, 2], SamplingOptions())):
+                pass
+        await backend.close()
+
+    asyncio.run(scenario())

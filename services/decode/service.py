@@ -57,7 +57,7 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
                 if res is not None:
                     break
                 if time.monotonic() >= deadline:
-                    ctx.metrics.request_finished("rejected")
+                    ctx.metrics.request_finished("Reserve", grpc.StatusCode.RESOURCE_EXHAUSTED)
                     await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                         f"decode worker {ctx.worker_id} has no room after {wait_s:.1f}s")
                 await asyncio.sleep(0.01)
@@ -106,7 +106,8 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
                 while True:
                     out, pending = pending or await q.get(), None
                     if out.error:
-                        ctx.metrics.request_finished("error")
+                        finished = True  # the engine ended it (counted once, as an error, not also cancelled)
+                        ctx.metrics.request_finished("Generate", grpc.StatusCode.INTERNAL)
                         await context.abort(grpc.StatusCode.INTERNAL, out.error)
                     emitted += len(out.token_ids)
                     tokens = tokens_to_proto(out)
@@ -122,7 +123,8 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
                         out = nxt
                     if out.request_finished:
                         finished = True
-                        ctx.metrics.request_finished("ok" if out.finish_reason != "abort" else "cancelled")
+                        ctx.metrics.request_finished("Generate", grpc.StatusCode.OK if out.finish_reason != "abort"
+                                                    else grpc.StatusCode.CANCELLED)
                         yield self._last_chunk(out, tokens, prompt, emitted)
                         return
                     chunk = duet_pb2.TokenChunk(tokens=tokens, index=out.index,
@@ -133,7 +135,7 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
             finally:
                 if not finished:  # client went away: drop the request, free its pages
                     ctx.loop.call(lambda: (ctx.loop.detach(rid), ctx.engine.abort(rid)))
-                    ctx.metrics.request_finished("cancelled")
+                    ctx.metrics.request_finished("Generate", grpc.StatusCode.CANCELLED)
 
     @staticmethod
     def _last_chunk(out, tokens, prompt, emitted) -> duet_pb2.TokenChunk:

@@ -36,6 +36,7 @@ from services.gateway.sse import DONE_EVENT, ClientDisconnected, EventStreamResp
 from services.gateway.token_strings import TokenStrings
 from shared.openai_protocol.errors import InvalidRequest
 from shared.telemetry.propagation import extract_http_context, inject_http_headers
+from shared.telemetry.requests import HTTP_CLIENT_CLOSED
 from shared.openai_protocol.requests import parse_chat_request, parse_completion_request
 from shared.openai_protocol.responses import parse_responses_request
 
@@ -44,8 +45,8 @@ log = logging.getLogger("duet.gateway")
 ENDPOINT_CHAT = "chat_completions"
 ENDPOINT_COMPLETIONS = "completions"
 ENDPOINT_RESPONSES = "responses"
-# Label for requests whose client went away (nginx's 499: client closed request).
-STATUS_CANCELLED = "cancelled"
+# Status for requests whose client went away (nginx's 499: client closed request).
+STATUS_CANCELLED = HTTP_CLIENT_CLOSED
 
 
 @dataclass
@@ -252,7 +253,7 @@ class OpenAIEndpoints:
             return error.response()
         except ClientDisconnected:
             outcome.record(STATUS_CANCELLED)
-            return Response(status_code=499)
+            return Response(status_code=STATUS_CANCELLED)
         except Exception:
             log.exception("request failed")
             outcome.record(500)
@@ -262,9 +263,9 @@ class OpenAIEndpoints:
                 outcome.record(STATUS_CANCELLED)  # no-op when recorded; cancelled task otherwise
 
     def _finish(self, endpoint: str, status, span) -> None:
-        self.ctx.metrics.requests.labels(endpoint, str(status)).inc()
+        self.ctx.metrics.request_finished(endpoint, status)
         self.ctx.metrics.inflight.labels(endpoint).dec()
-        span.set_attribute("http.status_code", status if isinstance(status, int) else 499)
+        span.set_attribute("http.status_code", status)
         span.end()
 
     async def _collect(self, generation: GenerationSet, prepared: PreparedRequest) -> dict:

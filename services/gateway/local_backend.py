@@ -1,8 +1,9 @@
 """An in-process engine behind the GenerationBackend interface (single process, tests).
 
-The engine is single-threaded by design: one thread owns it, loads the model, and runs
-`step()` while there is work; asyncio handlers talk to it through a command queue and
-get each request's StepOutputs back through a per-request asyncio.Queue.
+The engine runs on the worker's EngineLoop (services/worker/engine_loop.py): one thread
+owns it and steps it while there is work; asyncio handlers submit closures to it and get
+each request's StepOutputs through a per-request asyncio.Queue. The model loads on a
+thread of its own so the server answers /health (503, loading) meanwhile.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import queue
 import threading
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
@@ -24,6 +24,7 @@ from services.gateway.backend import (
     TokenEvent,
     TokenLogprob,
 )
+from services.worker.engine_loop import EngineLoop
 
 log = logging.getLogger("duet.gateway.local")
 
@@ -45,7 +46,7 @@ def engine_sampling_params(options: SamplingOptions):
 
 @dataclass
 class LocalBackend:
-    """engine_factory builds the engine (loads the model) on the engine thread."""
+    """engine_factory builds the engine (loads the model) on a loader thread."""
 
     engine_factory: Callable[[], Any]
     name: str = "local"
@@ -55,12 +56,11 @@ class LocalBackend:
     load_error: BaseException | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._sinks: dict[str, Callable[[Any], None]] = {}  # engine thread only
-        self._stop = threading.Event()
+        self._loop: EngineLoop | None = None
+        self._lock = threading.Lock()  # start of the loop vs close()
+        self._closed = False
         self._loaded = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="gateway-engine", daemon=True)
-        self._crashed = False
+        self._loader = threading.Thread(target=self._load, name="gateway-engine-load", daemon=True)
 
     # --- GenerationBackend ---------------------------------------------------------------
 
@@ -73,28 +73,24 @@ class LocalBackend:
         return self.engine.max_model_len if self.engine is not None else self.expected_context_len
 
     def ready(self) -> bool:
-        return self._loaded.is_set() and self.engine is not None and not self._crashed
+        return (self._loaded.is_set() and not self._closed and self._loop is not None
+                and self._loop.fatal is None)
 
     async def start(self) -> None:
-        self._thread.start()
+        self._loader.start()
 
     async def close(self) -> None:
-        self._stop.set()
-        self._commands.put(None)
-        await asyncio.to_thread(self._thread.join, 30)
+        with self._lock:
+            self._closed = True
+            loop = self._loop
+        if loop is not None:
+            await asyncio.to_thread(loop.stop, 30)
 
     def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
         """Run fn(engine) on the engine thread between steps (inspection, tests)."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
-
-        def run(engine) -> None:
-            try:
-                future.set_result(fn(engine))
-            except BaseException as exc:
-                future.set_exception(exc)
-
-        self._commands.put(run)
-        return future
+        if self._loop is None:
+            raise BackendUnavailable("the model is not loaded")
+        return self._loop.call(lambda: fn(self.engine))
 
     def wait_loaded(self, timeout: float | None = None) -> bool:
         """Block until the model is loaded (or failed to); True when ready."""
@@ -103,37 +99,28 @@ class LocalBackend:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         if not self.ready():
-            raise BackendUnavailable("the model is still loading" if self.load_error is None
-                                     else f"the model failed to load: {self.load_error}")
+            raise BackendUnavailable(self._unavailable_reason())
+        loop, engine = self._loop, self.engine
         params = engine_sampling_params(request.sampling)
-        loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
-        added = loop.create_future()
+        aloop = asyncio.get_running_loop()
         rid = request.request_id
 
-        def deliver(item) -> None:
-            loop.call_soon_threadsafe(outputs.put_nowait, item)
-
-        def add(engine) -> None:
-            try:
-                engine.add_request(list(request.prompt_token_ids), params, rid)
-            except ValueError as exc:  # the engine's checks (length, vocabulary, KV capacity, grammar)
-                loop.call_soon_threadsafe(_settle, added, exc)
-                return
-            self._sinks[rid] = deliver
-            loop.call_soon_threadsafe(_settle, added, None)
+        def add() -> None:
+            engine.add_request(list(request.prompt_token_ids), params, rid)
+            loop.attach(rid, aloop, outputs)
 
         if params.grammar is not None:  # compile off the engine thread (a bad one: 400)
             try:
-                await asyncio.to_thread(lambda: self.engine.grammars.compile(params.grammar))
+                await asyncio.to_thread(lambda: engine.grammars.compile(params.grammar))
             except ValueError as exc:
                 raise BackendBadRequest(str(exc)) from None
-        self._commands.put(add)
+        try:
+            await loop.acall(add)
+        except ValueError as exc:  # the engine's checks (length, vocabulary, KV capacity, grammar)
+            raise BackendBadRequest(str(exc)) from None
         finished = False
         try:
-            error = await added
-            if error is not None:
-                raise BackendBadRequest(str(error))
             while True:
                 out = await outputs.get()
                 if out.finish_reason is not None and out.finish_reason not in FINISH_REASONS:
@@ -157,60 +144,33 @@ class LocalBackend:
             if not finished:
                 # Closed early (stop string matched, client left) or cancelled: free the
                 # request's pages and batch slot now. Harmless if it just finished.
-                self._commands.put(lambda engine: self._abort(engine, rid))
+                loop.call(lambda: (loop.detach(rid), engine.abort(rid)))
 
-    # --- engine thread ---------------------------------------------------------------------
+    # --- loading ---------------------------------------------------------------------------
 
-    def _abort(self, engine, rid: str) -> None:
-        self._sinks.pop(rid, None)
-        engine.abort(rid)
+    def _unavailable_reason(self) -> str:
+        if self.load_error is not None:
+            return f"the model failed to load: {self.load_error}"
+        if self._loop is not None and self._loop.fatal is not None:
+            return f"the engine failed: {self._loop.fatal}"
+        if self._closed:
+            return "the gateway is shutting down"
+        return "the model is still loading"
 
-    def _run(self) -> None:
+    def _load(self) -> None:
         try:
-            self.engine = self.engine_factory()
+            engine = self.engine_factory()
         except BaseException as exc:  # reported through ready() and generate()
             log.exception("engine failed to load")
             self.load_error = exc
             self._loaded.set()
             return
+        with self._lock:
+            if not self._closed:
+                self.engine = engine
+                self._loop = EngineLoop(engine, idle_wait_s=self.idle_wait_s)
+                self._loop.start()
         self._loaded.set()
-        engine = self.engine
-        try:
-            while not self._stop.is_set():
-                self._drain(engine, block=not engine.has_work)
-                if engine.has_work and not self._stop.is_set():
-                    for out in engine.step():
-                        sink = self._sinks.get(out.rid)
-                        if sink is not None:
-                            sink(out)
-                        if out.request_finished:
-                            self._sinks.pop(out.rid, None)
-        except BaseException as exc:  # never leave handlers waiting on a dead engine
-            log.exception("engine loop crashed")
-            self._crashed = True
-            from shared.engine.outputs import StepOutput
-
-            for rid, sink in list(self._sinks.items()):
-                sink(StepOutput(rid, [], finished=True, finish_reason="error", error=f"engine failed: {exc}",
-                                request_finished=True))
-            self._sinks.clear()
-
-    def _drain(self, engine, block: bool) -> None:
-        try:
-            command = self._commands.get(timeout=self.idle_wait_s) if block else self._commands.get_nowait()
-        except queue.Empty:
-            return
-        while command is not None:
-            command(engine)
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
-
-
-def _settle(future: asyncio.Future, error: BaseException | None) -> None:
-    if not future.done():
-        future.set_result(error)
 
 
 def _prompt_logprobs(prompt_ids, entries) -> list[TokenLogprob] | None:

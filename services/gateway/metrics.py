@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from shared.telemetry.requests import requests_counter, status_label
+
 # Seconds; TTFT spans queueing and prefill, ITL one decode step.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0)
@@ -27,9 +29,7 @@ class GatewayMetrics:
         self.e2e_latency = Histogram(
             "duet_e2e_request_latency_seconds", "Request arrival to last token, seconds",
             ["endpoint"], buckets=E2E_BUCKETS, registry=r)
-        self.requests = Counter(
-            "duet_requests_total", "Finished requests by endpoint and outcome (HTTP status, or "
-            "'cancelled' when the client left)", ["endpoint", "status"], registry=r)
+        self.requests = requests_counter(r)  # the label scheme every process shares
         self.prompt_tokens = Counter(
             "duet_prompt_tokens_total", "Prompt tokens of admitted requests", ["endpoint"], registry=r)
         self.generation_tokens = Counter(
@@ -38,6 +38,11 @@ class GatewayMetrics:
             "duet_cached_prompt_tokens_total", "Prompt tokens served from a prefix cache", ["endpoint"], registry=r)
         self.inflight = Gauge(
             "duet_gateway_inflight_requests", "Requests being served by this gateway", ["endpoint"], registry=r)
+
+    def request_finished(self, endpoint: str, status: int) -> None:
+        """status: the HTTP status the client got (499 when it left first)."""
+        outcome, code = status_label(status)
+        self.requests.labels(service="gateway", endpoint=endpoint, outcome=outcome, status=code).inc()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

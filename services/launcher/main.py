@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -20,18 +19,10 @@ from services.launcher.children import Child, duet_command, thread_env
 from services.launcher.config import UpConfig
 from services.launcher.gpus import WorkerFlags, gpu_memory_bytes, visible_gpus, weight_bytes
 from services.launcher.gpus import plan as place_workers
+from services.launcher.ports import port_taken
 from services.launcher.redis_process import free_port, start_redis
 
 log = logging.getLogger("duet.up")
-
-
-def _port_taken(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return True
-    return False
 
 
 def _healthy(url: str) -> bool:
@@ -128,7 +119,7 @@ class Stack:
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = UpConfig.from_argv(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s duet up: %(message)s")
-    if _port_taken(cfg.host, cfg.port):
+    if port_taken(cfg.host, cfg.port):
         print(f"duet up: port {cfg.port} on {cfg.host} is in use; pick another with --port", file=sys.stderr)
         return 2
     from shared.engine.default_model import resolve_model_dir

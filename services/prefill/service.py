@@ -81,9 +81,9 @@ class PrefillService(duet_pb2_grpc.PrefillServicer):
                 ctx.loop.call(lambda: ctx.outgoing.cancel(rid))  # stop at the next chunk, free pages
                 raise
             except TransferError as exc:
-                ctx.metrics.request_finished("error")
+                ctx.metrics.request_finished("Prefill", grpc.StatusCode.UNAVAILABLE)
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-            ctx.metrics.request_finished("ok")
+            ctx.metrics.request_finished("Prefill", grpc.StatusCode.OK)
             first = result.first
             reply = duet_pb2.PrefillReply(cached_tokens=result.cached_tokens,
                                           computed_tokens=result.computed_tokens,

@@ -48,7 +48,7 @@ class RouterService(duet_pb2_grpc.RouterServicer):
             model = request.model or self.config.model
             span.set_attribute("duet.request_id", request_id)
             if request.prompt_tokens <= 0:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_tokens must be positive")
+                await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "prompt_tokens must be positive")
             reply = await self._route(request, request_id, model)
             if isinstance(reply, str):
                 self.metrics.route_decisions.labels(kind="unavailable").inc()
@@ -61,7 +61,7 @@ class RouterService(duet_pb2_grpc.RouterServicer):
                 detail = (f"no live worker can serve model {model!r}" if model else "no live worker")
                 if not self.watcher.redis_ok:
                     detail += " (registry unreachable; using the last known worker set)"
-                await context.abort(grpc.StatusCode.UNAVAILABLE, detail)
+                await self._refuse(context, grpc.StatusCode.UNAVAILABLE, detail)
             kind = "colocated" if reply.colocated else "split"
             self.metrics.route_decisions.labels(kind=kind).inc()
             span.set_attribute("duet.route", kind)
@@ -69,7 +69,12 @@ class RouterService(duet_pb2_grpc.RouterServicer):
             if not reply.colocated:
                 span.set_attribute("duet.prefill_worker", reply.prefill.worker_id)
             span.set_attribute("duet.cached_tokens", reply.cached_tokens)
+            self.metrics.request_finished("Route", grpc.StatusCode.OK)
             return reply
+
+    async def _refuse(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, detail: str) -> None:
+        self.metrics.request_finished("Route", code)
+        await context.abort(code, detail)
 
     async def Release(self, request: duet_pb2.ReleaseRequest, context) -> duet_pb2.ReleaseReply:
         prefill_only = request.stage == duet_pb2.RELEASE_STAGE_PREFILL_DONE

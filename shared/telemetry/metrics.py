@@ -13,6 +13,8 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, PlatformCollector,
                                ProcessCollector, start_http_server)
 
+from shared.telemetry.requests import requests_counter, status_label
+
 # latency buckets: 5 ms .. 60 s (TTFT of a long prompt on CPU is seconds)
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
@@ -61,8 +63,7 @@ class DuetMetrics:
         self.request_latency = Histogram(
             "duet_e2e_request_latency_seconds", "Time from request arrival to its last token",
             buckets=_E2E_BUCKETS, registry=r)
-        self.requests = Counter(
-            "duet_requests", "Finished requests by service and outcome", ["service", "outcome"], registry=r)
+        self.requests = requests_counter(r)  # the label scheme every process shares (requests.py)
         self.route_decisions = Counter(
             "duet_router_decisions", "Router answers by kind", ["kind"], registry=r)
 
@@ -74,9 +75,10 @@ class DuetMetrics:
         if seconds is not None:
             self.kv_transfer_seconds.observe(seconds)
 
-    def request_finished(self, outcome: str) -> None:
-        """outcome: ok | error | cancelled | rejected | timeout."""
-        self.requests.labels(service=self.service, outcome=outcome).inc()
+    def request_finished(self, endpoint: str, status) -> None:
+        """endpoint: the RPC method; status: the gRPC status the caller got (StatusCode or its name)."""
+        outcome, code = status_label(status)
+        self.requests.labels(service=self.service, endpoint=endpoint, outcome=outcome, status=code).inc()
 
     def set_load(self, *, kv_usage: float, queued_prefill_tokens: int, running_requests: int,
                  waiting_requests: int = 0) -> None:

@@ -1,12 +1,12 @@
 """OpenTelemetry tracing from the standard OTEL_* environment.
 
-No exporter unless OTEL_TRACES_EXPORTER says so (DESIGN.md: none by default):
-  OTEL_TRACES_EXPORTER=none|console|otlp (comma list allowed)
-  OTEL_EXPORTER_OTLP_PROTOCOL=grpc|http/protobuf, OTEL_EXPORTER_OTLP_ENDPOINT, ... (read by the exporter)
-  OTEL_SERVICE_NAME overrides the default service name; OTEL_RESOURCE_ATTRIBUTES,
-  OTEL_TRACES_SAMPLER(_ARG) are honoured by the SDK itself.
-The OTLP exporter package (opentelemetry-exporter-otlp-proto-grpc or -http) is
-optional: without it an `otlp` setting logs a warning and exports nothing.
+  OTEL_TRACES_EXPORTER=none|console|otlp (comma list allowed). Unset: otlp when an OTLP endpoint
+    is set (OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT), else none, so a
+    laptop's `duet up` does not retry a collector that is not there (DESIGN.md: none by default).
+  OTEL_EXPORTER_OTLP_PROTOCOL=grpc|http/protobuf and the endpoints: see otlp.py. Both OTLP
+    exporters are default dependencies (pyproject.toml).
+  OTEL_SERVICE_NAME overrides the default service name; OTEL_SDK_DISABLED=true exports nothing;
+  OTEL_RESOURCE_ATTRIBUTES, OTEL_TRACES_SAMPLER(_ARG) and OTEL_BSP_* are honoured by the SDK itself.
 """
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import (BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor,
                                             SpanExporter)
+
+from shared.telemetry.otlp import endpoint_configured, otlp_exporter, otlp_target
 
 log = logging.getLogger(__name__)
 
@@ -45,17 +47,30 @@ class Tracing:
 
 
 def _otlp_exporter(env: Mapping[str, str]) -> SpanExporter | None:
-    protocol = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", env.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"))
     try:
-        if protocol.startswith("http"):
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        else:
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-    except ImportError:
-        log.warning("OTEL_TRACES_EXPORTER=otlp but the OTLP exporter package for %r is not installed; "
-                    "traces are not exported", protocol)
+        target = otlp_target(env)
+        exporter = otlp_exporter(target)
+    except ValueError as exc:  # a misspelt protocol: say so loudly, keep serving
+        log.error("%s; traces are not exported", exc)
         return None
-    return OTLPSpanExporter()
+    except ImportError as exc:  # an install that skipped the default dependencies
+        log.error("OTEL_TRACES_EXPORTER=otlp but the OTLP exporter cannot be imported (%s): "
+                  "pip install opentelemetry-exporter-otlp-proto-grpc opentelemetry-exporter-otlp-proto-http; "
+                  "traces are not exported", exc)
+        return None
+    log.info("exporting traces over OTLP %s to %s", target.protocol, target.endpoint)
+    return exporter
+
+
+def exporter_names(env: Mapping[str, str]) -> list[str]:
+    """The OTEL_TRACES_EXPORTER entries in force (see the module docstring for the default)."""
+    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return []
+    raw = env.get("OTEL_TRACES_EXPORTER")
+    if raw is None or not raw.strip():
+        raw = "otlp" if endpoint_configured(env) else "none"
+    names = [n.strip().lower() for n in raw.split(",")]
+    return [n for n in names if n and n != "none"]
 
 
 def setup_tracing(
@@ -75,11 +90,8 @@ def setup_tracing(
     service_name = env.get("OTEL_SERVICE_NAME") or SERVICE_NAMES.get(role, f"duet-{role}")
     resource = Resource.create({SERVICE_NAME: service_name})
     provider = TracerProvider(resource=resource)
-    names = [n.strip().lower() for n in env.get("OTEL_TRACES_EXPORTER", "none").split(",") if n.strip()]
     used = []
-    for name in names:
-        if name == "none":
-            continue
+    for name in exporter_names(env):
         if name == "console":
             provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))
             used.append(name)
