@@ -70,7 +70,7 @@ class ApiKeyStore:
         self._static = [_digest(k.encode()) for k in self.static_keys]
         self._from_file: list[bytes] = []
         self._stamp: tuple | None = None
-        self._next_check = 0.0
+        self._last_check = time.monotonic()
         if self.keys_file:
             self._load_file(initial=True)
         if not self.count:
@@ -92,9 +92,9 @@ class ApiKeyStore:
         if not self.keys_file:
             return
         now = time.monotonic()
-        if now < self._next_check:
+        if now - self._last_check < self.recheck_s:
             return
-        self._next_check = now + self.recheck_s
+        self._last_check = now
         try:
             self._load_file(initial=False)
         except ValueError as exc:  # keep serving with the keys we have
