@@ -50,7 +50,7 @@ class GatewayConfig:
         p = argparse.ArgumentParser(prog="duet-gateway", description="Duet OpenAI-compatible HTTP gateway")
         p.add_argument("--host", default=env.get("DUET_HOST", d["host"].default), help="env DUET_HOST")
         p.add_argument("--port", type=int, default=int(env.get("DUET_PORT", d["port"].default)),
-                       help="HTTP port, also serving /metrics (env DUET_PORT)")
+                       help="HTTP port, also serving /metrics unless --metrics-port (env DUET_PORT)")
         p.add_argument("--backend", choices=BACKENDS, default=env.get("DUET_GATEWAY_BACKEND"),
                        help="grpc (router + workers) or local (in-process engine); default grpc when "
                             "--router-address is set (env DUET_GATEWAY_BACKEND)")
