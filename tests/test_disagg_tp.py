@@ -7,8 +7,9 @@ Through the whole stack (real redis-server, router, gateway, official openai cli
 random-weight Llama with the default model's tokenizer: greedy text equals the offline
 engine at TP=1; the bytes prefill sent equal the bytes decode received and equal both
 ranks' shards of the prompt's pages; the registry lists one pool and one NIXL metadata
-entry per rank; every page is free again afterwards. A TP=1 prefill worker's Prefill
-refuses a TP=2 reservation with FAILED_PRECONDITION."""
+entry per rank; every page is free again afterwards. A prefill worker whose KV layout
+differs (another page size) refuses the reservation with FAILED_PRECONDITION and says why
+(different TP sizes do pair: tests/test_disagg_hetero_tp.py)."""
 from __future__ import annotations
 
 import json
@@ -97,14 +98,14 @@ def test_tp2_prefill_and_decode_match_offline_tp1(stack, tp_model):
     assert stack.metrics("decode-0").value("duet_kv_recomputes_total") == 0  # every notice came
 
 
-def test_tp1_prefill_refuses_a_tp2_reservation(stack, tp_model):
+def test_a_prefill_worker_of_another_kv_layout_refuses_the_reservation(stack, tp_model):
     entries = stack.workers()
     with grpc.insecure_channel(entries["decode-0"]["address"]) as dch:
         res = duet_pb2_grpc.DecodeStub(dch).Reserve(duet_pb2.ReserveRequest(
             request_id="tp-mismatch", prompt_tokens=8, max_tokens=2, prefill_worker_id="prefill-0"), timeout=30)
         assert [r.rank for r in res.ranks] == [0, 1]
         assert list(res.ranks[0].page_ids) == list(res.ranks[1].page_ids)
-        stack.add_worker("prefill", "prefill-tp1", extra=["--tp", "1"])
+        stack.add_worker("prefill", "prefill-tp1", extra=["--tp", "1", "--page-size", "16"])
         stack.wait_registered(["prefill-tp1"])
         with grpc.insecure_channel(stack.workers()["prefill-tp1"]["address"]) as pch:
             with pytest.raises(grpc.RpcError) as err:
@@ -112,6 +113,7 @@ def test_tp1_prefill_refuses_a_tp2_reservation(stack, tp_model):
                     request_id="tp-mismatch", prompt_token_ids=list(range(20, 28)), reservation=res,
                     sampling=duet_pb2.SamplingParams(temperature=0, max_tokens=2)), timeout=30)
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "does not match" in err.value.details()
         duet_pb2_grpc.DecodeStub(dch).Cancel(duet_pb2.CancelRequest(
             reservation_id=res.reservation_id, generation=res.generation), timeout=10)
     stack.wait_idle(["decode-0", "prefill-0", "prefill-tp1"], timeout=30)  # freed after the quarantine

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from shared.kv_transfer.agent import DONE, FAILED, PENDING, KvTransferAgent
+from shared.kv_transfer.head_plan import plan_head_copies
 from shared.kv_transfer.notice import TransferNotice
 from shared.kv_transfer.rank_transfers import PeerSpec, RankTransfers
 from shared.kv_transfer.tp_write_stream import FollowerStreams, TpWriteStream
@@ -40,7 +41,7 @@ class InProcessFollowers:
 @pytest.fixture(scope="module")
 def agents():
     made = {name: KvTransferAgent(name, (torch.randn if name.startswith("p") else torch.zeros)(POOL_SHAPE),
-                                  write_timeout_s=5, progress_thread=False)
+                                  write_timeout_s=5, progress_thread=False, first_head=int(name[-1]))
             for name in ("p-r0", "p-r1", "d-r0", "d-r1")}
     yield made
     for a in made.values():
@@ -70,6 +71,11 @@ def drive(stream, followers, agents, notices: list, until=(DONE, FAILED), timeou
     return stream.state
 
 
+def plan(agents):
+    return plan_head_copies([agents["p-r0"].pool_info, agents["p-r1"].pool_info],
+                            [agents["d-r0"].pool_info, agents["d-r1"].pool_info])
+
+
 def notice(kind="done") -> TransferNotice:
     return TransferNotice(reservation_id=7, generation=1, rank=0, request_id="r", kind=kind, first_token_id=42,
                           num_tokens=10)
@@ -84,7 +90,7 @@ def test_each_rank_writes_its_shard_and_notifies_decode_rank0(agents):
     peers = specs(agents)
     peer0 = agents["p-r0"].add_peer("decode-a", "n1", peers[0].metadata, peers[0].pool, rank=0)
     dst = [3, 4, 5, 9]
-    stream = TpWriteStream(PageWriteStream(agents["p-r0"], peer0, dst), followers, peers, dst)
+    stream = TpWriteStream(PageWriteStream(agents["p-r0"], peer0, dst), followers, peers, dst, plan(agents))
     stream.write(0, [10, 11])
     stream.write(2, [12, 20])
     stream.finish(notice())
@@ -110,7 +116,7 @@ def test_a_follower_that_cannot_reach_its_peer_fails_the_stream_then_abort_reach
     peers = specs(agents, nonce="n2")
     peers[1] = PeerSpec("decode-a", "n2", 1, b"not nixl metadata", peers[1].pool)
     peer0 = agents["p-r0"].add_peer("decode-a", "n2", peers[0].metadata, peers[0].pool, rank=0)
-    stream = TpWriteStream(PageWriteStream(agents["p-r0"], peer0, [1, 2]), followers, peers, [1, 2])
+    stream = TpWriteStream(PageWriteStream(agents["p-r0"], peer0, [1, 2]), followers, peers, [1, 2], plan(agents))
     stream.write(0, [5, 6])
     got: list[TransferNotice] = []
     assert drive(stream, followers, agents, got) == FAILED

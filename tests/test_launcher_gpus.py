@@ -37,7 +37,8 @@ def test_too_few_gpus_share_round_robin_with_a_budget_that_fits():
     card, model = 80 * GIB, 16 * GIB
     places = plan(3, WorkerFlags(), [0, 1], card_bytes=card, model_bytes=model)
     assert [p.gpus for p in places] == [(0,), (1,), (0,)]
-    assert all(p.shared for p in places)
+    assert [p.shared for p in places] == [True, False, True]  # GPU 1 holds one worker alone
+    assert places[1].kv_cache_memory is None  # it sizes from --mem-fraction, as a pod does
     kv = int(places[0].kv_cache_memory)
     assert kv == int(card * SHARED_FRACTION / 2) - model - GIB  # two workers on GPU 0
     assert 2 * (kv + model + GIB) <= card  # both fit on the busiest card
@@ -62,3 +63,16 @@ def test_worker_flags_are_read_from_the_args_after_the_double_dash():
     flags = WorkerFlags.parse(["--page-size", "32", "--tp", "2", "--device", "cuda", "--kv-cache-memory", "3G"])
     assert flags == WorkerFlags(tp=2, device="cuda", kv_cache_memory="3G")
     assert WorkerFlags.parse(["--page-size", "8"]).tp == 1
+
+
+def test_prefill_and_decode_at_different_tp_sizes_share_what_they_must():
+    card, model = 141 * GIB, 16 * GIB
+    # prefill tp 2 over both GPUs, decode tp 1 beside it on GPU 0
+    places = plan(2, WorkerFlags(), [0, 1], card_bytes=card, model_bytes=model, tps=[2, 1])
+    assert [p.gpus for p in places] == [(0, 1), (0,)]
+    assert all(p.shared for p in places)
+    assert int(places[0].kv_cache_memory) == int(card * SHARED_FRACTION / 2) - model // 2 - GIB
+    assert int(places[1].kv_cache_memory) == int(card * SHARED_FRACTION / 2) - model - GIB
+    # four GPUs: prefill tp 2 on 0-1, decode tp 2 on 2-3, nothing shared
+    four = plan(2, WorkerFlags(), [0, 1, 2, 3], card_bytes=card, tps=[2, 2])
+    assert [p.gpus for p in four] == [(0, 1), (2, 3)] and not any(p.shared for p in four)

@@ -227,3 +227,45 @@ def test_routing_survives_redis_outage(redis_server):
             assert ok
 
     asyncio.run(scenario())
+
+
+def pools(tp: int, heads_per_rank: int, replicated: bool = False, head_bytes: int = 1024):
+    from shared.registry.worker_info import RankKvPool
+    return [RankKvPool(rank=r, agent_name=f"a{r}", base_addr=4096, page_bytes=4 * heads_per_rank * head_bytes,
+                       num_pages=100, blocks=4, num_heads=heads_per_rank,
+                       first_head=0 if replicated else r * heads_per_rank) for r in range(tp)]
+
+
+def test_pairs_across_tp_sizes_and_says_why_a_pair_is_refused(redis_server):
+    """Prefill TP 2 (one KV head per rank) pairs with decode TP 1 (both heads): same layout
+    key, heads covered. A decode whose KV layout differs, or whose heads no prefill rank
+    holds, is never chosen, and when nothing pairs the error names the pair and the reason."""
+    async def scenario():
+        async with Cluster(redis_server.url) as c:
+            p2 = worker("p-tp2", "prefill", compat="m-L2-H2")
+            p2.tp, p2.kv_layout, p2.kv_pools = 2, "L2-H2-P16-D64-bfloat16", pools(2, 1)
+            odd = worker("d-other", "decode", compat="m-L2-H2-P32")
+            odd.kv_layout, odd.kv_pools = "L2-H2-P32-D64-bfloat16", pools(1, 2)
+            await c.add(p2)
+            await c.add(odd)
+            await c.wait_live("p-tp2", "d-other")
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await c.route()
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "p-tp2 -> d-other: KV layouts differ: prefill L2-H2-P16-D64-bfloat16 (tp 2), " \
+                   "decode L2-H2-P32-D64-bfloat16 (tp 1)" in err.value.details()
+            # same layout key but a rank layout whose heads the prefill ranks do not cover
+            # (a prefill worker that published only its rank 0): refused with the head named
+            half = worker("p-half", "prefill", compat="m-L2-H2")
+            half.tp, half.kv_pools = 2, pools(2, 1)[:1]
+            d1 = worker("d-tp1", "decode", compat="m-L2-H2")
+            d1.kv_pools = pools(1, 2)
+            from shared.registry.pairing import pair_problem
+            assert "KV head 1, which no prefill rank holds" in pair_problem(half, d1)
+            assert pair_problem(p2, d1) == ""
+            await c.add(d1)
+            await c.wait_live("d-tp1")
+            replies = [await c.route() for _ in range(3)]
+            assert {(r.prefill.worker_id, r.decode.worker_id) for r in replies} == {("p-tp2", "d-tp1")}
+
+    asyncio.run(scenario())

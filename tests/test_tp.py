@@ -82,3 +82,25 @@ def test_tp2_with_overlap_scheduling_matches_tp1(model_dir):
         eng.check_idle()
     finally:
         llm2.engine.close()
+
+
+def test_tp2_with_fewer_kv_heads_than_ranks_replicates_them(tmp_path):
+    """One KV head, TP=2: both ranks hold that head (its query heads are split over them),
+    and greedy tokens equal TP=1's."""
+    one_kv = make_tiny_model(tmp_path / "qwen3-kv1", "qwen3", vocab=251, heads=4, kv_heads=1)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (10, 6, 8)]
+    llm1 = LLM(str(one_kv), dtype="float64", device="cpu", num_threads=1)
+    want = [o.token_ids for o in llm1.generate(PROMPTS, params)]
+    del llm1
+    llm2 = LLM(str(one_kv), dtype="float64", device="cpu", num_threads=1, tp=2)
+    try:
+        eng = llm2.engine
+        assert eng.layout.num_kv_heads == 1 and eng.kv_heads.first == 0
+        assert eng._tp_workers.call("tests.test_tp:_kv_head_first") == [0]  # rank 1 holds head 0 too
+        assert [o.token_ids for o in llm2.generate(PROMPTS, params)] == want
+    finally:
+        llm2.engine.close()
+
+
+def _kv_head_first(engine):
+    return engine.kv_heads.first

@@ -2,15 +2,18 @@
 # One call on a 2 x H200 host (`nvidia-h200-x2`) that measures what needs two GPUs, each part
 # bounded so one stuck part cannot eat the others' time. Carry .whl (bundle.sh + xgrammar) and
 # .tok (the default model's tokenizer files); results land in $OUT, a short table per part.
-#   bash loadtest/bench/run_device_x2.sh
+#   bash loadtest/bench/run_device_x2.sh                       # every part (more than one 600 s call)
+#   PARTS=tp_moe,tp_dense,stack_dense bash loadtest/bench/run_device_x2.sh   # some of them
 set -u
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 for f in .whl/deb/*.deb; do dpkg -x "$f" /tmp/r; done
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/r/usr/bin:$PATH LD_LIBRARY_PATH=/tmp/r/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
+PARTS=${PARTS:-tp_moe,tp_dense,moe_split,hetero_tp,stack_dense}
 part() {  # part NAME SECONDS CMD...: run bounded, log to $OUT/NAME.log, print its table
   local name=$1 secs=$2; shift 2
+  case ",$PARTS," in *",$name,"*) ;; *) return 0 ;; esac
   local t0=$SECONDS
   timeout "$secs" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
   echo "##### $name: rc=$rc in $((SECONDS - t0))s"
@@ -28,9 +31,9 @@ part tp_dense "${T_TP_DENSE:-110}" python3 -m loadtest.bench.tp_profile --batche
 part moe_split "${T_MOE_SPLIT:-100}" python3 -m loadtest.bench.stack_gpu --model qwen3-30b-a3b --stacks split \
   --concurrency 4,16 --input-len 1024 --output-len 128 --warmup-concurrency 4 --warmup-requests 8 \
   --no-engine-steps --tokenizer-from .tok --out "$OUT/moe_split"
-if python3 -c "import loadtest.bench.hetero_tp" 2>/dev/null; then
-  part hetero_tp "${T_HETERO:-95}" python3 -m loadtest.bench.hetero_tp --tokenizer-from .tok
-fi
+# prefill TP=2 over both GPUs, decode TP=1 sharing GPU 0 (KV re-sharded by heads), vs 1 -> 1
+part hetero_tp "${T_HETERO:-300}" python3 -m loadtest.bench.hetero_tp --tokenizer-from .tok \
+  --prompt-lens 4096,16384 --layouts "2->1,1->1" --out "$OUT/hetero_tp"
 # the whole stack against the engine's step: 1 prefill + 1 decode (STACKS=split,colocated2 to
 # compare with two colocated workers when the time allows)
 part stack_dense "${T_STACK:-80}" python3 -m loadtest.bench.stack_gpu --model qwen3-8b --stacks "${STACKS:-split}" \

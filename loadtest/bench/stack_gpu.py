@@ -53,7 +53,8 @@ def _loadtest(url: str, out: pathlib.Path, label: str, args, *, conc: int | None
 
     argv = ["--base-url", url, "--api", "completions", "--workload", "random", "--input-len", str(args.input_len),
             "--output-len", str(args.output_len), "-n", str(n), "--label", label, "--no-plots", "--no-progress",
-            "-o", str(out), "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-tpot-ms", str(args.slo_tpot_ms)]
+            "-o", str(out), "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-tpot-ms", str(args.slo_tpot_ms),
+            "--tokenizer", str(args.model_folder)]  # the served model's (no default model on a GPU image)
     argv += ["-c", str(conc)] if conc else ["-r", str(rate)]
     if loadtest_main(argv) != 0:
         raise RuntimeError(f"load test {label} failed; see {out}")
@@ -135,6 +136,7 @@ def main(argv=None) -> int:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     folder = model_folder(args.model, pathlib.Path(tempfile.mkdtemp(prefix="stack-gpu-")), args.tokenizer_from)
+    args.model_folder = folder
     rows: list[dict] = []
     for name in (s for s in args.stacks.split(",") if s):
         try:

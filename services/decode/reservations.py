@@ -47,9 +47,9 @@ class Reservation:
 class ReservationBook:
     def __init__(self, engine, agent, is_live: Callable[[str], bool], quarantine_s: float = 60.0,
                  metrics=None, claim_timeout_s: float = 30.0, num_ranks: int = 1):
-        """num_ranks: tensor-parallel ranks of this worker; every prefill rank writes its
-        shard and sends its own notice here, and a reservation is written (or aborted)
-        only when all of them have."""
+        """num_ranks: notices a reservation waits for when a notice does not say (its
+        num_ranks): every rank of the prefill worker writes its heads and sends its own
+        notice here, and a reservation is written (or aborted) only when all of them have."""
         self.engine = engine
         self.agent = agent
         self.is_live = is_live
@@ -139,7 +139,7 @@ class ReservationBook:
                 log.debug("late notice for reservation %s/%s ignored", notice.reservation_id, notice.generation)
                 continue
             res.rank_notices[notice.rank] = notice
-            if len(res.rank_notices) < self.num_ranks:
+            if len(res.rank_notices) < (notice.num_ranks or self.num_ranks):
                 continue  # other ranks may still be writing
             res.notice, res.notice_at = combined_notice(res.rank_notices), time.monotonic()
             if self.metrics is not None and res.notice.kind == "done":

@@ -170,8 +170,9 @@ class GrpcBackend:
 
     def ready(self) -> bool:
         """The router is reachable and, when we watch the registry, a usable set for our
-        model is live: a `both` worker, or a prefill and a decode worker with the same KV
-        layout (a decode worker alone cannot serve a split request)."""
+        model is live: a `both` worker, or a prefill and a decode worker that can pair
+        (same KV layout, heads coverable at their TP sizes; a decode worker alone cannot
+        serve a split request)."""
         if self._router_channel is None:
             return False
         state = self._router_channel.get_state(try_to_connect=True)
@@ -180,8 +181,9 @@ class GrpcBackend:
         if self._watcher is not None:
             if self._watcher.workers("both"):
                 return True
-            decode_layouts = {w.compat_hash for w in self._watcher.workers("decode")}
-            return any(w.compat_hash in decode_layouts for w in self._watcher.workers("prefill"))
+            from shared.registry.pairing import pair_problem
+            decodes = self._watcher.workers("decode")
+            return any(not pair_problem(p, d) for p in self._watcher.workers("prefill") for d in decodes)
         return True
 
     def _page_size(self) -> int:

@@ -29,6 +29,8 @@ class UpConfig:
     grpc_tls_cert_file: str | None = None
     grpc_tls_key_file: str | None = None
     grpc_tls_ca_file: str | None = None
+    prefill_tp: int | None = None  # per-role TP (None: the workers' --tp / DUET_TP)
+    decode_tp: int | None = None
 
     @property
     def num_workers(self) -> int:
@@ -71,6 +73,10 @@ class UpConfig:
         s.add_argument("--grpc-tls-key-file", default=e("DUET_GRPC_TLS_KEY_FILE"), help="its key (PEM)")
         s.add_argument("--grpc-tls-ca-file", default=e("DUET_GRPC_TLS_CA_FILE"),
                        help="CA of the gRPC certificates: with it every gRPC link is mutual TLS")
+        p.add_argument("--prefill-tp", type=int, default=None,
+                       help="tensor-parallel size of the prefill workers (default: --tp after --, else 1); "
+                            "may differ from --decode-tp: KV is re-sharded by heads on the way")
+        p.add_argument("--decode-tp", type=int, default=None, help="tensor-parallel size of the decode workers")
         p.add_argument("worker_args", nargs=argparse.REMAINDER,
                        help="after --, extra flags passed to every worker (e.g. -- --page-size 32)")
         a = p.parse_args(argv)
@@ -78,6 +84,8 @@ class UpConfig:
             p.error("worker counts must be >= 0")
         if a.both == 0 and (a.prefill == 0 or a.decode == 0):
             p.error("need at least one prefill and one decode worker, or --both N")
+        if any(t is not None and t < 1 for t in (a.prefill_tp, a.decode_tp)):
+            p.error("--prefill-tp and --decode-tp must be >= 1")
         extra = [x for x in a.worker_args if x != "--"]
         if bool(a.tls_cert_file) != bool(a.tls_key_file):
             p.error("--tls-cert-file and --tls-key-file go together")
@@ -91,7 +99,11 @@ class UpConfig:
                    threads=a.threads, log_dir=a.log_dir, worker_args=extra, health_timeout_s=a.health_timeout,
                    api_keys=keys, api_keys_file=a.api_keys_file, tls_cert_file=a.tls_cert_file,
                    tls_key_file=a.tls_key_file, grpc_tls_cert_file=a.grpc_tls_cert_file,
-                   grpc_tls_key_file=a.grpc_tls_key_file, grpc_tls_ca_file=a.grpc_tls_ca_file)
+                   grpc_tls_key_file=a.grpc_tls_key_file, grpc_tls_ca_file=a.grpc_tls_ca_file,
+                   prefill_tp=a.prefill_tp, decode_tp=a.decode_tp)
+
+    def role_tp(self, role: str, default: int) -> int:
+        return {"prefill": self.prefill_tp, "decode": self.decode_tp}.get(role) or default
 
     @property
     def scheme(self) -> str:

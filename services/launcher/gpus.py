@@ -92,26 +92,39 @@ def config_param_count(config_path: Path) -> int:
 
 
 def plan(num_workers: int, flags: WorkerFlags, gpus: Sequence[str | int], explicit_kv: str | None = None,
-         cpu_kv: str = "512M", card_bytes: int = 0, model_bytes: int = 0) -> list[Placement]:
+         cpu_kv: str = "512M", card_bytes: int = 0, model_bytes: int = 0,
+         tps: Sequence[int] | None = None) -> list[Placement]:
     """One Placement per worker, in start order. explicit_kv: a KV budget the user gave
     (`duet up --kv-cache-memory` or the worker flag), used as is everywhere; cpu_kv: the
-    per-worker default on CPU (absolute, so several workers fit in host memory)."""
+    per-worker default on CPU (absolute, so several workers fit in host memory).
+    tps: each worker's TP size (default flags.tp for all; prefill and decode may differ).
+
+    Each worker takes the next `tp` GPUs in order, wrapping to the first GPU when the rest
+    are too few; with more ranks than GPUs the GPUs are shared, and each worker's KV budget
+    is what fits beside the most crowded of its GPUs."""
     explicit_kv = flags.kv_cache_memory or explicit_kv
     if not gpus or flags.device.startswith("cpu"):
         return [Placement((), explicit_kv or cpu_kv) for _ in range(num_workers)]
-    tp = max(1, flags.tp)
-    if tp > len(gpus):
-        raise ValueError(f"--tp {tp} needs {tp} GPUs; {len(gpus)} visible")
-    blocks = len(gpus) // tp
-    shared = num_workers > blocks
-    per_block = -(-num_workers // blocks)  # workers on the busiest block
-    if explicit_kv:
-        kv = explicit_kv
-    elif shared:
-        # the model is split tp ways, so each GPU holds model_bytes/tp per worker
-        room = int(card_bytes * SHARED_FRACTION / per_block) - model_bytes // tp - (1 << 30)
-        kv = str(max(room, 256 << 20))
-    else:
-        kv = None
-    return [Placement(tuple(gpus[(i % blocks) * tp:(i % blocks + 1) * tp]), kv, shared)
-            for i in range(num_workers)]
+    tps = [max(1, t) for t in (tps if tps is not None else [flags.tp] * num_workers)]
+    if max(tps) > len(gpus):
+        raise ValueError(f"--tp {max(tps)} needs {max(tps)} GPUs; {len(gpus)} visible")
+    blocks, cursor = [], 0
+    for tp in tps:
+        start = cursor if cursor + tp <= len(gpus) else 0
+        blocks.append(list(range(start, start + tp)))
+        cursor = (start + tp) % len(gpus)
+    crowd = [sum(g in b for b in blocks) for g in range(len(gpus))]  # workers per GPU
+    places = []
+    for tp, block in zip(tps, blocks):
+        per_gpu = max(crowd[g] for g in block)
+        shared = per_gpu > 1
+        if explicit_kv:
+            kv = explicit_kv
+        elif shared:
+            # the model is split tp ways, so each GPU holds model_bytes/tp of this worker
+            room = int(card_bytes * SHARED_FRACTION / per_gpu) - model_bytes // tp - (1 << 30)
+            kv = str(max(room, 256 << 20))
+        else:
+            kv = None
+        places.append(Placement(tuple(gpus[g] for g in block), kv, shared))
+    return places

@@ -58,9 +58,12 @@ class Stack:
         cfg, host = self.cfg, self.cfg.host
         flags = WorkerFlags.parse(cfg.worker_args)
         gpus = [] if flags.device.startswith("cpu") else visible_gpus()
+        roles = [(role, i) for role, count in (("prefill", cfg.prefill), ("decode", cfg.decode), ("both", cfg.both))
+                 for i in range(count)]
+        tps = [cfg.role_tp(role, flags.tp) for role, _ in roles]
         self.placements = place_workers(cfg.num_workers, flags, gpus, explicit_kv=cfg.kv_cache_memory,
                                         card_bytes=gpu_memory_bytes() if gpus else 0,
-                                        model_bytes=weight_bytes(model_dir) if gpus else 0)
+                                        model_bytes=weight_bytes(model_dir) if gpus else 0, tps=tps)
         cores = os.cpu_count() or 1
         threads = cfg.threads or max(1, cores // max(1, cfg.num_workers))
         self.router_port = free_port(host)
@@ -68,14 +71,14 @@ class Stack:
         self.children.append(Child("router", duet_command(
             "router", "--host", host, "--port", str(self.router_port), "--metrics-port", str(free_port(host)),
             *common), self.log_dir / "router.log", critical=True, env=thread_env(1)))
-        roles = [(role, i) for role, count in (("prefill", cfg.prefill), ("decode", cfg.decode), ("both", cfg.both))
-                 for i in range(count)]
-        for (role, i), place in zip(roles, self.placements):
+        for (role, i), place, tp in zip(roles, self.placements, tps):
             name = f"{role}-{i}"
             kv = ["--kv-cache-memory", place.kv_cache_memory] if place.kv_cache_memory else []
+            role_tp = ["--tp", str(tp)] if tp != flags.tp else []  # after the shared flags: it wins
             argv = duet_command("worker", "--role", role, "--worker-id", name, "--host", host,
                                 "--port", str(free_port(host)), "--metrics-port", str(free_port(host)),
-                                "--model", model_dir, *kv, "--threads", str(threads), *common, *cfg.worker_args)
+                                "--model", model_dir, *kv, "--threads", str(threads), *common, *cfg.worker_args,
+                                *role_tp)
             self.children.append(Child(name, argv, self.log_dir / f"{name}.log", critical=False,
                                        env={**thread_env(threads), **place.env()}))
         gw_args, gw_env = gateway_security(cfg, self.secrets)

@@ -13,8 +13,9 @@ from services.worker.context import WorkerContext
 from services.worker.convert import FINISH, prompt_logprobs_to_proto, sampling_from_proto, tokens_to_proto
 from services.worker.grammar_check import compile_ahead
 from shared.kv_transfer.agent import TransferError
+from shared.kv_transfer.head_plan import PairingError, plan_head_copies
 from shared.kv_transfer.tp_write_stream import TpWriteStream
-from shared.kv_transfer.write_stream import PageWriteStream
+from shared.kv_transfer.write_stream import rank_stream
 from shared.registry.peers import PeerNotFound
 
 log = logging.getLogger("duet.prefill")
@@ -40,28 +41,35 @@ class PrefillService(duet_pb2_grpc.PrefillServicer):
             except ValueError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             await compile_ahead(ctx, params, context)
-            tp = ctx.config.tp
-            if sorted(r.rank for r in res.ranks) != list(range(tp)):
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                    f"reservation names ranks {sorted(r.rank for r in res.ranks)}; "
-                                    f"this prefill worker has {tp}")
+            ranks = sorted(r.rank for r in res.ranks)
+            if ranks != list(range(len(ranks))):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"reservation names ranks {ranks}")
+            pages = {r.rank: list(r.page_ids) for r in res.ranks}
+            if any(pages[r] != pages[0] for r in ranks):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    "a tensor-parallel reservation must name the same pages on every rank")
             try:
                 peer = await ctx.peers.get(res.decode_worker_id, res.decode_instance_nonce, res.compat_hash)
-                specs = ctx.peers.rank_specs(peer, tp) if tp > 1 else []
+                specs = ctx.peers.rank_specs(peer, len(ranks))
             except PeerNotFound as exc:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            try:  # which of our ranks writes which heads into which decode rank (cached per layout pair)
+                plan = plan_head_copies([a.pool for a in ctx.rank_agents], [s.pool for s in specs])
+            except PairingError as exc:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"prefill worker {ctx.worker_id} (tp {ctx.config.tp}) cannot write into decode "
+                                    f"worker {res.decode_worker_id} (tp {len(ranks)}): {exc}")
+            mine = {c.dst_rank for c in plan if c.src_rank == 0} | {0}
+            decode_peers = {j: ctx.peers.add(specs[j]) for j in sorted(mine)}
             prompt = list(request.prompt_token_ids)
-            pages = {r.rank: list(r.page_ids) for r in res.ranks}
 
             def start():  # on the engine loop: a TP stream queues its followers' share there
                 if len(pages[0]) * ctx.page_size < len(prompt):
                     raise ValueError(f"reservation has {len(pages[0])} pages; the prompt needs "
                                      f"{-(-len(prompt) // ctx.page_size)}")
-                stream = PageWriteStream(ctx.agent, peer, pages[0])
-                if tp > 1:
-                    if any(pages.get(r) != pages[0] for r in range(tp)):
-                        raise ValueError("a tensor-parallel reservation must name the same pages on every rank")
-                    stream = TpWriteStream(stream, ctx.outgoing.followers, specs, pages[0])
+                stream = rank_stream(ctx.agent, 0, decode_peers, plan, pages[0])
+                if ctx.config.tp > 1:
+                    stream = TpWriteStream(stream, ctx.outgoing.followers, specs, pages[0], plan)
                 return ctx.outgoing.start(rid, prompt, params, stream, res.reservation_id, res.generation)
             try:
                 fut = await ctx.loop.acall(start)

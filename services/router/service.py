@@ -14,6 +14,7 @@ from opentelemetry import trace
 from protos import duet_pb2, duet_pb2_grpc
 from services.router.config import RouterConfig
 from services.router.inflight import InflightTracker, RoutedRequest
+from shared.registry.pairing import pair_problem
 from services.router.policy import choose_colocated, choose_decode, choose_prefill
 from shared.registry.keys import RegistryKeys
 from shared.registry.kv_events import cached_prefix_pages
@@ -49,6 +50,11 @@ class RouterService(duet_pb2_grpc.RouterServicer):
             if request.prompt_tokens <= 0:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_tokens must be positive")
             reply = await self._route(request, request_id, model)
+            if isinstance(reply, str):
+                self.metrics.route_decisions.labels(kind="unavailable").inc()
+                span.set_attribute("duet.route", "unpaired")
+                log.warning("route %s: %s", request_id, reply)
+                await context.abort(grpc.StatusCode.UNAVAILABLE, reply)
             if reply is None:
                 self.metrics.route_decisions.labels(kind="unavailable").inc()
                 span.set_attribute("duet.route", "unavailable")
@@ -71,14 +77,17 @@ class RouterService(duet_pb2_grpc.RouterServicer):
 
     # --- the decision ---------------------------------------------------------
 
-    async def _route(self, request: duet_pb2.RouteRequest, request_id: str, model: str) -> duet_pb2.RouteReply | None:
+    async def _route(self, request: duet_pb2.RouteRequest, request_id: str,
+                     model: str) -> duet_pb2.RouteReply | str | None:
+        """The decision; a string says why live workers could not be paired, None: none live."""
         live = [w for w in self.watcher.workers() if not model or w.model == model]
         self.inflight.expire({w.worker_id for w in self.watcher.workers()})
         by_role: dict[str, list[WorkerInfo]] = defaultdict(list)
         for worker in live:
             by_role[worker.role].append(worker)
-        decode_compats = {w.compat_hash for w in by_role["decode"]}
-        prefills = [w for w in by_role["prefill"] if w.compat_hash in decode_compats]
+        partners = {p.worker_id: [d for d in by_role["decode"] if not pair_problem(p, d)]
+                    for p in by_role["prefill"]}
+        prefills = [w for w in by_role["prefill"] if partners[w.worker_id]]
         rotation = next(self._rotation)
         loads = self.inflight.per_worker()
         prompt_tokens, max_tokens = request.prompt_tokens, max(0, request.max_tokens)
@@ -87,7 +96,7 @@ class RouterService(duet_pb2_grpc.RouterServicer):
             cached = await self._cached_pages(prefills, list(request.page_hashes))
             prefill = choose_prefill(prefills, prompt_tokens=prompt_tokens, cached_pages=cached,
                                      inflight=loads, weights=self.config.weights, rotation=rotation)
-            decodes = [w for w in by_role["decode"] if w.compat_hash == prefill.worker.compat_hash]
+            decodes = partners[prefill.worker.worker_id]
             decode = choose_decode(decodes, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
                                    inflight=loads, weights=self.config.weights, rotation=rotation)
             self.inflight.add(RoutedRequest(request_id, prefill.worker.worker_id, prefill.uncached_tokens,
@@ -98,6 +107,10 @@ class RouterService(duet_pb2_grpc.RouterServicer):
 
         boths = by_role["both"]
         if not boths:
+            if by_role["prefill"] and by_role["decode"]:  # workers there, but none can pair: say why
+                p, d = by_role["prefill"][0], by_role["decode"][0]
+                return (f"no prefill worker can hand its KV to a decode worker; e.g. {p.worker_id} -> "
+                        f"{d.worker_id}: {pair_problem(p, d)}")
             return None
         cached = await self._cached_pages(boths, list(request.page_hashes))
         prefill, decode = choose_colocated(boths, prompt_tokens=prompt_tokens, max_tokens=max_tokens,

@@ -20,8 +20,16 @@ import grpc
 log = logging.getLogger("duet.worker")
 
 
-def compat_hash(served_model: str, kv_key: str, tp: int) -> str:
-    return hashlib.sha256(f"{served_model}|{kv_key}|tp{tp}".encode()).hexdigest()[:16]
+def compat_hash(served_model: str, kv_key: str) -> str:
+    """Model + KV layout of the whole model (not per rank): workers at any TP sizes whose
+    hashes match can pair, the writer re-sharding heads on the way (kv_transfer/head_plan.py)."""
+    return hashlib.sha256(f"{served_model}|{kv_key}".encode()).hexdigest()[:16]
+
+
+def model_kv_key(engine) -> str:
+    layout, mc = engine.layout, engine.model_config
+    return (f"L{layout.num_layers}-H{mc.num_kv_heads}-P{layout.page_size}-D{layout.head_dim}-"
+            f"{str(layout.dtype).removeprefix('torch.')}")
 
 
 async def serve(config) -> int:
@@ -59,7 +67,8 @@ async def serve(config) -> int:
     role = config.role
     worker_id = config.worker_id or default_worker_id(role)
     nonce = secrets.token_hex(8)
-    chash = compat_hash(served, engine.layout.compat_key, config.tp)
+    kv_layout = model_kv_key(engine)
+    chash = compat_hash(served, kv_layout)
     tracing = setup_tracing(role)
     metrics = DuetMetrics(role)
     computed = Counter("duet_engine_tokens_computed", "Tokens whose KV this worker computed",
@@ -83,7 +92,7 @@ async def serve(config) -> int:
         agent_name = f"{worker_id}-r{{rank}}-{nonce}"
         ctx.agent = KvTransferAgent(agent_name.format(rank=0), engine.pool.buffer,
                                     write_timeout_s=config.write_timeout_s,
-                                    progress_thread=config.nixl_progress_thread)
+                                    progress_thread=config.nixl_progress_thread, first_head=engine.kv_heads.first)
         # tensor parallel: every rank registers its own pool shard with its own agent
         ctx.rank_agents = [RankAgent(ctx.agent.name, ctx.agent.metadata(), ctx.agent.pool_info)] + [
             RankAgent(agent_name.format(rank=r), md, pool) for r, (md, pool) in enumerate(engine.call_followers(
@@ -123,12 +132,10 @@ async def serve(config) -> int:
 
     load = WorkerLoad(total_pages=engine.kv.capacity, free_pages=engine.kv.capacity)
 
-    pools = [RankKvPool(rank=r, agent_name=a.name, base_addr=a.pool.base_addr, page_bytes=a.pool.page_bytes,
-                        num_pages=a.pool.num_pages, mem_type=a.pool.mem_type, device_id=a.pool.device_id)
-             for r, a in enumerate(ctx.rank_agents)]
+    pools = [RankKvPool(rank=r, agent_name=a.name, **a.pool.as_dict()) for r, a in enumerate(ctx.rank_agents)]
     info = WorkerInfo(worker_id=worker_id, role=role, address=address, model=served,
                       metrics_address=f"{config.dial_host}:{metrics_server.port}", tp=config.tp,
-                      page_size=engine.layout.page_size, compat_hash=chash, instance_nonce=nonce,
+                      page_size=engine.layout.page_size, compat_hash=chash, kv_layout=kv_layout, instance_nonce=nonce,
                       max_running_requests=config.max_running_requests, kv_pools=pools, load=load)
     publisher = WorkerPublisher(info, config.registry,
                                 nixl_metadata={r: a.metadata for r, a in enumerate(ctx.rank_agents)} or None,

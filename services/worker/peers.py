@@ -45,5 +45,9 @@ class PeerResolver:
         return [PeerSpec(peer.worker_id, record.instance_nonce, r, record.nixl_metadata[r],
                          PoolInfo.from_record(record.info.pool(r))) for r in range(tp)]
 
+    def add(self, spec: PeerSpec) -> Peer:
+        """This rank's agent's peer for one remote rank (cached per worker instance and rank)."""
+        return self.agent.add_peer(spec.worker_id, spec.instance_nonce, spec.metadata, spec.pool, rank=spec.rank)
+
     def forget(self, worker_id: str) -> None:
         self.agent.remove_peer(worker_id)

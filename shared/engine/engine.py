@@ -161,10 +161,15 @@ class Engine:
         if self._tp_workers is not None:
             self._tp_workers.shutdown()
 
+    @property
+    def kv_heads(self):
+        """The global KV heads this rank's pool holds (parallel.HeadSlice)."""
+        return self.tp.kv_heads(self.model_config.num_kv_heads)
+
     # -- sizing -------------------------------------------------------------------------
     def _size_kv(self) -> KVLayout:
         mc, cfg = self.model_config, self.config
-        kw = dict(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads // self.tp.size,
+        kw = dict(num_layers=mc.num_layers, num_kv_heads=self.tp.kv_heads(mc.num_kv_heads).count,
                   page_size=cfg.page_size, head_dim=mc.head_dim, dtype=self.dtype)
         if cfg.kv_cache_memory:
             budget = cfg.kv_cache_memory

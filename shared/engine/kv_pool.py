@@ -36,12 +36,6 @@ class KVLayout:
     def bytes_per_token(self) -> int:
         return self.bytes_per_page // self.page_size
 
-    @property
-    def compat_key(self) -> str:
-        """What both ends of a KV transfer must agree on (heads here are per TP rank)."""
-        return (f"L{self.num_layers}-H{self.num_kv_heads}-P{self.page_size}-D{self.head_dim}-"
-                f"{str(self.dtype).removeprefix('torch.')}")
-
     @classmethod
     def pages_for_budget(cls, budget_bytes: int, **kw) -> "KVLayout":
         probe = cls(num_pages=1, **kw)

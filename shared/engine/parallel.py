@@ -10,6 +10,32 @@ import torch
 import torch.distributed as dist
 
 
+@dataclass(frozen=True)
+class HeadSlice:
+    """Global KV heads [first, first + count) held by one tensor-parallel rank."""
+
+    first: int
+    count: int
+
+    @property
+    def stop(self) -> int:
+        return self.first + self.count
+
+
+def kv_head_slice(num_kv_heads: int, tp_size: int, rank: int) -> HeadSlice:
+    """Rank `rank`'s KV heads at TP size `tp_size`. Heads split evenly when the TP size
+    divides them; when TP exceeds them (and is a multiple), each head is replicated on
+    tp_size / num_kv_heads consecutive ranks, as the query heads of its group are spread
+    over those ranks (SGLang and vLLM do the same)."""
+    if num_kv_heads % tp_size == 0:
+        per = num_kv_heads // tp_size
+        return HeadSlice(rank * per, per)
+    if tp_size % num_kv_heads == 0:
+        return HeadSlice(rank // (tp_size // num_kv_heads), 1)
+    raise ValueError(f"num_key_value_heads ({num_kv_heads}) and tensor-parallel size {tp_size} must "
+                     f"divide one another")
+
+
 @dataclass
 class TPContext:
     rank: int = 0
@@ -49,6 +75,10 @@ class TPContext:
     def all_ranks_agree(self, flag: bool, device: torch.device) -> bool:
         """True only if flag is True on every rank (for choices all ranks must share)."""
         return bool(self.min_across_ranks(int(flag), device))
+
+    def kv_heads(self, num_kv_heads: int) -> "HeadSlice":
+        """The KV heads this rank holds (kv_head_slice)."""
+        return kv_head_slice(num_kv_heads, self.size, self.rank)
 
     def shard(self, n: int, what: str) -> int:
         if n % self.size:

@@ -40,8 +40,7 @@ INIT_TIMEOUT = timedelta(minutes=10)
 
 def check_divisible(model_config, tp_size: int, expert_parallel: bool = False) -> None:
     """Clear error before any process starts when the model cannot be split tp_size ways."""
-    checks = [("num_attention_heads", model_config.num_heads),
-              ("num_key_value_heads", model_config.num_kv_heads)]
+    checks = [("num_attention_heads", model_config.num_heads)]
     moe = model_config.moe
     if moe is None or len(moe.sparse_layers) < model_config.num_layers:  # some dense MLPs
         checks.append(("intermediate_size", model_config.intermediate_size))
@@ -54,6 +53,11 @@ def check_divisible(model_config, tp_size: int, expert_parallel: bool = False) -
         if n % tp_size:
             raise ValueError(f"cannot split the model over tensor-parallel size {tp_size}: "
                              f"{what} ({n}) is not divisible by {tp_size}")
+    from .parallel import kv_head_slice
+    try:  # KV heads divide, or each is replicated over tp_size / heads ranks
+        kv_head_slice(model_config.num_kv_heads, tp_size, 0)
+    except ValueError as exc:
+        raise ValueError(f"cannot split the model over tensor-parallel size {tp_size}: {exc}") from None
 
 
 def _free_port() -> int:

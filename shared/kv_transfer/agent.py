@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shared.kv_transfer.descriptors import descriptor_arrays, merge_page_runs
+from shared.kv_transfer.head_plan import HeadCopy, copy_bytes_per_page, copy_descriptors
 from shared.kv_transfer.notice import TransferNotice
 from shared.kv_transfer.pool_info import PoolInfo
 
@@ -78,6 +79,7 @@ class KvTransferAgent:
         write_timeout_s: float = 30.0,
         metrics=None,
         progress_thread: bool = True,
+        first_head: int = 0,
     ):
         """name: unique NIXL agent name (e.g. f"{worker_id}-r{rank}-{nonce}").
         metrics: optional object with observe_kv_transfer(direction, num_bytes, seconds)
@@ -91,7 +93,7 @@ class KvTransferAgent:
 
         self.name = name
         self.pool = pool
-        self.pool_info = PoolInfo.from_tensor(pool)
+        self.pool_info = PoolInfo.from_tensor(pool, first_head=first_head)  # first_head: this rank's KV heads
         self.write_timeout_s = write_timeout_s
         self._metrics = metrics
         self._lock = threading.RLock()
@@ -161,21 +163,26 @@ class KvTransferAgent:
     # --- writes -----------------------------------------------------------------
 
     def write_pages(self, peer: Peer, src_page_ids: Sequence[int], dst_page_ids: Sequence[int],
-                    notif: bytes = b"") -> WriteHandle:
+                    notif: bytes = b"", heads: HeadCopy | None = None) -> WriteHandle:
         """Post a WRITE of local pages src[i] into the peer's pages dst[i]. Non-blocking.
 
-        Contiguous runs on both sides become one descriptor each. `notif` (if any) is
-        delivered to the peer after this write's data has landed there. Raises
-        TransferError if it cannot be posted (the peer is gone, bad page ids)."""
+        Contiguous runs on both sides become one descriptor each. heads: only that head
+        range of each page (workers at different TP sizes, head_plan.py): one descriptor
+        per page and K/V block. `notif` (if any) is delivered to the peer after this
+        write's data has landed there. Raises TransferError if it cannot be posted (the
+        peer is gone, bad page ids)."""
         if len(src_page_ids) == 0:
             raise TransferError("write_pages needs at least one page")
         self.pool_info.check_pages(src_page_ids, "source")
         peer.pool.check_pages(dst_page_ids, "destination")
-        runs = merge_page_runs(src_page_ids, dst_page_ids)
-        src, dst = descriptor_arrays(runs, self.pool_info, peer.pool)
-        num_bytes = len(src_page_ids) * self.pool_info.page_bytes
+        if heads is None:
+            src, dst = descriptor_arrays(merge_page_runs(src_page_ids, dst_page_ids), self.pool_info, peer.pool)
+            num_bytes = len(src_page_ids) * self.pool_info.page_bytes
+        else:
+            src, dst = copy_descriptors(heads, src_page_ids, dst_page_ids, self.pool_info, peer.pool)
+            num_bytes = len(src_page_ids) * copy_bytes_per_page(heads, self.pool_info)
         now = time.monotonic()
-        handle = WriteHandle(peer=peer, num_bytes=num_bytes, num_descriptors=len(runs),
+        handle = WriteHandle(peer=peer, num_bytes=num_bytes, num_descriptors=len(src),
                              num_pages=len(src_page_ids), started=now, deadline=now + self.write_timeout_s)
         with self._lock:
             self._check_current(peer)
@@ -194,7 +201,7 @@ class KvTransferAgent:
                     self._release(handle)
                 self.writes_failed += 1
                 raise TransferError(f"write to {peer.worker_id} could not be posted: {exc}") from exc
-            self.descriptors_posted += len(runs)
+            self.descriptors_posted += len(src)
             if state == "ERR":
                 self._release(handle)
                 self.writes_failed += 1

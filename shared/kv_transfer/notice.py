@@ -22,6 +22,7 @@ class TransferNotice:
     first_token_id: int = -1    # the token prefill sampled (decode's next input)
     num_tokens: int = 0         # prompt tokens whose KV was written
     kv_bytes: int = 0           # bytes this rank wrote for the reservation
+    num_ranks: int = 0          # the writer's TP ranks, each sending a notice (0: the reader's own)
 
     def encode(self) -> bytes:
         return MAGIC + json.dumps(asdict(self), separators=(",", ":")).encode()

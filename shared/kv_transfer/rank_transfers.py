@@ -1,8 +1,9 @@
 """KV transfer on a tensor-parallel follower rank (ranks 1..N-1 of a prefill or decode worker).
 
 Every rank holds its own shard of the KV pool (its kv heads), so every rank needs its
-own NIXL agent: prefill rank r writes its pages into decode rank r's pool and sends its
-completion notice to decode rank 0, whose scheduler waits for one notice per rank.
+own NIXL agent: prefill rank r writes the KV heads it holds into the decode rank(s) that
+hold them (head_plan.py; rank r -> rank r when both TP sizes are equal) and sends its
+completion notice to decode rank 0, whose scheduler waits for one notice per prefill rank.
 
 Rank 0 drives this over the tensor-parallel control pipe (`TPWorkers.call`): these
 functions run in the follower with its Engine as the first argument, and the state lives
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 from shared.kv_transfer.agent import DONE, FAILED, KvTransferAgent, Peer, TransferError
 from shared.kv_transfer.notice import TransferNotice
 from shared.kv_transfer.pool_info import PoolInfo
-from shared.kv_transfer.write_stream import PageWriteStream
+from shared.kv_transfer.write_stream import PageWriteStream, rank_stream
 
 SERVICE_KEY = "kv_transfer"
 
@@ -36,8 +37,8 @@ class PeerSpec:
 @dataclass(frozen=True)
 class StreamOp:
     """One operation on one follower stream. kind: open | write | finish | abort.
-    open: args = (every decode rank's PeerSpec by rank, dst page ids): rank r writes to
-    rank r and notifies rank 0;
+    open: args = (every decode rank's PeerSpec by rank, dst page ids, the head plan): the
+    rank writes its copies of the plan (head_plan.py) and notifies decode rank 0;
     write: (first page index, src page ids); finish/abort: (TransferNotice of rank 0,
     restamped with the follower's rank and byte count there)."""
 
@@ -91,9 +92,10 @@ class RankTransfers:
 
     def _apply_one(self, op: StreamOp) -> None:
         if op.kind == "open":
-            peers, dst = op.args
-            self.streams[op.key] = PageWriteStream(self.agent, self.peer(peers[self.rank]), dst,
-                                                   notice_peer=self.peer(peers[0]))
+            specs, dst, copies = op.args
+            mine = {c.dst_rank for c in copies if c.src_rank == self.rank} | {0}
+            peers = {j: self.peer(specs[j]) for j in sorted(mine)}  # only the decode ranks it writes
+            self.streams[op.key] = rank_stream(self.agent, self.rank, peers, copies, dst)
             return
         stream = self.streams.get(op.key)
         if stream is None:
@@ -120,7 +122,9 @@ class RankTransfers:
 def open_agent(engine, name_template: str, write_timeout_s: float) -> tuple[bytes, PoolInfo]:
     """Create this rank's agent (named name_template.format(rank=...)) over its pool shard;
     return (NIXL metadata, pool layout)."""
-    agent = KvTransferAgent(name_template.format(rank=engine.tp.rank), engine.pool.buffer, write_timeout_s=write_timeout_s, progress_thread=False)
+    agent = KvTransferAgent(name_template.format(rank=engine.tp.rank), engine.pool.buffer,
+                            write_timeout_s=write_timeout_s, progress_thread=False,
+                            first_head=engine.kv_heads.first)
     engine.rank_services[SERVICE_KEY] = RankTransfers(agent, engine.tp.rank)
     return agent.metadata(), agent.pool_info
 

@@ -13,6 +13,7 @@ import itertools
 from collections.abc import Sequence
 
 from shared.kv_transfer.agent import DONE, FAILED, PENDING
+from shared.kv_transfer.head_plan import HeadCopy
 from shared.kv_transfer.notice import TransferNotice
 from shared.kv_transfer.rank_transfers import PeerSpec, StreamOp, StreamState
 from shared.kv_transfer.write_stream import PageWriteStream
@@ -58,9 +59,10 @@ class FollowerStreams:
 
 class TpWriteStream:
     def __init__(self, local: PageWriteStream, followers: FollowerStreams, peers: Sequence[PeerSpec],
-                 dst_page_ids: Sequence[int]):
-        """local: rank 0's stream (to decode rank 0). peers: every decode rank, by rank:
-        prefill rank r writes to peers[r] and sends its notice to peers[0] (decode's scheduler)."""
+                 dst_page_ids: Sequence[int], plan: Sequence[HeadCopy]):
+        """local: rank 0's stream. peers: every decode rank, by rank. plan: every rank's head
+        copies (head_plan.py); each prefill rank writes its own and sends its notice to
+        peers[0] (decode's scheduler)."""
         self.local = local
         self.followers = followers
         self.key = followers.new_key()
@@ -68,7 +70,7 @@ class TpWriteStream:
         self._notice: TransferNotice | None = None
         self._final: tuple[str, str] | None = None  # (DONE or FAILED, error) once settled
         self._final_bytes = 0
-        followers.queue(StreamOp(self.key, "open", (tuple(peers), self.dst_page_ids)))
+        followers.queue(StreamOp(self.key, "open", (tuple(peers), self.dst_page_ids, tuple(plan))))
 
     def write(self, first_page_index: int, src_page_ids: Sequence[int]) -> None:
         self.local.write(first_page_index, src_page_ids)  # raises on a bad range before anything is queued

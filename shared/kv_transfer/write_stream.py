@@ -12,20 +12,41 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from shared.kv_transfer.agent import DONE, FAILED, PENDING, KvTransferAgent, Peer, TransferError, WriteHandle
+from shared.kv_transfer.head_plan import HeadCopy
 from shared.kv_transfer.notice import TransferNotice
 
 
+@dataclass(frozen=True)
+class WriteTarget:
+    """One destination rank of a stream; heads: the head range this rank writes there (None:
+    whole pages, the peer's layout equals ours)."""
+
+    peer: Peer
+    heads: HeadCopy | None = None
+
+
 class PageWriteStream:
-    def __init__(self, agent: KvTransferAgent, peer: Peer, dst_page_ids: Sequence[int],
-                 notice_peer: Peer | None = None):
-        """dst_page_ids: the reservation's pages on the peer rank, in prompt order.
+    def __init__(self, agent: KvTransferAgent, peer: Peer | None, dst_page_ids: Sequence[int],
+                 notice_peer: Peer | None = None, targets: Sequence[WriteTarget] | None = None,
+                 notices: tuple[bool, int] = (True, 0)):
+        """dst_page_ids: the reservation's pages on the peer rank(s), in prompt order (every
+        rank of a TP worker uses the same page ids).
         notice_peer: where the notice goes (default: the data peer). With TP, every prefill
-        rank can notify decode rank 0 (its scheduler) while writing to its own decode rank."""
+        rank notifies decode rank 0 (its scheduler) while writing to its own decode rank(s).
+        targets: the decode ranks this rank writes (head_plan.py) when the workers' TP sizes
+        differ; default the one peer, whole pages. May be empty (a replica nobody reads
+        from). notices: (whether this rank sends a notice, how many the reader must wait
+        for, stamped on it; 0: as many as the reader has ranks)."""
         self.agent = agent
+        self.targets = list(targets) if targets is not None else [WriteTarget(peer)]
         self.peer = peer
         self.notice_peer = notice_peer or peer
+        if self.notice_peer is None:
+            raise ValueError("a stream needs a notice peer")
+        self.send_notice, self.notices_expected = notices
         self.dst_page_ids = list(dst_page_ids)
         self._handles: list[WriteHandle] = []
         self._written = [False] * len(self.dst_page_ids)
@@ -42,11 +63,13 @@ class PageWriteStream:
             raise TransferError(f"pages [{first_page_index}, {end}) outside a reservation of "
                                 f"{len(self.dst_page_ids)} pages")
         try:
-            handle = self.agent.write_pages(self.peer, src_page_ids, self.dst_page_ids[first_page_index:end])
+            for target in self.targets:
+                self._handles.append(self.agent.write_pages(target.peer, src_page_ids,
+                                                            self.dst_page_ids[first_page_index:end],
+                                                            heads=target.heads))
         except TransferError as exc:
             self._set_failed(str(exc))
             raise
-        self._handles.append(handle)
         for i in range(first_page_index, end):
             self._written[i] = True
 
@@ -74,7 +97,10 @@ class PageWriteStream:
                 return self.state
         if self._notice is None or any(h.state == PENDING for h in self._handles):
             return self.state
-        notice = self._notice
+        if not self.send_notice:  # a rank that wrote nothing: the reader does not wait for it
+            self.state = DONE
+            return self.state
+        notice = TransferNotice(**{**self._notice.__dict__, "num_ranks": self.notices_expected})
         if notice.kv_bytes == 0 and self.bytes_sent:
             notice = TransferNotice(**{**notice.__dict__, "kv_bytes": self.bytes_sent})
         try:
@@ -119,3 +145,15 @@ class PageWriteStream:
     @property
     def num_descriptors(self) -> int:
         return sum(h.num_descriptors for h in self._handles)
+
+
+def rank_stream(agent: KvTransferAgent, rank: int, decode_peers: Sequence[Peer], copies: Sequence[HeadCopy],
+                dst_page_ids: Sequence[int]) -> PageWriteStream:
+    """Prefill rank `rank`'s stream for one reservation: its share of the head plan
+    (head_plan.plan_head_copies) to the decode ranks it names, then its notice to decode
+    rank 0, which waits for one from every rank that writes (a replica that writes nothing
+    sends none)."""
+    targets = [WriteTarget(decode_peers[c.dst_rank], c) for c in copies if c.src_rank == rank]
+    writers = {c.src_rank for c in copies} | {0}  # rank 0 always tells (its notice has the first token)
+    return PageWriteStream(agent, None, dst_page_ids, notice_peer=decode_peers[0], targets=targets,
+                           notices=(rank in writers, len(writers)))

@@ -27,6 +27,9 @@ class RankKvPool:
     num_pages: int
     mem_type: str = "DRAM"  # "DRAM" or "VRAM"
     device_id: int = 0
+    blocks: int = 1         # K and V blocks per page (2 x layers)
+    num_heads: int = 1      # KV heads this rank holds ...
+    first_head: int = 0     # ... starting at this global head
 
 
 @dataclass
@@ -50,7 +53,8 @@ class WorkerInfo:
     metrics_address: str = ""       # HTTP host:port serving /metrics
     tp: int = 1
     page_size: int = 0
-    compat_hash: str = ""           # model + KV layout + dtype; pairs must match
+    compat_hash: str = ""           # model + KV layout + dtype (not TP); pairs must match
+    kv_layout: str = ""             # the same, readable: L<layers>-H<kv heads>-P<page>-D<head dim>-<dtype>
     instance_nonce: str = field(default_factory=lambda: secrets.token_hex(8))
     max_running_requests: int = 0   # decode batch cap (0 = unknown)
     kv_pools: list[RankKvPool] = field(default_factory=list)  # one per rank (NIXL peers)
@@ -85,6 +89,7 @@ class WorkerInfo:
             "tp": str(self.tp),
             "page_size": str(self.page_size),
             "compat_hash": self.compat_hash,
+            "kv_layout": self.kv_layout,
             "instance_nonce": self.instance_nonce,
             "max_running_requests": str(self.max_running_requests),
             "nixl_agents": json.dumps(self.agent_names),
@@ -121,6 +126,7 @@ class WorkerInfo:
             tp=int(h.get("tp", 1)),
             page_size=int(h.get("page_size", 0)),
             compat_hash=h.get("compat_hash", ""),
+            kv_layout=h.get("kv_layout", ""),
             instance_nonce=h["instance_nonce"],
             max_running_requests=int(h.get("max_running_requests", 0)),
             kv_pools=pools,

@@ -50,10 +50,16 @@ class ColumnParallelLinear(nn.Module):
     """y = x W^T with W's output rows split across ranks. `parts` lists the sizes of
     stacked sub-matrices (e.g. q, k, v) so each is split separately."""
 
-    def __init__(self, in_features: int, parts: list[int], bias: bool, tp: TPContext, dtype):
+    def __init__(self, in_features: int, parts: list[int], bias: bool, tp: TPContext, dtype,
+                 shards: list[tuple[int, int]] | None = None):
+        """shards: this rank's (first row, rows) of each full part; default the even split.
+        Replicated KV heads give several ranks the same rows."""
         super().__init__()
         self.tp = tp
-        self.parts = [tp.shard(p, "output features") for p in parts]
+        if shards is None:
+            shards = [(tp.rank * n, n) for n in (tp.shard(p, "output features") for p in parts)]
+        self.starts = [start for start, _ in shards]
+        self.parts = [n for _, n in shards]
         out = sum(self.parts)
         self.weight = nn.Parameter(torch.empty(out, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out, dtype=dtype), requires_grad=False) if bias else None
@@ -76,7 +82,7 @@ class ColumnParallelLinear(nn.Module):
 
     def load_full(self, tensor: torch.Tensor, part: int = 0, is_bias: bool = False) -> None:
         n = self.parts[part]
-        shard = tensor.narrow(0, self.tp.rank * n, n)
+        shard = tensor.narrow(0, self.starts[part], n)
         start = sum(self.parts[:part])
         target = self.bias if is_bias else self.weight
         target.data.narrow(0, start, n).copy_(shard)

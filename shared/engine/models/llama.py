@@ -20,18 +20,18 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPContext, dtype, fused: bool = False):
         super().__init__()
         self.layer_id = layer_id
-        if cfg.num_kv_heads % tp.size:
-            raise ValueError(f"num_key_value_heads ({cfg.num_kv_heads}) is not divisible by "
-                             f"tensor-parallel size {tp.size}")
+        kv = tp.kv_heads(cfg.num_kv_heads)  # replicated when TP exceeds the KV heads
         self.num_heads = tp.shard(cfg.num_heads, "num_attention_heads")
-        self.num_kv_heads = cfg.num_kv_heads // tp.size
+        self.num_kv_heads = kv.count
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         d = cfg.head_dim
         self.qkv_proj = ColumnParallelLinear(
             cfg.hidden_size, [cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d],
-            bias=cfg.attention_bias, tp=tp, dtype=dtype)
+            bias=cfg.attention_bias, tp=tp, dtype=dtype,
+            shards=[(tp.rank * self.num_heads * d, self.num_heads * d), (kv.first * d, kv.count * d),
+                    (kv.first * d, kv.count * d)])
         # partial sums: the next norm all-reduces them (fused with the residual add on GPU)
         self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, tp, dtype, reduce=False)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, fused) if cfg.qk_norm else None

@@ -1,0 +1,36 @@
+"""Which prefill and decode workers can hand KV to each other, and why a pair cannot.
+
+Two workers pair when they serve the same model with the same KV layout (compat_hash:
+layers, KV heads, page size, head dim, dtype; not the TP size) and every KV head a decode
+rank holds is held by some prefill rank (kv_transfer/head_plan.py), which is true for any
+two TP sizes that divide (or are multiples of) the KV-head count. Results are cached per
+pair of worker instances: the router asks on every request."""
+from __future__ import annotations
+
+import functools
+
+from shared.kv_transfer.head_plan import RankHeads, pairing_problem
+from shared.kv_transfer.pool_info import PoolInfo
+from shared.registry.worker_info import WorkerInfo
+
+
+def _heads(info: WorkerInfo) -> tuple[RankHeads, ...]:
+    return tuple(RankHeads.of(PoolInfo.from_record(p)) for p in sorted(info.kv_pools, key=lambda p: p.rank))
+
+
+@functools.lru_cache(maxsize=4096)
+def _problem(prefill_key: tuple, decode_key: tuple, prefill_heads: tuple, decode_heads: tuple) -> str:
+    (_, _, p_hash, p_layout, p_tp), (_, _, d_hash, d_layout, d_tp) = prefill_key, decode_key
+    if p_hash != d_hash:
+        return (f"KV layouts differ: prefill {p_layout or p_hash} (tp {p_tp}), "
+                f"decode {d_layout or d_hash} (tp {d_tp})")
+    if not prefill_heads and not decode_heads:
+        return ""  # entries that describe no pools (made by hand): the hash is all we know
+    problem = pairing_problem(prefill_heads, decode_heads)
+    return f"tp {p_tp} -> tp {d_tp}: {problem}" if problem else ""
+
+
+def pair_problem(prefill: WorkerInfo, decode: WorkerInfo) -> str:
+    """"" when prefill can write its KV into decode, else the reason it cannot."""
+    key = lambda w: (w.worker_id, w.instance_nonce, w.compat_hash, w.kv_layout, w.tp)  # noqa: E731
+    return _problem(key(prefill), key(decode), _heads(prefill), _heads(decode))
