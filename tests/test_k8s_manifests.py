@@ -54,7 +54,8 @@ def components_overlay_dir() -> str:
         "kind": "Kustomization",
         "resources": [rel(K8S / "overlays" / "gpu")],
         "components": [rel(K8S / "components" / c)
-                       for c in ("model-pvc", "gateway-loadbalancer", "external-redis-secret")],
+                       for c in ("model-pvc", "gateway-loadbalancer", "external-redis-secret", "gateway-tls",
+                                 "cert-manager")],
     }))
     return str(root)
 

@@ -113,7 +113,7 @@ def test_duet_flows_are_admitted(rendered):
         (ep["gateway"], ep["decode"], 50060),
         (ep["prefill"], ep["decode"], UCX_PORT),
         (ep["decode"], ep["prefill"], UCX_PORT),
-        (PROMETHEUS, ep["gateway"], 8000),
+        (PROMETHEUS, ep["gateway"], 9102),
         (PROMETHEUS, ep["router"], 9101),
         (PROMETHEUS, ep["prefill"], 9100),
         (PROMETHEUS, ep["decode"], 9100),
@@ -131,6 +131,7 @@ def test_everything_else_is_denied(rendered):
     ep = {role: pod_endpoint(r, role) for role in ("gateway", "router", "prefill", "decode", "redis", "otel-collector")}
     forbidden = [
         (CLIENT, ep["router"], 50050),          # only the gateway is public
+        (CLIENT, ep["gateway"], 9102),          # its /metrics port is Prometheus's only
         (CLIENT, ep["prefill"], 50060),
         (CLIENT, ep["decode"], 50060),
         (CLIENT, ep["decode"], UCX_PORT),

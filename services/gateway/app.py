@@ -12,8 +12,9 @@ from services.gateway.endpoints import GatewayContext, OpenAIEndpoints
 from services.gateway.errors import APIError, invalid_request, not_found
 
 
-def build_app(ctx: GatewayContext, manage_backend: bool = True) -> FastAPI:
-    """manage_backend: start the backend with the app and close it at shutdown."""
+def build_app(ctx: GatewayContext, manage_backend: bool = True, metrics_route: bool = True) -> FastAPI:
+    """manage_backend: start the backend with the app and close it at shutdown.
+    metrics_route: serve /metrics here (off when it has a port of its own)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -35,7 +36,10 @@ def build_app(ctx: GatewayContext, manage_backend: bool = True) -> FastAPI:
     app.add_api_route("/v1/models", endpoints.list_models, methods=["GET"])
     app.add_api_route("/v1/models/{model:path}", endpoints.get_model, methods=["GET"])
     app.add_api_route("/health", endpoints.health, methods=["GET"])
-    app.add_api_route("/metrics", endpoints.prometheus, methods=["GET"])
+    # Liveness: the process answers HTTP (no API key, nothing about other pods).
+    app.add_api_route("/live", lambda: {"status": "alive"}, methods=["GET"])
+    if metrics_route:
+        app.add_api_route("/metrics", endpoints.prometheus, methods=["GET"])
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
+
+from services.gateway.security_config import SecurityConfig
 
 BACKENDS = ("grpc", "local")
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "none")
@@ -29,6 +31,7 @@ class GatewayConfig:
     # llama3_json); none = never (tool_choice "auto" then returns text only)
     tool_call_parser: str = "auto"
     log_level: str = "info"
+    security: SecurityConfig = field(default_factory=SecurityConfig)  # API keys, HTTPS, TLS, metrics port
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -47,7 +50,7 @@ class GatewayConfig:
         p = argparse.ArgumentParser(prog="duet-gateway", description="Duet OpenAI-compatible HTTP gateway")
         p.add_argument("--host", default=env.get("DUET_HOST", d["host"].default), help="env DUET_HOST")
         p.add_argument("--port", type=int, default=int(env.get("DUET_PORT", d["port"].default)),
-                       help="HTTP port, also serving /metrics (env DUET_PORT)")
+                       help="HTTP port, also serving /metrics unless --metrics-port (env DUET_PORT)")
         p.add_argument("--backend", choices=BACKENDS, default=env.get("DUET_GATEWAY_BACKEND"),
                        help="grpc (router + workers) or local (in-process engine); default grpc when "
                             "--router-address is set (env DUET_GATEWAY_BACKEND)")
@@ -73,6 +76,7 @@ class GatewayConfig:
                             "(env DUET_TOOL_CALL_PARSER)")
         p.add_argument("--log-level", default=env.get("DUET_LOG_LEVEL", d["log_level"].default),
                        help="env DUET_LOG_LEVEL")
+        SecurityConfig.add_args(p, env)
         return p
 
     @classmethod
@@ -83,7 +87,7 @@ class GatewayConfig:
                    redis_url=args.redis_url, model=args.model, served_model_name=args.served_model_name,
                    max_model_len=args.max_model_len, reserve_timeout_ms=args.reserve_timeout_ms,
                    rpc_timeout_s=args.rpc_timeout, tool_call_parser=args.tool_call_parser,
-                   log_level=args.log_level)
+                   log_level=args.log_level, security=SecurityConfig.from_args(args))
 
 
 def _int_or_none(value: str | None) -> int | None:

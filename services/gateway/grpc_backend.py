@@ -34,6 +34,8 @@ from services.gateway.backend import (
     TokenEvent,
     TokenLogprob,
 )
+from shared.registry.connection import RedisConnection
+from shared.security.grpc_tls import GrpcTlsConfig
 
 log = logging.getLogger("duet.gateway.grpc")
 
@@ -54,6 +56,8 @@ class GrpcBackendConfig:
     reserve_timeout_ms: int = 0     # decode admission wait; 0 = decode's default
     rpc_timeout_s: float = 600.0    # bound on Route / Reserve / Prefill
     cleanup_timeout_s: float = 5.0  # bound on Cancel / Release
+    tls: GrpcTlsConfig = field(default_factory=GrpcTlsConfig)  # to router and workers
+    redis: RedisConnection = field(default_factory=RedisConnection)  # registry password, TLS
 
 
 def sampling_to_proto(options: SamplingOptions) -> duet_pb2.SamplingParams:
@@ -103,6 +107,7 @@ class _Channels:
     """One channel per worker, replaced when the worker's address or instance nonce changes
     (a restart: never reuse a channel, or anything cached, across instances)."""
 
+    tls: GrpcTlsConfig = field(default_factory=GrpcTlsConfig)
     channels: dict[str, tuple[str, str, grpc.aio.Channel]] = field(default_factory=dict)
 
     def get(self, ref: duet_pb2.WorkerRef) -> grpc.aio.Channel:
@@ -113,7 +118,7 @@ class _Channels:
             old = known[2]
             # Calls still running on it finish or fail on their own; close it shortly.
             asyncio.get_running_loop().call_later(30, lambda: asyncio.ensure_future(old.close()))
-        channel = grpc.aio.insecure_channel(ref.address)
+        channel = self.tls.aio_channel(ref.address)
         self.channels[ref.worker_id] = (ref.address, ref.instance_nonce, channel)
         return channel
 
@@ -128,7 +133,7 @@ class GrpcBackend:
         self.config = config
         self._router_channel: grpc.aio.Channel | None = None
         self._router: duet_pb2_grpc.RouterStub | None = None
-        self._workers = _Channels()
+        self._workers = _Channels(config.tls)
         self._watcher = None
         self._cleanups: set[asyncio.Task] = set()
 
@@ -143,13 +148,14 @@ class GrpcBackend:
         return self.config.max_context_len
 
     async def start(self) -> None:
-        self._router_channel = grpc.aio.insecure_channel(self.config.router_address)
+        self._router_channel = self.config.tls.aio_channel(self.config.router_address)
         self._router = duet_pb2_grpc.RouterStub(self._router_channel)
         if self.config.redis_url:
             from shared.registry.config import RegistryConfig
             from shared.registry.watcher import WorkerWatcher
 
-            registry = RegistryConfig(redis_url=self.config.redis_url, prefix=self.config.registry_prefix)
+            registry = RegistryConfig(redis_url=self.config.redis_url, prefix=self.config.registry_prefix,
+                                      connection=self.config.redis)
             self._watcher = WorkerWatcher(registry, model=self.config.model or None)
             await self._watcher.start()
 

@@ -3,7 +3,9 @@
     python -m services.gateway.main --router-address 127.0.0.1:50051 [--redis-url redis://...]
     python -m services.gateway.main --backend local            # in-process engine, one process
 
-/metrics is served on the same port as the API.
+/metrics is served on the API port, or only on --metrics-port when given. With API keys
+(--api-keys-file, DUET_API_KEYS) every route but /health, /live and /metrics needs one;
+with --tls-cert-file/--tls-key-file it serves HTTPS (services/gateway/security_config.py).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def build_backend(config: GatewayConfig, model_dir: Path, served_name: str, max_
     return GrpcBackend(GrpcBackendConfig(
         router_address=config.router_address, redis_url=config.redis_url, model=served_name,
         max_context_len=max_context, reserve_timeout_ms=config.reserve_timeout_ms,
-        rpc_timeout_s=config.rpc_timeout_s))
+        rpc_timeout_s=config.rpc_timeout_s, tls=config.security.grpc_tls, redis=config.security.redis))
 
 
 def build_context(config: GatewayConfig) -> GatewayContext:
@@ -75,19 +77,36 @@ def main(argv: list[str] | None = None) -> int:
     from shared.engine.default_model import ModelNotFoundError
     from shared.telemetry.tracing import setup_tracing
 
+    from services.gateway import auth
+    from shared.telemetry.metrics import start_metrics_server
+
+    security = config.security
     try:
         ctx = build_context(config)
+        if config.backend == "grpc":
+            security.grpc_tls.check("client")
+        ssl_options = security.uvicorn_ssl_kwargs()
+        keys = auth.ApiKeyStore(security.api_keys, security.api_keys_file) if security.auth_enabled else None
     except (ModelNotFoundError, ValueError, OSError) as exc:
         print(f"duet gateway: {exc}", file=sys.stderr)
         return 2
     tracing = setup_tracing("gateway")
     ctx.tracer = tracing.tracer
-    log.info("serving %s (context %d tokens) on http://%s:%d with the %s backend",
-             ctx.served_model_name, ctx.max_context_len, config.host, config.port, config.backend)
+    app = build_app(ctx, metrics_route=not security.metrics_port)
+    if keys is not None:
+        auth.install(app, keys, ctx.metrics.registry)
+    metrics_server = (start_metrics_server(ctx.metrics.registry, security.metrics_port, config.host)
+                      if security.metrics_port else None)
+    log.info("serving %s (context %d tokens) on %s://%s:%d with the %s backend; %s; gRPC %s; metrics on %s",
+             ctx.served_model_name, ctx.max_context_len, "https" if security.https else "http", config.host,
+             config.port, config.backend, f"{keys.count} API keys" if keys else "no API keys (open)",
+             security.grpc_tls.describe("client"), f"port {security.metrics_port}" if metrics_server else "the API port")
     try:
-        uvicorn.run(build_app(ctx), host=config.host, port=config.port, log_level=config.log_level.lower(),
-                    timeout_graceful_shutdown=float(os.environ.get("DUET_DRAIN_GRACE", "30")))
+        uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level.lower(),
+                    timeout_graceful_shutdown=float(os.environ.get("DUET_DRAIN_GRACE", "30")), **ssl_options)
     finally:
+        if metrics_server is not None:
+            metrics_server.stop()
         tracing.shutdown()
     return 0
 

@@ -21,6 +21,14 @@ class UpConfig:
     log_dir: str | None = None
     worker_args: list[str] = field(default_factory=list)
     health_timeout_s: float = 300.0
+    # security (services/launcher/security.py): API keys for the gateway, HTTPS, gRPC TLS
+    api_keys: list[str] = field(default_factory=list, repr=False)
+    api_keys_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    grpc_tls_cert_file: str | None = None
+    grpc_tls_key_file: str | None = None
+    grpc_tls_ca_file: str | None = None
     prefill_tp: int | None = None  # per-role TP (None: the workers' --tp / DUET_TP)
     decode_tp: int | None = None
 
@@ -50,6 +58,21 @@ class UpConfig:
                        help="torch threads per worker (default: the machine's cores shared among workers)")
         p.add_argument("--log-dir", default=None, help="where each process writes its log")
         p.add_argument("--health-timeout", type=float, default=300.0)
+        s = p.add_argument_group("security")
+        s.add_argument("--api-key", action="append", default=None,
+                       help="require this API key (Authorization: Bearer KEY) at the gateway; repeatable. "
+                            "The gateway gets it in a private 0600 file, not on its command line; this "
+                            "process's own argv is visible in `ps`, so prefer env DUET_API_KEYS")
+        s.add_argument("--api-keys-file", default=e("DUET_API_KEYS_FILE"),
+                       help="file with one API key per line (env DUET_API_KEYS_FILE)")
+        s.add_argument("--tls-cert-file", default=e("DUET_TLS_CERT_FILE"), help="gateway HTTPS certificate (PEM)")
+        s.add_argument("--tls-key-file", default=e("DUET_TLS_KEY_FILE"), help="gateway HTTPS key (PEM)")
+        s.add_argument("--grpc-tls-cert-file", default=e("DUET_GRPC_TLS_CERT_FILE"),
+                       help="gRPC certificate (PEM) for the router and workers, and the gateway's client "
+                            "certificate under mTLS (one certificate for every service)")
+        s.add_argument("--grpc-tls-key-file", default=e("DUET_GRPC_TLS_KEY_FILE"), help="its key (PEM)")
+        s.add_argument("--grpc-tls-ca-file", default=e("DUET_GRPC_TLS_CA_FILE"),
+                       help="CA of the gRPC certificates: with it every gRPC link is mutual TLS")
         p.add_argument("--prefill-tp", type=int, default=None,
                        help="tensor-parallel size of the prefill workers (default: --tp after --, else 1); "
                             "may differ from --decode-tp: KV is re-sharded by heads on the way")
@@ -64,10 +87,24 @@ class UpConfig:
         if any(t is not None and t < 1 for t in (a.prefill_tp, a.decode_tp)):
             p.error("--prefill-tp and --decode-tp must be >= 1")
         extra = [x for x in a.worker_args if x != "--"]
+        if bool(a.tls_cert_file) != bool(a.tls_key_file):
+            p.error("--tls-cert-file and --tls-key-file go together")
+        if bool(a.grpc_tls_cert_file) != bool(a.grpc_tls_key_file):
+            p.error("--grpc-tls-cert-file and --grpc-tls-key-file go together")
+        if a.grpc_tls_ca_file and not a.grpc_tls_cert_file:
+            p.error("--grpc-tls-ca-file needs --grpc-tls-cert-file and --grpc-tls-key-file")
+        keys = (e("DUET_API_KEYS") or "").replace(",", " ").split() + list(a.api_key or [])
         return cls(host=a.host, port=a.port, prefill=a.prefill, decode=a.decode, both=a.both,
                    redis_url=a.redis_url, model=a.model, kv_cache_memory=a.kv_cache_memory,
                    threads=a.threads, log_dir=a.log_dir, worker_args=extra, health_timeout_s=a.health_timeout,
+                   api_keys=keys, api_keys_file=a.api_keys_file, tls_cert_file=a.tls_cert_file,
+                   tls_key_file=a.tls_key_file, grpc_tls_cert_file=a.grpc_tls_cert_file,
+                   grpc_tls_key_file=a.grpc_tls_key_file, grpc_tls_ca_file=a.grpc_tls_ca_file,
                    prefill_tp=a.prefill_tp, decode_tp=a.decode_tp)
 
     def role_tp(self, role: str, default: int) -> int:
         return {"prefill": self.prefill_tp, "decode": self.decode_tp}.get(role) or default
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls_cert_file else "http"

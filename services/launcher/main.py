@@ -21,13 +21,15 @@ from services.launcher.gpus import WorkerFlags, gpu_memory_bytes, visible_gpus, 
 from services.launcher.gpus import plan as place_workers
 from services.launcher.ports import port_taken
 from services.launcher.redis_process import free_port, start_redis
+from services.launcher.security import SecretsDir, gateway_security, grpc_tls_args, health_ssl_context
+from shared.security.secret_files import redact_url
 
 log = logging.getLogger("duet.up")
 
 
-def _healthy(url: str) -> bool:
+def _healthy(url: str, context=None) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=2) as r:
+        with urllib.request.urlopen(url, timeout=2, context=context) as r:
             return r.status == 200
     except OSError:
         return False
@@ -41,6 +43,7 @@ class Stack:
         self.redis_proc = None
         self.redis_url = cfg.redis_url
         self.stopping = False
+        self.secrets = SecretsDir()
 
     def plan(self, model_dir: str) -> None:
         cfg, host = self.cfg, self.cfg.host
@@ -55,7 +58,7 @@ class Stack:
         cores = os.cpu_count() or 1
         threads = cfg.threads or max(1, cores // max(1, cfg.num_workers))
         self.router_port = free_port(host)
-        common = ["--redis-url", self.redis_url]
+        common = ["--redis-url", self.redis_url, *grpc_tls_args(cfg)]
         self.children.append(Child("router", duet_command(
             "router", "--host", host, "--port", str(self.router_port), "--metrics-port", str(free_port(host)),
             *common), self.log_dir / "router.log", critical=True, env=thread_env(1)))
@@ -69,9 +72,11 @@ class Stack:
                                 *role_tp)
             self.children.append(Child(name, argv, self.log_dir / f"{name}.log", critical=False,
                                        env={**thread_env(threads), **place.env()}))
+        gw_args, gw_env = gateway_security(cfg, self.secrets)
         self.children.append(Child("gateway", duet_command(
             "gateway", "--host", host, "--port", str(cfg.port), "--router-address", f"{host}:{self.router_port}",
-            "--model", model_dir, *common), self.log_dir / "gateway.log", critical=True, env=thread_env(1)))
+            "--model", model_dir, *common, *gw_args), self.log_dir / "gateway.log", critical=True,
+            env={**thread_env(1), **gw_env}))
         self.threads = threads
 
     def start(self) -> None:
@@ -108,6 +113,7 @@ class Stack:
                 while child.exit_code is None and time.monotonic() < deadline:
                     time.sleep(0.05)
                 child.kill()
+        self.secrets.close()
         if self.redis_proc is not None and self.redis_proc.poll() is None:
             self.redis_proc.terminate()
             try:
@@ -151,13 +157,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         stack.stop()
         return 2
     stack.start()
-    base = f"http://{cfg.host}:{cfg.port}"
+    base = f"{cfg.scheme}://{cfg.host}:{cfg.port}"
     log.info("starting %d workers (%d prefill, %d decode, %d both; %d threads each), logs in %s",
              cfg.num_workers, cfg.prefill, cfg.decode, cfg.both, stack.threads, log_dir)
     deadline = time.monotonic() + cfg.health_timeout_s
     code = 0
     try:
-        while not _healthy(base + "/health"):
+        probe_ssl = health_ssl_context(cfg)
+        while not _healthy(base + "/health", probe_ssl):
             if stopping["sig"] is not None:
                 return 130
             dead = stack.check()
@@ -174,7 +181,9 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"  model   {model_dir}\n"
               f"  router  {cfg.host}:{stack.router_port}\n"
               f"  workers {', '.join(workers)}\n"
-              f"  redis   {stack.redis_url}\n"
+              f"  redis   {redact_url(stack.redis_url)}\n"
+              f"  auth    {'API key required' if cfg.api_keys or cfg.api_keys_file else 'none (open)'}; "
+              f"gRPC {'mTLS' if cfg.grpc_tls_ca_file else 'TLS' if cfg.grpc_tls_cert_file else 'plaintext'}\n"
               f"  logs    {log_dir}\n"
               f"Ctrl-C stops everything.\n", file=sys.stderr, flush=True)
         print(f"{base}/v1", flush=True)  # stdout: the one thing a script needs

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from shared.registry.config import RegistryConfig
+from shared.security.grpc_tls import GrpcTlsConfig
 
 
 @dataclass
@@ -25,6 +26,7 @@ class RouterConfig:
     metrics_port: int = 9101            # 0 = no /metrics server
     model: str = ""                     # default model for requests that name none; "" = any
     registry: RegistryConfig = field(default_factory=RegistryConfig)
+    tls: GrpcTlsConfig = field(default_factory=GrpcTlsConfig)  # gRPC server TLS / mTLS
     weights: RoutingWeights = field(default_factory=RoutingWeights)
     inflight_ttl_s: float = 900.0       # forget a routed request never released (gateway died)
     prefix_lookup_timeout_s: float = 0.2  # budget for the Redis page-hash lookup per route
@@ -55,6 +57,7 @@ class RouterConfig:
         p.add_argument("--log-level", default=env.get("DUET_LOG_LEVEL", d["log_level"].default),
                        help="env DUET_LOG_LEVEL")
         RegistryConfig.add_args(p, env)
+        GrpcTlsConfig.add_args(p, env)
         return p
 
     @classmethod
@@ -63,6 +66,7 @@ class RouterConfig:
         return cls(
             host=args.host, port=args.port, metrics_port=args.metrics_port, model=args.model,
             registry=RegistryConfig.from_args(args),
+            tls=GrpcTlsConfig.from_args(args),
             weights=RoutingWeights(prefill_queue_weight=args.prefill_queue_weight,
                                    decode_batch_weight=args.decode_batch_weight),
             log_level=args.log_level,

@@ -28,7 +28,12 @@ async def serve(config: RouterConfig) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    config = RouterConfig.from_argv(argv)
+    try:
+        config = RouterConfig.from_argv(argv)
+        config.tls.check("server")
+    except ValueError as exc:
+        print(f"duet router: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

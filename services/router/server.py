@@ -9,6 +9,7 @@ from protos import duet_pb2_grpc
 from services.router.config import RouterConfig
 from services.router.service import RouterService
 from shared.registry.watcher import WorkerWatcher
+from shared.security.secret_files import redact_url
 from shared.telemetry.metrics import DuetMetrics, MetricsServer, start_metrics_server
 from shared.telemetry.tracing import Tracing
 
@@ -35,17 +36,19 @@ class RouterServer:
     async def start(self) -> int:
         await self.watcher.start()
         if not self.watcher.redis_ok:
-            log.warning("registry %s not reachable yet; routing starts when it is", self.config.registry.redis_url)
+            log.warning("registry %s not reachable yet; routing starts when it is",
+                        redact_url(self.config.registry.redis_url))
         self._grpc = grpc.aio.server()
         duet_pb2_grpc.add_RouterServicer_to_server(self.service, self._grpc)
-        self.port = self._grpc.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        self.port = self.config.tls.add_port(self._grpc, f"{self.config.host}:{self.config.port}")
         if self.port == 0:
             raise RuntimeError(f"could not bind the router to {self.config.host}:{self.config.port}")
         await self._grpc.start()
         if self.config.metrics_port:
             self._metrics_server = start_metrics_server(self.metrics, self.config.metrics_port, self.config.host)
-        log.info("router listening on %s:%d (metrics %s), %d workers known",
-                 self.config.host, self.port, self.metrics_port or "off", len(self.watcher.workers()))
+        log.info("router listening on %s:%d (%s; metrics %s), %d workers known",
+                 self.config.host, self.port, self.config.tls.describe("server"), self.metrics_port or "off",
+                 len(self.watcher.workers()))
         return self.port
 
     async def wait(self) -> None:

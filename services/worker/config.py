@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from shared.registry.config import RegistryConfig
+from shared.security.grpc_tls import GrpcTlsConfig
 
 ROLES = ("prefill", "decode", "both")
 
@@ -45,6 +46,7 @@ class WorkerConfig:
     nixl_progress_thread: bool = False  # NIXL's thread spins a core; the engine loop polls instead
     log_level: str = "info"
     registry: RegistryConfig = field(default_factory=RegistryConfig)
+    tls: GrpcTlsConfig = field(default_factory=GrpcTlsConfig)  # gRPC server TLS / mTLS
 
     @classmethod
     def from_argv(cls, argv: Sequence[str] | None, env: Mapping[str, str] | None = None) -> "WorkerConfig":
@@ -103,6 +105,7 @@ class WorkerConfig:
                             "loop progresses transfers while any is in flight)")
         p.add_argument("--log-level", default=e("DUET_LOG_LEVEL", "info"))
         RegistryConfig.add_args(p, env)
+        GrpcTlsConfig.add_args(p, env)
         a = p.parse_args(argv)
         return cls(role=a.role, host=a.host, advertise_host=a.advertise_host, port=a.port,
                    metrics_port=a.metrics_port, worker_id=a.worker_id, model=a.model,
@@ -115,7 +118,7 @@ class WorkerConfig:
                    threads=a.threads, reserve_timeout_s=a.reserve_timeout, notice_timeout_s=a.notice_timeout,
                    write_timeout_s=a.write_timeout, recompute_on_missing_kv=not a.no_recompute,
                    nixl_progress_thread=a.nixl_progress_thread,
-                   log_level=a.log_level, registry=RegistryConfig.from_args(a))
+                   log_level=a.log_level, registry=RegistryConfig.from_args(a), tls=GrpcTlsConfig.from_args(a))
 
     @property
     def dial_host(self) -> str:

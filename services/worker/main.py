@@ -123,7 +123,7 @@ async def serve(config) -> int:
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    port = config.tls.add_port(server, f"{config.host}:{config.port}")
     if port == 0:
         log.error("could not bind %s:%d", config.host, config.port)
         return 1
@@ -147,8 +147,8 @@ async def serve(config) -> int:
     await watcher.start()
     await publisher.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    print(f"duet {role} worker {worker_id} ready: grpc {address} metrics {info.metrics_address} "
-          f"model {served}", file=sys.stderr, flush=True)
+    print(f"duet {role} worker {worker_id} ready: grpc {address} ({config.tls.describe('server')}) "
+          f"metrics {info.metrics_address} model {served}", file=sys.stderr, flush=True)
 
     stop = asyncio.Event()
     aloop = asyncio.get_running_loop()
@@ -198,6 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        config.tls.check("server")  # a bad certificate path fails now, not after loading the model
         return asyncio.run(serve(config))
     except KeyboardInterrupt:
         return 0

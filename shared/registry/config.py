@@ -4,7 +4,9 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from shared.registry.connection import RedisConnection
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -17,6 +19,7 @@ class RegistryConfig:
     heartbeat_interval_s: float = 1.0  # keep well under ttl_s (>= 3 beats per TTL)
     scan_interval_s: float = 1.0       # watcher's full re-scan period (leaves show up here)
     socket_timeout_s: float = 2.0      # bounds every Redis call, so an outage never hangs a loop
+    connection: RedisConnection = field(default_factory=RedisConnection)  # password, TLS
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval_s * 2 > self.ttl_s:
@@ -42,8 +45,14 @@ class RegistryConfig:
                             help="heartbeat period in seconds (env DUET_REGISTRY_HEARTBEAT)")
         parser.add_argument("--registry-prefix", default=env.get("DUET_REGISTRY_PREFIX", RegistryConfig.prefix),
                             help="Redis key namespace (env DUET_REGISTRY_PREFIX)")
+        RedisConnection.add_args(parser, env)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "RegistryConfig":
         return cls(redis_url=args.redis_url, prefix=args.registry_prefix, ttl_s=args.registry_ttl,
-                   heartbeat_interval_s=args.registry_heartbeat)
+                   heartbeat_interval_s=args.registry_heartbeat, connection=RedisConnection.from_args(args))
+
+    def client_kwargs(self) -> dict:
+        """Keyword arguments for redis.Redis.from_url(self.redis_url, ...): timeouts, password, TLS."""
+        return {"socket_timeout": self.socket_timeout_s, "socket_connect_timeout": self.socket_timeout_s,
+                **self.connection.client_kwargs(self.redis_url)}

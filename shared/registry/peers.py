@@ -56,5 +56,4 @@ def fetch_peer_sync(client: redis.Redis, keys: RegistryKeys, worker_id: str) -> 
 
 def connect_sync(config: RegistryConfig) -> redis.Redis:
     """A sync Redis client with bounded socket timeouts."""
-    return redis.Redis.from_url(config.redis_url, socket_timeout=config.socket_timeout_s,
-                                socket_connect_timeout=config.socket_timeout_s)
+    return redis.Redis.from_url(config.redis_url, **config.client_kwargs())

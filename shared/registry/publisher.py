@@ -29,12 +29,7 @@ log = logging.getLogger(__name__)
 
 def connect_async(config: RegistryConfig) -> aioredis.Redis:
     """An asyncio Redis client with bounded socket timeouts (create it inside the loop that uses it)."""
-    return aioredis.Redis.from_url(
-        config.redis_url,
-        socket_timeout=config.socket_timeout_s,
-        socket_connect_timeout=config.socket_timeout_s,
-        health_check_interval=0,
-    )
+    return aioredis.Redis.from_url(config.redis_url, health_check_interval=0, **config.client_kwargs())
 
 
 class WorkerPublisher:

@@ -1,0 +1,125 @@
+"""TLS and mutual TLS for Duet's gRPC (gateway -> router, gateway -> prefill/decode).
+
+One config dataclass, the same flags on every service (env DUET_GRPC_TLS_*), read from
+mounted certificate files (cert-manager's Secret keys tls.crt, tls.key, ca.crt):
+
+  server (router, workers): cert + key -> TLS; + CA -> mTLS (a client certificate signed
+                            by that CA is required)
+  client (gateway):         CA -> verify servers against it (else the system roots);
+                            cert + key -> present them (what an mTLS server asks for)
+
+Nothing set -> plaintext, as before (the laptop default). Workers are dialled by pod IP
+(from the registry), so clients can check every server against one name instead
+(--grpc-tls-server-name, gRPC's ssl_target_name_override): one certificate for the pool.
+Files are read once at start; a rotated certificate takes effect on restart."""
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from shared.security.secret_files import read_pem
+
+
+@dataclass
+class GrpcTlsConfig:
+    cert_file: str | None = None   # this process's certificate chain (PEM)
+    key_file: str | None = None    # its private key (PEM)
+    ca_file: str | None = None     # CA bundle that signs the peers' certificates
+    server_name: str | None = None  # client side: name expected in servers' certificates
+    _creds: grpc.ChannelCredentials | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if bool(self.cert_file) != bool(self.key_file):
+            raise ValueError("--grpc-tls-cert-file and --grpc-tls-key-file go together")
+
+    @property
+    def server_enabled(self) -> bool:
+        return bool(self.cert_file)
+
+    @property
+    def client_enabled(self) -> bool:
+        return bool(self.ca_file or self.cert_file)
+
+    @property
+    def mutual(self) -> bool:
+        return bool(self.cert_file and self.ca_file)
+
+    def describe(self, side: str) -> str:
+        on = self.server_enabled if side == "server" else self.client_enabled
+        return ("mTLS" if self.mutual else "TLS") if on else "plaintext"
+
+    # --- credentials ----------------------------------------------------------------------
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        if not self.server_enabled:
+            raise ValueError("a TLS gRPC server needs --grpc-tls-cert-file and --grpc-tls-key-file")
+        pair = (read_pem(self.key_file, "gRPC TLS key"), read_pem(self.cert_file, "gRPC TLS certificate"))
+        ca = read_pem(self.ca_file, "gRPC TLS CA") if self.ca_file else None
+        return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        ca = read_pem(self.ca_file, "gRPC TLS CA") if self.ca_file else None
+        key = read_pem(self.key_file, "gRPC TLS key") if self.key_file else None
+        cert = read_pem(self.cert_file, "gRPC TLS certificate") if self.cert_file else None
+        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+    def channel_options(self) -> list[tuple[str, str]]:
+        if self.client_enabled and self.server_name:
+            return [("grpc.ssl_target_name_override", self.server_name)]
+        return []
+
+    # --- use ------------------------------------------------------------------------------
+
+    def add_port(self, server: grpc.aio.Server, address: str) -> int:
+        """Bind `address` on the server, with TLS when configured; the bound port (0 = failed)."""
+        if self.server_enabled:
+            return server.add_secure_port(address, self.server_credentials())
+        return server.add_insecure_port(address)
+
+    def aio_channel(self, address: str, options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
+        """An asyncio channel to `address`, with TLS when configured."""
+        opts = list(options) + self.channel_options()
+        if self.client_enabled:
+            return grpc.aio.secure_channel(address, self._cached_channel_credentials(), options=opts)
+        return grpc.aio.insecure_channel(address, options=opts)
+
+    def _cached_channel_credentials(self) -> grpc.ChannelCredentials:
+        if self._creds is None:  # the gateway opens a channel per worker: read the files once
+            self._creds = self.channel_credentials()
+        return self._creds
+
+    def check(self, side: str) -> None:
+        """Read the files now, so a bad path fails the process at start with a clear message."""
+        if side == "server" and self.server_enabled:
+            self.server_credentials()
+        elif side == "server" and self.ca_file:
+            raise ValueError("--grpc-tls-ca-file on a server needs --grpc-tls-cert-file and --grpc-tls-key-file")
+        elif side == "client" and self.client_enabled:
+            self._cached_channel_credentials()
+
+    # --- configuration ---------------------------------------------------------------------
+
+    @staticmethod
+    def add_args(parser: argparse.ArgumentParser, env: Mapping[str, str] | None = None) -> None:
+        env = os.environ if env is None else env
+        g = parser.add_argument_group("gRPC TLS (between gateway, router and workers)")
+        g.add_argument("--grpc-tls-cert-file", default=env.get("DUET_GRPC_TLS_CERT_FILE") or None,
+                       help="PEM certificate: servers serve TLS with it, clients present it for mTLS "
+                            "(env DUET_GRPC_TLS_CERT_FILE)")
+        g.add_argument("--grpc-tls-key-file", default=env.get("DUET_GRPC_TLS_KEY_FILE") or None,
+                       help="PEM private key of that certificate (env DUET_GRPC_TLS_KEY_FILE)")
+        g.add_argument("--grpc-tls-ca-file", default=env.get("DUET_GRPC_TLS_CA_FILE") or None,
+                       help="PEM CA bundle: servers then require client certificates it signed (mTLS), "
+                            "clients verify servers with it (env DUET_GRPC_TLS_CA_FILE)")
+        g.add_argument("--grpc-tls-server-name", default=env.get("DUET_GRPC_TLS_SERVER_NAME") or None,
+                       help="clients: the name servers' certificates must carry, whatever address is "
+                            "dialled (env DUET_GRPC_TLS_SERVER_NAME)")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "GrpcTlsConfig":
+        return cls(cert_file=args.grpc_tls_cert_file, key_file=args.grpc_tls_key_file,
+                   ca_file=args.grpc_tls_ca_file, server_name=args.grpc_tls_server_name)
