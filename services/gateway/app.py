@@ -8,8 +8,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.gateway.body_limit import BodyLimitMiddleware
 from services.gateway.endpoints import GatewayContext, OpenAIEndpoints
 from services.gateway.errors import APIError, invalid_request, not_found
+from services.gateway.openapi import install_openapi
 
 
 def build_app(ctx: GatewayContext, manage_backend: bool = True) -> FastAPI:
@@ -25,7 +27,8 @@ def build_app(ctx: GatewayContext, manage_backend: bool = True) -> FastAPI:
             if manage_backend:
                 await ctx.backend.close()
 
-    app = FastAPI(title="Duet gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="Duet gateway", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json")
     endpoints = OpenAIEndpoints(ctx)
     app.state.endpoints = endpoints
 
@@ -36,6 +39,9 @@ def build_app(ctx: GatewayContext, manage_backend: bool = True) -> FastAPI:
     app.add_api_route("/v1/models/{model:path}", endpoints.get_model, methods=["GET"])
     app.add_api_route("/health", endpoints.health, methods=["GET"])
     app.add_api_route("/metrics", endpoints.prometheus, methods=["GET"])
+    install_openapi(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=ctx.limits.max_body_bytes,
+                       timeout_s=ctx.limits.body_timeout_s)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
+
+from services.gateway.limits import GatewayLimits, add_limit_flags, limits_from_args
 
 BACKENDS = ("grpc", "local")
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "none")
@@ -29,6 +31,7 @@ class GatewayConfig:
     # llama3_json); none = never (tool_choice "auto" then returns text only)
     tool_call_parser: str = "auto"
     log_level: str = "info"
+    limits: GatewayLimits = field(default_factory=GatewayLimits)  # admission, body size, slow clients
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -73,6 +76,7 @@ class GatewayConfig:
                             "(env DUET_TOOL_CALL_PARSER)")
         p.add_argument("--log-level", default=env.get("DUET_LOG_LEVEL", d["log_level"].default),
                        help="env DUET_LOG_LEVEL")
+        add_limit_flags(p, env)
         return p
 
     @classmethod
@@ -83,7 +87,7 @@ class GatewayConfig:
                    redis_url=args.redis_url, model=args.model, served_model_name=args.served_model_name,
                    max_model_len=args.max_model_len, reserve_timeout_ms=args.reserve_timeout_ms,
                    rpc_timeout_s=args.rpc_timeout, tool_call_parser=args.tool_call_parser,
-                   log_level=args.log_level)
+                   log_level=args.log_level, limits=limits_from_args(args))
 
 
 def _int_or_none(value: str | None) -> int | None:

@@ -58,7 +58,7 @@ def build_context(config: GatewayConfig) -> GatewayContext:
     prompts = PromptBuilder.from_model_dir(model_dir)
     backend = build_backend(config, model_dir, served_name, max_context)
     return GatewayContext(backend, prompts, GatewayMetrics(), served_name, max_context,
-                          tool_call_parser=config.tool_call_parser)
+                          tool_call_parser=config.tool_call_parser, limits=config.limits)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from services.gateway.app import build_app
+    from services.gateway.http_server import uvicorn_limits
     from shared.engine.default_model import ModelNotFoundError
     from shared.telemetry.tracing import setup_tracing
 
@@ -86,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
              ctx.served_model_name, ctx.max_context_len, config.host, config.port, config.backend)
     try:
         uvicorn.run(build_app(ctx), host=config.host, port=config.port, log_level=config.log_level.lower(),
-                    timeout_graceful_shutdown=float(os.environ.get("DUET_DRAIN_GRACE", "30")))
+                    timeout_graceful_shutdown=float(os.environ.get("DUET_DRAIN_GRACE", "30")),
+                    **uvicorn_limits(config.limits))
     finally:
         tracing.shutdown()
     return 0
