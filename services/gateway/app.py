@@ -8,7 +8,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.gateway.body_limit import BodyLimitMiddleware
+from services.gateway.request_limits import RequestLimitsMiddleware
 from services.gateway.endpoints import GatewayContext, OpenAIEndpoints
 from services.gateway.errors import APIError, invalid_request, not_found
 from services.gateway.openapi import install_openapi
@@ -40,8 +40,8 @@ def build_app(ctx: GatewayContext, manage_backend: bool = True) -> FastAPI:
     app.add_api_route("/health", endpoints.health, methods=["GET"])
     app.add_api_route("/metrics", endpoints.prometheus, methods=["GET"])
     install_openapi(app)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=ctx.limits.max_body_bytes,
-                       timeout_s=ctx.limits.body_timeout_s)
+    app.add_middleware(RequestLimitsMiddleware, max_bytes=ctx.limits.max_body_bytes,
+                       timeout_s=ctx.limits.body_timeout_s, max_header_bytes=ctx.limits.max_header_bytes)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):

@@ -31,7 +31,7 @@ ERROR_SCHEMA = {
         "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
 }
 ERROR_STATUSES = {"400": "Invalid request", "404": "Unknown model", "408": "Body not received in time",
-                  "413": "Body too large", "429": "At capacity; see Retry-After",
+                  "413": "Body too large", "431": "Headers too large", "429": "At capacity; see Retry-After",
                   "503": "No worker can serve now"}
 
 

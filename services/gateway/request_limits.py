@@ -1,4 +1,6 @@
-"""Request bodies, bounded: a body over `max_bytes` gets 413 (by Content-Length before a
+"""Requests, bounded. Headers over `max_header_bytes` get 431 (h11's own bound applies
+only while headers are incomplete across reads, so a whole oversized block that arrives
+in one read passes it). A body over `max_bytes` gets 413 (by Content-Length before a
 byte of it is read, or as soon as a chunked body passes the limit) and one not fully
 received within `timeout_s` gets 408, both as OpenAI error JSON, and the connection is
 closed. The endpoints buffer the whole body anyway (it is parsed as one JSON document),
@@ -34,14 +36,26 @@ def body_timeout(seconds: float) -> APIError:
                     "invalid_request_error", None, "request_timeout", {"Connection": "close"})
 
 
-class BodyLimitMiddleware:
-    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float):
+def headers_too_large(limit: int) -> APIError:
+    return APIError(431, f"The request headers are larger than this server accepts ({limit} bytes).",
+                    "invalid_request_error", None, "headers_too_large", {"Connection": "close"})
+
+
+class RequestLimitsMiddleware:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float, max_header_bytes: int):
         self.app = app
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
+        self.max_header_bytes = max_header_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] not in _WITH_BODY:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if sum(len(k) + len(v) + 4 for k, v in scope["headers"]) > self.max_header_bytes:
+            await headers_too_large(self.max_header_bytes).response()(scope, receive, send)
+            return
+        if scope["method"] not in _WITH_BODY:
             await self.app(scope, receive, send)
             return
         length = _content_length(scope)
