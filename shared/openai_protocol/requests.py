@@ -279,6 +279,23 @@ def _check_message(message: ChatMessage, param: str) -> None:
                                      f"{param}.content[{j}]")
     if message.content is None and message.role != "assistant":
         raise InvalidRequest(f"Missing required parameter: '{param}.content'", f"{param}.content")
+    for j, call in enumerate(message.tool_calls or []):
+        _check_tool_call(call, f"{param}.tool_calls[{j}]")
+
+
+def _check_tool_call(call: dict[str, Any], param: str) -> None:
+    """An earlier answer's tool call, as OpenAI returns it: {"id", "type": "function",
+    "function": {"name", "arguments": a JSON string}} (arguments as an object is taken too)."""
+    if call.get("type", "function") != "function":
+        raise InvalidRequest(f"only tool calls of type 'function' are supported, got {call.get('type')!r}",
+                             f"{param}.type")
+    fn = call.get("function")
+    if not isinstance(fn, dict):
+        raise InvalidRequest(f"Missing required parameter: '{param}.function'", f"{param}.function")
+    if not isinstance(fn.get("name"), str):
+        raise InvalidRequest(f"Missing required parameter: '{param}.function.name'", f"{param}.function.name")
+    if not isinstance(fn.get("arguments", ""), (str, dict)):
+        raise InvalidRequest("tool call arguments must be a JSON string", f"{param}.function.arguments")
 
 
 def _content_text(content: str | list[dict[str, Any]] | None) -> str:
