@@ -61,6 +61,8 @@ def test_chat_defaults_and_text_parts():
      "messages[0].tool_calls[0].function.name"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": 3}}]}]},
      "messages[0].tool_calls[0].function.arguments"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}]},
+     "messages[0].tool_calls[0].function.arguments"),
 ])
 def test_chat_invalid_fields_name_the_param(fields, param):
     with pytest.raises(InvalidRequest) as info:

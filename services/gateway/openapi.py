@@ -73,7 +73,7 @@ CONSTRAINTS: dict[str, dict[str, dict]] = {
                                                       {"type": "array", "items": _TEXT_PART}]}},
                     "tool_calls": {"items": {"type": "object", "required": ["function"], "properties": {
                         "id": {"type": "string"}, "type": {"const": "function"},
-                        "function": {"type": "object", "required": ["name"], "properties": {
+                        "function": {"type": "object", "required": ["name", "arguments"], "properties": {
                             "name": {"type": "string"}, "arguments": {"type": "string"}}}}}}},
     "ResponsesRequest": {"temperature": _SAMPLING["temperature"], "top_p": _SAMPLING["top_p"],
                          "max_output_tokens": {"minimum": 1}, "input": {"string": {"minLength": 1}}},

@@ -294,7 +294,10 @@ def _check_tool_call(call: dict[str, Any], param: str) -> None:
         raise InvalidRequest(f"Missing required parameter: '{param}.function'", f"{param}.function")
     if not isinstance(fn.get("name"), str):
         raise InvalidRequest(f"Missing required parameter: '{param}.function.name'", f"{param}.function.name")
-    if not isinstance(fn.get("arguments", ""), (str, dict)):
+    if "arguments" not in fn:
+        raise InvalidRequest(f"Missing required parameter: '{param}.function.arguments'",
+                             f"{param}.function.arguments")
+    if not isinstance(fn["arguments"], (str, dict)):
         raise InvalidRequest("tool call arguments must be a JSON string", f"{param}.function.arguments")
 
 
