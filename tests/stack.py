@@ -310,12 +310,17 @@ class DuetUp(_StackBase):
         return self
 
     def router_metrics(self) -> Metrics:
-        """The router's /metrics (its port is in the line it logs at start)."""
-        text = (self.log_dir / "router.log").read_text(errors="replace")
-        m = re.search(r"router listening on (\S+):\d+ \(metrics (\d+)\)", text)
-        if m is None:
-            raise RuntimeError("the router has not logged its metrics port")
-        return scrape(f"{m.group(1)}:{m.group(2)}")
+        """The router's /metrics (duet up gives it --host and --metrics-port on its command line)."""
+        argv = self._child_argv("router")
+        return scrape(f"{argv[argv.index('--host') + 1]}:{argv[argv.index('--metrics-port') + 1]}")
+
+    def _child_argv(self, name: str) -> list[str]:
+        import psutil
+        for child in psutil.Process(self.proc.pid).children(recursive=True):
+            argv = child.cmdline()
+            if name in argv:
+                return argv
+        raise RuntimeError(f"duet up has no {name} child")
 
     def gateway_pid(self) -> int:
         """The gateway child of duet up (its process id, for memory readings)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import httpx
 import pytest
@@ -55,14 +56,18 @@ def test_abort_storm_leaves_every_counter_where_it_started(stack):
         steady = asyncio.create_task(steady_client(base, model, expected, stop))
         await asyncio.sleep(0.5)
         result = await storm(base, model, STREAMS, SPREAD_S)
+        ended = time.monotonic()
         await asyncio.sleep(1.0)  # the steady client keeps going right after the storm too
         stop.set()
-        return result, await steady
-    result, steady = asyncio.run(go())
-    after, settled_s = wait_idle_again(stack, before, SETTLE_S)
+        return result, await steady, ended
+    started = time.monotonic()
+    result, steady, ended = asyncio.run(go())
+    after, _ = wait_idle_again(stack, before, SETTLE_S)
+    settled_s = time.monotonic() - ended  # from the last stream dropped (the steady client's last request included)
 
     lat = sorted(steady.latencies)
-    print(f"\nabort storm: {STREAMS} streams opened in {result.opened_in_s:.1f}s, statuses {dict(result.statuses)}, "
+    print(f"\nabort storm: {STREAMS} streams opened in {result.opened_in_s:.1f}s, all dropped "
+          f"{ended - started:.0f}s after the start, statuses {dict(result.statuses)}, "
           f"{result.first_chunks} dropped after their first chunk; steady client {steady.ok} ok, "
           f"{len(steady.errors)} errors, latency p50 {lat[len(lat) // 2] if lat else 0:.2f}s "
           f"max {lat[-1] if lat else 0:.2f}s; counters back in {settled_s:.1f}s: {after}")
@@ -70,6 +75,7 @@ def test_abort_storm_leaves_every_counter_where_it_started(stack):
     assert steady.ok >= 3
     assert result.statuses[200] == STREAMS and result.first_chunks == STREAMS, result
     assert after.idle, f"not back to the start {SETTLE_S:.0f}s after the storm: {after}"
+    assert settled_s < SETTLE_S + 10, settled_s
     assert after.registry == before.registry and after.registry_keys == before.registry_keys, (before, after)
     r = httpx.post(base + "/v1/completions", json=steady_body(model), timeout=60)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected
