@@ -8,7 +8,8 @@ capped so each case is one short generation, and a budget stops sending after ~9
 
 Prints the counts (cases, 2xx, 4xx, 5xx). Rerun alone:
     PYTHONPATH=$PWD python -m pytest -q -s tests/test_gateway_fuzz.py
-DUET_FUZZ_EXAMPLES sets the examples per endpoint and mode (default 100)."""
+DUET_FUZZ_EXAMPLES sets the examples per endpoint and mode (default 100); DUET_FUZZ_STACK=split
+fuzzes `duet up` (1 prefill + 1 decode over gRPC) instead of the in-process engine."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import pytest
 import requests
 
 from tests.openai_schema import validate
-from tests.stack import Process, duet_argv, http_status, new_log_dir, wait_until
+from tests.stack import DuetUp, Process, duet_argv, http_status, new_log_dir, wait_until
 from tests.test_gateway_support import free_port
 
 pytestmark = pytest.mark.slow
@@ -33,6 +34,15 @@ MAX_TOKENS = 3
 
 @pytest.fixture(scope="module")
 def gateway():
+    if os.environ.get("DUET_FUZZ_STACK") == "split":
+        stack = DuetUp(new_log_dir("fuzz-split"), "--prefill", "1", "--decode", "1", env={"DUET_MAX_MODEL_LEN": "512"})
+        try:
+            stack.start().wait_ready()
+            yield stack.base_url.removesuffix("/v1"), stack.proc
+        finally:
+            stack.close()
+            print(f"\nlogs: {stack.log_dir}")
+        return
     log_dir = new_log_dir("fuzz")
     port = free_port()
     proc = Process("gateway", duet_argv("gateway", "--backend", "local", "--host", "127.0.0.1", "--port", str(port),
