@@ -87,6 +87,9 @@ def test_completion_prompt_forms():
                 b'{"prompt": "x", "best_of": 2}', b'{"prompt": "x", "logprobs": 21}'):
         with pytest.raises(InvalidRequest):
             parse_completion_request(bad)
+    with pytest.raises(InvalidRequest) as info:  # a float among token ids: the message names every form
+        parse_completion_request(b'{"prompt": [1, 2.0]}')
+    assert info.value.param == "prompt" and "array of token ids" in info.value.message
 
 
 def test_sampling_budget_and_mapping():

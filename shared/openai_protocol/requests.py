@@ -248,6 +248,9 @@ def _as_invalid_request(exc: ValidationError) -> InvalidRequest:
     param = _param_path(first["loc"])
     if first["type"] == "missing":
         return InvalidRequest(f"Missing required parameter: '{param}'", param)
+    if param == "prompt":  # a union: pydantic reports the first member (str), which misleads
+        return InvalidRequest("Invalid type for 'prompt': expected a string, an array of strings, an array of "
+                              "token ids (integers) or an array of token-id arrays", param)
     return InvalidRequest(f"Invalid type for '{param}': {first['msg']}", param)
 
 
