@@ -3,6 +3,7 @@
     duet loadtest [run] --base-url URL [flags]    load-test a server (default command)
     duet loadtest compare A.json B.json          two result files side by side
     duet loadtest report results.json            table and plots again, optionally other SLOs
+    duet loadtest overload --base-url URL        arrivals at 10x capacity: 200/429 counts, RSS
 """
 from __future__ import annotations
 
@@ -18,11 +19,15 @@ def main(argv: list[str] | None = None) -> int:
         from loadtest.run_command import run_command
 
         return run_command(config_from(run_parser().parse_args(rest)))
+    if command == "overload":
+        from loadtest.overload import main as overload_main
+
+        return overload_main(rest)
     if command in ("compare", "report"):
         from loadtest.file_commands import compare_main, report_main
 
         return (compare_main if command == "compare" else report_main)(rest)
-    print(f"duet loadtest: unknown command {command!r} (run, compare, report)", file=sys.stderr)
+    print(f"duet loadtest: unknown command {command!r} (run, compare, report, overload)", file=sys.stderr)
     return 2
 
 

@@ -275,7 +275,7 @@ class DuetUp(_StackBase):
     """`duet up` as one subprocess."""
 
     def __init__(self, log_dir: Path, *args: str, kv_cache_memory: str = "64M",
-                 worker_args: Sequence[str] = ()):
+                 worker_args: Sequence[str] = (), env: dict[str, str] | None = None):
         super().__init__()
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -285,7 +285,7 @@ class DuetUp(_StackBase):
                          "--kv-cache-memory", kv_cache_memory, "--health-timeout", "280", *args)
         if worker_args:
             argv += ["--", *worker_args]
-        self.proc = Process("duet-up", argv, self.log_dir / "duet-up.out")
+        self.proc = Process("duet-up", argv, self.log_dir / "duet-up.out", env=child_env(env))
         self.redis_url = ""
 
     def processes(self) -> list[Process]:
@@ -308,6 +308,27 @@ class DuetUp(_StackBase):
             raise RuntimeError(f"{exc}\n{self.report_logs()}") from None
         self.redis_url = m.group(1)
         return self
+
+    def router_metrics(self) -> Metrics:
+        """The router's /metrics (duet up gives it --host and --metrics-port on its command line)."""
+        argv = self._child_argv("router")
+        return scrape(f"{argv[argv.index('--host') + 1]}:{argv[argv.index('--metrics-port') + 1]}")
+
+    def _child_argv(self, name: str) -> list[str]:
+        import psutil
+        for child in psutil.Process(self.proc.pid).children(recursive=True):
+            argv = child.cmdline()
+            if name in argv:
+                return argv
+        raise RuntimeError(f"duet up has no {name} child")
+
+    def gateway_pid(self) -> int:
+        """The gateway child of duet up (its process id, for memory readings)."""
+        import psutil
+        for child in psutil.Process(self.proc.pid).children(recursive=True):
+            if "gateway" in child.cmdline():
+                return child.pid
+        raise RuntimeError("duet up has no gateway child")
 
     def close(self) -> None:
         self.proc.stop(grace_s=40)

@@ -15,16 +15,19 @@ def chat(**fields) -> bytes:
     return json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}).encode()
 
 
+CALL = {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
 def test_chat_defaults_and_text_parts():
     req = parse_chat_request(json.dumps({"messages": [
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]},
+        {"role": "assistant", "content": None, "tool_calls": [CALL]},
         {"role": "user", "content": "c"}]}).encode())
     assert req.model is None and not req.stream and req.stop_list == []
     msgs = req.template_messages()
     assert msgs[1] == {"role": "user", "content": "ab"}
-    assert msgs[2]["content"] == "" and msgs[2]["tool_calls"] == [{"id": "1"}]
+    assert msgs[2]["content"] == "" and msgs[2]["tool_calls"] == [CALL]
 
 
 @pytest.mark.parametrize("fields,param", [
@@ -52,6 +55,14 @@ def test_chat_defaults_and_text_parts():
     ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    # an earlier answer's tool calls are checked too (found by tests/test_gateway_fuzz.py: a 500 before)
+    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "1"}]}]}, "messages[0].tool_calls[0].function"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}]},
+     "messages[0].tool_calls[0].function.name"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": 3}}]}]},
+     "messages[0].tool_calls[0].function.arguments"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}]},
+     "messages[0].tool_calls[0].function.arguments"),
 ])
 def test_chat_invalid_fields_name_the_param(fields, param):
     with pytest.raises(InvalidRequest) as info:
@@ -76,6 +87,9 @@ def test_completion_prompt_forms():
                 b'{"prompt": "x", "best_of": 2}', b'{"prompt": "x", "logprobs": 21}'):
         with pytest.raises(InvalidRequest):
             parse_completion_request(bad)
+    with pytest.raises(InvalidRequest) as info:  # a float among token ids: the message names every form
+        parse_completion_request(b'{"prompt": [1, 2.0]}')
+    assert info.value.param == "prompt" and "array of token ids" in info.value.message
 
 
 def test_sampling_budget_and_mapping():

@@ -172,12 +172,13 @@ def free_port() -> int:
 class UvicornThread:
     """A real uvicorn server on 127.0.0.1:<free port>, in a thread of this process."""
 
-    def __init__(self, app, port: int | None = None):
+    def __init__(self, app, port: int | None = None, **options):
+        """options: more uvicorn.Config arguments (e.g. the gateway's uvicorn_limits)."""
         import uvicorn
 
         self.port = port or free_port()
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    lifespan="on", timeout_graceful_shutdown=2))
+                                                    lifespan="on", timeout_graceful_shutdown=2, **options))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property

@@ -8,8 +8,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.gateway.request_limits import RequestLimitsMiddleware
 from services.gateway.endpoints import GatewayContext, OpenAIEndpoints
 from services.gateway.errors import APIError, invalid_request, not_found
+from services.gateway.openapi import install_openapi
 
 
 def build_app(ctx: GatewayContext, manage_backend: bool = True, metrics_route: bool = True) -> FastAPI:
@@ -26,7 +28,8 @@ def build_app(ctx: GatewayContext, manage_backend: bool = True, metrics_route: b
             if manage_backend:
                 await ctx.backend.close()
 
-    app = FastAPI(title="Duet gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="Duet gateway", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json")
     endpoints = OpenAIEndpoints(ctx)
     app.state.endpoints = endpoints
 
@@ -40,6 +43,9 @@ def build_app(ctx: GatewayContext, manage_backend: bool = True, metrics_route: b
     app.add_api_route("/live", lambda: {"status": "alive"}, methods=["GET"])
     if metrics_route:
         app.add_api_route("/metrics", endpoints.prometheus, methods=["GET"])
+    install_openapi(app)
+    app.add_middleware(RequestLimitsMiddleware, max_bytes=ctx.limits.max_body_bytes,
+                       timeout_s=ctx.limits.body_timeout_s, max_header_bytes=ctx.limits.max_header_bytes)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):

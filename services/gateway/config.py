@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from services.gateway.security_config import SecurityConfig
+from services.gateway.limits import GatewayLimits, add_limit_flags, limits_from_args
 
 BACKENDS = ("grpc", "local")
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "none")
@@ -32,6 +33,7 @@ class GatewayConfig:
     tool_call_parser: str = "auto"
     log_level: str = "info"
     security: SecurityConfig = field(default_factory=SecurityConfig)  # API keys, HTTPS, TLS, metrics port
+    limits: GatewayLimits = field(default_factory=GatewayLimits)  # admission, body size, slow clients
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -77,6 +79,7 @@ class GatewayConfig:
         p.add_argument("--log-level", default=env.get("DUET_LOG_LEVEL", d["log_level"].default),
                        help="env DUET_LOG_LEVEL")
         SecurityConfig.add_args(p, env)
+        add_limit_flags(p, env)
         return p
 
     @classmethod
@@ -87,7 +90,8 @@ class GatewayConfig:
                    redis_url=args.redis_url, model=args.model, served_model_name=args.served_model_name,
                    max_model_len=args.max_model_len, reserve_timeout_ms=args.reserve_timeout_ms,
                    rpc_timeout_s=args.rpc_timeout, tool_call_parser=args.tool_call_parser,
-                   log_level=args.log_level, security=SecurityConfig.from_args(args))
+                   log_level=args.log_level, security=SecurityConfig.from_args(args),
+                   limits=limits_from_args(args))
 
 
 def _int_or_none(value: str | None) -> int | None:

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from services.gateway.admission import AdmissionQueue, AdmissionRefused, register_admission_metrics
 from services.gateway.backend import BackendError, GenerationBackend, GenerationRequest, SamplingOptions
 from services.gateway.errors import (
     APIError,
@@ -21,9 +22,11 @@ from services.gateway.errors import (
     from_invalid_request,
     internal_error,
     model_not_found,
+    server_busy,
 )
 from services.gateway.generation import Generation, OutputDelta
 from services.gateway.generation_set import GenerationSet
+from services.gateway.limits import GatewayLimits
 from services.gateway.grammar_request import response_format_grammar, tool_choice_grammar
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.prompt import PromptBuilder
@@ -61,8 +64,12 @@ class GatewayContext:
     tracer: Any = field(default_factory=lambda: trace.get_tracer("duet-gateway"))
     created: int = field(default_factory=lambda: int(time.time()))
     tool_call_parser: str = "auto"  # auto | hermes | llama3_json | none (GatewayConfig)
+    limits: GatewayLimits = field(default_factory=GatewayLimits)
 
     def __post_init__(self) -> None:
+        lim = self.limits
+        self.admission = AdmissionQueue(lim.max_concurrent, lim.max_queued, lim.queue_timeout_s, lim.retry_after_s)
+        register_admission_metrics(self.metrics.registry, self.admission)
         self.token_strings = TokenStrings(self.prompts.tokenizer)
         parser = "auto" if self.tool_call_parser == "none" else self.tool_call_parser
         self.tool_template = ToolTemplate.detect(self.prompts.chat_template, parser)
@@ -216,10 +223,18 @@ class OpenAIEndpoints:
         span = self.ctx.tracer.start_span(
             f"POST /v1/{endpoint.replace('_', '/')}", context=extract_http_context(request.headers),
             kind=trace.SpanKind.SERVER)
-        outcome = _Outcome(lambda status: self._finish(endpoint, status, span))
+        # The admission slot is held until the outcome is recorded: the end of the answer,
+        # of the stream (on_close), or of a cancelled task.
+        ticket = self.ctx.admission.ticket()
+        outcome = _Outcome(lambda status: (ticket.release(), self._finish(endpoint, status, span)))
         try:
+            body = await request.body()  # first: the disconnect watch below reads receive()
             try:
-                prepared = await prepare(await request.body())
+                await run_until_disconnect(request.receive, ticket.acquire())
+            except AdmissionRefused as exc:
+                raise server_busy(str(exc), exc.retry_after_s) from None
+            try:
+                prepared = await prepare(body)
             except InvalidRequest as exc:
                 raise from_invalid_request(exc) from None
             span.set_attribute("duet.request_id", prepared.request_id)

@@ -51,17 +51,20 @@ def internal_error(message: str = "The server had an error while processing your
     return APIError(500, message, "server_error", None, "internal_error")
 
 
+def server_busy(message: str, retry_after_s: float | None) -> APIError:
+    """429 in OpenAI's format; Retry-After in whole seconds, at least 1."""
+    headers = {} if retry_after_s is None else {"Retry-After": str(max(1, round(retry_after_s)))}
+    return APIError(429, f"The server is at capacity: {message}. Retry later.", "rate_limit_error", None,
+                    "server_busy", headers)
+
+
 def from_invalid_request(exc: InvalidRequest) -> APIError:
     return APIError(exc.status, exc.message, "invalid_request_error", exc.param, exc.code)
 
 
 def from_backend_error(exc: BackendError) -> APIError:
     if isinstance(exc, BackendBusy):
-        headers = {}
-        if exc.retry_after_s is not None:
-            headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
-        return APIError(429, f"The server is at capacity: {exc}. Retry later.", "rate_limit_error", None,
-                        "server_busy", headers)
+        return server_busy(str(exc), exc.retry_after_s)
     if isinstance(exc, BackendUnavailable):
         return APIError(503, f"The service is unavailable: {exc}", "server_error", None, "service_unavailable")
     if isinstance(exc, BackendBadRequest):

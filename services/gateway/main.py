@@ -60,7 +60,7 @@ def build_context(config: GatewayConfig) -> GatewayContext:
     prompts = PromptBuilder.from_model_dir(model_dir)
     backend = build_backend(config, model_dir, served_name, max_context)
     return GatewayContext(backend, prompts, GatewayMetrics(), served_name, max_context,
-                          tool_call_parser=config.tool_call_parser)
+                          tool_call_parser=config.tool_call_parser, limits=config.limits)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from services.gateway.app import build_app
+    from services.gateway.http_server import uvicorn_limits
     from shared.engine.default_model import ModelNotFoundError
     from shared.telemetry.tracing import setup_tracing
 
@@ -103,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
              security.grpc_tls.describe("client"), f"port {security.metrics_port}" if metrics_server else "the API port")
     try:
         uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level.lower(),
-                    timeout_graceful_shutdown=float(os.environ.get("DUET_DRAIN_GRACE", "30")), **ssl_options)
+                    timeout_graceful_shutdown=float(os.environ.get("DUET_DRAIN_GRACE", "30")),
+                    **ssl_options, **uvicorn_limits(config.limits))
     finally:
         if metrics_server is not None:
             metrics_server.stop()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 
 import grpc
+from prometheus_client import Gauge
 
 from protos import duet_pb2_grpc
 from services.router.config import RouterConfig
@@ -28,6 +29,9 @@ class RouterServer:
         self._grpc: grpc.aio.Server | None = None
         self._metrics_server: MetricsServer | None = None
         self.port = 0
+        # Requests routed and not yet released: back to 0 when the load ends (abort storms).
+        Gauge("duet_router_inflight_requests", "Requests routed and not yet released",
+              registry=self.metrics.registry).set_function(lambda: len(self.service.inflight))
 
     @property
     def metrics_port(self) -> int:

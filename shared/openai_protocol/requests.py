@@ -248,6 +248,9 @@ def _as_invalid_request(exc: ValidationError) -> InvalidRequest:
     param = _param_path(first["loc"])
     if first["type"] == "missing":
         return InvalidRequest(f"Missing required parameter: '{param}'", param)
+    if param == "prompt":  # a union: pydantic reports the first member (str), which misleads
+        return InvalidRequest("Invalid type for 'prompt': expected a string, an array of strings, an array of "
+                              "token ids (integers) or an array of token-id arrays", param)
     return InvalidRequest(f"Invalid type for '{param}': {first['msg']}", param)
 
 
@@ -279,6 +282,26 @@ def _check_message(message: ChatMessage, param: str) -> None:
                                      f"{param}.content[{j}]")
     if message.content is None and message.role != "assistant":
         raise InvalidRequest(f"Missing required parameter: '{param}.content'", f"{param}.content")
+    for j, call in enumerate(message.tool_calls or []):
+        _check_tool_call(call, f"{param}.tool_calls[{j}]")
+
+
+def _check_tool_call(call: dict[str, Any], param: str) -> None:
+    """An earlier answer's tool call, as OpenAI returns it: {"id", "type": "function",
+    "function": {"name", "arguments": a JSON string}} (arguments as an object is taken too)."""
+    if call.get("type", "function") != "function":
+        raise InvalidRequest(f"only tool calls of type 'function' are supported, got {call.get('type')!r}",
+                             f"{param}.type")
+    fn = call.get("function")
+    if not isinstance(fn, dict):
+        raise InvalidRequest(f"Missing required parameter: '{param}.function'", f"{param}.function")
+    if not isinstance(fn.get("name"), str):
+        raise InvalidRequest(f"Missing required parameter: '{param}.function.name'", f"{param}.function.name")
+    if "arguments" not in fn:
+        raise InvalidRequest(f"Missing required parameter: '{param}.function.arguments'",
+                             f"{param}.function.arguments")
+    if not isinstance(fn["arguments"], (str, dict)):
+        raise InvalidRequest("tool call arguments must be a JSON string", f"{param}.function.arguments")
 
 
 def _content_text(content: str | list[dict[str, Any]] | None) -> str:
