@@ -100,7 +100,8 @@ def test_beyond_running_plus_queued_requests_get_429_with_retry_after(server, ba
             assert body["error"]["type"] == "rate_limit_error"
             assert r.headers["retry-after"] == "3"
     metrics = httpx.get(server.base_url + "/metrics").text
-    assert 'duet_requests_total{endpoint="completions",status="429"}' in metrics
+    assert 'duet_requests_total{endpoint="completions",outcome="rejected",service="gateway",status="429"} 4.0' \
+        in metrics
     assert "duet_gateway_refused_requests" in metrics
 
 
