@@ -234,7 +234,7 @@ def test_decode_pod_deleted_mid_stream_drains_and_leaves_nothing(cluster):
                         finish = ch.finish_reason or finish
                         first_chunk.set()
                     usage = chunk.usage or usage
-                result.update(text="".join(pieces), finish=finish, usage=usage)
+                result.update(text="".join(pieces), finish=finish, usage=usage, done_at=time.monotonic())
         except Exception as exc:  # reported by the assertions below
             result["error"] = repr(exc)
         finally:
@@ -262,6 +262,7 @@ def test_decode_pod_deleted_mid_stream_drains_and_leaves_nothing(cluster):
     assert sigterm - prestop >= 2.0, victim.describe()
     assert not victim.killed and victim.exit_code == 0, victim.describe()
     print(victim.describe())  # the timeline, for -s runs
+    print(f"stream finished at {result['done_at'] - victim.t0:.2f}s on that timeline")
     grace = victim.spec["terminationGracePeriodSeconds"]
     assert time.monotonic() - deleted_at < grace, victim.describe()
     # nothing left behind: its registry entry is gone, the others are idle with no KV held
@@ -276,6 +277,26 @@ def test_decode_pod_deleted_mid_stream_drains_and_leaves_nothing(cluster):
     replacement = [p for p in c.pods_of("duet-decode") if p not in decodes]
     assert len(replacement) == 1, [p.name for p in c.pods_of("duet-decode")]
     assert not _crashed(c), c.describe()
+
+
+@pytest.mark.slow
+def test_every_pod_stayed_within_its_memory_limit(cluster):
+    """Each pod ran in a cgroup with its limits.memory (the kernel OOM-kills past it): none
+    was killed, and the high-water marks say how much room each limit leaves."""
+    from tests.k8s_sim.podenv import parse_quantity
+    rows = []
+    for p in cluster.all_pods:
+        if p.spec is None:
+            continue
+        limit = (p.main_container.get("resources") or {}).get("limits", {}).get("memory")
+        peak = p.memory_high_water()
+        rows.append((p.name, peak, limit))
+        oom = p.oom_kills if p.gone or p.cgroup is None else p.cgroup.oom_kills()
+        assert oom == 0, p.describe()
+        if limit and peak:
+            assert peak < parse_quantity(limit), (p.name, peak, limit)
+    print("\n".join(f"{n:40s} peak {pk / 2**20 if pk else float('nan'):7.0f} MiB  limit {lim}" for n, pk, lim in rows))
+    assert not _crashed(cluster), cluster.describe()
 
 
 def test_grace_period_ends_in_sigkill_after_prestop():

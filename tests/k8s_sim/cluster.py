@@ -16,7 +16,7 @@ import secrets
 import threading
 from pathlib import Path
 
-from tests.k8s_sim import netns
+from tests.k8s_sim import cgroups, netns
 from tests.k8s_sim.image import HostImage, host_image
 from tests.k8s_sim.netpol import IN_CHAIN, OUT_CHAIN, PolicyAgent
 from tests.k8s_sim.network import PodNetwork
@@ -41,6 +41,7 @@ class Cluster:
         netns.require_capabilities()
         self.objects = Objects(render(overlay))
         netns.reap_stale()
+        cgroups.reap_stale(netns.is_stale)
         self.prefix = netns.cluster_prefix(next(_instances))
         self.work_dir = Path(work_dir)
         self.model_cache = Path(model_cache)
@@ -177,6 +178,7 @@ class Cluster:
             for p in self.all_pods:
                 p.force_stop()
             self.network.down()
+            cgroups.remove_group()
 
     def describe(self, log_lines: int = 30) -> str:
         parts = [f"work dir {self.work_dir}; not run (image not mapped): {self.not_run}"]

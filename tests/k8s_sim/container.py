@@ -14,7 +14,7 @@ import os
 import shlex
 import shutil
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -36,6 +36,7 @@ class ContainerSpec:
     read_only_root: bool
     drop_all_caps: bool
     no_new_privs: bool
+    cgroup_dirs: list[str] = field(default_factory=list)  # joined before anything runs (cgroups.py)
 
     def prologue(self) -> str:
         lines = ["set -e"]
@@ -69,7 +70,11 @@ class ContainerSpec:
             os.makedirs(m.path, exist_ok=True)
         # mount and setpriv are the host's tools, found before the container's PATH applies
         prologue = self.prologue().replace("mount ", f"{shutil.which('mount')} ")
-        return [shutil.which("ip"), "netns", "exec", self.netns, "/bin/sh", "-c", prologue, "sh", *command]
+        argv = [shutil.which("ip"), "netns", "exec", self.netns, "/bin/sh", "-c", prologue, "sh", *command]
+        if self.cgroup_dirs:  # join the pod's cgroups first, so every byte and child is counted
+            join = 'n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1/cgroup.procs"; shift; n=$((n-1)); done; exec "$@"'
+            argv = ["/bin/sh", "-c", join, "sh", str(len(self.cgroup_dirs)), *self.cgroup_dirs, *argv]
+        return argv
 
     def start(self, command: list[str], log_path: Path) -> subprocess.Popen:
         with log_path.open("ab") as log:

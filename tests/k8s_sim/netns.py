@@ -111,14 +111,18 @@ def cluster_prefix(instance: int) -> str:
     return f"k8s{os.getpid()}x{instance}-"
 
 
+def is_stale(name: str) -> bool:
+    m = STALE_NAME.match(name)
+    return m is not None and not os.path.exists(f"/proc/{m.group(1)}")
+
+
 def reap_stale() -> list[str]:
     """Delete namespaces (and SIGKILL the processes in them) that a test process which no
     longer exists left behind, e.g. after it was killed."""
     reaped = []
     for line in run("ip", "netns", "list", check=False).splitlines():
         name = line.split()[0] if line.split() else ""
-        m = STALE_NAME.match(name)
-        if not m or os.path.exists(f"/proc/{m.group(1)}"):
+        if not is_stale(name):
             continue
         for pid in run("ip", "netns", "pids", name, check=False).split():
             try:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tests.k8s_sim import netns
+from tests.k8s_sim.cgroups import PodCgroup
 from tests.k8s_sim.container import ContainerSpec, Mount
 from tests.k8s_sim.podenv import PodFacts, command_line, container_env, parse_quantity
 from tests.k8s_sim.probes import run_probe
@@ -44,6 +45,9 @@ class Pod:
         self.terminating = False
         self.gone = False
         self.container: ContainerSpec | None = None
+        self.cgroup: PodCgroup | None = None
+        self.memory_peak: int | None = None  # bytes, the pod cgroup's high-water mark (set when it ends)
+        self.oom_kills = 0
         self.popen: subprocess.Popen | None = None
         self.exit_code: int | None = None
         self.killed = False
@@ -121,11 +125,17 @@ class Pod:
             mounts.append(Mount(vm["mountPath"], base.source, base.read_only or bool(vm.get("readOnly")), base.size))
         mounted = {m.path for m in mounts}
         mounts += [Mount(path, src, read_only=True) for path, src in image.content.items() if path not in mounted]
+        resources = c.get("resources") or {}
+        limit = (resources.get("limits") or {}).get("memory")
+        cpu = (resources.get("requests") or {}).get("cpu")
+        self.cgroup = PodCgroup(self.netns, int(parse_quantity(limit)) if limit else None,
+                                int(parse_quantity(cpu) * 1000) if cpu else None).create()
         sc = c.get("securityContext") or {}
         spec = ContainerSpec(c["name"], self.netns, {**image.env, **env}, c.get("workingDir") or image.workdir, mounts,
                              read_only_root=bool(sc.get("readOnlyRootFilesystem")),
                              drop_all_caps="ALL" in ((sc.get("capabilities") or {}).get("drop") or []),
-                             no_new_privs=sc.get("allowPrivilegeEscalation") is False)
+                             no_new_privs=sc.get("allowPrivilegeEscalation") is False,
+                             cgroup_dirs=[str(d) for d in self.cgroup.dirs])
         return spec, argv
 
     def start(self, image=None) -> "Pod":
@@ -163,7 +173,9 @@ class Pod:
                 if not self.alive:
                     if not self.terminating:
                         self.exit_code = self.popen.returncode
-                        self.event(f"container exited on its own with {self.exit_code}")
+                        oom = self.cgroup.oom_kills() if self.cgroup else 0
+                        self.event(f"container exited on its own with {self.exit_code}"
+                                   + (" (OOM-killed: over limits.memory)" if oom else ""))
                         self._set_ready(False)
                     return
                 now = time.monotonic()
@@ -199,6 +211,8 @@ class Pod:
             self.event(f"liveness probe failed {fails} times ({detail}): the kubelet would restart it")
 
     def _set_ready(self, ready: bool) -> None:
+        if ready and self.terminating:  # a probe that was in flight when deletion began
+            return
         if ready != self.ready:
             self.ready = ready
             self.event("ready" if ready else "not ready")
@@ -262,17 +276,41 @@ class Pod:
             self.cluster.pod_gone(self)
 
     def _kill_rest(self) -> None:
-        """The runtime kills whatever is left in the container when its main process ends."""
+        """The runtime kills whatever is left in the container when its main process ends;
+        then the pod's cgroup goes (its high-water mark kept)."""
         if self.popen is None:
             return
-        try:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        pids = {self.popen.pid}
+        for d in self.cgroup.dirs if self.cgroup else []:
+            try:
+                pids |= {int(x) for x in (d / "cgroup.procs").read_text().split()}
+            except OSError:
+                pass
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         try:
             self.popen.wait(10)
         except subprocess.TimeoutExpired:
             pass
+        if self.cgroup is not None:
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and any((d / "cgroup.procs").read_text().strip()
+                                                      for d in self.cgroup.dirs if d.exists()):
+                time.sleep(0.05)
+            self.memory_peak = self.cgroup.memory_peak()
+            self.oom_kills = self.cgroup.oom_kills()
+            if self.oom_kills:
+                self.event(f"OOM-killed {self.oom_kills} times (limits.memory)")
+            self.cgroup.remove()
+
+    def memory_high_water(self) -> int | None:
+        """Bytes: the pod cgroup's peak so far (or when it ended)."""
+        if self.cgroup is not None and not self.gone and self.memory_peak is None:
+            return self.cgroup.memory_peak()
+        return self.memory_peak
 
     def force_stop(self) -> None:
         """Teardown: no grace."""
