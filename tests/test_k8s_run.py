@@ -280,6 +280,25 @@ def test_decode_pod_deleted_mid_stream_drains_and_leaves_nothing(cluster):
 
 
 @pytest.mark.slow
+def test_redis_pod_replaced_and_the_registry_refilled(cluster):
+    """Redis is soft state: deleted, it stops on SIGTERM (its process is the container's
+    PID 1), the ReplicaSet's new pod takes the Service, and the workers' heartbeats
+    register them again."""
+    c = cluster
+    old = only(c.pods_of("duet-redis"))
+    c.delete_pod(old).join(timeout=30)
+    assert not old.killed, f"Redis ignored SIGTERM and was killed after the grace period\n{old.describe()}"
+    new = only(c.pods_of("duet-redis"))
+    wait_until(lambda: new.ready, 30, f"{new.name} ready")
+    workers = [p for d in ("duet-prefill", "duet-decode") for p in c.pods_of(d) if p.ready]
+    wait_until(lambda: {p.name for p in workers} <= set(registry_workers(new)), 30,
+               f"{[p.name for p in workers]} registered again")
+    gw = only(c.pods_of("duet-gateway"))
+    wait_until(lambda: gw.ready, 30, "the gateway ready")
+    assert chat(c, "Say hi.").choices[0].message.content.strip()
+
+
+@pytest.mark.slow
 def test_every_pod_stayed_within_its_memory_limit(cluster):
     """Each pod ran in a cgroup with its limits.memory (the kernel OOM-kills past it): none
     was killed, and the high-water marks say how much room each limit leaves."""
@@ -325,7 +344,7 @@ def test_grace_period_ends_in_sigkill_after_prestop():
         start = time.monotonic()
         c.delete_pod(pod).join(timeout=20)
         took = time.monotonic() - start
-        assert pod.killed and pod.exit_code == -9, pod.describe()
+        assert pod.killed and not pod.alive, pod.describe()
         assert 2.9 <= took <= 6, (took, pod.describe())
         assert pod.event_time("SIGTERM sent") - pod.event_time("preStop started") >= 1.0, pod.describe()
         assert (work / "run" / pod.name / "volumes" / "tmp" / "hook").read_text().strip() == "ran"

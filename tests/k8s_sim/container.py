@@ -1,7 +1,9 @@
 """Starting a container's process (or an exec in it) inside its pod's namespaces.
 
 `ip netns exec` enters the pod's network namespace and a new mount namespace (binding
-/etc/netns/<ns>/hosts over /etc/hosts); a short shell prologue then makes the root
+/etc/netns/<ns>/hosts over /etc/hosts); `unshare` gives the main process a PID namespace
+(it is PID 1 there, with PID 1's signal rules; the exec'd probes and hooks share the
+network, mounts and cgroup but not the PID namespace); a short shell prologue then makes the root
 filesystem read-only (readOnlyRootFilesystem), mounts the pod's volumes and the image's
 content at their paths, changes to the image's WORKDIR and execs the command with every
 capability dropped (capabilities.drop: [ALL]) and no_new_privs
@@ -60,7 +62,7 @@ class ContainerSpec:
         lines.append(f"exec {shutil.which('setpriv')} {' '.join(setpriv[1:])} -- \"$@\"")
         return "\n".join(lines)
 
-    def argv(self, command: list[str]) -> list[str]:
+    def argv(self, command: list[str], own_pid_namespace: bool = False) -> list[str]:
         for m in self.mounts:  # mounts are made in order: a later source must not sit under an earlier path
             for earlier in self.mounts[: self.mounts.index(m)]:
                 if m.source and (m.source + "/").startswith(earlier.path.rstrip("/") + "/"):
@@ -70,7 +72,11 @@ class ContainerSpec:
             os.makedirs(m.path, exist_ok=True)
         # mount and setpriv are the host's tools, found before the container's PATH applies
         prologue = self.prologue().replace("mount ", f"{shutil.which('mount')} ")
-        argv = [shutil.which("ip"), "netns", "exec", self.netns, "/bin/sh", "-c", prologue, "sh", *command]
+        # The container's main process is PID 1 of a PID namespace of its own, as under a
+        # container runtime: a signal without a handler (SIGTERM included) does not reach it.
+        pid_ns = ([shutil.which("unshare"), "--pid", "--fork", "--mount-proc", "--kill-child=SIGKILL"]
+                  if own_pid_namespace else [])
+        argv = [shutil.which("ip"), "netns", "exec", self.netns, *pid_ns, "/bin/sh", "-c", prologue, "sh", *command]
         if self.cgroup_dirs:  # join the pod's cgroups first, so every byte and child is counted
             join = 'n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1/cgroup.procs"; shift; n=$((n-1)); done; exec "$@"'
             argv = ["/bin/sh", "-c", join, "sh", str(len(self.cgroup_dirs)), *self.cgroup_dirs, *argv]
@@ -78,7 +84,7 @@ class ContainerSpec:
 
     def start(self, command: list[str], log_path: Path) -> subprocess.Popen:
         with log_path.open("ab") as log:
-            return subprocess.Popen(self.argv(command), stdout=log, stderr=subprocess.STDOUT,
+            return subprocess.Popen(self.argv(command, own_pid_namespace=True), stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, env=self.env, start_new_session=True)
 
     def exec(self, command: list[str], timeout: float) -> subprocess.CompletedProcess:

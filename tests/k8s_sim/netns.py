@@ -25,7 +25,7 @@ def require_capabilities() -> None:
     problems = []
     if os.geteuid() != 0:
         problems.append(f"not root (euid {os.geteuid()}): network namespaces, veth pairs and iptables need root")
-    for tool in ("ip", "iptables", "iptables-restore", "setpriv", "mount", "kubectl", "redis-server"):
+    for tool in ("ip", "iptables", "iptables-restore", "setpriv", "unshare", "mount", "kubectl", "redis-server"):
         if shutil.which(tool) is None:
             problems.append(f"`{tool}` is not on PATH")
     if not problems:

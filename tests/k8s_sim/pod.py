@@ -49,6 +49,7 @@ class Pod:
         self.memory_peak: int | None = None  # bytes, the pod cgroup's high-water mark (set when it ends)
         self.oom_kills = 0
         self.popen: subprocess.Popen | None = None
+        self.init_pid: int | None = None  # host pid of the container's PID 1
         self.exit_code: int | None = None
         self.killed = False
         self.events: list[Event] = []
@@ -148,11 +149,25 @@ class Pod:
         self.container, argv = self._container_spec(image)
         self.argv = argv
         self.popen = self.container.start(argv, self.log_path)
+        self.init_pid = self._find_init_pid()
         self.event(f"container started: {argv}")
         t = threading.Thread(target=self._kubelet_loop, name=f"kubelet-{self.name}", daemon=True)
         t.start()
         self._threads.append(t)
         return self
+
+    def _find_init_pid(self) -> int:
+        """The host pid of the container's PID 1 (unshare's child)."""
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and self.popen.poll() is None:
+            try:
+                kids = open(f"/proc/{self.popen.pid}/task/{self.popen.pid}/children").read().split()
+            except OSError:
+                kids = []
+            if kids:
+                return int(kids[0])
+            time.sleep(0.01)
+        return self.popen.pid
 
     # --- probes --------------------------------------------------------------------------
 
@@ -260,7 +275,10 @@ class Pod:
                 deadline = time.monotonic() + 2
             self._stop_probes.set()
             if self.alive:
-                self.popen.send_signal(signal.SIGTERM)
+                try:
+                    os.kill(self.init_pid, signal.SIGTERM)  # to the container's PID 1
+                except ProcessLookupError:
+                    pass
                 self.event("SIGTERM sent")
                 try:
                     self.popen.wait(max(0.0, deadline - time.monotonic()))
@@ -280,7 +298,7 @@ class Pod:
         then the pod's cgroup goes (its high-water mark kept)."""
         if self.popen is None:
             return
-        pids = {self.popen.pid}
+        pids = {self.popen.pid, self.init_pid or self.popen.pid}
         for d in self.cgroup.dirs if self.cgroup else []:
             try:
                 pids |= {int(x) for x in (d / "cgroup.procs").read_text().split()}
