@@ -6,11 +6,15 @@ virtual IP that each namespace's iptables nat OUTPUT chain DNATs to ready endpoi
 kube-proxy's iptables mode does, and a per-namespace hosts file (`ip netns exec` binds
 /etc/netns/<ns>/hosts over /etc/hosts) stands in for cluster DNS. NetworkPolicies become
 iptables filter rules inside each pod's namespace. Containers run the rendered command,
-args and env with the host's tools in place of images (image.py says how).
+args and env with the host's tools in place of images (image.py says how), as PID 1 of a
+PID namespace of their own, as the pod's user, without capabilities, on a read-only
+root with their volumes mounted, in a cgroup holding limits.memory.
 
 Modules: objects (rendering, selectors), podenv (env and $(VAR) expansion), image (images
 -> host commands), netns (ip/iptables helpers, entering a namespace), network (bridge and
 pod interfaces), service_proxy (ClusterIPs, hosts, DNAT), netpol (NetworkPolicy ->
-iptables), container (starting a container or an exec in it), probes, pod (one pod's
-lifecycle as the kubelet runs it), cluster (deployments, scaling, deletion).
+iptables), container (starting a container or an exec in it), cgroups (memory limit
+and CPU weight), probes, pod (one pod's lifecycle as the kubelet runs it), cluster
+(deployments, scaling, deletion), observe (connections, scrapes, the registry, from a
+given pod).
 """

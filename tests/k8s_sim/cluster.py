@@ -85,6 +85,7 @@ class Cluster:
 
     def up(self) -> "Cluster":
         self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.work_dir.chmod(0o755)  # pods running as other users reach their image's scripts here
         self.network.up()
         netns.iptables_restore(self.network.node_ns, _bootstrap(pod_chains=False))
         for dep in self.objects.of_kind("Deployment"):

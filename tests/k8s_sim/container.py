@@ -5,10 +5,13 @@
 (it is PID 1 there, with PID 1's signal rules; the exec'd probes and hooks share the
 network, mounts and cgroup but not the PID namespace); a short shell prologue then makes the root
 filesystem read-only (readOnlyRootFilesystem), mounts the pod's volumes and the image's
-content at their paths, changes to the image's WORKDIR and execs the command with every
+content at their paths, changes to the image's WORKDIR and execs the command as the
+pod's user (runAsUser/runAsGroup, fsGroup as a supplementary group) with every
 capability dropped (capabilities.drop: [ALL]) and no_new_privs
-(allowPrivilegeEscalation: false). The process keeps this host's uid: the interpreter may
-live under a root-only home, so runAsUser is not applied.
+(allowPrivilegeEscalation: false). Host paths the image stands in for that sit under a
+folder others cannot enter (a Python under /root/.pyenv, a checkout under /root) are
+made reachable inside the container only: a tmpfs over that folder with just those
+paths bound back in.
 """
 from __future__ import annotations
 
@@ -18,6 +21,20 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
+
+
+def blocked_ancestor(path: str) -> str | None:
+    """The outermost folder on the way to `path` that others may not enter, if any."""
+    parts = os.path.abspath(path).split(os.sep)[1:]
+    current = ""
+    for part in parts:
+        current += os.sep + part
+        try:
+            if not os.stat(current).st_mode & 0o001:
+                return current
+        except OSError:
+            return None
+    return None
 
 
 @dataclass
@@ -39,6 +56,30 @@ class ContainerSpec:
     drop_all_caps: bool
     no_new_privs: bool
     cgroup_dirs: list[str] = field(default_factory=list)  # joined before anything runs (cgroups.py)
+    user: tuple[int, int, list[int]] | None = None  # uid, gid, supplementary groups; None: stay root
+    expose: list[str] = field(default_factory=list)  # host paths the user must reach (see above)
+    stage_dir: str = ""  # a host folder for staging `expose` binds
+
+    def _expose_lines(self) -> list[str]:
+        lines, by_ancestor = [], {}
+        for path in self.expose:
+            anc = blocked_ancestor(path)
+            if anc is not None:
+                by_ancestor.setdefault(anc, []).append(path)
+        i = 0
+        for anc, paths in by_ancestor.items():
+            staged = []
+            for path in paths:
+                stage = os.path.join(self.stage_dir, str(i))
+                os.makedirs(stage, exist_ok=True)
+                lines.append(f"mount --bind {shlex.quote(path)} {shlex.quote(stage)}")
+                staged.append((stage, path))
+                i += 1
+            lines.append(f"mount -t tmpfs -o mode=755 tmpfs {shlex.quote(anc)}")
+            for stage, path in staged:
+                lines.append(f"mkdir -p {shlex.quote(path)}")
+                lines.append(f"mount --bind {shlex.quote(stage)} {shlex.quote(path)}")
+        return lines
 
     def prologue(self) -> str:
         lines = ["set -e"]
@@ -51,10 +92,16 @@ class ContainerSpec:
                 lines.append(f"mount --bind {shlex.quote(m.source)} {dst}")
                 if m.read_only:
                     lines.append(f"mount -o remount,bind,ro {dst}")
+        if self.user is not None:
+            lines += self._expose_lines()
         if self.read_only_root:  # last: a bind mount made from a read-only mount would be read-only too
             lines.append("mount -o remount,bind,ro /")
         lines.append(f"cd {shlex.quote(self.workdir)}")
         setpriv = ["setpriv"]
+        if self.user is not None:
+            uid, gid, groups = self.user
+            setpriv += [f"--reuid={uid}", f"--regid={gid}",
+                        f"--groups={','.join(map(str, groups))}" if groups else "--clear-groups"]
         if self.drop_all_caps:
             setpriv += ["--bounding-set=-all", "--inh-caps=-all"]
         if self.no_new_privs:

@@ -31,6 +31,8 @@ class HostImage:
     entrypoint: list[str]
     cmd: list[str]
     content: dict[str, str] = field(default_factory=dict)  # container path -> host folder (read-only)
+    user: tuple[int, int] | None = None  # USER; None: root
+    host_paths: list[str] = field(default_factory=list)  # host paths its programs run from
 
 
 def _final_stage(dockerfile: Path) -> list[tuple[str, str]]:
@@ -68,7 +70,7 @@ def duet_image(name: str, work_dir: Path, model_cache: Path) -> HostImage:
     script.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -m services.cli \"$@\"\n")
     script.chmod(0o755)
     env: dict[str, str] = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
-    workdir, entrypoint, cmd = "/", [], []
+    workdir, entrypoint, cmd, user = "/", [], [], None
     for instr, rest in _final_stage(DOCKERFILE):
         if instr == "ENV":
             for item in shlex.split(rest):
@@ -77,6 +79,9 @@ def duet_image(name: str, work_dir: Path, model_cache: Path) -> HostImage:
                 env[key] = value
         elif instr == "WORKDIR":
             workdir = rest
+        elif instr == "USER":
+            uid, _, gid = rest.partition(":")
+            user = (int(uid), int(gid or uid))
         elif instr == "ENTRYPOINT":
             entrypoint = _exec_form(rest)
         elif instr == "CMD":
@@ -85,7 +90,8 @@ def duet_image(name: str, work_dir: Path, model_cache: Path) -> HostImage:
         raise AssertionError(f"the Dockerfile's PATH no longer starts at {IMAGE_VENV_BIN}: update image.py")
     env["PATH"] = env["PATH"].replace(IMAGE_VENV_BIN, f"{bin_dir}:{Path(sys.executable).parent}")
     env["PYTHONPATH"] = str(REPO)  # the image has the package installed; here it is the checkout
-    return HostImage(name, env, workdir, entrypoint, cmd, content={IMAGE_MODEL_CACHE: str(model_cache)})
+    return HostImage(name, env, workdir, entrypoint, cmd, content={IMAGE_MODEL_CACHE: str(model_cache)}, user=user,
+                     host_paths=[sys.base_prefix, sys.prefix, str(REPO), str(bin_dir)])
 
 
 def redis_image(name: str) -> HostImage:

@@ -1,4 +1,5 @@
-"""One pod as the kubelet runs it: network, volumes, the container, probes, termination.
+"""One pod as the kubelet runs it: network, volumes, cgroup, the container (as the pod's
+securityContext says), probes, termination.
 
 Probes follow the kubelet: the startup probe first (readiness and liveness wait for it),
 then each probe every periodSeconds (times `period_scale`), readiness flipping after
@@ -132,11 +133,23 @@ class Pod:
         self.cgroup = PodCgroup(self.netns, int(parse_quantity(limit)) if limit else None,
                                 int(parse_quantity(cpu) * 1000) if cpu else None).create()
         sc = c.get("securityContext") or {}
+        psc = self.spec.get("securityContext") or {}
+        uid = sc.get("runAsUser", psc.get("runAsUser", image.user[0] if image.user else None))
+        gid = sc.get("runAsGroup", psc.get("runAsGroup", image.user[1] if image.user else uid))
+        if (sc.get("runAsNonRoot", psc.get("runAsNonRoot")) and not uid):
+            raise RuntimeError(f"{self.name}: runAsNonRoot, but the container would run as root")
+        groups = [g for g in [psc.get("fsGroup"), *(psc.get("supplementalGroups") or [])] if g is not None]
+        user = (int(uid), int(gid if gid is not None else uid), groups) if uid else None
+        if user is not None:  # emptyDirs: the fsGroup owns them, as the kubelet arranges
+            for m in mounts:
+                if m.source and m.source.startswith(str(self.dir)) and groups:
+                    os.chown(m.source, -1, groups[0])
         spec = ContainerSpec(c["name"], self.netns, {**image.env, **env}, c.get("workingDir") or image.workdir, mounts,
                              read_only_root=bool(sc.get("readOnlyRootFilesystem")),
                              drop_all_caps="ALL" in ((sc.get("capabilities") or {}).get("drop") or []),
                              no_new_privs=sc.get("allowPrivilegeEscalation") is False,
-                             cgroup_dirs=[str(d) for d in self.cgroup.dirs])
+                             cgroup_dirs=[str(d) for d in self.cgroup.dirs], user=user,
+                             expose=list(image.host_paths), stage_dir=str(self.dir / "stage"))
         return spec, argv
 
     def start(self, image=None) -> "Pod":
