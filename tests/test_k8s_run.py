@@ -137,7 +137,7 @@ def registered_as_pod(c: Cluster, pod) -> bool:
 @pytest.mark.slow
 def test_chat_completion_through_the_gateway_service(cluster):
     c = cluster
-    assert set(c.not_run) == {"duet-otel-collector"}, c.not_run  # the only image without a host stand-in
+    assert not c.not_run, c.not_run  # every Deployment runs (image.py maps each image)
     r = chat(c, "What is the capital of France?")
     assert r.choices[0].message.content.strip()
     assert r.choices[0].finish_reason in ("stop", "length")
@@ -147,6 +147,11 @@ def test_chat_completion_through_the_gateway_service(cluster):
         pod = only(c.pods_of(dep))
         assert registered_as_pod(c, pod), (pod.name, pod.ip, registry_workers(redis_pod(c)))
         assert served(c, pod) >= 1, pod.name
+    # traces went to the collector through its Service, as the OTEL_* config says
+    collector = only(c.pods_of("duet-otel-collector"))
+    for dep in ("duet-gateway", "duet-prefill", "duet-decode"):
+        pod = only(c.pods_of(dep))
+        wait_until(lambda: f"k8s.pod.name={pod.name}" in collector.log_tail(400), 30, f"spans from {pod.name}")
     sent, _, _ = kv_path(c, only(c.pods_of("duet-prefill")))
     _, received, recomputed = kv_path(c, only(c.pods_of("duet-decode")))
     assert sent > 0 and received > 0 and recomputed == 0, (sent, received, recomputed)
@@ -159,7 +164,9 @@ def test_network_policies_drop_unlisted_flows(cluster):
     gw, router, prefill, decode, redis = (only(c.pods_of(d)) for d in
                                           ("duet-gateway", "duet-router", "duet-prefill", "duet-decode", "duet-redis"))
     prom = prometheus(c)
-    redis_vip, router_vip, gateway_vip = (c.service_ip(s) for s in ("duet-redis", "duet-router", "duet-gateway"))
+    otel = only(c.pods_of("duet-otel-collector"))
+    redis_vip, router_vip, gateway_vip, otel_vip = (c.service_ip(s) for s in (
+        "duet-redis", "duet-router", "duet-gateway", "duet-otel-collector"))
     allowed = {
         "gateway -> router Service": (gw, router_vip, 50050),
         "gateway -> decode gRPC": (gw, decode.ip, WORKER_GRPC),
@@ -170,6 +177,8 @@ def test_network_policies_drop_unlisted_flows(cluster):
         "prometheus -> decode metrics": (prom, decode.ip, WORKER_METRICS),
         "prometheus -> router metrics": (prom, router.ip, 9101),
         "prometheus -> gateway Service": (prom, gateway_vip, 8000),
+        "decode -> otel-collector Service": (decode, otel_vip, 4317),
+        "router -> otel-collector Service": (router, otel_vip, 4318),
     }
     blocked = {  # each port listens: the same port is reached by an allowed peer above
         "gateway -> decode metrics": (gw, decode.ip, WORKER_METRICS),
@@ -180,6 +189,8 @@ def test_network_policies_drop_unlisted_flows(cluster):
         "redis -> router gRPC": (redis, router.ip, 50050),
         "prometheus -> redis": (prom, redis.ip, 6379),
         "gateway -> redis pod, wrong port": (gw, redis.ip, WORKER_GRPC),
+        "otel-collector -> redis Service": (otel, redis_vip, 6379),
+        "redis -> otel-collector Service": (redis, otel_vip, 4317),
     }
     got_allowed = {k: connect(src.netns, ip, port) for k, (src, ip, port) in allowed.items()}
     got_blocked = {k: connect(src.netns, ip, port, timeout=1.5) for k, (src, ip, port) in blocked.items()}

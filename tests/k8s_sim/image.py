@@ -7,6 +7,8 @@ duet:*   is built from k8s/image/Dockerfile; its final stage's ENV/WORKDIR/ENTRY
          Python; the default model the image converts at build time into /opt/duet/cache is
          the host's converted cache folder, mounted read-only at that path.
 redis:*  the host's redis-server and redis-cli (the image's WORKDIR is /data).
+otel/opentelemetry-collector:*  tests/k8s_sim/otel_collector.py, which reads the same
+         config file and serves the same receivers and health check.
 Anything else is not mapped: the cluster reports such a Deployment as not run.
 """
 from __future__ import annotations
@@ -99,10 +101,24 @@ def redis_image(name: str) -> HostImage:
                      ["redis-server"], [])
 
 
+def otel_collector_image(name: str, work_dir: Path) -> HostImage:
+    """The collector's ENTRYPOINT (/otelcol) is tests/k8s_sim/otel_collector.py here."""
+    bin_dir = work_dir / "image-otelcol-bin"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    script = bin_dir / "otelcol"
+    script.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -m tests.k8s_sim.otel_collector \"$@\"\n")
+    script.chmod(0o755)
+    return HostImage(name, {"PATH": f"{bin_dir}:/usr/bin:/bin", "PYTHONPATH": str(REPO), "PYTHONDONTWRITEBYTECODE": "1"},
+                     "/", [str(script)], [], user=(10001, 10001),
+                     host_paths=[sys.base_prefix, sys.prefix, str(REPO), str(bin_dir)])
+
+
 def host_image(name: str, work_dir: Path, model_cache: Path) -> HostImage | None:
     repo = name.rsplit(":", 1)[0]
     if repo == "duet" or repo.endswith("/duet"):
         return duet_image(name, work_dir, model_cache)
     if repo == "redis" or repo.endswith("/redis"):
         return redis_image(name)
+    if repo.endswith("opentelemetry-collector") or repo.endswith("opentelemetry-collector-contrib"):
+        return otel_collector_image(name, work_dir)
     return None
