@@ -228,6 +228,11 @@ def test_decode_pod_deleted_mid_stream_drains_and_leaves_nothing(cluster):
     import openai
     c = cluster
     decodes = c.pods_of("duet-decode")
+    # Long enough to outlast preStop (2 s) well after deletion on this machine: ~8 s of tokens.
+    started = time.monotonic()
+    probe = chat(c, "Tell me a story.", max_tokens=32)
+    rate = probe.usage.completion_tokens / (time.monotonic() - started)
+    max_tokens = int(min(1000, max(120, rate * 8)))
     assert len(decodes) == 2, [p.name for p in decodes]
     prefill = only(c.pods_of("duet-prefill"))
     result: dict = {}
@@ -240,7 +245,7 @@ def test_decode_pod_deleted_mid_stream_drains_and_leaves_nothing(cluster):
                 pieces, finish, usage = [], None, None
                 for chunk in client.chat.completions.create(
                         model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "Tell me a long story."}],
-                        max_tokens=120, temperature=0, stream=True, stream_options={"include_usage": True},
+                        max_tokens=max_tokens, temperature=0, stream=True, stream_options={"include_usage": True},
                         extra_body={"ignore_eos": True}):
                     for ch in chunk.choices:
                         pieces.append(ch.delta.content or "")
@@ -268,14 +273,15 @@ def test_decode_pod_deleted_mid_stream_drains_and_leaves_nothing(cluster):
     assert not terminator.is_alive() and not t.is_alive()
     # the stream ended whole: the worker drained it after SIGTERM
     assert "error" not in result, (result, victim.describe())
-    assert result["finish"] == "length" and result["usage"].completion_tokens == 120, result
+    assert result["finish"] == "length" and result["usage"].completion_tokens == max_tokens, result
     # preStop (sleep 2) ran before SIGTERM; the process exited by itself within the grace period
     prestop, sigterm = victim.event_time("preStop started"), victim.event_time("SIGTERM sent")
     assert prestop is not None and sigterm is not None, victim.describe()
     assert sigterm - prestop >= 2.0, victim.describe()
     assert not victim.killed and victim.exit_code == 0, victim.describe()
     print(victim.describe())  # the timeline, for -s runs
-    print(f"stream finished at {result['done_at'] - victim.t0:.2f}s on that timeline")
+    print(f"stream of {max_tokens} tokens finished at {result['done_at'] - victim.t0:.2f}s on that timeline")
+    assert result["done_at"] - victim.t0 > sigterm, "the stream ended before SIGTERM: nothing was drained"
     grace = victim.spec["terminationGracePeriodSeconds"]
     assert time.monotonic() - deleted_at < grace, victim.describe()
     # nothing left behind: its registry entry is gone, the others are idle with no KV held
