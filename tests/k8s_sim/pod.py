@@ -18,7 +18,6 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from tests.k8s_sim import netns
 from tests.k8s_sim.cgroups import PodCgroup
