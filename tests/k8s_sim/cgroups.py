@@ -87,16 +87,27 @@ class PodCgroup:
 
 
 def reap_stale(is_stale) -> None:
-    """Remove pod cgroups (already emptied) whose name `is_stale` says a dead run left."""
+    """Remove the pod cgroups that a dead run left (`is_stale` tells by name), SIGKILLing
+    whatever still runs in them."""
+    import signal
+    import time
     bases = [ROOT / c / GROUP for c in ("memory", "cpu")] + [ROOT / GROUP]
-    for base in bases:
-        if base.is_dir():
-            for d in base.iterdir():
-                if d.is_dir() and is_stale(d.name):
-                    try:
-                        d.rmdir()
-                    except OSError:
-                        pass
+    stale = [d for base in bases if base.is_dir() for d in base.iterdir() if d.is_dir() and is_stale(d.name)]
+    for d in stale:
+        for pid in (d / "cgroup.procs").read_text().split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + 5
+    while stale and time.monotonic() < deadline:
+        for d in list(stale):
+            try:
+                d.rmdir()
+                stale.remove(d)
+            except OSError:  # still emptying
+                pass
+        time.sleep(0.05)
 
 
 def remove_group() -> None:
