@@ -247,3 +247,44 @@ def test_redis_server_helper_restart_same_port():
         assert not server.running
         server.start()
         assert server.port == port and redis.Redis.from_url(server.url).get("k") is None
+
+
+def test_peer_lookup_survives_a_redis_restart():
+    """A pooled connection to a Redis that restarted fails once; the lookup retries on a
+    fresh connection instead of failing the request that needed the peer."""
+    import asyncio
+
+    import redis as redis_sync
+    import redis.asyncio as aioredis
+
+    from shared.registry.keys import RegistryKeys
+    from shared.registry.peers import fetch_peer, fetch_peer_sync
+    from tests.redis_server import RedisServer
+
+    keys = RegistryKeys("duet")
+    info = WorkerInfo(worker_id="d1", role="decode", address="x:1", model="m")
+    server = RedisServer()
+    server.start()
+    try:
+        def register():
+            with redis_sync.Redis.from_url(server.url) as r:
+                r.hset(keys.worker("d1"), mapping=info.to_hash())
+                r.hset(keys.nixl("d1"), mapping={"0": b"meta"})
+
+        async def scenario():
+            client = aioredis.Redis.from_url(server.url)
+            sync_client = redis_sync.Redis.from_url(server.url)
+            register()
+            assert (await fetch_peer(client, keys, "d1")).nixl_metadata == {0: b"meta"}
+            assert fetch_peer_sync(sync_client, keys, "d1").info.worker_id == "d1"
+            server.stop()
+            server.start()  # same port, empty: the pooled connections are stale
+            register()
+            assert (await fetch_peer(client, keys, "d1")).nixl_metadata == {0: b"meta"}
+            assert fetch_peer_sync(sync_client, keys, "d1").info.worker_id == "d1"
+            await client.aclose()
+            sync_client.close()
+
+        asyncio.run(scenario())
+    finally:
+        server.stop()

@@ -36,21 +36,38 @@ def _decode(worker_id: str, raw_info: dict, raw_nixl: dict) -> PeerRecord:
     return PeerRecord(info=info, nixl_metadata=metadata)
 
 
+# A pooled connection to a Redis that restarted fails once (the server closed it); the
+# transaction is not retried by redis-py, so one fresh attempt is made here.
+_ATTEMPTS = 2
+
+
 async def fetch_peer(client, keys: RegistryKeys, worker_id: str) -> PeerRecord:
     """async redis client variant."""
-    pipe = client.pipeline(transaction=True)
-    pipe.hgetall(keys.worker(worker_id))
-    pipe.hgetall(keys.nixl(worker_id))
-    raw_info, raw_nixl = await pipe.execute()
+    for attempt in range(_ATTEMPTS):
+        pipe = client.pipeline(transaction=True)
+        pipe.hgetall(keys.worker(worker_id))
+        pipe.hgetall(keys.nixl(worker_id))
+        try:
+            raw_info, raw_nixl = await pipe.execute()
+            break
+        except redis.ConnectionError:
+            if attempt + 1 == _ATTEMPTS:
+                raise
     return _decode(worker_id, raw_info, raw_nixl)
 
 
 def fetch_peer_sync(client: redis.Redis, keys: RegistryKeys, worker_id: str) -> PeerRecord:
     """sync redis client variant."""
-    pipe = client.pipeline(transaction=True)
-    pipe.hgetall(keys.worker(worker_id))
-    pipe.hgetall(keys.nixl(worker_id))
-    raw_info, raw_nixl = pipe.execute()
+    for attempt in range(_ATTEMPTS):
+        pipe = client.pipeline(transaction=True)
+        pipe.hgetall(keys.worker(worker_id))
+        pipe.hgetall(keys.nixl(worker_id))
+        try:
+            raw_info, raw_nixl = pipe.execute()
+            break
+        except redis.ConnectionError:
+            if attempt + 1 == _ATTEMPTS:
+                raise
     return _decode(worker_id, raw_info, raw_nixl)
 
 
