@@ -79,5 +79,5 @@ def test_abort_storm_leaves_every_counter_where_it_started(stack):
     assert after.registry == before.registry and after.registry_keys == before.registry_keys, (before, after)
     r = httpx.post(base + "/v1/completions", json=steady_body(model), timeout=60)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected
-    cancelled = stack.gateway_metrics().value("duet_requests_total", status="cancelled")
+    cancelled = stack.gateway_metrics().value("duet_requests_total", service="gateway", outcome="cancelled")
     assert cancelled >= STREAMS // 2, cancelled  # the gateway saw most clients leave mid-stream

@@ -65,7 +65,7 @@ def cluster(request):
 
 def _crashed(c: Cluster) -> list[str]:
     """Pods the kubelet would have restarted (exited, liveness or startup failures)."""
-    bad = ("exited on its own", "liveness probe failed", "startup probe failed")
+    bad = ("container exited on its own", "liveness probe failed", "startup probe failed")
     return [f"{p.name}: {e.what}" for p in c.all_pods for e in p.events if e.what.startswith(bad)]
 
 

@@ -81,8 +81,18 @@ class ContainerSpec:
                 lines.append(f"mount --bind {shlex.quote(stage)} {shlex.quote(path)}")
         return lines
 
+    def _shadowed(self) -> list[str]:
+        """Host paths the image stands in for that a volume's mount point would hide (a
+        checkout or venv under /tmp, where the manifests mount an emptyDir)."""
+        return [p for p in self.expose
+                if any((os.path.abspath(p) + "/").startswith(m.path.rstrip("/") + "/") for m in self.mounts)]
+
     def prologue(self) -> str:
         lines = ["set -e"]
+        shadowed = [(os.path.join(self.stage_dir, f"shadow{i}"), p) for i, p in enumerate(self._shadowed())]
+        for stage, path in shadowed:  # set aside before the volumes cover them, bound back after
+            os.makedirs(stage, exist_ok=True)
+            lines.append(f"mount --bind {shlex.quote(path)} {shlex.quote(stage)}")
         for m in self.mounts:
             dst = shlex.quote(m.path)
             if m.source is None:
@@ -92,6 +102,9 @@ class ContainerSpec:
                 lines.append(f"mount --bind {shlex.quote(m.source)} {dst}")
                 if m.read_only:
                     lines.append(f"mount -o remount,bind,ro {dst}")
+        for stage, path in shadowed:
+            lines.append(f"mkdir -p {shlex.quote(path)}")
+            lines.append(f"mount --bind {shlex.quote(stage)} {shlex.quote(path)}")
         if self.user is not None:
             lines += self._expose_lines()
         if self.read_only_root:  # last: a bind mount made from a read-only mount would be read-only too
