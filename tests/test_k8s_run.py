@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 CPU_OVERLAY = str(REPO / "k8s" / "overlays" / "cpu")
 PROMETHEUS_LABELS = {"app.kubernetes.io/name": "prometheus"}
 WORKER_GRPC, WORKER_METRICS = 50060, 9100
+GATEWAY_METRICS = 9102
 
 
 def new_work_dir(name: str) -> Path:
@@ -290,7 +291,8 @@ def test_decode_pod_deleted_mid_stream_drains_and_leaves_nothing(cluster):
         wait_until(lambda: worker_state(c, pod) == (0.0, 0.0), 30, f"{pod.name} idle with KV usage 0")
     assert kv_path(c, survivor)[2] == 0
     gw = only(c.pods_of("duet-gateway"))
-    gm = scrape(prometheus(c).netns, c.service_ip("duet-gateway"), 8000)
+    # the gateway serves /metrics on its own port (--metrics-port), where only Prometheus may reach it
+    gm = scrape(prometheus(c).netns, only(c.pods_of("duet-gateway")).ip, GATEWAY_METRICS)
     assert gm.value("duet_gateway_inflight_requests") == 0, gw.name
     # the ReplicaSet put a new pod in its place
     replacement = [p for p in c.pods_of("duet-decode") if p not in decodes]
