@@ -58,13 +58,18 @@ def reference(model: pathlib.Path, prompts: list[list[int]], max_tokens: int, ma
 
 
 def scrape(url: str) -> dict[str, float]:
+    """The prefill worker's handoff and transfer totals from its /metrics."""
     import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+    wanted = {"duet_kv_handoff_tail_seconds_sum", "duet_kv_handoff_tail_seconds_count",
+              "duet_kv_transfer_seconds_sum", "duet_kv_transfer_seconds_count"}
     vals = {}
-    for line in httpx.get(f"http://{url}/metrics", timeout=5).text.splitlines():
-        m = re.match(r'^(duet_kv_(?:handoff_tail_seconds|transfer_seconds)_(?:sum|count)|'
-                     r'duet_kv_transfer_bytes_total\{direction="sent"\}) (\S+)$', line)
-        if m:
-            vals[m.group(1).split("{")[0]] = float(m.group(2))
+    for family in text_string_to_metric_families(httpx.get(f"http://{url}/metrics", timeout=5).text):
+        for s in family.samples:
+            if s.name in wanted:
+                vals[s.name] = s.value
+            elif s.name == "duet_kv_transfer_bytes_total" and s.labels.get("direction") == "sent":
+                vals[s.name] = s.value
     return vals
 
 
@@ -79,7 +84,6 @@ def redis_url(up_log: pathlib.Path, timeout_s: float = 60.0) -> str:
 
 
 def run_layout(name: str, model: pathlib.Path, args, tok, equal_prompts, want, out: pathlib.Path) -> list[dict]:
-    import httpx
     import redis
     from openai import OpenAI
 
@@ -125,7 +129,6 @@ def run_layout(name: str, model: pathlib.Path, args, tok, equal_prompts, want, o
                                  transfer_ms=1e3 * delta.get("duet_kv_transfer_seconds_sum", 0),
                                  kv_mb=delta.get("duet_kv_transfer_bytes_total", 0) / 2**20))
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-        httpx.get(stack.url + "/health", timeout=5)
     return rows
 
 

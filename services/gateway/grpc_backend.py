@@ -34,6 +34,7 @@ from services.gateway.backend import (
     TokenEvent,
     TokenLogprob,
 )
+from shared.registry.pairing import pair_problem
 from shared.registry.connection import RedisConnection
 from shared.security.grpc_tls import GrpcTlsConfig
 
@@ -181,7 +182,6 @@ class GrpcBackend:
         if self._watcher is not None:
             if self._watcher.workers("both"):
                 return True
-            from shared.registry.pairing import pair_problem
             decodes = self._watcher.workers("decode")
             return any(not pair_problem(p, d) for p in self._watcher.workers("prefill") for d in decodes)
         return True

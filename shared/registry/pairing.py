@@ -4,7 +4,7 @@ Two workers pair when they serve the same model with the same KV layout (compat_
 layers, KV heads, page size, head dim, dtype; not the TP size) and every KV head a decode
 rank holds is held by some prefill rank (kv_transfer/head_plan.py), which is true for any
 two TP sizes that divide (or are multiples of) the KV-head count. Results are cached per
-pair of worker instances: the router asks on every request."""
+pair of layouts: the router asks on every request."""
 from __future__ import annotations
 
 import functools
@@ -20,7 +20,7 @@ def _heads(info: WorkerInfo) -> tuple[RankHeads, ...]:
 
 @functools.lru_cache(maxsize=4096)
 def _problem(prefill_key: tuple, decode_key: tuple, prefill_heads: tuple, decode_heads: tuple) -> str:
-    (_, _, p_hash, p_layout, p_tp), (_, _, d_hash, d_layout, d_tp) = prefill_key, decode_key
+    (p_hash, p_layout, p_tp), (d_hash, d_layout, d_tp) = prefill_key, decode_key
     if p_hash != d_hash:
         return (f"KV layouts differ: prefill {p_layout or p_hash} (tp {p_tp}), "
                 f"decode {d_layout or d_hash} (tp {d_tp})")
@@ -31,6 +31,7 @@ def _problem(prefill_key: tuple, decode_key: tuple, prefill_heads: tuple, decode
 
 
 def pair_problem(prefill: WorkerInfo, decode: WorkerInfo) -> str:
-    """"" when prefill can write its KV into decode, else the reason it cannot."""
-    key = lambda w: (w.worker_id, w.instance_nonce, w.compat_hash, w.kv_layout, w.tp)  # noqa: E731
+    """"" when prefill can write its KV into decode, else the reason it cannot. The answer
+    depends on the two layouts only, so it is cached by them."""
+    key = lambda w: (w.compat_hash, w.kv_layout, w.tp)  # noqa: E731
     return _problem(key(prefill), key(decode), _heads(prefill), _heads(decode))
