@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .parallel import TPContext
+from .parallel import TPContext, kv_head_slice
 from .step_plan import StepPlan
 
 log = logging.getLogger("duet.engine.tp")
@@ -53,7 +53,6 @@ def check_divisible(model_config, tp_size: int, expert_parallel: bool = False) -
         if n % tp_size:
             raise ValueError(f"cannot split the model over tensor-parallel size {tp_size}: "
                              f"{what} ({n}) is not divisible by {tp_size}")
-    from .parallel import kv_head_slice
     try:  # KV heads divide, or each is replicated over tp_size / heads ranks
         kv_head_slice(model_config.num_kv_heads, tp_size, 0)
     except ValueError as exc:
