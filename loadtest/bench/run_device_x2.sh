@@ -10,7 +10,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 for f in .whl/deb/*.deb; do dpkg -x "$f" /tmp/r; done
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/r/usr/bin:$PATH LD_LIBRARY_PATH=/tmp/r/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
-PARTS=${PARTS:-tp_moe,tp_dense,moe_split,hetero_tp,stack_dense}
+PARTS=${PARTS:-allreduce,tp_moe,tp_dense,moe_split,hetero_tp,stack_dense}
 part() {  # part NAME SECONDS CMD...: run bounded, log to $OUT/NAME.log, print its table
   local name=$1 secs=$2; shift 2
   case ",$PARTS," in *",$name,"*) ;; *) return 0 ;; esac
@@ -24,9 +24,11 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 # TP=2 and EP=2 against TP=1 (greedy, fp32 dense and MoE; bf16 MoE) and the MoE decode steps
 part tp_moe "${T_TP_MOE:-175}" python3 -m loadtest.bench --suite tp --sections ceilings,tp_equality,moe_tp \
   --moe-tp-layouts 2/1,2/2 --moe-tp-batches 1,64 --steps 16 --json "$OUT/tp_moe.json"
-# dense TP=2 decode step (Qwen3-8B shape): overlap on, our fused all-reduce vs torch's one-shot
-part tp_dense "${T_TP_DENSE:-110}" python3 -m loadtest.bench.tp_profile --batches 1,32 --steps 24 \
-  --configs 2:on:fused:overlap,2:on:oneshot:overlap --timeout 100
+# the all-reduce alone: our one-launch fused kernel, the barrier version, torch's one-shot, NCCL
+part allreduce "${T_AR:-90}" python3 -m loadtest.bench --suite tp --sections allreduce --json "$OUT/allreduce.json"
+# dense decode step (Qwen3-8B shape): TP=1 against TP=2 with the fused all-reduce, overlap on and off
+part tp_dense "${T_TP_DENSE:-330}" python3 -m loadtest.bench.tp_profile --batches 1,32 --steps 24 \
+  --configs "${TP_CONFIGS:-1:off:fused:overlap,2:on:fused:overlap,2:on:fused}" --timeout 105
 # a MoE checkpoint served disaggregated: prefill on GPU 0, decode on GPU 1
 part moe_split "${T_MOE_SPLIT:-100}" python3 -m loadtest.bench.stack_gpu --model qwen3-30b-a3b --stacks split \
   --concurrency 4,16 --input-len 1024 --output-len 128 --warmup-concurrency 4 --warmup-requests 8 \

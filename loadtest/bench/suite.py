@@ -284,12 +284,13 @@ def _tp_equality(ctx):
 
 
 def _allreduce(ctx):
-    from .tp import fused_all_reduce_bench
+    from .tp import AR_MODES, fused_all_reduce_bench
 
     for r in fused_all_reduce_bench():
-        ctx["report"].add("allreduce", f"T={r['tokens']} ({r['bytes'] // 1024} KiB) custom_us", r["custom_us"],
-                          f"NCCL+add_norm {r['nccl_us']:.1f} us, x{r['nccl_us'] / r['custom_us']:.2f}, "
-                          f"max|diff| {r['max_abs_diff']:.3g}")
+        for mode in AR_MODES:
+            ctx["report"].add("allreduce", f"T={r['tokens']} ({r['bytes'] // 1024} KiB) {mode}_us", r[f"{mode}_us"],
+                              f"NCCL+add_norm {r['nccl_us']:.1f} us, x{r['nccl_us'] / r[f'{mode}_us']:.2f}, "
+                              f"max|diff| {r[f'{mode}_diff']:.3g}, failed waits {r['failed_waits']}")
 
 
 def _tp_decode(ctx):

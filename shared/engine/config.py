@@ -36,7 +36,8 @@ class EngineConfig:
     tp_size: int = 1  # tensor-parallel ranks (processes); this process is rank 0
     ep_size: int = 1  # MoE: 1 (experts sliced over the TP ranks) or tp_size (experts split whole)
     custom_all_reduce: bool = True  # TP on GPU: one-shot P2P all-reduce fused with add+RMSNorm
-    # fused: our reduce+add+RMSNorm kernel between two signal barriers; oneshot: torch's
+    # fused: one launch that pushes, signals with in-kernel flags, sums and does add+RMSNorm;
+    # barrier: the same sum between two torch symm-mem barriers; oneshot: torch's
     # one-launch copy+sync+sum, then add+RMSNorm (custom_all_reduce.py)
     custom_all_reduce_mode: str = field(default_factory=lambda: os.environ.get("DUET_CUSTOM_ALLREDUCE", "fused"))
     # decode-size linears (<= 16 rows, bf16/fp16, GPU) through the split-K Triton kernel

@@ -1,25 +1,29 @@
-"""One-shot all-reduce over peer-mapped buffers, fused with the residual add and RMSNorm
-that follow every row-parallel layer (tensor parallelism on one host).
+"""All-reduce between the GPUs of one host over peer-mapped buffers, fused with the
+residual add and RMSNorm that follow every row-parallel layer (tensor parallelism).
 
 Each rank owns one buffer in torch symmetric memory (CUDA IPC mappings of every peer's
-buffer, no NVLink multicast). A call: copy the partial sums into this rank's buffer,
-barrier (every rank has written), one Triton kernel per row that reads all ranks'
-buffers over NVLink, sums them in rank order in float32 (so every rank gets the same
-bits), adds the residual, normalises and scales, then barrier (every rank has read,
-so the buffer may be written again). NCCL's ring all-reduce needs several hops and its
-own launch for the small decode messages; this is one read of each peer and it also
-removes the separate add+norm kernel.
+buffer, no NVLink multicast). Modes (EngineConfig.custom_all_reduce_mode,
+DUET_CUSTOM_ALLREDUCE):
 
-The barriers are torch's signal-pad barriers (device kernels, CUDA-graph safe). Sizes
-over the buffer, or dtypes it does not handle, return None: the caller uses NCCL.
+- "fused" (default): one Triton launch per call that pushes this rank's rows into every
+  rank's buffer, signals with per-program flags in the same memory, waits for the
+  others' flags, sums in rank order and applies add+RMSNorm
+  (kernels/triton_peer_all_reduce.py). No separate barrier kernels: measured on
+  2 x H200, torch's signal-pad barriers (two per call) were most of a TP decode step.
+- "barrier": copy into this rank's buffer, torch symm-mem barrier, a Triton kernel that
+  reads every peer's buffer and does the same sum + add + RMSNorm, barrier again.
+- "oneshot": torch's one_shot_all_reduce_copy_out, then our add+RMSNorm kernel.
 
-mode "oneshot" (DUET_CUSTOM_ALLREDUCE=oneshot) instead uses torch's one-shot kernel that
-copies the local input into the symmetric buffer, synchronises with the peers and sums
-in one launch (`symm_mem.one_shot_all_reduce_copy_out`), then our fused add+RMSNorm:
-two graph nodes per all-reduce instead of four."""
+Every rank gets the same bits (rank-order float32 sums). Sizes over the buffer or dtypes
+it does not handle return None: the caller uses NCCL.
+
+The same buffer also holds a token ring with a flag: under overlap scheduling rank 0
+pushes each step's sampled tokens into every rank's ring (push_tokens) and a follower
+queues a wait for them before its next forward (wait_tokens), with no collective."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -27,14 +31,73 @@ import torch.distributed as dist
 log = logging.getLogger("duet.engine.custom_all_reduce")
 
 DEFAULT_MAX_BYTES = 8 << 20  # one-shot pays off for small messages (decode, short prefills)
+PROGRAMS = 32  # fixed grid of the fused kernel (every program takes part in every call)
+RING_SLOTS = 1 << 15  # token ring entries (int64)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Symmetric-memory rendezvous keeps per-process state keyed by group name: a process that
 # already did one (an earlier engine, since torn down) cannot rendezvous again with a fresh
 # peer process (seen hanging on 2 x H200). A process fact, so a module flag.
 _RENDEZVOUS_DONE = False
 
+MODES = ("fused", "barrier", "oneshot")
 
-MODES = ("fused", "oneshot")
+
+@dataclass
+class PeerBuffers:
+    """Addresses and counters the fused kernels read (kernels/triton_peer_all_reduce.py)."""
+    rank: int
+    world: int
+    programs: int
+    slot_bytes: int  # one rank's rows per phase
+    data_ptrs: torch.Tensor  # int64 [W]: each rank's data region ([2][W] slots)
+    flag_ptrs: torch.Tensor  # int64 [W]: each rank's flags ([W][programs] int64)
+    my_flags: torch.Tensor  # this rank's flags (a view of its buffer)
+    counters: torch.Tensor  # int64 [programs]: calls made by each program (local)
+    errors: torch.Tensor  # int32 [1]: waits that gave up (a peer never arrived)
+    ring_ptrs: torch.Tensor  # int64 [W]: each rank's token ring
+    token_flag_ptrs: torch.Tensor  # int64 [W]: each rank's token flag
+    my_token_flag: torch.Tensor  # int64 [1] view
+    ring: torch.Tensor  # int64 [RING_SLOTS] view: this rank's token ring
+
+    def slot_elems(self, element_size: int) -> int:
+        return self.slot_bytes // element_size
+
+
+def _layout(world: int, slot_bytes: int, programs: int) -> dict[str, int]:
+    """Byte offsets in each rank's buffer (the same on every rank)."""
+    def up(n):
+        return -(-n // 4096) * 4096
+    flags = 2 * world * slot_bytes
+    token_flag = flags + up(world * programs * 8)
+    ring = token_flag + 4096
+    return dict(flags=flags, token_flag=token_flag, ring=ring, total=ring + RING_SLOTS * 8)
+
+
+def make_peer_buffers(rank: int, ptrs: list[int], own: torch.Tensor, slot_bytes: int,
+                      device: torch.device, programs: int = PROGRAMS) -> PeerBuffers:
+    """PeerBuffers over every rank's buffer (`ptrs`, this rank's is `own`, uint8)."""
+    world = len(ptrs)
+    lay = _layout(world, slot_bytes, programs)
+    if own.numel() < lay["total"]:
+        raise ValueError(f"peer buffer of {own.numel()} bytes, the layout needs {lay['total']}")
+
+    def at(off):
+        return torch.tensor([p + off for p in ptrs], dtype=torch.int64, device=device)
+
+    def view(off, n):
+        return own[off:off + n * 8].view(torch.int64)
+
+    return PeerBuffers(
+        rank=rank, world=world, programs=programs, slot_bytes=slot_bytes,
+        data_ptrs=at(0), flag_ptrs=at(lay["flags"]), my_flags=view(lay["flags"], world * programs),
+        counters=torch.zeros(programs, dtype=torch.int64, device=device),
+        errors=torch.zeros(1, dtype=torch.int32, device=device),
+        ring_ptrs=at(lay["ring"]), token_flag_ptrs=at(lay["token_flag"]),
+        my_token_flag=view(lay["token_flag"], 1), ring=view(lay["ring"], RING_SLOTS))
+
+
+def buffer_bytes(world: int, slot_bytes: int, programs: int = PROGRAMS) -> int:
+    return _layout(world, slot_bytes, programs)["total"]
 
 
 class CustomAllReduce:
@@ -43,14 +106,15 @@ class CustomAllReduce:
         import torch.distributed._symmetric_memory as symm_mem
 
         if mode not in MODES:
-            raise ValueError(f"unknown custom all-reduce mode {mode!r}; choose {' or '.join(MODES)}")
+            raise ValueError(f"unknown custom all-reduce mode {mode!r}; choose one of {', '.join(MODES)}")
         self.rank, self.world_size, self.device = rank, world_size, device
         self.max_bytes = max_bytes
         self.mode = mode
         group = group or dist.group.WORLD
         self.group_name = group.group_name
-        if mode == "oneshot":
-            self._one_shot = torch.ops.symm_mem.one_shot_all_reduce_copy_out  # AttributeError: older torch
+        self._one_shot = getattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out", None)
+        if mode == "oneshot" and self._one_shot is None:
+            raise RuntimeError("this torch has no symm_mem.one_shot_all_reduce_copy_out")
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
         if enable is not None:  # needed by older torch, a no-op (or deprecated) on newer
             try:
@@ -59,9 +123,14 @@ class CustomAllReduce:
                 pass
         global _RENDEZVOUS_DONE
         _RENDEZVOUS_DONE = True
-        self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
+        self.buffer = symm_mem.empty(buffer_bytes(world_size, max_bytes), dtype=torch.uint8, device=device)
+        self.buffer.zero_()  # flags start at 0 on every rank before anyone signals
         self.handle = symm_mem.rendezvous(self.buffer, group.group_name)
         self.peer_ptrs = torch.tensor(list(self.handle.buffer_ptrs), dtype=torch.int64, device=device)
+        self.peers = make_peer_buffers(rank, list(self.handle.buffer_ptrs), self.buffer, max_bytes, device)
+        self.token_epoch = 0  # token pushes made (rank 0) / waited for (followers)
+        self.handle.barrier(channel=0)  # every rank zeroed its flags
+        torch.cuda.synchronize(device)
 
     @staticmethod
     def fresh_process() -> bool:
@@ -85,45 +154,60 @@ class CustomAllReduce:
         return (x.dtype in _DTYPES and x.is_cuda and x.is_contiguous()
                 and x.numel() * x.element_size() <= self.max_bytes)
 
-    def _publish(self, x: torch.Tensor) -> None:
-        nbytes = x.numel() * x.element_size()
-        self.buffer[:nbytes].view(x.dtype).view(x.shape).copy_(x)
-        self.handle.barrier(channel=0)
-
     def _symm_view(self, x: torch.Tensor) -> torch.Tensor:
         nbytes = x.numel() * x.element_size()
         return self.buffer[:nbytes].view(x.dtype).view(x.shape)
+
+    def _reduce(self, x, residual, weight, eps):
+        if self.mode == "fused":
+            from kernels.triton_peer_all_reduce import push_reduce
+            return push_reduce(self.peers, x, residual, weight, eps)
+        if self.mode == "oneshot":
+            summed = self._one_shot(self._symm_view(x), x, "sum", self.group_name, torch.empty_like(x))
+            if residual is None:
+                return summed, None
+            from kernels.rms_norm import rms_norm
+            return rms_norm(summed, weight, eps, residual)
+        from .custom_all_reduce_kernel import launch_reduce
+        self._symm_view(x).copy_(x)
+        self.handle.barrier(channel=0)
+        out = launch_reduce(self.peer_ptrs, self.world_size, x, residual, weight, eps)
+        self.handle.barrier(channel=1)
+        return out
 
     def all_reduce_add_rms_norm(self, x, residual, weight, eps: float):
         """(rms_norm(sum_ranks(x) + residual) * weight, sum_ranks(x) + residual), or None."""
         if not self.fits(x) or residual.dtype != x.dtype or x.dim() != 2:
             return None
-        if self.mode == "oneshot":
-            from kernels.rms_norm import rms_norm
-            summed = self._one_shot(self._symm_view(x), x, "sum", self.group_name, torch.empty_like(x))
-            return rms_norm(summed, weight, eps, residual)
-        self._publish(x)
-        from .custom_all_reduce_kernel import launch_reduce
-
-        out, res = launch_reduce(self.peer_ptrs, self.world_size, x, residual, weight, eps)
-        self.handle.barrier(channel=1)
-        return out, res
+        return self._reduce(x, residual, weight, eps)
 
     def __call__(self, x: torch.Tensor):
         """Plain sum across ranks (TPContext.all_reduce), or None."""
         if not self.fits(x):
             return None
         flat = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
-        if self.mode == "oneshot":
-            out = self._one_shot(self._symm_view(flat), flat.contiguous(), "sum", self.group_name,
-                                 torch.empty_like(flat))
-            return out.view(x.shape)
-        self._publish(flat)
-        from .custom_all_reduce_kernel import launch_reduce
-
-        out, _ = launch_reduce(self.peer_ptrs, self.world_size, flat, None, None, 0.0)
-        self.handle.barrier(channel=1)
+        out, _ = self._reduce(flat.contiguous(), None, None, 0.0)
         return out.view(x.shape)
+
+    # -- sampled tokens under overlap scheduling ------------------------------------------
+    def token_ring(self, capacity: int) -> torch.Tensor | None:
+        """This rank's ring for `capacity` tokens, which the other ranks can write, or None."""
+        return self.peers.ring[:capacity] if capacity <= RING_SLOTS else None
+
+    def push_tokens(self, tokens: torch.Tensor, start: int) -> int:
+        """Write tokens into ring[start:] of every rank; returns the epoch a follower waits for."""
+        from kernels.triton_peer_all_reduce import push_tokens
+        self.token_epoch += 1
+        push_tokens(self.peers, tokens.to(torch.int64).contiguous(), start, self.token_epoch)
+        return self.token_epoch
+
+    def wait_tokens(self, epoch: int) -> None:
+        from kernels.triton_peer_all_reduce import wait_tokens
+        wait_tokens(self.peers, epoch)
+
+    def failed_waits(self) -> int:
+        """Waits that gave up because a peer never arrived (syncs the device)."""
+        return int(self.peers.errors.item())
 
     def self_check(self) -> None:
         """A small reduction at start: every rank contributes rank+1; wrong sums or a
@@ -132,5 +216,5 @@ class CustomAllReduce:
         out = self(x)
         want = self.world_size * (self.world_size + 1) / 2
         torch.cuda.synchronize(self.device)
-        if out is None or not torch.all(out == want):
-            raise RuntimeError("one-shot all-reduce self-check gave a wrong sum")
+        if out is None or not torch.all(out == want) or self.failed_waits():
+            raise RuntimeError(f"{self.mode} all-reduce self-check gave a wrong sum")

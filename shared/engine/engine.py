@@ -135,7 +135,8 @@ class Engine:
         self.overlap = None
         overlap = config.overlap_schedule
         if overlap is None:
-            overlap = not (self.tp.size > 1 and self.device.type == "cuda")
+            # with TP on GPUs only where the tokens travel by the custom all-reduce's push
+            overlap = not (self.tp.size > 1 and self.device.type == "cuda" and self.tp.custom_all_reduce is None)
         if overlap:
             from .overlap import OverlapScheduler
             self.overlap = OverlapScheduler(self)

@@ -10,9 +10,10 @@ does the CPU wait for step N's tokens, replace the placeholders and run the stop
 (as SGLang's future-token map and mini-sglang's overlap loop do).
 
 With tensor parallelism every rank resolves placeholders from its own ring: rank 0 sends
-the followers the ring slots after the step's plan, and broadcasts the sampled tokens on
-the device (tp_launcher.send_sampled); the followers' next forward reads them in stream
-order, so no rank waits on the host.
+the followers the ring slots after the step's plan, and its device writes the sampled
+tokens into every rank's ring (peer-mapped memory of the custom all-reduce; an NCCL
+broadcast without it; tp_launcher.send_sampled); a follower's next forward waits for them
+on its device, so no rank waits on the host.
 
 Costs: a request that finishes at step N was already scheduled in step N+1; that row's
 work is thrown away (its KV writes land in pages it still held; the GPU runs in order,
@@ -51,7 +52,13 @@ class OverlapScheduler:
         self.engine = engine
         self.device = engine.device
         self.capacity = 4 * max(engine.config.max_running_requests, 64)
-        self.future = torch.zeros(self.capacity, dtype=torch.int64, device=self.device)
+        car = engine.tp.custom_all_reduce
+        ring = car.token_ring(self.capacity) if car is not None else None
+        # with the custom all-reduce the ring lives in peer-mapped memory: rank 0 writes
+        # every rank's ring on the device (tp_launcher.send_sampled)
+        self.pusher = car if ring is not None and engine.tp.size > 1 else None
+        self.future = ring if ring is not None else torch.zeros(self.capacity, dtype=torch.int64,
+                                                                 device=self.device)
         engine.runner.future_tokens = self.future
         self.cursor = 0
         self.pending: InFlight | None = None
@@ -110,9 +117,12 @@ class OverlapScheduler:
             self.cursor = 0
         start = self.cursor
         self.cursor += n
-        self.future[start:start + n].copy_(tokens)
         if e._tp_workers is not None:  # the other ranks resolve the same placeholders
-            e._tp_workers.send_sampled(start, tokens)
+            if self.pusher is None:
+                self.future[start:start + n].copy_(tokens)
+            e._tp_workers.send_sampled(start, tokens, self.pusher)
+        else:
+            self.future[start:start + n].copy_(tokens)
         done = None
         if self.device.type == "cuda":
             host = torch.empty(n, dtype=torch.int64, pin_memory=True)

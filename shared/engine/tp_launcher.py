@@ -87,15 +87,19 @@ class TPWorkers:
         for c in self.conns:
             c.send_bytes(payload)
 
-    def send_sampled(self, start: int, tokens: torch.Tensor) -> None:
-        """Overlap scheduling: the step's tokens were sampled on rank 0's device into its
-        future ring at [start, start+n); every follower receives them with one broadcast on
-        the device (no host sync) into the same slots of its own ring, from which the next
-        step's placeholder ids are resolved on every rank."""
-        header = np.asarray([start, tokens.numel()], dtype=np.int64).tobytes()
+    def send_sampled(self, start: int, tokens: torch.Tensor, pusher=None) -> None:
+        """Overlap scheduling: the step's tokens were sampled on rank 0's device; every
+        follower needs them in the same slots [start, start+n) of its own ring, from which
+        the next step's placeholder ids are resolved on every rank. With the custom
+        all-reduce (`pusher`) rank 0's device writes them into every ring itself and the
+        follower queues a device-side wait for that write's epoch; otherwise one NCCL
+        broadcast. Neither makes a host wait for the device."""
+        epoch = pusher.push_tokens(tokens, start) if pusher is not None else 0
+        header = np.asarray([start, tokens.numel(), epoch], dtype=np.int64).tobytes()
         for c in self.conns:
             c.send_bytes(_SAMPLED + header)
-        dist.broadcast(tokens, src=0)
+        if pusher is None:
+            dist.broadcast(tokens, src=0)
 
     def call(self, target: str, *args) -> list:
         """Run `module:function(engine, *args)` on every follower; their results in rank
@@ -247,7 +251,10 @@ def _follow(engine, conn) -> None:
             plan = StepPlan(np.frombuffer(msg, dtype=np.int32, offset=4).copy())
             engine.runner.forward_plan(plan)
         elif kind == _SAMPLED:
-            start, n = np.frombuffer(msg, dtype=np.int64, offset=4).tolist()
+            start, n, epoch = np.frombuffer(msg, dtype=np.int64, offset=4).tolist()
+            if epoch:  # rank 0's device writes our ring; the next forward waits for it
+                engine.tp.custom_all_reduce.wait_tokens(epoch)
+                continue
             ring = engine.runner.future_tokens
             tokens = torch.empty(n, dtype=ring.dtype, device=ring.device)
             dist.broadcast(tokens, src=0)
