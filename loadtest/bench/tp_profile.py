@@ -73,7 +73,8 @@ def follower_read(engine, reset: bool = True) -> dict:
 
 
 def profile_engine(model: str, tp: int, custom_ar: bool, batches, ctx_len: int, steps: int,
-                   workdir: str, device: str = "auto", ar_mode: str = "fused", overlap: bool = False) -> dict:
+                   workdir: str, device: str = "auto", ar_mode: str = "fused", overlap: bool = False,
+                   instrument: bool = True) -> dict:
     """Runs in a fresh process (bench.tp.in_fresh_process)."""
     from pathlib import Path
 
@@ -96,19 +97,8 @@ def profile_engine(model: str, tp: int, custom_ar: bool, batches, ctx_len: int, 
     print(f"[tp_profile] TP={tp} custom_ar={result['custom_ar']} ready in {result['start_s']:.0f}s, "
           f"graphs {result['graphs'][:3]}...", file=sys.stderr, flush=True)
     timers = _Timers()
-    timers.wrap(eng.scheduler, "schedule", "rank0 schedule")
-    timers.wrap(eng.runner, "forward_plan", "rank0 forward_plan (async)")
-    if eng.runner.graphs is not None:
-        timers.wrap(eng.runner.graphs, "run", "rank0 graph replays")
-    if eng._tp_workers is not None:
-        timers.wrap(eng.runner, "plan_sink", "rank0 send_plan")
-        eng.call_followers("loadtest.bench.tp_profile:follower_instrument")
-    import shared.engine.engine as engine_mod
-    timers.wrap(engine_mod, "sample", "rank0 sample (incl. GPU wait)")
-    if eng.overlap is not None:
-        import shared.engine.overlap as overlap_mod
-        timers.wrap(overlap_mod, "sample_on_device", "rank0 sample_on_device")
-        timers.wrap(eng.overlap, "_resolve", "rank0 resolve (incl. GPU wait)")
+    if instrument:
+        _instrument(eng, timers)
     for b in batches:
         rng = np.random.default_rng(b)
         params = SamplingParams(temperature=0, max_tokens=steps + 40, ignore_eos=True)
@@ -118,7 +108,7 @@ def profile_engine(model: str, tp: int, custom_ar: bool, batches, ctx_len: int, 
         for _ in range(8):
             eng.step()
         timers.reset()
-        if eng._tp_workers is not None:
+        if instrument and eng._tp_workers is not None:
             eng.call_followers("loadtest.bench.tp_profile:follower_read")
         _sync()
         t1 = time.perf_counter()
@@ -127,8 +117,13 @@ def profile_engine(model: str, tp: int, custom_ar: bool, batches, ctx_len: int, 
         _sync()
         step_ms = (time.perf_counter() - t1) / steps * 1e3
         row = dict(batch=b, step_ms=step_ms, **timers.ms(), replays=timers.n.get("rank0 graph replays", 0))
-        if eng._tp_workers is not None:
+        if instrument and eng._tp_workers is not None:
             row.update(eng.call_followers("loadtest.bench.tp_profile:follower_read")[0])
+        if not instrument:  # the step time alone: nothing wrapped, no follower syncs
+            result["rows"].append(dict(row, top_cpu="", top_cuda=""))
+            print(f"[tp_profile] TP={tp} B={b}: {step_ms:.3f} ms/step (uninstrumented)", file=sys.stderr, flush=True)
+            _drain(eng, rids)
+            continue
         # a few steps under the profiler on rank 0
         from torch.profiler import ProfilerActivity, profile
         cuda = torch.cuda.is_available()
@@ -147,6 +142,24 @@ def profile_engine(model: str, tp: int, custom_ar: bool, batches, ctx_len: int, 
     return result
 
 
+def _instrument(eng, timers) -> None:
+    """Time rank 0's step parts; each follower times (and synchronises) its forward, which
+    stalls an overlapped pipeline: --no-instrument gives the clean step time."""
+    timers.wrap(eng.scheduler, "schedule", "rank0 schedule")
+    timers.wrap(eng.runner, "forward_plan", "rank0 forward_plan (async)")
+    if eng.runner.graphs is not None:
+        timers.wrap(eng.runner.graphs, "run", "rank0 graph replays")
+    if eng._tp_workers is not None:
+        timers.wrap(eng.runner, "plan_sink", "rank0 send_plan")
+        eng.call_followers("loadtest.bench.tp_profile:follower_instrument")
+    import shared.engine.engine as engine_mod
+    timers.wrap(engine_mod, "sample", "rank0 sample (incl. GPU wait)")
+    if eng.overlap is not None:
+        import shared.engine.overlap as overlap_mod
+        timers.wrap(overlap_mod, "sample_on_device", "rank0 sample_on_device")
+        timers.wrap(eng.overlap, "_resolve", "rank0 resolve (incl. GPU wait)")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtest.bench.tp_profile", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen3-8b")
@@ -157,6 +170,8 @@ def main(argv=None) -> int:
                    help="comma list of tp:custom_ar[:mode[:overlap]], e.g. 2:on:oneshot:overlap")
     p.add_argument("--device", default="auto", help="cpu: check the script on a small model (gloo)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per configuration")
+    p.add_argument("--no-instrument", action="store_true",
+                   help="step times only: no timers, no profiler, no follower syncs")
     a = p.parse_args(argv)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -173,7 +188,7 @@ def main(argv=None) -> int:
         try:
             r = in_fresh_process("loadtest.bench.tp_profile:profile_engine", a.model, int(tp), car == "on",
                                  batches, a.ctx, a.steps, workdir, a.device, mode, ovl == "overlap",
-                                 timeout=a.timeout)
+                                 not a.no_instrument, timeout=a.timeout)
         except Exception as e:  # noqa: BLE001 - report and go on with the next config
             print(f"TP={tp} custom_ar={car}: FAILED {e}", flush=True)
             continue
