@@ -83,3 +83,31 @@ def test_schema_holds_and_loops_agree(model_dir, info, device):
             check(json.loads(text(info, tokens)))
     overlap, _ = run(model_dir, info, device, True, params, prompts)
     assert overlap == plain
+
+
+def test_fill_one_by_one_and_by_threads_give_the_same_masks(info, monkeypatch):
+    """GrammarBackend.fill goes row by row and hands the rest to xgrammar's threads once
+    rows turn out expensive: both paths fill the same bits, and rows with no live matcher
+    stay all-ones."""
+    import shared.engine.grammar as grammar_mod
+
+    backend = GrammarBackend(None, VOCAB, [EOS], info=info)
+    spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
+    prefixes = [b'', b'{"id": 1', b'{"id": 12, "kind": "c', b'{"id": 3, "kind": "dog", "tags": ["ab']
+    states = []
+    for i in range(12):
+        state = backend.new_state(spec)
+        for byte in prefixes[i % len(prefixes)]:
+            assert state.accept(byte)  # the synthetic vocabulary starts with the 256 bytes
+        states.append(state)
+    states[5] = None  # a free row in the batch
+    masks = {}
+    for budget in (10.0, 0.0):  # everything one by one; threads after the first row
+        monkeypatch.setattr(grammar_mod, "SERIAL_FILL_BUDGET_S", budget)
+        bitmask = backend.alloc_bitmask(len(states), pin=False)
+        rows = backend.fill(states, bitmask)
+        assert rows == [i for i in range(12) if i != 5]
+        masks[budget] = bitmask
+    assert torch.equal(masks[10.0], masks[0.0])
+    assert torch.all(masks[0.0][5] == -1)
+    assert not torch.equal(masks[0.0][0], masks[0.0][1])  # different states, different masks

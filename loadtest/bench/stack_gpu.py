@@ -26,7 +26,9 @@ STACKS = {  # name -> `duet up` worker layout (GPU placement: services/launcher/
     "colocated": ["--both", "1", "--prefill", "0", "--decode", "0"],
     "colocated2": ["--both", "2", "--prefill", "0", "--decode", "0"],
     "split": ["--prefill", "1", "--decode", "1"],
+    "colocated_tp2": ["--both", "1", "--prefill", "0", "--decode", "0"],
 }
+STACK_WORKER_ARGS = {"colocated_tp2": ["--tp", "2"]}  # one worker over two GPUs
 
 
 def model_folder(name: str, root: pathlib.Path, tokenizer_from: str | None = None) -> pathlib.Path:
@@ -68,7 +70,8 @@ def _loadtest(url: str, out: pathlib.Path, label: str, args, *, conc: int | None
 def run_stack(name: str, folder: pathlib.Path, args, out: pathlib.Path) -> list[dict]:
     from loadtest.duet_stack import DuetStack
 
-    worker = ["--load-format", "dummy", "--max-model-len", str(args.max_model_len), *args.worker_arg]
+    worker = ["--load-format", "dummy", "--max-model-len", str(args.max_model_len), *STACK_WORKER_ARGS.get(name, []),
+              *args.worker_arg]
     up = STACKS[name] + ["--model", str(folder), *args.up_arg, "--", *worker]
     print(f"== {name}: duet up {' '.join(up)}", file=sys.stderr, flush=True)
     rows = []
