@@ -363,3 +363,15 @@ def test_duet_up_without_redis_server_says_how_to_install_one(tmp_path):
     assert r.returncode == 2, r.stderr[-2000:]
     assert "redis-server" in r.stderr and "apt-get install redis-server" in r.stderr
     assert "--redis-url" in r.stderr
+
+
+def test_prefill_connects_to_each_decode_worker_before_any_request(stack):
+    """The prefill worker probes every decode worker as it joins (services/prefill/
+    peer_warmup.py): one padding-page write, so the first request pays no connection
+    setup. (The probe counts as no KV sent: test_kv_bytes_and_computed_tokens_match_the_prompt.)"""
+    prefill = stack.worker_ids("prefill")[0]
+    name = "duet_kv_peer_connect_seconds_count"
+    wait_until(lambda: stack.metrics(prefill).value(name, outcome="ok") == 1, 30,
+               "the prefill worker's probe of the decode worker")
+    assert stack.metrics(prefill).value(name, outcome="failed") == 0
+    assert stack.metrics(prefill).value(name, outcome="refused") == 0

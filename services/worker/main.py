@@ -145,6 +145,11 @@ async def serve(config) -> int:
     loop.start()
     await server.start()
     await watcher.start()
+    warmer = None
+    if role == "prefill":  # connect to decode workers as they join, not on their first request
+        from services.prefill.peer_warmup import PeerWarmup
+        warmer = PeerWarmup(ctx)
+        warmer.start()
     await publisher.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     print(f"duet {role} worker {worker_id} ready: grpc {address} ({config.tls.describe('server')}) "
@@ -168,6 +173,8 @@ async def serve(config) -> int:
         log.info("draining: leaving the registry, finishing in-flight work")
         await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         await publisher.stop(deregister=True)
+        if warmer is not None:
+            await warmer.stop()
         grace = float(os.environ.get("DUET_DRAIN_GRACE", "10"))
         deadline = aloop.time() + grace
         while aloop.time() < deadline and loop.fatal is None:

@@ -60,6 +60,7 @@ class WriteHandle:
     state: str = PENDING
     error: str = ""
     finished: float = 0.0
+    probe: bool = False  # a connection warm-up write (peer_warmup.py): not KV, not counted
     _xfer: object | None = field(default=None, repr=False)
 
     @property
@@ -163,7 +164,7 @@ class KvTransferAgent:
     # --- writes -----------------------------------------------------------------
 
     def write_pages(self, peer: Peer, src_page_ids: Sequence[int], dst_page_ids: Sequence[int],
-                    notif: bytes = b"", heads: HeadCopy | None = None) -> WriteHandle:
+                    notif: bytes = b"", heads: HeadCopy | None = None, probe: bool = False) -> WriteHandle:
         """Post a WRITE of local pages src[i] into the peer's pages dst[i]. Non-blocking.
 
         Contiguous runs on both sides become one descriptor each. heads: only that head
@@ -183,7 +184,8 @@ class KvTransferAgent:
             num_bytes = len(src_page_ids) * copy_bytes_per_page(heads, self.pool_info)
         now = time.monotonic()
         handle = WriteHandle(peer=peer, num_bytes=num_bytes, num_descriptors=len(src),
-                             num_pages=len(src_page_ids), started=now, deadline=now + self.write_timeout_s)
+                             num_pages=len(src_page_ids), started=now, deadline=now + self.write_timeout_s,
+                             probe=probe)
         with self._lock:
             self._check_current(peer)
             try:
@@ -201,7 +203,8 @@ class KvTransferAgent:
                     self._release(handle)
                 self.writes_failed += 1
                 raise TransferError(f"write to {peer.worker_id} could not be posted: {exc}") from exc
-            self.descriptors_posted += len(src)
+            if not probe:
+                self.descriptors_posted += len(src)
             if state == "ERR":
                 self._release(handle)
                 self.writes_failed += 1
@@ -248,6 +251,8 @@ class KvTransferAgent:
             handle.state, handle.finished = DONE, time.monotonic()
             self._inflight.remove(handle)
             self._release(handle)
+            if handle.probe:
+                return
             self.bytes_sent += handle.num_bytes
             self.writes_done += 1
             if self._metrics is not None:

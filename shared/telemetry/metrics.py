@@ -44,6 +44,11 @@ class DuetMetrics:
             "What the handoff adds to time to first token: from the prompt's last chunk (first token "
             "sampled) to its last page and the completion notice landing at decode",
             buckets=_TRANSFER_BUCKETS, registry=r)
+        self.kv_peer_connect_seconds = Histogram(
+            "duet_kv_peer_connect_seconds",
+            "Prefill side: a decode worker's connection warm-up as it joins (a probe write of the "
+            "padding page), so no request pays for transport setup", ["outcome"],
+            buckets=_TRANSFER_BUCKETS, registry=r)
         self.kv_cache_usage = Gauge(
             "duet_kv_cache_usage_ratio",
             "Share of KV pages held by live work (running, reserved, awaiting transfer); evictable cache excluded",
