@@ -32,6 +32,11 @@ log = logging.getLogger("duet.engine.custom_all_reduce")
 
 DEFAULT_MAX_BYTES = 8 << 20  # one-shot pays off for small messages (decode, short prefills)
 PROGRAMS = 32  # fixed grid of the fused kernel (every program takes part in every call)
+# above this the barrier mode is faster (2 x H200, hidden 4096 bf16: 128 tokens 13.2 vs 14.3 us,
+# 512 tokens 24 vs 44); both ranks pick by shape, so they always agree. Mixing the modes is
+# safe: a barrier call writes this rank's own phase-0 slot only after every rank finished the
+# fused calls before it, and the fused calls after it wait for the barrier call to end.
+FUSED_MAX_BYTES = 512 << 10
 RING_SLOTS = 1 << 15  # token ring entries (int64)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Symmetric-memory rendezvous keeps per-process state keyed by group name: a process that
@@ -159,10 +164,13 @@ class CustomAllReduce:
         return self.buffer[:nbytes].view(x.dtype).view(x.shape)
 
     def _reduce(self, x, residual, weight, eps):
-        if self.mode == "fused":
+        mode = self.mode
+        if mode == "fused" and x.numel() * x.element_size() > FUSED_MAX_BYTES:
+            mode = "barrier"  # prefill-sized: reading the peers beats pushing with a fixed grid
+        if mode == "fused":
             from kernels.triton_peer_all_reduce import push_reduce
             return push_reduce(self.peers, x, residual, weight, eps)
-        if self.mode == "oneshot":
+        if mode == "oneshot":
             summed = self._one_shot(self._symm_view(x), x, "sum", self.group_name, torch.empty_like(x))
             if residual is None:
                 return summed, None

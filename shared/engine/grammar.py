@@ -158,11 +158,13 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
     copied to the logits' device without a sync when pinned)."""
     import xgrammar as xgr
     mask = bitmask[: logits.shape[0]]
-    indices = rows
+    every_row = len(rows) == logits.shape[0]  # rows are sorted and distinct
+    indices = None if every_row else rows
     if logits.device.type != "cpu":
         # pinned host memory: a copy from pageable memory would wait for the device to idle
         mask = (mask if mask.is_pinned() else mask.pin_memory()).to(logits.device, non_blocking=True)
-        indices = torch.tensor(rows, dtype=torch.int32).pin_memory().to(logits.device, non_blocking=True)
+        if not every_row:
+            indices = torch.tensor(rows, dtype=torch.int32).pin_memory().to(logits.device, non_blocking=True)
     backend = _APPLY_BACKEND.get(logits.device.type, "auto")
     try:
         xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=logits.shape[1], indices=indices, backend=backend)
