@@ -21,8 +21,9 @@ every program to exist in every call, hence the fixed grid, and every rank to ma
 same sequence of calls (they do: collectives run in lockstep).
 
 A rank that never arrives (its process died) would leave the others spinning: the wait
-gives up after MAX_SPINS polls (seconds) and counts the failure in `errors`, so a dead
-peer ends in wrong numbers and a failed health check rather than a hung GPU.
+gives up after MAX_SPINS polls (tens of seconds) and counts the failure in `errors`; once
+that is non-zero no later wait spins, so a dead peer ends in wrong numbers (and rank 0's
+control pipe reports the dead process) rather than a hung GPU.
 
 Also here: pushing a step's sampled tokens into every rank's token ring with a flag,
 and a kernel that waits for that flag (overlap scheduling under TP without a
@@ -37,7 +38,9 @@ MAX_SPINS = 1 << 26
 @triton.jit
 def _wait_at_least(flag, epoch, errors, MAX: tl.constexpr):
     seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
-    spins = 0
+    # after one wait gave up (a peer is gone) the rest do not wait: the process is going down,
+    # and 73 all-reduces a step each spinning out would hold it for an hour
+    spins = tl.where(tl.load(errors, volatile=True) == 0, 0, MAX)
     while (seen < epoch) & (spins < MAX):
         seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
         spins += 1

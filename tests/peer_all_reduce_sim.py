@@ -49,7 +49,8 @@ def run_calls(rank: int, calls, residual, weight, eps: float):
 
 def run_tokens(rank: int, world: int, tokens: torch.Tensor, start: int):
     """Push tokens as `rank`, then wait for an epoch already reached and for one that never
-    comes. Returns (each rank's ring slice, each rank's token flag, errors after both waits)."""
+    comes, then once more after that failure (which must not spin). Returns (each rank's ring
+    slice, each rank's token flag, errors after each wait)."""
     dev = tokens.device
     bufs = [torch.zeros(buffer_bytes(world, SLOT_BYTES, PROGRAMS), dtype=torch.uint8, device=dev)
             for _ in range(world)]
@@ -62,4 +63,6 @@ def run_tokens(rank: int, world: int, tokens: torch.Tensor, start: int):
     wait_tokens(follower, 3, max_spins=1000)
     ok_errors = int(follower.errors.item())
     wait_tokens(follower, 4, max_spins=1000)  # never pushed: gives up and counts it
-    return rings, flags, ok_errors, int(follower.errors.item())
+    missing_errors = int(follower.errors.item())
+    wait_tokens(follower, 5, max_spins=1 << 30)  # after a failure: no spinning at all
+    return rings, flags, ok_errors, missing_errors, int(follower.errors.item())

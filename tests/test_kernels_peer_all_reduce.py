@@ -42,9 +42,11 @@ def test_reduce_matches_reference_and_signals_peers(runner, world, rank, rows, n
 
 def test_token_push_reaches_every_ring_and_a_missing_push_gives_up(runner):
     tokens = torch.arange(5, 5 + 300, dtype=torch.int64, device=runner.device)  # > one block
-    rings, flags, errors_after_ok, errors_after_missing = runner(f"{SIM}:run_tokens", 0, 3, tokens, 17)
+    rings, flags, errors_after_ok, errors_after_missing, errors_after_next = runner(
+        f"{SIM}:run_tokens", 0, 3, tokens, 17)
     for ring in rings:
         assert torch.equal(ring, tokens)
     assert flags == [0, 3, 3]  # the pusher does not flag itself
     assert errors_after_ok == 0
     assert errors_after_missing == 1
+    assert errors_after_next == 2  # 2^30 polls would take minutes interpreted: it did not spin
