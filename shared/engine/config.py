@@ -29,8 +29,8 @@ class EngineConfig:
     cuda_graph: bool = True
     cuda_graph_max_bs: int = 256
     # CPU prepares step N+1 while the device runs step N (overlap.py). None: on, except with
-    # TP on GPUs, where it measured slower (2 x H200, Qwen3-8B shape, B=32: 15.0 ms/step
-    # overlapped vs 7.4 plain; equal at B=1; loadtest/bench/GPU_NOTES.md)
+    # TP on GPUs without the custom all-reduce (the tokens would need an NCCL broadcast a step);
+    # with it, 2 x H200, Qwen3-8B shape, TP=2: 3.54 / 4.55 ms at B=1 / 32 vs 4.09 / 5.51 plain
     overlap_schedule: bool | None = None
     num_threads: int | None = None  # torch intra-op threads on CPU
     tp_size: int = 1  # tensor-parallel ranks (processes); this process is rank 0
