@@ -20,7 +20,7 @@ import pytest
 
 from protos import duet_pb2, duet_pb2_grpc
 from tests.engine_models import build_model_dir
-from tests.stack import ProcessStack, managed, model_dir as default_model_dir, new_log_dir
+from tests.stack import ProcessStack, managed, model_dir as default_model_dir, new_log_dir, wait_until
 
 PROMPTS = ["The river bends twice before it reaches the sea, and",
            "List three colours: red, green,",
@@ -75,6 +75,10 @@ def test_tp2_prefill_and_decode_match_offline_tp1(stack, tp_model):
     pools = json.loads(entries["decode-0"]["kv_pools"])
     page_bytes = {p["rank"]: p["page_bytes"] for p in pools}
 
+    # every prefill rank probed the decode ranks it writes to when decode joined (peer_warmup.py);
+    # the probes are not KV: the byte counts below are the requests' alone
+    wait_until(lambda: stack.metrics("prefill-0").value("duet_kv_peer_connect_seconds_count", outcome="ok") == 1,
+               30, "prefill's connection probe of decode-0 (both ranks)")
     sent0 = stack.metrics("prefill-0").value("duet_kv_transfer_bytes_total", direction="sent")
     recv0 = stack.metrics("decode-0").value("duet_kv_transfer_bytes_total", direction="received")
     client = stack.client()

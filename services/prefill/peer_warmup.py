@@ -8,8 +8,8 @@ padding page (page 0, which never holds KV on either side; kv_pool.py) into the 
 the head plan for the pair says (whole page or this rank's head slices). The write is a
 probe: no notice, not counted as KV sent. A peer that restarts (new nonce) is warmed again.
 
-Rank 0's agent only: with prefill TP > 1 the followers' agents connect on their first
-request (not done here)."""
+With prefill TP > 1 every rank probes the decode ranks it writes to; rank 0 waits for its
+own probes, the other ranks' complete in their idle ticks (rank_transfers.probe)."""
 from __future__ import annotations
 
 import asyncio
@@ -82,9 +82,15 @@ class PeerWarmup:
         handles = [ctx.agent.write_pages(ctx.peers.add(specs[c.dst_rank]), [PADDING_PAGE], [PADDING_PAGE],
                                          heads=None if c.whole_page else c, probe=True)
                    for c in plan if c.src_rank == 0]
+        followers_ok = True
+        if ctx.config.tp > 1:  # the other ranks post theirs on the engine loop (the control pipe's thread)
+            posted = await ctx.loop.acall(lambda: ctx.engine.call_followers(
+                "shared.kv_transfer.rank_transfers:probe_peers", specs, plan))
+            want = [sum(1 for c in plan if c.src_rank == r) for r in range(1, ctx.config.tp)]
+            followers_ok = list(posted) == want
         states = await asyncio.gather(*(asyncio.to_thread(ctx.agent.wait, h, self.timeout_s) for h in handles))
         seconds = time.monotonic() - t0
-        ok = all(s == DONE for s in states)
+        ok = followers_ok and all(s == DONE for s in states)
         if not ok:
             log.warning("probe write to decode worker %s did not complete: %s", w.worker_id, states)
         else:

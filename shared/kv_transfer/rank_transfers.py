@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.kv_transfer.agent import DONE, FAILED, KvTransferAgent, Peer, TransferError
+from shared.kv_transfer.agent import DONE, FAILED, PENDING, KvTransferAgent, Peer, TransferError
 from shared.kv_transfer.notice import TransferNotice
 from shared.kv_transfer.pool_info import PoolInfo
 from shared.kv_transfer.write_stream import PageWriteStream, rank_stream
@@ -61,6 +61,7 @@ class RankTransfers:
     agent: KvTransferAgent
     rank: int
     streams: dict[str, PageWriteStream] = field(default_factory=dict)
+    probes: list = field(default_factory=list)  # connection probes in flight (WriteHandle)
 
     def peer(self, spec: PeerSpec) -> Peer:
         return self.agent.add_peer(spec.worker_id, spec.instance_nonce, spec.metadata, spec.pool, rank=spec.rank)
@@ -69,6 +70,8 @@ class RankTransfers:
         """Apply ops in order, advance every stream, return the state of each stream an op
         named or that is still open; finished streams are dropped after reporting."""
         touched, errors = set(), {}
+        if self.probes:
+            self.probes = [h for h in self.probes if self.agent.poll(h) == PENDING]
         for op in ops:
             touched.add(op.key)
             try:
@@ -110,11 +113,25 @@ class RankTransfers:
         else:
             raise ValueError(f"unknown stream op {op.kind!r}")
 
+    def probe(self, specs: list[PeerSpec], copies) -> int:
+        """Connect to a decode worker before its first request (services/prefill/peer_warmup.py):
+        post this rank's probe writes of the padding page; they complete in idle ticks.
+        Returns how many were posted."""
+        posted = 0
+        for c in copies:
+            if c.src_rank == self.rank:
+                self.probes.append(self.agent.write_pages(self.peer(specs[c.dst_rank]), [0], [0],
+                                                          heads=None if c.whole_page else c, probe=True))
+                posted += 1
+        return posted
+
     def idle_tick(self) -> None:
         """Let UCX progress while rank 0 sends nothing (a decode rank is a passive target)."""
         self.agent.get_notifs()
         for stream in self.streams.values():
             stream.poll()
+        if self.probes:
+            self.probes = [h for h in self.probes if self.agent.poll(h) == PENDING]
 
 
 # -- entry points run on followers through TPWorkers.call(target, *args) ----------------------
@@ -131,6 +148,10 @@ def open_agent(engine, name_template: str, write_timeout_s: float) -> tuple[byte
 
 def apply_ops(engine, ops: list[StreamOp]) -> dict[str, StreamState]:
     return engine.rank_services[SERVICE_KEY].apply(ops)
+
+
+def probe_peers(engine, specs: list[PeerSpec], copies) -> int:
+    return engine.rank_services[SERVICE_KEY].probe(specs, copies)
 
 
 def close_agent(engine) -> None:
