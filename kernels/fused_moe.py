@@ -87,8 +87,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
               topk_ids: torch.Tensor, *, expert_map: Optional[torch.Tensor] = None,
               out: Optional[torch.Tensor] = None, config=None) -> torch.Tensor:
     """Triton fused MoE (see the module note). config: a MoEConfig of tile sizes for both
-    grouped GEMMs, or a GemvTile for the few-token path (per-pair GEMVs, no sort: what
-    decode at batch <= GEMV_MAX_TOKENS runs); None: kernels/fused_moe_config.py picks by T."""
+    grouped GEMMs; None: kernels/fused_moe_config.py picks by T. (The fewest tokens go
+    through kernels/moe_decode.py instead: per-pair GEMVs, no sort.)"""
     _check(x, w13, w2, topk_weights, topk_ids, expert_map)
     if out is None:
         out = torch.empty_like(x)

@@ -84,18 +84,3 @@ def get_config(m: int, num_experts: int, hidden: int, intermediate: int, top_k: 
         keys = sorted(table)
         return table[next((k for k in keys if k >= m), keys[-1])]
     return heuristic(m, num_experts, top_k)
-
-
-@dataclass(frozen=True)
-class GemvTile:
-    """The few-token path: a program per (pair, N tile) for gate/up and per (token, N tile)
-    for down, CUDA-core dot products (no 16-row padding, no expert sort)."""
-    block_n: int = 16
-    block_k: int = 256
-    num_warps: int = 4
-
-
-# token counts up to which the few-token path runs by default: none. On an H200 it lost to the
-# grouped GEMMs at every decode size (M=1: 0.082 ms against 0.040; M=2: 0.059 at its best
-# tile against 0.061; M=4+: slower), so it stays selectable (config=GemvTile()) but off
-GEMV_MAX_TOKENS = 0

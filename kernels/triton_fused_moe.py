@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fused_moe_config import GEMV_MAX_TOKENS, GemvTile, MoEConfig, get_config
+from kernels.fused_moe_config import MoEConfig, get_config
 
 ALIGN_SINGLE_PROGRAM_MAX = 4096
 
@@ -229,79 +229,6 @@ def _moe_sum_kernel(rows_ptr, ids_ptr, emap_ptr, out_ptr, H, stride_out,
     tl.store(out_ptr + t * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit
-def _gemv_gate_up_kernel(x_ptr, w_ptr, ids_ptr, emap_ptr, inter_ptr, H, I, stride_x, stride_we,
-                         TOP_K: tl.constexpr, HAS_MAP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """One (token, slot) pair's silu(x W_g^T) * (x W_u^T) for BN intermediate columns."""
-    pair = tl.program_id(0).to(tl.int64)
-    e = tl.load(ids_ptr + pair)
-    if HAS_MAP:
-        e = tl.load(emap_ptr + e)
-    if e < 0:  # another rank's expert: the down kernel skips this pair
-        return
-    t = pair // TOP_K
-    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
-    n_ok = offs_n < I
-    w_rows = w_ptr + e.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * H
-    acc_g = tl.zeros([BN, BK], tl.float32)
-    acc_u = tl.zeros([BN, BK], tl.float32)
-    for k0 in range(0, H, BK):
-        offs_k = k0 + tl.arange(0, BK)
-        k_ok = offs_k < H
-        xv = tl.load(x_ptr + t * stride_x + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-        m = n_ok[:, None] & k_ok[None, :]
-        acc_g += tl.load(w_rows + offs_k[None, :], mask=m, other=0.0).to(tl.float32) * xv[None, :]
-        acc_u += tl.load(w_rows + I * H + offs_k[None, :], mask=m, other=0.0).to(tl.float32) * xv[None, :]
-    dt = inter_ptr.dtype.element_ty
-    g = tl.sum(acc_g, axis=1).to(dt).to(tl.float32)
-    u = tl.sum(acc_u, axis=1).to(dt).to(tl.float32)
-    tl.store(inter_ptr + pair * I + offs_n, (g / (1.0 + tl.exp(-g)) * u).to(dt), mask=n_ok)
-
-
-@triton.jit
-def _gemv_down_kernel(inter_ptr, w_ptr, ids_ptr, emap_ptr, topk_w_ptr, out_ptr, H, I, stride_we, stride_out,
-                      TOP_K: tl.constexpr, HAS_MAP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """A token's BN output columns: its slots' down projections, each rounded then weighted,
-    summed in slot order."""
-    t = tl.program_id(0).to(tl.int64)
-    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
-    n_ok = offs_n < H
-    dt = out_ptr.dtype.element_ty
-    out = tl.zeros([BN], tl.float32)
-    for j in tl.static_range(TOP_K):
-        pair = t * TOP_K + j
-        e = tl.load(ids_ptr + pair)
-        if HAS_MAP:
-            e = tl.load(emap_ptr + e)
-        if e >= 0:
-            w_rows = w_ptr + e.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * I
-            acc = tl.zeros([BN, BK], tl.float32)
-            for k0 in range(0, I, BK):
-                offs_k = k0 + tl.arange(0, BK)
-                k_ok = offs_k < I
-                iv = tl.load(inter_ptr + pair * I + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-                acc += tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                               other=0.0).to(tl.float32) * iv[None, :]
-            y = tl.sum(acc, axis=1).to(dt).to(tl.float32)
-            out += y * tl.load(topk_w_ptr + pair)
-    tl.store(out_ptr + t * stride_out + offs_n, out.to(dt), mask=n_ok)
-
-
-def _fused_moe_gemv(x, w13, w2, weights, ids, expert_map, out, tile: GemvTile):
-    t, h = x.shape
-    top_k = ids.shape[1]
-    inter = w2.shape[2]
-    inter_rows = torch.empty(t * top_k, inter, dtype=x.dtype, device=x.device)
-    emap = expert_map if expert_map is not None else ids
-    _gemv_gate_up_kernel[(t * top_k, triton.cdiv(inter, tile.block_n))](
-        x, w13, ids, emap, inter_rows, h, inter, x.stride(0), w13.stride(0), TOP_K=top_k,
-        HAS_MAP=expert_map is not None, BN=tile.block_n, BK=tile.block_k, num_warps=tile.num_warps)
-    _gemv_down_kernel[(t, triton.cdiv(h, tile.block_n))](
-        inter_rows, w2, ids, emap, weights, out, h, inter, w2.stride(0), out.stride(0), TOP_K=top_k,
-        HAS_MAP=expert_map is not None, BN=tile.block_n, BK=tile.block_k, num_warps=tile.num_warps)
-    return out
-
-
 def _gemm(a, w, c, topk_weights, sorted_ids, block_expert, num_post, n_out: int, k_in: int, top_k: int,
           tile, gate_up: bool, mul_w: bool, a_by_token: bool):
     blocks = block_expert.numel()
@@ -320,13 +247,8 @@ def launch_fused_moe(x, w13, w2, topk_weights, topk_ids, expert_map, out, config
     top_k = topk_ids.shape[1]
     num_local, two_i, _ = w13.shape
     inter = two_i // 2
-    if config is None and t <= GEMV_MAX_TOKENS:
-        config = GemvTile()
     if x.stride(1) != 1:
         x = x.contiguous()
-    if isinstance(config, GemvTile):  # a few tokens: no sort, no padding, two launches
-        ids = topk_ids.to(torch.int32).contiguous()
-        return _fused_moe_gemv(x, w13, w2, topk_weights.contiguous(), ids, expert_map, out, config)
     if config is None:
         dtype_name = str(x.dtype).removeprefix("torch.")
         config = get_config(t, expert_map.numel() if expert_map is not None else num_local, h, inter, top_k,

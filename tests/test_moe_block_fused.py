@@ -45,8 +45,13 @@ def fused_vs_torch(kind: str, tp_rank: int, tp_size: int, expert_parallel: bool,
 
 @pytest.mark.parametrize("kind", list(CONFIGS))
 @pytest.mark.parametrize("tp_size,ep", [(1, False), (2, False), (2, True)])
-def test_fused_block_matches_torch_block(runner, kind, tp_size, ep):
-    err = runner("tests.test_moe_block_fused:fused_vs_torch", kind, tp_size - 1, tp_size, ep, 7)
+@pytest.mark.parametrize("tokens", [2, 7, 70])
+def test_fused_block_matches_torch_block(runner, kind, tp_size, ep, tokens):
+    """2 tokens: the decode kernels (router + top-k, per-pair experts); 7: router + top-k
+    kernel, grouped experts; 70: router GEMM, top-k kernel, grouped experts."""
+    from shared.engine.models.moe import EXPERTS_DECODE_MAX_TOKENS, ROUTE_FUSED_MAX_TOKENS
+    assert 2 <= EXPERTS_DECODE_MAX_TOKENS < 7 <= ROUTE_FUSED_MAX_TOKENS < 70
+    err = runner("tests.test_moe_block_fused:fused_vs_torch", kind, tp_size - 1, tp_size, ep, tokens)
     assert err < 2e-5, err
 
 

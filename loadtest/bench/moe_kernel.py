@@ -112,20 +112,8 @@ def main(argv=None) -> int:
         for m in ms_list:
             x, w13, w2, w, ids, emap = _inputs(m, e, h, i, k, local, dtype, dev, gen)
             out = torch.empty_like(x)
-            from kernels.fused_moe_config import GEMV_MAX_TOKENS, GemvTile
-            grouped = get_config(m, e, h, i, k, str(dtype).removeprefix("torch."))
-            conf = GemvTile() if m <= GEMV_MAX_TOKENS else grouped
+            conf = get_config(m, e, h, i, k, str(dtype).removeprefix("torch."))
             ms = bench_replay(cfg, lambda: fused_moe(x, w13, w2, w, ids, expert_map=emap, out=out, config=conf))
-            if m <= 16:  # the other path at decode sizes: where the crossover lies
-                alt = grouped if isinstance(conf, GemvTile) else GemvTile()
-                alt_ms = bench_replay(cfg, lambda: fused_moe(x, w13, w2, w, ids, expert_map=emap, out=out,
-                                                             config=alt))
-                print(f"  {name} M={m}: {'gemv' if isinstance(conf, GemvTile) else 'grouped'} {ms:.4f} ms, "
-                      f"{'grouped' if isinstance(alt, MoEConfig) else 'gemv'} {alt_ms:.4f} ms", flush=True)
-                for bn, bk in ((16, 128), (32, 128), (16, 512), (8, 256)):  # a few few-token tiles
-                    gt = GemvTile(bn, bk)
-                    t_ = bench_replay(cfg, lambda: fused_moe(x, w13, w2, w, ids, expert_map=emap, out=out, config=gt))
-                    print(f"    gemv {gt}: {t_:.4f} ms", flush=True)
             ref = _torch_loop(x, w13, w2, w, ids, emap)
             from kernels.accuracy import relative_error
             err = relative_error(fused_moe(x, w13, w2, w, ids, expert_map=emap), ref)

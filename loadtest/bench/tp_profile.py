@@ -133,8 +133,14 @@ def profile_engine(model: str, tp: int, custom_ar: bool, batches, ctx_len: int, 
             _sync()
         avg = prof.key_averages()
         row["top_cpu"] = avg.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60)
-        row["top_cuda"] = (avg.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60)
+        row["top_cuda"] = (avg.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=60)
                            if cuda else "")
+        if cuda:  # the GPU's busy time per step against the step: the rest is gaps between kernels
+            busy = sum(e.self_device_time_total for e in avg if e.device_type is not None
+                       and str(e.device_type).endswith("CUDA")) / 5 / 1e3
+            row["gpu_busy_ms"] = busy
+            row["kernels_per_step"] = sum(e.count for e in avg if str(e.device_type).endswith("CUDA")
+                                          and e.self_device_time_total > 0) / 5
         result["rows"].append(row)
         print(f"[tp_profile] TP={tp} B={b}: {step_ms:.3f} ms/step", file=sys.stderr, flush=True)
         _drain(eng, rids)

@@ -16,7 +16,10 @@ How experts are split over ranks (`ExpertPlacement`):
   here; it pays off only when attention is data parallel (each rank its own tokens).
 
 GPU: kernels/fused_moe.py (expert-aligned grouped GEMMs, SiLU-and-mul fused, CUDA-graph
-safe). CPU: a loop over the experts the batch touches, in transformers' order of
+safe) for prefill; at decode sizes kernels/moe_decode.py: the router GEMV and top-k in one
+launch (up to ROUTE_FUSED_MAX_TOKENS tokens) and, for the fewest tokens
+(EXPERTS_DECODE_MAX_TOKENS), the experts as per-pair GEMVs with the top-k sum fused: three
+launches for the block instead of seven. CPU: a loop over the experts the batch touches, in transformers' order of
 operations, so float64 runs match it token for token."""
 from __future__ import annotations
 
@@ -25,6 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kernels.moe_decode import DecodeCounters, DecodeTile
 
 from ..moe_config import MoEConfig
 from ..parallel import TPContext
@@ -131,6 +136,13 @@ class ReplicatedLinear(nn.Module):
         return F.linear(x, self.weight)
 
 
+# token counts (decode batches) that take kernels/moe_decode.py's launches; above them the
+# router is a GEMM and the experts the grouped GEMMs. Measured on an H200, Qwen3-30B-A3B
+# shape (loadtest/bench/moe_kernel.py --decode): see loadtest/bench/GPU_NOTES.md
+ROUTE_FUSED_MAX_TOKENS = 64
+EXPERTS_DECODE_MAX_TOKENS = 2
+
+
 class MoEBlock(nn.Module):
     def __init__(self, moe: MoEConfig, hidden: int, tp: TPContext, dtype, fused: bool = False,
                  expert_parallel: bool = False):
@@ -145,19 +157,36 @@ class MoEBlock(nn.Module):
             self.shared_expert_gate = ReplicatedLinear(hidden, 1, dtype)
         self.fused = fused
         self.register_buffer("expert_map", self.place.expert_map(), persistent=False)
+        # the decode kernels' arrival counters (zero; the kernels leave them zero): buffers, so
+        # they exist on the weights' device before any CUDA graph is captured
+        self.decode_tile = DecodeTile()
+        self._register_counters()
+
+    def _register_counters(self, device=None) -> None:
+        c = DecodeCounters.create(ROUTE_FUSED_MAX_TOKENS, self.moe.num_experts, self.moe.top_k,
+                                  self.gate.weight.shape[1], self.place.inter_local,
+                                  self.decode_tile, device)
+        self.register_buffer("decode_router_counters", c.router, persistent=False)
+        self.register_buffer("decode_down_counters", c.down, persistent=False)
 
     def init_buffers(self) -> None:
         """Recompute buffers after the module was made on the meta device (random weights)."""
         self.expert_map = self.place.expert_map().to(self.gate.weight.device)
+        self._register_counters(self.gate.weight.device)
         self.experts.mark_loaded()
+
+    def decode_counters(self) -> DecodeCounters:
+        return DecodeCounters(self.decode_router_counters, self.decode_down_counters, ROUTE_FUSED_MAX_TOKENS,
+                              self.moe.top_k, self.place.inter_local)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """[T, H] -> this rank's partial sum of the block's output [T, H]."""
-        logits = self.gate(h)
-        if self.fused:
-            out = self._forward_fused(h, logits)
+        if self.fused and 0 < h.shape[0] <= ROUTE_FUSED_MAX_TOKENS:
+            out = self._forward_decode(h)
+        elif self.fused:
+            out = self._forward_fused(h, self.gate(h))
         else:
-            out = self._forward_torch(h, logits)
+            out = self._forward_torch(h, self.gate(h))
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)
         return out
@@ -187,6 +216,22 @@ class MoEBlock(nn.Module):
             y = F.linear(F.silu(gate) * up, w2[local]) * weights[tok, slot, None]
             out.index_add_(0, tok, y.to(out.dtype))
         return out
+
+    def _forward_decode(self, h: torch.Tensor) -> torch.Tensor:
+        """A few tokens: router + top-k in one launch, then per-pair GEMVs (fewest tokens) or
+        the grouped GEMMs."""
+        from kernels import moe_decode
+        from kernels.fused_moe import fused_moe
+
+        counters = self.decode_counters()
+        round_to = h.dtype if self.moe.weights_in_model_dtype else None
+        weights, ids = moe_decode.route(h, self.gate.weight, self.moe.top_k, self.moe.norm_topk_prob, round_to,
+                                        counters=counters, tile=self.decode_tile)
+        emap = self.expert_map if self.place.is_expert_parallel else None
+        if h.shape[0] <= EXPERTS_DECODE_MAX_TOKENS:
+            return moe_decode.experts(h, self.experts.w13, self.experts.w2, weights, ids, counters=counters,
+                                      expert_map=emap, tile=self.decode_tile)
+        return fused_moe(h, self.experts.w13, self.experts.w2, weights, ids, expert_map=emap)
 
     def _forward_fused(self, h: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         from kernels.fused_moe import fused_moe, select_experts

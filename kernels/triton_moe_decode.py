@@ -1,0 +1,253 @@
+"""Triton kernels behind kernels.moe_decode (imported lazily: needs triton).
+
+Two launches for a decode batch's MoE block, none of them single-program:
+- _router_topk_kernel, grid (T, E / BLOCK_E): each program computes BLOCK_E router logits of
+  one token (a slice of the [E, H] router weight); the program that arrives last for its
+  token (an arrival counter) does the softmax and top-k over the E logits.
+- _experts_kernel, one grid of two kinds of programs: gate/up per (token, slot) pair,
+  column block and K chunk (partial sums; the last chunk of a column block adds them and
+  applies SiLU-and-mul); down per pair and output column block, which loads
+  its weights, waits for its pair's gate/up programs (an arrival counter), multiplies by
+  the routing weight into a scratch row; the program arriving last for a (token, column
+  block) sums the token's k rows in slot order (deterministic whatever the arrival order).
+One launch for both GEMVs lets the down weights stream while gate/up computes and pays a
+short kernel's ramp and tail once.
+Arrival counters start at zero and the last program puts its counter back to zero, so the
+buffer can live across CUDA-graph replays. Stores are ordered before the counter's
+acq_rel increment by a CTA barrier; the readers go through L2. Waiting programs only wait
+on lower program ids (dispatched first), and give up after MAX_SPINS polls."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_fused_moe import _TL_DTYPES
+
+
+@triton.jit
+def _softmax_topk(x, ok, cols, weights_out, ids_out, row, TOP_K: tl.constexpr, TOP_KP: tl.constexpr,
+                  RENORM: tl.constexpr, ROUND_TO: tl.constexpr):
+    """HF's router on a row of logits x (masked by ok): softmax in float32, k rounds of
+    argmax, optional renormalisation and rounding of the weights."""
+    p = tl.exp(x - tl.max(x, axis=0))
+    p = tl.where(ok, p, 0.0)
+    p = p / tl.sum(p, axis=0)
+    slots = tl.arange(0, TOP_KP)
+    vals = tl.zeros([TOP_KP], tl.float32)
+    idxs = tl.zeros([TOP_KP], tl.int32)
+    for j in tl.static_range(TOP_K):
+        v = tl.max(p, axis=0)
+        i = tl.argmax(p, axis=0)
+        vals = tl.where(slots == j, v, vals)
+        idxs = tl.where(slots == j, i, idxs)
+        p = tl.where(cols == i, -1.0, p)
+    if RENORM:
+        vals = vals / tl.sum(tl.where(slots < TOP_K, vals, 0.0), axis=0)
+    if ROUND_TO is not None:
+        vals = vals.to(ROUND_TO).to(tl.float32)
+    tl.store(weights_out + row * TOP_K + slots, vals, mask=slots < TOP_K)
+    tl.store(ids_out + row * TOP_K + slots, idxs, mask=slots < TOP_K)
+
+
+@triton.jit
+def _router_topk_kernel(x_ptr, wr_ptr, logits_ptr, counter_ptr, weights_out, ids_out, E, H, stride_x,
+                        TOP_K: tl.constexpr, TOP_KP: tl.constexpr, EP: tl.constexpr, RENORM: tl.constexpr,
+                        ROUND_TO: tl.constexpr, LOGIT_DT: tl.constexpr, BLOCK_E: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    nb = tl.program_id(1)
+    e = nb * BLOCK_E + tl.arange(0, BLOCK_E)
+    e_ok = e < E
+    acc = tl.zeros([BLOCK_E, BLOCK_K], tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < H
+        xv = tl.load(x_ptr + t * stride_x + k, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(wr_ptr + e[:, None].to(tl.int64) * H + k[None, :], mask=e_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        acc += w.to(tl.float32) * xv[None, :]
+    logit = tl.sum(acc, axis=1).to(LOGIT_DT).to(tl.float32)  # the router linear's output dtype
+    tl.store(logits_ptr + t * E + e, logit, mask=e_ok)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter_ptr + t, 1, sem="acq_rel")
+    if arrived == tl.num_programs(1) - 1:  # the last block of this token: route it
+        cols = tl.arange(0, EP)
+        ok = cols < E
+        x = tl.load(logits_ptr + t * E + cols, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        _softmax_topk(x, ok, cols, weights_out, ids_out, t, TOP_K, TOP_KP, RENORM, ROUND_TO)
+        tl.store(counter_ptr + t, 0)
+
+
+MAX_SPINS = 1 << 24
+
+
+@triton.jit
+def _gate_up_part(x_ptr, w13_ptr, part_ptr, e, pair, nb, ks, num_splits, H, I, stride_x, stride_we,
+                  TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Partial gate and up sums over one K chunk for BLOCK_N intermediate columns of a pair:
+    one load of each tile, so every program has its whole share of bytes in flight at once."""
+    t = pair // TOP_K
+    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < I
+    k = ks * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_ok = k < H
+    rows = w13_ptr + e.to(tl.int64) * stride_we + n[:, None].to(tl.int64) * H + k[None, :]
+    m = n_ok[:, None] & k_ok[None, :]
+    g = tl.load(rows, mask=m, other=0.0)
+    u = tl.load(rows + I * H, mask=m, other=0.0)
+    xv = tl.load(x_ptr + t * stride_x + k, mask=k_ok, other=0.0).to(tl.float32)
+    base = part_ptr + (pair * num_splits + ks) * 2 * I
+    tl.store(base + n, tl.sum(g.to(tl.float32) * xv[None, :], axis=1), mask=n_ok)
+    tl.store(base + I + n, tl.sum(u.to(tl.float32) * xv[None, :], axis=1), mask=n_ok)
+
+
+@triton.jit
+def _gate_up_finish(part_ptr, inter_ptr, pair, nb, num_splits, I, BLOCK_N: tl.constexpr):
+    """The K chunks' partial sums added in chunk order, rounded as the unfused matmul leaves
+    gate and up, then silu(g)*u."""
+    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < I
+    g = tl.zeros([BLOCK_N], tl.float32)
+    u = tl.zeros([BLOCK_N], tl.float32)
+    for ks in range(0, num_splits):
+        base = part_ptr + (pair * num_splits + ks) * 2 * I
+        g += tl.load(base + n, mask=n_ok, other=0.0, cache_modifier=".cg")
+        u += tl.load(base + I + n, mask=n_ok, other=0.0, cache_modifier=".cg")
+    dt = inter_ptr.dtype.element_ty
+    g = g.to(dt).to(tl.float32)
+    u = u.to(dt).to(tl.float32)
+    tl.store(inter_ptr + pair * I + n, (g / (1.0 + tl.exp(-g)) * u).to(dt), mask=n_ok)
+
+
+@triton.jit
+def _experts_kernel(x_ptr, w13_ptr, w2_ptr, ids_ptr, emap_ptr, topk_w_ptr, part_ptr, inter_ptr, rows_ptr,
+                    split_ptr, pair_done_ptr, pair_seen_ptr, sum_ptr, out_ptr,
+                    H, I, num_pairs, stride_x, stride_w13e, stride_w2e, stride_out,
+                    TOP_K: tl.constexpr, HAS_MAP: tl.constexpr, GATE_N: tl.constexpr, GATE_K: tl.constexpr,
+                    DOWN_N: tl.constexpr, DOWN_K: tl.constexpr, MAX: tl.constexpr):
+    """Programs [0, pairs * I/GATE_N * H/GATE_K): gate/up partial sums of a pair's column
+    block over one K chunk; the last chunk to arrive for a (pair, column block) adds them up,
+    applies SiLU-and-mul and arrives on the pair's counter. The rest: a pair's down
+    projection for DOWN_N output columns. Those load their weight tile first (it depends
+    only on the routing), then wait for the pair's gate/up blocks (lower program ids, so
+    already running or done), so the down weights stream while gate/up computes. The last
+    down program of a (token, column block) sums the token's k rows in slot order; the last
+    of a pair zeroes the pair's counters."""
+    pid = tl.program_id(0)
+    nb_gate = tl.cdiv(I, GATE_N)
+    splits = tl.cdiv(H, GATE_K)
+    n_gate = num_pairs * nb_gate * splits
+    if pid < n_gate:
+        pair = (pid // (nb_gate * splits)).to(tl.int64)
+        nb = (pid // splits) % nb_gate
+        e = tl.load(ids_ptr + pair)
+        if HAS_MAP:
+            e = tl.load(emap_ptr + e)
+        if e >= 0:  # another rank's expert: nothing to compute, the down side writes zeros
+            _gate_up_part(x_ptr, w13_ptr, part_ptr, e, pair, nb, pid % splits, splits, H, I, stride_x, stride_w13e,
+                          TOP_K, GATE_N, GATE_K)
+        tl.debug_barrier()
+        split_counter = split_ptr + pair * nb_gate + nb
+        if tl.atomic_add(split_counter, 1, sem="acq_rel") == splits - 1:
+            if e >= 0:
+                _gate_up_finish(part_ptr, inter_ptr, pair, nb, splits, I, GATE_N)
+            tl.store(split_counter, 0)
+            tl.debug_barrier()
+            tl.atomic_add(pair_done_ptr + pair, 1, sem="release")
+    else:
+        q = pid - n_gate
+        nb_down = tl.cdiv(H, DOWN_N)
+        pair = (q // nb_down).to(tl.int64)
+        nb = q % nb_down
+        t = pair // TOP_K
+        n = nb * DOWN_N + tl.arange(0, DOWN_N)
+        n_ok = n < H
+        k = tl.arange(0, DOWN_K)
+        e = tl.load(ids_ptr + pair)
+        if HAS_MAP:
+            e = tl.load(emap_ptr + e)
+        w_rows = w2_ptr + tl.maximum(e, 0).to(tl.int64) * stride_w2e + n[:, None].to(tl.int64) * I
+        live = n < tl.where(e >= 0, H, 0)  # another rank's expert: no weights to read
+        w = tl.load(w_rows + k[None, :], mask=live[:, None] & (k < I)[None, :], other=0.0)
+        done = tl.load(pair_done_ptr + pair, volatile=True)  # polled by plain loads, not atomics
+        spins = 0
+        while (done < nb_gate) & (spins < MAX):
+            done = tl.load(pair_done_ptr + pair, volatile=True)
+            spins += 1
+        tl.atomic_add(pair_done_ptr + pair, 0, sem="acquire")  # the pair's intermediate is visible
+        y = tl.zeros([DOWN_N], tl.float32)
+        if e >= 0:
+            iv = tl.load(inter_ptr + pair * I + k, mask=k < I, other=0.0, cache_modifier=".cg").to(tl.float32)
+            acc = w.to(tl.float32) * iv[None, :]
+            for k0 in range(DOWN_K, I, DOWN_K):  # intermediates wider than one tile (Mixtral)
+                kk = k0 + k
+                ivk = tl.load(inter_ptr + pair * I + kk, mask=kk < I, other=0.0, cache_modifier=".cg")
+                wk = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & (kk < I)[None, :], other=0.0)
+                acc += wk.to(tl.float32) * ivk.to(tl.float32)[None, :]
+            dt = out_ptr.dtype.element_ty
+            y = tl.sum(acc, axis=1).to(dt).to(tl.float32) * tl.load(topk_w_ptr + pair)
+        tl.store(rows_ptr + pair * H + n, y, mask=n_ok)
+        tl.debug_barrier()
+        if tl.atomic_add(pair_seen_ptr + pair, 1, sem="acq_rel") == nb_down - 1:
+            tl.store(pair_done_ptr + pair, 0)  # every down program of the pair is past its wait
+            tl.store(pair_seen_ptr + pair, 0)
+        counter = sum_ptr + t * nb_down + nb
+        if tl.atomic_add(counter, 1, sem="acq_rel") == TOP_K - 1:  # the token's last slot here
+            acc = tl.zeros([DOWN_N], tl.float32)
+            for j in tl.static_range(TOP_K):
+                acc += tl.load(rows_ptr + (t * TOP_K + j) * H + n, mask=n_ok, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + t * stride_out + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+            tl.store(counter, 0)
+
+
+def router_counters(tokens: int, num_experts: int, tile) -> int:
+    return tokens * triton.cdiv(num_experts, tile.router_block_e)
+
+
+def down_counters(tokens: int, top_k: int, hidden: int, intermediate: int, tile) -> int:
+    """Per token its column blocks' arrivals; per pair two counters and one per gate/up
+    column block."""
+    return tokens * (triton.cdiv(hidden, tile.down_block_n) + top_k * (2 + triton.cdiv(intermediate,
+                                                                                     tile.gate_up_block_n)))
+
+
+def launch_route(x, router_w, top_k: int, renormalize: bool, round_weights_to, counters, tile):
+    t, h = x.shape
+    e = router_w.shape[0]
+    dev = x.device
+    logits = torch.empty(t, e, dtype=torch.float32, device=dev)
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=dev)
+    ids = torch.empty(t, top_k, dtype=torch.int32, device=dev)
+    _router_topk_kernel[(t, triton.cdiv(e, tile.router_block_e))](
+        x, router_w, logits, counters, weights, ids, e, h, x.stride(0), TOP_K=top_k,
+        TOP_KP=triton.next_power_of_2(top_k), EP=triton.next_power_of_2(e), RENORM=renormalize,
+        ROUND_TO=_TL_DTYPES.get(round_weights_to), LOGIT_DT=_TL_DTYPES.get(router_w.dtype, tl.float32),
+        BLOCK_E=tile.router_block_e, BLOCK_K=tile.router_block_k, num_warps=tile.router_warps)
+    return weights, ids
+
+
+def launch_experts(x, w13, w2, weights, ids, expert_map, out, counters, tile):
+    t, h = x.shape
+    top_k = ids.shape[1]
+    inter = w2.shape[2]
+    dev = x.device
+    pairs = t * top_k
+    nb_down = triton.cdiv(h, tile.down_block_n)
+    sums = counters[:t * nb_down]
+    pair_done = counters[t * nb_down:t * nb_down + pairs]
+    pair_seen = counters[t * nb_down + pairs:t * nb_down + 2 * pairs]
+    nb_gate = triton.cdiv(inter, tile.gate_up_block_n)
+    split = counters[t * nb_down + 2 * pairs:t * nb_down + 2 * pairs + pairs * nb_gate]
+    splits = triton.cdiv(h, tile.gate_up_block_k)
+    emap = expert_map if expert_map is not None else ids
+    part = torch.empty(pairs * splits * 2 * inter, dtype=torch.float32, device=dev)
+    inter_rows = torch.empty(pairs, inter, dtype=x.dtype, device=dev)
+    rows = torch.empty(pairs, h, dtype=torch.float32, device=dev)
+    grid = (pairs * (nb_gate * splits + nb_down),)
+    _experts_kernel[grid](
+        x, w13, w2, ids, emap, weights, part, inter_rows, rows, split, pair_done, pair_seen, sums, out,
+        h, inter, pairs, x.stride(0), w13.stride(0), w2.stride(0), out.stride(0),
+        TOP_K=top_k, HAS_MAP=expert_map is not None, GATE_N=tile.gate_up_block_n, GATE_K=tile.gate_up_block_k,
+        DOWN_N=tile.down_block_n, DOWN_K=min(triton.next_power_of_2(inter), tile.down_block_k), MAX=MAX_SPINS, num_warps=tile.warps)
+    return out

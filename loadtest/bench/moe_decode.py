@@ -1,0 +1,134 @@
+"""A decode batch's MoE block on the device: the launch sequences the model can run, timed.
+
+    python3 -m loadtest.bench.moe_decode [--m 1,2,4,8,16] [--tiles]
+    TRITON_INTERPRET=1 python -m loadtest.bench.moe_decode --smoke   # CPU: checks the script
+
+Qwen3-30B-A3B shape (128 experts, top-8, hidden 2048, expert intermediate 768, bf16),
+random weights and activations. Per token count M, each variant's whole block (router
+included) as one CUDA-graph replay with L2 flushed before it:
+- gemm+grouped: router GEMM (cuBLAS), top-k kernel, expert sort, two grouped GEMMs, top-k
+  sum (seven launches: the path before kernels/moe_decode.py);
+- route+grouped: router and top-k in one kernel, then the grouped experts;
+- route+pairs: router and top-k, then one experts kernel (per-pair gate/up, per-pair down
+  with the top-k sum fused): two launches, at each DecodeTile of --tiles.
+Floor: bytes the block must read (router weight, the experts the batch's routing touches,
+activations) over the device-copy bandwidth measured in the same run. Short table last."""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+
+import torch
+
+SHAPE = (128, 2048, 768, 8)  # experts, hidden, intermediate, top_k
+SMOKE_SHAPE = (8, 64, 32, 2)
+
+
+@dataclass
+class Row:
+    m: int
+    variant: str
+    ms: float
+    floor_ms: float
+    relerr: float
+
+
+def tile_grid(smoke: bool):
+    from kernels.moe_decode import DecodeTile
+    if smoke:
+        return [DecodeTile(4, 32, 4, 8, 32, 16, 16, 4)]
+    grid = [DecodeTile()]
+    for gn, gk in ((16, 256), (16, 1024), (8, 512), (8, 1024), (32, 256), (16, 2048)):
+        grid.append(DecodeTile(gate_up_block_n=gn, gate_up_block_k=gk))
+    for dn, dk, w in ((8, 1024, 4), (32, 1024, 4), (16, 1024, 8), (16, 256, 4)):
+        grid.append(DecodeTile(down_block_n=dn, down_block_k=dk, warps=w))
+    for be, bk, w in ((1, 2048, 1), (4, 2048, 4), (8, 512, 4), (2, 1024, 1)):
+        grid.append(DecodeTile(router_block_e=be, router_block_k=bk, router_warps=w))
+    return grid
+
+
+def main(argv=None) -> int:
+    from kernels import moe_decode
+    from kernels.accuracy import relative_error
+    from kernels.fused_moe import fused_moe, select_experts
+
+    from .kernels import BenchConfig, bench_replay, copy_bandwidth
+
+    p = argparse.ArgumentParser(prog="python -m loadtest.bench.moe_decode", description=__doc__.split("\n\n")[0])
+    p.add_argument("--m", default="1,2,4,8,16")
+    p.add_argument("--tiles", action="store_true", help="sweep DecodeTile variants for route+pairs")
+    p.add_argument("--smoke", action="store_true")
+    a = p.parse_args(argv)
+    cfg = BenchConfig.smoke() if a.smoke else BenchConfig()
+    if cfg.device != "cuda" and not a.smoke:
+        print("moe_decode needs a CUDA device (or --smoke with TRITON_INTERPRET=1)", file=sys.stderr)
+        return 2
+    dev, dtype = cfg.device, (torch.float32 if a.smoke else torch.bfloat16)
+    e, h, i, k = SMOKE_SHAPE if a.smoke else SHAPE
+    copy = copy_bandwidth(cfg)
+    print(f"copy {copy / 1e9:.0f} GB/s", flush=True)
+    gen = torch.Generator().manual_seed(0)
+    router = (torch.randn(e, h, generator=gen) * 2 / h ** 0.5).to(dev, dtype)
+    w13 = (torch.randn(e, 2 * i, h, generator=gen) / h ** 0.5).to(dev, dtype)
+    w2 = (torch.randn(e, h, i, generator=gen) / i ** 0.5).to(dev, dtype)
+    ms_list = [1, 3] if a.smoke else [int(v) for v in a.m.split(",")]
+    tiles = tile_grid(a.smoke) if a.tiles or a.smoke else [moe_decode.DecodeTile()]
+    counters = moe_decode.DecodeCounters.create(max(ms_list), e, k, h, i, moe_decode.DecodeTile(), dev)
+    rows: list[Row] = []
+    for m in ms_list:
+        x = torch.randn(m, h, generator=gen).to(dev, dtype)
+        want, _, ids = moe_decode.moe_decode_reference(x, router, w13, w2, k, True, dtype)
+        touched = int(torch.unique(ids).numel())
+        nbytes = (router.numel() + touched * 3 * h * i + 2 * x.numel()) * x.element_size()
+        floor = nbytes / copy * 1e3
+        out = torch.empty_like(x)
+
+        def gemm_grouped():
+            logits = torch.nn.functional.linear(x, router)
+            w, ids_ = select_experts(logits, k, True, round_weights_to=dtype)
+            return fused_moe(x, w13, w2, w, ids_, out=out)
+
+        def route_grouped():
+            w, ids_ = moe_decode.route(x, router, k, True, dtype, counters=counters)
+            return fused_moe(x, w13, w2, w, ids_, out=out)
+
+        variants = [("gemm+grouped", gemm_grouped, None), ("route+grouped", route_grouped, None)]
+        for tile in tiles:
+            c = moe_decode.DecodeCounters.create(max(ms_list), e, k, h, i, tile, dev)
+
+            def pairs(tile=tile, c=c):
+                w, ids_ = moe_decode.route(x, router, k, True, dtype, counters=c, tile=tile)
+                return moe_decode.experts(x, w13, w2, w, ids_, counters=c, out=out, tile=tile)
+            variants.append((f"route+pairs {_short(tile)}", pairs, tile))
+        for name, fn, _ in variants:
+            try:
+                err = relative_error(fn().float(), want.float())
+                ms = bench_replay(cfg, fn)
+            except Exception as ex:  # noqa: BLE001 - a tile that does not compile
+                print(f"  M={m} {name}: {type(ex).__name__} {ex}"[:200], flush=True)
+                continue
+            rows.append(Row(m, name, ms, floor, err))
+            print(f"M={m} touched {touched} {name}: {ms * 1e3:.1f} us (floor {floor * 1e3:.1f}, "
+                  f"x{ms / floor:.2f}) relerr {err:.1e}", flush=True)
+    print("\n=== moe_decode (us per block; floor = router + touched experts' bytes / copy BW) ===")
+    for m in ms_list:
+        mine = [r for r in rows if r.m == m]
+        if not mine:
+            continue
+        best = min(mine, key=lambda r: r.ms)
+        base = next((r for r in mine if r.variant == "gemm+grouped"), best)
+        for r in mine if a.tiles else mine:
+            mark = " <- best" if r is best else ""
+            print(f"M={m:<3} {r.variant:<44} {r.ms * 1e3:8.1f} us  x{r.ms / r.floor_ms:5.2f} floor  "
+                  f"{base.ms / r.ms:5.2f}x vs gemm+grouped  relerr {r.relerr:.1e}{mark}")
+    return 0
+
+
+def _short(t) -> str:
+    return (f"r{t.router_block_e}/{t.router_block_k}/{t.router_warps} "
+            f"g{t.gate_up_block_n}/{t.gate_up_block_k} d{t.down_block_n}/{t.down_block_k} w{t.warps}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
