@@ -35,7 +35,9 @@ class DecodeConfig:
     direct_single_split: bool = True  # one split: stage 1 writes o, no stage 2 (False: benchmarks' "before")
 
 
-@triton.jit
+# batch index arrays are slices at any offset and the page-table width varies by batch: not
+# specialised on (a serving batch would compile a variant warm-up never met; issue 10)
+@triton.jit(do_not_specialize=["stride_pt_b"], do_not_specialize_on_alignment=["page_table", "seq_lens"])
 def _decode_stage1(
     q, k_cache, v_cache, page_table, seq_lens, mid_o, mid_lse, o, qk_scale_log2,
     stride_q_b, stride_q_h,
@@ -114,7 +116,7 @@ def _decode_stage1(
             tl.store(o_ptrs, tl.zeros([BLOCK_H, BLOCK_D], tl.float32).to(o.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["seq_lens"])
 def _decode_stage2(
     mid_o, mid_lse, seq_lens, o,
     stride_mo_b, stride_mo_h, stride_mo_s,

@@ -18,7 +18,9 @@ from kernels.paged_kv import next_power_of_2
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# index arrays and the page-table width vary by batch: no specialisation on them (no recompiles)
+@triton.jit(do_not_specialize=["stride_pt_b"],
+            do_not_specialize_on_alignment=["page_table", "qo_indptr", "seq_lens"])
 def _extend_kernel(
     q, k_cache, v_cache, page_table, qo_indptr, seq_lens, o, qk_scale_log2,
     stride_q_t, stride_q_h,

@@ -67,7 +67,7 @@ def launch_select_experts(router_logits: torch.Tensor, top_k: int, renormalize: 
     return weights, ids
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "sorted_len", "num_blocks"])
 def _align_kernel(ids_ptr, emap_ptr, sorted_ptr, block_expert_ptr, num_post_ptr, cursor_ptr,
                   num_pairs, sorted_len, num_blocks,
                   EP: tl.constexpr, BM: tl.constexpr, CH: tl.constexpr, HAS_MAP: tl.constexpr):
@@ -162,7 +162,7 @@ def _align(topk_ids, expert_map, num_local: int, block_m: int):
     return sorted_ids, block_expert, num_post
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, topk_w_ptr, sorted_ptr, block_expert_ptr, num_post_ptr,
                      N, K, num_pairs, num_blocks, stride_am, stride_we, stride_wn, stride_cm,
                      TOP_K: tl.constexpr, GATE_UP: tl.constexpr, MUL_W: tl.constexpr, A_BY_TOKEN: tl.constexpr,

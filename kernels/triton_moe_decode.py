@@ -120,7 +120,7 @@ def _gate_up_finish(part_ptr, inter_ptr, pair, nb, num_splits, I, BLOCK_N: tl.co
     tl.store(inter_ptr + pair * I + n, (g / (1.0 + tl.exp(-g)) * u).to(dt), mask=n_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # one compile for every decode batch
 def _experts_kernel(x_ptr, w13_ptr, w2_ptr, ids_ptr, emap_ptr, topk_w_ptr, part_ptr, inter_ptr, rows_ptr,
                     split_ptr, pair_done_ptr, pair_seen_ptr, sum_ptr, out_ptr,
                     H, I, num_pairs, stride_x, stride_w13e, stride_w2e, stride_out,

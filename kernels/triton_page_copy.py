@@ -8,7 +8,7 @@ import triton.language as tl
 _BLOCK = 4096  # elements per program; a page is split over several programs
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["page_ids"])
 def _page_copy_kernel(pool, page_ids, staging, stride_page, page_numel,
                       TO_STAGING: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64)

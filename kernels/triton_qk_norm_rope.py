@@ -39,7 +39,7 @@ def _norm_rotate_head(x, w, eps, cos, sin, i, i_ok,
     return r1, r2, o1, o2
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["positions", "slot_mapping"])
 def _qk_norm_rope_kernel(
     positions, q, k, v, cos_sin_cache, q_weight, k_weight, eps,
     k_cache, v_cache, slot_mapping,

@@ -25,7 +25,7 @@ def _rotate_heads(x, row_off, stride_h, num_heads, cos, sin, i, i_ok,
     tl.store(p2, (x2 * cos[None, :] + x1 * sin[None, :]).to(x.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["positions"])
 def _rotary_kernel(
     positions, q, k, cos_sin_cache,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_cache,

@@ -6,7 +6,7 @@ import triton.language as tl
 from kernels.paged_kv import next_power_of_2
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["slot_mapping"])
 def _store_kv_kernel(
     k_cache, v_cache, k, v, slot_mapping,
     stride_kc_page, stride_kc_head, stride_kc_off,

@@ -95,7 +95,8 @@ def touched_experts(engine, batch: int, ctx: int, seed: int = 0) -> list[int] | 
             ids = torch.topk(out[:batch].float(), block.moe.top_k, dim=-1).indices
             local = block.expert_map[ids.flatten()]
             counts.append(int(torch.unique(local[local >= 0]).numel()))
-    hooks = [b.gate.register_forward_hook(lambda mod, a, o, b=b: watch(b, a, o)) for b in blocks]
+    # on the block, not its router: decode batches route inside kernels/moe_decode.py
+    hooks = [b.register_forward_hook(lambda mod, a, o, b=b: watch(b, a, b.gate(a[0]))) for b in blocks]
     g = engine.runner.graphs
     capture = g.capture if g is not None else None
     if g is not None:
