@@ -49,14 +49,15 @@ def model_folder(name: str, root: pathlib.Path, tokenizer_from: str | None = Non
 
 
 def _loadtest(url: str, out: pathlib.Path, label: str, args, *, conc: int | None = None,
-              rate: float | None = None, n: int) -> dict:
+              rate: float | None = None, n: int, seed: int = 0) -> dict:
     from loadtest.__main__ import main as loadtest_main
     from loadtest.results_io import read_results
 
     argv = ["--base-url", url, "--api", "completions", "--workload", "random", "--input-len", str(args.input_len),
             "--output-len", str(args.output_len), "-n", str(n), "--label", label, "--no-plots", "--no-progress",
             "-o", str(out), "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-tpot-ms", str(args.slo_tpot_ms),
-            "--tokenizer", str(args.model_folder)]  # the served model's (no default model on a GPU image)
+            "--tokenizer", str(args.model_folder),  # the served model's (no default model on a GPU image)
+            "--seed", str(seed)]
     argv += ["-c", str(conc)] if conc else ["-r", str(rate)]
     if loadtest_main(argv) != 0:
         raise RuntimeError(f"load test {label} failed; see {out}")
@@ -79,9 +80,11 @@ def run_stack(name: str, folder: pathlib.Path, args, out: pathlib.Path) -> list[
     with DuetStack(up, out / name / "logs") as stack:
         ready_s = time.monotonic() - t0
         first = args.warmup_concurrency
-        for tag in ("first", "second"):  # the first run after ready vs the same run again
+        # the first run after ready vs the same shape again, with fresh prompts (the same
+        # seed would hit the prefix cache and make the second run look faster than warm)
+        for seed, tag in enumerate(("first", "second"), start=1):
             r = _loadtest(stack.url, out / name / f"warm-{tag}", f"{name} {tag} run", args, conc=first,
-                          n=args.warmup_requests)
+                          n=args.warmup_requests, seed=seed)
             rows.append(dict(r, stack=name, kind=f"warm {tag}", ready_s=ready_s))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
         points = [("c", int(c)) for c in args.concurrency.split(",") if c] + \
@@ -90,7 +93,7 @@ def run_stack(name: str, folder: pathlib.Path, args, out: pathlib.Path) -> list[
             n = max(args.min_requests, int(v * args.requests_per_point)) if kind == "c" else \
                 max(args.min_requests, int(v * args.seconds_per_rate))
             r = _loadtest(stack.url, out / name / f"{kind}{v}", f"{name} {kind}={v}", args,
-                          conc=v if kind == "c" else None, rate=v if kind == "r" else None, n=n)
+                          conc=v if kind == "c" else None, rate=v if kind == "r" else None, n=n, seed=100 + len(rows))
             rows.append(dict(r, stack=name, kind="sweep"))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return rows
