@@ -147,9 +147,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def on_signal(signum, _frame):
         stopping["sig"] = signum
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    # Restored on return: `duet up` called in-process (tests, scripts) must not leave its handlers behind.
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return _serve(cfg, stack, model_dir, stopping)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
+
+def _serve(cfg: UpConfig, stack: Stack, model_dir: str, stopping: dict) -> int:
     try:
         stack.plan(model_dir)
     except ValueError as exc:  # e.g. --tp larger than the visible GPUs
@@ -159,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     stack.start()
     base = f"{cfg.scheme}://{cfg.host}:{cfg.port}"
     log.info("starting %d workers (%d prefill, %d decode, %d both; %d threads each), logs in %s",
-             cfg.num_workers, cfg.prefill, cfg.decode, cfg.both, stack.threads, log_dir)
+             cfg.num_workers, cfg.prefill, cfg.decode, cfg.both, stack.threads, stack.log_dir)
     deadline = time.monotonic() + cfg.health_timeout_s
     code = 0
     try:
@@ -172,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 1
             if time.monotonic() > deadline:
                 print(f"duet up: the gateway did not become healthy in {cfg.health_timeout_s:.0f}s; "
-                      f"logs in {log_dir}", file=sys.stderr)
+                      f"logs in {stack.log_dir}", file=sys.stderr)
                 return 1
             time.sleep(0.25)
         workers = [c.name + (f" (GPU {c.env['CUDA_VISIBLE_DEVICES']})" if "CUDA_VISIBLE_DEVICES" in c.env else "")
@@ -184,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"  redis   {redact_url(stack.redis_url)}\n"
               f"  auth    {'API key required' if cfg.api_keys or cfg.api_keys_file else 'none (open)'}; "
               f"gRPC {'mTLS' if cfg.grpc_tls_ca_file else 'TLS' if cfg.grpc_tls_cert_file else 'plaintext'}\n"
-              f"  logs    {log_dir}\n"
+              f"  logs    {stack.log_dir}\n"
               f"Ctrl-C stops everything.\n", file=sys.stderr, flush=True)
         print(f"{base}/v1", flush=True)  # stdout: the one thing a script needs
         while stopping["sig"] is None:
