@@ -47,12 +47,14 @@ def decode_attention_reference(q, k_cache, v_cache, page_table, seq_lens, sm_sca
 
 def decode_attention(
     q, k_cache, v_cache, page_table, seq_lens, sm_scale,
-    num_kv_splits: Optional[int] = None, out: Optional[torch.Tensor] = None,
+    num_kv_splits: Optional[int] = None, out: Optional[torch.Tensor] = None, pdl=None,
 ) -> torch.Tensor:
     """Triton flash-decoding. num_kv_splits=None picks the split count from
     the batch size and the page table's capacity (shapes only, no sync).
-    out: optional preallocated [B, H_q, D] output (e.g. a CUDA graph's buffer)."""
+    out: optional preallocated [B, H_q, D] output (e.g. a CUDA graph's buffer).
+    pdl: a kernels.pdl.Pdl to launch with programmatic dependent launch (Hopper+)."""
     _check(q, k_cache, v_cache, page_table, seq_lens)
     from kernels.triton_decode_attention import launch_decode_attention
 
-    return launch_decode_attention(q, k_cache, v_cache, page_table, seq_lens, sm_scale, num_kv_splits, out)
+    return launch_decode_attention(q, k_cache, v_cache, page_table, seq_lens, sm_scale, num_kv_splits, out,
+                                   pdl=pdl)

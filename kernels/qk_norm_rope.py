@@ -75,11 +75,12 @@ def qk_norm_rope_reference(positions, q, k, cos_sin_cache, is_neox: bool = True,
 
 
 def qk_norm_rope(positions, q, k, cos_sin_cache, is_neox: bool = True,
-                 norm: Optional[QKNorm] = None, kv_write: Optional[KVCacheWrite] = None):
+                 norm: Optional[QKNorm] = None, kv_write: Optional[KVCacheWrite] = None, pdl=None):
     """Triton, one launch: one program per (token, head); the k-head programs also store
-    that head's k and v. No host syncs (CUDA-graph capturable)."""
+    that head's k and v. No host syncs (CUDA-graph capturable). pdl: a kernels.pdl.Pdl to
+    launch with programmatic dependent launch (Hopper+)."""
     _, qh, kh, vh = _check(positions, q, k, cos_sin_cache, norm, kv_write)
     from kernels.triton_qk_norm_rope import launch_qk_norm_rope
 
-    launch_qk_norm_rope(positions, qh, kh, cos_sin_cache, is_neox, norm, kv_write, vh)
+    launch_qk_norm_rope(positions, qh, kh, cos_sin_cache, is_neox, norm, kv_write, vh, pdl)
     return q, k

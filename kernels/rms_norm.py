@@ -29,10 +29,11 @@ def rms_norm_reference(x, weight, eps: float, residual: Optional[torch.Tensor] =
 
 
 def rms_norm(x, weight, eps: float, residual: Optional[torch.Tensor] = None,
-             out: Optional[torch.Tensor] = None, residual_out: Optional[torch.Tensor] = None):
+             out: Optional[torch.Tensor] = None, residual_out: Optional[torch.Tensor] = None, pdl=None):
     """Triton: one program per row. out / residual_out: optional contiguous
-    preallocated results (residual_out may be residual itself: in-place update)."""
+    preallocated results (residual_out may be residual itself: in-place update).
+    pdl: a kernels.pdl.Pdl to launch with programmatic dependent launch (Hopper+)."""
     _check(x, weight, residual)
     from kernels.triton_rms_norm import launch_rms_norm
 
-    return launch_rms_norm(x, weight, eps, residual, out, residual_out)
+    return launch_rms_norm(x, weight, eps, residual, out, residual_out, pdl)

@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from kernels.pdl import Pdl
 from kernels.small_batch_linear_config import MAX_M, SmallBatchConfig, get_config
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -98,7 +99,7 @@ def _check(x, w, bias, out, n_out):
         raise ValueError(f"out must be [{m}, {n_out}] of {x.dtype} with a contiguous last dimension")
 
 
-def _run(x, w, bias, out, config, workspace, gate_up):
+def _run(x, w, bias, out, config, workspace, gate_up, pdl=None):
     n_out = w.shape[0] // 2 if gate_up else w.shape[0]
     _check(x, w, bias, out, n_out)
     if x.stride(1) != 1:
@@ -110,24 +111,26 @@ def _run(x, w, bias, out, config, workspace, gate_up):
         out = torch.empty((x.shape[0], n_out), dtype=x.dtype, device=x.device)
     from kernels.triton_small_batch_linear import launch_small_batch_linear
 
-    return launch_small_batch_linear(x, w, bias, out, config, workspace, gate_up)
+    return launch_small_batch_linear(x, w, bias, out, config, workspace, gate_up, pdl)
 
 
 def small_batch_linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
                        out: Optional[torch.Tensor] = None, config: Optional[SmallBatchConfig] = None,
-                       workspace: Optional[SmallBatchWorkspace] = None) -> torch.Tensor:
+                       workspace: Optional[SmallBatchWorkspace] = None, pdl: Optional[Pdl] = None) -> torch.Tensor:
     """x [M, K] @ w[N, K]^T (+ bias [N]) -> [M, N], M <= 16 (Triton).
     config: None picks the tuned/heuristic tiling (kernels/small_batch_linear_config.py).
     workspace: split-K scratch; None allocates it per call (fine eagerly; under CUDA graphs
-    pass one made beforehand, else each replay also runs a memset)."""
-    return _run(x, w, bias, out, config, workspace, gate_up=False)
+    pass one made beforehand, else each replay also runs a memset).
+    pdl: launch with programmatic dependent launch (kernels/pdl.py; only where pdl_supported)."""
+    return _run(x, w, bias, out, config, workspace, gate_up=False, pdl=pdl)
 
 
 def small_batch_gate_up_silu(x: torch.Tensor, w_gate_up: torch.Tensor, out: Optional[torch.Tensor] = None,
                              config: Optional[SmallBatchConfig] = None,
-                             workspace: Optional[SmallBatchWorkspace] = None) -> torch.Tensor:
+                             workspace: Optional[SmallBatchWorkspace] = None,
+                             pdl: Optional[Pdl] = None) -> torch.Tensor:
     """silu(x @ w_gate_up[:I]^T) * (x @ w_gate_up[I:]^T) -> [M, I] for w_gate_up [2I, K]
     (gate rows first, as the MLP's stacked gate_up_proj), one launch, no [M, 2I] round trip."""
     if w_gate_up.dim() == 2 and w_gate_up.shape[0] % 2:
         raise ValueError(f"w_gate_up must have an even number of rows (gate and up), got {w_gate_up.shape[0]}")
-    return _run(x, w_gate_up, None, out, config, workspace, gate_up=True)
+    return _run(x, w_gate_up, None, out, config, workspace, gate_up=True, pdl=pdl)

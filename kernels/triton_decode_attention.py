@@ -19,6 +19,8 @@ import triton
 import triton.language as tl
 
 from kernels.paged_kv import next_power_of_2
+from kernels.pdl import Pdl, launch_options
+from kernels.triton_pdl import pdl_enter
 
 _LOG2E = 1.4426950408889634
 _MIN_TOKENS_PER_SPLIT = 128
@@ -50,8 +52,9 @@ def _decode_stage1(
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DIRECT_OUT: tl.constexpr,
+    DIRECT_OUT: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_BLOCKS
     head_block = tl.program_id(1) % HEAD_BLOCKS
@@ -123,8 +126,9 @@ def _decode_stage2(
     stride_ml_b, stride_ml_h,
     stride_o_b, stride_o_h,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(seq_lens + b)
@@ -164,7 +168,7 @@ def choose_num_kv_splits(batch: int, kv_programs_per_seq: int, kv_capacity: int,
 def launch_decode_attention(
     q, k_cache, v_cache, page_table, seq_lens, sm_scale,
     num_kv_splits: Optional[int] = None, out: Optional[torch.Tensor] = None,
-    config: Optional[DecodeConfig] = None,
+    config: Optional[DecodeConfig] = None, pdl: Optional[Pdl] = None,
 ) -> torch.Tensor:
     cfg = config or DecodeConfig()
     batch, num_q_heads, head_dim = q.shape
@@ -201,8 +205,8 @@ def launch_decode_attention(
         GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_N=cfg.block_n,
         NUM_SPLITS=num_kv_splits, PAGE_SIZE=page_size, DOT_PRECISION=precision,
-        DIRECT_OUT=direct,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DIRECT_OUT=direct, PDL=pdl is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )
     if direct:
         return o
@@ -212,7 +216,7 @@ def launch_decode_attention(
         mid_lse.stride(0), mid_lse.stride(1),
         o.stride(0), o.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=cfg.block_n,
-        NUM_SPLITS=num_kv_splits, BLOCK_S=max(2, next_power_of_2(num_kv_splits)),
-        num_warps=4,
+        NUM_SPLITS=num_kv_splits, BLOCK_S=max(2, next_power_of_2(num_kv_splits)), PDL=pdl is not None,
+        num_warps=4, **launch_options(pdl),
     )
     return o

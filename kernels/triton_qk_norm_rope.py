@@ -10,6 +10,8 @@ import triton
 import triton.language as tl
 
 from kernels.paged_kv import next_power_of_2
+from kernels.pdl import launch_options
+from kernels.triton_pdl import pdl_enter
 
 
 @triton.jit
@@ -48,8 +50,9 @@ def _qk_norm_rope_kernel(
     stride_vc_page, stride_vc_head, stride_vc_off,
     num_q_heads,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    IS_NEOX: tl.constexpr, HAS_NORM: tl.constexpr, HAS_STORE: tl.constexpr,
+    IS_NEOX: tl.constexpr, HAS_NORM: tl.constexpr, HAS_STORE: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     pos = tl.load(positions + tok).to(tl.int64)
@@ -80,7 +83,7 @@ def _qk_norm_rope_kernel(
                 tl.store(dst_v + HALF + i, v2.to(v_cache.dtype.element_ty), mask=i_ok)
 
 
-def launch_qk_norm_rope(positions, q, k, cos_sin_cache, is_neox, norm, kv_write, v) -> None:
+def launch_qk_norm_rope(positions, q, k, cos_sin_cache, is_neox, norm, kv_write, v, pdl=None) -> None:
     """q [T, H_q, D], k and v [T, H_kv, D] (v None without kv_write), last dims contiguous."""
     num_tokens, num_q_heads, _ = q.shape
     if num_tokens == 0:
@@ -107,6 +110,6 @@ def launch_qk_norm_rope(positions, q, k, cos_sin_cache, is_neox, norm, kv_write,
         *kc_strides, *vc_strides,
         num_q_heads,
         HALF=half, BLOCK_HALF=next_power_of_2(half), PAGE_SIZE=page_size,
-        IS_NEOX=is_neox, HAS_NORM=norm is not None, HAS_STORE=kv_write is not None,
-        num_warps=1,
+        IS_NEOX=is_neox, HAS_NORM=norm is not None, HAS_STORE=kv_write is not None, PDL=pdl is not None,
+        num_warps=1, **launch_options(pdl),
     )

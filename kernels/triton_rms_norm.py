@@ -5,14 +5,17 @@ import triton
 import triton.language as tl
 
 from kernels.paged_kv import next_power_of_2
+from kernels.pdl import launch_options
+from kernels.triton_pdl import pdl_enter
 
 
 @triton.jit
 def _rms_norm_kernel(
     x, residual, weight, out, h_out, eps,
     stride_x, stride_r, stride_out, stride_h, n_cols,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < n_cols
@@ -34,7 +37,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def launch_rms_norm(x, weight, eps, residual=None, out=None, residual_out=None):
+def launch_rms_norm(x, weight, eps, residual=None, out=None, residual_out=None, pdl=None):
     n_cols = x.shape[-1]
     x2 = _rows(x)
     if out is None:
@@ -52,7 +55,7 @@ def launch_rms_norm(x, weight, eps, residual=None, out=None, residual_out=None):
         _rms_norm_kernel[(n_rows,)](
             x2, r2, weight, out2, h2, eps,
             x2.stride(0), r2.stride(0), out2.stride(0), h2.stride(0), n_cols,
-            HAS_RESIDUAL=residual is not None, BLOCK=block,
-            num_warps=min(16, max(1, block // 256)),
+            HAS_RESIDUAL=residual is not None, BLOCK=block, PDL=pdl is not None,
+            num_warps=min(16, max(1, block // 256)), **launch_options(pdl),
         )
     return out if residual is None else (out, h)

@@ -20,7 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import Pdl, launch_options
 from kernels.small_batch_linear_config import SmallBatchConfig
+
+from kernels.triton_pdl import pdl_enter, prefetch_l2
 
 
 @triton.jit
@@ -70,6 +73,7 @@ def _small_batch_linear_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, GATE_UP: tl.constexpr, SPLIT: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE_ELEMS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -81,6 +85,17 @@ def _small_batch_linear_kernel(
     rk = tl.arange(0, BLOCK_K)
     k_start = split * k_blocks_per_split * BLOCK_K
     k_end = tl.minimum(k_start + k_blocks_per_split * BLOCK_K, K)
+    if PDL:
+        # The weights are constant: pull this program's first tiles into L2 while the
+        # previous kernel (norm, attention, another GEMV's tail) is still running.
+        lines = tl.arange(0, BLOCK_K // LINE_ELEMS) * LINE_ELEMS
+        for i in tl.static_range(PREFETCH):
+            kk = tl.minimum(k_start + i * BLOCK_K + lines, k_end - 1)
+            line_ptrs = w + rows[:, None] * stride_wn + kk[None, :]
+            prefetch_l2(line_ptrs)
+            if GATE_UP:
+                prefetch_l2(line_ptrs + up_elems)
+        pdl_enter(PDL)
 
     w_ptrs = w + rows[:, None] * stride_wn + rk[None, :]
     u_ptrs = w_ptrs + up_elems  # the up half's rows: N rows further down
@@ -136,7 +151,7 @@ def _block_m(m: int, use_dot: bool) -> int:
 
 
 def launch_small_batch_linear(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor,
-                              cfg: SmallBatchConfig, workspace, gate_up: bool) -> torch.Tensor:
+                              cfg: SmallBatchConfig, workspace, gate_up: bool, pdl: Pdl | None = None) -> torch.Tensor:
     """x [M, K], w [N_w, K] (row stride free, last dim contiguous), out [M, N_out] with a
     contiguous last dim; N_out = N_w, or N_w // 2 for gate_up. workspace: a
     SmallBatchWorkspace or None (then split-K allocates its buffers per call)."""
@@ -165,6 +180,8 @@ def launch_small_batch_linear(x: torch.Tensor, w: torch.Tensor, bias, out: torch
         BLOCK_M=_block_m(m, use_dot), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None, GATE_UP=gate_up, SPLIT=split_k > 1,
         USE_DOT=use_dot, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PDL=pdl is not None, PREFETCH=min(pdl.prefetch_k_blocks, k_blocks_per_split) if pdl else 0,
+        LINE_ELEMS=min(cfg.block_k, 128 // w.element_size()),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )
     return out

@@ -44,6 +44,10 @@ class EngineConfig:
     # (kernels/small_batch_linear.py) instead of cuBLAS: "lm_head" (default: the one shape it
     # won on an H200, 283 vs 341 us for Qwen3-8B's head at M=1), "all", or "off"
     small_batch_linear: str = field(default_factory=lambda: os.environ.get("DUET_SMALL_BATCH_LINEAR", "lm_head"))
+    # programmatic dependent launch for the decode-path Triton kernels (kernels/pdl.py; Hopper+):
+    # "on" (where supported), "off"; the small-batch linears prefetch this many weight tiles
+    pdl: str = field(default_factory=lambda: os.environ.get("DUET_PDL", "off"))
+    pdl_prefetch_k_blocks: int = field(default_factory=lambda: int(os.environ.get("DUET_PDL_PREFETCH", "2")))
     load_format: str = "auto"  # auto: safetensors | dummy: random weights (benchmarks)
     tp: TPContext = field(default_factory=TPContext)  # this process's rank (set by the engine)
 

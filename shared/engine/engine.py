@@ -106,6 +106,7 @@ class Engine:
         self.layout = self._size_kv()
         self.pool = KVPool(self.layout, self.device)
         self.backend = make_attention_backend(config.attention_backend, self.pool, self.device)
+        self.pdl = self._enable_pdl(config, fused)
         self.kv = KVManager(self.layout.num_pages, self.layout.page_size, config.enable_prefix_cache)
         self.scheduler = Scheduler(self.kv, config.resolve_batched_tokens(self.device), config.max_running_requests)
         self.runner = ModelRunner(self.model, self.pool, self.backend, self.device)
@@ -144,7 +145,7 @@ class Engine:
             self._tp_workers.wait_ready()
         log.info("engine ready in %.1fs: %s %s on %s, %s, weights %.2f GiB, KV %d pages x %d tokens "
                  "(%.2f GiB), backend %s, cuda graphs %s, custom all-reduce %s, overlap %s, "
-                 "small-batch linears %s",
+                 "small-batch linears %s, PDL %s",
                  time.monotonic() - t0, mc.architecture, str(self.dtype).removeprefix("torch."),
                  self.device, f"tp {self.tp.rank}/{self.tp.size}", self.weight_bytes / 2**30,
                  self.layout.num_pages, self.layout.page_size,
@@ -152,7 +153,23 @@ class Engine:
                  "on" if self.runner.graphs is not None and self.runner.graphs.capture else "off",
                  "on" if self.tp.custom_all_reduce is not None else "off",
                  "on" if self.overlap is not None else "off",
-                 which if self.small_batch_workspace is not None else "off")
+                 which if self.small_batch_workspace is not None else "off",
+                 "on" if self.pdl is not None else "off")
+
+    def _enable_pdl(self, config: EngineConfig, fused: bool):
+        """Programmatic dependent launch on the decode kernels where the GPU and Triton have it."""
+        mode = str(config.pdl).lower()
+        if mode not in ("on", "off"):
+            raise ValueError(f"pdl must be on or off, not {config.pdl!r}")
+        from kernels.pdl import Pdl, pdl_supported
+        if mode == "off" or not fused or not pdl_supported(self.device):
+            return None
+        from .models.layers import enable_pdl
+        pdl = Pdl(prefetch_k_blocks=config.pdl_prefetch_k_blocks)
+        enable_pdl(self.model, pdl)
+        if hasattr(self.backend, "pdl"):
+            self.backend.pdl = pdl
+        return pdl
 
     def call_followers(self, target: str, *args) -> list:
         """Run `module:function(engine, *args)` on tensor-parallel ranks 1..N-1 (results in

@@ -25,6 +25,7 @@ class TritonAttentionBackend(AttentionBackend):
     def __init__(self, pool):
         super().__init__(pool)
         self._g: dict[str, torch.Tensor] | None = None
+        self.pdl = None  # kernels.pdl.Pdl for the decode kernels (set by the engine)
 
     def forward(self, q, k, v, layer, meta: AttentionMetadata, scale, kv_stored: bool = False):
         from kernels.decode_attention import decode_attention
@@ -35,7 +36,7 @@ class TritonAttentionBackend(AttentionBackend):
         if not kv_stored:
             store_kv(kc, vc, k, v, meta.slot_mapping)
         if meta.is_decode:
-            return decode_attention(q, kc, vc, meta.page_table, meta.seq_lens, scale)
+            return decode_attention(q, kc, vc, meta.page_table, meta.seq_lens, scale, pdl=self.pdl)
         return extend_attention(q, kc, vc, meta.page_table, meta.qo_indptr, meta.seq_lens, scale,
                                 max_extend_len=max(meta.extend_lens_host))
 

@@ -13,12 +13,13 @@ from ..parallel import TPContext
 
 def _linear(module, x, weight, bias=None):
     """F.linear, or at decode sizes (<= 16 rows, 16-bit, GPU) the split-K small-batch kernel
-    when the engine enabled it on this layer (module.small_batch: its workspace)."""
+    when the engine enabled it on this layer (module.small_batch: its workspace; module.pdl:
+    programmatic dependent launch, kernels/pdl.py)."""
     ws = module.small_batch
     if ws is not None and x.dim() == 2:
         from kernels.small_batch_linear import small_batch_linear, small_batch_preferred
         if small_batch_preferred(x.shape[0], weight.shape[0], weight.shape[1], x.dtype):
-            return small_batch_linear(x, weight, bias, workspace=ws)
+            return small_batch_linear(x, weight, bias, workspace=ws, pdl=module.pdl)
     return F.linear(x, weight, bias)
 
 
@@ -31,11 +32,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
         self.eps = eps
         self.fused = fused
+        self.pdl = None  # kernels.pdl.Pdl: launch the fused kernel with PDL (set by the engine)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if self.fused:
             from kernels.rms_norm import rms_norm
-            return rms_norm(x, self.weight, self.eps, residual)
+            return rms_norm(x, self.weight, self.eps, residual, pdl=self.pdl)
         if residual is not None:
             x = x + residual
             residual = x
@@ -64,6 +66,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out, dtype=dtype), requires_grad=False) if bias else None
         self.small_batch = None  # SmallBatchWorkspace when the engine routes decode sizes to Triton
+        self.pdl = None  # kernels.pdl.Pdl for the small-batch kernel (set by the engine)
 
     def forward(self, x):
         return _linear(self, x, self.weight, self.bias)
@@ -99,6 +102,7 @@ class RowParallelLinear(nn.Module):
         self.reduce = reduce
         self.weight = nn.Parameter(torch.empty(out_features, self.in_shard, dtype=dtype), requires_grad=False)
         self.small_batch = None
+        self.pdl = None
 
     def forward(self, x):
         y = _linear(self, x, self.weight)
@@ -127,7 +131,7 @@ class SwiGLU(nn.Module):
             from kernels.small_batch_linear import small_batch_gate_up_silu, small_batch_preferred
             w = self.gate_up_proj.weight
             if small_batch_preferred(h.shape[0], w.shape[0], w.shape[1], h.dtype):
-                return self.down_proj(small_batch_gate_up_silu(h, w, workspace=ws))
+                return self.down_proj(small_batch_gate_up_silu(h, w, workspace=ws, pdl=self.gate_up_proj.pdl))
         gate_up = self.gate_up_proj(h)
         if self.fused:
             from kernels.silu_and_mul import silu_and_mul
@@ -179,6 +183,7 @@ class ParallelLMHead(nn.Module):
             self.end = min(vocab, self.start + per)
             self.weight = nn.Parameter(torch.zeros(per, dim, dtype=dtype), requires_grad=False)
         self.small_batch = None
+        self.pdl = None
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         logits = _linear(self, h, self.weight)
@@ -199,6 +204,18 @@ def enable_small_batch_linears(model: nn.Module, workspace, lm_head_only: bool =
     for m in model.modules():
         if isinstance(m, kinds):
             m.small_batch = workspace
+            n += 1
+    return n
+
+
+def enable_pdl(model: nn.Module, pdl) -> int:
+    """Launch the model's decode-path Triton kernels (fused norms, q/k-norm + RoPE, the
+    small-batch linears) with programmatic dependent launch (kernels/pdl.py). Returns how
+    many modules were switched."""
+    n = 0
+    for m in model.modules():
+        if hasattr(m, "pdl"):
+            m.pdl = pdl
             n += 1
     return n
 

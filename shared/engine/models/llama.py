@@ -38,6 +38,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, fused) if cfg.qk_norm else None
         self.scaling = d ** -0.5
         self.fused = fused
+        self.pdl = None  # kernels.pdl.Pdl for the fused q/k-norm + RoPE kernel (set by the engine)
 
     def forward(self, positions, h, rotary: RotaryEmbedding, fb):
         q, k, v = self.qkv_proj.forward_parts(h)
@@ -65,7 +66,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             norm = QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         qk_norm_rope(positions, q, k, rotary.cos_sin, is_neox=True, norm=norm,
-                     kv_write=KVCacheWrite(k_cache, v_cache, v, meta.slot_mapping))
+                     kv_write=KVCacheWrite(k_cache, v_cache, v, meta.slot_mapping), pdl=self.pdl)
         o = backend.forward(q, k, v, self.layer_id, meta, self.scaling, kv_stored=True)
         return self.o_proj(o.reshape(-1, self.q_size))
 

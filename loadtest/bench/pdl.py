@@ -1,0 +1,88 @@
+"""Decode step with and without programmatic dependent launch (kernels/pdl.py).
+
+    python3 -m loadtest.bench.pdl [--model qwen3-8b] [--batches 1,8] [--prefetch 0,2,4]
+
+One engine per variant on dummy weights of the shape (graphs on), decode step time at each
+batch (context --ctx) with overlap off and on, beside the floor (weights + KV over the
+measured copy bandwidth). Variants: cuBLAS linears (the default: small-batch kernel on the
+LM head only), the small-batch kernel on every decode linear, and that with PDL and each
+--prefetch (weight tiles pulled into L2 before a GEMV waits for the kernel before it).
+Runs tests/test_pdl.py natively first (--no-tests skips). Short table last."""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+
+def _variants(prefetches: list[int]) -> list[tuple[str, dict]]:
+    out = [("cuBLAS linears (default)", dict(small_batch_linear="lm_head", pdl="off")),
+           ("small-batch linears", dict(small_batch_linear="all", pdl="off")),
+           ("cuBLAS linears + PDL", dict(small_batch_linear="lm_head", pdl="on", pdl_prefetch_k_blocks=2))]
+    out += [(f"small-batch + PDL, prefetch {p}", dict(small_batch_linear="all", pdl="on", pdl_prefetch_k_blocks=p))
+            for p in prefetches]
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen3-8b")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--prefetch", default="0,2,4", help="comma-separated prefetch_k_blocks values to try")
+    ap.add_argument("--only", default="", help="comma-separated variant numbers (1-based) to run")
+    ap.add_argument("--no-tests", action="store_true")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a GPU", file=sys.stderr)
+        return 2
+    if not args.no_tests:
+        rc = subprocess.call([sys.executable, "-m", "pytest", "-q", "-x", "tests/test_pdl.py"])
+        if rc:
+            return rc
+    from .gpu_engine import decode_floor_ms, decode_step_ms, make_engine, release_memory
+    from .shapes import config_only_dir, measure_ceilings
+
+    dev = torch.device("cuda")
+    ceil = measure_ceilings(dev)
+    print(f"{torch.cuda.get_device_name(dev)}: copy {ceil.copy_gb_s:.0f} GB/s", flush=True)
+    batches = [int(b) for b in args.batches.split(",") if b]
+    variants = _variants([int(p) for p in args.prefetch.split(",") if p])
+    if args.only:
+        keep = {int(i) for i in args.only.split(",")}
+        variants = [v for i, v in enumerate(variants, 1) if i in keep]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = config_only_dir(args.model, Path(tmp))
+        floors = {}
+        for name, opts in variants:
+            eng = make_engine(model_dir, device="cuda", dtype="bfloat16", load_format="dummy", **opts)
+            if opts["pdl"] == "on" and eng.pdl is None:
+                print(f"{name}: PDL not supported here", flush=True)
+                del eng
+                release_memory()
+                continue
+            for b in batches:
+                if b not in floors:
+                    floors[b] = decode_floor_ms(eng, b, args.ctx, ceil.copy_gb_s)[0]
+                plain = decode_step_ms(eng, b, args.ctx, args.steps)
+                over = decode_step_ms(eng, b, args.ctx, args.steps, overlap=True)
+                rows.append((name, b, plain, over, floors[b]))
+                print(f"{name} B={b}: {plain:.3f} ms, overlap {over:.3f} ms, floor {floors[b]:.3f}", flush=True)
+            del eng
+            release_memory()
+    print(f"\n{args.model}, context {args.ctx}, graphs on, {torch.cuda.get_device_name(dev)}")
+    print("| variant | B | step ms | overlap ms | floor ms | x floor (overlap) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name, b, plain, over, floor in rows:
+        print(f"| {name} | {b} | {plain:.3f} | {over:.3f} | {floor:.3f} | {plain / floor:.2f} ({over / floor:.2f}) |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""Programmatic dependent launch (kernels/pdl.py): the switch and its fallbacks everywhere;
+on a Hopper GPU, a decode layer's kernel chain and the engine give the same bits with PDL
+on as off (a kernel that touched memory before its griddepcontrol.wait would race and
+differ between replays)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.pdl import Pdl, launch_options, pdl_supported
+from shared.engine.sampling_params import SamplingParams
+from tests.engine_models import build_model_dir, random_prompts, run_engine
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+def test_pdl_settings_and_where_it_is_off():
+    with pytest.raises(ValueError, match="prefetch_k_blocks"):
+        Pdl(prefetch_k_blocks=-1)
+    assert not pdl_supported("cpu")
+    assert launch_options(None) == {} and launch_options(Pdl()) == {"launch_pdl": True}
+
+
+def test_engine_pdl_option_on_cpu_falls_back_and_rejects_bad_values(tmp_path):
+    from shared.engine.engine import Engine
+
+    model_dir = build_model_dir(tmp_path / "m", "qwen3_headdim32")
+    prompts = random_prompts(2, [5, 9])
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    off = run_engine(Engine(model_dir=str(model_dir), kv_cache_memory=1 << 22, pdl="off"), prompts, params)
+    eng = Engine(model_dir=str(model_dir), kv_cache_memory=1 << 22, pdl="on")
+    assert eng.pdl is None  # no GPU: launched as before
+    assert [r.token_ids for r in run_engine(eng, prompts, params)] == [r.token_ids for r in off]
+    with pytest.raises(ValueError, match="pdl must be on or off"):
+        Engine(model_dir=str(model_dir), kv_cache_memory=1 << 22, pdl="sometimes")
+
+
+def _layer_chain(n_layers: int, pdl, ws, g):
+    """A Qwen3-like decode layer at batch 1 (hidden 1024, 8 q / 2 kv heads of 128, ctx ~300):
+    add+norm, qkv, q/k-norm+RoPE+store, attention, o, add+norm, gate/up+SwiGLU, down."""
+    from kernels.decode_attention import decode_attention
+    from kernels.qk_norm_rope import KVCacheWrite, QKNorm, qk_norm_rope
+    from kernels.random_paged_kv import random_paged_kv
+    from kernels.rms_norm import rms_norm
+    from kernels.small_batch_linear import small_batch_gate_up_silu, small_batch_linear
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    hidden, hq, hkv, d, inter = 1024, 8, 2, 128, 2048
+
+    def rnd(*shape, scale=0.05):
+        return (torch.randn(*shape, generator=g) * scale).to(dev, dt)
+
+    layers = [dict(qkv=rnd((hq + 2 * hkv) * d, hidden), o=rnd(hidden, hq * d), gu=rnd(2 * inter, hidden),
+                   down=rnd(hidden, inter), n1=1 + rnd(hidden), n2=1 + rnd(hidden), qn=1 + rnd(d), kn=1 + rnd(d))
+              for _ in range(n_layers)]
+    kv = random_paged_kv([300], hkv, d, 16, dt, dev, g)
+    kv.pool.nan_to_num_(0.0)
+    positions = torch.tensor([299], device=dev)
+    slots = torch.tensor([int(kv.page_table[0, 299 // 16]) * 16 + 299 % 16], dtype=torch.int32, device=dev)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    ang = torch.arange(512, dtype=torch.float32)[:, None] * inv[None, :]
+    cos_sin = torch.cat([ang.cos(), ang.sin()], dim=-1).to(dev, dt)
+    x0 = rnd(1, hidden, scale=1.0)
+
+    def run():
+        h, residual = x0.clone(), torch.zeros_like(x0)
+        for w in layers:
+            normed, residual = rms_norm(h, w["n1"], 1e-6, residual, pdl=pdl)
+            qkv = small_batch_linear(normed, w["qkv"], workspace=ws, pdl=pdl)
+            q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+            q, k = q.view(1, hq, d), k.view(1, hkv, d)
+            qk_norm_rope(positions, q, k, cos_sin, norm=QKNorm(w["qn"], w["kn"], 1e-6),
+                         kv_write=KVCacheWrite(kv.k_cache, kv.v_cache, v.view(1, hkv, d), slots), pdl=pdl)
+            o = decode_attention(q, kv.k_cache, kv.v_cache, kv.page_table, kv.seq_lens, d ** -0.5, pdl=pdl)
+            h = small_batch_linear(o.reshape(1, hq * d), w["o"], workspace=ws, pdl=pdl)
+            normed, residual = rms_norm(h, w["n2"], 1e-6, residual, pdl=pdl)
+            h = small_batch_linear(small_batch_gate_up_silu(normed, w["gu"], workspace=ws, pdl=pdl), w["down"],
+                                   workspace=ws, pdl=pdl)
+        return h + residual
+
+    return run
+
+
+@pytest.mark.skipif(not HOPPER, reason="PDL needs a Hopper (sm_90+) GPU; on CPU the fallback test above runs")
+def test_decode_layer_chain_is_bit_identical_with_pdl_in_a_cuda_graph():
+    from kernels.small_batch_linear import SmallBatchWorkspace
+
+    assert pdl_supported("cuda")
+    outs = {}
+    for name, pdl in (("off", None), ("on", Pdl(prefetch_k_blocks=2)), ("on, prefetch 0", Pdl(prefetch_k_blocks=0))):
+        run = _layer_chain(6, pdl, SmallBatchWorkspace.create("cuda"), torch.Generator().manual_seed(3))
+        run()  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run()
+        replays = []
+        for _ in range(20):
+            graph.replay()
+            replays.append(out.clone())
+        torch.cuda.synchronize()
+        assert all(torch.equal(r, replays[0]) for r in replays), name  # no race between replays
+        assert torch.isfinite(replays[0]).all()
+        outs[name] = replays[0]
+    assert torch.equal(outs["on"], outs["off"]) and torch.equal(outs["on, prefetch 0"], outs["off"])
+
+
+@pytest.mark.skipif(not HOPPER, reason="PDL needs a Hopper (sm_90+) GPU; on CPU the fallback test above runs")
+def test_engine_greedy_tokens_identical_with_pdl_on_the_gpu(tmp_path):
+    from shared.engine.engine import Engine
+
+    model_dir = build_model_dir(tmp_path / "m", "qwen3_headdim32", dtype=torch.bfloat16, hidden_size=512,
+                                intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2, head_dim=128)
+    prompts = random_prompts(5, [3, 40, 17, 90, 8])
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    got = {}
+    for pdl in ("off", "on"):
+        eng = Engine(model_dir=str(model_dir), device="cuda", dtype="bfloat16", small_batch_linear="all", pdl=pdl)
+        assert (eng.pdl is not None) == (pdl == "on")
+        got[pdl] = [r.token_ids for r in run_engine(eng, prompts, params)]
+        del eng
+    assert got["on"] == got["off"]
