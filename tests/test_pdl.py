@@ -27,12 +27,13 @@ def test_engine_pdl_option_on_cpu_falls_back_and_rejects_bad_values(tmp_path):
     model_dir = build_model_dir(tmp_path / "m", "qwen3_headdim32")
     prompts = random_prompts(2, [5, 9])
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    off = run_engine(Engine(model_dir=str(model_dir), kv_cache_memory=1 << 22, pdl="off"), prompts, params)
-    eng = Engine(model_dir=str(model_dir), kv_cache_memory=1 << 22, pdl="on")
-    assert eng.pdl is None  # no GPU: launched as before
+    cpu = dict(model_dir=str(model_dir), device="cpu", kv_cache_memory=1 << 22)
+    off = run_engine(Engine(**cpu, pdl="off"), prompts, params)
+    eng = Engine(**cpu, pdl="on")
+    assert eng.pdl is None  # not a GPU: launched as before
     assert [r.token_ids for r in run_engine(eng, prompts, params)] == [r.token_ids for r in off]
     with pytest.raises(ValueError, match="pdl must be on or off"):
-        Engine(model_dir=str(model_dir), kv_cache_memory=1 << 22, pdl="sometimes")
+        Engine(**cpu, pdl="sometimes")
 
 
 def _layer_chain(n_layers: int, pdl, ws, g):
