@@ -4,6 +4,8 @@ on as off (a kernel that touched memory before its griddepcontrol.wait would rac
 differ between replays)."""
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -115,8 +117,11 @@ def test_engine_greedy_tokens_identical_with_pdl_on_the_gpu(tmp_path):
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     got = {}
     for pdl in ("off", "on"):
-        eng = Engine(model_dir=str(model_dir), device="cuda", dtype="bfloat16", small_batch_linear="all", pdl=pdl)
+        eng = Engine(model_dir=str(model_dir), device="cuda", dtype="bfloat16", small_batch_linear="all", pdl=pdl,
+                     kv_cache_memory=1 << 28)
         assert (eng.pdl is not None) == (pdl == "on")
         got[pdl] = [r.token_ids for r in run_engine(eng, prompts, params)]
         del eng
+        gc.collect()
+        torch.cuda.empty_cache()
     assert got["on"] == got["off"]
