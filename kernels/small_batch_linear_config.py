@@ -51,9 +51,19 @@ def _c(block_n, block_k, split_k, num_warps=4, num_stages=3, use_dot=True) -> Sm
     return SmallBatchConfig(block_n, block_k, split_k, num_warps, num_stages, use_dot)
 
 
-# Filled from the device sweep (bf16, H100, 132 SMs). Shapes: Qwen3-8B (TP 1 and 2),
-# Qwen3-0.6B, Qwen3-30B-A3B attention; see kernels/NOTES.md.
-TUNED: dict[ShapeKey, dict[int, SmallBatchConfig]] = {}
+# From the device sweep (bf16, H100 SXM, 132 SMs, L2 cold; 2026-11-24:
+# `python3 -m loadtest.bench.small_batch_linear --sweep --models qwen3-8b --m 1,8`). At M=1 the
+# CUDA-core path with one stage wins on every Qwen3-8B shape (qkv 21.2 vs cuBLAS 22.4 us, o 15.0
+# vs 17.4, gate/up+SwiGLU 72.7 vs 78.7, down 39.6 vs 42.1, LM head 400.9 vs 440.1); other
+# buckets fall back to the heuristic. See kernels/NOTES.md.
+TUNED: dict[ShapeKey, dict[int, SmallBatchConfig]] = {
+    ShapeKey(6144, 4096): {1: _c(16, 256, 2, 4, 1, False), 8: _c(16, 256, 2, 4, 2, True)},  # qwen3-8b qkv
+    ShapeKey(4096, 4096): {1: _c(16, 256, 3, 4, 1, False), 8: _c(32, 256, 5, 4, 2, True)},  # qwen3-8b o
+    ShapeKey(24576, 4096): {1: _c(16, 512, 1, 4, 1, False), 8: _c(32, 512, 1, 4, 3, True)},  # qwen3-8b gate_up
+    ShapeKey(24576, 4096, True): {1: _c(16, 512, 1, 8, 1, False), 8: _c(32, 256, 1, 4, 3, True)},  # gate_up+SwiGLU
+    ShapeKey(4096, 12288): {1: _c(16, 256, 3, 4, 1, False), 8: _c(64, 128, 9, 4, 2, True)},  # qwen3-8b down
+    ShapeKey(151936, 4096): {1: _c(16, 512, 1, 8, 1, False), 8: _c(64, 256, 1, 4, 3, True)},  # qwen3-8b lm_head
+}
 
 
 def heuristic_config(m: int, n: int, k: int, elem_bytes: int, num_sms: int, gate_up: bool = False) -> SmallBatchConfig:
