@@ -23,13 +23,23 @@ import torch
 class Pdl:
     """How kernels launch when PDL is on. prefetch_k_blocks: how many of its first
     [BLOCK_N, BLOCK_K] weight tiles each small-batch-linear program prefetches into L2
-    before it waits for the previous kernel (0: none)."""
+    before it waits for the previous kernel (0: none). max_rows: only launches over at most
+    this many rows (tokens, sequences) use PDL: on an H100 it took Qwen3-8B's batch-1 step
+    from 6.18 to 5.94 ms, but made batch 8 slower (6.87 -> 7.12 ms), see kernels/NOTES.md."""
 
-    prefetch_k_blocks: int = 2
+    prefetch_k_blocks: int = 1
+    max_rows: int = 1
 
     def __post_init__(self):
         if self.prefetch_k_blocks < 0:
             raise ValueError(f"prefetch_k_blocks must be >= 0, got {self.prefetch_k_blocks}")
+        if self.max_rows < 1:
+            raise ValueError(f"max_rows must be >= 1, got {self.max_rows}")
+
+
+def pdl_for(pdl: Pdl | None, rows: int) -> Pdl | None:
+    """pdl for a launch over `rows` rows, or None where it is not used."""
+    return pdl if pdl is not None and rows <= pdl.max_rows else None
 
 
 def pdl_supported(device: torch.device | str) -> bool:

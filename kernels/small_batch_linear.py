@@ -11,13 +11,14 @@ only on shapes).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from kernels.pdl import Pdl
-from kernels.small_batch_linear_config import MAX_M, SmallBatchConfig, get_config
+from kernels.small_batch_linear_config import MAX_M, SmallBatchConfig, get_config, gpu_key, tuned_config
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -39,16 +40,37 @@ def small_batch_preferred(m: int, n: int, k: int, dtype: torch.dtype) -> bool:
     return dtype in (torch.bfloat16, torch.float16) and small_batch_supported(m, n, k, dtype)
 
 
+def device_gpu_key(device: torch.device) -> str:
+    """Which per-GPU tuned table applies on this device ("" on CPU or an untuned GPU)."""
+    if device.type != "cuda":
+        return ""
+    return _gpu_key_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_key_of(index: int) -> str:
+    return gpu_key(torch.cuda.get_device_name(index))
+
+
+def small_batch_tuned(x: torch.Tensor, w: torch.Tensor, gate_up: bool = False) -> bool:
+    """The device sweep has a tiling for this GPU, shape and batch bucket: there the kernel
+    measured faster than cuBLAS (the engine's "auto" routing)."""
+    return tuned_config(x.shape[0], w.shape[0], w.shape[1], device_gpu_key(x.device), gate_up) is not None
+
+
 @dataclass
 class SmallBatchWorkspace:
     """Split-K scratch: fp32 partials and one int32 arrival counter per output tile.
 
     The counters must start at zero; every launch leaves them at zero. Allocate one
     up front (before CUDA-graph capture) per stream that runs these kernels: two launches
-    in flight at once must not share a workspace."""
+    in flight at once must not share a workspace. tuned_only: the layers holding this
+    workspace use the kernel only where small_batch_tuned (a view of the same buffers:
+    `dataclasses.replace(ws, tuned_only=True)`)."""
 
     partials: torch.Tensor
     counters: torch.Tensor
+    tuned_only: bool = False
 
     @classmethod
     def create(cls, device, max_partial_floats: int = 1 << 22, max_tiles: int = 1 << 13) -> "SmallBatchWorkspace":
@@ -106,7 +128,8 @@ def _run(x, w, bias, out, config, workspace, gate_up, pdl=None):
         x = x.contiguous()
     if config is None:
         num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.device.type == "cuda" else 8
-        config = get_config(x.shape[0], w.shape[0], x.shape[1], x.element_size(), num_sms, gate_up)
+        config = get_config(x.shape[0], w.shape[0], x.shape[1], x.element_size(), num_sms, gate_up,
+                            device_gpu_key(x.device))
     if out is None:
         out = torch.empty((x.shape[0], n_out), dtype=x.dtype, device=x.device)
     from kernels.triton_small_batch_linear import launch_small_batch_linear

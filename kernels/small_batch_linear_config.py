@@ -1,9 +1,12 @@
-"""Tilings for kernels.small_batch_linear: a per-shape table (tuned on an H100 with
-`python3 -m loadtest.bench.small_batch_linear --sweep`) and a heuristic for other shapes.
+"""Tilings for kernels.small_batch_linear: per-GPU tables of per-shape tilings (from
+`python3 -m loadtest.bench.small_batch_linear --sweep` on that GPU, as SGLang and vLLM keep
+per-device config files) and a heuristic for other shapes.
 
-A config is looked up by the weight's shape (N rows, K columns; for the fused gate/up
-kernel N is 2I, the stacked weight's rows), whether it is the gate/up kernel, and the
-batch rounded up to an M bucket. Pure Python: no triton import.
+A config is looked up by the GPU (gpu_key: "H100", "H200", ...), the weight's shape (N rows,
+K columns; for the fused gate/up kernel N is 2I, the stacked weight's rows), whether it is
+the gate/up kernel, and the batch rounded up to an M bucket. A tuned entry is also where the
+sweep found the kernel faster than cuBLAS: the engine's default ("auto") routes a linear
+here only then (and always the LM head). Pure Python: no triton import.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ def _c(block_n, block_k, split_k, num_warps=4, num_stages=3, use_dot=True) -> Sm
 # CUDA-core path with one stage wins on every Qwen3-8B shape (qkv 21.2 vs cuBLAS 22.4 us, o 15.0
 # vs 17.4, gate/up+SwiGLU 72.7 vs 78.7, down 39.6 vs 42.1, LM head 400.9 vs 440.1); other
 # buckets fall back to the heuristic. See kernels/NOTES.md.
-TUNED: dict[ShapeKey, dict[int, SmallBatchConfig]] = {
+TUNED_H100: dict[ShapeKey, dict[int, SmallBatchConfig]] = {
     ShapeKey(6144, 4096): {1: _c(16, 256, 2, 4, 1, False), 8: _c(16, 256, 2, 4, 2, True)},  # qwen3-8b qkv
     ShapeKey(4096, 4096): {1: _c(16, 256, 3, 4, 1, False), 8: _c(32, 256, 5, 4, 2, True)},  # qwen3-8b o
     ShapeKey(24576, 4096): {1: _c(16, 512, 1, 4, 1, False), 8: _c(32, 512, 1, 4, 3, True)},  # qwen3-8b gate_up
@@ -64,6 +67,22 @@ TUNED: dict[ShapeKey, dict[int, SmallBatchConfig]] = {
     ShapeKey(4096, 12288): {1: _c(16, 256, 3, 4, 1, False), 8: _c(64, 128, 9, 4, 2, True)},  # qwen3-8b down
     ShapeKey(151936, 4096): {1: _c(16, 512, 1, 8, 1, False), 8: _c(64, 256, 1, 4, 3, True)},  # qwen3-8b lm_head
 }
+
+TUNED: dict[str, dict[ShapeKey, dict[int, SmallBatchConfig]]] = {"H100": TUNED_H100}
+
+
+def gpu_key(device_name: str) -> str:
+    """The TUNED table a device name reads ("NVIDIA H100 80GB HBM3" -> "H100"); "" for none."""
+    for key in ("H200", "H100"):
+        if key in device_name:
+            return key
+    return ""
+
+
+def tuned_config(m: int, n: int, k: int, gpu: str, gate_up: bool = False) -> SmallBatchConfig | None:
+    """The sweep's tiling for this GPU, shape and m's bucket, or None."""
+    row = TUNED.get(gpu, {}).get(ShapeKey(n, k, gate_up))
+    return row.get(m_bucket(m)) if row and 1 <= m <= MAX_M else None
 
 
 def heuristic_config(m: int, n: int, k: int, elem_bytes: int, num_sms: int, gate_up: bool = False) -> SmallBatchConfig:
@@ -80,10 +99,9 @@ def heuristic_config(m: int, n: int, k: int, elem_bytes: int, num_sms: int, gate
 
 
 def get_config(m: int, n: int, k: int, elem_bytes: int = 2, num_sms: int = 132,
-               gate_up: bool = False) -> SmallBatchConfig:
-    """The tuned config for (n, k, gate_up) and m's bucket on 16-bit weights, else the heuristic."""
-    bucket = m_bucket(m)
-    row = TUNED.get(ShapeKey(n, k, gate_up)) if elem_bytes == 2 else None
-    if row and bucket in row:
-        return row[bucket]
-    return heuristic_config(m, n, k, elem_bytes, num_sms, gate_up)
+               gate_up: bool = False, gpu: str = "") -> SmallBatchConfig:
+    """The tuned config for this GPU, (n, k, gate_up) and m's bucket on 16-bit weights, else
+    the heuristic."""
+    m_bucket(m)  # validates m
+    tuned = tuned_config(m, n, k, gpu, gate_up) if elem_bytes == 2 else None
+    return tuned or heuristic_config(m, n, k, elem_bytes, num_sms, gate_up)

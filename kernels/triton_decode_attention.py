@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from kernels.paged_kv import next_power_of_2
-from kernels.pdl import Pdl, launch_options
+from kernels.pdl import Pdl, launch_options, pdl_for
 from kernels.triton_pdl import pdl_enter
 
 _LOG2E = 1.4426950408889634
@@ -185,6 +185,7 @@ def launch_decode_attention(
     o = torch.empty_like(q) if out is None else out
     if batch == 0:
         return o
+    pdl = pdl_for(pdl, batch)
     direct = num_kv_splits == 1 and cfg.direct_single_split
     if direct:  # no partials: stage 1 writes o; the mid pointers are never used (no allocation)
         mid_o, mid_lse = o.view(batch, num_q_heads, 1, head_dim), o[:, :, 0]

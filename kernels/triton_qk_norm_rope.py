@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from kernels.paged_kv import next_power_of_2
-from kernels.pdl import launch_options
+from kernels.pdl import launch_options, pdl_for
 from kernels.triton_pdl import pdl_enter
 
 
@@ -88,6 +88,7 @@ def launch_qk_norm_rope(positions, q, k, cos_sin_cache, is_neox, norm, kv_write,
     num_tokens, num_q_heads, _ = q.shape
     if num_tokens == 0:
         return
+    pdl = pdl_for(pdl, num_tokens)
     if q.stride(-1) != 1 or k.stride(-1) != 1 or cos_sin_cache.stride(-1) != 1:
         raise ValueError("qk_norm_rope needs a contiguous last dim in q, k and cos_sin_cache")
     half = cos_sin_cache.shape[1] // 2

@@ -5,7 +5,7 @@ import triton
 import triton.language as tl
 
 from kernels.paged_kv import next_power_of_2
-from kernels.pdl import launch_options
+from kernels.pdl import launch_options, pdl_for
 from kernels.triton_pdl import pdl_enter
 
 
@@ -50,6 +50,7 @@ def launch_rms_norm(x, weight, eps, residual=None, out=None, residual_out=None, 
     else:
         r2, h2 = x2, out2  # unused when HAS_RESIDUAL is False
     n_rows = x2.shape[0]
+    pdl = pdl_for(pdl, n_rows)
     if n_rows:
         block = next_power_of_2(n_cols)
         _rms_norm_kernel[(n_rows,)](

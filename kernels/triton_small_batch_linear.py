@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import Pdl, launch_options
+from kernels.pdl import Pdl, launch_options, pdl_for
 from kernels.small_batch_linear_config import SmallBatchConfig
 
 from kernels.triton_pdl import pdl_enter, prefetch_l2
@@ -157,6 +157,7 @@ def launch_small_batch_linear(x: torch.Tensor, w: torch.Tensor, bias, out: torch
     SmallBatchWorkspace or None (then split-K allocates its buffers per call)."""
     m, k = x.shape
     n = out.shape[1]
+    pdl = pdl_for(pdl, m)
     use_dot = cfg.use_dot or m > 1  # the CUDA-core path is written for one row
     tiles = triton.cdiv(n, cfg.block_n)
     k_blocks = triton.cdiv(k, cfg.block_k)

@@ -9,7 +9,8 @@ from kernels.accuracy import fill_nan_, relative_error
 from kernels.small_batch_linear import (SmallBatchWorkspace, small_batch_gate_up_silu_reference,
                                         small_batch_linear_reference, small_batch_preferred,
                                         small_batch_supported)
-from kernels.small_batch_linear_config import TUNED, SmallBatchConfig, get_config, heuristic_config, m_bucket
+from kernels.small_batch_linear_config import (TUNED, ShapeKey, SmallBatchConfig, get_config, gpu_key,
+                                               heuristic_config, m_bucket, tuned_config)
 from tests.kernel_dtypes import CUDA, case_generator
 
 LINEAR = "kernels.small_batch_linear:small_batch_linear"
@@ -140,8 +141,16 @@ def test_supported_and_config_lookup():
     assert small_batch_supported(8, 6144, 4096, torch.float32)
     assert not small_batch_preferred(8, 6144, 4096, torch.float32)
     assert [m_bucket(m) for m in (1, 2, 3, 5, 9, 16)] == [1, 2, 4, 8, 16, 16]
-    for key, row in TUNED.items():  # every tuned entry is a bucket and a valid tiling
-        assert set(row) <= {1, 2, 4, 8, 16} and key.n > 0 and key.k > 0
+    for gpu, table in TUNED.items():  # every tuned entry is a bucket and a valid tiling
+        assert gpu_key(f"NVIDIA {gpu} 80GB HBM3") == gpu
+        for key, row in table.items():
+            assert set(row) <= {1, 2, 4, 8, 16} and key.n > 0 and key.k > 0
+    # per GPU: the H100's table does not leak to other devices, buckets it lacks fall back
+    assert tuned_config(1, 6144, 4096, "H100") == TUNED["H100"][ShapeKey(6144, 4096)][1]
+    assert get_config(1, 6144, 4096, gpu="H100") == TUNED["H100"][ShapeKey(6144, 4096)][1]
+    assert tuned_config(1, 6144, 4096, "") is None and tuned_config(2, 6144, 4096, "H100") is None
+    assert get_config(1, 6144, 4096) == heuristic_config(1, 6144, 4096, 2, 132)
+    assert gpu_key("NVIDIA A100-SXM4-80GB") == ""
     # an unknown shape gets the heuristic: split-K only when the tiles cannot fill the SMs
     assert get_config(1, 12345, 4096) == heuristic_config(1, 12345, 4096, 2, 132)
     assert heuristic_config(1, 151936, 4096, 2, 132).split_k == 1

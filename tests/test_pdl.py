@@ -9,7 +9,7 @@ import gc
 import pytest
 import torch
 
-from kernels.pdl import Pdl, launch_options, pdl_supported
+from kernels.pdl import Pdl, launch_options, pdl_for, pdl_supported
 from shared.engine.sampling_params import SamplingParams
 from tests.engine_models import build_model_dir, random_prompts, run_engine
 
@@ -19,6 +19,10 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 
 def test_pdl_settings_and_where_it_is_off():
     with pytest.raises(ValueError, match="prefetch_k_blocks"):
         Pdl(prefetch_k_blocks=-1)
+    with pytest.raises(ValueError, match="max_rows"):
+        Pdl(max_rows=0)
+    on = Pdl(max_rows=2)
+    assert pdl_for(on, 1) is on and pdl_for(on, 2) is on and pdl_for(on, 3) is None and pdl_for(None, 1) is None
     assert not pdl_supported("cpu")
     assert launch_options(None) == {} and launch_options(Pdl()) == {"launch_pdl": True}
 

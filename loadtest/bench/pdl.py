@@ -4,9 +4,10 @@
 
 One engine per variant on dummy weights of the shape (graphs on), decode step time at each
 batch (context --ctx) with overlap off and on, beside the floor (weights + KV over the
-measured copy bandwidth). Variants: cuBLAS linears (the default: small-batch kernel on the
-LM head only), the small-batch kernel on every decode linear, and that with PDL and each
---prefetch (weight tiles pulled into L2 before a GEMV waits for the kernel before it).
+measured copy bandwidth). Variants: the engine before PDL and the tuned linears (cuBLAS but
+the LM head), the defaults (small-batch kernel where this GPU's sweep tuned the shape, PDL
+at batch 1), the same without PDL, and the small-batch kernel on every decode linear with
+PDL and each --prefetch (weight tiles pulled into L2 before a GEMV waits).
 Runs tests/test_pdl.py natively first (--no-tests skips). Short table last."""
 from __future__ import annotations
 
@@ -20,10 +21,10 @@ import torch
 
 
 def _variants(prefetches: list[int]) -> list[tuple[str, dict]]:
-    out = [("cuBLAS linears (default)", dict(small_batch_linear="lm_head", pdl="off")),
-           ("small-batch linears", dict(small_batch_linear="all", pdl="off")),
-           ("cuBLAS linears + PDL", dict(small_batch_linear="lm_head", pdl="on", pdl_prefetch_k_blocks=2))]
-    out += [(f"small-batch + PDL, prefetch {p}", dict(small_batch_linear="all", pdl="on", pdl_prefetch_k_blocks=p))
+    out = [("cuBLAS linears, PDL off (before)", dict(small_batch_linear="lm_head", pdl="off")),
+           ("defaults (tuned linears, PDL on)", dict(small_batch_linear="auto", pdl="on")),
+           ("tuned linears, PDL off", dict(small_batch_linear="auto", pdl="off"))]
+    out += [(f"all linears + PDL, prefetch {p}", dict(small_batch_linear="all", pdl="on", pdl_prefetch_k_blocks=p))
             for p in prefetches]
     return out
 
@@ -34,7 +35,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--prefetch", default="0,2,4", help="comma-separated prefetch_k_blocks values to try")
+    ap.add_argument("--prefetch", default="0,1,2", help="comma-separated prefetch_k_blocks values to try")
     ap.add_argument("--only", default="", help="comma-separated variant numbers (1-based) to run")
     ap.add_argument("--no-tests", action="store_true")
     args = ap.parse_args(argv)

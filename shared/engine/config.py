@@ -41,13 +41,15 @@ class EngineConfig:
     # one-launch copy+sync+sum, then add+RMSNorm (custom_all_reduce.py)
     custom_all_reduce_mode: str = field(default_factory=lambda: os.environ.get("DUET_CUSTOM_ALLREDUCE", "fused"))
     # decode-size linears (<= 16 rows, bf16/fp16, GPU) through the split-K Triton kernel
-    # (kernels/small_batch_linear.py) instead of cuBLAS: "lm_head" (default: the one shape it
-    # won on an H200, 283 vs 341 us for Qwen3-8B's head at M=1), "all", or "off"
-    small_batch_linear: str = field(default_factory=lambda: os.environ.get("DUET_SMALL_BATCH_LINEAR", "lm_head"))
-    # programmatic dependent launch for the decode-path Triton kernels (kernels/pdl.py; Hopper+):
-    # "on" (where supported), "off"; the small-batch linears prefetch this many weight tiles
-    pdl: str = field(default_factory=lambda: os.environ.get("DUET_PDL", "off"))
-    pdl_prefetch_k_blocks: int = field(default_factory=lambda: int(os.environ.get("DUET_PDL_PREFETCH", "2")))
+    # (kernels/small_batch_linear.py) instead of cuBLAS: "auto" (default: the LM head, which it
+    # won on H100 and H200, and every linear whose shape and batch this GPU's sweep tuned, i.e.
+    # where it beat cuBLAS), "lm_head", "all", or "off"
+    small_batch_linear: str = field(default_factory=lambda: os.environ.get("DUET_SMALL_BATCH_LINEAR", "auto"))
+    # programmatic dependent launch for the batch-1 decode kernels (kernels/pdl.py; Hopper+):
+    # "on" (default; where the GPU and Triton have it) or "off"; the small-batch linears
+    # prefetch this many weight tiles into L2 while the kernel before them finishes
+    pdl: str = field(default_factory=lambda: os.environ.get("DUET_PDL", "on"))
+    pdl_prefetch_k_blocks: int = field(default_factory=lambda: int(os.environ.get("DUET_PDL_PREFETCH", "1")))
     load_format: str = "auto"  # auto: safetensors | dummy: random weights (benchmarks)
     tp: TPContext = field(default_factory=TPContext)  # this process's rank (set by the engine)
 

@@ -89,13 +89,13 @@ class Engine:
         self.small_batch_workspace = None
         which = {"1": "all", "true": "all", "on": "all", "0": "off", "false": "off"}.get(
             str(config.small_batch_linear).lower(), str(config.small_batch_linear).lower())
-        if which not in ("lm_head", "all", "off"):
-            raise ValueError(f"small_batch_linear must be lm_head, all or off, not {config.small_batch_linear!r}")
+        if which not in ("auto", "lm_head", "all", "off"):
+            raise ValueError(f"small_batch_linear must be auto, lm_head, all or off, not {config.small_batch_linear!r}")
         if fused and which != "off" and self.dtype in (torch.bfloat16, torch.float16):
             from kernels.small_batch_linear import SmallBatchWorkspace
             from .models.layers import enable_small_batch_linears
             self.small_batch_workspace = SmallBatchWorkspace.create(self.device)
-            enable_small_batch_linears(self.model, self.small_batch_workspace, lm_head_only=which == "lm_head")
+            enable_small_batch_linears(self.model, self.small_batch_workspace, mode=which)
         if self.tp.size > 1 and self.device.type == "cuda" and config.custom_all_reduce:
             from .custom_all_reduce import CustomAllReduce
             car = None

@@ -17,8 +17,9 @@ def _linear(module, x, weight, bias=None):
     programmatic dependent launch, kernels/pdl.py)."""
     ws = module.small_batch
     if ws is not None and x.dim() == 2:
-        from kernels.small_batch_linear import small_batch_linear, small_batch_preferred
-        if small_batch_preferred(x.shape[0], weight.shape[0], weight.shape[1], x.dtype):
+        from kernels.small_batch_linear import small_batch_linear, small_batch_preferred, small_batch_tuned
+        if small_batch_preferred(x.shape[0], weight.shape[0], weight.shape[1], x.dtype) and (
+                not ws.tuned_only or small_batch_tuned(x, weight)):
             return small_batch_linear(x, weight, bias, workspace=ws, pdl=module.pdl)
     return F.linear(x, weight, bias)
 
@@ -128,9 +129,10 @@ class SwiGLU(nn.Module):
     def forward(self, h):
         ws = self.gate_up_proj.small_batch
         if ws is not None and h.dim() == 2:
-            from kernels.small_batch_linear import small_batch_gate_up_silu, small_batch_preferred
+            from kernels.small_batch_linear import small_batch_gate_up_silu, small_batch_preferred, small_batch_tuned
             w = self.gate_up_proj.weight
-            if small_batch_preferred(h.shape[0], w.shape[0], w.shape[1], h.dtype):
+            if small_batch_preferred(h.shape[0], w.shape[0], w.shape[1], h.dtype) and (
+                    not ws.tuned_only or small_batch_tuned(h, w, gate_up=True)):
                 return self.down_proj(small_batch_gate_up_silu(h, w, workspace=ws, pdl=self.gate_up_proj.pdl))
         gate_up = self.gate_up_proj(h)
         if self.fused:
@@ -195,16 +197,23 @@ class ParallelLMHead(nn.Module):
         self.weight.data[: self.end - self.start].copy_(tensor[self.start:self.end])
 
 
-def enable_small_batch_linears(model: nn.Module, workspace, lm_head_only: bool = False) -> int:
-    """Route the model's linears (qkv, o, gate/up + SwiGLU, down, LM head; or the LM head
-    alone) to the small-batch kernel at decode sizes; one workspace for all (they run one
-    after another on one stream). Returns how many layers were switched."""
-    kinds = (ParallelLMHead,) if lm_head_only else (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
+def enable_small_batch_linears(model: nn.Module, workspace, mode: str = "all") -> int:
+    """Route the model's linears (qkv, o, gate/up + SwiGLU, down, LM head) to the small-batch
+    kernel at decode sizes. mode "all": every one; "lm_head": the LM head alone; "auto": the LM
+    head, and the others where this GPU's sweep tuned their shape and batch bucket (there it
+    beat cuBLAS). One workspace's buffers for all (they run one after another on one stream).
+    Returns how many layers were switched."""
+    import dataclasses
+    tuned = dataclasses.replace(workspace, tuned_only=True)
     n = 0
     for m in model.modules():
-        if isinstance(m, kinds):
+        if isinstance(m, ParallelLMHead):
             m.small_batch = workspace
-            n += 1
+        elif isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and mode != "lm_head":
+            m.small_batch = tuned if mode == "auto" else workspace
+        else:
+            continue
+        n += 1
     return n
 
 
