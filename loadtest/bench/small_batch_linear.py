@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 M_VALUES = (1, 2, 4, 8, 16)
+WIN_MARGIN = 0.98  # a tiling goes into the table only if at least 2% faster than cuBLAS
 
 
 @dataclass(frozen=True)
@@ -332,13 +333,18 @@ def sweep(setup: Setup, models, gen: torch.Generator, say, limit: int = 0) -> li
                     best, us, count = sweep_shape(setup, sb, m, gate_up, limit)
                     err = sb.error(m, best, gate_up)
                     gbs = sb.copies.nbytes / us / 1e3
+                    cublas = sb.cublas(m, gate_up)
+                    # a table entry also routes the engine's linear here ("auto"): only where it wins
+                    wins = us < WIN_MARGIN * cublas
                     say(f"  sweep {model.name} {lin.name}{' fused' if gate_up else ''} {lin.n}x{lin.k} M={m}: "
-                        f"{us:.2f} us {gbs:.0f} GB/s ({count} tried, relerr {err:.1e}) {_short(best)}")
-                    entries.append(f"{m}: _c({best.block_n}, {best.block_k}, {best.split_k}, {best.num_warps}, "
-                                   f"{best.num_stages}, {best.use_dot})")
-                line = (f"    ShapeKey({lin.n}, {lin.k}{', True' if gate_up else ''}): "
-                        f"{{{', '.join(entries)}}},  # {model.name} {lin.name}")
-                lines.append(line)
+                        f"{us:.2f} us {gbs:.0f} GB/s vs cuBLAS {cublas:.2f} us{'' if wins else ' (no win: left out)'} "
+                        f"({count} tried, relerr {err:.1e}) {_short(best)}")
+                    if wins:
+                        entries.append(f"{m}: _c({best.block_n}, {best.block_k}, {best.split_k}, {best.num_warps}, "
+                                       f"{best.num_stages}, {best.use_dot})")
+                if entries:
+                    lines.append(f"    ShapeKey({lin.n}, {lin.k}{', True' if gate_up else ''}): "
+                                 f"{{{', '.join(entries)}}},  # {model.name} {lin.name}")
             del sb
             if setup.device == "cuda":
                 torch.cuda.empty_cache()
@@ -428,7 +434,10 @@ def main() -> int:
     sweep_lines = []
     if args.sweep:
         sweep_lines = sweep(setup, models, gen, say, limit=1 if setup.smoke else 0)
-        say("tuned table entries (paste into TUNED in kernels/small_batch_linear_config.py):")
+        from kernels.small_batch_linear_config import gpu_key
+        gpu = gpu_key(torch.cuda.get_device_name(0)) if setup.device == "cuda" else ""
+        say(f"tuned table entries, faster than cuBLAS by >= {100 * (1 - WIN_MARGIN):.0f}% (paste into "
+            f"TUNED['{gpu or 'this GPU'}'] in kernels/small_batch_linear_config.py):")
         for line in sweep_lines:
             say(line)
     summary = layer_lines(rows, models, copy_bps)
