@@ -8,8 +8,11 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -24,6 +27,7 @@ from starlette.routing import Route
 from loadtest.__main__ import main as loadtest_main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @dataclass
@@ -36,7 +40,8 @@ class Script:
     fail_429_every: int | None = None  # the n-th request (1-based) with n % k == 0 gets a 429
     stream_error_every: int | None = None  # ... gets an error event after its first token
     reject_ignore_eos: bool = False
-    interrupt_at: int | None = None  # on the n-th request, Ctrl-C the client (the test's main thread)
+    interrupt_at: int | None = None  # on the n-th request, Ctrl-C the client process
+    interrupt_pid: int | None = None  # the client (a child process); set after it starts
     received: int = 0
     statuses: list[int] = field(default_factory=list)
     stream_errors: int = 0
@@ -78,8 +83,8 @@ def make_app(script: Script) -> Starlette:
         n = script.received
         script.bodies.append(body)
         script.arrivals.append(time.perf_counter())
-        if script.interrupt_at == n:
-            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        if script.interrupt_at == n and script.interrupt_pid is not None:
+            os.kill(script.interrupt_pid, signal.SIGINT)
         if script.reject_ignore_eos and "ignore_eos" in body:
             script.statuses.append(422)
             return JSONResponse({"detail": "Unexpected fields in the request: {'ignore_eos'}"}, status_code=422)
@@ -326,11 +331,20 @@ def test_completions_trace_replay_and_server_that_rejects_ignore_eos(serve, tmp_
 
 
 def test_ctrl_c_stops_sending_and_still_reports_what_finished(serve, tmp_path):
+    # The client runs as its own process and gets a real SIGINT, as from a terminal (in the
+    # test process, a native library loaded by an earlier test may own SIGINT's disposition).
     script, url = serve(ttft_s=0.1, itl_s=0.05, interrupt_at=8)
     out = tmp_path / "i"
-    rc = loadtest_main([
-        "--base-url", url, "--tokenizer", _tok_dir(), "--workload", "random", "--input-len", "10",
-        "--output-len", "6", "-n", "40", "-r", "5,10", "--ignore-eos", "on", "-o", str(out), "--no-progress"])
+    proc = subprocess.Popen([
+        sys.executable, "-m", "loadtest", "--base-url", url, "--tokenizer", _tok_dir(), "--workload", "random",
+        "--input-len", "10", "--output-len", "6", "-n", "40", "-r", "5,10", "--ignore-eos", "on", "-o", str(out),
+        "--no-progress"], cwd=REPO_ROOT)
+    script.interrupt_pid = proc.pid
+    try:
+        rc = proc.wait(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
     assert rc == 130
     doc = _results(out)
     assert doc["interrupted"] is True
