@@ -30,16 +30,18 @@ from kernels.fused_moe import _check, fused_moe_reference, select_experts_refere
 
 @dataclass(frozen=True)
 class DecodeTile:
-    """Defaults: the best of `python3 -m loadtest.bench.moe_decode --tiles` on an H200 for the
-    Qwen3-30B-A3B shape at 1-4 tokens (one tile won at every size)."""
+    """Defaults: from `python3 -m loadtest.bench.moe_decode --tiles` on an H200 for the
+    Qwen3-30B-A3B shape at 1-4 tokens, the gate/up tile confirmed in the engine's decode step
+    (`python3 -m loadtest.bench.pdl --model qwen3-30b-a3b --only 2,8,9`: 32x256 took batch 1
+    from 3.121 to 2.991 ms with overlap, batch 2 from 4.514 to 4.321)."""
     router_block_e: int = 2
     router_block_k: int = 2048
     router_warps: int = 2
-    gate_up_block_n: int = 16
-    gate_up_block_k: int = 1024  # a gate/up program's K chunk (partial sums added by the last)
+    gate_up_block_n: int = 32
+    gate_up_block_k: int = 256  # a gate/up program's K chunk (partial sums added by the last)
     down_block_n: int = 16
     down_block_k: int = 256  # the down tile's width along I (its first tile loads before the wait)
-    warps: int = 4  # of the experts kernel
+    warps: int = 2  # of the experts kernel (2 vs 4: batch 2 4.254 vs 4.309 ms, batch 1 the same)
 
 
 def moe_decode_reference(x, router_w, w13, w2, top_k: int, renormalize: bool, round_weights_to=None,
@@ -73,8 +75,9 @@ class DecodeCounters:
 
 
 def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, renormalize: bool, round_weights_to=None, *,
-          counters: DecodeCounters, tile: DecodeTile = DecodeTile()):
-    """Router logits and top-k in one launch: (weights float32 [T, k], ids int32 [T, k])."""
+          counters: DecodeCounters, tile: DecodeTile = DecodeTile(), pdl=None):
+    """Router logits and top-k in one launch: (weights float32 [T, k], ids int32 [T, k]).
+    pdl: a kernels.pdl.Pdl to launch with programmatic dependent launch (Hopper+)."""
     if router_w.dim() != 2 or router_w.shape[1] != x.shape[-1]:
         raise ValueError(f"router_w must be [E, H] with H = {x.shape[-1]}, got {tuple(router_w.shape)}")
     if not 0 < top_k <= router_w.shape[0]:
@@ -85,13 +88,14 @@ def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, renormalize: bool
                 torch.empty(0, top_k, dtype=torch.int32, device=x.device))
     from kernels.triton_moe_decode import launch_route
     return launch_route(x if x.stride(1) == 1 else x.contiguous(), router_w, top_k, renormalize, round_weights_to,
-                        counters.router, tile)
+                        counters.router, tile, pdl)
 
 
 def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, *,
             counters: DecodeCounters, expert_map: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
-            tile: DecodeTile = DecodeTile()) -> torch.Tensor:
-    """The experts and the top-k sum in one launch (programs per pair and column block)."""
+            tile: DecodeTile = DecodeTile(), pdl=None) -> torch.Tensor:
+    """The experts and the top-k sum in one launch (programs per pair and column block).
+    pdl: a kernels.pdl.Pdl to launch with programmatic dependent launch (Hopper+)."""
     _check(x, w13, w2, weights, ids, expert_map)
     _check_counters(counters, x.shape[0], ids.shape[1])
     if w2.shape[2] > counters.intermediate:
@@ -103,21 +107,22 @@ def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch
         return out
     from kernels.triton_moe_decode import launch_experts
     return launch_experts(x if x.stride(1) == 1 else x.contiguous(), w13, w2, weights.float().contiguous(),
-                          ids.to(torch.int32).contiguous(), expert_map, out, counters.down, tile)
+                          ids.to(torch.int32).contiguous(), expert_map, out, counters.down, tile, pdl)
 
 
 def moe_decode(x: torch.Tensor, router_w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
                renormalize: bool, round_weights_to=None, *, expert_map: Optional[torch.Tensor] = None,
                out: Optional[torch.Tensor] = None, counters: Optional[DecodeCounters] = None,
-               tile: DecodeTile = DecodeTile()):
+               tile: DecodeTile = DecodeTile(), pdl=None):
     """route then experts: the whole block in two launches. Returns (out, weights, ids)."""
     if expert_map is None and w13.shape[0] != router_w.shape[0]:
         raise ValueError(f"w13 holds {w13.shape[0]} experts, the router {router_w.shape[0]}: pass an expert_map")
     if counters is None:
         counters = DecodeCounters.create(max(1, x.shape[0]), router_w.shape[0], top_k, x.shape[-1], w2.shape[2],
                                           tile, x.device)
-    weights, ids = route(x, router_w, top_k, renormalize, round_weights_to, counters=counters, tile=tile)
-    return experts(x, w13, w2, weights, ids, counters=counters, expert_map=expert_map, out=out, tile=tile), \
+    weights, ids = route(x, router_w, top_k, renormalize, round_weights_to, counters=counters, tile=tile, pdl=pdl)
+    return experts(x, w13, w2, weights, ids, counters=counters, expert_map=expert_map, out=out, tile=tile,
+                   pdl=pdl), \
         weights, ids
 
 

@@ -7,7 +7,8 @@ batch (context --ctx) with overlap off and on, beside the floor (weights + KV ov
 measured copy bandwidth). Variants: the engine before PDL and the tuned linears (cuBLAS but
 the LM head), the defaults (small-batch kernel where this GPU's sweep tuned the shape, PDL
 at batch 1), the same without PDL, and the small-batch kernel on every decode linear with
-PDL and each --prefetch (weight tiles pulled into L2 before a GEMV waits).
+PDL and each --prefetch (weight tiles pulled into L2 before a GEMV waits); deeper prefetch on
+the attention linears; for MoE models, decode-kernel tilings and program orders.
 Runs tests/test_pdl.py natively first (--no-tests skips). Short table last."""
 from __future__ import annotations
 
@@ -20,13 +21,45 @@ from pathlib import Path
 import torch
 
 
+DEEP = "qkv_proj=8,o_proj=8"  # the attention linears: whole weights where a program has <= 8 tiles
+
+
 def _variants(prefetches: list[int]) -> list[tuple[str, dict]]:
+    """(name, engine options); the option moe_tile is the bench's own (see _engine)."""
     out = [("cuBLAS linears, PDL off (before)", dict(small_batch_linear="lm_head", pdl="off")),
            ("defaults (tuned linears, PDL on)", dict(small_batch_linear="auto", pdl="on")),
-           ("tuned linears, PDL off", dict(small_batch_linear="auto", pdl="off"))]
+           ("tuned linears, PDL off", dict(small_batch_linear="auto", pdl="off")),
+           ("defaults, o_proj prefetch 8", dict(small_batch_linear="auto", pdl="on", pdl_prefetch_at="o_proj=8")),
+           ("defaults, MoE experts 4 warps", dict(small_batch_linear="auto", pdl="on", moe_tile=dict(warps=4))),
+           (f"all linears + PDL, {DEEP}", dict(small_batch_linear="all", pdl="on", pdl_prefetch_at=DEEP)),
+           ("defaults, MoE router kernel 1 warp", dict(small_batch_linear="auto", pdl="on",
+                                                          moe_tile=dict(router_warps=1))),
+           ("defaults, MoE gate/up tile 16x1024 (before)",
+            dict(small_batch_linear="auto", pdl="on",
+                 moe_tile=dict(gate_up_block_n=16, gate_up_block_k=1024, warps=4))),
+           ("defaults, MoE gate/up tile 64x128",
+            dict(small_batch_linear="auto", pdl="on", moe_tile=dict(gate_up_block_n=64, gate_up_block_k=128)))]
     out += [(f"all linears + PDL, prefetch {p}", dict(small_batch_linear="all", pdl="on", pdl_prefetch_k_blocks=p))
             for p in prefetches]
     return out
+
+
+def _engine(model_dir, make_engine, opts: dict):
+    """An engine of these options; moe_tile: DecodeTile fields for the MoE blocks' decode
+    kernels (set before the engine captures its graphs)."""
+    opts = dict(opts)
+    tile = opts.pop("moe_tile", None)
+    if not tile:
+        return make_engine(model_dir, device="cuda", dtype="bfloat16", load_format="dummy", **opts)
+    import dataclasses
+
+    from shared.engine.models import moe
+    plain = moe.DecodeTile
+    moe.DecodeTile = lambda: dataclasses.replace(plain(), **tile)
+    try:
+        return make_engine(model_dir, device="cuda", dtype="bfloat16", load_format="dummy", **opts)
+    finally:
+        moe.DecodeTile = plain
 
 
 def main(argv=None) -> int:
@@ -62,7 +95,7 @@ def main(argv=None) -> int:
         model_dir = config_only_dir(args.model, Path(tmp))
         floors = {}
         for name, opts in variants:
-            eng = make_engine(model_dir, device="cuda", dtype="bfloat16", load_format="dummy", **opts)
+            eng = _engine(model_dir, make_engine, opts)
             if opts["pdl"] == "on" and eng.pdl is None:
                 print(f"{name}: PDL not supported here", flush=True)
                 del eng

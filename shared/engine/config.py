@@ -50,6 +50,8 @@ class EngineConfig:
     # prefetch this many weight tiles into L2 while the kernel before them finishes
     pdl: str = field(default_factory=lambda: os.environ.get("DUET_PDL", "on"))
     pdl_prefetch_k_blocks: int = field(default_factory=lambda: int(os.environ.get("DUET_PDL_PREFETCH", "1")))
+    # per-linear depths that replace it, by attribute name: "o_proj=8,qkv_proj=2"
+    pdl_prefetch_at: str = field(default_factory=lambda: os.environ.get("DUET_PDL_PREFETCH_AT", ""))
     load_format: str = "auto"  # auto: safetensors | dummy: random weights (benchmarks)
     tp: TPContext = field(default_factory=TPContext)  # this process's rank (set by the engine)
 

@@ -161,12 +161,13 @@ class Engine:
         mode = str(config.pdl).lower()
         if mode not in ("on", "off"):
             raise ValueError(f"pdl must be on or off, not {config.pdl!r}")
-        from kernels.pdl import Pdl, pdl_supported
+        from kernels.pdl import Pdl, parse_prefetch_at, pdl_supported
+        overrides = parse_prefetch_at(config.pdl_prefetch_at)  # bad values fail on any device
         if mode == "off" or not fused or not pdl_supported(self.device):
             return None
         from .models.layers import enable_pdl
         pdl = Pdl(prefetch_k_blocks=config.pdl_prefetch_k_blocks)
-        enable_pdl(self.model, pdl)
+        enable_pdl(self.model, pdl, overrides)
         if hasattr(self.backend, "pdl"):
             self.backend.pdl = pdl
         return pdl

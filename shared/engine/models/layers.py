@@ -217,14 +217,18 @@ def enable_small_batch_linears(model: nn.Module, workspace, mode: str = "all") -
     return n
 
 
-def enable_pdl(model: nn.Module, pdl) -> int:
+def enable_pdl(model: nn.Module, pdl, prefetch_at: dict[str, int] | None = None) -> int:
     """Launch the model's decode-path Triton kernels (fused norms, q/k-norm + RoPE, the
-    small-batch linears) with programmatic dependent launch (kernels/pdl.py). Returns how
-    many modules were switched."""
+    small-batch linears, the MoE decode kernels) with programmatic dependent launch
+    (kernels/pdl.py). prefetch_at: prefetch depths for the linears of those attribute names
+    (e.g. {"o_proj": 8}) in place of pdl's. Returns how many modules were switched."""
+    import dataclasses
+    prefetch_at = prefetch_at or {}
     n = 0
-    for m in model.modules():
+    for name, m in model.named_modules():
         if hasattr(m, "pdl"):
-            m.pdl = pdl
+            depth = prefetch_at.get(name.rsplit(".", 1)[-1])
+            m.pdl = pdl if depth is None else dataclasses.replace(pdl, prefetch_k_blocks=depth)
             n += 1
     return n
 

@@ -160,6 +160,7 @@ class MoEBlock(nn.Module):
         # the decode kernels' arrival counters (zero; the kernels leave them zero): buffers, so
         # they exist on the weights' device before any CUDA graph is captured
         self.decode_tile = DecodeTile()
+        self.pdl = None  # kernels.pdl.Pdl for the decode kernels (set by the engine)
         self._register_counters()
 
     def _register_counters(self, device=None) -> None:
@@ -226,11 +227,11 @@ class MoEBlock(nn.Module):
         counters = self.decode_counters()
         round_to = h.dtype if self.moe.weights_in_model_dtype else None
         weights, ids = moe_decode.route(h, self.gate.weight, self.moe.top_k, self.moe.norm_topk_prob, round_to,
-                                        counters=counters, tile=self.decode_tile)
+                                        counters=counters, tile=self.decode_tile, pdl=self.pdl)
         emap = self.expert_map if self.place.is_expert_parallel else None
         if h.shape[0] <= EXPERTS_DECODE_MAX_TOKENS:
             return moe_decode.experts(h, self.experts.w13, self.experts.w2, weights, ids, counters=counters,
-                                      expert_map=emap, tile=self.decode_tile)
+                                      expert_map=emap, tile=self.decode_tile, pdl=self.pdl)
         return fused_moe(h, self.experts.w13, self.experts.w2, weights, ids, expert_map=emap)
 
     def _forward_fused(self, h: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
