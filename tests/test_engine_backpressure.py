@@ -23,7 +23,7 @@ def model_dir(tmp_path_factory):
 
 
 def engine(d, pages=None, page_size=4, **kw):
-    opts = dict(model_dir=str(d), dtype="float64", page_size=page_size, max_num_batched_tokens=16,
+    opts = dict(model_dir=str(d), dtype="float64", device="cpu", page_size=page_size, max_num_batched_tokens=16,
                 kv_cache_memory=kv_bytes_for_pages(d, pages or 512, page_size))
     opts.update(kw)
     return Engine(**opts)

@@ -38,7 +38,7 @@ def model_dir(tmp_path_factory):
 
 
 def engine(d, **kw) -> Engine:
-    opts = dict(model_dir=str(d), dtype="float64", page_size=PAGE, max_num_batched_tokens=16,
+    opts = dict(model_dir=str(d), dtype="float64", device="cpu", page_size=PAGE, max_num_batched_tokens=16,
                 kv_cache_memory=8 << 20)
     opts.update(kw)
     return Engine(**opts)

@@ -45,7 +45,7 @@ def test_batched_chunked_greedy_equals_hf(small_models, kind, page_size, budget)
     d, prompts, refs = small_models[kind]
     # references must be worth comparing: not one token repeated
     assert all(len(set(r)) >= 4 for r in refs), refs
-    eng = Engine(model_dir=str(d), dtype="float64", page_size=page_size,
+    eng = Engine(model_dir=str(d), dtype="float64", device="cpu", page_size=page_size,
                  max_num_batched_tokens=budget, kv_cache_memory=KV_BYTES)
     got = run_engine(eng, prompts, GREEDY)
     for g, ref, p in zip(got, refs, prompts):
@@ -66,7 +66,7 @@ def test_prefix_cache_hits_compute_less_and_give_the_same_tokens(small_models, t
     prompts = [shared + s for s in suffixes]
     refs = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
     total = sum(len(p) for p in prompts)
-    eng = Engine(model_dir=str(d), dtype="float64", page_size=page_size, max_num_batched_tokens=16,
+    eng = Engine(model_dir=str(d), dtype="float64", device="cpu", page_size=page_size, max_num_batched_tokens=16,
                  kv_cache_memory=KV_BYTES)
 
     # warm the cache with the shared prefix alone, then the batch hits it mid-prompt
@@ -100,7 +100,7 @@ def test_sharded_checkpoint_loads_and_matches(tmp_path):
     hf = load_hf(d, torch.float64)
     prompts = random_prompts(3, [9, 4, 21], seed=5)
     refs = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
-    eng = Engine(model_dir=str(d), dtype="float64", page_size=4, max_num_batched_tokens=8,
+    eng = Engine(model_dir=str(d), dtype="float64", device="cpu", page_size=4, max_num_batched_tokens=8,
                  kv_cache_memory=KV_BYTES)
     assert [r.token_ids for r in run_engine(eng, prompts, GREEDY)] == refs
 

@@ -25,7 +25,7 @@ def model(tmp_path_factory):
 
 
 def make_engine(d, **kw):
-    opts = dict(model_dir=str(d), dtype="float64", page_size=4, max_num_batched_tokens=8,
+    opts = dict(model_dir=str(d), dtype="float64", device="cpu", page_size=4, max_num_batched_tokens=8,
                 kv_cache_memory=4 << 20)
     opts.update(kw)
     return Engine(**opts)

@@ -55,7 +55,7 @@ def test_moe_configs_are_read(moe_models):
 def test_batched_chunked_greedy_equals_hf(moe_models, kind, page_size, budget):
     d, prompts, refs = moe_models[kind]
     assert all(len(set(r)) >= 4 for r in refs), refs  # references worth comparing
-    eng = Engine(model_dir=str(d), dtype="float64", page_size=page_size, max_num_batched_tokens=budget,
+    eng = Engine(model_dir=str(d), dtype="float64", device="cpu", page_size=page_size, max_num_batched_tokens=budget,
                  kv_cache_memory=KV_BYTES)
     got = run_engine(eng, prompts, GREEDY)
     for g, ref, p in zip(got, refs, prompts):
@@ -71,7 +71,7 @@ def test_prefix_cache_hits_give_the_same_tokens(moe_models, kind):
     shared = random_prompts(1, [37], seed=7)[0]
     prompts = [shared + s for s in random_prompts(3, [1, 14, 27], seed=8)]
     refs = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
-    eng = Engine(model_dir=str(d), dtype="float64", page_size=4, max_num_batched_tokens=16,
+    eng = Engine(model_dir=str(d), dtype="float64", device="cpu", page_size=4, max_num_batched_tokens=16,
                  kv_cache_memory=KV_BYTES)
     run_engine(eng, [shared], SamplingParams(temperature=0.0, max_tokens=1))
     got = run_engine(eng, prompts, GREEDY)
@@ -102,7 +102,7 @@ def test_stacked_expert_tensors_load_like_per_expert_ones(moe_models, tmp_path):
     for f in ("config.json", "generation_config.json"):
         (dst / f).write_text((src / f).read_text())
     save_file({**tensors, **stacked}, str(dst / "model.safetensors"))
-    eng = Engine(model_dir=str(dst), dtype="float64", kv_cache_memory=KV_BYTES)
+    eng = Engine(model_dir=str(dst), dtype="float64", device="cpu", kv_cache_memory=KV_BYTES)
     assert [r.token_ids for r in run_engine(eng, prompts[:3], GREEDY)] == refs[:3]
 
 
@@ -116,7 +116,7 @@ def test_missing_expert_weights_fail_clearly(moe_models, tmp_path):
     (dst / "config.json").write_text((src / "config.json").read_text())
     save_file(tensors, str(dst / "model.safetensors"))
     with pytest.raises(ModelLoadError, match=r"layers\.1\.mlp\.experts\.experts\.2\.up"):
-        Engine(model_dir=str(dst), dtype="float64", kv_cache_memory=KV_BYTES)
+        Engine(model_dir=str(dst), dtype="float64", device="cpu", kv_cache_memory=KV_BYTES)
 
 
 def test_unsupported_moe_architecture_is_named(tmp_path):
@@ -131,9 +131,9 @@ def test_unsupported_moe_architecture_is_named(tmp_path):
 def test_expert_parallel_needs_moe_and_matching_sizes(moe_models, tmp_path):
     dense = build_model_dir(tmp_path / "dense", "llama_tied_gqa2")
     with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
-        Engine(model_dir=str(dense), dtype="float64", kv_cache_memory=KV_BYTES, tp_size=2, ep_size=2)
+        Engine(model_dir=str(dense), dtype="float64", device="cpu", kv_cache_memory=KV_BYTES, tp_size=2, ep_size=2)
     with pytest.raises(ValueError, match=r"expert-parallel size 2 must be 1 or the tensor-parallel size \(1\)"):
-        Engine(model_dir=str(moe_models["mixtral"][0]), dtype="float64", kv_cache_memory=KV_BYTES, ep_size=2)
+        Engine(model_dir=str(moe_models["mixtral"][0]), dtype="float64", device="cpu", kv_cache_memory=KV_BYTES, ep_size=2)
 
 
 def test_tp_that_does_not_divide_the_experts_fails_clearly(tmp_path):

@@ -57,6 +57,15 @@ def test_unknown_dtype_is_a_clear_error(model_dir):
         Engine(model_dir=str(model_dir), dtype="float8", kv_cache_memory=KV)
 
 
+def test_float64_is_for_the_cpu_only():
+    from shared.engine.config import EngineConfig
+
+    cfg = EngineConfig(dtype="float64")
+    assert cfg.resolve_dtype(torch.device("cpu")) == torch.float64
+    with pytest.raises(ValueError, match="float64 runs on the CPU only"):
+        cfg.resolve_dtype(torch.device("cuda"))  # resolving needs no GPU
+
+
 def test_unknown_options_and_backends_are_refused(model_dir):
     with pytest.raises(TypeError, match="unknown engine option 'page_sise'"):
         Engine(model_dir=str(model_dir), page_sise=4)

@@ -39,7 +39,7 @@ def hf(model_dir):
 
 @pytest.fixture(scope="module")
 def eng64(model_dir):
-    return Engine(model_dir=str(model_dir), dtype="float64", kv_cache_memory=KV)
+    return Engine(model_dir=str(model_dir), dtype="float64", device="cpu", kv_cache_memory=KV)
 
 
 @pytest.fixture(scope="module")
@@ -117,8 +117,8 @@ def test_same_seed_same_tokens_alone_in_a_batch_and_across_chunk_sizes(model_dir
 def test_seeded_sampling_survives_retraction(model_dir):
     prompts = random_prompts(8, [9, 17, 4, 26], seed=44)
     params = [SamplingParams(temperature=1.0, seed=77 + i, max_tokens=14, ignore_eos=True) for i in range(8)]
-    big = run_engine(Engine(model_dir=str(model_dir), dtype="float64", kv_cache_memory=KV), prompts, params)
-    tiny = Engine(model_dir=str(model_dir), dtype="float64", page_size=4, max_num_batched_tokens=12,
+    big = run_engine(Engine(model_dir=str(model_dir), dtype="float64", device="cpu", kv_cache_memory=KV), prompts, params)
+    tiny = Engine(model_dir=str(model_dir), dtype="float64", device="cpu", page_size=4, max_num_batched_tokens=12,
                   kv_cache_memory=kv_bytes_for_pages(model_dir, 12, 4))
     got = run_engine(tiny, prompts, params)
     assert tiny.scheduler.num_retracted > 0

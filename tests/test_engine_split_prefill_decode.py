@@ -27,7 +27,7 @@ def model_dir(tmp_path_factory):
 
 
 def engines(d):
-    kw = dict(model_dir=str(d), dtype="float64", page_size=4, max_num_batched_tokens=8, kv_cache_memory=KV)
+    kw = dict(model_dir=str(d), dtype="float64", device="cpu", page_size=4, max_num_batched_tokens=8, kv_cache_memory=KV)
     return Engine(**kw), Engine(**kw)
 
 

@@ -69,6 +69,9 @@ class EngineConfig:
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose auto, float32, bfloat16 or float16")
+        if self.dtype == "float64" and device.type == "cuda":  # the Triton kernels have no fp64 variants
+            raise ValueError("dtype float64 runs on the CPU only (device='cpu'); on a GPU choose float32, "
+                             "bfloat16 or float16")
         return DTYPES[self.dtype]
 
     def resolve_batched_tokens(self, device: torch.device) -> int:
