@@ -27,7 +27,8 @@ def model_dir(tmp_path_factory):
 
 
 def test_auto_dtype_is_float32_on_cpu_and_matches_hf(model_dir):
-    eng = Engine(model_dir=str(model_dir), kv_cache_memory=KV)
+    # device pinned: on a GPU host "auto" picks cuda, where the auto dtype is bfloat16
+    eng = Engine(model_dir=str(model_dir), device="cpu", kv_cache_memory=KV)
     assert eng.device.type == "cpu" and eng.dtype == torch.float32
     assert eng.pool.buffer.dtype == torch.float32
     assert all(p.dtype == torch.float32 for p in eng.model.parameters())
@@ -68,13 +69,13 @@ def test_float64_is_for_the_cpu_only():
 
 def test_unknown_options_and_backends_are_refused(model_dir):
     with pytest.raises(TypeError, match="unknown engine option 'page_sise'"):
-        Engine(model_dir=str(model_dir), page_sise=4)
+        Engine(model_dir=str(model_dir), device="cpu", page_sise=4)
     with pytest.raises(ValueError, match="unknown attention backend 'fast'"):
-        Engine(model_dir=str(model_dir), attention_backend="fast", kv_cache_memory=KV)
+        Engine(model_dir=str(model_dir), device="cpu", attention_backend="fast", kv_cache_memory=KV)
     with pytest.raises(ValueError, match="needs a CUDA device"):
-        Engine(model_dir=str(model_dir), attention_backend="triton", kv_cache_memory=KV)
+        Engine(model_dir=str(model_dir), device="cpu", attention_backend="triton", kv_cache_memory=KV)
     with pytest.raises(ValueError, match="fewer than 2 pages"):
-        Engine(model_dir=str(model_dir), kv_cache_memory=100)
+        Engine(model_dir=str(model_dir), device="cpu", kv_cache_memory=100)
 
 
 def test_missing_folder(tmp_path):
