@@ -88,37 +88,6 @@ class SmallBatchWorkspace:
         return self.partials, self.counters
 
 
-@dataclass
-class FoldedNorm:
-    """An add+RMSNorm to fold into the linear that consumes it: the kernel's input row is
-    s = x + residual (x alone when residual is None), normed as s * rsqrt(mean(s^2) + eps)
-    * weight. residual_out receives s (the new residual stream); it must not alias x or
-    residual, which other programs are still reading."""
-
-    weight: torch.Tensor
-    eps: float
-    residual: Optional[torch.Tensor] = None
-    residual_out: Optional[torch.Tensor] = None
-
-
-def folded_norm_reference(x: torch.Tensor, norm: FoldedNorm, w: torch.Tensor, bias=None,
-                          gate_up: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The folded kernel's arithmetic in torch (float32): the residual sum rounded to x's
-    dtype as the unfused add leaves it, the product with s * weight, the row scale applied to
-    the sums, bias, SwiGLU for gate_up, one rounding. Returns (y, new residual or None)."""
-    acc = torch.promote_types(x.dtype, torch.float32)
-    s = x if norm.residual is None else (x.to(acc) + norm.residual.to(acc)).to(x.dtype)
-    sf = s.to(acc)
-    scale = torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + norm.eps)
-    y = (sf * norm.weight.to(acc)) @ w.to(acc).T * scale
-    if gate_up:
-        gate, up = y.chunk(2, dim=-1)
-        y = torch.nn.functional.silu(gate) * up
-    elif bias is not None:
-        y = y + bias.to(acc)
-    return y.to(x.dtype), (None if norm.residual is None else s)
-
-
 def small_batch_linear_reference(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Plain torch: float32 math (float64 for float64 inputs), rounded to x's dtype once."""
     acc = torch.promote_types(x.dtype, torch.float32)
@@ -152,28 +121,10 @@ def _check(x, w, bias, out, n_out):
         raise ValueError(f"out must be [{m}, {n_out}] of {x.dtype} with a contiguous last dimension")
 
 
-def _check_norm(x, norm: FoldedNorm):
-    k = x.shape[1]
-    if norm.weight.shape != (k,) or norm.weight.dtype != x.dtype:
-        raise ValueError(f"the norm weight must be [{k}] of {x.dtype}")
-    if norm.residual is not None:
-        r, ro = norm.residual, norm.residual_out
-        if r.shape != x.shape or r.dtype != x.dtype or r.stride(1) != 1:
-            raise ValueError(f"the residual must be {tuple(x.shape)} of {x.dtype} with a contiguous last dimension")
-        if ro is None or ro.shape != x.shape or ro.dtype != x.dtype or ro.stride(1) != 1:
-            raise ValueError("residual_out must be given, shaped and typed as x, last dimension contiguous")
-        if ro.data_ptr() in (x.data_ptr(), r.data_ptr()):
-            raise ValueError("residual_out must not alias x or the residual (other programs still read them)")
-
-
-def _run(x, w, bias, out, config, workspace, gate_up, pdl=None, norm: Optional[FoldedNorm] = None):
+def _run(x, w, bias, out, config, workspace, gate_up, pdl=None):
     n_out = w.shape[0] // 2 if gate_up else w.shape[0]
     _check(x, w, bias, out, n_out)
-    if norm is not None:
-        _check_norm(x, norm)
     if x.stride(1) != 1:
-        if norm is not None:
-            raise ValueError("x's last dimension must be contiguous")
         x = x.contiguous()
     if config is None:
         num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.device.type == "cuda" else 8
@@ -183,7 +134,7 @@ def _run(x, w, bias, out, config, workspace, gate_up, pdl=None, norm: Optional[F
         out = torch.empty((x.shape[0], n_out), dtype=x.dtype, device=x.device)
     from kernels.triton_small_batch_linear import launch_small_batch_linear
 
-    return launch_small_batch_linear(x, w, bias, out, config, workspace, gate_up, pdl, norm)
+    return launch_small_batch_linear(x, w, bias, out, config, workspace, gate_up, pdl)
 
 
 def small_batch_linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -206,22 +157,3 @@ def small_batch_gate_up_silu(x: torch.Tensor, w_gate_up: torch.Tensor, out: Opti
     if w_gate_up.dim() == 2 and w_gate_up.shape[0] % 2:
         raise ValueError(f"w_gate_up must have an even number of rows (gate and up), got {w_gate_up.shape[0]}")
     return _run(x, w_gate_up, None, out, config, workspace, gate_up=True, pdl=pdl)
-
-
-def small_batch_norm_linear(x: torch.Tensor, norm: FoldedNorm, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                            out: Optional[torch.Tensor] = None, config: Optional[SmallBatchConfig] = None,
-                            workspace: Optional[SmallBatchWorkspace] = None,
-                            pdl: Optional[Pdl] = None) -> torch.Tensor:
-    """RMSNorm(x + residual) @ w^T (+ bias) in one launch (see FoldedNorm): the norm kernel
-    that would run before the GEMV is gone. Writes the new residual to norm.residual_out."""
-    return _run(x, w, bias, out, config, workspace, gate_up=False, pdl=pdl, norm=norm)
-
-
-def small_batch_norm_gate_up_silu(x: torch.Tensor, norm: FoldedNorm, w_gate_up: torch.Tensor,
-                                  out: Optional[torch.Tensor] = None, config: Optional[SmallBatchConfig] = None,
-                                  workspace: Optional[SmallBatchWorkspace] = None,
-                                  pdl: Optional[Pdl] = None) -> torch.Tensor:
-    """small_batch_gate_up_silu on RMSNorm(x + residual), one launch (see FoldedNorm)."""
-    if w_gate_up.dim() == 2 and w_gate_up.shape[0] % 2:
-        raise ValueError(f"w_gate_up must have an even number of rows (gate and up), got {w_gate_up.shape[0]}")
-    return _run(x, w_gate_up, None, out, config, workspace, gate_up=True, pdl=pdl, norm=norm)

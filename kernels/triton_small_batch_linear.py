@@ -12,14 +12,6 @@ acq_rel atomic (CUTLASS's split-K semaphore pattern); the program that arrives l
 sums the partials in split order 0..S-1 (same bits whatever the arrival order), runs
 the epilogue, and resets the counter to 0, so every launch leaves the counters as it
 found them. No host sync, no data-dependent allocation.
-
-Folded add+RMSNorm (NORM): the input row is s = x (+ residual), normed as
-s * rsqrt(mean(s^2) + eps) * g. The row scale is one number per row, so the kernel
-multiplies W by s * g as it streams and gathers sum(s^2) over its K range in the same
-pass; the scale is applied to the sums at the end (split-K: the last program adds the
-splits' sums of squares in split order too). No serial pre-pass over the row, and no
-norm kernel before the GEMV. The tile-0 programs write s (the new residual) for their
-K range, out of place: the other programs are still reading the old residual.
 """
 
 from __future__ import annotations
@@ -74,35 +66,14 @@ def _epilogue(acc, acc_up, bias, out, rn, rm, n_ok, m_ok, stride_om,
 
 
 @triton.jit
-def _norm_input(xt, res, res_out, norm_w, rm, rk, k0, m_ok, k_ok, tile, sq, stride_rm, stride_ro,
-                HAS_RES: tl.constexpr, USE_DOT: tl.constexpr):
-    """The folded norm's input tile: s = x (+ residual, rounded as the unfused add leaves it),
-    its squares added to sq, and s * g for the product (in x's dtype for tl.dot)."""
-    mask = m_ok[:, None] & k_ok[None, :]
-    if HAS_RES:
-        rt = tl.load(res + rm[:, None] * stride_rm + k0 + rk[None, :], mask=mask, other=0.0)
-        xt = (xt.to(tl.float32) + rt.to(tl.float32)).to(xt.dtype)
-        if tile == 0:  # one column of programs writes the new residual stream
-            tl.store(res_out + rm[:, None] * stride_ro + k0 + rk[None, :], xt, mask=mask)
-    sf = xt.to(tl.float32)
-    sq += sf * sf
-    g = tl.load(norm_w + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
-    xn = sf * g[None, :]
-    if USE_DOT:
-        xn = xn.to(xt.dtype)
-    return xn, sq
-
-
-@triton.jit
 def _small_batch_linear_kernel(
-    x, w, bias, out, partials, counters, res, res_out, norm_w, eps,
+    x, w, bias, out, partials, counters,
     M, N, K, up_elems, k_blocks_per_split, split_k,
-    stride_xm, stride_wn, stride_om, stride_rm, stride_ro,
+    stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, GATE_UP: tl.constexpr, SPLIT: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE_ELEMS: tl.constexpr,
-    NORM: tl.constexpr, HAS_RES: tl.constexpr,
 ):
     tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -131,18 +102,14 @@ def _small_batch_linear_kernel(
     x_ptrs = x + rm[:, None] * stride_xm + rk[None, :]
     acc = _zeros(BLOCK_N, BLOCK_M, BLOCK_K, USE_DOT)
     acc_up = _zeros(BLOCK_N, BLOCK_M, BLOCK_K, USE_DOT)
-    sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)  # the folded norm's sum of squares
     for k0 in range(k_start, k_end, BLOCK_K):
-        k_ok = (k0 + rk) < K
         if EVEN_K:
             xt = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
             wt = tl.load(w_ptrs + k0)
         else:
+            k_ok = (k0 + rk) < K
             xt = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             wt = tl.load(w_ptrs + k0, mask=k_ok[None, :], other=0.0)
-        if NORM:
-            xt, sq = _norm_input(xt, res, res_out, norm_w, rm, rk, k0, m_ok, k_ok, tile, sq,
-                                 stride_rm, stride_ro, HAS_RES, USE_DOT)
         acc = _mac(acc, wt, xt, USE_DOT, DOT_PRECISION)
         if GATE_UP:
             if EVEN_K:
@@ -152,50 +119,28 @@ def _small_batch_linear_kernel(
             acc_up = _mac(acc_up, ut, xt, USE_DOT, DOT_PRECISION)
     acc = _finish(acc, USE_DOT)
     acc_up = _finish(acc_up, USE_DOT)
-    sq_rows = tl.sum(sq, axis=1)  # [BLOCK_M]: this program's K range
 
     if SPLIT:
         num_acc = 2 if GATE_UP else 1
         mask = n_ok[:, None] & m_ok[None, :]
         p_ptrs = partials + (split * num_acc * M + rm[None, :]) * N + rn[:, None]
-        sq_ptrs = partials + split_k * num_acc * M * N + split * M + rm  # after the product partials
         tl.store(p_ptrs, acc, mask=mask)
         if GATE_UP:
             tl.store(p_ptrs + M * N, acc_up, mask=mask)
-        if NORM:
-            tl.store(sq_ptrs, sq_rows, mask=m_ok)
         tl.debug_barrier()  # every thread's partial is written before the release below
         arrived = tl.atomic_add(counters + tile, 1, sem="acq_rel", scope="gpu")
         if arrived == split_k - 1:
             total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
             total_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            total_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
             for s in range(0, split_k):  # fixed order: the same bits every run
                 q_ptrs = partials + (s * num_acc * M + rm[None, :]) * N + rn[:, None]
                 total += tl.load(q_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
                 if GATE_UP:
                     total_up += tl.load(q_ptrs + M * N, mask=mask, other=0.0, cache_modifier=".cg")
-                if NORM:
-                    total_sq += tl.load(partials + split_k * num_acc * M * N + s * M + rm, mask=m_ok,
-                                        other=0.0, cache_modifier=".cg")
-            if NORM:
-                total, total_up = _row_scale(total, total_up, total_sq, K, eps, GATE_UP)
             _epilogue(total, total_up, bias, out, rn, rm, n_ok, m_ok, stride_om, HAS_BIAS, GATE_UP)
             tl.store(counters + tile, 0)  # ready for the next launch (graph replays)
     else:
-        if NORM:
-            acc, acc_up = _row_scale(acc, acc_up, sq_rows, K, eps, GATE_UP)
         _epilogue(acc, acc_up, bias, out, rn, rm, n_ok, m_ok, stride_om, HAS_BIAS, GATE_UP)
-
-
-@triton.jit
-def _row_scale(acc, acc_up, sq_rows, K, eps, GATE_UP: tl.constexpr):
-    """The folded norm's rsqrt(mean(s^2) + eps), one per row, on the [BLOCK_N, BLOCK_M] sums."""
-    inv = 1.0 / tl.sqrt(sq_rows / K + eps)
-    acc = acc * inv[None, :]
-    if GATE_UP:
-        acc_up = acc_up * inv[None, :]
-    return acc, acc_up
 
 
 def _block_m(m: int, use_dot: bool) -> int:
@@ -206,12 +151,10 @@ def _block_m(m: int, use_dot: bool) -> int:
 
 
 def launch_small_batch_linear(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor,
-                              cfg: SmallBatchConfig, workspace, gate_up: bool, pdl: Pdl | None = None,
-                              norm=None) -> torch.Tensor:
+                              cfg: SmallBatchConfig, workspace, gate_up: bool, pdl: Pdl | None = None) -> torch.Tensor:
     """x [M, K], w [N_w, K] (row stride free, last dim contiguous), out [M, N_out] with a
     contiguous last dim; N_out = N_w, or N_w // 2 for gate_up. workspace: a
-    SmallBatchWorkspace or None (then split-K allocates its buffers per call).
-    norm: a kernels.small_batch_linear.FoldedNorm to apply to x first (checked by the caller)."""
+    SmallBatchWorkspace or None (then split-K allocates its buffers per call)."""
     m, k = x.shape
     n = out.shape[1]
     pdl = pdl_for(pdl, m)
@@ -223,7 +166,7 @@ def launch_small_batch_linear(x: torch.Tensor, w: torch.Tensor, bias, out: torch
     split_k = triton.cdiv(k_blocks, k_blocks_per_split)  # no split left without K
     num_acc = 2 if gate_up else 1
     if split_k > 1:
-        need = split_k * num_acc * m * n + (split_k * m if norm is not None else 0)
+        need = split_k * num_acc * m * n
         if workspace is None:
             partials = torch.empty(need, dtype=torch.float32, device=x.device)
             counters = torch.zeros(tiles, dtype=torch.int32, device=x.device)
@@ -231,20 +174,15 @@ def launch_small_batch_linear(x: torch.Tensor, w: torch.Tensor, bias, out: torch
             partials, counters = workspace.buffers(need, tiles)
     else:
         partials, counters = out, out  # never touched without split-K
-    has_res = norm is not None and norm.residual is not None
-    res = norm.residual if has_res else x
-    res_out = norm.residual_out if has_res else x
     _small_batch_linear_kernel[(tiles, split_k)](
         x, w, bias if bias is not None else out, out, partials, counters,
-        res, res_out, norm.weight if norm is not None else x, norm.eps if norm is not None else 0.0,
         m, n, k, n * w.stride(0) if gate_up else 0, k_blocks_per_split, split_k,
-        x.stride(0), w.stride(0), out.stride(0), res.stride(0), res_out.stride(0),
+        x.stride(0), w.stride(0), out.stride(0),
         BLOCK_M=_block_m(m, use_dot), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None, GATE_UP=gate_up, SPLIT=split_k > 1,
         USE_DOT=use_dot, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         PDL=pdl is not None, PREFETCH=min(pdl.prefetch_k_blocks, k_blocks_per_split) if pdl else 0,
         LINE_ELEMS=min(cfg.block_k, 128 // w.element_size()),
-        NORM=norm is not None, HAS_RES=has_res,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )
     return out

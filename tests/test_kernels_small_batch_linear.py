@@ -1,16 +1,12 @@
 """small_batch_linear and small_batch_gate_up_silu: Triton vs the torch reference on fresh
 random inputs (M 1..16, N and K off the block sizes, bias, split-K forced on and off, both
-math paths), bit-identical reruns, bad input, and the config table's lookups. The folded
-add+RMSNorm variants against their own reference, the unfused norm-then-linear, and the
-residual stream they write."""
+math paths), bit-identical reruns, bad input, and the config table's lookups."""
 
 import pytest
 import torch
 
 from kernels.accuracy import fill_nan_, relative_error
-from kernels.rms_norm import rms_norm_reference
-from kernels.small_batch_linear import (FoldedNorm, SmallBatchWorkspace, folded_norm_reference,
-                                        small_batch_gate_up_silu_reference,
+from kernels.small_batch_linear import (SmallBatchWorkspace, small_batch_gate_up_silu_reference,
                                         small_batch_linear_reference, small_batch_preferred,
                                         small_batch_supported)
 from kernels.small_batch_linear_config import (TUNED, ShapeKey, SmallBatchConfig, get_config, gpu_key,
@@ -19,8 +15,6 @@ from tests.kernel_dtypes import CUDA, case_generator
 
 LINEAR = "kernels.small_batch_linear:small_batch_linear"
 GATE_UP = "kernels.small_batch_linear:small_batch_gate_up_silu"
-NORM_LINEAR = "kernels.small_batch_linear:small_batch_norm_linear"
-NORM_GATE_UP = "kernels.small_batch_linear:small_batch_norm_gate_up_silu"
 # a K-long fp32 dot rounds like one accumulation; half types round the output once
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 # interpreter: fp16 (its bf16 dot is wrong) and fp32; natively bf16 too
@@ -63,69 +57,6 @@ def test_gate_up_silu_matches_reference(runner, dtype, m, config):
     out = fill_nan_(torch.empty(m, inter, dtype=dtype, device=runner.device))
     runner(GATE_UP, x, w, out=out, config=config)
     assert relative_error(out, small_batch_gate_up_silu_reference(x, w)) < TOLERANCE[dtype]
-
-
-def _norm_inputs(m, k, dtype, device, with_residual, *case):
-    """x and residual of different scales (the row scale is far from 1), a norm weight
-    around 1, and a NaN-filled residual_out (every element must be written)."""
-    g = case_generator(m, k, dtype, with_residual, *case)
-    x = (torch.randn(m, k, generator=g) * 3).to(device, dtype)
-    weight = (1 + torch.randn(k, generator=g) / 4).to(device, dtype)
-    if not with_residual:
-        return x, FoldedNorm(weight, 1e-6)
-    residual = (torch.randn(m, k, generator=g) * 5).to(device, dtype)
-    return x, FoldedNorm(weight, 1e-6, residual, fill_nan_(torch.empty_like(x)))
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m,config", [(1, SPLIT), (1, NO_SPLIT), (1, FMA_SPLIT), (3, SPLIT), (16, NO_SPLIT)],
-                         ids=["1-split", "1-nosplit", "1-fma-split", "3-split", "16-nosplit"])
-@pytest.mark.parametrize("with_residual", [True, False], ids=["add-norm", "norm"])
-def test_folded_norm_linear(runner, dtype, m, config, with_residual):
-    n, k = 72, 200
-    _, w, bias = _inputs(m, n, k, dtype, runner.device, "norm", config)
-    x, norm = _norm_inputs(m, k, dtype, runner.device, with_residual, config)
-    ws = SmallBatchWorkspace.create(runner.device, max_partial_floats=4096, max_tiles=64)
-    out = runner(NORM_LINEAR, x, norm, w, bias, config=config, workspace=ws)
-    ref, s = folded_norm_reference(x, norm, w, bias)
-    assert relative_error(out, ref) < TOLERANCE[dtype]
-    # the unfused path: the norm kernel's arithmetic (rounded to dtype), then the linear
-    normed = rms_norm_reference(x, norm.weight, norm.eps, norm.residual)
-    normed = normed[0] if with_residual else normed
-    assert relative_error(out, small_batch_linear_reference(normed, w, bias)) < 2 * TOLERANCE[dtype]
-    if with_residual:
-        assert torch.equal(norm.residual_out, s)  # the residual stream, bit for bit
-    assert not ws.counters.any()
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m,config", [(1, SPLIT), (2, FMA_SPLIT), (5, NO_SPLIT)])
-def test_folded_norm_gate_up_silu(runner, dtype, m, config):
-    inter, k = 40, 200
-    _, w, _ = _inputs(m, 2 * inter, k, dtype, runner.device, "norm-gate-up", config)
-    w = w * 4
-    x, norm = _norm_inputs(m, k, dtype, runner.device, True, "gate_up", config)
-    out = runner(NORM_GATE_UP, x, norm, w, config=config)
-    ref, s = folded_norm_reference(x, norm, w, gate_up=True)
-    assert relative_error(out, ref) < TOLERANCE[dtype]
-    normed, _ = rms_norm_reference(x, norm.weight, norm.eps, norm.residual)
-    assert relative_error(out, small_batch_gate_up_silu_reference(normed, w)) < 2 * TOLERANCE[dtype]
-    assert torch.equal(norm.residual_out, s)
-
-
-def test_folded_norm_bad_input_is_refused():
-    from kernels.small_batch_linear import small_batch_norm_linear
-
-    x, w = torch.randn(2, 16), torch.randn(8, 16)
-    with pytest.raises(ValueError, match="norm weight"):
-        small_batch_norm_linear(x, FoldedNorm(torch.ones(15), 1e-6), w)
-    with pytest.raises(ValueError, match="residual_out must be given"):
-        small_batch_norm_linear(x, FoldedNorm(torch.ones(16), 1e-6, torch.randn(2, 16)), w)
-    res = torch.randn(2, 16)
-    with pytest.raises(ValueError, match="must not alias"):
-        small_batch_norm_linear(x, FoldedNorm(torch.ones(16), 1e-6, res, res), w)
-    with pytest.raises(ValueError, match="the residual must be"):
-        small_batch_norm_linear(x, FoldedNorm(torch.ones(16), 1e-6, torch.randn(3, 16), torch.empty(2, 16)), w)
 
 
 def test_split_k_is_deterministic_and_strided_inputs(runner):

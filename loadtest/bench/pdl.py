@@ -8,8 +8,7 @@ measured copy bandwidth). Variants: the engine before PDL and the tuned linears 
 the LM head), the defaults (small-batch kernel where this GPU's sweep tuned the shape, PDL
 at batch 1), the same without PDL, and the small-batch kernel on every decode linear with
 PDL and each --prefetch (weight tiles pulled into L2 before a GEMV waits); deeper prefetch on
-the attention linears; for MoE models, decode-kernel tilings and program orders; the
-add+RMSNorms folded into the GEMVs after them or not (fold_norms).
+the attention linears; for MoE models, decode-kernel tilings and program orders.
 Runs tests/test_pdl.py natively first (--no-tests skips). Short table last."""
 from __future__ import annotations
 
@@ -27,7 +26,7 @@ DEEP = "qkv_proj=8,o_proj=8"  # the attention linears: whole weights where a pro
 
 def _variants(prefetches: list[int]) -> list[tuple[str, dict]]:
     """(name, engine options); the option moe_tile is the bench's own (see _engine)."""
-    out = [("cuBLAS linears, PDL off (before)", dict(small_batch_linear="lm_head", pdl="off", fold_norms="off")),
+    out = [("cuBLAS linears, PDL off (before)", dict(small_batch_linear="lm_head", pdl="off")),
            ("defaults (tuned linears, PDL on)", dict(small_batch_linear="auto", pdl="on")),
            ("tuned linears, PDL off", dict(small_batch_linear="auto", pdl="off")),
            ("defaults, o_proj prefetch 8", dict(small_batch_linear="auto", pdl="on", pdl_prefetch_at="o_proj=8")),
@@ -39,10 +38,7 @@ def _variants(prefetches: list[int]) -> list[tuple[str, dict]]:
             dict(small_batch_linear="auto", pdl="on",
                  moe_tile=dict(gate_up_block_n=16, gate_up_block_k=1024, warps=4))),
            ("defaults, MoE gate/up tile 64x128",
-            dict(small_batch_linear="auto", pdl="on", moe_tile=dict(gate_up_block_n=64, gate_up_block_k=128))),
-           ("defaults, norms not folded (before)", dict(small_batch_linear="auto", pdl="on", fold_norms="off")),
-           ("defaults, norms folded into every decode qkv and gate/up",
-            dict(small_batch_linear="auto", pdl="on", fold_norms="all"))]
+            dict(small_batch_linear="auto", pdl="on", moe_tile=dict(gate_up_block_n=64, gate_up_block_k=128)))]
     out += [(f"all linears + PDL, prefetch {p}", dict(small_batch_linear="all", pdl="on", pdl_prefetch_k_blocks=p))
             for p in prefetches]
     return out

@@ -52,10 +52,6 @@ class EngineConfig:
     pdl_prefetch_k_blocks: int = field(default_factory=lambda: int(os.environ.get("DUET_PDL_PREFETCH", "1")))
     # per-linear depths that replace it, by attribute name: "o_proj=8,qkv_proj=2"
     pdl_prefetch_at: str = field(default_factory=lambda: os.environ.get("DUET_PDL_PREFETCH_AT", ""))
-    # fold each add+RMSNorm into the small-batch GEMV after it (qkv; the dense MLP's gate/up)
-    # at decode sizes, TP=1: "auto" (default: where that linear is routed to the kernel),
-    # "all" (wherever the kernel applies, even where cuBLAS won the unfolded sweep), "off"
-    fold_norms: str = field(default_factory=lambda: os.environ.get("DUET_FOLD_NORMS", "auto"))
     load_format: str = "auto"  # auto: safetensors | dummy: random weights (benchmarks)
     tp: TPContext = field(default_factory=TPContext)  # this process's rank (set by the engine)
 

@@ -96,7 +96,6 @@ class Engine:
             from .models.layers import enable_small_batch_linears
             self.small_batch_workspace = SmallBatchWorkspace.create(self.device)
             enable_small_batch_linears(self.model, self.small_batch_workspace, mode=which)
-        self.fold_norms = self._enable_norm_folding(config)
         if self.tp.size > 1 and self.device.type == "cuda" and config.custom_all_reduce:
             from .custom_all_reduce import CustomAllReduce
             car = None
@@ -146,7 +145,7 @@ class Engine:
             self._tp_workers.wait_ready()
         log.info("engine ready in %.1fs: %s %s on %s, %s, weights %.2f GiB, KV %d pages x %d tokens "
                  "(%.2f GiB), backend %s, cuda graphs %s, custom all-reduce %s, overlap %s, "
-                 "small-batch linears %s, folded norms %s, PDL %s",
+                 "small-batch linears %s, PDL %s",
                  time.monotonic() - t0, mc.architecture, str(self.dtype).removeprefix("torch."),
                  self.device, f"tp {self.tp.rank}/{self.tp.size}", self.weight_bytes / 2**30,
                  self.layout.num_pages, self.layout.page_size,
@@ -154,21 +153,8 @@ class Engine:
                  "on" if self.runner.graphs is not None and self.runner.graphs.capture else "off",
                  "on" if self.tp.custom_all_reduce is not None else "off",
                  "on" if self.overlap is not None else "off",
-                 which if self.small_batch_workspace is not None else "off", self.fold_norms,
+                 which if self.small_batch_workspace is not None else "off",
                  "on" if self.pdl is not None else "off")
-
-    def _enable_norm_folding(self, config: EngineConfig) -> str:
-        """Fold the add+RMSNorms into the decode GEMVs after them (models/layers.py
-        norm_folded_linear); "all" also routes the folded linears to the small-batch kernel
-        where the unfolded sweep kept cuBLAS. Returns the mode in effect."""
-        mode = str(config.fold_norms).lower()
-        if mode not in ("auto", "all", "off"):
-            raise ValueError(f"fold_norms must be auto, all or off, not {config.fold_norms!r}")
-        if mode == "off" or self.small_batch_workspace is None or self.tp.size > 1:
-            return "off"
-        from .models.layers import enable_norm_folding
-        enable_norm_folding(self.model, self.small_batch_workspace if mode == "all" else None)
-        return mode
 
     def _enable_pdl(self, config: EngineConfig, fused: bool):
         """Programmatic dependent launch on the decode kernels where the GPU and Triton have it."""

@@ -11,55 +11,17 @@ from torch import nn
 from ..parallel import TPContext
 
 
-def _small_batch_workspace(module, x, weight, gate_up: bool = False):
-    """module.small_batch (its split-K workspace) where the engine routes this product to the
-    small-batch kernel at x's size (<= 16 rows, 16-bit, GPU; "auto": where this GPU's sweep
-    tuned the shape), else None."""
-    ws = module.small_batch
-    if ws is None or x.dim() != 2:
-        return None
-    from kernels.small_batch_linear import small_batch_preferred, small_batch_tuned
-    if small_batch_preferred(x.shape[0], weight.shape[0], weight.shape[1], x.dtype) and (
-            not ws.tuned_only or small_batch_tuned(x, weight, gate_up=gate_up)):
-        return ws
-    return None
-
-
 def _linear(module, x, weight, bias=None):
-    """F.linear, or at decode sizes the split-K small-batch kernel when the engine enabled it
-    on this layer (module.small_batch: its workspace; module.pdl: programmatic dependent
-    launch, kernels/pdl.py)."""
-    ws = _small_batch_workspace(module, x, weight)
-    if ws is not None:
-        from kernels.small_batch_linear import small_batch_linear
-        return small_batch_linear(x, weight, bias, workspace=ws, pdl=module.pdl)
+    """F.linear, or at decode sizes (<= 16 rows, 16-bit, GPU) the split-K small-batch kernel
+    when the engine enabled it on this layer (module.small_batch: its workspace; module.pdl:
+    programmatic dependent launch, kernels/pdl.py)."""
+    ws = module.small_batch
+    if ws is not None and x.dim() == 2:
+        from kernels.small_batch_linear import small_batch_linear, small_batch_preferred, small_batch_tuned
+        if small_batch_preferred(x.shape[0], weight.shape[0], weight.shape[1], x.dtype) and (
+                not ws.tuned_only or small_batch_tuned(x, weight)):
+            return small_batch_linear(x, weight, bias, workspace=ws, pdl=module.pdl)
     return F.linear(x, weight, bias)
-
-
-def norm_folded_linear(module, x: torch.Tensor, residual, norm: "RMSNorm", gate_up: bool = False):
-    """module's product with RMSNorm(x + residual) folded into the small-batch GEMV
-    (kernels.small_batch_linear.FoldedNorm: no norm launch before it), where the engine
-    routes this linear there at x's size; None elsewhere (the caller norms first).
-    residual None: the norm of x alone (the first layer), x is the residual stream.
-    Returns (product, new residual); gate_up: the SwiGLU activation of the gate/up product."""
-    if not norm.fused or not x.is_contiguous():
-        return None
-    ws = _small_batch_workspace(module, x, module.weight, gate_up)
-    if ws is None:
-        return None
-    from kernels.small_batch_linear import (FoldedNorm, small_batch_norm_gate_up_silu,
-                                            small_batch_norm_linear)
-    if residual is None:
-        folded = FoldedNorm(norm.weight, norm.eps)
-        new_residual = x
-    else:
-        new_residual = torch.empty_like(x)  # out of place: the kernel's programs still read residual
-        folded = FoldedNorm(norm.weight, norm.eps, residual.contiguous(), new_residual)
-    if gate_up:
-        y = small_batch_norm_gate_up_silu(x, folded, module.weight, workspace=ws, pdl=module.pdl)
-    else:
-        y = small_batch_norm_linear(x, folded, module.weight, module.bias, workspace=ws, pdl=module.pdl)
-    return y, new_residual
 
 
 class RMSNorm(nn.Module):
@@ -165,26 +127,19 @@ class SwiGLU(nn.Module):
         self.fused = fused
 
     def forward(self, h):
-        ws = _small_batch_workspace(self.gate_up_proj, h, self.gate_up_proj.weight, gate_up=True)
-        if ws is not None:
-            from kernels.small_batch_linear import small_batch_gate_up_silu
-            return self.down_proj(small_batch_gate_up_silu(h, self.gate_up_proj.weight, workspace=ws,
-                                                           pdl=self.gate_up_proj.pdl))
+        ws = self.gate_up_proj.small_batch
+        if ws is not None and h.dim() == 2:
+            from kernels.small_batch_linear import small_batch_gate_up_silu, small_batch_preferred, small_batch_tuned
+            w = self.gate_up_proj.weight
+            if small_batch_preferred(h.shape[0], w.shape[0], w.shape[1], h.dtype) and (
+                    not ws.tuned_only or small_batch_tuned(h, w, gate_up=True)):
+                return self.down_proj(small_batch_gate_up_silu(h, w, workspace=ws, pdl=self.gate_up_proj.pdl))
         gate_up = self.gate_up_proj(h)
         if self.fused:
             from kernels.silu_and_mul import silu_and_mul
             return self.down_proj(silu_and_mul(gate_up))
         gate, up = gate_up.split([self.inter, self.inter], dim=-1)
         return self.down_proj(F.silu(gate) * up)
-
-    def forward_norm_folded(self, h, residual, norm: RMSNorm):
-        """The MLP on RMSNorm(h + residual) with the norm folded into the gate/up GEMV
-        (norm_folded_linear): (output, new residual), or None where that does not apply."""
-        folded = norm_folded_linear(self.gate_up_proj, h, residual, norm, gate_up=True)
-        if folded is None:
-            return None
-        act, residual = folded
-        return self.down_proj(act), residual
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -259,23 +214,6 @@ def enable_small_batch_linears(model: nn.Module, workspace, mode: str = "all") -
         else:
             continue
         n += 1
-    return n
-
-
-def enable_norm_folding(model: nn.Module, workspace=None) -> int:
-    """Decoder layers fold their add+RMSNorms into the small-batch GEMVs that follow
-    (norm_folded_linear). workspace: also route those linears (qkv, the dense gate/up) to the
-    kernel at every decode size, not only where the unfolded sweep tuned them. Returns how
-    many layers fold."""
-    n = 0
-    for m in model.modules():
-        if hasattr(m, "fold_norms") and hasattr(m, "self_attn"):
-            m.fold_norms = True
-            if workspace is not None:
-                m.self_attn.qkv_proj.small_batch = workspace
-                if isinstance(m.mlp, SwiGLU):
-                    m.mlp.gate_up_proj.small_batch = workspace
-            n += 1
     return n
 
 

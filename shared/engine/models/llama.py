@@ -12,7 +12,7 @@ from torch import nn
 from ..model_config import ModelConfig
 from ..parallel import TPContext
 from .layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm, RotaryEmbedding,
-                     RowParallelLinear, SwiGLU, VocabParallelEmbedding, norm_folded_linear)
+                     RowParallelLinear, SwiGLU, VocabParallelEmbedding)
 from .moe import MoEBlock
 
 
@@ -40,12 +40,8 @@ class Attention(nn.Module):
         self.fused = fused
         self.pdl = None  # kernels.pdl.Pdl for the fused q/k-norm + RoPE kernel (set by the engine)
 
-    def forward(self, positions, h, rotary: RotaryEmbedding, fb, qkv: torch.Tensor | None = None):
-        """qkv: the projection already made (the input norm folded into it); h is then unused."""
-        if qkv is not None:
-            q, k, v = qkv.split(self.qkv_proj.parts, dim=-1)
-        else:
-            q, k, v = self.qkv_proj.forward_parts(h)
+    def forward(self, positions, h, rotary: RotaryEmbedding, fb):
+        q, k, v = self.qkv_proj.forward_parts(h)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -100,30 +96,16 @@ class DecoderLayer(nn.Module):
             self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, tp, dtype, fused)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, fused)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, fused)
-        # fold the add+RMSNorms into the small-batch GEMVs after them (qkv, dense gate/up) at
-        # decode sizes (layers.norm_folded_linear; set by the engine; TP=1 only: with TP the
-        # norm's input is first all-reduced)
-        self.fold_norms = False
 
     def forward(self, positions, h, residual, rotary, fb):
         """h: the embedding (residual None) or the previous layer's un-reduced MLP output.
         Returns this layer's un-reduced MLP output and the residual stream."""
-        fold = self.fold_norms and self.tp.size == 1
-        folded = norm_folded_linear(self.self_attn.qkv_proj, h, residual, self.input_layernorm) if fold else None
-        if folded is not None:
-            qkv, residual = folded
-            h = self.self_attn(positions, None, rotary, fb, qkv=qkv)
+        if residual is None:
+            residual = h
+            h = self.input_layernorm(h)
         else:
-            if residual is None:
-                residual = h
-                h = self.input_layernorm(h)
-            else:
-                h, residual = reduce_add_norm(self.tp, h, residual, self.input_layernorm)
-            h = self.self_attn(positions, h, rotary, fb)
-        if fold and isinstance(self.mlp, SwiGLU):
-            folded = self.mlp.forward_norm_folded(h, residual, self.post_attention_layernorm)
-            if folded is not None:
-                return folded
+            h, residual = reduce_add_norm(self.tp, h, residual, self.input_layernorm)
+        h = self.self_attn(positions, h, rotary, fb)
         h, residual = reduce_add_norm(self.tp, h, residual, self.post_attention_layernorm)
         return self.mlp(h), residual
 
