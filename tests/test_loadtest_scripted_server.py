@@ -338,7 +338,10 @@ def test_ctrl_c_stops_sending_and_still_reports_what_finished(serve, tmp_path):
     proc = subprocess.Popen([
         sys.executable, "-m", "loadtest", "--base-url", url, "--tokenizer", _tok_dir(), "--workload", "random",
         "--input-len", "10", "--output-len", "6", "-n", "40", "-r", "5,10", "--ignore-eos", "on", "-o", str(out),
-        "--no-progress"], cwd=REPO_ROOT)
+        "--no-progress"], cwd=REPO_ROOT,
+        # as from a terminal: a test run started in the background (`cmd &` in a script) hands its
+        # children SIGINT ignored, and Python then keeps it ignored instead of raising KeyboardInterrupt
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     script.interrupt_pid = proc.pid
     try:
         rc = proc.wait(timeout=180)
