@@ -33,10 +33,12 @@ class DecodeTile:
     """Defaults: from `python3 -m loadtest.bench.moe_decode --tiles` on an H200 for the
     Qwen3-30B-A3B shape at 1-4 tokens, the gate/up tile confirmed in the engine's decode step
     (`python3 -m loadtest.bench.pdl --model qwen3-30b-a3b --only 2,8,9`: 32x256 took batch 1
-    from 3.121 to 2.991 ms with overlap, batch 2 from 4.514 to 4.321)."""
+    from 3.121 to 2.991 ms with overlap, batch 2 from 4.514 to 4.321); the router's top-k by
+    sort on one warp from `--only 2,7,10,11` (kernels/NOTES.md)."""
     router_block_e: int = 2
     router_block_k: int = 2048
-    router_warps: int = 2
+    router_warps: int = 1  # with the sort: B=1 3.484 -> 3.151 ms plain, 2.995 -> 2.958 with overlap
+    router_sort: bool = True  # top-k by one sort of packed (probability, index) keys, not k argmax rounds
     gate_up_block_n: int = 32
     gate_up_block_k: int = 256  # a gate/up program's K chunk (partial sums added by the last)
     down_block_n: int = 16

@@ -53,10 +53,35 @@ def _softmax_topk(x, ok, cols, weights_out, ids_out, row, TOP_K: tl.constexpr, T
 
 
 @triton.jit
+def _softmax_topk_sorted(x, ok, cols, weights_out, ids_out, row, TOP_K: tl.constexpr, EP: tl.constexpr,
+                         RENORM: tl.constexpr, ROUND_TO: tl.constexpr):
+    """_softmax_topk with one sort in place of TOP_K rounds of max + argmax (each round two
+    cross-warp reductions). Sort keys pack the probability's bits (non-negative floats order
+    as their int bits) above EP-1-index, so equal probabilities keep the lower expert first,
+    as argmax does; padding sorts last."""
+    p = tl.exp(x - tl.max(x, axis=0))
+    p = tl.where(ok, p, 0.0)
+    p = p / tl.sum(p, axis=0)
+    bits = p.to(tl.int32, bitcast=True).to(tl.int64)
+    key = tl.where(ok, (bits << 32) | (EP - 1 - cols).to(tl.int64), -1)
+    key = tl.sort(key, 0, descending=True)  # position j holds the j-th largest
+    vals = (key >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    idxs = (EP - 1 - (key & 0xFFFFFFFF)).to(tl.int32)
+    top = cols < TOP_K
+    if RENORM:
+        vals = vals / tl.sum(tl.where(top, vals, 0.0), axis=0)
+    if ROUND_TO is not None:
+        vals = vals.to(ROUND_TO).to(tl.float32)
+    tl.store(weights_out + row * TOP_K + cols, vals, mask=top)
+    tl.store(ids_out + row * TOP_K + cols, idxs, mask=top)
+
+
+@triton.jit
 def _router_topk_kernel(x_ptr, wr_ptr, logits_ptr, counter_ptr, weights_out, ids_out, E, H, stride_x,
                         TOP_K: tl.constexpr, TOP_KP: tl.constexpr, EP: tl.constexpr, RENORM: tl.constexpr,
                         ROUND_TO: tl.constexpr, LOGIT_DT: tl.constexpr, BLOCK_E: tl.constexpr,
-                        BLOCK_K: tl.constexpr, PDL: tl.constexpr, LINE_ELEMS: tl.constexpr):
+                        BLOCK_K: tl.constexpr, PDL: tl.constexpr, LINE_ELEMS: tl.constexpr,
+                        SORT: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     nb = tl.program_id(1)
     e = nb * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -81,7 +106,10 @@ def _router_topk_kernel(x_ptr, wr_ptr, logits_ptr, counter_ptr, weights_out, ids
         cols = tl.arange(0, EP)
         ok = cols < E
         x = tl.load(logits_ptr + t * E + cols, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        _softmax_topk(x, ok, cols, weights_out, ids_out, t, TOP_K, TOP_KP, RENORM, ROUND_TO)
+        if SORT:
+            _softmax_topk_sorted(x, ok, cols, weights_out, ids_out, t, TOP_K, EP, RENORM, ROUND_TO)
+        else:
+            _softmax_topk(x, ok, cols, weights_out, ids_out, t, TOP_K, TOP_KP, RENORM, ROUND_TO)
         tl.store(counter_ptr + t, 0)
 
 
@@ -240,7 +268,7 @@ def launch_route(x, router_w, top_k: int, renormalize: bool, round_weights_to, c
         ROUND_TO=_TL_DTYPES.get(round_weights_to), LOGIT_DT=_TL_DTYPES.get(router_w.dtype, tl.float32),
         BLOCK_E=tile.router_block_e, BLOCK_K=tile.router_block_k, PDL=pdl is not None,
         LINE_ELEMS=min(tile.router_block_k, 128 // router_w.element_size()), num_warps=tile.router_warps,
-        **launch_options(pdl))
+        SORT=tile.router_sort, **launch_options(pdl))
     return weights, ids
 
 

@@ -53,6 +53,24 @@ def test_moe_decode_matches_reference(runner, dtype, t, e, k, h, i, renorm):
     _check(runner, *_case(g, t, e, k, h, i, dtype), k, renorm)
 
 
+@pytest.mark.parametrize("t,e,k,renorm,ties", [(1, 8, 2, True, False), (3, 60, 4, False, False),
+                                                (2, 128, 8, True, False), (2, 16, 4, True, True)])
+def test_sorted_top_k_matches_the_argmax_rounds(runner, t, e, k, renorm, ties):
+    """router_sort: the same experts in the same slot order and the same weights (to the last
+    bits) as the k rounds of argmax (ties: lower expert first), and the reference."""
+    import dataclasses
+    g = case_generator("sort", t, e, k, ties)
+    x, router, w13, w2 = _case(g, t, e, k, 32, 16, torch.float32)
+    if ties:  # pairs of identical router rows: equal logits, equal probabilities
+        router[1::2] = router[0::2]
+    plain = _run(runner, x, router, w13, w2, k, renorm)
+    got = _run(runner, x, router, w13, w2, k, renorm, tile=dataclasses.replace(SMALL, router_sort=True))
+    assert torch.equal(got[2], plain[2])  # the same experts in the same slots
+    # the renormalising sum adds the same k values over a wider vector: last-bit differences
+    assert torch.allclose(got[1], plain[1], rtol=1e-6, atol=0) and relative_error(got[0], plain[0]) < 1e-6
+    _check(runner, x, router, w13, w2, k, renorm, tile=dataclasses.replace(SMALL, router_sort=True))
+
+
 def test_default_tiles_and_rounded_weights(runner):
     """Qwen's routers round the top-k weights to the activations' dtype."""
     g = case_generator("default")

@@ -32,13 +32,17 @@ def _variants(prefetches: list[int]) -> list[tuple[str, dict]]:
            ("defaults, o_proj prefetch 8", dict(small_batch_linear="auto", pdl="on", pdl_prefetch_at="o_proj=8")),
            ("defaults, MoE experts 4 warps", dict(small_batch_linear="auto", pdl="on", moe_tile=dict(warps=4))),
            (f"all linears + PDL, {DEEP}", dict(small_batch_linear="all", pdl="on", pdl_prefetch_at=DEEP)),
-           ("defaults, MoE router kernel 1 warp", dict(small_batch_linear="auto", pdl="on",
-                                                          moe_tile=dict(router_warps=1))),
+           ("defaults, MoE router argmax rounds, 1 warp", dict(small_batch_linear="auto", pdl="on",
+                                                                 moe_tile=dict(router_sort=False, router_warps=1))),
            ("defaults, MoE gate/up tile 16x1024 (before)",
             dict(small_batch_linear="auto", pdl="on",
                  moe_tile=dict(gate_up_block_n=16, gate_up_block_k=1024, warps=4))),
            ("defaults, MoE gate/up tile 64x128",
-            dict(small_batch_linear="auto", pdl="on", moe_tile=dict(gate_up_block_n=64, gate_up_block_k=128)))]
+            dict(small_batch_linear="auto", pdl="on", moe_tile=dict(gate_up_block_n=64, gate_up_block_k=128))),
+           ("defaults, MoE router top-k by one sort, 2 warps",
+            dict(small_batch_linear="auto", pdl="on", moe_tile=dict(router_sort=True, router_warps=2))),
+           ("defaults, MoE router argmax rounds, 2 warps (before)",
+            dict(small_batch_linear="auto", pdl="on", moe_tile=dict(router_sort=False, router_warps=2)))]
     out += [(f"all linears + PDL, prefetch {p}", dict(small_batch_linear="all", pdl="on", pdl_prefetch_k_blocks=p))
             for p in prefetches]
     return out
