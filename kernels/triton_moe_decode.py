@@ -28,13 +28,32 @@ from kernels.triton_pdl import pdl_enter, prefetch_l2
 
 
 @triton.jit
-def _softmax_topk(x, ok, cols, weights_out, ids_out, row, TOP_K: tl.constexpr, TOP_KP: tl.constexpr,
-                  RENORM: tl.constexpr, ROUND_TO: tl.constexpr):
-    """HF's router on a row of logits x (masked by ok): softmax in float32, k rounds of
-    argmax, optional renormalisation and rounding of the weights."""
+def _softmax(x, ok):
+    """HF's router probabilities: softmax in float32 over the logits x (masked by ok)."""
     p = tl.exp(x - tl.max(x, axis=0))
     p = tl.where(ok, p, 0.0)
-    p = p / tl.sum(p, axis=0)
+    return p / tl.sum(p, axis=0)
+
+
+@triton.jit
+def _store_topk(vals, idxs, slots, weights_out, ids_out, row, TOP_K: tl.constexpr, RENORM: tl.constexpr,
+                ROUND_TO: tl.constexpr):
+    """The slots < TOP_K of vals / idxs (slot order): optional renormalisation and rounding of
+    the weights, then both stored."""
+    top = slots < TOP_K
+    if RENORM:
+        vals = vals / tl.sum(tl.where(top, vals, 0.0), axis=0)
+    if ROUND_TO is not None:
+        vals = vals.to(ROUND_TO).to(tl.float32)
+    tl.store(weights_out + row * TOP_K + slots, vals, mask=top)
+    tl.store(ids_out + row * TOP_K + slots, idxs, mask=top)
+
+
+@triton.jit
+def _softmax_topk(x, ok, cols, weights_out, ids_out, row, TOP_K: tl.constexpr, TOP_KP: tl.constexpr,
+                  RENORM: tl.constexpr, ROUND_TO: tl.constexpr):
+    """HF's router on a row of logits: softmax, k rounds of argmax, renormalise / round."""
+    p = _softmax(x, ok)
     slots = tl.arange(0, TOP_KP)
     vals = tl.zeros([TOP_KP], tl.float32)
     idxs = tl.zeros([TOP_KP], tl.int32)
@@ -44,12 +63,7 @@ def _softmax_topk(x, ok, cols, weights_out, ids_out, row, TOP_K: tl.constexpr, T
         vals = tl.where(slots == j, v, vals)
         idxs = tl.where(slots == j, i, idxs)
         p = tl.where(cols == i, -1.0, p)
-    if RENORM:
-        vals = vals / tl.sum(tl.where(slots < TOP_K, vals, 0.0), axis=0)
-    if ROUND_TO is not None:
-        vals = vals.to(ROUND_TO).to(tl.float32)
-    tl.store(weights_out + row * TOP_K + slots, vals, mask=slots < TOP_K)
-    tl.store(ids_out + row * TOP_K + slots, idxs, mask=slots < TOP_K)
+    _store_topk(vals, idxs, slots, weights_out, ids_out, row, TOP_K, RENORM, ROUND_TO)
 
 
 @triton.jit
@@ -59,21 +73,13 @@ def _softmax_topk_sorted(x, ok, cols, weights_out, ids_out, row, TOP_K: tl.const
     cross-warp reductions). Sort keys pack the probability's bits (non-negative floats order
     as their int bits) above EP-1-index, so equal probabilities keep the lower expert first,
     as argmax does; padding sorts last."""
-    p = tl.exp(x - tl.max(x, axis=0))
-    p = tl.where(ok, p, 0.0)
-    p = p / tl.sum(p, axis=0)
+    p = _softmax(x, ok)
     bits = p.to(tl.int32, bitcast=True).to(tl.int64)
     key = tl.where(ok, (bits << 32) | (EP - 1 - cols).to(tl.int64), -1)
     key = tl.sort(key, 0, descending=True)  # position j holds the j-th largest
     vals = (key >> 32).to(tl.int32).to(tl.float32, bitcast=True)
     idxs = (EP - 1 - (key & 0xFFFFFFFF)).to(tl.int32)
-    top = cols < TOP_K
-    if RENORM:
-        vals = vals / tl.sum(tl.where(top, vals, 0.0), axis=0)
-    if ROUND_TO is not None:
-        vals = vals.to(ROUND_TO).to(tl.float32)
-    tl.store(weights_out + row * TOP_K + cols, vals, mask=top)
-    tl.store(ids_out + row * TOP_K + cols, idxs, mask=top)
+    _store_topk(vals, idxs, cols, weights_out, ids_out, row, TOP_K, RENORM, ROUND_TO)
 
 
 @triton.jit
