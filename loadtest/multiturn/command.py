@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime as _dt
-import math
 import pathlib
 import random
 import sys
