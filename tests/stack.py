@@ -354,6 +354,7 @@ class ProcessStack(_StackBase):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
         self.router_port = free_port()
+        self.router_metrics_port = free_port()
 
     def processes(self) -> list[Process]:
         return list(self.procs.values())
@@ -372,10 +373,14 @@ class ProcessStack(_StackBase):
     def start_redis(self) -> None:
         self.redis_server.start()
 
-    def start_router(self) -> Process:
+    def start_router(self, extra: Sequence[str] = ()) -> Process:
         return self._spawn("router", duet_argv(
-            "router", "--host", "127.0.0.1", "--port", str(self.router_port), "--metrics-port", "0",
-            *self._registry_args()))
+            "router", "--host", "127.0.0.1", "--port", str(self.router_port),
+            "--metrics-port", str(self.router_metrics_port), *self._registry_args(), *extra))
+
+    def router_decisions(self, kind: str) -> float:
+        """The router's answers of one kind so far (split, colocated, local_prefill, unavailable)."""
+        return scrape(f"127.0.0.1:{self.router_metrics_port}").value("duet_router_decisions_total", kind=kind)
 
     def add_worker(self, role: str, worker_id: str, extra: Sequence[str] = ()) -> Process:
         return self._spawn(worker_id, duet_argv(

@@ -17,6 +17,15 @@ class RoutingWeights:
     prefill_queue_weight: float = 1.0   # weight of queued prefill tokens vs. uncached prompt tokens
     decode_batch_weight: float = 0.5    # weight of batch occupancy vs. KV usage for decode
     nominal_decode_batch: int = 256     # batch size that counts as "full" when a worker does not say
+    # weight of the prompt share a decode worker does not hold (and would be written to it)
+    # against its KV usage and batch occupancy: 1.0 = holding the whole prompt is worth as
+    # much as an empty KV pool
+    decode_transfer_weight: float = 1.0
+    # local prefill (conditional disaggregation): a decode worker holding at least this share
+    # of the prompt, with at most this many tokens left to compute, prefills them itself;
+    # max tokens 0 turns it off
+    local_prefill_min_share: float = 0.5
+    local_prefill_max_tokens: int = 512
 
 
 @dataclass

@@ -79,9 +79,10 @@ async def serve(config) -> int:
     ctx = WorkerContext(config=config, engine=engine, loop=loop, metrics=metrics, worker_id=worker_id,
                         instance_nonce=nonce, compat_hash=chash, page_size=engine.layout.page_size,
                         tracer=tracing.tracer)
-    kv_events = KvEventBuffer() if role in ("prefill", "both") else None
-    if kv_events is not None:
-        engine.kv.cache.events = kv_events
+    # every role publishes which prompt pages it holds: decode workers keep what they decoded
+    # (the router pairs a conversation's turns with the worker that holds them)
+    kv_events = KvEventBuffer()
+    engine.kv.cache.events = kv_events
     watcher = WorkerWatcher(config.registry, model=served)
     ctx.watcher = watcher
     if role in ("prefill", "decode"):
