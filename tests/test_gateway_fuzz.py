@@ -1,4 +1,4 @@
-"""Fuzzing the gateway from its own OpenAPI document (/openapi.json, services/gateway/openapi.py)
+"""Fuzzing the gateway from its own OpenAPI document (/openapi.json, services/gateway/http_edge/openapi.py)
 with schemathesis: bodies that fit the request schemas of /v1/chat/completions and
 /v1/completions (positive) and bodies that break them (negative: wrong types, missing
 fields, not JSON), sent to a real gateway process serving the small default model on an

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.gateway.backend import TokenLogprob
-from services.gateway.generation import GenerationStats, OutputDelta
-from services.gateway.token_strings import TokenStrings
-from services.gateway.tool_calls import ToolStream, make_parser
+from services.gateway.backends.interface import TokenLogprob
+from services.gateway.openai_api.generation import GenerationStats, OutputDelta
+from services.gateway.openai_api.token_strings import TokenStrings
+from services.gateway.openai_api.tool_call_parsing import ToolStream, make_parser
 
 
 def usage_object(stats: GenerationStats) -> dict:

@@ -13,7 +13,7 @@ import asyncio
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from services.gateway.errors import APIError
+from services.gateway.http_edge.error_responses import APIError
 
 _WITH_BODY = ("POST", "PUT", "PATCH")
 

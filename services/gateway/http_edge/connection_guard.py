@@ -16,7 +16,7 @@ from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from services.gateway.limits import GatewayLimits
+from services.gateway.http_edge.limits_config import GatewayLimits
 
 log = logging.getLogger("duet.gateway")
 

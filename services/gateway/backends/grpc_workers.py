@@ -22,7 +22,7 @@ from typing import AsyncIterator
 import grpc
 
 from protos import duet_pb2, duet_pb2_grpc
-from services.gateway.backend import (
+from services.gateway.backends.interface import (
     FINISH_LENGTH,
     FINISH_STOP,
     BackendBadRequest,
