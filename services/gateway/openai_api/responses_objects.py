@@ -11,8 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.gateway.openai_api.generation import GenerationStats, OutputDelta
-from services.gateway.openai_api.chat_objects import ToolMode
-from services.gateway.openai_api.tool_call_parsing import ToolStream
+from services.gateway.openai_api.tool_call_parsing import ToolMode, ToolStream
 
 
 def _id(prefix: str) -> str:
