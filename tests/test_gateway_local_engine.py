@@ -13,10 +13,10 @@ import httpx
 import openai
 import pytest
 
-from services.gateway.http_edge.app import build_app
-from services.gateway.openai_api.endpoints import GatewayContext
 from services.gateway.backends.local_engine import LocalBackend
+from services.gateway.http_edge.app import build_app
 from services.gateway.http_edge.metrics import GatewayMetrics
+from services.gateway.openai_api.endpoints import GatewayContext
 from services.gateway.openai_api.prompt_builder import PromptBuilder
 from tests.openai_schema import validate
 from tests.otlp_receiver import GrpcReceiver, HttpReceiver

@@ -9,8 +9,8 @@ import jsonschema
 import pytest
 
 from services.gateway.http_edge.app import build_app
-from services.gateway.openai_api.endpoints import GatewayContext
 from services.gateway.http_edge.metrics import GatewayMetrics
+from services.gateway.openai_api.endpoints import GatewayContext
 from services.gateway.openai_api.prompt_builder import PromptBuilder
 from shared.openai_protocol.errors import InvalidRequest
 from shared.openai_protocol.requests import parse_chat_request, parse_completion_request

@@ -10,6 +10,7 @@ with --tls-cert-file/--tls-key-file it serves HTTPS (services/gateway/http_edge/
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -17,11 +18,24 @@ from pathlib import Path
 
 from services.gateway.backends.interface import GenerationBackend
 from services.gateway.config import GatewayConfig
-from services.gateway.openai_api.endpoints import GatewayContext
 from services.gateway.http_edge.metrics import GatewayMetrics
-from services.gateway.openai_api.prompt_builder import PromptBuilder, read_max_position_embeddings
+from services.gateway.openai_api.endpoints import GatewayContext
+from services.gateway.openai_api.prompt_builder import PromptBuilder
 
 log = logging.getLogger("duet.gateway")
+
+
+def read_max_position_embeddings(model_dir: str | Path) -> int | None:
+    """The context length in the model's config.json, if it states one."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for key in ("max_position_embeddings", "max_sequence_length", "n_positions", "seq_length"):
+        value = config.get(key) or config.get("text_config", {}).get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
 def context_length(config: GatewayConfig, model_dir: Path) -> int:
@@ -73,13 +87,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
+    from services.gateway.http_edge import auth
     from services.gateway.http_edge.app import build_app
     from services.gateway.http_edge.connection_guard import uvicorn_limits
     from shared.engine.default_model import ModelNotFoundError
-    from shared.telemetry.tracing import setup_tracing
-
-    from services.gateway.http_edge import auth
     from shared.telemetry.metrics import start_metrics_server
+    from shared.telemetry.tracing import setup_tracing
 
     security = config.security
     try:

@@ -26,7 +26,13 @@ from services.gateway.http_edge.error_responses import (
 )
 from services.gateway.http_edge.limits_config import GatewayLimits
 from services.gateway.http_edge.metrics import GatewayMetrics
-from services.gateway.http_edge.sse import DONE_EVENT, ClientDisconnected, EventStreamResponse, run_until_disconnect, sse_event
+from services.gateway.http_edge.sse import (
+    DONE_EVENT,
+    ClientDisconnected,
+    EventStreamResponse,
+    run_until_disconnect,
+    sse_event,
+)
 from services.gateway.openai_api.chat_objects import ChatFormatter
 from services.gateway.openai_api.completion_objects import CompletionFormatter, EchoPrompt
 from services.gateway.openai_api.generation import Generation, OutputDelta
