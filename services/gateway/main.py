@@ -66,7 +66,7 @@ def build_backend(config: GatewayConfig, model_dir: Path, served_name: str, max_
 
 
 def build_context(config: GatewayConfig) -> GatewayContext:
-    from shared.engine.default_model import resolve_model_dir
+    from shared.model_files.default_model import resolve_model_dir
 
     model_dir = resolve_model_dir(config.model)
     served_name = config.served_model_name or model_dir.name
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     from services.gateway.http_edge import auth
     from services.gateway.http_edge.app import build_app
     from services.gateway.http_edge.connection_guard import uvicorn_limits
-    from shared.engine.default_model import ModelNotFoundError
+    from shared.model_files.default_model import ModelNotFoundError
     from shared.telemetry.metrics import start_metrics_server
     from shared.telemetry.tracing import setup_tracing
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .parallel import TPContext
+from .parallel.context import TPContext
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64}
@@ -20,6 +20,10 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     page_size: int = 16
     kv_cache_memory: int | None = None  # bytes; None: CPU default or GPU fraction
+    # host-memory tier under the device KV pool (kv_host_tier.py), bytes; None: on a GPU
+    # twice the device KV budget, at most a quarter of the host's available memory; off on
+    # the CPU (its device pool is host memory already); 0: off
+    kv_host_memory: int | None = None
     mem_fraction: float = 0.85  # GPU: share of total memory for weights + KV (+ graphs)
     max_num_batched_tokens: int | None = None  # per-step token budget (chunked prefill)
     max_running_requests: int = 256
