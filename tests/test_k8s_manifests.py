@@ -406,8 +406,8 @@ def test_probes_on_every_deployment_and_generous_model_loading(rendered):
     gateway = r.pod("gateway").main
     assert gateway["readinessProbe"]["httpGet"]["path"] == "/health"
     assert gateway["livenessProbe"]["httpGet"]["path"] != "/health", "liveness must not depend on other pods"
-    from services.gateway.app import build_app  # noqa: F401  (the route table lives there)
-    app_source = (REPO / "services" / "gateway" / "app.py").read_text()
+    from services.gateway.http_edge.app import build_app  # noqa: F401  (the route table lives there)
+    app_source = (REPO / "services" / "gateway" / "http_edge" / "app.py").read_text()
     for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert f'"{gateway[kind]["httpGet"]["path"]}"' in app_source
 
@@ -624,7 +624,7 @@ def test_podmonitor_scrapes_the_ports_that_serve_metrics():
 
 
 def test_image_bakes_the_default_model_the_manifests_serve():
-    from shared.engine.default_model import DEFAULT_MODEL_NAME, SOURCE_PIP_SPEC
+    from shared.model_files.default_model import DEFAULT_MODEL_NAME, SOURCE_PIP_SPEC
 
     dockerfile = (K8S / "image" / "Dockerfile").read_text()
     r = rendered_variant("cpu")

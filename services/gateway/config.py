@@ -7,8 +7,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from services.gateway.security_config import SecurityConfig
-from services.gateway.limits import GatewayLimits, add_limit_flags, limits_from_args
+from services.gateway.http_edge.limits_config import GatewayLimits, add_limit_flags, limits_from_args
+from services.gateway.http_edge.security_config import SecurityConfig
 
 BACKENDS = ("grpc", "local")
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "none")

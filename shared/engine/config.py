@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .parallel import TPContext
+from .parallel.context import TPContext
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64}
