@@ -107,6 +107,10 @@ class EngineConfig:
     pdl_prefetch_at: str = setting(
         "", flag="--pdl-prefetch-at", env="DUET_PDL_PREFETCH_AT", env_in_code=True,
         help='per-linear depths that replace --pdl-prefetch, by attribute name: "o_proj=8,qkv_proj=2"')
+    grammar_cache_size: int = setting(
+        256, flag="--grammar-cache-size", env="DUET_GRAMMAR_CACHE_SIZE",
+        help="compiled grammars (JSON schemas, tool calls) kept per worker; a request whose grammar "
+             "was evicted compiles it again")
     load_format: str = setting(
         "auto", flag="--load-format", env="DUET_LOAD_FORMAT", choices=("auto", "dummy"),
         help="dummy: random weights drawn on the device from a fixed seed instead of the folder's safetensors "
