@@ -33,13 +33,8 @@ def slo_from(args: argparse.Namespace) -> SLO:
     return SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)
 
 
-def run_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="duet loadtest",
-        description="Load-test any OpenAI-compatible server: TTFT, inter-token latency, TPOT, goodput.",
-        epilog="Other commands: `duet loadtest compare A.json B.json`, `duet loadtest report results.json`.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+def add_server_flags(p: argparse.ArgumentParser) -> None:
+    """Where the server is and how each request is sent; `duet loadtest` and its multiturn command share them."""
     g = p.add_argument_group("server")
     g.add_argument("--base-url", default="http://localhost:8000", help="server root or its /v1 API base")
     g.add_argument("--api", choices=("chat", "completions"), default="chat")
@@ -52,6 +47,16 @@ def run_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", choices=("auto", "on", "off"), default="auto",
                    help="send ignore_eos so outputs reach max_tokens; auto drops it if the server rejects it")
     g.add_argument("--extra-body", type=json.loads, default={}, help="JSON merged into every request body")
+
+
+def run_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="duet loadtest",
+        description="Load-test any OpenAI-compatible server: TTFT, inter-token latency, TPOT, goodput.",
+        epilog="Other commands: `duet loadtest compare A.json B.json`, `duet loadtest report results.json`.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_server_flags(p)
 
     g = p.add_argument_group("workload")
     g.add_argument("--workload", choices=WORKLOADS, default="sharegpt")
@@ -98,7 +103,7 @@ def run_parser() -> argparse.ArgumentParser:
     return p
 
 
-def config_from(args: argparse.Namespace) -> RunConfig:
+def endpoint_from(args: argparse.Namespace) -> EndpointConfig:
     headers = {}
     for h in args.header:
         name, sep, value = h.partition(":")
@@ -107,6 +112,11 @@ def config_from(args: argparse.Namespace) -> RunConfig:
         headers[name.strip()] = value.strip()
     endpoint = EndpointConfig(args.base_url, args.api, args.model, args.api_key, headers, args.timeout,
                               args.temperature, args.ignore_eos, args.extra_body)
+    return endpoint
+
+
+def config_from(args: argparse.Namespace) -> RunConfig:
+    endpoint = endpoint_from(args)
     workload = WorkloadConfig(
         args.workload, args.num_requests or 200, args.seed, args.dataset_path, args.sharegpt_output_len,
         args.sharegpt_max_prompt_len, args.sharegpt_max_total_len, args.input_len, args.output_len,

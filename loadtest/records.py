@@ -22,6 +22,7 @@ class RequestRecord:
     http_status: int | None = None
     usage_prompt_tokens: int | None = None
     usage_completion_tokens: int | None = None
+    usage_cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when the server says
     output_chars: int = 0
     output_tokens_tokenizer: int | None = None  # re-count of the output text, for the usage check
     finish_reason: str | None = None

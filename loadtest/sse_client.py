@@ -92,6 +92,9 @@ async def send_streaming(
                 if usage:
                     record.usage_prompt_tokens = usage.get("prompt_tokens")
                     record.usage_completion_tokens = usage.get("completion_tokens")
+                    details = usage.get("prompt_tokens_details") or {}
+                    if details.get("cached_tokens") is not None:
+                        record.usage_cached_tokens = details["cached_tokens"]
     except httpx.TimeoutException as e:
         return _fail(record, "timeout", repr(e), clock)
     except httpx.ConnectError as e:

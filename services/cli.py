@@ -36,8 +36,8 @@ class Command:
 
 COMMANDS: tuple[Command, ...] = (
     Command("up", "services.launcher.main:main", "start the whole stack locally (gateway, router, prefill, decode, redis)"),
-    Command("generate", "shared.engine.cli_generate:main", "complete one raw prompt offline and print the completion"),
-    Command("chat", "shared.engine.cli_chat:main", "interactive multi-turn chat with a model, offline"),
+    Command("generate", "services.offline.generate:main", "complete one raw prompt offline and print the completion"),
+    Command("chat", "services.offline.chat:main", "interactive multi-turn chat with a model, offline"),
     Command("gateway", "services.gateway.main:main", "run the OpenAI-compatible HTTP gateway"),
     Command("router", "services.router.main:main", "run the router (gRPC) that picks prefill/decode pairs"),
     Command("prefill", "services.worker.main:main", "run a prefill worker (= worker --role prefill)", ("--role", "prefill")),
@@ -45,7 +45,7 @@ COMMANDS: tuple[Command, ...] = (
     Command("worker", "services.worker.main:main", "run a worker with an explicit --role"),
     Command("loadtest", "loadtest.__main__:main", "drive load against a gateway and report TTFT, ITL, goodput"),
     Command("bench", "loadtest.bench:main", "run the benchmark suite and write its report"),
-    Command("convert-default-model", "shared.engine.default_model:main",
+    Command("convert-default-model", "shared.model_files.default_model:main",
             "convert the embedded SmolLM2-135M-Instruct into the cache and print its folder"),
     Command("env", "services.env_vars:main", "list every DUET_* environment variable: type, default, who reads it"),
 )

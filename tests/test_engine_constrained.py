@@ -64,7 +64,7 @@ def split_run(pre: Engine, dec: Engine, prompt, params: SamplingParams):
     held = pre.get(rid)
     assert held.status is ReqStatus.HELD
     n = pre.kv.pages_for(len(prompt))
-    dst = dec.reserve("res", len(prompt))
+    dst = dec.reserve("res", len(prompt)).page_ids
     dec.pool.buffer[dst] = pre.pool.buffer[held.page_ids[:n]]
     pre.release_held(rid)
     assert_all_pages_free(pre)

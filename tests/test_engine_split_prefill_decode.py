@@ -44,7 +44,7 @@ def split_run(pre: Engine, dec: Engine, prompts, params: SamplingParams) -> list
         held = pre.get(rid)
         assert held.status is ReqStatus.HELD and held.num_computed == len(p)
         n = pre.kv.pages_for(len(p))
-        dst = dec.reserve(f"res-{i}", len(p))
+        dst = dec.reserve(f"res-{i}", len(p)).page_ids
         assert len(dst) == n
         dec.pool.buffer[dst] = pre.pool.buffer[held.page_ids[:n]]  # the "transfer"
         assert pre.kv_usage > 0
@@ -80,7 +80,7 @@ def test_split_seeded_sampling_with_penalties_equals_colocated(model_dir):
 def test_reservations_cancel_and_first_token_finishes(model_dir):
     pre, dec = engines(model_dir)
     cap = dec.kv.capacity
-    pages = dec.reserve("r", 10)
+    pages = dec.reserve("r", 10).page_ids
     assert len(pages) == 3 and dec.kv.allocator.num_free == cap - 3 and dec.kv_usage > 0
     with pytest.raises(AssertionError, match="page leak: 3 pages"):
         dec.check_idle()

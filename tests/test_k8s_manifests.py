@@ -627,7 +627,7 @@ def test_podmonitor_scrapes_the_ports_that_serve_metrics():
 
 
 def test_image_bakes_the_default_model_the_manifests_serve():
-    from shared.engine.default_model import DEFAULT_MODEL_NAME, SOURCE_PIP_SPEC
+    from shared.model_files.default_model import DEFAULT_MODEL_NAME, SOURCE_PIP_SPEC
 
     dockerfile = (K8S / "image" / "Dockerfile").read_text()
     r = rendered_variant("cpu")

@@ -107,7 +107,7 @@ def _non_default(spec):
         return not spec.default if spec.default is not None else False
     if spec.choices:
         return next(c for c in spec.choices if c != spec.default)
-    if spec.parse in (parsers.optional_size,):
+    if spec.parse in (parsers.optional_size, parsers.size):
         return 3 << 30
     sample = {int: 3, float: 0.25, str: "x", parsers.optional_int: 3}
     return sample[spec.parse] if spec.default != sample[spec.parse] else sample[spec.parse] * 2

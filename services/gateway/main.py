@@ -51,7 +51,7 @@ def build_backend(config: GatewayConfig, model_dir: Path, served_name: str, max_
 
 
 def build_context(config: GatewayConfig) -> GatewayContext:
-    from shared.engine.default_model import resolve_model_dir
+    from shared.model_files.default_model import resolve_model_dir
 
     model_dir = resolve_model_dir(config.model)
     served_name = config.served_model_name or model_dir.name
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from services.gateway.app import build_app
     from services.gateway.http_server import uvicorn_limits
-    from shared.engine.default_model import ModelNotFoundError
+    from shared.model_files.default_model import ModelNotFoundError
     from shared.telemetry.tracing import setup_tracing
 
     from services.gateway import auth

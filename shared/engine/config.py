@@ -15,14 +15,14 @@ from shared.settings.spec import setting
 if TYPE_CHECKING:
     import torch
 
-    from .parallel import TPContext
+    from .parallel.context import TPContext
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")  # torch dtype names (float64: tests, CPU only)
 CPU_DEFAULT_KV_BYTES = 1 << 30  # absolute on CPU: several workers share one small machine
 
 
 def _tp_context() -> TPContext:
-    from .parallel import TPContext
+    from .parallel.context import TPContext
     return TPContext()
 
 
@@ -38,6 +38,13 @@ class EngineConfig:
     kv_cache_memory: int | None = setting(
         None, flag="--kv-cache-memory", env="DUET_KV_CACHE_MEMORY", parse=parsers.optional_size,
         help="KV budget in bytes, e.g. 512M or 4G (default: 1G on CPU, --mem-fraction on GPU)")
+    # host-memory tier under the device KV pool (kv_host_tier.py), bytes; None: on a GPU
+    # twice the device KV budget, at most a quarter of the host's available memory; off on
+    # the CPU (its device pool is host memory already); 0: off
+    kv_host_memory: int | None = setting(
+        None, flag="--kv-host-memory", env="DUET_KV_HOST_MEMORY", parse=parsers.size,
+        help="host-memory KV tier under the device pool, e.g. 16G; 0 = off (default: on a GPU twice the "
+             "device KV budget, at most a quarter of the host's available memory; off on the CPU)")
     mem_fraction: float = setting(
         0.85, flag="--mem-fraction", env="DUET_MEM_FRACTION",
         help="GPU: share of total memory for weights + KV (+ graphs)")

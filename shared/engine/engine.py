@@ -40,7 +40,8 @@ class EngineStats:
     steps: int = 0
     prefill_tokens_computed: int = 0  # prompt tokens whose KV this engine computed
     decode_tokens_computed: int = 0
-    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (every tier)
+    host_cached_tokens: int = 0  # of those, tokens loaded back from the host tier
     requests_finished: int = 0
 
 
@@ -56,7 +57,7 @@ class Engine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        from .default_model import resolve_model_dir
+        from shared.model_files.default_model import resolve_model_dir
         self.model_dir = resolve_model_dir(config.model_dir)
         self.model_config = mc = ModelConfig.from_dir(self.model_dir)
         self._tp_workers = None
@@ -70,7 +71,7 @@ class Engine:
             raise ValueError(f"expert parallelism (ep {config.ep_size}) needs a mixture-of-experts model; "
                              f"{mc.architecture} is dense")
         if config.tp_size > 1 and config.tp.size == 1:  # this process becomes rank 0 of tp_size
-            from .tp_launcher import check_divisible, launch
+            from .parallel.launcher import check_divisible, launch
             check_divisible(mc, config.tp_size, expert_parallel=config.ep_size > 1)
             config.tp, self._tp_workers = launch(config, config.tp_size, config.resolve_device())
             weakref.finalize(self, self._tp_workers.shutdown)
@@ -97,7 +98,7 @@ class Engine:
             self.small_batch_workspace = SmallBatchWorkspace.create(self.device)
             enable_small_batch_linears(self.model, self.small_batch_workspace, mode=which)
         if self.tp.size > 1 and self.device.type == "cuda" and config.custom_all_reduce:
-            from .custom_all_reduce import CustomAllReduce
+            from .parallel.custom_all_reduce import CustomAllReduce
             car = None
             if self.tp.all_ranks_agree(CustomAllReduce.fresh_process(), self.device):
                 car = CustomAllReduce.try_create(self.tp, self.device, mode=config.custom_all_reduce_mode)
@@ -107,7 +108,8 @@ class Engine:
         self.pool = KVPool(self.layout, self.device)
         self.backend = make_attention_backend(config.attention_backend, self.pool, self.device)
         self.pdl = self._enable_pdl(config, fused)
-        self.kv = KVManager(self.layout.num_pages, self.layout.page_size, config.enable_prefix_cache)
+        self.kv = KVManager(self.layout.num_pages, self.layout.page_size, config.enable_prefix_cache,
+                            host_tier=self._make_host_tier())
         self.scheduler = Scheduler(self.kv, config.resolve_batched_tokens(self.device), config.max_running_requests)
         self.runner = ModelRunner(self.model, self.pool, self.backend, self.device)
         if self._tp_workers is not None:
@@ -185,7 +187,7 @@ class Engine:
 
     @property
     def kv_heads(self):
-        """The global KV heads this rank's pool holds (parallel.HeadSlice)."""
+        """The global KV heads this rank's pool holds (parallel/context.py HeadSlice)."""
         return self.tp.kv_heads(self.model_config.num_kv_heads)
 
     # -- sizing -------------------------------------------------------------------------
@@ -208,6 +210,25 @@ class Engine:
             pages = self.tp.min_across_ranks(layout.num_pages, self.device)
             layout = KVLayout(num_pages=pages, **kw)
         return layout
+
+    def _make_host_tier(self):
+        """The host-memory tier under the KV pool (kv_host_tier.py), or None."""
+        budget = self.config.kv_host_memory
+        if budget is None:  # auto: on a GPU only (a CPU pool is host memory already)
+            if self.device.type != "cuda":
+                return None
+            budget = min(2 * self.layout.num_pages * self.layout.bytes_per_page, _available_host_memory() // 4)
+        pages = int(budget) // self.layout.bytes_per_page
+        if pages < 1 or not self.config.enable_prefix_cache:
+            return None
+        from .kv_host_tier import HostKVTier
+        tier = HostKVTier(self.pool.buffer, self.layout, pages)
+        if self._tp_workers is not None:  # every rank copies the same pages of its shard
+            tier.mirror = lambda kind, src, dst: self.call_followers(
+                "shared.engine.kv_host_tier:follower_copy", kind, src, dst)
+        log.info("host KV tier: %d pages (%.2f GiB%s)", pages, pages * self.layout.bytes_per_page / 2**30,
+                 ", pinned" if self.device.type == "cuda" else "")
+        return tier
 
     @property
     def tokenizer(self):
@@ -287,9 +308,12 @@ class Engine:
         self.scheduler.add(req)
         return req.rid
 
-    def reserve(self, reservation_id: str, num_tokens: int) -> list[int] | None:
-        """Decode side: set pages aside for a prompt whose KV another worker will write."""
-        return self.kv.reserve(reservation_id, num_tokens)
+    def reserve(self, reservation_id: str, num_tokens: int, prompt_ids: list[int] | None = None):
+        """Decode side: set pages aside for a prompt whose KV another worker will write.
+        With the prompt's token ids, the leading pages this worker already holds (any tier)
+        are reused; the writer fills only the rest. Returns a kv_manager.KVReservation
+        (None: no room now)."""
+        return self.kv.reserve(reservation_id, num_tokens, prompt_ids)
 
     def cancel_reservation(self, reservation_id: str) -> bool:
         return self.kv.cancel_reservation(reservation_id)
@@ -305,7 +329,12 @@ class Engine:
         if len(firsts) != params.n:
             raise ValueError(f"{len(firsts)} first tokens for n={params.n}")
         req = self._make_req(prompt_ids, params, rid, False)
-        req.page_ids = self.kv.take_reservation(reservation_id)
+        res = self.kv.take_reservation(reservation_id)
+        req.page_ids = res.page_ids
+        req.num_tree_pages, req.prefix_node = len(res.held_pages), res.node
+        req.num_cached_tokens = len(res.held_pages) * self.layout.page_size
+        req.num_host_loaded_tokens = res.host_loaded_pages * self.layout.page_size
+        req.kv_load_event = res.load_event
         req.num_computed = len(prompt_ids)
         self.requests[req.rid] = req
         self.scheduler.add_running(req)
@@ -471,6 +500,7 @@ class Engine:
         first = req.num_output == 0
         if first:
             self.stats.cached_tokens += req.num_cached_tokens
+            self.stats.host_cached_tokens += req.num_host_loaded_tokens
         req.token_ids.append(token)
         out = StepOutput(req.out_rid, [token], [lp], [top or []], num_prompt_tokens=req.num_prompt,
                          num_cached_tokens=req.num_cached_tokens, index=req.index)
@@ -542,6 +572,18 @@ class Engine:
         assert not self.scheduler.has_work and not self.requests, "engine still has requests"
         assert not self.groups.live, f"sequence groups still open: {list(self.groups.live)}"
         self.kv.check_idle()
+
+
+def _available_host_memory() -> int:
+    """MemAvailable (what the kernel can hand out without swapping), in bytes."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _find_stop(text: str, stops: list[str], prev_len: int) -> tuple[int, str] | None:

@@ -62,11 +62,13 @@ class KVPool:
 
 class PageAllocator:
     """Free-page bookkeeping. Hands out the lowest free ids first so a request's pages tend
-    to be consecutive (fewer, larger transfer descriptors)."""
+    to be consecutive (fewer, larger transfer descriptors). A device pool keeps page 0 back
+    as its padding page; a lower tier (reserve_first=False) has none."""
 
-    def __init__(self, num_pages: int):
+    def __init__(self, num_pages: int, reserve_first: bool = True):
         self.num_pages = num_pages
-        self._free = list(range(1, num_pages))  # page 0 is the padding page
+        self._first = 1 if reserve_first else 0
+        self._free = list(range(self._first, num_pages))
         heapq.heapify(self._free)
         self._is_free = bytearray(num_pages)
         for p in self._free:
@@ -74,7 +76,7 @@ class PageAllocator:
 
     @property
     def capacity(self) -> int:
-        return self.num_pages - 1
+        return self.num_pages - self._first
 
     @property
     def num_free(self) -> int:
@@ -90,7 +92,7 @@ class PageAllocator:
 
     def free(self, pages) -> None:
         for p in pages:
-            if p == PADDING_PAGE or self._is_free[p]:
+            if p < self._first or self._is_free[p]:
                 raise AssertionError(f"double free or padding page freed: page {p}")
             self._is_free[p] = 1
             heapq.heappush(self._free, p)

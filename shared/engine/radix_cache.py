@@ -1,13 +1,25 @@
 """Radix tree over whole KV pages, keyed by token ids, so requests that share a prompt
-prefix reuse its pages (SGLang's RadixAttention idea at page granularity).
+prefix reuse its pages (SGLang's RadixAttention idea at page granularity), with a lower
+tier under the device for pages the device had to give up.
 
-Each node holds a run of tokens whose length is a multiple of the page size, and the pages
-holding their KV. Nodes on a live request's path are locked (lock_ref > 0); unlocked
-leaves are evicted least-recently-used first when the allocator runs dry."""
+Each node holds a run of tokens whose length is a multiple of the page size and where
+their KV lives: `pages` on the device (what attention reads; empty once evicted from it)
+and `host_pages` in the lower tier (kv_host_tier.py: pinned host memory; empty when it has
+no copy). Both residencies are closed under prefixes: a node on the device has every
+ancestor on the device, and a node held anywhere has every ancestor held somewhere.
+
+Nodes on a live request's path are locked (lock_ref > 0): never evicted from any tier.
+Eviction walks device -> host -> gone, least recently used first: an unlocked device leaf
+(no child on the device) keeps its KV in the host tier (copied there now, unless a copy is
+there already) and leaves the device; host-only leaves leave the tree when the host tier
+needs room. A match that runs into host-only nodes can load them back (`load_back`).
+Every step publishes a KV event when an event sink is set: stored (entered the tree),
+offloaded (device -> host), loaded (host -> device), removed (gone from every tier)."""
 from __future__ import annotations
 
 import heapq
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .kv_pool import PageAllocator
@@ -16,68 +28,122 @@ from .kv_pool import PageAllocator
 @dataclass(eq=False)
 class RadixNode:
     key: tuple[int, ...] = ()
-    pages: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)  # device pages ([] when not on the device)
     parent: "RadixNode | None" = None
     children: dict[tuple[int, ...], "RadixNode"] = field(default_factory=dict)
     lock_ref: int = 0
     last_access: float = 0.0
     hashes: list[int] = field(default_factory=list)  # chained page hashes, when published
+    host_pages: list[int] = field(default_factory=list)  # lower-tier copy ([] when none)
 
     def __lt__(self, other: "RadixNode") -> bool:
         return self.last_access < other.last_access
 
+    @property
+    def on_device(self) -> bool:
+        return bool(self.pages)
+
+
+@dataclass
+class PrefixMatch:
+    """The longest held prefix: its device pages, then the host-only nodes that continue it."""
+
+    pages: list[int]  # device pages of the leading, device-resident part
+    node: RadixNode  # deepest device-resident node (the root when none)
+    host_nodes: list[RadixNode]  # host-only nodes after `node`, in path order
+
+    @property
+    def num_host_pages(self) -> int:
+        return sum(len(n.host_pages) for n in self.host_nodes)
+
+    @property
+    def deepest(self) -> RadixNode:
+        return self.host_nodes[-1] if self.host_nodes else self.node
+
+
+@dataclass
+class TierStats:
+    """Page counts since start, per tier; the worker turns them into Prometheus counters."""
+
+    device_hit_pages: int = 0  # pages a match found on the device
+    host_hit_pages: int = 0  # pages a match found in the host tier only (then loaded back)
+    offloaded_pages: int = 0  # device -> host copies (write-back on eviction)
+    loaded_pages: int = 0  # host -> device copies
+    device_evicted_pages: int = 0  # pages that left the device (kept on host or dropped)
+    host_evicted_pages: int = 0  # host copies dropped to make room
+    dropped_pages: int = 0  # pages that left the tree (no tier kept them)
+
 
 class RadixCache:
-    def __init__(self, allocator: PageAllocator, page_size: int, enabled: bool = True, events=None):
-        """events: optional object with stored(hashes) / removed(hashes) (KV events that
-        tell routers which prompt pages this worker holds)."""
+    def __init__(self, allocator: PageAllocator, page_size: int, enabled: bool = True, events=None,
+                 host=None):
+        """events: optional sink with stored / offloaded / loaded / removed(hashes) (KV events
+        that tell routers which prompt pages this worker holds). host: optional lower tier
+        (kv_host_tier.HostKVTier): its `allocator`, `save(device_pages, host_pages)` and
+        `load(host_pages, device_pages)`."""
         self.events = events
         self.allocator = allocator
         self.page_size = page_size
         self.enabled = enabled
+        self.host = host if enabled else None
         self.root = RadixNode()
         self.root.lock_ref = 1  # never evicted
-        self.num_cached_pages = 0  # pages owned by the tree
-        self.num_locked_pages = 0  # tree pages on some live request's path
+        self.num_cached_pages = 0  # device pages owned by the tree
+        self.num_locked_pages = 0  # device pages of the tree on some live request's path
+        self.num_host_pages = 0  # host pages owned by the tree
+        self.stats = TierStats()
 
     # -- lookup -------------------------------------------------------------------------
     def _child_key(self, tokens, pos) -> tuple[int, ...]:
         return tuple(tokens[pos:pos + self.page_size])
 
-    def match_prefix(self, tokens: list[int]) -> tuple[list[int], RadixNode]:
-        """Longest cached prefix of `tokens`, in whole pages: (pages, deepest node)."""
-        node, pages, pos = self.root, [], 0
+    def match(self, tokens: list[int]) -> PrefixMatch:
+        """Longest held prefix of `tokens` in whole pages, on the device and below it."""
+        node, pages, pos, host_nodes = self.root, [], 0, []
         if not self.enabled:
-            return pages, node
+            return PrefixMatch(pages, node, host_nodes)
         now = time.monotonic()
         ps = self.page_size
+        deepest_device = self.root
         while pos + ps <= len(tokens):
             child = node.children.get(self._child_key(tokens, pos))
             if child is None:
                 break
-            # how many whole pages of child's key match
-            n = 0
-            key = child.key
-            while n < len(child.pages) and pos + (n + 1) * ps <= len(tokens) and \
-                    tuple(tokens[pos + n * ps: pos + (n + 1) * ps]) == key[n * ps:(n + 1) * ps]:
-                n += 1
-            if n < len(child.pages):
+            n = self._matching_pages(child, tokens, pos)
+            if n < len(child.key) // ps:
                 child = self._split(child, n)
             child.last_access = now
-            pages.extend(child.pages)
+            if child.on_device:
+                pages.extend(child.pages)
+                deepest_device = child
+            else:
+                host_nodes.append(child)
             pos += len(child.key)
             node = child
-        return pages, node
+        return PrefixMatch(pages, deepest_device, host_nodes)
+
+    def match_prefix(self, tokens: list[int]) -> tuple[list[int], RadixNode]:
+        """Longest prefix of `tokens` on the device, in whole pages: (pages, deepest node)."""
+        m = self.match(tokens)
+        return m.pages, m.node
+
+    def _matching_pages(self, child: RadixNode, tokens, pos: int) -> int:
+        """How many whole pages of child's key equal tokens[pos:]."""
+        ps, key, n = self.page_size, child.key, 0
+        while (n + 1) * ps <= len(key) and pos + (n + 1) * ps <= len(tokens) and \
+                tuple(tokens[pos + n * ps: pos + (n + 1) * ps]) == key[n * ps:(n + 1) * ps]:
+            n += 1
+        return n
 
     def _split(self, node: RadixNode, n_pages: int) -> RadixNode:
         """Split `node` after n_pages; returns the new upper node."""
         cut = n_pages * self.page_size
         upper = RadixNode(key=node.key[:cut], pages=node.pages[:n_pages], parent=node.parent,
                           lock_ref=node.lock_ref, last_access=node.last_access,
-                          hashes=node.hashes[:n_pages])
+                          hashes=node.hashes[:n_pages], host_pages=node.host_pages[:n_pages])
         node.hashes = node.hashes[n_pages:]
         node.parent.children[upper.key[:self.page_size]] = upper
-        node.key, node.pages = node.key[cut:], node.pages[n_pages:]
+        node.key, node.pages, node.host_pages = node.key[cut:], node.pages[n_pages:], node.host_pages[n_pages:]
         node.parent = upper
         upper.children[node.key[:self.page_size]] = node
         return upper
@@ -98,13 +164,38 @@ class RadixCache:
                 self.num_locked_pages -= len(node.pages)
             node = node.parent
 
+    # -- loading back from the host tier -------------------------------------------------
+    def load_back(self, match: PrefixMatch, allocate: Callable[[int], list[int] | None]) -> int:
+        """Copy the match's host-only nodes back to the device, in path order, as far as
+        device pages can be had. The caller has locked match.deepest (so nothing on the path
+        is evicted meanwhile). Returns how many host nodes are on the device now; their
+        pages are appended to match.pages and match.node moves down."""
+        loaded = 0
+        for node in match.host_nodes:
+            dev = allocate(len(node.host_pages))
+            if dev is None:
+                break
+            self.host.load(node.host_pages, dev)
+            node.pages = dev
+            self.num_cached_pages += len(dev)
+            if node.lock_ref > 0:
+                self.num_locked_pages += len(dev)
+            self.stats.loaded_pages += len(dev)
+            self._event("loaded", node)
+            match.pages.extend(dev)
+            match.node = node
+            loaded += 1
+        match.host_nodes = match.host_nodes[loaded:]
+        return loaded
+
     # -- insert -------------------------------------------------------------------------
     def insert(self, tokens: list[int], pages: list[int]) -> tuple[list[int], RadixNode]:
         """Give the tree ownership of `pages` (KV of tokens[:len(pages)*page_size]).
 
-        Returns (pages the caller must free because the tree already held that prefix,
-        deepest node). Pages that are already the tree's own (a matched prefix) are
-        recognised and not returned."""
+        Returns (pages the caller must free because the tree already held that prefix on
+        the device, deepest node). Pages that are already the tree's own (a matched prefix)
+        are recognised and not returned. A host-only node on the path takes the caller's
+        pages as its device copy."""
         ps = self.page_size
         n_pages = min(len(pages), len(tokens) // ps)
         tokens = tokens[: n_pages * ps]
@@ -125,16 +216,18 @@ class RadixCache:
                     new.hashes = chained_page_hashes(tokens, ps)[pos // ps:]
                     self.events.stored(new.hashes)
                 return duplicates, new
-            n = 0
-            while n < len(child.pages) and pos + (n + 1) * ps <= len(tokens) and \
-                    tuple(tokens[pos + n * ps: pos + (n + 1) * ps]) == child.key[n * ps:(n + 1) * ps]:
-                n += 1
-            if n < len(child.pages):
+            n = self._matching_pages(child, tokens, pos)
+            if n < len(child.key) // ps:
                 child = self._split(child, n)
-            for i, p in enumerate(child.pages):
-                mine = pages[pos // ps + i]
-                if mine != p:
-                    duplicates.append(mine)
+            mine = pages[pos // ps: pos // ps + len(child.key) // ps]
+            if child.on_device:
+                duplicates.extend(m for m, p in zip(mine, child.pages) if m != p)
+            else:  # held below the device only: our copy becomes its device copy
+                child.pages = list(mine)
+                self.num_cached_pages += len(mine)
+                if child.lock_ref > 0:
+                    self.num_locked_pages += len(mine)
+                self._event("loaded", child)
             child.last_access = now
             pos += len(child.key)
             node = child
@@ -146,22 +239,102 @@ class RadixCache:
         return self.num_cached_pages - self.num_locked_pages
 
     def evict(self, num_pages: int) -> int:
-        """Free at least num_pages unlocked pages (LRU leaves first); returns pages freed."""
-        leaves = [n for n in self._all_nodes() if not n.children and n.lock_ref == 0 and n is not self.root]
+        """Free at least num_pages unlocked device pages (LRU device leaves first); returns
+        pages freed. With a host tier each keeps its KV there."""
+        leaves = [n for n in self._all_nodes() if self._device_evictable(n)]
         heapq.heapify(leaves)
         freed = 0
         while freed < num_pages and leaves:
             leaf = heapq.heappop(leaves)
-            self.allocator.free(leaf.pages)
-            if self.events is not None and leaf.hashes:
-                self.events.removed(leaf.hashes)
-            freed += len(leaf.pages)
-            self.num_cached_pages -= len(leaf.pages)
+            if not self._device_evictable(leaf):  # changed since it was queued
+                continue
             parent = leaf.parent
-            del parent.children[leaf.key[:self.page_size]]
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            freed += self._evict_from_device(leaf)
+            if self._device_evictable(parent):
                 heapq.heappush(leaves, parent)
         return freed
+
+    def _device_evictable(self, node: RadixNode) -> bool:
+        return (node is not self.root and node.on_device and node.lock_ref == 0
+                and not any(c.on_device for c in node.children.values()))
+
+    def _evict_from_device(self, node: RadixNode) -> int:
+        n = len(node.pages)
+        if self.host is not None and not node.host_pages:
+            host_pages = self._host_allocate(n)
+            if host_pages is not None:
+                self.host.save(node.pages, host_pages)
+                node.host_pages = host_pages
+                self.num_host_pages += n
+                self.stats.offloaded_pages += n
+        self.allocator.free(node.pages)
+        node.pages = []
+        self.num_cached_pages -= n
+        self.stats.device_evicted_pages += n
+        if node.host_pages:
+            self._event("offloaded", node)
+        else:
+            self._drop(node)
+        return n
+
+    def _host_allocate(self, n: int) -> list[int] | None:
+        """n free host pages, dropping LRU host copies to make room: first host-only leaves
+        (they leave the tree), then backups of nodes the device still holds."""
+        alloc = self.host.allocator
+        if alloc.num_free < n:
+            self._evict_host(n - alloc.num_free)
+        return alloc.allocate(n) if alloc.num_free >= n else None
+
+    def _evict_host(self, num_pages: int) -> int:
+        freed = 0
+        leaves = [x for x in self._all_nodes() if self._host_leaf(x)]
+        heapq.heapify(leaves)
+        while freed < num_pages and leaves:
+            leaf = heapq.heappop(leaves)
+            if not self._host_leaf(leaf):
+                continue
+            parent = leaf.parent
+            freed += len(leaf.host_pages)
+            self._drop(leaf)
+            if self._host_leaf(parent):
+                heapq.heappush(leaves, parent)
+        if freed < num_pages:  # then copies of pages the device still holds
+            backups = sorted((x for x in self._all_nodes() if x.on_device and x.host_pages), key=lambda x: x.last_access)
+            for node in backups:
+                if freed >= num_pages:
+                    break
+                freed += self._free_host_copy(node)
+        return freed
+
+    def _host_leaf(self, node: RadixNode) -> bool:
+        return (node is not self.root and not node.on_device and bool(node.host_pages)
+                and node.lock_ref == 0 and not node.children)
+
+    def _free_host_copy(self, node: RadixNode) -> int:
+        n = len(node.host_pages)
+        self.host.allocator.free(node.host_pages)
+        node.host_pages = []
+        self.num_host_pages -= n
+        self.stats.host_evicted_pages += n
+        return n
+
+    def _drop(self, node: RadixNode) -> None:
+        """Take a node that holds no device pages out of the tree, with its subtree (held
+        below the device only, by closure); their lower-tier copies are freed."""
+        for child in list(node.children.values()):
+            self._drop(child)
+        if node.host_pages:
+            self._free_host_copy(node)
+        self.stats.dropped_pages += len(node.key) // self.page_size
+        self._event("removed", node)
+        parent = node.parent
+        if parent is not None and parent.children.get(node.key[:self.page_size]) is node:
+            del parent.children[node.key[:self.page_size]]
+        node.parent = None
+
+    def _event(self, kind: str, node: RadixNode) -> None:
+        if self.events is not None and node.hashes:
+            getattr(self.events, kind)(node.hashes)
 
     def _all_nodes(self):
         stack = [self.root]
@@ -171,5 +344,7 @@ class RadixCache:
             stack.extend(n.children.values())
 
     def reset(self) -> None:
-        """Drop every unlocked cached page (used by tests and on weight reload)."""
+        """Drop every unlocked cached page from every tier (tests, weight reload)."""
         self.evict(self.num_cached_pages)
+        if self.host is not None:
+            self._evict_host(self.num_host_pages)

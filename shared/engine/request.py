@@ -32,7 +32,9 @@ class Req:
     num_kv_ready: int = 0
     num_tree_pages: int = 0  # leading page_ids owned by the radix tree (shared, locked)
     prefix_node: RadixNode | None = None
-    num_cached_tokens: int = 0  # prefix-cache hit at first admission
+    num_cached_tokens: int = 0  # prefix-cache hit at first admission (every tier)
+    num_host_loaded_tokens: int = 0  # of those, tokens loaded back from the host tier
+    kv_load_event: object = None  # CUDA event of that load: the first forward waits for it
     status: ReqStatus = ReqStatus.WAITING
     finish_reason: str | None = None  # stop | length | abort | error
     stop_reason: str | int | None = None

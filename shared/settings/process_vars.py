@@ -13,7 +13,8 @@ CLI_LOG_LEVEL = variable(
 CACHE_DIR = variable(
     "DUET_CACHE_DIR", None, read_by=("worker", "gateway", "up", "generate", "chat", "convert-default-model"),
     help="where the embedded default model is converted to (default: $XDG_CACHE_HOME/duet or ~/.cache/duet)")
-# the TP launcher's handshake with the rank processes it starts (shared/engine/tp_launcher.py);
+# the TP launcher's handshake with the rank processes it starts (shared/engine/parallel/launcher.py,
+# follower.py);
 # "tp-rank": those processes, whatever command started the engine
 TP_ADDR = variable("DUET_TP_ADDR", None, read_by=("tp-rank",), internal=True,
                    help="host:port of rank 0's control socket, for a tensor-parallel rank process")

@@ -10,7 +10,7 @@ import argparse
 import contextlib
 import sys
 
-from .cli_options import add_model_options, add_sampling_options, fail, load_llm, sampling_params_from_args, setup_logging
+from .options import UsageError, add_model_options, add_sampling_options, fail, open_model, setup_logging
 
 PROG = "duet generate"
 
@@ -30,18 +30,14 @@ def main(argv: list[str]) -> int:
     if not prompt:
         return fail(PROG, "the prompt is empty")
 
-    from .default_model import ModelNotFoundError, resolve_model_dir
-
     out = sys.stdout
     # Anything a library prints while loading or generating must not reach stdout.
     with contextlib.redirect_stdout(sys.stderr):
         try:
-            params = sampling_params_from_args(args)
-            model_dir = resolve_model_dir(args.model)
-        except (ValueError, ModelNotFoundError) as exc:
+            model = open_model(args)
+        except UsageError as exc:
             return fail(PROG, str(exc))
-        llm = load_llm(args, model_dir)
-        result = llm.generate([prompt], params)[0]
+        result = model.llm.generate([prompt], model.params)[0]
     out.write(result.text + "\n")
     out.flush()
     return 0

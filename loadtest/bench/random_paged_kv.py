@@ -1,4 +1,5 @@
-"""Random paged KV caches for kernel tests and benchmarks.
+"""Random paged KV caches for kernel tests and benchmarks (here, beside accuracy.py, for
+the same reason: both use them, and the runtime packages carry no test code).
 
 Builds a page-major pool `[pages, layers, 2, kv_heads, page_size, head_dim]`
 in which only the live tokens of one layer hold data: every other slot

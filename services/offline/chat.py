@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from .cli_options import add_model_options, add_sampling_options, fail, load_llm, sampling_params_from_args, setup_logging
+from .options import UsageError, add_model_options, add_sampling_options, fail, open_model, setup_logging
 
 PROG = "duet chat"
 EXIT_COMMANDS = {"/exit", "/quit"}
@@ -146,15 +146,12 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
 
-    from .default_model import ModelNotFoundError, resolve_model_dir
-
     with contextlib.redirect_stdout(sys.stderr):
         try:
-            params = sampling_params_from_args(args)
-            model_dir = resolve_model_dir(args.model)
-        except (ValueError, ModelNotFoundError) as exc:
+            model = open_model(args)
+        except UsageError as exc:
             return fail(PROG, str(exc))
-        llm = load_llm(args, model_dir)
+        llm, params, model_dir = model.llm, model.params, model.model_dir
         llm.tokenizer  # load it now, not on the first question
     max_model_len = getattr(getattr(llm, "engine", None), "max_model_len", None) or 2048
     interactive = sys.stdin.isatty()

@@ -1,4 +1,5 @@
-"""Command-line options shared by `duet generate` and `duet chat`: model, device, sampling.
+"""What `duet generate` and `duet chat` share: their model, device and sampling options,
+logging, and loading the model.
 
 Kept free of torch imports so `--help` and argument errors answer at once.
 """
@@ -9,6 +10,8 @@ import argparse
 import logging
 import os
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 from shared.settings.process_vars import CLI_LOG_LEVEL
 
@@ -64,10 +67,30 @@ def sampling_params_from_args(args: argparse.Namespace):
     )
 
 
-def load_llm(args: argparse.Namespace, model_dir):
-    from shared.engine import LLM
+class UsageError(Exception):
+    """A mistake in the command's arguments (a bad sampling value, no such model folder)."""
 
-    return LLM(str(model_dir), dtype=args.dtype, device=args.device)
+
+@dataclass
+class OfflineModel:
+    llm: object  # shared.engine.LLM
+    params: object  # shared.engine.SamplingParams
+    model_dir: Path
+
+
+def open_model(args: argparse.Namespace) -> OfflineModel:
+    """Check the sampling options, find the model folder (the default model is converted on
+    first use), then load it. The user's mistakes raise UsageError before anything loads;
+    a failure while loading is not theirs and propagates as it is."""
+    from shared.engine import LLM
+    from shared.model_files.default_model import ModelNotFoundError, resolve_model_dir
+
+    try:
+        params = sampling_params_from_args(args)
+        model_dir = resolve_model_dir(args.model)
+    except (ValueError, ModelNotFoundError) as exc:
+        raise UsageError(str(exc)) from None
+    return OfflineModel(LLM(str(model_dir), dtype=args.dtype, device=args.device), params, model_dir)
 
 
 def fail(prog: str, message: str) -> int:

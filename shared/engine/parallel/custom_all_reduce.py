@@ -11,7 +11,8 @@ DUET_CUSTOM_ALLREDUCE):
   (kernels/triton_peer_all_reduce.py). No separate barrier kernels: measured on
   2 x H200, torch's signal-pad barriers (two per call) were most of a TP decode step.
 - "barrier": copy into this rank's buffer, torch symm-mem barrier, a Triton kernel that
-  reads every peer's buffer and does the same sum + add + RMSNorm, barrier again.
+  reads every peer's buffer and does the same sum + add + RMSNorm
+  (kernels/triton_peer_read_all_reduce.py), barrier again.
 - "oneshot": torch's one_shot_all_reduce_copy_out, then our add+RMSNorm kernel.
 
 Every rank gets the same bits (rank-order float32 sums). Sizes over the buffer or dtypes
@@ -176,10 +177,10 @@ class CustomAllReduce:
                 return summed, None
             from kernels.rms_norm import rms_norm
             return rms_norm(summed, weight, eps, residual)
-        from .custom_all_reduce_kernel import launch_reduce
+        from kernels.triton_peer_read_all_reduce import read_reduce
         self._symm_view(x).copy_(x)
         self.handle.barrier(channel=0)
-        out = launch_reduce(self.peer_ptrs, self.world_size, x, residual, weight, eps)
+        out = read_reduce(self.peer_ptrs, self.world_size, x, residual, weight, eps)
         self.handle.barrier(channel=1)
         return out
 

@@ -1,10 +1,16 @@
-"""Triton kernel behind custom_all_reduce.py (imported lazily: needs triton and CUDA).
+"""All-reduce by reading every peer's buffer, fused with the residual add and RMSNorm (the
+"barrier" mode of shared/engine/parallel/custom_all_reduce.py; the reference is
+peer_all_reduce.py, the same function as triton_peer_all_reduce.py's push kernel).
 
-One program per row: read the row from every rank's buffer (raw addresses in
-`peer_ptrs`), sum in rank order in float32, round to the input dtype (as an unfused
-all-reduce would), then optionally add the residual (rounded again, as the unfused add)
-and RMSNorm. Loads of peer memory bypass the L1 cache (.cv): the data was written by
-another GPU since this SM may last have read that address."""
+Every rank has already copied its partial sums into its own peer-mapped buffer and passed
+a barrier; then one program per row reads the row from every rank's buffer (raw addresses
+in `peer_ptrs`), sums in rank order in float32, rounds to the input dtype (as an unfused
+all-reduce would), then optionally adds the residual (rounded again, as the unfused add)
+and applies RMSNorm. Loads of peer memory bypass the L1 cache (.cv): the data was written by
+another GPU since this SM may last have read that address.
+
+Imported lazily (needs triton). The kernel needs no second GPU: given the addresses of
+local buffers it runs anywhere Triton does (its test runs it under the CPU interpreter)."""
 import torch
 import triton
 import triton.language as tl
@@ -34,9 +40,10 @@ def _reduce_kernel(peer_ptrs, residual, weight, out, res_out, n_cols, eps,
         tl.store(out + row * stride_out + cols, x, mask=ok)
 
 
-def launch_reduce(peer_ptrs, world: int, x, residual, weight, eps: float):
-    """x: [T, H] (this rank's partial sums, already published in its buffer, same shape).
-    Returns (out, new_residual) with NORM, else (sum, None)."""
+def read_reduce(peer_ptrs, world: int, x, residual, weight, eps: float):
+    """x: [T, H] this rank's partial sums, already copied to the start of its buffer (every
+    rank's buffer holds its [T, H] rows there, contiguous); peer_ptrs: int64 [world], each
+    rank's buffer address. Returns (out, new_residual) with a residual, else (sum, None)."""
     n_rows, n_cols = x.shape
     out = torch.empty_like(x)
     norm = residual is not None
