@@ -409,8 +409,8 @@ def test_probes_on_every_deployment_and_generous_model_loading(rendered):
     gateway = r.pod("gateway").main
     assert gateway["readinessProbe"]["httpGet"]["path"] == "/health"
     assert gateway["livenessProbe"]["httpGet"]["path"] != "/health", "liveness must not depend on other pods"
-    from services.gateway.app import build_app  # noqa: F401  (the route table lives there)
-    app_source = (REPO / "services" / "gateway" / "app.py").read_text()
+    from services.gateway.http_edge.app import build_app  # noqa: F401  (the route table lives there)
+    app_source = (REPO / "services" / "gateway" / "http_edge" / "app.py").read_text()
     for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert f'"{gateway[kind]["httpGet"]["path"]}"' in app_source
 

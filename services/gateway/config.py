@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from services.gateway.limits import GatewayLimits
-from services.gateway.security_config import SecurityConfig
+from services.gateway.http_edge.limits_config import GatewayLimits
+from services.gateway.http_edge.security_config import SecurityConfig
 from shared.settings import parsers
 from shared.settings.drain import drain_grace
 from shared.settings.flags import build_parser, from_args

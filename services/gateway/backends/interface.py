@@ -1,7 +1,8 @@
 """What the HTTP layer needs from whatever produces tokens.
 
-Two implementations: GrpcBackend (router -> Decode.Reserve -> Prefill -> Decode.Generate,
-the disaggregated path) and LocalBackend (an in-process engine: tests, single process).
+Two implementations: GrpcBackend (grpc_workers.py: router -> Decode.Reserve -> Prefill ->
+Decode.Generate, the disaggregated path) and LocalBackend (local_engine.py: an in-process
+engine: tests, single process).
 
 Contract of `generate`:
   * it is an async generator of TokenEvent; each of the request's n sequences (`index`)

@@ -8,10 +8,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.gateway.request_limits import RequestLimitsMiddleware
-from services.gateway.endpoints import GatewayContext, OpenAIEndpoints
-from services.gateway.errors import APIError, invalid_request, not_found
-from services.gateway.openapi import install_openapi
+from services.gateway.http_edge.error_responses import APIError, invalid_request, not_found
+from services.gateway.http_edge.openapi import install_openapi
+from services.gateway.http_edge.request_guard import RequestLimitsMiddleware
+from services.gateway.openai_api.endpoints import GatewayContext, OpenAIEndpoints
 
 
 def build_app(ctx: GatewayContext, manage_backend: bool = True, metrics_route: bool = True) -> FastAPI:

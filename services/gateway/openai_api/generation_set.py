@@ -10,7 +10,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from services.gateway.generation import Generation, GenerationStats, OutputDelta
+from services.gateway.openai_api.generation import Generation, GenerationStats, OutputDelta
 
 
 @dataclass

@@ -12,15 +12,15 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from services.gateway.backend import (
+from services.gateway.backends.interface import (
     FINISH_STOP,
     BackendUnavailable,
     GenerationBackend,
     GenerationRequest,
     TokenLogprob,
 )
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.stop_strings import StopStringMatcher
+from services.gateway.http_edge.metrics import GatewayMetrics
+from services.gateway.openai_api.stop_strings import StopStringMatcher
 from shared.detokenizer import IncrementalDetokenizer
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from fastapi.responses import JSONResponse
 
-from services.gateway.backend import BackendBadRequest, BackendBusy, BackendError, BackendUnavailable
+from services.gateway.backends.interface import BackendBadRequest, BackendBusy, BackendError, BackendUnavailable
 from shared.openai_protocol.errors import InvalidRequest
 
 

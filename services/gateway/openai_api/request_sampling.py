@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.gateway.backend import SamplingOptions
+from services.gateway.backends.interface import SamplingOptions
 from shared.openai_protocol.errors import InvalidRequest
 from shared.openai_protocol.requests import ChatCompletionRequest, CompletionRequest
 

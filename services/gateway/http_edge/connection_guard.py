@@ -1,4 +1,5 @@
-"""uvicorn, hardened against slow and oversized clients.
+"""uvicorn, hardened against slow and oversized clients (connection bounds from GatewayLimits,
+limits_config.py; request headers and bodies are request_guard.py's).
 
 uvicorn's h11 protocol bounds the size of a request's headers (h11_max_incomplete_event_size)
 and closes idle keep-alive connections (timeout_keep_alive), but it starts no clock while
@@ -16,7 +17,7 @@ from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from services.gateway.limits import GatewayLimits
+from services.gateway.http_edge.limits_config import GatewayLimits
 
 log = logging.getLogger("duet.gateway")
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter
 
-from services.gateway.errors import APIError
+from services.gateway.http_edge.error_responses import APIError
 
 log = logging.getLogger("duet.gateway.auth")
 

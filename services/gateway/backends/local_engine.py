@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
-from services.gateway.backend import (
+from services.gateway.backends.interface import (
     FINISH_REASONS,
     BackendBadRequest,
     BackendUnavailable,

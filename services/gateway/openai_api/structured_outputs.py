@@ -1,7 +1,8 @@
-"""The grammar a chat request needs, if any: from response_format (json_object /
-json_schema), or from a forced tool_choice ("required": a list of calls to the given
-functions, vLLM's shape; a named function: its arguments). Checked here with xgrammar, so
-a schema it cannot compile is a 400 naming the problem before any worker is asked."""
+"""Structured outputs: the grammar a request needs, if any: from response_format (chat;
+text.format in the Responses API: json_object / json_schema), or from a forced tool_choice
+("required": a list of calls to the given functions, vLLM's shape; a named function: its
+arguments). Checked here with xgrammar, so a schema it cannot compile is a 400 naming the
+problem before any worker is asked."""
 from __future__ import annotations
 
 import json

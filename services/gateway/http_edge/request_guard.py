@@ -1,11 +1,13 @@
-"""Requests, bounded. Headers over `max_header_bytes` get 431 (h11's own bound applies
-only while headers are incomplete across reads, so a whole oversized block that arrives
-in one read passes it). A body over `max_bytes` gets 413 (by Content-Length before a
-byte of it is read, or as soon as a chunked body passes the limit) and one not fully
-received within `timeout_s` gets 408, both as OpenAI error JSON, and the connection is
-closed. The endpoints buffer the whole body anyway (it is parsed as one JSON document),
-so reading it here first costs nothing; the app then gets it replayed as one message,
-and later receive() calls (disconnect watching) pass through."""
+"""Requests, bounded (ASGI middleware; the limits are GatewayLimits, limits_config.py).
+
+Headers over `max_header_bytes` get 431 (h11's own bound applies only while headers are
+incomplete across reads, so a whole oversized block that arrives in one read passes it). A
+body over `max_bytes` gets 413 (by Content-Length before a byte of it is read, or as soon
+as a chunked body passes the limit) and one not fully received within `timeout_s` gets
+408, both as OpenAI error JSON, and the connection is closed. The endpoints buffer the
+whole body anyway (it is parsed as one JSON document), so reading it here first costs
+nothing; the app then gets it replayed as one message, and later receive() calls
+(disconnect watching) pass through."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import asyncio
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from services.gateway.errors import APIError
+from services.gateway.http_edge.error_responses import APIError
 
 _WITH_BODY = ("POST", "PUT", "PATCH")
 

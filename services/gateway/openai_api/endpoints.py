@@ -14,9 +14,9 @@ from fastapi.responses import JSONResponse, Response
 from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from services.gateway.admission import AdmissionQueue, AdmissionRefused, register_admission_metrics
-from services.gateway.backend import BackendError, GenerationBackend, GenerationRequest, SamplingOptions
-from services.gateway.errors import (
+from services.gateway.backends.interface import BackendError, GenerationBackend, GenerationRequest, SamplingOptions
+from services.gateway.http_edge.admission import AdmissionQueue, AdmissionRefused, register_admission_metrics
+from services.gateway.http_edge.error_responses import (
     APIError,
     from_backend_error,
     from_invalid_request,
@@ -24,24 +24,32 @@ from services.gateway.errors import (
     model_not_found,
     server_busy,
 )
-from services.gateway.generation import Generation, OutputDelta
-from services.gateway.generation_set import GenerationSet
-from services.gateway.limits import GatewayLimits
-from services.gateway.grammar_request import response_format_grammar, tool_choice_grammar
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.prompt import PromptBuilder
-from services.gateway.response_format import ChatFormatter, CompletionFormatter, EchoPrompt, ToolMode
-from services.gateway.tool_prompt import ToolTemplate
-from shared.openai_protocol.tools import named_choice
-from services.gateway.responses_format import ResponsesFormatter
-from services.gateway.sampling import chat_sampling, completion_budget, completion_sampling
-from services.gateway.sse import DONE_EVENT, ClientDisconnected, EventStreamResponse, run_until_disconnect, sse_event
-from services.gateway.token_strings import TokenStrings
+from services.gateway.http_edge.limits_config import GatewayLimits
+from services.gateway.http_edge.metrics import GatewayMetrics
+from services.gateway.http_edge.sse import (
+    DONE_EVENT,
+    ClientDisconnected,
+    EventStreamResponse,
+    run_until_disconnect,
+    sse_event,
+)
+from services.gateway.openai_api.chat_objects import ChatFormatter
+from services.gateway.openai_api.completion_objects import CompletionFormatter, EchoPrompt
+from services.gateway.openai_api.generation import Generation, OutputDelta
+from services.gateway.openai_api.generation_set import GenerationSet
+from services.gateway.openai_api.prompt_builder import PromptBuilder
+from services.gateway.openai_api.request_sampling import chat_sampling, completion_budget, completion_sampling
+from services.gateway.openai_api.responses_objects import ResponsesFormatter
+from services.gateway.openai_api.structured_outputs import response_format_grammar, tool_choice_grammar
+from services.gateway.openai_api.token_strings import TokenStrings
+from services.gateway.openai_api.tool_call_parsing import ToolMode
+from services.gateway.openai_api.tool_prompt import ToolTemplate
 from shared.openai_protocol.errors import InvalidRequest
-from shared.telemetry.propagation import extract_http_context, inject_http_headers
-from shared.telemetry.requests import HTTP_CLIENT_CLOSED
 from shared.openai_protocol.requests import parse_chat_request, parse_completion_request
 from shared.openai_protocol.responses import parse_responses_request
+from shared.openai_protocol.tools import named_choice
+from shared.telemetry.propagation import extract_http_context, inject_http_headers
+from shared.telemetry.requests import HTTP_CLIENT_CLOSED
 
 log = logging.getLogger("duet.gateway")
 

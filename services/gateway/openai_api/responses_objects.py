@@ -10,9 +10,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.gateway.generation import GenerationStats, OutputDelta
-from services.gateway.response_format import ToolMode
-from services.gateway.tool_calls import ToolStream
+from services.gateway.openai_api.generation import GenerationStats, OutputDelta
+from services.gateway.openai_api.tool_call_parsing import ToolMode, ToolStream
 
 
 def _id(prefix: str) -> str:

@@ -11,7 +11,9 @@ function's arguments.
 
 Each parser turns text pieces into events: ("content", text) or ("call", ToolCall), or
 ("arguments", text) for a named function streamed as it is written. Text that might
-start a call is held back until it is known; a call that never parses stays content."""
+start a call is held back until it is known; a call that never parses stays content.
+A ToolStream turns one choice's events into chat deltas; a ToolMode (chosen per request
+from tool_choice and the template) says which parser a new ToolStream gets."""
 from __future__ import annotations
 
 import json
@@ -208,6 +210,18 @@ class ToolStream:
                 self._named_call.arguments += value
                 out.append({"tool_calls": [{"index": 0, "function": {"arguments": value}}]})
         return out
+
+
+@dataclass(frozen=True)
+class ToolMode:
+    """How a request's answers carry tool calls (chat and the Responses API): a parser
+    kind (make_parser) and, for a named tool_choice, the function."""
+
+    parser: str  # hermes | llama3_json | required | named
+    name: str | None = None
+
+    def new_stream(self) -> ToolStream:
+        return ToolStream(make_parser(self.parser, self.name), named=self.name if self.parser == "named" else None)
 
 
 def _partial_suffix(text: str, marker: str) -> int:

@@ -1,4 +1,6 @@
-"""The disaggregated path (DESIGN.md steps 1-5) behind the GenerationBackend interface.
+"""The disaggregated path behind the GenerationBackend interface: the router picks a
+(prefill, decode) pair, decode reserves KV pages for the request, prefill computes the
+prompt's KV into them and returns the first token, decode streams the rest.
 
     Router.Route -> Decode.Reserve -> Prefill.Prefill (first token: sent to the client at
     once) -> Decode.Generate (the rest) -> Router.Release
@@ -22,7 +24,7 @@ from typing import AsyncIterator
 import grpc
 
 from protos import duet_pb2, duet_pb2_grpc
-from services.gateway.backend import (
+from services.gateway.backends.interface import (
     FINISH_LENGTH,
     FINISH_STOP,
     BackendBadRequest,

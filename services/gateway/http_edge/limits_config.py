@@ -1,6 +1,8 @@
 """The gateway's limits against hostile or runaway load: admission (how many generations
 run and wait), request body size, and timeouts for slow clients. One dataclass, filled
-from CLI flags with DUET_* environment defaults (GatewayConfig nests it)."""
+from CLI flags with DUET_* environment defaults (GatewayConfig nests it). The settings
+only: admission.py, request_guard.py (headers, bodies) and connection_guard.py (slow
+connections) enforce them."""
 
 from __future__ import annotations
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,16 +57,3 @@ class PromptBuilder:
             if not 0 <= token_id < limit:
                 raise InvalidRequest(f"token id {token_id} is out of the vocabulary (size {limit})", param)
         return list(token_ids)
-
-
-def read_max_position_embeddings(model_dir: str | Path) -> int | None:
-    """The context length in the model's config.json, if it states one."""
-    try:
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    for key in ("max_position_embeddings", "max_sequence_length", "n_positions", "seq_length"):
-        value = config.get(key) or config.get("text_config", {}).get(key)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
