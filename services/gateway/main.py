@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -117,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
              security.grpc_tls.describe("client"), f"port {security.metrics_port}" if metrics_server else "the API port")
     try:
         uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level.lower(),
-                    timeout_graceful_shutdown=float(os.environ.get("DUET_DRAIN_GRACE", "30")),
+                    timeout_graceful_shutdown=config.drain_grace_s,
                     **ssl_options, **uvicorn_limits(config.limits))
     finally:
         if metrics_server is not None:

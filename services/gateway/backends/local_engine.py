@@ -1,6 +1,6 @@
 """An in-process engine behind the GenerationBackend interface (single process, tests).
 
-The engine runs on the worker's EngineLoop (services/worker/engine_loop.py): one thread
+The engine runs on the worker's EngineLoop (services/worker_runtime/engine_loop.py): one thread
 owns it and steps it while there is work; asyncio handlers submit closures to it and get
 each request's StepOutputs through a per-request asyncio.Queue. The model loads on a
 thread of its own so the server answers /health (503, loading) meanwhile.
@@ -24,7 +24,7 @@ from services.gateway.backends.interface import (
     TokenEvent,
     TokenLogprob,
 )
-from services.worker.engine_loop import EngineLoop
+from services.worker_runtime.engine_loop import EngineLoop
 
 log = logging.getLogger("duet.gateway.local")
 
