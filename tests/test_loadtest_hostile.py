@@ -75,7 +75,7 @@ def test_suite_records_every_reading(server, tmp_path, capsys):
     only = ("field_top_k_2^40,field_logit_bias_superscript_key,field_responses_content_list_of_ints,"
             "http_bad_chunk_size,http_invalid_json_body,special_tokens_in_content,jinja_template_override,"
             "jinja_memory_bomb,jinja_cpu_burn,schema_response_format,huge_stop_list,"
-            "admission_prompt_list_vs_victim,disconnect_50ms_x10")
+            "admission_prompt_list_vs_victim,disconnect_x10_staggered")
     code = loadtest_main(["hostile", "--base-url", server["base_url"] + "/v1", "--api-key", KEY,
                           "--gateway-pid", str(server["pid"]), "--worker-metrics", server["metrics"],
                           "--only", only, "--json", str(out), "--markdown", str(md), *SMALL])
@@ -103,7 +103,7 @@ def test_suite_records_every_reading(server, tmp_path, capsys):
     victim = probes["admission_prompt_list_vs_victim"]
     assert victim["victim_status"] == 200 and victim["victim_ms"] > 0, victim
     assert victim["details"]["victim_idle_status"] == 200
-    disconnect = probes["disconnect_50ms_x10"]
+    disconnect = probes["disconnect_x10_staggered"]
     assert disconnect["kv_trace"], disconnect
     assert "verdict" in printed and "health p50/max ms" in printed
     assert md.read_text().startswith("| probe |")

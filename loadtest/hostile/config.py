@@ -22,7 +22,8 @@ class ProbeSizes:
     # 6: disconnects
     disconnect_requests: int = 10
     disconnect_prompt_words: int = 1100   # ~1 token each with the default model
-    disconnect_after_s: float = 0.05
+    disconnect_after_s: float = 0.05      # the first client goes away this long after sending ...
+    disconnect_stagger_s: float = 0.05    # ... and each next one this much later (50 ms to 500 ms)
     kv_watch_s: float = 30.0
     # 7: what can never fit, and a long list
     never_fit_n: int = 128

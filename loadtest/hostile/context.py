@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 from dataclasses import dataclass, field
 
 from loadtest.hostile.client import Server
@@ -19,6 +20,9 @@ class ProbeContext:
     # set by the RSS watch past the cap; probes that escalate stop there (the runner also
     # cancels the probe)
     abort: asyncio.Event = field(default_factory=asyncio.Event)
+    # put into templates and schemas, so that a second run against the same server is not
+    # answered by the caches the first one filled (compiled templates, compiled grammars)
+    nonce: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
     @property
     def model(self) -> str:

@@ -23,8 +23,9 @@ def row(r: ProbeResult) -> list[str]:
     if r.kv_trace:  # the disconnect probe: KV back to zero instead of a victim
         victim = "KV 0 after " + (_f(r.kv_zero_after_s, "{:.1f}") + " s" if r.kv_zero_after_s is not None
                                   else f">{r.details.get('kv_watch_s', 0):.0f} s")
+    reason = r.reason + (f" [before it: {r.details['not_settled']}]" if r.details.get("not_settled") else "")
     return [r.name, r.item, str(r.status), json_ok, _f(r.latency_s, "{:.2f}"), rss, health, victim, r.verdict,
-            r.expect, r.reason]
+            r.expect, reason]
 
 
 def summary(results: list[ProbeResult]) -> str:

@@ -31,6 +31,8 @@ CASES: dict[str, Case] = {
     "max_completion_tokens_2^40": (CHAT, lambda m: chat_body(m, max_completion_tokens=BIG), ()),
     "seed_2^64": (CHAT, lambda m: chat_body(m, seed=2**64), ()),
     "seed_negative": (CHAT, lambda m: chat_body(m, seed=-1), (200,)),  # vLLM takes any int64
+    "seed_2^64-1_n2": (CHAT, lambda m: chat_body(m, seed=2**64 - 1, n=2), (200,)),  # sequence i uses seed + i
+    "seed_2^63_n2": (CHAT, lambda m: chat_body(m, seed=2**63 - 1, n=2), (200,)),
     "top_logprobs_2^40": (CHAT, lambda m: chat_body(m, logprobs=True, top_logprobs=BIG), ()),
     "logprobs_2^40": (COMPLETIONS, lambda m: completion_body(m, logprobs=BIG), ()),
     "stop_token_ids_2^40": (CHAT, lambda m: chat_body(m, stop_token_ids=[BIG]), ()),

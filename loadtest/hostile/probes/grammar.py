@@ -14,25 +14,25 @@ from loadtest.hostile.result import ProbeResult, all_of, client_error_json, heal
 EXPECT = "400 JSON or 200; /health p50<100 ms, max<1 s while it compiles"
 
 
-def _schema(repeat: int) -> dict:
-    return {"type": "string", "pattern": f"[a-z]{{1,{repeat}}}"}
+def _schema(repeat: int, nonce: str) -> dict:
+    return {"type": "string", "pattern": f"[a-z]{{1,{repeat}}}", "description": nonce}
 
 
-def _object_schema(repeat: int) -> dict:
-    return {"type": "object", "properties": {"a": _schema(repeat)}, "required": ["a"]}
+def _object_schema(repeat: int, nonce: str) -> dict:
+    return {"type": "object", "properties": {"a": _schema(repeat, nonce)}, "required": ["a"]}
 
 
 async def via_response_format(ctx: ProbeContext, r: ProbeResult) -> None:
     n = ctx.sizes.grammar_repeat
     body = chat_body(ctx.model, response_format={"type": "json_schema",
-                                                 "json_schema": {"name": "x", "schema": _schema(n)}})
+                                                 "json_schema": {"name": "x", "schema": _schema(n, ctx.nonce)}})
     r.record_reply(await ctx.server.post("/v1/chat/completions", body, timeout_s=ctx.sizes.probe_timeout_s))
     r.details["pattern_repeat"] = n
 
 
 async def via_tools(ctx: ProbeContext, r: ProbeResult) -> None:
     n = ctx.sizes.grammar_repeat + 1
-    tools = [{"type": "function", "function": {"name": "f", "parameters": _object_schema(n)}}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": _object_schema(n, ctx.nonce)}}]
     body = chat_body(ctx.model, tools=tools, tool_choice="required")
     r.record_reply(await ctx.server.post("/v1/chat/completions", body, timeout_s=ctx.sizes.probe_timeout_s))
     r.details["pattern_repeat"] = n
@@ -41,7 +41,7 @@ async def via_tools(ctx: ProbeContext, r: ProbeResult) -> None:
 async def via_responses(ctx: ProbeContext, r: ProbeResult) -> None:
     n = ctx.sizes.grammar_repeat + 2
     body = {"model": ctx.model, "input": "Say hi.", "max_output_tokens": 1, "temperature": 0,
-            "text": {"format": {"type": "json_schema", "name": "x", "schema": _object_schema(n)}}}
+            "text": {"format": {"type": "json_schema", "name": "x", "schema": _object_schema(n, ctx.nonce)}}}
     r.record_reply(await ctx.server.post("/v1/responses", body, timeout_s=ctx.sizes.probe_timeout_s))
     r.details["pattern_repeat"] = n
 

@@ -16,7 +16,7 @@ CHAT = "/v1/chat/completions"
 
 
 def _with_template(ctx: ProbeContext, template: str) -> dict:
-    return chat_body(ctx.model, chat_template_kwargs={"chat_template": template})
+    return chat_body(ctx.model, chat_template_kwargs={"chat_template": f"{{# {ctx.nonce} #}}{template}"})
 
 
 async def template_override(ctx: ProbeContext, r: ProbeResult) -> None:
