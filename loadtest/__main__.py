@@ -38,7 +38,6 @@ def main(argv: list[str] | None = None) -> int:
 
         return (compare_main if command == "compare" else report_main)(rest)
     print(f"duet loadtest: unknown command {command!r} (run, compare, report, overload, multiturn, hostile)", file=sys.stderr)
-    print(f"duet loadtest: unknown command {command!r} (run, compare, report, overload, multiturn, hostile)", file=sys.stderr)
     return 2
 
 

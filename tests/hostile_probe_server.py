@@ -36,13 +36,13 @@ def serve_kv_metrics(port: int, last_request: list[float]) -> None:
 def main(port: int, metrics_port: int, tokenizer_dir: str, api_key: str) -> None:
     import uvicorn
 
-    from services.gateway import auth
-    from services.gateway.app import build_app
-    from services.gateway.endpoints import GatewayContext
-    from services.gateway.http_server import uvicorn_limits
-    from services.gateway.limits import GatewayLimits
-    from services.gateway.metrics import GatewayMetrics
-    from services.gateway.prompt import PromptBuilder
+    from services.gateway.http_edge import auth
+    from services.gateway.http_edge.app import build_app
+    from services.gateway.openai_api.endpoints import GatewayContext
+    from services.gateway.http_edge.connection_guard import uvicorn_limits
+    from services.gateway.http_edge.limits_config import GatewayLimits
+    from services.gateway.http_edge.metrics import GatewayMetrics
+    from services.gateway.openai_api.prompt_builder import PromptBuilder
     from tests.test_gateway_support import ScriptedBackend
 
     prompts = PromptBuilder.from_model_dir(tokenizer_dir)

@@ -55,12 +55,14 @@ async def drop_after_send(ctx: ProbeContext, r: ProbeResult) -> None:
 def judge(r: ProbeResult) -> tuple[bool | None, str]:
     if not r.kv_trace:
         return None, "KV usage not measured"
-    if r.details.get("kv_before"):
-        return None, f"decode KV was {r.details['kv_before']:.3f} before the probe (an earlier one's leftovers)"
+    before = r.details.get("kv_before") or 0.0
     if r.kv_zero_after_s is None:
         last = r.kv_trace[-1][1]
-        return False, f"decode KV still {last:.3f} after {r.details.get('kv_watch_s')} s " \
-                      f"(peak {r.details.get('kv_peak'):.3f})"
+        was = f"; {before:.3f} before the probe, an earlier one's leftovers" if before else ""
+        if last > before:
+            return False, f"decode KV still {last:.3f} after {r.details.get('kv_watch_s')} s " \
+                          f"(peak {r.details.get('kv_peak'):.3f}{was})"
+        return None, f"decode KV back to {last:.3f}, where it was before the probe (an earlier one's leftovers)"
     if r.kv_zero_after_s > KV_FREE_WITHIN_S:
         return False, f"decode KV back to 0 only after {r.kv_zero_after_s:.1f} s (want < {KV_FREE_WITHIN_S:.0f} s)"
     if r.details.get("kv_peak", 0) == 0:
