@@ -78,18 +78,20 @@ class WorkerPublisher:
         """Write the whole entry (hash, NIXL metadata, held page hashes) and announce the join."""
         wid, ttl = self.info.worker_id, self.config.ttl_ms
         worker_key, nixl_key, pages_key = self.keys.worker(wid), self.keys.nixl(wid), self.keys.pages(wid)
+        host_key = self.keys.host_pages(wid)
         self.info.load = self._current_load()
-        held = self.kv_events.snapshot()
+        held, host_only = self.kv_events.snapshot(), self.kv_events.snapshot_host()
         pipe = self.client.pipeline(transaction=True)
-        pipe.delete(worker_key, nixl_key, pages_key)
+        pipe.delete(worker_key, nixl_key, pages_key, host_key)
         pipe.hset(worker_key, mapping=self.info.to_hash())
         pipe.pexpire(worker_key, ttl)
         if self.nixl_metadata:
             pipe.hset(nixl_key, mapping={str(rank): md for rank, md in self.nixl_metadata.items()})
             pipe.pexpire(nixl_key, ttl)
-        if held:
-            pipe.sadd(pages_key, *[str(h) for h in held])
-            pipe.pexpire(pages_key, ttl)
+        for key, members in ((pages_key, held), (host_key, host_only)):
+            if members:
+                pipe.sadd(key, *[str(h) for h in members])
+                pipe.pexpire(key, ttl)
         await pipe.execute()
         await self.client.publish(self.keys.events_channel, self._event("join"))
         self.registrations += 1
@@ -103,6 +105,8 @@ class WorkerPublisher:
         self.info.load = self._current_load()
         self.info.heartbeat_seq += 1
         added, removed = self.kv_events.drain()
+        host_added, host_removed = self.kv_events.drain_host()
+        host_key = self.keys.host_pages(wid)
         pipe = self.client.pipeline(transaction=True)
         pipe.exists(worker_key)
         pipe.hset(worker_key, mapping=self.info.to_hash())
@@ -112,11 +116,16 @@ class WorkerPublisher:
             pipe.sadd(pages_key, *[str(h) for h in added])
         if removed:
             pipe.srem(pages_key, *[str(h) for h in removed])
+        if host_added:
+            pipe.sadd(host_key, *[str(h) for h in host_added])
+        if host_removed:
+            pipe.srem(host_key, *[str(h) for h in host_removed])
         pipe.pexpire(pages_key, ttl)
+        pipe.pexpire(host_key, ttl)
         try:
             results = await pipe.execute()
         except Exception:
-            self.kv_events.restore(added, removed)
+            self.kv_events.restore(added, removed, host_added, host_removed)
             raise
         if not results[0]:
             log.warning("registry entry of %s was gone (TTL lapse or Redis restart); re-registering", wid)
@@ -125,7 +134,7 @@ class WorkerPublisher:
     async def deregister(self) -> None:
         wid = self.info.worker_id
         pipe = self.client.pipeline(transaction=True)
-        pipe.delete(self.keys.worker(wid), self.keys.nixl(wid), self.keys.pages(wid))
+        pipe.delete(self.keys.worker(wid), self.keys.nixl(wid), self.keys.pages(wid), self.keys.host_pages(wid))
         pipe.publish(self.keys.events_channel, self._event("leave"))
         await pipe.execute()
         self._registered.clear()
