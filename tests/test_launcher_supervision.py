@@ -14,7 +14,7 @@ from services.launcher.children import describe_exit
 from services.launcher.config import UpConfig
 from services.launcher.restart_policy import MAX_BACKOFF_S, RestartCounter, RestartPolicy
 from services.launcher.security import SecretsDir, make_secure
-from services.launcher.shutdown import DrainPlan
+from services.launcher.shutdown import KILL_AFTER_S, DrainPlan, stop_children
 from services.launcher.supervisor import Supervisor
 
 
@@ -120,6 +120,61 @@ def test_drain_plan_fits_the_workers_inside_the_gateways_grace():
     for grace, worker in ((10.0, 7.0), (3.0, 1.5), (60.0, 57.0), (0.0, 0.0)):
         plan = DrainPlan(grace)
         assert plan.gateway_grace_s == grace and plan.worker_grace_s == worker
+        assert plan.kill_after_s == grace + KILL_AFTER_S
+
+
+@dataclass
+class StoppingChild:
+    """Exits `takes_s` after SIGTERM (None: never), on a shared fake clock."""
+
+    name: str
+    kind: str
+    takes_s: float | None
+    clock: list[float]
+    termed_at: float | None = None
+    killed: bool = False
+
+    @property
+    def running(self) -> bool:
+        if self.killed:
+            return False
+        return self.termed_at is None or self.takes_s is None or self.clock[0] < self.termed_at + self.takes_s
+
+    def terminate(self) -> None:
+        if self.running and self.termed_at is None:
+            self.termed_at = self.clock[0]
+
+    def kill(self) -> None:
+        self.killed = True
+
+
+def run_stop(children, grace: float, now: list[float]) -> list[str]:
+    said: list[str] = []
+
+    def sleep(dt: float) -> None:
+        now[0] += dt
+    stop_children(children, DrainPlan(grace), said.append, clock=lambda: now[0], sleep=sleep)
+    return said
+
+
+def test_stop_signals_in_dependency_order_and_kills_only_at_the_deadline():
+    now = [0.0]
+    gateway, worker = StoppingChild("gateway", "gateway", 1.0, now), StoppingChild("decode-0", "worker", 4.0, now)
+    router, redis = StoppingChild("router", "router", 2.0, now), StoppingChild("redis", "redis", 0.1, now)
+    said = run_stop([redis, router, worker, gateway], 3.0, now)
+    assert said == [] and not any(c.killed for c in (gateway, worker, router, redis))
+    assert gateway.termed_at == worker.termed_at == 0.0
+    assert 1.0 <= router.termed_at < 1.1  # once the gateway is gone, while the worker still drains
+    assert 4.0 <= redis.termed_at < 4.1  # once the workers and router are gone
+    assert now[0] < 4.3
+
+    now = [0.0]
+    stuck = StoppingChild("prefill-0", "worker", None, now)
+    redis = StoppingChild("redis", "redis", 0.1, now)
+    said = run_stop([redis, stuck, StoppingChild("gateway", "gateway", 0.5, now)], 3.0, now)
+    assert stuck.killed and said == [f"prefill-0 still running {3 + KILL_AFTER_S:g}s after SIGTERM; killing it"]
+    assert redis.termed_at is None and redis.killed  # it waited for the worker, then went with it
+    assert now[0] == pytest.approx(3.0 + KILL_AFTER_S, abs=0.1)
 
 
 def test_restart_settings_are_flags_and_variables():
