@@ -7,7 +7,8 @@
   says it restarted it, the stack serves again within 60 s; the worker keeps its id and has a
   new instance nonce;
 - kill -9 of Redis: the stream in flight ends with [DONE], new requests are served within
-  60 s, Redis is back (empty, with its password) and both workers registered again;
+  60 s, Redis is back (empty, with its password), both workers registered again and prefill
+  published the page hashes it holds again;
 - Ctrl-C: every child drains within the grace (DUET_DRAIN_GRACE=6 here): a short stream ends
   with [DONE], a long one with an error event, none is cut; duet up exits 0 and leaves no child
   (SIGTERM, which stops the children in order: tests/test_launcher_supervision.py, and
@@ -42,6 +43,8 @@ pytestmark = pytest.mark.slow
 # busy 2-core machine: shutdown.py)
 GRACE_S = 6.0
 HEAL_S = 60.0
+LONG_PROMPT = ("A careful geographer describes the spice markets of Zanzibar in exactly forty-one words, "
+               "naming three spices, the months of the harvest and the ships that carry them north.")
 
 
 @pytest.fixture(scope="module")
@@ -187,6 +190,10 @@ def test_killed_decode_worker_is_restarted_and_serves_again(stack):
 
 
 def test_killed_redis_is_restarted_and_streams_in_flight_finish(stack):
+    # a prompt of several full pages: prefill caches them and publishes their hashes
+    stack.client().completions.create(model=model(stack), prompt=LONG_PROMPT, max_tokens=2)
+    pages_key = "duet:worker:prefill-0:pages"
+    held = wait_until(lambda: stack.redis().smembers(pages_key), 10, "prefill's page hashes in the registry")
     thread, result = start_stream(stack, max_tokens=48)
     killed_at = time.monotonic()
     child_process(stack, "redis-server").kill()
@@ -199,6 +206,7 @@ def test_killed_redis_is_restarted_and_streams_in_flight_finish(stack):
     stack._redis = None  # a new connection to the new server
     wait_until(lambda: set(stack.workers()) == {"prefill-0", "decode-0"}, 30,
                "both workers registered in the restarted Redis")
+    wait_until(lambda: stack.redis().smembers(pages_key) >= held, 30, "prefill's page hashes published again")
     with pytest.raises(redis.AuthenticationError):  # restarted with its password
         redis.Redis.from_url(stack.plain_redis_url, socket_timeout=5).ping()
     assert stack.proc.alive
