@@ -210,6 +210,8 @@ def _print_banner(stack: Stack, model_dir: str, base: str) -> None:
     workers = [c.name + (f" (GPU {c.env['CUDA_VISIBLE_DEVICES']})" if "CUDA_VISIBLE_DEVICES" in c.env else "")
                for c in stack.children if c.kind == "worker"]
     redis_auth = " (password required)" if stack.secure.redis_password_file else ""
+    restarts = (f"A child that dies is restarted (up to {cfg.restart_limit} times in a row)" if cfg.restart_limit
+                else "A child that dies stops the stack (--restart-limit 0)")
     print(f"\nDuet is up. OpenAI API: {base}/v1   (health {base}/health, metrics {base}/metrics)\n"
           f"  model   {model_dir}\n"
           f"  router  {cfg.host}:{stack.router_port}\n"
@@ -218,6 +220,5 @@ def _print_banner(stack: Stack, model_dir: str, base: str) -> None:
           f"  auth    {'API key required' if cfg.api_keys or cfg.api_keys_file else 'none (open)'}; "
           f"gRPC {'mTLS' if cfg.grpc_tls_ca_file else 'TLS' if cfg.grpc_tls_cert_file else 'plaintext'}\n"
           f"  logs    {stack.log_dir}\n"
-          f"A child that dies is restarted (up to {cfg.restart_limit} times in a row); "
-          f"Ctrl-C stops everything (drain: {stack.drain.grace_s:g}s).\n", file=sys.stderr, flush=True)
+          f"{restarts}; Ctrl-C stops everything (drain: {stack.drain.grace_s:g}s).\n", file=sys.stderr, flush=True)
     print(f"{base}/v1", flush=True)  # stdout: the one thing a script needs
