@@ -28,10 +28,23 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 
 from .stack_runs import run_each, start_run
 
-SYSTEM_LEN, USER_LEN, OUTPUT_LEN, TURNS = 5900, 64, 48, 4  # the issue's shape (flags change them)
+
+@dataclass(frozen=True)
+class ChatShape:
+    """The synthetic conversations: the issue's shape by default (flags change it)."""
+
+    system_len: int = 5900
+    user_len: int = 64
+    output_len: int = 48
+    turns: int = 4
+
+    @property
+    def tokens_per_conversation(self) -> int:
+        return self.system_len + self.turns * (self.user_len + self.output_len + 16)  # + template tokens
 
 
 def kv_bytes_per_token(folder: pathlib.Path, dtype_bytes: int = 2) -> int:
@@ -118,11 +131,12 @@ def prefill_metrics_url(log_dir: pathlib.Path) -> str | None:
 
 
 def run_multiturn(url: str, folder: pathlib.Path, out: pathlib.Path, label: str, conversations: int, seed: int,
-                  scrape: str | None) -> dict:
+                  scrape: str | None, shape: ChatShape) -> dict:
     from loadtest.__main__ import main as loadtest_main
     argv = ["multiturn", "--base-url", url, "--tokenizer", str(folder), "--workload", "synthetic",
-            "--conversations", str(conversations), "--system-len", str(SYSTEM_LEN), "--max-turns", str(TURNS),
-            "--user-len", str(USER_LEN), "--output-len", str(OUTPUT_LEN), "--mode", "lockstep", "--temperature", "0",
+            "--conversations", str(conversations), "--system-len", str(shape.system_len),
+            "--max-turns", str(shape.turns), "--user-len", str(shape.user_len), "--output-len", str(shape.output_len),
+            "--mode", "lockstep", "--temperature", "0",
             "--max-context-tokens", "0",
             "--ignore-eos", "on", "--seed", str(seed), "--label", label, "-o", str(out), "--no-progress"]
     if scrape:
@@ -131,7 +145,7 @@ def run_multiturn(url: str, folder: pathlib.Path, out: pathlib.Path, label: str,
     return json.loads((out / "results.json").read_text())
 
 
-def turn_rows(doc: dict, stack: str, conversations: int, per_token: int) -> dict:
+def turn_rows(doc: dict, stack: str, conversations: int, per_token: int, turns: int) -> dict:
     recs = doc["records"]
     ttft = lambda turns: statistics.median([r["ttft"] for r in recs if r["turn"] in turns and r["ttft"]] or [0])  # noqa: E731
     later = [r for r in recs if r["turn"] >= 1 and r["ok"]]
@@ -144,12 +158,12 @@ def turn_rows(doc: dict, stack: str, conversations: int, per_token: int) -> dict
             return sum(v for k, v in next(iter(rounds[i]["series"].values()), {}).items()
                        if k.startswith("duet_kv_transfer_bytes_total") and 'direction="sent"' in k)
         shares = []
-        for t in range(1, TURNS):
+        for t in range(1, turns):
             turn_prompt = sum(r["input_tokens"] or 0 for r in recs if r["turn"] == t and r["ok"])
             if turn_prompt and t + 1 < len(rounds):
                 shares.append((sent(t + 1) - sent(t)) / (turn_prompt * per_token))
         moved = max(shares) if shares else None
-    return dict(part=stack, conversations=conversations, ttft1_s=ttft({0}), ttft2p_s=ttft(set(range(1, TURNS))),
+    return dict(part=stack, conversations=conversations, ttft1_s=ttft({0}), ttft2p_s=ttft(set(range(1, turns))),
                 cached2p=cached / prompt if prompt else None, moved2p_max=moved,
                 http_429=sum(1 for r in recs if r.get("error_kind") == "http_429"),
                 failed=sum(1 for r in recs if not r["ok"]), requests=len(recs))
@@ -180,8 +194,8 @@ def run_stack(name: str, folder: pathlib.Path, args, out: pathlib.Path, conversa
         scrape = prefill_metrics_url(out / name / "logs") if name != "colocated" else None
         for i, c in enumerate(conversations):
             doc = run_multiturn(stack.url, folder, out / name / f"c{c}", f"{name} C={c}", c, seed=10 * c + i,
-                                scrape=scrape)
-            rows.append(dict(turn_rows(doc, name, c, per_token), ready_s=ready_s))
+                                scrape=scrape, shape=args.shape)
+            rows.append(dict(turn_rows(doc, name, c, per_token, args.shape.turns), ready_s=ready_s))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return rows
 
@@ -194,22 +208,22 @@ def main(argv=None) -> int:
     p.add_argument("--hosttier-conversations", type=int, default=12,
                    help="C of the host-tier run (split runs it too, all in GPU, for the comparison)")
     p.add_argument("--max-model-len", type=int, default=8192)
-    p.add_argument("--system-len", type=int, default=SYSTEM_LEN)
-    p.add_argument("--user-len", type=int, default=USER_LEN)
-    p.add_argument("--output-len", type=int, default=OUTPUT_LEN)
-    p.add_argument("--turns", type=int, default=TURNS)
+    d = ChatShape()
+    p.add_argument("--system-len", type=int, default=d.system_len)
+    p.add_argument("--user-len", type=int, default=d.user_len)
+    p.add_argument("--output-len", type=int, default=d.output_len)
+    p.add_argument("--turns", type=int, default=d.turns)
     p.add_argument("--model-dir", help="a real model folder instead of random weights of --model (dry runs)")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "multiturn-device"))
     args = p.parse_args(argv)
-    global SYSTEM_LEN, USER_LEN, OUTPUT_LEN, TURNS
-    SYSTEM_LEN, USER_LEN, OUTPUT_LEN, TURNS = args.system_len, args.user_len, args.output_len, args.turns
+    args.shape = shape = ChatShape(args.system_len, args.user_len, args.output_len, args.turns)
     out = start_run(args.out)
     from .stack_gpu import model_folder
     folder = (pathlib.Path(args.model_dir) if args.model_dir
               else model_folder(args.model, pathlib.Path(tempfile.mkdtemp(prefix="mt-device-"))))
     cs = [int(c) for c in args.conversations.split(",") if c]
     hc = args.hosttier_conversations
-    working_set = hc * (SYSTEM_LEN + TURNS * (USER_LEN + OUTPUT_LEN + 16)) * kv_bytes_per_token(folder)
+    working_set = hc * shape.tokens_per_conversation * kv_bytes_per_token(folder)
 
     def part(name: str) -> list[dict]:
         if name == "restore":
@@ -224,8 +238,8 @@ def main(argv=None) -> int:
 
     rows = run_each(args.parts, part)
     (out / "multiturn_device.json").write_text(json.dumps(rows, indent=1, default=str))
-    print(f"\n=== multiturn_device: {args.model}, {TURNS} turns lockstep, system {SYSTEM_LEN} + user {USER_LEN} "
-          f"-> {OUTPUT_LEN} tokens, one GPU ===")
+    print(f"\n=== multiturn_device: {args.model_dir or args.model}, {shape.turns} turns lockstep, system "
+          f"{shape.system_len} + user {shape.user_len} -> {shape.output_len} tokens, one GPU ===")
     for r in rows:
         if r["part"] == "restore":
             extra = f"  {100 * r['of_pinned']:.0f}% of pinned" if "of_pinned" in r else ""

@@ -108,6 +108,11 @@ class KvEventBuffer:
             return len(self._held.members)
 
     @property
+    def has_pending(self) -> bool:
+        """Changes wait to be published (a cheap check, no lock: a race only delays them)."""
+        return bool(self._held.pending or self._host.pending)
+
+    @property
     def num_host_only(self) -> int:
         with self._lock:
             return len(self._host.members)
