@@ -340,7 +340,8 @@ class ProcessStack(_StackBase):
     """redis + router + workers + gateway, each its own subprocess."""
 
     def __init__(self, log_dir: Path, *, registry_ttl_s: float = 5.0, kv_cache_memory: str = "64M",
-                 worker_args: Sequence[str] = (), gateway_args: Sequence[str] = ()):
+                 worker_args: Sequence[str] = (), gateway_args: Sequence[str] = (),
+                 router_args: Sequence[str] = ()):
         super().__init__()
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -348,6 +349,7 @@ class ProcessStack(_StackBase):
         self.kv_cache_memory = kv_cache_memory
         self.worker_args = list(worker_args)
         self.gateway_args = list(gateway_args)
+        self.router_args = list(router_args)
         self.redis_server = RedisServer()
         self.redis_url = self.redis_server.url
         self.procs: dict[str, Process] = {}
@@ -376,7 +378,7 @@ class ProcessStack(_StackBase):
     def start_router(self, extra: Sequence[str] = ()) -> Process:
         return self._spawn("router", duet_argv(
             "router", "--host", "127.0.0.1", "--port", str(self.router_port),
-            "--metrics-port", str(self.router_metrics_port), *self._registry_args(), *extra))
+            "--metrics-port", str(self.router_metrics_port), *self._registry_args(), *self.router_args, *extra))
 
     def router_decisions(self, kind: str) -> float:
         """The router's answers of one kind so far (split, colocated, local_prefill, unavailable)."""

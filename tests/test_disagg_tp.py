@@ -45,7 +45,9 @@ def stack(request, tp_model):
                                   # a cancelled reservation's live writer may still write for
                                   # 2 x write timeout: keep that short for the refusal test
                                   "--write-timeout", "2", "--notice-timeout", "3"],
-                     gateway_args=["--model", str(tp_model)])
+                     gateway_args=["--model", str(tp_model)],
+                     # every request through the prefill worker: this module checks TP transfers
+                     router_args=["--local-prefill-max-tokens", "0"])
     with managed(request, s.start(prefill=1, decode=1)) as s:
         s.wait_ready()
         yield s
