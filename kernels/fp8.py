@@ -132,3 +132,20 @@ def per_token_group_quant_reference(x: torch.Tensor, group: int = ACT_GROUP) -> 
 
 def dequantize_activations(q: torch.Tensor, scale: torch.Tensor, group: int = ACT_GROUP) -> torch.Tensor:
     return q.to(torch.float32) * scale.repeat_interleave(group, dim=-1)[:, :q.shape[1]]
+
+
+# -- KV cache ---------------------------------------------------------------------------------
+def kv_cache_values(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """What a KV cache of cache_dtype stores for x: for FP8, x / scale saturated at +-448 and
+    rounded to nearest even (computed as x * (1/scale) in float32, as the kernels do); other
+    caches store x in their dtype (the scale is an FP8 cache's only)."""
+    if cache_dtype != FP8_DTYPE:
+        return x.to(cache_dtype)
+    return (x.to(torch.float32) * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def kv_cache_read(cache_values: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """The K or V a cache holds, in dtype (an FP8 cache's values times its scale)."""
+    if cache_values.dtype != FP8_DTYPE:
+        return cache_values.to(dtype)
+    return (cache_values.to(torch.float32) * scale).to(dtype)
