@@ -57,6 +57,13 @@ class EngineConfig:
     # per-linear depths that replace it, by attribute name: "o_proj=8,qkv_proj=2"
     pdl_prefetch_at: str = field(default_factory=lambda: os.environ.get("DUET_PDL_PREFETCH_AT", ""))
     load_format: str = "auto"  # auto: safetensors | dummy: random weights (benchmarks)
+    # FP8 (shared/engine/quantization): None serves the checkpoint as stored (an FP8
+    # checkpoint in FP8); "fp8" also quantizes a 16-bit checkpoint block-wise at load. On the
+    # CPU FP8 weights are dequantized to the engine's dtype at load.
+    quantization: str | None = None
+    # KV cache: "auto" (the engine's dtype) or "fp8_e4m3" (float8_e4m3fn pages scaled by the
+    # checkpoint's k_scale / v_scale, else 1.0: half the bytes per token, and per handoff)
+    kv_cache_dtype: str = "auto"
     tp: TPContext = field(default_factory=TPContext)  # this process's rank (set by the engine)
 
     def resolve_device(self) -> torch.device:
@@ -77,6 +84,15 @@ class EngineConfig:
             raise ValueError("dtype float64 runs on the CPU only (device='cpu'); on a GPU choose float32, "
                              "bfloat16 or float16")
         return DTYPES[self.dtype]
+
+    def resolve_kv_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The KV pool's dtype for weights/activations of `dtype`."""
+        kind = str(self.kv_cache_dtype or "auto").lower()
+        if kind == "auto":
+            return dtype
+        if kind in ("fp8", "fp8_e4m3", "float8_e4m3fn"):
+            return torch.float8_e4m3fn
+        raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose auto or fp8_e4m3")
 
     def resolve_batched_tokens(self, device: torch.device) -> int:
         if self.max_num_batched_tokens:
