@@ -15,10 +15,11 @@ from kernels.qk_norm_rope import KVCacheWrite, qk_norm_rope_reference
 from kernels.store_kv import store_kv_reference
 from loadtest.bench.accuracy import fill_nan_, relative_error
 from loadtest.bench.random_paged_kv import random_paged_kv
-from tests.kernel_dtypes import case_generator
+from tests.kernel_dtypes import CUDA, case_generator
 from tests.test_kernels_rotary_embedding import cos_sin_cache
 
 SCALES = [(1.0, 1.0), (0.37, 2.5)]
+TOL = 1e-3 if CUDA else 1e-5  # the GPU's exp2 and dot order (fp32 throughout either way)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -93,7 +94,7 @@ def test_decode_attention_reads_fp8_pages(runner, k_scale, v_scale):
                k_scale=k_scale, v_scale=v_scale)
         ref = decode_attention_reference(q, kv8.k_cache, kv8.v_cache, kv8.page_table, kv8.seq_lens, scale,
                                          k_scale, v_scale)
-        assert relative_error(out, ref) < 1e-5
+        assert relative_error(out, ref) < TOL
     exact = decode_attention_reference(q, kv.k_cache, kv.v_cache, kv.page_table, kv.seq_lens, scale)
     assert relative_error(out, exact) < 0.05  # e4m3 K and V
 
@@ -110,6 +111,6 @@ def test_extend_attention_reads_fp8_pages(runner, k_scale, v_scale):
                  kv8.page_table.to(dev), qo.to(dev), kv8.seq_lens.to(dev), 0.125, k_scale=k_scale, v_scale=v_scale)
     ref = extend_attention_reference(q, kv8.k_cache, kv8.v_cache, kv8.page_table, qo, kv8.seq_lens, 0.125,
                                      k_scale, v_scale)
-    assert relative_error(got, ref) < 1e-5
+    assert relative_error(got, ref) < TOL
     exact = extend_attention_reference(q, kv.k_cache, kv.v_cache, kv.page_table, qo, kv.seq_lens, 0.125)
     assert relative_error(got, exact) < 0.05

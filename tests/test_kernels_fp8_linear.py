@@ -28,6 +28,8 @@ GRID = "tests.helpers.fp8_probe:fp8_grid_of"
 # interpreter: fp32 (exact dots); natively bf16 too (one rounding of the output)
 DTYPES = [torch.bfloat16, torch.float32] if CUDA else [torch.float32]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+# FP8 tensor-core dots (W8A8) add in reduced precision inside each 128-column step on a GPU
+GEMM_TOL = {torch.float32: 5e-3 if CUDA else 1e-5, torch.bfloat16: 1e-2}
 
 
 def block_weight(n_parts, k, block, g, device, shard_start: int = 0) -> Fp8Weight:
@@ -94,7 +96,7 @@ def test_w8a8_gemm_matches_reference(runner, dtype, case):
     wd = Fp8Weight(w.q.to(dev), w.scale.to(dev), w.scale_row.to(dev), w.group_k)
     out = fill_nan_(torch.empty(m, w.q.shape[0], dtype=dtype, device=dev))
     runner(GEMM, xq.to(dev), xs.to(dev), wd, bias.to(dev), dtype, out=out)
-    assert relative_error(out, w8a8_gemm_reference(xq, xs, w, bias, dtype)) < TOL[dtype]
+    assert relative_error(out, w8a8_gemm_reference(xq, xs, w, bias, dtype)) < GEMM_TOL[dtype]
 
 
 def test_block_dequantization_of_partial_edge_blocks():
@@ -148,7 +150,7 @@ def test_fp8_linear_routes_and_matches_its_reference(runner, m):
     dev = runner.device
     wd = Fp8Weight(w.q.to(dev), w.scale.to(dev), w.scale_row.to(dev), w.group_k)
     got = runner(LINEAR, x.to(dev), wd)
-    assert relative_error(got, fp8_linear_reference(x, w)) < 1e-5
+    assert relative_error(got, fp8_linear_reference(x, w)) < (1e-5 if m <= 16 else GEMM_TOL[torch.float32])
     # and both stay near the unquantized product (FP8 weights, and activations above 16 rows)
     assert relative_error(got, x @ w.dequantize().T) < (1e-5 if m <= 16 else 0.08)
 

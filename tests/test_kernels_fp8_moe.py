@@ -13,11 +13,12 @@ from kernels.fp8_moe import fused_moe_fp8_reference
 from kernels.fused_moe import select_experts_reference
 from kernels.moe_decode import DecodeCounters, DecodeTile
 from loadtest.bench.accuracy import fill_nan_, relative_error
-from tests.kernel_dtypes import case_generator
+from tests.kernel_dtypes import CUDA, case_generator
 
 FUSED = "kernels.fp8_moe:fused_moe_fp8"
 EXPERTS = "kernels.fp8_moe:experts_fp8"
 BLOCK = (16, 32)
+W8A8_TOL = 5e-3 if CUDA else 1e-5  # FP8 tensor-core dots add in reduced precision within a K step
 TILE = DecodeTile(gate_up_block_n=8, gate_up_block_k=64, down_block_n=16, down_block_k=16)  # 64: narrowed to 32
 
 
@@ -72,7 +73,7 @@ def test_fused_moe_fp8_matches_reference(runner, t, e, k, h, i, per_channel):
     out = fill_nan_(torch.empty(t, h, device=dev))
     runner(FUSED, x.to(dev), to(w13, dev), to(w2, dev), weights.to(dev), ids.to(dev), out=out)
     want = fused_moe_fp8_reference(x, w13, w2, weights, ids)
-    assert relative_error(out, want) < 1e-5
+    assert relative_error(out, want) < W8A8_TOL
     # near the unquantized experts: FP8 weights and FP8 activations cost a few percent
     from kernels.fused_moe import fused_moe_reference
     exact = fused_moe_reference(x, w13.dequantize(), w2.dequantize(), weights, ids)
@@ -116,7 +117,7 @@ def test_expert_parallel_ranks_add_up(runner):
         counters = DecodeCounters.create(t, e, k, h, i, TILE, dev)
         dec.append(runner(EXPERTS, x.to(dev), to(r13, dev), to(r2, dev), weights.to(dev), ids.to(dev),
                           counters=counters, expert_map=emap.to(dev), tile=TILE).cpu())
-    assert relative_error(fused[0] + fused[1], whole) < 1e-5
+    assert relative_error(fused[0] + fused[1], whole) < W8A8_TOL
     assert relative_error(dec[0] + dec[1], fused_moe_fp8_reference(x, w13, w2, weights, ids,
                                                                    quantize_activations=False)) < 1e-5
 

@@ -78,6 +78,7 @@ def random_checkpoint_dir(name: str, root: Path, device: torch.device) -> Path:
 class Ceilings:
     copy_gb_s: float  # device-to-device copy, bytes read + written
     matmul_tflops: float  # bf16 8192^3 on random data
+    fp8_matmul_tflops: float = 0.0  # torch._scaled_mm e4m3 8192^3 (0: not measurable here)
 
 
 def _time_ms(fn, reps: int) -> float:
@@ -109,7 +110,30 @@ def measure_ceilings(device: torch.device) -> Ceilings:
     ms = _time_ms(lambda: a @ b, 20)
     del a, b
     torch.cuda.empty_cache()
-    return Ceilings(copy_gb_s=copy, matmul_tflops=2 * n ** 3 / ms / 1e9)
+    return Ceilings(copy_gb_s=copy, matmul_tflops=2 * n ** 3 / ms / 1e9, fp8_matmul_tflops=fp8_matmul_peak(device))
+
+
+def scaled_mm(a8: torch.Tensor, b8: torch.Tensor, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """torch._scaled_mm of a [M, K] and b [N, K] (both float8_e4m3fn, K contiguous) with unit
+    per-tensor scales: cuBLAS's FP8 GEMM, the FP8 ceiling."""
+    one = torch.ones((), dtype=torch.float32, device=a8.device)
+    return torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one, out_dtype=out_dtype)
+
+
+def fp8_matmul_peak(device: torch.device, n: int = 8192) -> float:
+    """TFLOP/s of torch._scaled_mm at n^3 on random e4m3 data; 0.0 where it does not run
+    (no FP8 tensor cores)."""
+    try:
+        a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+        b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+        for _ in range(3):
+            scaled_mm(a, b)
+        ms = _time_ms(lambda: scaled_mm(a, b), 20)
+    except (RuntimeError, AttributeError):
+        return 0.0
+    finally:
+        torch.cuda.empty_cache()
+    return 2 * n ** 3 / ms / 1e9
 
 
 def weight_bytes_read_per_step(model, tied: bool, touched_experts: list[int] | None = None) -> int:
