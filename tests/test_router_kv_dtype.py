@@ -13,7 +13,7 @@ import asyncio
 import grpc
 import pytest
 
-from services.worker.main import compat_hash, model_kv_key
+from services.worker.kv_compat import compat_hash, model_kv_key
 from shared.kv_transfer.pool_info import PoolInfo
 from shared.registry.pairing import pair_problem
 from shared.registry.worker_info import RankKvPool, WorkerInfo, WorkerLoad

@@ -13,6 +13,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from shared.settings.process_vars import CLI_LOG_LEVEL
+
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -24,7 +26,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                        help="weights and KV dtype (auto: float32 on CPU, bfloat16 on GPU)")
     group.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
-    group.add_argument("--log-level", choices=LOG_LEVELS, default=os.environ.get("DUET_LOG_LEVEL", "warning").lower(),
+    group.add_argument("--log-level", choices=LOG_LEVELS, default=CLI_LOG_LEVEL.get().lower(),
                        help="stderr log level (default: $DUET_LOG_LEVEL or warning)")
 
 

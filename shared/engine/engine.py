@@ -276,7 +276,8 @@ class Engine:
                 except (OSError, ValueError) as exc:
                     raise ValueError(f"constrained decoding needs the model's tokenizer: {exc}") from None
                 self._grammars = GrammarBackend(tokenizer, self.model_config.vocab_size,
-                                                self.model_config.eos_token_ids)
+                                                self.model_config.eos_token_ids,
+                                                cache_size=self.config.grammar_cache_size)
         return self._grammars
 
     # -- requests -----------------------------------------------------------------------

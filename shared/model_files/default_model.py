@@ -24,6 +24,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from shared.settings.process_vars import CACHE_DIR
+
 log = logging.getLogger("duet.default_model")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -41,8 +43,8 @@ class ModelNotFoundError(ValueError):
 
 def default_cache_dir() -> Path:
     """DUET_CACHE_DIR, else $XDG_CACHE_HOME/duet, else ~/.cache/duet."""
-    if os.environ.get("DUET_CACHE_DIR"):
-        return Path(os.environ["DUET_CACHE_DIR"]).expanduser()
+    if CACHE_DIR.get():
+        return Path(CACHE_DIR.get()).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
     return base / "duet"

@@ -14,6 +14,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from shared.settings.process_vars import TP_ADDR, TP_KEY
+
 from ..step_plan import StepPlan
 from . import control
 from .context import TPContext
@@ -23,8 +25,8 @@ IDLE_TICK_S = 0.002  # while rank 0 sends nothing: how often rank services (KV t
 
 def follower_entry() -> None:
     """Run in a follower interpreter: connect to rank 0, then follower_main."""
-    host, port = os.environ["DUET_TP_ADDR"].rsplit(":", 1)
-    conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["DUET_TP_KEY"]))
+    host, port = os.environ[TP_ADDR.name].rsplit(":", 1)
+    conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ[TP_KEY.name]))
     rank, size, init, config = conn.recv()
     follower_main(rank, size, init, config, conn)
 

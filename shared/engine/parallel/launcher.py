@@ -27,6 +27,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from shared.settings.process_vars import TP_ADDR, TP_KEY
+
 from ..step_plan import StepPlan
 from . import control
 from .context import TPContext, kv_head_slice
@@ -151,8 +153,8 @@ def launch(config, tp_size: int, device: torch.device) -> tuple[TPContext, TPWor
     init = f"tcp://127.0.0.1:{_free_port()}"
     key = secrets.token_bytes(32)
     listener = Listener(("127.0.0.1", 0), authkey=key)
-    env = dict(os.environ, DUET_TP_ADDR="%s:%d" % listener.address, DUET_TP_KEY=key.hex(),
-               PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
+               **{TP_ADDR.name: "%s:%d" % listener.address, TP_KEY.name: key.hex()})
     procs = [subprocess.Popen([sys.executable, "-c", FOLLOWER_BOOT], env=env) for _ in range(1, tp_size)]
     conns: list = [None] * (tp_size - 1)
     workers = TPWorkers(procs, conns)
