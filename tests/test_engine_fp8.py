@@ -144,6 +144,16 @@ def test_other_quantization_methods_are_refused_by_name(tmp_path, method, qc):
         Engine(model_dir=str(tmp_path), device="cpu")
 
 
+def test_duet_generate_names_a_refused_method(tmp_path, capsys):
+    from services.offline.generate import main
+    cfg = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "quantization_config": {
+        "quant_method": "awq", "bits": 4}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert main(["--model", str(tmp_path), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "duet generate: error:" in err and "quantization method 'awq'" in err and "Traceback" not in err
+
+
 def _rank_models(model_dir, tp_size, rank, ep=False):
     """(FP8-kept model, dequantized model) of one TP rank, loaded without a process group
     (loading shards by rank alone)."""
