@@ -112,7 +112,7 @@ def main(argv=None) -> int:
     root = Path(args.workdir or tempfile.mkdtemp(prefix="duet-bench-"))
     report = Report()
     if args.budget_s:
-        _watchdog(start + args.budget_s + 30, report, args)
+        _watchdog(start + args.budget_s + 20, report, args)
     dev = torch.device("cuda", 0)
     props = torch.cuda.get_device_properties(dev)
     report.add("env", "device", f"{props.name} x{torch.cuda.device_count()}, {props.total_memory / 2**30:.0f} GiB")
