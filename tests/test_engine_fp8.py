@@ -198,9 +198,13 @@ def test_a_rank_slice_inside_a_scale_block_is_refused(tmp_path):
     from tests.tiny_models import make_tiny_model
     src = make_tiny_model(tmp_path / "src", "qwen3", hidden=96, heads=6, kv_heads=6, head_dim=16, intermediate=96)
     q = quantize_checkpoint(src, tmp_path / "fp8", "block", block=(32, 32))
-    # tp 2: o_proj's 96 inputs split 48 + 48; 48 is inside the second 32-column block
-    with pytest.raises(ModelLoadError, match=r"input columns start at 48, inside a 32-column FP8 scale block"):
-        _rank_models(q, 2, 1)
+    # tp 2: o_proj's and down_proj's 96 inputs split 48 + 48; 48 is inside the second 32-column
+    # block (every rank refuses, rank 0 too, whose own slice would start at 0)
+    for rank in (0, 1):
+        with pytest.raises(ModelLoadError, match=r"layers\.0\.(mlp\.down|self_attn\.o)_proj: each tensor-parallel "
+                                                 r"rank holds 48 of its input columns, not a multiple of the "
+                                                 r"32-column FP8 scale blocks"):
+            _rank_models(q, 2, rank)
     _rank_models(q, 3, 2)  # 32 + 32 + 32: every slice starts a block
 
 

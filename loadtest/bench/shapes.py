@@ -144,7 +144,7 @@ def weight_bytes_read_per_step(model, tied: bool, touched_experts: list[int] | N
     from shared.engine.models.moe import ExpertWeights
 
     experts = [m for m in model.modules() if isinstance(m, ExpertWeights)]
-    skip = {id(p) for m in experts for p in (m.w13, m.w2)}
+    skip = {id(p) for m in experts for p in m.parameters(recurse=False)}  # FP8 experts' scales too
     seen, total = set(), 0
     for p in model.parameters():
         if id(p) in seen or id(p) in skip:
@@ -154,7 +154,7 @@ def weight_bytes_read_per_step(model, tied: bool, touched_experts: list[int] | N
     if not tied:
         total -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
     for i, m in enumerate(experts):
-        per_expert = (m.w13[0].numel() + m.w2[0].numel()) * m.w13.element_size()
+        per_expert = sum(p[0].numel() * p.element_size() for p in m.parameters(recurse=False))
         n = m.place.num_local_experts if touched_experts is None else touched_experts[i]
         total += n * per_expert
     return total

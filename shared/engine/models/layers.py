@@ -130,7 +130,9 @@ class RowParallelLinear(nn.Module):
     def fp8_layouts(self, grid) -> dict[str, Fp8Layout]:
         """Every row, this rank's input columns."""
         rows = self.weight.shape[0]
-        return {"weight": Fp8Layout((RowSlice(0, rows),), self.tp.rank * self.in_shard, self.in_shard, 0, grid)}
+        stride = self.in_shard if self.tp.size > 1 else 0
+        return {"weight": Fp8Layout((RowSlice(0, rows),), self.tp.rank * self.in_shard, self.in_shard, 0, grid,
+                                    stride)}
 
     def fp8_slot(self, part):
         return "weight", 0, None

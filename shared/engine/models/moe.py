@@ -98,8 +98,9 @@ class ExpertWeights(nn.Module):
         row, the same slice of its input columns."""
         p, h = self.place, self.w13.shape[2]
         inter = RowSlice(p.inter_start, p.inter_local)
+        stride = p.inter_local if p.inter_local < p.intermediate_size else 0  # sliced over the ranks
         return {"w13": Fp8Layout((inter, inter), 0, h, p.num_local_experts, grid),
-                "w2": Fp8Layout((RowSlice(0, h),), p.inter_start, p.inter_local, p.num_local_experts, grid)}
+                "w2": Fp8Layout((RowSlice(0, h),), p.inter_start, p.inter_local, p.num_local_experts, grid, stride)}
 
     def fp8_slot(self, part):
         """(attr, part, local expert) for a per-expert tensor; local None: another rank's."""

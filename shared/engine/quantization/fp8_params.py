@@ -61,6 +61,7 @@ class Fp8Layout:
     cols: int
     experts: int
     grid: ScaleGrid
+    col_stride: int = 0  # tensor parallel over the columns: one rank's slice starts this far from the next's
 
     @property
     def rows(self) -> int:
@@ -93,11 +94,11 @@ def make_fp8(module: nn.Module, attr: str, layout: Fp8Layout, name: str = "") ->
     """Replace module.<attr> by an FP8 weight laid out for `layout` (see the module note).
     Made on the device the module's parameters are on (meta too)."""
     g = layout.grid
-    if not g.per_channel and layout.col_start % g.group_k:
+    if not g.per_channel and (layout.col_start % g.group_k or layout.col_stride % g.group_k):
         raise ModelLoadError(
-            f"{name or type(module).__name__}: this rank's input columns start at {layout.col_start}, inside a "
-            f"{g.group_k}-column FP8 scale block; block-wise FP8 needs each rank's input slice to start a block "
-            f"((input features / tp) % {g.group_k} == 0): use a smaller --tp" +
+            f"{name or type(module).__name__}: each tensor-parallel rank holds {layout.col_stride} of its input "
+            f"columns, not a multiple of the {g.group_k}-column FP8 scale blocks; block-wise FP8 needs every "
+            f"rank's input slice to start a block ((input features / tp) % {g.group_k} == 0): use a smaller --tp" +
             (" or expert parallelism (--ep)" if layout.experts else ""))
     old = getattr(module, attr)
     lead = (layout.experts,) if layout.experts else ()
