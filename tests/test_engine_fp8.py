@@ -246,3 +246,28 @@ def test_fp8_kv_cache_on_cpu(default_fp8, tmp_path):
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         Engine(model_dir=str(q), device="cpu", kv_cache_dtype="int8")
 
+
+
+def test_fp8_checkpoint_and_fp8_kv_over_two_tp_processes(tmp_path):
+    """Real TP=2 (rank 1 a separate process, gloo): an FP8 MoE checkpoint with KV scales and an
+    FP8 KV cache gives TP=1's greedy tokens; each rank's pool is float8 with the same scales."""
+    from shared.engine import LLM
+    src = build_model_dir(tmp_path / "src", "qwen3_moe", seed=6, num_attention_heads=4)
+    q = quantize_checkpoint(src, tmp_path / "fp8", "block", block=(16, 16), kv_scales=True)
+    prompts = random_prompts(3, [9, 30, 14], seed=4)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    common = dict(dtype="float64", device="cpu", num_threads=1, kv_cache_memory=KV_BYTES, kv_cache_dtype="fp8_e4m3")
+    want = [o.token_ids for o in LLM(str(q), **common).generate(prompts, params)]
+    llm = LLM(str(q), tp=2, **common)
+    try:
+        assert [o.token_ids for o in llm.generate(prompts, params)] == want
+        eng = llm.engine
+        theirs = eng.call_followers("tests.test_engine_fp8:_pool_view")
+        assert theirs == [_pool_view(eng)] and _pool_view(eng)[0] == "torch.float8_e4m3fn"
+    finally:
+        llm.engine.close()
+
+
+def _pool_view(engine):
+    """Runs on every rank: the pool's dtype and scales."""
+    return str(engine.pool.buffer.dtype), engine.pool.scales
