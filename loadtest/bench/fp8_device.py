@@ -135,7 +135,7 @@ def fp8_decode_8b(ctx):
     c = _need_ceilings(ctx)
     got = {}
     for tag, options in (("fp8", dict(quantization="fp8")), ("bf16", {})):
-        eng = _engine(ctx, "qwen3-8b", max_model_len=2048, cuda_graph_max_bs=32, kv_cache_memory=8 << 30, **options)
+        eng = _engine(ctx, "qwen3-8b", max_model_len=4096, cuda_graph_max_bs=32, kv_cache_memory=8 << 30, **options)
         rep.add("fp8_decode_8b", f"{tag} weights GiB", round(eng.weight_bytes / 2 ** 30, 2), eng.weights_description)
         for b in (1, 32):
             floor, gb = decode_floor_ms(eng, b, args.ctx, c.copy_gb_s)
