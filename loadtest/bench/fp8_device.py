@@ -1,4 +1,4 @@
-"""FP8 on one GPU, bounded: `python -m loadtest.bench.fp8_device [--budget-s 380]` (the same
+"""FP8 on one GPU, bounded: `python -m loadtest.bench.fp8_device [--budget-s 360]` (the same
 as `duet bench --suite fp8`). Random weights of real shapes (Qwen3-8B, Qwen3-30B-A3B), made
 FP8 at load (--quantization fp8 over --load-format dummy: the FP8 values are drawn directly).
 
@@ -257,7 +257,7 @@ def main(argv=None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--budget-s" not in argv:
-        argv += ["--budget-s", "380"]
+        argv += ["--budget-s", "360"]
     return suite_main(["--suite", "fp8"] + argv)
 
 
