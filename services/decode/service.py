@@ -87,7 +87,7 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
         reply = duet_pb2.Reservation(
             reservation_id=res.reservation_id, generation=res.generation, decode_worker_id=ctx.worker_id,
             decode_instance_nonce=ctx.instance_nonce, page_size=ctx.page_size,
-            num_layers=eng.layout.num_layers, kv_dtype=str(eng.dtype).removeprefix("torch."),
+            num_layers=eng.layout.num_layers, kv_dtype=str(eng.kv_dtype).removeprefix("torch."),
             compat_hash=ctx.compat_hash, held_pages=res.held_pages)
         if res.held_pages:  # the writer checks these against its prompt before skipping the pages
             reply.held_page_hashes.extend(chained_page_hashes(prompt_ids[:res.held_pages * ctx.page_size],
