@@ -19,6 +19,7 @@ from services.decode.reservations import waiter_for
 from services.worker_runtime.context import WorkerContext
 from services.worker_runtime.convert import FINISH, prompt_logprobs_to_proto, sampling_from_proto, tokens_to_proto
 from services.worker_runtime.grammar_check import compile_ahead
+from shared.registry.prefix_hashes import chained_page_hashes
 
 log = logging.getLogger("duet.decode")
 
@@ -26,6 +27,9 @@ log = logging.getLogger("duet.decode")
 class DecodeService(duet_pb2_grpc.DecodeServicer):
     def __init__(self, ctx: WorkerContext):
         self.ctx = ctx
+        # Reserve calls waiting for room, oldest first (a burst waits its turn instead of
+        # being refused; what can never fit was refused before it queued)
+        self.reserve_queue: list[object] = []
 
     # -- admission ------------------------------------------------------------------------
     async def Reserve(self, request: duet_pb2.ReserveRequest, context):
@@ -47,27 +51,47 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"request needs {total} tokens of KV; this decode worker holds "
                                 f"{eng.kv.capacity * ctx.page_size}")
+        prompt_ids = list(request.prompt_token_ids) or None
+        if prompt_ids is not None and len(prompt_ids) != request.prompt_tokens:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"prompt_token_ids has {len(prompt_ids)} ids for prompt_tokens {request.prompt_tokens}")
         wait_s = (request.timeout_ms / 1000.0) if request.timeout_ms else ctx.config.reserve_timeout_s
         deadline = time.monotonic() + wait_s
-        with ctx.span("reserve", context, request_id=request.request_id):
-            while True:
-                res = await ctx.loop.acall(lambda: ctx.book.try_reserve(
-                    request.request_id, request.prompt_tokens, request.max_tokens,
-                    request.prefill_worker_id, ctx.config.engine.max_running_requests, n))
-                if res is not None:
-                    break
-                if time.monotonic() >= deadline:
-                    ctx.metrics.request_finished("Reserve", grpc.StatusCode.RESOURCE_EXHAUSTED)
-                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                        f"decode worker {ctx.worker_id} has no room after {wait_s:.1f}s")
-                await asyncio.sleep(0.01)
+        queue = self.reserve_queue
+        if len(queue) >= ctx.config.reserve_queue_max:
+            ctx.metrics.request_finished("Reserve", grpc.StatusCode.RESOURCE_EXHAUSTED)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"decode worker {ctx.worker_id} has {len(queue)} reservations waiting")
+        with ctx.span("reserve", context, request_id=request.request_id) as span:
+            ticket = object()
+            queue.append(ticket)  # first come, first served: only the head tries
+            try:
+                while True:
+                    res = None
+                    if queue[0] is ticket:
+                        res = await ctx.loop.acall(lambda: ctx.book.try_reserve(
+                            request.request_id, request.prompt_tokens, request.max_tokens,
+                            request.prefill_worker_id, ctx.config.engine.max_running_requests, n, prompt_ids))
+                    if res is not None:
+                        break
+                    if time.monotonic() >= deadline:
+                        ctx.metrics.request_finished("Reserve", grpc.StatusCode.RESOURCE_EXHAUSTED)
+                        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                            f"decode worker {ctx.worker_id} has no room after {wait_s:.1f}s")
+                    await asyncio.sleep(0.01)
+            finally:
+                queue.remove(ticket)
+            span.set_attribute("duet.held_tokens", res.held_pages * ctx.page_size)
             while res.ready_event is not None and not res.ready_event.query():
                 await asyncio.sleep(0.0005)  # at most one in-flight step
         reply = duet_pb2.Reservation(
             reservation_id=res.reservation_id, generation=res.generation, decode_worker_id=ctx.worker_id,
             decode_instance_nonce=ctx.instance_nonce, page_size=ctx.page_size,
             num_layers=eng.layout.num_layers, kv_dtype=str(eng.kv_dtype).removeprefix("torch."),
-            compat_hash=ctx.compat_hash)
+            compat_hash=ctx.compat_hash, held_pages=res.held_pages)
+        if res.held_pages:  # the writer checks these against its prompt before skipping the pages
+            reply.held_page_hashes.extend(chained_page_hashes(prompt_ids[:res.held_pages * ctx.page_size],
+                                                              ctx.page_size))
         for rank, agent in enumerate(ctx.rank_agents):  # TP ranks mirror rank 0's page table
             reply.ranks.add(rank=rank, agent_name=agent.name, page_ids=res.page_ids)
         return reply

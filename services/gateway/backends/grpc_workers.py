@@ -268,7 +268,9 @@ class GrpcBackend:
             state.reservation = await decode.Reserve(duet_pb2.ReserveRequest(
                 request_id=request.request_id, prompt_tokens=len(request.prompt_token_ids),
                 max_tokens=request.sampling.max_tokens, prefill_worker_id=route.prefill.worker_id,
-                timeout_ms=self.config.reserve_timeout_ms, n=request.sampling.n), metadata=metadata, timeout=self.config.rpc_timeout_s)
+                timeout_ms=self.config.reserve_timeout_ms, n=request.sampling.n,
+                prompt_token_ids=request.prompt_token_ids),  # decode reuses what it holds of it
+                metadata=metadata, timeout=self.config.rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise rpc_error(exc, f"decode worker {route.decode.worker_id} (reserve)") from None
         prefill = duet_pb2_grpc.PrefillStub(self._workers.get(route.prefill))
