@@ -74,7 +74,9 @@ def test_context_length_limits(model_dir):
     eng = engine(model_dir, max_model_len=40)
     assert eng.max_model_len == 40
     p30 = random_prompts(1, [30], seed=37)[0]
-    with pytest.raises(ValueError, match=r"\+ max_tokens \(11\) exceeds the model's context length \(40\)"):
+    # the one context rule (shared/admission/context_rule.py), in OpenAI's words
+    with pytest.raises(ValueError, match=r"context length is 40 tokens\. However, you requested 41 tokens "
+                                         r"\(30 in the prompt, 11 in the completion\)"):
         eng.add_request(p30, SamplingParams(max_tokens=11))
     with pytest.raises(ValueError, match="context length is 40"):
         eng.add_request(random_prompts(1, [40], seed=38)[0], SamplingParams(max_tokens=1))

@@ -143,10 +143,10 @@ class ScriptedBackend:
                 if self.fail_after_tokens is not None and sent + len(batch) > self.fail_after_tokens:
                     raise self.fail_with
                 logprobs = None
-                if sampling.logprobs:
+                if sampling.logprobs is not None:
                     logprobs = [
                         TokenLogprob(t, -0.25 * (sent + j + 1),
-                                     [((t + k) % 300, -0.25 * (sent + j + 1) - k) for k in range(sampling.top_logprobs)])
+                                     [((t + k) % 300, -0.25 * (sent + j + 1) - k) for k in range(sampling.logprobs)])
                         for j, t in enumerate(batch)
                     ]
                 if finish:

@@ -95,7 +95,7 @@ class RouterService(duet_pb2_grpc.RouterServicer):
         prefills = [w for w in by_role["prefill"] if partners[w.worker_id]]
         rotation = next(self._rotation)
         loads = self.inflight.per_worker()
-        prompt_tokens, max_tokens = request.prompt_tokens, max(0, request.max_tokens)
+        prompt_tokens, max_tokens, n = request.prompt_tokens, max(0, request.max_tokens), max(1, request.n)
 
         if prefills:
             cached = await self._cached_pages(prefills, list(request.page_hashes))
@@ -103,7 +103,7 @@ class RouterService(duet_pb2_grpc.RouterServicer):
                                      inflight=loads, weights=self.config.weights, rotation=rotation)
             decodes = partners[prefill.worker.worker_id]
             decode = choose_decode(decodes, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
-                                   inflight=loads, weights=self.config.weights, rotation=rotation)
+                                   inflight=loads, weights=self.config.weights, rotation=rotation, n=n)
             self.inflight.add(RoutedRequest(request_id, prefill.worker.worker_id, prefill.uncached_tokens,
                                             decode.worker.worker_id, decode.pages, time.monotonic()))
             return duet_pb2.RouteReply(request_id=request_id, prefill=worker_ref(prefill.worker),
@@ -120,7 +120,7 @@ class RouterService(duet_pb2_grpc.RouterServicer):
         cached = await self._cached_pages(boths, list(request.page_hashes))
         prefill, decode = choose_colocated(boths, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
                                            cached_pages=cached, inflight=loads, weights=self.config.weights,
-                                           rotation=rotation)
+                                           rotation=rotation, n=n)
         worker = prefill.worker
         self.inflight.add(RoutedRequest(request_id, worker.worker_id, prefill.uncached_tokens,
                                         worker.worker_id, decode.pages, time.monotonic()))

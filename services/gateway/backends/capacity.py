@@ -1,0 +1,56 @@
+"""What the live workers can hold, as the gateway sees it (registry entries, or the in-process
+engine), and the "can never fit" rule applied to it before anything is sent.
+
+A request fits when some `both` worker holds its KV demand (shared.admission.kv_demand), or
+some decode worker holds it and some prefill worker holds the prompt. What fits no live worker
+is a 400 at once, in either mode; with no worker known yet the workers judge (the same rule)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from shared.admission.kv_demand import check_fits, kv_demand
+from shared.openai_protocol.errors import InvalidRequest
+
+SERVING_ROLES = ("decode", "both")  # the roles that hold a request's sequences to the end
+
+
+@dataclass(frozen=True)
+class WorkerCapacity:
+    role: str          # prefill | decode | both
+    kv_pages: int      # its whole KV pool, free or not
+    page_size: int
+    max_running: int   # its batch cap (0 = unknown)
+
+
+def batch_capacity(workers: Sequence[WorkerCapacity]) -> int:
+    """Sequences the serving workers run at once, summed (0: unknown)."""
+    caps = [w.max_running for w in workers if w.role in SERVING_ROLES]
+    return sum(caps) if caps and all(caps) else 0
+
+
+def check_fits_some_worker(workers: Sequence[WorkerCapacity], prompt_tokens: int, max_tokens: int, n: int,
+                           param: str = "max_tokens") -> None:
+    """InvalidRequest (kv_capacity_exceeded) when no live worker can ever hold the request."""
+    known = [w for w in workers if w.kv_pages > 0 and w.page_size > 0]
+    serving = [w for w in known if w.role in SERVING_ROLES]
+    if not serving:
+        return  # nothing known: the workers check it themselves
+    prefills = [w for w in known if w.role == "prefill"]
+    prompt_fits = any(kv_demand(prompt_tokens, 1, 1, w.page_size).pages <= w.kv_pages for w in prefills)
+    problems = []
+    for w in sorted(serving, key=lambda w: w.kv_pages * w.page_size, reverse=True):
+        try:
+            check_fits(kv_demand(prompt_tokens, max_tokens, n, w.page_size), w.kv_pages,
+                       f"the largest {w.role} worker")
+        except InvalidRequest as exc:
+            problems.append(exc)
+            continue
+        if w.role == "both" or prompt_fits or not prefills:
+            return
+    if problems:
+        exc = problems[0]  # the largest worker's answer
+        raise InvalidRequest(exc.message, param, exc.code)
+    raise InvalidRequest(f"the prompt ({prompt_tokens} tokens) does not fit the KV pool of any prefill worker",
+                         "prompt" if param == "max_tokens" else param, "kv_capacity_exceeded")
