@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shared.admission.kv_demand import check_fits, kv_demand
+from shared.admission.kv_demand import KV_CAPACITY_EXCEEDED, check_fits, kv_demand
 from shared.openai_protocol.errors import InvalidRequest
 
 SERVING_ROLES = ("decode", "both")  # the roles that hold a request's sequences to the end
@@ -38,19 +38,18 @@ def check_fits_some_worker(workers: Sequence[WorkerCapacity], prompt_tokens: int
     if not serving:
         return  # nothing known: the workers check it themselves
     prefills = [w for w in known if w.role == "prefill"]
-    prompt_fits = any(kv_demand(prompt_tokens, 1, 1, w.page_size).pages <= w.kv_pages for w in prefills)
-    problems = []
-    for w in sorted(serving, key=lambda w: w.kv_pages * w.page_size, reverse=True):
-        try:
-            check_fits(kv_demand(prompt_tokens, max_tokens, n, w.page_size), w.kv_pages,
-                       f"the largest {w.role} worker")
-        except InvalidRequest as exc:
-            problems.append(exc)
-            continue
-        if w.role == "both" or prompt_fits or not prefills:
-            return
-    if problems:
-        exc = problems[0]  # the largest worker's answer
-        raise InvalidRequest(exc.message, param, exc.code)
-    raise InvalidRequest(f"the prompt ({prompt_tokens} tokens) does not fit the KV pool of any prefill worker",
-                         "prompt" if param == "max_tokens" else param, "kv_capacity_exceeded")
+    fitting = [w for w in serving if kv_demand(prompt_tokens, max_tokens, n, w.page_size).pages <= w.kv_pages]
+    if any(w.role == "both" for w in fitting):
+        return
+    if fitting and (not prefills or any(kv_demand(prompt_tokens, 1, 1, w.page_size).pages <= w.kv_pages
+                                        for w in prefills)):
+        return
+    if fitting:
+        raise InvalidRequest(f"the prompt ({prompt_tokens} tokens) does not fit the KV pool of any prefill worker",
+                             "prompt", KV_CAPACITY_EXCEEDED)
+    largest = max(serving, key=lambda w: w.kv_pages * w.page_size)
+    try:
+        check_fits(kv_demand(prompt_tokens, max_tokens, n, largest.page_size), largest.kv_pages,
+                   f"the largest {largest.role} worker")
+    except InvalidRequest as exc:
+        raise InvalidRequest(exc.message, param, exc.code) from None
