@@ -58,7 +58,7 @@ def test_units_weigh_sequences_and_tokens_against_the_budget():
 
 def test_fair_turns_across_api_keys_and_a_bound_per_request():
     async def go():
-        q = AdmissionQueue(10, 10, 5.0, budget=lambda: Budget(sequences=4), max_request_sequences=3)
+        q = AdmissionQueue(10, 10, 5.0, budget=lambda: Budget(sequences=4), max_request_share=0.75)
         big = q.ticket("key-a")
         grants = [await big.acquire(Work(1, 10))]
         more = [asyncio.create_task(big.acquire_more(Work(1, 10))) for _ in range(7)]
@@ -131,7 +131,7 @@ def test_a_prompt_list_cannot_starve_a_one_token_request(prompts):
     4 run at once, and a one-token request that arrives while they run is served within a
     prompt's time, long before the list ends."""
     capacity = [WorkerCapacity("decode", 1000, 16, 4), WorkerCapacity("prefill", 1000, 16, 4)]
-    backend, ctx, server = _server(prompts, GatewayLimits(max_request_sequences=0), capacity)
+    backend, ctx, server = _server(prompts, GatewayLimits(max_request_share=1.0), capacity)
     backend.delay_s = 0.1  # ~11 tokens: a prompt runs ~1.1 s; the list 3 rounds of 4
 
     async def go(base_url):

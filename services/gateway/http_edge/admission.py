@@ -10,9 +10,10 @@ Fairness: waiting units are served by tenant (an API key, else the request itsel
 tenant with the smallest dominant share of the running work first (its sequences or tokens
 over the budget, whichever is larger), first come first served within a tenant; a unit that
 does not fit the budget stops the line, so a big unit is never overtaken forever. One
-request runs at most `max_request_sequences` sequences at once; its other prompts wait
-behind its own. So a prompt list of 1024 cannot fill the workers ahead of another user's
-one-token request: the next unit to finish makes room for the other user first.
+request runs at most `max_request_share` of the sequence budget at once (its other prompts
+wait behind its own), so a newcomer finds room at once; and a prompt list of 1024 cannot
+fill the workers ahead of another user's one-token request: when room frees, the user with
+the smaller share goes first.
 
 Bounds against overload, in requests: at most `max_concurrent` requests are admitted at
 once and `max_queued` more hold a place (preparing or waiting); a request that finds no
@@ -83,14 +84,14 @@ class _Waiter:
 
 class AdmissionQueue:
     def __init__(self, max_concurrent: int, max_queued: int, queue_timeout_s: float, retry_after_s: float = 1.0,
-                 *, budget: Callable[[], Budget] | None = None, max_request_sequences: int = 0):
-        if min(max_concurrent, max_queued, queue_timeout_s, max_request_sequences) < 0:
-            raise ValueError("admission limits must be >= 0")
+                 *, budget: Callable[[], Budget] | None = None, max_request_share: float = 1.0):
+        if min(max_concurrent, max_queued, queue_timeout_s) < 0 or not 0 < max_request_share <= 1:
+            raise ValueError("admission limits must be >= 0, the request share in (0, 1]")
         self.max_concurrent = max_concurrent  # requests admitted at once; 0 = unbounded (no queue either)
         self.max_queued = max_queued
         self.queue_timeout_s = queue_timeout_s  # 0 = wait without a deadline
         self.retry_after_s = retry_after_s
-        self.max_request_sequences = max_request_sequences  # 0 = no per-request bound
+        self.max_request_share = max_request_share  # of the sequence budget; 1 = the whole budget
         self.budget = budget or Budget  # read at each decision: the live workers change
         self.active = 0  # requests admitted (first unit granted) and not yet ended
         self.places = 0  # requests holding a place: admitted, waiting or being prepared
@@ -136,20 +137,27 @@ class AdmissionQueue:
             return False
         return not (budget.tokens and self.running.tokens + work.tokens > budget.tokens)
 
-    def _blocked_by_request(self, w: _Waiter) -> bool:
+    def request_bound(self, budget: Budget) -> int:
+        """Sequences one request may run at once (0: no bound beyond the budget)."""
+        if not budget.sequences or self.max_request_share >= 1:
+            return 0
+        return max(1, int(budget.sequences * self.max_request_share))
+
+    def _blocked_by_request(self, w: _Waiter, bound: int) -> bool:
         held = w.ticket.running_sequences
         if w.first and self.max_concurrent and self.active >= self.max_concurrent:
             return True
-        return bool(self.max_request_sequences and held and held + w.work.sequences > self.max_request_sequences)
+        return bool(bound and held and held + w.work.sequences > bound)
 
     def _dispatch(self) -> None:
         """Grant waiting units, fairest tenant first, while they fit."""
         self._waiters = [w for w in self._waiters if not w.future.done()]
         while self._waiters:
             budget = self.budget()
+            bound = self.request_bound(budget)
             heads: dict[str, _Waiter] = {}
             for w in self._waiters:  # each tenant's oldest unit that its request lets run
-                if w.ticket.tenant not in heads and not self._blocked_by_request(w):
+                if w.ticket.tenant not in heads and not self._blocked_by_request(w, bound):
                     heads[w.ticket.tenant] = w
             if not heads:
                 return

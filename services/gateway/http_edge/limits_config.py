@@ -15,7 +15,7 @@ from shared.settings.spec import setting
 class GatewayLimits:
     # Admission (admission.py): work runs while it fits max_running_sequences (default: the
     # live workers' batch capacity) and max_running_tokens, one request at most
-    # max_request_sequences at once, waiting units served fairly across API keys; at most
+    # max_request_share of that at once, waiting units served fairly across API keys; at most
     # max_concurrent requests are admitted and max_queued more wait up to queue_timeout_s;
     # beyond that 429 with Retry-After. 0 = no bound (max_running_sequences: the live capacity).
     max_concurrent: int = setting(256, flag="--max-concurrent-requests", env="DUET_MAX_CONCURRENT_REQUESTS",
@@ -31,9 +31,10 @@ class GatewayLimits:
     max_running_tokens: int = setting(
         0, flag="--max-running-tokens", env="DUET_MAX_RUNNING_TOKENS",
         help="KV tokens (prompt + n x max_tokens) the running sequences may fill; 0 = no bound")
-    max_request_sequences: int = setting(
-        128, flag="--max-request-sequences", env="DUET_MAX_REQUEST_SEQUENCES",
-        help="sequences one request runs at once (its other prompts wait behind them); 0 = no bound")
+    max_request_share: float = setting(
+        0.5, flag="--max-request-share", env="DUET_MAX_REQUEST_SHARE",
+        help="share of --max-running-sequences one request runs at once (its other prompts wait behind "
+             "them), so another client finds room at once; 1 = the whole budget")
     retry_after_s: float = setting(1.0, flag="--retry-after", env="DUET_RETRY_AFTER",
                                    help="Retry-After seconds on a 429")
     # Request bodies: larger ones get 413; a body not fully sent within body_timeout_s gets 408.
@@ -58,3 +59,5 @@ class GatewayLimits:
         for name in ("header_timeout_s", "keep_alive_s", "max_header_bytes", "max_body_bytes", "body_timeout_s"):
             if getattr(self, name) == 0:
                 raise ValueError(f"{name} must be > 0")
+        if not 0 < self.max_request_share <= 1:
+            raise ValueError(f"max_request_share must be in (0, 1], got {self.max_request_share}")

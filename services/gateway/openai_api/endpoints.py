@@ -88,7 +88,7 @@ class GatewayContext:
     def __post_init__(self) -> None:
         lim = self.limits
         self.admission = AdmissionQueue(lim.max_concurrent, lim.max_queued, lim.queue_timeout_s, lim.retry_after_s,
-                                        budget=self.admission_budget, max_request_sequences=lim.max_request_sequences)
+                                        budget=self.admission_budget, max_request_share=lim.max_request_share)
         register_admission_metrics(self.metrics.registry, self.admission)
         self.token_strings = TokenStrings(self.prompts.tokenizer)
         parser = "auto" if self.tool_call_parser == "none" else self.tool_call_parser
