@@ -127,7 +127,8 @@ def test_what_can_never_fit_is_a_400_at_once(stack):
 
 
 def test_a_prompt_list_does_not_starve_a_one_token_request(stack):
-    """issue 27 item 5, scaled to the CPU: 24 prompts x 16 tokens against a batch of 8 (the list runs 4 at a time: --max-request-share 0.5)."""
+    """issue 27 item 5, scaled to the CPU: 24 prompts x 16 tokens against a batch of 8 (the
+    list runs 4 at a time: --max-request-share 0.5), and a one-token request sent meanwhile."""
     async def go():
         async with httpx.AsyncClient(base_url=stack.base_url.removesuffix("/v1"), timeout=300) as http:
             big_started = time.monotonic()

@@ -80,7 +80,8 @@ CONSTRAINTS: dict[str, dict[str, dict]] = {
                         "function": {"type": "object", "required": ["name", "arguments"], "properties": {
                             "name": {"type": "string"}, "arguments": {"type": "string"}}}}}}},
     "ResponsesRequest": {"temperature": _SAMPLING["temperature"], "top_p": _SAMPLING["top_p"],
-                         "max_output_tokens": {"minimum": 1, "maximum": INT32_MAX}, "input": {"string": {"minLength": 1}}},
+                         "max_output_tokens": {"minimum": 1, "maximum": INT32_MAX},
+                         "input": {"string": {"minLength": 1}}},
 }
 
 
