@@ -12,7 +12,8 @@ import pytest
 
 from protos import duet_pb2
 from protos.sampling_codec import ContractOverflow, sampling_from_proto, sampling_to_proto
-from services.gateway.backends.capacity import WorkerCapacity, batch_capacity, check_fits_some_worker
+from services.gateway.backends.capacity import (WorkerCapacity, batch_capacity, check_fits_some_worker,
+                                                prefill_capacity)
 from services.router.policy import pages_needed
 from shared.admission.context_rule import completion_budget
 from shared.admission.kv_demand import check_fits, kv_demand
@@ -90,6 +91,10 @@ def test_can_never_fit_any_live_worker():
     check_fits_some_worker([], 10**6, 10**6, 128)  # nothing known: the workers judge
     assert batch_capacity(split) == 16 and batch_capacity(both) == 256
     assert batch_capacity([WorkerCapacity("decode", 1, 16, 0)]) == 0  # unknown
+    prefills = [WorkerCapacity("prefill", 50, 16, 256, 1024), WorkerCapacity("prefill", 50, 16, 256, 2048),
+                WorkerCapacity("decode", 30, 16, 8, 1024)]
+    assert prefill_capacity(prefills) == 2 * (1024 + 2048)  # two steps of each prefilling worker
+    assert prefill_capacity(split) == 0 and prefill_capacity([WorkerCapacity("both", 9, 16, 8, 512)]) == 1024
 
 
 # --- the sampling type and its codec -----------------------------------------------------

@@ -56,6 +56,27 @@ def test_units_weigh_sequences_and_tokens_against_the_budget():
     asyncio.run(fair_line())
 
 
+def test_prompt_tokens_count_until_their_first_token():
+    """The prefill budget: a unit's prompt counts from its grant to its first token, so the
+    prefill workers' queue stays a couple of steps long and the order is decided here."""
+    async def go():
+        q = AdmissionQueue(10, 10, 5.0, budget=lambda: Budget(sequences=100, prefill_tokens=100))
+        a = await q.ticket().acquire(Work(1, 90, 80))
+        b = asyncio.create_task(q.ticket().acquire(Work(1, 60, 50)))  # 80 + 50 > 100 prompt tokens
+        await asyncio.sleep(0.01)
+        assert not b.done() and q.running.prefill_tokens == 80
+        a.prefilled()  # a's first token: its prompt is done, its sequence still runs
+        b_grant = await asyncio.wait_for(b, 1)
+        assert (q.running.sequences, q.running.prefill_tokens) == (2, 50)
+        a.prefilled()  # idempotent
+        a.release()
+        b_grant.release()  # never prefilled (it failed first): its prompt tokens go back too
+        assert (q.running.sequences, q.running.tokens, q.running.prefill_tokens) == (0, 0, 0)
+        huge = await asyncio.wait_for(q.ticket().acquire(Work(1, 10, 5000)), 1)  # alone, any prompt runs
+        huge.release()
+    asyncio.run(go())
+
+
 def test_fair_turns_across_api_keys_and_a_bound_per_request():
     async def go():
         q = AdmissionQueue(10, 10, 5.0, budget=lambda: Budget(sequences=4), max_request_share=0.75)
@@ -158,7 +179,7 @@ def test_a_prompt_list_cannot_starve_a_one_token_request(prompts):
 
 
 def test_what_can_never_fit_a_live_worker_is_a_400_before_anything_is_sent(prompts):
-    capacity = [WorkerCapacity("decode", 8, 16, 4), WorkerCapacity("prefill", 8, 16, 4)]  # 128 tokens
+    capacity = [WorkerCapacity("decode", 8, 16, 4), WorkerCapacity("prefill", 8, 16, 4, 256)]  # 128 tokens
     backend, ctx, server = _server(prompts, GatewayLimits(), capacity)
     with server:
         url = server.base_url
@@ -179,5 +200,6 @@ def test_what_can_never_fit_a_live_worker_is_a_400_before_anything_is_sent(promp
         assert ok.status_code == 200, ok.text  # 5 + 100 tokens: 7 pages of 8
     metrics = ctx.metrics.exposition().decode()
     for gauge in ("duet_gateway_running_sequences", "duet_gateway_waiting_sequences", "duet_gateway_running_tokens",
-                  "duet_gateway_sequence_budget 4.0", "duet_gateway_token_budget 0.0"):
+                  "duet_gateway_sequence_budget 4.0", "duet_gateway_token_budget 0.0",
+                  "duet_gateway_prefilling_tokens 0.0", "duet_gateway_prefill_budget 512.0"):
         assert gauge in metrics, gauge

@@ -22,12 +22,23 @@ class WorkerCapacity:
     kv_pages: int      # its whole KV pool, free or not
     page_size: int
     max_running: int   # its batch cap (0 = unknown)
+    max_batched_tokens: int = 0  # prompt tokens one of its steps takes (0 = unknown)
+
+
+PREFILL_STEPS_AHEAD = 2  # prompt tokens in flight: this many steps of each prefilling worker
 
 
 def batch_capacity(workers: Sequence[WorkerCapacity]) -> int:
     """Sequences the serving workers run at once, summed (0: unknown)."""
     caps = [w.max_running for w in workers if w.role in SERVING_ROLES]
     return sum(caps) if caps and all(caps) else 0
+
+
+def prefill_capacity(workers: Sequence[WorkerCapacity]) -> int:
+    """Prompt tokens worth sending ahead of the workers that prefill (prefill and both
+    roles): a few of their steps, so a newcomer's prompt waits at most that long there (0: unknown)."""
+    steps = [w.max_batched_tokens for w in workers if w.role in ("prefill", "both")]
+    return PREFILL_STEPS_AHEAD * sum(steps) if steps and all(steps) else 0
 
 
 def check_fits_some_worker(workers: Sequence[WorkerCapacity], prompt_tokens: int, max_tokens: int, n: int,

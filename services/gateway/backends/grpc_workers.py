@@ -176,7 +176,7 @@ class GrpcBackend:
         """From the registry (each worker publishes its pool and batch cap); [] without it."""
         if self._watcher is None:
             return []
-        return [WorkerCapacity(w.role, w.load.total_pages, w.page_size, w.max_running_requests)
+        return [WorkerCapacity(w.role, w.load.total_pages, w.page_size, w.max_running_requests, w.max_batched_tokens)
                 for w in self._watcher.workers()]
 
     def _page_size(self) -> int:

@@ -67,7 +67,7 @@ class LocalBackend:
         if engine is None:
             return []
         return [WorkerCapacity("both", engine.kv.capacity, engine.layout.page_size,
-                               engine.config.max_running_requests)]
+                               engine.config.max_running_requests, engine.scheduler.max_batched_tokens)]
 
     async def start(self) -> None:
         self._loader.start()

@@ -1,10 +1,13 @@
 """Admission by work: what a request asks of the workers, not how many HTTP requests there are.
 
 A request is a set of units, one per prompt (a /v1/completions prompt list has several), each
-weighing `n` sequences and the KV tokens they can fill (prompt + n x max_tokens). Units run
-while the running ones fit the budget: at most `sequences` sequences (by default the live
-workers' batch capacity, so the workers' own queues stay short) and, when set, `tokens` KV
-tokens. A unit alone always runs (what can never fit a worker was refused with a 400 before).
+weighing `n` sequences, the KV tokens they can fill (prompt + n x max_tokens) and its prompt
+tokens. Units run while the running ones fit the budget: at most `sequences` sequences (by
+default the live workers' batch capacity), when set `tokens` KV tokens, and `prefill_tokens`
+prompt tokens not yet prefilled (by default a couple of the prefill workers' steps: a unit
+counts there from its grant to its first token). So the workers' own first-come queues stay
+short and the order in which work reaches them is decided here, fairly. A unit alone always
+runs (what can never fit a worker was refused with a 400 before).
 
 Fairness: waiting units are served by tenant (an API key, else the request itself), the
 tenant with the smallest dominant share of the running work first (its sequences or tokens
@@ -43,10 +46,11 @@ class AdmissionRefused(Exception):
 
 @dataclass(frozen=True)
 class Work:
-    """One unit: a prompt's n sequences and the KV tokens they can fill."""
+    """One unit: a prompt's n sequences, the KV tokens they can fill, its prompt tokens."""
 
     sequences: int = 1
     tokens: int = 0
+    prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,7 @@ class Budget:
 
     sequences: int = 0
     tokens: int = 0
+    prefill_tokens: int = 0  # prompt tokens granted and not yet past their first token
 
 
 @dataclass
@@ -65,12 +70,14 @@ class AdmissionStats:
     running_sequences: int = 0
     running_tokens: int = 0
     waiting_sequences: int = 0
+    prefilling_tokens: int = 0
 
 
 @dataclass
 class _Share:
     sequences: int = 0
     tokens: int = 0
+    prefill_tokens: int = 0  # the gateway-wide total only
 
 
 @dataclass(eq=False)
@@ -114,7 +121,7 @@ class AdmissionQueue:
 
     def stats(self) -> AdmissionStats:
         return AdmissionStats(self.active, self.queued, self.refused, self.running.sequences, self.running.tokens,
-                              self.waiting_sequences)
+                              self.waiting_sequences, self.running.prefill_tokens)
 
     def ticket(self, tenant: str | None = None) -> "Ticket":
         return Ticket(self, tenant)
@@ -131,11 +138,15 @@ class AdmissionQueue:
         return max(seqs, toks)
 
     def _fits_budget(self, work: Work, budget: Budget) -> bool:
-        if self.running.sequences == 0:
+        run = self.running
+        if run.sequences == 0:
             return True  # alone, a unit always runs
-        if budget.sequences and self.running.sequences + work.sequences > budget.sequences:
+        if budget.sequences and run.sequences + work.sequences > budget.sequences:
             return False
-        return not (budget.tokens and self.running.tokens + work.tokens > budget.tokens)
+        if budget.tokens and run.tokens + work.tokens > budget.tokens:
+            return False
+        return not (budget.prefill_tokens and run.prefill_tokens
+                    and run.prefill_tokens + work.prompt_tokens > budget.prefill_tokens)
 
     def request_bound(self, budget: Budget) -> int:
         """Sequences one request may run at once (0: no bound beyond the budget)."""
@@ -174,12 +185,19 @@ class AdmissionQueue:
             ticket.admitted = True
         self.running.sequences += work.sequences
         self.running.tokens += work.tokens
+        self.running.prefill_tokens += work.prompt_tokens
         share = self._tenants.setdefault(ticket.tenant, _Share())
         share.sequences += work.sequences
         share.tokens += work.tokens
         ticket.running_sequences += work.sequences
 
-    def _give_back(self, ticket: "Ticket", work: Work) -> None:
+    def _prefilled(self, work: Work) -> None:
+        self.running.prefill_tokens -= work.prompt_tokens
+        assert self.running.prefill_tokens >= 0, "prefill tokens released twice"
+
+    def _give_back(self, ticket: "Ticket", work: Work, prefilling: bool = True) -> None:
+        if prefilling:
+            self._prefilled(work)
         self.running.sequences -= work.sequences
         self.running.tokens -= work.tokens
         assert self.running.sequences >= 0 and self.running.tokens >= 0, "admitted work released twice"
@@ -218,19 +236,28 @@ class AdmissionQueue:
 
 
 class Grant:
-    """One admitted unit; `release()` when it ends (idempotent)."""
+    """One admitted unit: `prefilled()` at its first token, `release()` when it ends (both
+    idempotent)."""
 
     def __init__(self, ticket: "Ticket", work: Work):
         self._ticket = ticket
         self.work = work
         self.held = True
+        self.prefilling = True
+
+    def prefilled(self) -> None:
+        if self.held and self.prefilling:
+            self.prefilling = False
+            queue = self._ticket._queue
+            queue._prefilled(self.work)
+            queue._dispatch()
 
     def release(self) -> None:
         if self.held:
             self.held = False
             self._ticket._grants.discard(self)
             queue = self._ticket._queue
-            queue._give_back(self._ticket, self.work)
+            queue._give_back(self._ticket, self.work, self.prefilling)
             queue._dispatch()
 
 
@@ -311,6 +338,10 @@ def register_admission_metrics(registry, queue: AdmissionQueue) -> None:
           "later prompts of admitted ones)", registry=registry).set_function(lambda: queue.waiting_sequences)
     Gauge("duet_gateway_running_tokens", "KV tokens the running sequences can fill (prompt + n x max_tokens)",
           registry=registry).set_function(lambda: queue.running.tokens)
+    Gauge("duet_gateway_prefilling_tokens", "Prompt tokens admitted and not yet past their first token",
+          registry=registry).set_function(lambda: queue.running.prefill_tokens)
+    Gauge("duet_gateway_prefill_budget", "Prompt tokens that may be admitted and not yet prefilled (0: no bound)",
+          registry=registry).set_function(lambda: queue.budget().prefill_tokens)
     Gauge("duet_gateway_sequence_budget", "Sequences that may run at once (0: no bound)",
           registry=registry).set_function(lambda: queue.budget().sequences)
     Gauge("duet_gateway_token_budget", "KV tokens that may run at once (0: no bound)",

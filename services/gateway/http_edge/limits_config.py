@@ -14,7 +14,8 @@ from shared.settings.spec import setting
 @dataclass
 class GatewayLimits:
     # Admission (admission.py): work runs while it fits max_running_sequences (default: the
-    # live workers' batch capacity) and max_running_tokens, one request at most
+    # live workers' batch capacity), max_running_tokens and max_prefill_tokens (default: two
+    # steps of the live prefill workers), one request at most
     # max_request_share of that at once, waiting units served fairly across API keys; at most
     # max_concurrent requests are admitted and max_queued more wait up to queue_timeout_s;
     # beyond that 429 with Retry-After. 0 = no bound (max_running_sequences: the live capacity).
@@ -31,6 +32,10 @@ class GatewayLimits:
     max_running_tokens: int = setting(
         0, flag="--max-running-tokens", env="DUET_MAX_RUNNING_TOKENS",
         help="KV tokens (prompt + n x max_tokens) the running sequences may fill; 0 = no bound")
+    max_prefill_tokens: int = setting(
+        0, flag="--max-prefill-tokens", env="DUET_MAX_PREFILL_TOKENS",
+        help="prompt tokens admitted and not yet prefilled; 0 = two steps' worth of the live prefill workers "
+             "(their --max-num-batched-tokens, summed), no bound when unknown")
     max_request_share: float = setting(
         0.5, flag="--max-request-share", env="DUET_MAX_REQUEST_SHARE",
         help="share of --max-running-sequences one request runs at once (its other prompts wait behind "

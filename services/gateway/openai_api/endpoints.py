@@ -15,7 +15,7 @@ from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from services.gateway.backends.interface import BackendError, GenerationBackend, GenerationRequest
-from services.gateway.backends.capacity import batch_capacity, check_fits_some_worker
+from services.gateway.backends.capacity import batch_capacity, check_fits_some_worker, prefill_capacity
 from services.gateway.http_edge.admission import (
     AdmissionQueue,
     AdmissionRefused,
@@ -99,9 +99,10 @@ class GatewayContext:
         return capacity() if capacity is not None else []
 
     def admission_budget(self) -> Budget:
-        """The limits' budget; sequences default to the live workers' batch capacity."""
-        sequences = self.limits.max_running_sequences or batch_capacity(self.live_capacity())
-        return Budget(sequences, self.limits.max_running_tokens)
+        """The limits' budget; sequences and prefill tokens default to the live workers'."""
+        lim, live = self.limits, self.live_capacity()
+        return Budget(lim.max_running_sequences or batch_capacity(live), lim.max_running_tokens,
+                      lim.max_prefill_tokens or prefill_capacity(live))
 
 
 @dataclass
@@ -319,7 +320,7 @@ class OpenAIEndpoints:
         works = []
         for prompt_ids in prepared.prompts:
             check_fits_some_worker(capacity, len(prompt_ids), max_tokens, n, prepared.limit_param)
-            works.append(Work(n, kv_demand(len(prompt_ids), max_tokens, n).tokens))
+            works.append(Work(n, kv_demand(len(prompt_ids), max_tokens, n).tokens, len(prompt_ids)))
         return works
 
     def _finish(self, endpoint: str, status, span) -> None:
