@@ -107,6 +107,24 @@ def test_fair_turns_across_api_keys_and_a_bound_per_request():
         later_ticket.release()
         assert (q.active, q.places, q.queued, q.running.sequences, q.running.tokens, q.waiting_sequences) == \
             (0, 0, 0, 0, 0, 0)
+        # one key, two requests: its small request does not wait behind its own prompt list
+        same = q.ticket("key-c")
+        await same.acquire(Work(1, 10))
+        rest = [asyncio.create_task(same.acquire_more(Work(1, 10))) for _ in range(5)]
+        other = q.ticket("key-d")
+        await asyncio.sleep(0.01)
+        await other.acquire(Work(1, 10))  # the budget's 4th sequence
+        small = asyncio.create_task(q.ticket("key-c").acquire(Work(1, 10)))
+        await asyncio.sleep(0.01)
+        assert not small.done() and sum(t.done() for t in rest) == 2  # bound 3, budget 4: full
+        next(t for t in rest if t.done()).result().release()
+        await asyncio.sleep(0.01)
+        assert small.done() and sum(t.done() for t in rest) == 2
+        same.release()
+        other.release()
+        for t in rest:
+            t.cancel()
+        await asyncio.gather(*rest, return_exceptions=True)
     asyncio.run(go())
 
 

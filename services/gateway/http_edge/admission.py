@@ -11,8 +11,10 @@ runs (what can never fit a worker was refused with a 400 before).
 
 Fairness: waiting units are served by tenant (an API key, else the request itself), the
 tenant with the smallest dominant share of the running work first (its sequences or tokens
-over the budget, whichever is larger), first come first served within a tenant; a unit that
-does not fit the budget stops the line, so a big unit is never overtaken forever. One
+over the budget, whichever is larger); within a tenant, the request with the fewest running
+sequences first (one key's small request is not queued behind the same key's prompt list);
+within a request, in order. A unit that does not fit the budget stops the line, so a big
+unit is never overtaken forever. One
 request runs at most `max_request_share` of the sequence budget at once (its other prompts
 wait behind its own), so a newcomer finds room at once; and a prompt list of 1024 cannot
 fill the workers ahead of another user's one-token request: when room frees, the user with
@@ -166,13 +168,14 @@ class AdmissionQueue:
         while self._waiters:
             budget = self.budget()
             bound = self.request_bound(budget)
-            heads: dict[str, _Waiter] = {}
-            for w in self._waiters:  # each tenant's oldest unit that its request lets run
-                if w.ticket.tenant not in heads and not self._blocked_by_request(w, bound):
-                    heads[w.ticket.tenant] = w
+            heads: dict[int, _Waiter] = {}
+            for w in self._waiters:  # each request's oldest unit that the request's bound lets run
+                if id(w.ticket) not in heads and not self._blocked_by_request(w, bound):
+                    heads[id(w.ticket)] = w
             if not heads:
                 return
-            w = min(heads.values(), key=lambda h: (self._share(h.ticket.tenant, budget), h.order))
+            w = min(heads.values(), key=lambda h: (self._share(h.ticket.tenant, budget),
+                                                   h.ticket.running_sequences, h.order))
             if not self._fits_budget(w.work, budget):
                 return  # the fairest unit waits for room; nobody overtakes it
             self._waiters.remove(w)
