@@ -14,8 +14,13 @@ from fastapi.responses import JSONResponse, Response
 from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from services.gateway.backends.capacity import (
+    WorkerCapacity,
+    batch_capacity,
+    check_fits_some_worker,
+    prefill_capacity,
+)
 from services.gateway.backends.interface import BackendError, GenerationBackend, GenerationRequest
-from services.gateway.backends.capacity import batch_capacity, check_fits_some_worker, prefill_capacity
 from services.gateway.http_edge.admission import (
     AdmissionQueue,
     AdmissionRefused,
@@ -94,8 +99,8 @@ class GatewayContext:
         parser = "auto" if self.tool_call_parser == "none" else self.tool_call_parser
         self.tool_template = ToolTemplate.detect(self.prompts.chat_template, parser)
 
-    def live_capacity(self):
-        capacity = getattr(self.backend, "live_capacity", None)
+    def live_capacity(self) -> list[WorkerCapacity]:
+        capacity = getattr(self.backend, "live_capacity", None)  # optional for stand-in backends
         return capacity() if capacity is not None else []
 
     def admission_budget(self) -> Budget:
