@@ -15,10 +15,13 @@ import uuid
 import grpc
 
 from protos import duet_pb2, duet_pb2_grpc
+from protos.sampling_codec import sampling_from_proto
 from services.decode.reservations import waiter_for
 from services.worker_runtime.context import WorkerContext
-from services.worker_runtime.convert import FINISH, prompt_logprobs_to_proto, sampling_from_proto, tokens_to_proto
+from services.worker_runtime.convert import FINISH, prompt_logprobs_to_proto, tokens_to_proto
 from services.worker_runtime.grammar_check import compile_ahead
+from shared.admission.context_rule import completion_budget
+from shared.admission.kv_demand import check_fits, kv_demand
 from shared.registry.prefix_hashes import chained_page_hashes
 
 log = logging.getLogger("duet.decode")
@@ -38,19 +41,14 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"a {ctx.config.role} worker takes no reservations")
         eng = ctx.engine
         n = max(request.n, 1)
-        total = request.prompt_tokens + max(request.max_tokens, 1)
         if request.prompt_tokens <= 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_tokens must be positive")
-        if total > eng.max_model_len:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"prompt ({request.prompt_tokens}) + max_tokens ({request.max_tokens}) exceeds "
-                                f"the context length ({eng.max_model_len})")
-        # n sequences share the prompt's pages; each grows its own (its last page copied)
-        total += (n - 1) * (max(request.max_tokens, 1) + ctx.page_size)
-        if eng.kv.pages_for(total) > eng.kv.capacity:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"request needs {total} tokens of KV; this decode worker holds "
-                                f"{eng.kv.capacity * ctx.page_size}")
+        try:  # what can never fit here is the caller's mistake, not a reason to retry
+            max_tokens = completion_budget(max(request.max_tokens, 1), None, request.prompt_tokens, eng.max_model_len)
+            check_fits(kv_demand(request.prompt_tokens, max_tokens, n, ctx.page_size), eng.kv.capacity,
+                       f"decode worker {ctx.worker_id}")
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         prompt_ids = list(request.prompt_token_ids) or None
         if prompt_ids is not None and len(prompt_ids) != request.prompt_tokens:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,

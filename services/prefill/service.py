@@ -9,8 +9,9 @@ import uuid
 import grpc
 
 from protos import duet_pb2, duet_pb2_grpc
+from protos.sampling_codec import sampling_from_proto
 from services.worker_runtime.context import WorkerContext
-from services.worker_runtime.convert import FINISH, prompt_logprobs_to_proto, sampling_from_proto, tokens_to_proto
+from services.worker_runtime.convert import FINISH, prompt_logprobs_to_proto, tokens_to_proto
 from services.worker_runtime.grammar_check import compile_ahead
 from shared.kv_transfer.agent import TransferError
 from shared.kv_transfer.head_plan import PairingError, plan_head_copies

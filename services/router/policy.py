@@ -28,12 +28,12 @@ share a burst evenly.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.router.config import RoutingWeights
 from services.router.inflight import WorkerInflight
+from shared.admission.kv_demand import kv_demand
 from shared.registry.worker_info import WorkerInfo
 
 _NO_LOAD = WorkerInflight()
@@ -60,10 +60,11 @@ def cached_tokens_for(cached_pages: int, page_size: int, prompt_tokens: int) -> 
     return max(0, min(cached_pages * page_size, prompt_tokens - 1))
 
 
-def pages_needed(prompt_tokens: int, max_tokens: int, page_size: int) -> int:
+def pages_needed(prompt_tokens: int, max_tokens: int, page_size: int, n: int = 1) -> int:
+    """The request's KV pages on a worker of this page size (shared.admission.kv_demand)."""
     if page_size <= 0:
         return 0
-    return math.ceil(max(0, prompt_tokens + max_tokens) / page_size)
+    return kv_demand(max(0, prompt_tokens), max(0, max_tokens), max(1, n), page_size).pages
 
 
 def _rotate(items: Sequence, offset: int) -> list:
@@ -105,6 +106,7 @@ def choose_decode(
     weights: RoutingWeights,
     rotation: int = 0,
     cached_pages: dict[str, int] | None = None,
+    n: int = 1,
 ) -> DecodeChoice | None:
     best: DecodeChoice | None = None
     best_key = None
@@ -114,7 +116,7 @@ def choose_decode(
         held = cached_pages.get(worker.worker_id, 0)
         cached = cached_tokens_for(held, worker.page_size, prompt_tokens)
         # pages it holds stay shared with its cache: only the rest is new
-        need = max(0, pages_needed(prompt_tokens, max_tokens, worker.page_size) - held)
+        need = max(0, pages_needed(prompt_tokens, max_tokens, worker.page_size, n) - held)
         total = worker.load.total_pages
         used = max(total - worker.load.free_pages, local.decode_pages) if total > 0 else 0
         fits = total <= 0 or total - used >= need
@@ -151,6 +153,7 @@ def choose_colocated(
     inflight: dict[str, WorkerInflight],
     weights: RoutingWeights,
     rotation: int = 0,
+    n: int = 1,
 ) -> tuple[PrefillChoice, DecodeChoice] | None:
     """A `both` worker runs prefill and decode: order by prefill cost (prefix cache, queue),
     then by decode cost."""
@@ -159,7 +162,7 @@ def choose_colocated(
         prefill = choose_prefill([worker], prompt_tokens=prompt_tokens, cached_pages=cached_pages,
                                  inflight=inflight, weights=weights)
         decode = choose_decode([worker], prompt_tokens=prompt_tokens, max_tokens=max_tokens,
-                               inflight=inflight, weights=weights)
+                               inflight=inflight, weights=weights, n=n)
         key = (prefill.cost, decode.cost)
         if best_key is None or key < best_key:
             best, best_key = (prefill, decode), key

@@ -97,14 +97,14 @@ class RouterService(duet_pb2_grpc.RouterServicer):
         decodes = [d for d in by_role["decode"] if pairable[d.worker_id]]
         rotation = next(self._rotation)
         loads = self.inflight.per_worker()
-        prompt_tokens, max_tokens = request.prompt_tokens, max(0, request.max_tokens)
+        prompt_tokens, max_tokens, n = request.prompt_tokens, max(0, request.max_tokens), max(1, request.n)
         weights = self.config.weights
 
         if decodes:
             candidates = {w.worker_id: w for d in decodes for w in [d, *pairable[d.worker_id]]}
             cached = await self._cached_pages(list(candidates.values()), list(request.page_hashes))
             decode = choose_decode(decodes, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
-                                   inflight=loads, weights=weights, rotation=rotation, cached_pages=cached)
+                                   inflight=loads, weights=weights, rotation=rotation, cached_pages=cached, n=n)
             reason = local_prefill_reason(decode, prompt_tokens, weights)
             if reason:  # it holds most of the prompt: no prefill worker, no transfer
                 self.inflight.add(RoutedRequest(request_id, decode.worker.worker_id,
@@ -134,7 +134,7 @@ class RouterService(duet_pb2_grpc.RouterServicer):
         cached = await self._cached_pages(boths, list(request.page_hashes))
         prefill, decode = choose_colocated(boths, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
                                            cached_pages=cached, inflight=loads, weights=weights,
-                                           rotation=rotation)
+                                           rotation=rotation, n=n)
         worker = prefill.worker
         self.inflight.add(RoutedRequest(request_id, worker.worker_id, prefill.uncached_tokens,
                                         worker.worker_id, decode.pages, time.monotonic()))

@@ -74,7 +74,8 @@ class WorkerHost:
         return WorkerInfo(worker_id=ctx.worker_id, role=self.config.role, address=address, model=self.served_model,
                           metrics_address=metrics_address, tp=self.config.engine.tp_size, page_size=ctx.page_size,
                           compat_hash=ctx.compat_hash, kv_layout=self.kv_layout, instance_nonce=ctx.instance_nonce,
-                          max_running_requests=self.config.engine.max_running_requests, kv_pools=pools,
+                          max_running_requests=self.config.engine.max_running_requests,
+                          max_batched_tokens=self.engine.scheduler.max_batched_tokens, kv_pools=pools,
                           load=WorkerLoad(total_pages=capacity, free_pages=capacity))
 
     async def run(self) -> int:

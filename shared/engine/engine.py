@@ -17,6 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.admission.context_rule import completion_budget
+from shared.admission.kv_demand import check_fits, kv_demand
+
 from .attention.select import make_attention_backend
 from .config import CPU_DEFAULT_KV_BYTES, EngineConfig
 from .kv_manager import KVManager
@@ -287,22 +290,11 @@ class Engine:
         vocab = self.model_config.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        room = self.max_model_len - len(prompt_ids)
-        if room < 1:
-            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the model's context length is "
-                             f"{self.max_model_len}")
-        max_new = room if params.max_tokens is None else params.max_tokens
-        if max_new > room:
-            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_new}) exceeds the "
-                             f"model's context length ({self.max_model_len})")
-        tokens = len(prompt_ids) + max_new
-        need = self.kv.pages_for(tokens)
-        if params.n > 1:  # the others share the prompt and grow their own pages (the last one copied)
-            tokens += (params.n - 1) * (max_new + self.layout.page_size)
-            need += (params.n - 1) * self.kv.pages_for(max_new + self.layout.page_size)
-        if need > self.kv.capacity:
-            raise ValueError(f"request needs {tokens} tokens of KV; this worker "
-                             f"holds {self.kv.capacity * self.layout.page_size}")
+        max_new = completion_budget(params.max_tokens, None, len(prompt_ids), self.max_model_len)
+        # a prefill-only request holds the prompt alone (its sequences fork on decode)
+        demand = (kv_demand(len(prompt_ids), 1, 1, self.layout.page_size) if prefill_only
+                  else kv_demand(len(prompt_ids), max_new, params.n, self.layout.page_size))
+        check_fits(demand, self.kv.capacity)
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ValueError(f"logit_bias names token {max(params.logit_bias)}, outside the vocabulary "
                              f"[0, {vocab})")
