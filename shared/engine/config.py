@@ -57,6 +57,24 @@ class EngineConfig:
     # per-linear depths that replace it, by attribute name: "o_proj=8,qkv_proj=2"
     pdl_prefetch_at: str = field(default_factory=lambda: os.environ.get("DUET_PDL_PREFETCH_AT", ""))
     load_format: str = "auto"  # auto: safetensors | dummy: random weights (benchmarks)
+    # speculative decoding (shared/engine/speculative/): None (off), "ngram" (drafts copied
+    # from the request's own tokens), "draft" (a smaller model with the target's tokenizer)
+    # or "eagle3" (an EAGLE-3 head over the target's hidden states)
+    speculative_method: str | None = None
+    speculative_tokens: int = 4  # draft tokens per verify step (K; the verify computes K + 1)
+    speculative_draft_model: str | None = None  # folder of the draft model or EAGLE-3 head
+    # n-gram lookup: the longest suffix of max..min tokens that occurred before proposes
+    # what followed it
+    speculative_ngram_min: int = 1
+    speculative_ngram_max: int = 4
+    # step aside: no speculation above this many decoding sequences (None: the measured
+    # default, speculative/policy.py), nor for a request whose recent accepted tokens per
+    # draft token fall below the threshold (it tries again after a cool-down)
+    speculative_max_batch: int | None = None
+    speculative_min_acceptance: float = 0.2
+    # benchmarks only (never served): every draft token counts as accepted, whatever the
+    # target says; gives the bound of a method's speed-up
+    speculative_accept_all: bool = False
     tp: TPContext = field(default_factory=TPContext)  # this process's rank (set by the engine)
 
     def resolve_device(self) -> torch.device:

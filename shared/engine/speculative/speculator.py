@@ -1,0 +1,201 @@
+"""The speculative step: draft, verify K + 1 positions per sequence in one forward, append
+what stands.
+
+Engine.step hands a step here when speculation is on and the policy (policy.py) wants it.
+The step is synchronous: a draft needs the tokens accepted by the step before (n-gram
+lookups read them, a draft model extends from them) and the next step's positions depend
+on how many were accepted, so it cannot be built while the device still runs the last one.
+Overlap scheduling therefore steps aside for speculating batches (the engine settles the
+launched step first); it returns when speculation does (large batches, low acceptance).
+
+KV: a verified request's pages grow to cover its draft positions; the forward writes K/V
+for all of them; `num_computed` then advances only over the accepted ones, so rejected
+slots are scratch that the next step overwrites, and the radix tree (which caches up to
+num_computed) never sees them. Requests that get no draft this step (none proposed, or
+stepped aside) and prefill chunks ride in the same forward as plain rows."""
+from __future__ import annotations
+
+import logging
+
+from ..batch import Batch
+from ..outputs import StepOutput
+from ..request import ReqStatus
+from .grammar_drafts import truncate_to_grammar
+from .policy import DEFAULT_MAX_BATCH, StepAsidePolicy
+from .state import Draft, SpecState
+from .stats import SpecStats
+from .verify import VerifyItem, verify
+
+log = logging.getLogger("duet.engine.speculative")
+
+METHODS = ("ngram", "draft", "eagle3")
+MAX_TOKENS = 16
+
+
+class Speculator:
+    def __init__(self, engine, config):
+        method = config.speculative_method
+        if method not in METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(METHODS)}, not {method!r}")
+        k = int(config.speculative_tokens)
+        if not (1 <= k <= MAX_TOKENS):
+            raise ValueError(f"speculative tokens must be in [1, {MAX_TOKENS}], got {k}")
+        self.engine = engine
+        self.method = method
+        self.k = k
+        self.accept_all = bool(config.speculative_accept_all)
+        if self.accept_all:
+            log.warning("speculative_accept_all is on: every draft token is accepted unchecked "
+                        "(benchmarks only; the output is NOT the model's)")
+        self.policy = StepAsidePolicy(
+            max_batch=config.speculative_max_batch if config.speculative_max_batch is not None else DEFAULT_MAX_BATCH,
+            min_acceptance=config.speculative_min_acceptance)
+        self.stats = SpecStats(method)
+        self.rejection_fn = None  # the Triton kernel on GPUs (set by attach)
+        if method == "ngram":
+            from .ngram import NgramProposer
+            self.proposer = NgramProposer(config.speculative_ngram_min, config.speculative_ngram_max)
+        elif method == "draft":
+            if not config.speculative_draft_model:
+                raise ValueError("speculative method 'draft' needs a draft model folder (speculative_draft_model)")
+            from .draft_model import DraftModelProposer
+            self.proposer = DraftModelProposer(engine, config.speculative_draft_model, k)
+        else:
+            if not config.speculative_draft_model:
+                raise ValueError("speculative method 'eagle3' needs an EAGLE-3 head folder (speculative_draft_model)")
+            from .eagle3_proposer import Eagle3Proposer
+            self.proposer = Eagle3Proposer(engine, config.speculative_draft_model, k)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes the proposer keeps per token (taken out of the target's KV budget)."""
+        return getattr(self.proposer, "kv_bytes_per_token", 0)
+
+    def attach(self) -> None:
+        """Once the engine has its pool and runner: the proposer's own state, GPU kernels."""
+        e = self.engine
+        if hasattr(self.proposer, "attach"):
+            self.proposer.attach()
+        if e.device.type == "cuda":
+            from kernels.availability import triton_available
+            if triton_available():
+                from kernels.rejection_sample import rejection_sample
+                self.rejection_fn = rejection_sample
+        log.info("speculative decoding: %s, %d draft tokens, steps aside above batch %d or below "
+                 "acceptance %.2f", self.method, self.k, self.policy.max_batch, self.policy.min_acceptance)
+
+    # -- the engine's entry points ---------------------------------------------------------
+    def wants_step(self) -> bool:
+        running = self.engine.scheduler.running
+        n = sum(1 for r in running if r.is_decoding)
+        if self.policy.engine_wants(n):
+            return True
+        if n:
+            self.stats.stepped_aside += 1
+        return False
+
+    def release(self, req) -> None:
+        """A request finished: free what the proposer holds for it."""
+        if req.spec is not None:
+            self.proposer.release(req)
+
+    def step(self) -> list[StepOutput]:
+        e = self.engine
+        outs = e.overlap.flush() if e.overlap is not None else []
+        batch = e.scheduler.schedule()
+        if not batch.items:
+            return outs
+        items = self._attach_drafts(batch)
+        self.policy.observe_step(bool(items))
+        if not items:
+            return outs + e._run_batch(batch)
+        logits = e.runner.forward(batch)
+        e.track_kv_written(batch)
+        e.stats.steps += 1
+        plain = [it for it in batch.items if not it.draft]
+        e.count_computed(Batch(plain))
+        by_item = {id(vi.item): vi for vi in items}
+        plain_rows, row = [], 0
+        for it in batch.items:
+            if it.draft:
+                by_item[id(it)].row0 = row
+                row += it.length
+            elif it.samples:
+                plain_rows.append(row)
+                row += 1
+        plain_reqs = [it.req for it in plain if it.samples]
+        if plain_reqs:
+            import torch
+            sel = logits.index_select(0, torch.tensor(plain_rows, device=logits.device))
+            outs += e._sample_and_append(sel, plain_reqs)
+        results = verify(e, logits, items, accept_all=self.accept_all, rejection_fn=self.rejection_fn)
+        self.proposer.after_verify(items, results) if hasattr(self.proposer, "after_verify") else None
+        for vi, res in zip(items, results):
+            out = self._append(vi, res)
+            if out is not None:
+                outs.append(out)
+        return outs
+
+    # -- drafting --------------------------------------------------------------------------
+    def _attach_drafts(self, batch) -> list[VerifyItem]:
+        e = self.engine
+        if any(it.all_rows for it in batch.items):
+            return []  # prompt logprobs keep the plain row layout this step
+        cands, ks = [], []
+        for it in batch.items:
+            r = it.req
+            if it.length != 1 or not it.samples or r.num_output == 0 or r.prefill_only:
+                continue
+            if r.spec is None:
+                r.spec = SpecState()
+            if not self.policy.request_eligible(r.spec):
+                continue
+            k = min(self.k, r.max_new_tokens - r.num_output - 1, e.max_model_len - len(r.token_ids) - 1)
+            if k <= 0:
+                continue
+            cands.append(it)
+            ks.append(k)
+        if not cands:
+            return []
+        drafts = self.proposer.propose([it.req for it in cands], ks)
+        items = []
+        for it, k, d in zip(cands, ks, drafts):
+            r = it.req
+            toks = list(d.tokens[:k])
+            if toks and r.grammar is not None:
+                toks = truncate_to_grammar(r.grammar, toks)
+            if not toks or not e.kv.grow(r, it.start + 1 + len(toks)):
+                continue
+            probs = d.probs[:len(toks)] if d.probs is not None else None
+            it.draft = toks
+            it.length = 1 + len(toks)
+            items.append(VerifyItem(it, Draft(toks, probs)))
+        return items
+
+    # -- results ---------------------------------------------------------------------------
+    def _append(self, vi: VerifyItem, res) -> StepOutput | None:
+        """Append the tokens that stand, one by one (each stop rule sees each token), and
+        merge them into one output."""
+        e, r = self.engine, vi.req
+        k, a = vi.k, res.accepted
+        self.stats.record(k, a)
+        r.spec.stats.record(k, a)
+        self.policy.observe(r.spec, k, a)
+        r.num_computed = vi.item.start + 1  # the last real token's KV; drafts' below
+        e.stats.decode_tokens_computed += 1 + a
+        merged = None
+        for j, tok in enumerate(res.tokens):
+            if j < a:
+                r.num_computed += 1  # draft j stands: its KV (position start + 1 + j) is valid
+            out = e._append(r, tok, res.logprobs[j], res.top_logprobs[j])
+            if merged is None:
+                merged = out
+            else:
+                merged.token_ids += out.token_ids
+                merged.logprobs += out.logprobs
+                merged.top_logprobs += out.top_logprobs
+                for f in ("finished", "finish_reason", "stop_reason", "error", "text", "request_finished"):
+                    setattr(merged, f, getattr(out, f))
+            if r.status is ReqStatus.FINISHED:
+                break
+        return merged
