@@ -37,6 +37,9 @@ class TritonAttentionBackend(AttentionBackend):
             store_kv(kc, vc, k, v, meta.slot_mapping)
         if meta.is_decode:
             return decode_attention(q, kc, vc, meta.page_table, meta.seq_lens, scale, pdl=self.pdl)
+        if meta.uniform_q:  # a verify step: few queries over a long prefix, split like decode
+            from kernels.verify_attention import verify_attention
+            return verify_attention(q, kc, vc, meta.page_table, meta.seq_lens, scale, meta.uniform_q)
         return extend_attention(q, kc, vc, meta.page_table, meta.qo_indptr, meta.seq_lens, scale,
                                 max_extend_len=max(meta.extend_lens_host))
 

@@ -76,6 +76,12 @@ class Speculator:
         e = self.engine
         if hasattr(self.proposer, "attach"):
             self.proposer.attach()
+        graphs = e.runner.graphs
+        if graphs is not None and e.backend.supports_cuda_graph:
+            from .uniform_graph import UniformExtendGraphs
+            e.runner.extend_graphs = UniformExtendGraphs(
+                e.model, e.backend, e.device, q_len=self.k + 1, max_bs=min(graphs.max_bs, max(1, self.policy.max_batch)),
+                max_pages=graphs.max_pages, capture=graphs.capture)
         if e.device.type == "cuda":
             from kernels.availability import triton_available
             if triton_available():
@@ -129,7 +135,8 @@ class Speculator:
             sel = logits.index_select(0, torch.tensor(plain_rows, device=logits.device))
             outs += e._sample_and_append(sel, plain_reqs)
         results = verify(e, logits, items, accept_all=self.accept_all, rejection_fn=self.rejection_fn)
-        self.proposer.after_verify(items, results) if hasattr(self.proposer, "after_verify") else None
+        if hasattr(self.proposer, "after_verify"):
+            self.proposer.after_verify(items, results)
         for vi, res in zip(items, results):
             out = self._append(vi, res)
             if out is not None:
@@ -141,20 +148,19 @@ class Speculator:
         e = self.engine
         if any(it.all_rows for it in batch.items):
             return []  # prompt logprobs keep the plain row layout this step
+        decoding = [it for it in batch.items
+                    if it.length == 1 and it.samples and it.req.num_output > 0 and not it.req.prefill_only]
         cands, ks = [], []
-        for it in batch.items:
+        for it in decoding:
             r = it.req
-            if it.length != 1 or not it.samples or r.num_output == 0 or r.prefill_only:
-                continue
             if r.spec is None:
                 r.spec = SpecState()
             if not self.policy.request_eligible(r.spec):
                 continue
             k = min(self.k, r.max_new_tokens - r.num_output - 1, e.max_model_len - len(r.token_ids) - 1)
-            if k <= 0:
-                continue
-            cands.append(it)
-            ks.append(k)
+            if k > 0:
+                cands.append(it)
+                ks.append(k)
         if not cands:
             return []
         drafts = self.proposer.propose([it.req for it in cands], ks)
@@ -170,7 +176,24 @@ class Speculator:
             it.draft = toks
             it.length = 1 + len(toks)
             items.append(VerifyItem(it, Draft(toks, probs)))
+        if items and e.runner.extend_graphs is not None and len(decoding) == len(batch.items):
+            self._pad_to_uniform(decoding, items)
         return items
+
+    def _pad_to_uniform(self, decoding, items) -> None:
+        """GPU: give every sequence K draft slots (fillers past its real draft, verified as
+        nothing) so the step has one shape and replays the captured verify graph."""
+        e = self.engine
+        have = {id(vi.item) for vi in items}
+        for it in decoding:
+            r = it.req
+            if it.start + 1 + self.k >= e.max_model_len or not e.kv.grow(r, it.start + 1 + self.k):
+                return  # no room for the fillers: this step runs eagerly, unpadded
+            real = it.draft or []
+            it.draft = real + [r.token_ids[-1]] * (self.k - len(real))
+            it.length = 1 + self.k
+            if id(it) not in have:
+                items.append(VerifyItem(it, Draft([])))
 
     # -- results ---------------------------------------------------------------------------
     def _append(self, vi: VerifyItem, res) -> StepOutput | None:
@@ -178,11 +201,12 @@ class Speculator:
         merge them into one output."""
         e, r = self.engine, vi.req
         k, a = vi.k, res.accepted
-        self.stats.record(k, a)
-        r.spec.stats.record(k, a)
-        self.policy.observe(r.spec, k, a)
+        if k:
+            self.stats.record(k, a)
+            r.spec.stats.record(k, a)
+            self.policy.observe(r.spec, k, a)
         r.num_computed = vi.item.start + 1  # the last real token's KV; drafts' below
-        e.stats.decode_tokens_computed += 1 + a
+        e.stats.decode_tokens_computed += vi.item.length
         merged = None
         for j, tok in enumerate(res.tokens):
             if j < a:
