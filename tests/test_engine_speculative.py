@@ -336,3 +336,73 @@ def test_rejection_sampling_keeps_the_target_distribution(model_dir, draft_dir):
     chi2 = sum((seen.get(c, 0) - n * p) ** 2 / (n * p) for c, p in expected.items())
     assert chi2 < 26.1, (chi2, seen, expected)  # 8 degrees of freedom: p = 0.001
     assert_all_pages_free(eng)
+
+
+# -- EAGLE-3 ---------------------------------------------------------------------------------
+def build_eagle_head(path, vocab=512, hidden=64, target_hidden=64, draft_vocab=96, seed=0, own_embed=False):
+    """A random EAGLE-3 head in the public format (config.json + safetensors, d2t/t2d)."""
+    from safetensors.torch import save_file
+    path.mkdir(parents=True, exist_ok=True)
+    heads, kv, hd, inter = 4, 2, 16, 128
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": hidden,
+           "intermediate_size": inter, "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd,
+           "num_hidden_layers": 1, "vocab_size": vocab, "draft_vocab_size": draft_vocab, "rms_norm_eps": 1e-6,
+           "max_position_embeddings": 512, "rope_theta": 10000.0, "tie_word_embeddings": False,
+           "target_hidden_size": target_hidden,
+           "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 0, 1]}}
+    (path / "config.json").write_text(json.dumps(cfg))
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape, scale=0.3):
+        return torch.randn(*shape, generator=g) * scale
+    hot = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values
+    t = {"fc.weight": w(hidden, 3 * target_hidden), "norm.weight": 1 + w(hidden, scale=0.1),
+         "midlayer.input_layernorm.weight": 1 + w(hidden, scale=0.1),
+         "midlayer.hidden_norm.weight": 1 + w(hidden, scale=0.1),
+         "midlayer.post_attention_layernorm.weight": 1 + w(hidden, scale=0.1),
+         "midlayer.self_attn.q_proj.weight": w(heads * hd, 2 * hidden),
+         "midlayer.self_attn.k_proj.weight": w(kv * hd, 2 * hidden),
+         "midlayer.self_attn.v_proj.weight": w(kv * hd, 2 * hidden),
+         "midlayer.self_attn.o_proj.weight": w(hidden, heads * hd),
+         "midlayer.mlp.gate_proj.weight": w(inter, hidden), "midlayer.mlp.up_proj.weight": w(inter, hidden),
+         "midlayer.mlp.down_proj.weight": w(hidden, inter), "lm_head.weight": w(draft_vocab, hidden),
+         "d2t": hot - torch.arange(draft_vocab), "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill_(0, hot, True)}
+    if own_embed:
+        t["embed_tokens.weight"] = w(vocab, hidden)
+    save_file({k: v.contiguous() for k, v in t.items()}, str(path / "model.safetensors"))
+    return path, hot
+
+
+@pytest.mark.parametrize("own_embed", [False, True])
+def test_eagle3_head_gives_the_plain_output(model_dir, plain, tmp_path, own_embed):
+    head, hot = build_eagle_head(tmp_path / "eagle", own_embed=own_embed)
+    eng = make(model_dir, True, speculative_method="eagle3", speculative_draft_model=str(head))
+    assert eng.model.aux_capture is not None and eng.model.aux_capture.layers == [1, 1, 2]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    same(run_engine(plain, PROMPTS, params), run_engine(eng, PROMPTS, params))
+    # sampling: drafts drawn from the head, verified by rejection sampling (distribution-exact,
+    # test_rejection_sampling_keeps_the_target_distribution; not token-identical)
+    got = run_engine(eng, PROMPTS, SamplingParams(temperature=1.0, seed=3, max_tokens=20, ignore_eos=True))
+    assert all(len(g.token_ids) == 20 and g.finish_reason == "length" for g in got)
+    st = eng.spec.stats
+    assert st.verify_steps > 0 and st.draft_tokens > 0
+    assert_all_pages_free(eng)
+    assert eng.spec.proposer.kv.pages_in_use == 0
+
+
+def test_eagle3_drafts_come_from_the_hot_vocabulary(model_dir, tmp_path):
+    head, hot = build_eagle_head(tmp_path / "eagle")
+    eng = make(model_dir, True, speculative_method="eagle3", speculative_draft_model=str(head))
+    seen = []
+    real = eng.spec.proposer.propose
+
+    def spy(reqs, ks):
+        out = real(reqs, ks)
+        seen.extend(t for d in out for t in d.tokens)
+        return out
+    eng.spec.proposer.propose = spy
+    run_engine(eng, PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    assert seen and set(seen) <= set(hot.tolist())
+    # the head's logits live on its draft vocabulary only
+    logits, _ = eng.spec.proposer.model.compute_logits(torch.zeros(1, 128, dtype=torch.float64))
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == hot.tolist()

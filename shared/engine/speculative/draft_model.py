@@ -58,6 +58,7 @@ def load_draft(engine, model_dir: str, extra_positions: int):
 class DraftModelProposer:
     name = "draft"
     deterministic = False
+    first_pass_len = 2  # tokens every sequence extends by in the first pass (its graph's shape)
 
     def __init__(self, engine, model_dir: str, k: int):
         self.engine = engine
@@ -96,11 +97,11 @@ class DraftModelProposer:
             max_pages = -(-(e.max_model_len + self.k + 2) // e.layout.page_size)
             self.runner.graphs = CudaGraphRunner(self.model, backend, self.kv.pool, e.device,
                                                  max_bs=graphs.max_bs, max_pages=max_pages, capture=graphs.capture)
-            self.runner.extend_graphs = UniformExtendGraphs(self.model, backend, e.device, q_len=2,
+            self.runner.extend_graphs = UniformExtendGraphs(self.model, backend, e.device, q_len=self.first_pass_len,
                                                             max_bs=graphs.max_bs, max_pages=max_pages,
                                                             capture=graphs.capture)
-        log.info("draft model %s: %d layers, KV %d pages", self.mc.architecture, self.mc.num_layers,
-                 e.layout.num_pages)
+        log.info("%s proposer: KV %d pages of %d bytes", self.name, e.layout.num_pages,
+                 self.kv.bytes_per_token * e.layout.page_size)
 
     def release(self, req) -> None:
         seq = req.spec.draft

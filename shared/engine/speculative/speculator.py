@@ -113,8 +113,10 @@ class Speculator:
             return outs
         items = self._attach_drafts(batch)
         self.policy.observe_step(bool(items))
-        if not items:
+        after_step = getattr(self.proposer, "after_step", None)
+        if not items and after_step is None:
             return outs + e._run_batch(batch)
+        sampled = {id(it) for it in batch.items if it.samples}  # before any token is appended
         logits = e.runner.forward(batch)
         e.track_kv_written(batch)
         e.stats.steps += 1
@@ -134,13 +136,15 @@ class Speculator:
             import torch
             sel = logits.index_select(0, torch.tensor(plain_rows, device=logits.device))
             outs += e._sample_and_append(sel, plain_reqs)
-        results = verify(e, logits, items, accept_all=self.accept_all, rejection_fn=self.rejection_fn)
+        results = verify(e, logits, items, accept_all=self.accept_all, rejection_fn=self.rejection_fn) if items else []
         if hasattr(self.proposer, "after_verify"):
             self.proposer.after_verify(items, results)
         for vi, res in zip(items, results):
             out = self._append(vi, res)
             if out is not None:
                 outs.append(out)
+        if after_step is not None:  # EAGLE-3: the verified positions' features
+            after_step(batch, sampled, {id(vi.item): res for vi, res in zip(items, results)})
         return outs
 
     # -- drafting --------------------------------------------------------------------------
