@@ -1,5 +1,6 @@
-"""Torch reference for triton_peer_all_reduce.py: what every rank must get from an
-all-reduce of the ranks' partial sums followed by the residual add and RMSNorm."""
+"""Torch reference for triton_peer_all_reduce.py (push) and triton_peer_read_all_reduce.py
+(read): what every rank must get from an all-reduce of the ranks' partial sums followed by
+the residual add and RMSNorm."""
 from __future__ import annotations
 
 import torch

@@ -1,7 +1,7 @@
 """Triton kernels behind kernels.fused_moe (imported lazily: needs triton).
 
 - _select_experts_kernel: per token, softmax over E logits, k rounds of argmax, optional
-  renormalisation.
+  renormalisation (triton_moe_topk.py).
 - _align_kernel: one program sorts the T*k (token, slot) pairs by local expert without
   atomics (a pair's place = its expert's padded start + how many earlier pairs share the
   expert), pads every expert's run to block_m, and labels each row block with its expert.
@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from kernels.fused_moe_config import MoEConfig, get_config
+from kernels.triton_moe_topk import TL_DTYPES, softmax_topk
 
 ALIGN_SINGLE_PROGRAM_MAX = 4096
 
@@ -31,27 +32,7 @@ def _select_experts_kernel(logits, weights_out, ids_out, num_experts, stride_l,
     cols = tl.arange(0, EP)
     ok = cols < num_experts
     x = tl.load(logits + row * stride_l + cols, mask=ok, other=float("-inf")).to(tl.float32)
-    p = tl.exp(x - tl.max(x, axis=0))
-    p = tl.where(ok, p, 0.0)
-    p = p / tl.sum(p, axis=0)
-    slots = tl.arange(0, TOP_KP)
-    vals = tl.zeros([TOP_KP], tl.float32)
-    idxs = tl.zeros([TOP_KP], tl.int32)
-    for j in tl.static_range(TOP_K):
-        v = tl.max(p, axis=0)
-        i = tl.argmax(p, axis=0)
-        vals = tl.where(slots == j, v, vals)
-        idxs = tl.where(slots == j, i, idxs)
-        p = tl.where(cols == i, -1.0, p)
-    if RENORM:
-        vals = vals / tl.sum(tl.where(slots < TOP_K, vals, 0.0), axis=0)
-    if ROUND_TO is not None:
-        vals = vals.to(ROUND_TO).to(tl.float32)
-    tl.store(weights_out + row * TOP_K + slots, vals, mask=slots < TOP_K)
-    tl.store(ids_out + row * TOP_K + slots, idxs, mask=slots < TOP_K)
-
-
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+    softmax_topk(x, ok, cols, weights_out, ids_out, row, TOP_K, TOP_KP, RENORM, ROUND_TO)
 
 
 def launch_select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, round_to=None):
@@ -62,7 +43,7 @@ def launch_select_experts(router_logits: torch.Tensor, top_k: int, renormalize: 
         logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
         _select_experts_kernel[(t,)](logits, weights, ids, e, logits.stride(0), TOP_K=top_k,
                                      TOP_KP=triton.next_power_of_2(top_k), EP=triton.next_power_of_2(e),
-                                     RENORM=renormalize, ROUND_TO=_TL_DTYPES.get(round_to),
+                                     RENORM=renormalize, ROUND_TO=TL_DTYPES.get(round_to),
                                      num_warps=4 if e > 256 else 1)
     return weights, ids
 

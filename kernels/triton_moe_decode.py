@@ -23,63 +23,8 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import launch_options, pdl_for
-from kernels.triton_fused_moe import _TL_DTYPES
+from kernels.triton_moe_topk import TL_DTYPES, softmax_topk, softmax_topk_sorted
 from kernels.triton_pdl import pdl_enter, prefetch_l2
-
-
-@triton.jit
-def _softmax(x, ok):
-    """HF's router probabilities: softmax in float32 over the logits x (masked by ok)."""
-    p = tl.exp(x - tl.max(x, axis=0))
-    p = tl.where(ok, p, 0.0)
-    return p / tl.sum(p, axis=0)
-
-
-@triton.jit
-def _store_topk(vals, idxs, slots, weights_out, ids_out, row, TOP_K: tl.constexpr, RENORM: tl.constexpr,
-                ROUND_TO: tl.constexpr):
-    """The slots < TOP_K of vals / idxs (slot order): optional renormalisation and rounding of
-    the weights, then both stored."""
-    top = slots < TOP_K
-    if RENORM:
-        vals = vals / tl.sum(tl.where(top, vals, 0.0), axis=0)
-    if ROUND_TO is not None:
-        vals = vals.to(ROUND_TO).to(tl.float32)
-    tl.store(weights_out + row * TOP_K + slots, vals, mask=top)
-    tl.store(ids_out + row * TOP_K + slots, idxs, mask=top)
-
-
-@triton.jit
-def _softmax_topk(x, ok, cols, weights_out, ids_out, row, TOP_K: tl.constexpr, TOP_KP: tl.constexpr,
-                  RENORM: tl.constexpr, ROUND_TO: tl.constexpr):
-    """HF's router on a row of logits: softmax, k rounds of argmax, renormalise / round."""
-    p = _softmax(x, ok)
-    slots = tl.arange(0, TOP_KP)
-    vals = tl.zeros([TOP_KP], tl.float32)
-    idxs = tl.zeros([TOP_KP], tl.int32)
-    for j in tl.static_range(TOP_K):
-        v = tl.max(p, axis=0)
-        i = tl.argmax(p, axis=0)
-        vals = tl.where(slots == j, v, vals)
-        idxs = tl.where(slots == j, i, idxs)
-        p = tl.where(cols == i, -1.0, p)
-    _store_topk(vals, idxs, slots, weights_out, ids_out, row, TOP_K, RENORM, ROUND_TO)
-
-
-@triton.jit
-def _softmax_topk_sorted(x, ok, cols, weights_out, ids_out, row, TOP_K: tl.constexpr, EP: tl.constexpr,
-                         RENORM: tl.constexpr, ROUND_TO: tl.constexpr):
-    """_softmax_topk with one sort in place of TOP_K rounds of max + argmax (each round two
-    cross-warp reductions). Sort keys pack the probability's bits (non-negative floats order
-    as their int bits) above EP-1-index, so equal probabilities keep the lower expert first,
-    as argmax does; padding sorts last."""
-    p = _softmax(x, ok)
-    bits = p.to(tl.int32, bitcast=True).to(tl.int64)
-    key = tl.where(ok, (bits << 32) | (EP - 1 - cols).to(tl.int64), -1)
-    key = tl.sort(key, 0, descending=True)  # position j holds the j-th largest
-    vals = (key >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-    idxs = (EP - 1 - (key & 0xFFFFFFFF)).to(tl.int32)
-    _store_topk(vals, idxs, cols, weights_out, ids_out, row, TOP_K, RENORM, ROUND_TO)
 
 
 @triton.jit
@@ -113,9 +58,9 @@ def _router_topk_kernel(x_ptr, wr_ptr, logits_ptr, counter_ptr, weights_out, ids
         ok = cols < E
         x = tl.load(logits_ptr + t * E + cols, mask=ok, other=float("-inf"), cache_modifier=".cg")
         if SORT:
-            _softmax_topk_sorted(x, ok, cols, weights_out, ids_out, t, TOP_K, EP, RENORM, ROUND_TO)
+            softmax_topk_sorted(x, ok, cols, weights_out, ids_out, t, TOP_K, EP, RENORM, ROUND_TO)
         else:
-            _softmax_topk(x, ok, cols, weights_out, ids_out, t, TOP_K, TOP_KP, RENORM, ROUND_TO)
+            softmax_topk(x, ok, cols, weights_out, ids_out, t, TOP_K, TOP_KP, RENORM, ROUND_TO)
         tl.store(counter_ptr + t, 0)
 
 
@@ -271,7 +216,7 @@ def launch_route(x, router_w, top_k: int, renormalize: bool, round_weights_to, c
     _router_topk_kernel[(t, triton.cdiv(e, tile.router_block_e))](
         x, router_w, logits, counters, weights, ids, e, h, x.stride(0), TOP_K=top_k,
         TOP_KP=triton.next_power_of_2(top_k), EP=triton.next_power_of_2(e), RENORM=renormalize,
-        ROUND_TO=_TL_DTYPES.get(round_weights_to), LOGIT_DT=_TL_DTYPES.get(router_w.dtype, tl.float32),
+        ROUND_TO=TL_DTYPES.get(round_weights_to), LOGIT_DT=TL_DTYPES.get(router_w.dtype, tl.float32),
         BLOCK_E=tile.router_block_e, BLOCK_K=tile.router_block_k, PDL=pdl is not None,
         LINE_ELEMS=min(tile.router_block_k, 128 // router_w.element_size()), num_warps=tile.router_warps,
         SORT=tile.router_sort, **launch_options(pdl))

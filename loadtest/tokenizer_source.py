@@ -18,7 +18,7 @@ def load_tokenizer(name_or_path: str | None) -> Any:
 
     if name_or_path:
         return AutoTokenizer.from_pretrained(name_or_path)
-    from shared.engine.default_model import ensure_default_model
+    from shared.model_files.default_model import ensure_default_model
 
     return AutoTokenizer.from_pretrained(ensure_default_model())
 

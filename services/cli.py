@@ -15,6 +15,8 @@ import os
 import sys
 from dataclasses import dataclass
 
+from shared.settings.process_vars import CLI_LOG_LEVEL, LOG_LEVELS
+
 
 @dataclass(frozen=True)
 class Command:
@@ -34,8 +36,8 @@ class Command:
 
 COMMANDS: tuple[Command, ...] = (
     Command("up", "services.launcher.main:main", "start the whole stack locally (gateway, router, prefill, decode, redis)"),
-    Command("generate", "shared.engine.cli_generate:main", "complete one raw prompt offline and print the completion"),
-    Command("chat", "shared.engine.cli_chat:main", "interactive multi-turn chat with a model, offline"),
+    Command("generate", "services.offline.generate:main", "complete one raw prompt offline and print the completion"),
+    Command("chat", "services.offline.chat:main", "interactive multi-turn chat with a model, offline"),
     Command("gateway", "services.gateway.main:main", "run the OpenAI-compatible HTTP gateway"),
     Command("router", "services.router.main:main", "run the router (gRPC) that picks prefill/decode pairs"),
     Command("prefill", "services.worker.main:main", "run a prefill worker (= worker --role prefill)", ("--role", "prefill")),
@@ -43,8 +45,9 @@ COMMANDS: tuple[Command, ...] = (
     Command("worker", "services.worker.main:main", "run a worker with an explicit --role"),
     Command("loadtest", "loadtest.__main__:main", "drive load against a gateway and report TTFT, ITL, goodput"),
     Command("bench", "loadtest.bench:main", "run the benchmark suite and write its report"),
-    Command("convert-default-model", "shared.engine.default_model:main",
+    Command("convert-default-model", "shared.model_files.default_model:main",
             "convert the embedded SmolLM2-135M-Instruct into the cache and print its folder"),
+    Command("env", "services.env_vars:main", "list every DUET_* environment variable: type, default, who reads it"),
 )
 COMMANDS_BY_NAME = {c.name: c for c in COMMANDS}
 EXIT_USAGE = 2
@@ -70,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         usage="duet [--log-level LEVEL] COMMAND [ARGS ...]",
     )
     parser.add_argument("--version", action="version", version=f"duet {_version()}")
-    parser.add_argument("--log-level", default=None, choices=("debug", "info", "warning", "error"),
+    parser.add_argument("--log-level", default=None, choices=LOG_LEVELS,
                         help="stderr log level for every command (also $DUET_LOG_LEVEL)")
     parser.add_argument("command", nargs="?", metavar="COMMAND", help="one of the commands below")
     parser.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
@@ -106,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.log_level:
         os.environ["DUET_LOG_LEVEL"] = args.log_level  # commands read it for their own default
-    logging.basicConfig(stream=sys.stderr, level=(args.log_level or os.environ.get("DUET_LOG_LEVEL", "warning")).upper(),
+    logging.basicConfig(stream=sys.stderr, level=(args.log_level or CLI_LOG_LEVEL.get()).upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command is None:
         parser.print_help(sys.stderr)

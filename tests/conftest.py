@@ -18,8 +18,8 @@ def torch_one_thread():
 @pytest.fixture(scope="module")
 def runner():
     """Runs Triton kernels: natively on CUDA, else in one child process per module under
-    Triton's CPU interpreter (kernels/kernel_runner.py says why a child)."""
-    from kernels.kernel_runner import KernelRunner
+    Triton's CPU interpreter (tests/helpers/kernel_runner.py says why a child)."""
+    from tests.helpers.kernel_runner import KernelRunner
     r = KernelRunner()
     yield r
     r.close()

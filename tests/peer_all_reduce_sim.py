@@ -1,13 +1,16 @@
-"""Runs the fused peer all-reduce kernels as one rank among simulated peers, in one process
-(interpreted on CPU, native on one GPU): every rank's buffer is a local tensor; before each
-call the test writes what the other ranks would have pushed (their rows and flags) into
-this rank's buffer. What the kernel wrote into the others' buffers comes back for checking."""
+"""Runs the peer all-reduce kernels as one rank among simulated peers, in one process
+(interpreted on CPU, native on one GPU): every rank's buffer is a local tensor. For the push
+kernel, before each call the test writes what the other ranks would have pushed (their rows
+and flags) into this rank's buffer, and what the kernel wrote into the others' buffers comes
+back for checking. For the read kernel every buffer holds its rank's rows, as after the
+barrier."""
 from __future__ import annotations
 
 import torch
 
 from kernels.triton_peer_all_reduce import push_reduce, push_tokens, wait_tokens
-from shared.engine.custom_all_reduce import _layout, buffer_bytes, make_peer_buffers
+from kernels.triton_peer_read_all_reduce import read_reduce
+from shared.engine.parallel.custom_all_reduce import _layout, buffer_bytes, make_peer_buffers
 
 SLOT_BYTES = 1 << 16
 PROGRAMS = 4
@@ -66,3 +69,15 @@ def run_tokens(rank: int, world: int, tokens: torch.Tensor, start: int):
     missing_errors = int(follower.errors.item())
     wait_tokens(follower, 5, max_spins=1 << 30)  # after a failure: no spinning at all
     return rings, flags, ok_errors, missing_errors, int(follower.errors.item())
+
+
+def run_read_reduce(rank: int, partials, residual, weight, eps: float):
+    """The read kernel as `rank`, each rank's buffer holding its partials [T, H] at its start
+    and NaN after them (a read past the rows shows). Returns (out, new_residual)."""
+    bufs = []
+    for p in partials:
+        buf = torch.full((p.numel() + 4 * p.shape[-1],), float("nan"), dtype=p.dtype, device=p.device)
+        buf[:p.numel()].copy_(p.reshape(-1))
+        bufs.append(buf)
+    ptrs = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=partials[0].device)
+    return read_reduce(ptrs, len(partials), partials[rank], residual, weight, eps)

@@ -466,7 +466,7 @@ def managed(request, stack: "_StackBase"):
 # --- reference outputs ---------------------------------------------------------------------
 
 def model_dir() -> Path:
-    from shared.engine.default_model import resolve_model_dir
+    from shared.model_files.default_model import resolve_model_dir
     return Path(resolve_model_dir(None))
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from services import cli
-from shared.engine.default_model import ensure_default_model
+from shared.model_files.default_model import ensure_default_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -122,7 +122,7 @@ def test_generate_prints_exactly_the_greedy_completion(model_dir, llm):
 
 def test_chat_two_turns_through_stdin(model_dir, llm):
     from shared.engine import SamplingParams
-    from shared.engine.cli_chat import encode_chat, stream_answer
+    from services.offline.chat import encode_chat, stream_answer
 
     questions = ["What is the capital of France?", "And of Germany?"]
     proc = run_duet(["chat", "--model", str(model_dir), "--max-tokens", "24", "--temperature", "0",

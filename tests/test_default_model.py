@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.engine.default_model import (
+from shared.model_files.default_model import (
     DEFAULT_MODEL_NAME,
     MARKER_NAME,
     ModelNotFoundError,
@@ -39,7 +39,7 @@ def converted(tmp_path_factory):
     leftover = cache / "models" / f".tmp-{DEFAULT_MODEL_NAME}-killed"
     leftover.mkdir(parents=True)
     (leftover / "config.json").write_text("{}")
-    cmd = [sys.executable, "-m", "shared.engine.default_model", "--cache-dir", str(cache)]
+    cmd = [sys.executable, "-m", "shared.model_files.default_model", "--cache-dir", str(cache)]
     procs = [
         subprocess.Popen(cmd, cwd=REPO_ROOT, env=_env_with_repo(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for _ in range(2)
@@ -190,7 +190,7 @@ def test_convert_command_rejects_missing_source(tmp_path):
     # but keep the repo importable.
     code = (
         "import sys; sys.path.insert(0, sys.argv[1]); "
-        "from shared.engine.default_model import main; sys.exit(main(['--cache-dir', sys.argv[2], '--quiet']))"
+        "from shared.model_files.default_model import main; sys.exit(main(['--cache-dir', sys.argv[2], '--quiet']))"
     )
     proc = subprocess.run([sys.executable, "-S", "-I", "-c", code, str(REPO_ROOT), str(tmp_path)],
                           capture_output=True, text=True, timeout=60)

@@ -192,6 +192,16 @@ def test_a_bad_schema_is_a_clear_error(model_dir):
     assert not eng.requests
 
 
+def test_grammar_cache_size_bounds_the_compiled_grammars(model_dir):
+    eng = engine(model_dir, grammar_cache_size=2)
+    specs = [GrammarSpec("json_schema", json.dumps({"type": "integer", "maximum": m})) for m in range(3)]
+    for spec in specs + specs[2:]:
+        eng.grammars.compile(spec)
+    assert eng.grammars.compiles == 3  # the third spec twice: cached
+    eng.grammars.compile(specs[0])  # evicted by the third
+    assert eng.grammars.compiles == 4
+
+
 def test_overlap_mixes_constrained_free_and_penalised_requests_like_plain(model_dir):
     prompts = random_prompts(4, [6, 9, 12, 7], seed=12)
     params = [schema_params(), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),

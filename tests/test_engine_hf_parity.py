@@ -106,7 +106,7 @@ def test_sharded_checkpoint_loads_and_matches(tmp_path):
 
 
 def test_default_model_float32_greedy_equals_hf():
-    from shared.engine.default_model import ensure_default_model
+    from shared.model_files.default_model import ensure_default_model
     d = ensure_default_model(progress=False)
     eng = Engine(model_dir=str(d), page_size=16, max_num_batched_tokens=16, kv_cache_memory=64 << 20)
     assert eng.dtype == torch.float32

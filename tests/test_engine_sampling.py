@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 import torch
 
-from shared.engine.default_model import ensure_default_model
+from shared.model_files.default_model import ensure_default_model
 from shared.engine.engine import Engine
 from shared.engine.sampling_params import SamplingParams
 from tests.engine_models import (build_model_dir, hf_greedy, hf_logits, kv_bytes_for_pages, load_hf,

@@ -289,7 +289,7 @@ def test_draft_model_gives_the_plain_output(model_dir, draft_dir, other_arch_dir
 
 
 def test_embedded_model_as_its_own_draft_accepts_every_token():
-    from shared.engine.default_model import ensure_default_model
+    from shared.model_files.default_model import ensure_default_model
     d = str(ensure_default_model(progress=False))
     base = Engine(kv_cache_memory=64 << 20)
     eng = Engine(kv_cache_memory=128 << 20, speculative_method="draft", speculative_draft_model=d,

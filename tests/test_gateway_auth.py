@@ -20,12 +20,12 @@ import httpx
 import openai
 import pytest
 
-from services.gateway import auth
-from services.gateway.app import build_app
-from services.gateway.endpoints import GatewayContext
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.prompt import PromptBuilder
-from services.gateway.security_config import SecurityConfig
+from services.gateway.http_edge import auth
+from services.gateway.http_edge.app import build_app
+from services.gateway.http_edge.metrics import GatewayMetrics
+from services.gateway.http_edge.security_config import SecurityConfig
+from services.gateway.openai_api.endpoints import GatewayContext
+from services.gateway.openai_api.prompt_builder import PromptBuilder
 from tests.stack import Metrics
 from tests.test_gateway_support import ScriptedBackend, byte_level_tokenizer_dir, free_port
 from tests.tls_certs import TestCA

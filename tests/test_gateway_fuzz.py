@@ -1,10 +1,11 @@
-"""Fuzzing the gateway from its own OpenAPI document (/openapi.json, services/gateway/openapi.py)
-with schemathesis: bodies that fit the request schemas of /v1/chat/completions and
-/v1/completions (positive) and bodies that break them (negative: wrong types, missing
-fields, not JSON), sent to a real gateway process serving the small default model on an
-in-process engine. No answer may be a 5xx (bad input is a 4xx with OpenAI's error
-JSON), and the gateway still serves afterwards. Bounded in time: max_tokens and n are
-capped so each case is one short generation, and a budget stops sending after ~90 s.
+"""Fuzzing the gateway from its own OpenAPI document (/openapi.json,
+services/gateway/http_edge/openapi.py) with schemathesis: bodies that fit the request
+schemas of /v1/chat/completions and /v1/completions (positive) and bodies that break them
+(negative: wrong types, missing fields, not JSON), sent to a real gateway process serving
+the small default model on an in-process engine. No answer may be a 5xx (bad input is a
+4xx with OpenAI's error JSON), and the gateway still serves afterwards. Bounded in time:
+max_tokens and n are capped so each case is one short generation, and a budget stops
+sending after ~90 s.
 
 Prints the counts (cases, 2xx, 4xx, 5xx). Rerun alone:
     PYTHONPATH=$PWD python -m pytest -q -s tests/test_gateway_fuzz.py

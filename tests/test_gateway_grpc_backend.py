@@ -1,5 +1,6 @@
-"""The gateway's gRPC backend (DESIGN.md steps 1-5) through a real uvicorn server, the real
-Router over a real Redis registry, and real gRPC to Prefill/Decode servicers.
+"""The gateway's gRPC backend (route, reserve on decode, prefill, decode stream, release)
+through a real uvicorn server, the real Router over a real Redis registry, and real gRPC to
+Prefill/Decode servicers.
 
 The prefill and decode servicers here are scripted stand-ins that speak duet.proto (the
 engine-backed workers are tested on their own); they record every call, cancellation and
@@ -22,11 +23,11 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 
 from protos import duet_pb2, duet_pb2_grpc
-from services.gateway.app import build_app
-from services.gateway.endpoints import GatewayContext
-from services.gateway.grpc_backend import GrpcBackend, GrpcBackendConfig
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.prompt import PromptBuilder
+from services.gateway.backends.grpc_workers import GrpcBackend, GrpcBackendConfig
+from services.gateway.http_edge.app import build_app
+from services.gateway.http_edge.metrics import GatewayMetrics
+from services.gateway.openai_api.endpoints import GatewayContext
+from services.gateway.openai_api.prompt_builder import PromptBuilder
 from services.router.config import RouterConfig
 from services.router.server import RouterServer
 from shared.registry.config import RegistryConfig

@@ -12,11 +12,11 @@ import httpx
 import openai
 import pytest
 
-from services.gateway.app import build_app
-from services.gateway.backend import BackendBusy, BackendUnavailable
-from services.gateway.endpoints import GatewayContext
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.prompt import PromptBuilder
+from services.gateway.backends.interface import BackendBusy, BackendUnavailable
+from services.gateway.http_edge.app import build_app
+from services.gateway.http_edge.metrics import GatewayMetrics
+from services.gateway.openai_api.endpoints import GatewayContext
+from services.gateway.openai_api.prompt_builder import PromptBuilder
 from tests.openai_schema import validate
 from tests.test_gateway_support import ScriptedBackend, UvicornThread, byte_level_tokenizer_dir, sse_data, wait_until
 

@@ -1,7 +1,7 @@
 """The gateway's limits against hostile load, over a real uvicorn server with the gateway's
-own connection settings (services/gateway/http_server.py): bounded admission (429 with
-Retry-After in OpenAI's error format, never an unbounded pile), request bodies over the
-size limit (413) or too slow (408), a slowloris client that trickles its headers is
+own connection settings (services/gateway/http_edge/connection_guard.py): bounded admission
+(429 with Retry-After in OpenAI's error format, never an unbounded pile), request bodies
+over the size limit (413) or too slow (408), a slowloris client that trickles its headers is
 dropped, idle keep-alive connections close, oversized headers are refused.
 
 The backend is a ScriptedBackend with slow tokens (what holds an admission slot); the
@@ -17,14 +17,14 @@ import time
 import httpx
 import pytest
 
-from services.gateway.admission import AdmissionQueue, AdmissionRefused
-from services.gateway.app import build_app
 from services.gateway.config import GatewayConfig
-from services.gateway.endpoints import GatewayContext
-from services.gateway.http_server import uvicorn_limits
-from services.gateway.limits import GatewayLimits
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.prompt import PromptBuilder
+from services.gateway.http_edge.admission import AdmissionQueue, AdmissionRefused
+from services.gateway.http_edge.app import build_app
+from services.gateway.http_edge.connection_guard import uvicorn_limits
+from services.gateway.http_edge.limits_config import GatewayLimits
+from services.gateway.http_edge.metrics import GatewayMetrics
+from services.gateway.openai_api.endpoints import GatewayContext
+from services.gateway.openai_api.prompt_builder import PromptBuilder
 from tests.openai_schema import validate
 from tests.test_gateway_support import ScriptedBackend, UvicornThread, byte_level_tokenizer_dir, wait_until
 

@@ -13,11 +13,11 @@ import httpx
 import openai
 import pytest
 
-from services.gateway.app import build_app
-from services.gateway.endpoints import GatewayContext
-from services.gateway.local_backend import LocalBackend
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.prompt import PromptBuilder
+from services.gateway.backends.local_engine import LocalBackend
+from services.gateway.http_edge.app import build_app
+from services.gateway.http_edge.metrics import GatewayMetrics
+from services.gateway.openai_api.endpoints import GatewayContext
+from services.gateway.openai_api.prompt_builder import PromptBuilder
 from tests.openai_schema import validate
 from tests.otlp_receiver import GrpcReceiver, HttpReceiver
 from tests.test_gateway_support import UvicornThread, free_port, wait_until
@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def model_dir():
-    from shared.engine.default_model import ensure_default_model
+    from shared.model_files.default_model import ensure_default_model
 
     return ensure_default_model(progress=False)
 
@@ -225,7 +225,7 @@ def test_default_model_json_object_and_tools(client, backend):
 
 def test_a_model_that_fails_to_load_is_a_503_reason():
     """The loader thread's failure is reported by ready() and by every request, not a hang."""
-    from services.gateway.backend import BackendUnavailable, GenerationRequest, SamplingOptions
+    from services.gateway.backends.interface import BackendUnavailable, GenerationRequest, SamplingOptions
 
     def load():
         raise FileNotFoundError("no weights in /nowhere")

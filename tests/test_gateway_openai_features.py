@@ -6,11 +6,11 @@ from __future__ import annotations
 import openai
 import pytest
 
-from services.gateway.app import build_app
-from services.gateway.endpoints import GatewayContext
-from services.gateway.local_backend import LocalBackend
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.prompt import PromptBuilder
+from services.gateway.backends.local_engine import LocalBackend
+from services.gateway.http_edge.app import build_app
+from services.gateway.http_edge.metrics import GatewayMetrics
+from services.gateway.openai_api.endpoints import GatewayContext
+from services.gateway.openai_api.prompt_builder import PromptBuilder
 from tests import openai_features as features
 from tests.test_gateway_support import UvicornThread, wait_until
 

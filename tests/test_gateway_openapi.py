@@ -8,10 +8,10 @@ import httpx
 import jsonschema
 import pytest
 
-from services.gateway.app import build_app
-from services.gateway.endpoints import GatewayContext
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.prompt import PromptBuilder
+from services.gateway.http_edge.app import build_app
+from services.gateway.http_edge.metrics import GatewayMetrics
+from services.gateway.openai_api.endpoints import GatewayContext
+from services.gateway.openai_api.prompt_builder import PromptBuilder
 from shared.openai_protocol.errors import InvalidRequest
 from shared.openai_protocol.requests import parse_chat_request, parse_completion_request
 from tests.test_gateway_support import ScriptedBackend, UvicornThread, byte_level_tokenizer_dir

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from services.gateway.sampling import chat_sampling, completion_sampling
+from services.gateway.openai_api.request_sampling import chat_sampling, completion_sampling
 from shared.openai_protocol.errors import InvalidRequest
 from shared.openai_protocol.requests import parse_chat_request, parse_completion_request
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from services.gateway.stop_strings import StopStringMatcher
+from services.gateway.openai_api.stop_strings import StopStringMatcher
 
 
 def run(stops, pieces):

@@ -115,7 +115,7 @@ class ScriptedBackend:
         pass
 
     async def generate(self, request):
-        from services.gateway.backend import TokenEvent, TokenLogprob
+        from services.gateway.backends.interface import TokenEvent, TokenLogprob
 
         self.requests.append(request)
         sampling = request.sampling

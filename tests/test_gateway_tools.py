@@ -8,9 +8,15 @@ import json
 
 import pytest
 
-from services.gateway.prompt import PromptBuilder
-from services.gateway.tool_calls import HermesParser, Llama3JsonParser, NamedParser, RequiredParser, ToolStream
-from services.gateway.tool_prompt import ToolTemplate
+from services.gateway.openai_api.prompt_builder import PromptBuilder
+from services.gateway.openai_api.tool_call_parsing import (
+    HermesParser,
+    Llama3JsonParser,
+    NamedParser,
+    RequiredParser,
+    ToolStream,
+)
+from services.gateway.openai_api.tool_prompt import ToolTemplate
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}

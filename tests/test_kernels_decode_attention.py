@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from kernels.accuracy import fill_nan_, relative_error
+from loadtest.bench.accuracy import fill_nan_, relative_error
 from kernels.decode_attention import decode_attention_reference
-from kernels.random_paged_kv import random_paged_kv
+from loadtest.bench.random_paged_kv import random_paged_kv
 from tests.kernel_dtypes import ATTENTION_TOLERANCE, case_generator, kernel_dtypes
 
 TARGET = "kernels.decode_attention:decode_attention"

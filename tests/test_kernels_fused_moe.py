@@ -8,7 +8,7 @@ dimensions off the tile sizes, and the torch alignment path for many pairs."""
 import pytest
 import torch
 
-from kernels.accuracy import fill_nan_, relative_error
+from loadtest.bench.accuracy import fill_nan_, relative_error
 from kernels.fused_moe import fused_moe_reference, select_experts_reference
 from tests.kernel_dtypes import case_generator, kernel_dtypes
 

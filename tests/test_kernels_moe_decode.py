@@ -5,7 +5,7 @@ experts on another rank, tiles that leave ragged edges, the arrival counters lef
 import pytest
 import torch
 
-from kernels.accuracy import fill_nan_, relative_error
+from loadtest.bench.accuracy import fill_nan_, relative_error
 from kernels.moe_decode import DecodeCounters, DecodeTile, moe_decode_reference
 from tests.kernel_dtypes import case_generator, kernel_dtypes
 

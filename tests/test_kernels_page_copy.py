@@ -4,7 +4,7 @@ and the reference vs a page-by-page loop, on a pool that is a strided view."""
 import pytest
 import torch
 
-from kernels.accuracy import fill_nan_
+from loadtest.bench.accuracy import fill_nan_
 from kernels.page_copy import gather_pages_reference, scatter_pages_reference
 from tests.kernel_dtypes import kernel_dtypes
 

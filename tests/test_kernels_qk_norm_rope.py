@@ -5,7 +5,7 @@ references; and that composition vs the model's own unfused torch layers."""
 import pytest
 import torch
 
-from kernels.accuracy import relative_error
+from loadtest.bench.accuracy import relative_error
 from kernels.qk_norm_rope import KVCacheWrite, QKNorm, qk_norm_rope_reference
 from tests.kernel_dtypes import ELEMENTWISE_TOLERANCE, case_generator, kernel_dtypes
 from tests.test_kernels_rotary_embedding import cos_sin_cache
@@ -135,7 +135,7 @@ def check_fused_model_matches_unfused(model_dir: str, device: str) -> dict:
     from shared.engine.model_config import ModelConfig
     from shared.engine.model_runner import ForwardBatch
     from shared.engine.models.loader import load_model
-    from shared.engine.parallel import TPContext
+    from shared.engine.parallel.context import TPContext
     from tests.test_triton_backend import PAGE, _meta
 
     dev = torch.device(device)

@@ -4,7 +4,7 @@ reference, and the reference vs a float64 formula and HF's LlamaRMSNorm."""
 import pytest
 import torch
 
-from kernels.accuracy import fill_nan_, relative_error
+from loadtest.bench.accuracy import fill_nan_, relative_error
 from kernels.rms_norm import rms_norm_reference
 from tests.kernel_dtypes import ELEMENTWISE_TOLERANCE, case_generator, kernel_dtypes
 

@@ -5,7 +5,7 @@ formulation (GPT-J interleaved pairs)."""
 import pytest
 import torch
 
-from kernels.accuracy import relative_error
+from loadtest.bench.accuracy import relative_error
 from kernels.rotary_embedding import rotary_embedding_reference
 from tests.kernel_dtypes import case_generator, kernel_dtypes
 

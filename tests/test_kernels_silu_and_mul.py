@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels.accuracy import fill_nan_, relative_error
+from loadtest.bench.accuracy import fill_nan_, relative_error
 from kernels.silu_and_mul import silu_and_mul_reference
 from tests.kernel_dtypes import case_generator, kernel_dtypes
 

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from kernels.accuracy import fill_nan_, relative_error
-from kernels.random_paged_kv import random_paged_kv
+from loadtest.bench.accuracy import fill_nan_, relative_error
+from loadtest.bench.random_paged_kv import random_paged_kv
 from kernels.verify_attention import verify_attention_reference
 from tests.kernel_dtypes import ATTENTION_TOLERANCE, case_generator, kernel_dtypes
 

@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from shared.engine.parallel import kv_head_slice
+from shared.engine.parallel.context import kv_head_slice
 from shared.kv_transfer.agent import DONE, PENDING, KvTransferAgent
 from shared.kv_transfer.head_plan import PairingError, RankHeads, pairing_problem, plan_head_copies
 from shared.kv_transfer.notice import TransferNotice

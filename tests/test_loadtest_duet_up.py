@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 def duet_stack(tmp_path_factory):
     """`duet up` with its defaults (1 prefill + 1 decode), through the helper
     loadtest.compare_disagg uses, so that helper is exercised here too."""
-    from shared.engine.default_model import ensure_default_model
+    from shared.model_files.default_model import ensure_default_model
 
     model_dir = ensure_default_model()
     stack = DuetStack([], tmp_path_factory.mktemp("duet-up"))

@@ -22,7 +22,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
-    from shared.engine.default_model import ensure_default_model
+    from shared.model_files.default_model import ensure_default_model
 
     model_dir = ensure_default_model()
     port = free_port()
@@ -161,6 +161,6 @@ def test_errors_by_turn_and_bodies_seen_by_a_scripted_server(serve, tmp_path):  
 
 
 def _tok_dir() -> str:
-    from shared.engine.default_model import ensure_default_model
+    from shared.model_files.default_model import ensure_default_model
 
     return str(ensure_default_model())

@@ -12,12 +12,12 @@ import os
 import pytest
 
 from loadtest.__main__ import main as loadtest_main
-from services.gateway.app import build_app
-from services.gateway.endpoints import GatewayContext
-from services.gateway.http_server import uvicorn_limits
-from services.gateway.limits import GatewayLimits
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.prompt import PromptBuilder
+from services.gateway.http_edge.app import build_app
+from services.gateway.http_edge.connection_guard import uvicorn_limits
+from services.gateway.http_edge.limits_config import GatewayLimits
+from services.gateway.http_edge.metrics import GatewayMetrics
+from services.gateway.openai_api.endpoints import GatewayContext
+from services.gateway.openai_api.prompt_builder import PromptBuilder
 from tests.test_gateway_support import ScriptedBackend, UvicornThread, byte_level_tokenizer_dir
 
 

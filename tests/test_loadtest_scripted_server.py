@@ -138,7 +138,7 @@ def _free_port() -> int:
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from shared.engine.default_model import ensure_default_model
+    from shared.model_files.default_model import ensure_default_model
 
     return AutoTokenizer.from_pretrained(ensure_default_model())
 
@@ -172,7 +172,7 @@ def _results(out_dir) -> dict:
 
 
 def _tok_dir() -> str:
-    from shared.engine.default_model import ensure_default_model
+    from shared.model_files.default_model import ensure_default_model
 
     return str(ensure_default_model())
 

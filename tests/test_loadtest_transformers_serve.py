@@ -30,7 +30,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def model_dir():
-    from shared.engine.default_model import ensure_default_model
+    from shared.model_files.default_model import ensure_default_model
 
     return ensure_default_model()
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from shared.engine.moe_config import MoEConfig
-from shared.engine.parallel import TPContext
+from shared.engine.parallel.context import TPContext
 
 CONFIGS = {
     "qwen3": MoEConfig(num_experts=8, top_k=3, intermediate_size=48, norm_topk_prob=True,
@@ -22,7 +22,7 @@ CONFIGS = {
 def fused_vs_torch(kind: str, tp_rank: int, tp_size: int, expert_parallel: bool, tokens: int) -> float:
     """Runs where the kernels run (see the runner fixture): relative error of the block's
     fused output against its torch output."""
-    from kernels.accuracy import relative_error
+    from loadtest.bench.accuracy import relative_error
     from shared.engine.models.moe import MoEBlock
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")

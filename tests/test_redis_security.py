@@ -19,6 +19,7 @@ from shared.registry.publisher import WorkerPublisher
 from shared.registry.watcher import WorkerWatcher
 from shared.registry.worker_info import WorkerInfo
 from shared.security.secret_files import redact_url
+from shared.settings.flags import add_flags, from_args
 from tests.redis_server import REDIS_SERVER_BIN, free_port
 from tests.tls_certs import TestCA
 
@@ -111,16 +112,16 @@ def test_flags_env_files_and_redaction(tmp_path):
     pw = tmp_path / "password"
     pw.write_text(PASSWORD + "\n")
     p = argparse.ArgumentParser()
-    RegistryConfig.add_args(p, {"DUET_REDIS_PASSWORD_FILE": str(pw), "DUET_REDIS_TLS_CA_FILE": "/ca.crt",
-                                "DUET_REDIS_URL": "rediss://r:6380/0"})
-    cfg = RegistryConfig.from_args(p.parse_args([]))
+    add_flags(p, RegistryConfig, {"DUET_REDIS_PASSWORD_FILE": str(pw), "DUET_REDIS_TLS_CA_FILE": "/ca.crt",
+                                  "DUET_REDIS_URL": "rediss://r:6380/0"})
+    cfg = from_args(RegistryConfig, p.parse_args([]))
     assert cfg.connection.password == PASSWORD and PASSWORD not in repr(cfg)
     kwargs = cfg.client_kwargs()
     assert kwargs["password"] == PASSWORD and kwargs["ssl_ca_certs"] == "/ca.crt"
     assert kwargs["ssl_cert_reqs"] == "required"
     p = argparse.ArgumentParser()
-    RegistryConfig.add_args(p, {"DUET_REDIS_PASSWORD": "from-env"})
-    assert RegistryConfig.from_args(p.parse_args([])).connection.password == "from-env"
+    add_flags(p, RegistryConfig, {"DUET_REDIS_PASSWORD": "from-env"})
+    assert from_args(RegistryConfig, p.parse_args([])).connection.password == "from-env"
     with pytest.raises(ValueError, match="not rediss"):
         RegistryConfig(redis_url="redis://r:1/0", connection=RedisConnection(tls_ca_file="/ca.crt")).client_kwargs()
     assert redact_url("redis://:hunter2@duet-redis:6379/0") == "redis://:***@duet-redis:6379/0"

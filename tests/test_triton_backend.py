@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.kernel_runner import KernelRunner
+from tests.helpers.kernel_runner import KernelRunner
 
 PAGE, HQ, HKV, D, LAYERS, PAGES = 4, 4, 2, 16, 2, 24
 

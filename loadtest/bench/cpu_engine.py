@@ -180,7 +180,7 @@ def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     import torch
     torch.set_num_threads(args.threads)
-    from shared.engine.default_model import resolve_model_dir
+    from shared.model_files.default_model import resolve_model_dir
     from shared.engine.model_config import ModelConfig
     model_dir = resolve_model_dir(args.model, progress=False)
     mc = ModelConfig.from_dir(model_dir)

@@ -19,10 +19,11 @@ import json
 import os
 import pathlib
 import re
-import shutil
 import sys
 import tempfile
 import time
+
+from .stack_runs import copy_tokenizer, run_each, start_run
 
 LAYOUTS = {"2->1": (2, 1), "1->1": (1, 1), "1->2": (1, 2), "2->2": (2, 2)}
 
@@ -32,9 +33,7 @@ def checkpoint(shape: str, root: pathlib.Path, tokenizer_from: str) -> pathlib.P
 
     from .shapes import random_checkpoint_dir
     d = random_checkpoint_dir(shape, root, torch.device("cuda:0"))
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
-        if (pathlib.Path(tokenizer_from) / f).is_file():
-            shutil.copy(pathlib.Path(tokenizer_from) / f, d / f)
+    copy_tokenizer(pathlib.Path(tokenizer_from), d)
     torch.cuda.empty_cache()
     return d
 
@@ -144,12 +143,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokenizer-from", required=True, help="folder with the default model's tokenizer files")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "hetero-tp"))
     args = p.parse_args(argv)
-    import signal
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's SIGTERM still stops the stacks
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = start_run(args.out)
     from transformers import AutoTokenizer
     model = checkpoint(args.shape, pathlib.Path(tempfile.mkdtemp(prefix="hetero-tp-")), args.tokenizer_from)
     tok = AutoTokenizer.from_pretrained(str(model))
@@ -158,12 +152,7 @@ def main(argv=None) -> int:
     t = time.monotonic()
     want = reference(model, [tok.encode(x) for x in equal_prompts], args.max_tokens, args.max_model_len)
     print(f"reference (offline TP=1, fp32) in {time.monotonic() - t:.0f}s", file=sys.stderr, flush=True)
-    rows: list[dict] = []
-    for name in (x for x in args.layouts.split(",") if x):
-        try:
-            rows += run_layout(name, model, args, tok, equal_prompts, want, out)
-        except Exception as e:  # noqa: BLE001 - one layout failing must not hide the other
-            print(f"{name}: FAILED {type(e).__name__}: {e}", flush=True)
+    rows = run_each(args.layouts, lambda name: run_layout(name, model, args, tok, equal_prompts, want, out))
     (out / "hetero_tp.json").write_text(json.dumps(rows, indent=1))
     print(f"\n=== hetero_tp: {args.shape} fp32, prefill->decode TP, greedy equality vs offline TP=1 and "
           f"the KV handoff (mean of {args.trials}) ===")

@@ -254,7 +254,7 @@ def sweep(cfg: BenchConfig, gen: torch.Generator) -> list:
     each checked against the reference on the timed shape and a ragged batch."""
     from kernels.decode_attention import decode_attention_reference
     from kernels.extend_attention import extend_attention_reference
-    from kernels.random_paged_kv import random_paged_kv
+    from loadtest.bench.random_paged_kv import random_paged_kv
     from kernels.triton_decode_attention import DecodeConfig, launch_decode_attention
     from kernels.triton_extend_attention import ExtendConfig, launch_extend_attention
 

@@ -50,7 +50,7 @@ def tile_grid(smoke: bool):
 
 def main(argv=None) -> int:
     from kernels import moe_decode
-    from kernels.accuracy import relative_error
+    from loadtest.bench.accuracy import relative_error
     from kernels.fused_moe import fused_moe, select_experts
 
     from .kernels import BenchConfig, bench_replay, copy_bandwidth

@@ -115,7 +115,7 @@ def main(argv=None) -> int:
             conf = get_config(m, e, h, i, k, str(dtype).removeprefix("torch."))
             ms = bench_replay(cfg, lambda: fused_moe(x, w13, w2, w, ids, expert_map=emap, out=out, config=conf))
             ref = _torch_loop(x, w13, w2, w, ids, emap)
-            from kernels.accuracy import relative_error
+            from loadtest.bench.accuracy import relative_error
             err = relative_error(fused_moe(x, w13, w2, w, ids, expert_map=emap), ref)
             touched = _touched(ids, emap, local)
             nbytes = touched * 3 * h * i * x.element_size() + 2 * x.numel() * x.element_size()

@@ -17,10 +17,11 @@ import argparse
 import json
 import os
 import pathlib
-import shutil
 import sys
 import tempfile
 import time
+
+from .stack_runs import copy_tokenizer, run_each, start_run
 
 STACKS = {  # name -> `duet up` worker layout (GPU placement: services/launcher/gpus.py)
     "colocated": ["--both", "1", "--prefill", "0", "--decode", "0"],
@@ -40,11 +41,9 @@ def model_folder(name: str, root: pathlib.Path, tokenizer_from: str | None = Non
     if tokenizer_from:
         src = pathlib.Path(tokenizer_from)
     else:
-        from shared.engine.default_model import resolve_model_dir
+        from shared.model_files.default_model import resolve_model_dir
         src = pathlib.Path(resolve_model_dir(None))
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
-        if (src / f).is_file():
-            shutil.copy(src / f, d / f)
+    copy_tokenizer(src, d)
     return d
 
 
@@ -137,20 +136,10 @@ def main(argv=None) -> int:
     p.add_argument("--worker-arg", action="append", default=[], help="extra worker flag (repeat)")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "stack-gpu"))
     args = p.parse_args(argv)
-    import signal
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's SIGTERM still stops the stacks
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = start_run(args.out)
     folder = model_folder(args.model, pathlib.Path(tempfile.mkdtemp(prefix="stack-gpu-")), args.tokenizer_from)
     args.model_folder = folder
-    rows: list[dict] = []
-    for name in (s for s in args.stacks.split(",") if s):
-        try:
-            rows += run_stack(name, folder, args, out)
-        except Exception as e:  # noqa: BLE001 - one stack failing must not hide the others
-            print(f"{name}: FAILED {type(e).__name__}: {e}", flush=True)
+    rows = run_each(args.stacks, lambda name: run_stack(name, folder, args, out))
     concs = sorted({r["conc"] for r in rows if r["kind"] == "sweep" and r["conc"]})
     steps = {}
     if concs and not args.no_engine_steps:

@@ -50,7 +50,7 @@ AR_MODES = ("fused", "barrier", "oneshot")
 def _ar_worker(rank: int, world: int, init: str, sizes, hidden: int, queue) -> None:
     try:
         from kernels.rms_norm import rms_norm
-        from shared.engine.custom_all_reduce import CustomAllReduce
+        from shared.engine.parallel.custom_all_reduce import CustomAllReduce
 
         dev = torch.device("cuda", rank)
         torch.cuda.set_device(dev)

@@ -16,9 +16,9 @@ import grpc
 
 from protos import duet_pb2, duet_pb2_grpc
 from services.decode.reservations import waiter_for
-from services.worker.context import WorkerContext
-from services.worker.convert import FINISH, prompt_logprobs_to_proto, sampling_from_proto, tokens_to_proto
-from services.worker.grammar_check import compile_ahead
+from services.worker_runtime.context import WorkerContext
+from services.worker_runtime.convert import FINISH, prompt_logprobs_to_proto, sampling_from_proto, tokens_to_proto
+from services.worker_runtime.grammar_check import compile_ahead
 
 log = logging.getLogger("duet.decode")
 
@@ -53,7 +53,7 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
             while True:
                 res = await ctx.loop.acall(lambda: ctx.book.try_reserve(
                     request.request_id, request.prompt_tokens, request.max_tokens,
-                    request.prefill_worker_id, ctx.config.max_running_requests, n))
+                    request.prefill_worker_id, ctx.config.engine.max_running_requests, n))
                 if res is not None:
                     break
                 if time.monotonic() >= deadline:

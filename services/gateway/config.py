@@ -1,14 +1,17 @@
-"""Gateway settings: one dataclass, filled from CLI flags with DUET_* environment defaults."""
+"""Gateway settings: one dataclass, filled from CLI flags with DUET_* environment defaults
+(each field declared once, shared/settings)."""
 
 from __future__ import annotations
 
-import argparse
-import os
-from dataclasses import dataclass, field
-from typing import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
-from services.gateway.security_config import SecurityConfig
-from services.gateway.limits import GatewayLimits, add_limit_flags, limits_from_args
+from services.gateway.http_edge.limits_config import GatewayLimits
+from services.gateway.http_edge.security_config import SecurityConfig
+from shared.settings import parsers
+from shared.settings.drain import drain_grace
+from shared.settings.flags import build_parser, from_args
+from shared.settings.spec import nested, setting
 
 BACKENDS = ("grpc", "local")
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "none")
@@ -16,26 +19,41 @@ TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "none")
 
 @dataclass
 class GatewayConfig:
-    host: str = "0.0.0.0"
-    port: int = 8000
+    host: str = setting("0.0.0.0", flag="--host", env="DUET_HOST", help="address the HTTP server binds")
+    port: int = setting(8000, flag="--port", env="DUET_PORT",
+                        help="HTTP port, also serving /metrics unless --metrics-port")
     # Where tokens come from: "grpc" (router + prefill/decode workers) or "local" (an
-    # in-process engine). Default: grpc when a router address is given, else local.
-    backend: str = "local"
-    router_address: str | None = None   # host:port of a Router service
-    redis_url: str | None = None        # registry: page size for prefix hashes, readiness
-    model: str | None = None            # served model folder (HF layout); None = the embedded default
-    served_model_name: str | None = None  # name clients send; default = the model folder's name
-    max_model_len: int | None = None    # context length; default = the model's config.json
-    reserve_timeout_ms: int = 0         # decode admission wait; 0 = decode's default
-    rpc_timeout_s: float = 600.0        # bound on each unary RPC (route, reserve, prefill)
+    # in-process engine). None: grpc when a router address is given, else local.
+    backend: str | None = setting(flag="--backend", env="DUET_GATEWAY_BACKEND", choices=BACKENDS,
+                                  help="grpc (router + workers) or local (in-process engine); default grpc when "
+                                       "--router-address is set")
+    router_address: str | None = setting(flag="--router-address", env="DUET_ROUTER_ADDRESS",
+                                         help="Router gRPC host:port")
+    redis_url: str | None = setting(flag="--redis-url", env="DUET_REDIS_URL",
+                                    help="worker registry, for page size and readiness")
+    model: str | None = setting(flag="--model", env="DUET_MODEL",
+                                help="served model folder (HF layout); default: the embedded default model")
+    served_model_name: str | None = setting(flag="--served-model-name", env="DUET_SERVED_MODEL_NAME",
+                                            help="model name clients use; default: the model folder's name")
+    max_model_len: int | None = setting(flag="--max-model-len", env="DUET_MAX_MODEL_LEN", parse=parsers.optional_int,
+                                        help="context length; default: the model's config.json")
+    reserve_timeout_ms: int = setting(0, flag="--reserve-timeout-ms", env="DUET_RESERVE_TIMEOUT_MS",
+                                      help="decode admission wait per request; 0 = decode's default")
+    rpc_timeout_s: float = setting(600.0, flag="--rpc-timeout", env="DUET_RPC_TIMEOUT",
+                                   help="seconds bounding each unary RPC (route, reserve, prefill)")
     # How tool calls are read out of answers: auto = from the chat template (hermes or
     # llama3_json); none = never (tool_choice "auto" then returns text only)
-    tool_call_parser: str = "auto"
-    log_level: str = "info"
-    security: SecurityConfig = field(default_factory=SecurityConfig)  # API keys, HTTPS, TLS, metrics port
-    limits: GatewayLimits = field(default_factory=GatewayLimits)  # admission, body size, slow clients
+    tool_call_parser: str = setting("auto", flag="--tool-call-parser", env="DUET_TOOL_CALL_PARSER",
+                                    choices=TOOL_CALL_PARSERS,
+                                    help="format of tool calls in answers; auto: from the chat template")
+    log_level: str = setting("info", flag="--log-level", env="DUET_LOG_LEVEL", help="stderr log level")
+    drain_grace_s: float = drain_grace()  # uvicorn's graceful shutdown of open streams
+    security: SecurityConfig = nested(SecurityConfig, "security")  # API keys, HTTPS, TLS, metrics port
+    limits: GatewayLimits = nested(GatewayLimits, "limits (admission, body size, slow clients)")
 
     def __post_init__(self) -> None:
+        if self.backend is None:
+            self.backend = "grpc" if self.router_address else "local"
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.backend == "grpc" and not self.router_address:
@@ -46,53 +64,9 @@ class GatewayConfig:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
 
     @classmethod
-    def parser(cls, env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
-        env = os.environ if env is None else env
-        d = cls.__dataclass_fields__
-        p = argparse.ArgumentParser(prog="duet-gateway", description="Duet OpenAI-compatible HTTP gateway")
-        p.add_argument("--host", default=env.get("DUET_HOST", d["host"].default), help="env DUET_HOST")
-        p.add_argument("--port", type=int, default=int(env.get("DUET_PORT", d["port"].default)),
-                       help="HTTP port, also serving /metrics unless --metrics-port (env DUET_PORT)")
-        p.add_argument("--backend", choices=BACKENDS, default=env.get("DUET_GATEWAY_BACKEND"),
-                       help="grpc (router + workers) or local (in-process engine); default grpc when "
-                            "--router-address is set (env DUET_GATEWAY_BACKEND)")
-        p.add_argument("--router-address", default=env.get("DUET_ROUTER_ADDRESS"),
-                       help="Router gRPC host:port (env DUET_ROUTER_ADDRESS)")
-        p.add_argument("--redis-url", default=env.get("DUET_REDIS_URL"),
-                       help="worker registry, for page size and readiness (env DUET_REDIS_URL)")
-        p.add_argument("--model", default=env.get("DUET_MODEL"),
-                       help="served model folder; default: the embedded default model (env DUET_MODEL)")
-        p.add_argument("--served-model-name", default=env.get("DUET_SERVED_MODEL_NAME"),
-                       help="model name clients use (env DUET_SERVED_MODEL_NAME)")
-        p.add_argument("--max-model-len", type=int, default=_int_or_none(env.get("DUET_MAX_MODEL_LEN")),
-                       help="context length (env DUET_MAX_MODEL_LEN)")
-        p.add_argument("--reserve-timeout-ms", type=int,
-                       default=int(env.get("DUET_RESERVE_TIMEOUT_MS", d["reserve_timeout_ms"].default)),
-                       help="decode admission wait per request (env DUET_RESERVE_TIMEOUT_MS)")
-        p.add_argument("--rpc-timeout", type=float,
-                       default=float(env.get("DUET_RPC_TIMEOUT", d["rpc_timeout_s"].default)),
-                       help="seconds bounding each unary RPC (env DUET_RPC_TIMEOUT)")
-        p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
-                       default=env.get("DUET_TOOL_CALL_PARSER", d["tool_call_parser"].default),
-                       help="format of tool calls in answers; auto: from the chat template "
-                            "(env DUET_TOOL_CALL_PARSER)")
-        p.add_argument("--log-level", default=env.get("DUET_LOG_LEVEL", d["log_level"].default),
-                       help="env DUET_LOG_LEVEL")
-        SecurityConfig.add_args(p, env)
-        add_limit_flags(p, env)
-        return p
+    def parser(cls, env: Mapping[str, str] | None = None):
+        return build_parser(cls, env, prog="duet gateway", description="Duet OpenAI-compatible HTTP gateway")
 
     @classmethod
-    def from_argv(cls, argv: list[str] | None, env: Mapping[str, str] | None = None) -> "GatewayConfig":
-        args = cls.parser(env).parse_args(argv)
-        backend = args.backend or ("grpc" if args.router_address else "local")
-        return cls(host=args.host, port=args.port, backend=backend, router_address=args.router_address,
-                   redis_url=args.redis_url, model=args.model, served_model_name=args.served_model_name,
-                   max_model_len=args.max_model_len, reserve_timeout_ms=args.reserve_timeout_ms,
-                   rpc_timeout_s=args.rpc_timeout, tool_call_parser=args.tool_call_parser,
-                   log_level=args.log_level, security=SecurityConfig.from_args(args),
-                   limits=limits_from_args(args))
-
-
-def _int_or_none(value: str | None) -> int | None:
-    return int(value) if value else None
+    def from_argv(cls, argv: Sequence[str] | None, env: Mapping[str, str] | None = None) -> "GatewayConfig":
+        return from_args(cls, cls.parser(env).parse_args(argv))

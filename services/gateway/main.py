@@ -5,23 +5,36 @@
 
 /metrics is served on the API port, or only on --metrics-port when given. With API keys
 (--api-keys-file, DUET_API_KEYS) every route but /health, /live and /metrics needs one;
-with --tls-cert-file/--tls-key-file it serves HTTPS (services/gateway/security_config.py).
+with --tls-cert-file/--tls-key-file it serves HTTPS (services/gateway/http_edge/security_config.py).
 """
 
 from __future__ import annotations
 
+import json
 import logging
-import os
 import sys
 from pathlib import Path
 
-from services.gateway.backend import GenerationBackend
+from services.gateway.backends.interface import GenerationBackend
 from services.gateway.config import GatewayConfig
-from services.gateway.endpoints import GatewayContext
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.prompt import PromptBuilder, read_max_position_embeddings
+from services.gateway.http_edge.metrics import GatewayMetrics
+from services.gateway.openai_api.endpoints import GatewayContext
+from services.gateway.openai_api.prompt_builder import PromptBuilder
 
 log = logging.getLogger("duet.gateway")
+
+
+def read_max_position_embeddings(model_dir: str | Path) -> int | None:
+    """The context length in the model's config.json, if it states one."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for key in ("max_position_embeddings", "max_sequence_length", "n_positions", "seq_length"):
+        value = config.get(key) or config.get("text_config", {}).get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
 def context_length(config: GatewayConfig, model_dir: Path) -> int:
@@ -35,7 +48,7 @@ def context_length(config: GatewayConfig, model_dir: Path) -> int:
 
 def build_backend(config: GatewayConfig, model_dir: Path, served_name: str, max_context: int) -> GenerationBackend:
     if config.backend == "local":
-        from services.gateway.local_backend import LocalBackend
+        from services.gateway.backends.local_engine import LocalBackend
 
         def load_engine():
             from shared.engine import Engine, EngineConfig
@@ -43,7 +56,7 @@ def build_backend(config: GatewayConfig, model_dir: Path, served_name: str, max_
             return Engine(EngineConfig(model_dir=str(model_dir), max_model_len=config.max_model_len))
 
         return LocalBackend(load_engine, name=served_name, expected_context_len=max_context)
-    from services.gateway.grpc_backend import GrpcBackend, GrpcBackendConfig
+    from services.gateway.backends.grpc_workers import GrpcBackend, GrpcBackendConfig
 
     return GrpcBackend(GrpcBackendConfig(
         router_address=config.router_address, redis_url=config.redis_url, model=served_name,
@@ -52,7 +65,7 @@ def build_backend(config: GatewayConfig, model_dir: Path, served_name: str, max_
 
 
 def build_context(config: GatewayConfig) -> GatewayContext:
-    from shared.engine.default_model import resolve_model_dir
+    from shared.model_files.default_model import resolve_model_dir
 
     model_dir = resolve_model_dir(config.model)
     served_name = config.served_model_name or model_dir.name
@@ -73,13 +86,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
-    from services.gateway.app import build_app
-    from services.gateway.http_server import uvicorn_limits
-    from shared.engine.default_model import ModelNotFoundError
-    from shared.telemetry.tracing import setup_tracing
-
-    from services.gateway import auth
+    from services.gateway.http_edge import auth
+    from services.gateway.http_edge.app import build_app
+    from services.gateway.http_edge.connection_guard import uvicorn_limits
+    from shared.model_files.default_model import ModelNotFoundError
     from shared.telemetry.metrics import start_metrics_server
+    from shared.telemetry.tracing import setup_tracing
 
     security = config.security
     try:
@@ -104,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
              security.grpc_tls.describe("client"), f"port {security.metrics_port}" if metrics_server else "the API port")
     try:
         uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level.lower(),
-                    timeout_graceful_shutdown=float(os.environ.get("DUET_DRAIN_GRACE", "30")),
+                    timeout_graceful_shutdown=config.drain_grace_s,
                     **ssl_options, **uvicorn_limits(config.limits))
     finally:
         if metrics_server is not None:

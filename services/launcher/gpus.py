@@ -14,6 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from shared.engine.config import EngineConfig
+from shared.settings.flags import env_value
+
 SHARED_FRACTION = 0.80  # of a shared card's memory, split among the workers on it
 
 
@@ -27,9 +30,9 @@ class WorkerFlags:
 
     @classmethod
     def parse(cls, worker_args: Sequence[str]) -> "WorkerFlags":
-        p = argparse.ArgumentParser(add_help=False)
-        p.add_argument("--tp", type=int, default=int(os.environ.get("DUET_TP") or "1"))
-        p.add_argument("--device", default=os.environ.get("DUET_DEVICE") or "auto")
+        p = argparse.ArgumentParser(add_help=False)  # the workers' own defaults: their DUET_TP, DUET_DEVICE
+        p.add_argument("--tp", type=int, default=env_value(EngineConfig, "tp_size"))
+        p.add_argument("--device", default=env_value(EngineConfig, "device"))
         p.add_argument("--kv-cache-memory", default=None)
         a, _ = p.parse_known_args(list(worker_args))
         return cls(tp=a.tp, device=a.device, kv_cache_memory=a.kv_cache_memory)

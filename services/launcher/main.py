@@ -128,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if port_taken(cfg.host, cfg.port):
         print(f"duet up: port {cfg.port} on {cfg.host} is in use; pick another with --port", file=sys.stderr)
         return 2
-    from shared.engine.default_model import resolve_model_dir
+    from shared.model_files.default_model import resolve_model_dir
     try:
         model_dir = str(resolve_model_dir(cfg.model))  # converts the default model once, with progress
     except (FileNotFoundError, ValueError) as exc:

@@ -83,10 +83,10 @@ class PeerWarmup:
                                          heads=None if c.whole_page else c, probe=True)
                    for c in plan if c.src_rank == 0]
         followers_ok = True
-        if ctx.config.tp > 1:  # the other ranks post theirs on the engine loop (the control pipe's thread)
+        if ctx.config.engine.tp_size > 1:  # the other ranks post theirs on the engine loop (the control pipe's thread)
             posted = await ctx.loop.acall(lambda: ctx.engine.call_followers(
                 "shared.kv_transfer.rank_transfers:probe_peers", specs, plan))
-            want = [sum(1 for c in plan if c.src_rank == r) for r in range(1, ctx.config.tp)]
+            want = [sum(1 for c in plan if c.src_rank == r) for r in range(1, ctx.config.engine.tp_size)]
             followers_ok = list(posted) == want
         states = await asyncio.gather(*(asyncio.to_thread(ctx.agent.wait, h, self.timeout_s) for h in handles))
         seconds = time.monotonic() - t0

@@ -9,9 +9,9 @@ import uuid
 import grpc
 
 from protos import duet_pb2, duet_pb2_grpc
-from services.worker.context import WorkerContext
-from services.worker.convert import FINISH, prompt_logprobs_to_proto, sampling_from_proto, tokens_to_proto
-from services.worker.grammar_check import compile_ahead
+from services.worker_runtime.context import WorkerContext
+from services.worker_runtime.convert import FINISH, prompt_logprobs_to_proto, sampling_from_proto, tokens_to_proto
+from services.worker_runtime.grammar_check import compile_ahead
 from shared.kv_transfer.agent import TransferError
 from shared.kv_transfer.head_plan import PairingError, plan_head_copies
 from shared.kv_transfer.tp_write_stream import TpWriteStream
@@ -57,7 +57,7 @@ class PrefillService(duet_pb2_grpc.PrefillServicer):
                 plan = plan_head_copies([a.pool for a in ctx.rank_agents], [s.pool for s in specs])
             except PairingError as exc:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                    f"prefill worker {ctx.worker_id} (tp {ctx.config.tp}) cannot write into decode "
+                                    f"prefill worker {ctx.worker_id} (tp {ctx.config.engine.tp_size}) cannot write into decode "
                                     f"worker {res.decode_worker_id} (tp {len(ranks)}): {exc}")
             mine = {c.dst_rank for c in plan if c.src_rank == 0} | {0}
             decode_peers = {j: ctx.peers.add(specs[j]) for j in sorted(mine)}
@@ -68,7 +68,7 @@ class PrefillService(duet_pb2_grpc.PrefillServicer):
                     raise ValueError(f"reservation has {len(pages[0])} pages; the prompt needs "
                                      f"{-(-len(prompt) // ctx.page_size)}")
                 stream = rank_stream(ctx.agent, 0, decode_peers, plan, pages[0])
-                if ctx.config.tp > 1:
+                if ctx.config.engine.tp_size > 1:
                     stream = TpWriteStream(stream, ctx.outgoing.followers, specs, pages[0], plan)
                 return ctx.outgoing.start(rid, prompt, params, stream, res.reservation_id, res.generation)
             try:

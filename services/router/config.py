@@ -1,73 +1,48 @@
-"""Router settings: one dataclass, filled from CLI flags with DUET_* environment defaults."""
+"""Router settings: one dataclass, filled from CLI flags with DUET_* environment defaults
+(each field declared once, shared/settings)."""
 from __future__ import annotations
 
-import argparse
-import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from shared.registry.config import RegistryConfig
 from shared.security.grpc_tls import GrpcTlsConfig
+from shared.settings.flags import build_parser, from_args
+from shared.settings.spec import nested, setting
 
 
 @dataclass
 class RoutingWeights:
     """Knobs of the routing cost (see policy.py)."""
 
-    prefill_queue_weight: float = 1.0   # weight of queued prefill tokens vs. uncached prompt tokens
-    decode_batch_weight: float = 0.5    # weight of batch occupancy vs. KV usage for decode
+    prefill_queue_weight: float = setting(
+        1.0, flag="--prefill-queue-weight", env="DUET_ROUTER_PREFILL_QUEUE_WEIGHT",
+        help="weight of queued prefill tokens against uncached prompt tokens")
+    decode_batch_weight: float = setting(
+        0.5, flag="--decode-batch-weight", env="DUET_ROUTER_DECODE_BATCH_WEIGHT",
+        help="weight of decode batch occupancy against KV usage")
     nominal_decode_batch: int = 256     # batch size that counts as "full" when a worker does not say
 
 
 @dataclass
 class RouterConfig:
-    host: str = "0.0.0.0"
-    port: int = 50050
-    metrics_port: int = 9101            # 0 = no /metrics server
-    model: str = ""                     # default model for requests that name none; "" = any
-    registry: RegistryConfig = field(default_factory=RegistryConfig)
-    tls: GrpcTlsConfig = field(default_factory=GrpcTlsConfig)  # gRPC server TLS / mTLS
-    weights: RoutingWeights = field(default_factory=RoutingWeights)
+    host: str = setting("0.0.0.0", flag="--host", env="DUET_ROUTER_HOST", help="address the gRPC server binds")
+    port: int = setting(50050, flag="--port", env="DUET_ROUTER_PORT", help="gRPC port")
+    metrics_port: int = setting(9101, flag="--metrics-port", env="DUET_METRICS_PORT", help="HTTP /metrics port, 0 = off")
+    model: str = setting("", flag="--model", env="DUET_SERVED_MODEL_NAME",
+                         help="served model name (as workers register it) for requests that name none; empty = any")
+    registry: RegistryConfig = nested(RegistryConfig)
+    tls: GrpcTlsConfig = nested(GrpcTlsConfig, "gRPC TLS (between gateway, router and workers)")
+    weights: RoutingWeights = nested(RoutingWeights)
     inflight_ttl_s: float = 900.0       # forget a routed request never released (gateway died)
     prefix_lookup_timeout_s: float = 0.2  # budget for the Redis page-hash lookup per route
     grace_s: float = 5.0                # drain time for in-flight RPCs on shutdown
-    log_level: str = "info"
+    log_level: str = setting("info", flag="--log-level", env="DUET_LOG_LEVEL", help="stderr log level")
 
     @classmethod
-    def parser(cls, env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
-        env = os.environ if env is None else env
-        d = cls.__dataclass_fields__
-        p = argparse.ArgumentParser(prog="duet router", description="Duet router: picks prefill/decode workers")
-        p.add_argument("--host", default=env.get("DUET_ROUTER_HOST", d["host"].default), help="env DUET_ROUTER_HOST")
-        p.add_argument("--port", type=int, default=int(env.get("DUET_ROUTER_PORT", d["port"].default)),
-                       help="gRPC port (env DUET_ROUTER_PORT)")
-        p.add_argument("--metrics-port", type=int,
-                       default=int(env.get("DUET_METRICS_PORT", d["metrics_port"].default)),
-                       help="HTTP /metrics port, 0 = off (env DUET_METRICS_PORT)")
-        p.add_argument("--model", default=env.get("DUET_SERVED_MODEL_NAME", ""),
-                       help="served model name (as workers register it) for requests that name none; "
-                            "empty = any (env DUET_SERVED_MODEL_NAME)")
-        p.add_argument("--prefill-queue-weight", type=float,
-                       default=float(env.get("DUET_ROUTER_PREFILL_QUEUE_WEIGHT", RoutingWeights.prefill_queue_weight)),
-                       help="weight of queued prefill tokens against uncached prompt tokens "
-                            "(env DUET_ROUTER_PREFILL_QUEUE_WEIGHT)")
-        p.add_argument("--decode-batch-weight", type=float,
-                       default=float(env.get("DUET_ROUTER_DECODE_BATCH_WEIGHT", RoutingWeights.decode_batch_weight)),
-                       help="weight of decode batch occupancy against KV usage (env DUET_ROUTER_DECODE_BATCH_WEIGHT)")
-        p.add_argument("--log-level", default=env.get("DUET_LOG_LEVEL", d["log_level"].default),
-                       help="env DUET_LOG_LEVEL")
-        RegistryConfig.add_args(p, env)
-        GrpcTlsConfig.add_args(p, env)
-        return p
+    def parser(cls, env: Mapping[str, str] | None = None):
+        return build_parser(cls, env, prog="duet router", description="Duet router: picks prefill/decode workers")
 
     @classmethod
     def from_argv(cls, argv: Sequence[str] | None, env: Mapping[str, str] | None = None) -> "RouterConfig":
-        args = cls.parser(env).parse_args(argv)
-        return cls(
-            host=args.host, port=args.port, metrics_port=args.metrics_port, model=args.model,
-            registry=RegistryConfig.from_args(args),
-            tls=GrpcTlsConfig.from_args(args),
-            weights=RoutingWeights(prefill_queue_weight=args.prefill_queue_weight,
-                                   decode_batch_weight=args.decode_batch_weight),
-            log_level=args.log_level,
-        )
+        return from_args(cls, cls.parser(env).parse_args(argv))

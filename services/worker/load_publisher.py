@@ -16,6 +16,15 @@ from prometheus_client import Counter
 from shared.registry.worker_info import WorkerLoad
 
 
+def load_counters(metrics) -> tuple[Counter, Counter]:
+    """The counters a LoadPublisher advances, on the worker's DuetMetrics registry."""
+    computed = Counter("duet_engine_tokens_computed", "Tokens whose KV this worker computed",
+                       ["phase"], registry=metrics.registry)
+    recomputed = Counter("duet_kv_recomputes", "Requests decode recomputed because their KV never arrived",
+                         registry=metrics.registry)
+    return computed, recomputed
+
+
 @dataclass
 class LoadPublisher:
     ctx: object      # WorkerContext: engine, book (decode), outgoing (prefill), metrics, recomputes

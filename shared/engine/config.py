@@ -1,83 +1,165 @@
-"""Engine settings: one dataclass, filled by the offline API, the CLI and the workers."""
+"""Engine settings: one dataclass, filled by the offline API, the CLI and the workers.
+
+Each field is declared once with its flag and DUET_* variable (shared/settings): `duet worker`
+takes them all (`--help` lists them), a worker's WorkerConfig holds one of these, and
+`duet env` prints the variables. Adding a setting is one field here. No torch import at
+module level: `duet worker --help` and `duet env` read this file."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+from shared.settings import parsers
+from shared.settings.spec import setting
 
-from .parallel import TPContext
+if TYPE_CHECKING:
+    import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "float64": torch.float64}
+    from .parallel.context import TPContext
+
+DTYPES = ("float32", "bfloat16", "float16", "float64")  # torch dtype names (float64: tests, CPU only)
 CPU_DEFAULT_KV_BYTES = 1 << 30  # absolute on CPU: several workers share one small machine
+
+
+def _tp_context() -> TPContext:
+    from .parallel.context import TPContext
+    return TPContext()
 
 
 @dataclass
 class EngineConfig:
-    model_dir: str | None = None  # None: the embedded default model
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (| float64 for tests)
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    page_size: int = 16
-    kv_cache_memory: int | None = None  # bytes; None: CPU default or GPU fraction
+    model_dir: str | None = setting(
+        None, flag="--model", env="DUET_MODEL", help="HF model folder (default: the embedded SmolLM2-135M)")
+    dtype: str = setting(
+        "auto", flag="--dtype", env="DUET_DTYPE", choices=("auto", "float32", "bfloat16", "float16"),
+        help="weights and KV dtype (auto: float32 on CPU, bfloat16 on GPU)")
+    device: str = setting("auto", flag="--device", env="DUET_DEVICE", help="auto | cpu | cuda | cuda:N")
+    page_size: int = setting(16, flag="--page-size", env="DUET_PAGE_SIZE", help="tokens per KV page")
+    kv_cache_memory: int | None = setting(
+        None, flag="--kv-cache-memory", env="DUET_KV_CACHE_MEMORY", parse=parsers.optional_size,
+        help="KV budget in bytes, e.g. 512M or 4G (default: 1G on CPU, --mem-fraction on GPU)")
     # host-memory tier under the device KV pool (kv_host_tier.py), bytes; None: on a GPU
     # twice the device KV budget, at most a quarter of the host's available memory; off on
     # the CPU (its device pool is host memory already); 0: off
-    kv_host_memory: int | None = None
-    mem_fraction: float = 0.85  # GPU: share of total memory for weights + KV (+ graphs)
-    max_num_batched_tokens: int | None = None  # per-step token budget (chunked prefill)
-    max_running_requests: int = 256
-    max_model_len: int | None = None
-    enable_prefix_cache: bool = True
-    attention_backend: str = "auto"  # auto | torch | triton | flashinfer
-    cuda_graph: bool = True
-    cuda_graph_max_bs: int = 256
+    kv_host_memory: int | None = setting(
+        None, flag="--kv-host-memory", env="DUET_KV_HOST_MEMORY", parse=parsers.size,
+        help="host-memory KV tier under the device pool, e.g. 16G; 0 = off (default: on a GPU twice the "
+             "device KV budget, at most a quarter of the host's available memory; off on the CPU)")
+    mem_fraction: float = setting(
+        0.85, flag="--mem-fraction", env="DUET_MEM_FRACTION",
+        help="GPU: share of total memory for weights + KV (+ graphs)")
+    max_num_batched_tokens: int | None = setting(
+        None, flag="--max-num-batched-tokens", env="DUET_MAX_BATCHED_TOKENS", parse=parsers.optional_int,
+        help="per-step token budget, chunked prefill (default: 8192 on GPU, 1024 on CPU)")
+    max_running_requests: int = setting(
+        256, flag="--max-running-requests", env="DUET_MAX_RUNNING", help="requests in the running batch at most")
+    max_model_len: int | None = setting(
+        None, flag="--max-model-len", env="DUET_MAX_MODEL_LEN", parse=parsers.optional_int,
+        help="context length (default and upper bound: the model's)")
+    enable_prefix_cache: bool = setting(
+        True, flag="--prefix-cache", env="DUET_PREFIX_CACHE", off_flags=("--disable-prefix-cache",),
+        help="share the KV pages of common prompt prefixes (radix cache)")
+    attention_backend: str = setting(
+        "auto", flag="--attention-backend", env="DUET_ATTENTION_BACKEND",
+        help="auto | torch | triton | flashinfer")
+    cuda_graph: bool = setting(
+        True, flag="--cuda-graph", env="DUET_CUDA_GRAPH", off_flags=("--disable-cuda-graph",),
+        help="decode through captured CUDA graphs (GPU)")
+    cuda_graph_max_bs: int = setting(
+        256, flag="--cuda-graph-max-bs", env="DUET_CUDA_GRAPH_MAX_BS",
+        help="largest decode batch captured as a CUDA graph; larger batches run eagerly")
     # CPU prepares step N+1 while the device runs step N (overlap.py). None: on, except with
     # TP on GPUs without the custom all-reduce (the tokens would need an NCCL broadcast a step);
     # with it, 2 x H200, Qwen3-8B shape, TP=2: 3.54 / 4.55 ms at B=1 / 32 vs 4.09 / 5.51 plain
-    overlap_schedule: bool | None = None
-    num_threads: int | None = None  # torch intra-op threads on CPU
-    tp_size: int = 1  # tensor-parallel ranks (processes); this process is rank 0
-    ep_size: int = 1  # MoE: 1 (experts sliced over the TP ranks) or tp_size (experts split whole)
-    custom_all_reduce: bool = True  # TP on GPU: one-shot P2P all-reduce fused with add+RMSNorm
+    overlap_schedule: bool | None = setting(
+        None, flag="--overlap-schedule", env="DUET_OVERLAP_SCHEDULE", parse=parsers.boolean,
+        help="prepare step N+1 on the CPU while the device runs step N (default on, except with --tp > 1 "
+             "on GPUs without the custom all-reduce)")
+    num_threads: int | None = setting(
+        None, flag="--threads", env="DUET_THREADS", parse=parsers.optional_int, help="torch intra-op threads (CPU)")
+    tp_size: int = setting(
+        1, flag="--tp", env="DUET_TP", help="tensor-parallel ranks (one process each; this process is rank 0)")
+    ep_size: int = setting(
+        1, flag="--ep", env="DUET_EP",
+        help="MoE models: expert-parallel size, 1 (every expert sliced over the TP ranks) or --tp (each rank "
+             "holds 1/ep of the experts whole)")
+    custom_all_reduce: bool = setting(
+        True, flag="--custom-all-reduce", env="DUET_CUSTOM_ALL_REDUCE",
+        help="TP on GPU: one-shot P2P all-reduce fused with add+RMSNorm instead of NCCL "
+             "(DUET_CUSTOM_ALLREDUCE picks its mode)")
     # fused: one launch that pushes, signals with in-kernel flags, sums and does add+RMSNorm;
     # barrier: the same sum between two torch symm-mem barriers; oneshot: torch's
     # one-launch copy+sync+sum, then add+RMSNorm (custom_all_reduce.py)
-    custom_all_reduce_mode: str = field(default_factory=lambda: os.environ.get("DUET_CUSTOM_ALLREDUCE", "fused"))
+    custom_all_reduce_mode: str = setting(
+        "fused", flag="--custom-all-reduce-mode", env="DUET_CUSTOM_ALLREDUCE", env_in_code=True,
+        choices=("fused", "barrier", "oneshot"), help="kernel of the custom all-reduce")
     # decode-size linears (<= 16 rows, bf16/fp16, GPU) through the split-K Triton kernel
     # (kernels/small_batch_linear.py) instead of cuBLAS: "auto" (default: the LM head, which it
     # won on H100 and H200, and every linear whose shape and batch this GPU's sweep tuned, i.e.
     # where it beat cuBLAS), "lm_head", "all", or "off"
-    small_batch_linear: str = field(default_factory=lambda: os.environ.get("DUET_SMALL_BATCH_LINEAR", "auto"))
+    small_batch_linear: str = setting(
+        "auto", flag="--small-batch-linear", env="DUET_SMALL_BATCH_LINEAR", env_in_code=True,
+        choices=("auto", "lm_head", "all", "off"),
+        help="decode-size linears through our split-K GEMV instead of cuBLAS (auto: the LM head and "
+             "each linear this GPU's sweep tuned)")
     # programmatic dependent launch for the batch-1 decode kernels (kernels/pdl.py; Hopper+):
     # "on" (default; where the GPU and Triton have it) or "off"; the small-batch linears
     # prefetch this many weight tiles into L2 while the kernel before them finishes
-    pdl: str = field(default_factory=lambda: os.environ.get("DUET_PDL", "on"))
-    pdl_prefetch_k_blocks: int = field(default_factory=lambda: int(os.environ.get("DUET_PDL_PREFETCH", "1")))
-    # per-linear depths that replace it, by attribute name: "o_proj=8,qkv_proj=2"
-    pdl_prefetch_at: str = field(default_factory=lambda: os.environ.get("DUET_PDL_PREFETCH_AT", ""))
-    load_format: str = "auto"  # auto: safetensors | dummy: random weights (benchmarks)
-    # speculative decoding (shared/engine/speculative/): None (off), "ngram" (drafts copied
+    pdl: str = setting(
+        "on", flag="--pdl", env="DUET_PDL", env_in_code=True, choices=("on", "off"),
+        help="programmatic dependent launch for the batch-1 decode kernels (Hopper)")
+    pdl_prefetch_k_blocks: int = setting(
+        1, flag="--pdl-prefetch", env="DUET_PDL_PREFETCH", env_in_code=True,
+        help="weight tiles a small-batch GEMV pulls into L2 before it waits on the kernel before it")
+    pdl_prefetch_at: str = setting(
+        "", flag="--pdl-prefetch-at", env="DUET_PDL_PREFETCH_AT", env_in_code=True,
+        help='per-linear depths that replace --pdl-prefetch, by attribute name: "o_proj=8,qkv_proj=2"')
+    grammar_cache_size: int = setting(
+        256, flag="--grammar-cache-size", env="DUET_GRAMMAR_CACHE_SIZE",
+        help="compiled grammars (JSON schemas, tool calls) kept per worker; a request whose grammar "
+             "was evicted compiles it again")
+    load_format: str = setting(
+        "auto", flag="--load-format", env="DUET_LOAD_FORMAT", choices=("auto", "dummy"),
+        help="dummy: random weights drawn on the device from a fixed seed instead of the folder's safetensors "
+             "(benchmarks of real shapes; every worker of one TP size and device type draws the same weights)")
+    # speculative decoding (shared/engine/speculative/): off (None), "ngram" (drafts copied
     # from the request's own tokens), "draft" (a smaller model with the target's tokenizer)
     # or "eagle3" (an EAGLE-3 head over the target's hidden states)
-    speculative_method: str | None = None
-    speculative_tokens: int = 4  # draft tokens per verify step (K; the verify computes K + 1)
-    speculative_draft_model: str | None = None  # folder of the draft model or EAGLE-3 head
+    speculative_method: str | None = setting(
+        None, flag="--speculative-method", env="DUET_SPECULATIVE_METHOD", choices=("ngram", "draft", "eagle3"),
+        help="speculative decoding: ngram (prompt lookup), draft (a smaller model, --speculative-draft-model) "
+             "or eagle3 (an EAGLE-3 head, --speculative-draft-model); off by default")
+    speculative_tokens: int = setting(
+        4, flag="--speculative-tokens", env="DUET_SPECULATIVE_TOKENS",
+        help="draft tokens per verify step (K; the target computes K + 1 positions a sequence)")
+    speculative_draft_model: str | None = setting(
+        None, flag="--speculative-draft-model", env="DUET_SPECULATIVE_DRAFT_MODEL",
+        help="folder of the draft model (same tokenizer as the target, any architecture the engine loads) "
+             "or of the EAGLE-3 head")
     # n-gram lookup: the longest suffix of max..min tokens that occurred before proposes
     # what followed it
-    speculative_ngram_min: int = 1
-    speculative_ngram_max: int = 4
+    speculative_ngram_min: int = setting(
+        2, flag="--speculative-ngram-min", env="DUET_SPECULATIVE_NGRAM_MIN",
+        help="n-gram lookup: shortest suffix that may match")
+    speculative_ngram_max: int = setting(
+        4, flag="--speculative-ngram-max", env="DUET_SPECULATIVE_NGRAM_MAX",
+        help="n-gram lookup: longest suffix tried (the longest match wins)")
     # step aside: no speculation above this many decoding sequences (None: the measured
     # default, speculative/policy.py), nor for a request whose recent accepted tokens per
     # draft token fall below the threshold (it tries again after a cool-down)
-    speculative_max_batch: int | None = None
-    speculative_min_acceptance: float = 0.2
-    # benchmarks only (never served): every draft token counts as accepted, whatever the
-    # target says; gives the bound of a method's speed-up
+    speculative_max_batch: int | None = setting(
+        None, flag="--speculative-max-batch", env="DUET_SPECULATIVE_MAX_BATCH", parse=parsers.optional_int,
+        help="decode plainly above this many decoding sequences (default: the measured crossover)")
+    speculative_min_acceptance: float = setting(
+        0.2, flag="--speculative-min-acceptance", env="DUET_SPECULATIVE_MIN_ACCEPTANCE",
+        help="a request whose recent drafts are accepted below this share sits speculation out for a while")
+    # benchmarks only, no flag (never served): every draft token counts as accepted, whatever
+    # the target says; gives the bound of a method's speed-up
     speculative_accept_all: bool = False
-    tp: TPContext = field(default_factory=TPContext)  # this process's rank (set by the engine)
+    tp: TPContext = field(default_factory=_tp_context)  # this process's rank (set by the engine)
 
     def resolve_device(self) -> torch.device:
+        import torch
         if self.device == "auto":
             dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         else:
@@ -87,6 +169,7 @@ class EngineConfig:
         return dev
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        import torch
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         if self.dtype not in DTYPES:
@@ -94,7 +177,7 @@ class EngineConfig:
         if self.dtype == "float64" and device.type == "cuda":  # the Triton kernels have no fp64 variants
             raise ValueError("dtype float64 runs on the CPU only (device='cpu'); on a GPU choose float32, "
                              "bfloat16 or float16")
-        return DTYPES[self.dtype]
+        return getattr(torch, self.dtype)
 
     def resolve_batched_tokens(self, device: torch.device) -> int:
         if self.max_num_batched_tokens:

@@ -57,7 +57,7 @@ class Engine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        from .default_model import resolve_model_dir
+        from shared.model_files.default_model import resolve_model_dir
         self.model_dir = resolve_model_dir(config.model_dir)
         self.model_config = mc = ModelConfig.from_dir(self.model_dir)
         self._tp_workers = None
@@ -71,7 +71,7 @@ class Engine:
             raise ValueError(f"expert parallelism (ep {config.ep_size}) needs a mixture-of-experts model; "
                              f"{mc.architecture} is dense")
         if config.tp_size > 1 and config.tp.size == 1:  # this process becomes rank 0 of tp_size
-            from .tp_launcher import check_divisible, launch
+            from .parallel.launcher import check_divisible, launch
             check_divisible(mc, config.tp_size, expert_parallel=config.ep_size > 1)
             config.tp, self._tp_workers = launch(config, config.tp_size, config.resolve_device())
             weakref.finalize(self, self._tp_workers.shutdown)
@@ -98,7 +98,7 @@ class Engine:
             self.small_batch_workspace = SmallBatchWorkspace.create(self.device)
             enable_small_batch_linears(self.model, self.small_batch_workspace, mode=which)
         if self.tp.size > 1 and self.device.type == "cuda" and config.custom_all_reduce:
-            from .custom_all_reduce import CustomAllReduce
+            from .parallel.custom_all_reduce import CustomAllReduce
             car = None
             if self.tp.all_ranks_agree(CustomAllReduce.fresh_process(), self.device):
                 car = CustomAllReduce.try_create(self.tp, self.device, mode=config.custom_all_reduce_mode)
@@ -193,7 +193,7 @@ class Engine:
 
     @property
     def kv_heads(self):
-        """The global KV heads this rank's pool holds (parallel.HeadSlice)."""
+        """The global KV heads this rank's pool holds (parallel/context.py HeadSlice)."""
         return self.tp.kv_heads(self.model_config.num_kv_heads)
 
     # -- sizing -------------------------------------------------------------------------
@@ -259,7 +259,8 @@ class Engine:
                 except (OSError, ValueError) as exc:
                     raise ValueError(f"constrained decoding needs the model's tokenizer: {exc}") from None
                 self._grammars = GrammarBackend(tokenizer, self.model_config.vocab_size,
-                                                self.model_config.eos_token_ids)
+                                                self.model_config.eos_token_ids,
+                                                cache_size=self.config.grammar_cache_size)
         return self._grammars
 
     # -- requests -----------------------------------------------------------------------

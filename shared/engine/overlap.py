@@ -12,8 +12,8 @@ does the CPU wait for step N's tokens, replace the placeholders and run the stop
 With tensor parallelism every rank resolves placeholders from its own ring: rank 0 sends
 the followers the ring slots after the step's plan, and its device writes the sampled
 tokens into every rank's ring (peer-mapped memory of the custom all-reduce; an NCCL
-broadcast without it; tp_launcher.send_sampled); a follower's next forward waits for them
-on its device, so no rank waits on the host.
+broadcast without it; TPWorkers.send_sampled in parallel/launcher.py); a follower's next
+forward waits for them on its device, so no rank waits on the host.
 
 Costs: a request that finishes at step N was already scheduled in step N+1; that row's
 work is thrown away (its KV writes land in pages it still held; the GPU runs in order,
@@ -55,7 +55,7 @@ class OverlapScheduler:
         car = engine.tp.custom_all_reduce
         ring = car.token_ring(self.capacity) if car is not None else None
         # with the custom all-reduce the ring lives in peer-mapped memory: rank 0 writes
-        # every rank's ring on the device (tp_launcher.send_sampled)
+        # every rank's ring on the device (parallel/launcher.py TPWorkers.send_sampled)
         self.pusher = car if ring is not None and engine.tp.size > 1 else None
         self.future = ring if ring is not None else torch.zeros(self.capacity, dtype=torch.int64,
                                                                  device=self.device)

@@ -1,6 +1,6 @@
 """Checks of the function-calling and structured-output fields (tools, tool_choice,
 response_format), with OpenAI's parameter names in the messages. Only shapes are checked
-here; whether a schema compiles is the grammar engine's call (gateway: grammar_request)."""
+here; whether a schema compiles is the grammar engine's call (gateway: openai_api/structured_outputs.py)."""
 from __future__ import annotations
 
 import re

@@ -14,22 +14,29 @@ Nothing set -> plaintext, as before (the laptop default). Workers are dialled by
 Files are read once at start; a rotated certificate takes effect on restart."""
 from __future__ import annotations
 
-import argparse
-import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import grpc
 
 from shared.security.secret_files import read_pem
+from shared.settings.spec import setting
 
 
 @dataclass
 class GrpcTlsConfig:
-    cert_file: str | None = None   # this process's certificate chain (PEM)
-    key_file: str | None = None    # its private key (PEM)
-    ca_file: str | None = None     # CA bundle that signs the peers' certificates
-    server_name: str | None = None  # client side: name expected in servers' certificates
+    cert_file: str | None = setting(
+        flag="--grpc-tls-cert-file", env="DUET_GRPC_TLS_CERT_FILE",
+        help="PEM certificate: servers serve TLS with it, clients present it for mTLS")
+    key_file: str | None = setting(
+        flag="--grpc-tls-key-file", env="DUET_GRPC_TLS_KEY_FILE", help="PEM private key of that certificate")
+    ca_file: str | None = setting(
+        flag="--grpc-tls-ca-file", env="DUET_GRPC_TLS_CA_FILE",
+        help="PEM CA bundle: servers then require client certificates it signed (mTLS), clients verify "
+             "servers with it")
+    server_name: str | None = setting(
+        flag="--grpc-tls-server-name", env="DUET_GRPC_TLS_SERVER_NAME",
+        help="clients: the name servers' certificates must carry, whatever address is dialled")
     _creds: grpc.ChannelCredentials | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -100,26 +107,3 @@ class GrpcTlsConfig:
             raise ValueError("--grpc-tls-ca-file on a server needs --grpc-tls-cert-file and --grpc-tls-key-file")
         elif side == "client" and self.client_enabled:
             self._cached_channel_credentials()
-
-    # --- configuration ---------------------------------------------------------------------
-
-    @staticmethod
-    def add_args(parser: argparse.ArgumentParser, env: Mapping[str, str] | None = None) -> None:
-        env = os.environ if env is None else env
-        g = parser.add_argument_group("gRPC TLS (between gateway, router and workers)")
-        g.add_argument("--grpc-tls-cert-file", default=env.get("DUET_GRPC_TLS_CERT_FILE") or None,
-                       help="PEM certificate: servers serve TLS with it, clients present it for mTLS "
-                            "(env DUET_GRPC_TLS_CERT_FILE)")
-        g.add_argument("--grpc-tls-key-file", default=env.get("DUET_GRPC_TLS_KEY_FILE") or None,
-                       help="PEM private key of that certificate (env DUET_GRPC_TLS_KEY_FILE)")
-        g.add_argument("--grpc-tls-ca-file", default=env.get("DUET_GRPC_TLS_CA_FILE") or None,
-                       help="PEM CA bundle: servers then require client certificates it signed (mTLS), "
-                            "clients verify servers with it (env DUET_GRPC_TLS_CA_FILE)")
-        g.add_argument("--grpc-tls-server-name", default=env.get("DUET_GRPC_TLS_SERVER_NAME") or None,
-                       help="clients: the name servers' certificates must carry, whatever address is "
-                            "dialled (env DUET_GRPC_TLS_SERVER_NAME)")
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "GrpcTlsConfig":
-        return cls(cert_file=args.grpc_tls_cert_file, key_file=args.grpc_tls_key_file,
-                   ca_file=args.grpc_tls_ca_file, server_name=args.grpc_tls_server_name)

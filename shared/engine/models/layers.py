@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..parallel import TPContext
+from ..parallel.context import TPContext
 
 
 def _linear(module, x, weight, bias=None):

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..model_config import ModelConfig
-from ..parallel import TPContext
+from ..parallel.context import TPContext
 from .layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm, RotaryEmbedding,
                      RowParallelLinear, SwiGLU, VocabParallelEmbedding)
 from .moe import MoEBlock

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from ..model_config import ModelConfig, ModelLoadError
-from ..parallel import TPContext
+from ..parallel.context import TPContext
 from .llama import LlamaForCausalLM
 
 

@@ -32,7 +32,7 @@ from torch import nn
 from kernels.moe_decode import DecodeCounters, DecodeTile
 
 from ..moe_config import MoEConfig
-from ..parallel import TPContext
+from ..parallel.context import TPContext
 from .layers import SwiGLU
 
 

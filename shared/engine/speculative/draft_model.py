@@ -29,7 +29,7 @@ import torch
 from ..batch import Batch, ScheduledReq
 from ..model_config import ModelConfig
 from ..model_runner import ModelRunner
-from ..parallel import TPContext
+from ..parallel.context import TPContext
 from ..sampler import SampleRow, gumbel_noise, sampling_logprobs
 from .draft_kv import DraftKV, DraftSeq, TokenView
 from .rejection import draft_key

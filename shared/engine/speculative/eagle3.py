@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..model_config import ModelLoadError
-from ..parallel import TPContext
+from ..parallel.context import TPContext
 from ..models.layers import ParallelLMHead, RMSNorm, RotaryEmbedding, RowParallelLinear, SwiGLU, VocabParallelEmbedding
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"

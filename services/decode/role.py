@@ -1,0 +1,27 @@
+"""A decode worker, as it installs itself into the worker host (services/worker/host.py): the
+transfer agents prefill writes into, the reservation book on the engine loop, and the Decode
+gRPC service."""
+from __future__ import annotations
+
+from protos import duet_pb2_grpc
+from services.decode.reservations import ReservationBook
+from services.decode.service import DecodeService
+from services.worker_runtime.transfer import close_agents, open_agents
+
+
+def install(host) -> None:
+    ctx, config = host.ctx, host.config
+    tp = config.engine.tp_size
+    open_agents(ctx, write_timeout_s=config.write_timeout_s, progress_thread=config.nixl_progress_thread,
+                registry=config.registry)
+    host.on_stop.append(lambda: close_agents(ctx, tp))
+    ctx.book = ReservationBook(host.engine, ctx.agent, ctx.is_live,
+                               quarantine_s=max(2 * config.write_timeout_s, config.notice_timeout_s),
+                               metrics=ctx.metrics, claim_timeout_s=config.notice_timeout_s, num_ranks=tp)
+    ctx.loop.add_tick(ctx.book.tick)
+    host.busy.append(lambda: bool(ctx.book.open))
+    add_service(host)
+
+
+def add_service(host) -> None:
+    duet_pb2_grpc.add_DecodeServicer_to_server(DecodeService(host.ctx), host.server)

@@ -1,0 +1,343 @@
+"""The disaggregated path behind the GenerationBackend interface: the router picks a
+(prefill, decode) pair, decode reserves KV pages for the request, prefill computes the
+prompt's KV into them and returns the first token, decode streams the rest.
+
+    Router.Route -> Decode.Reserve -> Prefill.Prefill (first token: sent to the client at
+    once) -> Decode.Generate (the rest) -> Router.Release
+
+or, when the router answers `colocated`, one Decode.Generate on a `both` worker.
+
+Cleanup is owed on every exit: a reservation not handed to Decode.Generate is
+cancelled, an open RPC is cancelled (grpc.aio cancels the call when the awaiting task
+is cancelled, and we cancel the stream explicitly), and the router is told the request
+is done. Cleanup RPCs run in tasks of their own so that a cancelled request (client gone)
+still completes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import grpc
+
+from protos import duet_pb2, duet_pb2_grpc
+from services.gateway.backends.interface import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    BackendBadRequest,
+    BackendBusy,
+    BackendError,
+    BackendUnavailable,
+    GenerationRequest,
+    SamplingOptions,
+    TokenEvent,
+    TokenLogprob,
+)
+from shared.registry.pairing import pair_problem
+from shared.registry.connection import RedisConnection
+from shared.security.grpc_tls import GrpcTlsConfig
+
+log = logging.getLogger("duet.gateway.grpc")
+
+_FINISH = {duet_pb2.FINISH_REASON_STOP: FINISH_STOP, duet_pb2.FINISH_REASON_LENGTH: FINISH_LENGTH}
+_BUSY_CODES = {grpc.StatusCode.RESOURCE_EXHAUSTED}
+_UNAVAILABLE_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED,
+                      grpc.StatusCode.CANCELLED, grpc.StatusCode.NOT_FOUND}
+_BAD_REQUEST_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE}
+
+
+@dataclass
+class GrpcBackendConfig:
+    router_address: str
+    model: str = ""                 # served model name, sent to the router
+    max_context_len: int = 0
+    redis_url: str | None = None    # optional: page size for prefix hashes, readiness by live workers
+    registry_prefix: str = "duet"
+    reserve_timeout_ms: int = 0     # decode admission wait; 0 = decode's default
+    rpc_timeout_s: float = 600.0    # bound on Route / Reserve / Prefill
+    cleanup_timeout_s: float = 5.0  # bound on Cancel / Release
+    tls: GrpcTlsConfig = field(default_factory=GrpcTlsConfig)  # to router and workers
+    redis: RedisConnection = field(default_factory=RedisConnection)  # registry password, TLS
+
+
+def sampling_to_proto(options: SamplingOptions) -> duet_pb2.SamplingParams:
+    msg = duet_pb2.SamplingParams(
+        temperature=options.temperature, top_p=options.top_p, top_k=options.top_k, min_p=options.min_p,
+        max_tokens=options.max_tokens, stop=list(options.stop), stop_token_ids=list(options.stop_token_ids),
+        ignore_eos=options.ignore_eos, repetition_penalty=options.repetition_penalty,
+        frequency_penalty=options.frequency_penalty, presence_penalty=options.presence_penalty,
+        logprobs=options.logprobs, top_logprobs=options.top_logprobs, n=options.n,
+        logit_bias=options.logit_bias or {})
+    if options.seed is not None:
+        msg.seed = options.seed % (1 << 64)  # uint64 on the wire; OpenAI seeds may be negative
+    if options.grammar is not None:
+        msg.grammar.kind, msg.grammar.text = options.grammar.kind, options.grammar.text
+    if options.prompt_logprobs is not None:
+        msg.prompt_logprobs = options.prompt_logprobs
+    return msg
+
+
+def rpc_error(exc: grpc.aio.AioRpcError, what: str) -> BackendError:
+    """A failed RPC as the BackendError the HTTP layer maps to a status."""
+    code, detail = exc.code(), exc.details() or exc.code().name
+    message = f"{what}: {detail}"
+    if code in _BUSY_CODES:
+        return BackendBusy(message, retry_after_s=1.0)
+    if code in _UNAVAILABLE_CODES:
+        return BackendUnavailable(message)
+    if code in _BAD_REQUEST_CODES:
+        return BackendBadRequest(detail)
+    return BackendError(message)
+
+
+def _prompt_logprobs(tokens) -> list[TokenLogprob] | None:
+    return [TokenLogprob(t.id, t.logprob, [(a.token_id, a.logprob) for a in t.top_logprobs])
+            for t in tokens] or None
+
+
+def _events(tokens, logprobs: bool) -> tuple[list[int], list[TokenLogprob] | None]:
+    ids = [t.id for t in tokens]
+    if not logprobs:
+        return ids, None
+    return ids, [TokenLogprob(t.id, t.logprob, [(a.token_id, a.logprob) for a in t.top_logprobs]) for t in tokens]
+
+
+@dataclass
+class _Channels:
+    """One channel per worker, replaced when the worker's address or instance nonce changes
+    (a restart: never reuse a channel, or anything cached, across instances)."""
+
+    tls: GrpcTlsConfig = field(default_factory=GrpcTlsConfig)
+    channels: dict[str, tuple[str, str, grpc.aio.Channel]] = field(default_factory=dict)
+
+    def get(self, ref: duet_pb2.WorkerRef) -> grpc.aio.Channel:
+        known = self.channels.get(ref.worker_id)
+        if known is not None and known[:2] == (ref.address, ref.instance_nonce):
+            return known[2]
+        if known is not None:
+            old = known[2]
+            # Calls still running on it finish or fail on their own; close it shortly.
+            asyncio.get_running_loop().call_later(30, lambda: asyncio.ensure_future(old.close()))
+        channel = self.tls.aio_channel(ref.address)
+        self.channels[ref.worker_id] = (ref.address, ref.instance_nonce, channel)
+        return channel
+
+    async def close(self) -> None:
+        for _, _, channel in self.channels.values():
+            await channel.close()
+        self.channels.clear()
+
+
+class GrpcBackend:
+    def __init__(self, config: GrpcBackendConfig):
+        self.config = config
+        self._router_channel: grpc.aio.Channel | None = None
+        self._router: duet_pb2_grpc.RouterStub | None = None
+        self._workers = _Channels(config.tls)
+        self._watcher = None
+        self._cleanups: set[asyncio.Task] = set()
+
+    # --- lifecycle --------------------------------------------------------------------
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model
+
+    @property
+    def max_context_len(self) -> int:
+        return self.config.max_context_len
+
+    async def start(self) -> None:
+        self._router_channel = self.config.tls.aio_channel(self.config.router_address)
+        self._router = duet_pb2_grpc.RouterStub(self._router_channel)
+        if self.config.redis_url:
+            from shared.registry.config import RegistryConfig
+            from shared.registry.watcher import WorkerWatcher
+
+            registry = RegistryConfig(redis_url=self.config.redis_url, prefix=self.config.registry_prefix,
+                                      connection=self.config.redis)
+            self._watcher = WorkerWatcher(registry, model=self.config.model or None)
+            await self._watcher.start()
+
+    async def close(self) -> None:
+        if self._cleanups:
+            await asyncio.wait(set(self._cleanups), timeout=self.config.cleanup_timeout_s)
+        if self._watcher is not None:
+            await self._watcher.stop()
+        await self._workers.close()
+        if self._router_channel is not None:
+            await self._router_channel.close()
+
+    def ready(self) -> bool:
+        """The router is reachable and, when we watch the registry, a usable set for our
+        model is live: a `both` worker, or a prefill and a decode worker that can pair
+        (same KV layout, heads coverable at their TP sizes; a decode worker alone cannot
+        serve a split request)."""
+        if self._router_channel is None:
+            return False
+        state = self._router_channel.get_state(try_to_connect=True)
+        if state != grpc.ChannelConnectivity.READY:
+            return False
+        if self._watcher is not None:
+            if self._watcher.workers("both"):
+                return True
+            decodes = self._watcher.workers("decode")
+            return any(not pair_problem(p, d) for p in self._watcher.workers("prefill") for d in decodes)
+        return True
+
+    def _page_size(self) -> int:
+        if self._watcher is None:
+            return 0
+        sizes = {w.page_size for w in self._watcher.workers() if w.page_size > 0}
+        return sizes.pop() if len(sizes) == 1 else 0  # mixed sizes: the hashes would not match
+
+    # --- the request -------------------------------------------------------------------
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        if self._router is None:
+            raise BackendUnavailable("the gateway backend is not started")
+        metadata = tuple((k.lower(), v) for k, v in request.trace_context.items())
+        sampling = sampling_to_proto(request.sampling)
+        want_logprobs = request.sampling.logprobs
+        state = _RequestState(request.request_id)
+        decode = None
+        try:
+            route = await self._route(request, metadata)
+            state.routed = True
+            decode = duet_pb2_grpc.DecodeStub(self._workers.get(route.decode))
+            generate = duet_pb2.GenerateRequest(request_id=request.request_id,
+                                                prompt_token_ids=request.prompt_token_ids, sampling=sampling)
+            if not route.colocated:
+                reply = await self._reserve_and_prefill(request, route, decode, sampling, metadata, state)
+                if reply.finish_reason == duet_pb2.FINISH_REASON_ABORT:
+                    raise BackendUnavailable("the prefill worker aborted the request")
+                starts = list(reply.sequences) or [duet_pb2.SequenceStart(
+                    first_token=reply.first_token, finish_reason=reply.finish_reason)]
+                # TTFT is prefill time: the first tokens go out before decode starts. When they
+                # already end the request (EOS, stop token, max_tokens=1) decode never runs
+                # and the `finally` below cancels the reservation.
+                open_seqs = set()
+                for index, start in enumerate(starts):
+                    ids, logprobs = _events([start.first_token], want_logprobs)
+                    finish = _FINISH.get(start.finish_reason)
+                    if finish is None:
+                        open_seqs.add(index)
+                    yield TokenEvent(ids, logprobs, finish, cached_tokens=reply.cached_tokens,
+                                     computed_tokens=reply.computed_tokens, index=index,
+                                     prompt_logprobs=_prompt_logprobs(reply.prompt_logprobs) if index == 0 else None)
+                if not open_seqs:
+                    return
+                generate.reservation.CopyFrom(state.reservation)
+                generate.prefill_worker_id = route.prefill.worker_id
+                generate.first_token.CopyFrom(reply.first_token)
+                if len(starts) > 1:
+                    generate.first_tokens.extend(s.first_token for s in starts)
+            else:
+                open_seqs = set(range(request.sampling.n))
+            # Split: prefill's cached count is the one that matters (decode computed no prompt).
+            async for event in self._decode_stream(decode, generate, metadata, want_logprobs, state,
+                                                   report_cached=route.colocated, open_seqs=open_seqs):
+                yield event
+        finally:
+            # Runs on success, failure, early close (stop string) and cancellation (client left).
+            if state.reservation is not None and not state.completed:
+                self._cleanup(self._cancel_reservation(decode, state))  # idempotent on decode
+            if state.stream is not None and not state.stream_done:
+                state.stream.cancel()  # decode drops the request and frees its pages
+            if state.routed:
+                self._cleanup(self._release(request.request_id, duet_pb2.RELEASE_STAGE_DONE))
+
+    async def _route(self, request: GenerationRequest, metadata) -> duet_pb2.RouteReply:
+        from shared.registry.prefix_hashes import chained_page_hashes
+
+        page_size = self._page_size()
+        hashes = chained_page_hashes(request.prompt_token_ids, page_size) if page_size else []
+        try:
+            return await self._router.Route(duet_pb2.RouteRequest(
+                request_id=request.request_id, model=request.model, prompt_tokens=len(request.prompt_token_ids),
+                max_tokens=request.sampling.max_tokens, page_hashes=hashes),
+                metadata=metadata, timeout=self.config.rpc_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise rpc_error(exc, "router") from None
+
+    async def _reserve_and_prefill(self, request, route, decode, sampling, metadata, state) -> duet_pb2.PrefillReply:
+        try:
+            state.reservation = await decode.Reserve(duet_pb2.ReserveRequest(
+                request_id=request.request_id, prompt_tokens=len(request.prompt_token_ids),
+                max_tokens=request.sampling.max_tokens, prefill_worker_id=route.prefill.worker_id,
+                timeout_ms=self.config.reserve_timeout_ms, n=request.sampling.n), metadata=metadata, timeout=self.config.rpc_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise rpc_error(exc, f"decode worker {route.decode.worker_id} (reserve)") from None
+        prefill = duet_pb2_grpc.PrefillStub(self._workers.get(route.prefill))
+        try:
+            reply = await prefill.Prefill(duet_pb2.PrefillRequest(
+                request_id=request.request_id, prompt_token_ids=request.prompt_token_ids, sampling=sampling,
+                reservation=state.reservation), metadata=metadata, timeout=self.config.rpc_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise rpc_error(exc, f"prefill worker {route.prefill.worker_id}") from None
+        self._cleanup(self._release(request.request_id, duet_pb2.RELEASE_STAGE_PREFILL_DONE))
+        return reply
+
+    async def _decode_stream(self, decode, generate, metadata, want_logprobs, state,
+                             report_cached: bool, open_seqs: set[int]) -> AsyncIterator[TokenEvent]:
+        state.stream = decode.Generate(generate, metadata=metadata)
+        try:
+            async for chunk in state.stream:
+                if chunk.finish_reason == duet_pb2.FINISH_REASON_ABORT:
+                    state.stream_done = True
+                    raise BackendUnavailable("the decode worker aborted the request")
+                finish = _FINISH.get(chunk.finish_reason)
+                ids, logprobs = _events(chunk.tokens, want_logprobs)
+                if finish is not None:
+                    open_seqs.discard(chunk.index)
+                done = not open_seqs or chunk.HasField("usage")  # usage comes with the last chunk
+                if done:
+                    state.stream_done = state.completed = True
+                if ids or finish is not None or chunk.prompt_logprobs:
+                    cached = chunk.usage.cached_tokens if report_cached and chunk.HasField("usage") else None
+                    yield TokenEvent(ids, logprobs, finish, cached_tokens=cached, index=chunk.index,
+                                     prompt_logprobs=_prompt_logprobs(chunk.prompt_logprobs))
+                if done:
+                    return
+        except grpc.aio.AioRpcError as exc:
+            state.stream_done = True
+            raise rpc_error(exc, "decode worker (generate)") from None
+        state.stream_done = True
+        raise BackendUnavailable("the decode stream ended without a finish reason")
+
+    # --- cleanup ------------------------------------------------------------------------
+
+    def _cleanup(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
+
+    async def _cancel_reservation(self, decode, state: "_RequestState") -> None:
+        reservation = state.reservation
+        try:
+            await decode.Cancel(duet_pb2.CancelRequest(reservation_id=reservation.reservation_id,
+                                                       generation=reservation.generation),
+                                timeout=self.config.cleanup_timeout_s)
+        except Exception as exc:  # best effort: decode also frees it when the writer goes away
+            log.warning("request %s: cancelling reservation %d failed: %s", state.request_id,
+                        reservation.reservation_id, exc)
+
+    async def _release(self, request_id: str, stage: int) -> None:
+        try:
+            await self._router.Release(duet_pb2.ReleaseRequest(request_id=request_id, stage=stage),
+                                       timeout=self.config.cleanup_timeout_s)
+        except Exception as exc:  # best effort: the router forgets unreleased requests by TTL
+            log.debug("request %s: router release failed: %s", request_id, exc)
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    routed: bool = False
+    reservation: duet_pb2.Reservation | None = None
+    stream: object | None = None  # the Decode.Generate call
+    stream_done: bool = False     # the call ended (finish, error): nothing to cancel
+    completed: bool = False       # decode finished the request: its reservation is used up

@@ -1,0 +1,129 @@
+"""What the HTTP layer needs from whatever produces tokens.
+
+Two implementations: GrpcBackend (grpc_workers.py: router -> Decode.Reserve -> Prefill ->
+Decode.Generate, the disaggregated path) and LocalBackend (local_engine.py: an in-process
+engine: tests, single process).
+
+Contract of `generate`:
+  * it is an async generator of TokenEvent; each of the request's n sequences (`index`)
+    ends with an event carrying its finish_reason, and the generator ends after the last;
+  * the caller may stop early (a stop string matched, the client left): it closes the
+    generator (`aclose()`) or cancels the task iterating it; the backend must then
+    release all work for the request (abort in the engine, cancel RPCs/reservation)
+    in its `finally`, and never swallow asyncio.CancelledError;
+  * refusals and failures are raised as the BackendError subclasses below, before or
+    after the first event.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Protocol, runtime_checkable
+
+from shared.engine.grammar_spec import GrammarSpec
+
+FINISH_STOP = "stop"      # EOS, a stop token id or a stop string
+FINISH_LENGTH = "length"  # max_tokens or the context length reached
+FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH)
+
+
+@dataclass
+class SamplingOptions:
+    """How to sample; OpenAI/vLLM field names, every field meaningful (defaults = off)."""
+
+    temperature: float = 1.0          # 0 = greedy
+    top_p: float = 1.0                # 1 = off
+    top_k: int = -1                   # -1 or 0 = off
+    min_p: float = 0.0                # 0 = off
+    seed: int | None = None
+    max_tokens: int = 16              # completion tokens, the first one included
+    stop: list[str] = field(default_factory=list)           # matched on text (gateway trims)
+    stop_token_ids: list[int] = field(default_factory=list)  # extra ids that end the request
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0   # 1 = off (HF semantics)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logprobs: bool = False            # return the sampled token's logprob
+    top_logprobs: int = 0             # and this many most likely alternatives
+    n: int = 1                        # sequences from the one prompt (one prefill, shared KV)
+    logit_bias: dict[int, float] | None = None
+    grammar: GrammarSpec | None = None  # constrained decoding (structured outputs, forced tools)
+    prompt_logprobs: int | None = None  # echo: logprob of each prompt token (+ this many alternatives)
+
+
+@dataclass
+class GenerationRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingOptions
+    model: str = ""
+    # W3C trace context (traceparent / tracestate) of the gateway's span, for RPC metadata.
+    trace_context: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), best first
+
+
+@dataclass
+class TokenEvent:
+    """One or more new tokens. The last event of a request carries finish_reason."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when requested
+    finish_reason: str | None = None            # FINISH_STOP or FINISH_LENGTH on the last event
+    cached_tokens: int | None = None            # prompt tokens served from a prefix cache
+    computed_tokens: int | None = None          # prompt tokens computed for this request
+    index: int = 0                              # which sequence (n > 1); each ends with its finish_reason
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.. (echo), once, on index 0
+
+
+class BackendError(Exception):
+    """A backend could not serve a request; subclasses say how the client should see it."""
+
+
+class BackendBusy(BackendError):
+    """Admission refused after a bounded wait (no KV room): HTTP 429, retry later."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class BackendUnavailable(BackendError):
+    """No worker can serve now (none registered, worker died, stream broke): HTTP 503."""
+
+
+class BackendBadRequest(BackendError):
+    """A worker rejected the request's content (e.g. too long for its KV): HTTP 400."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@runtime_checkable
+class GenerationBackend(Protocol):
+    @property
+    def model_name(self) -> str:
+        """Name of the model the backend serves (informational; the gateway answers to
+        its --served-model-name)."""
+
+    @property
+    def max_context_len(self) -> int:
+        """Longest prompt + completion, in tokens."""
+
+    def ready(self) -> bool:
+        """True once the backend can serve a request (model loaded / workers found)."""
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        """Stream the completion's tokens (see the module docstring for the contract)."""
+
+    async def start(self) -> None:
+        """Start background work (engine loop, registry watch); called once by the app."""
+
+    async def close(self) -> None:
+        """Stop background work and release resources; called once at shutdown."""

@@ -1,0 +1,192 @@
+"""An in-process engine behind the GenerationBackend interface (single process, tests).
+
+The engine runs on the worker's EngineLoop (services/worker_runtime/engine_loop.py): one thread
+owns it and steps it while there is work; asyncio handlers submit closures to it and get
+each request's StepOutputs through a per-request asyncio.Queue. The model loads on a
+thread of its own so the server answers /health (503, loading) meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+from services.gateway.backends.interface import (
+    FINISH_REASONS,
+    BackendBadRequest,
+    BackendUnavailable,
+    GenerationRequest,
+    SamplingOptions,
+    TokenEvent,
+    TokenLogprob,
+)
+from services.worker_runtime.engine_loop import EngineLoop
+
+log = logging.getLogger("duet.gateway.local")
+
+
+def engine_sampling_params(options: SamplingOptions):
+    """Our SamplingOptions as the engine's SamplingParams (vLLM-style logprobs count)."""
+    from shared.engine import SamplingParams
+
+    return SamplingParams(
+        temperature=options.temperature, top_p=options.top_p, top_k=options.top_k, min_p=options.min_p,
+        seed=options.seed, max_tokens=options.max_tokens, stop=list(options.stop),
+        stop_token_ids=list(options.stop_token_ids), ignore_eos=options.ignore_eos,
+        repetition_penalty=options.repetition_penalty, frequency_penalty=options.frequency_penalty,
+        presence_penalty=options.presence_penalty,
+        logprobs=options.top_logprobs if options.logprobs else None, n=options.n,
+        logit_bias=options.logit_bias, grammar=options.grammar, prompt_logprobs=options.prompt_logprobs,
+    )
+
+
+@dataclass
+class LocalBackend:
+    """engine_factory builds the engine (loads the model) on a loader thread."""
+
+    engine_factory: Callable[[], Any]
+    name: str = "local"
+    expected_context_len: int = 0  # reported before the engine has loaded
+    idle_wait_s: float = 0.05
+    engine: Any = field(default=None, init=False)
+    load_error: BaseException | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self._loop: EngineLoop | None = None
+        self._lock = threading.Lock()  # start of the loop vs close()
+        self._closed = False
+        self._loaded = threading.Event()
+        self._loader = threading.Thread(target=self._load, name="gateway-engine-load", daemon=True)
+
+    # --- GenerationBackend ---------------------------------------------------------------
+
+    @property
+    def model_name(self) -> str:
+        return self.name
+
+    @property
+    def max_context_len(self) -> int:
+        return self.engine.max_model_len if self.engine is not None else self.expected_context_len
+
+    def ready(self) -> bool:
+        return (self._loaded.is_set() and not self._closed and self._loop is not None
+                and self._loop.fatal is None)
+
+    async def start(self) -> None:
+        self._loader.start()
+
+    async def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            loop = self._loop
+        if loop is not None:
+            await asyncio.to_thread(loop.stop, 30)
+
+    def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
+        """Run fn(engine) on the engine thread between steps (inspection, tests)."""
+        if self._loop is None:
+            raise BackendUnavailable("the model is not loaded")
+        return self._loop.call(lambda: fn(self.engine))
+
+    def wait_loaded(self, timeout: float | None = None) -> bool:
+        """Block until the model is loaded (or failed to); True when ready."""
+        self._loaded.wait(timeout)
+        return self.ready()
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        if not self.ready():
+            raise BackendUnavailable(self._unavailable_reason())
+        loop, engine = self._loop, self.engine
+        params = engine_sampling_params(request.sampling)
+        outputs: asyncio.Queue = asyncio.Queue()
+        aloop = asyncio.get_running_loop()
+        rid = request.request_id
+
+        def add() -> None:
+            engine.add_request(list(request.prompt_token_ids), params, rid)
+            loop.attach(rid, aloop, outputs)
+
+        if params.grammar is not None:  # compile off the engine thread (a bad one: 400)
+            try:
+                await asyncio.to_thread(lambda: engine.grammars.compile(params.grammar))
+            except ValueError as exc:
+                raise BackendBadRequest(str(exc)) from None
+        try:
+            await loop.acall(add)
+        except ValueError as exc:  # the engine's checks (length, vocabulary, KV capacity, grammar)
+            raise BackendBadRequest(str(exc)) from None
+        finished = False
+        try:
+            while True:
+                out = await outputs.get()
+                if out.finish_reason is not None and out.finish_reason not in FINISH_REASONS:
+                    finished = out.request_finished  # the engine already dropped it
+                    raise BackendUnavailable(out.error or f"the engine ended the request ({out.finish_reason})")
+                event = TokenEvent(
+                    token_ids=list(out.token_ids),
+                    logprobs=_logprobs(out) if params.logprobs is not None else None,
+                    finish_reason=out.finish_reason if out.finished else None,
+                    cached_tokens=out.num_cached_tokens,
+                    computed_tokens=out.num_prompt_tokens - out.num_cached_tokens,
+                    index=out.index,
+                    prompt_logprobs=_prompt_logprobs(request.prompt_token_ids, out.prompt_logprobs),
+                )
+                if out.request_finished:
+                    finished = True
+                yield event
+                if finished:
+                    return
+        finally:
+            if not finished:
+                # Closed early (stop string matched, client left) or cancelled: free the
+                # request's pages and batch slot now. Harmless if it just finished.
+                loop.call(lambda: (loop.detach(rid), engine.abort(rid)))
+
+    # --- loading ---------------------------------------------------------------------------
+
+    def _unavailable_reason(self) -> str:
+        if self.load_error is not None:
+            return f"the model failed to load: {self.load_error}"
+        if self._loop is not None and self._loop.fatal is not None:
+            return f"the engine failed: {self._loop.fatal}"
+        if self._closed:
+            return "the gateway is shutting down"
+        return "the model is still loading"
+
+    def _load(self) -> None:
+        try:
+            engine = self.engine_factory()
+        except BaseException as exc:  # reported through ready() and generate()
+            log.exception("engine failed to load")
+            self.load_error = exc
+            self._loaded.set()
+            return
+        with self._lock:
+            if not self._closed:
+                self.engine = engine
+                self._loop = EngineLoop(engine, idle_wait_s=self.idle_wait_s)
+                self._loop.start()
+        self._loaded.set()
+
+
+def _prompt_logprobs(prompt_ids, entries) -> list[TokenLogprob] | None:
+    """The engine's per-position prompt logprobs (position 0 has none), for tokens 1.."""
+    if entries is None:
+        return None
+    return [TokenLogprob(prompt_ids[pos], lp, [(int(t), float(v)) for t, v in top])
+            for pos, (lp, top) in enumerate(entries[1:], start=1)]
+
+
+def _logprobs(out) -> list[TokenLogprob]:
+    result = []
+    for i, token_id in enumerate(out.token_ids):
+        # OpenAI's value for "unknown / very unlikely"; NaN is not valid JSON.
+        logprob = out.logprobs[i] if i < len(out.logprobs) and out.logprobs[i] is not None else -9999.0
+        top = out.top_logprobs[i] if i < len(out.top_logprobs) else []
+        result.append(TokenLogprob(token_id, logprob, [(int(t), float(lp)) for t, lp in top]))
+    return result
+

@@ -1,0 +1,76 @@
+"""uvicorn, hardened against slow and oversized clients (connection bounds from GatewayLimits,
+limits_config.py; request headers and bodies are request_guard.py's).
+
+uvicorn's h11 protocol bounds the size of a request's headers (h11_max_incomplete_event_size)
+and closes idle keep-alive connections (timeout_keep_alive), but it starts no clock while
+a request's headers are arriving: a client that opens a connection and trickles a header
+byte every few seconds (slowloris) holds it forever. GuardedH11Protocol adds that clock:
+from the connection's opening, and again after each response, the next request's headers
+must be complete within header_timeout_s or the connection is closed. The h11 protocol is
+named explicitly (not "auto") so these limits hold whatever else is installed."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from services.gateway.http_edge.limits_config import GatewayLimits
+
+log = logging.getLogger("duet.gateway")
+
+
+class GuardedH11Protocol(H11Protocol):
+    header_timeout_s: float = 10.0  # set on the subclass guarded_h11() makes
+
+    _header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_header_timer()
+        super().connection_lost(exc)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if not self._awaiting_headers():
+            self._cancel_header_timer()
+
+    def on_response_complete(self) -> None:
+        # Armed first: the parent may start a pipelined request at once (handle_events
+        # above then cancels it again).
+        self._arm_header_timer()
+        super().on_response_complete()
+
+    def _awaiting_headers(self) -> bool:
+        return self.cycle is None or self.cycle.response_complete
+
+    def _arm_header_timer(self) -> None:
+        self._cancel_header_timer()
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._on_header_timeout)
+
+    def _cancel_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _on_header_timeout(self) -> None:
+        self._header_timer = None
+        if self._awaiting_headers() and not self.transport.is_closing():
+            log.info("closing a connection from %s: no complete request headers within %gs",
+                     self.client, self.header_timeout_s)
+            self.transport.close()
+
+
+def guarded_h11(header_timeout_s: float) -> type[GuardedH11Protocol]:
+    return type("GuardedH11Protocol", (GuardedH11Protocol,), {"header_timeout_s": header_timeout_s})
+
+
+def uvicorn_limits(limits: GatewayLimits) -> dict[str, Any]:
+    """uvicorn.run / uvicorn.Config keyword arguments that apply the connection limits."""
+    return {"http": guarded_h11(limits.header_timeout_s), "timeout_keep_alive": limits.keep_alive_s,
+            "h11_max_incomplete_event_size": limits.max_header_bytes}

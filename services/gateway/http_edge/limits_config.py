@@ -1,0 +1,47 @@
+"""The gateway's limits against hostile or runaway load: admission (how many generations
+run and wait), request body size, and timeouts for slow clients. One dataclass, filled
+from CLI flags with DUET_* environment defaults (GatewayConfig nests it). The settings
+only: admission.py, request_guard.py (headers, bodies) and connection_guard.py (slow
+connections) enforce them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from shared.settings.spec import setting
+
+
+@dataclass
+class GatewayLimits:
+    # Admission: at most max_concurrent requests generate at once, max_queued more wait
+    # (FIFO) up to queue_timeout_s for a slot; beyond that 429 with Retry-After. 0 = no bound.
+    max_concurrent: int = setting(256, flag="--max-concurrent-requests", env="DUET_MAX_CONCURRENT_REQUESTS",
+                                  help="requests generating at once; 0 = no bound")
+    max_queued: int = setting(512, flag="--max-queued-requests", env="DUET_MAX_QUEUED_REQUESTS",
+                              help="requests waiting for a slot beyond that; more get 429")
+    queue_timeout_s: float = setting(30.0, flag="--queue-timeout", env="DUET_QUEUE_TIMEOUT",
+                                     help="seconds a request waits for a slot before 429; 0 = no deadline")
+    retry_after_s: float = setting(1.0, flag="--retry-after", env="DUET_RETRY_AFTER",
+                                   help="Retry-After seconds on a 429")
+    # Request bodies: larger ones get 413; a body not fully sent within body_timeout_s gets 408.
+    max_body_bytes: int = setting(8 << 20, flag="--max-body-bytes", env="DUET_MAX_BODY_BYTES",
+                                  help="larger request bodies get 413")
+    body_timeout_s: float = setting(30.0, flag="--body-timeout", env="DUET_BODY_TIMEOUT",
+                                    help="seconds to receive a whole request body before 408")
+    # Connections: headers must arrive within header_timeout_s of the connection opening (or
+    # of the previous response), an idle keep-alive connection closes after keep_alive_s,
+    # and headers larger than max_header_bytes are refused (slowloris, header floods).
+    header_timeout_s: float = setting(10.0, flag="--header-timeout", env="DUET_HEADER_TIMEOUT",
+                                      help="seconds to receive a request's headers before the connection is dropped")
+    keep_alive_s: float = setting(5.0, flag="--keep-alive-timeout", env="DUET_KEEP_ALIVE_TIMEOUT",
+                                  help="seconds an idle keep-alive connection stays open")
+    max_header_bytes: int = setting(64 << 10, flag="--max-header-bytes", env="DUET_MAX_HEADER_BYTES",
+                                    help="request line + headers larger than this are refused")
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if getattr(self, f.name) < 0:
+                raise ValueError(f"{f.name} must be >= 0, got {getattr(self, f.name)}")
+        for name in ("header_timeout_s", "keep_alive_s", "max_header_bytes", "max_body_bytes", "body_timeout_s"):
+            if getattr(self, name) == 0:
+                raise ValueError(f"{name} must be > 0")

@@ -1,0 +1,368 @@
+"""The OpenAI endpoints: parse, tokenize, run one Generation, answer as JSON or SSE."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from opentelemetry import trace
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from services.gateway.backends.interface import BackendError, GenerationBackend, GenerationRequest, SamplingOptions
+from services.gateway.http_edge.admission import AdmissionQueue, AdmissionRefused, register_admission_metrics
+from services.gateway.http_edge.error_responses import (
+    APIError,
+    from_backend_error,
+    from_invalid_request,
+    internal_error,
+    model_not_found,
+    server_busy,
+)
+from services.gateway.http_edge.limits_config import GatewayLimits
+from services.gateway.http_edge.metrics import GatewayMetrics
+from services.gateway.http_edge.sse import (
+    DONE_EVENT,
+    ClientDisconnected,
+    EventStreamResponse,
+    run_until_disconnect,
+    sse_event,
+)
+from services.gateway.openai_api.chat_objects import ChatFormatter
+from services.gateway.openai_api.completion_objects import CompletionFormatter, EchoPrompt
+from services.gateway.openai_api.generation import Generation, OutputDelta
+from services.gateway.openai_api.generation_set import GenerationSet
+from services.gateway.openai_api.prompt_builder import PromptBuilder
+from services.gateway.openai_api.request_sampling import chat_sampling, completion_budget, completion_sampling
+from services.gateway.openai_api.responses_objects import ResponsesFormatter
+from services.gateway.openai_api.structured_outputs import response_format_grammar, tool_choice_grammar
+from services.gateway.openai_api.token_strings import TokenStrings
+from services.gateway.openai_api.tool_call_parsing import ToolMode
+from services.gateway.openai_api.tool_prompt import ToolTemplate
+from shared.openai_protocol.errors import InvalidRequest
+from shared.openai_protocol.requests import parse_chat_request, parse_completion_request
+from shared.openai_protocol.responses import parse_responses_request
+from shared.openai_protocol.tools import named_choice
+from shared.telemetry.propagation import extract_http_context, inject_http_headers
+from shared.telemetry.requests import HTTP_CLIENT_CLOSED
+
+log = logging.getLogger("duet.gateway")
+
+ENDPOINT_CHAT = "chat_completions"
+ENDPOINT_COMPLETIONS = "completions"
+ENDPOINT_RESPONSES = "responses"
+# Status for requests whose client went away (nginx's 499: client closed request).
+STATUS_CANCELLED = HTTP_CLIENT_CLOSED
+
+
+@dataclass
+class GatewayContext:
+    """Everything a request needs, built once at start (no module globals)."""
+
+    backend: GenerationBackend
+    prompts: PromptBuilder
+    metrics: GatewayMetrics
+    served_model_name: str
+    max_context_len: int
+    tracer: Any = field(default_factory=lambda: trace.get_tracer("duet-gateway"))
+    created: int = field(default_factory=lambda: int(time.time()))
+    tool_call_parser: str = "auto"  # auto | hermes | llama3_json | none (GatewayConfig)
+    limits: GatewayLimits = field(default_factory=GatewayLimits)
+
+    def __post_init__(self) -> None:
+        lim = self.limits
+        self.admission = AdmissionQueue(lim.max_concurrent, lim.max_queued, lim.queue_timeout_s, lim.retry_after_s)
+        register_admission_metrics(self.metrics.registry, self.admission)
+        self.token_strings = TokenStrings(self.prompts.tokenizer)
+        parser = "auto" if self.tool_call_parser == "none" else self.tool_call_parser
+        self.tool_template = ToolTemplate.detect(self.prompts.chat_template, parser)
+
+
+@dataclass
+class PreparedRequest:
+    """A checked request: what to generate and how to write it out."""
+
+    request_id: str
+    prompts: list[list[int]]  # token ids of each prompt (several: /v1/completions with a list)
+    sampling: SamplingOptions
+    formatter: ChatFormatter | CompletionFormatter
+    stream: bool
+    include_usage: bool
+    echo: list[EchoPrompt] | None = None
+
+
+class OpenAIEndpoints:
+    def __init__(self, ctx: GatewayContext):
+        self.ctx = ctx
+
+    # --- routes -------------------------------------------------------------------
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._serve(request, ENDPOINT_CHAT, self._prepare_chat)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, ENDPOINT_COMPLETIONS, self._prepare_completion)
+
+    async def responses(self, request: Request) -> Response:
+        return await self._serve(request, ENDPOINT_RESPONSES, self._prepare_responses)
+
+    async def list_models(self) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def get_model(self, model: str) -> Response:
+        if model != self.ctx.served_model_name:
+            return model_not_found(model).response()
+        return JSONResponse(self._model_card())
+
+    async def health(self) -> Response:
+        if self.ctx.backend.ready():
+            return JSONResponse({"status": "ok"})
+        return APIError(503, "the backend is not ready to serve yet", "server_error", None,
+                        "not_ready").response()
+
+    async def prometheus(self) -> Response:
+        return Response(self.ctx.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    def _model_card(self) -> dict:
+        return {"id": self.ctx.served_model_name, "object": "model", "created": self.ctx.created,
+                "owned_by": "duet", "max_model_len": self.ctx.max_context_len}
+
+    # --- request preparation -----------------------------------------------------------
+
+    def _check_model(self, model: str | None) -> None:
+        # A missing model means the one we serve (as vLLM does); a wrong one is a 404.
+        if model is not None and model != self.ctx.served_model_name:
+            raise model_not_found(model)
+
+    async def _prepare_chat(self, body: bytes) -> PreparedRequest:
+        req = parse_chat_request(body)
+        self._check_model(req.model)
+        choice = req.effective_tool_choice
+        tools = req.tools if choice != "none" else None
+        messages, template_tools = self.ctx.tool_template.render(req.template_messages(), tools)
+        prompt_ids = await asyncio.to_thread(
+            self.ctx.prompts.chat_prompt_ids, messages, req.chat_template_kwargs, template_tools)
+        sampling = chat_sampling(req, len(prompt_ids), self.ctx.max_context_len)
+        sampling.grammar = response_format_grammar(req.response_format)
+        if tools:
+            sampling.grammar = tool_choice_grammar(tools, choice, req.parallel_tool_calls) or sampling.grammar
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        formatter = ChatFormatter(request_id, self.ctx.served_model_name, int(time.time()), self.ctx.token_strings,
+                                  logprobs=sampling.logprobs, top_logprobs=sampling.top_logprobs,
+                                  include_usage=req.include_usage, n=sampling.n, tools=self._tool_mode(tools, choice))
+        return PreparedRequest(request_id, [prompt_ids], sampling, formatter, bool(req.stream), req.include_usage)
+
+    def _tool_mode(self, tools, choice, flat: bool = False) -> ToolMode | None:
+        """How answers are read for tool calls (None: never)."""
+        if not tools:
+            return None
+        name = named_choice(choice, flat)
+        if name is not None:
+            return ToolMode("named", name)
+        if choice == "required":
+            return ToolMode("required")
+        if self.ctx.tool_call_parser == "none":
+            return None
+        return ToolMode(self.ctx.tool_template.parser)
+
+    async def _prepare_responses(self, body: bytes) -> PreparedRequest:
+        req = parse_responses_request(body)
+        self._check_model(req.model)
+        choice = req.effective_tool_choice
+        flat = req.tools if choice != "none" else None
+        tools = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
+                 for t in flat or []] or None
+        messages, template_tools = self.ctx.tool_template.render(req.chat_messages(), tools)
+        prompt_ids = await asyncio.to_thread(self.ctx.prompts.chat_prompt_ids, messages, None, template_tools)
+        max_tokens = completion_budget(req.max_output_tokens, None, len(prompt_ids), self.ctx.max_context_len,
+                                       "input")
+        defaults = SamplingOptions()
+        sampling = SamplingOptions(temperature=defaults.temperature if req.temperature is None else req.temperature,
+                                   top_p=defaults.top_p if req.top_p is None else req.top_p, max_tokens=max_tokens)
+        sampling.grammar = response_format_grammar(req.format, "text.format")
+        if flat:
+            sampling.grammar = tool_choice_grammar(flat, choice, req.parallel_tool_calls, flat=True) or sampling.grammar
+        request_id = _response_id()
+        echo = {"instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+                "temperature": sampling.temperature, "top_p": sampling.top_p, "tools": [_function_tool(t) for t in req.tools or []],
+                "tool_choice": req.tool_choice or "auto", "parallel_tool_calls": req.parallel_tool_calls is not False,
+                "metadata": req.metadata or {}, "text": {"format": (req.text.format if req.text and req.text.format
+                                                                    else {"type": "text"})}}
+        formatter = ResponsesFormatter(request_id, self.ctx.served_model_name, int(time.time()), echo,
+                                       tools=self._tool_mode(flat, choice, flat=True))
+        return PreparedRequest(request_id, [prompt_ids], sampling, formatter, bool(req.stream), False)
+
+    async def _prepare_completion(self, body: bytes) -> PreparedRequest:
+        req = parse_completion_request(body)
+        self._check_model(req.model)
+        prompts = []
+        for prompt in req.prompts():
+            if isinstance(prompt, str):
+                prompts.append(await asyncio.to_thread(self.ctx.prompts.text_prompt_ids, prompt))
+            else:
+                prompts.append(self.ctx.prompts.check_token_ids(prompt))
+        # every prompt must fit (each is checked); one budget for all: the asked one, or the
+        # default capped by the longest prompt's room
+        options = [completion_sampling(req, len(ids), self.ctx.max_context_len) for ids in prompts]
+        sampling = min(options, key=lambda o: o.max_tokens)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        echo = None
+        if req.echo:
+            texts = [p if isinstance(p, str) else self.ctx.prompts.tokenizer.decode(p) for p in req.prompts()]
+            echo = [EchoPrompt(text, ids) for text, ids in zip(texts, prompts)]
+        formatter = CompletionFormatter(request_id, self.ctx.served_model_name, int(time.time()),
+                                        self.ctx.token_strings, logprobs=req.logprobs,
+                                        include_usage=req.include_usage, n=sampling.n, echo=echo,
+                                        echo_only=req.echo_only)
+        return PreparedRequest(request_id, prompts, sampling, formatter, bool(req.stream), req.include_usage, echo)
+
+    # --- serving --------------------------------------------------------------------------
+
+    async def _serve(self, request: Request, endpoint: str,
+                     prepare: Callable[[bytes], Awaitable[PreparedRequest]]) -> Response:
+        arrived_at = time.monotonic()
+        metrics = self.ctx.metrics
+        metrics.inflight.labels(endpoint).inc()
+        span = self.ctx.tracer.start_span(
+            f"POST /v1/{endpoint.replace('_', '/')}", context=extract_http_context(request.headers),
+            kind=trace.SpanKind.SERVER)
+        # The admission slot is held until the outcome is recorded: the end of the answer,
+        # of the stream (on_close), or of a cancelled task.
+        ticket = self.ctx.admission.ticket()
+        outcome = _Outcome(lambda status: (ticket.release(), self._finish(endpoint, status, span)))
+        try:
+            body = await request.body()  # first: the disconnect watch below reads receive()
+            try:
+                await run_until_disconnect(request.receive, ticket.acquire())
+            except AdmissionRefused as exc:
+                raise server_busy(str(exc), exc.retry_after_s) from None
+            try:
+                prepared = await prepare(body)
+            except InvalidRequest as exc:
+                raise from_invalid_request(exc) from None
+            span.set_attribute("duet.request_id", prepared.request_id)
+            span.set_attribute("duet.prompt_tokens", sum(len(p) for p in prepared.prompts))
+            trace_context = inject_http_headers({}, context=trace.set_span_in_context(span))
+            generations = []
+            for k, prompt_ids in enumerate(prepared.prompts):
+                rid = prepared.request_id if len(prepared.prompts) == 1 else f"{prepared.request_id}-{k}"
+                gen_request = GenerationRequest(rid, prompt_ids, prepared.sampling,
+                                                model=self.ctx.served_model_name, trace_context=trace_context)
+                metrics.prompt_tokens.labels(endpoint).inc(len(prompt_ids))
+                generations.append(Generation(self.ctx.backend, gen_request, self.ctx.prompts.tokenizer, metrics,
+                                              endpoint, arrived_at=arrived_at))
+                if prepared.echo is not None:
+                    prepared.echo[k].stats = generations[-1].stats
+            generation = GenerationSet(generations, prepared.sampling.n)
+            headers = {"X-Request-Id": prepared.request_id}
+            if prepared.stream:
+                response = await self._stream(request, generation, prepared, outcome, headers)
+                outcome.handed_off = True  # the stream records its own outcome when it ends
+                return response
+            body = await run_until_disconnect(request.receive, self._collect(generation, prepared))
+            outcome.record(200)
+            return JSONResponse(body, headers=headers)
+        except APIError as exc:
+            outcome.record(exc.status)
+            return exc.response()
+        except BackendError as exc:
+            error = from_backend_error(exc)
+            outcome.record(error.status)
+            return error.response()
+        except ClientDisconnected:
+            outcome.record(STATUS_CANCELLED)
+            return Response(status_code=STATUS_CANCELLED)
+        except Exception:
+            log.exception("request failed")
+            outcome.record(500)
+            return internal_error().response()
+        finally:
+            if not outcome.handed_off:
+                outcome.record(STATUS_CANCELLED)  # no-op when recorded; cancelled task otherwise
+
+    def _finish(self, endpoint: str, status, span) -> None:
+        self.ctx.metrics.request_finished(endpoint, status)
+        self.ctx.metrics.inflight.labels(endpoint).dec()
+        span.set_attribute("http.status_code", status)
+        span.end()
+
+    async def _collect(self, generation: GenerationSet, prepared: PreparedRequest) -> dict:
+        deltas: list[OutputDelta] = []
+        async for delta in generation.deltas():
+            deltas.append(delta)
+        return prepared.formatter.response(deltas, generation.stats)
+
+    async def _stream(self, request: Request, generation: GenerationSet, prepared: PreparedRequest,
+                      outcome: "_Outcome", headers: dict[str, str]) -> Response:
+        deltas = generation.deltas()
+        # Wait for the first delta before answering 200, so that a refusal (no KV room,
+        # no workers) is still a proper HTTP status rather than an in-stream error.
+        try:
+            first = await run_until_disconnect(request.receive, _next(deltas))
+        except BaseException:
+            await deltas.aclose()
+            raise
+        formatter = prepared.formatter
+        status: dict[str, Any] = {"value": 200}
+
+        async def events():
+            try:
+                named = formatter.named_events
+                for chunk in formatter.opening_chunks():
+                    yield sse_event(chunk, named)
+                delta = first
+                while delta is not None:
+                    for chunk in formatter.chunks_for(delta):
+                        yield sse_event(chunk, named)
+                    delta = await anext(deltas, None)
+                for chunk in formatter.closing_chunks(generation.stats):
+                    yield sse_event(chunk, named)
+                if formatter.done_marker:
+                    yield DONE_EVENT
+            except BackendError as exc:
+                error = from_backend_error(exc)
+                status["value"] = error.status
+                yield error.sse_event()
+            except Exception:
+                log.exception("stream failed")
+                status["value"] = 500
+                yield internal_error().sse_event()
+
+        async def on_close(disconnected: bool) -> None:
+            await deltas.aclose()  # aborts the backend's work if it is still running
+            outcome.record(STATUS_CANCELLED if disconnected else status["value"])
+
+        return EventStreamResponse(events(), on_close, headers)
+
+
+def _function_tool(tool: dict) -> dict:
+    """A Responses function tool as a response repeats it (strict defaults to true there)."""
+    return {"type": "function", "name": tool["name"], "description": tool.get("description"),
+            "parameters": tool.get("parameters"), "strict": tool.get("strict") is not False}
+
+
+def _response_id() -> str:
+    return f"resp_{uuid.uuid4().hex}"
+
+
+async def _next(iterator):
+    return await iterator.__anext__()
+
+
+class _Outcome:
+    """Records a request's outcome exactly once (metrics, span)."""
+
+    def __init__(self, finish: Callable[[Any], None]):
+        self._finish = finish
+        self.recorded = False
+        self.handed_off = False
+
+    def record(self, status) -> None:
+        if not self.recorded:
+            self.recorded = True
+            self._finish(status)

@@ -1,0 +1,145 @@
+"""The worker process host: what every role runs in.
+
+It owns the engine loop, the gRPC server with health, /metrics, the registry entry and its
+heartbeat, signals and the drain. A role (services/worker/roles.py) installs itself into it:
+its gRPC services, its engine-loop ticks, the services that run while serving, the in-flight
+work a drain waits for, and what to close at the end.
+
+SIGTERM drains: the worker leaves the registry first (no new work is routed to it), lets
+in-flight requests finish within the grace period, then stops."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import signal
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from services.worker.config import WorkerConfig
+from services.worker.kv_compat import compat_hash, model_kv_key
+from services.worker.load_publisher import LoadPublisher, load_counters
+from services.worker_runtime.context import WorkerContext
+from services.worker_runtime.engine_loop import EngineLoop
+from shared.registry.kv_events import KvEventBuffer
+from shared.registry.publisher import WorkerPublisher
+from shared.registry.watcher import WorkerWatcher
+from shared.registry.worker_info import RankKvPool, WorkerInfo, WorkerLoad, default_worker_id
+from shared.telemetry.metrics import DuetMetrics, start_metrics_server
+from shared.telemetry.tracing import Tracing, setup_tracing
+
+log = logging.getLogger("duet.worker")
+
+
+@dataclass
+class WorkerHost:
+    config: WorkerConfig
+    engine: object            # shared.engine.Engine
+    ctx: WorkerContext        # what the role's gRPC services share (loop, metrics, agents, ...)
+    server: grpc.aio.Server   # the role adds its servicers
+    served_model: str
+    kv_layout: str
+    tracing: Tracing
+    kv_events: KvEventBuffer | None = None  # publish_kv_events(): the router sees this prefix cache
+    services: list = field(default_factory=list)  # start() / async stop() while serving (peer warm-up)
+    busy: list[Callable[[], bool]] = field(default_factory=list)  # in-flight work a drain waits for
+    on_stop: list[Callable[[], None]] = field(default_factory=list)  # after the engine loop stopped
+
+    @classmethod
+    def create(cls, config: WorkerConfig, engine) -> "WorkerHost":
+        served = config.served_model_name or engine.model_dir.name
+        worker_id = config.worker_id or default_worker_id(config.role)
+        kv_layout = model_kv_key(engine)
+        tracing = setup_tracing(config.role)
+        ctx = WorkerContext(config=config, engine=engine, loop=EngineLoop(engine), metrics=DuetMetrics(config.role),
+                            worker_id=worker_id, instance_nonce=secrets.token_hex(8),
+                            compat_hash=compat_hash(served, kv_layout), page_size=engine.layout.page_size,
+                            tracer=tracing.tracer, watcher=WorkerWatcher(config.registry, model=served))
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+        return cls(config, engine, ctx, server, served, kv_layout, tracing)
+
+    def publish_kv_events(self) -> None:
+        """Publish this worker's prefix-cache changes with its heartbeat (the router's
+        prefix-aware routing reads them)."""
+        self.kv_events = KvEventBuffer()
+        self.engine.kv.cache.events = self.kv_events
+
+    def worker_info(self, address: str, metrics_address: str) -> WorkerInfo:
+        ctx, capacity = self.ctx, self.engine.kv.capacity
+        pools = [RankKvPool(rank=r, agent_name=a.name, **a.pool.as_dict()) for r, a in enumerate(ctx.rank_agents)]
+        return WorkerInfo(worker_id=ctx.worker_id, role=self.config.role, address=address, model=self.served_model,
+                          metrics_address=metrics_address, tp=self.config.engine.tp_size, page_size=ctx.page_size,
+                          compat_hash=ctx.compat_hash, kv_layout=self.kv_layout, instance_nonce=ctx.instance_nonce,
+                          max_running_requests=self.config.engine.max_running_requests, kv_pools=pools,
+                          load=WorkerLoad(total_pages=capacity, free_pages=capacity))
+
+    async def run(self) -> int:
+        """Serve until SIGINT/SIGTERM or the engine loop dies, then drain. The exit status."""
+        config, ctx, loop = self.config, self.ctx, self.ctx.loop
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self.server)
+        port = config.tls.add_port(self.server, f"{config.host}:{config.port}")
+        if port == 0:
+            log.error("could not bind %s:%d", config.host, config.port)
+            return 1
+        metrics_server = start_metrics_server(ctx.metrics, config.metrics_port, config.host)
+        info = self.worker_info(f"{config.dial_host}:{port}", f"{config.dial_host}:{metrics_server.port}")
+        publisher = WorkerPublisher(info, config.registry,
+                                    nixl_metadata={r: a.metadata for r, a in enumerate(ctx.rank_agents)} or None,
+                                    load_fn=lambda: info.load, kv_events=self.kv_events)
+        loop.after_iteration.append(LoadPublisher(ctx, info, *load_counters(ctx.metrics)))
+        loop.start()
+        await self.server.start()
+        await ctx.watcher.start()
+        for service in self.services:
+            service.start()
+        await publisher.start()
+        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        print(f"duet {config.role} worker {ctx.worker_id} ready: grpc {info.address} ({config.tls.describe('server')}) "
+              f"metrics {info.metrics_address} model {self.served_model}", file=sys.stderr, flush=True)
+
+        stop = asyncio.Event()
+        aloop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            aloop.add_signal_handler(sig, stop.set)
+
+        async def watch_engine():  # a dead engine thread stops the worker
+            while loop.fatal is None:
+                await asyncio.sleep(0.25)
+            log.error("engine loop died: %s", loop.fatal)
+            stop.set()
+
+        watcher_task = asyncio.create_task(watch_engine())
+        try:
+            await stop.wait()
+        finally:
+            log.info("draining: leaving the registry, finishing in-flight work")
+            await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+            await publisher.stop(deregister=True)
+            for service in self.services:
+                await service.stop()
+            await self._finish_in_flight(config.drain_grace_s)
+            await self.server.stop(1.0)
+            watcher_task.cancel()
+            await ctx.watcher.stop()
+            loop.stop()
+            metrics_server.stop()
+            for hook in self.on_stop:
+                hook()
+            self.tracing.shutdown()
+        return 1 if loop.fatal is not None else 0
+
+    async def _finish_in_flight(self, grace_s: float) -> None:
+        loop, engine = self.ctx.loop, self.engine
+        aloop = asyncio.get_running_loop()
+        deadline = aloop.time() + grace_s
+        while aloop.time() < deadline and loop.fatal is None:
+            busy = await loop.acall(lambda: engine.has_work or bool(engine.requests)
+                                    or any(check() for check in self.busy))
+            if not busy:
+                break
+            await asyncio.sleep(0.05)
