@@ -57,7 +57,8 @@ class Scripted:
     def propose(self, reqs, ks):
         out = []
         for req, k in zip(reqs, ks):
-            seq = self.truth[(req.out_rid, req.index)][req.num_output:req.num_output + k]
+            truth = self.truth.get((req.out_rid, req.index)) or self.truth[tuple(req.prompt_ids)]
+            seq = truth[req.num_output:req.num_output + k]
             self.calls += 1
             if self.bad_at is not None and self.calls % 2 and len(seq) > self.bad_at:
                 seq = list(seq)
@@ -406,3 +407,44 @@ def test_eagle3_drafts_come_from_the_hot_vocabulary(model_dir, tmp_path):
     # the head's logits live on its draft vocabulary only
     logits, _ = eng.spec.proposer.model.compute_logits(torch.zeros(1, 128, dtype=torch.float64))
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == hot.tolist()
+
+
+# -- disaggregated: the decode engine speculates, the prefill engine does not ------------------
+def split_run(pre: Engine, dec: Engine, prompt, params: SamplingParams) -> list[int]:
+    """Prefill on `pre`, copy the KV into a reservation on `dec`, decode there."""
+    from shared.engine.request import ReqStatus
+    rid = pre.add_request(prompt, params, prefill_only=True)
+    first = None
+    while pre.has_work:
+        for out in pre.step():
+            assert out.prefill_done
+            first = out
+    held = pre.get(rid)
+    assert held.status is ReqStatus.HELD
+    n = pre.kv.pages_for(len(prompt))
+    dst = dec.reserve("res", len(prompt)).page_ids
+    dec.pool.buffer[dst] = pre.pool.buffer[held.page_ids[:n]]
+    pre.release_held(rid)
+    got = list(first.token_ids)
+    dec.add_prefilled("res", prompt, first.token_ids[0], SamplingParams(**vars(params)), seed=None)
+    while dec.has_work:
+        for out in dec.step():
+            got.extend(out.token_ids)
+    return got
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft", "eagle3"])
+def test_split_decode_speculates_with_a_plain_prefill(model_dir, draft_dir, plain, tmp_path, method):
+    """The decode side makes what its draft needs (the draft's KV of the prompt, the head's
+    features from its first step); the answer is the colocated plain one."""
+    extra = {"ngram": {}, "draft": dict(speculative_draft_model=str(draft_dir)),
+             "eagle3": dict(speculative_draft_model=str(build_eagle_head(tmp_path / "eagle")[0]))}[method]
+    dec = make(model_dir, True, speculative_method=method, **extra)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    bases = [r.token_ids for r in run_engine(plain, PROMPTS[:3], params)]
+    if method == "ngram":  # random weights rarely repeat themselves: draft the truth, with mistakes
+        dec.spec.proposer = Scripted({tuple(p): b for p, b in zip(PROMPTS, bases)}, 512, 1)
+    for prompt, base in zip(PROMPTS[:3], bases):
+        assert split_run(make(model_dir, False), dec, prompt, params) == base
+        assert_all_pages_free(dec)
+    assert dec.spec.stats.verify_steps > 0

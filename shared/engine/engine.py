@@ -541,6 +541,8 @@ class Engine:
             out.request_finished = self._finish(req)
             out.finished, out.finish_reason, out.stop_reason = True, req.finish_reason, req.stop_reason
             out.error = req.error
+            if req.spec is not None:
+                out.spec = req.spec.stats
         if req.params.stop:
             out.text = req.output_text
         return out

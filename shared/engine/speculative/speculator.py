@@ -158,7 +158,7 @@ class Speculator:
         for it in decoding:
             r = it.req
             if r.spec is None:
-                r.spec = SpecState()
+                r.spec = SpecState(self.method)
             if not self.policy.request_eligible(r.spec):
                 continue
             k = min(self.k, r.max_new_tokens - r.num_output - 1, e.max_model_len - len(r.token_ids) - 1)
@@ -222,7 +222,7 @@ class Speculator:
                 merged.token_ids += out.token_ids
                 merged.logprobs += out.logprobs
                 merged.top_logprobs += out.top_logprobs
-                for f in ("finished", "finish_reason", "stop_reason", "error", "text", "request_finished"):
+                for f in ("finished", "finish_reason", "stop_reason", "error", "text", "request_finished", "spec"):
                     setattr(merged, f, getattr(out, f))
             if r.status is ReqStatus.FINISHED:
                 break

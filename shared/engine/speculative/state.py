@@ -24,4 +24,9 @@ class SpecState:
     # step aside: recent accepted / drafted (exponential average) and steps left to sit out
     acceptance: float = 1.0
     cooldown: int = 0
-    stats: SpecStats = field(default_factory=lambda: SpecStats(""))  # this request's, for its span
+    method: str = ""
+    stats: SpecStats = field(default=None)  # this request's, for its span
+
+    def __post_init__(self):
+        if self.stats is None:
+            self.stats = SpecStats(self.method)

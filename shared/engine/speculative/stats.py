@@ -34,6 +34,22 @@ class SpecStats:
         """Share of draft tokens at position i that were accepted (given one was drafted)."""
         return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
 
+    def add(self, other: "SpecStats") -> None:
+        self.verify_steps += other.verify_steps
+        self.draft_tokens += other.draft_tokens
+        self.accepted_tokens += other.accepted_tokens
+        for mine, theirs in ((self.drafted_at, other.drafted_at), (self.accepted_at, other.accepted_at)):
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for i, n in enumerate(theirs):
+                mine[i] += n
+
+    def span_attributes(self) -> dict:
+        """What a request's decode span records (OpenTelemetry attribute values)."""
+        return {"spec.method": self.method, "spec.verify_steps": self.verify_steps,
+                "spec.draft_tokens": self.draft_tokens, "spec.accepted_tokens": self.accepted_tokens,
+                "spec.mean_accepted_length": round(self.mean_accepted_length, 4),
+                "spec.acceptance_by_position": [round(x, 4) for x in self.acceptance_by_position]}
+
     def as_dict(self) -> dict:
         return dict(method=self.method, verify_steps=self.verify_steps, draft_tokens=self.draft_tokens,
                     accepted_tokens=self.accepted_tokens, mean_accepted_length=self.mean_accepted_length,
