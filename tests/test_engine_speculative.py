@@ -448,3 +448,23 @@ def test_split_decode_speculates_with_a_plain_prefill(model_dir, draft_dir, plai
         assert split_run(make(model_dir, False), dec, prompt, params) == base
         assert_all_pages_free(dec)
     assert dec.spec.stats.verify_steps > 0
+
+
+def test_ngram_on_a_copy_request_with_the_embedded_model():
+    """The real proposer on the task it is for: the copy comes out as without speculation,
+    with several tokens accepted per verify step."""
+    from shared.model_files.default_model import ensure_default_model
+    d = str(ensure_default_model(progress=False))
+    base = Engine(model_dir=d, kv_cache_memory=64 << 20)
+    eng = Engine(model_dir=d, kv_cache_memory=64 << 20, speculative_method="ngram", speculative_tokens=4)
+    para = ("The quick brown fox jumps over the lazy dog near the river bank, while the farmer watches "
+            "from his old wooden porch and sips a cup of hot coffee in the cold morning air.")
+    ids = base.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Repeat this paragraph exactly, word for word:\n\n" + para}],
+        add_generation_prompt=True, tokenize=True, return_dict=False)
+    for params in (SamplingParams(temperature=0.0, max_tokens=60),
+                   SamplingParams(temperature=0.8, seed=4, max_tokens=60)):  # point masses: same tokens
+        assert run_engine(eng, [ids], params)[0].token_ids == run_engine(base, [ids], params)[0].token_ids
+    st = eng.spec.stats
+    assert st.verify_steps > 0 and st.mean_accepted_length >= 3.0, st
+    assert_all_pages_free(eng)

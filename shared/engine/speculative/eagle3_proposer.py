@@ -175,7 +175,7 @@ class Eagle3Proposer(DraftModelProposer):
             if first_pos + valid >= len(tokens):
                 continue
             if r.spec is None:
-                r.spec = SpecState(self.name)
+                r.spec = SpecState(method=self.name)
             seq = r.spec.draft
             if seq is None:
                 seq = r.spec.draft = EagleSeq(TokenView([]))

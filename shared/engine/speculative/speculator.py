@@ -158,7 +158,7 @@ class Speculator:
         for it in decoding:
             r = it.req
             if r.spec is None:
-                r.spec = SpecState(self.method)
+                r.spec = SpecState(method=self.method)
             if not self.policy.request_eligible(r.spec):
                 continue
             k = min(self.k, r.max_new_tokens - r.num_output - 1, e.max_model_len - len(r.token_ids) - 1)
