@@ -70,6 +70,7 @@ class DraftModelProposer:
         self.runner: ModelRunner | None = None
         self.catch_up_tokens = 0
         self._cursor = 0
+        self.pool_pages: int | None = None  # None: as many pages as the target's pool
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -79,7 +80,7 @@ class DraftModelProposer:
         """After the engine sized its own pool: the draft's pool (as many tokens), runner, graphs."""
         from ..attention.select import make_attention_backend
         e = self.engine
-        self.kv.allocate_pool(e.layout.num_pages)
+        self.kv.allocate_pool(self.pool_pages or e.layout.num_pages)
         backend = make_attention_backend(e.config.attention_backend, self.kv.pool, e.device)
         self.runner = ModelRunner(self.model, self.kv.pool, backend, e.device)
         if e.small_batch_workspace is not None:

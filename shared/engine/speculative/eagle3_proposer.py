@@ -77,6 +77,7 @@ class Eagle3Proposer(DraftModelProposer):
         self.runner: ModelRunner | None = None
         self.catch_up_tokens = 0
         self._cursor = 0
+        self.pool_pages: int | None = None
         log.info("EAGLE-3 head: hidden %d, draft vocabulary %d, target layers %s", self.model.hidden,
                  self.model.draft_vocab, layers)
 

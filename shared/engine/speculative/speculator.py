@@ -90,6 +90,14 @@ class Speculator:
         log.info("speculative decoding: %s, %d draft tokens, steps aside above batch %d or below "
                  "acceptance %.2f", self.method, self.k, self.policy.max_batch, self.policy.min_acceptance)
 
+    def detach(self) -> None:
+        """Stop speculating on this engine (benchmarks swap methods on one loaded target)."""
+        e = self.engine
+        e.runner.extend_graphs = None
+        if getattr(e.model, "aux_capture", None) is getattr(self.proposer, "aux", None):
+            e.model.aux_capture = None
+        e.spec = None
+
     # -- the engine's entry points ---------------------------------------------------------
     def wants_step(self) -> bool:
         running = self.engine.scheduler.running
@@ -227,3 +235,18 @@ class Speculator:
             if r.status is ReqStatus.FINISHED:
                 break
         return merged
+
+
+def attach_speculator(engine, draft_pool_pages: int | None = None, **options) -> Speculator:
+    """Start speculating on an engine built without it (benchmarks: one loaded target, several
+    methods in turn). options: EngineConfig's speculative_* fields. The draft's KV pool gets
+    draft_pool_pages pages (default: as many as the target's)."""
+    from dataclasses import replace
+    if engine.spec is not None:
+        engine.spec.detach()
+    spec = Speculator(engine, replace(engine.config, **options))
+    if draft_pool_pages is not None and hasattr(spec.proposer, "pool_pages"):
+        spec.proposer.pool_pages = draft_pool_pages
+    spec.attach()
+    engine.spec = spec
+    return spec
