@@ -468,3 +468,14 @@ def test_ngram_on_a_copy_request_with_the_embedded_model():
     st = eng.spec.stats
     assert st.verify_steps > 0 and st.mean_accepted_length >= 3.0, st
     assert_all_pages_free(eng)
+
+
+def test_tensor_parallel_ranks_verify_what_rank_0_drafted(model_dir, plain):
+    """TP=2 on CPU (gloo): rank 0 drafts, every rank runs the verify forward it plans."""
+    eng = make(model_dir, True, tp_size=2)
+    try:
+        params = SamplingParams(temperature=1.0, seed=6, max_tokens=16, ignore_eos=True)
+        base, got = scripted_run(eng, plain, PROMPTS[:3], params, bad_at=2)
+        same(base, got)
+    finally:
+        eng.close()

@@ -105,7 +105,7 @@ class Engine:
             if self.tp.all_ranks_agree(car is not None, self.device):  # all use it, or none
                 self.tp.custom_all_reduce = car
         self.spec = None  # speculative decoding (speculative/speculator.py), when configured
-        if config.speculative_method:
+        if config.speculative_method and self.tp.rank == 0:  # TP: rank 0 drafts, every rank verifies
             from .speculative.speculator import Speculator
             self.spec = Speculator(self, config)
         self.layout = self._size_kv()

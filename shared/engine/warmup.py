@@ -59,6 +59,8 @@ def warm_up(engine, full: bool | None = None) -> float:
             _run(engine, prompts, params)
     engine.kv.cache.reset()
     engine.stats = EngineStats()
+    if engine.spec is not None:
+        engine.spec.reset_stats()
     engine.scheduler.num_retracted = 0
     engine.kv.check_idle()
     seconds = time.monotonic() - t0

@@ -63,6 +63,9 @@ class Speculator:
         else:
             if not config.speculative_draft_model:
                 raise ValueError("speculative method 'eagle3' needs an EAGLE-3 head folder (speculative_draft_model)")
+            if engine.tp.size > 1:  # its feature capture would all-reduce on rank 0 alone
+                raise ValueError("speculative method 'eagle3' runs with tensor parallelism 1 only; "
+                                 "use ngram or draft with --tp > 1")
             from .eagle3_proposer import Eagle3Proposer
             self.proposer = Eagle3Proposer(engine, config.speculative_draft_model, k)
 
@@ -77,7 +80,9 @@ class Speculator:
         if hasattr(self.proposer, "attach"):
             self.proposer.attach()
         graphs = e.runner.graphs
-        if graphs is not None and e.backend.supports_cuda_graph:
+        # with TP the other ranks run the same verify steps eagerly (they replay no graphs of
+        # their own), so rank 0 does too: every rank launches the same collectives
+        if graphs is not None and e.backend.supports_cuda_graph and e.tp.size == 1:
             from .uniform_graph import UniformExtendGraphs
             e.runner.extend_graphs = UniformExtendGraphs(
                 e.model, e.backend, e.device, q_len=self.k + 1, max_bs=min(graphs.max_bs, max(1, self.policy.max_batch)),
@@ -89,6 +94,10 @@ class Speculator:
                 self.rejection_fn = rejection_sample
         log.info("speculative decoding: %s, %d draft tokens, steps aside above batch %d or below "
                  "acceptance %.2f", self.method, self.k, self.policy.max_batch, self.policy.min_acceptance)
+
+    def reset_stats(self) -> None:
+        """Counters from zero (after the warm-up: metrics count served work only)."""
+        self.stats = SpecStats(self.method)
 
     def detach(self) -> None:
         """Stop speculating on this engine (benchmarks swap methods on one loaded target)."""
