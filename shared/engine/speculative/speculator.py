@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from ..batch import Batch
 from ..outputs import StepOutput
 from ..request import ReqStatus
@@ -131,7 +133,7 @@ class Speculator:
         items = self._attach_drafts(batch)
         self.policy.observe_step(bool(items))
         after_step = getattr(self.proposer, "after_step", None)
-        if not items and after_step is None:
+        if not items and (after_step is None or any(it.all_rows for it in batch.items)):
             return outs + e._run_batch(batch)
         sampled = {id(it) for it in batch.items if it.samples}  # before any token is appended
         logits = e.runner.forward(batch)
@@ -150,7 +152,6 @@ class Speculator:
                 row += 1
         plain_reqs = [it.req for it in plain if it.samples]
         if plain_reqs:
-            import torch
             sel = logits.index_select(0, torch.tensor(plain_rows, device=logits.device))
             outs += e._sample_and_append(sel, plain_reqs)
         results = verify(e, logits, items, accept_all=self.accept_all, rejection_fn=self.rejection_fn) if items else []
