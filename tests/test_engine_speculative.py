@@ -479,3 +479,22 @@ def test_tensor_parallel_ranks_verify_what_rank_0_drafted(model_dir, plain):
         same(base, got)
     finally:
         eng.close()
+
+
+def test_warm_up_drafts_every_decode_step_then_starts_clean(model_dir):
+    from shared.engine.warmup import warm_up
+    eng = make(model_dir, True)
+    seen = []
+    real = eng.spec.proposer.propose
+
+    def spy(reqs, ks):
+        out = real(reqs, ks)
+        seen.append((eng.spec.proposer.fill_when_empty, all(len(d.tokens) == k for d, k in zip(out, ks))))
+        return out
+    eng.spec.proposer.propose = spy
+    warm_up(eng, full=True)
+    warming = [full for fill, full in seen if fill]
+    assert warming and all(warming)  # random tokens match nothing: the decode warm-up filled every draft
+    assert eng.spec.stats.verify_steps == 0 and not eng.spec.proposer.fill_when_empty
+    assert eng.spec.policy.min_acceptance == 0.0  # this module's engines keep trying
+    assert_all_pages_free(eng)

@@ -53,6 +53,7 @@ class NgramProposer:
         if not (1 <= min_n <= max_n):
             raise ValueError(f"n-gram window must satisfy 1 <= min ({min_n}) <= max ({max_n})")
         self.min_n, self.max_n = min_n, max_n
+        self.fill_when_empty = False  # warm-up: propose the last token when nothing matches
 
     def propose(self, reqs, ks: list[int]) -> list:
         from .state import Draft
@@ -61,7 +62,10 @@ class NgramProposer:
             st = req.spec
             if st.ngram is None:
                 st.ngram = NgramIndex(self.min_n, self.max_n)
-            out.append(Draft(st.ngram.propose(req.token_ids, k)))
+            toks = st.ngram.propose(req.token_ids, k)
+            if not toks and self.fill_when_empty:
+                toks = [req.token_ids[-1]] * k
+            out.append(Draft(toks))
         return out
 
     def release(self, req) -> None:

@@ -15,6 +15,7 @@ num_computed) never sees them. Requests that get no draft this step (none propos
 stepped aside) and prefill chunks ride in the same forward as plain rows."""
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -96,6 +97,23 @@ class Speculator:
                 self.rejection_fn = rejection_sample
         log.info("speculative decoding: %s, %d draft tokens, steps aside above batch %d or below "
                  "acceptance %.2f", self.method, self.k, self.policy.max_batch, self.policy.min_acceptance)
+
+    @contextlib.contextmanager
+    def warming(self):
+        """Warm-up: every decoding sequence drafts (n-gram lookups that find nothing propose
+        their last token), so the verify shapes compile and capture before serving; the
+        step-aside state starts fresh afterwards."""
+        fill = hasattr(self.proposer, "fill_when_empty")
+        if fill:
+            self.proposer.fill_when_empty = True
+        max_batch, min_acc = self.policy.max_batch, self.policy.min_acceptance
+        self.policy.min_acceptance = 0.0
+        try:
+            yield
+        finally:
+            if fill:
+                self.proposer.fill_when_empty = False
+            self.policy = StepAsidePolicy(max_batch=max_batch, min_acceptance=min_acc)
 
     def reset_stats(self) -> None:
         """Counters from zero (after the warm-up: metrics count served work only)."""
