@@ -60,9 +60,10 @@ class DraftModelProposer:
     deterministic = False
     first_pass_len = 2  # tokens every sequence extends by in the first pass (its graph's shape)
 
-    def __init__(self, engine, model_dir: str, k: int):
+    def __init__(self, engine, model_dir: str, k: int, max_batch: int):
         self.engine = engine
         self.k = k
+        self.max_batch = max_batch  # no speculation above it: no graphs either
         self.mc, self.model = load_draft(engine, model_dir, k + 2)
         mc = self.mc
         self.kv = DraftKV(mc.num_layers, mc.num_kv_heads, mc.head_dim, engine.config.page_size, engine.dtype,
@@ -86,8 +87,9 @@ class DraftModelProposer:
         if e.small_batch_workspace is not None:
             from ..models.layers import enable_small_batch_linears
             enable_small_batch_linears(self.model, e.small_batch_workspace, mode="auto")
-        max_bs = min(e.config.cuda_graph_max_bs, e.config.max_running_requests)
-        self.capacity = max(max_bs, 1) * (self.k + 1) * 2
+        most = max(1, min(e.config.max_running_requests, self.max_batch))  # sequences a proposal drafts for
+        self.capacity = most * (self.k + 1) * 2  # two proposals' tokens: one never overwrites itself
+        max_bs = min(e.config.cuda_graph_max_bs, most)
         self.future = torch.zeros(self.capacity, dtype=torch.int64, device=e.device)
         self.runner.future_tokens = self.future
         self.catch_up_tokens = e.scheduler.max_batched_tokens
@@ -96,11 +98,11 @@ class DraftModelProposer:
             from ..cuda_graph import CudaGraphRunner
             from .uniform_graph import UniformExtendGraphs
             max_pages = -(-(e.max_model_len + self.k + 2) // e.layout.page_size)
+            bs = min(graphs.max_bs, max_bs)
             self.runner.graphs = CudaGraphRunner(self.model, backend, self.kv.pool, e.device,
-                                                 max_bs=graphs.max_bs, max_pages=max_pages, capture=graphs.capture)
+                                                 max_bs=bs, max_pages=max_pages, capture=graphs.capture)
             self.runner.extend_graphs = UniformExtendGraphs(self.model, backend, e.device, q_len=self.first_pass_len,
-                                                            max_bs=graphs.max_bs, max_pages=max_pages,
-                                                            capture=graphs.capture)
+                                                            max_bs=bs, max_pages=max_pages, capture=graphs.capture)
         log.info("%s proposer: KV %d pages of %d bytes", self.name, e.layout.num_pages,
                  self.kv.bytes_per_token * e.layout.page_size)
 

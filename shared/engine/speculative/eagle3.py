@@ -9,7 +9,8 @@ then a final norm and an LM head over a reduced vocabulary whose id i is target 
 i + d2t[i]. Weights: fc.weight, midlayer.{input_layernorm, hidden_norm, self_attn.{q,k,v,o}
 _proj, post_attention_layernorm, mlp.{gate,up,down}_proj}.weight, norm.weight,
 lm_head.weight, d2t (t2d unused), embed_tokens.weight when the head has its own (else it
-shares the target's); safetensors or pytorch_model.bin, with or without a "model." prefix.
+shares the target's); safetensors or pytorch_model.bin, with or without a "model." prefix,
+the layer as midlayer.* or layers.0.*.
 
 The target captures its residual stream at the input of layers 2, L/2 and L-3 (or of
 layer id + 1 for `eagle_aux_hidden_state_layer_ids` in the head's config), as SGLang and
@@ -179,7 +180,8 @@ class Eagle3Head(nn.Module):
 
     # -- loading ---------------------------------------------------------------------------
     def load(self, tensors: dict[str, torch.Tensor]) -> None:
-        names = {k.removeprefix("model."): v for k, v in tensors.items()}
+        # "midlayer." (EAGLE / SGLang checkpoints) or "layers.0." (some converters): one layer
+        names = {_canonical(k): v for k, v in tensors.items()}
         attn = self.self_attn.inner
         d2t = names.pop("d2t", None)
         names.pop("t2d", None)
@@ -217,6 +219,11 @@ class Eagle3Head(nn.Module):
             raise ModelLoadError(f"unexpected EAGLE-3 head tensors: {', '.join(unknown[:5])}")
         if self.own_embed is None and self.hidden != self.target_embed.weight.shape[1]:
             raise ModelLoadError("EAGLE-3 head has no embedding and its width differs from the target's")
+
+
+def _canonical(name: str) -> str:
+    name = name.removeprefix("model.")
+    return "midlayer." + name[len("layers.0."):] if name.startswith("layers.0.") else name
 
 
 def read_head_weights(head_dir: str | Path) -> dict[str, torch.Tensor]:

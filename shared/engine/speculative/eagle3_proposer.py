@@ -50,15 +50,15 @@ class EagleSeq(DraftSeq):
 class Eagle3Proposer(DraftModelProposer):
     name = "eagle3"
 
-    def __init__(self, engine, head_dir: str, k: int):  # noqa: super().__init__ loads a model; not here
+    def __init__(self, engine, head_dir: str, k: int, max_batch: int):  # noqa: no draft model to load here
         self.engine = engine
         self.k = k
+        self.max_batch = max_batch
         cfg = engine.config
         from kernels.availability import triton_available
         fused = engine.device.type == "cuda" and triton_available()
-        max_bs = min(cfg.cuda_graph_max_bs, cfg.max_running_requests)
-        spec_bs = cfg.speculative_max_batch if cfg.speculative_max_batch is not None else 32
-        rows = max(max_bs, spec_bs * (k + 1), 64)
+        # the static feature buffers cover the target's decode graphs and every verify step
+        rows = max(min(cfg.cuda_graph_max_bs, cfg.max_running_requests), max(1, max_batch) * (k + 1), 64)
         self.raw, self.model = load_head(head_dir, engine.model, engine.dtype, engine.device,
                                          engine.max_model_len + k + 2, fused, rows,
                                          dummy=cfg.load_format == "dummy")

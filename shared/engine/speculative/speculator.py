@@ -62,7 +62,7 @@ class Speculator:
             if not config.speculative_draft_model:
                 raise ValueError("speculative method 'draft' needs a draft model folder (speculative_draft_model)")
             from .draft_model import DraftModelProposer
-            self.proposer = DraftModelProposer(engine, config.speculative_draft_model, k)
+            self.proposer = DraftModelProposer(engine, config.speculative_draft_model, k, self.policy.max_batch)
         else:
             if not config.speculative_draft_model:
                 raise ValueError("speculative method 'eagle3' needs an EAGLE-3 head folder (speculative_draft_model)")
@@ -70,7 +70,7 @@ class Speculator:
                 raise ValueError("speculative method 'eagle3' runs with tensor parallelism 1 only; "
                                  "use ngram or draft with --tp > 1")
             from .eagle3_proposer import Eagle3Proposer
-            self.proposer = Eagle3Proposer(engine, config.speculative_draft_model, k)
+            self.proposer = Eagle3Proposer(engine, config.speculative_draft_model, k, self.policy.max_batch)
 
     @property
     def kv_bytes_per_token(self) -> int:
