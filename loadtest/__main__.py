@@ -5,6 +5,7 @@
     duet loadtest report results.json            table and plots again, optionally other SLOs
     duet loadtest overload --base-url URL        arrivals at 10x capacity: 200/429 counts, RSS
     duet loadtest multiturn --base-url URL       conversations turn by turn: TTFT and cache use by turn
+    duet loadtest hostile --base-url URL         bounded hostile-client probes, PASS/FAIL each
 """
 from __future__ import annotations
 
@@ -28,11 +29,15 @@ def main(argv: list[str] | None = None) -> int:
         from loadtest.multiturn.main import main as multiturn_main
 
         return multiturn_main(rest)
+    if command == "hostile":
+        from loadtest.hostile.cli import main as hostile_main
+
+        return hostile_main(rest)
     if command in ("compare", "report"):
         from loadtest.file_commands import compare_main, report_main
 
         return (compare_main if command == "compare" else report_main)(rest)
-    print(f"duet loadtest: unknown command {command!r} (run, compare, report, overload, multiturn)", file=sys.stderr)
+    print(f"duet loadtest: unknown command {command!r} (run, compare, report, overload, multiturn, hostile)", file=sys.stderr)
     return 2
 
 
