@@ -113,7 +113,8 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
         split = request.HasField("reservation")
         aloop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        with ctx.span("decode", context, request_id=rid, split=split):
+        with ctx.span("decode", context, request_id=rid, split=split) as span:
+            spec = None  # speculative decoding: the sequences' stats, summed onto the span
             if split:
                 started = await self._join_split(request, rid, prompt, params, aloop, q, context)
             else:
@@ -143,6 +144,8 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
                         emitted += len(nxt.token_ids)
                         tokens += tokens_to_proto(nxt)
                         out = nxt
+                    if out.spec is not None:
+                        spec = spec_totals(spec, out.spec)
                     if out.request_finished:
                         finished = True
                         ctx.metrics.request_finished("Generate", grpc.StatusCode.OK if out.finish_reason != "abort"
@@ -158,6 +161,9 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
                 if not finished:  # client went away: drop the request, free its pages
                     ctx.loop.call(lambda: (ctx.loop.detach(rid), ctx.engine.abort(rid)))
                     ctx.metrics.request_finished("Generate", grpc.StatusCode.CANCELLED)
+                if spec is not None:
+                    for k, v in spec.span_attributes().items():
+                        span.set_attribute(f"duet.{k}", v)
 
     @staticmethod
     def _last_chunk(out, tokens, prompt, emitted) -> duet_pb2.TokenChunk:
@@ -241,3 +247,12 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+
+def spec_totals(total, stats):
+    """Sum a finished sequence's speculation stats into the request's (a fresh object)."""
+    from shared.engine.speculative.stats import SpecStats
+    if total is None:
+        total = SpecStats(stats.method)
+    total.add(stats)
+    return total

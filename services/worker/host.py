@@ -93,6 +93,9 @@ class WorkerHost:
                                     nixl_metadata={r: a.metadata for r, a in enumerate(ctx.rank_agents)} or None,
                                     load_fn=lambda: info.load, kv_events=self.kv_events)
         loop.after_iteration.append(LoadPublisher(ctx, info, *load_counters(ctx.metrics)))
+        if self.engine.spec is not None:  # duet_spec_* counters
+            from shared.telemetry.spec_metrics import SpecMetrics
+            loop.after_iteration.append(SpecMetrics(self.engine.spec.stats, ctx.metrics.registry))
         loop.start()
         await self.server.start()
         await ctx.watcher.start()

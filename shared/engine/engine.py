@@ -116,6 +116,10 @@ class Engine:
                 car = CustomAllReduce.try_create(self.tp, self.device, mode=config.custom_all_reduce_mode)
             if self.tp.all_ranks_agree(car is not None, self.device):  # all use it, or none
                 self.tp.custom_all_reduce = car
+        self.spec = None  # speculative decoding (speculative/speculator.py), when configured
+        if config.speculative_method and self.tp.rank == 0:  # TP: rank 0 drafts, every rank verifies
+            from .speculative.speculator import Speculator
+            self.spec = Speculator(self, config)
         self.layout = self._size_kv()
         self.pool = KVPool(self.layout, self.device, self._kv_scales())
         self.backend = make_attention_backend(config.attention_backend, self.pool, self.device)
@@ -155,6 +159,8 @@ class Engine:
         if overlap:
             from .overlap import OverlapScheduler
             self.overlap = OverlapScheduler(self)
+        if self.spec is not None:
+            self.spec.attach()
         if self._tp_workers is not None:
             self._tp_workers.wait_ready()
         log.info("engine ready in %.1fs: %s %s on %s, %s, weights %.2f GiB (%s), KV %d pages x %d tokens "
@@ -235,6 +241,10 @@ class Engine:
             budget = int(total * cfg.mem_fraction) - used - (1 << 30)  # 1 GiB for activations/graphs
             if budget <= 0:
                 raise MemoryError(f"no GPU memory left for the KV cache at mem_fraction={cfg.mem_fraction}")
+        if self.spec is not None and self.spec.kv_bytes_per_token:
+            # a draft model keeps KV for the same tokens: split the budget by bytes per token
+            own = KVLayout(num_pages=1, **kw).bytes_per_token
+            budget = budget * own // (own + self.spec.kv_bytes_per_token)
         layout = KVLayout.pages_for_budget(budget, **kw)
         if self.tp.size > 1:  # every rank must hold the same pages: take the smallest
             pages = self.tp.min_across_ranks(layout.num_pages, self.device)
@@ -410,11 +420,17 @@ class Engine:
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        if self.spec is not None and self.spec.wants_step():
+            return self.spec.step()
         if self.overlap is not None:
             return self.overlap.step()
         batch = self.scheduler.schedule()
         if not batch.items:
             return []
+        return self._run_batch(batch)
+
+    def _run_batch(self, batch) -> list[StepOutput]:
+        """Run one scheduled batch on the host-synchronous path."""
         logits = self.runner.forward(batch)
         self.track_kv_written(batch)
         self.stats.steps += 1
@@ -544,6 +560,8 @@ class Engine:
             out.request_finished = self._finish(req)
             out.finished, out.finish_reason, out.stop_reason = True, req.finish_reason, req.stop_reason
             out.error = req.error
+            if req.spec is not None:
+                out.spec = req.spec.stats
         if req.params.stop:
             out.text = req.output_text
         return out
@@ -577,6 +595,8 @@ class Engine:
     def _finish(self, req: Req) -> bool:
         """Release a finished sequence; True when it was the last of its request."""
         self.kv.release(req, cache=True)
+        if self.spec is not None:
+            self.spec.release(req)
         req.status = ReqStatus.FINISHED
         self.requests.pop(req.rid, None)
         self.stats.requests_finished += 1
