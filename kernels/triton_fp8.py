@@ -11,7 +11,7 @@ for a few ALU operations in kernels that wait on memory.
 import triton
 import triton.language as tl
 
-FP8_MAX = 448.0
+FP8_MAX = tl.constexpr(448.0)  # a plain global cannot be read inside @triton.jit on the GPU
 
 
 @triton.jit
