@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from dataclasses import dataclass
 
 import grpc
 
@@ -14,6 +15,7 @@ from services.worker_runtime.convert import FINISH, prompt_logprobs_to_proto, sa
 from services.worker_runtime.grammar_check import compile_ahead
 from shared.kv_transfer.agent import TransferError
 from shared.kv_transfer.head_plan import PairingError, plan_head_copies
+from shared.kv_transfer.notice import TransferNotice
 from shared.kv_transfer.tp_write_stream import TpWriteStream
 from shared.kv_transfer.write_stream import rank_stream
 from shared.registry.peers import PeerNotFound
@@ -24,74 +26,127 @@ log = logging.getLogger("duet.prefill")
 class PrefillService(duet_pb2_grpc.PrefillServicer):
     def __init__(self, ctx: WorkerContext):
         self.ctx = ctx
+        self._notices: set[asyncio.Task] = set()  # abort notices on their way
 
     async def Prefill(self, request: duet_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
+        rid = request.request_id or uuid.uuid4().hex
+        handoff = _Handoff()
+        answered = False
+        try:
+            with self.ctx.span("prefill", context, request_id=rid, prompt_tokens=len(request.prompt_token_ids)):
+                reply = await self._prefill(request, context, rid, handoff)
+                answered = True
+                return reply
+        finally:
+            if not answered:  # refused, failed or cancelled (the caller left) at any point
+                self._abandon(request.reservation, rid, handoff)
+
+    async def _prefill(self, request, context, rid: str, handoff: "_Handoff"):
         ctx = self.ctx
         res = request.reservation
-        rid = request.request_id or uuid.uuid4().hex
-        with ctx.span("prefill", context, request_id=rid, prompt_tokens=len(request.prompt_token_ids)):
-            if res.compat_hash != ctx.compat_hash or res.page_size != ctx.page_size:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                    f"reservation layout {res.compat_hash}/{res.page_size} does not match "
-                                    f"this prefill worker's {ctx.compat_hash}/{ctx.page_size}")
-            if not res.ranks:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "reservation has no destination pages")
-            try:
-                params = sampling_from_proto(request.sampling)
-            except ValueError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            await compile_ahead(ctx, params, context)
-            ranks = sorted(r.rank for r in res.ranks)
-            if ranks != list(range(len(ranks))):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"reservation names ranks {ranks}")
-            pages = {r.rank: list(r.page_ids) for r in res.ranks}
-            if any(pages[r] != pages[0] for r in ranks):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    "a tensor-parallel reservation must name the same pages on every rank")
-            try:
-                peer = await ctx.peers.get(res.decode_worker_id, res.decode_instance_nonce, res.compat_hash)
-                specs = ctx.peers.rank_specs(peer, len(ranks))
-            except PeerNotFound as exc:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-            try:  # which of our ranks writes which heads into which decode rank (cached per layout pair)
-                plan = plan_head_copies([a.pool for a in ctx.rank_agents], [s.pool for s in specs])
-            except PairingError as exc:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                    f"prefill worker {ctx.worker_id} (tp {ctx.config.engine.tp_size}) cannot write into decode "
-                                    f"worker {res.decode_worker_id} (tp {len(ranks)}): {exc}")
-            mine = {c.dst_rank for c in plan if c.src_rank == 0} | {0}
-            decode_peers = {j: ctx.peers.add(specs[j]) for j in sorted(mine)}
-            prompt = list(request.prompt_token_ids)
+        if res.compat_hash != ctx.compat_hash or res.page_size != ctx.page_size:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"reservation layout {res.compat_hash}/{res.page_size} does not match "
+                                f"this prefill worker's {ctx.compat_hash}/{ctx.page_size}")
+        if not res.ranks:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "reservation has no destination pages")
+        try:
+            params = sampling_from_proto(request.sampling)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        await compile_ahead(ctx, params, context)
+        ranks = sorted(r.rank for r in res.ranks)
+        if ranks != list(range(len(ranks))):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"reservation names ranks {ranks}")
+        pages = {r.rank: list(r.page_ids) for r in res.ranks}
+        if any(pages[r] != pages[0] for r in ranks):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "a tensor-parallel reservation must name the same pages on every rank")
+        try:
+            peer = await ctx.peers.get(res.decode_worker_id, res.decode_instance_nonce, res.compat_hash)
+            specs = ctx.peers.rank_specs(peer, len(ranks))
+        except PeerNotFound as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        try:  # which of our ranks writes which heads into which decode rank (cached per layout pair)
+            plan = plan_head_copies([a.pool for a in ctx.rank_agents], [s.pool for s in specs])
+        except PairingError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"prefill worker {ctx.worker_id} (tp {ctx.config.engine.tp_size}) cannot write into decode "
+                                f"worker {res.decode_worker_id} (tp {len(ranks)}): {exc}")
+        mine = {c.dst_rank for c in plan if c.src_rank == 0} | {0}
+        decode_peers = {j: ctx.peers.add(specs[j]) for j in sorted(mine)}
+        prompt = list(request.prompt_token_ids)
 
-            def start():  # on the engine loop: a TP stream queues its followers' share there
-                if len(pages[0]) * ctx.page_size < len(prompt):
-                    raise ValueError(f"reservation has {len(pages[0])} pages; the prompt needs "
-                                     f"{-(-len(prompt) // ctx.page_size)}")
+        def start():  # on the engine loop: a TP stream queues its followers' share there
+            if len(pages[0]) * ctx.page_size < len(prompt):
+                raise ValueError(f"reservation has {len(pages[0])} pages; the prompt needs "
+                                 f"{-(-len(prompt) // ctx.page_size)}")
+            with ctx.outgoing.lock:
+                if handoff.gone:  # the caller left while this waited for the loop
+                    return None
                 stream = rank_stream(ctx.agent, 0, decode_peers, plan, pages[0])
                 if ctx.config.engine.tp_size > 1:
                     stream = TpWriteStream(stream, ctx.outgoing.followers, specs, pages[0], plan)
-                return ctx.outgoing.start(rid, prompt, params, stream, res.reservation_id, res.generation)
-            try:
-                fut = await ctx.loop.acall(start)
-            except ValueError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            try:
-                result = await asyncio.wrap_future(fut)
-            except asyncio.CancelledError:
-                ctx.loop.call(lambda: ctx.outgoing.cancel(rid))  # stop at the next chunk, free pages
-                raise
-            except TransferError as exc:
-                ctx.metrics.request_finished("Prefill", grpc.StatusCode.UNAVAILABLE)
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-            ctx.metrics.request_finished("Prefill", grpc.StatusCode.OK)
-            first = result.first
-            reply = duet_pb2.PrefillReply(cached_tokens=result.cached_tokens,
-                                          computed_tokens=result.computed_tokens,
-                                          kv_bytes_sent=result.kv_bytes,
-                                          finish_reason=FINISH[first.finish_reason if first.finished else None])
-            reply.first_token.CopyFrom(tokens_to_proto(first)[0])
-            for seq in result.firsts:
-                start = reply.sequences.add(finish_reason=FINISH[seq.finish_reason if seq.finished else None])
-                start.first_token.CopyFrom(tokens_to_proto(seq)[0])
-            reply.prompt_logprobs.extend(prompt_logprobs_to_proto(prompt, first.prompt_logprobs))
-            return reply
+                fut = ctx.outgoing.start(rid, prompt, params, stream, res.reservation_id, res.generation)
+                handoff.started = True  # from here OutgoingTransfers tells decode how it ended
+                return fut
+        try:
+            fut = await ctx.loop.acall(start)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:
+            result = await asyncio.wrap_future(fut)  # cancelled (the caller left): _abandon stops it
+        except TransferError as exc:
+            ctx.metrics.request_finished("Prefill", grpc.StatusCode.UNAVAILABLE)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        ctx.metrics.request_finished("Prefill", grpc.StatusCode.OK)
+        first = result.first
+        reply = duet_pb2.PrefillReply(cached_tokens=result.cached_tokens,
+                                      computed_tokens=result.computed_tokens,
+                                      kv_bytes_sent=result.kv_bytes,
+                                      finish_reason=FINISH[first.finish_reason if first.finished else None])
+        reply.first_token.CopyFrom(tokens_to_proto(first)[0])
+        for seq in result.firsts:
+            start = reply.sequences.add(finish_reason=FINISH[seq.finish_reason if seq.finished else None])
+            start.first_token.CopyFrom(tokens_to_proto(seq)[0])
+        reply.prompt_logprobs.extend(prompt_logprobs_to_proto(prompt, first.prompt_logprobs))
+        return reply
+
+    # -- a request that ends unanswered ----------------------------------------------------------
+    def _abandon(self, res: duet_pb2.Reservation, rid: str, handoff: "_Handoff") -> None:
+        """Decode holds res's pages until it learns no write can land. A started request stops
+        writing now (its abort notice goes out at once when no write is in flight, else when
+        they land) and stops computing at the next step; one never started (and, with `gone`
+        set, never to be) gets an abort notice now: no write of ours was ever issued."""
+        ctx = self.ctx
+        with ctx.outgoing.lock:
+            handoff.gone = True
+            started = handoff.started
+        if started:
+            ctx.outgoing.stop_writing(rid)
+            ctx.loop.call(lambda: ctx.outgoing.cancel(rid))  # a no-op once it ended
+        elif res.reservation_id:
+            task = asyncio.ensure_future(self._send_abort_notice(res, rid))
+            self._notices.add(task)
+            task.add_done_callback(self._notices.discard)
+
+    async def _send_abort_notice(self, res: duet_pb2.Reservation, rid: str) -> None:
+        ctx = self.ctx
+        notice = TransferNotice(reservation_id=res.reservation_id, generation=res.generation, rank=0,
+                                request_id=rid, kind="abort", num_ranks=1)
+        try:
+            peer = await ctx.peers.get(res.decode_worker_id, res.decode_instance_nonce, res.compat_hash)
+            ctx.agent.send_notif(peer, notice.encode())
+        except Exception as exc:  # decode then frees the pages by its own rules (cancel, registry)
+            log.info("request %s: could not tell decode worker %s that reservation %d will not be "
+                     "written: %s", rid, res.decode_worker_id, res.reservation_id, exc)
+
+
+@dataclass
+class _Handoff:
+    """Whether OutgoingTransfers took a request over, and whether its RPC gave up; both set
+    under ctx.outgoing.lock, so a start() still queued on the loop and a caller that left
+    agree on who tells decode."""
+
+    started: bool = False
+    gone: bool = False
