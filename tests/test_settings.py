@@ -155,7 +155,7 @@ def test_engine_gpu_knobs_still_read_the_environment_when_built_in_code(monkeypa
 
 def test_drain_grace_is_one_setting_with_one_default():
     entry = table()["DUET_DRAIN_GRACE"]
-    assert {r.command for r in entry.readers} == {"worker", "gateway"} and len(entry.defaults) == 1
+    assert {r.command for r in entry.readers} == {"worker", "gateway", "up"} and len(entry.defaults) == 1
     assert WorkerConfig.from_argv([], {}).drain_grace_s == GatewayConfig.from_argv([], {}).drain_grace_s == 10.0
     assert GatewayConfig.from_argv([], {"DUET_DRAIN_GRACE": "60"}).drain_grace_s == 60.0
 
@@ -210,7 +210,7 @@ def test_duet_env_prints_the_table():
     out = subprocess.run([sys.executable, "-m", "services.cli", "env"], capture_output=True, text=True, env=env,
                          cwd=REPO, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "DUET_DRAIN_GRACE  (float; read by worker, gateway)" in out.stdout
+    assert "DUET_DRAIN_GRACE  (float; read by worker, gateway, up)" in out.stdout
     assert "set now: 9000" in out.stdout and "hunter2" not in out.stdout and "set now: ***" in out.stdout
     rows = json.loads(subprocess.run([sys.executable, "-m", "services.cli", "env", "--json", "--no-internal"],
                                      capture_output=True, text=True, env=env, cwd=REPO, timeout=120).stdout)

@@ -1,11 +1,13 @@
 """The child processes of `duet up`: started by exec (never fork: gRPC and torch), in our
-process group, each with its log file and its share of the CPU threads."""
+process group, each with its log file (appended to across restarts) and its share of the
+CPU threads. A child is started again with the same command line: same ports, same worker id."""
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,33 +17,56 @@ class Child:
     name: str
     argv: list[str]
     log_path: Path
-    critical: bool  # the stack cannot serve without it (gateway, router, redis)
+    kind: str  # "worker", "gateway", "router" or "redis": the drain order (shutdown.py)
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen | None = None
-    reported: bool = False
+    started_at: float = 0.0  # time.monotonic() of the last start
+    starts: int = 0
 
     def start(self) -> None:
         env = {**os.environ, **self.env}
-        self.proc = subprocess.Popen(self.argv, stdout=self.log_path.open("ab"), stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=env)
+        with self.log_path.open("ab") as log:  # the child keeps its own copy of the descriptor
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, env=env)
+        self.started_at = time.monotonic()
+        self.starts += 1
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
 
     @property
     def exit_code(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
 
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
     def terminate(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
+        if self.running:
             self.proc.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
+        if self.running:
             self.proc.kill()
+            self.proc.wait()
 
     def tail(self, lines: int = 15) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
+
+
+def describe_exit(code: int) -> str:
+    """'code 2', or 'code -9 (SIGKILL)' for a child killed by a signal."""
+    if code < 0:
+        try:
+            return f"code {code} ({signal.Signals(-code).name})"
+        except ValueError:
+            pass
+    return f"code {code}"
 
 
 def duet_command(*args: str) -> list[str]:

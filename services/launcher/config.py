@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from shared.settings import parsers
+from shared.settings.drain import drain_grace
 from shared.settings.flags import add_flags, from_args
 from shared.settings.spec import setting
 
@@ -34,6 +35,18 @@ class UpConfig:
     worker_args: list[str] = field(default_factory=list)  # after `--`, passed to every worker
     health_timeout_s: float = setting(300.0, flag="--health-timeout",
                                       help="seconds to wait for the gateway to become healthy")
+    # supervision (services/launcher/restart_policy.py, shutdown.py)
+    restart_limit: int = setting(
+        5, flag="--restart-limit", env="DUET_RESTART_LIMIT",
+        help="restarts in a row of one child (worker, gateway, router, redis) before duet up gives up and "
+             "stops with exit code 1; 0: never restart")
+    restart_backoff_s: float = setting(
+        1.0, flag="--restart-backoff", env="DUET_RESTART_BACKOFF",
+        help="seconds before a dead child's first restart; doubles with each death in a row, up to 30")
+    restart_reset_s: float = setting(
+        60.0, flag="--restart-reset", env="DUET_RESTART_RESET",
+        help="seconds a child must run for its earlier deaths to be forgiven (a new row starts)")
+    drain_grace_s: float = drain_grace()  # shared with the worker and gateway it passes it to
     # security (services/launcher/security.py): API keys for the gateway, HTTPS, gRPC TLS
     api_keys: list[str] = setting(
         flag="--api-key", env="DUET_API_KEYS", repeat=True, secret=True,
@@ -53,6 +66,11 @@ class UpConfig:
                                             help="its key (PEM)")
     grpc_tls_ca_file: str | None = setting(flag="--grpc-tls-ca-file", env="DUET_GRPC_TLS_CA_FILE",
                                            help="CA of the gRPC certificates: with it every gRPC link is mutual TLS")
+    secure: bool = setting(
+        False, flag="--secure", env="DUET_SECURE",
+        help="close the local stack to other local processes: a throwaway CA and certificate for mutual TLS "
+             "on every gRPC link, and a random password for the Redis duet up starts (in 0600 files, "
+             "removed when it stops)")
     prefill_tp: int | None = setting(
         flag="--prefill-tp", parse=int,
         help="tensor-parallel size of the prefill workers (default: --tp after --, else 1); may differ from "
@@ -86,6 +104,10 @@ class UpConfig:
             p.error("--grpc-tls-cert-file and --grpc-tls-key-file go together")
         if cfg.grpc_tls_ca_file and not cfg.grpc_tls_cert_file:
             p.error("--grpc-tls-ca-file needs --grpc-tls-cert-file and --grpc-tls-key-file")
+        if cfg.secure and (cfg.grpc_tls_cert_file or cfg.grpc_tls_ca_file):
+            p.error("--secure makes its own gRPC certificates: leave out the --grpc-tls-* files")
+        if cfg.restart_limit < 0 or cfg.restart_backoff_s < 0 or cfg.restart_reset_s < 0 or cfg.drain_grace_s < 0:
+            p.error("--restart-limit, --restart-backoff, --restart-reset and --drain-grace must be >= 0")
         cfg.worker_args = [x for x in a.worker_args if x != "--"]
         return cfg
 

@@ -2,7 +2,9 @@
 
 Starts redis-server (unless --redis-url), the router, the prefill/decode (or both)
 workers and the gateway; waits until the gateway's /health says it can serve; prints
-where everything is; reports a child that dies; Ctrl-C or SIGTERM stops everything."""
+where everything is; supervises every child (supervisor.py: a child that dies is started
+again with backoff, and duet up gives up with exit code 1 when one keeps dying); Ctrl-C or
+SIGTERM drains the whole stack within one grace period (shutdown.py)."""
 from __future__ import annotations
 
 import logging
@@ -19,12 +21,26 @@ from services.launcher.children import Child, duet_command, thread_env
 from services.launcher.config import UpConfig
 from services.launcher.gpus import WorkerFlags, gpu_memory_bytes, visible_gpus, weight_bytes
 from services.launcher.gpus import plan as place_workers
-from services.launcher.ports import port_taken
-from services.launcher.redis_process import free_port, start_redis
-from services.launcher.security import SecretsDir, gateway_security, grpc_tls_args, health_ssl_context
+from services.launcher.ports import free_port, port_taken
+from services.launcher.redis_process import redis_child, wait_ready
+from services.launcher.restart_policy import RestartPolicy
+from services.launcher.security import (
+    SecretsDir,
+    SecureStack,
+    gateway_security,
+    grpc_tls_args,
+    health_ssl_context,
+    make_secure,
+)
+from services.launcher.shutdown import DrainPlan, stop_children
+from services.launcher.supervisor import Supervisor
 from shared.security.secret_files import redact_url
 
 log = logging.getLogger("duet.up")
+
+
+def say(message: str) -> None:
+    print(f"duet up: {message}", file=sys.stderr, flush=True)
 
 
 def _healthy(url: str, context=None) -> bool:
@@ -40,10 +56,22 @@ class Stack:
         self.cfg = cfg
         self.log_dir = log_dir
         self.children: list[Child] = []
-        self.redis_proc = None
         self.redis_url = cfg.redis_url
-        self.stopping = False
+        self.stopped = False
         self.secrets = SecretsDir()
+        self.secure = SecureStack(None, None)
+        self.drain = DrainPlan(cfg.drain_grace_s)
+
+    def make_secure(self) -> None:
+        self.cfg, self.secure = make_secure(self.cfg, self.secrets, own_redis=self.redis_url is None)
+
+    def start_redis(self) -> None:
+        host = self.cfg.host
+        port = free_port(host)
+        child = redis_child(self.log_dir, self.log_dir / "redis.log", host, port, self.secure.redis_config_file)
+        self.children.append(child)
+        child.start()
+        self.redis_url = wait_ready(child, host, port)
 
     def plan(self, model_dir: str) -> None:
         cfg, host = self.cfg, self.cfg.host
@@ -59,90 +87,56 @@ class Stack:
         threads = cfg.threads or max(1, cores // max(1, cfg.num_workers))
         self.router_port = free_port(host)
         common = ["--redis-url", self.redis_url, *grpc_tls_args(cfg)]
+        secure_env = self.secure.child_env()
         self.children.append(Child("router", duet_command(
             "router", "--host", host, "--port", str(self.router_port), "--metrics-port", str(free_port(host)),
-            *common), self.log_dir / "router.log", critical=True, env=thread_env(1)))
+            *common), self.log_dir / "router.log", kind="router", env={**thread_env(1), **secure_env}))
         for (role, i), place, tp in zip(roles, self.placements, tps):
             name = f"{role}-{i}"
             kv = ["--kv-cache-memory", place.kv_cache_memory] if place.kv_cache_memory else []
             role_tp = ["--tp", str(tp)] if tp != flags.tp else []  # after the shared flags: it wins
             argv = duet_command("worker", "--role", role, "--worker-id", name, "--host", host,
                                 "--port", str(free_port(host)), "--metrics-port", str(free_port(host)),
-                                "--model", model_dir, *kv, "--threads", str(threads), *common, *cfg.worker_args,
+                                "--model", model_dir, *kv, "--threads", str(threads),
+                                "--drain-grace", str(self.drain.worker_grace_s), *common, *cfg.worker_args,
                                 *role_tp)
-            self.children.append(Child(name, argv, self.log_dir / f"{name}.log", critical=False,
-                                       env={**thread_env(threads), **place.env()}))
+            self.children.append(Child(name, argv, self.log_dir / f"{name}.log", kind="worker",
+                                       env={**thread_env(threads), **place.env(), **secure_env}))
         gw_args, gw_env = gateway_security(cfg, self.secrets)
         self.children.append(Child("gateway", duet_command(
             "gateway", "--host", host, "--port", str(cfg.port), "--router-address", f"{host}:{self.router_port}",
-            "--model", model_dir, *common, *gw_args), self.log_dir / "gateway.log", critical=True,
-            env={**thread_env(1), **gw_env}))
+            "--model", model_dir, "--drain-grace", str(self.drain.gateway_grace_s), *common, *gw_args),
+            self.log_dir / "gateway.log", kind="gateway", env={**thread_env(1), **gw_env, **secure_env}))
         self.threads = threads
 
     def start(self) -> None:
         for child in self.children:
-            child.start()
+            if child.proc is None:
+                child.start()
 
-    def check(self) -> Child | None:
-        """Report children that died; return a critical one if any."""
-        for child in self.children:
-            code = child.exit_code
-            if code is not None and not child.reported:
-                child.reported = True
-                print(f"duet up: {child.name} exited with code {code}; last lines of {child.log_path}:\n"
-                      f"{child.tail()}", file=sys.stderr, flush=True)
-                if child.critical:
-                    return child
-        if self.redis_proc is not None and self.redis_proc.poll() is not None:
-            print("duet up: redis-server exited", file=sys.stderr, flush=True)
-            return self.children[0]
-        return None
-
-    def stop(self, grace_s: float = 15.0) -> None:
-        if self.stopping:
+    def stop(self) -> None:
+        if self.stopped:
             return
-        self.stopping = True
-        order = ([c for c in self.children if c.name == "gateway"]
-                 + [c for c in self.children if c.name not in ("gateway", "router")]
-                 + [c for c in self.children if c.name == "router"])
-        for group in (order[:1], order[1:-1], order[-1:]):
-            for child in group:
-                child.terminate()
-            deadline = time.monotonic() + grace_s
-            for child in group:
-                while child.exit_code is None and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                child.kill()
+        self.stopped = True
+        stop_children(self.children, self.drain, say)
         self.secrets.close()
-        if self.redis_proc is not None and self.redis_proc.poll() is None:
-            self.redis_proc.terminate()
-            try:
-                self.redis_proc.wait(5)
-            except Exception:
-                self.redis_proc.kill()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = UpConfig.from_argv(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s duet up: %(message)s")
     if port_taken(cfg.host, cfg.port):
-        print(f"duet up: port {cfg.port} on {cfg.host} is in use; pick another with --port", file=sys.stderr)
+        say(f"port {cfg.port} on {cfg.host} is in use; pick another with --port")
         return 2
     from shared.model_files.default_model import resolve_model_dir
     try:
         model_dir = str(resolve_model_dir(cfg.model))  # converts the default model once, with progress
     except (FileNotFoundError, ValueError) as exc:
-        print(f"duet up: {exc}", file=sys.stderr)
+        say(str(exc))
         return 2
     log_dir = Path(cfg.log_dir) if cfg.log_dir else Path(tempfile.mkdtemp(prefix="duet-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     stack = Stack(cfg, log_dir)
-    if stack.redis_url is None:
-        try:
-            stack.redis_proc, stack.redis_url = start_redis(log_dir, log_dir / "redis.log", cfg.host)
-        except FileNotFoundError as exc:
-            print(f"duet up: {exc}", file=sys.stderr)
-            return 2
     stopping = {"sig": None}
 
     def on_signal(signum, _frame):
@@ -150,57 +144,81 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Restored on return: `duet up` called in-process (tests, scripts) must not leave its handlers behind.
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return _serve(cfg, stack, model_dir, stopping)
+        return _serve(stack, model_dir, stopping)
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        try:
+            if stack.children:
+                say(f"stopping: every child drains for up to {stack.drain.grace_s:g}s")
+            stack.stop()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
-def _serve(cfg: UpConfig, stack: Stack, model_dir: str, stopping: dict) -> int:
+def _serve(stack: Stack, model_dir: str, stopping: dict) -> int:
     try:
+        if stack.cfg.secure:
+            stack.make_secure()
+        if stack.redis_url is None:
+            stack.start_redis()
         stack.plan(model_dir)
-    except ValueError as exc:  # e.g. --tp larger than the visible GPUs
-        print(f"duet up: {exc}", file=sys.stderr)
-        stack.stop()
+    except FileNotFoundError as exc:  # no redis-server on PATH
+        say(str(exc))
         return 2
+    except ImportError as exc:  # --secure without `cryptography`
+        say(f"--secure needs the `cryptography` package ({exc})")
+        return 2
+    except ValueError as exc:  # e.g. --tp larger than the visible GPUs
+        say(str(exc))
+        return 2
+    except RuntimeError as exc:  # redis-server would not start
+        say(str(exc))
+        return 1
+    cfg = stack.cfg
     stack.start()
+    supervisor = Supervisor(stack.children, RestartPolicy(cfg.restart_limit, cfg.restart_backoff_s,
+                                                          cfg.restart_reset_s), say)
     base = f"{cfg.scheme}://{cfg.host}:{cfg.port}"
     log.info("starting %d workers (%d prefill, %d decode, %d both; %d threads each), logs in %s",
              cfg.num_workers, cfg.prefill, cfg.decode, cfg.both, stack.threads, stack.log_dir)
     deadline = time.monotonic() + cfg.health_timeout_s
-    code = 0
-    try:
-        probe_ssl = health_ssl_context(cfg)
-        while not _healthy(base + "/health", probe_ssl):
-            if stopping["sig"] is not None:
-                return 130
-            dead = stack.check()
-            if dead is not None:
-                return 1
-            if time.monotonic() > deadline:
-                print(f"duet up: the gateway did not become healthy in {cfg.health_timeout_s:.0f}s; "
-                      f"logs in {stack.log_dir}", file=sys.stderr)
-                return 1
-            time.sleep(0.25)
-        workers = [c.name + (f" (GPU {c.env['CUDA_VISIBLE_DEVICES']})" if "CUDA_VISIBLE_DEVICES" in c.env else "")
-                   for c in stack.children if c.name not in ("gateway", "router")]
-        print(f"\nDuet is up. OpenAI API: {base}/v1   (health {base}/health, metrics {base}/metrics)\n"
-              f"  model   {model_dir}\n"
-              f"  router  {cfg.host}:{stack.router_port}\n"
-              f"  workers {', '.join(workers)}\n"
-              f"  redis   {redact_url(stack.redis_url)}\n"
-              f"  auth    {'API key required' if cfg.api_keys or cfg.api_keys_file else 'none (open)'}; "
-              f"gRPC {'mTLS' if cfg.grpc_tls_ca_file else 'TLS' if cfg.grpc_tls_cert_file else 'plaintext'}\n"
-              f"  logs    {stack.log_dir}\n"
-              f"Ctrl-C stops everything.\n", file=sys.stderr, flush=True)
-        print(f"{base}/v1", flush=True)  # stdout: the one thing a script needs
-        while stopping["sig"] is None:
-            dead = stack.check()
-            if dead is not None:
-                code = 1
-                break
-            time.sleep(0.5)
-        return code
-    finally:
-        print("duet up: stopping", file=sys.stderr, flush=True)
-        stack.stop()
+    probe_ssl = health_ssl_context(cfg)
+    while not _healthy(base + "/health", probe_ssl):
+        if stopping["sig"] is not None:
+            return 130
+        if supervisor.tick() is not None:
+            return _gave_up()
+        if time.monotonic() > deadline:
+            say(f"the gateway did not become healthy in {cfg.health_timeout_s:.0f}s; logs in {stack.log_dir}")
+            return 1
+        time.sleep(0.25)
+    _print_banner(stack, model_dir, base)
+    while stopping["sig"] is None:
+        if supervisor.tick() is not None:
+            return _gave_up()
+        time.sleep(0.25)
+    return 0
+
+
+def _gave_up() -> int:
+    say("a child keeps dying: stopping the stack (exit code 1)")
+    return 1
+
+
+def _print_banner(stack: Stack, model_dir: str, base: str) -> None:
+    cfg = stack.cfg
+    workers = [c.name + (f" (GPU {c.env['CUDA_VISIBLE_DEVICES']})" if "CUDA_VISIBLE_DEVICES" in c.env else "")
+               for c in stack.children if c.kind == "worker"]
+    redis_auth = " (password required)" if stack.secure.redis_password_file else ""
+    restarts = (f"A child that dies is restarted (up to {cfg.restart_limit} times in a row)" if cfg.restart_limit
+                else "A child that dies stops the stack (--restart-limit 0)")
+    print(f"\nDuet is up. OpenAI API: {base}/v1   (health {base}/health, metrics {base}/metrics)\n"
+          f"  model   {model_dir}\n"
+          f"  router  {cfg.host}:{stack.router_port}\n"
+          f"  workers {', '.join(workers)}\n"
+          f"  redis   {redact_url(stack.redis_url)}{redis_auth}\n"
+          f"  auth    {'API key required' if cfg.api_keys or cfg.api_keys_file else 'none (open)'}; "
+          f"gRPC {'mTLS' if cfg.grpc_tls_ca_file else 'TLS' if cfg.grpc_tls_cert_file else 'plaintext'}\n"
+          f"  logs    {stack.log_dir}\n"
+          f"{restarts}; Ctrl-C stops everything (drain: {stack.drain.grace_s:g}s).\n", file=sys.stderr, flush=True)
+    print(f"{base}/v1", flush=True)  # stdout: the one thing a script needs

@@ -29,3 +29,10 @@ def port_taken(host: str, port: int) -> bool:
         except OSError:
             return True
     return False
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now (the OS's pick); each child keeps its port across restarts."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -1,12 +1,16 @@
 """`duet up`'s security wiring: API keys handed to the gateway in a private 0600 file (never
-on a command line, which `ps` shows to every user), HTTPS for the gateway, and one gRPC
-certificate (+ CA for mutual TLS) for every service."""
+on a command line, which `ps` shows to every user), HTTPS for the gateway, one gRPC
+certificate (+ CA for mutual TLS) for every service, and `--secure`: a throwaway CA and
+certificate (mTLS on every gRPC link) and a random password for the Redis duet up starts."""
 from __future__ import annotations
 
+import dataclasses
 import os
+import secrets
 import shutil
 import ssl
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from services.launcher.config import UpConfig
@@ -18,10 +22,13 @@ class SecretsDir:
     def __init__(self):
         self.path: Path | None = None
 
-    def write(self, name: str, text: str) -> Path:
+    def folder(self) -> Path:
         if self.path is None:
             self.path = Path(tempfile.mkdtemp(prefix="duet-up-secrets-"))  # mode 0700
-        target = self.path / name
+        return self.path
+
+    def write(self, name: str, text: str) -> Path:
+        target = self.folder() / name
         fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(text)
@@ -72,3 +79,32 @@ def health_ssl_context(cfg: UpConfig) -> ssl.SSLContext | None:
     ctx.check_hostname = False
     ctx.verify_mode = ssl.CERT_NONE
     return ctx
+
+
+@dataclass(frozen=True)
+class SecureStack:
+    """What `--secure` made: the gRPC files are in the returned config; the Redis password is
+    in two 0600 files, one for redis-server (its config file), one for the services."""
+
+    redis_password_file: Path | None  # None with --redis-url: that Redis is secured by its owner
+    redis_config_file: Path | None
+
+    def child_env(self) -> dict[str, str]:
+        """The services read the password from the file (never argv, never the variable)."""
+        if self.redis_password_file is None:
+            return {}
+        return {"DUET_REDIS_PASSWORD_FILE": str(self.redis_password_file), "DUET_REDIS_PASSWORD": ""}
+
+
+def make_secure(cfg: UpConfig, vault: SecretsDir, *, own_redis: bool) -> tuple[UpConfig, SecureStack]:
+    """A throwaway CA + certificate for mutual TLS on every gRPC link, and (for the Redis that
+    duet up starts) a random password; the config returned names the certificate files."""
+    from services.launcher.throwaway_pki import make_certificates
+    certs = make_certificates(vault.folder(), [cfg.host])
+    cfg = dataclasses.replace(cfg, grpc_tls_cert_file=str(certs.cert), grpc_tls_key_file=str(certs.key),
+                              grpc_tls_ca_file=str(certs.ca))
+    if not own_redis:
+        return cfg, SecureStack(None, None)
+    password = secrets.token_urlsafe(32)
+    return cfg, SecureStack(vault.write("redis-password", password + "\n"),
+                            vault.write("redis.conf", f"requirepass {password}\n"))

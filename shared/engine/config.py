@@ -126,6 +126,51 @@ class EngineConfig:
         "auto", flag="--load-format", env="DUET_LOAD_FORMAT", choices=("auto", "dummy"),
         help="dummy: random weights drawn on the device from a fixed seed instead of the folder's safetensors "
              "(benchmarks of real shapes; every worker of one TP size and device type draws the same weights)")
+    # FP8 (shared/engine/quantization): an FP8 checkpoint is served in FP8 either way; "fp8" also
+    # quantizes a 16-bit one block-wise at load. On the CPU FP8 weights are dequantized at load.
+    quantization: str = setting(
+        "none", flag="--quantization", env="DUET_QUANTIZATION", choices=("none", "fp8"),
+        help="fp8: quantize a 16-bit checkpoint's linear layers to FP8 (128x128 blocks) at load; an FP8 "
+             "checkpoint (quantization_config fp8 / compressed-tensors float8) is served in FP8 without it")
+    kv_cache_dtype: str = setting(
+        "auto", flag="--kv-cache-dtype", env="DUET_KV_CACHE_DTYPE", choices=("auto", "fp8_e4m3"),
+        help="KV cache dtype: auto (the weights' dtype) or fp8_e4m3 (half a bf16 cache's bytes per token and "
+             "per handoff; scaled by the checkpoint's k_scale/v_scale, else 1.0); prefill and decode pair "
+             "only with the same")
+    # speculative decoding (shared/engine/speculative/): off (None), "ngram" (drafts copied
+    # from the request's own tokens), "draft" (a smaller model with the target's tokenizer)
+    # or "eagle3" (an EAGLE-3 head over the target's hidden states)
+    speculative_method: str | None = setting(
+        None, flag="--speculative-method", env="DUET_SPECULATIVE_METHOD", choices=("ngram", "draft", "eagle3"),
+        help="speculative decoding: ngram (prompt lookup), draft (a smaller model, --speculative-draft-model) "
+             "or eagle3 (an EAGLE-3 head, --speculative-draft-model); off by default")
+    speculative_tokens: int = setting(
+        4, flag="--speculative-tokens", env="DUET_SPECULATIVE_TOKENS",
+        help="draft tokens per verify step (K; the target computes K + 1 positions a sequence)")
+    speculative_draft_model: str | None = setting(
+        None, flag="--speculative-draft-model", env="DUET_SPECULATIVE_DRAFT_MODEL",
+        help="folder of the draft model (same tokenizer as the target, any architecture the engine loads) "
+             "or of the EAGLE-3 head")
+    # n-gram lookup: the longest suffix of max..min tokens that occurred before proposes
+    # what followed it
+    speculative_ngram_min: int = setting(
+        2, flag="--speculative-ngram-min", env="DUET_SPECULATIVE_NGRAM_MIN",
+        help="n-gram lookup: shortest suffix that may match")
+    speculative_ngram_max: int = setting(
+        4, flag="--speculative-ngram-max", env="DUET_SPECULATIVE_NGRAM_MAX",
+        help="n-gram lookup: longest suffix tried (the longest match wins)")
+    # step aside: no speculation above this many decoding sequences (None: the measured
+    # default, speculative/policy.py), nor for a request whose recent accepted tokens per
+    # draft token fall below the threshold (it tries again after a cool-down)
+    speculative_max_batch: int | None = setting(
+        None, flag="--speculative-max-batch", env="DUET_SPECULATIVE_MAX_BATCH", parse=parsers.optional_int,
+        help="decode plainly above this many decoding sequences (default: the measured crossover)")
+    speculative_min_acceptance: float = setting(
+        0.2, flag="--speculative-min-acceptance", env="DUET_SPECULATIVE_MIN_ACCEPTANCE",
+        help="a request whose recent drafts are accepted below this share sits speculation out for a while")
+    # benchmarks only, no flag (never served): every draft token counts as accepted, whatever
+    # the target says; gives the bound of a method's speed-up
+    speculative_accept_all: bool = False
     tp: TPContext = field(default_factory=_tp_context)  # this process's rank (set by the engine)
 
     def resolve_device(self) -> torch.device:
@@ -148,6 +193,16 @@ class EngineConfig:
             raise ValueError("dtype float64 runs on the CPU only (device='cpu'); on a GPU choose float32, "
                              "bfloat16 or float16")
         return getattr(torch, self.dtype)
+
+    def resolve_kv_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The KV pool's dtype for weights/activations of `dtype`."""
+        import torch
+        kind = str(self.kv_cache_dtype or "auto").lower()
+        if kind == "auto":
+            return dtype
+        if kind in ("fp8", "fp8_e4m3", "float8_e4m3fn"):
+            return torch.float8_e4m3fn
+        raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose auto or fp8_e4m3")
 
     def resolve_batched_tokens(self, device: torch.device) -> int:
         if self.max_num_batched_tokens:

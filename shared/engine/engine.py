@@ -17,6 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.admission.context_rule import completion_budget
+from shared.admission.kv_demand import check_fits, kv_demand
+
 from .attention.select import make_attention_backend
 from .config import CPU_DEFAULT_KV_BYTES, EngineConfig
 from .kv_manager import KVManager
@@ -59,7 +62,7 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         from shared.model_files.default_model import resolve_model_dir
         self.model_dir = resolve_model_dir(config.model_dir)
-        self.model_config = mc = ModelConfig.from_dir(self.model_dir)
+        self.model_config = mc = ModelConfig.from_dir(self.model_dir, quantization=config.quantization)
         self._tp_workers = None
         # per-rank services a worker attaches (e.g. a follower's KV transfer agent, see
         # shared/kv_transfer/rank_transfers.py); the follower loop gives them idle ticks
@@ -77,6 +80,7 @@ class Engine:
             weakref.finalize(self, self._tp_workers.shutdown)
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)
+        self.kv_dtype = config.resolve_kv_dtype(self.dtype)
         self.tp = config.tp
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         t0 = time.monotonic()
@@ -87,6 +91,7 @@ class Engine:
         self.model = load_model(mc, self.tp, self.dtype, self.device, self.max_model_len, fused=fused,
                                 load_format=config.load_format, expert_parallel=config.ep_size > 1)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.fp8_layers = sum(1 for m in self.model.modules() if getattr(m, "fp8", None))
         self.small_batch_workspace = None
         which = {"1": "all", "true": "all", "on": "all", "0": "off", "false": "off"}.get(
             str(config.small_batch_linear).lower(), str(config.small_batch_linear).lower())
@@ -97,6 +102,13 @@ class Engine:
             from .models.layers import enable_small_batch_linears
             self.small_batch_workspace = SmallBatchWorkspace.create(self.device)
             enable_small_batch_linears(self.model, self.small_batch_workspace, mode=which)
+        if fused and self.fp8_layers:  # FP8 linears' decode sizes always run the small-batch kernel
+            from kernels.small_batch_linear import SmallBatchWorkspace
+            if self.small_batch_workspace is None:
+                self.small_batch_workspace = SmallBatchWorkspace.create(self.device)
+            for m in self.model.modules():
+                if getattr(m, "fp8", None) and getattr(m, "small_batch", "absent") is None:
+                    m.small_batch = self.small_batch_workspace
         if self.tp.size > 1 and self.device.type == "cuda" and config.custom_all_reduce:
             from .parallel.custom_all_reduce import CustomAllReduce
             car = None
@@ -104,8 +116,12 @@ class Engine:
                 car = CustomAllReduce.try_create(self.tp, self.device, mode=config.custom_all_reduce_mode)
             if self.tp.all_ranks_agree(car is not None, self.device):  # all use it, or none
                 self.tp.custom_all_reduce = car
+        self.spec = None  # speculative decoding (speculative/speculator.py), when configured
+        if config.speculative_method and self.tp.rank == 0:  # TP: rank 0 drafts, every rank verifies
+            from .speculative.speculator import Speculator
+            self.spec = Speculator(self, config)
         self.layout = self._size_kv()
-        self.pool = KVPool(self.layout, self.device)
+        self.pool = KVPool(self.layout, self.device, self._kv_scales())
         self.backend = make_attention_backend(config.attention_backend, self.pool, self.device)
         self.pdl = self._enable_pdl(config, fused)
         self.kv = KVManager(self.layout.num_pages, self.layout.page_size, config.enable_prefix_cache,
@@ -143,15 +159,18 @@ class Engine:
         if overlap:
             from .overlap import OverlapScheduler
             self.overlap = OverlapScheduler(self)
+        if self.spec is not None:
+            self.spec.attach()
         if self._tp_workers is not None:
             self._tp_workers.wait_ready()
-        log.info("engine ready in %.1fs: %s %s on %s, %s, weights %.2f GiB, KV %d pages x %d tokens "
-                 "(%.2f GiB), backend %s, cuda graphs %s, custom all-reduce %s, overlap %s, "
+        log.info("engine ready in %.1fs: %s %s on %s, %s, weights %.2f GiB (%s), KV %d pages x %d tokens "
+                 "(%.2f GiB, %s), backend %s, cuda graphs %s, custom all-reduce %s, overlap %s, "
                  "small-batch linears %s, PDL %s",
                  time.monotonic() - t0, mc.architecture, str(self.dtype).removeprefix("torch."),
                  self.device, f"tp {self.tp.rank}/{self.tp.size}", self.weight_bytes / 2**30,
-                 self.layout.num_pages, self.layout.page_size,
-                 self.layout.num_pages * self.layout.bytes_per_page / 2**30, self.backend.name,
+                 self.weights_description, self.layout.num_pages, self.layout.page_size,
+                 self.layout.num_pages * self.layout.bytes_per_page / 2**30,
+                 str(self.kv_dtype).removeprefix("torch."), self.backend.name,
                  "on" if self.runner.graphs is not None and self.runner.graphs.capture else "off",
                  "on" if self.tp.custom_all_reduce is not None else "off",
                  "on" if self.overlap is not None else "off",
@@ -186,6 +205,23 @@ class Engine:
             self._tp_workers.shutdown()
 
     @property
+    def weights_description(self) -> str:
+        """What the weights are, for logs: "FP8 block 128x128 (fp8), 252 layers", "dequantized
+        from FP8 ..." on a device that holds them in the engine's dtype, or the dtype."""
+        q = self.model_config.quant
+        if q is None:
+            return str(self.dtype).removeprefix("torch.")
+        if self.fp8_layers:
+            return f"{q.describe()}, {self.fp8_layers} FP8 layers"
+        return f"{str(self.dtype).removeprefix('torch.')}, dequantized from {q.describe()}"
+
+    def _kv_scales(self) -> list[tuple[float, float]] | None:
+        """An FP8 pool's per-layer scales (the checkpoint's k_scale / v_scale, else 1.0)."""
+        if self.kv_dtype != torch.float8_e4m3fn:
+            return None
+        return [(float(layer.self_attn.k_scale), float(layer.self_attn.v_scale)) for layer in self.model.layers]
+
+    @property
     def kv_heads(self):
         """The global KV heads this rank's pool holds (parallel/context.py HeadSlice)."""
         return self.tp.kv_heads(self.model_config.num_kv_heads)
@@ -194,7 +230,7 @@ class Engine:
     def _size_kv(self) -> KVLayout:
         mc, cfg = self.model_config, self.config
         kw = dict(num_layers=mc.num_layers, num_kv_heads=self.tp.kv_heads(mc.num_kv_heads).count,
-                  page_size=cfg.page_size, head_dim=mc.head_dim, dtype=self.dtype)
+                  page_size=cfg.page_size, head_dim=mc.head_dim, dtype=self.kv_dtype)
         if cfg.kv_cache_memory:
             budget = cfg.kv_cache_memory
         elif self.device.type == "cpu":
@@ -205,6 +241,10 @@ class Engine:
             budget = int(total * cfg.mem_fraction) - used - (1 << 30)  # 1 GiB for activations/graphs
             if budget <= 0:
                 raise MemoryError(f"no GPU memory left for the KV cache at mem_fraction={cfg.mem_fraction}")
+        if self.spec is not None and self.spec.kv_bytes_per_token:
+            # a draft model keeps KV for the same tokens: split the budget by bytes per token
+            own = KVLayout(num_pages=1, **kw).bytes_per_token
+            budget = budget * own // (own + self.spec.kv_bytes_per_token)
         layout = KVLayout.pages_for_budget(budget, **kw)
         if self.tp.size > 1:  # every rank must hold the same pages: take the smallest
             pages = self.tp.min_across_ranks(layout.num_pages, self.device)
@@ -260,22 +300,11 @@ class Engine:
         vocab = self.model_config.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        room = self.max_model_len - len(prompt_ids)
-        if room < 1:
-            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the model's context length is "
-                             f"{self.max_model_len}")
-        max_new = room if params.max_tokens is None else params.max_tokens
-        if max_new > room:
-            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_new}) exceeds the "
-                             f"model's context length ({self.max_model_len})")
-        tokens = len(prompt_ids) + max_new
-        need = self.kv.pages_for(tokens)
-        if params.n > 1:  # the others share the prompt and grow their own pages (the last one copied)
-            tokens += (params.n - 1) * (max_new + self.layout.page_size)
-            need += (params.n - 1) * self.kv.pages_for(max_new + self.layout.page_size)
-        if need > self.kv.capacity:
-            raise ValueError(f"request needs {tokens} tokens of KV; this worker "
-                             f"holds {self.kv.capacity * self.layout.page_size}")
+        max_new = completion_budget(params.max_tokens, None, len(prompt_ids), self.max_model_len)
+        # a prefill-only request holds the prompt alone (its sequences fork on decode)
+        demand = (kv_demand(len(prompt_ids), 1, 1, self.layout.page_size) if prefill_only
+                  else kv_demand(len(prompt_ids), max_new, params.n, self.layout.page_size))
+        check_fits(demand, self.kv.capacity)
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ValueError(f"logit_bias names token {max(params.logit_bias)}, outside the vocabulary "
                              f"[0, {vocab})")
@@ -391,11 +420,17 @@ class Engine:
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        if self.spec is not None and self.spec.wants_step():
+            return self.spec.step()
         if self.overlap is not None:
             return self.overlap.step()
         batch = self.scheduler.schedule()
         if not batch.items:
             return []
+        return self._run_batch(batch)
+
+    def _run_batch(self, batch) -> list[StepOutput]:
+        """Run one scheduled batch on the host-synchronous path."""
         logits = self.runner.forward(batch)
         self.track_kv_written(batch)
         self.stats.steps += 1
@@ -525,6 +560,8 @@ class Engine:
             out.request_finished = self._finish(req)
             out.finished, out.finish_reason, out.stop_reason = True, req.finish_reason, req.stop_reason
             out.error = req.error
+            if req.spec is not None:
+                out.spec = req.spec.stats
         if req.params.stop:
             out.text = req.output_text
         return out
@@ -558,6 +595,8 @@ class Engine:
     def _finish(self, req: Req) -> bool:
         """Release a finished sequence; True when it was the last of its request."""
         self.kv.release(req, cache=True)
+        if self.spec is not None:
+            self.spec.release(req)
         req.status = ReqStatus.FINISHED
         self.requests.pop(req.rid, None)
         self.stats.requests_finished += 1
