@@ -111,3 +111,14 @@ def test_a_helper_exits_when_its_parent_is_killed(tmp_path):
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+def test_stop_kills_the_helpers_and_the_pool_starts_fresh_ones_after():
+    pool = ProcessPool("stoppable", f"{T}:setup", ("s",), processes=1)
+    try:
+        first = psutil.Process(pool.call_sync(f"{T}:echo", 1, timeout_s=60)[3])
+        pool.stop()
+        first.wait(10)  # gone
+        assert pool.call_sync(f"{T}:echo", 2, timeout_s=60)[3] != first.pid
+    finally:
+        pool.close()

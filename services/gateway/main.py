@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                     timeout_graceful_shutdown=config.drain_grace_s,
                     **ssl_options, **uvicorn_limits(config.limits))
     finally:
-        ctx.close()
+        ctx.stop_helpers()
         if metrics_server is not None:
             metrics_server.stop()
         tracing.shutdown()

@@ -52,8 +52,9 @@ class PoolStats:
 
 
 class _Helper:
-    def __init__(self, name: str, argv: list[str], env: dict[str, str]):
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], generation: int = 0):
         self.name = name
+        self.generation = generation  # the pool's stop() count when it started
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
                                      close_fds=True)
 
@@ -108,6 +109,7 @@ class ProcessPool:
         for _ in range(processes):
             self._slots.put(None)
         self._closed = False
+        self._generation = 0  # bumped by stop(): older helpers are killed when they come back
 
     async def call(self, target: str, *args: Any, timeout_s: float) -> Any:
         """target(state, *args) in a helper; CallTimeout past timeout_s (the wait for a free
@@ -123,16 +125,26 @@ class ProcessPool:
         for _ in range(min(count or self.processes, self.processes)):
             self._executor.submit(self._warm)
 
-    def close(self) -> None:
-        self._closed = True
-        self._executor.shutdown(wait=False, cancel_futures=True)
+    def stop(self) -> None:
+        """Kill the helpers (a busy one when its call returns); the pool stays usable: the next
+        call starts a fresh helper."""
+        self._generation += 1
+        idle = []
         while True:
             try:
-                helper = self._slots.get_nowait()
+                idle.append(self._slots.get_nowait())
             except queue.Empty:
-                return
+                break
+        for helper in idle:
             if helper is not None:
                 helper.kill()
+            self._slots.put(None)
+
+    def close(self) -> None:
+        """stop(), and no calls any more."""
+        self._closed = True
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.stop()
 
     # -- on a pool thread ----------------------------------------------------------------
     def _run(self, target: str, args: tuple, timeout_s: float) -> Any:
@@ -150,9 +162,14 @@ class ProcessPool:
                     self._executor.submit(self._warm)  # its replacement starts now, not on the next call
                 raise
         finally:
-            if self._closed and helper is not None:
-                helper.kill()
-            self._slots.put(helper)
+            self._slots.put(self._current(helper))
+
+    def _current(self, helper: _Helper | None) -> _Helper | None:
+        """helper, or None (killed) when it is older than the last stop()."""
+        if helper is not None and (self._closed or helper.generation != self._generation):
+            helper.kill()
+            return None
+        return helper
 
     def _warm(self) -> None:
         helper = self._slots.get()
@@ -162,7 +179,7 @@ class ProcessPool:
         except Exception as exc:
             log.warning("%s: could not start a helper process: %s", self.name, exc)
         finally:
-            self._slots.put(helper)
+            self._slots.put(self._current(helper))
 
     def _start(self) -> _Helper:
         if self._closed:
@@ -170,7 +187,8 @@ class ProcessPool:
         args = self.setup_args() if callable(self.setup_args) else self.setup_args
         env = {**os.environ, **CHILD_ENV,
                "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
-        helper = _Helper(self.name, [sys.executable, "-m", "shared.process_pool.child", str(os.getpid())], env)
+        helper = _Helper(self.name, [sys.executable, "-m", "shared.process_pool.child", str(os.getpid())], env,
+                         self._generation)
         self.stats.started += 1
         try:
             helper.exchange(("setup", self.setup, tuple(args)), self.start_timeout_s)

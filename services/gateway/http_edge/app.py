@@ -26,6 +26,7 @@ def build_app(ctx: GatewayContext, manage_backend: bool = True, metrics_route: b
         try:
             yield
         finally:
+            ctx.stop_helpers()
             if manage_backend:
                 await ctx.backend.close()
 

@@ -110,10 +110,10 @@ class GatewayContext:
         self.renderer = ChatRenderer(self.prompts, self.template)
         self.grammar_guard = GrammarGuard.for_tokenizer(self.grammar, self.prompts.tokenizer)
 
-    def close(self) -> None:
-        """Stop the helper processes."""
-        self.renderer.close()
-        self.grammar_guard.close()
+    def stop_helpers(self) -> None:
+        """Stop the helper processes (a later request starts them again)."""
+        self.renderer.pool.stop()
+        self.grammar_guard.pool.stop()
 
     def live_capacity(self) -> list[WorkerCapacity]:
         capacity = getattr(self.backend, "live_capacity", None)  # optional for stand-in backends
