@@ -131,16 +131,19 @@ def prefill_metrics_url(log_dir: pathlib.Path) -> str | None:
 
 
 def run_multiturn(url: str, folder: pathlib.Path, out: pathlib.Path, label: str, conversations: int, seed: int,
-                  scrape: str | None, shape: ChatShape) -> dict:
+                  scrape: str | None, shape: ChatShape, max_run_s: float | None = None) -> dict:
     from loadtest.__main__ import main as loadtest_main
     argv = ["multiturn", "--base-url", url, "--tokenizer", str(folder), "--workload", "synthetic",
             "--conversations", str(conversations), "--system-len", str(shape.system_len),
             "--max-turns", str(shape.turns), "--user-len", str(shape.user_len), "--output-len", str(shape.output_len),
             "--mode", "lockstep", "--temperature", "0",
             "--max-context-tokens", "0",
-            "--ignore-eos", "on", "--seed", str(seed), "--label", label, "-o", str(out), "--no-progress"]
+            "--ignore-eos", "on", "--seed", str(seed), "--label", label, "-o", str(out), "--no-progress",
+            "--no-plots"]
     if scrape:
         argv += ["--scrape-metrics", scrape]
+    if max_run_s:
+        argv += ["--duration", str(max_run_s)]  # no turn starts after this
     loadtest_main(argv)  # its exit status says whether every turn finished; the rows below say how
     return json.loads((out / "results.json").read_text())
 
@@ -194,7 +197,7 @@ def run_stack(name: str, folder: pathlib.Path, args, out: pathlib.Path, conversa
         scrape = prefill_metrics_url(out / name / "logs") if name != "colocated" else None
         for i, c in enumerate(conversations):
             doc = run_multiturn(stack.url, folder, out / name / f"c{c}", f"{name} C={c}", c, seed=10 * c + i,
-                                scrape=scrape, shape=args.shape)
+                                scrape=scrape, shape=args.shape, max_run_s=args.max_run_s)
             rows.append(dict(turn_rows(doc, name, c, per_token, args.shape.turns), ready_s=ready_s))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return rows
@@ -213,14 +216,16 @@ def main(argv=None) -> int:
     p.add_argument("--user-len", type=int, default=d.user_len)
     p.add_argument("--output-len", type=int, default=d.output_len)
     p.add_argument("--turns", type=int, default=d.turns)
+    p.add_argument("--max-run-s", type=float, default=None, help="no turn of a run starts after this many seconds")
     p.add_argument("--model-dir", help="a real model folder instead of random weights of --model (dry runs)")
+    p.add_argument("--tokenizer-from", default=None, help="folder with tokenizer files (default: the default model's)")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "multiturn-device"))
     args = p.parse_args(argv)
     args.shape = shape = ChatShape(args.system_len, args.user_len, args.output_len, args.turns)
     out = start_run(args.out)
     from .stack_gpu import model_folder
     folder = (pathlib.Path(args.model_dir) if args.model_dir
-              else model_folder(args.model, pathlib.Path(tempfile.mkdtemp(prefix="mt-device-"))))
+              else model_folder(args.model, pathlib.Path(tempfile.mkdtemp(prefix="mt-device-")), args.tokenizer_from))
     cs = [int(c) for c in args.conversations.split(",") if c]
     hc = args.hosttier_conversations
     working_set = hc * shape.tokens_per_conversation * kv_bytes_per_token(folder)

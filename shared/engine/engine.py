@@ -614,15 +614,24 @@ class Engine:
 
 
 def _available_host_memory() -> int:
-    """MemAvailable (what the kernel can hand out without swapping), in bytes."""
+    """What this process may still take: MemAvailable, and within a container (a pod) what
+    its cgroup limit leaves, in bytes."""
+    avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    avail = int(line.split()[1]) * 1024
     except OSError:
         pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        limit = open("/sys/fs/cgroup/memory.max").read().strip()
+        if limit != "max":
+            used = int(open("/sys/fs/cgroup/memory.current").read())
+            avail = min(avail, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return max(avail, 0)
 
 
 def _find_stop(text: str, stops: list[str], prev_len: int) -> tuple[int, str] | None:
