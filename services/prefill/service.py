@@ -31,104 +31,104 @@ class PrefillService(duet_pb2_grpc.PrefillServicer):
         self._notices: set[asyncio.Task] = set()  # abort notices on their way
 
     async def Prefill(self, request: duet_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
-        rid = request.request_id or uuid.uuid4().hex
-        handoff = _Handoff()
+        handoff = _Handoff(request.request_id or uuid.uuid4().hex)
         answered = False
         try:
-            with self.ctx.span("prefill", context, request_id=rid, prompt_tokens=len(request.prompt_token_ids)):
-                reply = await self._prefill(request, context, rid, handoff)
-                answered = True
-                return reply
+            reply = await self._prefill(request, context, handoff)
+            answered = True
+            return reply
         finally:
             if not answered:  # refused, failed or cancelled (the caller left) at any point
-                self._abandon(request.reservation, rid, handoff)
+                self._abandon(request.reservation, handoff)
 
-    async def _prefill(self, request, context, rid: str, handoff: "_Handoff"):
+    async def _prefill(self, request: duet_pb2.PrefillRequest, context, handoff: "_Handoff"):
         ctx = self.ctx
         res = request.reservation
-        if res.compat_hash != ctx.compat_hash or res.page_size != ctx.page_size:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"reservation layout {res.compat_hash}/{res.page_size} does not match "
-                                f"this prefill worker's {ctx.compat_hash}/{ctx.page_size}")
-        if not res.ranks:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "reservation has no destination pages")
-        try:
-            params = sampling_from_proto(request.sampling)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        await compile_ahead(ctx, params, context)
-        ranks = sorted(r.rank for r in res.ranks)
-        if ranks != list(range(len(ranks))):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"reservation names ranks {ranks}")
-        pages = {r.rank: list(r.page_ids) for r in res.ranks}
-        if any(pages[r] != pages[0] for r in ranks):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "a tensor-parallel reservation must name the same pages on every rank")
-        try:
-            peer = await ctx.peers.get(res.decode_worker_id, res.decode_instance_nonce, res.compat_hash)
-            specs = ctx.peers.rank_specs(peer, len(ranks))
-        except PeerNotFound as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        try:  # which of our ranks writes which heads into which decode rank (cached per layout pair)
-            plan = plan_head_copies([a.pool for a in ctx.rank_agents], [s.pool for s in specs])
-        except PairingError as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"prefill worker {ctx.worker_id} (tp {ctx.config.engine.tp_size}) cannot write into decode "
-                                f"worker {res.decode_worker_id} (tp {len(ranks)}): {exc}")
-        mine = {c.dst_rank for c in plan if c.src_rank == 0} | {0}
-        decode_peers = {j: ctx.peers.add(specs[j]) for j in sorted(mine)}
-        prompt = list(request.prompt_token_ids)
-        held = res.held_pages
-        if held < 0 or held * ctx.page_size > len(prompt):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"reservation holds {held} pages of a {len(prompt)}-token prompt")
-        # never trust a hint for correctness: skip the held pages only if they are this prompt's
-        mismatch = held > 0 and chained_page_hashes(prompt[:held * ctx.page_size], ctx.page_size) != \
-            list(res.held_page_hashes)
-        if mismatch:
-            log.warning("request %s: decode %s holds %d pages that are not this prompt's; it will recompute",
-                        rid, res.decode_worker_id, held)
+        rid = handoff.rid
+        with ctx.span("prefill", context, request_id=rid, prompt_tokens=len(request.prompt_token_ids)):
+            if res.compat_hash != ctx.compat_hash or res.page_size != ctx.page_size:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"reservation layout {res.compat_hash}/{res.page_size} does not match "
+                                    f"this prefill worker's {ctx.compat_hash}/{ctx.page_size}")
+            if not res.ranks:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "reservation has no destination pages")
+            try:
+                params = sampling_from_proto(request.sampling)
+            except ValueError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await compile_ahead(ctx, params, context)
+            ranks = sorted(r.rank for r in res.ranks)
+            if ranks != list(range(len(ranks))):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"reservation names ranks {ranks}")
+            pages = {r.rank: list(r.page_ids) for r in res.ranks}
+            if any(pages[r] != pages[0] for r in ranks):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    "a tensor-parallel reservation must name the same pages on every rank")
+            try:
+                peer = await ctx.peers.get(res.decode_worker_id, res.decode_instance_nonce, res.compat_hash)
+                specs = ctx.peers.rank_specs(peer, len(ranks))
+            except PeerNotFound as exc:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            try:  # which of our ranks writes which heads into which decode rank (cached per layout pair)
+                plan = plan_head_copies([a.pool for a in ctx.rank_agents], [s.pool for s in specs])
+            except PairingError as exc:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"prefill worker {ctx.worker_id} (tp {ctx.config.engine.tp_size}) cannot write into decode "
+                                    f"worker {res.decode_worker_id} (tp {len(ranks)}): {exc}")
+            mine = {c.dst_rank for c in plan if c.src_rank == 0} | {0}
+            decode_peers = {j: ctx.peers.add(specs[j]) for j in sorted(mine)}
+            prompt = list(request.prompt_token_ids)
+            held = res.held_pages
+            if held < 0 or held * ctx.page_size > len(prompt):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"reservation holds {held} pages of a {len(prompt)}-token prompt")
+            # never trust a hint for correctness: skip the held pages only if they are this prompt's
+            mismatch = held > 0 and chained_page_hashes(prompt[:held * ctx.page_size], ctx.page_size) != \
+                list(res.held_page_hashes)
+            if mismatch:
+                log.warning("request %s: decode %s holds %d pages that are not this prompt's; it will recompute",
+                            rid, res.decode_worker_id, held)
 
-        def start():  # on the engine loop: a TP stream queues its followers' share there
-            with ctx.outgoing.lock:
-                if handoff.gone:  # the caller left while this waited for the loop
-                    return None
-                stream = rank_stream(ctx.agent, 0, decode_peers, plan, pages[0])
-                if ctx.config.engine.tp_size > 1:
-                    stream = TpWriteStream(stream, ctx.outgoing.followers, specs, pages[0], plan)
-                fut = ctx.outgoing.start(rid, prompt, params, stream, res.reservation_id, res.generation,
-                                         held_pages=held, write_nothing=mismatch)
-                handoff.started = True  # from here OutgoingTransfers tells decode how it ended
-                return fut
-        try:
-            fut = await ctx.loop.acall(start)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        try:
-            result = await asyncio.wrap_future(fut)  # cancelled (the caller left): _abandon stops it
-        except TransferError as exc:
-            ctx.metrics.request_finished("Prefill", grpc.StatusCode.UNAVAILABLE)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        ctx.metrics.request_finished("Prefill", grpc.StatusCode.OK)
-        first = result.first
-        reply = duet_pb2.PrefillReply(cached_tokens=result.cached_tokens,
-                                      computed_tokens=result.computed_tokens,
-                                      kv_bytes_sent=result.kv_bytes,
-                                      finish_reason=FINISH[first.finish_reason if first.finished else None])
-        reply.first_token.CopyFrom(tokens_to_proto(first)[0])
-        for seq in result.firsts:
-            start = reply.sequences.add(finish_reason=FINISH[seq.finish_reason if seq.finished else None])
-            start.first_token.CopyFrom(tokens_to_proto(seq)[0])
-        reply.prompt_logprobs.extend(prompt_logprobs_to_proto(prompt, first.prompt_logprobs))
-        return reply
+            def start():  # on the engine loop: a TP stream queues its followers' share there
+                with ctx.outgoing.lock:
+                    if handoff.gone:  # the caller left while this waited for the loop
+                        return None
+                    stream = rank_stream(ctx.agent, 0, decode_peers, plan, pages[0])
+                    if ctx.config.engine.tp_size > 1:
+                        stream = TpWriteStream(stream, ctx.outgoing.followers, specs, pages[0], plan)
+                    fut = ctx.outgoing.start(rid, prompt, params, stream, res.reservation_id, res.generation,
+                                             held_pages=held, write_nothing=mismatch)
+                    handoff.started = True  # from here OutgoingTransfers tells decode how it ended
+                    return fut
+            try:
+                fut = await ctx.loop.acall(start)
+            except ValueError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            try:
+                result = await asyncio.wrap_future(fut)  # cancelled (the caller left): _abandon stops it
+            except TransferError as exc:
+                ctx.metrics.request_finished("Prefill", grpc.StatusCode.UNAVAILABLE)
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            ctx.metrics.request_finished("Prefill", grpc.StatusCode.OK)
+            first = result.first
+            reply = duet_pb2.PrefillReply(cached_tokens=result.cached_tokens,
+                                          computed_tokens=result.computed_tokens,
+                                          kv_bytes_sent=result.kv_bytes,
+                                          finish_reason=FINISH[first.finish_reason if first.finished else None])
+            reply.first_token.CopyFrom(tokens_to_proto(first)[0])
+            for seq in result.firsts:
+                start = reply.sequences.add(finish_reason=FINISH[seq.finish_reason if seq.finished else None])
+                start.first_token.CopyFrom(tokens_to_proto(seq)[0])
+            reply.prompt_logprobs.extend(prompt_logprobs_to_proto(prompt, first.prompt_logprobs))
+            return reply
 
     # -- a request that ends unanswered ----------------------------------------------------------
-    def _abandon(self, res: duet_pb2.Reservation, rid: str, handoff: "_Handoff") -> None:
+    def _abandon(self, res: duet_pb2.Reservation, handoff: "_Handoff") -> None:
         """Decode holds res's pages until it learns no write can land. A started request stops
         writing now (its abort notice goes out at once when no write is in flight, else when
         they land) and stops computing at the next step; one never started (and, with `gone`
         set, never to be) gets an abort notice now: no write of ours was ever issued."""
-        ctx = self.ctx
+        ctx, rid = self.ctx, handoff.rid
         with ctx.outgoing.lock:
             handoff.gone = True
             started = handoff.started
@@ -158,5 +158,6 @@ class _Handoff:
     under ctx.outgoing.lock, so a start() still queued on the loop and a caller that left
     agree on who tells decode."""
 
+    rid: str
     started: bool = False
     gone: bool = False
