@@ -225,12 +225,16 @@ class Reservation(_message.Message):
     def __init__(self, reservation_id: _Optional[int] = ..., generation: _Optional[int] = ..., decode_worker_id: _Optional[str] = ..., decode_instance_nonce: _Optional[str] = ..., page_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., compat_hash: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankPages, _Mapping]]] = ..., held_pages: _Optional[int] = ..., held_page_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
-    __slots__ = ("reservation_id", "generation")
+    __slots__ = ("reservation_id", "generation", "prefill_not_sent", "request_id")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_NOT_SENT_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     reservation_id: int
     generation: int
-    def __init__(self, reservation_id: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+    prefill_not_sent: bool
+    request_id: str
+    def __init__(self, reservation_id: _Optional[int] = ..., generation: _Optional[int] = ..., prefill_not_sent: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class CancelReply(_message.Message):
     __slots__ = ("cancelled",)

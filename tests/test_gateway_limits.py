@@ -11,6 +11,7 @@ slot granted just as the wait times out)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import time
 
@@ -264,7 +265,25 @@ def test_idle_keep_alive_closes_and_big_headers_are_refused(server, idle):
             s.sendall(b"b" * 1000)
             time.sleep(0.01)
         reply = _read_until_closed(s, 5)
-    assert reply.startswith(b"HTTP/1.1 400") or reply == b"", reply
+    # h11's refusal, as OpenAI error JSON with h11's status (parser_errors.py)
+    assert reply.startswith(b"HTTP/1.1 431"), reply
+    assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "headers_too_large"
+
+
+@pytest.mark.parametrize("raw", [
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
+    b"GET /v1/models HTTP/1.1 trailing-garbage\r\nHost: x\r\n\r\n",
+    b"GET /v1/models HTTP/1.1\r\nHost: x\r\nthis line has no colon\r\n\r\n",
+], ids=["bad_chunk_size", "bad_request_line", "bad_header_line"])
+def test_what_the_http_parser_refuses_is_openai_error_json(server, idle, raw):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
+        s.sendall(raw)
+        reply = _read_until_closed(s, 5)
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in head.lower(), reply
+    error = json.loads(body)
+    validate(error, "ErrorResponse")
+    assert error["error"]["code"] == "invalid_http_request" and "Invalid HTTP request" in error["error"]["message"]
 
 
 def _read_until_closed(s: socket.socket, timeout: float) -> bytes:

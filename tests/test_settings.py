@@ -93,13 +93,20 @@ def test_every_engine_setting_reaches_the_worker_by_flag_and_variable():
     specs = list(walk(EngineConfig))
     assert len(specs) > 20
     flags = WorkerConfig.parser({}).format_help()
-    for (name,), spec in specs:
+    for path, spec in specs:  # a path: a field of EngineConfig or of a dataclass it nests
+        name = ".".join(path)
         assert spec.flag in flags and spec.env, name
         value = _non_default(spec)
         text = format_value(value)
-        assert getattr(WorkerConfig.from_argv([], {spec.env: text}).engine, name) == value, name
+        assert _field(WorkerConfig.from_argv([], {spec.env: text}).engine, path) == value, name
         argv = [spec.flag if value else f"--no-{spec.flag[2:]}"] if spec.is_bool else [spec.flag, text]
-        assert getattr(WorkerConfig.from_argv(argv, {}).engine, name) == value, name
+        assert _field(WorkerConfig.from_argv(argv, {}).engine, path) == value, name
+
+
+def _field(obj, path):
+    for name in path:
+        obj = getattr(obj, name)
+    return obj
 
 
 def _non_default(spec):

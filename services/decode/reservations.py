@@ -4,21 +4,29 @@ reserved pages are never reused while a write into them may still land.
 Runs on the engine-loop thread. A reservation is freed when it is consumed by a decode,
 or, once cancelled, when its notice (done or abort) arrives, or when its writer has left
 the registry, or `quarantine_s` after the cancel (longer than prefill's own write timeout;
-the writer's RPC is cancelled with it). One nobody cancels or claims (its gateway died) is
-freed once no write can land: at once after an abort notice, `claim_timeout_s` after a
-done notice or after its writer left the registry."""
+the writer's RPC is cancelled with it). Prefill sends an abort notice for every request it
+gives up on (cancelled or refused at any point), so the quarantine is the last resort. A
+cancel that says the reservation never reached a prefill worker frees it at once (nobody
+can write into pages nobody was told about), as does a cancel by request id for a Reserve
+whose answer never reached its caller (and a later Reserve for that request is refused).
+One nobody cancels or claims (its gateway died) is freed once no write can land: at once
+after an abort notice, `claim_timeout_s` after a done notice or after its writer left the
+registry."""
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shared.kv_transfer.notice import TransferNotice
 
 log = logging.getLogger("duet.decode")
+
+DROPPED_REQUESTS_KEPT = 4096  # request ids cancel_request() refuses later Reserves for
 
 
 @dataclass(eq=False)
@@ -36,6 +44,7 @@ class Reservation:
     rank_notices: dict[int, TransferNotice] = field(default_factory=dict)
     cancelled: bool = False
     cancelled_at: float | None = None
+    unsent: bool = False  # its caller never gave it to a prefill worker: no write can land
     settled_at: float | None = None  # unclaimed, and no write can land any more, since then
     waiter: Callable[[], None] | None = None  # wakes the Generate handler (set: it is claimed)
     ready_event: object = None  # CUDA event: launched GPU work that may touch the pages has run
@@ -59,6 +68,7 @@ class ReservationBook:
         self.metrics = metrics
         self.num_ranks = num_ranks
         self.open: dict[int, Reservation] = {}
+        self.dropped_requests: OrderedDict[str, None] = OrderedDict()  # cancel_request() ids (bounded)
         self._ids = itertools.count(1)
         self.generation = 1  # ids are never reused in one instance; the nonce covers restarts
 
@@ -68,6 +78,8 @@ class ReservationBook:
         """n > 1: the request forks into n sequences sharing the prompt's pages. prompt_ids:
         the leading pages of it this worker holds are reused (page_ids then lists only the
         pages the writer fills, from `held_pages` on)."""
+        if request_id in self.dropped_requests:
+            return None  # its caller gave up before an answer (cancel_request): never again
         eng = self.engine
         running = len(eng.scheduler.running) + len(self.open)
         if running + n - 1 >= max_running:
@@ -99,18 +111,31 @@ class ReservationBook:
         """The reservation's pages now belong to a running request (engine.add_prefilled)."""
         self.open.pop(res.reservation_id, None)
 
-    def cancel(self, reservation_id: int, generation: int) -> bool:
+    def cancel(self, reservation_id: int, generation: int, unsent: bool = False) -> bool:
+        """unsent: the caller never gave the reservation to a prefill worker."""
         res = self.get(reservation_id, generation)
         if res is None:
             return False
         res.cancelled, res.waiter = True, None
+        res.unsent = res.unsent or unsent
         if res.cancelled_at is None:
             res.cancelled_at = time.monotonic()
         self._maybe_free(res)
         return True
 
+    def cancel_request(self, request_id: str) -> bool:
+        """The caller's Reserve for request_id got no answer: free whatever it made (the
+        caller never learnt its pages, so it sent them to no writer) and refuse a later one."""
+        self.dropped_requests[request_id] = None
+        while len(self.dropped_requests) > DROPPED_REQUESTS_KEPT:
+            self.dropped_requests.popitem(last=False)
+        found = [r for r in self.open.values() if r.request_id == request_id and r.waiter is None]
+        for res in found:
+            self.cancel(res.reservation_id, res.generation, unsent=True)
+        return bool(found)
+
     def writes_may_land(self, res: Reservation) -> bool:
-        if res.notice is not None:
+        if res.notice is not None or res.unsent:
             return False
         if not self.is_live(res.writer_id):
             return False

@@ -80,8 +80,7 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
             finally:
                 queue.remove(ticket)
             span.set_attribute("duet.held_tokens", res.held_pages * ctx.page_size)
-            while res.ready_event is not None and not res.ready_event.query():
-                await asyncio.sleep(0.0005)  # at most one in-flight step
+            await self._until_ready(res)
         reply = duet_pb2.Reservation(
             reservation_id=res.reservation_id, generation=res.generation, decode_worker_id=ctx.worker_id,
             decode_instance_nonce=ctx.instance_nonce, page_size=ctx.page_size,
@@ -94,10 +93,25 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
             reply.ranks.add(rank=rank, agent_name=agent.name, page_ids=res.page_ids)
         return reply
 
+    async def _until_ready(self, res) -> None:
+        """Hand res out once launched GPU work that may touch its pages has run. Cancelled
+        meanwhile (the caller left), it was never handed out: free it now."""
+        try:
+            while res.ready_event is not None and not res.ready_event.query():
+                await asyncio.sleep(0.0005)  # at most one in-flight step
+        except BaseException:
+            self.ctx.loop.call(lambda: self.ctx.book.cancel(res.reservation_id, res.generation, unsent=True))
+            raise
+
     async def Cancel(self, request: duet_pb2.CancelRequest, context):
-        if self.ctx.book is None:
+        book = self.ctx.book
+        if book is None:
             return duet_pb2.CancelReply(cancelled=False)
-        ok = await self.ctx.loop.acall(lambda: self.ctx.book.cancel(request.reservation_id, request.generation))
+        if not request.reservation_id and request.request_id:  # a Reserve whose answer never arrived
+            ok = await self.ctx.loop.acall(lambda: book.cancel_request(request.request_id))
+        else:
+            ok = await self.ctx.loop.acall(lambda: book.cancel(request.reservation_id, request.generation,
+                                                               unsent=request.prefill_not_sent))
         return duet_pb2.CancelReply(cancelled=ok)
 
     # -- streaming ------------------------------------------------------------------------

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 from services.gateway.http_edge.limits_config import GatewayLimits
 from services.gateway.http_edge.security_config import SecurityConfig
+from services.gateway.openai_api.template_config import ChatTemplateConfig
+from shared.engine.grammar_limits import GrammarLimits
 from shared.settings import parsers
 from shared.settings.drain import drain_grace
 from shared.settings.flags import build_parser, from_args
@@ -50,6 +52,8 @@ class GatewayConfig:
     drain_grace_s: float = drain_grace()  # uvicorn's graceful shutdown of open streams
     security: SecurityConfig = nested(SecurityConfig, "security")  # API keys, HTTPS, TLS, metrics port
     limits: GatewayLimits = nested(GatewayLimits, "limits (admission, body size, slow clients)")
+    template: ChatTemplateConfig = nested(ChatTemplateConfig, "chat template (request options, render budget)")
+    grammar: GrammarLimits = nested(GrammarLimits, "structured outputs (grammar size and compile budget)")
 
     def __post_init__(self) -> None:
         if self.backend is None:

@@ -73,7 +73,8 @@ def build_context(config: GatewayConfig) -> GatewayContext:
     prompts = PromptBuilder.from_model_dir(model_dir)
     backend = build_backend(config, model_dir, served_name, max_context)
     return GatewayContext(backend, prompts, GatewayMetrics(), served_name, max_context,
-                          tool_call_parser=config.tool_call_parser, limits=config.limits)
+                          tool_call_parser=config.tool_call_parser, limits=config.limits,
+                          template=config.template, grammar=config.grammar)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                     timeout_graceful_shutdown=config.drain_grace_s,
                     **ssl_options, **uvicorn_limits(config.limits))
     finally:
+        ctx.stop_helpers()
         if metrics_server is not None:
             metrics_server.stop()
         tracing.shutdown()

@@ -7,11 +7,16 @@ behind the writes. Pages the decode worker already holds (the reservation's held
 checked by hash) are skipped; if its hashes do not match the prompt, nothing is written and
 the notice says abort, so decode recomputes: a bad hint costs work, never a wrong token. When every write has landed the request's pages are released into the
 prefix cache and the RPC gets its answer. A failed write or a cancel releases the pages
-and tells decode (abort notice) once nothing is in flight."""
+and tells decode (abort notice) once nothing is in flight.
+
+`lock` is held while a stream is touched (the loop's tick and hooks, start, cancel), not
+during engine steps: stop_writing() from the RPC's thread then stops a request's writes at
+once, and tells decode right away when none is in flight, instead of after a long step."""
 from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -54,7 +59,7 @@ class Outgoing:
 
 
 class OutgoingTransfers:
-    """Owned by the engine-loop thread (every method runs there)."""
+    """Owned by the engine-loop thread (every method runs there but stop_writing)."""
 
     def __init__(self, engine, metrics=None, followers=None):
         """followers: FollowerStreams of a tensor-parallel worker (its streams are
@@ -64,6 +69,7 @@ class OutgoingTransfers:
         self.followers = followers
         self.page_size = engine.layout.page_size
         self.active: dict[str, Outgoing] = {}
+        self.lock = threading.RLock()
 
     def start(self, rid: str, prompt_ids, params, stream: PageWriteStream,
               reservation_id: int, generation: int, held_pages: int = 0,
@@ -80,14 +86,30 @@ class OutgoingTransfers:
         return fut
 
     def cancel(self, rid: str) -> None:
-        out = self.active.get(rid)
-        if out is None:
-            return
-        out.cancelled = True
-        self.engine.abort(rid)  # stops prefill at the next step (or releases held pages)
-        out.stream.abort(self._notice(out, "abort"))
+        with self.lock:
+            out = self.active.get(rid)
+            if out is None:
+                return
+            out.cancelled = True
+            self.engine.abort(rid)  # stops prefill at the next step (or releases held pages)
+            out.stream.abort(self._notice(out, "abort"))
+
+    def stop_writing(self, rid: str) -> None:
+        """Any thread: write nothing more for rid, and send decode its abort notice now if no
+        write is in flight (else the loop sends it once they land). cancel() must follow, on
+        the loop, to stop the computation. A TP stream's followers are the loop's: left to it."""
+        with self.lock:
+            out = self.active.get(rid)
+            if out is None or out.cancelled or self.followers is not None:
+                return
+            out.cancelled = True
+            out.stream.abort(self._notice(out, "abort"))
 
     def on_step(self, outs: list[StepOutput]) -> None:
+        with self.lock:
+            self._on_step(outs)
+
+    def _on_step(self, outs: list[StepOutput]) -> None:
         for o in outs:
             out = self.active.get(o.rid)
             if out is not None and o.prefill_done:
@@ -102,6 +124,10 @@ class OutgoingTransfers:
                               request_id=out.rid, kind=kind, first_token_id=token, num_tokens=out.num_prompt)
 
     def tick(self) -> bool:
+        with self.lock:
+            return self._tick()
+
+    def _tick(self) -> bool:
         self.engine.poll_kv_ready()
         for rid in list(self.active):
             self._advance(self.active[rid])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from dataclasses import dataclass
 
 import grpc
 
@@ -15,6 +16,7 @@ from services.worker_runtime.convert import FINISH, prompt_logprobs_to_proto, to
 from services.worker_runtime.grammar_check import compile_ahead
 from shared.kv_transfer.agent import TransferError
 from shared.kv_transfer.head_plan import PairingError, plan_head_copies
+from shared.kv_transfer.notice import TransferNotice
 from shared.kv_transfer.tp_write_stream import TpWriteStream
 from shared.kv_transfer.write_stream import rank_stream
 from shared.registry.peers import PeerNotFound
@@ -26,11 +28,23 @@ log = logging.getLogger("duet.prefill")
 class PrefillService(duet_pb2_grpc.PrefillServicer):
     def __init__(self, ctx: WorkerContext):
         self.ctx = ctx
+        self._notices: set[asyncio.Task] = set()  # abort notices on their way
 
     async def Prefill(self, request: duet_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
+        handoff = _Handoff(request.request_id or uuid.uuid4().hex)
+        answered = False
+        try:
+            reply = await self._prefill(request, context, handoff)
+            answered = True
+            return reply
+        finally:
+            if not answered:  # refused, failed or cancelled (the caller left) at any point
+                self._abandon(request.reservation, handoff)
+
+    async def _prefill(self, request: duet_pb2.PrefillRequest, context, handoff: "_Handoff"):
         ctx = self.ctx
         res = request.reservation
-        rid = request.request_id or uuid.uuid4().hex
+        rid = handoff.rid
         with ctx.span("prefill", context, request_id=rid, prompt_tokens=len(request.prompt_token_ids)):
             if res.compat_hash != ctx.compat_hash or res.page_size != ctx.page_size:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
@@ -76,20 +90,22 @@ class PrefillService(duet_pb2_grpc.PrefillServicer):
                             rid, res.decode_worker_id, held)
 
             def start():  # on the engine loop: a TP stream queues its followers' share there
-                stream = rank_stream(ctx.agent, 0, decode_peers, plan, pages[0])
-                if ctx.config.engine.tp_size > 1:
-                    stream = TpWriteStream(stream, ctx.outgoing.followers, specs, pages[0], plan)
-                return ctx.outgoing.start(rid, prompt, params, stream, res.reservation_id, res.generation,
-                                          held_pages=held, write_nothing=mismatch)
+                with ctx.outgoing.lock:
+                    if handoff.gone:  # the caller left while this waited for the loop
+                        return None
+                    stream = rank_stream(ctx.agent, 0, decode_peers, plan, pages[0])
+                    if ctx.config.engine.tp_size > 1:
+                        stream = TpWriteStream(stream, ctx.outgoing.followers, specs, pages[0], plan)
+                    fut = ctx.outgoing.start(rid, prompt, params, stream, res.reservation_id, res.generation,
+                                             held_pages=held, write_nothing=mismatch)
+                    handoff.started = True  # from here OutgoingTransfers tells decode how it ended
+                    return fut
             try:
                 fut = await ctx.loop.acall(start)
             except ValueError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             try:
-                result = await asyncio.wrap_future(fut)
-            except asyncio.CancelledError:
-                ctx.loop.call(lambda: ctx.outgoing.cancel(rid))  # stop at the next chunk, free pages
-                raise
+                result = await asyncio.wrap_future(fut)  # cancelled (the caller left): _abandon stops it
             except TransferError as exc:
                 ctx.metrics.request_finished("Prefill", grpc.StatusCode.UNAVAILABLE)
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
@@ -105,3 +121,43 @@ class PrefillService(duet_pb2_grpc.PrefillServicer):
                 start.first_token.CopyFrom(tokens_to_proto(seq)[0])
             reply.prompt_logprobs.extend(prompt_logprobs_to_proto(prompt, first.prompt_logprobs))
             return reply
+
+    # -- a request that ends unanswered ----------------------------------------------------------
+    def _abandon(self, res: duet_pb2.Reservation, handoff: "_Handoff") -> None:
+        """Decode holds res's pages until it learns no write can land. A started request stops
+        writing now (its abort notice goes out at once when no write is in flight, else when
+        they land) and stops computing at the next step; one never started (and, with `gone`
+        set, never to be) gets an abort notice now: no write of ours was ever issued."""
+        ctx, rid = self.ctx, handoff.rid
+        with ctx.outgoing.lock:
+            handoff.gone = True
+            started = handoff.started
+        if started:
+            ctx.outgoing.stop_writing(rid)
+            ctx.loop.call(lambda: ctx.outgoing.cancel(rid))  # a no-op once it ended
+        elif res.reservation_id:
+            task = asyncio.ensure_future(self._send_abort_notice(res, rid))
+            self._notices.add(task)
+            task.add_done_callback(self._notices.discard)
+
+    async def _send_abort_notice(self, res: duet_pb2.Reservation, rid: str) -> None:
+        ctx = self.ctx
+        notice = TransferNotice(reservation_id=res.reservation_id, generation=res.generation, rank=0,
+                                request_id=rid, kind="abort", num_ranks=1)
+        try:
+            peer = await ctx.peers.get(res.decode_worker_id, res.decode_instance_nonce, res.compat_hash)
+            ctx.agent.send_notif(peer, notice.encode())
+        except Exception as exc:  # decode then frees the pages by its own rules (cancel, registry)
+            log.info("request %s: could not tell decode worker %s that reservation %d will not be "
+                     "written: %s", rid, res.decode_worker_id, res.reservation_id, exc)
+
+
+@dataclass
+class _Handoff:
+    """Whether OutgoingTransfers took a request over, and whether its RPC gave up; both set
+    under ctx.outgoing.lock, so a start() still queued on the loop and a caller that left
+    agree on who tells decode."""
+
+    rid: str
+    started: bool = False
+    gone: bool = False

@@ -25,6 +25,7 @@ from services.worker.kv_compat import compat_hash, model_kv_key
 from services.worker.load_publisher import LoadPublisher, load_counters
 from services.worker_runtime.context import WorkerContext
 from services.worker_runtime.engine_loop import EngineLoop
+from shared.engine.grammar_guard import GrammarGuard
 from shared.registry.kv_events import KvEventBuffer
 from shared.registry.publisher import WorkerPublisher
 from shared.registry.watcher import WorkerWatcher
@@ -59,8 +60,12 @@ class WorkerHost:
                             worker_id=worker_id, instance_nonce=secrets.token_hex(8),
                             compat_hash=compat_hash(served, kv_layout), page_size=engine.layout.page_size,
                             tracer=tracing.tracer, watcher=WorkerWatcher(config.registry, model=served))
+        ctx.grammar_guard = GrammarGuard.for_tokenizer_info(config.engine.grammar,
+                                                            lambda: engine.grammars.info.serialize_json())
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
-        return cls(config, engine, ctx, server, served, kv_layout, tracing)
+        host = cls(config, engine, ctx, server, served, kv_layout, tracing)
+        host.on_stop.append(ctx.grammar_guard.close)
+        return host
 
     def publish_kv_events(self) -> None:
         """Publish this worker's prefix-cache changes with its heartbeat (the router's

@@ -33,6 +33,7 @@ class WorkerContext:
     outgoing: object | None = None  # OutgoingTransfers (prefill)
     book: object | None = None  # ReservationBook (decode)
     watcher: object | None = None  # WorkerWatcher
+    grammar_guard: object | None = None  # GrammarGuard: checks a grammar within the limits before compiling it
     recomputes: int = 0
 
     def is_live(self, worker_id: str) -> bool:

@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from shared.settings import parsers
-from shared.settings.spec import setting
+from shared.settings.spec import nested, setting
+
+from .grammar_limits import GrammarLimits
 
 if TYPE_CHECKING:
     import torch
@@ -118,6 +120,8 @@ class EngineConfig:
         256, flag="--grammar-cache-size", env="DUET_GRAMMAR_CACHE_SIZE",
         help="compiled grammars (JSON schemas, tool calls) kept per worker; a request whose grammar "
              "was evicted compiles it again")
+    # what one request's grammar may cost (the gateway reads the same settings)
+    grammar: GrammarLimits = nested(GrammarLimits)
     load_format: str = setting(
         "auto", flag="--load-format", env="DUET_LOAD_FORMAT", choices=("auto", "dummy"),
         help="dummy: random weights drawn on the device from a fixed seed instead of the folder's safetensors "

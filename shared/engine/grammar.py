@@ -17,7 +17,7 @@ from collections import OrderedDict
 
 import torch
 
-from .grammar_spec import GrammarSpec
+from .grammar_spec import GrammarError, GrammarSpec
 
 # xgrammar (0.2.8) writes the characters of a length-bounded JSON string (minLength /
 # maxLength) as [^"\\\r\n]: control characters pass, which is not JSON. Tighten that class
@@ -30,27 +30,9 @@ _CPP_PREFIX = re.compile(r"^\[[0-9:]+\]\s+\S+:\d+:\s*(Check failed: \(.*?\) is f
 SERIAL_FILL_BUDGET_S = 0.0005  # host time one step may fill rows one by one before using threads
 
 
-class GrammarError(ValueError):
-    """The grammar cannot be compiled; the message names the problem (an API 400)."""
-
-
 def _clean(exc: Exception) -> str:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return _CPP_PREFIX.sub("", text)
-
-
-def check_grammar(spec: GrammarSpec) -> None:
-    """Parse the grammar without a tokenizer (the gateway's early check); GrammarError if bad."""
-    import xgrammar as xgr
-    try:
-        if spec.kind == "json_schema":
-            json_schema_grammar(spec.text)
-        elif spec.kind == "regex":
-            xgr.Grammar.from_regex(spec.text)
-        elif spec.kind == "ebnf":
-            xgr.Grammar.from_ebnf(spec.text)
-    except Exception as exc:  # xgrammar raises RuntimeError/ValueError with a C++ location prefix
-        raise GrammarError(f"invalid {spec.kind.replace('_', ' ')}: {_clean(exc)}") from None
 
 
 def json_schema_grammar(schema: str):
@@ -59,6 +41,20 @@ def json_schema_grammar(schema: str):
     grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False)
     text = str(grammar)
     return xgr.Grammar.from_ebnf(text.replace(_LOOSE_CHARS, _JSON_CHARS)) if _LOOSE_CHARS in text else grammar
+
+
+def compile_spec(compiler, spec: GrammarSpec):
+    """spec compiled by an xgrammar GrammarCompiler; GrammarError (naming the problem) if bad."""
+    try:
+        if spec.kind == "json_object":
+            return compiler.compile_builtin_json_grammar()
+        if spec.kind == "json_schema":
+            return compiler.compile_grammar(json_schema_grammar(spec.text))
+        if spec.kind == "regex":
+            return compiler.compile_regex(spec.text)
+        return compiler.compile_grammar(spec.text)
+    except Exception as exc:  # xgrammar raises RuntimeError/ValueError with a C++ location prefix
+        raise GrammarError(f"invalid {spec.kind.replace('_', ' ')}: {_clean(exc)}") from None
 
 
 class GrammarState:
@@ -95,29 +91,32 @@ class GrammarBackend:
         self.compiles = 0  # cache misses, for tests and metrics
         self._batch = None
 
+    def cached(self, spec: GrammarSpec) -> bool:
+        with self._lock:
+            return spec in self._cache
+
     def compile(self, spec: GrammarSpec):
         with self._lock:
             hit = self._cache.get(spec)
             if hit is not None:
                 self._cache.move_to_end(spec)
                 return hit
-        try:
-            if spec.kind == "json_object":
-                compiled = self.compiler.compile_builtin_json_grammar()
-            elif spec.kind == "json_schema":
-                compiled = self.compiler.compile_grammar(json_schema_grammar(spec.text))
-            elif spec.kind == "regex":
-                compiled = self.compiler.compile_regex(spec.text)
-            else:
-                compiled = self.compiler.compile_grammar(spec.text)
-        except Exception as exc:
-            raise GrammarError(f"invalid {spec.kind.replace('_', ' ')}: {_clean(exc)}") from None
+        compiled = compile_spec(self.compiler, spec)
         with self._lock:
             self.compiles += 1
             self._cache[spec] = compiled
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         return compiled
+
+    def adopt(self, spec: GrammarSpec, serialized: str) -> None:
+        """Cache spec's grammar compiled elsewhere (a helper process, grammar_guard.py)."""
+        compiled = self._xgr.CompiledGrammar.deserialize_json(serialized, self.info)
+        with self._lock:
+            self._cache[spec] = compiled
+            self._cache.move_to_end(spec)
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
 
     def new_state(self, spec: GrammarSpec, tokens: list[int] = ()) -> GrammarState:
         """A fresh matcher advanced by `tokens` (those sampled elsewhere: the handoff)."""

@@ -7,6 +7,11 @@ from dataclasses import dataclass
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "ebnf")
 
 
+class GrammarError(ValueError):
+    """The grammar cannot be compiled, or not within the server's limits; the message names
+    the problem (an API 400)."""
+
+
 @dataclass(frozen=True)
 class GrammarSpec:
     kind: str  # one of GRAMMAR_KINDS

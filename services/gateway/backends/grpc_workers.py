@@ -11,7 +11,9 @@ Cleanup is owed on every exit: a reservation not handed to Decode.Generate is
 cancelled, an open RPC is cancelled (grpc.aio cancels the call when the awaiting task
 is cancelled, and we cancel the stream explicitly), and the router is told the request
 is done. Cleanup RPCs run in tasks of their own so that a cancelled request (client gone)
-still completes them.
+still completes them. A reservation's Cancel says whether we ever sent it to prefill (if
+not, decode frees its pages at once: no write can land); a Reserve that got no answer
+(cancelled in flight) is cancelled by request id, since decode may have made it anyway.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ _BUSY_CODES = {grpc.StatusCode.RESOURCE_EXHAUSTED}
 _UNAVAILABLE_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED,
                       grpc.StatusCode.CANCELLED, grpc.StatusCode.NOT_FOUND}
 _BAD_REQUEST_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE}
+# Reserve's own refusals: decode made no reservation
+_REFUSED_CODES = {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT,
+                  grpc.StatusCode.FAILED_PRECONDITION}
 
 
 @dataclass
@@ -239,6 +244,8 @@ class GrpcBackend:
             # Runs on success, failure, early close (stop string) and cancellation (client left).
             if state.reservation is not None and not state.completed:
                 self._cleanup(self._cancel_reservation(decode, state))  # idempotent on decode
+            elif state.reserve_unanswered:
+                self._cleanup(self._cancel_unanswered_reserve(decode, state))
             if state.stream is not None and not state.stream_done:
                 state.stream.cancel()  # decode drops the request and frees its pages
             if state.routed:
@@ -258,6 +265,7 @@ class GrpcBackend:
             raise rpc_error(exc, "router") from None
 
     async def _reserve_and_prefill(self, request, route, decode, sampling, metadata, state) -> duet_pb2.PrefillReply:
+        state.reserve_unanswered = True  # until an answer: decode may have made one we never hear of
         try:
             state.reservation = await decode.Reserve(duet_pb2.ReserveRequest(
                 request_id=request.request_id, prompt_tokens=len(request.prompt_token_ids),
@@ -266,8 +274,12 @@ class GrpcBackend:
                 prompt_token_ids=request.prompt_token_ids),  # decode reuses what it holds of it
                 metadata=metadata, timeout=self.config.rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
+            if exc.code() in _REFUSED_CODES:  # decode answered: it holds nothing for us
+                state.reserve_unanswered = False
             raise rpc_error(exc, f"decode worker {route.decode.worker_id} (reserve)") from None
+        state.reserve_unanswered = False
         prefill = duet_pb2_grpc.PrefillStub(self._workers.get(route.prefill))
+        state.prefill_sent = True  # from here prefill may write: decode waits for its notice
         try:
             reply = await prefill.Prefill(duet_pb2.PrefillRequest(
                 request_id=request.request_id, prompt_token_ids=request.prompt_token_ids, sampling=sampling,
@@ -315,11 +327,19 @@ class GrpcBackend:
         reservation = state.reservation
         try:
             await decode.Cancel(duet_pb2.CancelRequest(reservation_id=reservation.reservation_id,
-                                                       generation=reservation.generation),
+                                                       generation=reservation.generation,
+                                                       prefill_not_sent=not state.prefill_sent),
                                 timeout=self.config.cleanup_timeout_s)
         except Exception as exc:  # best effort: decode also frees it when the writer goes away
             log.warning("request %s: cancelling reservation %d failed: %s", state.request_id,
                         reservation.reservation_id, exc)
+
+    async def _cancel_unanswered_reserve(self, decode, state: "_RequestState") -> None:
+        try:
+            await decode.Cancel(duet_pb2.CancelRequest(request_id=state.request_id),
+                                timeout=self.config.cleanup_timeout_s)
+        except Exception as exc:  # best effort
+            log.warning("request %s: cancelling an unanswered reservation failed: %s", state.request_id, exc)
 
     async def _release(self, request_id: str, stage: int) -> None:
         try:
@@ -334,6 +354,8 @@ class _RequestState:
     request_id: str
     routed: bool = False
     reservation: duet_pb2.Reservation | None = None
+    reserve_unanswered: bool = False  # Reserve was sent and neither answered nor refused
+    prefill_sent: bool = False    # the reservation went to a prefill worker (writes may land)
     stream: object | None = None  # the Decode.Generate call
     stream_done: bool = False     # the call ended (finish, error): nothing to cancel
     completed: bool = False       # decode finished the request: its reservation is used up

@@ -20,11 +20,13 @@ def build_app(ctx: GatewayContext, manage_backend: bool = True, metrics_route: b
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        ctx.renderer.pool.prestart(1)  # the first chat request need not wait for a helper to start
         if manage_backend:
             await ctx.backend.start()
         try:
             yield
         finally:
+            ctx.stop_helpers()
             if manage_backend:
                 await ctx.backend.close()
 

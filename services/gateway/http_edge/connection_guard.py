@@ -7,7 +7,8 @@ a request's headers are arriving: a client that opens a connection and trickles 
 byte every few seconds (slowloris) holds it forever. GuardedH11Protocol adds that clock:
 from the connection's opening, and again after each response, the next request's headers
 must be complete within header_timeout_s or the connection is closed. The h11 protocol is
-named explicitly (not "auto") so these limits hold whatever else is installed."""
+named explicitly (not "auto") so these limits hold whatever else is installed. What its
+parser refuses is answered as OpenAI error JSON (parser_errors.py)."""
 
 from __future__ import annotations
 
@@ -18,11 +19,12 @@ from typing import Any
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from services.gateway.http_edge.limits_config import GatewayLimits
+from services.gateway.http_edge.parser_errors import JsonParserErrors
 
 log = logging.getLogger("duet.gateway")
 
 
-class GuardedH11Protocol(H11Protocol):
+class GuardedH11Protocol(JsonParserErrors, H11Protocol):
     header_timeout_s: float = 10.0  # set on the subclass guarded_h11() makes
 
     _header_timer: asyncio.TimerHandle | None = None

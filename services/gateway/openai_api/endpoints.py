@@ -48,17 +48,22 @@ from services.gateway.http_edge.sse import (
     sse_event,
 )
 from services.gateway.openai_api.chat_objects import ChatFormatter
+from services.gateway.openai_api.chat_renderer import ChatRenderer
 from services.gateway.openai_api.completion_objects import CompletionFormatter, EchoPrompt
 from services.gateway.openai_api.generation import Generation, OutputDelta
 from services.gateway.openai_api.generation_set import GenerationSet
 from services.gateway.openai_api.prompt_builder import PromptBuilder
 from services.gateway.openai_api.request_sampling import chat_sampling, completion_sampling, responses_sampling
 from services.gateway.openai_api.responses_objects import ResponsesFormatter
-from services.gateway.openai_api.structured_outputs import response_format_grammar, tool_choice_grammar
+from services.gateway.openai_api.structured_outputs import checked, response_format_grammar, tool_choice_grammar
+from services.gateway.openai_api.template_config import ChatTemplateConfig
+from services.gateway.openai_api.template_kwargs import checked_template_kwargs
 from services.gateway.openai_api.token_strings import TokenStrings
 from services.gateway.openai_api.tool_call_parsing import ToolMode
 from services.gateway.openai_api.tool_prompt import ToolTemplate
 from shared.admission.kv_demand import kv_demand
+from shared.engine.grammar_guard import GrammarGuard
+from shared.engine.grammar_limits import GrammarLimits
 from shared.engine.sampling_params import SamplingParams
 from shared.openai_protocol.errors import InvalidRequest
 from shared.openai_protocol.requests import parse_chat_request, parse_completion_request
@@ -89,6 +94,8 @@ class GatewayContext:
     created: int = field(default_factory=lambda: int(time.time()))
     tool_call_parser: str = "auto"  # auto | hermes | llama3_json | none (GatewayConfig)
     limits: GatewayLimits = field(default_factory=GatewayLimits)
+    template: ChatTemplateConfig = field(default_factory=ChatTemplateConfig)
+    grammar: GrammarLimits = field(default_factory=GrammarLimits)
 
     def __post_init__(self) -> None:
         lim = self.limits
@@ -98,6 +105,15 @@ class GatewayContext:
         self.token_strings = TokenStrings(self.prompts.tokenizer)
         parser = "auto" if self.tool_call_parser == "none" else self.tool_call_parser
         self.tool_template = ToolTemplate.detect(self.prompts.chat_template, parser)
+        # helper processes (started on first use): chat templates and grammar compiles run
+        # there with a time budget, never on this event loop
+        self.renderer = ChatRenderer(self.prompts, self.template)
+        self.grammar_guard = GrammarGuard.for_tokenizer(self.grammar, self.prompts.tokenizer)
+
+    def stop_helpers(self) -> None:
+        """Stop the helper processes (a later request starts them again)."""
+        self.renderer.pool.stop()
+        self.grammar_guard.pool.stop()
 
     def live_capacity(self) -> list[WorkerCapacity]:
         capacity = getattr(self.backend, "live_capacity", None)  # optional for stand-in backends
@@ -172,13 +188,14 @@ class OpenAIEndpoints:
         self._check_model(req.model)
         choice = req.effective_tool_choice
         tools = req.tools if choice != "none" else None
+        template_kwargs = checked_template_kwargs(req.chat_template_kwargs, self.ctx.template.kwargs_allowed)
         messages, template_tools = self.ctx.tool_template.render(req.template_messages(), tools)
-        prompt_ids = await asyncio.to_thread(
-            self.ctx.prompts.chat_prompt_ids, messages, req.chat_template_kwargs, template_tools)
+        prompt_ids = await self.ctx.renderer.chat_prompt_ids(messages, template_kwargs, template_tools)
         sampling = chat_sampling(req, len(prompt_ids), self.ctx.max_context_len)
-        sampling.grammar = response_format_grammar(req.response_format)
+        grammar = response_format_grammar(req.response_format)
         if tools:
-            sampling.grammar = tool_choice_grammar(tools, choice, req.parallel_tool_calls) or sampling.grammar
+            grammar = tool_choice_grammar(tools, choice, req.parallel_tool_calls) or grammar
+        sampling.grammar = await checked(self.ctx.grammar_guard, grammar)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         formatter = ChatFormatter(request_id, self.ctx.served_model_name, int(time.time()), self.ctx.token_strings,
                                   logprobs=sampling.logprobs is not None, top_logprobs=sampling.logprobs or 0,
@@ -208,11 +225,12 @@ class OpenAIEndpoints:
         tools = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
                  for t in flat or []] or None
         messages, template_tools = self.ctx.tool_template.render(req.chat_messages(), tools)
-        prompt_ids = await asyncio.to_thread(self.ctx.prompts.chat_prompt_ids, messages, None, template_tools)
+        prompt_ids = await self.ctx.renderer.chat_prompt_ids(messages, None, template_tools)
         sampling = responses_sampling(req, len(prompt_ids), self.ctx.max_context_len)
-        sampling.grammar = response_format_grammar(req.format, "text.format")
+        grammar = response_format_grammar(req.format, "text.format")
         if flat:
-            sampling.grammar = tool_choice_grammar(flat, choice, req.parallel_tool_calls, flat=True) or sampling.grammar
+            grammar = tool_choice_grammar(flat, choice, req.parallel_tool_calls, flat=True) or grammar
+        sampling.grammar = await checked(self.ctx.grammar_guard, grammar)
         request_id = _response_id()
         echo = {"instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
                 "temperature": sampling.temperature, "top_p": sampling.top_p, "tools": [_function_tool(t) for t in req.tools or []],

@@ -1,0 +1,40 @@
+"""In a grammar helper process (grammar_guard.py): compile a grammar with the model's
+vocabulary, within the time budget (the caller kills this process past it). The gateway
+only wants the verdict; a worker also takes a slow compile's result back (serialized, far
+cheaper to load than to compile again), and compiles a quick one again itself."""
+from __future__ import annotations
+
+import pickle
+import time
+
+from .grammar import compile_spec
+from .grammar_limits import too_slow
+from .grammar_spec import GrammarError, GrammarSpec
+
+SHIP_AFTER_S = 0.2  # a compile this slow is sent back rather than done twice
+
+
+def setup_from_tokenizer(tokenizer_pickle: bytes):
+    """The gateway's helper: a compiler over a (pickled) Hugging Face tokenizer's vocabulary."""
+    import xgrammar as xgr
+    tokenizer = pickle.loads(tokenizer_pickle)
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))
+    return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+
+def setup_from_info(tokenizer_info_json: str):
+    """A worker's helper: a compiler over the worker's own xgrammar TokenizerInfo."""
+    import xgrammar as xgr
+    info = xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)
+    return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+
+def trial_compile(compiler, kind: str, text: str, budget_s: float, ship: bool) -> str | None:
+    """None, or (ship) the compiled grammar as xgrammar's JSON when it was slow to make.
+    GrammarError, which goes back to the caller, when it is bad or took past budget_s."""
+    started = time.monotonic()
+    compiled = compile_spec(compiler, GrammarSpec(kind, text))
+    took = time.monotonic() - started
+    if took > budget_s:  # the caller's hard limit is longer when it wants the result shipped
+        raise GrammarError(too_slow(kind, budget_s))
+    return compiled.serialize_json() if ship and took >= SHIP_AFTER_S else None

@@ -1,0 +1,199 @@
+"""A few helper processes (child.py) and a hard time budget on each call.
+
+Each helper runs a setup function once (its state: a tokenizer, a grammar compiler), then
+answers calls one at a time. A call that outlives its budget kills its helper (SIGKILL: a
+thread cannot be stopped, and C++ code may hold the GIL) and raises CallTimeout; the next
+call starts a fresh helper. Helpers start on first use (or prestart()), outside any call's
+budget.
+
+Calls run on a thread pool with one thread per helper, so from asyncio they never block the
+event loop, and calls beyond the helpers' number wait their turn in order."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shared.process_pool.frames import FrameTimeout, encode, read_frame_before
+
+log = logging.getLogger("duet.process_pool")
+
+REPO = Path(__file__).resolve().parents[2]
+CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+             "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+
+
+class CallTimeout(TimeoutError):
+    """The call ran past its budget; its helper was killed."""
+
+
+class CallFailed(RuntimeError):
+    """The helper could not start (during_setup) or died during the call (not the function's
+    own error, which the call raises as it is)."""
+
+    def __init__(self, message: str, during_setup: bool = False):
+        super().__init__(message)
+        self.during_setup = during_setup
+
+
+@dataclass
+class PoolStats:
+    started: int = 0   # helpers started
+    timeouts: int = 0  # calls killed at their budget
+
+
+class _Helper:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], generation: int = 0):
+        self.name = name
+        self.generation = generation  # the pool's stop() count when it started
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                                     close_fds=True)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def exchange(self, message: tuple, timeout_s: float) -> Any:
+        """Send one request, return the function's result or raise what it raised."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            self.proc.stdin.write(encode(message))
+            self.proc.stdin.flush()
+            status, value = read_frame_before(self.proc.stdout.fileno(), deadline)
+        except FrameTimeout:
+            self.kill()
+            raise CallTimeout(f"{self.name}: no answer within {timeout_s:g}s") from None
+        except (OSError, EOFError, ValueError) as exc:
+            self.kill()
+            raise CallFailed(f"{self.name} helper process failed: {exc}") from None
+        if status == "raise":
+            raise value
+        return value
+
+    def kill(self) -> None:
+        if self.alive:
+            self.proc.kill()
+        self.proc.wait()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            try:
+                pipe.close()
+            except OSError:
+                pass
+
+
+class ProcessPool:
+    def __init__(self, name: str, setup: str, setup_args: tuple | Callable[[], tuple] = (), processes: int = 1,
+                 start_timeout_s: float = 300.0):
+        """setup: "module:function" run once in each helper (its return value is the state every
+        call gets first); setup_args: its arguments, or a function giving them (evaluated when a
+        helper starts, on a pool thread)."""
+        if processes < 1:
+            raise ValueError(f"{name}: a pool needs at least one process, got {processes}")
+        self.name = name
+        self.setup = setup
+        self.setup_args = setup_args
+        self.processes = processes
+        self.start_timeout_s = start_timeout_s
+        self.stats = PoolStats()
+        self._executor = ThreadPoolExecutor(max_workers=processes, thread_name_prefix=f"{name}-pool")
+        self._slots: queue.SimpleQueue[_Helper | None] = queue.SimpleQueue()
+        for _ in range(processes):
+            self._slots.put(None)
+        self._closed = False
+        self._generation = 0  # bumped by stop(): older helpers are killed when they come back
+
+    async def call(self, target: str, *args: Any, timeout_s: float) -> Any:
+        """target(state, *args) in a helper; CallTimeout past timeout_s (the wait for a free
+        helper and its start do not count)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._run, target, args, timeout_s)
+
+    def call_sync(self, target: str, *args: Any, timeout_s: float) -> Any:
+        return self._executor.submit(self._run, target, args, timeout_s).result()
+
+    def prestart(self, count: int | None = None) -> None:
+        """Start `count` helpers (default: all) now, in the background."""
+        for _ in range(min(count or self.processes, self.processes)):
+            self._executor.submit(self._warm)
+
+    def stop(self) -> None:
+        """Kill the helpers (a busy one when its call returns); the pool stays usable: the next
+        call starts a fresh helper."""
+        self._generation += 1
+        idle = []
+        while True:
+            try:
+                idle.append(self._slots.get_nowait())
+            except queue.Empty:
+                break
+        for helper in idle:
+            if helper is not None:
+                helper.kill()
+            self._slots.put(None)
+
+    def close(self) -> None:
+        """stop(), and no calls any more."""
+        self._closed = True
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.stop()
+
+    # -- on a pool thread ----------------------------------------------------------------
+    def _run(self, target: str, args: tuple, timeout_s: float) -> Any:
+        helper = self._slots.get()  # never waits: one thread per slot
+        try:
+            if helper is None or not helper.alive:
+                helper = self._start()
+            try:
+                return helper.exchange(("call", target, args), timeout_s)
+            except CallTimeout:
+                self.stats.timeouts += 1
+                log.warning("%s: a call to %s ran past %gs; its helper process was killed", self.name, target,
+                            timeout_s)
+                if not self._closed:
+                    self._executor.submit(self._warm)  # its replacement starts now, not on the next call
+                raise
+        finally:
+            self._slots.put(self._current(helper))
+
+    def _current(self, helper: _Helper | None) -> _Helper | None:
+        """helper, or None (killed) when it is older than the last stop()."""
+        if helper is not None and (self._closed or helper.generation != self._generation):
+            helper.kill()
+            return None
+        return helper
+
+    def _warm(self) -> None:
+        helper = self._slots.get()
+        try:
+            if helper is None or not helper.alive:
+                helper = self._start()
+        except Exception as exc:
+            log.warning("%s: could not start a helper process: %s", self.name, exc)
+        finally:
+            self._slots.put(self._current(helper))
+
+    def _start(self) -> _Helper:
+        if self._closed:
+            raise CallFailed(f"{self.name}: the pool is closed", during_setup=True)
+        args = self.setup_args() if callable(self.setup_args) else self.setup_args
+        env = {**os.environ, **CHILD_ENV,
+               "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+        helper = _Helper(self.name, [sys.executable, "-m", "shared.process_pool.child", str(os.getpid())], env,
+                         self._generation)
+        self.stats.started += 1
+        try:
+            helper.exchange(("setup", self.setup, tuple(args)), self.start_timeout_s)
+        except Exception as exc:
+            helper.kill()
+            raise CallFailed(f"{self.name}: a helper process could not start: {type(exc).__name__}: {exc}",
+                             during_setup=True) from None
+        return helper

@@ -1,0 +1,43 @@
+"""Functions a ProcessPool helper runs in tests/test_process_pool.py (importable by name)."""
+from __future__ import annotations
+
+import os
+import time
+
+
+def setup(tag: str) -> dict:
+    return {"tag": tag, "calls": 0}
+
+
+def echo(state: dict, value):
+    state["calls"] += 1
+    return state["tag"], value, state["calls"], os.getpid()
+
+
+def sleep(state: dict, seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
+def spin(state: dict, seconds: float) -> int:
+    end, n = time.monotonic() + seconds, 0
+    while time.monotonic() < end:
+        n += 1
+    return n
+
+
+def fail(state: dict, message: str):
+    raise ValueError(message)
+
+
+def noisy(state: dict) -> str:
+    print("a library printing to stdout")  # must not corrupt the reply
+    return "still fine"
+
+
+def die(state: dict) -> None:
+    os._exit(3)
+
+
+def bad_setup() -> None:
+    raise ImportError("no such thing")
