@@ -6,7 +6,8 @@ or, once cancelled, when its notice (done or abort) arrives, or when its writer 
 the registry, or `quarantine_s` after the cancel (longer than prefill's own write timeout;
 the writer's RPC is cancelled with it). One nobody cancels or claims (its gateway died) is
 freed once no write can land: at once after an abort notice, `claim_timeout_s` after a
-done notice or after its writer left the registry."""
+done notice or after its writer left the registry. Each rule and the test that proves it:
+docs/ARCHITECTURE.md, "Failure rules"."""
 from __future__ import annotations
 
 import asyncio

@@ -4,6 +4,8 @@
   <p>:worker:<id>:nixl    hash   rank -> NIXL agent metadata bytes; same TTL
   <p>:worker:<id>:pages   set    page hashes (decimal) the worker's prefix cache holds; same TTL
   <p>:workers:events      pubsub JSON {"event": "join"|"leave", "worker_id", "instance_nonce"}
+
+Who writes and reads each, and the KV events: docs/ARCHITECTURE.md, "Registry keys and KV events".
 """
 from __future__ import annotations
 
