@@ -45,8 +45,7 @@ _MD_PATH = re.compile(r"(?<![\w./-])((?:\.{1,2}/)*(?:[\w.-]+/)*([\w.-]+)\.md)\b(
 
 def tracked_files() -> list[str]:
     try:
-        out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True,
-                             text=True, check=True).stdout
+        out = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         pytest.skip("not a git checkout: the tracked files are unknown")
     return sorted({f for f in out.splitlines() if (REPO / f).is_file()})
