@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 
+from kernels.fp8 import kv_cache_read
 from kernels.paged_kv import PagedCacheShape, gather_dense_kv
 
 
@@ -25,9 +26,11 @@ def _check(q, k_cache, v_cache, page_table, seq_lens) -> PagedCacheShape:
     return shape
 
 
-def decode_attention_reference(q, k_cache, v_cache, page_table, seq_lens, sm_scale) -> torch.Tensor:
+def decode_attention_reference(q, k_cache, v_cache, page_table, seq_lens, sm_scale, k_scale: float = 1.0,
+                               v_scale: float = 1.0) -> torch.Tensor:
     """Plain torch, float32 math (float64 for float64 inputs), one sequence at a time (CPU or GPU).
-    A sequence with seq_len 0 (a padded batch slot) gets zeros."""
+    A sequence with seq_len 0 (a padded batch slot) gets zeros. k_scale, v_scale: an FP8
+    cache's scales (kernels/store_kv.py)."""
     shape = _check(q, k_cache, v_cache, page_table, seq_lens)
     group = q.shape[1] // shape.num_kv_heads
     acc = torch.promote_types(q.dtype, torch.float32)  # float32, or float64 for float64 inputs
@@ -35,8 +38,8 @@ def decode_attention_reference(q, k_cache, v_cache, page_table, seq_lens, sm_sca
     for b, length in enumerate(seq_lens.tolist()):
         if length == 0:
             continue
-        k = gather_dense_kv(k_cache, page_table[b], length).to(acc)  # [L, H_kv, D]
-        v = gather_dense_kv(v_cache, page_table[b], length).to(acc)
+        k = kv_cache_read(gather_dense_kv(k_cache, page_table[b], length), acc, k_scale)  # [L, H_kv, D]
+        v = kv_cache_read(gather_dense_kv(v_cache, page_table[b], length), acc, v_scale)
         k = k.repeat_interleave(group, dim=1)  # [L, H_q, D]
         v = v.repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,lhd->hl", q[b].to(acc), k) * sm_scale
@@ -48,13 +51,15 @@ def decode_attention_reference(q, k_cache, v_cache, page_table, seq_lens, sm_sca
 def decode_attention(
     q, k_cache, v_cache, page_table, seq_lens, sm_scale,
     num_kv_splits: Optional[int] = None, out: Optional[torch.Tensor] = None, pdl=None,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Triton flash-decoding. num_kv_splits=None picks the split count from
     the batch size and the page table's capacity (shapes only, no sync).
     out: optional preallocated [B, H_q, D] output (e.g. a CUDA graph's buffer).
-    pdl: a kernels.pdl.Pdl to launch with programmatic dependent launch (Hopper+)."""
+    pdl: a kernels.pdl.Pdl to launch with programmatic dependent launch (Hopper+).
+    k_scale, v_scale: an FP8 cache's scales (1.0 for other caches)."""
     _check(q, k_cache, v_cache, page_table, seq_lens)
     from kernels.triton_decode_attention import launch_decode_attention
 
     return launch_decode_attention(q, k_cache, v_cache, page_table, seq_lens, sm_scale, num_kv_splits, out,
-                                   pdl=pdl)
+                                   pdl=pdl, k_scale=k_scale, v_scale=v_scale)

@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 
+from kernels.fp8 import kv_cache_read
 from kernels.paged_kv import PagedCacheShape, gather_dense_kv
 
 
@@ -25,8 +26,10 @@ def _check(q, k_cache, v_cache, page_table, qo_indptr, seq_lens) -> PagedCacheSh
     return shape
 
 
-def extend_attention_reference(q, k_cache, v_cache, page_table, qo_indptr, seq_lens, sm_scale) -> torch.Tensor:
-    """Plain torch, float32 math (float64 for float64 inputs), one sequence at a time (CPU or GPU)."""
+def extend_attention_reference(q, k_cache, v_cache, page_table, qo_indptr, seq_lens, sm_scale, k_scale: float = 1.0,
+                               v_scale: float = 1.0) -> torch.Tensor:
+    """Plain torch, float32 math (float64 for float64 inputs), one sequence at a time (CPU or GPU).
+    k_scale, v_scale: an FP8 cache's scales (kernels/store_kv.py)."""
     shape = _check(q, k_cache, v_cache, page_table, qo_indptr, seq_lens)
     group = q.shape[1] // shape.num_kv_heads
     acc = torch.promote_types(q.dtype, torch.float32)  # float32, or float64 for float64 inputs
@@ -37,8 +40,8 @@ def extend_attention_reference(q, k_cache, v_cache, page_table, qo_indptr, seq_l
         ext = q_hi - q_lo
         if ext == 0:
             continue
-        k = gather_dense_kv(k_cache, page_table[b], seq_len).to(acc).repeat_interleave(group, dim=1)
-        v = gather_dense_kv(v_cache, page_table[b], seq_len).to(acc).repeat_interleave(group, dim=1)
+        k = kv_cache_read(gather_dense_kv(k_cache, page_table[b], seq_len), acc, k_scale).repeat_interleave(group, dim=1)
+        v = kv_cache_read(gather_dense_kv(v_cache, page_table[b], seq_len), acc, v_scale).repeat_interleave(group, dim=1)
         scores = torch.einsum("thd,lhd->htl", q[q_lo:q_hi].to(acc), k) * sm_scale
         q_pos = torch.arange(seq_len - ext, seq_len, device=q.device)
         kv_pos = torch.arange(seq_len, device=q.device)
@@ -50,6 +53,7 @@ def extend_attention_reference(q, k_cache, v_cache, page_table, qo_indptr, seq_l
 def extend_attention(
     q, k_cache, v_cache, page_table, qo_indptr, seq_lens, sm_scale,
     max_extend_len: Optional[int] = None, out: Optional[torch.Tensor] = None,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Triton. max_extend_len (the longest extend in the batch) sizes the grid;
     the engine knows it on the host, and without it this reads qo_indptr back
@@ -59,4 +63,5 @@ def extend_attention(
 
     if max_extend_len is None:
         max_extend_len = int((qo_indptr[1:] - qo_indptr[:-1]).max().item()) if seq_lens.numel() else 0
-    return launch_extend_attention(q, k_cache, v_cache, page_table, qo_indptr, seq_lens, sm_scale, max_extend_len, out)
+    return launch_extend_attention(q, k_cache, v_cache, page_table, qo_indptr, seq_lens, sm_scale, max_extend_len, out,
+                                   k_scale=k_scale, v_scale=v_scale)

@@ -32,6 +32,8 @@ class KVCacheWrite:
     v_cache: torch.Tensor
     v: torch.Tensor
     slot_mapping: torch.Tensor
+    k_scale: float = 1.0  # an FP8 cache's scales (kernels/store_kv.py)
+    v_scale: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,8 @@ def qk_norm_rope_reference(positions, q, k, cos_sin_cache, is_neox: bool = True,
         kh.copy_(rms_norm_reference(kh, norm.k_weight, norm.eps))
     rotary_embedding_reference(positions, qh, kh, cos_sin_cache, is_neox)
     if kv_write is not None:
-        store_kv_reference(kv_write.k_cache, kv_write.v_cache, kh, vh, kv_write.slot_mapping)
+        store_kv_reference(kv_write.k_cache, kv_write.v_cache, kh, vh, kv_write.slot_mapping, kv_write.k_scale,
+                           kv_write.v_scale)
     return q, k
 
 

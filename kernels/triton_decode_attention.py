@@ -9,6 +9,8 @@ stage 2 is not launched (one launch per layer instead of two; SGLang's decode
 kernels drop their reduce step the same way).
 Each sequence divides its own length over the splits on the device, so the
 grid is fixed for a given B and split count (CUDA graphs).
+An FP8 cache is widened to q's dtype as it is read (exact); its k_scale rides in the
+softmax scale and its v_scale multiplies each split's output (kernels/store_kv.py).
 """
 
 from dataclasses import dataclass
@@ -41,7 +43,7 @@ class DecodeConfig:
 # specialised on (a serving batch would compile a variant warm-up never met: shared/engine/warmup.py)
 @triton.jit(do_not_specialize=["stride_pt_b"], do_not_specialize_on_alignment=["page_table", "seq_lens"])
 def _decode_stage1(
-    q, k_cache, v_cache, page_table, seq_lens, mid_o, mid_lse, o, qk_scale_log2,
+    q, k_cache, v_cache, page_table, seq_lens, mid_o, mid_lse, o, qk_scale_log2, v_scale,
     stride_q_b, stride_q_h,
     stride_k_page, stride_k_head, stride_k_off,
     stride_v_page, stride_v_head, stride_v_off,
@@ -94,7 +96,7 @@ def _decode_stage1(
             kt = tl.load(
                 k_base + page[:, None] * stride_k_page + off[:, None] * stride_k_off + d[None, :],
                 mask=kv_mask, other=0.0,
-            )
+            ).to(qv.dtype)  # an FP8 cache widens exactly; its k_scale is in qk_scale_log2
             s = tl.dot(qv, tl.trans(kt), input_precision=DOT_PRECISION) * qk_scale_log2
             s = tl.where(pos_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -104,9 +106,10 @@ def _decode_stage1(
             vt = tl.load(
                 v_base + page[:, None] * stride_v_page + off[:, None] * stride_v_off + d[None, :],
                 mask=kv_mask, other=0.0,
-            )
+            ).to(qv.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PRECISION)
             m_i = m_new
+        acc = acc * v_scale  # an FP8 cache's v_scale (1.0 otherwise)
         if DIRECT_OUT:  # the only split: this is the output
             tl.store(o_ptrs, (acc / l_i[:, None]).to(o.dtype.element_ty), mask=out_mask)
         else:
@@ -168,7 +171,7 @@ def choose_num_kv_splits(batch: int, kv_programs_per_seq: int, kv_capacity: int,
 def launch_decode_attention(
     q, k_cache, v_cache, page_table, seq_lens, sm_scale,
     num_kv_splits: Optional[int] = None, out: Optional[torch.Tensor] = None,
-    config: Optional[DecodeConfig] = None, pdl: Optional[Pdl] = None,
+    config: Optional[DecodeConfig] = None, pdl: Optional[Pdl] = None, k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:
     cfg = config or DecodeConfig()
     batch, num_q_heads, head_dim = q.shape
@@ -195,7 +198,7 @@ def launch_decode_attention(
     block_d = next_power_of_2(head_dim)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     _decode_stage1[(batch, num_kv_heads * head_blocks, num_kv_splits)](
-        q, k_cache, v_cache, page_table, seq_lens, mid_o, mid_lse, o, sm_scale * _LOG2E,
+        q, k_cache, v_cache, page_table, seq_lens, mid_o, mid_lse, o, sm_scale * _LOG2E * k_scale, v_scale,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

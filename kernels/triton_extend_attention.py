@@ -22,7 +22,7 @@ _LOG2E = 1.4426950408889634
 @triton.jit(do_not_specialize=["stride_pt_b"],
             do_not_specialize_on_alignment=["page_table", "qo_indptr", "seq_lens"])
 def _extend_kernel(
-    q, k_cache, v_cache, page_table, qo_indptr, seq_lens, o, qk_scale_log2,
+    q, k_cache, v_cache, page_table, qo_indptr, seq_lens, o, qk_scale_log2, v_scale,
     stride_q_t, stride_q_h,
     stride_k_page, stride_k_head, stride_k_off,
     stride_v_page, stride_v_head, stride_v_off,
@@ -67,14 +67,14 @@ def _extend_kernel(
             page = tl.load(pt_row + pos // PAGE_SIZE).to(tl.int64)
             off = pos % PAGE_SIZE
             kt = tl.load(k_base + page[:, None] * stride_k_page + off[:, None] * stride_k_off + d[None, :],
-                         mask=d_ok[None, :], other=0.0)
+                         mask=d_ok[None, :], other=0.0).to(qv.dtype)
             s = tl.dot(qv, tl.trans(kt), input_precision=DOT_PRECISION) * qk_scale_log2
             m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.exp2(s - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
             vt = tl.load(v_base + page[:, None] * stride_v_page + off[:, None] * stride_v_off + d[None, :],
-                         mask=d_ok[None, :], other=0.0)
+                         mask=d_ok[None, :], other=0.0).to(qv.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PRECISION)
             m_i = m_new
         # diagonal steps: causal mask, and nothing read at or past last_q_pos + 1
@@ -85,7 +85,7 @@ def _extend_kernel(
             off = pos % PAGE_SIZE
             kv_mask = pos_ok[:, None] & d_ok[None, :]
             kt = tl.load(k_base + page[:, None] * stride_k_page + off[:, None] * stride_k_off + d[None, :],
-                         mask=kv_mask, other=0.0)
+                         mask=kv_mask, other=0.0).to(qv.dtype)
             s = tl.dot(qv, tl.trans(kt), input_precision=DOT_PRECISION) * qk_scale_log2
             # rows past ext_len keep their own (unused) diagonal so they never go all -inf
             s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
@@ -94,10 +94,10 @@ def _extend_kernel(
             alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
             vt = tl.load(v_base + page[:, None] * stride_v_page + off[:, None] * stride_v_off + d[None, :],
-                         mask=kv_mask, other=0.0)
+                         mask=kv_mask, other=0.0).to(qv.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PRECISION)
             m_i = m_new
-        out = acc / l_i[:, None]
+        out = acc * v_scale / l_i[:, None]
         tl.store(o + tok[:, None] * stride_o_t + head * stride_o_h + d[None, :],
                  out.to(o.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
@@ -124,7 +124,7 @@ def default_extend_config(head_dim: int, dtype: torch.dtype, device: torch.devic
 
 
 def launch_extend_attention(q, k_cache, v_cache, page_table, qo_indptr, seq_lens, sm_scale, max_extend_len: int, out=None,
-                            config: Optional[ExtendConfig] = None):
+                            config: Optional[ExtendConfig] = None, k_scale: float = 1.0, v_scale: float = 1.0):
     num_tokens, num_q_heads, head_dim = q.shape
     batch = seq_lens.shape[0]
     num_kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
@@ -138,7 +138,7 @@ def launch_extend_attention(q, k_cache, v_cache, page_table, qo_indptr, seq_lens
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     grid = (triton.cdiv(max_extend_len, block_m), num_q_heads, batch)
     _extend_kernel[grid](
-        q, k_cache, v_cache, page_table, qo_indptr, seq_lens, o, sm_scale * _LOG2E,
+        q, k_cache, v_cache, page_table, qo_indptr, seq_lens, o, sm_scale * _LOG2E * k_scale, v_scale,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

@@ -68,8 +68,20 @@ MAX_SPINS = 1 << 24
 
 
 @triton.jit
+def _row_scales(s_ptr, srow_ptr, e, n, k0, stride_se, stride_sr, group_k, FP8: tl.constexpr):
+    """FP8 weights: the scales of rows n of expert e for the K group holding column k0 (a
+    tile's K range lies in one group); 1.0 for 16-bit weights."""
+    if FP8:
+        row = tl.load(srow_ptr + n).to(tl.int64)
+        return tl.load(s_ptr + e.to(tl.int64) * stride_se + row * stride_sr + k0 // group_k)
+    else:
+        return tl.full(n.shape, 1.0, tl.float32)
+
+
+@triton.jit
 def _gate_up_part(x_ptr, w13_ptr, part_ptr, e, pair, nb, ks, num_splits, H, I, stride_x, stride_we,
-                  TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  s13_ptr, srow13_ptr, stride_s13e, stride_s13r, group_k,
+                  TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr):
     """Partial gate and up sums over one K chunk for BLOCK_N intermediate columns of a pair:
     one load of each tile, so every program has its whole share of bytes in flight at once."""
     t = pair // TOP_K
@@ -82,9 +94,12 @@ def _gate_up_part(x_ptr, w13_ptr, part_ptr, e, pair, nb, ks, num_splits, H, I, s
     g = tl.load(rows, mask=m, other=0.0)
     u = tl.load(rows + I * H, mask=m, other=0.0)
     xv = tl.load(x_ptr + t * stride_x + k, mask=k_ok, other=0.0).to(tl.float32)
+    nc = tl.minimum(n, I - 1)
+    sg = _row_scales(s13_ptr, srow13_ptr, e, nc, ks * BLOCK_K, stride_s13e, stride_s13r, group_k, FP8)
+    su = _row_scales(s13_ptr, srow13_ptr, e, nc + I, ks * BLOCK_K, stride_s13e, stride_s13r, group_k, FP8)
     base = part_ptr + (pair * num_splits + ks) * 2 * I
-    tl.store(base + n, tl.sum(g.to(tl.float32) * xv[None, :], axis=1), mask=n_ok)
-    tl.store(base + I + n, tl.sum(u.to(tl.float32) * xv[None, :], axis=1), mask=n_ok)
+    tl.store(base + n, tl.sum(g.to(tl.float32) * xv[None, :], axis=1) * sg, mask=n_ok)
+    tl.store(base + I + n, tl.sum(u.to(tl.float32) * xv[None, :], axis=1) * su, mask=n_ok)
 
 
 @triton.jit
@@ -108,9 +123,12 @@ def _gate_up_finish(part_ptr, inter_ptr, pair, nb, num_splits, I, BLOCK_N: tl.co
 @triton.jit(do_not_specialize=["num_pairs"])  # one compile for every decode batch
 def _experts_kernel(x_ptr, w13_ptr, w2_ptr, ids_ptr, emap_ptr, topk_w_ptr, part_ptr, inter_ptr, rows_ptr,
                     split_ptr, pair_done_ptr, pair_seen_ptr, sum_ptr, out_ptr,
+                    s13_ptr, srow13_ptr, s2_ptr, srow2_ptr,
                     H, I, num_pairs, stride_x, stride_w13e, stride_w2e, stride_out,
+                    stride_s13e, stride_s13r, stride_s2e, stride_s2r, group_k,
                     TOP_K: tl.constexpr, HAS_MAP: tl.constexpr, GATE_N: tl.constexpr, GATE_K: tl.constexpr,
-                    DOWN_N: tl.constexpr, DOWN_K: tl.constexpr, MAX: tl.constexpr, PDL: tl.constexpr):
+                    DOWN_N: tl.constexpr, DOWN_K: tl.constexpr, MAX: tl.constexpr, PDL: tl.constexpr,
+                    FP8: tl.constexpr):
     """Per pair, I/GATE_N * H/GATE_K gate/up programs: partial sums of a column block over one
     K chunk; the last chunk to arrive for a (pair, column block) adds them up, applies
     SiLU-and-mul and arrives on the pair's counter. And H/DOWN_N down programs: the pair's
@@ -120,7 +138,9 @@ def _experts_kernel(x_ptr, w13_ptr, w2_ptr, ids_ptr, emap_ptr, topk_w_ptr, part_
     token's k rows in slot order; the last of a pair zeroes the pair's counters.
     All gate/up programs come first: ordering them pair by pair, so one pair's down
     projection streams while the next pairs' gate/up run, measured slower (H200, M=1: 48 vs
-    40 us; its spinning down programs hold SM slots the gate/up programs need)."""
+    40 us; its spinning down programs hold SM slots the gate/up programs need).
+    FP8 weights (W8A16): each tile row is scaled by its block scale (GATE_K and DOWN_K divide
+    the scale's K group)."""
     pdl_enter(PDL)  # everything here depends on the routing the previous kernel wrote
     pid = tl.program_id(0)
     nb_gate = tl.cdiv(I, GATE_N)
@@ -142,7 +162,7 @@ def _experts_kernel(x_ptr, w13_ptr, w2_ptr, ids_ptr, emap_ptr, topk_w_ptr, part_
             e = tl.load(emap_ptr + e)
         if e >= 0:  # another rank's expert: nothing to compute, the down side writes zeros
             _gate_up_part(x_ptr, w13_ptr, part_ptr, e, pair, nb, r % splits, splits, H, I, stride_x, stride_w13e,
-                          TOP_K, GATE_N, GATE_K)
+                          s13_ptr, srow13_ptr, stride_s13e, stride_s13r, group_k, TOP_K, GATE_N, GATE_K, FP8)
         tl.debug_barrier()
         split_counter = split_ptr + pair * nb_gate + nb
         if tl.atomic_add(split_counter, 1, sem="acq_rel") == splits - 1:
@@ -171,13 +191,17 @@ def _experts_kernel(x_ptr, w13_ptr, w2_ptr, ids_ptr, emap_ptr, topk_w_ptr, part_
         tl.atomic_add(pair_done_ptr + pair, 0, sem="acquire")  # the pair's intermediate is visible
         y = tl.zeros([DOWN_N], tl.float32)
         if e >= 0:
+            ec = tl.maximum(e, 0)
+            nc = tl.minimum(n, H - 1)
             iv = tl.load(inter_ptr + pair * I + k, mask=k < I, other=0.0, cache_modifier=".cg").to(tl.float32)
-            acc = w.to(tl.float32) * iv[None, :]
+            sw = _row_scales(s2_ptr, srow2_ptr, ec, nc, 0, stride_s2e, stride_s2r, group_k, FP8)
+            acc = w.to(tl.float32) * sw[:, None] * iv[None, :]
             for k0 in range(DOWN_K, I, DOWN_K):  # intermediates wider than one tile (Mixtral)
                 kk = k0 + k
                 ivk = tl.load(inter_ptr + pair * I + kk, mask=kk < I, other=0.0, cache_modifier=".cg")
                 wk = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & (kk < I)[None, :], other=0.0)
-                acc += wk.to(tl.float32) * ivk.to(tl.float32)[None, :]
+                sw = _row_scales(s2_ptr, srow2_ptr, ec, nc, k0, stride_s2e, stride_s2r, group_k, FP8)
+                acc += wk.to(tl.float32) * sw[:, None] * ivk.to(tl.float32)[None, :]
             dt = out_ptr.dtype.element_ty
             y = tl.sum(acc, axis=1).to(dt).to(tl.float32) * tl.load(topk_w_ptr + pair)
         tl.store(rows_ptr + pair * H + n, y, mask=n_ok)
@@ -223,7 +247,8 @@ def launch_route(x, router_w, top_k: int, renormalize: bool, round_weights_to, c
     return weights, ids
 
 
-def launch_experts(x, w13, w2, weights, ids, expert_map, out, counters, tile, pdl=None):
+def launch_experts(x, w13, w2, weights, ids, expert_map, out, counters, tile, pdl=None, fp8=None):
+    """fp8: (w13, w2) kernels.fp8.Fp8Weight whose q are w13 and w2 (FP8 experts)."""
     t, h = x.shape
     pdl = pdl_for(pdl, t)
     top_k = ids.shape[1]
@@ -242,10 +267,17 @@ def launch_experts(x, w13, w2, weights, ids, expert_map, out, counters, tile, pd
     inter_rows = torch.empty(pairs, inter, dtype=x.dtype, device=dev)
     rows = torch.empty(pairs, h, dtype=torch.float32, device=dev)
     grid = (pairs * (nb_gate * splits + nb_down),)
+    if fp8 is not None:
+        f13, f2 = fp8
+        scales = (f13.scale, f13.scale_row, f2.scale, f2.scale_row)
+        scale_strides = (f13.scale.stride(0), f13.scale.stride(1), f2.scale.stride(0), f2.scale.stride(1),
+                         min(f13.group_k, 1 << 30))
+    else:
+        scales, scale_strides = (x, ids, x, ids), (0, 0, 0, 0, 1)
     _experts_kernel[grid](
-        x, w13, w2, ids, emap, weights, part, inter_rows, rows, split, pair_done, pair_seen, sums, out,
-        h, inter, pairs, x.stride(0), w13.stride(0), w2.stride(0), out.stride(0),
+        x, w13, w2, ids, emap, weights, part, inter_rows, rows, split, pair_done, pair_seen, sums, out, *scales,
+        h, inter, pairs, x.stride(0), w13.stride(0), w2.stride(0), out.stride(0), *scale_strides,
         TOP_K=top_k, HAS_MAP=expert_map is not None, GATE_N=tile.gate_up_block_n, GATE_K=tile.gate_up_block_k,
         DOWN_N=tile.down_block_n, DOWN_K=min(triton.next_power_of_2(inter), tile.down_block_k), MAX=MAX_SPINS,
-        PDL=pdl is not None, num_warps=tile.warps, **launch_options(pdl))
+        PDL=pdl is not None, FP8=fp8 is not None, num_warps=tile.warps, **launch_options(pdl))
     return out

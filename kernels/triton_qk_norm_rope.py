@@ -9,8 +9,10 @@ work on the same registers. Programs of k heads also write k and v at the token'
 import triton
 import triton.language as tl
 
+from kernels.fp8 import FP8_DTYPE
 from kernels.paged_kv import next_power_of_2
 from kernels.pdl import launch_options, pdl_for
+from kernels.triton_fp8 import fp8_quantize
 from kernels.triton_pdl import pdl_enter
 
 
@@ -44,13 +46,14 @@ def _norm_rotate_head(x, w, eps, cos, sin, i, i_ok,
 @triton.jit(do_not_specialize_on_alignment=["positions", "slot_mapping"])
 def _qk_norm_rope_kernel(
     positions, q, k, v, cos_sin_cache, q_weight, k_weight, eps,
-    k_cache, v_cache, slot_mapping,
+    k_cache, v_cache, slot_mapping, inv_k_scale, inv_v_scale,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_cache,
     stride_kc_page, stride_kc_head, stride_kc_off,
     stride_vc_page, stride_vc_head, stride_vc_off,
     num_q_heads,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, PAGE_SIZE: tl.constexpr,
     IS_NEOX: tl.constexpr, HAS_NORM: tl.constexpr, HAS_STORE: tl.constexpr, PDL: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     pdl_enter(PDL)
     tok = tl.program_id(0).to(tl.int64)
@@ -73,12 +76,17 @@ def _qk_norm_rope_kernel(
                 page = slot // PAGE_SIZE
                 off = slot % PAGE_SIZE
                 dst_k = k_cache + page * stride_kc_page + kv_head * stride_kc_head + off * stride_kc_off
-                tl.store(dst_k + o1, r1.to(k_cache.dtype.element_ty), mask=i_ok)
-                tl.store(dst_k + o2, r2.to(k_cache.dtype.element_ty), mask=i_ok)
                 src_v = v + tok * stride_v_t + kv_head * stride_v_h
                 dst_v = v_cache + page * stride_vc_page + kv_head * stride_vc_head + off * stride_vc_off
                 v1 = tl.load(src_v + i, mask=i_ok)
                 v2 = tl.load(src_v + HALF + i, mask=i_ok)
+                if KV_FP8:  # the rotated k (rounded to k's dtype) and v over their scales, on the fp8 grid
+                    r1 = fp8_quantize(r1.to(tl.float32), inv_k_scale)
+                    r2 = fp8_quantize(r2.to(tl.float32), inv_k_scale)
+                    v1 = fp8_quantize(v1.to(tl.float32), inv_v_scale)
+                    v2 = fp8_quantize(v2.to(tl.float32), inv_v_scale)
+                tl.store(dst_k + o1, r1.to(k_cache.dtype.element_ty), mask=i_ok)
+                tl.store(dst_k + o2, r2.to(k_cache.dtype.element_ty), mask=i_ok)
                 tl.store(dst_v + i, v1.to(v_cache.dtype.element_ty), mask=i_ok)
                 tl.store(dst_v + HALF + i, v2.to(v_cache.dtype.element_ty), mask=i_ok)
 
@@ -97,8 +105,10 @@ def launch_qk_norm_rope(positions, q, k, cos_sin_cache, is_neox, norm, kv_write,
             v = v.contiguous()
         kc, vc, slots = kv_write.k_cache, kv_write.v_cache, kv_write.slot_mapping
         page_size = kc.shape[2]
+        inv_scales = (1.0 / kv_write.k_scale, 1.0 / kv_write.v_scale)
     else:  # unused pointers when HAS_STORE is False
         v, kc, vc, slots, page_size = k, k, k, positions, 1
+        inv_scales = (1.0, 1.0)
     q_w = norm.q_weight if norm is not None else q
     k_w = norm.k_weight if norm is not None else k
     eps = norm.eps if norm is not None else 0.0
@@ -106,11 +116,11 @@ def launch_qk_norm_rope(positions, q, k, cos_sin_cache, is_neox, norm, kv_write,
     vc_strides = (vc.stride(0), vc.stride(1), vc.stride(2)) if kv_write is not None else (0, 0, 0)
     _qk_norm_rope_kernel[(num_tokens, num_q_heads + k.shape[1])](
         positions, q, k, v, cos_sin_cache, q_w, k_w, eps,
-        kc, vc, slots,
+        kc, vc, slots, *inv_scales,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
         *kc_strides, *vc_strides,
         num_q_heads,
         HALF=half, BLOCK_HALF=next_power_of_2(half), PAGE_SIZE=page_size,
         IS_NEOX=is_neox, HAS_NORM=norm is not None, HAS_STORE=kv_write is not None, PDL=pdl is not None,
-        num_warps=1, **launch_options(pdl),
+        KV_FP8=kv_write is not None and kc.dtype == FP8_DTYPE, num_warps=1, **launch_options(pdl),
     )

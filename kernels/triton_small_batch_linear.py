@@ -12,6 +12,10 @@ acq_rel atomic (CUTLASS's split-K semaphore pattern); the program that arrives l
 sums the partials in split order 0..S-1 (same bits whatever the arrival order), runs
 the epilogue, and resets the counter to 0, so every launch leaves the counters as it
 found them. No host sync, no data-dependent allocation.
+
+FP8 weights (kernels/fp8_linear.py): the tile is widened to x's dtype in registers and each
+row's partial product scaled by its block scale (BLOCK_K divides the scale's K group, so a
+tile row has one): one byte a weight from memory, the rest as for 16-bit weights.
 """
 
 from __future__ import annotations
@@ -47,6 +51,17 @@ def _mac(acc, wt, xt, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _mac_fp8(acc, wt, xt, w_scale, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """_mac for an FP8 weight tile whose rows' scales (one K group: BLOCK_K divides it) are
+    w_scale [BLOCK_N]: the tile is widened to x's dtype (exact), the products scaled per row."""
+    if USE_DOT:
+        acc += tl.dot(wt.to(xt.dtype), tl.trans(xt), input_precision=DOT_PRECISION) * w_scale[:, None]
+    else:
+        acc += wt.to(tl.float32) * w_scale[:, None] * xt.to(tl.float32)
+    return acc
+
+
+@triton.jit
 def _finish(acc, USE_DOT: tl.constexpr):
     """[BLOCK_N, BLOCK_M] sums."""
     if not USE_DOT:
@@ -67,13 +82,13 @@ def _epilogue(acc, acc_up, bias, out, rn, rm, n_ok, m_ok, stride_om,
 
 @triton.jit
 def _small_batch_linear_kernel(
-    x, w, bias, out, partials, counters,
-    M, N, K, up_elems, k_blocks_per_split, split_k,
-    stride_xm, stride_wn, stride_om,
+    x, w, bias, out, partials, counters, w_scale, scale_row,
+    M, N, K, up_elems, k_blocks_per_split, split_k, group_k,
+    stride_xm, stride_wn, stride_om, stride_ws,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, GATE_UP: tl.constexpr, SPLIT: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE_ELEMS: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE_ELEMS: tl.constexpr, FP8: tl.constexpr,
 ):
     tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -100,6 +115,10 @@ def _small_batch_linear_kernel(
     w_ptrs = w + rows[:, None] * stride_wn + rk[None, :]
     u_ptrs = w_ptrs + up_elems  # the up half's rows: N rows further down
     x_ptrs = x + rm[:, None] * stride_xm + rk[None, :]
+    if FP8:  # each row's scales: its scale row (the up rows' are N rows further down)
+        s_ptrs = w_scale + tl.load(scale_row + rows).to(tl.int64) * stride_ws
+        if GATE_UP:
+            su_ptrs = w_scale + tl.load(scale_row + rows + N).to(tl.int64) * stride_ws
     acc = _zeros(BLOCK_N, BLOCK_M, BLOCK_K, USE_DOT)
     acc_up = _zeros(BLOCK_N, BLOCK_M, BLOCK_K, USE_DOT)
     for k0 in range(k_start, k_end, BLOCK_K):
@@ -110,13 +129,19 @@ def _small_batch_linear_kernel(
             k_ok = (k0 + rk) < K
             xt = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             wt = tl.load(w_ptrs + k0, mask=k_ok[None, :], other=0.0)
-        acc = _mac(acc, wt, xt, USE_DOT, DOT_PRECISION)
+        if FP8:
+            acc = _mac_fp8(acc, wt, xt, tl.load(s_ptrs + k0 // group_k), USE_DOT, DOT_PRECISION)
+        else:
+            acc = _mac(acc, wt, xt, USE_DOT, DOT_PRECISION)
         if GATE_UP:
             if EVEN_K:
                 ut = tl.load(u_ptrs + k0)
             else:
                 ut = tl.load(u_ptrs + k0, mask=((k0 + rk) < K)[None, :], other=0.0)
-            acc_up = _mac(acc_up, ut, xt, USE_DOT, DOT_PRECISION)
+            if FP8:
+                acc_up = _mac_fp8(acc_up, ut, xt, tl.load(su_ptrs + k0 // group_k), USE_DOT, DOT_PRECISION)
+            else:
+                acc_up = _mac(acc_up, ut, xt, USE_DOT, DOT_PRECISION)
     acc = _finish(acc, USE_DOT)
     acc_up = _finish(acc_up, USE_DOT)
 
@@ -151,10 +176,12 @@ def _block_m(m: int, use_dot: bool) -> int:
 
 
 def launch_small_batch_linear(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor,
-                              cfg: SmallBatchConfig, workspace, gate_up: bool, pdl: Pdl | None = None) -> torch.Tensor:
+                              cfg: SmallBatchConfig, workspace, gate_up: bool, pdl: Pdl | None = None,
+                              fp8=None) -> torch.Tensor:
     """x [M, K], w [N_w, K] (row stride free, last dim contiguous), out [M, N_out] with a
     contiguous last dim; N_out = N_w, or N_w // 2 for gate_up. workspace: a
-    SmallBatchWorkspace or None (then split-K allocates its buffers per call)."""
+    SmallBatchWorkspace or None (then split-K allocates its buffers per call).
+    fp8: a kernels.fp8.Fp8Weight whose q is w (cfg.block_k must divide its group_k)."""
     m, k = x.shape
     n = out.shape[1]
     pdl = pdl_for(pdl, m)
@@ -174,15 +201,17 @@ def launch_small_batch_linear(x: torch.Tensor, w: torch.Tensor, bias, out: torch
             partials, counters = workspace.buffers(need, tiles)
     else:
         partials, counters = out, out  # never touched without split-K
+    ws, srow = (fp8.scale, fp8.scale_row) if fp8 is not None else (out, out)
     _small_batch_linear_kernel[(tiles, split_k)](
-        x, w, bias if bias is not None else out, out, partials, counters,
+        x, w, bias if bias is not None else out, out, partials, counters, ws, srow,
         m, n, k, n * w.stride(0) if gate_up else 0, k_blocks_per_split, split_k,
-        x.stride(0), w.stride(0), out.stride(0),
+        min(fp8.group_k, 1 << 30) if fp8 is not None else 1,
+        x.stride(0), w.stride(0), out.stride(0), ws.stride(0) if fp8 is not None else 0,
         BLOCK_M=_block_m(m, use_dot), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None, GATE_UP=gate_up, SPLIT=split_k > 1,
         USE_DOT=use_dot, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         PDL=pdl is not None, PREFETCH=min(pdl.prefetch_k_blocks, k_blocks_per_split) if pdl else 0,
-        LINE_ELEMS=min(cfg.block_k, 128 // w.element_size()),
+        LINE_ELEMS=min(cfg.block_k, 128 // w.element_size()), FP8=fp8 is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )
     return out

@@ -78,6 +78,7 @@ def random_checkpoint_dir(name: str, root: Path, device: torch.device) -> Path:
 class Ceilings:
     copy_gb_s: float  # device-to-device copy, bytes read + written
     matmul_tflops: float  # bf16 8192^3 on random data
+    fp8_matmul_tflops: float = 0.0  # torch._scaled_mm e4m3 8192^3 (0: not measurable here)
 
 
 def _time_ms(fn, reps: int) -> float:
@@ -109,7 +110,30 @@ def measure_ceilings(device: torch.device) -> Ceilings:
     ms = _time_ms(lambda: a @ b, 20)
     del a, b
     torch.cuda.empty_cache()
-    return Ceilings(copy_gb_s=copy, matmul_tflops=2 * n ** 3 / ms / 1e9)
+    return Ceilings(copy_gb_s=copy, matmul_tflops=2 * n ** 3 / ms / 1e9, fp8_matmul_tflops=fp8_matmul_peak(device))
+
+
+def scaled_mm(a8: torch.Tensor, b8: torch.Tensor, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """torch._scaled_mm of a [M, K] and b [N, K] (both float8_e4m3fn, K contiguous) with unit
+    per-tensor scales: cuBLAS's FP8 GEMM, the FP8 ceiling."""
+    one = torch.ones((), dtype=torch.float32, device=a8.device)
+    return torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one, out_dtype=out_dtype)
+
+
+def fp8_matmul_peak(device: torch.device, n: int = 8192) -> float:
+    """TFLOP/s of torch._scaled_mm at n^3 on random e4m3 data; 0.0 where it does not run
+    (no FP8 tensor cores)."""
+    try:
+        a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+        b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+        for _ in range(3):
+            scaled_mm(a, b)
+        ms = _time_ms(lambda: scaled_mm(a, b), 20)
+    except (RuntimeError, AttributeError):
+        return 0.0
+    finally:
+        torch.cuda.empty_cache()
+    return 2 * n ** 3 / ms / 1e9
 
 
 def weight_bytes_read_per_step(model, tied: bool, touched_experts: list[int] | None = None) -> int:
@@ -120,7 +144,7 @@ def weight_bytes_read_per_step(model, tied: bool, touched_experts: list[int] | N
     from shared.engine.models.moe import ExpertWeights
 
     experts = [m for m in model.modules() if isinstance(m, ExpertWeights)]
-    skip = {id(p) for m in experts for p in (m.w13, m.w2)}
+    skip = {id(p) for m in experts for p in m.parameters(recurse=False)}  # FP8 experts' scales too
     seen, total = set(), 0
     for p in model.parameters():
         if id(p) in seen or id(p) in skip:
@@ -130,7 +154,7 @@ def weight_bytes_read_per_step(model, tied: bool, touched_experts: list[int] | N
     if not tied:
         total -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
     for i, m in enumerate(experts):
-        per_expert = (m.w13[0].numel() + m.w2[0].numel()) * m.w13.element_size()
+        per_expert = sum(p[0].numel() * p.element_size() for p in m.parameters(recurse=False))
         n = m.place.num_local_experts if touched_experts is None else touched_experts[i]
         total += n * per_expert
     return total

@@ -2,6 +2,7 @@
 
     duet bench [--models qwen3-0.6b,qwen3-8b] [--sections ...] [--json out.json]
     duet bench --suite tp            # on a 2-GPU host: TP=2 equality, fused all-reduce, TP decode
+    duet bench --suite fp8 --budget-s 400   # FP8: accuracy, decode, GEMM, MoE, long-context KV (fp8_device.py)
 
 Sections (single-GPU suite, in order): ceilings (copy bandwidth, bf16 matmul), equality
 (greedy tokens vs transformers, Qwen3 and Llama), decode (step time at batch 1/8/32/128,
@@ -9,8 +10,12 @@ context 1k, against the bytes/bandwidth floor; graphs and overlap on/off), prefi
 (1/4/16 prompts of 2k tokens, tokens/s and TFLOP/s against the matmul peak), offline
 (256 random requests, 100-1024 tokens in and out, Qwen3-0.6B shape, overlap off/on, vs
 transformers generate in sub-batches), hf (transformers decode ms/step: static cache +
-torch.compile reduce-overhead, and eager). Every number is printed as it is measured and
-a table comes last. GPU_NOTES.md records results and the commands that made them."""
+torch.compile reduce-overhead, and eager). FP8 twins (not in the default list):
+decode_fp8, prefill_fp8, offline_fp8 (FP8 weights, and FP8 KV; floors in FP8 bytes, the
+prefill ceiling the FP8 matmul peak). Every number is printed as it is measured and
+a table comes last. --budget-s skips sections once the time is spent, and a watchdog prints
+the table and exits if a section hangs past it. GPU_NOTES.md records results and the
+commands that made them."""
 from __future__ import annotations
 
 import argparse
@@ -46,7 +51,7 @@ class Report:
 
 def _parse(argv):
     p = argparse.ArgumentParser(prog="duet bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--suite", choices=("single", "tp"), default="single")
+    p.add_argument("--suite", choices=("single", "tp", "fp8"), default="single")
     p.add_argument("--sections", default=None, help="comma list (default: all of the suite)")
     p.add_argument("--models", default="qwen3-0.6b,qwen3-8b", help="shapes for decode/prefill/hf")
     p.add_argument("--batches", default="1,8,32,128")
@@ -65,7 +70,32 @@ def _parse(argv):
     p.add_argument("--moe-tp-layouts", default="2/1,2/2", help="tp/ep pairs for the moe_tp section")
     p.add_argument("--json", default=None)
     p.add_argument("--workdir", default=None)
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="seconds for the whole run: later sections are skipped, a hung one cut off")
     return p.parse_args(argv)
+
+
+def _suite_sections(suite: str) -> tuple[str, ...]:
+    if suite == "fp8":
+        from .fp8_device import FP8_SECTIONS
+        return FP8_SECTIONS
+    return SINGLE_SECTIONS if suite == "single" else TP_SECTIONS
+
+
+def _watchdog(deadline: float, report: "Report", args) -> None:
+    """Past the deadline (plus a grace for the section in flight): print what was measured and
+    leave, so a hung kernel cannot swallow the run's results."""
+    import threading
+
+    def fire():
+        print(f"\n=== duet bench: budget of {args.budget_s:.0f}s spent, stopping ===\n" + report.table(), flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(report.data, indent=1, default=str))
+        os._exit(3)
+
+    t = threading.Timer(max(1.0, deadline - time.monotonic()), fire)
+    t.daemon = True
+    t.start()
 
 
 def main(argv=None) -> int:
@@ -77,10 +107,12 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("duet bench: error: needs a CUDA GPU", file=sys.stderr)
         return 2
-    sections = args.sections.split(",") if args.sections else list(
-        SINGLE_SECTIONS if args.suite == "single" else TP_SECTIONS)
+    start = time.monotonic()
+    sections = args.sections.split(",") if args.sections else list(_suite_sections(args.suite))
     root = Path(args.workdir or tempfile.mkdtemp(prefix="duet-bench-"))
     report = Report()
+    if args.budget_s:
+        _watchdog(start + args.budget_s + 20, report, args)
     dev = torch.device("cuda", 0)
     props = torch.cuda.get_device_properties(dev)
     report.add("env", "device", f"{props.name} x{torch.cuda.device_count()}, {props.total_memory / 2**30:.0f} GiB")
@@ -91,6 +123,9 @@ def main(argv=None) -> int:
     ctx = dict(args=args, root=root, report=report, dev=dev, ceilings=None)
     for name in sections:
         t0 = time.monotonic()
+        if args.budget_s and t0 - start > args.budget_s - 15:
+            report.add(name, "skipped", f"budget: {t0 - start:.0f} of {args.budget_s:.0f}s spent")
+            continue
         try:
             SECTION_FUNCS[name](ctx)
         except Exception as e:  # noqa: BLE001 - one failing section must not hide the others
@@ -113,6 +148,8 @@ def _ceilings(ctx):
     ctx["ceilings"] = c
     ctx["report"].add("ceilings", "copy_GB_s", c.copy_gb_s, "read+write, 1 GiB bf16 copy")
     ctx["report"].add("ceilings", "bf16_matmul_TFLOPs", c.matmul_tflops, "8192^3, random data")
+    ctx["report"].add("ceilings", "fp8_matmul_TFLOPs", c.fp8_matmul_tflops,
+                      "torch._scaled_mm e4m3 8192^3, per-tensor scales, bf16 out")
 
 
 def _need_ceilings(ctx):
@@ -143,43 +180,87 @@ def _engine(ctx, name, **kw):
     return make_engine(config_only_dir(name, ctx["root"]), load_format="dummy", **kw)
 
 
-def _decode(ctx):
+# FP8 twins of decode, prefill and offline: FP8 weights (--quantization fp8 on the random
+# weights), and for decode FP8 KV as well; floors in FP8 bytes, the prefill ceiling the FP8
+# matmul peak (torch._scaled_mm, measured in the same run)
+FP8_WEIGHTS = dict(quantization="fp8")
+FP8_KV = dict(quantization="fp8", kv_cache_dtype="fp8_e4m3")
+
+
+def _decode(ctx, section="decode", variants=(("", {}),)):
     from .gpu_engine import decode_floor_ms, decode_step_ms, release_memory
 
     args, rep = ctx["args"], ctx["report"]
     c = _need_ceilings(ctx)
     batches = [int(b) for b in args.batches.split(",")]
     for name in _models(ctx):
-        t0 = time.monotonic()
-        eng = _engine(ctx, name, max_model_len=4096, cuda_graph_max_bs=max(batches))
-        rep.add("decode", f"{name} engine_start_sec", round(time.monotonic() - t0, 1),
-                f"weights {eng.weight_bytes / 2**30:.2f} GiB, KV {eng.layout.num_pages} pages")
-        for b in batches:
-            floor, gb = decode_floor_ms(eng, b, args.ctx, c.copy_gb_s)
-            ms = decode_step_ms(eng, b, args.ctx, args.steps)
-            rep.add("decode", f"{name} B={b} step_ms", ms, f"floor {floor:.3f} ms ({gb:.2f} GB), x{ms / floor:.2f}")
-            ms_ov = decode_step_ms(eng, b, args.ctx, args.steps, overlap=True)
-            rep.add("decode", f"{name} B={b} step_ms overlap", ms_ov, f"x{ms_ov / floor:.2f} of floor")
-            if b in (1, 32):
-                ms_off = decode_step_ms(eng, b, args.ctx, args.steps, graphs=False)
-                rep.add("decode", f"{name} B={b} step_ms graphs_off", ms_off, f"graphs on {ms:.3f}")
-        ctx.setdefault("decode_ms", {})[name] = {b: rep.data["decode"][f"{name} B={b} step_ms"] for b in batches}
+        for tag, options in variants:
+            label = f"{name}{tag}"
+            t0 = time.monotonic()
+            eng = _engine(ctx, name, max_model_len=4096, cuda_graph_max_bs=max(batches), **options)
+            rep.add(section, f"{label} engine_start_sec", round(time.monotonic() - t0, 1),
+                    f"weights {eng.weight_bytes / 2**30:.2f} GiB ({eng.weights_description}), KV {eng.layout.num_pages} "
+                    f"pages of {str(eng.kv_dtype).removeprefix('torch.')}")
+            for b in batches:
+                floor, gb = decode_floor_ms(eng, b, args.ctx, c.copy_gb_s)
+                ms = decode_step_ms(eng, b, args.ctx, args.steps)
+                rep.add(section, f"{label} B={b} step_ms", ms, f"floor {floor:.3f} ms ({gb:.2f} GB), x{ms / floor:.2f}")
+                ms_ov = decode_step_ms(eng, b, args.ctx, args.steps, overlap=True)
+                rep.add(section, f"{label} B={b} step_ms overlap", ms_ov, f"x{ms_ov / floor:.2f} of floor")
+                if b in (1, 32) and section == "decode":
+                    ms_off = decode_step_ms(eng, b, args.ctx, args.steps, graphs=False)
+                    rep.add(section, f"{label} B={b} step_ms graphs_off", ms_off, f"graphs on {ms:.3f}")
+            ctx.setdefault(f"{section}_ms", {})[label] = {b: rep.data[section][f"{label} B={b} step_ms"]
+                                                           for b in batches}
+            eng.close()
+            del eng
+            release_memory()
+
+
+def _decode_fp8(ctx):
+    _decode(ctx, "decode_fp8", ((" fp8", FP8_WEIGHTS), (" fp8+fp8kv", FP8_KV)))
+
+
+def _prefill(ctx, section="prefill", options=None):
+    from .gpu_engine import prefill_rate, release_memory
+
+    c = _need_ceilings(ctx)
+    fp8 = bool(options)
+    peak = c.fp8_matmul_tflops if fp8 and c.fp8_matmul_tflops else c.matmul_tflops
+    for name in _models(ctx):
+        eng = _engine(ctx, name, max_num_batched_tokens=16384, max_model_len=4096, **(options or {}))
+        prefill_rate(eng, 1, 2048, seed=99)  # warm-up: Triton compiles the extend kernel
+        for n in (1, 4, 16):
+            r = prefill_rate(eng, n, 2048, seed=n)
+            ctx["report"].add(section, f"{name} {n}x2048 tok_s", r["tok_s"],
+                              f"{r['tflops']:.0f} TFLOP/s = {100 * r['tflops'] / peak:.0f}% of "
+                              f"{'FP8 (_scaled_mm)' if fp8 else 'bf16'} matmul peak")
         eng.close()
         del eng
         release_memory()
 
 
-def _prefill(ctx):
-    from .gpu_engine import prefill_rate, release_memory
+def _prefill_fp8(ctx):
+    _prefill(ctx, "prefill_fp8", FP8_WEIGHTS)
 
-    c = _need_ceilings(ctx)
-    for name in _models(ctx):
-        eng = _engine(ctx, name, max_num_batched_tokens=16384, max_model_len=4096)
-        prefill_rate(eng, 1, 2048, seed=99)  # warm-up: Triton compiles the extend kernel
-        for n in (1, 4, 16):
-            r = prefill_rate(eng, n, 2048, seed=n)
-            ctx["report"].add("prefill", f"{name} {n}x2048 tok_s", r["tok_s"],
-                              f"{r['tflops']:.0f} TFLOP/s = {100 * r['tflops'] / c.matmul_tflops:.0f}% of matmul peak")
+
+def _offline_fp8(ctx):
+    """The offline run (Qwen3-0.6B shape, overlap on) with FP8 weights and FP8 KV beside bf16."""
+    from .gpu_engine import offline_run, offline_workload, release_memory
+    from .shapes import hf_config
+
+    args, rep = ctx["args"], ctx["report"]
+    name = "qwen3-0.6b"
+    vocab = hf_config(name).vocab_size
+    prompts, outs = offline_workload(args.offline_requests, vocab)
+    for tag, options in (("bf16", {}), ("fp8", FP8_WEIGHTS), ("fp8+fp8kv", FP8_KV)):
+        eng = _engine(ctx, name, overlap_schedule=True, max_model_len=4096, **options)
+        warm_p, _ = offline_workload(8, vocab, seed=1)
+        offline_run(eng, warm_p, [16] * 8)
+        r = offline_run(eng, prompts, outs)
+        rep.add("offline_fp8", f"{name} {tag} out_tok_s", r["out_tok_s"],
+                f"{r['requests']} req in {r['sec']:.1f}s, total {r['total_tok_s']:.0f} tok/s, "
+                f"KV {eng.layout.num_pages} pages")
         eng.close()
         del eng
         release_memory()
@@ -336,7 +417,19 @@ def _moe_tp(ctx):
 
 SECTION_FUNCS = {"ceilings": _ceilings, "equality": _equality, "decode": _decode, "prefill": _prefill,
                  "offline": _offline, "hf": _hf, "tp_equality": _tp_equality, "allreduce": _allreduce,
-                 "tp_decode": _tp_decode, "moe_tp": _moe_tp}
+                 "tp_decode": _tp_decode, "moe_tp": _moe_tp, "decode_fp8": _decode_fp8, "prefill_fp8": _prefill_fp8,
+                 "offline_fp8": _offline_fp8}
+
+
+def _fp8_section(name):
+    def run(ctx):
+        from .fp8_device import SECTIONS
+        SECTIONS[name](ctx)
+    return run
+
+
+for _name in ("fp8_accuracy", "fp8_decode_8b", "fp8_gemm", "fp8_moe_decode", "fp8_kv_long"):
+    SECTION_FUNCS[_name] = _fp8_section(_name)
 
 
 if __name__ == "__main__":

@@ -66,7 +66,7 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
         reply = duet_pb2.Reservation(
             reservation_id=res.reservation_id, generation=res.generation, decode_worker_id=ctx.worker_id,
             decode_instance_nonce=ctx.instance_nonce, page_size=ctx.page_size,
-            num_layers=eng.layout.num_layers, kv_dtype=str(eng.dtype).removeprefix("torch."),
+            num_layers=eng.layout.num_layers, kv_dtype=str(eng.kv_dtype).removeprefix("torch."),
             compat_hash=ctx.compat_hash)
         for rank, agent in enumerate(ctx.rank_agents):  # TP ranks mirror rank 0's page table
             reply.ranks.add(rank=rank, agent_name=agent.name, page_ids=res.page_ids)

@@ -83,11 +83,13 @@ def open_model(args: argparse.Namespace) -> OfflineModel:
     first use), then load it. The user's mistakes raise UsageError before anything loads;
     a failure while loading is not theirs and propagates as it is."""
     from shared.engine import LLM
+    from shared.engine.model_config import ModelConfig
     from shared.model_files.default_model import ModelNotFoundError, resolve_model_dir
 
     try:
         params = sampling_params_from_args(args)
         model_dir = resolve_model_dir(args.model)
+        ModelConfig.from_dir(model_dir)  # an architecture or quantization we do not serve is named now
     except (ValueError, ModelNotFoundError) as exc:
         raise UsageError(str(exc)) from None
     return OfflineModel(LLM(str(model_dir), dtype=args.dtype, device=args.device), params, model_dir)

@@ -12,6 +12,12 @@ def compat_hash(served_model: str, kv_key: str) -> str:
 
 
 def model_kv_key(engine) -> str:
+    """L<layers>-H<kv heads>-P<page>-D<head dim>-<KV dtype>, and for an FP8 cache with scales
+    other than 1.0 a digest of them (pages written with one scale read wrong with another)."""
     layout, mc = engine.layout, engine.model_config
-    return (f"L{layout.num_layers}-H{mc.num_kv_heads}-P{layout.page_size}-D{layout.head_dim}-"
-            f"{str(layout.dtype).removeprefix('torch.')}")
+    key = (f"L{layout.num_layers}-H{mc.num_kv_heads}-P{layout.page_size}-D{layout.head_dim}-"
+           f"{str(layout.dtype).removeprefix('torch.')}")
+    scales = engine.pool.scales
+    if any(s != (1.0, 1.0) for s in scales):
+        key += "-kvs" + hashlib.sha256(repr(scales).encode()).hexdigest()[:8]
+    return key

@@ -122,6 +122,17 @@ class EngineConfig:
         "auto", flag="--load-format", env="DUET_LOAD_FORMAT", choices=("auto", "dummy"),
         help="dummy: random weights drawn on the device from a fixed seed instead of the folder's safetensors "
              "(benchmarks of real shapes; every worker of one TP size and device type draws the same weights)")
+    # FP8 (shared/engine/quantization): an FP8 checkpoint is served in FP8 either way; "fp8" also
+    # quantizes a 16-bit one block-wise at load. On the CPU FP8 weights are dequantized at load.
+    quantization: str = setting(
+        "none", flag="--quantization", env="DUET_QUANTIZATION", choices=("none", "fp8"),
+        help="fp8: quantize a 16-bit checkpoint's linear layers to FP8 (128x128 blocks) at load; an FP8 "
+             "checkpoint (quantization_config fp8 / compressed-tensors float8) is served in FP8 without it")
+    kv_cache_dtype: str = setting(
+        "auto", flag="--kv-cache-dtype", env="DUET_KV_CACHE_DTYPE", choices=("auto", "fp8_e4m3"),
+        help="KV cache dtype: auto (the weights' dtype) or fp8_e4m3 (half a bf16 cache's bytes per token and "
+             "per handoff; scaled by the checkpoint's k_scale/v_scale, else 1.0); prefill and decode pair "
+             "only with the same")
     tp: TPContext = field(default_factory=_tp_context)  # this process's rank (set by the engine)
 
     def resolve_device(self) -> torch.device:
@@ -144,6 +155,16 @@ class EngineConfig:
             raise ValueError("dtype float64 runs on the CPU only (device='cpu'); on a GPU choose float32, "
                              "bfloat16 or float16")
         return getattr(torch, self.dtype)
+
+    def resolve_kv_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The KV pool's dtype for weights/activations of `dtype`."""
+        import torch
+        kind = str(self.kv_cache_dtype or "auto").lower()
+        if kind == "auto":
+            return dtype
+        if kind in ("fp8", "fp8_e4m3", "float8_e4m3fn"):
+            return torch.float8_e4m3fn
+        raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose auto or fp8_e4m3")
 
     def resolve_batched_tokens(self, device: torch.device) -> int:
         if self.max_num_batched_tokens:

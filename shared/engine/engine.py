@@ -60,7 +60,7 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         from shared.model_files.default_model import resolve_model_dir
         self.model_dir = resolve_model_dir(config.model_dir)
-        self.model_config = mc = ModelConfig.from_dir(self.model_dir)
+        self.model_config = mc = ModelConfig.from_dir(self.model_dir, quantization=config.quantization)
         self._tp_workers = None
         # per-rank services a worker attaches (e.g. a follower's KV transfer agent, see
         # shared/kv_transfer/rank_transfers.py); the follower loop gives them idle ticks
@@ -78,6 +78,7 @@ class Engine:
             weakref.finalize(self, self._tp_workers.shutdown)
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)
+        self.kv_dtype = config.resolve_kv_dtype(self.dtype)
         self.tp = config.tp
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         t0 = time.monotonic()
@@ -88,6 +89,7 @@ class Engine:
         self.model = load_model(mc, self.tp, self.dtype, self.device, self.max_model_len, fused=fused,
                                 load_format=config.load_format, expert_parallel=config.ep_size > 1)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.fp8_layers = sum(1 for m in self.model.modules() if getattr(m, "fp8", None))
         self.small_batch_workspace = None
         which = {"1": "all", "true": "all", "on": "all", "0": "off", "false": "off"}.get(
             str(config.small_batch_linear).lower(), str(config.small_batch_linear).lower())
@@ -98,6 +100,13 @@ class Engine:
             from .models.layers import enable_small_batch_linears
             self.small_batch_workspace = SmallBatchWorkspace.create(self.device)
             enable_small_batch_linears(self.model, self.small_batch_workspace, mode=which)
+        if fused and self.fp8_layers:  # FP8 linears' decode sizes always run the small-batch kernel
+            from kernels.small_batch_linear import SmallBatchWorkspace
+            if self.small_batch_workspace is None:
+                self.small_batch_workspace = SmallBatchWorkspace.create(self.device)
+            for m in self.model.modules():
+                if getattr(m, "fp8", None) and getattr(m, "small_batch", "absent") is None:
+                    m.small_batch = self.small_batch_workspace
         if self.tp.size > 1 and self.device.type == "cuda" and config.custom_all_reduce:
             from .parallel.custom_all_reduce import CustomAllReduce
             car = None
@@ -106,7 +115,7 @@ class Engine:
             if self.tp.all_ranks_agree(car is not None, self.device):  # all use it, or none
                 self.tp.custom_all_reduce = car
         self.layout = self._size_kv()
-        self.pool = KVPool(self.layout, self.device)
+        self.pool = KVPool(self.layout, self.device, self._kv_scales())
         self.backend = make_attention_backend(config.attention_backend, self.pool, self.device)
         self.pdl = self._enable_pdl(config, fused)
         self.kv = KVManager(self.layout.num_pages, self.layout.page_size, config.enable_prefix_cache,
@@ -146,13 +155,14 @@ class Engine:
             self.overlap = OverlapScheduler(self)
         if self._tp_workers is not None:
             self._tp_workers.wait_ready()
-        log.info("engine ready in %.1fs: %s %s on %s, %s, weights %.2f GiB, KV %d pages x %d tokens "
-                 "(%.2f GiB), backend %s, cuda graphs %s, custom all-reduce %s, overlap %s, "
+        log.info("engine ready in %.1fs: %s %s on %s, %s, weights %.2f GiB (%s), KV %d pages x %d tokens "
+                 "(%.2f GiB, %s), backend %s, cuda graphs %s, custom all-reduce %s, overlap %s, "
                  "small-batch linears %s, PDL %s",
                  time.monotonic() - t0, mc.architecture, str(self.dtype).removeprefix("torch."),
                  self.device, f"tp {self.tp.rank}/{self.tp.size}", self.weight_bytes / 2**30,
-                 self.layout.num_pages, self.layout.page_size,
-                 self.layout.num_pages * self.layout.bytes_per_page / 2**30, self.backend.name,
+                 self.weights_description, self.layout.num_pages, self.layout.page_size,
+                 self.layout.num_pages * self.layout.bytes_per_page / 2**30,
+                 str(self.kv_dtype).removeprefix("torch."), self.backend.name,
                  "on" if self.runner.graphs is not None and self.runner.graphs.capture else "off",
                  "on" if self.tp.custom_all_reduce is not None else "off",
                  "on" if self.overlap is not None else "off",
@@ -187,6 +197,23 @@ class Engine:
             self._tp_workers.shutdown()
 
     @property
+    def weights_description(self) -> str:
+        """What the weights are, for logs: "FP8 block 128x128 (fp8), 252 layers", "dequantized
+        from FP8 ..." on a device that holds them in the engine's dtype, or the dtype."""
+        q = self.model_config.quant
+        if q is None:
+            return str(self.dtype).removeprefix("torch.")
+        if self.fp8_layers:
+            return f"{q.describe()}, {self.fp8_layers} FP8 layers"
+        return f"{str(self.dtype).removeprefix('torch.')}, dequantized from {q.describe()}"
+
+    def _kv_scales(self) -> list[tuple[float, float]] | None:
+        """An FP8 pool's per-layer scales (the checkpoint's k_scale / v_scale, else 1.0)."""
+        if self.kv_dtype != torch.float8_e4m3fn:
+            return None
+        return [(float(layer.self_attn.k_scale), float(layer.self_attn.v_scale)) for layer in self.model.layers]
+
+    @property
     def kv_heads(self):
         """The global KV heads this rank's pool holds (parallel/context.py HeadSlice)."""
         return self.tp.kv_heads(self.model_config.num_kv_heads)
@@ -195,7 +222,7 @@ class Engine:
     def _size_kv(self) -> KVLayout:
         mc, cfg = self.model_config, self.config
         kw = dict(num_layers=mc.num_layers, num_kv_heads=self.tp.kv_heads(mc.num_kv_heads).count,
-                  page_size=cfg.page_size, head_dim=mc.head_dim, dtype=self.dtype)
+                  page_size=cfg.page_size, head_dim=mc.head_dim, dtype=self.kv_dtype)
         if cfg.kv_cache_memory:
             budget = cfg.kv_cache_memory
         elif self.device.type == "cpu":

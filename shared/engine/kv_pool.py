@@ -47,10 +47,18 @@ class KVLayout:
 
 
 class KVPool:
-    def __init__(self, layout: KVLayout, device: torch.device):
+    def __init__(self, layout: KVLayout, device: torch.device, scales: list[tuple[float, float]] | None = None):
+        """scales: an FP8 pool's (k_scale, v_scale) per layer (kernels/store_kv.py): pages hold
+        k / k_scale and v / v_scale. A 16/32-bit pool holds K and V as they are (1.0)."""
         self.layout = layout
         self.device = device
         self.buffer = torch.zeros(layout.shape, dtype=layout.dtype, device=device)
+        self.scales = list(scales) if scales is not None else [(1.0, 1.0)] * layout.num_layers
+        if len(self.scales) != layout.num_layers:
+            raise ValueError(f"KV scales for {len(self.scales)} layers, the pool has {layout.num_layers}")
+
+    def kv_scales(self, layer: int) -> tuple[float, float]:
+        return self.scales[layer]
 
     def k_cache(self, layer: int) -> torch.Tensor:
         """[num_pages, kv_heads, page_size, head_dim] view (strided across pages)."""

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .moe_config import UNSUPPORTED_MOE, MoEConfig, moe_config_for
+from .quantization.config import Fp8Scheme, QuantizationError, quant_scheme
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -45,13 +46,16 @@ class ModelConfig:
     torch_dtype: str | None
     hf_config: object  # transformers PretrainedConfig, for rope parameters
     moe: MoEConfig | None = None  # mixture-of-experts layers (None: a dense model)
+    quant: Fp8Scheme | None = None  # FP8 weights (checkpoint or --quantization fp8); None: as stored
 
     @property
     def is_moe(self) -> bool:
         return self.moe is not None
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+    def from_dir(cls, model_dir: str | Path, quantization: str | None = None) -> "ModelConfig":
+        """quantization: the engine's --quantization (None, or "fp8" to quantize a 16-bit
+        checkpoint at load); a checkpoint's own quantization_config is read either way."""
         model_dir = Path(model_dir)
         if not model_dir.is_dir():
             raise ModelLoadError(f"model folder not found: {model_dir}")
@@ -71,6 +75,10 @@ class ModelConfig:
             raise ModelLoadError(
                 f"unsupported architecture {archs or raw.get('model_type')!r} in {cfg_path}; "
                 f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+        try:  # before transformers reads the config: a method it cannot load is still named here
+            quant = quant_scheme(raw, quantization)
+        except QuantizationError as exc:
+            raise ModelLoadError(f"{model_dir}: {exc}") from None
         from transformers import AutoConfig  # heavy; only here
         hf = AutoConfig.from_pretrained(model_dir)
         family = SUPPORTED_ARCHITECTURES[arch]
@@ -88,7 +96,7 @@ class ModelConfig:
             attention_bias=_attention_bias(raw, family),
             qk_norm=family in ("qwen3", "qwen3_moe"), eos_token_ids=eos, bos_token_id=raw.get("bos_token_id"),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"), hf_config=hf,
-            moe=moe_config_for(family, hf, raw))
+            moe=moe_config_for(family, hf, raw), quant=quant)
 
 
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")

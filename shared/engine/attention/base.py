@@ -28,6 +28,11 @@ class AttentionBackend(ABC):
         kv_stored=True."""
         return self.pool.k_cache(layer), self.pool.v_cache(layer)
 
+    def kv_scales(self, layer: int) -> tuple[float, float]:
+        """(k_scale, v_scale) of `layer`'s cache: what an FP8 cache's values are multiplied
+        by when read (and divided by when written); 1.0 for a 16/32-bit cache."""
+        return self.pool.kv_scales(layer)
+
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 meta: AttentionMetadata, scale: float, kv_stored: bool = False) -> torch.Tensor:

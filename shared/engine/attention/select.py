@@ -18,6 +18,9 @@ def make_attention_backend(name: str, pool: KVPool, device: torch.device):
         from .triton_backend import TritonAttentionBackend
         return TritonAttentionBackend(pool)
     if name == "flashinfer":
+        if pool.layout.dtype == torch.float8_e4m3fn:
+            raise ValueError("the flashinfer attention backend does not read an FP8 KV cache here; use "
+                             "--attention-backend triton (the GPU default) with --kv-cache-dtype fp8_e4m3")
         try:
             import flashinfer  # noqa: F401
         except ImportError as e:

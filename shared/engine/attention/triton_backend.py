@@ -33,12 +33,14 @@ class TritonAttentionBackend(AttentionBackend):
         from kernels.store_kv import store_kv
 
         kc, vc = self.kv_cache(layer)
+        k_scale, v_scale = self.kv_scales(layer)
         if not kv_stored:
-            store_kv(kc, vc, k, v, meta.slot_mapping)
+            store_kv(kc, vc, k, v, meta.slot_mapping, k_scale, v_scale)
         if meta.is_decode:
-            return decode_attention(q, kc, vc, meta.page_table, meta.seq_lens, scale, pdl=self.pdl)
+            return decode_attention(q, kc, vc, meta.page_table, meta.seq_lens, scale, pdl=self.pdl,
+                                    k_scale=k_scale, v_scale=v_scale)
         return extend_attention(q, kc, vc, meta.page_table, meta.qo_indptr, meta.seq_lens, scale,
-                                max_extend_len=max(meta.extend_lens_host))
+                                max_extend_len=max(meta.extend_lens_host), k_scale=k_scale, v_scale=v_scale)
 
     # -- CUDA graph hooks -----------------------------------------------------------------
     def init_graph_state(self, max_bs: int, max_pages: int) -> None:

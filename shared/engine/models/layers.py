@@ -1,21 +1,29 @@
 """Building blocks shared by the Llama-family models, tensor-parallel aware.
 
 Each parallel layer knows how to take its shard out of a full checkpoint tensor
-(`load_full`), so the loader stays generic."""
+(`load_full`), so the loader stays generic. The column- and row-parallel linears can hold
+FP8 weights (quantization/fp8_params.py): `fp8_layouts` says where their shard of an FP8
+checkpoint tensor comes from, and their forward then runs kernels/fp8_linear.py."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.fp8 import FP8_DTYPE
+
 from ..parallel.context import TPContext
+from ..quantization.fp8_params import Fp8Layout, RowSlice, fp8_weight
 
 
 def _linear(module, x, weight, bias=None):
     """F.linear, or at decode sizes (<= 16 rows, 16-bit, GPU) the split-K small-batch kernel
     when the engine enabled it on this layer (module.small_batch: its workspace; module.pdl:
-    programmatic dependent launch, kernels/pdl.py)."""
+    programmatic dependent launch, kernels/pdl.py). FP8 weights: kernels/fp8_linear.py."""
     ws = module.small_batch
+    if weight.dtype == FP8_DTYPE:
+        from kernels.fp8_linear import fp8_linear
+        return fp8_linear(x, fp8_weight(module), bias, workspace=ws, pdl=module.pdl)
     if ws is not None and x.dim() == 2:
         from kernels.small_batch_linear import small_batch_linear, small_batch_preferred, small_batch_tuned
         if small_batch_preferred(x.shape[0], weight.shape[0], weight.shape[1], x.dtype) and (
@@ -68,14 +76,23 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out, dtype=dtype), requires_grad=False) if bias else None
         self.small_batch = None  # SmallBatchWorkspace when the engine routes decode sizes to Triton
         self.pdl = None  # kernels.pdl.Pdl for the small-batch kernel (set by the engine)
+        self.fp8 = None  # {"weight": Fp8Layout} once the weight is FP8
 
     def forward(self, x):
         return _linear(self, x, self.weight, self.bias)
 
+    def fp8_layouts(self, grid) -> dict[str, Fp8Layout]:
+        """Each stacked part's rows of its own checkpoint tensor, every column."""
+        parts = tuple(RowSlice(s, n) for s, n in zip(self.starts, self.parts))
+        return {"weight": Fp8Layout(parts, 0, self.weight.shape[1], 0, grid)}
+
+    def fp8_slot(self, part):
+        return "weight", part, None
+
     def forward_parts(self, x) -> list[torch.Tensor]:
         """The stacked outputs separately. On GPU one matmul then views; on CPU one matmul
         per part, which is faster there at small batch (smaller weight working set)."""
-        if x.device.type == "cuda" or len(self.parts) == 1:
+        if x.device.type == "cuda" or len(self.parts) == 1 or self.fp8:
             return list(self.forward(x).split(self.parts, dim=-1))
         outs, start = [], 0
         for n in self.parts:
@@ -104,10 +121,21 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, self.in_shard, dtype=dtype), requires_grad=False)
         self.small_batch = None
         self.pdl = None
+        self.fp8 = None
 
     def forward(self, x):
         y = _linear(self, x, self.weight)
         return self.tp.all_reduce(y) if self.reduce else y
+
+    def fp8_layouts(self, grid) -> dict[str, Fp8Layout]:
+        """Every row, this rank's input columns."""
+        rows = self.weight.shape[0]
+        stride = self.in_shard if self.tp.size > 1 else 0
+        return {"weight": Fp8Layout((RowSlice(0, rows),), self.tp.rank * self.in_shard, self.in_shard, 0, grid,
+                                    stride)}
+
+    def fp8_slot(self, part):
+        return "weight", 0, None
 
     def load_full(self, tensor: torch.Tensor, part: int = 0, is_bias: bool = False) -> None:
         self.weight.data.copy_(tensor.narrow(1, self.tp.rank * self.in_shard, self.in_shard))
@@ -128,7 +156,12 @@ class SwiGLU(nn.Module):
 
     def forward(self, h):
         ws = self.gate_up_proj.small_batch
-        if ws is not None and h.dim() == 2:
+        if self.gate_up_proj.fp8:
+            from kernels.fp8_linear import fp8_gate_up_silu
+            out = fp8_gate_up_silu(h, fp8_weight(self.gate_up_proj), workspace=ws, pdl=self.gate_up_proj.pdl)
+            if out is not None:
+                return self.down_proj(out)
+        elif ws is not None and h.dim() == 2:
             from kernels.small_batch_linear import small_batch_gate_up_silu, small_batch_preferred, small_batch_tuned
             w = self.gate_up_proj.weight
             if small_batch_preferred(h.shape[0], w.shape[0], w.shape[1], h.dtype) and (

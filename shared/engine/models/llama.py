@@ -37,6 +37,10 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, fused) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, fused) if cfg.qk_norm else None
         self.scaling = d ** -0.5
+        # an FP8 KV cache's dequantization scales, from the checkpoint's k_scale / v_scale
+        # (1.0 without them); the pool holds and applies them (kv_pool.py)
+        self.k_scale = 1.0
+        self.v_scale = 1.0
         self.fused = fused
         self.pdl = None  # kernels.pdl.Pdl for the fused q/k-norm + RoPE kernel (set by the engine)
 
@@ -65,8 +69,9 @@ class Attention(nn.Module):
         norm = None
         if self.q_norm is not None:
             norm = QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        k_scale, v_scale = backend.kv_scales(self.layer_id)
         qk_norm_rope(positions, q, k, rotary.cos_sin, is_neox=True, norm=norm,
-                     kv_write=KVCacheWrite(k_cache, v_cache, v, meta.slot_mapping), pdl=self.pdl)
+                     kv_write=KVCacheWrite(k_cache, v_cache, v, meta.slot_mapping, k_scale, v_scale), pdl=self.pdl)
         o = backend.forward(q, k, v, self.layer_id, meta, self.scaling, kv_stored=True)
         return self.o_proj(o.reshape(-1, self.q_size))
 

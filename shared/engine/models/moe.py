@@ -20,7 +20,11 @@ safe) for prefill; at decode sizes kernels/moe_decode.py: the router GEMV and to
 launch (up to ROUTE_FUSED_MAX_TOKENS tokens) and, for the fewest tokens
 (EXPERTS_DECODE_MAX_TOKENS), the experts as per-pair GEMVs with the top-k sum fused: three
 launches for the block instead of seven. CPU: a loop over the experts the batch touches, in transformers' order of
-operations, so float64 runs match it token for token."""
+operations, so float64 runs match it token for token.
+
+FP8 experts (quantization/fp8_params.py): w13 and w2 in float8_e4m3fn with block or
+per-channel scales; the GPU paths run kernels/fp8_moe.py (W8A8 grouped GEMMs, the W8A16
+per-pair decode kernel), the CPU loop dequantizes them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -33,6 +37,7 @@ from kernels.moe_decode import DecodeCounters, DecodeTile
 
 from ..moe_config import MoEConfig
 from ..parallel.context import TPContext
+from ..quantization.fp8_params import Fp8Layout, RowSlice, fp8_weight
 from .layers import SwiGLU
 
 
@@ -83,6 +88,31 @@ class ExpertWeights(nn.Module):
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, hidden, dtype=dtype), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(e, hidden, i, dtype=dtype), requires_grad=False)
         self._loaded: set[tuple[str, int]] = set()
+        self.fp8 = None  # {"w13": Fp8Layout, "w2": Fp8Layout} once the experts are FP8
+
+    # which stacked weight, part and local expert a per-expert checkpoint tensor fills
+    _SLOTS = {"gate": ("w13", 0), "up": ("w13", 1), "down": ("w2", 0)}
+
+    def fp8_layouts(self, grid) -> dict[str, Fp8Layout]:
+        """gate and up: this rank's slice of each expert's intermediate rows; down: every
+        row, the same slice of its input columns."""
+        p, h = self.place, self.w13.shape[2]
+        inter = RowSlice(p.inter_start, p.inter_local)
+        stride = p.inter_local if p.inter_local < p.intermediate_size else 0  # sliced over the ranks
+        return {"w13": Fp8Layout((inter, inter), 0, h, p.num_local_experts, grid),
+                "w2": Fp8Layout((RowSlice(0, h),), p.inter_start, p.inter_local, p.num_local_experts, grid, stride)}
+
+    def fp8_slot(self, part):
+        """(attr, part, local expert) for a per-expert tensor; local None: another rank's."""
+        which, expert = part
+        if expert is None:
+            raise KeyError("FP8 experts stacked in one checkpoint tensor are not supported; "
+                           "per-expert tensors (experts.<e>.gate_proj.weight ...) are")
+        attr, index = self._SLOTS[which]
+        return attr, index, self.place.local_index(expert)
+
+    def mark(self, which: str, local: int) -> None:
+        self._loaded.add((which, local))
 
     def load_full(self, tensor: torch.Tensor, part, is_bias: bool = False) -> None:
         """part: (which, expert) with which in gate | up | down for one expert's [out, in]
@@ -204,8 +234,15 @@ class MoEBlock(nn.Module):
         return weights, ids
 
     def _forward_torch(self, h: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """Loop over the local experts the batch touches (CPU; data-dependent shapes)."""
+        """Loop over the local experts the batch touches (CPU; data-dependent shapes). FP8
+        experts: the GPU kernels' reference (activations quantized where those quantize them)."""
         weights, ids = self._route(logits)
+        if self.experts.fp8:
+            from kernels.fp8_moe import fused_moe_fp8_reference
+            emap = self.expert_map if self.place.is_expert_parallel else None
+            return fused_moe_fp8_reference(h, fp8_weight(self.experts, "w13"), fp8_weight(self.experts, "w2"),
+                                           weights.float(), ids.to(torch.int32), expert_map=emap,
+                                           quantize_activations=h.shape[0] > EXPERTS_DECODE_MAX_TOKENS)
         out = torch.zeros_like(h)
         w13, w2, n = self.experts.w13, self.experts.w2, self.place.inter_local
         for expert in torch.unique(ids).tolist():
@@ -229,6 +266,13 @@ class MoEBlock(nn.Module):
         weights, ids = moe_decode.route(h, self.gate.weight, self.moe.top_k, self.moe.norm_topk_prob, round_to,
                                         counters=counters, tile=self.decode_tile, pdl=self.pdl)
         emap = self.expert_map if self.place.is_expert_parallel else None
+        if self.experts.fp8:
+            from kernels.fp8_moe import experts_fp8, fused_moe_fp8
+            w13, w2 = fp8_weight(self.experts, "w13"), fp8_weight(self.experts, "w2")
+            if h.shape[0] <= EXPERTS_DECODE_MAX_TOKENS:
+                return experts_fp8(h, w13, w2, weights, ids, counters=counters, expert_map=emap,
+                                   tile=self.decode_tile, pdl=self.pdl)
+            return fused_moe_fp8(h, w13, w2, weights, ids, expert_map=emap)
         if h.shape[0] <= EXPERTS_DECODE_MAX_TOKENS:
             return moe_decode.experts(h, self.experts.w13, self.experts.w2, weights, ids, counters=counters,
                                       expert_map=emap, tile=self.decode_tile, pdl=self.pdl)
@@ -241,4 +285,8 @@ class MoEBlock(nn.Module):
         weights, ids = select_experts(logits, self.moe.top_k, self.moe.norm_topk_prob,
                                       round_weights_to=h.dtype if self.moe.weights_in_model_dtype else None)
         emap = self.expert_map if self.place.is_expert_parallel else None
+        if self.experts.fp8:
+            from kernels.fp8_moe import fused_moe_fp8
+            return fused_moe_fp8(h, fp8_weight(self.experts, "w13"), fp8_weight(self.experts, "w2"), weights, ids,
+                                 expert_map=emap)
         return fused_moe(h, self.experts.w13, self.experts.w2, weights, ids, expert_map=emap)

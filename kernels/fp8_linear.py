@@ -1,0 +1,213 @@
+"""Linear layers over FP8 weights (kernels/fp8.py's Fp8Weight): y = x W^T (+ bias).
+
+Two paths, picked by the number of rows, as SGLang and vLLM do:
+- decode sizes (M <= 16): the split-K small-batch kernel (kernels/small_batch_linear.py)
+  reads each FP8 weight byte once and widens it in registers (W8A16): a decode step is a
+  read of the weights, and FP8 halves it. The gate/up + SwiGLU fusion works the same way.
+- larger M (prefill, big decode batches): activations quantized per token per group of 128
+  columns (one launch), then a W8A8 GEMM on the FP8 tensor cores with the scales applied
+  per K step (triton_fp8_gemm.py), DeepSeek-V3's recipe.
+Both are CUDA-graph safe (no host sync; grids depend on shapes only). x, bias and the output
+share one dtype (bf16, fp16 or fp32); accumulation in fp32.
+
+Each Triton function has its torch reference here; `fp8_linear_reference` follows the same
+route (activations quantized above 16 rows), so kernels and references agree closely.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from kernels.fp8 import (ACT_EPS, ACT_GROUP, FP8_DTYPE, Fp8Weight, dequantize_activations,
+                         per_token_group_quant_reference)
+from kernels.small_batch_linear_config import MAX_M
+
+_X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class Fp8GemmConfig:
+    """W8A8 GEMM tiling; block_k is the activation group (one scale per row and K step)."""
+
+    block_m: int = 64
+    block_n: int = 128
+    block_k: int = ACT_GROUP
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def gemm_config(m: int, n: int, block_k: int, device: torch.device) -> Fp8GemmConfig:
+    """SGLang's default W8A8 tiling for Hopper (64 x 128 x 128, 4 warps, 3 stages) from 65
+    rows up, 128-row tiles with 8 warps for long prefills; small tiles in the interpreter."""
+    if device.type != "cuda":
+        return Fp8GemmConfig(16, 32, block_k, 1, 4, 1)
+    if m <= 64:
+        return Fp8GemmConfig(16 if m <= 16 else 64, 128, block_k, 1, 4, 4)
+    if m >= 4096:
+        return Fp8GemmConfig(128, 128, block_k, 8, 8, 3)
+    return Fp8GemmConfig(64, 128, block_k, 8, 4, 3)
+
+
+def act_group(w: Fp8Weight) -> int:
+    """Activation columns per scale for this weight: 128, or its block's K when smaller."""
+    group = min(ACT_GROUP, w.group_k)
+    if w.group_k % group:
+        raise ValueError(f"weight scale group of {w.group_k} columns is not a multiple of {group}")
+    return group
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    if x.is_cuda:
+        return True
+    from kernels.availability import triton_interpret_enabled
+    return triton_interpret_enabled()
+
+
+def _check(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor], n_out: int) -> None:
+    if x.dim() != 2 or w.q.dim() != 2 or x.shape[1] != w.q.shape[1]:
+        raise ValueError(f"x must be [M, K] and the weight [N, K], got {tuple(x.shape)} and {tuple(w.q.shape)}")
+    if w.q.dtype != FP8_DTYPE or w.scale.dtype != torch.float32 or w.scale_row.dtype != torch.int32:
+        raise ValueError("an Fp8Weight holds float8_e4m3fn values, float32 scales and int32 scale rows")
+    if w.scale_row.shape != (w.q.shape[0],) or w.q.stride(1) != 1:
+        raise ValueError("scale_row must be [N] and the weight's last dimension contiguous")
+    if x.dtype not in _X_DTYPES:
+        raise ValueError(f"x must be one of {_X_DTYPES}, got {x.dtype}")
+    if bias is not None and (bias.shape != (n_out,) or bias.dtype != x.dtype):
+        raise ValueError(f"bias must be [{n_out}] of {x.dtype}")
+
+
+# -- activation quantization ----------------------------------------------------------------
+def per_token_group_quant(x: torch.Tensor, group: int = ACT_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton: x [M, K] -> (float8_e4m3fn [M, K], float32 scales [M, ceil(K/group)]), the
+    same values as kernels.fp8.per_token_group_quant_reference."""
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"x must be [M, K] with a contiguous last dimension, got {tuple(x.shape)}")
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty(m, -(-k // group), dtype=torch.float32, device=x.device)
+    from kernels.triton_fp8_gemm import launch_group_quant
+    launch_group_quant(x, q, s, group, ACT_EPS)
+    return q, s
+
+
+# -- W8A8 GEMM -------------------------------------------------------------------------------
+def w8a8_gemm_reference(xq: torch.Tensor, xs: torch.Tensor, w: Fp8Weight, bias=None,
+                        out_dtype: torch.dtype = torch.bfloat16, group: int = ACT_GROUP) -> torch.Tensor:
+    """Dequantized activations times the dequantized weight, in float64, rounded once."""
+    x = dequantize_activations(xq, xs, group).double()
+    y = x @ w.dequantize(torch.float64).T
+    if bias is not None:
+        y = y + bias.double()
+    return y.to(out_dtype)
+
+
+def w8a8_gemm(xq: torch.Tensor, xs: torch.Tensor, w: Fp8Weight, bias=None, out_dtype: torch.dtype = torch.bfloat16,
+              out: Optional[torch.Tensor] = None, config: Optional[Fp8GemmConfig] = None) -> torch.Tensor:
+    """Triton: xq [M, K] FP8 with per-token-group scales xs [M, ceil(K/block_k)], times the
+    FP8 weight [N, K]^T -> [M, N] in out_dtype."""
+    m, k = xq.shape
+    n = w.q.shape[0]
+    group = act_group(w)
+    if config is None:
+        config = gemm_config(m, n, group, xq.device)
+    if config.block_k != group:
+        raise ValueError(f"the GEMM's K step ({config.block_k}) must be the activation group ({group})")
+    if xs.shape != (m, -(-k // group)):
+        raise ValueError(f"activation scales must be [{m}, {-(-k // group)}], got {tuple(xs.shape)}")
+    if out is None:
+        out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    from kernels.triton_fp8_gemm import launch_w8a8_gemm
+    return launch_w8a8_gemm(xq, xs, w.q, w.scale, w.scale_row, w.group_k, bias, out, config)
+
+
+# -- small batches ----------------------------------------------------------------------------
+def small_batch_fp8_supported(m: int, k: int, dtype: torch.dtype) -> bool:
+    """1..16 rows of a 16-bit or fp32 x, weight rows of whole 16-byte vectors (K % 16 == 0)."""
+    return 1 <= m <= MAX_M and dtype in _X_DTYPES and k % 16 == 0
+
+
+def small_batch_fp8_reference(x: torch.Tensor, w: Fp8Weight, bias=None) -> torch.Tensor:
+    """W8A16: x times the dequantized weight in float64, rounded once to x's dtype."""
+    y = x.double() @ w.dequantize(torch.float64).T
+    if bias is not None:
+        y = y + bias.double()
+    return y.to(x.dtype)
+
+
+def gate_up_silu_fp8_reference(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
+    gate, up = (x.double() @ w.dequantize(torch.float64).T).chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).to(x.dtype)
+
+
+def _small_batch_config(x: torch.Tensor, w: Fp8Weight, gate_up: bool, config):
+    from kernels.small_batch_linear import device_gpu_key
+    from kernels.small_batch_linear_config import get_config
+
+    if config is None:
+        num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 8
+        config = get_config(x.shape[0], w.q.shape[0], x.shape[1], 1, num_sms, gate_up, device_gpu_key(x.device))
+    block_k = config.block_k
+    while w.group_k % block_k:  # a tile row must sit inside one scale group
+        block_k //= 2
+    if block_k < 16:
+        raise ValueError(f"no K tile of >= 16 columns divides the weight's scale group of {w.group_k}")
+    return dataclasses.replace(config, block_k=block_k)
+
+
+def small_batch_fp8_linear(x: torch.Tensor, w: Fp8Weight, bias=None, out=None, config=None, workspace=None,
+                           pdl=None, gate_up: bool = False) -> torch.Tensor:
+    """Triton (the small-batch kernel with FP8 weights): x [M <= 16, K] -> [M, N] in x's dtype;
+    gate_up: silu(x W_g^T) * (x W_u^T) for the stacked [2I, K] weight -> [M, I]."""
+    n_out = w.q.shape[0] // 2 if gate_up else w.q.shape[0]
+    _check(x, w, bias, n_out)
+    if not small_batch_fp8_supported(x.shape[0], x.shape[1], x.dtype):
+        raise ValueError(f"small_batch_fp8_linear takes 1..{MAX_M} rows and K % 16 == 0, got {tuple(x.shape)}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    config = _small_batch_config(x, w, gate_up, config)
+    if out is None:
+        out = torch.empty(x.shape[0], n_out, dtype=x.dtype, device=x.device)
+    from kernels.triton_small_batch_linear import launch_small_batch_linear
+    return launch_small_batch_linear(x, w.q, bias, out, config, workspace, gate_up, pdl, fp8=w)
+
+
+# -- the layer's entry points -----------------------------------------------------------------
+def fp8_linear_reference(x: torch.Tensor, w: Fp8Weight, bias=None) -> torch.Tensor:
+    """What fp8_linear computes, in torch: W8A16 up to 16 rows (and where the small-batch
+    kernel does not apply), else activations quantized per token group and W8A8."""
+    m, k = x.shape
+    if small_batch_fp8_supported(m, k, x.dtype):
+        return small_batch_fp8_reference(x, w, bias)
+    group = act_group(w)
+    xq, xs = per_token_group_quant_reference(x, group)
+    return w8a8_gemm_reference(xq, xs, w, bias, x.dtype, group)
+
+
+def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor] = None, *, workspace=None,
+               pdl=None) -> torch.Tensor:
+    """y = x W^T (+ bias) for an FP8 weight, by the route in the module note; x [..., K]. On a
+    device without Triton (the CPU), the reference."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    _check(x2, w, bias, w.q.shape[0])
+    if not _use_triton(x2):
+        y = fp8_linear_reference(x2, w, bias)
+    elif small_batch_fp8_supported(x2.shape[0], x2.shape[1], x2.dtype):
+        y = small_batch_fp8_linear(x2, w, bias, workspace=workspace, pdl=pdl)
+    else:
+        xq, xs = per_token_group_quant(x2 if x2.stride(1) == 1 else x2.contiguous(), act_group(w))
+        y = w8a8_gemm(xq, xs, w, bias, x2.dtype)
+    return y.reshape(*lead, w.q.shape[0])
+
+
+def fp8_gate_up_silu(x: torch.Tensor, w: Fp8Weight, *, workspace=None, pdl=None) -> Optional[torch.Tensor]:
+    """silu(x W_g^T) * (x W_u^T) in one small-batch launch, or None where that kernel does not
+    apply (then the caller runs fp8_linear and SwiGLU)."""
+    if x.dim() != 2 or not _use_triton(x) or not small_batch_fp8_supported(x.shape[0], x.shape[1], x.dtype):
+        return None
+    return small_batch_fp8_linear(x, w, workspace=workspace, pdl=pdl, gate_up=True)

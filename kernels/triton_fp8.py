@@ -1,0 +1,35 @@
+"""Triton device functions the FP8 kernels share (imported lazily: needs triton).
+
+fp8_grid rounds float32 values onto the float8_e4m3fn grid in float32 arithmetic (saturated
+at +-448, round to nearest even, subnormals included), so the conversion that follows is
+exact. The hardware conversion (cvt.rn.satfinite) gives the same bits; doing the rounding
+here gives them in Triton's CPU interpreter too, whose float-to-fp8 cast rounds half up and
+loses the carry into the exponent (-31.8 becomes -16): one code path, tested on the CPU,
+for a few ALU operations in kernels that wait on memory.
+"""
+
+import triton
+import triton.language as tl
+
+FP8_MAX = 448.0
+
+
+@triton.jit
+def fp8_grid(x):
+    """x (float32) clamped to +-448 and rounded to the nearest float8_e4m3fn value (ties to
+    even), still float32: `fp8_grid(x).to(fp8)` is exact."""
+    a = tl.minimum(tl.abs(x), FP8_MAX)
+    bits = a.to(tl.int32, bitcast=True)
+    exp = ((bits >> 23) & 0xFF) - 127
+    exp = tl.maximum(exp, -6)  # below 2^-6 the fp8 grid is the subnormal step 2^-9
+    # adding 1.5 * 2^(exp + 20) puts |x|'s fp8 step (2^(exp - 3)) at float32's last bit:
+    # the add rounds |x| to that step (nearest, ties to even), the subtract is exact
+    magic = (((exp + 20 + 127) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    r = (a + magic) - magic
+    return tl.where(x.to(tl.int32, bitcast=True) < 0, -r, r)  # the sign applied last: -0.0 stays -0.0, as torch rounds it
+
+
+@triton.jit
+def fp8_quantize(x, inv_scale):
+    """float32 values times inv_scale, on the fp8 grid (float32)."""
+    return fp8_grid(x * inv_scale)

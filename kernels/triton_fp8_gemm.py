@@ -1,0 +1,102 @@
+"""Triton kernels behind kernels.fp8_linear (imported lazily: needs triton).
+
+- _group_quant_kernel, grid (M, groups): one row's group of GROUP columns -> its scale
+  (max|x| / 448) and FP8 values (x / scale on the fp8 grid, triton_fp8.fp8_grid).
+- _w8a8_gemm_kernel, grid (M/BM * N/BN), grouped along M for L2 reuse: FP8 x FP8 tensor-core
+  dots over K steps of one activation group (BK = group); each step's fp32 dot is scaled by
+  its activation scales (per row) and weight scales (per column: the column's scale row, the
+  step's K group) and added to an fp32 accumulator. Scaling per step is the "promotion"
+  DeepSeek-V3 describes: no FP8 MMA accumulates over more than one group. Bias and the
+  cast to the output dtype in the epilogue. No host sync (CUDA-graph safe).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_fp8 import FP8_MAX, fp8_grid
+
+
+@triton.jit
+def _group_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s, eps,
+                        GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    cols = g * GROUP + tl.arange(0, BLOCK)
+    ok = (tl.arange(0, BLOCK) < GROUP) & (cols < K)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 0), eps), FP8_MAX)
+    q = fp8_grid(tl.math.div_rn(x, scale))
+    tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(s_ptr + row * stride_s + g, scale)
+
+
+def launch_group_quant(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, group: int, eps: float) -> None:
+    m, k = x.shape
+    if m == 0:
+        return
+    groups = triton.cdiv(k, group)
+    _group_quant_kernel[(m, groups)](x, q, s, k, x.stride(0), q.stride(0), s.stride(0), eps,
+                                     GROUP=group, BLOCK=triton.next_power_of_2(group),
+                                     num_warps=1 if group <= 128 else 4)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _w8a8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, srow_ptr, c_ptr, bias_ptr,
+                      M, N, K, group_k,
+                      stride_am, stride_asm, stride_bn, stride_bsr, stride_cm,
+                      HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_n = tl.cdiv(N, BN)
+    in_group = GROUP_M * num_pid_n
+    first_m = (pid // in_group) * GROUP_M
+    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % group_size
+    pid_n = (pid % in_group) // group_size
+
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    rows = tl.minimum(offs_m, M - 1).to(tl.int64)  # clamped: loads stay unmasked along M
+    cols = tl.minimum(offs_n, N - 1).to(tl.int64)
+    offs_k = tl.arange(0, BK)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + cols[None, :] * stride_bn + offs_k[:, None]
+    as_ptrs = as_ptr + rows * stride_asm
+    bs_ptrs = bs_ptr + tl.load(srow_ptr + cols).to(tl.int64) * stride_bsr
+    acc = tl.zeros([BM, BN], tl.float32)
+    for kk in range(0, tl.cdiv(K, BK)):
+        k_ok = offs_k < K - kk * BK
+        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        a_s = tl.load(as_ptrs + kk)
+        b_s = tl.load(bs_ptrs + (kk * BK) // group_k)
+        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        a_ptrs += BK
+        b_ptrs += BK
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def launch_w8a8_gemm(a, a_s, b, b_s, srow, group_k: int, bias, out, config) -> torch.Tensor:
+    """a [M, K] fp8, a_s [M, ceil(K/BK)] fp32, b [N, K] fp8 (K contiguous), b_s [S, KB] fp32,
+    srow [N] int32, out [M, N]."""
+    m, k = a.shape
+    n = b.shape[0]
+    if m == 0:
+        return out
+    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
+    _w8a8_gemm_kernel[grid](
+        a, a_s, b, b_s, srow, out, bias if bias is not None else out,
+        m, n, k, min(group_k, 1 << 30),
+        a.stride(0), a_s.stride(0), b.stride(0), b_s.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, BM=config.block_m, BN=config.block_n, BK=config.block_k,
+        GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages)
+    return out
