@@ -195,7 +195,9 @@ class DecodeServicer:
 
     def Reserve(self, request, context):
         """Reserve KV pages for a prompt that a prefill worker will write. Answers
-        when there is room; RESOURCE_EXHAUSTED after the bounded wait.
+        when there is room; RESOURCE_EXHAUSTED after the bounded wait;
+        INVALID_ARGUMENT at once for a request this worker can never hold
+        (context length, or its KV demand beyond the whole pool).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -340,7 +340,8 @@ class ProcessStack(_StackBase):
     """redis + router + workers + gateway, each its own subprocess."""
 
     def __init__(self, log_dir: Path, *, registry_ttl_s: float = 5.0, kv_cache_memory: str = "64M",
-                 worker_args: Sequence[str] = (), gateway_args: Sequence[str] = ()):
+                 worker_args: Sequence[str] = (), gateway_args: Sequence[str] = (),
+                 router_args: Sequence[str] = ()):
         super().__init__()
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -348,12 +349,14 @@ class ProcessStack(_StackBase):
         self.kv_cache_memory = kv_cache_memory
         self.worker_args = list(worker_args)
         self.gateway_args = list(gateway_args)
+        self.router_args = list(router_args)
         self.redis_server = RedisServer()
         self.redis_url = self.redis_server.url
         self.procs: dict[str, Process] = {}
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
         self.router_port = free_port()
+        self.router_metrics_port = free_port()
 
     def processes(self) -> list[Process]:
         return list(self.procs.values())
@@ -372,10 +375,14 @@ class ProcessStack(_StackBase):
     def start_redis(self) -> None:
         self.redis_server.start()
 
-    def start_router(self) -> Process:
+    def start_router(self, extra: Sequence[str] = ()) -> Process:
         return self._spawn("router", duet_argv(
-            "router", "--host", "127.0.0.1", "--port", str(self.router_port), "--metrics-port", "0",
-            *self._registry_args()))
+            "router", "--host", "127.0.0.1", "--port", str(self.router_port),
+            "--metrics-port", str(self.router_metrics_port), *self._registry_args(), *self.router_args, *extra))
+
+    def router_decisions(self, kind: str) -> float:
+        """The router's answers of one kind so far (split, colocated, local_prefill, unavailable)."""
+        return scrape(f"127.0.0.1:{self.router_metrics_port}").value("duet_router_decisions_total", kind=kind)
 
     def add_worker(self, role: str, worker_id: str, extra: Sequence[str] = ()) -> Process:
         return self._spawn(worker_id, duet_argv(

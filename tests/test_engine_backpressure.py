@@ -70,11 +70,31 @@ def test_request_too_big_for_the_pool_is_refused(model_dir):
     assert_all_pages_free(eng)
 
 
+def test_n_sequences_fit_by_the_shared_prompt_rule(model_dir):
+    """n sequences share the prompt's full pages (shared/admission/kv_demand.py): what the
+    rule admits runs to the end in the pool, what it refuses needs one page more."""
+    eng = engine(model_dir, pages=9)  # 8 usable pages of 4 tokens
+    prompt = random_prompts(1, [20], seed=35)[0]  # 5 full pages; each sequence owns 1 more
+    with pytest.raises(ValueError, match="needs 36 tokens of KV; this worker holds 32"):
+        eng.add_request(prompt, SamplingParams(max_tokens=4, n=4))  # 5 + 4 pages
+    rid = eng.add_request(prompt, SamplingParams(temperature=0.8, seed=3, max_tokens=4, n=3, ignore_eos=True))
+    tokens: dict[int, list[int]] = {}
+    while eng.has_work:
+        for out in eng.step():
+            assert out.rid == rid and out.error is None
+            tokens.setdefault(out.index, []).extend(out.token_ids)
+    assert sorted(tokens) == [0, 1, 2] and all(len(t) == 4 for t in tokens.values()), tokens
+    assert eng.scheduler.num_retracted == 0  # it fit: nothing was pushed out to make room
+    assert_all_pages_free(eng)
+
+
 def test_context_length_limits(model_dir):
     eng = engine(model_dir, max_model_len=40)
     assert eng.max_model_len == 40
     p30 = random_prompts(1, [30], seed=37)[0]
-    with pytest.raises(ValueError, match=r"\+ max_tokens \(11\) exceeds the model's context length \(40\)"):
+    # the one context rule (shared/admission/context_rule.py), in OpenAI's words
+    with pytest.raises(ValueError, match=r"context length is 40 tokens\. However, you requested 41 tokens "
+                                         r"\(30 in the prompt, 11 in the completion\)"):
         eng.add_request(p30, SamplingParams(max_tokens=11))
     with pytest.raises(ValueError, match="context length is 40"):
         eng.add_request(random_prompts(1, [40], seed=38)[0], SamplingParams(max_tokens=1))

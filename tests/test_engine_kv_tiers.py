@@ -205,3 +205,26 @@ def test_a_cancelled_reservation_unlocks_its_held_prefix(model_dir):
     assert len(res.held_pages) == 4 and dec.kv.cache.num_locked_pages == 4
     assert dec.cancel_reservation("r")
     assert_idle_all_tiers(dec)
+
+
+def test_kv_events_follow_pages_through_the_tiers():
+    from shared.registry.kv_events import KvEventBuffer
+    layout = KVLayout(num_pages=6, num_layers=1, num_kv_heads=1, page_size=PS, head_dim=2, dtype=torch.float32)
+    pool = KVPool(layout, torch.device("cpu"))
+    alloc = PageAllocator(layout.num_pages)
+    events = KvEventBuffer()
+    cache = RadixCache(alloc, PS, events=events, host=HostKVTier(pool.buffer, layout, num_pages=2))
+    tokens = list(range(2 * PS))
+    cache.insert(tokens, alloc.allocate(2))
+    held = events.snapshot()
+    assert len(held) == 2 and events.num_host_only == 0
+    cache.evict(2)  # device -> host: still held, now host-only
+    assert sorted(events.snapshot()) == sorted(held) and events.num_host_only == 2
+    m = cache.match(tokens)
+    cache.lock(m.deepest)
+    cache.load_back(m, alloc.allocate)  # back on the device
+    cache.unlock(m.deepest)
+    assert events.num_host_only == 0
+    cache.evict(2)
+    cache._evict_host(2)  # and gone
+    assert len(events) == 0 and events.num_host_only == 0

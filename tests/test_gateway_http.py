@@ -189,7 +189,7 @@ def test_sampling_fields_and_extensions_reach_the_backend(client, scripted, back
     s = backend.requests[-1].sampling
     assert (s.temperature, s.top_p, s.seed, s.top_k, s.min_p, s.repetition_penalty) == (0.7, 0.9, 1234, 40, 0.05, 1.1)
     assert (s.frequency_penalty, s.presence_penalty, s.ignore_eos, s.stop_token_ids) == (0.5, -0.5, True, [7, 8])
-    assert s.max_tokens == 20 and not s.logprobs
+    assert s.max_tokens == 20 and s.logprobs is None
     # Without max_tokens, chat may use the rest of the context.
     client.chat.completions.create(model=MODEL, messages=MESSAGES)
     req = backend.requests[-1]

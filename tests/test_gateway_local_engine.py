@@ -225,7 +225,8 @@ def test_default_model_json_object_and_tools(client, backend):
 
 def test_a_model_that_fails_to_load_is_a_503_reason():
     """The loader thread's failure is reported by ready() and by every request, not a hang."""
-    from services.gateway.backends.interface import BackendUnavailable, GenerationRequest, SamplingOptions
+    from services.gateway.backends.interface import BackendUnavailable, GenerationRequest
+    from shared.engine.sampling_params import SamplingParams
 
     def load():
         raise FileNotFoundError("no weights in /nowhere")
@@ -237,7 +238,7 @@ def test_a_model_that_fails_to_load_is_a_503_reason():
         assert not await asyncio.to_thread(backend.wait_loaded, 10)
         assert backend.max_context_len == CONTEXT
         with pytest.raises(BackendUnavailable, match="failed to load: no weights"):
-            async for _ in backend.generate(GenerationRequest("r", [1, 2], SamplingOptions())):
+            async for _ in backend.generate(GenerationRequest("r", [1, 2], SamplingParams())):
                 pass
         await backend.close()
 

@@ -95,13 +95,13 @@ def test_completion_prompt_forms():
 def test_sampling_budget_and_mapping():
     req = parse_chat_request(chat(temperature=0, top_logprobs=4, logprobs=True, stop="x", seed=3))
     s = chat_sampling(req, prompt_tokens=10, max_context=100)
-    assert (s.temperature, s.max_tokens, s.logprobs, s.top_logprobs, s.stop, s.seed) == (0, 90, True, 4, ["x"], 3)
+    assert (s.temperature, s.max_tokens, s.logprobs, s.stop, s.seed) == (0, 90, 4, ["x"], 3)  # logprobs on, top 4
     with pytest.raises(InvalidRequest) as info:
         chat_sampling(parse_chat_request(chat(max_tokens=91)), prompt_tokens=10, max_context=100)
     assert info.value.code == "context_length_exceeded" and "101 tokens" in info.value.message
     with pytest.raises(InvalidRequest):
         chat_sampling(parse_chat_request(chat()), prompt_tokens=100, max_context=100)
     c = completion_sampling(parse_completion_request(b'{"prompt": "x", "logprobs": 0}'), 95, 100)
-    assert (c.max_tokens, c.logprobs, c.top_logprobs) == (5, True, 0)
+    assert (c.max_tokens, c.logprobs) == (5, 0)  # on, no alternatives
     c = completion_sampling(parse_completion_request(b'{"prompt": "x"}'), 10, 100)
-    assert (c.max_tokens, c.logprobs) == (16, False)
+    assert (c.max_tokens, c.logprobs) == (16, None)  # off

@@ -104,9 +104,15 @@ class ScriptedBackend:
     requests: list = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
+    capacity: list = field(default_factory=list)  # WorkerCapacity entries live_capacity() reports
+    running: int = 0        # generations in progress now ...
+    peak_running: int = 0   # ... and at most so far
 
     def ready(self) -> bool:
         return self.is_ready
+
+    def live_capacity(self) -> list:
+        return list(self.capacity)
 
     async def start(self) -> None:
         pass
@@ -120,6 +126,8 @@ class ScriptedBackend:
         self.requests.append(request)
         sampling = request.sampling
         sent = 0
+        self.running += 1
+        self.peak_running = max(self.peak_running, self.running)
         try:
             if self.refuse is not None:
                 raise self.refuse
@@ -143,10 +151,10 @@ class ScriptedBackend:
                 if self.fail_after_tokens is not None and sent + len(batch) > self.fail_after_tokens:
                     raise self.fail_with
                 logprobs = None
-                if sampling.logprobs:
+                if sampling.logprobs is not None:
                     logprobs = [
                         TokenLogprob(t, -0.25 * (sent + j + 1),
-                                     [((t + k) % 300, -0.25 * (sent + j + 1) - k) for k in range(sampling.top_logprobs)])
+                                     [((t + k) % 300, -0.25 * (sent + j + 1) - k) for k in range(sampling.logprobs)])
                         for j, t in enumerate(batch)
                     ]
                 if finish:
@@ -161,6 +169,8 @@ class ScriptedBackend:
             if request.request_id not in self.finished:
                 self.cancelled.append(request.request_id)
             raise
+        finally:
+            self.running -= 1
 
 
 def free_port() -> int:

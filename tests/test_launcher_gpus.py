@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.launcher.gpus import SHARED_FRACTION, Placement, WorkerFlags, plan, visible_gpus
+from services.launcher.gpus import HOST_TIER_FRACTION, SHARED_FRACTION, Placement, WorkerFlags, plan, visible_gpus
 
 GIB = 1 << 30
 
@@ -60,8 +60,9 @@ def test_tp_larger_than_the_gpus_is_a_clear_error():
 
 
 def test_worker_flags_are_read_from_the_args_after_the_double_dash():
-    flags = WorkerFlags.parse(["--page-size", "32", "--tp", "2", "--device", "cuda", "--kv-cache-memory", "3G"])
-    assert flags == WorkerFlags(tp=2, device="cuda", kv_cache_memory="3G")
+    flags = WorkerFlags.parse(["--page-size", "32", "--tp", "2", "--device", "cuda", "--kv-cache-memory", "3G",
+                               "--kv-host-memory", "9G"])
+    assert flags == WorkerFlags(tp=2, device="cuda", kv_cache_memory="3G", kv_host_memory="9G")
     assert WorkerFlags.parse(["--page-size", "8"]).tp == 1
 
 
@@ -71,8 +72,26 @@ def test_prefill_and_decode_at_different_tp_sizes_share_what_they_must():
     places = plan(2, WorkerFlags(), [0, 1], card_bytes=card, model_bytes=model, tps=[2, 1])
     assert [p.gpus for p in places] == [(0, 1), (0,)]
     assert all(p.shared for p in places)
-    assert int(places[0].kv_cache_memory) == int(card * SHARED_FRACTION / 2) - model // 2 - GIB
-    assert int(places[1].kv_cache_memory) == int(card * SHARED_FRACTION / 2) - model - GIB
+    # GPU 0 holds half of prefill's weights and all of decode's; what is left is split evenly
+    room = card * SHARED_FRACTION - (model // 2 + GIB) - (model + GIB)
+    assert int(places[0].kv_cache_memory) == int(places[1].kv_cache_memory) == int(room / 2)
     # four GPUs: prefill tp 2 on 0-1, decode tp 2 on 2-3, nothing shared
     four = plan(2, WorkerFlags(), [0, 1, 2, 3], card_bytes=card, tps=[2, 2])
     assert [p.gpus for p in four] == [(0, 1), (2, 3)] and not any(p.shared for p in four)
+
+
+def test_a_shared_card_and_the_host_tier_are_divided_by_role():
+    """Decode workers hold conversations between turns (and prefill later turns themselves):
+    on one shared card they get twice a prefill worker's KV room and host tier."""
+    card, model, host = 80 * GIB, 16 * GIB, 120 * GIB
+    places = plan(2, WorkerFlags(), [0], card_bytes=card, model_bytes=model, roles=["prefill", "decode"],
+                  host_bytes=host)
+    room = card * SHARED_FRACTION - 2 * (model + GIB)
+    assert [int(p.kv_cache_memory) for p in places] == [int(room / 3), int(room * 2 / 3)]
+    assert [int(p.kv_host_memory) for p in places] == [int(host * HOST_TIER_FRACTION / 3),
+                                                        int(host * HOST_TIER_FRACTION * 2 / 3)]
+    # a host tier the user sized is theirs; on the CPU nothing is planned
+    given = plan(2, WorkerFlags(kv_host_memory="4G"), [0], card_bytes=card, model_bytes=model,
+                 roles=["prefill", "decode"], host_bytes=host)
+    assert [p.kv_host_memory for p in given] == [None, None]
+    assert all(p.kv_host_memory is None for p in plan(2, WorkerFlags(), [], roles=["prefill", "decode"]))

@@ -65,7 +65,7 @@ def test_synthetic_lockstep_against_the_gateway(gateway, tmp_path, capsys):
     out = tmp_path / "syn"
     doc = _run(url, tok, out, "--workload", "synthetic", "--conversations", "2", "--max-turns", "3",
                "--system-len", "96", "--user-len", "8", "--output-len", "4", "--ignore-eos", "on",
-               "--label", "colocated")
+               "--label", "colocated", "--scrape-metrics", url.rstrip("/") + "/metrics")
     table = capsys.readouterr().out
     records = doc["records"]
     assert sorted((r["conversation"], r["turn"]) for r in records) == [(c, t) for c in range(2) for t in range(3)]
@@ -88,6 +88,12 @@ def test_synthetic_lockstep_against_the_gateway(gateway, tmp_path, capsys):
     assert by_turn[0]["cache"]["share"] < by_turn[1]["cache"]["share"]
     assert all(b["ttft"]["p50"] > 0 for b in by_turn)
     assert "cached %" in table and "Conversations: 2 (finished 2)" in table
+    # the server's counters before the first round and after each (--scrape-metrics)
+    rounds = doc["round_metrics"]
+    assert [r["turn"] for r in rounds] == [-1, 0, 1, 2]
+    done = [sum(v for k, v in next(iter(r["series"].values())).items()
+                if k.startswith("duet_requests_total") and 'outcome="ok"' in k) for r in rounds]
+    assert done[1] < done[2] < done[3], done  # each round's requests counted after it
 
 
 def test_sharegpt_poisson_and_agentic_then_compare(gateway, tmp_path, capsys):

@@ -204,8 +204,19 @@ def test_heartbeat_thread_from_sync_code(redis_server):
     while sync.smembers(keys.pages("s-1")) != {b"1", b"3"}:
         assert time.monotonic() < deadline, "removed page hash not published"
         time.sleep(0.05)
+    pub.kv_events.offloaded([3])  # the device gave page 3 up to the host tier: still held
+    deadline = time.monotonic() + 3
+    while sync.smembers(keys.host_pages("s-1")) != {b"3"}:
+        assert time.monotonic() < deadline, "host-tier page hash not published"
+        time.sleep(0.05)
+    assert sync.smembers(keys.pages("s-1")) == {b"1", b"3"}
+    pub.kv_events.loaded([3])
+    deadline = time.monotonic() + 3
+    while sync.scard(keys.host_pages("s-1")):
+        assert time.monotonic() < deadline, "page loaded back not published"
+        time.sleep(0.05)
     thread.stop()
-    assert not sync.exists(keys.worker("s-1"))
+    assert not sync.exists(keys.worker("s-1")) and not sync.exists(keys.host_pages("s-1"))
 
 
 def test_prefix_hashes_and_cached_prefix_lookup(redis_server):

@@ -415,10 +415,23 @@ def _moe_tp(ctx):
                     f"per-rank floor {r['floor_ms']:.3f} ms, x{r['step_ms'] / r['floor_ms']:.2f}")
 
 
+def _spec(ctx):
+    """Speculative decoding (not in the default list: `duet bench --sections spec`): the
+    bounded run of spec_device.py, its rows in this report (mean accepted length, acceptance
+    by draft position, verify vs decode step, accept-all bounds)."""
+    from .spec_device import main as spec_main
+
+    spec_main(["--budget-s", "330", "--json", str(ctx["root"] / "spec.json")])
+    data = json.loads((ctx["root"] / "spec.json").read_text())
+    for section, rows in data.items():
+        for what, value in rows.items():
+            ctx["report"].add("spec", f"{section} {what}", value)
+
+
 SECTION_FUNCS = {"ceilings": _ceilings, "equality": _equality, "decode": _decode, "prefill": _prefill,
                  "offline": _offline, "hf": _hf, "tp_equality": _tp_equality, "allreduce": _allreduce,
                  "tp_decode": _tp_decode, "moe_tp": _moe_tp, "decode_fp8": _decode_fp8, "prefill_fp8": _prefill_fp8,
-                 "offline_fp8": _offline_fp8}
+                 "offline_fp8": _offline_fp8, "spec": _spec}
 
 
 def _fp8_section(name):

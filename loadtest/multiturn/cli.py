@@ -79,6 +79,9 @@ def multiturn_parser() -> argparse.ArgumentParser:
                    help="keep every answer and every request's messages in results.json (large)")
     g.add_argument("--no-plots", dest="plots", action="store_false")
     g.add_argument("--no-progress", dest="progress", action="store_false")
+    g.add_argument("--scrape-metrics", action="append", default=[], metavar="URL",
+                   help="lockstep: read this Prometheus /metrics page before the first round and after each "
+                        "(duet_* series, into results.json 'round_metrics'); repeatable")
     return p
 
 
@@ -96,4 +99,5 @@ def config_from(args: argparse.Namespace) -> MultiTurnConfig:
                               ThinkTime(args.think_time, args.think_time_dist), args.max_concurrency, args.duration,
                               args.warmup_requests)
     output = OutputConfig(args.output_dir, args.save_text, args.plots, args.progress, args.label)
-    return MultiTurnConfig(endpoint_from(args), workload, arrivals, output, args.tokenizer, args.max_context_tokens)
+    return MultiTurnConfig(endpoint_from(args), workload, arrivals, output, args.tokenizer, args.max_context_tokens,
+                           list(args.scrape_metrics))

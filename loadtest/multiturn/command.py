@@ -45,6 +45,29 @@ class Drive:
     ignore_eos_sent: bool = False
     interrupted: bool = False
     started_unix: float = 0.0
+    round_metrics: list[dict] = field(default_factory=list)  # --scrape-metrics readings by round
+
+
+async def scrape_duet_series(urls: list[str]) -> dict[str, dict[str, float]]:
+    """url -> {'name{label="v",...}': value} for every duet_* sample (a failed read: {})."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, dict[str, float]] = {}
+    async with httpx.AsyncClient(timeout=10.0) as client:
+        for url in urls:
+            series: dict[str, float] = {}
+            try:
+                text = (await client.get(url)).text
+                for family in text_string_to_metric_families(text):
+                    for sample in family.samples:
+                        if sample.name.startswith("duet_"):
+                            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+                            series[f"{sample.name}{{{labels}}}"] = sample.value
+            except Exception as exc:  # noqa: BLE001 - a counter we cannot read must not stop the run
+                _say(f"could not read {url}: {exc}")
+            out[url] = series
+    return out
 
 
 async def _warm_up(cfg: MultiTurnConfig, client, url: str, model: str, counter: TokenCounter, drive: Drive) -> None:
@@ -81,7 +104,14 @@ async def _drive(cfg: MultiTurnConfig, url: str, model: str, counter: TokenCount
             sender.progress = progress
             try:
                 if a.mode == "lockstep":
-                    await run_lockstep(sender, states, a.duration_s)
+                    after_round = None
+                    if cfg.scrape_metrics:
+                        async def after_round(index: int) -> None:
+                            drive.round_metrics.append({"turn": index, "series": await scrape_duet_series(
+                                cfg.scrape_metrics)})
+                        drive.round_metrics.append({"turn": -1, "series": await scrape_duet_series(
+                            cfg.scrape_metrics)})
+                    await run_lockstep(sender, states, a.duration_s, after_round)
                 else:
                     timings = plan_timing([len(s.plan.turns) for s in states], a.conversation_rate, a.burstiness,
                                           a.think_time, random.Random(cfg.workload.seed + 2))
@@ -151,6 +181,8 @@ def run_multiturn(cfg: MultiTurnConfig) -> int:
             "requests_sent": drive.probe_requests + len(drive.warmup) + len(drive.turns),
             "probe_requests": drive.probe_requests, "ignore_eos_sent": drive.ignore_eos_sent,
             "interrupted": drive.interrupted, "started_unix": drive.started_unix}
+    if drive.round_metrics:
+        meta["round_metrics"] = drive.round_metrics
     result = MultiTurnResult(None, meta, drive.turns, outcomes, drive.warmup)
     summary = result.summary()
     table = render_turn_table(summary, title)

@@ -70,6 +70,9 @@ class MultiTurnConfig:
     output: OutputConfig = field(default_factory=OutputConfig)
     tokenizer: str | None = None
     max_context_tokens: int | None = None  # None: the server's max_model_len, if it says
+    # Prometheus /metrics URLs read before the first lockstep round and after each: the
+    # server's counters by turn (e.g. KV bytes a prefill worker sent at each turn)
+    scrape_metrics: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         d = asdict(self)

@@ -77,8 +77,12 @@ class TurnSender:
         return turn
 
 
-async def run_lockstep(sender: TurnSender, states: list[DialogState], duration_s: float | None = None) -> None:
-    """Turn t of every live conversation at once; turn t + 1 when all of turn t are done."""
+async def run_lockstep(sender: TurnSender, states: list[DialogState], duration_s: float | None = None,
+                       after_round=None) -> None:
+    """Turn t of every live conversation at once; turn t + 1 when all of turn t are done.
+    after_round: optional coroutine function called with each round's index once it ended
+    (e.g. to read the server's counters between turns)."""
+    round_index = 0
     while live := [s for s in states if s.active]:
         if duration_s is not None and sender.clock() >= duration_s:
             for s in live:
@@ -87,6 +91,9 @@ async def run_lockstep(sender: TurnSender, states: list[DialogState], duration_s
         ready = [(s, p) for s in live if (p := sender.prepare(s)) is not None]
         at = sender.clock()
         await asyncio.gather(*(sender.send(s, p, at) for s, p in ready))
+        if after_round is not None:
+            await after_round(round_index)
+        round_index += 1
 
 
 async def run_staggered(sender: TurnSender, states: list[DialogState], timings: list[DialogTiming],

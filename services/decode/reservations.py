@@ -30,6 +30,7 @@ class Reservation:
     page_ids: list[int]
     writer_id: str
     prompt_tokens: int
+    held_pages: int = 0  # leading prompt pages this worker already held (the writer skips them)
     created: float = field(default_factory=time.monotonic)
     notice: TransferNotice | None = None  # set once every rank reported (see ReservationBook.tick)
     notice_at: float | None = None
@@ -64,13 +65,15 @@ class ReservationBook:
 
     # -- admission --------------------------------------------------------------------------
     def try_reserve(self, request_id: str, prompt_tokens: int, max_tokens: int, writer_id: str,
-                    max_running: int, n: int = 1) -> Reservation | None:
-        """n > 1: the request forks into n sequences sharing the prompt's pages."""
+                    max_running: int, n: int = 1, prompt_ids: list[int] | None = None) -> Reservation | None:
+        """n > 1: the request forks into n sequences sharing the prompt's pages. prompt_ids:
+        the leading pages of it this worker holds are reused (page_ids then lists only the
+        pages the writer fills, from `held_pages` on)."""
         eng = self.engine
         running = len(eng.scheduler.running) + len(self.open)
         if running + n - 1 >= max_running:
             return None
-        need = eng.kv.pages_for(prompt_tokens)
+        need = eng.kv.pages_for(prompt_tokens)  # at most: held pages need none
         # leave one page per running request for its next decode step, plus this one's
         # first (one per sequence: each copies the prompt's last page and grows on its own)
         headroom = sum(1 for r in eng.scheduler.running if r.is_decoding) + n
@@ -78,10 +81,10 @@ class ReservationBook:
             return None
         rid = next(self._ids)
         res = Reservation(rid, self.generation, request_id, [], writer_id, prompt_tokens)
-        kv = eng.reserve(res.key, prompt_tokens)
+        kv = eng.reserve(res.key, prompt_tokens, prompt_ids)
         if kv is None:
             return None
-        res.page_ids = kv.page_ids
+        res.page_ids, res.held_pages = kv.fresh_pages, len(kv.held_pages)
         # a step launched before these pages were freed may still write them (overlap
         # scheduling): the reservation is handed out once that work has run
         res.ready_event = eng.launched_work_event()

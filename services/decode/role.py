@@ -1,6 +1,7 @@
-"""A decode worker, as it installs itself into the worker host (services/worker/host.py): the
-transfer agents prefill writes into, the reservation book on the engine loop, and the Decode
-gRPC service."""
+"""A decode worker, as it installs itself into the worker host (services/worker/host.py): KV
+events (it keeps what it decoded, and the router pairs a conversation's later turns with the
+worker that holds them), the transfer agents prefill writes into, the reservation book on the
+engine loop, and the Decode gRPC service."""
 from __future__ import annotations
 
 from protos import duet_pb2_grpc
@@ -12,6 +13,7 @@ from services.worker_runtime.transfer import close_agents, open_agents
 def install(host) -> None:
     ctx, config = host.ctx, host.config
     tp = config.engine.tp_size
+    host.publish_kv_events()
     open_agents(ctx, write_timeout_s=config.write_timeout_s, progress_thread=config.nixl_progress_thread,
                 registry=config.registry)
     host.on_stop.append(lambda: close_agents(ctx, tp))

@@ -15,10 +15,14 @@ import uuid
 import grpc
 
 from protos import duet_pb2, duet_pb2_grpc
+from protos.sampling_codec import sampling_from_proto
 from services.decode.reservations import waiter_for
 from services.worker_runtime.context import WorkerContext
-from services.worker_runtime.convert import FINISH, prompt_logprobs_to_proto, sampling_from_proto, tokens_to_proto
+from services.worker_runtime.convert import FINISH, prompt_logprobs_to_proto, tokens_to_proto
 from services.worker_runtime.grammar_check import compile_ahead
+from shared.admission.context_rule import completion_budget
+from shared.admission.kv_demand import check_fits, kv_demand
+from shared.registry.prefix_hashes import chained_page_hashes
 
 log = logging.getLogger("duet.decode")
 
@@ -26,6 +30,9 @@ log = logging.getLogger("duet.decode")
 class DecodeService(duet_pb2_grpc.DecodeServicer):
     def __init__(self, ctx: WorkerContext):
         self.ctx = ctx
+        # Reserve calls waiting for room, oldest first (a burst waits its turn instead of
+        # being refused; what can never fit was refused before it queued)
+        self.reserve_queue: list[object] = []
 
     # -- admission ------------------------------------------------------------------------
     async def Reserve(self, request: duet_pb2.ReserveRequest, context):
@@ -34,40 +41,55 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"a {ctx.config.role} worker takes no reservations")
         eng = ctx.engine
         n = max(request.n, 1)
-        total = request.prompt_tokens + max(request.max_tokens, 1)
         if request.prompt_tokens <= 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_tokens must be positive")
-        if total > eng.max_model_len:
+        try:  # what can never fit here is the caller's mistake, not a reason to retry
+            max_tokens = completion_budget(max(request.max_tokens, 1), None, request.prompt_tokens, eng.max_model_len)
+            check_fits(kv_demand(request.prompt_tokens, max_tokens, n, ctx.page_size), eng.kv.capacity,
+                       f"decode worker {ctx.worker_id}")
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        prompt_ids = list(request.prompt_token_ids) or None
+        if prompt_ids is not None and len(prompt_ids) != request.prompt_tokens:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"prompt ({request.prompt_tokens}) + max_tokens ({request.max_tokens}) exceeds "
-                                f"the context length ({eng.max_model_len})")
-        # n sequences share the prompt's pages; each grows its own (its last page copied)
-        total += (n - 1) * (max(request.max_tokens, 1) + ctx.page_size)
-        if eng.kv.pages_for(total) > eng.kv.capacity:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"request needs {total} tokens of KV; this decode worker holds "
-                                f"{eng.kv.capacity * ctx.page_size}")
+                                f"prompt_token_ids has {len(prompt_ids)} ids for prompt_tokens {request.prompt_tokens}")
         wait_s = (request.timeout_ms / 1000.0) if request.timeout_ms else ctx.config.reserve_timeout_s
         deadline = time.monotonic() + wait_s
-        with ctx.span("reserve", context, request_id=request.request_id):
-            while True:
-                res = await ctx.loop.acall(lambda: ctx.book.try_reserve(
-                    request.request_id, request.prompt_tokens, request.max_tokens,
-                    request.prefill_worker_id, ctx.config.engine.max_running_requests, n))
-                if res is not None:
-                    break
-                if time.monotonic() >= deadline:
-                    ctx.metrics.request_finished("Reserve", grpc.StatusCode.RESOURCE_EXHAUSTED)
-                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                        f"decode worker {ctx.worker_id} has no room after {wait_s:.1f}s")
-                await asyncio.sleep(0.01)
+        queue = self.reserve_queue
+        if len(queue) >= ctx.config.reserve_queue_max:
+            ctx.metrics.request_finished("Reserve", grpc.StatusCode.RESOURCE_EXHAUSTED)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"decode worker {ctx.worker_id} has {len(queue)} reservations waiting")
+        with ctx.span("reserve", context, request_id=request.request_id) as span:
+            ticket = object()
+            queue.append(ticket)  # first come, first served: only the head tries
+            try:
+                while True:
+                    res = None
+                    if queue[0] is ticket:
+                        res = await ctx.loop.acall(lambda: ctx.book.try_reserve(
+                            request.request_id, request.prompt_tokens, request.max_tokens,
+                            request.prefill_worker_id, ctx.config.engine.max_running_requests, n, prompt_ids))
+                    if res is not None:
+                        break
+                    if time.monotonic() >= deadline:
+                        ctx.metrics.request_finished("Reserve", grpc.StatusCode.RESOURCE_EXHAUSTED)
+                        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                            f"decode worker {ctx.worker_id} has no room after {wait_s:.1f}s")
+                    await asyncio.sleep(0.01)
+            finally:
+                queue.remove(ticket)
+            span.set_attribute("duet.held_tokens", res.held_pages * ctx.page_size)
             while res.ready_event is not None and not res.ready_event.query():
                 await asyncio.sleep(0.0005)  # at most one in-flight step
         reply = duet_pb2.Reservation(
             reservation_id=res.reservation_id, generation=res.generation, decode_worker_id=ctx.worker_id,
             decode_instance_nonce=ctx.instance_nonce, page_size=ctx.page_size,
             num_layers=eng.layout.num_layers, kv_dtype=str(eng.kv_dtype).removeprefix("torch."),
-            compat_hash=ctx.compat_hash)
+            compat_hash=ctx.compat_hash, held_pages=res.held_pages)
+        if res.held_pages:  # the writer checks these against its prompt before skipping the pages
+            reply.held_page_hashes.extend(chained_page_hashes(prompt_ids[:res.held_pages * ctx.page_size],
+                                                              ctx.page_size))
         for rank, agent in enumerate(ctx.rank_agents):  # TP ranks mirror rank 0's page table
             reply.ranks.add(rank=rank, agent_name=agent.name, page_ids=res.page_ids)
         return reply
@@ -91,7 +113,8 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
         split = request.HasField("reservation")
         aloop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        with ctx.span("decode", context, request_id=rid, split=split):
+        with ctx.span("decode", context, request_id=rid, split=split) as span:
+            spec = None  # speculative decoding: the sequences' stats, summed onto the span
             if split:
                 started = await self._join_split(request, rid, prompt, params, aloop, q, context)
             else:
@@ -121,6 +144,8 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
                         emitted += len(nxt.token_ids)
                         tokens += tokens_to_proto(nxt)
                         out = nxt
+                    if out.spec is not None:
+                        spec = spec_totals(spec, out.spec)
                     if out.request_finished:
                         finished = True
                         ctx.metrics.request_finished("Generate", grpc.StatusCode.OK if out.finish_reason != "abort"
@@ -136,6 +161,9 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
                 if not finished:  # client went away: drop the request, free its pages
                     ctx.loop.call(lambda: (ctx.loop.detach(rid), ctx.engine.abort(rid)))
                     ctx.metrics.request_finished("Generate", grpc.StatusCode.CANCELLED)
+                if spec is not None:
+                    for k, v in spec.span_attributes().items():
+                        span.set_attribute(f"duet.{k}", v)
 
     @staticmethod
     def _last_chunk(out, tokens, prompt, emitted) -> duet_pb2.TokenChunk:
@@ -219,3 +247,12 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+
+def spec_totals(total, stats):
+    """Sum a finished sequence's speculation stats into the request's (a fresh object)."""
+    from shared.engine.speculative.stats import SpecStats
+    if total is None:
+        total = SpecStats(stats.method)
+    total.add(stats)
+    return total

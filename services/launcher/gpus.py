@@ -18,6 +18,11 @@ from shared.engine.config import EngineConfig
 from shared.settings.flags import env_value
 
 SHARED_FRACTION = 0.80  # of a shared card's memory, split among the workers on it
+# How a shared card's KV room and the host's pinned host-tier memory are divided: decode
+# (and colocated) workers hold conversations between turns and serve later turns themselves
+# (local prefill), a prefill worker's cache mostly repeats what decode keeps
+ROLE_WEIGHTS = {"prefill": 1, "decode": 2, "both": 2}
+HOST_TIER_FRACTION = 0.5  # of the host's available memory, pinned for the workers' host KV tiers
 
 
 @dataclass(frozen=True)
@@ -27,6 +32,7 @@ class WorkerFlags:
     tp: int = 1
     device: str = "auto"
     kv_cache_memory: str | None = None
+    kv_host_memory: str | None = None
 
     @classmethod
     def parse(cls, worker_args: Sequence[str]) -> "WorkerFlags":
@@ -34,8 +40,9 @@ class WorkerFlags:
         p.add_argument("--tp", type=int, default=env_value(EngineConfig, "tp_size"))
         p.add_argument("--device", default=env_value(EngineConfig, "device"))
         p.add_argument("--kv-cache-memory", default=None)
+        p.add_argument("--kv-host-memory", default=None)
         a, _ = p.parse_known_args(list(worker_args))
-        return cls(tp=a.tp, device=a.device, kv_cache_memory=a.kv_cache_memory)
+        return cls(tp=a.tp, device=a.device, kv_cache_memory=a.kv_cache_memory, kv_host_memory=a.kv_host_memory)
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,7 @@ class Placement:
     gpus: tuple[str | int, ...]     # CUDA_VISIBLE_DEVICES entries (indices or UUIDs); () = CPU
     kv_cache_memory: str | None     # None: the worker sizes from --mem-fraction
     shared: bool = False            # another worker uses one of these GPUs too
+    kv_host_memory: str | None = None  # None: the worker's own default (none on CPU)
 
     def env(self) -> dict[str, str]:
         return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, self.gpus))} if self.gpus else {}
@@ -58,6 +66,18 @@ def visible_gpus() -> list[str]:
         return []
     listed = [x.strip() for x in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
     return listed[:count] if len(listed) >= count else [str(i) for i in range(count)]
+
+
+def host_available_bytes() -> int:
+    """MemAvailable of this host (0 when unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def gpu_memory_bytes() -> int:
@@ -96,7 +116,8 @@ def config_param_count(config_path: Path) -> int:
 
 def plan(num_workers: int, flags: WorkerFlags, gpus: Sequence[str | int], explicit_kv: str | None = None,
          cpu_kv: str = "512M", card_bytes: int = 0, model_bytes: int = 0,
-         tps: Sequence[int] | None = None) -> list[Placement]:
+         tps: Sequence[int] | None = None, roles: Sequence[str] | None = None,
+         host_bytes: int = 0) -> list[Placement]:
     """One Placement per worker, in start order. explicit_kv: a KV budget the user gave
     (`duet up --kv-cache-memory` or the worker flag), used as is everywhere; cpu_kv: the
     per-worker default on CPU (absolute, so several workers fit in host memory).
@@ -104,7 +125,10 @@ def plan(num_workers: int, flags: WorkerFlags, gpus: Sequence[str | int], explic
 
     Each worker takes the next `tp` GPUs in order, wrapping to the first GPU when the rest
     are too few; with more ranks than GPUs the GPUs are shared, and each worker's KV budget
-    is what fits beside the most crowded of its GPUs."""
+    is what fits beside the most crowded of its GPUs, shared by role weight (ROLE_WEIGHTS).
+    roles: each worker's role (default: all weigh the same). host_bytes: the host memory
+    available; on GPUs each worker gets a share of HOST_TIER_FRACTION of it for its host KV
+    tier, by role weight, unless the worker flags give --kv-host-memory."""
     explicit_kv = flags.kv_cache_memory or explicit_kv
     if not gpus or flags.device.startswith("cpu"):
         return [Placement((), explicit_kv or cpu_kv) for _ in range(num_workers)]
@@ -116,18 +140,28 @@ def plan(num_workers: int, flags: WorkerFlags, gpus: Sequence[str | int], explic
         start = cursor if cursor + tp <= len(gpus) else 0
         blocks.append(list(range(start, start + tp)))
         cursor = (start + tp) % len(gpus)
+    weights = [ROLE_WEIGHTS.get(r, 1) for r in roles] if roles else [1] * len(tps)
     crowd = [sum(g in b for b in blocks) for g in range(len(gpus))]  # workers per GPU
+    on_gpu = [[i for i, b in enumerate(blocks) if g in b] for g in range(len(gpus))]
+    host_share = (host_bytes * HOST_TIER_FRACTION / sum(weights)) if host_bytes and not flags.kv_host_memory else 0
     places = []
-    for tp, block in zip(tps, blocks):
+    for i, (tp, block) in enumerate(zip(tps, blocks)):
         per_gpu = max(crowd[g] for g in block)
         shared = per_gpu > 1
         if explicit_kv:
             kv = explicit_kv
         elif shared:
-            # the model is split tp ways, so each GPU holds model_bytes/tp of this worker
-            room = int(card_bytes * SHARED_FRACTION / per_gpu) - model_bytes // tp - (1 << 30)
-            kv = str(max(room, 256 << 20))
+            # on its most crowded GPU: the card's share, less every worker's weights (split tp
+            # ways) and 1 GiB each, divided by role weight
+            kv = None
+            for g in block:
+                workers = on_gpu[g]
+                room = card_bytes * SHARED_FRACTION - sum(model_bytes // tps[j] + (1 << 30) for j in workers)
+                mine = int(room * weights[i] / sum(weights[j] for j in workers))
+                kv = mine if kv is None else min(kv, mine)
+            kv = str(max(kv, 256 << 20))
         else:
             kv = None
-        places.append(Placement(tuple(gpus[g] for g in block), kv, shared))
+        host = str(int(host_share * weights[i])) if host_share else None
+        places.append(Placement(tuple(gpus[g] for g in block), kv, shared, host))
     return places

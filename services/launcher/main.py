@@ -19,7 +19,7 @@ from pathlib import Path
 
 from services.launcher.children import Child, duet_command, thread_env
 from services.launcher.config import UpConfig
-from services.launcher.gpus import WorkerFlags, gpu_memory_bytes, visible_gpus, weight_bytes
+from services.launcher.gpus import WorkerFlags, gpu_memory_bytes, host_available_bytes, visible_gpus, weight_bytes
 from services.launcher.gpus import plan as place_workers
 from services.launcher.ports import free_port, port_taken
 from services.launcher.redis_process import redis_child, wait_ready
@@ -82,7 +82,9 @@ class Stack:
         tps = [cfg.role_tp(role, flags.tp) for role, _ in roles]
         self.placements = place_workers(cfg.num_workers, flags, gpus, explicit_kv=cfg.kv_cache_memory,
                                         card_bytes=gpu_memory_bytes() if gpus else 0,
-                                        model_bytes=weight_bytes(model_dir) if gpus else 0, tps=tps)
+                                        model_bytes=weight_bytes(model_dir) if gpus else 0, tps=tps,
+                                        roles=[role for role, _ in roles],
+                                        host_bytes=host_available_bytes() if gpus else 0)
         cores = os.cpu_count() or 1
         threads = cfg.threads or max(1, cores // max(1, cfg.num_workers))
         self.router_port = free_port(host)
@@ -94,6 +96,8 @@ class Stack:
         for (role, i), place, tp in zip(roles, self.placements, tps):
             name = f"{role}-{i}"
             kv = ["--kv-cache-memory", place.kv_cache_memory] if place.kv_cache_memory else []
+            if place.kv_host_memory:
+                kv += ["--kv-host-memory", place.kv_host_memory]
             role_tp = ["--tp", str(tp)] if tp != flags.tp else []  # after the shared flags: it wins
             argv = duet_command("worker", "--role", role, "--worker-id", name, "--host", host,
                                 "--port", str(free_port(host)), "--metrics-port", str(free_port(host)),

@@ -3,7 +3,9 @@
 For each request: as chunks finish, whole pages are written into the decode worker's
 reserved pages (so the transfer hides behind compute); when the first token is sampled,
 the rest (the partial last page too) is written and the completion notice is queued
-behind the writes. When every write has landed the request's pages are released into the
+behind the writes. Pages the decode worker already holds (the reservation's held prefix,
+checked by hash) are skipped; if its hashes do not match the prompt, nothing is written and
+the notice says abort, so decode recomputes: a bad hint costs work, never a wrong token. When every write has landed the request's pages are released into the
 prefix cache and the RPC gets its answer. A failed write or a cancel releases the pages
 and tells decode (abort notice) once nothing is in flight."""
 from __future__ import annotations
@@ -40,7 +42,9 @@ class Outgoing:
     generation: int
     num_prompt: int
     result: concurrent.futures.Future
-    pages_sent: int = 0
+    held_pages: int = 0  # leading prompt pages decode holds: never written
+    write_nothing: bool = False  # the held prefix did not match the prompt: decode recomputes
+    pages_sent: int = 0  # prompt pages written (or skipped as held), from the first
     first: StepOutput | None = None
     firsts: dict[int, StepOutput] = field(default_factory=dict)  # by sequence index
     started: float = field(default_factory=time.monotonic)
@@ -62,13 +66,17 @@ class OutgoingTransfers:
         self.active: dict[str, Outgoing] = {}
 
     def start(self, rid: str, prompt_ids, params, stream: PageWriteStream,
-              reservation_id: int, generation: int) -> concurrent.futures.Future:
-        if len(stream.dst_page_ids) * self.page_size < len(prompt_ids):
-            raise ValueError(f"reservation has {len(stream.dst_page_ids)} pages; the prompt needs "
-                             f"{-(-len(prompt_ids) // self.page_size)}")
+              reservation_id: int, generation: int, held_pages: int = 0,
+              write_nothing: bool = False) -> concurrent.futures.Future:
+        """held_pages: the reservation's leading pages decode already holds; the stream's
+        pages are the ones after them. write_nothing: their hashes did not match."""
+        if (held_pages + len(stream.dst_page_ids)) * self.page_size < len(prompt_ids):
+            raise ValueError(f"reservation has {held_pages} held + {len(stream.dst_page_ids)} pages; the "
+                             f"prompt needs {-(-len(prompt_ids) // self.page_size)}")
         self.engine.add_request(prompt_ids, params, rid=rid, prefill_only=True)
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self.active[rid] = Outgoing(rid, stream, reservation_id, generation, len(prompt_ids), fut)
+        self.active[rid] = Outgoing(rid, stream, reservation_id, generation, len(prompt_ids), fut,
+                                    held_pages=held_pages, write_nothing=write_nothing, pages_sent=held_pages)
         return fut
 
     def cancel(self, rid: str) -> None:
@@ -113,13 +121,15 @@ class OutgoingTransfers:
             done = max(req.num_kv_ready, req.num_cached_tokens)
             ready = -(-out.num_prompt // self.page_size) if held else done // self.page_size
             ready = min(ready, len(req.page_ids))
-            if ready > out.pages_sent:
+            if ready > out.pages_sent and not out.write_nothing:
                 try:
-                    out.stream.write(out.pages_sent, req.page_ids[out.pages_sent:ready])
+                    out.stream.write(out.pages_sent - out.held_pages, req.page_ids[out.pages_sent:ready])
                     out.pages_sent = ready
                 except TransferError as exc:
                     out.error = str(exc)
-            if held and out.pages_sent * self.page_size >= out.num_prompt and not out.stream.notice_queued:
+            if held and out.write_nothing and not out.stream.notice_queued:
+                out.stream.abort(self._notice(out, "abort"))  # decode recomputes; our answer stands
+            elif held and out.pages_sent * self.page_size >= out.num_prompt and not out.stream.notice_queued:
                 out.stream.finish(self._notice(out, "done"))
         self._settle(out)
 

@@ -9,14 +9,16 @@ import uuid
 import grpc
 
 from protos import duet_pb2, duet_pb2_grpc
+from protos.sampling_codec import sampling_from_proto
 from services.worker_runtime.context import WorkerContext
-from services.worker_runtime.convert import FINISH, prompt_logprobs_to_proto, sampling_from_proto, tokens_to_proto
+from services.worker_runtime.convert import FINISH, prompt_logprobs_to_proto, tokens_to_proto
 from services.worker_runtime.grammar_check import compile_ahead
 from shared.kv_transfer.agent import TransferError
 from shared.kv_transfer.head_plan import PairingError, plan_head_copies
 from shared.kv_transfer.tp_write_stream import TpWriteStream
 from shared.kv_transfer.write_stream import rank_stream
 from shared.registry.peers import PeerNotFound
+from shared.registry.prefix_hashes import chained_page_hashes
 
 log = logging.getLogger("duet.prefill")
 
@@ -62,15 +64,23 @@ class PrefillService(duet_pb2_grpc.PrefillServicer):
             mine = {c.dst_rank for c in plan if c.src_rank == 0} | {0}
             decode_peers = {j: ctx.peers.add(specs[j]) for j in sorted(mine)}
             prompt = list(request.prompt_token_ids)
+            held = res.held_pages
+            if held < 0 or held * ctx.page_size > len(prompt):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"reservation holds {held} pages of a {len(prompt)}-token prompt")
+            # never trust a hint for correctness: skip the held pages only if they are this prompt's
+            mismatch = held > 0 and chained_page_hashes(prompt[:held * ctx.page_size], ctx.page_size) != \
+                list(res.held_page_hashes)
+            if mismatch:
+                log.warning("request %s: decode %s holds %d pages that are not this prompt's; it will recompute",
+                            rid, res.decode_worker_id, held)
 
             def start():  # on the engine loop: a TP stream queues its followers' share there
-                if len(pages[0]) * ctx.page_size < len(prompt):
-                    raise ValueError(f"reservation has {len(pages[0])} pages; the prompt needs "
-                                     f"{-(-len(prompt) // ctx.page_size)}")
                 stream = rank_stream(ctx.agent, 0, decode_peers, plan, pages[0])
                 if ctx.config.engine.tp_size > 1:
                     stream = TpWriteStream(stream, ctx.outgoing.followers, specs, pages[0], plan)
-                return ctx.outgoing.start(rid, prompt, params, stream, res.reservation_id, res.generation)
+                return ctx.outgoing.start(rid, prompt, params, stream, res.reservation_id, res.generation,
+                                          held_pages=held, write_nothing=mismatch)
             try:
                 fut = await ctx.loop.acall(start)
             except ValueError as exc:

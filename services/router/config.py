@@ -22,6 +22,18 @@ class RoutingWeights:
         0.5, flag="--decode-batch-weight", env="DUET_ROUTER_DECODE_BATCH_WEIGHT",
         help="weight of decode batch occupancy against KV usage")
     nominal_decode_batch: int = 256     # batch size that counts as "full" when a worker does not say
+    decode_transfer_weight: float = setting(
+        1.0, flag="--decode-transfer-weight", env="DUET_ROUTER_DECODE_TRANSFER_WEIGHT",
+        help="weight of the prompt share a decode worker does not hold (written to it) against its KV "
+             "usage and batch occupancy: 1.0 = holding the whole prompt is worth an empty KV pool")
+    # conditional disaggregation: see policy.local_prefill_reason
+    local_prefill_min_share: float = setting(
+        0.5, flag="--local-prefill-min-share", env="DUET_LOCAL_PREFILL_MIN_SHARE",
+        help="local prefill: a decode worker holding at least this share of the prompt ...")
+    local_prefill_max_tokens: int = setting(
+        512, flag="--local-prefill-max-tokens", env="DUET_LOCAL_PREFILL_MAX_TOKENS",
+        help="... with at most this many prompt tokens left to compute prefills them itself (no prefill "
+             "worker, no transfer); 0 = always through a prefill worker")
 
 
 @dataclass

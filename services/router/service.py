@@ -15,7 +15,7 @@ from protos import duet_pb2, duet_pb2_grpc
 from services.router.config import RouterConfig
 from services.router.inflight import InflightTracker, RoutedRequest
 from shared.registry.pairing import pair_problem
-from services.router.policy import choose_colocated, choose_decode, choose_prefill
+from services.router.policy import choose_colocated, choose_decode, choose_prefill, local_prefill_reason
 from shared.registry.keys import RegistryKeys
 from shared.registry.kv_events import cached_prefix_pages
 from shared.registry.watcher import WorkerWatcher
@@ -62,13 +62,15 @@ class RouterService(duet_pb2_grpc.RouterServicer):
                 if not self.watcher.redis_ok:
                     detail += " (registry unreachable; using the last known worker set)"
                 await self._refuse(context, grpc.StatusCode.UNAVAILABLE, detail)
-            kind = "colocated" if reply.colocated else "split"
+            kind = "local_prefill" if reply.local_prefill else "colocated" if reply.colocated else "split"
             self.metrics.route_decisions.labels(kind=kind).inc()
             span.set_attribute("duet.route", kind)
+            span.set_attribute("duet.route_reason", reply.reason)
             span.set_attribute("duet.decode_worker", reply.decode.worker_id)
             if not reply.colocated:
                 span.set_attribute("duet.prefill_worker", reply.prefill.worker_id)
             span.set_attribute("duet.cached_tokens", reply.cached_tokens)
+            span.set_attribute("duet.decode_cached_tokens", reply.decode_cached_tokens)
             self.metrics.request_finished("Route", grpc.StatusCode.OK)
             return reply
 
@@ -90,25 +92,37 @@ class RouterService(duet_pb2_grpc.RouterServicer):
         by_role: dict[str, list[WorkerInfo]] = defaultdict(list)
         for worker in live:
             by_role[worker.role].append(worker)
-        partners = {p.worker_id: [d for d in by_role["decode"] if not pair_problem(p, d)]
-                    for p in by_role["prefill"]}
-        prefills = [w for w in by_role["prefill"] if partners[w.worker_id]]
+        pairable = {d.worker_id: [p for p in by_role["prefill"] if not pair_problem(p, d)]
+                    for d in by_role["decode"]}
+        decodes = [d for d in by_role["decode"] if pairable[d.worker_id]]
         rotation = next(self._rotation)
         loads = self.inflight.per_worker()
-        prompt_tokens, max_tokens = request.prompt_tokens, max(0, request.max_tokens)
+        prompt_tokens, max_tokens, n = request.prompt_tokens, max(0, request.max_tokens), max(1, request.n)
+        weights = self.config.weights
 
-        if prefills:
-            cached = await self._cached_pages(prefills, list(request.page_hashes))
-            prefill = choose_prefill(prefills, prompt_tokens=prompt_tokens, cached_pages=cached,
-                                     inflight=loads, weights=self.config.weights, rotation=rotation)
-            decodes = partners[prefill.worker.worker_id]
+        if decodes:
+            candidates = {w.worker_id: w for d in decodes for w in [d, *pairable[d.worker_id]]}
+            cached = await self._cached_pages(list(candidates.values()), list(request.page_hashes))
             decode = choose_decode(decodes, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
-                                   inflight=loads, weights=self.config.weights, rotation=rotation)
+                                   inflight=loads, weights=weights, rotation=rotation, cached_pages=cached, n=n)
+            reason = local_prefill_reason(decode, prompt_tokens, weights)
+            if reason:  # it holds most of the prompt: no prefill worker, no transfer
+                self.inflight.add(RoutedRequest(request_id, decode.worker.worker_id,
+                                                prompt_tokens - decode.cached_tokens, decode.worker.worker_id,
+                                                decode.pages, time.monotonic()))
+                return duet_pb2.RouteReply(request_id=request_id, decode=worker_ref(decode.worker), colocated=True,
+                                           local_prefill=True, cached_tokens=decode.cached_tokens,
+                                           decode_cached_tokens=decode.cached_tokens, reason=reason)
+            prefill = choose_prefill(pairable[decode.worker.worker_id], prompt_tokens=prompt_tokens,
+                                     cached_pages=cached, inflight=loads, weights=weights, rotation=rotation)
             self.inflight.add(RoutedRequest(request_id, prefill.worker.worker_id, prefill.uncached_tokens,
                                             decode.worker.worker_id, decode.pages, time.monotonic()))
+            reason = (f"split: decode {decode.worker.worker_id} holds {decode.cached_tokens} of {prompt_tokens} "
+                      f"prompt tokens, prefill {prefill.worker.worker_id} {prefill.cached_tokens}")
             return duet_pb2.RouteReply(request_id=request_id, prefill=worker_ref(prefill.worker),
                                        decode=worker_ref(decode.worker), colocated=False,
-                                       cached_tokens=prefill.cached_tokens)
+                                       cached_tokens=prefill.cached_tokens, decode_cached_tokens=decode.cached_tokens,
+                                       reason=reason)
 
         boths = by_role["both"]
         if not boths:
@@ -119,13 +133,15 @@ class RouterService(duet_pb2_grpc.RouterServicer):
             return None
         cached = await self._cached_pages(boths, list(request.page_hashes))
         prefill, decode = choose_colocated(boths, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
-                                           cached_pages=cached, inflight=loads, weights=self.config.weights,
-                                           rotation=rotation)
+                                           cached_pages=cached, inflight=loads, weights=weights,
+                                           rotation=rotation, n=n)
         worker = prefill.worker
         self.inflight.add(RoutedRequest(request_id, worker.worker_id, prefill.uncached_tokens,
                                         worker.worker_id, decode.pages, time.monotonic()))
         return duet_pb2.RouteReply(request_id=request_id, decode=worker_ref(worker), colocated=True,
-                                   cached_tokens=prefill.cached_tokens)
+                                   cached_tokens=prefill.cached_tokens, decode_cached_tokens=prefill.cached_tokens,
+                                   reason=f"colocated: {worker.worker_id} holds {prefill.cached_tokens} of "
+                                          f"{prompt_tokens} prompt tokens")
 
     async def _cached_pages(self, workers: list[WorkerInfo], page_hashes: list[int]) -> dict[str, int]:
         """Leading prompt pages each worker holds; {} when unknown (no hashes, Redis slow or down)."""

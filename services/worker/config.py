@@ -35,8 +35,13 @@ class WorkerConfig:
     warmup: bool = setting(True, flag="--warmup", env="DUET_WARMUP",
                            help="before registering, push requests of every shape bucket through the engine (compiles, "
                                 "graph pools, allocator) so the first real request is as fast as later ones")
-    reserve_timeout_s: float = setting(10.0, flag="--reserve-timeout", env="DUET_RESERVE_TIMEOUT",
-                                       help="decode: seconds a reservation may wait for KV room")
+    # a burst of long prompts is not an overload: reservations queue (first come, first
+    # served) until room frees, bounded by this deadline and the queue's length
+    reserve_timeout_s: float = setting(60.0, flag="--reserve-timeout", env="DUET_RESERVE_TIMEOUT",
+                                       help="decode: seconds a reservation may wait in the queue for KV room")
+    reserve_queue_max: int = setting(1024, flag="--reserve-queue-max", env="DUET_RESERVE_QUEUE_MAX",
+                                     help="decode: reservations that may wait at once; more are refused at "
+                                          "once (429 with Retry-After)")
     notice_timeout_s: float = setting(30.0, flag="--notice-timeout", env="DUET_NOTICE_TIMEOUT",
                                       help="decode: seconds to wait for prefill's KV before recomputing it")
     write_timeout_s: float = setting(20.0, flag="--write-timeout", env="DUET_WRITE_TIMEOUT",

@@ -75,7 +75,8 @@ class WorkerHost:
         return WorkerInfo(worker_id=ctx.worker_id, role=self.config.role, address=address, model=self.served_model,
                           metrics_address=metrics_address, tp=self.config.engine.tp_size, page_size=ctx.page_size,
                           compat_hash=ctx.compat_hash, kv_layout=self.kv_layout, instance_nonce=ctx.instance_nonce,
-                          max_running_requests=self.config.engine.max_running_requests, kv_pools=pools,
+                          max_running_requests=self.config.engine.max_running_requests,
+                          max_batched_tokens=self.engine.scheduler.max_batched_tokens, kv_pools=pools,
                           load=WorkerLoad(total_pages=capacity, free_pages=capacity))
 
     async def run(self) -> int:
@@ -93,6 +94,9 @@ class WorkerHost:
                                     nixl_metadata={r: a.metadata for r, a in enumerate(ctx.rank_agents)} or None,
                                     load_fn=lambda: info.load, kv_events=self.kv_events)
         loop.after_iteration.append(LoadPublisher(ctx, info, *load_counters(ctx.metrics)))
+        if self.engine.spec is not None:  # duet_spec_* counters
+            from shared.telemetry.spec_metrics import SpecMetrics
+            loop.after_iteration.append(SpecMetrics(self.engine.spec.stats, ctx.metrics.registry))
         loop.start()
         await self.server.start()
         await ctx.watcher.start()

@@ -36,6 +36,7 @@ class LoadPublisher:
     _load: WorkerLoad | None = None
     _counted: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
     _recomputes: int = 0
+    _tiers: dict[str, int] = field(default_factory=dict)  # tier counters already published
 
     def snapshot(self) -> WorkerLoad:
         ctx = self.ctx
@@ -65,3 +66,35 @@ class LoadPublisher:
         if self.ctx.recomputes != self._recomputes:
             self.recomputed.inc(self.ctx.recomputes - self._recomputes)
             self._recomputes = self.ctx.recomputes
+        self._publish_tiers()
+
+    def _publish_tiers(self) -> None:
+        """Per-tier reuse, copies and evictions from the radix cache's counters."""
+        eng, m = self.ctx.engine, self.ctx.metrics
+        kv, st = eng.kv, eng.kv.cache.stats
+        host = kv.host_tier
+        page_bytes = host.bytes_per_page if host is not None else 0
+        series = {
+            # counted once per request, at its first token (engine.stats)
+            "hit:device": (m.kv_cache_hit_tokens.labels(tier="device"),
+                           eng.stats.cached_tokens - eng.stats.host_cached_tokens),
+            "hit:host": (m.kv_cache_hit_tokens.labels(tier="host"), eng.stats.host_cached_tokens),
+            "copy:offload": (m.kv_tier_copy_bytes.labels(direction="offload"), st.offloaded_pages * page_bytes),
+            "copy:load": (m.kv_tier_copy_bytes.labels(direction="load"), st.loaded_pages * page_bytes),
+            "evict:device": (m.kv_evicted_pages.labels(tier="device"), st.device_evicted_pages),
+            "evict:host": (m.kv_evicted_pages.labels(tier="host"), st.host_evicted_pages),
+        }
+        for key, (counter, total) in series.items():
+            if total != self._tiers.get(key, 0):
+                counter.inc(total - self._tiers.get(key, 0))
+                self._tiers[key] = total
+        m.kv_host_pages.set(kv.cache.num_host_pages)
+        ctx = self.ctx
+        idle = not eng.requests and not eng.has_work and not kv.reserved and not eng.groups.live \
+            and not (ctx.book and ctx.book.open) and not (ctx.outgoing and ctx.outgoing.active)
+        if idle:  # every page must be free or cached now
+            m.kv_unaccounted_pages.labels(tier="device").set(
+                kv.capacity - kv.allocator.num_free - kv.cache.num_cached_pages)
+            if host is not None:
+                m.kv_unaccounted_pages.labels(tier="host").set(
+                    host.capacity - host.allocator.num_free - kv.cache.num_host_pages)

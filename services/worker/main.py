@@ -26,6 +26,10 @@ async def serve(config: WorkerConfig) -> int:
     from shared.engine.engine import Engine
     from shared.engine.warmup import warm_up
 
+    if config.role == "prefill" and config.engine.speculative_method:
+        # speculation lives on the decode pool: a prefill worker stops after the first token
+        log.info("prefill worker: speculative decoding settings ignored")
+        config.engine.speculative_method = None
     engine = Engine(config.engine)
     if config.warmup:
         warm_up(engine)  # before anything can route work here

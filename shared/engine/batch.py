@@ -11,6 +11,9 @@ class ScheduledReq:
     req: Req
     start: int  # first position computed this step (== req.num_computed before the step)
     length: int  # tokens computed this step
+    # speculative decoding: draft tokens verified after the request's last token (positions
+    # start+1 ..); length is then 1 + len(draft) and every row samples
+    draft: list[int] | None = None
 
     @property
     def end(self) -> int:
@@ -19,7 +22,7 @@ class ScheduledReq:
     @property
     def samples(self) -> bool:
         """True when this step reaches the sequence's last token, so it yields a new token."""
-        return self.end == len(self.req.token_ids)
+        return self.end == len(self.req.token_ids) or bool(self.draft)
 
     @property
     def all_rows(self) -> bool:

@@ -133,6 +133,40 @@ class EngineConfig:
         help="KV cache dtype: auto (the weights' dtype) or fp8_e4m3 (half a bf16 cache's bytes per token and "
              "per handoff; scaled by the checkpoint's k_scale/v_scale, else 1.0); prefill and decode pair "
              "only with the same")
+    # speculative decoding (shared/engine/speculative/): off (None), "ngram" (drafts copied
+    # from the request's own tokens), "draft" (a smaller model with the target's tokenizer)
+    # or "eagle3" (an EAGLE-3 head over the target's hidden states)
+    speculative_method: str | None = setting(
+        None, flag="--speculative-method", env="DUET_SPECULATIVE_METHOD", choices=("ngram", "draft", "eagle3"),
+        help="speculative decoding: ngram (prompt lookup), draft (a smaller model, --speculative-draft-model) "
+             "or eagle3 (an EAGLE-3 head, --speculative-draft-model); off by default")
+    speculative_tokens: int = setting(
+        4, flag="--speculative-tokens", env="DUET_SPECULATIVE_TOKENS",
+        help="draft tokens per verify step (K; the target computes K + 1 positions a sequence)")
+    speculative_draft_model: str | None = setting(
+        None, flag="--speculative-draft-model", env="DUET_SPECULATIVE_DRAFT_MODEL",
+        help="folder of the draft model (same tokenizer as the target, any architecture the engine loads) "
+             "or of the EAGLE-3 head")
+    # n-gram lookup: the longest suffix of max..min tokens that occurred before proposes
+    # what followed it
+    speculative_ngram_min: int = setting(
+        2, flag="--speculative-ngram-min", env="DUET_SPECULATIVE_NGRAM_MIN",
+        help="n-gram lookup: shortest suffix that may match")
+    speculative_ngram_max: int = setting(
+        4, flag="--speculative-ngram-max", env="DUET_SPECULATIVE_NGRAM_MAX",
+        help="n-gram lookup: longest suffix tried (the longest match wins)")
+    # step aside: no speculation above this many decoding sequences (None: the measured
+    # default, speculative/policy.py), nor for a request whose recent accepted tokens per
+    # draft token fall below the threshold (it tries again after a cool-down)
+    speculative_max_batch: int | None = setting(
+        None, flag="--speculative-max-batch", env="DUET_SPECULATIVE_MAX_BATCH", parse=parsers.optional_int,
+        help="decode plainly above this many decoding sequences (default: the measured crossover)")
+    speculative_min_acceptance: float = setting(
+        0.2, flag="--speculative-min-acceptance", env="DUET_SPECULATIVE_MIN_ACCEPTANCE",
+        help="a request whose recent drafts are accepted below this share sits speculation out for a while")
+    # benchmarks only, no flag (never served): every draft token counts as accepted, whatever
+    # the target says; gives the bound of a method's speed-up
+    speculative_accept_all: bool = False
     tp: TPContext = field(default_factory=_tp_context)  # this process's rank (set by the engine)
 
     def resolve_device(self) -> torch.device:

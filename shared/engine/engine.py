@@ -18,6 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.admission.context_rule import completion_budget
+from shared.admission.kv_demand import check_fits, kv_demand
+
 from .attention.select import make_attention_backend
 from .config import CPU_DEFAULT_KV_BYTES, EngineConfig
 from .kv_manager import KVManager
@@ -114,6 +117,10 @@ class Engine:
                 car = CustomAllReduce.try_create(self.tp, self.device, mode=config.custom_all_reduce_mode)
             if self.tp.all_ranks_agree(car is not None, self.device):  # all use it, or none
                 self.tp.custom_all_reduce = car
+        self.spec = None  # speculative decoding (speculative/speculator.py), when configured
+        if config.speculative_method and self.tp.rank == 0:  # TP: rank 0 drafts, every rank verifies
+            from .speculative.speculator import Speculator
+            self.spec = Speculator(self, config)
         self.layout = self._size_kv()
         self.pool = KVPool(self.layout, self.device, self._kv_scales())
         self.backend = make_attention_backend(config.attention_backend, self.pool, self.device)
@@ -153,6 +160,8 @@ class Engine:
         if overlap:
             from .overlap import OverlapScheduler
             self.overlap = OverlapScheduler(self)
+        if self.spec is not None:
+            self.spec.attach()
         if self._tp_workers is not None:
             self._tp_workers.wait_ready()
         log.info("engine ready in %.1fs: %s %s on %s, %s, weights %.2f GiB (%s), KV %d pages x %d tokens "
@@ -233,6 +242,10 @@ class Engine:
             budget = int(total * cfg.mem_fraction) - used - (1 << 30)  # 1 GiB for activations/graphs
             if budget <= 0:
                 raise MemoryError(f"no GPU memory left for the KV cache at mem_fraction={cfg.mem_fraction}")
+        if self.spec is not None and self.spec.kv_bytes_per_token:
+            # a draft model keeps KV for the same tokens: split the budget by bytes per token
+            own = KVLayout(num_pages=1, **kw).bytes_per_token
+            budget = budget * own // (own + self.spec.kv_bytes_per_token)
         layout = KVLayout.pages_for_budget(budget, **kw)
         if self.tp.size > 1:  # every rank must hold the same pages: take the smallest
             pages = self.tp.min_across_ranks(layout.num_pages, self.device)
@@ -288,22 +301,11 @@ class Engine:
         vocab = self.model_config.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        room = self.max_model_len - len(prompt_ids)
-        if room < 1:
-            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the model's context length is "
-                             f"{self.max_model_len}")
-        max_new = room if params.max_tokens is None else params.max_tokens
-        if max_new > room:
-            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_new}) exceeds the "
-                             f"model's context length ({self.max_model_len})")
-        tokens = len(prompt_ids) + max_new
-        need = self.kv.pages_for(tokens)
-        if params.n > 1:  # the others share the prompt and grow their own pages (the last one copied)
-            tokens += (params.n - 1) * (max_new + self.layout.page_size)
-            need += (params.n - 1) * self.kv.pages_for(max_new + self.layout.page_size)
-        if need > self.kv.capacity:
-            raise ValueError(f"request needs {tokens} tokens of KV; this worker "
-                             f"holds {self.kv.capacity * self.layout.page_size}")
+        max_new = completion_budget(params.max_tokens, None, len(prompt_ids), self.max_model_len)
+        # a prefill-only request holds the prompt alone (its sequences fork on decode)
+        demand = (kv_demand(len(prompt_ids), 1, 1, self.layout.page_size) if prefill_only
+                  else kv_demand(len(prompt_ids), max_new, params.n, self.layout.page_size))
+        check_fits(demand, self.kv.capacity)
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ValueError(f"logit_bias names token {max(params.logit_bias)}, outside the vocabulary "
                              f"[0, {vocab})")
@@ -419,11 +421,17 @@ class Engine:
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        if self.spec is not None and self.spec.wants_step():
+            return self.spec.step()
         if self.overlap is not None:
             return self.overlap.step()
         batch = self.scheduler.schedule()
         if not batch.items:
             return []
+        return self._run_batch(batch)
+
+    def _run_batch(self, batch) -> list[StepOutput]:
+        """Run one scheduled batch on the host-synchronous path."""
         logits = self.runner.forward(batch)
         self.track_kv_written(batch)
         self.stats.steps += 1
@@ -553,6 +561,8 @@ class Engine:
             out.request_finished = self._finish(req)
             out.finished, out.finish_reason, out.stop_reason = True, req.finish_reason, req.stop_reason
             out.error = req.error
+            if req.spec is not None:
+                out.spec = req.spec.stats
         if req.params.stop:
             out.text = req.output_text
         return out
@@ -586,6 +596,8 @@ class Engine:
     def _finish(self, req: Req) -> bool:
         """Release a finished sequence; True when it was the last of its request."""
         self.kv.release(req, cache=True)
+        if self.spec is not None:
+            self.spec.release(req)
         req.status = ReqStatus.FINISHED
         self.requests.pop(req.rid, None)
         self.stats.requests_finished += 1
@@ -603,15 +615,24 @@ class Engine:
 
 
 def _available_host_memory() -> int:
-    """MemAvailable (what the kernel can hand out without swapping), in bytes."""
+    """What this process may still take: MemAvailable, and within a container (a pod) what
+    its cgroup limit leaves, in bytes."""
+    avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    avail = int(line.split()[1]) * 1024
     except OSError:
         pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        limit = open("/sys/fs/cgroup/memory.max").read().strip()
+        if limit != "max":
+            used = int(open("/sys/fs/cgroup/memory.current").read())
+            avail = min(avail, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return max(avail, 0)
 
 
 def _find_stop(text: str, stops: list[str], prev_len: int) -> tuple[int, str] | None:

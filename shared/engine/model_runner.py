@@ -34,6 +34,9 @@ class ModelRunner:
         self.graphs = None  # CudaGraphRunner, set by the engine on GPU
         self.plan_sink = None  # TP rank 0: callable(StepPlan) that sends the plan to the other ranks
         self.future_tokens: torch.Tensor | None = None  # overlap scheduling: placeholder -> token
+        # CUDA graphs of steps where every sequence extends by the same few tokens
+        # (speculative verify steps; speculative/uniform_graph.py), set by the speculator
+        self.extend_graphs = None
 
     def build(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         plan = plan_batch(batch, self.page_size)
@@ -62,7 +65,7 @@ class ModelRunner:
             seq_lens=view("seq_lens"), extend_lens=view("extend_lens"), qo_indptr=view("qo_indptr"),
             page_table=view("page_table").view(b, w), slot_mapping=view("slots"),
             seq_lens_host=seq_lens_host, extend_lens_host=ext_host,
-            num_pages_host=[-(-s // ps) for s in seq_lens_host])
+            num_pages_host=[-(-s // ps) for s in seq_lens_host], uniform_q=uniform_extend(ext_host))
         input_ids = view("ids")
         if self.future_tokens is not None and plan.has_placeholders:
             input_ids = resolve_placeholders(input_ids, self.future_tokens)
@@ -85,6 +88,8 @@ class ModelRunner:
         input_ids, positions, meta, rows = self.tensors(plan)
         if self.graphs is not None and self.graphs.can_run(None, meta):
             hidden = self.graphs.run(input_ids, positions, meta)
+        elif self.extend_graphs is not None and self.extend_graphs.can_run(meta):
+            hidden = self.extend_graphs.run(input_ids, positions, meta)
         else:
             self.backend.prepare(meta)
             hidden = self.model(input_ids, positions, ForwardBatch(self.backend, meta))
@@ -93,6 +98,17 @@ class ModelRunner:
         if plan.num_sample == plan.num_tokens:  # decode: every row samples
             return self.model.compute_logits(hidden)
         return self.model.compute_logits(hidden.index_select(0, rows))
+
+
+MAX_UNIFORM_Q = 16
+
+
+def uniform_extend(extend_lens: list[int]) -> int:
+    """The common extend length when every sequence extends by the same 2..16 tokens, else 0."""
+    if not extend_lens:
+        return 0
+    q = extend_lens[0]
+    return q if 1 < q <= MAX_UNIFORM_Q and all(x == q for x in extend_lens) else 0
 
 
 def resolve_placeholders(ids: torch.Tensor, future: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,8 @@ class StepOutput:
     # with the first token of sequence 0 when asked (params.prompt_logprobs): per prompt
     # position, None for the first, else (logprob, [(token id, logprob), ...] best first)
     prompt_logprobs: list | None = None
+    # on a sequence's last output when it speculated: its speculative/stats.SpecStats
+    spec: object = None
 
 
 @dataclass

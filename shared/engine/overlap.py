@@ -71,6 +71,15 @@ class OverlapScheduler:
         return self.pending is not None and any(
             en.req.status is not ReqStatus.FINISHED for en in self.pending.entries)
 
+    def flush(self):
+        """Settle the launched step (tokens appended, stops checked), for a caller that needs
+        every request's tokens on the host (a speculative step)."""
+        if self.pending is None:
+            return []
+        outs = self._resolve(self.pending)
+        self.pending = None
+        return outs
+
     def step(self):
         e = self.engine
         outs = []

@@ -47,6 +47,7 @@ class Req:
     forked: bool = False  # n > 1: the other sequences were made (at the first sample)
     forced_first: list[int] | None = None  # n > 1 recompute: the first tokens already sampled
     prompt_lps: list | None = None  # prompt logprobs by position: (logprob, top) or None
+    spec: object = None  # speculative/state.SpecState once it decodes with speculation on
 
     def __post_init__(self):
         if not self.token_ids:

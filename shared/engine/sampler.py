@@ -89,17 +89,13 @@ def filter_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: t
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def sample(logits: torch.Tensor, rows: list[SampleRow], constraints=None) -> SampleResult:
-    """logits [n, V] (any float dtype) -> one token per row. constraints: the rows' grammar
-    bitmask (logit_constraints.prepare, filled before this is called)."""
+def edit_logits(logits: torch.Tensor, rows: list[SampleRow], constraints=None) -> torch.Tensor:
+    """float32 logits after penalties, suppressed ids, logit bias and the grammar mask (a
+    copy when anything is edited: the model's logits are an inference tensor)."""
     logits = logits.float()
-    n, vocab = logits.shape
-    want_lp = any(r.params.logprobs is not None for r in rows)
-    raw_logprobs = logits.log_softmax(dim=-1) if want_lp else None
     edit = logit_constraints.needs_edit(rows, constraints)
     penalize = any(r.params.uses_penalties or r.suppress_ids for r in rows)
     if edit or penalize:
-        # our own copy to edit: float32 logits come straight from the model, an inference tensor
         logits = logits.clone()
     if penalize:
         apply_penalties(logits, rows)
@@ -108,19 +104,37 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], constraints=None) -> Sam
             logits[i, r.suppress_ids] = float("-inf")
     if edit:  # last: nothing after it may let a token outside the grammar back in
         logit_constraints.apply(logits, rows, constraints)
+    return logits
+
+
+def sampling_logprobs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """Edited logits -> the log-probabilities the rows draw from: temperature, then the
+    top-k / top-p / min-p filters (speculative decoding's rejection test uses them too)."""
+    dev, vocab = logits.device, logits.shape[1]
+    temps = torch.tensor([max(r.params.temperature, 1e-6) for r in rows], device=dev)
+    scaled = logits / temps[:, None]
+    if any(r.params.top_k > 0 or r.params.top_p < 1 or r.params.min_p > 0 for r in rows):
+        top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in rows], device=dev)
+        top_p = torch.tensor([r.params.top_p for r in rows], device=dev)
+        min_p = torch.tensor([r.params.min_p for r in rows], device=dev)
+        scaled = filter_top_k_top_p_min_p(scaled, top_k, top_p, min_p)
+    return scaled.log_softmax(dim=-1)
+
+
+def sample(logits: torch.Tensor, rows: list[SampleRow], constraints=None) -> SampleResult:
+    """logits [n, V] (any float dtype) -> one token per row. constraints: the rows' grammar
+    bitmask (logit_constraints.prepare, filled before this is called)."""
+    logits = logits.float()
+    n, vocab = logits.shape
+    want_lp = any(r.params.logprobs is not None for r in rows)
+    raw_logprobs = logits.log_softmax(dim=-1) if want_lp else None
+    logits = edit_logits(logits, rows, constraints)
     greedy = [r.params.greedy for r in rows]
     out = logits.argmax(dim=-1)
     if not all(greedy):
         dev = logits.device
-        temps = torch.tensor([max(r.params.temperature, 1e-6) for r in rows], device=dev)
-        scaled = logits / temps[:, None]
-        if any(r.params.top_k > 0 or r.params.top_p < 1 or r.params.min_p > 0 for r in rows):
-            top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in rows], device=dev)
-            top_p = torch.tensor([r.params.top_p for r in rows], device=dev)
-            min_p = torch.tensor([r.params.min_p for r in rows], device=dev)
-            scaled = filter_top_k_top_p_min_p(scaled, top_k, top_p, min_p)
         keys = torch.tensor([draw_key(r.seed, r.position) for r in rows], dtype=torch.int64, device=dev)
-        drawn = (scaled.log_softmax(dim=-1) + gumbel_noise(keys, vocab)).argmax(dim=-1)
+        drawn = (sampling_logprobs(logits, rows) + gumbel_noise(keys, vocab)).argmax(dim=-1)
         mask = torch.tensor(greedy, device=dev)
         out = torch.where(mask, out, drawn)
     tokens = out.tolist()

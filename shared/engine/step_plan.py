@@ -79,7 +79,7 @@ def plan_batch(batch: Batch, page_size: int) -> StepPlan:
             pos.append(p)
             slots.append(pages[p // ps] * ps + p % ps)
         else:
-            ids.extend(r.token_ids[it.start:it.end])
+            ids.extend(r.token_ids[it.start:it.end] if not it.draft else [r.token_ids[it.start], *it.draft])
             rng = np.arange(it.start, it.end, dtype=np.int64)
             pos.extend(rng.tolist())
             slots.extend((np.asarray(pages, dtype=np.int64)[rng // ps] * ps + rng % ps).tolist())
@@ -87,7 +87,7 @@ def plan_batch(batch: Batch, page_size: int) -> StepPlan:
         ext_lens.append(it.length)
         npages.append(-(-it.end // ps))
         row += it.length
-        if it.all_rows:  # prompt logprobs: every row of the chunk (the sampling one last)
+        if it.all_rows or it.draft:  # prompt logprobs or a verify: every row of the chunk
             sample_rows.extend(range(row - it.length, row))
         elif it.samples:
             sample_rows.append(row - 1)

@@ -11,6 +11,7 @@ metrics and the prefix cache start empty. On CPU nothing compiles: one short req
 checks the path."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -53,12 +54,16 @@ def warm_up(engine, full: bool | None = None) -> float:
         cap = graphs.max_bs if graphs is not None else 32
         host = [SamplingParams(temperature=0.7, top_p=0.9, seed=1, max_tokens=4, ignore_eos=True),
                 SamplingParams(temperature=0, max_tokens=4, logprobs=2, repetition_penalty=1.1, ignore_eos=True)]
-        for b in (x for x in DECODE_BATCHES if x <= cap):
-            prompts = [[_tok(31 * j + i, vocab) for i in range(24)] for j in range(b)]
-            params = [greedy] * b if b > 2 else host[:b]
-            _run(engine, prompts, params)
+        # speculative decoding: every decode step drafts, so its verify shapes compile too
+        with engine.spec.warming() if engine.spec is not None else contextlib.nullcontext():
+            for b in (x for x in DECODE_BATCHES if x <= cap):
+                prompts = [[_tok(31 * j + i, vocab) for i in range(24)] for j in range(b)]
+                params = [greedy] * b if b > 2 else host[:b]
+                _run(engine, prompts, params)
     engine.kv.cache.reset()
     engine.stats = EngineStats()
+    if engine.spec is not None:
+        engine.spec.reset_stats()
     engine.scheduler.num_retracted = 0
     engine.kv.check_idle()
     seconds = time.monotonic() - t0

@@ -9,16 +9,19 @@ top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids, chat_template_kwar
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from protos.wire_ranges import FLOAT32_MAX, INT32_MAX, SEED_MAX, SEED_MIN
 from shared.openai_protocol.errors import InvalidRequest
 from shared.openai_protocol.tools import check_response_format, check_tool_choice, check_tools
 
 MAX_TOP_LOGPROBS = 20
 MAX_N = 128
-MAX_BATCH_CHOICES = 1024  # prompts x n in one completions request  # choices per prompt (vLLM has no cap; one request must stay bounded)
+MAX_BATCH_CHOICES = 1024  # prompts x n in one completions request (vLLM has no cap; one request must stay bounded)
+_TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")  # ASCII digits only: "²" is a digit to str.isdigit, not to int()
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Union member names pydantic puts into an error's location; not part of the param path.
 _LOC_NOISE = {"str", "int", "float", "bool", "dict", "list", "none", "function-after", "function-before"}
@@ -80,13 +83,16 @@ class _SamplingFields(_Body):
         _range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _range("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _range("min_p", self.min_p, 0.0, 1.0)
-        if self.top_k is not None and self.top_k < -1:
-            raise InvalidRequest(f"top_k must be -1 or 0 (off) or >= 1, got {self.top_k}", "top_k")
-        if self.repetition_penalty is not None and not self.repetition_penalty > 0.0:
-            raise InvalidRequest(f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+        if self.top_k is not None and not -1 <= self.top_k <= INT32_MAX:
+            raise InvalidRequest(f"top_k must be -1 or 0 (off) or between 1 and {INT32_MAX}, got {self.top_k}",
+                                 "top_k")
+        if self.repetition_penalty is not None and not 0.0 < self.repetition_penalty <= FLOAT32_MAX:
+            raise InvalidRequest(f"repetition_penalty must be > 0 (and finite), got {self.repetition_penalty}",
                                  "repetition_penalty")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
+        _range("max_tokens", self.max_tokens, 1, INT32_MAX)
+        _range("seed", self.seed, SEED_MIN, SEED_MAX)
         if self.n is not None and not 1 <= self.n <= MAX_N:
             raise InvalidRequest(f"n must be between 1 and {MAX_N}, got {self.n}", "n")
         if self.stream_options is not None and not self.stream:
@@ -95,8 +101,9 @@ class _SamplingFields(_Body):
             if stop == "":
                 raise InvalidRequest("stop strings must not be empty", f"stop[{i}]" if isinstance(self.stop, list) else "stop")
         for i, token_id in enumerate(self.stop_token_ids or []):
-            if token_id < 0:
-                raise InvalidRequest(f"stop_token_ids must be non-negative, got {token_id}", f"stop_token_ids[{i}]")
+            if not 0 <= token_id <= INT32_MAX:
+                raise InvalidRequest(f"stop_token_ids must be token ids (0 to {INT32_MAX}), got {token_id}",
+                                     f"stop_token_ids[{i}]")
         self.token_bias()  # raises on bad keys or values
 
     @property
@@ -109,8 +116,9 @@ class _SamplingFields(_Body):
             return None
         out = {}
         for key, value in self.logit_bias.items():
-            if not key.lstrip("-").isdigit() or int(key) < 0:
-                raise InvalidRequest(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+            if not _TOKEN_ID_KEY.fullmatch(key) or int(key) > INT32_MAX:
+                raise InvalidRequest(f"logit_bias keys must be token ids (0 to {INT32_MAX} in ASCII digits), "
+                                     f"got {key!r}", "logit_bias")
             if not -100.0 <= value <= 100.0:
                 raise InvalidRequest(f"logit_bias values must be between -100 and 100, got {value}", "logit_bias")
             out[int(key)] = float(value)
@@ -142,6 +150,7 @@ class ChatCompletionRequest(_SamplingFields):
         if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
             raise InvalidRequest(f"max_completion_tokens must be at least 1, got {self.max_completion_tokens}",
                                  "max_completion_tokens")
+        _range("max_completion_tokens", self.max_completion_tokens, 1, INT32_MAX)
         if not self.messages:
             raise InvalidRequest("messages must contain at least one message", "messages")
         for i, message in enumerate(self.messages):

@@ -11,6 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from protos.wire_ranges import INT32_MAX
 from shared.openai_protocol.errors import InvalidRequest
 from shared.openai_protocol.requests import _parse, _range
 from shared.openai_protocol.tools import check_response_format, check_tool_choice, check_tools
@@ -51,6 +52,7 @@ class ResponsesRequest(_Body):
         if self.max_output_tokens is not None and self.max_output_tokens < 1:
             raise InvalidRequest(f"max_output_tokens must be at least 1, got {self.max_output_tokens}",
                                  "max_output_tokens")
+        _range("max_output_tokens", self.max_output_tokens, 1, INT32_MAX)
         check_tools(self.tools, flat=True)
         check_tool_choice(self.tool_choice, self.tools, flat=True)
         check_response_format(self.format, "text.format")
@@ -88,6 +90,9 @@ class ResponsesRequest(_Body):
                     raise InvalidRequest(f"Invalid role {role!r}", f"{param}.role")
                 messages.append({"role": role, "content": _text(item.get("content"), param)})
             elif kind == "function_call":
+                _string(item, "name", param, required=True)
+                for key in ("call_id", "id", "arguments"):
+                    _string(item, key, param)
                 call = {"id": item.get("call_id") or item.get("id") or f"call_{i}", "type": "function",
                         "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}}
                 if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
@@ -95,9 +100,10 @@ class ResponsesRequest(_Body):
                 else:
                     messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
             elif kind == "function_call_output":
+                _string(item, "call_id", param)
                 output = item.get("output")
                 messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                                 "content": output if isinstance(output, str) else _text(output, param)})
+                                 "content": _text(output, param, "output")})
             else:
                 raise InvalidRequest(f"input items of type {kind!r} are not supported", f"{param}.type")
         if not messages:
@@ -105,15 +111,23 @@ class ResponsesRequest(_Body):
         return messages
 
 
-def _text(content, param: str) -> str:
+def _string(item: dict, key: str, param: str, required: bool = False) -> None:
+    value = item.get(key)
+    if (value is None and required) or (value is not None and not isinstance(value, str)):
+        raise InvalidRequest(f"{key} must be a string", f"{param}.{key}")
+
+
+def _text(content, param: str, field: str = "content") -> str:
+    """A message's content, or a function_call_output's output (field), as one string."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise InvalidRequest("content must be a string or a list of text parts", f"{param}.content")
+        raise InvalidRequest(f"{field} must be a string or a list of text parts", f"{param}.{field}")
     out = []
     for j, part in enumerate(content):
-        if part.get("type") not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
-            raise InvalidRequest("only text content parts (input_text) are supported", f"{param}.content[{j}]")
+        if (not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text")
+                or not isinstance(part.get("text"), str)):
+            raise InvalidRequest("only text content parts (input_text) are supported", f"{param}.{field}[{j}]")
         out.append(part["text"])
     return "".join(out)
 

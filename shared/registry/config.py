@@ -18,6 +18,11 @@ class RegistryConfig:
                            help="seconds a worker entry lives without heartbeat")
     heartbeat_interval_s: float = setting(1.0, flag="--registry-heartbeat", env="DUET_REGISTRY_HEARTBEAT",
                                           help="heartbeat period in seconds (at most half the TTL)")
+    # routers pair a conversation's next turn with the worker that holds it: a page a worker
+    # just cached must not wait a whole heartbeat to be seen
+    kv_events_interval_s: float = setting(
+        0.05, flag="--registry-kv-events-interval", env="DUET_REGISTRY_KV_EVENTS_INTERVAL",
+        help="seconds between publications of prefix-cache changes (page hashes) between heartbeats")
     scan_interval_s: float = 1.0       # watcher's full re-scan period (leaves show up here)
     socket_timeout_s: float = 2.0      # bounds every Redis call, so an outage never hangs a loop
     connection: RedisConnection = nested(RedisConnection, "Redis authentication and TLS")

@@ -2,7 +2,8 @@
 
   <p>:worker:<id>         hash   WorkerInfo fields + load; TTL renewed by heartbeat
   <p>:worker:<id>:nixl    hash   rank -> NIXL agent metadata bytes; same TTL
-  <p>:worker:<id>:pages   set    page hashes (decimal) the worker's prefix cache holds; same TTL
+  <p>:worker:<id>:pages   set    page hashes (decimal) the worker's prefix cache holds (any tier); same TTL
+  <p>:worker:<id>:pages:host  set  of those, the ones held in its host tier only; same TTL
   <p>:workers:events      pubsub JSON {"event": "join"|"leave", "worker_id", "instance_nonce"}
 
 Who writes and reads each, and the KV events: docs/ARCHITECTURE.md, "Registry keys and KV events".
@@ -24,6 +25,9 @@ class RegistryKeys:
 
     def pages(self, worker_id: str) -> str:
         return f"{self.prefix}:worker:{worker_id}:pages"
+
+    def host_pages(self, worker_id: str) -> str:
+        return f"{self.prefix}:worker:{worker_id}:pages:host"
 
     @property
     def events_channel(self) -> str:

@@ -1,9 +1,11 @@
-"""Which prefix pages a prefill worker holds, published as a Redis set of page hashes.
+"""Which prefix pages a worker holds, published as Redis sets of page hashes.
 
-The engine calls `stored(hashes)` when pages enter its prefix cache and
-`removed(hashes)` when it evicts them (from any thread); the registry heartbeat
-drains the changes into `<p>:worker:<id>:pages` (SADD/SREM + EXPIRE in its
-transaction) and re-sends the whole set after a re-registration. Routers ask
+The engine's radix cache reports each step of a page's life (from any thread): `stored`
+(it entered the cache, on the device), `offloaded` (it left the device for the host tier),
+`loaded` (back on the device), `removed` (gone from every tier). The registry heartbeat
+drains the changes into `<p>:worker:<id>:pages` (held in any tier) and
+`<p>:worker:<id>:pages:host` (held in the host tier only) with SADD/SREM + EXPIRE in its
+transaction, and re-sends both sets after a re-registration. Routers ask
 `cached_prefix_pages()`: how many leading prompt pages each worker holds.
 """
 from __future__ import annotations
@@ -12,51 +14,108 @@ import threading
 from collections.abc import Iterable, Sequence
 
 
+class _TrackedSet:
+    """A set plus the changes not yet published (hash -> True added / False removed)."""
+
+    def __init__(self) -> None:
+        self.members: set[int] = set()
+        self.pending: dict[int, bool] = {}
+
+    def add(self, hashes: Iterable[int]) -> None:
+        for h in hashes:
+            self.members.add(h)
+            self.pending[h] = True
+
+    def discard(self, hashes: Iterable[int]) -> None:
+        for h in hashes:
+            self.members.discard(h)
+            self.pending[h] = False
+
+    def drain(self) -> tuple[list[int], list[int]]:
+        pending, self.pending = self.pending, {}
+        return [h for h, p in pending.items() if p], [h for h, p in pending.items() if not p]
+
+    def restore(self, added: Sequence[int], removed: Sequence[int]) -> None:
+        for h in added:
+            self.pending.setdefault(h, True)
+        for h in removed:
+            self.pending.setdefault(h, False)
+
+    def snapshot(self) -> list[int]:
+        self.pending = {}
+        return list(self.members)
+
+
 class KvEventBuffer:
-    """Thread-safe record of held page hashes plus the changes not yet published."""
+    """Thread-safe record of held page hashes (any tier, and host-only) plus the changes not
+    yet published."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._held: set[int] = set()
-        self._pending: dict[int, bool] = {}  # hash -> True (added) / False (removed)
+        self._held = _TrackedSet()  # in any tier
+        self._host = _TrackedSet()  # in the host tier only (not on the device)
 
+    # -- the radix cache's events -------------------------------------------------------
     def stored(self, hashes: Iterable[int]) -> None:
+        hashes = list(hashes)
         with self._lock:
-            for h in hashes:
-                self._held.add(h)
-                self._pending[h] = True
+            self._held.add(hashes)
+            self._host.discard(h for h in hashes if h in self._host.members)
+
+    def offloaded(self, hashes: Iterable[int]) -> None:
+        with self._lock:
+            self._host.add(hashes)
+
+    def loaded(self, hashes: Iterable[int]) -> None:
+        with self._lock:
+            self._host.discard(h for h in hashes if h in self._host.members)
 
     def removed(self, hashes: Iterable[int]) -> None:
+        hashes = list(hashes)
         with self._lock:
-            for h in hashes:
-                self._held.discard(h)
-                self._pending[h] = False
+            self._held.discard(hashes)
+            self._host.discard(h for h in hashes if h in self._host.members)
 
+    # -- the publisher's side -----------------------------------------------------------
     def drain(self) -> tuple[list[int], list[int]]:
-        """(added, removed) since the last drain, net of each other."""
+        """(added, removed) of the held set since the last drain, net of each other."""
         with self._lock:
-            pending, self._pending = self._pending, {}
-        added = [h for h, present in pending.items() if present]
-        removed = [h for h, present in pending.items() if not present]
-        return added, removed
+            return self._held.drain()
 
-    def restore(self, added: Sequence[int], removed: Sequence[int]) -> None:
+    def drain_host(self) -> tuple[list[int], list[int]]:
+        """The same for the host-only set."""
+        with self._lock:
+            return self._host.drain()
+
+    def restore(self, added: Sequence[int], removed: Sequence[int], host_added: Sequence[int] = (),
+                host_removed: Sequence[int] = ()) -> None:
         """Put back changes whose publication failed (newer changes win)."""
         with self._lock:
-            for h in added:
-                self._pending.setdefault(h, True)
-            for h in removed:
-                self._pending.setdefault(h, False)
+            self._held.restore(added, removed)
+            self._host.restore(host_added, host_removed)
 
     def snapshot(self) -> list[int]:
         """All held hashes; also clears pending (a full resync supersedes them)."""
         with self._lock:
-            self._pending = {}
-            return list(self._held)
+            return self._held.snapshot()
+
+    def snapshot_host(self) -> list[int]:
+        with self._lock:
+            return self._host.snapshot()
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._held)
+            return len(self._held.members)
+
+    @property
+    def has_pending(self) -> bool:
+        """Changes wait to be published (a cheap check, no lock: a race only delays them)."""
+        return bool(self._held.pending or self._host.pending)
+
+    @property
+    def num_host_only(self) -> int:
+        with self._lock:
+            return len(self._host.members)
 
 
 def leading_matches(flags: Sequence[int | bool]) -> int:

@@ -78,18 +78,20 @@ class WorkerPublisher:
         """Write the whole entry (hash, NIXL metadata, held page hashes) and announce the join."""
         wid, ttl = self.info.worker_id, self.config.ttl_ms
         worker_key, nixl_key, pages_key = self.keys.worker(wid), self.keys.nixl(wid), self.keys.pages(wid)
+        host_key = self.keys.host_pages(wid)
         self.info.load = self._current_load()
-        held = self.kv_events.snapshot()
+        held, host_only = self.kv_events.snapshot(), self.kv_events.snapshot_host()
         pipe = self.client.pipeline(transaction=True)
-        pipe.delete(worker_key, nixl_key, pages_key)
+        pipe.delete(worker_key, nixl_key, pages_key, host_key)
         pipe.hset(worker_key, mapping=self.info.to_hash())
         pipe.pexpire(worker_key, ttl)
         if self.nixl_metadata:
             pipe.hset(nixl_key, mapping={str(rank): md for rank, md in self.nixl_metadata.items()})
             pipe.pexpire(nixl_key, ttl)
-        if held:
-            pipe.sadd(pages_key, *[str(h) for h in held])
-            pipe.pexpire(pages_key, ttl)
+        for key, members in ((pages_key, held), (host_key, host_only)):
+            if members:
+                pipe.sadd(key, *[str(h) for h in members])
+                pipe.pexpire(key, ttl)
         await pipe.execute()
         await self.client.publish(self.keys.events_channel, self._event("join"))
         self.registrations += 1
@@ -99,33 +101,53 @@ class WorkerPublisher:
     async def heartbeat_once(self) -> None:
         """Renew the TTLs, publish load and page-hash changes; re-register if the entry was lost."""
         wid, ttl = self.info.worker_id, self.config.ttl_ms
-        worker_key, nixl_key, pages_key = self.keys.worker(wid), self.keys.nixl(wid), self.keys.pages(wid)
+        worker_key, nixl_key = self.keys.worker(wid), self.keys.nixl(wid)
         self.info.load = self._current_load()
         self.info.heartbeat_seq += 1
-        added, removed = self.kv_events.drain()
         pipe = self.client.pipeline(transaction=True)
         pipe.exists(worker_key)
         pipe.hset(worker_key, mapping=self.info.to_hash())
         pipe.pexpire(worker_key, ttl)
         pipe.pexpire(nixl_key, ttl)
-        if added:
-            pipe.sadd(pages_key, *[str(h) for h in added])
-        if removed:
-            pipe.srem(pages_key, *[str(h) for h in removed])
-        pipe.pexpire(pages_key, ttl)
+        changes = self._queue_kv_events(pipe)
         try:
             results = await pipe.execute()
         except Exception:
-            self.kv_events.restore(added, removed)
+            self.kv_events.restore(*changes)
             raise
         if not results[0]:
             log.warning("registry entry of %s was gone (TTL lapse or Redis restart); re-registering", wid)
             await self.register()
 
+    def _queue_kv_events(self, pipe) -> tuple[list[int], list[int], list[int], list[int]]:
+        """Add the pending page-hash changes (both sets, their TTLs) to `pipe`; returns them, to
+        put back if the pipeline fails."""
+        wid, ttl = self.info.worker_id, self.config.ttl_ms
+        pages_key, host_key = self.keys.pages(wid), self.keys.host_pages(wid)
+        added, removed = self.kv_events.drain()
+        host_added, host_removed = self.kv_events.drain_host()
+        for key, add, rem in ((pages_key, added, removed), (host_key, host_added, host_removed)):
+            if add:
+                pipe.sadd(key, *[str(h) for h in add])
+            if rem:
+                pipe.srem(key, *[str(h) for h in rem])
+            pipe.pexpire(key, ttl)
+        return added, removed, host_added, host_removed
+
+    async def publish_kv_events(self) -> None:
+        """Publish prefix-cache changes now (between heartbeats)."""
+        pipe = self.client.pipeline(transaction=True)
+        changes = self._queue_kv_events(pipe)
+        try:
+            await pipe.execute()
+        except Exception:
+            self.kv_events.restore(*changes)
+            raise
+
     async def deregister(self) -> None:
         wid = self.info.worker_id
         pipe = self.client.pipeline(transaction=True)
-        pipe.delete(self.keys.worker(wid), self.keys.nixl(wid), self.keys.pages(wid))
+        pipe.delete(self.keys.worker(wid), self.keys.nixl(wid), self.keys.pages(wid), self.keys.host_pages(wid))
         pipe.publish(self.keys.events_channel, self._event("leave"))
         await pipe.execute()
         self._registered.clear()
@@ -162,10 +184,23 @@ class WorkerPublisher:
             except Exception as exc:  # Redis down or timing out: keep serving, retry next beat
                 self.failed_beats += 1
                 log.warning("registry heartbeat of %s failed: %s", self.info.worker_id, exc)
+            await self._wait_beat(interval)
+
+    async def _wait_beat(self, interval: float) -> None:
+        """Until the next heartbeat or stop(), publishing page-hash changes as they come."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + interval
+        step = max(0.005, min(self.config.kv_events_interval_s, interval))
+        while not self._stop.is_set() and (left := end - loop.time()) > 0:
             try:
-                await asyncio.wait_for(self._stop.wait(), timeout=interval)
+                await asyncio.wait_for(self._stop.wait(), timeout=min(step, left))
             except asyncio.TimeoutError:
                 pass
+            if self.registered and self.kv_events.has_pending:
+                try:
+                    await self.publish_kv_events()
+                except Exception as exc:  # the next heartbeat retries them
+                    log.debug("publishing KV events of %s failed: %s", self.info.worker_id, exc)
 
     async def start(self) -> None:
         """Run in the background on the current loop."""

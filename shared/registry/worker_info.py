@@ -57,6 +57,7 @@ class WorkerInfo:
     kv_layout: str = ""             # the same, readable: L<layers>-H<kv heads>-P<page>-D<head dim>-<dtype>
     instance_nonce: str = field(default_factory=lambda: secrets.token_hex(8))
     max_running_requests: int = 0   # decode batch cap (0 = unknown)
+    max_batched_tokens: int = 0     # prompt tokens one engine step takes (chunked prefill; 0 = unknown)
     kv_pools: list[RankKvPool] = field(default_factory=list)  # one per rank (NIXL peers)
     load: WorkerLoad = field(default_factory=WorkerLoad)
     heartbeat_seq: int = 0          # bumps each heartbeat (no wall clocks across hosts)
@@ -92,6 +93,7 @@ class WorkerInfo:
             "kv_layout": self.kv_layout,
             "instance_nonce": self.instance_nonce,
             "max_running_requests": str(self.max_running_requests),
+            "max_batched_tokens": str(self.max_batched_tokens),
             "nixl_agents": json.dumps(self.agent_names),
             "kv_pools": json.dumps([asdict(p) for p in self.kv_pools]),
         }
@@ -129,6 +131,7 @@ class WorkerInfo:
             kv_layout=h.get("kv_layout", ""),
             instance_nonce=h["instance_nonce"],
             max_running_requests=int(h.get("max_running_requests", 0)),
+            max_batched_tokens=int(h.get("max_batched_tokens", 0)),
             kv_pools=pools,
             load=load,
             heartbeat_seq=int(h.get("heartbeat_seq", 0)),

@@ -71,6 +71,21 @@ class DuetMetrics:
         self.requests = requests_counter(r)  # the label scheme every process shares (requests.py)
         self.route_decisions = Counter(
             "duet_router_decisions", "Router answers by kind", ["kind"], registry=r)
+        # KV that outlives the request: reuse and movement per tier (device, host)
+        self.kv_cache_hit_tokens = Counter(
+            "duet_kv_cache_hit_tokens", "Prompt tokens whose KV was reused, by the tier it was found in",
+            ["tier"], registry=r)
+        self.kv_tier_copy_bytes = Counter(
+            "duet_kv_tier_copy_bytes", "KV bytes copied between the device and the host tier "
+            "(offload: written back on eviction; load: brought back for reuse)", ["direction"], registry=r)
+        self.kv_evicted_pages = Counter(
+            "duet_kv_evicted_pages", "KV pages evicted, by the tier they left (device pages go to the "
+            "host tier when there is one; host pages leave the worker)", ["tier"], registry=r)
+        self.kv_host_pages = Gauge(
+            "duet_kv_host_cached_pages", "KV pages held in the host tier", registry=r)
+        self.kv_unaccounted_pages = Gauge(
+            "duet_kv_unaccounted_pages", "Pages neither free nor cached, read whenever the worker is "
+            "idle (no request, reservation or transfer): anything but 0 is a leak", ["tier"], registry=r)
 
     # --- helpers used across services -----------------------------------------
 

@@ -25,6 +25,8 @@ from typing import AsyncIterator
 import grpc
 
 from protos import duet_pb2, duet_pb2_grpc
+from protos.sampling_codec import ContractOverflow, sampling_to_proto
+from services.gateway.backends.capacity import WorkerCapacity
 from services.gateway.backends.interface import (
     FINISH_LENGTH,
     FINISH_STOP,
@@ -33,7 +35,6 @@ from services.gateway.backends.interface import (
     BackendError,
     BackendUnavailable,
     GenerationRequest,
-    SamplingOptions,
     TokenEvent,
     TokenLogprob,
 )
@@ -62,23 +63,6 @@ class GrpcBackendConfig:
     cleanup_timeout_s: float = 5.0  # bound on Cancel / Release
     tls: GrpcTlsConfig = field(default_factory=GrpcTlsConfig)  # to router and workers
     redis: RedisConnection = field(default_factory=RedisConnection)  # registry password, TLS
-
-
-def sampling_to_proto(options: SamplingOptions) -> duet_pb2.SamplingParams:
-    msg = duet_pb2.SamplingParams(
-        temperature=options.temperature, top_p=options.top_p, top_k=options.top_k, min_p=options.min_p,
-        max_tokens=options.max_tokens, stop=list(options.stop), stop_token_ids=list(options.stop_token_ids),
-        ignore_eos=options.ignore_eos, repetition_penalty=options.repetition_penalty,
-        frequency_penalty=options.frequency_penalty, presence_penalty=options.presence_penalty,
-        logprobs=options.logprobs, top_logprobs=options.top_logprobs, n=options.n,
-        logit_bias=options.logit_bias or {})
-    if options.seed is not None:
-        msg.seed = options.seed % (1 << 64)  # uint64 on the wire; OpenAI seeds may be negative
-    if options.grammar is not None:
-        msg.grammar.kind, msg.grammar.text = options.grammar.kind, options.grammar.text
-    if options.prompt_logprobs is not None:
-        msg.prompt_logprobs = options.prompt_logprobs
-    return msg
 
 
 def rpc_error(exc: grpc.aio.AioRpcError, what: str) -> BackendError:
@@ -189,6 +173,13 @@ class GrpcBackend:
             return any(not pair_problem(p, d) for p in self._watcher.workers("prefill") for d in decodes)
         return True
 
+    def live_capacity(self) -> list[WorkerCapacity]:
+        """From the registry (each worker publishes its pool and batch cap); [] without it."""
+        if self._watcher is None:
+            return []
+        return [WorkerCapacity(w.role, w.load.total_pages, w.page_size, w.max_running_requests, w.max_batched_tokens)
+                for w in self._watcher.workers()]
+
     def _page_size(self) -> int:
         if self._watcher is None:
             return 0
@@ -201,8 +192,11 @@ class GrpcBackend:
         if self._router is None:
             raise BackendUnavailable("the gateway backend is not started")
         metadata = tuple((k.lower(), v) for k, v in request.trace_context.items())
-        sampling = sampling_to_proto(request.sampling)
-        want_logprobs = request.sampling.logprobs
+        try:
+            sampling = sampling_to_proto(request.sampling)
+        except ContractOverflow as exc:
+            raise BackendBadRequest(str(exc), exc.field) from None
+        want_logprobs = request.sampling.logprobs is not None
         state = _RequestState(request.request_id)
         decode = None
         try:
@@ -259,7 +253,7 @@ class GrpcBackend:
         try:
             return await self._router.Route(duet_pb2.RouteRequest(
                 request_id=request.request_id, model=request.model, prompt_tokens=len(request.prompt_token_ids),
-                max_tokens=request.sampling.max_tokens, page_hashes=hashes),
+                max_tokens=request.sampling.max_tokens, page_hashes=hashes, n=request.sampling.n),
                 metadata=metadata, timeout=self.config.rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise rpc_error(exc, "router") from None
@@ -269,7 +263,9 @@ class GrpcBackend:
             state.reservation = await decode.Reserve(duet_pb2.ReserveRequest(
                 request_id=request.request_id, prompt_tokens=len(request.prompt_token_ids),
                 max_tokens=request.sampling.max_tokens, prefill_worker_id=route.prefill.worker_id,
-                timeout_ms=self.config.reserve_timeout_ms, n=request.sampling.n), metadata=metadata, timeout=self.config.rpc_timeout_s)
+                timeout_ms=self.config.reserve_timeout_ms, n=request.sampling.n,
+                prompt_token_ids=request.prompt_token_ids),  # decode reuses what it holds of it
+                metadata=metadata, timeout=self.config.rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise rpc_error(exc, f"decode worker {route.decode.worker_id} (reserve)") from None
         prefill = duet_pb2_grpc.PrefillStub(self._workers.get(route.prefill))

@@ -20,7 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol, runtime_checkable
 
-from shared.engine.grammar_spec import GrammarSpec
+from services.gateway.backends.capacity import WorkerCapacity
+from shared.engine.sampling_params import SamplingParams
 
 FINISH_STOP = "stop"      # EOS, a stop token id or a stop string
 FINISH_LENGTH = "length"  # max_tokens or the context length reached
@@ -28,34 +29,10 @@ FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH)
 
 
 @dataclass
-class SamplingOptions:
-    """How to sample; OpenAI/vLLM field names, every field meaningful (defaults = off)."""
-
-    temperature: float = 1.0          # 0 = greedy
-    top_p: float = 1.0                # 1 = off
-    top_k: int = -1                   # -1 or 0 = off
-    min_p: float = 0.0                # 0 = off
-    seed: int | None = None
-    max_tokens: int = 16              # completion tokens, the first one included
-    stop: list[str] = field(default_factory=list)           # matched on text (gateway trims)
-    stop_token_ids: list[int] = field(default_factory=list)  # extra ids that end the request
-    ignore_eos: bool = False
-    repetition_penalty: float = 1.0   # 1 = off (HF semantics)
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    logprobs: bool = False            # return the sampled token's logprob
-    top_logprobs: int = 0             # and this many most likely alternatives
-    n: int = 1                        # sequences from the one prompt (one prefill, shared KV)
-    logit_bias: dict[int, float] | None = None
-    grammar: GrammarSpec | None = None  # constrained decoding (structured outputs, forced tools)
-    prompt_logprobs: int | None = None  # echo: logprob of each prompt token (+ this many alternatives)
-
-
-@dataclass
 class GenerationRequest:
     request_id: str
     prompt_token_ids: list[int]
-    sampling: SamplingOptions
+    sampling: SamplingParams  # the engine's own type (no torch): one from the gateway to the engine
     model: str = ""
     # W3C trace context (traceparent / tracestate) of the gateway's span, for RPC metadata.
     trace_context: dict[str, str] = field(default_factory=dict)
@@ -118,6 +95,9 @@ class GenerationBackend(Protocol):
 
     def ready(self) -> bool:
         """True once the backend can serve a request (model loaded / workers found)."""
+
+    def live_capacity(self) -> list[WorkerCapacity]:
+        """What the live workers hold (capacity.py); [] when unknown."""
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         """Stream the completion's tokens (see the module docstring for the contract)."""

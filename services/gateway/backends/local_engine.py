@@ -10,38 +10,24 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import logging
 import threading
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
+from services.gateway.backends.capacity import WorkerCapacity
 from services.gateway.backends.interface import (
     FINISH_REASONS,
     BackendBadRequest,
     BackendUnavailable,
     GenerationRequest,
-    SamplingOptions,
     TokenEvent,
     TokenLogprob,
 )
 from services.worker_runtime.engine_loop import EngineLoop
 
 log = logging.getLogger("duet.gateway.local")
-
-
-def engine_sampling_params(options: SamplingOptions):
-    """Our SamplingOptions as the engine's SamplingParams (vLLM-style logprobs count)."""
-    from shared.engine import SamplingParams
-
-    return SamplingParams(
-        temperature=options.temperature, top_p=options.top_p, top_k=options.top_k, min_p=options.min_p,
-        seed=options.seed, max_tokens=options.max_tokens, stop=list(options.stop),
-        stop_token_ids=list(options.stop_token_ids), ignore_eos=options.ignore_eos,
-        repetition_penalty=options.repetition_penalty, frequency_penalty=options.frequency_penalty,
-        presence_penalty=options.presence_penalty,
-        logprobs=options.top_logprobs if options.logprobs else None, n=options.n,
-        logit_bias=options.logit_bias, grammar=options.grammar, prompt_logprobs=options.prompt_logprobs,
-    )
 
 
 @dataclass
@@ -76,6 +62,13 @@ class LocalBackend:
         return (self._loaded.is_set() and not self._closed and self._loop is not None
                 and self._loop.fatal is None)
 
+    def live_capacity(self) -> list[WorkerCapacity]:
+        engine = self.engine
+        if engine is None:
+            return []
+        return [WorkerCapacity("both", engine.kv.capacity, engine.layout.page_size,
+                               engine.config.max_running_requests, engine.scheduler.max_batched_tokens)]
+
     async def start(self) -> None:
         self._loader.start()
 
@@ -101,7 +94,7 @@ class LocalBackend:
         if not self.ready():
             raise BackendUnavailable(self._unavailable_reason())
         loop, engine = self._loop, self.engine
-        params = engine_sampling_params(request.sampling)
+        params = copy.deepcopy(request.sampling)  # the engine may set fields (seed); the caller's stays
         outputs: asyncio.Queue = asyncio.Queue()
         aloop = asyncio.get_running_loop()
         rid = request.request_id

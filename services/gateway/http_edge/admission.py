@@ -1,19 +1,43 @@
-"""Bounded admission: at most `max_concurrent` requests generate at once, at most
-`max_queued` more wait for a slot (first come, first served), and a request that finds
-the queue full, or waits past `queue_timeout_s`, is refused (the HTTP layer answers 429
-with Retry-After). Nothing piles up without bound: under 10x overload the gateway holds
-max_concurrent + max_queued requests and refuses the rest at once.
+"""Admission by work: what a request asks of the workers, not how many HTTP requests there are.
 
-One AdmissionQueue per gateway, used from the event loop only (no locks needed). A
-Ticket is one request's place: `await ticket.acquire()`, then `ticket.release()` exactly
-when the request's work ends (idempotent; a ticket never granted releases nothing).
+A request is a set of units, one per prompt (a /v1/completions prompt list has several), each
+weighing `n` sequences, the KV tokens they can fill (prompt + n x max_tokens) and its prompt
+tokens. Units run while the running ones fit the budget: at most `sequences` sequences (by
+default the live workers' batch capacity), when set `tokens` KV tokens, and `prefill_tokens`
+prompt tokens not yet prefilled (by default a couple of the prefill workers' steps: a unit
+counts there from its grant to its first token). So the workers' own first-come queues stay
+short and the order in which work reaches them is decided here, fairly. A unit alone always
+runs (what can never fit a worker was refused with a 400 before).
+
+Fairness: waiting units are served by tenant (an API key, else the request itself), the
+tenant with the smallest dominant share of the running work first (its sequences or tokens
+over the budget, whichever is larger); within a tenant, the request with the fewest running
+sequences first (one key's small request is not queued behind the same key's prompt list);
+within a request, in order. A unit that does not fit the budget stops the line, so a big
+unit is never overtaken forever. One
+request runs at most `max_request_share` of the sequence budget at once (its other prompts
+wait behind its own), so a newcomer finds room at once; and a prompt list of 1024 cannot
+fill the workers ahead of another user's one-token request: when room frees, the user with
+the smaller share goes first.
+
+Bounds against overload, in requests: at most `max_concurrent` requests are admitted at
+once and `max_queued` more hold a place (preparing or waiting); a request that finds no
+place is refused at once, one whose first unit waits past `queue_timeout_s` too (the HTTP
+layer answers 429 with Retry-After). Later units of an admitted request wait without a
+deadline (the request is running; its client may leave, which cancels them).
+
+One AdmissionQueue per gateway, used from the event loop only (no locks). A Ticket is one
+request: `hold_place()`, `await acquire(work)` for its first unit, `await acquire_more(work)`
+for the others; each returns a Grant to `release()` when that unit ends; `ticket.release()`
+ends the request (releases whatever it still holds; idempotent).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import deque
-from dataclasses import dataclass
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 
 class AdmissionRefused(Exception):
@@ -22,106 +46,306 @@ class AdmissionRefused(Exception):
         self.retry_after_s = retry_after_s
 
 
+@dataclass(frozen=True)
+class Work:
+    """One unit: a prompt's n sequences, the KV tokens they can fill, its prompt tokens."""
+
+    sequences: int = 1
+    tokens: int = 0
+    prompt_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What may run at once; 0 = no bound on that resource."""
+
+    sequences: int = 0
+    tokens: int = 0
+    prefill_tokens: int = 0  # prompt tokens granted and not yet past their first token
+
+
 @dataclass
 class AdmissionStats:
     active: int
     queued: int
     refused: int
+    running_sequences: int = 0
+    running_tokens: int = 0
+    waiting_sequences: int = 0
+    prefilling_tokens: int = 0
+
+
+@dataclass
+class _Share:
+    sequences: int = 0
+    tokens: int = 0
+    prefill_tokens: int = 0  # the gateway-wide total only
+
+
+@dataclass(eq=False)
+class _Waiter:
+    ticket: "Ticket"
+    work: Work
+    first: bool  # the request's first unit (counts as a queued request; has a deadline)
+    order: int
+    future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
 class AdmissionQueue:
-    def __init__(self, max_concurrent: int, max_queued: int, queue_timeout_s: float, retry_after_s: float = 1.0):
-        if max_concurrent < 0 or max_queued < 0 or queue_timeout_s < 0:
-            raise ValueError("admission limits must be >= 0")
-        self.max_concurrent = max_concurrent  # 0 = unbounded (no queue either)
+    def __init__(self, max_concurrent: int, max_queued: int, queue_timeout_s: float, retry_after_s: float = 1.0,
+                 *, budget: Callable[[], Budget] | None = None, max_request_share: float = 1.0):
+        if min(max_concurrent, max_queued, queue_timeout_s) < 0 or not 0 < max_request_share <= 1:
+            raise ValueError("admission limits must be >= 0, the request share in (0, 1]")
+        self.max_concurrent = max_concurrent  # requests admitted at once; 0 = unbounded (no queue either)
         self.max_queued = max_queued
         self.queue_timeout_s = queue_timeout_s  # 0 = wait without a deadline
         self.retry_after_s = retry_after_s
-        self.active = 0
+        self.max_request_share = max_request_share  # of the sequence budget; 1 = the whole budget
+        self.budget = budget or Budget  # read at each decision: the live workers change
+        self.active = 0  # requests admitted (first unit granted) and not yet ended
+        self.places = 0  # requests holding a place: admitted, waiting or being prepared
         self.refused = 0
-        self._waiters: deque[asyncio.Future] = deque()
+        self.running = _Share()
+        self._tenants: dict[str, _Share] = {}
+        self._waiters: list[_Waiter] = []
+        self._order = itertools.count()
+
+    # --- reading -------------------------------------------------------------------------
 
     @property
     def queued(self) -> int:
-        return sum(1 for w in self._waiters if not w.done())
+        """Requests whose first unit waits."""
+        return sum(1 for w in self._waiters if w.first and not w.future.done())
+
+    @property
+    def waiting_sequences(self) -> int:
+        return sum(w.work.sequences for w in self._waiters if not w.future.done())
 
     def stats(self) -> AdmissionStats:
-        return AdmissionStats(self.active, self.queued, self.refused)
+        return AdmissionStats(self.active, self.queued, self.refused, self.running.sequences, self.running.tokens,
+                              self.waiting_sequences, self.running.prefill_tokens)
 
-    def ticket(self) -> "Ticket":
-        return Ticket(self)
+    def ticket(self, tenant: str | None = None) -> "Ticket":
+        return Ticket(self, tenant)
 
-    async def _acquire(self) -> None:
-        if self.max_concurrent == 0:
+    # --- deciding --------------------------------------------------------------------------
+
+    def _share(self, tenant: str, budget: Budget) -> float:
+        """Dominant share of the running work (sequences or tokens over the budget)."""
+        mine = self._tenants.get(tenant)
+        if mine is None:
+            return 0.0
+        seqs = mine.sequences / budget.sequences if budget.sequences else float(mine.sequences)
+        toks = mine.tokens / budget.tokens if budget.tokens else 0.0
+        return max(seqs, toks)
+
+    def _fits_budget(self, work: Work, budget: Budget) -> bool:
+        run = self.running
+        if run.sequences == 0:
+            return True  # alone, a unit always runs
+        if budget.sequences and run.sequences + work.sequences > budget.sequences:
+            return False
+        if budget.tokens and run.tokens + work.tokens > budget.tokens:
+            return False
+        return not (budget.prefill_tokens and run.prefill_tokens
+                    and run.prefill_tokens + work.prompt_tokens > budget.prefill_tokens)
+
+    def request_bound(self, budget: Budget) -> int:
+        """Sequences one request may run at once (0: no bound beyond the budget)."""
+        if not budget.sequences or self.max_request_share >= 1:
+            return 0
+        return max(1, int(budget.sequences * self.max_request_share))
+
+    def _blocked_by_request(self, w: _Waiter, bound: int) -> bool:
+        held = w.ticket.running_sequences
+        if w.first and self.max_concurrent and self.active >= self.max_concurrent:
+            return True
+        return bool(bound and held and held + w.work.sequences > bound)
+
+    def _dispatch(self) -> None:
+        """Grant waiting units, fairest tenant first, while they fit."""
+        self._waiters = [w for w in self._waiters if not w.future.done()]
+        while self._waiters:
+            budget = self.budget()
+            bound = self.request_bound(budget)
+            heads: dict[int, _Waiter] = {}
+            for w in self._waiters:  # each request's oldest unit that the request's bound lets run
+                if id(w.ticket) not in heads and not self._blocked_by_request(w, bound):
+                    heads[id(w.ticket)] = w
+            if not heads:
+                return
+            w = min(heads.values(), key=lambda h: (self._share(h.ticket.tenant, budget),
+                                                   h.ticket.running_sequences, h.order))
+            if not self._fits_budget(w.work, budget):
+                return  # the fairest unit waits for room; nobody overtakes it
+            self._waiters.remove(w)
+            self._take(w.ticket, w.work, w.first)
+            w.future.set_result(None)
+
+    def _take(self, ticket: "Ticket", work: Work, first: bool) -> None:
+        if first:
             self.active += 1
-            return
-        if self.active < self.max_concurrent and not self.queued:
-            self.active += 1
-            return
-        if self.queued >= self.max_queued:
-            raise self._refuse(f"{self.active} requests running and {self.queued} waiting")
-        waiter = asyncio.get_running_loop().create_future()
+            ticket.admitted = True
+        self.running.sequences += work.sequences
+        self.running.tokens += work.tokens
+        self.running.prefill_tokens += work.prompt_tokens
+        share = self._tenants.setdefault(ticket.tenant, _Share())
+        share.sequences += work.sequences
+        share.tokens += work.tokens
+        ticket.running_sequences += work.sequences
+
+    def _prefilled(self, work: Work) -> None:
+        self.running.prefill_tokens -= work.prompt_tokens
+        assert self.running.prefill_tokens >= 0, "prefill tokens released twice"
+
+    def _give_back(self, ticket: "Ticket", work: Work, prefilling: bool = True) -> None:
+        if prefilling:
+            self._prefilled(work)
+        self.running.sequences -= work.sequences
+        self.running.tokens -= work.tokens
+        assert self.running.sequences >= 0 and self.running.tokens >= 0, "admitted work released twice"
+        share = self._tenants[ticket.tenant]
+        share.sequences -= work.sequences
+        share.tokens -= work.tokens
+        if share.sequences == 0 and share.tokens == 0:
+            del self._tenants[ticket.tenant]
+        ticket.running_sequences -= work.sequences
+
+    async def _wait(self, ticket: "Ticket", work: Work, first: bool) -> None:
+        waiter = _Waiter(ticket, work, first, next(self._order))
         self._waiters.append(waiter)
+        self._dispatch()
+        if waiter.future.done():
+            return
+        timeout = (self.queue_timeout_s or None) if first else None
         try:
-            await asyncio.wait_for(asyncio.shield(waiter), self.queue_timeout_s or None)
+            await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
         except BaseException:
-            if waiter.done() and not waiter.cancelled():
-                self._release()  # granted just as we gave up: pass the slot on
+            if waiter.future.done() and not waiter.future.cancelled():
+                self._give_back(ticket, work)  # granted just as we gave up: pass the room on
+                if first:
+                    self.active -= 1
+                    ticket.admitted = False
             else:
-                waiter.cancel()
-                self._discard(waiter)
+                waiter.future.cancel()
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
+            self._dispatch()
             raise
-        # _release counted us in when it granted the slot
 
     def _refuse(self, why: str) -> AdmissionRefused:
         self.refused += 1
         return AdmissionRefused(f"the gateway is at capacity ({why})", self.retry_after_s)
 
-    def _discard(self, waiter: asyncio.Future) -> None:
-        try:
-            self._waiters.remove(waiter)
-        except ValueError:
-            pass
 
-    def _release(self) -> None:
-        self.active -= 1
-        assert self.active >= 0, "admission slot released twice"
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                self.active += 1  # the slot goes straight to the first live waiter
-                waiter.set_result(None)
-                return
+class Grant:
+    """One admitted unit: `prefilled()` at its first token, `release()` when it ends (both
+    idempotent)."""
+
+    def __init__(self, ticket: "Ticket", work: Work):
+        self._ticket = ticket
+        self.work = work
+        self.held = True
+        self.prefilling = True
+
+    def prefilled(self) -> None:
+        if self.held and self.prefilling:
+            self.prefilling = False
+            queue = self._ticket._queue
+            queue._prefilled(self.work)
+            queue._dispatch()
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self._ticket._grants.discard(self)
+            queue = self._ticket._queue
+            queue._give_back(self._ticket, self.work, self.prefilling)
+            queue._dispatch()
 
 
 class Ticket:
     """One request's place in the AdmissionQueue."""
 
-    def __init__(self, queue: AdmissionQueue):
+    def __init__(self, queue: AdmissionQueue, tenant: str | None = None):
         self._queue = queue
-        self._held = False
+        self.tenant = tenant if tenant is not None else f"request-{id(self)}"  # unique while it lives
+        self.admitted = False
+        self.running_sequences = 0
+        self._placed = False
+        self._grants: set[Grant] = set()
 
-    async def acquire(self) -> None:
-        """Wait for a slot; raise AdmissionRefused when the queue is full or the wait times out."""
+    def hold_place(self) -> None:
+        """Take a place among the requests admitted or waiting; AdmissionRefused when none is left."""
+        if self._placed:
+            return
+        q = self._queue
+        if q.max_concurrent and q.places >= q.max_concurrent + q.max_queued:
+            raise q._refuse(f"{q.active} requests running and {q.places - q.active} waiting")
+        q.places += 1
+        self._placed = True
+
+    async def acquire(self, work: Work = Work()) -> Grant:
+        """The request's first unit: wait for room; AdmissionRefused when there is no place or
+        the wait passes the queue timeout."""
+        self.hold_place()
         try:
-            await self._queue._acquire()
-        except asyncio.TimeoutError:
-            raise self._queue._refuse(f"no slot within {self._queue.queue_timeout_s:g}s") from None
-        self._held = True
+            await self._queue._wait(self, work, first=True)
+        except BaseException as exc:
+            self.release()  # refused or cancelled: the place goes to the next request
+            if isinstance(exc, asyncio.TimeoutError):
+                raise self._queue._refuse(f"no room within {self._queue.queue_timeout_s:g}s") from None
+            raise
+        return self._grant(work)
+
+    async def acquire_more(self, work: Work) -> Grant:
+        """Another unit of the admitted request (no deadline; cancel to stop waiting)."""
+        if not self.admitted:
+            raise RuntimeError("acquire_more before the request was admitted")
+        await self._queue._wait(self, work, first=False)
+        return self._grant(work)
+
+    def _grant(self, work: Work) -> Grant:
+        grant = Grant(self, work)
+        self._grants.add(grant)
+        return grant
 
     def release(self) -> None:
-        if self._held:
-            self._held = False
-            self._queue._release()
+        q = self._queue
+        for grant in list(self._grants):
+            grant.release()
+        if self.admitted:
+            self.admitted = False
+            q.active -= 1
+            assert q.active >= 0, "admission slot released twice"
+        if self._placed:
+            self._placed = False
+            q.places -= 1
+        q._dispatch()
 
 
 def register_admission_metrics(registry, queue: AdmissionQueue) -> None:
-    """Gauges read at scrape time: requests generating, waiting, and refused so far."""
+    """Gauges read at scrape time: requests and sequences running and waiting, KV tokens
+    admitted, the budget in force, and requests refused so far."""
     from prometheus_client import Gauge
 
-    Gauge("duet_gateway_admitted_requests", "Requests holding an admission slot",
+    Gauge("duet_gateway_admitted_requests", "Requests admitted (their first prompt running) and not yet ended",
           registry=registry).set_function(lambda: queue.active)
-    Gauge("duet_gateway_queued_requests", "Requests waiting for an admission slot",
+    Gauge("duet_gateway_queued_requests", "Requests waiting to be admitted",
           registry=registry).set_function(lambda: queue.queued)
     Gauge("duet_gateway_refused_requests", "Requests refused by admission (429) since start",
           registry=registry).set_function(lambda: queue.refused)
+    Gauge("duet_gateway_running_sequences", "Sequences (prompts x n) admitted and running",
+          registry=registry).set_function(lambda: queue.running.sequences)
+    Gauge("duet_gateway_waiting_sequences", "Sequences waiting for admission (queued requests and the "
+          "later prompts of admitted ones)", registry=registry).set_function(lambda: queue.waiting_sequences)
+    Gauge("duet_gateway_running_tokens", "KV tokens the running sequences can fill (prompt + n x max_tokens)",
+          registry=registry).set_function(lambda: queue.running.tokens)
+    Gauge("duet_gateway_prefilling_tokens", "Prompt tokens admitted and not yet past their first token",
+          registry=registry).set_function(lambda: queue.running.prefill_tokens)
+    Gauge("duet_gateway_prefill_budget", "Prompt tokens that may be admitted and not yet prefilled (0: no bound)",
+          registry=registry).set_function(lambda: queue.budget().prefill_tokens)
+    Gauge("duet_gateway_sequence_budget", "Sequences that may run at once (0: no bound)",
+          registry=registry).set_function(lambda: queue.budget().sequences)
+    Gauge("duet_gateway_token_budget", "KV tokens that may run at once (0: no bound)",
+          registry=registry).set_function(lambda: queue.budget().tokens)

@@ -8,7 +8,8 @@ so timing says nothing about which key or how much of one matched. Keys are neve
 
 The check is plain ASGI middleware, in front of routing and body parsing: a request without
 a valid key is answered 401 (OpenAI's error JSON, code invalid_api_key) before anything
-reads its body, tokenizes or talks to the router or workers."""
+reads its body, tokenizes or talks to the router or workers. A request that passes carries
+its key's digest (scope state `tenant`), by which admission shares the workers fairly."""
 from __future__ import annotations
 
 import hashlib
@@ -141,6 +142,8 @@ class ApiKeyMiddleware:
             return await self.app(scope, receive, send)
         token = bearer_token(scope.get("headers", ()))
         if token and self.store.matches(token):
+            # admission shares the workers fairly across keys: it knows a key by a digest only
+            scope.setdefault("state", {})["tenant"] = "key-" + _digest(token).hex()[:16]
             return await self.app(scope, receive, send)
         reason = "missing" if token is None else "invalid"
         if self.rejected is not None:

@@ -1,5 +1,5 @@
-"""The gateway's limits against hostile or runaway load: admission (how many generations
-run and wait), request body size, and timeouts for slow clients. One dataclass, filled
+"""The gateway's limits against hostile or runaway load: admission (how much work runs and
+how many requests wait), request body size, and timeouts for slow clients. One dataclass, filled
 from CLI flags with DUET_* environment defaults (GatewayConfig nests it). The settings
 only: admission.py, request_guard.py (headers, bodies) and connection_guard.py (slow
 connections) enforce them."""
@@ -13,14 +13,33 @@ from shared.settings.spec import setting
 
 @dataclass
 class GatewayLimits:
-    # Admission: at most max_concurrent requests generate at once, max_queued more wait
-    # (FIFO) up to queue_timeout_s for a slot; beyond that 429 with Retry-After. 0 = no bound.
+    # Admission (admission.py): work runs while it fits max_running_sequences (default: the
+    # live workers' batch capacity), max_running_tokens and max_prefill_tokens (default: two
+    # steps of the live prefill workers), one request at most
+    # max_request_share of that at once, waiting units served fairly across API keys; at most
+    # max_concurrent requests are admitted and max_queued more wait up to queue_timeout_s;
+    # beyond that 429 with Retry-After. 0 = no bound (max_running_sequences: the live capacity).
     max_concurrent: int = setting(256, flag="--max-concurrent-requests", env="DUET_MAX_CONCURRENT_REQUESTS",
-                                  help="requests generating at once; 0 = no bound")
+                                  help="requests admitted at once; 0 = no bound")
     max_queued: int = setting(512, flag="--max-queued-requests", env="DUET_MAX_QUEUED_REQUESTS",
-                              help="requests waiting for a slot beyond that; more get 429")
+                              help="requests waiting beyond that; more get 429")
     queue_timeout_s: float = setting(30.0, flag="--queue-timeout", env="DUET_QUEUE_TIMEOUT",
-                                     help="seconds a request waits for a slot before 429; 0 = no deadline")
+                                     help="seconds a request waits to be admitted before 429; 0 = no deadline")
+    max_running_sequences: int = setting(
+        0, flag="--max-running-sequences", env="DUET_MAX_RUNNING_SEQUENCES",
+        help="sequences (prompts x n) generating at once; 0 = the live workers' batch capacity (the sum of "
+             "their --max-running-requests), no bound when unknown")
+    max_running_tokens: int = setting(
+        0, flag="--max-running-tokens", env="DUET_MAX_RUNNING_TOKENS",
+        help="KV tokens (prompt + n x max_tokens) the running sequences may fill; 0 = no bound")
+    max_prefill_tokens: int = setting(
+        0, flag="--max-prefill-tokens", env="DUET_MAX_PREFILL_TOKENS",
+        help="prompt tokens admitted and not yet prefilled; 0 = two steps' worth of the live prefill workers "
+             "(their --max-num-batched-tokens, summed), no bound when unknown")
+    max_request_share: float = setting(
+        0.5, flag="--max-request-share", env="DUET_MAX_REQUEST_SHARE",
+        help="share of --max-running-sequences one request runs at once (its other prompts wait behind "
+             "them), so another client finds room at once; 1 = the whole budget")
     retry_after_s: float = setting(1.0, flag="--retry-after", env="DUET_RETRY_AFTER",
                                    help="Retry-After seconds on a 429")
     # Request bodies: larger ones get 413; a body not fully sent within body_timeout_s gets 408.
@@ -45,3 +64,5 @@ class GatewayLimits:
         for name in ("header_timeout_s", "keep_alive_s", "max_header_bytes", "max_body_bytes", "body_timeout_s"):
             if getattr(self, name) == 0:
                 raise ValueError(f"{name} must be > 0")
+        if not 0 < self.max_request_share <= 1:
+            raise ValueError(f"max_request_share must be in (0, 1], got {self.max_request_share}")

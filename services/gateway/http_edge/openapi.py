@@ -15,6 +15,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from protos.wire_ranges import FLOAT32_MAX, INT32_MAX, SEED_MAX, SEED_MIN
 from shared.openai_protocol.requests import (CHAT_ROLES, MAX_N, MAX_TOP_LOGPROBS, ChatCompletionRequest,
                                             CompletionRequest)
 from shared.openai_protocol.responses import ResponsesRequest
@@ -37,22 +38,25 @@ ERROR_STATUSES = {"400": "Invalid request", "404": "Unknown model", "408": "Body
 
 
 # Ranges and shapes that the models' check() enforces, stated in the document (the
-# pydantic models give only the JSON types). Applied to the non-null branch of a field.
+# pydantic models give only the JSON types): each the range the whole path carries (the gRPC
+# contract's int32 / uint64 / float32 included). Applied to the non-null branch of a field.
 _TEXT_PART = {"type": "object", "required": ["type", "text"],
               "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
 _SAMPLING = {
     "temperature": {"minimum": 0, "maximum": 2}, "top_p": {"exclusiveMinimum": 0, "maximum": 1},
-    "n": {"minimum": 1, "maximum": MAX_N}, "max_tokens": {"minimum": 1},
+    "n": {"minimum": 1, "maximum": MAX_N}, "max_tokens": {"minimum": 1, "maximum": INT32_MAX},
+    "seed": {"minimum": SEED_MIN, "maximum": SEED_MAX},
     "frequency_penalty": {"minimum": -2, "maximum": 2}, "presence_penalty": {"minimum": -2, "maximum": 2},
-    "min_p": {"minimum": 0, "maximum": 1}, "top_k": {"minimum": -1}, "repetition_penalty": {"exclusiveMinimum": 0},
+    "min_p": {"minimum": 0, "maximum": 1}, "top_k": {"minimum": -1, "maximum": INT32_MAX},
+    "repetition_penalty": {"exclusiveMinimum": 0, "maximum": FLOAT32_MAX},
     "stop": {"string": {"minLength": 1}, "array": {"items": {"type": "string", "minLength": 1}}},
-    "stop_token_ids": {"items": {"type": "integer", "minimum": 0}},
+    "stop_token_ids": {"items": {"type": "integer", "minimum": 0, "maximum": INT32_MAX}},
     "logit_bias": {"propertyNames": {"pattern": "^[0-9]{1,5}$"},
                    "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
 }
 CONSTRAINTS: dict[str, dict[str, dict]] = {
     "ChatCompletionRequest": {
-        **_SAMPLING, "messages": {"minItems": 1}, "max_completion_tokens": {"minimum": 1},
+        **_SAMPLING, "messages": {"minItems": 1}, "max_completion_tokens": {"minimum": 1, "maximum": INT32_MAX},
         "top_logprobs": {"minimum": 0, "maximum": MAX_TOP_LOGPROBS},
         "tool_choice": {"string": {"enum": ["none", "auto"]}},
         "response_format": {"required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
@@ -76,7 +80,8 @@ CONSTRAINTS: dict[str, dict[str, dict]] = {
                         "function": {"type": "object", "required": ["name", "arguments"], "properties": {
                             "name": {"type": "string"}, "arguments": {"type": "string"}}}}}}},
     "ResponsesRequest": {"temperature": _SAMPLING["temperature"], "top_p": _SAMPLING["top_p"],
-                         "max_output_tokens": {"minimum": 1}, "input": {"string": {"minLength": 1}}},
+                         "max_output_tokens": {"minimum": 1, "maximum": INT32_MAX},
+                         "input": {"string": {"minLength": 1}}},
 }
 
 

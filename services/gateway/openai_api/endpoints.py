@@ -14,8 +14,22 @@ from fastapi.responses import JSONResponse, Response
 from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from services.gateway.backends.interface import BackendError, GenerationBackend, GenerationRequest, SamplingOptions
-from services.gateway.http_edge.admission import AdmissionQueue, AdmissionRefused, register_admission_metrics
+from services.gateway.backends.capacity import (
+    WorkerCapacity,
+    batch_capacity,
+    check_fits_some_worker,
+    prefill_capacity,
+)
+from services.gateway.backends.interface import BackendError, GenerationBackend, GenerationRequest
+from services.gateway.http_edge.admission import (
+    AdmissionQueue,
+    AdmissionRefused,
+    Budget,
+    Grant,
+    Ticket,
+    Work,
+    register_admission_metrics,
+)
 from services.gateway.http_edge.error_responses import (
     APIError,
     from_backend_error,
@@ -38,12 +52,14 @@ from services.gateway.openai_api.completion_objects import CompletionFormatter, 
 from services.gateway.openai_api.generation import Generation, OutputDelta
 from services.gateway.openai_api.generation_set import GenerationSet
 from services.gateway.openai_api.prompt_builder import PromptBuilder
-from services.gateway.openai_api.request_sampling import chat_sampling, completion_budget, completion_sampling
+from services.gateway.openai_api.request_sampling import chat_sampling, completion_sampling, responses_sampling
 from services.gateway.openai_api.responses_objects import ResponsesFormatter
 from services.gateway.openai_api.structured_outputs import response_format_grammar, tool_choice_grammar
 from services.gateway.openai_api.token_strings import TokenStrings
 from services.gateway.openai_api.tool_call_parsing import ToolMode
 from services.gateway.openai_api.tool_prompt import ToolTemplate
+from shared.admission.kv_demand import kv_demand
+from shared.engine.sampling_params import SamplingParams
 from shared.openai_protocol.errors import InvalidRequest
 from shared.openai_protocol.requests import parse_chat_request, parse_completion_request
 from shared.openai_protocol.responses import parse_responses_request
@@ -76,11 +92,22 @@ class GatewayContext:
 
     def __post_init__(self) -> None:
         lim = self.limits
-        self.admission = AdmissionQueue(lim.max_concurrent, lim.max_queued, lim.queue_timeout_s, lim.retry_after_s)
+        self.admission = AdmissionQueue(lim.max_concurrent, lim.max_queued, lim.queue_timeout_s, lim.retry_after_s,
+                                        budget=self.admission_budget, max_request_share=lim.max_request_share)
         register_admission_metrics(self.metrics.registry, self.admission)
         self.token_strings = TokenStrings(self.prompts.tokenizer)
         parser = "auto" if self.tool_call_parser == "none" else self.tool_call_parser
         self.tool_template = ToolTemplate.detect(self.prompts.chat_template, parser)
+
+    def live_capacity(self) -> list[WorkerCapacity]:
+        capacity = getattr(self.backend, "live_capacity", None)  # optional for stand-in backends
+        return capacity() if capacity is not None else []
+
+    def admission_budget(self) -> Budget:
+        """The limits' budget; sequences and prefill tokens default to the live workers'."""
+        lim, live = self.limits, self.live_capacity()
+        return Budget(lim.max_running_sequences or batch_capacity(live), lim.max_running_tokens,
+                      lim.max_prefill_tokens or prefill_capacity(live))
 
 
 @dataclass
@@ -89,11 +116,12 @@ class PreparedRequest:
 
     request_id: str
     prompts: list[list[int]]  # token ids of each prompt (several: /v1/completions with a list)
-    sampling: SamplingOptions
+    sampling: SamplingParams
     formatter: ChatFormatter | CompletionFormatter
     stream: bool
     include_usage: bool
     echo: list[EchoPrompt] | None = None
+    limit_param: str = "max_tokens"  # the request's name for the completion budget (in errors)
 
 
 class OpenAIEndpoints:
@@ -153,9 +181,11 @@ class OpenAIEndpoints:
             sampling.grammar = tool_choice_grammar(tools, choice, req.parallel_tool_calls) or sampling.grammar
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         formatter = ChatFormatter(request_id, self.ctx.served_model_name, int(time.time()), self.ctx.token_strings,
-                                  logprobs=sampling.logprobs, top_logprobs=sampling.top_logprobs,
+                                  logprobs=sampling.logprobs is not None, top_logprobs=sampling.logprobs or 0,
                                   include_usage=req.include_usage, n=sampling.n, tools=self._tool_mode(tools, choice))
-        return PreparedRequest(request_id, [prompt_ids], sampling, formatter, bool(req.stream), req.include_usage)
+        limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        return PreparedRequest(request_id, [prompt_ids], sampling, formatter, bool(req.stream), req.include_usage,
+                               limit_param=limit_param)
 
     def _tool_mode(self, tools, choice, flat: bool = False) -> ToolMode | None:
         """How answers are read for tool calls (None: never)."""
@@ -179,11 +209,7 @@ class OpenAIEndpoints:
                  for t in flat or []] or None
         messages, template_tools = self.ctx.tool_template.render(req.chat_messages(), tools)
         prompt_ids = await asyncio.to_thread(self.ctx.prompts.chat_prompt_ids, messages, None, template_tools)
-        max_tokens = completion_budget(req.max_output_tokens, None, len(prompt_ids), self.ctx.max_context_len,
-                                       "input")
-        defaults = SamplingOptions()
-        sampling = SamplingOptions(temperature=defaults.temperature if req.temperature is None else req.temperature,
-                                   top_p=defaults.top_p if req.top_p is None else req.top_p, max_tokens=max_tokens)
+        sampling = responses_sampling(req, len(prompt_ids), self.ctx.max_context_len)
         sampling.grammar = response_format_grammar(req.format, "text.format")
         if flat:
             sampling.grammar = tool_choice_grammar(flat, choice, req.parallel_tool_calls, flat=True) or sampling.grammar
@@ -195,7 +221,8 @@ class OpenAIEndpoints:
                                                                     else {"type": "text"})}}
         formatter = ResponsesFormatter(request_id, self.ctx.served_model_name, int(time.time()), echo,
                                        tools=self._tool_mode(flat, choice, flat=True))
-        return PreparedRequest(request_id, [prompt_ids], sampling, formatter, bool(req.stream), False)
+        return PreparedRequest(request_id, [prompt_ids], sampling, formatter, bool(req.stream), False,
+                               limit_param="max_output_tokens")
 
     async def _prepare_completion(self, body: bytes) -> PreparedRequest:
         req = parse_completion_request(body)
@@ -231,20 +258,25 @@ class OpenAIEndpoints:
         span = self.ctx.tracer.start_span(
             f"POST /v1/{endpoint.replace('_', '/')}", context=extract_http_context(request.headers),
             kind=trace.SpanKind.SERVER)
-        # The admission slot is held until the outcome is recorded: the end of the answer,
+        # The admission ticket is held until the outcome is recorded: the end of the answer,
         # of the stream (on_close), or of a cancelled task.
-        ticket = self.ctx.admission.ticket()
+        ticket = self.ctx.admission.ticket(request.scope.get("state", {}).get("tenant"))
         outcome = _Outcome(lambda status: (ticket.release(), self._finish(endpoint, status, span)))
         try:
             body = await request.body()  # first: the disconnect watch below reads receive()
             try:
-                await run_until_disconnect(request.receive, ticket.acquire())
+                ticket.hold_place()  # refused at once, before any work, when every place is taken
             except AdmissionRefused as exc:
                 raise server_busy(str(exc), exc.retry_after_s) from None
             try:
                 prepared = await prepare(body)
+                works = self._work(prepared)  # what can never fit: 400 now, before anything is sent
             except InvalidRequest as exc:
                 raise from_invalid_request(exc) from None
+            try:
+                first = await run_until_disconnect(request.receive, ticket.acquire(works[0]))
+            except AdmissionRefused as exc:
+                raise server_busy(str(exc), exc.retry_after_s) from None
             span.set_attribute("duet.request_id", prepared.request_id)
             span.set_attribute("duet.prompt_tokens", sum(len(p) for p in prepared.prompts))
             trace_context = inject_http_headers({}, context=trace.set_span_in_context(span))
@@ -258,7 +290,7 @@ class OpenAIEndpoints:
                                               endpoint, arrived_at=arrived_at))
                 if prepared.echo is not None:
                     prepared.echo[k].stats = generations[-1].stats
-            generation = GenerationSet(generations, prepared.sampling.n)
+            generation = GenerationSet(generations, prepared.sampling.n, admit=_Units(ticket, works, first).enter)
             headers = {"X-Request-Id": prepared.request_id}
             if prepared.stream:
                 response = await self._stream(request, generation, prepared, outcome, headers)
@@ -284,6 +316,17 @@ class OpenAIEndpoints:
         finally:
             if not outcome.handed_off:
                 outcome.record(STATUS_CANCELLED)  # no-op when recorded; cancelled task otherwise
+
+    def _work(self, prepared: PreparedRequest) -> list[Work]:
+        """Each prompt's admission weight; InvalidRequest when one could never fit a live worker
+        (every prompt of a list is checked before any is sent)."""
+        capacity = self.ctx.live_capacity()
+        n, max_tokens = prepared.sampling.n, prepared.sampling.max_tokens
+        works = []
+        for prompt_ids in prepared.prompts:
+            check_fits_some_worker(capacity, len(prompt_ids), max_tokens, n, prepared.limit_param)
+            works.append(Work(n, kv_demand(len(prompt_ids), max_tokens, n).tokens, len(prompt_ids)))
+        return works
 
     def _finish(self, endpoint: str, status, span) -> None:
         self.ctx.metrics.request_finished(endpoint, status)
@@ -352,6 +395,19 @@ def _response_id() -> str:
 
 async def _next(iterator):
     return await iterator.__anext__()
+
+
+@dataclass
+class _Units:
+    """The admission of one request's prompts: the first was granted before the answer
+    started; each other one waits for its turn when its generation starts."""
+
+    ticket: Ticket
+    works: list[Work]
+    first: Grant
+
+    async def enter(self, k: int) -> Grant:
+        return self.first if k == 0 else await self.ticket.acquire_more(self.works[k])
 
 
 class _Outcome:

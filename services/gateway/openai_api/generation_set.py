@@ -1,14 +1,17 @@
 """The generations of one HTTP request: one per prompt (a list of prompts in
 /v1/completions), each with its n sequences, merged into one stream of deltas whose index
 is the choice's: prompt index * n + sequence, as OpenAI numbers them. The generations run
-concurrently; leaving early closes every one of them (each aborts its backend work)."""
+concurrently, each once admission lets it (`admit(k)` returns a grant, told when that
+generation's first token arrives and released when it ends: a long prompt list runs a share
+at a time); leaving early closes every one of them (each aborts its backend work)."""
 
 from __future__ import annotations
 
 import asyncio
-from contextlib import suppress
+from collections.abc import Awaitable, Callable
+from contextlib import aclosing, suppress
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from services.gateway.openai_api.generation import Generation, GenerationStats, OutputDelta
 
@@ -17,6 +20,7 @@ from services.gateway.openai_api.generation import Generation, GenerationStats, 
 class GenerationSet:
     generations: list[Generation]
     n: int = 1
+    admit: Callable[[int], Awaitable[Any]] | None = None  # k -> a grant with release()
 
     @property
     def stats(self) -> GenerationStats:
@@ -33,19 +37,35 @@ class GenerationSet:
         total.first_token_at = min(firsts) if firsts else None
         return total
 
+    async def _admitted(self, k: int) -> AsyncIterator[OutputDelta]:
+        """Generation k's deltas once admitted; its grant learns of the first token (the
+        prompt is prefilled) and is released at the end."""
+        grant = await self.admit(k) if self.admit is not None else None
+        try:
+            async with aclosing(self.generations[k].deltas()) as deltas:  # closed now, not when collected
+                async for delta in deltas:
+                    if grant is not None:
+                        grant.prefilled()
+                    yield delta
+        finally:
+            if grant is not None:
+                grant.release()
+
     async def deltas(self) -> AsyncIterator[OutputDelta]:
         if len(self.generations) == 1:
-            async for delta in self.generations[0].deltas():
-                yield delta
+            async with aclosing(self._admitted(0)) as deltas:
+                async for delta in deltas:
+                    yield delta
             return
         queue: asyncio.Queue = asyncio.Queue()
         done = object()
 
         async def pump(k: int, generation: Generation) -> None:
             try:
-                async for delta in generation.deltas():
-                    delta.index += k * self.n
-                    await queue.put(delta)
+                async with aclosing(self._admitted(k)) as deltas:
+                    async for delta in deltas:
+                        delta.index += k * self.n
+                        await queue.put(delta)
                 await queue.put(done)
             except BaseException as exc:  # handed to the consumer (cancellation included)
                 await queue.put(exc)

@@ -1,70 +1,61 @@
-"""SamplingOptions from a parsed OpenAI request, with the context-length check."""
+"""The engine's SamplingParams from a parsed OpenAI request, with the context rule applied.
+
+SamplingParams (shared/engine/sampling_params.py, no torch) is the one sampling type from
+here to the engine; protos/sampling_codec.py carries it over gRPC."""
 
 from __future__ import annotations
 
-from services.gateway.backends.interface import SamplingOptions
-from shared.openai_protocol.errors import InvalidRequest
+from shared.admission.context_rule import completion_budget
+from shared.engine.sampling_params import SamplingParams
 from shared.openai_protocol.requests import ChatCompletionRequest, CompletionRequest
+from shared.openai_protocol.responses import ResponsesRequest
 
 # OpenAI's legacy completions endpoint (and vLLM) default to 16 new tokens.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+_DEFAULTS = SamplingParams()
 
 
-def completion_budget(requested: int | None, default: int | None, prompt_tokens: int, max_context: int,
-                      prompt_param: str) -> int:
-    """max_tokens to use, or InvalidRequest(code=context_length_exceeded) as OpenAI answers."""
-    room = max_context - prompt_tokens
-    if room < 1:
-        raise InvalidRequest(
-            f"This model's maximum context length is {max_context} tokens. However, your prompt is "
-            f"{prompt_tokens} tokens long, which leaves no room for a completion. Please reduce the "
-            f"length of the {prompt_param}.", prompt_param, "context_length_exceeded")
-    if requested is None:
-        return room if default is None else min(default, room)
-    if prompt_tokens + requested > max_context:
-        raise InvalidRequest(
-            f"This model's maximum context length is {max_context} tokens. However, you requested "
-            f"{prompt_tokens + requested} tokens ({prompt_tokens} in the {prompt_param}, {requested} in the "
-            f"completion). Please reduce the length of the {prompt_param} or completion.",
-            prompt_param, "context_length_exceeded")
-    return requested
+def _pick(value, default):
+    return default if value is None else value
 
 
-def _common(req, max_tokens: int) -> SamplingOptions:
-    defaults = SamplingOptions()
-    pick = lambda value, default: default if value is None else value  # noqa: E731
-    return SamplingOptions(
-        temperature=pick(req.temperature, defaults.temperature),
-        top_p=pick(req.top_p, defaults.top_p),
-        top_k=pick(req.top_k, defaults.top_k),
-        min_p=pick(req.min_p, defaults.min_p),
+def _common(req, max_tokens: int) -> SamplingParams:
+    return SamplingParams(
+        temperature=_pick(req.temperature, _DEFAULTS.temperature),
+        top_p=_pick(req.top_p, _DEFAULTS.top_p),
+        top_k=_pick(req.top_k, _DEFAULTS.top_k),
+        min_p=_pick(req.min_p, _DEFAULTS.min_p),
         seed=req.seed,
         max_tokens=max_tokens,
         stop=req.stop_list,
         stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=bool(req.ignore_eos),
-        repetition_penalty=pick(req.repetition_penalty, defaults.repetition_penalty),
-        frequency_penalty=pick(req.frequency_penalty, defaults.frequency_penalty),
-        presence_penalty=pick(req.presence_penalty, defaults.presence_penalty),
+        repetition_penalty=_pick(req.repetition_penalty, _DEFAULTS.repetition_penalty),
+        frequency_penalty=_pick(req.frequency_penalty, _DEFAULTS.frequency_penalty),
+        presence_penalty=_pick(req.presence_penalty, _DEFAULTS.presence_penalty),
         n=req.num_choices,
         logit_bias=req.token_bias(),
     )
 
 
-def chat_sampling(req: ChatCompletionRequest, prompt_tokens: int, max_context: int) -> SamplingOptions:
+def chat_sampling(req: ChatCompletionRequest, prompt_tokens: int, max_context: int) -> SamplingParams:
     max_tokens = completion_budget(req.completion_limit, None, prompt_tokens, max_context, "messages")
-    options = _common(req, max_tokens)
-    options.logprobs = bool(req.logprobs)
-    options.top_logprobs = req.num_top_logprobs if req.logprobs else 0
-    return options
+    params = _common(req, max_tokens)
+    params.logprobs = req.num_top_logprobs if req.logprobs else None
+    return params
 
 
-def completion_sampling(req: CompletionRequest, prompt_tokens: int, max_context: int) -> SamplingOptions:
+def completion_sampling(req: CompletionRequest, prompt_tokens: int, max_context: int) -> SamplingParams:
     max_tokens = completion_budget(req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, prompt_tokens, max_context,
                                    "prompt")
-    options = _common(req, max_tokens)
-    options.logprobs = req.logprobs is not None
-    options.top_logprobs = req.logprobs or 0
+    params = _common(req, max_tokens)
+    params.logprobs = req.logprobs
     if req.echo and req.logprobs is not None:
-        options.prompt_logprobs = req.logprobs
-    return options
+        params.prompt_logprobs = req.logprobs
+    return params
+
+
+def responses_sampling(req: ResponsesRequest, prompt_tokens: int, max_context: int) -> SamplingParams:
+    max_tokens = completion_budget(req.max_output_tokens, None, prompt_tokens, max_context, "input")
+    return SamplingParams(temperature=_pick(req.temperature, _DEFAULTS.temperature),
+                          top_p=_pick(req.top_p, _DEFAULTS.top_p), max_tokens=max_tokens)

@@ -21,6 +21,8 @@ class AttentionMetadata:
     seq_lens_host: list[int]
     extend_lens_host: list[int]
     num_pages_host: list[int]
+    # every sequence extends by this many tokens (a speculative verify step, 2..16); 0: not so
+    uniform_q: int = 0
 
     @property
     def batch_size(self) -> int:

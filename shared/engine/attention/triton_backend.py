@@ -39,6 +39,9 @@ class TritonAttentionBackend(AttentionBackend):
         if meta.is_decode:
             return decode_attention(q, kc, vc, meta.page_table, meta.seq_lens, scale, pdl=self.pdl,
                                     k_scale=k_scale, v_scale=v_scale)
+        if meta.uniform_q and kc.element_size() > 1:  # a verify step (FP8 pages: the extend kernel widens them)
+            from kernels.verify_attention import verify_attention
+            return verify_attention(q, kc, vc, meta.page_table, meta.seq_lens, scale, meta.uniform_q)
         return extend_attention(q, kc, vc, meta.page_table, meta.qo_indptr, meta.seq_lens, scale,
                                 max_extend_len=max(meta.extend_lens_host), k_scale=k_scale, v_scale=v_scale)
 

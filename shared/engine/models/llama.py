@@ -131,14 +131,22 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(self.embed_tokens if cfg.tie_word_embeddings else None,
                                       cfg.vocab_size, cfg.hidden_size, tp, dtype)
         self.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, max_positions, dtype, device, fused)
+        # EAGLE-3 speculation: records the residual stream at a few layer inputs
+        # (speculative/eagle3.AuxHiddenCapture); None otherwise
+        self.aux_capture = None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb) -> torch.Tensor:
         """Hidden states after the final norm, one row per input token."""
         h = self.embed_tokens(input_ids)
         residual = None
-        for layer in self.layers:
+        aux = self.aux_capture
+        for i, layer in enumerate(self.layers):
+            if aux is not None:
+                aux.capture(i, h, residual)
             h, residual = layer(positions, h, residual, self.rotary, fb)
+        if aux is not None:
+            aux.capture(len(self.layers), h, residual)
         h, _ = reduce_add_norm(self.tp, h, residual, self.norm)
         return h
 
