@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DOC = REPO / "docs" / "ARCHITECTURE.md"
+DOC = REPO / "docs/ARCHITECTURE.md"
 SOURCES = ("services", "shared")
 METRIC_KINDS = {"Counter", "Gauge", "Histogram", "Summary", "Info", "Enum"}
 SPAN_CALLS = {"span", "start_span", "start_as_current_span"}
@@ -40,10 +40,20 @@ def span_names() -> dict[str, str]:
 
 
 def registry_keys() -> list[str]:
+    """Every key and channel RegistryKeys makes, for worker `<id>` under prefix `<prefix>`."""
+    import inspect
+
     from shared.registry.keys import RegistryKeys
 
-    keys = RegistryKeys("<prefix>")
-    return [keys.worker("<id>"), keys.nixl("<id>"), keys.pages("<id>"), keys.events_channel]
+    keys, found = RegistryKeys("<prefix>"), []
+    for name, member in inspect.getmembers(RegistryKeys):
+        if name.startswith("_") or "pattern" in name:
+            continue
+        if isinstance(member, property):
+            found.append(getattr(keys, name))
+        elif inspect.isfunction(member) and list(inspect.signature(member).parameters) == ["self", "worker_id"]:
+            found.append(getattr(keys, name)("<id>"))
+    return found
 
 
 def test_every_metric_the_services_declare_is_in_the_architecture():
@@ -63,6 +73,7 @@ def test_every_span_name_is_in_the_architecture():
 
 
 def test_every_registry_key_is_in_the_architecture():
+    assert {"<prefix>:worker:<id>", "<prefix>:workers:events"} <= set(registry_keys())
     text = DOC.read_text()
     missing = [k for k in registry_keys() if f"`{k}`" not in text]
     assert not missing, f"add these keys to {DOC.relative_to(REPO)}, \"Registry keys and KV events\": {missing}"
