@@ -130,9 +130,17 @@ def test_conversations_larger_than_the_device_pool_come_back_from_the_host(model
     follow = [5, 6, 7, 8, 9]
     ref = make_engine(model_dir, pages=64, enable_prefix_cache=False)
     tiered = make_engine(model_dir, pages=20, host_pages=120)  # 5 chats x ~10 pages: not on the device
+    roomy = make_engine(model_dir, pages=200)  # the same chats all on the device
     assert tiered.kv.cache.host is not None and ref.kv.cache.host is None
-    for (p_ref, a_ref), (p_got, a_got) in zip(converse(ref, openers, 3, follow), converse(tiered, openers, 3, follow)):
+    for (p_ref, a_ref), (p_got, a_got), _ in zip(converse(ref, openers, 3, follow), converse(tiered, openers, 3, follow),
+                                                 converse(roomy, openers, 3, follow)):
         assert p_ref == p_got and a_ref == a_got
+    # what the host tier held was loaded back, never recomputed for want of device room (a
+    # request whose prefix waits in the host tier waits for room instead); only retractions
+    # of the tiny pool (decode growth) recompute anything
+    assert tiered.stats.cached_tokens == roomy.stats.cached_tokens
+    extra = tiered.stats.prefill_tokens_computed - roomy.stats.prefill_tokens_computed
+    assert extra == 0 or (extra > 0 and tiered.scheduler.num_retracted > 0), (extra, tiered.scheduler.num_retracted)
     st = tiered.kv.cache.stats
     assert st.offloaded_pages > 0 and st.loaded_pages > 0 and st.host_hit_pages > 0
     assert tiered.stats.host_cached_tokens > 0

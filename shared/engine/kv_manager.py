@@ -113,6 +113,7 @@ class KVManager:
         req.num_computed = len(m.pages) * self.page_size
         req.num_host_loaded_tokens = (self.cache.stats.loaded_pages - before) * self.page_size
         req.kv_load_event = event
+        req.host_pages_waiting = m.num_host_pages  # what load_back could not bring over now
 
     def drop_prefix(self, req: Req) -> None:
         """Undo match_prefix for a request that could not be admitted after all (pages
@@ -121,6 +122,7 @@ class KVManager:
             self.cache.unlock(req.prefix_node)
         req.prefix_node = None
         req.page_ids, req.num_tree_pages, req.num_computed = [], 0, 0
+        req.host_pages_waiting = 0
 
     def grow(self, req: Req, upto_tokens: int) -> bool:
         """Make sure pages cover positions [0, upto_tokens); False if out of pages."""

@@ -35,6 +35,7 @@ class Req:
     num_cached_tokens: int = 0  # prefix-cache hit at first admission (every tier)
     num_host_loaded_tokens: int = 0  # of those, tokens loaded back from the host tier
     kv_load_event: object = None  # CUDA event of that load: the first forward waits for it
+    host_pages_waiting: int = 0  # matched pages still in the host tier (no device room to load them)
     status: ReqStatus = ReqStatus.WAITING
     finish_reason: str | None = None  # stop | length | abort | error
     stop_reason: str | int | None = None

@@ -80,6 +80,11 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             req = self.waiting[0]
             self.kv.match_prefix(req)
+            if req.host_pages_waiting and self.running:
+                # part of its prefix waits in the host tier for device room: wait for running
+                # requests to free it rather than recompute what is held (alone, go ahead)
+                self.kv.drop_prefix(req)
+                break
             if req.num_cached_tokens == 0:
                 req.num_cached_tokens = req.num_computed
             item = self._chunk(req, budget)
