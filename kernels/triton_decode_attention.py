@@ -40,7 +40,7 @@ class DecodeConfig:
 
 
 # batch index arrays are slices at any offset and the page-table width varies by batch: not
-# specialised on (a serving batch would compile a variant warm-up never met; issue 10)
+# specialised on (a serving batch would compile a variant warm-up never met: shared/engine/warmup.py)
 @triton.jit(do_not_specialize=["stride_pt_b"], do_not_specialize_on_alignment=["page_table", "seq_lens"])
 def _decode_stage1(
     q, k_cache, v_cache, page_table, seq_lens, mid_o, mid_lse, o, qk_scale_log2, v_scale,

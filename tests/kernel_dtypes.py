@@ -1,6 +1,6 @@
 """What the kernel tests share: the dtypes they cover (all three on CUDA; float32 on CPU,
 where the Triton interpreter's bf16 dot is wrong and fp16 is slow), a per-case seeded
-generator, and relative-error bounds against the float references (METHOD.md ranges)."""
+generator, and relative-error bounds against the float references."""
 from __future__ import annotations
 
 import zlib

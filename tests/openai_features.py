@@ -1,6 +1,7 @@
-"""Checks of issue 9's API features through the official openai client, shared by the
-tests that run them against each deployment (the gateway's in-process engine, `duet up`
-split and colocated). Every body and stream event is validated against OpenAI's schemas.
+"""Checks of the OpenAI API features (README, "OpenAI API features") through the official
+openai client, shared by the tests that run them against each deployment (the gateway's
+in-process engine, `duet up` split and colocated). Every body and stream event is validated
+against OpenAI's schemas.
 
 The model is a random-weight one with SmolLM2's real tokenizer and chat template
 (`random_model_dir`): its text is noise, but under a grammar every answer must parse and

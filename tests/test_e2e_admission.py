@@ -62,7 +62,7 @@ def _assert_400(response: httpx.Response, param: str, code: str | None = None) -
 
 
 CHAT, COMPLETIONS, RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/responses"
-# issue 27 item 3: (path, body, the param the 400 names)
+# hostile-client checklist item 3 (loadtest/hostile/README.md): (path, body, the param the 400 names)
 OUT_OF_RANGE = [
     (CHAT, _chat(top_k=BIG), "top_k"),
     (COMPLETIONS, {"prompt": "hi", "max_tokens": 2, "n": BIG}, "n"),
@@ -99,7 +99,7 @@ def test_out_of_range_fields_are_a_400_naming_the_param(stack):
 
 
 def test_what_can_never_fit_is_a_400_at_once(stack):
-    cases = [  # issue 27 item 7: n 128 x 2048 tokens; a list of 1024 prompts none of which fits
+    cases = [  # checklist item 7: n 128 x 2048 tokens; a list of 1024 prompts none of which fits
         (CHAT, _chat(n=128, max_tokens=2048), "max_tokens"),
         (COMPLETIONS, {"prompt": [[1, 2, 3]] * 1024, "max_tokens": 2000}, "max_tokens"),
     ]
@@ -127,7 +127,7 @@ def test_what_can_never_fit_is_a_400_at_once(stack):
 
 
 def test_a_prompt_list_does_not_starve_a_one_token_request(stack):
-    """issue 27 item 5, scaled to the CPU: 24 prompts x 16 tokens against a batch of 8 (the
+    """Checklist item 5, scaled to the CPU: 24 prompts x 16 tokens against a batch of 8 (the
     list runs 4 at a time: --max-request-share 0.5), and a one-token request sent meanwhile."""
     async def go():
         async with httpx.AsyncClient(base_url=stack.base_url.removesuffix("/v1"), timeout=300) as http:

@@ -1,4 +1,4 @@
-"""Issue 3 end to end against `duet up` (default model, 1 prefill + 1 decode).
+"""The split serving path end to end against `duet up` (default model, 1 prefill + 1 decode).
 
 Everything real: duet up's own redis-server, the router and workers over gRPC, the KV
 moved by NIXL/UCX between the two worker processes, the gateway on uvicorn, the official

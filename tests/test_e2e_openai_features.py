@@ -1,4 +1,4 @@
-"""Issue 9 end to end through `duet up`, split (1 prefill + 1 decode) and colocated (one
+"""The OpenAI API features end to end through `duet up`, split (1 prefill + 1 decode) and colocated (one
 `both` worker), with the official openai client and langchain-openai: structured outputs
 over a set of schemas (every answer parses and validates), forced and free tool calls and
 the follow-up turn, n > 1, lists of prompts, logit_bias, echo with prompt logprobs, the

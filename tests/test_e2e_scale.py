@@ -1,4 +1,4 @@
-"""Issue 3 at a small scale: 2 prefill + 2 decode workers (separate processes over one real
+"""The split serving path at a small scale: 2 prefill + 2 decode workers (separate processes over one real
 redis-server, router and gateway), 32 concurrent streaming clients through the official
 openai client; every answer equals the offline engine's, every worker served some, a
 prefill and a decode worker started later join and get traffic, and every worker's KV

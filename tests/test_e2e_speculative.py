@@ -1,4 +1,4 @@
-"""Issue 28 end to end on the CPU with real processes and the embedded model (greedy,
+"""Speculative decoding end to end on the CPU with real processes and the embedded model (greedy,
 float32): a decode worker speculating with n-gram lookup behind a plain prefill worker
 (1P1D), then a colocated worker with n-gram lookup, then one with the embedded model as
 its own draft model. Copy and light-edit requests give exactly the offline engine's text

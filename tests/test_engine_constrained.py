@@ -1,7 +1,7 @@
-"""The engine's side of issue 9 on a random-weight model with the real SmolLM2 tokenizer:
-grammar-constrained decoding (plain loop, overlap loop, split prefill -> decode), n > 1
-sequences sharing one prefill, logit_bias and prompt logprobs. Every run ends with every
-page free."""
+"""The engine's side of the OpenAI API features on a random-weight model with the real
+SmolLM2 tokenizer: grammar-constrained decoding (plain loop, overlap loop, split prefill ->
+decode), n > 1 sequences sharing one prefill, logit_bias and prompt logprobs. Every run ends
+with every page free."""
 from __future__ import annotations
 
 import json

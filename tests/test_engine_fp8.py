@@ -2,7 +2,7 @@
 
 - The default model (SmolLM2-135M) quantized block-wise into the official releases' format
   (128x128 blocks: its 576 and 1536 wide matrices end in partial blocks) gives exactly
-  transformers' greedy text on the dequantized weights; `duet generate` serves it (issue 25
+  transformers' greedy text on the dequantized weights; `duet generate` serves it (it once
   crashed in the loader). transformers itself refuses partial edge blocks; on a model whose
   sizes divide, its own FP8 loading gives the same tokens too.
 - A random Qwen3-MoE, Qwen2-MoE (shared expert) and Llama in every format (block, per-channel,
@@ -65,7 +65,7 @@ def test_default_model_block_fp8_gives_transformers_greedy_text(default_fp8):
 
 
 def test_duet_generate_serves_the_fp8_checkpoint(default_fp8, capsys):
-    """The command from issue 25 (it crashed in the loader with a shape error)."""
+    """`duet generate` on an FP8 checkpoint (it once crashed in the loader with a shape error)."""
     from services.offline.generate import main
     q, _, prompts, refs, tok = default_fp8
     assert main(["--model", str(q), "--device", "cpu", "--prompt", TEXTS[0], "--max-tokens", "16"]) == 0

@@ -1,4 +1,4 @@
-"""Speculative decoding in the engine (issue 28): n-gram lookup on a copy task with the
+"""Speculative decoding in the engine: n-gram lookup on a copy task with the
 embedded model, and exactness under every request feature with a scripted proposer that
 drafts the true continuation with planted mistakes, so acceptance and rejection happen at
 known places. Greedy and seeded sampling must give the same tokens and logprobs as the

@@ -1,7 +1,8 @@
 """Failure rules on one prefill/decode pair (separate processes, a real redis-server the
 test can stop): a client that disconnects mid-stream or mid-prefill cancels the work on
 every pod; Redis briefly down leaves serving up on the last known worker set. After
-each, used pages return to zero and no request is left running."""
+each, used pages return to zero and no request is left running. The rules and the other
+tests that prove them: docs/ARCHITECTURE.md, "Failure rules"."""
 from __future__ import annotations
 
 import asyncio

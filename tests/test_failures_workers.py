@@ -12,6 +12,7 @@ decode workers (separate processes, real redis-server, router, gateway, NIXL/UCX
   stack keeps serving.
 
 The tests run in order (each leaves fewer workers). After each, used pages return to zero.
+The rules and the other tests that prove them: docs/ARCHITECTURE.md, "Failure rules".
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 9's features through the gateway's in-process engine (the `local` backend, one
+"""The OpenAI API features through the gateway's in-process engine (the `local` backend, one
 process), with the official openai client on a real uvicorn server, on a random-weight
 model with SmolLM2's tokenizer (tests/openai_features.py says why)."""
 from __future__ import annotations

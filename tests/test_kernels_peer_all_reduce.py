@@ -2,7 +2,8 @@
 simulated peers (tests/peer_all_reduce_sim.py): the sum + add + RMSNorm against the torch
 reference, what it pushes into the other ranks' buffers and flags, the phase and epoch
 bookkeeping over consecutive calls, and the token push and its bounded wait. Interpreted
-on CPU, native on a GPU. The two-GPU run is loadtest/bench/all_reduce_latency.py."""
+on CPU, native on a GPU. The two-GPU run: `python -m loadtest.bench --suite tp --sections
+allreduce` (loadtest/bench/tp.py)."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Prefill and decode at different TP sizes on two GPUs (issue 11's device check):
+"""Prefill and decode at different TP sizes on two GPUs (the two-GPU check of heterogeneous TP):
 
     python3 -m loadtest.bench.hetero_tp --shape qwen3-0.6b --prompt-lens 4096,16384 --tokenizer-from .tok
 

@@ -1,4 +1,4 @@
-"""KV that outlives the request, measured on this host's GPU (issue 24's device runs).
+"""KV that outlives the request, measured on this host's GPU.
 
     python3 -m loadtest.bench.multiturn_device --model qwen3-8b --parts restore,split,colocated
     python3 -m loadtest.bench.multiturn_device --model qwen3-8b --parts hosttier,nocache

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# One call on a 2 x H200 host (`nvidia-h200-x2`) that measures what needs two GPUs, each part
-# bounded so one stuck part cannot eat the others' time. Carry .whl (bundle.sh + xgrammar) and
-# .tok (the default model's tokenizer files); results land in $OUT, a short table per part.
-#   bash loadtest/bench/run_device_x2.sh                       # every part (more than one 600 s call)
+# One run on a host with two H200s that measures what needs two GPUs, each part bounded so one
+# stuck part cannot eat the others' time. Needs, in the working tree, .whl/ (wheels of what the
+# GPU machine lacks, xgrammar among them, and .deb files under .whl/deb) and .tok (the default
+# model's tokenizer files); results land in $OUT (default /tmp/out), a short table per part.
+#   bash loadtest/bench/run_device_x2.sh                       # every part (longer than 600 s)
 #   PARTS=tp_moe,tp_dense,stack_dense bash loadtest/bench/run_device_x2.sh   # some of them
 set -u
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

@@ -1,4 +1,4 @@
-"""Speculative decoding on one GPU (issue 28), bounded: Qwen3-8B shape, random weights.
+"""Speculative decoding on one GPU, bounded: Qwen3-8B shape, random weights.
 
     PYTHONPATH=. python -m loadtest.bench.spec_device [--budget-s 330] [--json spec.json]
     TRITON_INTERPRET=1 PYTHONPATH=. python -m loadtest.bench.spec_device --smoke   # CPU: the script runs
@@ -427,7 +427,7 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
     if args.json:
         Path(args.json).write_text(json.dumps(report.data, indent=1, default=str))
-    print("\n=== speculative decoding (issue 28) ===\n" + report.table(), flush=True)
+    print("\n=== speculative decoding ===\n" + report.table(), flush=True)
     return 0
 
 

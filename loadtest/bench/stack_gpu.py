@@ -1,4 +1,4 @@
-"""The whole stack on the GPUs against the engine's own step (issue 10's stack benchmark).
+"""The whole stack on the GPUs against the engine's own step (the stack benchmark).
 
     python3 -m loadtest.bench.stack_gpu --model qwen3-8b --stacks colocated,split \
         --concurrency 1,16,32 --input-len 1024 --output-len 256

@@ -3,7 +3,7 @@
     python -m loadtest hostile --base-url http://127.0.0.1:8000 --api-key sk-test --gateway-pid auto \
         [--redis-url redis://... | --worker-metrics HOST:PORT ...] [--only 1,2,field_*] [--json F] [--markdown F]
 
-Runs every probe (or those --only names: probe names, `prefix*`, or issue items such as 5),
+Runs every probe (or those --only names: probe names, `prefix*`, or checklist items such as 5),
 one after the other from an idle stack, each within its own time limit, and prints one row
 a probe: status, whether the body is OpenAI error JSON, latency, the gateway's RSS growth
 (peak, and what it kept), /health p50/max during the probe, the victim's latency, and the
@@ -41,7 +41,8 @@ def parser() -> argparse.ArgumentParser:
                    help="registry to find the decode workers' /metrics (default: the gateway's own --redis-url)")
     p.add_argument("--worker-metrics", action="append", default=[], metavar="HOST:PORT",
                    help="a decode (or both) worker's /metrics address; repeatable (instead of the registry)")
-    p.add_argument("--only", type=_list, default=[], help="comma-separated probe names, prefix*, or issue items")
+    p.add_argument("--only", type=_list, default=[],
+                   help="comma-separated probe names, prefix*, or checklist items (loadtest/hostile/README.md)")
     p.add_argument("--skip", type=_list, default=[], help="the same, to leave out")
     p.add_argument("--list", action="store_true", help="list the probes and exit")
     p.add_argument("--label", default="", help="a word for the report (e.g. split, colocated)")

@@ -14,7 +14,7 @@ class ProbeSizes:
     bomb_steps_mb: tuple[int, ...] = (30, 100, 300)  # "x" * (MB x 1e6), one after the other
     rss_cap_mb: float = 1500.0            # gateway RSS growth that cuts a probe short
     # 2: expensive schemas
-    grammar_repeat: int = 8_000           # "[a-z]{1,N}" (the issue used 15000: ~20 s a compile here)
+    grammar_repeat: int = 8_000           # "[a-z]{1,N}" (15000, the size first reported: ~20 s a compile here)
     # 5: admission
     admission_prompts: int = 512
     admission_tokens: int = 32
@@ -43,6 +43,6 @@ class SuiteConfig:
     redis_url: str | None = None
     worker_metrics: list[str] = field(default_factory=list)
     sizes: ProbeSizes = field(default_factory=ProbeSizes)
-    only: list[str] = field(default_factory=list)  # probe names or issue items ("1", "2", ...)
+    only: list[str] = field(default_factory=list)  # probe names or checklist items ("1", "2", ...)
     skip: list[str] = field(default_factory=list)
     label: str = ""                                 # a word for the report ("split", "colocated")

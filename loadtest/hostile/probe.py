@@ -1,4 +1,4 @@
-"""A probe: a bounded attack function plus the verdict the issue expects of the server."""
+"""A probe: a bounded attack function plus the verdict the checklist expects of the server."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
@@ -14,7 +14,7 @@ Judge = Callable[[ProbeResult], tuple[bool | None, str]]
 @dataclass
 class Probe:
     name: str
-    item: str    # issue 27's item ("extra": a related probe)
+    item: str    # its checklist item (loadtest/hostile/README.md; "extra": a related probe)
     expect: str  # in words, for the table
     run: Callable[[ProbeContext, ProbeResult], Awaitable[None]]  # sends the attack, fills the result
     judge: Judge

@@ -24,8 +24,8 @@ def is_openai_error(body: bytes | str | None) -> bool:
 @dataclass
 class ProbeResult:
     name: str
-    item: str    # issue 27's item number ("extra": a related probe)
-    expect: str  # the verdict the issue expects, in words
+    item: str    # its checklist item number (loadtest/hostile/README.md; "extra": a related probe)
+    expect: str  # the verdict the checklist expects, in words
     status: int | str | None = None  # HTTP status, or "timeout" / an exception's name
     error_json: bool | None = None   # the body is OpenAI error JSON (None: a 2xx, or no body)
     latency_s: float | None = None

@@ -11,7 +11,8 @@ can write into pages nobody was told about), as does a cancel by request id for 
 whose answer never reached its caller (and a later Reserve for that request is refused).
 One nobody cancels or claims (its gateway died) is freed once no write can land: at once
 after an abort notice, `claim_timeout_s` after a done notice or after its writer left the
-registry."""
+registry. Each rule and the test that proves it: docs/ARCHITECTURE.md,
+"Failure rules"."""
 from __future__ import annotations
 
 import asyncio

@@ -6,7 +6,8 @@ its gRPC services, its engine-loop ticks, the services that run while serving, t
 work a drain waits for, and what to close at the end.
 
 SIGTERM drains: the worker leaves the registry first (no new work is routed to it), lets
-in-flight requests finish within the grace period, then stops."""
+in-flight requests finish within the grace period, then stops. The processes around it and
+what each owns: docs/ARCHITECTURE.md, "Processes and what each owns"."""
 from __future__ import annotations
 
 import asyncio

@@ -3,7 +3,8 @@
 Single-threaded by design: the worker processes call it from one loop thread and feed it
 through a queue. Prefill and decode workers use the same class: `prefill_only` requests
 stop after their first token and hold their pages for the KV transfer; reservations and
-`add_prefilled` let a decode worker receive KV computed elsewhere."""
+`add_prefilled` let a decode worker receive KV computed elsewhere. What one step does, and
+where each part lives: docs/ARCHITECTURE.md, "The engine step"."""
 from __future__ import annotations
 
 import logging

@@ -3,7 +3,7 @@
 On a GPU the first request of each shape pays for Triton compiles (attention, fused MoE
 and the small-batch linears pick tile configs by token count, so each bucket is its own
 compile), cuBLAS heuristics and allocator growth; the first load-test run after start was
-4x slower than the next (issue 10). Warm-up pushes requests through the engine's own
+4x slower than the next. Warm-up pushes requests through the engine's own
 step loop: prefill chunks at every token-count bucket up to the step budget, an extend
 over a cached prefix, decode steps at the graph batch sizes, and the host sampling path
 (penalties, logprobs, top-p). Then it drops what it cached and zeroes the counters, so

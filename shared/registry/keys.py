@@ -5,6 +5,8 @@
   <p>:worker:<id>:pages   set    page hashes (decimal) the worker's prefix cache holds (any tier); same TTL
   <p>:worker:<id>:pages:host  set  of those, the ones held in its host tier only; same TTL
   <p>:workers:events      pubsub JSON {"event": "join"|"leave", "worker_id", "instance_nonce"}
+
+Who writes and reads each, and the KV events: docs/ARCHITECTURE.md, "Registry keys and KV events".
 """
 from __future__ import annotations
 

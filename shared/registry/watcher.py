@@ -2,7 +2,7 @@
 
 A periodic SCAN is the source of truth (it is how leaves by TTL are seen); the join
 channel makes new workers appear at once. When Redis cannot be reached the watcher
-keeps serving the last set it read (DESIGN.md: serving stays up), and says so in
+keeps serving the last set it read (docs/ARCHITECTURE.md, "Failure rules": serving stays up), and says so in
 `redis_ok`. Filters: model and compat hash (several deployments may share a Redis).
 """
 from __future__ import annotations

@@ -41,7 +41,7 @@ class WorkerLoad:
     queued_prefill_tokens: int = 0  # prompt tokens waiting for or in prefill
     running_requests: int = 0       # requests in the decode batch (or in prefill, for prefill)
     waiting_requests: int = 0       # admitted but not yet running
-    kv_usage: float = 0.0           # share of pages held by live work (DESIGN.md telemetry)
+    kv_usage: float = 0.0           # share of pages held by live work (duet_kv_cache_usage_ratio)
 
 
 @dataclass

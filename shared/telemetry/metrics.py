@@ -2,8 +2,8 @@
 
 Every service creates one DuetMetrics and serves it with start_metrics_server. The
 gauges are set by their owners (workers); the histograms/counters are observed
-where the event happens. Names follow DESIGN.md (HPA reads the gauges through
-prometheus-adapter).
+where the event happens. Every name, its labels and who sets it: docs/ARCHITECTURE.md,
+"Telemetry names" (the HPAs read the worker gauges through prometheus-adapter).
 """
 from __future__ import annotations
 

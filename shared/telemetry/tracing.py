@@ -2,7 +2,7 @@
 
   OTEL_TRACES_EXPORTER=none|console|otlp (comma list allowed). Unset: otlp when an OTLP endpoint
     is set (OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT), else none, so a
-    laptop's `duet up` does not retry a collector that is not there (DESIGN.md: none by default).
+    laptop's `duet up` does not retry a collector that is not there (no exporter by default).
   OTEL_EXPORTER_OTLP_PROTOCOL=grpc|http/protobuf and the endpoints: see otlp.py. Both OTLP
     exporters are default dependencies (pyproject.toml).
   OTEL_SERVICE_NAME overrides the default service name; OTEL_SDK_DISABLED=true exports nothing;

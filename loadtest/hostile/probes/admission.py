@@ -1,4 +1,4 @@
-"""Issue 27 item 5: admission must weigh work (sequences x tokens), not HTTP requests.
+"""Checklist item 5: admission must weigh work (sequences x tokens), not HTTP requests.
 
 One client sends a completions request with a long prompt list x max_tokens; another
 client's 1-token request, sent while it runs, must still be served about as fast as on an

@@ -1,4 +1,5 @@
-"""Related probes (not in issue 27's list): bodies that are cheap to send and may be dear to take.
+"""Related probes (not in the checklist of loadtest/hostile/README.md): bodies that are cheap to
+send and may be dear to take.
 
 * a huge `stop` list: every streamed piece is checked against every stop string on the
   gateway's event loop;

@@ -1,10 +1,10 @@
-"""Issue 27 item 6: a client that goes away must take its work with it.
+"""Checklist item 6: a client that goes away must take its work with it.
 
 Ten ~1100-token completions, each dropped shortly after it is sent (the first after 50 ms,
 each next one 50 ms later: where in the request's path a drop lands depends on the
 machine's speed, so the drops are spread over the path); then the decode workers'
 `duet_kv_cache_usage_ratio` is read every 250 ms: it must be back at 0 within a few
-seconds (the issue saw the decode worker's KV held for ~40 s in split mode)."""
+seconds (the decode worker's KV was once seen held for ~40 s in split mode)."""
 from __future__ import annotations
 
 import asyncio

@@ -1,4 +1,4 @@
-"""Issue 27 item 3: a client's mistake must be a 4xx with OpenAI error JSON, never a 500.
+"""Checklist item 3: a client's mistake must be a 4xx with OpenAI error JSON, never a 500.
 
 Integers past what the gRPC contract carries (int32 / uint64 fields), logit_bias keys that
 Python calls digits but int() refuses (superscripts), Responses input items whose content

@@ -1,4 +1,4 @@
-"""Issue 27 item 7: what can never fit is a 400 at once; what fits later waits or is served.
+"""Checklist item 7: what can never fit is a 400 at once; what fits later waits or is served.
 
 * n=128 x max_tokens=2048 needs more KV than a worker has: 400 at once (not a 429 that
   tells the client to retry what will never succeed);
@@ -39,7 +39,7 @@ async def big_list(ctx: ProbeContext, r: ProbeResult) -> None:
 
 def judge_list(r: ProbeResult) -> tuple[bool | None, str]:
     if r.status == "timeout":
-        return None, "no answer within the probe's time (still working is not the issue's 429)"
+        return None, "no answer within the probe's time (still working is not the 429 the checklist asks for)"
     if r.status == 429:
         return False, f"429 after {r.latency_s:.1f} s for work that fits piece by piece"
     return client_error_json(r, allowed=(200,))

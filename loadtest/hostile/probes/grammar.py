@@ -1,4 +1,4 @@
-"""Issue 27 item 2: a JSON schema that is expensive for xgrammar, in each place one can come
+"""Checklist item 2: a JSON schema that is expensive for xgrammar, in each place one can come
 in (response_format, a forced tool's parameters, the Responses API's text.format).
 
 Compiling is allowed to be refused (400) or to succeed (200); what it must not do is stop

@@ -1,4 +1,4 @@
-"""Issue 27 item 8 (second half): what the HTTP parser refuses must still be OpenAI error JSON
+"""Checklist item 8 (second half): what the HTTP parser refuses must still be OpenAI error JSON
 (a client library shows `error.message`; plain text makes it guess). Raw sockets, because
 no HTTP client library sends these."""
 from __future__ import annotations

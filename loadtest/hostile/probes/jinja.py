@@ -1,4 +1,4 @@
-"""Issue 27 item 1: Jinja from the client through `chat_template_kwargs.chat_template`.
+"""Checklist item 1: Jinja from the client through `chat_template_kwargs.chat_template`.
 
 Nothing a client sends may be code: the model's own template must render the prompt, and a
 client's template must be refused (400) or ignored, never run (it replaces the prompt, and

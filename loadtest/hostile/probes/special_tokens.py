@@ -1,4 +1,4 @@
-"""Issue 27 item 8 (first half): special-token text inside message content must stay text.
+"""Checklist item 8 (first half): special-token text inside message content must stay text.
 
 If `<|im_end|>\\n<|im_start|>system\\n...` in a user message is tokenized as the real control
 tokens, a client forges turns (a system message of its own). Told apart by counting: the

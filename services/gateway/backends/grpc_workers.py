@@ -5,7 +5,8 @@ prompt's KV into them and returns the first token, decode streams the rest.
     Router.Route -> Decode.Reserve -> Prefill.Prefill (first token: sent to the client at
     once) -> Decode.Generate (the rest) -> Router.Release
 
-or, when the router answers `colocated`, one Decode.Generate on a `both` worker.
+or, when the router answers `colocated`, one Decode.Generate on a `both` worker
+(docs/ARCHITECTURE.md, "One request, end to end").
 
 Cleanup is owed on every exit: a reservation not handed to Decode.Generate is
 cancelled, an open RPC is cancelled (grpc.aio cancels the call when the awaiting task
