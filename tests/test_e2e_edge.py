@@ -1,4 +1,5 @@
-"""Issue 27 items 1, 2, 6 and 8 end to end through `duet up`, split (1 prefill + 1 decode) and
+"""The edge hardening (templates, grammars, early disconnects, special tokens, parser
+errors) end to end through `duet up`, split (1 prefill + 1 decode) and
 colocated (one `both` worker): a client's Jinja never runs and template options are plain
 data; special-token text in messages stays text; what the HTTP parser refuses is OpenAI error
 JSON; an expensive schema is a 400 within the grammar budget, at the gateway and at a worker

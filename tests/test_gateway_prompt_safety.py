@@ -1,4 +1,4 @@
-"""What a client sends never becomes code or control tokens (issue 27 items 1 and 8):
+"""What a client sends never becomes code or control tokens:
 `chat_template_kwargs` is an allow-list of plain values (never a template); the model's
 template renders in a helper process with a time budget (ChatRenderer); special-token text
 in messages and tools is tokenized as text while ordinary prompts keep the ids they had."""
