@@ -269,3 +269,26 @@ def test_pairs_across_tp_sizes_and_says_why_a_pair_is_refused(redis_server):
             assert {(r.prefill.worker_id, r.decode.worker_id) for r in replies} == {("p-tp2", "d-tp1")}
 
     asyncio.run(scenario())
+
+
+def test_decode_pairing_weighs_held_tokens_not_just_share():
+    """A decode worker holding a short prompt's shared head (the chat template) does not
+    take every request from a less loaded one; one holding a long conversation keeps it."""
+    from services.router.config import RoutingWeights
+    from services.router.inflight import WorkerInflight
+    from services.router.policy import choose_decode
+
+    weights = RoutingWeights()
+    busy = worker("d1", "decode", running_requests=8, free_pages=900)
+    idle = worker("d2", "decode")
+
+    def pick(prompt_tokens: int, held_pages: int) -> str:
+        choice = choose_decode([busy, idle], prompt_tokens=prompt_tokens, max_tokens=16,
+                               inflight={"d1": WorkerInflight(decode_requests=8)}, weights=weights,
+                               cached_pages={"d1": held_pages})
+        return choice.worker.worker_id
+
+    # 40-token prompt, d1 holds its first 32 (the template): load decides
+    assert pick(40, 32 // PAGE) == "d2"
+    # 6000-token conversation, d1 holds all but the last turn: the held KV decides
+    assert pick(6000, 5800 // PAGE) == "d1"

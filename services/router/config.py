@@ -26,6 +26,10 @@ class RoutingWeights:
         1.0, flag="--decode-transfer-weight", env="DUET_ROUTER_DECODE_TRANSFER_WEIGHT",
         help="weight of the prompt share a decode worker does not hold (written to it) against its KV "
              "usage and batch occupancy: 1.0 = holding the whole prompt is worth an empty KV pool")
+    decode_transfer_min_tokens: int = setting(
+        1024, flag="--decode-transfer-min-tokens", env="DUET_ROUTER_DECODE_TRANSFER_MIN_TOKENS",
+        help="the transfer share is counted against at least this many tokens, so a short prompt's "
+             "transfer (a chat template's shared head) weighs next to nothing and load decides")
     # conditional disaggregation: see policy.local_prefill_reason
     local_prefill_min_share: float = setting(
         0.5, flag="--local-prefill-min-share", env="DUET_LOCAL_PREFILL_MIN_SHARE",

@@ -11,7 +11,8 @@ and taking the max avoids counting a request twice.
 
 Decode: cost = KV usage after placing the request + batch_weight * batch occupancy
 + transfer_weight * the share of the prompt it does NOT hold (its KV events say which
-leading pages it holds in any tier; only the rest is written to it), preferring workers
+leading pages it holds in any tier; only the rest is written to it; the share is taken of at
+least `decode_transfer_min_tokens`, so for short prompts load decides), preferring workers
 whose free pages fit the request (decode's Reserve still does the real admission). So a
 conversation's turns stay with the decode worker that holds them unless its load outweighs
 the saving. Same max(reported, local) rule for pages and running requests.
@@ -123,7 +124,8 @@ def choose_decode(
         usage_after = (used + need) / total if total > 0 else 0.0
         running = max(worker.load.running_requests + worker.load.waiting_requests, local.decode_requests)
         batch_cap = worker.max_running_requests or weights.nominal_decode_batch
-        missing = (prompt_tokens - cached) / max(prompt_tokens, 1)
+        # a short prompt's transfer costs next to nothing: count it against a floor
+        missing = (prompt_tokens - cached) / max(prompt_tokens, weights.decode_transfer_min_tokens, 1)
         cost = (usage_after + weights.decode_batch_weight * running / batch_cap
                 + weights.decode_transfer_weight * missing)
         key = (not fits, cost, local.decode_requests)
