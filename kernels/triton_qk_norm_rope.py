@@ -80,15 +80,22 @@ def _qk_norm_rope_kernel(
                 dst_v = v_cache + page * stride_vc_page + kv_head * stride_vc_head + off * stride_vc_off
                 v1 = tl.load(src_v + i, mask=i_ok)
                 v2 = tl.load(src_v + HALF + i, mask=i_ok)
-                if KV_FP8:  # the rotated k (rounded to k's dtype) and v over their scales, on the fp8 grid
-                    r1 = fp8_quantize(r1.to(tl.float32), inv_k_scale)
-                    r2 = fp8_quantize(r2.to(tl.float32), inv_k_scale)
-                    v1 = fp8_quantize(v1.to(tl.float32), inv_v_scale)
-                    v2 = fp8_quantize(v2.to(tl.float32), inv_v_scale)
-                tl.store(dst_k + o1, r1.to(k_cache.dtype.element_ty), mask=i_ok)
-                tl.store(dst_k + o2, r2.to(k_cache.dtype.element_ty), mask=i_ok)
-                tl.store(dst_v + i, v1.to(v_cache.dtype.element_ty), mask=i_ok)
-                tl.store(dst_v + HALF + i, v2.to(v_cache.dtype.element_ty), mask=i_ok)
+                # the rotated k (rounded to k's dtype) and v over their scales, on the fp8 grid;
+                # new names per branch: Triton refuses a variable whose type an `if` changes
+                if KV_FP8:
+                    k1_out = fp8_quantize(r1.to(tl.float32), inv_k_scale)
+                    k2_out = fp8_quantize(r2.to(tl.float32), inv_k_scale)
+                    v1_out = fp8_quantize(v1.to(tl.float32), inv_v_scale)
+                    v2_out = fp8_quantize(v2.to(tl.float32), inv_v_scale)
+                else:
+                    k1_out = r1.to(tl.float32)
+                    k2_out = r2.to(tl.float32)
+                    v1_out = v1.to(tl.float32)
+                    v2_out = v2.to(tl.float32)
+                tl.store(dst_k + o1, k1_out.to(k_cache.dtype.element_ty), mask=i_ok)
+                tl.store(dst_k + o2, k2_out.to(k_cache.dtype.element_ty), mask=i_ok)
+                tl.store(dst_v + i, v1_out.to(v_cache.dtype.element_ty), mask=i_ok)
+                tl.store(dst_v + HALF + i, v2_out.to(v_cache.dtype.element_ty), mask=i_ok)
 
 
 def launch_qk_norm_rope(positions, q, k, cos_sin_cache, is_neox, norm, kv_write, v, pdl=None) -> None:

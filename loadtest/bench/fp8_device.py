@@ -8,6 +8,7 @@ table and exits if one hangs):
   ceilings        copy bandwidth, bf16 matmul, FP8 matmul peak (torch._scaled_mm e4m3)
   fp8_accuracy    (a) 8B shape, 512-token teacher-forced prompt: logits of the GPU path vs the
                   same weights dequantized (float32 engine): cosine and top-1 agreement, for
+                  bf16 compute on those weights (the yardstick),
                   FP8 weights (one-shot prefill: W8A8 GEMMs), FP8 weights + FP8 KV, and both in
                   8-token chunks (the decode-size W8A16 kernels reading FP8 pages)
   fp8_decode_8b   (b) 8B decode B=1, 32 (ctx 1024): FP8 vs its floor in FP8 bytes and vs bf16;
@@ -109,6 +110,16 @@ def fp8_accuracy(ctx):
             compare_logits(want_chunked, want)["cos_min"], "float32 engine with itself: the noise floor")
     ref.close()
     del ref
+    release_memory()
+    # bf16 compute on the same (dequantized) weights: how far 16-bit activations alone drift on
+    # this random-weight model, the yardstick for FP8's own error
+    bf16 = _engine(ctx, "qwen3-8b", cuda_graph=False, **common)
+    copy_dequantized(fp8.model, bf16.model)
+    r = compare_logits(teacher_forced_logits(bf16, tokens), want)
+    rep.add("fp8_accuracy", "bf16 (same weights) cos_mean", r["cos_mean"],
+            f"min {r['cos_min']:.4f}, top1 {r['top1']:.3f}: 16-bit compute alone, the yardstick")
+    bf16.close()
+    del bf16
     release_memory()
     runs = [("fp8 weights", fp8, None)]
     fp8kv = _engine(ctx, "qwen3-8b", quantization="fp8", kv_cache_dtype="fp8_e4m3", cuda_graph=False, **common)
