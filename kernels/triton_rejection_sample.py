@@ -39,9 +39,9 @@ def _rejection_kernel(
         p = tl.exp(tl.load(tlp + b * s_tb + j * s_tk + x))
         q = tl.load(dp + b * s_db + j * s_dk + x)
         u = tl.load(uu + b * s_ub + j)
-        ok = alive & (j < n) & (u * q < p)
-        a += ok.to(tl.int32)
-        alive = ok
+        take = alive & (j < n) & (u * q < p)
+        a += take.to(tl.int32)
+        alive = take
     key = tl.load(keys + b * s_kb + a)
     resid = a < n
     row_t = tlp + b * s_tb + a * s_tk
@@ -52,9 +52,9 @@ def _rejection_kernel(
         v = v0 + tl.arange(0, BLOCK_V)
         ok = v < V
         lp = tl.load(row_t + v, mask=ok, other=float("-inf"))
-        if resid:
-            q = tl.load(row_d + v, mask=ok, other=0.0)
-            r = tl.maximum(tl.exp(lp) - q, 0.0)
+        if resid:  # names the scalar draft loop used are not reused: Triton keeps one type a name
+            qv = tl.load(row_d + v, mask=ok, other=0.0)
+            r = tl.maximum(tl.exp(lp) - qv, 0.0)
             val = tl.log(r)
         else:
             val = lp
