@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from loadtest.bench.fp8_device import FP8_SECTIONS, SECTIONS, compare_logits, copy_dequantized, teacher_forced_logits
+from loadtest.bench.fp8_device import (FP8_SECTIONS, SECTIONS, _gemm_error, compare_logits, copy_dequantized,
+                                       teacher_forced_logits)
 from shared.engine.engine import Engine
 from tests.engine_models import hf_logits, load_hf
 from tests.fp8_checkpoints import dequantized_checkpoint, quantize_checkpoint
@@ -33,6 +34,14 @@ def test_helpers(tmp_path):
         assert r["cos_min"] > 0.99999 and r["top1"] == 1.0
     cfg = ModelConfig.from_dir(q)
     kept = load_model(cfg, TPContext(), torch.float32, torch.device("cpu"), 64, keep_fp8=True)
+    rows = []
+
+    class Rows:
+        def add(self, *row):
+            rows.append(row)
+
+    _gemm_error(Rows(), kept)  # on the CPU the kernel path is the reference: no difference
+    assert [r[2] for r in rows] == [0.0, 0.0] and all("activation rounding" in r[3] for r in rows), rows
     dense = load_model(cfg, TPContext(), torch.float32, torch.device("cpu"), 64, keep_fp8=False)
     blank = load_model(ModelConfig.from_dir(src), TPContext(), torch.float32, torch.device("cpu"), 64)
     copy_dequantized(kept, blank)

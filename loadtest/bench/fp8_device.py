@@ -132,10 +132,34 @@ def fp8_accuracy(ctx):
         rep.add("fp8_accuracy", f"{label} top1", r["top1"],
                 f"{'meets' if ok else 'misses'} the aim (>= 0.95); {r['top1_clear']:.3f} where the reference's "
                 f"top-2 margin > 0.1 sd ({100 * r['clear_share']:.0f}% of positions)")
+    _gemm_error(rep, fp8.model)
     for e in (fp8, fp8kv):
         e.close()
     del fp8, fp8kv, runs
     release_memory()
+
+
+def _gemm_error(rep, model) -> None:
+    """One FP8 linear of the model at prefill sizes: the Triton W8A8 path against its torch
+    reference (the same quantization), and what quantizing the activations costs against the
+    unquantized product. A random-weight model amplifies any per-GEMM difference over its
+    layers (bf16 compute alone moves top-1), so these rows say whether the kernels are right."""
+    import kernels.fp8_linear as fl
+    from shared.engine.quantization.fp8_params import fp8_weight
+
+    name, module = next((n, m) for n, m in model.named_modules() if getattr(m, "fp8", None))
+    pname = next(iter(module.fp8))
+    w = fp8_weight(module, pname)
+
+    def rel(a, b):
+        return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+    for rows in (512, 4096):
+        x = torch.randn(rows, w.q.shape[1], device=w.q.device, dtype=torch.bfloat16)
+        ref = fl.fp8_linear_reference(x, w)
+        exact = x.double() @ w.dequantize(torch.float64).T
+        rep.add("fp8_accuracy", f"{name}.{pname} M={rows} kernel vs reference", rel(fl.fp8_linear(x, w), ref),
+                f"activation rounding (reference vs unquantized activations): {rel(ref, exact):.4f}")
 
 
 def fp8_decode_8b(ctx):
