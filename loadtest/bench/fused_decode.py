@@ -25,9 +25,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-TEST_FILES = ["tests/test_kernels_qk_norm_rope.py", "tests/test_kernels_decode_attention.py",
-              "tests/test_kernels_rotary_embedding.py", "tests/test_kernels_rms_norm.py",
-              "tests/test_kernels_store_kv.py", "tests/test_triton_backend.py", "tests/test_cuda_graph.py"]
+TEST_FILES = ["tests/kernels/test_kernels_qk_norm_rope.py", "tests/kernels/test_kernels_decode_attention.py",
+              "tests/kernels/test_kernels_rotary_embedding.py", "tests/kernels/test_kernels_rms_norm.py",
+              "tests/kernels/test_kernels_store_kv.py", "tests/kernels/test_triton_backend.py",
+              "tests/kernels/test_cuda_graph.py"]
 
 
 @dataclass(frozen=True)

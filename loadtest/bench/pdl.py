@@ -9,7 +9,7 @@ the LM head), the defaults (small-batch kernel where this GPU's sweep tuned the 
 at batch 1), the same without PDL, and the small-batch kernel on every decode linear with
 PDL and each --prefetch (weight tiles pulled into L2 before a GEMV waits); deeper prefetch on
 the attention linears; for MoE models, decode-kernel tilings and program orders.
-Runs tests/test_pdl.py natively first (--no-tests skips). Short table last."""
+Runs tests/kernels/test_pdl.py natively first (--no-tests skips). Short table last."""
 from __future__ import annotations
 
 import argparse
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
         print("needs a GPU", file=sys.stderr)
         return 2
     if not args.no_tests:
-        rc = subprocess.call([sys.executable, "-m", "pytest", "-q", "-x", "tests/test_pdl.py"])
+        rc = subprocess.call([sys.executable, "-m", "pytest", "-q", "-x", "tests/kernels/test_pdl.py"])
         if rc:
             return rc
     from .gpu_engine import decode_floor_ms, decode_step_ms, make_engine, release_memory

@@ -1,4 +1,4 @@
-"""Functions a ProcessPool helper runs in tests/test_process_pool.py (importable by name)."""
+"""Functions a ProcessPool helper runs in tests/gateway/test_process_pool.py (importable by name)."""
 from __future__ import annotations
 
 import os

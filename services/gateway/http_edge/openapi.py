@@ -4,7 +4,7 @@ The endpoints read the raw body and parse it themselves (shared/openai_protocol:
 types, OpenAI-style messages naming the parameter), so FastAPI cannot see the body
 models. Here the pydantic models' JSON schemas are put into the document (components,
 a requestBody per route) and the documented answers (200, and the OpenAI error object
-for 4xx/5xx) are added, so clients and fuzzers (tests/test_gateway_fuzz.py) know what
+for 4xx/5xx) are added, so clients and fuzzers (tests/gateway/test_gateway_fuzz.py) know what
 to send and what to expect."""
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""disagg tests (tests/README.md says what each folder holds)."""

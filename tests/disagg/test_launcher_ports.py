@@ -1,0 +1,67 @@
+"""`duet up`'s port check against a port the way a just-stopped stack leaves it: the old
+listener gone, its closed connections in TIME_WAIT on the server side."""
+from __future__ import annotations
+
+import errno
+import socket
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from services.launcher.main import main as duet_up
+from services.launcher.ports import port_taken
+from tests.helpers.gateway_support import UvicornThread
+
+
+def _time_wait_port(connections: int = 3) -> int:
+    """A port whose only sockets are server-side connections in TIME_WAIT: the server
+    closes each accepted connection first (the side that closes first waits), then the
+    listener goes away, as when the gateway stops after serving clients."""
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    for _ in range(connections):
+        client = socket.create_connection(("127.0.0.1", port), timeout=5)
+        conn, _ = listener.accept()
+        conn.sendall(b"bye")
+        conn.close()  # server side: FIN first
+        assert client.recv(16) == b"bye" and client.recv(16) == b""  # EOF seen: the server's FIN arrived
+        client.close()  # client's FIN: the server side enters TIME_WAIT
+    listener.close()
+    return port
+
+
+def _tcp_states(port: int) -> list[str]:
+    """States of the IPv4 sockets whose local port is `port`, from /proc/net/tcp (06 = TIME_WAIT)."""
+    with open("/proc/net/tcp") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    return [row[3] for row in rows if int(row[1].split(":")[1], 16) == port]
+
+
+def test_time_wait_connections_do_not_make_the_port_taken():
+    port = _time_wait_port()
+    assert "06" in _tcp_states(port), "no server-side TIME_WAIT socket on the port: nothing reproduced"
+    # what the old check did (a bind without SO_REUSEADDR) fails here...
+    with socket.socket() as plain, pytest.raises(OSError) as info:
+        plain.bind(("127.0.0.1", port))
+    assert info.value.errno == errno.EADDRINUSE
+    # ...but the servers would bind, and so says the check
+    assert not port_taken("127.0.0.1", port)
+    app = FastAPI()
+    app.get("/")(lambda: {"ok": True})
+    with UvicornThread(app, port=port) as server:  # a real uvicorn on that very port
+        assert httpx.get(server.base_url + "/").json() == {"ok": True}
+        assert port_taken("127.0.0.1", port)  # a live listener still counts
+
+
+def test_duet_up_refuses_a_port_a_server_listens_on(capsys):
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # even one that allows reuse
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        assert duet_up(["--host", "127.0.0.1", "--port", str(port)]) == 2
+    assert f"port {port} on 127.0.0.1 is in use" in capsys.readouterr().err

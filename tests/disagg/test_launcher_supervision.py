@@ -1,0 +1,248 @@
+"""`duet up`'s supervision without a stack: the restart policy (backoff doubling up to a cap,
+a long run forgives earlier deaths, giving up after the limit), the supervisor loop over
+children that die (on a fake clock), the drain plan, and the throwaway certificates of
+--secure."""
+from __future__ import annotations
+
+import ssl
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from services.launcher.children import describe_exit
+from services.launcher.config import UpConfig
+from services.launcher.restart_policy import MAX_BACKOFF_S, RestartCounter, RestartPolicy
+from services.launcher.security import SecretsDir, make_secure
+from services.launcher.shutdown import KILL_AFTER_S, DrainPlan, stop_children
+from services.launcher.supervisor import Supervisor
+
+
+def test_backoff_doubles_up_to_the_cap_then_gives_up():
+    counter = RestartCounter(RestartPolicy(limit=8, backoff_s=1.0, reset_after_s=60))
+    delays = [counter.died(ran_s=2.0) for _ in range(8)]
+    assert all(v.restart for v in delays)
+    assert [v.delay_s for v in delays] == [1, 2, 4, 8, 16, MAX_BACKOFF_S, MAX_BACKOFF_S, MAX_BACKOFF_S]
+    assert [v.attempt for v in delays] == list(range(1, 9))
+    last = counter.died(ran_s=2.0)
+    assert not last.restart and last.attempt == 9
+
+
+def test_a_long_run_forgives_earlier_deaths():
+    counter = RestartCounter(RestartPolicy(limit=2, backoff_s=0.5, reset_after_s=10))
+    assert counter.died(1.0).delay_s == 0.5
+    assert counter.died(1.0).delay_s == 1.0
+    again = counter.died(10.0)  # ran long enough: a new row, from the first delay
+    assert again.restart and again.delay_s == 0.5 and again.attempt == 1
+
+
+def test_limit_zero_never_restarts():
+    assert not RestartCounter(RestartPolicy(limit=0)).died(1000.0).restart
+
+
+@dataclass
+class FakeChild:
+    """What the supervisor reads of a child; `code` is set to make it die."""
+
+    name: str
+    log_path: Path = Path("/nonexistent.log")
+    code: int | None = None
+    started_at: float = 0.0
+    starts: list[float] = field(default_factory=list)
+    clock: list[float] = field(default_factory=lambda: [0.0])
+    pid: int = 1
+
+    @property
+    def exit_code(self) -> int | None:
+        return self.code
+
+    def start(self) -> None:
+        self.code = None
+        self.started_at = self.clock[0]
+        self.starts.append(self.clock[0])
+
+    def tail(self, lines: int = 15) -> str:
+        return "the last words"
+
+
+def test_supervisor_restarts_with_backoff_and_names_the_child_it_gives_up_on():
+    now = [0.0]
+    worker, router = FakeChild("decode-0", clock=now), FakeChild("router", clock=now)
+    said: list[str] = []
+    sup = Supervisor([worker, router], RestartPolicy(limit=2, backoff_s=1.0, reset_after_s=30), said.append,
+                     clock=lambda: now[0])
+    assert sup.tick() is None and said == []
+
+    now[0] = 5.0
+    worker.code = -9
+    assert sup.tick() is None
+    assert said[-1].startswith("decode-0 exited with code -9 (SIGKILL) after 5.0s; restarting it in 1.0s "
+                               "(restart 1 of at most 2 in a row)") and "the last words" in said[-1]
+    now[0] = 5.5
+    assert sup.tick() is None and worker.starts == []  # not before its delay
+    now[0] = 6.0
+    assert sup.tick() is None and worker.starts == [6.0] and said[-1] == "restarted decode-0 (pid 1)"
+
+    now[0] = 7.0
+    worker.code = 1
+    sup.tick()
+    assert "restarting it in 2.0s (restart 2 of at most 2" in said[-1]
+    now[0] = 9.0
+    sup.tick()
+    assert worker.starts == [6.0, 9.0]
+    now[0] = 10.0
+    worker.code = 1
+    assert sup.tick() is worker
+    assert "giving up on it: it died 3 times in a row, each within 30s of its start (--restart-limit 2)" in said[-1]
+    assert router.starts == [] and sup.restarts == 2
+
+
+def test_supervisor_forgives_a_child_that_ran_long():
+    now = [0.0]
+    redis = FakeChild("redis", clock=now)
+    said: list[str] = []
+    sup = Supervisor([redis], RestartPolicy(limit=1, backoff_s=0.1, reset_after_s=20), said.append,
+                     clock=lambda: now[0])
+    for death in range(4):  # each after a long run: never a second death in a row
+        now[0] += 25.0
+        redis.code = -9
+        assert sup.tick() is None
+        now[0] += 0.1
+        assert sup.tick() is None
+    assert len(redis.starts) == 4 and sup.restarts == 4
+
+
+def test_describe_exit():
+    assert describe_exit(2) == "code 2" and describe_exit(-15) == "code -15 (SIGTERM)"
+
+
+def test_drain_plan_fits_the_workers_inside_the_gateways_grace():
+    for grace, worker in ((10.0, 7.0), (3.0, 1.5), (60.0, 57.0), (0.0, 0.0)):
+        plan = DrainPlan(grace)
+        assert plan.gateway_grace_s == grace and plan.worker_grace_s == worker
+        assert plan.kill_after_s == grace + KILL_AFTER_S
+
+
+@dataclass
+class StoppingChild:
+    """Exits `takes_s` after SIGTERM (None: never), on a shared fake clock."""
+
+    name: str
+    kind: str
+    takes_s: float | None
+    clock: list[float]
+    termed_at: float | None = None
+    killed: bool = False
+
+    @property
+    def running(self) -> bool:
+        if self.killed:
+            return False
+        return self.termed_at is None or self.takes_s is None or self.clock[0] < self.termed_at + self.takes_s
+
+    def terminate(self) -> None:
+        if self.running and self.termed_at is None:
+            self.termed_at = self.clock[0]
+
+    def kill(self) -> None:
+        self.killed = True
+
+
+def run_stop(children, grace: float, now: list[float]) -> list[str]:
+    said: list[str] = []
+
+    def sleep(dt: float) -> None:
+        now[0] += dt
+    stop_children(children, DrainPlan(grace), said.append, clock=lambda: now[0], sleep=sleep)
+    return said
+
+
+def test_stop_signals_in_dependency_order_and_kills_only_at_the_deadline():
+    now = [0.0]
+    gateway, worker = StoppingChild("gateway", "gateway", 1.0, now), StoppingChild("decode-0", "worker", 4.0, now)
+    router, redis = StoppingChild("router", "router", 2.0, now), StoppingChild("redis", "redis", 0.1, now)
+    said = run_stop([redis, router, worker, gateway], 3.0, now)
+    assert said == [] and not any(c.killed for c in (gateway, worker, router, redis))
+    assert gateway.termed_at == worker.termed_at == 0.0
+    assert 1.0 <= router.termed_at < 1.1  # once the gateway is gone, while the worker still drains
+    assert 4.0 <= redis.termed_at < 4.1  # once the workers and router are gone
+    assert now[0] < 4.3
+
+    now = [0.0]
+    stuck = StoppingChild("prefill-0", "worker", None, now)
+    redis = StoppingChild("redis", "redis", 0.1, now)
+    said = run_stop([redis, stuck, StoppingChild("gateway", "gateway", 0.5, now)], 3.0, now)
+    assert stuck.killed and said == [f"prefill-0 still running {3 + KILL_AFTER_S:g}s after SIGTERM; killing it"]
+    assert redis.termed_at is None and redis.killed  # it waited for the worker, then went with it
+    assert now[0] == pytest.approx(3.0 + KILL_AFTER_S, abs=0.1)
+
+
+def test_restart_settings_are_flags_and_variables():
+    cfg = UpConfig.from_argv(["--restart-limit", "2", "--restart-backoff", "0.5"],
+                             {"DUET_RESTART_RESET": "15", "DUET_DRAIN_GRACE": "4"})
+    assert (cfg.restart_limit, cfg.restart_backoff_s, cfg.restart_reset_s, cfg.drain_grace_s) == (2, 0.5, 15.0, 4.0)
+    assert UpConfig.from_argv([], {}).restart_limit == 5
+    with pytest.raises(SystemExit):
+        UpConfig.from_argv(["--secure", "--grpc-tls-cert-file", "c", "--grpc-tls-key-file", "k"], {})
+
+
+def mutual_handshake(cert: str, key: str, ca: str, hostname: str) -> None:
+    """A TLS handshake in memory between a server that requires a client certificate and a
+    client that presents one and checks the server's name: raises ssl.SSLError if either refuses."""
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(cert, key)
+    server_ctx.load_verify_locations(ca)
+    server_ctx.verify_mode = ssl.CERT_REQUIRED
+    client_ctx = ssl.create_default_context(cafile=ca)
+    client_ctx.load_cert_chain(cert, key)
+    s_in, s_out, c_in, c_out = ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO()
+    server = server_ctx.wrap_bio(s_in, s_out, server_side=True)
+    client = client_ctx.wrap_bio(c_in, c_out, server_hostname=hostname)
+    done = set()
+    for _ in range(20):
+        for side, out, peer_in in ((client, c_out, s_in), (server, s_out, c_in)):
+            try:
+                side.do_handshake()
+                done.add(id(side))
+            except ssl.SSLWantReadError:
+                pass
+            peer_in.write(out.read())
+        if len(done) == 2:
+            return
+    raise AssertionError("handshake did not finish")
+
+
+def test_secure_makes_a_ca_a_certificate_and_a_redis_password_in_private_files():
+    vault = SecretsDir()
+    try:
+        cfg, made = make_secure(UpConfig.from_argv(["--secure", "--host", "10.1.2.3"], {}), vault, own_redis=True)
+        files = [Path(cfg.grpc_tls_cert_file), Path(cfg.grpc_tls_key_file), Path(cfg.grpc_tls_ca_file),
+                 made.redis_password_file, made.redis_config_file]
+        assert vault.path.stat().st_mode & 0o777 == 0o700
+        assert all(f.parent == vault.path and f.stat().st_mode & 0o777 == 0o600 for f in files)
+        password = made.redis_password_file.read_text().strip()
+        assert len(password) >= 32 and made.redis_config_file.read_text() == f"requirepass {password}\n"
+        assert made.child_env() == {"DUET_REDIS_PASSWORD_FILE": str(made.redis_password_file),
+                                    "DUET_REDIS_PASSWORD": ""}
+        for name in ("127.0.0.1", "localhost", "10.1.2.3"):  # one certificate, both ends of every link
+            mutual_handshake(cfg.grpc_tls_cert_file, cfg.grpc_tls_key_file, cfg.grpc_tls_ca_file, name)
+        with pytest.raises(ssl.SSLError):
+            mutual_handshake(cfg.grpc_tls_cert_file, cfg.grpc_tls_key_file, cfg.grpc_tls_ca_file, "example.com")
+        other = SecretsDir()
+        try:  # another run's CA trusts none of these
+            stranger, external = make_secure(UpConfig.from_argv(["--secure"], {}), other, own_redis=False)
+            with pytest.raises(ssl.SSLError):
+                mutual_handshake(cfg.grpc_tls_cert_file, cfg.grpc_tls_key_file, stranger.grpc_tls_ca_file, "127.0.0.1")
+            assert external.child_env() == {}  # a --redis-url Redis is secured by whoever runs it
+        finally:
+            other.close()
+    finally:
+        vault.close()
+    assert not files[0].exists()
+
+
+def test_cryptography_is_a_dependency_of_a_plain_install():
+    """--secure makes its certificates with `cryptography`: it may not be a dev-only extra."""
+    text = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    deps = text.split("dependencies = [", 1)[1].split("]", 1)[0]
+    assert '"cryptography' in deps, deps

@@ -1,0 +1,1 @@
+"""e2e tests (tests/README.md says what each folder holds)."""

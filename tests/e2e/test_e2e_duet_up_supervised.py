@@ -1,0 +1,248 @@
+"""`duet up --secure` heals, and drains, end to end: one stack for the module (1 prefill +
+1 decode, one thread each), its children killed one after another, then stopped.
+
+- --secure: a gRPC client without a certificate is refused by the workers and the router,
+  Redis refuses a client without the password, the openai client through the gateway works;
+- kill -9 of the decode worker: the stream it was serving ends with an error event, duet up
+  says it restarted it, the stack serves again within 60 s; the worker keeps its id and has a
+  new instance nonce;
+- kill -9 of Redis: the stream in flight ends with [DONE], new requests are served within
+  60 s, Redis is back (empty, with its password), both workers registered again and prefill
+  published the page hashes it holds again;
+- Ctrl-C: every child drains within the grace (DUET_DRAIN_GRACE=6 here): a short stream ends
+  with [DONE], a long one with an error event, none is cut; duet up exits 0 and leaves no child
+  (SIGTERM, which stops the children in order: tests/disagg/test_launcher_supervision.py, and
+  tests/e2e/test_e2e_duet_up.py's stop).
+
+And a `duet up` whose workers die at start every time gives up after --restart-limit tries
+with exit code 1."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+import psutil
+import pytest
+import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.launcher.shutdown import KILL_AFTER_S
+from tests.helpers.stack import DuetUp, managed, new_log_dir, wait_until
+
+pytestmark = pytest.mark.slow
+
+# for duet up and its children (tests/helpers/stack.py's 3 s leaves a worker too little head start on a
+# busy 2-core machine: shutdown.py)
+GRACE_S = 6.0
+HEAL_S = 60.0
+LONG_PROMPT = ("A careful geographer describes the spice markets of Zanzibar in exactly forty-one words, "
+               "naming three spices, the months of the harvest and the ships that carry them north.")
+
+
+@pytest.fixture(scope="module")
+def stack(request):
+    up = DuetUp(new_log_dir("up-heal"), "--secure", "--restart-backoff", "0.5",
+                env={"DUET_DRAIN_GRACE": str(GRACE_S)})
+    with managed(request, up.start()) as s:
+        s.wait_ready()
+        # the registry needs the password duet up made: read it where the children do
+        s.redis_password = Path(child_environ(s, "decode-0")["DUET_REDIS_PASSWORD_FILE"]).read_text().strip()
+        s.plain_redis_url = s.redis_url
+        s.redis_url = s.redis_url.replace("redis://", f"redis://:{s.redis_password}@")
+        yield s
+
+
+def child_process(stack: DuetUp, marker: str) -> psutil.Process:
+    """The live child of duet up whose command line contains `marker`."""
+    for child in psutil.Process(stack.proc.pid).children(recursive=True):
+        try:
+            if marker in " ".join(child.cmdline()) and child.status() != psutil.STATUS_ZOMBIE:
+                return child
+        except psutil.NoSuchProcess:
+            continue
+    raise LookupError(f"duet up has no live child with {marker!r}")
+
+
+def child_environ(stack: DuetUp, worker_id: str) -> dict[str, str]:
+    return child_process(stack, f"--worker-id {worker_id}").environ()
+
+
+def session_processes(leader_pid: int) -> list[int]:
+    """Live processes of the session duet up leads (tests/helpers/stack.py starts it in its own)."""
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if os.getsid(p.pid) == leader_pid and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p.pid)
+        except (ProcessLookupError, PermissionError, psutil.NoSuchProcess):
+            continue
+    return out
+
+
+def model(stack) -> str:
+    return stack.client().models.list().data[0].id
+
+
+def stream_end(stack, started: threading.Event, max_tokens: int, result: dict) -> None:
+    """Stream a completion; result["end"]: "done" ([DONE]), "error" (an error event) or
+    "cut" (the body ended with neither)."""
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": "Tell me a long story about the sea.",
+            "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+    last = None
+    try:
+        with httpx.stream("POST", stack.base_url + "/completions", json=body, timeout=120) as r:
+            result["status"] = r.status_code
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    started.set()
+                    last = line[len("data: "):]
+    except httpx.HTTPError as exc:
+        result["exception"] = repr(exc)
+    finally:
+        started.set()
+    if last == "[DONE]":
+        result["end"] = "done"
+    elif last is not None and "error" in json.loads(last):
+        result["end"] = "error"
+    else:
+        result["end"] = "cut"
+    result["last"] = last
+
+
+def start_stream(stack, max_tokens: int) -> tuple[threading.Thread, dict]:
+    started, result = threading.Event(), {}
+    thread = threading.Thread(target=stream_end, args=(stack, started, max_tokens, result), daemon=True)
+    thread.start()
+    assert started.wait(120), "the stream never started"
+    return thread, result
+
+
+def served(stack) -> bool:
+    try:
+        out = stack.client(timeout=30).completions.create(model="SmolLM2-135M-Instruct", prompt="Hello",
+                                                          max_tokens=4, temperature=0)
+        return out.usage.completion_tokens > 0
+    except Exception:
+        return False
+
+
+def grpc_health(address: str, creds: grpc.ChannelCredentials | None) -> str:
+    """A health check without a client certificate: SERVING, or the error code."""
+    async def call():
+        opts = [("grpc.use_local_subchannel_pool", 1)]
+        channel = (grpc.aio.secure_channel(address, creds, options=opts) if creds
+                   else grpc.aio.insecure_channel(address, options=opts))
+        async with channel:
+            try:
+                reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+                return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            except grpc.aio.AioRpcError as exc:
+                return exc.code().name
+    return asyncio.run(call())
+
+
+def test_secure_refuses_plain_grpc_and_redis_without_the_password(stack):
+    workers = stack.workers()  # through the password: both registered
+    assert set(workers) == {"prefill-0", "decode-0"}
+    router = re.search(r"router\s+(\S+:\d+)", stack.proc.log_text()).group(1)
+    argv = child_process(stack, "--worker-id decode-0").cmdline()
+    ca = Path(argv[argv.index("--grpc-tls-ca-file") + 1])
+    for address in [w["address"] for w in workers.values()] + [router]:
+        assert grpc_health(address, None) == "UNAVAILABLE", address  # plaintext: no handshake
+        # TLS that trusts the CA but shows no client certificate: refused too (mutual TLS)
+        assert grpc_health(address, grpc.ssl_channel_credentials(ca.read_bytes())) == "UNAVAILABLE", address
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis.from_url(stack.plain_redis_url, socket_timeout=5).ping()
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis.from_url(stack.plain_redis_url.replace("redis://", "redis://:wrong@"), socket_timeout=5).ping()
+    out = stack.proc.log_text()
+    assert "(password required)" in out and "gRPC mTLS" in out
+    c = stack.client()
+    r = c.chat.completions.create(model=model(stack), messages=[{"role": "user", "content": "Hi"}], max_tokens=8)
+    assert r.choices[0].message.content and r.usage.completion_tokens > 0
+    for proc in psutil.Process(stack.proc.pid).children(recursive=True):  # the password is on no command line
+        assert stack.redis_password not in " ".join(proc.cmdline())
+
+
+def test_killed_decode_worker_is_restarted_and_serves_again(stack):
+    before = stack.workers()["decode-0"]
+    thread, result = start_stream(stack, max_tokens=600)
+    killed_at = time.monotonic()
+    child_process(stack, "--worker-id decode-0").kill()
+    thread.join(60)
+    assert result["end"] == "error", result  # told at once, not cut
+    wait_until(lambda: served(stack), HEAL_S, "the stack to serve again after the decode worker was killed",
+               interval=1.0)
+    assert time.monotonic() - killed_at < HEAL_S
+    out = stack.proc.log_text()
+    assert "decode-0 exited with code -9 (SIGKILL)" in out and "restarted decode-0" in out
+    after = stack.workers()["decode-0"]  # the same worker id, a new instance
+    assert after["instance_nonce"] != before["instance_nonce"] and after["role"] == "decode"
+    assert stack.proc.alive
+
+
+def test_killed_redis_is_restarted_and_streams_in_flight_finish(stack):
+    # a prompt of several full pages: prefill caches them and publishes their hashes
+    stack.client().completions.create(model=model(stack), prompt=LONG_PROMPT, max_tokens=2)
+    pages_key = "duet:worker:prefill-0:pages"
+    held = wait_until(lambda: stack.redis().smembers(pages_key), 10, "prefill's page hashes in the registry")
+    thread, result = start_stream(stack, max_tokens=48)
+    killed_at = time.monotonic()
+    child_process(stack, "redis-server").kill()
+    thread.join(120)
+    assert result["end"] == "done", result  # the stream never needed Redis
+    wait_until(lambda: served(stack), HEAL_S, "the stack to serve after Redis was killed", interval=1.0)
+    assert time.monotonic() - killed_at < HEAL_S
+    out = stack.proc.log_text()
+    assert "redis exited with code -9 (SIGKILL)" in out and "restarted redis" in out
+    stack._redis = None  # a new connection to the new server
+    wait_until(lambda: set(stack.workers()) == {"prefill-0", "decode-0"}, 30,
+               "both workers registered in the restarted Redis")
+    wait_until(lambda: stack.redis().smembers(pages_key) >= held, 30, "prefill's page hashes published again")
+    with pytest.raises(redis.AuthenticationError):  # restarted with its password
+        redis.Redis.from_url(stack.plain_redis_url, socket_timeout=5).ping()
+    assert stack.proc.alive
+
+
+def test_ctrl_c_drains_every_child_within_the_grace(stack):
+    """Ctrl-C in a terminal: SIGINT to duet up's whole process group, so every child gets it too
+    (Redis and the router stop at once) and duet up then stops them in order."""
+    assert len(session_processes(stack.proc.pid)) >= 6  # duet up, redis, router, two workers, gateway
+    long_thread, long_result = start_stream(stack, max_tokens=600)
+    short_thread, short_result = start_stream(stack, max_tokens=6)
+    asked_at = time.monotonic()
+    os.killpg(stack.proc.pid, signal.SIGINT)  # tests/helpers/stack.py started duet up as a group leader
+    stack.proc.popen.wait(GRACE_S + KILL_AFTER_S + 30)
+    took = time.monotonic() - asked_at
+    long_thread.join(10)
+    short_thread.join(10)
+    assert stack.proc.popen.returncode == 0
+    assert short_result["end"] == "done", short_result
+    assert long_result["end"] == "error", long_result  # the worker ended it, the gateway said so
+    out = stack.proc.log_text()
+    assert "killing it" not in out, out[-3000:]  # every child drained and exited by itself
+    assert took < GRACE_S + KILL_AFTER_S, took
+    wait_until(lambda: session_processes(stack.proc.pid) == [], 10, "every child of duet up to exit")
+
+
+def test_a_worker_that_dies_at_start_every_time_ends_duet_up(request):
+    up = DuetUp(new_log_dir("up-crashloop"), "--restart-limit", "2", "--restart-backoff", "0.2",
+                worker_args=["--no-such-flag"])
+    with managed(request, up.start()):
+        up.proc.popen.wait(180)
+        out = up.proc.log_text()
+        assert up.proc.popen.returncode == 1, out[-3000:]
+        assert "unrecognized arguments: --no-such-flag" in out
+        assert re.search(r"(prefill|decode)-0 exited with code 2 .*restart 2 of at most 2 in a row", out)
+        assert re.search(r"(prefill|decode)-0 exited with code 2 after [\d.]+s; giving up on it: it died 3 times "
+                         r"in a row", out)
+        assert "stopping the stack (exit code 1)" in out
+        wait_until(lambda: session_processes(up.proc.pid) == [], 10, "every child of duet up to exit")

@@ -1,0 +1,1 @@
+"""engine tests (tests/README.md says what each folder holds)."""

@@ -1,0 +1,238 @@
+"""KV that outlives the request, in the engine: the host tier under the device pool
+(write-back on eviction, load back on reuse), and decode reservations that reuse the
+leading pages a worker already holds so a writer fills only the rest. Every page of every
+tier is accounted for after each step; tokens equal the no-cache engine's (float64)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.engine.engine import Engine
+from shared.engine.kv_host_tier import HostKVTier, page_runs
+from shared.engine.kv_pool import KVLayout, KVPool, PageAllocator
+from shared.engine.radix_cache import RadixCache
+from shared.engine.sampling_params import SamplingParams
+from tests.helpers.engine_models import assert_all_pages_free, build_model_dir, hf_greedy, kv_bytes_for_pages, load_hf
+
+KIND = "qwen2_untied_bias"
+PS = 4
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_model_dir(tmp_path_factory.mktemp("tiers") / KIND, KIND, seed=5)
+
+
+def make_engine(d, pages: int, host_pages: int = 0, **kw) -> Engine:
+    per_page = kv_bytes_for_pages(d, 1, PS)
+    opts = dict(model_dir=str(d), dtype="float64", device="cpu", page_size=PS, max_num_batched_tokens=16,
+                kv_cache_memory=pages * per_page, kv_host_memory=host_pages * per_page)
+    opts.update(kw)
+    return Engine(**opts)
+
+
+def check_tree(cache: RadixCache) -> None:
+    """Residency is prefix-closed; counters match the tree."""
+    dev = host = 0
+    stack = [cache.root]
+    while stack:
+        node = stack.pop()
+        for child in node.children.values():
+            assert child.pages or child.host_pages, "a node holding nothing stayed in the tree"
+            if child.pages:
+                assert node is cache.root or node.pages, "device node under a node the device lost"
+            dev += len(child.pages)
+            host += len(child.host_pages)
+            stack.append(child)
+    assert dev == cache.num_cached_pages and host == cache.num_host_pages
+
+
+def assert_idle_all_tiers(engine: Engine) -> None:
+    assert_all_pages_free(engine)  # device pages, locks, reservations, host pages (check_idle)
+    check_tree(engine.kv.cache)
+
+
+# -- the tree and the tier, on their own ---------------------------------------------------------
+def test_pages_written_back_on_eviction_come_back_with_their_bytes():
+    layout = KVLayout(num_pages=6, num_layers=2, num_kv_heads=1, page_size=PS, head_dim=3, dtype=torch.float32)
+    pool = KVPool(layout, torch.device("cpu"))
+    pool.buffer.copy_(torch.randn(layout.shape))
+    host = HostKVTier(pool.buffer, layout, num_pages=4)
+    alloc = PageAllocator(layout.num_pages)
+    cache = RadixCache(alloc, PS, host=host)
+    a, b = list(range(100, 108)), list(range(200, 212))  # 2 and 3 pages
+    pa, pb = alloc.allocate(2), alloc.allocate(3)
+    want = {tuple(a): pool.buffer[pa].clone(), tuple(b): pool.buffer[pb].clone()}
+    cache.insert(a, pa)
+    cache.insert(b, pb)
+    check_tree(cache)
+    assert cache.evict(5) == 5 and alloc.num_free == 5  # both left the device; the host tier
+    # (4 pages) cannot hold both copies, so the older one made room for the newer or was dropped
+    check_tree(cache)
+    assert cache.num_cached_pages == 0 and cache.num_host_pages + cache.stats.dropped_pages >= 2
+    kept = [t for t in (a, b) if cache.match(t).host_nodes]
+    assert kept, "nothing kept in the host tier"
+    pool.buffer.zero_()
+    for tokens in kept:
+        m = cache.match(tokens)
+        cache.lock(m.deepest)
+        assert cache.load_back(m, lambda n: alloc.allocate(n)) == 1
+        assert torch.equal(pool.buffer[m.pages], want[tuple(tokens)])
+        cache.unlock(m.deepest)
+        check_tree(cache)
+
+
+def test_host_tier_drops_least_recently_used_leaves_for_room():
+    layout = KVLayout(num_pages=8, num_layers=1, num_kv_heads=1, page_size=PS, head_dim=2, dtype=torch.float32)
+    pool = KVPool(layout, torch.device("cpu"))
+    host = HostKVTier(pool.buffer, layout, num_pages=4)
+    alloc = PageAllocator(layout.num_pages)
+    cache = RadixCache(alloc, PS, host=host)
+    seqs = [[k * 10 + i for i in range(2 * PS)] for k in range(4)]  # 2 pages each
+    for s in seqs:
+        cache.insert(s, alloc.allocate(2))
+        cache.evict(2)  # the newest goes to the host at once; the host holds two of them
+        check_tree(cache)
+    assert cache.num_host_pages == 4 and cache.num_cached_pages == 0
+    assert [bool(cache.match(s).host_nodes) for s in seqs] == [False, False, True, True]
+    assert cache.stats.host_evicted_pages == 4 and cache.stats.offloaded_pages == 8
+
+
+def test_page_runs_merge_consecutive_pages_on_both_sides():
+    assert page_runs([3, 4, 5, 9], [10, 11, 12, 13]) == [(3, 10, 3), (9, 13, 1)]
+    assert page_runs([1, 2], [5, 7]) == [(1, 5, 1), (2, 7, 1)]
+
+
+# -- the engine ----------------------------------------------------------------------------------
+def converse(engine: Engine, openers: list[list[int]], turns: int, follow: list[int]):
+    """Lockstep chats: each turn's prompt is the last prompt + its answer + `follow`."""
+    prompts, answers = [list(o) for o in openers], [[] for _ in openers]
+    for turn in range(turns):
+        if turn:
+            prompts = [p + a + [(x + turn) % 400 for x in follow] for p, a in zip(prompts, answers)]
+        rids = [engine.add_request(p, GREEDY) for p in prompts]
+        got = {r: [] for r in rids}
+        while engine.has_work:
+            for out in engine.step():
+                got[out.rid].extend(out.token_ids)
+            if engine.kv.cache.host is not None:
+                check_tree(engine.kv.cache)
+        answers = [got[r] for r in rids]
+        assert_idle_all_tiers(engine)
+        yield prompts, answers
+
+
+def test_conversations_larger_than_the_device_pool_come_back_from_the_host(model_dir):
+    openers = [[(7 * c + i) % 400 + 1 for i in range(22)] for c in range(5)]
+    follow = [5, 6, 7, 8, 9]
+    ref = make_engine(model_dir, pages=64, enable_prefix_cache=False)
+    tiered = make_engine(model_dir, pages=20, host_pages=120)  # 5 chats x ~10 pages: not on the device
+    roomy = make_engine(model_dir, pages=200)  # the same chats all on the device
+    assert tiered.kv.cache.host is not None and ref.kv.cache.host is None
+    for (p_ref, a_ref), (p_got, a_got), _ in zip(converse(ref, openers, 3, follow), converse(tiered, openers, 3, follow),
+                                                 converse(roomy, openers, 3, follow)):
+        assert p_ref == p_got and a_ref == a_got
+    # what the host tier held was loaded back, never recomputed for want of device room (a
+    # request whose prefix waits in the host tier waits for room instead); only retractions
+    # of the tiny pool (decode growth) recompute anything
+    assert tiered.stats.cached_tokens == roomy.stats.cached_tokens
+    extra = tiered.stats.prefill_tokens_computed - roomy.stats.prefill_tokens_computed
+    assert extra == 0 or (extra > 0 and tiered.scheduler.num_retracted > 0), (extra, tiered.scheduler.num_retracted)
+    st = tiered.kv.cache.stats
+    assert st.offloaded_pages > 0 and st.loaded_pages > 0 and st.host_hit_pages > 0
+    assert tiered.stats.host_cached_tokens > 0
+    assert tiered.stats.cached_tokens > tiered.stats.host_cached_tokens
+
+
+def test_without_a_host_tier_evicted_pages_are_gone(model_dir):
+    eng = make_engine(model_dir, pages=20)
+    openers = [[(3 * c + i) % 400 + 1 for i in range(22)] for c in range(5)]
+    for _ in converse(eng, openers, 2, [1, 2, 3]):
+        pass
+    assert eng.kv.cache.host is None and eng.kv.cache.stats.dropped_pages > 0
+    assert eng.stats.host_cached_tokens == 0
+
+
+def _split_turn(pre: Engine, dec: Engine, key: str, prompt: list[int], params):
+    """Prefill on `pre`; reserve on `dec` with the prompt's ids (held pages reused); copy
+    only the pages the reservation asks for; decode there. Returns (tokens, held, fresh)."""
+    rid = pre.add_request(prompt, params, prefill_only=True)
+    first = None
+    while pre.has_work:
+        for out in pre.step():
+            first = out.token_ids[0]
+    src = pre.get(rid).page_ids
+    res = dec.reserve(key, len(prompt), prompt_ids=prompt)
+    held = len(res.held_pages)
+    # the "transfer": only pages from `held` on
+    dec.pool.buffer[res.fresh_pages] = pre.pool.buffer[src[held:held + len(res.fresh_pages)]]
+    pre.release_held(rid)
+    drid = dec.add_prefilled(key, prompt, first, SamplingParams(**vars(params)), seed=None)
+    toks = [first]
+    while dec.has_work:
+        for out in dec.step():
+            if out.rid == drid:
+                toks.extend(out.token_ids)
+    return toks, held, len(res.fresh_pages)
+
+
+@pytest.mark.parametrize("dec_pages,host_pages", [(64, 0), (20, 64)])
+def test_split_turns_move_only_what_decode_lacks(model_dir, dec_pages, host_pages):
+    """Turn 2+ of a chat: decode holds the last turn's prompt and answer, so the writer
+    fills only the new tail; with a small device pool the held pages come from the host."""
+    pre = make_engine(model_dir, pages=64)
+    dec = make_engine(model_dir, pages=dec_pages, host_pages=host_pages)
+    hf = load_hf(model_dir, torch.float64)
+    prompt = [(11 * i) % 300 + 3 for i in range(30)]
+    moved = []
+    for turn in range(3):
+        toks, held, fresh = _split_turn(pre, dec, f"r{turn}", prompt, GREEDY)
+        assert toks == hf_greedy(hf, prompt, GREEDY.max_tokens)
+        moved.append(fresh / dec.kv.pages_for(len(prompt)))
+        if turn:
+            assert held >= (len(prompt) - 12) // PS - 1, "decode kept the last turn"
+        assert_idle_all_tiers(pre)
+        assert_idle_all_tiers(dec)
+        if host_pages:  # push this conversation off the device between turns
+            dec.kv.cache.evict(dec.kv.cache.num_cached_pages)
+        prompt = prompt + toks + [7, 8, 9, 10, 11]
+    assert moved[0] == 1.0 and max(moved[1:]) < 0.4
+    if host_pages:
+        assert dec.kv.cache.stats.loaded_pages > 0
+
+
+def test_a_cancelled_reservation_unlocks_its_held_prefix(model_dir):
+    dec = make_engine(model_dir, pages=32)
+    prompt = list(range(1, 19))
+    for _ in converse(dec, [prompt], 1, []):
+        pass
+    res = dec.reserve("r", len(prompt) + 4, prompt_ids=prompt + [1, 2, 3, 4])
+    assert len(res.held_pages) == 4 and dec.kv.cache.num_locked_pages == 4
+    assert dec.cancel_reservation("r")
+    assert_idle_all_tiers(dec)
+
+
+def test_kv_events_follow_pages_through_the_tiers():
+    from shared.registry.kv_events import KvEventBuffer
+    layout = KVLayout(num_pages=6, num_layers=1, num_kv_heads=1, page_size=PS, head_dim=2, dtype=torch.float32)
+    pool = KVPool(layout, torch.device("cpu"))
+    alloc = PageAllocator(layout.num_pages)
+    events = KvEventBuffer()
+    cache = RadixCache(alloc, PS, events=events, host=HostKVTier(pool.buffer, layout, num_pages=2))
+    tokens = list(range(2 * PS))
+    cache.insert(tokens, alloc.allocate(2))
+    held = events.snapshot()
+    assert len(held) == 2 and events.num_host_only == 0
+    cache.evict(2)  # device -> host: still held, now host-only
+    assert sorted(events.snapshot()) == sorted(held) and events.num_host_only == 2
+    m = cache.match(tokens)
+    cache.lock(m.deepest)
+    cache.load_back(m, alloc.allocate)  # back on the device
+    cache.unlock(m.deepest)
+    assert events.num_host_only == 0
+    cache.evict(2)
+    cache._evict_host(2)  # and gone
+    assert len(events) == 0 and events.num_host_only == 0

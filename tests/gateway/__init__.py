@@ -1,0 +1,1 @@
+"""gateway tests (tests/README.md says what each folder holds)."""

@@ -1,0 +1,223 @@
+"""Admission by work (services/gateway/http_edge/admission.py): units of sequences and KV
+tokens against a budget, fair turns across API keys (or requests), a per-request bound on
+running sequences, and "can never fit a live worker" refused with a 400 before anything is
+sent. The queue is driven directly for its decisions, and through a real uvicorn server
+with a ScriptedBackend (slow tokens) for the HTTP behaviour: a prompt list cannot starve
+another client's one-token request."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from services.gateway.backends.capacity import WorkerCapacity
+from services.gateway.http_edge.admission import AdmissionQueue, AdmissionRefused, Budget, Work
+from services.gateway.http_edge.app import build_app
+from services.gateway.http_edge.limits_config import GatewayLimits
+from services.gateway.http_edge.metrics import GatewayMetrics
+from services.gateway.openai_api.endpoints import GatewayContext
+from services.gateway.openai_api.prompt_builder import PromptBuilder
+from tests.helpers.openai_schema import validate
+from tests.helpers.gateway_support import ScriptedBackend, UvicornThread, byte_level_tokenizer_dir, wait_until
+
+MODEL = "tiny"
+CONTEXT = 256
+
+
+# --- the queue's decisions -----------------------------------------------------------------
+
+
+def test_units_weigh_sequences_and_tokens_against_the_budget():
+    async def fair_line():
+        q = AdmissionQueue(10, 10, 5.0, budget=lambda: Budget(sequences=8, tokens=1000))
+        a = await q.ticket().acquire(Work(6, 100))
+        b = asyncio.create_task(q.ticket().acquire(Work(4, 100)))  # 6 + 4 > 8 sequences: waits
+        await asyncio.sleep(0.01)
+        assert not b.done() and (q.queued, q.running.sequences, q.waiting_sequences) == (1, 6, 4)
+        c = asyncio.create_task(q.ticket().acquire(Work(2, 100)))  # would fit, but b is first in line
+        await asyncio.sleep(0.01)
+        assert not b.done() and not c.done()
+        a.release()  # 4 + 2 fit now: both go, in order
+        await asyncio.wait_for(asyncio.gather(b, c), 1)
+        assert (q.running.sequences, q.running.tokens) == (6, 200)
+        tokens = AdmissionQueue(10, 10, 5.0, budget=lambda: Budget(sequences=100, tokens=300))
+        x = await tokens.ticket().acquire(Work(1, 250))
+        y = asyncio.create_task(tokens.ticket().acquire(Work(1, 100)))  # 350 tokens > 300: waits
+        await asyncio.sleep(0.01)
+        assert not y.done()
+        x.release()
+        await asyncio.wait_for(y, 1)
+        alone = AdmissionQueue(10, 10, 5.0, budget=lambda: Budget(sequences=4, tokens=10))
+        big = await asyncio.wait_for(alone.ticket().acquire(Work(128, 10_000)), 1)  # alone, anything runs
+        big.release()
+    asyncio.run(fair_line())
+
+
+def test_prompt_tokens_count_until_their_first_token():
+    """The prefill budget: a unit's prompt counts from its grant to its first token, so the
+    prefill workers' queue stays a couple of steps long and the order is decided here."""
+    async def go():
+        q = AdmissionQueue(10, 10, 5.0, budget=lambda: Budget(sequences=100, prefill_tokens=100))
+        a = await q.ticket().acquire(Work(1, 90, 80))
+        b = asyncio.create_task(q.ticket().acquire(Work(1, 60, 50)))  # 80 + 50 > 100 prompt tokens
+        await asyncio.sleep(0.01)
+        assert not b.done() and q.running.prefill_tokens == 80
+        a.prefilled()  # a's first token: its prompt is done, its sequence still runs
+        b_grant = await asyncio.wait_for(b, 1)
+        assert (q.running.sequences, q.running.prefill_tokens) == (2, 50)
+        a.prefilled()  # idempotent
+        a.release()
+        b_grant.release()  # never prefilled (it failed first): its prompt tokens go back too
+        assert (q.running.sequences, q.running.tokens, q.running.prefill_tokens) == (0, 0, 0)
+        huge = await asyncio.wait_for(q.ticket().acquire(Work(1, 10, 5000)), 1)  # alone, any prompt runs
+        huge.release()
+    asyncio.run(go())
+
+
+def test_fair_turns_across_api_keys_and_a_bound_per_request():
+    async def go():
+        q = AdmissionQueue(10, 10, 5.0, budget=lambda: Budget(sequences=4), max_request_share=0.75)
+        big = q.ticket("key-a")
+        grants = [await big.acquire(Work(1, 10))]
+        more = [asyncio.create_task(big.acquire_more(Work(1, 10))) for _ in range(7)]
+        await asyncio.sleep(0.01)
+        assert sum(t.done() for t in more) == 2  # the request's own bound: 3 running of its 8
+        assert q.running.sequences == 3 and q.waiting_sequences == 5
+        victim_ticket, later_ticket = q.ticket("key-b"), q.ticket("key-b")
+        victim = asyncio.create_task(victim_ticket.acquire(Work(1, 10)))
+        await asyncio.sleep(0.01)
+        assert victim.done()  # room in the budget (4), and key-b's share is 0
+        grants += [t.result() for t in more if t.done()]
+        # the budget is full now (4); key-a's waiting unit and a second key-b request queue
+        later = asyncio.create_task(later_ticket.acquire(Work(1, 10)))
+        await asyncio.sleep(0.01)
+        grants[0].release()  # room for one: key-b holds 1 of 4, key-a 2: key-b goes first
+        await asyncio.sleep(0.01)
+        assert later.done() and sum(t.done() for t in more) == 2
+        victim_ticket.release()  # the request ends: its grant goes back
+        await asyncio.sleep(0.01)
+        assert sum(t.done() for t in more) == 3  # then key-a's next prompt
+        big.release()  # the request ends: its waiting prompts are cancelled by their tasks
+        for t in more:
+            t.cancel()
+        await asyncio.gather(*more, return_exceptions=True)
+        later_ticket.release()
+        assert (q.active, q.places, q.queued, q.running.sequences, q.running.tokens, q.waiting_sequences) == \
+            (0, 0, 0, 0, 0, 0)
+        # one key, two requests: its small request does not wait behind its own prompt list
+        same = q.ticket("key-c")
+        await same.acquire(Work(1, 10))
+        rest = [asyncio.create_task(same.acquire_more(Work(1, 10))) for _ in range(5)]
+        other = q.ticket("key-d")
+        await asyncio.sleep(0.01)
+        await other.acquire(Work(1, 10))  # the budget's 4th sequence
+        small = asyncio.create_task(q.ticket("key-c").acquire(Work(1, 10)))
+        await asyncio.sleep(0.01)
+        assert not small.done() and sum(t.done() for t in rest) == 2  # bound 3, budget 4: full
+        next(t for t in rest if t.done()).result().release()
+        await asyncio.sleep(0.01)
+        assert small.done() and sum(t.done() for t in rest) == 2
+        same.release()
+        other.release()
+        for t in rest:
+            t.cancel()
+        await asyncio.gather(*rest, return_exceptions=True)
+    asyncio.run(go())
+
+
+def test_no_place_is_refused_at_once_and_a_refused_ticket_holds_nothing():
+    async def go():
+        q = AdmissionQueue(1, 1, 0.05)
+        a = q.ticket()
+        await a.acquire()
+        b = q.ticket()
+        with pytest.raises(AdmissionRefused):  # waits 50 ms for the only slot
+            await b.acquire()
+        assert (q.places, q.active, q.queued, q.refused) == (1, 1, 0, 1)
+        q.queue_timeout_s = 5.0
+        waiting = asyncio.create_task(q.ticket().acquire())
+        await asyncio.sleep(0.01)
+        started = time.monotonic()
+        with pytest.raises(AdmissionRefused):  # both places taken: no wait at all
+            q.ticket().hold_place()
+        assert time.monotonic() - started < 0.01
+        a.release()
+        await waiting
+    asyncio.run(go())
+
+
+# --- over HTTP ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    return PromptBuilder.from_model_dir(byte_level_tokenizer_dir(tmp_path_factory.mktemp("tok"), CONTEXT))
+
+
+def _server(prompts, limits: GatewayLimits, capacity=()):
+    backend = ScriptedBackend(script=prompts.tokenizer.encode("slow words", add_special_tokens=False),
+                              eos_token_id=prompts.tokenizer.eos_token_id, max_context_len=CONTEXT,
+                              capacity=list(capacity))
+    ctx = GatewayContext(backend, prompts, GatewayMetrics(), MODEL, CONTEXT, limits=limits)
+    return backend, ctx, UvicornThread(build_app(ctx))
+
+
+def test_a_prompt_list_cannot_starve_a_one_token_request(prompts):
+    """12 prompts against a budget of 4 sequences (the live workers' batch capacity): at most
+    4 run at once, and a one-token request that arrives while they run is served within a
+    prompt's time, long before the list ends."""
+    capacity = [WorkerCapacity("decode", 1000, 16, 4), WorkerCapacity("prefill", 1000, 16, 4)]
+    backend, ctx, server = _server(prompts, GatewayLimits(max_request_share=1.0), capacity)
+    backend.delay_s = 0.1  # ~11 tokens: a prompt runs ~1.1 s; the list 3 rounds of 4
+
+    async def go(base_url):
+        async with httpx.AsyncClient(base_url=base_url, timeout=30) as http:
+            big = asyncio.create_task(http.post("/v1/completions", json={
+                "prompt": [f"prompt {i}" for i in range(12)], "max_tokens": 12}))
+            await asyncio.to_thread(wait_until, lambda: ctx.admission.running.sequences == 4, 5)
+            started = time.monotonic()
+            small = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+            small_s = time.monotonic() - started
+            big = await big
+            return big, small, small_s, time.monotonic() - started
+    with server:
+        big, small, small_s, big_s = asyncio.run(go(server.base_url))
+    assert small.status_code == 200 and big.status_code == 200, (small.text, big.text)
+    assert len(big.json()["choices"]) == 12
+    assert backend.peak_running == 4  # never more than the budget
+    # its turn came with the first free place, in the list's second round of 4 (first come,
+    # first served it would follow all 12 prompts), so it took about one prompt's time
+    order = [r.request_id.startswith(big.json()["id"]) for r in backend.requests]
+    assert order.index(False) < 8, order
+    assert small_s < 1.6 and small_s < big_s / 2, (small_s, big_s)
+    assert (ctx.admission.active, ctx.admission.running.sequences, ctx.admission.waiting_sequences) == (0, 0, 0)
+
+
+def test_what_can_never_fit_a_live_worker_is_a_400_before_anything_is_sent(prompts):
+    capacity = [WorkerCapacity("decode", 8, 16, 4), WorkerCapacity("prefill", 8, 16, 4, 256)]  # 128 tokens
+    backend, ctx, server = _server(prompts, GatewayLimits(), capacity)
+    with server:
+        url = server.base_url
+        cases = [({"prompt": "hello", "max_tokens": 200}, "/v1/completions", "max_tokens"),
+                 ({"prompt": ["a", "hello " * 20], "max_tokens": 100}, "/v1/completions", "max_tokens"),
+                 ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 20, "n": 8},
+                  "/v1/chat/completions", "max_completion_tokens"),
+                 ({"input": "hi", "max_output_tokens": 200}, "/v1/responses", "max_output_tokens")]
+        for body, path, param in cases:
+            started = time.monotonic()
+            r = httpx.post(url + path, json={"model": MODEL, **body}, timeout=10)
+            assert r.status_code == 400, r.text
+            validate(r.json(), "ErrorResponse")
+            assert r.json()["error"]["param"] == param and r.json()["error"]["code"] == "kv_capacity_exceeded"
+            assert time.monotonic() - started < 2
+        assert backend.requests == []  # nothing reached the backend, not even the list's first prompt
+        ok = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 100})
+        assert ok.status_code == 200, ok.text  # 5 + 100 tokens: 7 pages of 8
+    metrics = ctx.metrics.exposition().decode()
+    for gauge in ("duet_gateway_running_sequences", "duet_gateway_waiting_sequences", "duet_gateway_running_tokens",
+                  "duet_gateway_sequence_budget 4.0", "duet_gateway_token_budget 0.0",
+                  "duet_gateway_prefilling_tokens 0.0", "duet_gateway_prefill_budget 512.0"):
+        assert gauge in metrics, gauge

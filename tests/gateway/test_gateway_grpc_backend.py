@@ -1,0 +1,389 @@
+"""The gateway's gRPC backend (route, reserve on decode, prefill, decode stream, release)
+through a real uvicorn server, the real Router over a real Redis registry, and real gRPC to
+Prefill/Decode servicers.
+
+The prefill and decode servicers here are scripted stand-ins that speak duet.proto (the
+engine-backed workers are tested on their own); they record every call, cancellation and
+reservation so the tests can check what the gateway owes them: reservation cancelled
+when the first token ends the request, RPCs cancelled when the client leaves, router
+load released on every path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import threading
+
+import grpc
+import httpx
+import openai
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+
+from protos import duet_pb2, duet_pb2_grpc
+from services.gateway.backends.grpc_workers import GrpcBackend, GrpcBackendConfig
+from services.gateway.http_edge.app import build_app
+from services.gateway.http_edge.metrics import GatewayMetrics
+from services.gateway.openai_api.endpoints import GatewayContext
+from services.gateway.openai_api.prompt_builder import PromptBuilder
+from services.router.config import RouterConfig
+from services.router.server import RouterServer
+from shared.registry.config import RegistryConfig
+from shared.registry.publisher import WorkerPublisher
+from shared.registry.worker_info import WorkerInfo, WorkerLoad
+from tests.helpers.openai_schema import validate
+from tests.helpers.redis_server import RedisServer
+from tests.helpers.gateway_support import UvicornThread, byte_level_tokenizer_dir, wait_until
+
+MODEL = "tiny"
+CONTEXT = 256
+PAGE = 4
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+class LoopThread:
+    """An asyncio loop in a thread, for the servers the gateway talks to."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 30):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+class Script:
+    """What the stand-in workers generate and what they saw."""
+
+    def __init__(self, eos: int):
+        self.eos = eos
+        self.tokens: list[int] = []
+        self.prefill_finish = duet_pb2.FINISH_REASON_UNSPECIFIED
+        self.reserve_error: grpc.StatusCode | None = None
+        self.prefill_delay_s = 0.0
+        self.decode_delay_s = 0.0
+        self.calls: list[tuple[str, object]] = []
+        self.cancelled_rpcs: list[str] = []
+        self.metadata: list[dict] = []
+        self.reservations = itertools.count(1)
+
+    def reset(self):
+        self.prefill_finish = duet_pb2.FINISH_REASON_UNSPECIFIED
+        self.reserve_error = None
+        self.prefill_delay_s = self.decode_delay_s = 0.0
+        self.calls.clear()
+        self.cancelled_rpcs.clear()
+        self.metadata.clear()
+
+    def names(self) -> list[str]:
+        return [name for name, _ in self.calls]
+
+    def note(self, name, request, context):
+        self.calls.append((name, request))
+        self.metadata.append(dict(context.invocation_metadata() or ()))
+
+
+class StandInDecode(duet_pb2_grpc.DecodeServicer):
+    def __init__(self, script: Script):
+        self.s = script
+
+    async def Reserve(self, request, context):
+        self.s.note("Reserve", request, context)
+        if self.s.reserve_error is not None:
+            await context.abort(self.s.reserve_error, "no free KV pages within 50 ms")
+        return duet_pb2.Reservation(reservation_id=next(self.s.reservations), generation=1,
+                                    decode_worker_id="decode-1", page_size=PAGE)
+
+    async def Cancel(self, request, context):
+        self.s.note("Cancel", request, context)
+        return duet_pb2.CancelReply(cancelled=True)
+
+    async def Generate(self, request, context):
+        self.s.note("Generate", request, context)
+        want = request.sampling.logprobs
+        start = 1 if request.HasField("reservation") else 0  # split: prefill made token 0
+        tokens = self.s.tokens + [self.s.eos]
+        limit = request.sampling.max_tokens
+        try:
+            for n in range(start, min(len(tokens), limit)):
+                if self.s.decode_delay_s:
+                    await asyncio.sleep(self.s.decode_delay_s)
+                token = duet_pb2.Token(id=tokens[n], logprob=-0.5 if want else 0.0)
+                done = n == len(tokens) - 1 or n + 1 >= limit
+                if not done:
+                    yield duet_pb2.TokenChunk(tokens=[token])
+                    continue
+                reason = duet_pb2.FINISH_REASON_STOP if tokens[n] == self.s.eos else duet_pb2.FINISH_REASON_LENGTH
+                yield duet_pb2.TokenChunk(tokens=[token], finish_reason=reason,
+                                          usage=duet_pb2.Usage(prompt_tokens=len(request.prompt_token_ids),
+                                                               completion_tokens=n + 1, cached_tokens=0))
+                return
+        except asyncio.CancelledError:
+            self.s.cancelled_rpcs.append("Generate")
+            raise
+
+
+class StandInPrefill(duet_pb2_grpc.PrefillServicer):
+    def __init__(self, script: Script):
+        self.s = script
+
+    async def Prefill(self, request, context):
+        self.s.note("Prefill", request, context)
+        try:
+            if self.s.prefill_delay_s:
+                await asyncio.sleep(self.s.prefill_delay_s)
+        except asyncio.CancelledError:
+            self.s.cancelled_rpcs.append("Prefill")
+            raise
+        tokens = self.s.tokens + [self.s.eos]
+        finish = self.s.prefill_finish
+        if request.sampling.max_tokens == 1 and finish == duet_pb2.FINISH_REASON_UNSPECIFIED:
+            finish = duet_pb2.FINISH_REASON_LENGTH
+        return duet_pb2.PrefillReply(first_token=duet_pb2.Token(id=tokens[0], logprob=-0.5),
+                                     cached_tokens=4, computed_tokens=len(request.prompt_token_ids) - 4,
+                                     finish_reason=finish)
+
+
+class Cluster:
+    """Redis + router + stand-in workers (registered in the registry) on one loop thread."""
+
+    def __init__(self, eos: int):
+        self.redis = RedisServer()
+        self.script = Script(eos)
+        self.loop = LoopThread()
+        self.registry = None
+
+    def __enter__(self):
+        self.redis.start()
+        self.registry = RegistryConfig(redis_url=self.redis.url, ttl_s=2.0, heartbeat_interval_s=0.3,
+                                       scan_interval_s=0.3, socket_timeout_s=0.5)
+        self.loop.run(self._start())
+        return self
+
+    async def _start(self):
+        self.workers = grpc.aio.server()
+        duet_pb2_grpc.add_DecodeServicer_to_server(StandInDecode(self.script), self.workers)
+        duet_pb2_grpc.add_PrefillServicer_to_server(StandInPrefill(self.script), self.workers)
+        self.worker_port = self.workers.add_insecure_port("127.0.0.1:0")
+        await self.workers.start()
+        self.router = RouterServer(RouterConfig(host="127.0.0.1", port=0, metrics_port=0, model=MODEL,
+                                                registry=self.registry))
+        await self.router.start()
+        self.publishers = {}
+
+    def add_worker(self, worker_id: str, role: str):
+        info = WorkerInfo(worker_id=worker_id, role=role, address=f"127.0.0.1:{self.worker_port}", model=MODEL,
+                          page_size=PAGE, compat_hash="c1", load=WorkerLoad(free_pages=1000, total_pages=1000))
+
+        async def add():
+            publisher = WorkerPublisher(info, self.registry)
+            await publisher.start()
+            assert await publisher.wait_registered(5)
+            self.publishers[worker_id] = publisher
+            assert await self.router.watcher.wait_for(lambda w: w.is_live(worker_id), 5)
+
+        self.loop.run(add())
+
+    def remove_worker(self, worker_id: str):
+        async def remove():
+            await self.publishers.pop(worker_id).stop()
+            assert await self.router.watcher.wait_for(lambda w: not w.is_live(worker_id), 5)
+
+        self.loop.run(remove())
+
+    def router_inflight(self) -> dict:
+        return self.loop.run(_call(self.router.service.inflight.per_worker))
+
+    def __exit__(self, *exc):
+        async def stop():
+            for publisher in self.publishers.values():
+                await publisher.stop()
+            await self.router.stop()
+            await self.workers.stop(0)
+
+        try:
+            self.loop.run(stop())
+        finally:
+            self.loop.close()
+            self.redis.stop()
+
+
+async def _call(fn):
+    return fn()
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    return PromptBuilder.from_model_dir(byte_level_tokenizer_dir(tmp_path_factory.mktemp("tok"), CONTEXT))
+
+
+@pytest.fixture(scope="module")
+def cluster(prompts):
+    with Cluster(prompts.tokenizer.eos_token_id) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def spans():
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider, exporter
+
+
+@pytest.fixture(scope="module")
+def gateway(cluster, prompts, spans):
+    backend = GrpcBackend(GrpcBackendConfig(router_address=f"127.0.0.1:{cluster.router.port}", model=MODEL,
+                                            max_context_len=CONTEXT, redis_url=cluster.redis.url,
+                                            reserve_timeout_ms=50, rpc_timeout_s=30))
+    ctx = GatewayContext(backend, prompts, GatewayMetrics(), MODEL, CONTEXT, tracer=spans[0].get_tracer("test"))
+    with UvicornThread(build_app(ctx)) as server:
+        yield server
+
+
+@pytest.fixture
+def client(gateway):
+    with openai.OpenAI(base_url=gateway.base_url + "/v1", api_key="none", max_retries=0) as c:
+        yield c
+
+
+@pytest.fixture
+def reply(cluster, prompts):
+    cluster.script.reset()
+
+    def set_reply(text: str) -> list[int]:
+        cluster.script.tokens = prompts.tokenizer.encode(text, add_special_tokens=False)
+        return cluster.script.tokens
+
+    return set_reply
+
+
+def test_health_waits_for_a_decode_worker_then_split_path(gateway, cluster, client, reply, spans):
+    assert httpx.get(gateway.base_url + "/health").status_code == 503  # router up, no workers yet
+    with pytest.raises(openai.APIStatusError) as info:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES)
+    assert info.value.status_code == 503
+    cluster.add_worker("prefill-1", "prefill")
+    cluster.add_worker("decode-1", "decode")
+    assert wait_until(lambda: httpx.get(gateway.base_url + "/health").status_code == 200, timeout=5)
+
+    reply("Hello from two pools")
+    cluster.script.reset()
+    result = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=50)
+    assert result.choices[0].message.content == "Hello from two pools"
+    assert result.choices[0].finish_reason == "stop"
+    assert result.usage.prompt_tokens_details.cached_tokens == 4
+    s = cluster.script
+    assert s.names() == ["Reserve", "Prefill", "Generate"]
+    reserve, prefill, generate = (request for _, request in s.calls)
+    assert reserve.prompt_tokens == result.usage.prompt_tokens and reserve.max_tokens == 50
+    assert reserve.prefill_worker_id == "prefill-1"
+    assert prefill.reservation.reservation_id == generate.reservation.reservation_id
+    assert generate.first_token.id == s.tokens[0] and generate.prefill_worker_id == "prefill-1"
+    assert list(generate.prompt_token_ids) == list(prefill.prompt_token_ids)
+    assert wait_until(lambda: cluster.router_inflight() == {}, timeout=5), "router load not released"
+    # One trace: every RPC carried the gateway span's W3C context.
+    trace_ids = {m.get("traceparent", "").split("-")[1] for m in s.metadata if "traceparent" in m}
+    gateway_spans = [sp for sp in spans[1].get_finished_spans() if sp.name == "POST /v1/chat/completions"]
+    assert len(trace_ids) == 1 and f"{gateway_spans[-1].context.trace_id:032x}" in trace_ids
+
+
+def test_split_stream_schema_and_logprobs(gateway, cluster, reply):
+    reply("你好 😀 ok")
+    with httpx.Client(base_url=gateway.base_url, timeout=30) as http:
+        with http.stream("POST", "/v1/chat/completions", json={
+                "model": MODEL, "messages": MESSAGES, "stream": True, "logprobs": True,
+                "stream_options": {"include_usage": True}}) as response:
+            assert response.status_code == 200
+            lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    events = [json.loads(line[6:]) for line in lines[:-1]]
+    assert lines[-1] == "data: [DONE]"
+    for e in events:
+        validate(e, "CreateChatCompletionStreamResponse")
+    text = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
+    assert text == "你好 😀 ok"
+    logprobs = [lp for e in events for c in e["choices"] if c["logprobs"] for lp in c["logprobs"]["content"]]
+    assert len(logprobs) == events[-1]["usage"]["completion_tokens"]
+
+
+def test_first_token_ends_request_cancels_reservation(client, cluster, reply):
+    reply("Hello there")
+    result = client.completions.create(model=MODEL, prompt="x", max_tokens=1)
+    assert result.choices[0].finish_reason == "length" and result.usage.completion_tokens == 1
+    s = cluster.script
+    assert wait_until(lambda: s.names() == ["Reserve", "Prefill", "Cancel"], timeout=5), s.names()
+    assert s.calls[2][1].reservation_id == s.calls[1][1].reservation.reservation_id  # the prefill's
+    assert wait_until(lambda: cluster.router_inflight() == {}, timeout=5)
+
+
+def test_stop_string_in_first_token_cancels_reservation(client, cluster, reply, prompts):
+    tokens = reply("Hello there")
+    first_text = prompts.tokenizer.decode(tokens[:1])
+    result = client.completions.create(model=MODEL, prompt="x", max_tokens=20, stop=[first_text])
+    assert result.choices[0].text == "" and result.choices[0].finish_reason == "stop"
+    assert wait_until(lambda: cluster.script.names() == ["Reserve", "Prefill", "Cancel"], timeout=5), \
+        cluster.script.names()
+
+
+def test_decode_admission_refused_is_429(client, cluster, reply):
+    reply("nope")
+    cluster.script.reserve_error = grpc.StatusCode.RESOURCE_EXHAUSTED
+    with pytest.raises(openai.RateLimitError, match="no free KV pages"):
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True)
+    assert cluster.script.names() == ["Reserve"]
+    assert wait_until(lambda: cluster.router_inflight() == {}, timeout=5)
+
+
+def test_disconnect_during_decode_cancels_stream_and_reservation(gateway, cluster, reply):
+    reply("word " * 100)
+    cluster.script.decode_delay_s = 0.03
+    with httpx.Client(base_url=gateway.base_url, timeout=30) as http:
+        with http.stream("POST", "/v1/chat/completions",
+                         json={"model": MODEL, "messages": MESSAGES, "stream": True}) as response:
+            seen = 0
+            for line in response.iter_lines():
+                seen += '"content":' in line
+                if seen == 4:
+                    break
+    s = cluster.script
+    assert wait_until(lambda: "Generate" in s.cancelled_rpcs, timeout=5), "decode stream not cancelled"
+    assert wait_until(lambda: "Cancel" in s.names(), timeout=5)
+    assert wait_until(lambda: cluster.router_inflight() == {}, timeout=5)
+
+
+def test_disconnect_during_prefill_cancels_prefill_and_reservation(gateway, cluster, reply):
+    reply("slow prefill")
+    cluster.script.prefill_delay_s = 5
+    with httpx.Client(base_url=gateway.base_url, timeout=0.5) as http:
+        with pytest.raises(httpx.ReadTimeout):
+            http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+    s = cluster.script
+    assert wait_until(lambda: "Prefill" in s.cancelled_rpcs, timeout=3), "prefill RPC not cancelled"
+    assert wait_until(lambda: s.names() == ["Reserve", "Prefill", "Cancel"], timeout=3), s.names()
+    assert wait_until(lambda: cluster.router_inflight() == {}, timeout=5)
+
+
+def test_colocated_worker_gets_one_generate(client, cluster, reply):
+    cluster.remove_worker("prefill-1")
+    cluster.remove_worker("decode-1")
+    cluster.add_worker("both-1", "both")
+    try:
+        reply("all in one")
+        result = client.chat.completions.create(model=MODEL, messages=MESSAGES, seed=-5, temperature=0.5)
+        assert result.choices[0].message.content == "all in one"
+        assert cluster.script.names() == ["Generate"]
+        generate = cluster.script.calls[0][1]
+        assert not generate.HasField("reservation")
+        assert generate.sampling.seed == (-5) % (1 << 64) and abs(generate.sampling.temperature - 0.5) < 1e-6
+    finally:
+        cluster.remove_worker("both-1")

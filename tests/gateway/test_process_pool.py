@@ -1,0 +1,124 @@
+"""shared/process_pool: helper processes with a hard time budget per call. Real processes:
+results and the function's own errors come back as they are, a call past its budget kills
+its helper (the next call gets a fresh one), a dead helper or a failed setup is a
+CallFailed, calls from asyncio leave the event loop free, and a helper whose parent was
+killed exits on its own."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from shared.process_pool.pool import CallFailed, CallTimeout, ProcessPool
+
+pytestmark = pytest.mark.timeout(180)
+T = "tests.helpers.pool_targets"
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = ProcessPool("test", f"{T}:setup", ("tag",), processes=2)
+    yield p
+    p.close()
+
+
+def test_calls_return_results_and_raise_the_functions_errors(pool):
+    tag, value, calls, pid = pool.call_sync(f"{T}:echo", {"a": [1, 2]}, timeout_s=60)
+    assert (tag, value) == ("tag", {"a": [1, 2]}) and calls >= 1 and pid != os.getpid()
+    assert pool.call_sync(f"{T}:noisy", timeout_s=10) == "still fine"  # print() does not corrupt replies
+    with pytest.raises(ValueError, match="boom"):
+        pool.call_sync(f"{T}:fail", "boom", timeout_s=10)
+    assert pool.call_sync(f"{T}:echo", 2, timeout_s=10)[1] == 2  # the helper kept serving
+
+
+def test_a_call_past_its_budget_kills_its_helper_and_the_next_call_gets_a_fresh_one(pool):
+    pool.call_sync(f"{T}:echo", 0, timeout_s=60)
+    timeouts = pool.stats.timeouts
+    started = time.monotonic()
+    with pytest.raises(CallTimeout):
+        pool.call_sync(f"{T}:spin", 30.0, timeout_s=0.5)
+    assert time.monotonic() - started < 5
+    assert pool.stats.timeouts == timeouts + 1
+    live = {c.pid for c in psutil.Process().children() if "shared.process_pool.child" in " ".join(c.cmdline())}
+    assert len(live) <= pool.processes  # the killed one is gone (its replacement may be starting)
+    assert pool.call_sync(f"{T}:echo", 3, timeout_s=60)[1] == 3
+
+
+def test_a_dead_helper_and_a_failed_setup_are_call_failed(pool):
+    with pytest.raises(CallFailed) as dead:
+        pool.call_sync(f"{T}:die", timeout_s=30)
+    assert not dead.value.during_setup
+    assert pool.call_sync(f"{T}:echo", 4, timeout_s=60)[1] == 4
+    bad = ProcessPool("bad", f"{T}:bad_setup")
+    try:
+        with pytest.raises(CallFailed) as failed:
+            bad.call_sync(f"{T}:echo", 1, timeout_s=10)
+        assert failed.value.during_setup and "no such thing" in str(failed.value)
+    finally:
+        bad.close()
+
+
+def test_async_calls_leave_the_event_loop_free_and_queue_beyond_the_helpers(pool):
+    async def scenario():
+        gaps, stop = [], asyncio.Event()
+
+        async def ticker():
+            last = time.monotonic()
+            while not stop.is_set():
+                await asyncio.sleep(0.01)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+        tick = asyncio.create_task(ticker())
+        results = await asyncio.gather(*(pool.call(f"{T}:sleep", 0.3, timeout_s=30) for _ in range(4)))
+        stop.set()
+        await tick
+        return results, max(gaps)
+
+    pool.call_sync(f"{T}:echo", 0, timeout_s=60)  # helpers started outside the measurement
+    pool.prestart()
+    results, worst_gap = asyncio.run(scenario())
+    assert results == [0.3] * 4
+    assert worst_gap < 0.25, worst_gap
+
+
+def test_a_helper_exits_when_its_parent_is_killed(tmp_path):
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, time
+        from shared.process_pool.pool import ProcessPool
+        pool = ProcessPool("orphan", "{T}:setup", ("x",))
+        print(pool.call_sync("{T}:echo", 1, timeout_s=60)[3], flush=True)
+        pool.call_sync("{T}:sleep", 600, timeout_s=900)
+    """))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        helper = psutil.Process(int(parent.stdout.readline()))
+        time.sleep(0.5)  # the helper is in its long call now
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(10)
+        helper.wait(10)  # psutil.TimeoutExpired if it outlived its parent
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+
+
+def test_stop_kills_the_helpers_and_the_pool_starts_fresh_ones_after():
+    pool = ProcessPool("stoppable", f"{T}:setup", ("s",), processes=1)
+    try:
+        first = psutil.Process(pool.call_sync(f"{T}:echo", 1, timeout_s=60)[3])
+        pool.stop()
+        first.wait(10)  # gone
+        assert pool.call_sync(f"{T}:echo", 2, timeout_s=60)[3] != first.pid
+    finally:
+        pool.close()

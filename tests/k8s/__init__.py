@@ -1,0 +1,1 @@
+"""k8s tests (tests/README.md says what each folder holds)."""

@@ -1,0 +1,1 @@
+"""kernels tests (tests/README.md says what each folder holds)."""

@@ -1,0 +1,64 @@
+"""rms_norm (plain and fused with the residual add): Triton vs the torch
+reference, and the reference vs a float64 formula and HF's LlamaRMSNorm."""
+
+import pytest
+import torch
+
+from loadtest.bench.accuracy import fill_nan_, relative_error
+from kernels.rms_norm import rms_norm_reference
+from tests.helpers.kernel_dtypes import ELEMENTWISE_TOLERANCE, case_generator, kernel_dtypes
+
+TARGET = "kernels.rms_norm:rms_norm"
+CUDA = torch.cuda.is_available()
+
+
+def _inputs(rows, width, dtype, device):
+    g = case_generator(rows, width, dtype)
+    x = (torch.randn(rows, width, generator=g) * 3).to(device, dtype)
+    residual = torch.randn(rows, width, generator=g).to(device, dtype)
+    weight = (1 + 0.1 * torch.randn(width, generator=g)).to(device, dtype)
+    return x, residual, weight
+
+
+@pytest.mark.parametrize("dtype", kernel_dtypes())
+@pytest.mark.parametrize("rows,width", [(1, 64), (7, 1000), (33, 4096)])
+@pytest.mark.parametrize("fused", [False, True])
+def test_triton_matches_reference(runner, dtype, rows, width, fused):
+    x, residual, weight = _inputs(rows, width, dtype, runner.device)
+    out = fill_nan_(torch.empty_like(x))
+    if fused:
+        h = fill_nan_(torch.empty_like(x))
+        runner(TARGET, x, weight, 1e-6, residual, out=out, residual_out=h)
+        ref_out, ref_h = rms_norm_reference(x, weight, 1e-6, residual)
+        assert torch.equal(h, ref_h)  # the add is rounded to dtype the same way
+    else:
+        runner(TARGET, x, weight, 1e-6, out=out)
+        ref_out = rms_norm_reference(x, weight, 1e-6)
+    assert torch.isfinite(out).all()
+    assert relative_error(out, ref_out) < ELEMENTWISE_TOLERANCE[dtype]
+
+
+def test_fused_in_place_residual_and_3d_input(runner):
+    x, residual, weight = _inputs(12, 256, torch.float32, runner.device)
+    x3, r3 = x.view(3, 4, 256), residual.clone().view(3, 4, 256)
+    out, h = runner(TARGET, x3, weight, 1e-5, r3, residual_out=r3)
+    ref_out, ref_h = rms_norm_reference(x3, weight, 1e-5, residual.view(3, 4, 256))
+    assert out.shape == (3, 4, 256)
+    assert torch.equal(r3, ref_h) and torch.equal(h, ref_h)
+    assert relative_error(out, ref_out) < 1e-5
+
+
+def test_reference_matches_float64_formula_and_hf():
+    x, residual, weight = _inputs(5, 300, torch.float64, torch.device("cpu"))
+    ref = rms_norm_reference(x, weight, 1e-6)
+    naive = torch.stack([row / (row.pow(2).sum() / row.numel() + 1e-6).sqrt() * weight for row in x])
+    assert relative_error(ref, naive) < 1e-6
+    _, h = rms_norm_reference(x, weight, 1e-6, residual)
+    assert torch.equal(h, x + residual)
+
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    hf = LlamaRMSNorm(300, eps=1e-6)
+    hf.weight.data.copy_(weight.float())
+    x32 = x.float()
+    assert relative_error(rms_norm_reference(x32, weight.float(), 1e-6), hf(x32).detach()) < 1e-6

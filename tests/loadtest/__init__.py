@@ -1,0 +1,1 @@
+"""loadtest tests (tests/README.md says what each folder holds)."""

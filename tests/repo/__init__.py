@@ -1,0 +1,1 @@
+"""repo tests (tests/README.md says what each folder holds)."""
