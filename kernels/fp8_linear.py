@@ -151,12 +151,20 @@ def _small_batch_config(x: torch.Tensor, w: Fp8Weight, gate_up: bool, config):
     if config is None:
         num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 8
         config = get_config(x.shape[0], w.q.shape[0], x.shape[1], 1, num_sms, gate_up, device_gpu_key(x.device))
+    from kernels.triton_small_batch_linear import fp8_sub_k
+
     block_k = config.block_k
-    while w.group_k % block_k:  # a tile row must sit inside one scale group
-        block_k //= 2
-    if block_k < 16:
+    if not config.use_dot and x.shape[0] == 1:
+        # the one-row CUDA-core path keeps one tile in flight (one stage): an FP8 tile twice as
+        # wide moves the bytes of the 16-bit tile the table was tuned with
+        block_k = min(2 * block_k, max(16, _next_power_of_2(x.shape[1])))
+    if fp8_sub_k(block_k, w.group_k) < 16:  # a sub-tile row must sit inside one scale group
         raise ValueError(f"no K tile of >= 16 columns divides the weight's scale group of {w.group_k}")
     return dataclasses.replace(config, block_k=block_k)
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
 
 def small_batch_fp8_linear(x: torch.Tensor, w: Fp8Weight, bias=None, out=None, config=None, workspace=None,

@@ -14,8 +14,10 @@ the epilogue, and resets the counter to 0, so every launch leaves the counters a
 found them. No host sync, no data-dependent allocation.
 
 FP8 weights (kernels/fp8_linear.py): the tile is widened to x's dtype in registers and each
-row's partial product scaled by its block scale (BLOCK_K divides the scale's K group, so a
-tile row has one): one byte a weight from memory, the rest as for 16-bit weights.
+row's partial product scaled by its block scale. A K tile may span several scale groups: it is
+read as SUB_K-column sub-tiles (SUB_K divides the group, so a sub-tile row has one scale), all
+issued in one unrolled step, so an FP8 tile keeps as many bytes in flight as a 16-bit one of
+half its width: one byte a weight from memory, the rest as for 16-bit weights.
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ def _small_batch_linear_kernel(
     x, w, bias, out, partials, counters, w_scale, scale_row,
     M, N, K, up_elems, k_blocks_per_split, split_k, group_k,
     stride_xm, stride_wn, stride_om, stride_ws,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, GATE_UP: tl.constexpr, SPLIT: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE_ELEMS: tl.constexpr, FP8: tl.constexpr,
@@ -97,7 +99,7 @@ def _small_batch_linear_kernel(
     rows = tl.minimum(rn, N - 1).to(tl.int64)
     rm = tl.arange(0, BLOCK_M)
     m_ok = rm < M
-    rk = tl.arange(0, BLOCK_K)
+    rk = tl.arange(0, SUB_K)
     k_start = split * k_blocks_per_split * BLOCK_K
     k_end = tl.minimum(k_start + k_blocks_per_split * BLOCK_K, K)
     if PDL:
@@ -119,29 +121,31 @@ def _small_batch_linear_kernel(
         s_ptrs = w_scale + tl.load(scale_row + rows).to(tl.int64) * stride_ws
         if GATE_UP:
             su_ptrs = w_scale + tl.load(scale_row + rows + N).to(tl.int64) * stride_ws
-    acc = _zeros(BLOCK_N, BLOCK_M, BLOCK_K, USE_DOT)
-    acc_up = _zeros(BLOCK_N, BLOCK_M, BLOCK_K, USE_DOT)
+    acc = _zeros(BLOCK_N, BLOCK_M, SUB_K, USE_DOT)
+    acc_up = _zeros(BLOCK_N, BLOCK_M, SUB_K, USE_DOT)
     for k0 in range(k_start, k_end, BLOCK_K):
-        if EVEN_K:
-            xt = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
-            wt = tl.load(w_ptrs + k0)
-        else:
-            k_ok = (k0 + rk) < K
-            xt = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            wt = tl.load(w_ptrs + k0, mask=k_ok[None, :], other=0.0)
-        if FP8:
-            acc = _mac_fp8(acc, wt, xt, tl.load(s_ptrs + k0 // group_k), USE_DOT, DOT_PRECISION)
-        else:
-            acc = _mac(acc, wt, xt, USE_DOT, DOT_PRECISION)
-        if GATE_UP:
+        for sub in tl.static_range(BLOCK_K // SUB_K):  # one sub-tile for 16-bit weights
+            ks = k0 + sub * SUB_K
             if EVEN_K:
-                ut = tl.load(u_ptrs + k0)
+                xt = tl.load(x_ptrs + ks, mask=m_ok[:, None], other=0.0)
+                wt = tl.load(w_ptrs + ks)
             else:
-                ut = tl.load(u_ptrs + k0, mask=((k0 + rk) < K)[None, :], other=0.0)
+                k_ok = (ks + rk) < K
+                xt = tl.load(x_ptrs + ks, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                wt = tl.load(w_ptrs + ks, mask=k_ok[None, :], other=0.0)
             if FP8:
-                acc_up = _mac_fp8(acc_up, ut, xt, tl.load(su_ptrs + k0 // group_k), USE_DOT, DOT_PRECISION)
+                acc = _mac_fp8(acc, wt, xt, tl.load(s_ptrs + ks // group_k), USE_DOT, DOT_PRECISION)
             else:
-                acc_up = _mac(acc_up, ut, xt, USE_DOT, DOT_PRECISION)
+                acc = _mac(acc, wt, xt, USE_DOT, DOT_PRECISION)
+            if GATE_UP:
+                if EVEN_K:
+                    ut = tl.load(u_ptrs + ks)
+                else:
+                    ut = tl.load(u_ptrs + ks, mask=((ks + rk) < K)[None, :], other=0.0)
+                if FP8:
+                    acc_up = _mac_fp8(acc_up, ut, xt, tl.load(su_ptrs + ks // group_k), USE_DOT, DOT_PRECISION)
+                else:
+                    acc_up = _mac(acc_up, ut, xt, USE_DOT, DOT_PRECISION)
     acc = _finish(acc, USE_DOT)
     acc_up = _finish(acc_up, USE_DOT)
 
@@ -168,6 +172,14 @@ def _small_batch_linear_kernel(
         _epilogue(acc, acc_up, bias, out, rn, rm, n_ok, m_ok, stride_om, HAS_BIAS, GATE_UP)
 
 
+def fp8_sub_k(block_k: int, group_k: int) -> int:
+    """The widest power-of-two sub-tile of a K tile that sits inside one scale group."""
+    sub = block_k
+    while group_k % sub:
+        sub //= 2
+    return sub
+
+
 def _block_m(m: int, use_dot: bool) -> int:
     block = 1
     while block < m:
@@ -181,7 +193,8 @@ def launch_small_batch_linear(x: torch.Tensor, w: torch.Tensor, bias, out: torch
     """x [M, K], w [N_w, K] (row stride free, last dim contiguous), out [M, N_out] with a
     contiguous last dim; N_out = N_w, or N_w // 2 for gate_up. workspace: a
     SmallBatchWorkspace or None (then split-K allocates its buffers per call).
-    fp8: a kernels.fp8.Fp8Weight whose q is w (cfg.block_k must divide its group_k)."""
+    fp8: a kernels.fp8.Fp8Weight whose q is w (a sub-tile of cfg.block_k must divide its
+    group_k: fp8_sub_k)."""
     m, k = x.shape
     n = out.shape[1]
     pdl = pdl_for(pdl, m)
@@ -208,6 +221,7 @@ def launch_small_batch_linear(x: torch.Tensor, w: torch.Tensor, bias, out: torch
         min(fp8.group_k, 1 << 30) if fp8 is not None else 1,
         x.stride(0), w.stride(0), out.stride(0), ws.stride(0) if fp8 is not None else 0,
         BLOCK_M=_block_m(m, use_dot), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        SUB_K=fp8_sub_k(cfg.block_k, fp8.group_k) if fp8 is not None else cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None, GATE_UP=gate_up, SPLIT=split_k > 1,
         USE_DOT=use_dot, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         PDL=pdl is not None, PREFETCH=min(pdl.prefetch_k_blocks, k_blocks_per_split) if pdl else 0,
