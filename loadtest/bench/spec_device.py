@@ -383,7 +383,7 @@ def main(argv=None) -> int:
     import torch
 
     from loadtest.bench.shapes import config_only_dir, hf_config
-    from loadtest.bench.suite import Report
+    from loadtest.bench.suite_context import Report
 
     budget = Budget(args.budget_s)
     cuda = torch.cuda.is_available()

@@ -2,7 +2,7 @@
 
     duet bench [--models qwen3-0.6b,qwen3-8b] [--sections ...] [--json out.json]
     duet bench --suite tp            # on a 2-GPU host: TP=2 equality, fused all-reduce, TP decode
-    duet bench --suite fp8 --budget-s 400   # FP8: accuracy, decode, GEMM, MoE, long-context KV (fp8_device.py)
+    duet bench --suite fp8 --budget-s 400   # FP8: accuracy, decode, GEMM, MoE, long-context KV (fp8_sections.py)
 
 Sections (single-GPU suite, in order): ceilings (copy bandwidth, bf16 matmul), equality
 (greedy tokens vs transformers, Qwen3 and Llama), decode (step time at batch 1/8/32/128,
@@ -28,25 +28,13 @@ import time
 import traceback
 from pathlib import Path
 
+from .suite_context import Report
+from .suite_context import measure_ceilings as _ceilings
+from .suite_context import need_ceilings as _need_ceilings
+from .suite_context import random_engine as _engine
+
 SINGLE_SECTIONS = ("ceilings", "equality", "decode", "prefill", "offline", "hf")
 TP_SECTIONS = ("ceilings", "tp_equality", "allreduce", "tp_decode", "moe_tp")
-
-
-class Report:
-    def __init__(self):
-        self.rows: list[tuple[str, str, str]] = []
-        self.data: dict = {}
-
-    def add(self, section: str, what: str, value, note: str = "") -> None:
-        text = f"{value:.3f}" if isinstance(value, float) else str(value)
-        self.rows.append((section, what, text + (f"  ({note})" if note else "")))
-        self.data.setdefault(section, {})[what] = value
-        print(f"[{section}] {what}: {text}" + (f"  ({note})" if note else ""), flush=True)
-
-    def table(self) -> str:
-        w0 = max((len(r[0]) for r in self.rows), default=8)
-        w1 = max((len(r[1]) for r in self.rows), default=8)
-        return "\n".join(f"{s:<{w0}}  {k:<{w1}}  {v}" for s, k, v in self.rows)
 
 
 def _parse(argv):
@@ -77,7 +65,7 @@ def _parse(argv):
 
 def _suite_sections(suite: str) -> tuple[str, ...]:
     if suite == "fp8":
-        from .fp8_device import FP8_SECTIONS
+        from .fp8_sections import FP8_SECTIONS
         return FP8_SECTIONS
     return SINGLE_SECTIONS if suite == "single" else TP_SECTIONS
 
@@ -141,23 +129,6 @@ def main(argv=None) -> int:
 
 
 # -- sections ---------------------------------------------------------------------------
-def _ceilings(ctx):
-    from .shapes import measure_ceilings
-
-    c = measure_ceilings(ctx["dev"])
-    ctx["ceilings"] = c
-    ctx["report"].add("ceilings", "copy_GB_s", c.copy_gb_s, "read+write, 1 GiB bf16 copy")
-    ctx["report"].add("ceilings", "bf16_matmul_TFLOPs", c.matmul_tflops, "8192^3, random data")
-    ctx["report"].add("ceilings", "fp8_matmul_TFLOPs", c.fp8_matmul_tflops,
-                      "torch._scaled_mm e4m3 8192^3, per-tensor scales, bf16 out")
-
-
-def _need_ceilings(ctx):
-    if ctx["ceilings"] is None:
-        _ceilings(ctx)
-    return ctx["ceilings"]
-
-
 def _equality(ctx):
     from .hf_peer import equality_prompts, greedy_equality
     from .shapes import random_checkpoint_dir
@@ -171,13 +142,6 @@ def _equality(ctx):
 
 def _models(ctx):
     return [m for m in ctx["args"].models.split(",") if m]
-
-
-def _engine(ctx, name, **kw):
-    from .gpu_engine import make_engine
-    from .shapes import config_only_dir
-
-    return make_engine(config_only_dir(name, ctx["root"]), load_format="dummy", **kw)
 
 
 # FP8 twins of decode, prefill and offline: FP8 weights (--quantization fp8 on the random
@@ -436,7 +400,7 @@ SECTION_FUNCS = {"ceilings": _ceilings, "equality": _equality, "decode": _decode
 
 def _fp8_section(name):
     def run(ctx):
-        from .fp8_device import SECTIONS
+        from .fp8_sections import SECTIONS
         SECTIONS[name](ctx)
     return run
 

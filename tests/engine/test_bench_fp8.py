@@ -1,4 +1,4 @@
-"""The FP8 device script's helpers (loadtest/bench/fp8_device.py) on the CPU, so the one
+"""The FP8 device script's helpers (loadtest/bench/fp8_sections.py) on the CPU, so the one
 bounded GPU run is not spent on their bugs: teacher-forced logits from one prefill (whole and
 in chunks) equal transformers' on the same weights; FP8 layers copy into a dense model as
 their dequantized values; the logits comparison; and the script's sections are all wired
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from loadtest.bench.fp8_device import (FP8_SECTIONS, SECTIONS, _gemm_error, compare_logits, copy_dequantized,
+from loadtest.bench.fp8_sections import (FP8_SECTIONS, SECTIONS, _gemm_error, compare_logits, copy_dequantized,
                                        teacher_forced_logits)
 from shared.engine.engine import Engine
 from tests.helpers.engine_models import hf_logits, load_hf

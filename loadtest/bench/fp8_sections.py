@@ -1,0 +1,287 @@
+"""The FP8 sections of `duet bench --suite fp8` (`python -m loadtest.bench.fp8_device` runs
+them). Random weights of real shapes (Qwen3-8B, Qwen3-30B-A3B), made FP8 at load
+(--quantization fp8 over --load-format dummy: the FP8 values are drawn directly).
+
+Sections (each its own try/except; a section that fails prints its error and the run goes on;
+sections not started when the budget is spent are listed as skipped; a watchdog prints the
+table and exits if one hangs):
+  ceilings        copy bandwidth, bf16 matmul, FP8 matmul peak (torch._scaled_mm e4m3)
+  fp8_accuracy    (a) 8B shape, 512-token teacher-forced prompt: logits of the GPU path vs the
+                  same weights dequantized (float32 engine): cosine and top-1 agreement, for
+                  bf16 compute on those weights (the yardstick),
+                  FP8 weights (one-shot prefill: W8A8 GEMMs), FP8 weights + FP8 KV, and both in
+                  8-token chunks (the decode-size W8A16 kernels reading FP8 pages)
+  fp8_decode_8b   (b) 8B decode B=1, 32 (ctx 1024): FP8 vs its floor in FP8 bytes and vs bf16;
+                  engine prefill 4x2048 FP8 vs bf16
+  fp8_gemm        (d) W8A8 GEMM at 8B prefill shapes (M=8192) vs torch._scaled_mm on the same
+                  shape and vs the measured FP8 peak; a few tilings; the quantize kernel's time
+  fp8_moe_decode  (c) 30B-A3B decode B=1, 8, 32: FP8 vs floor (touched experts) and bf16
+  fp8_kv_long     (e) 8B FP8 weights, ctx 16k: step time and KV pages with FP8 vs bf16 KV in
+                  one budget (B=16 both, B=32 FP8 only: bf16 does not fit an H100), bytes per
+                  token a handoff moves
+The table comes last (and --json)."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+QWEN3_8B_PREFILL = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
+
+
+# -- helpers ------------------------------------------------------------------------------------
+def teacher_forced_logits(engine, tokens: list[int], chunk: int | None = None) -> torch.Tensor:
+    """float32 logits [len(tokens) - 1, V], row j predicting token j + 1, from one prefill of
+    `tokens` (prompt logprobs keep every row); chunk: the step's token budget (chunked)."""
+    from shared.engine import SamplingParams
+
+    captured: list[torch.Tensor] = []
+    model = engine.model
+    plain = model.compute_logits
+
+    def grab(h):
+        out = plain(h)
+        captured.append(out.float())
+        return out
+
+    model.compute_logits = grab
+    budget = engine.scheduler.max_batched_tokens
+    if chunk:
+        engine.scheduler.max_batched_tokens = chunk
+    try:
+        engine.add_request(tokens, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, ignore_eos=True))
+        while engine.has_work:
+            engine.step()
+    finally:
+        del model.compute_logits
+        engine.scheduler.max_batched_tokens = budget
+    return torch.cat(captured)[:len(tokens) - 1]
+
+
+def compare_logits(got: torch.Tensor, ref: torch.Tensor) -> dict:
+    cos = torch.nn.functional.cosine_similarity(got, ref, dim=-1)
+    top = (got.argmax(-1) == ref.argmax(-1)).float()
+    ref_top2 = ref.topk(2, dim=-1).values
+    clear = (ref_top2[:, 0] - ref_top2[:, 1]) > 0.1 * ref.std(dim=-1)  # positions with a margin
+    return dict(cos_mean=cos.mean().item(), cos_min=cos.min().item(), top1=top.mean().item(),
+                top1_clear=top[clear].mean().item() if clear.any() else float("nan"),
+                clear_share=clear.float().mean().item())
+
+
+def copy_dequantized(src_model, dst_model) -> None:
+    """dst (a 16/32-bit model of the same shape) takes src's weights: FP8 ones dequantized."""
+    from shared.engine.quantization.fp8_params import fp8_weight
+
+    dst = dict(dst_model.named_modules())
+    with torch.no_grad():
+        for name, m in src_model.named_modules():
+            fp8 = getattr(m, "fp8", None) or {}
+            for pname, p in m.named_parameters(recurse=False):
+                if pname.endswith("_scale"):
+                    continue
+                target = getattr(dst[name], pname)
+                value = fp8_weight(m, pname).dequantize(target.dtype) if pname in fp8 else p.data
+                target.data.copy_(value)
+
+
+def _time_ms(fn, reps: int = 20) -> float:
+    from .shapes import _time_ms as t
+    for _ in range(3):
+        fn()
+    return t(fn, reps)
+
+
+# -- sections -----------------------------------------------------------------------------------
+def fp8_accuracy(ctx):
+    from .gpu_engine import release_memory
+    from .suite_context import random_engine as _engine
+
+    rep = ctx["report"]
+    common = dict(max_model_len=1024, kv_cache_memory=2 << 30)
+    fp8 = _engine(ctx, "qwen3-8b", quantization="fp8", cuda_graph=False, **common)
+    ref = _engine(ctx, "qwen3-8b", dtype="float32", cuda_graph=False, **common)
+    copy_dequantized(fp8.model, ref.model)
+    g = torch.Generator().manual_seed(11)
+    tokens = torch.randint(10, fp8.model_config.vocab_size - 10, (512,), generator=g).tolist()
+    want = teacher_forced_logits(ref, tokens)
+    want_chunked = teacher_forced_logits(ref, tokens, chunk=8)
+    rep.add("fp8_accuracy", "reference chunked vs one-shot cos_min",
+            compare_logits(want_chunked, want)["cos_min"], "float32 engine with itself: the noise floor")
+    ref.close()
+    del ref
+    release_memory()
+    # bf16 compute on the same (dequantized) weights: how far 16-bit activations alone drift on
+    # this random-weight model, the yardstick for FP8's own error
+    bf16 = _engine(ctx, "qwen3-8b", cuda_graph=False, **common)
+    copy_dequantized(fp8.model, bf16.model)
+    r = compare_logits(teacher_forced_logits(bf16, tokens), want)
+    rep.add("fp8_accuracy", "bf16 (same weights) cos_mean", r["cos_mean"],
+            f"min {r['cos_min']:.4f}, top1 {r['top1']:.3f}: 16-bit compute alone, the yardstick")
+    bf16.close()
+    del bf16
+    release_memory()
+    runs = [("fp8 weights", fp8, None)]
+    fp8kv = _engine(ctx, "qwen3-8b", quantization="fp8", kv_cache_dtype="fp8_e4m3", cuda_graph=False, **common)
+    runs.append(("fp8 weights + fp8 kv", fp8kv, None))
+    runs += [("fp8 weights, 8-token chunks", fp8, 8), ("fp8 weights + fp8 kv, 8-token chunks", fp8kv, 8)]
+    for label, eng, chunk in runs:
+        r = compare_logits(teacher_forced_logits(eng, tokens, chunk), want_chunked if chunk else want)
+        ok = r["cos_mean"] >= 0.99 and r["top1"] >= 0.95
+        rep.add("fp8_accuracy", f"{label} cos_mean", r["cos_mean"], f"min {r['cos_min']:.4f}; aim >= 0.99")
+        rep.add("fp8_accuracy", f"{label} top1", r["top1"],
+                f"{'meets' if ok else 'misses'} the aim (>= 0.95); {r['top1_clear']:.3f} where the reference's "
+                f"top-2 margin > 0.1 sd ({100 * r['clear_share']:.0f}% of positions)")
+    _gemm_error(rep, fp8.model)
+    for e in (fp8, fp8kv):
+        e.close()
+    del fp8, fp8kv, runs
+    release_memory()
+
+
+def _gemm_error(rep, model) -> None:
+    """One FP8 linear of the model at prefill sizes: the Triton W8A8 path against its torch
+    reference (the same quantization), and what quantizing the activations costs against the
+    unquantized product. A random-weight model amplifies any per-GEMM difference over its
+    layers (bf16 compute alone moves top-1), so these rows say whether the kernels are right."""
+    import kernels.fp8_linear as fl
+    from shared.engine.quantization.fp8_params import fp8_weight
+
+    name, module = next((n, m) for n, m in model.named_modules() if getattr(m, "fp8", None))
+    pname = next(iter(module.fp8))
+    w = fp8_weight(module, pname)
+
+    def rel(a, b):
+        return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+    for rows in (512, 4096):
+        x = torch.randn(rows, w.q.shape[1], device=w.q.device, dtype=torch.bfloat16)
+        ref = fl.fp8_linear_reference(x, w)
+        exact = x.double() @ w.dequantize(torch.float64).T
+        rep.add("fp8_accuracy", f"{name}.{pname} M={rows} kernel vs reference", rel(fl.fp8_linear(x, w), ref),
+                f"activation rounding (reference vs unquantized activations): {rel(ref, exact):.4f}")
+
+
+def fp8_decode_8b(ctx):
+    from .gpu_engine import decode_floor_ms, decode_step_ms, prefill_rate, release_memory
+    from .suite_context import need_ceilings as _need_ceilings, random_engine as _engine
+
+    args, rep = ctx["args"], ctx["report"]
+    c = _need_ceilings(ctx)
+    got = {}
+    for tag, options in (("fp8", dict(quantization="fp8")), ("bf16", {})):
+        eng = _engine(ctx, "qwen3-8b", max_model_len=4096, cuda_graph_max_bs=32, kv_cache_memory=8 << 30, **options)
+        rep.add("fp8_decode_8b", f"{tag} weights GiB", round(eng.weight_bytes / 2 ** 30, 2), eng.weights_description)
+        for b in (1, 32):
+            floor, gb = decode_floor_ms(eng, b, args.ctx, c.copy_gb_s)
+            ms = decode_step_ms(eng, b, args.ctx, args.steps, overlap=True)
+            got[(tag, b)] = ms
+            rep.add("fp8_decode_8b", f"{tag} B={b} step_ms", ms,
+                    f"floor {floor:.3f} ms ({gb:.2f} GB read), x{ms / floor:.2f} of floor (aim <= 1.2 for fp8)")
+        prefill_rate(eng, 1, 2048, seed=99)  # warm-up
+        r = prefill_rate(eng, 4, 2048, seed=4)
+        got[(tag, "prefill")] = r["tok_s"]
+        rep.add("fp8_decode_8b", f"{tag} prefill 4x2048 tok_s", r["tok_s"], f"{r['tflops']:.0f} TFLOP/s")
+        eng.close()
+        del eng
+        release_memory()
+    for b in (1, 32):
+        rep.add("fp8_decode_8b", f"bf16/fp8 B={b}", got[("bf16", b)] / got[("fp8", b)],
+                "aim >= 1.6 at B=1" if b == 1 else "")
+    rep.add("fp8_decode_8b", "prefill fp8/bf16", got[("fp8", "prefill")] / got[("bf16", "prefill")])
+
+
+def fp8_gemm(ctx):
+    from kernels.fp8 import FP8_DTYPE, Fp8Weight, block_scale_rows
+    from kernels.fp8_linear import Fp8GemmConfig, gemm_config, per_token_group_quant, w8a8_gemm
+    from .shapes import scaled_mm
+    from .suite_context import need_ceilings as _need_ceilings
+
+    rep = ctx["report"]
+    c = _need_ceilings(ctx)
+    dev = ctx["dev"]
+    m = 8192
+    tilings = [None, Fp8GemmConfig(128, 128, 128, 8, 8, 3), Fp8GemmConfig(128, 128, 128, 8, 4, 4),
+               Fp8GemmConfig(64, 128, 128, 8, 4, 4), Fp8GemmConfig(128, 256, 128, 8, 8, 3)]
+    x = torch.randn(m, 12288, device=dev, dtype=torch.bfloat16)
+    for name, (n, k) in QWEN3_8B_PREFILL.items():
+        w = Fp8Weight(torch.randn(n, k, device=dev).to(FP8_DTYPE), torch.rand(-(-n // 128), -(-k // 128), device=dev),
+                      block_scale_rows(n, 128).to(dev), 128)
+        xk = x[:, :k].contiguous()
+        xq, xs = per_token_group_quant(xk)
+        flops = 2 * m * n * k
+        best, best_cfg = None, None
+        for cfg in tilings:
+            try:
+                ms = _time_ms(lambda: w8a8_gemm(xq, xs, w, out_dtype=torch.bfloat16, config=cfg))
+            except Exception as e:  # noqa: BLE001 - a tiling that does not fit is not an error
+                rep.add("fp8_gemm", f"{name} tiling {cfg} failed", type(e).__name__)
+                continue
+            if best is None or ms < best:
+                best, best_cfg = ms, cfg or gemm_config(m, n, 128, dev)
+        cublas = _time_ms(lambda: scaled_mm(xq, w.q))
+        quant = _time_ms(lambda: per_token_group_quant(xk))
+        tf = flops / best / 1e9
+        rep.add("fp8_gemm", f"{name} M={m} N={n} K={k} TFLOPs", tf,
+                f"{100 * tf / c.fp8_matmul_tflops:.0f}% of FP8 peak (aim >= 70), _scaled_mm same shape "
+                f"{flops / cublas / 1e9:.0f} TFLOP/s (per-tensor scales), quantize {quant * 1e3:.0f} us, best "
+                f"{best_cfg}")
+
+
+def fp8_moe_decode(ctx):
+    from .gpu_engine import decode_floor_ms, decode_step_ms, release_memory
+    from .suite_context import need_ceilings as _need_ceilings, random_engine as _engine
+
+    args, rep = ctx["args"], ctx["report"]
+    c = _need_ceilings(ctx)
+    got = {}
+    for tag, options in (("fp8", dict(quantization="fp8")), ("bf16", {})):
+        eng = _engine(ctx, "qwen3-30b-a3b", max_model_len=2048, cuda_graph_max_bs=32, kv_cache_memory=4 << 30,
+                      **options)
+        rep.add("fp8_moe_decode", f"{tag} weights GiB", round(eng.weight_bytes / 2 ** 30, 2), eng.weights_description)
+        for b in (1, 8, 32):
+            floor, gb = decode_floor_ms(eng, b, args.ctx, c.copy_gb_s)
+            ms = decode_step_ms(eng, b, args.ctx, args.steps, overlap=True)
+            got[(tag, b)] = ms
+            rep.add("fp8_moe_decode", f"{tag} B={b} step_ms", ms, f"floor {floor:.3f} ms ({gb:.2f} GB), "
+                                                                  f"x{ms / floor:.2f}")
+        eng.close()
+        del eng
+        release_memory()
+    for b in (1, 8, 32):
+        rep.add("fp8_moe_decode", f"bf16/fp8 B={b}", got[("bf16", b)] / got[("fp8", b)])
+
+
+def fp8_kv_long(ctx):
+    from shared.kv_transfer.pool_info import PoolInfo
+    from .gpu_engine import decode_step_ms, release_memory
+    from .suite_context import random_engine as _engine
+
+    args, rep = ctx["args"], ctx["report"]
+    context = 16384
+    budget = 42 << 30  # 16 sequences of 16k in bf16 KV (Qwen3-8B: 144 KiB a token); 32 in FP8
+    got = {}
+    for tag, kv in (("bf16 kv", "auto"), ("fp8 kv", "fp8_e4m3")):
+        eng = _engine(ctx, "qwen3-8b", quantization="fp8", kv_cache_dtype=kv, max_model_len=context + 64,
+                      kv_cache_memory=budget, cuda_graph_max_bs=32, max_num_batched_tokens=16384)
+        page_bytes = PoolInfo.from_tensor(eng.pool.buffer).page_bytes
+        rep.add("fp8_kv_long", f"{tag} pages", eng.layout.num_pages,
+                f"{eng.layout.num_pages * eng.layout.page_size} tokens in {budget / 2 ** 30:.0f} GiB")
+        rep.add("fp8_kv_long", f"{tag} bytes/token", eng.layout.bytes_per_token,
+                f"handoff page {page_bytes} bytes (what a NIXL write moves per page)")
+        got[(tag, "bpt")] = eng.layout.bytes_per_token
+        for b in ((16,) if kv == "auto" else (16, 32)):
+            ms = decode_step_ms(eng, b, context, max(8, args.steps // 2), warm=4)
+            got[(tag, b)] = ms
+            rep.add("fp8_kv_long", f"{tag} B={b} ctx {context} step_ms", ms)
+        eng.close()
+        del eng
+        release_memory()
+    rep.add("fp8_kv_long", "B=16 step bf16kv/fp8kv", got[("bf16 kv", 16)] / got[("fp8 kv", 16)])
+    rep.add("fp8_kv_long", "handoff bytes fp8/bf16", got[("fp8 kv", "bpt")] / got[("bf16 kv", "bpt")], "aim 0.5")
+
+
+# (d) before (c): it is quick, and what matters most runs first when the budget is tight
+FP8_SECTIONS = ("ceilings", "fp8_accuracy", "fp8_decode_8b", "fp8_gemm", "fp8_moe_decode", "fp8_kv_long")
+SECTIONS = {"fp8_accuracy": fp8_accuracy, "fp8_decode_8b": fp8_decode_8b, "fp8_gemm": fp8_gemm,
+            "fp8_moe_decode": fp8_moe_decode, "fp8_kv_long": fp8_kv_long}
+
