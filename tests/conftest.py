@@ -23,17 +23,3 @@ def runner():
     r = KernelRunner()
     yield r
     r.close()
-
-
-# Whole-stack layers first: with two workers taking a file at a time (`-n 2 --dist loadfile`),
-# the long files start early and the short unit files fill in at the end, instead of one long
-# file running alone after the rest are done. Within a layer the files keep their order.
-LAYER_ORDER = ("e2e", "k8s", "disagg", "engine", "gateway", "loadtest", "kernels", "repo")
-
-
-def pytest_collection_modifyitems(config, items):
-    def layer(item) -> int:
-        parts = item.nodeid.split("/")
-        name = parts[1] if len(parts) > 2 and parts[0] == "tests" else ""
-        return LAYER_ORDER.index(name) if name in LAYER_ORDER else len(LAYER_ORDER)
-    items.sort(key=layer)  # stable: the order inside each layer is kept
