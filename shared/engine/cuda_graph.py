@@ -30,6 +30,21 @@ def batch_size_ladder(max_bs: int) -> list[int]:
     return out
 
 
+def capture_graph(device, pool_handle, run):
+    """(graph, its output) for `run()` captured on `device` into the memory pool `pool_handle`."""
+    # warm up outside the graph: Triton compiles, cuBLAS picks kernels, NCCL connects
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool_handle):
+        out = run()
+    return graph, out
+
+
 class CudaGraphRunner:
     def __init__(self, model, backend, pool, device: torch.device, max_bs: int, max_pages: int,
                  sizes: list[int] | None = None, capture: bool = True):
@@ -66,18 +81,7 @@ class CudaGraphRunner:
         return self.model(self.input_ids[:bs], self.positions[:bs], self._forward_batch(self.backend, meta))
 
     def _capture(self, bs: int) -> None:
-        # warm up outside the graph: Triton compiles, cuBLAS picks kernels, NCCL connects
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._run_model(bs)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool_handle):
-            out = self._run_model(bs)
-        self.graphs[bs] = graph
-        self.outputs[bs] = out
+        self.graphs[bs], self.outputs[bs] = capture_graph(self.device, self.pool_handle, lambda: self._run_model(bs))
 
     def padded_size(self, n: int) -> int | None:
         for s in self.sizes:

@@ -16,7 +16,7 @@ import time
 import torch
 
 from ..attention.metadata import AttentionMetadata
-from ..cuda_graph import batch_size_ladder
+from ..cuda_graph import batch_size_ladder, capture_graph
 from ..kv_pool import PADDING_PAGE
 
 log = logging.getLogger("duet.engine.speculative")
@@ -68,17 +68,7 @@ class UniformExtendGraphs:
         return self.model(self.input_ids[:n], self.positions[:n], self._forward_batch(self.backend, self._meta(bs)))
 
     def _capture(self, bs: int) -> None:
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._run_model(bs)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool_handle):
-            out = self._run_model(bs)
-        self.graphs[bs] = graph
-        self.outputs[bs] = out
+        self.graphs[bs], self.outputs[bs] = capture_graph(self.device, self.pool_handle, lambda: self._run_model(bs))
 
     def padded_size(self, n: int) -> int | None:
         return next((s for s in self.sizes if s >= n), None)
