@@ -126,6 +126,9 @@ def _small_batch_linear_kernel(
     for k0 in range(k_start, k_end, BLOCK_K):
         for sub in tl.static_range(BLOCK_K // SUB_K):  # one sub-tile for 16-bit weights
             ks = k0 + sub * SUB_K
+            # a sub-tile past K (last tile) is masked to zeros, but its scale column would lie
+            # past the row: read the row's last one, since 0 * a stray NaN is NaN
+            sk = tl.minimum(ks, K - 1) // group_k
             if EVEN_K:
                 xt = tl.load(x_ptrs + ks, mask=m_ok[:, None], other=0.0)
                 wt = tl.load(w_ptrs + ks)
@@ -134,7 +137,7 @@ def _small_batch_linear_kernel(
                 xt = tl.load(x_ptrs + ks, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
                 wt = tl.load(w_ptrs + ks, mask=k_ok[None, :], other=0.0)
             if FP8:
-                acc = _mac_fp8(acc, wt, xt, tl.load(s_ptrs + ks // group_k), USE_DOT, DOT_PRECISION)
+                acc = _mac_fp8(acc, wt, xt, tl.load(s_ptrs + sk), USE_DOT, DOT_PRECISION)
             else:
                 acc = _mac(acc, wt, xt, USE_DOT, DOT_PRECISION)
             if GATE_UP:
@@ -143,7 +146,7 @@ def _small_batch_linear_kernel(
                 else:
                     ut = tl.load(u_ptrs + ks, mask=((ks + rk) < K)[None, :], other=0.0)
                 if FP8:
-                    acc_up = _mac_fp8(acc_up, ut, xt, tl.load(su_ptrs + ks // group_k), USE_DOT, DOT_PRECISION)
+                    acc_up = _mac_fp8(acc_up, ut, xt, tl.load(su_ptrs + sk), USE_DOT, DOT_PRECISION)
                 else:
                     acc_up = _mac(acc_up, ut, xt, USE_DOT, DOT_PRECISION)
     acc = _finish(acc, USE_DOT)

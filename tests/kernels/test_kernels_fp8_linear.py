@@ -52,6 +52,13 @@ def block_weight(n_parts, k, block, g, device, shard_start: int = 0) -> Fp8Weigh
                      torch.cat(rows).to(torch.int32).to(device), block[1])
 
 
+def nan_padded_columns(scale: torch.Tensor) -> torch.Tensor:
+    """The same scales as a view whose rows are followed by NaN columns (row stride wider)."""
+    padded = torch.full((scale.shape[0], scale.shape[1] + 2), float("nan"))
+    padded[:, :scale.shape[1]] = scale
+    return padded[:, :scale.shape[1]]
+
+
 def channel_weight(n, k, g, device) -> Fp8Weight:
     q, s = quantize_channel(torch.randn(n, k, generator=g))
     return Fp8Weight(q.to(device), s.to(device), torch.arange(n, dtype=torch.int32, device=device),
@@ -127,7 +134,8 @@ def test_small_batch_fp8_matches_reference(runner, dtype, m, config):
     x = torch.randn(m, k, generator=g).to(dtype)
     bias = torch.randn(w.q.shape[0], generator=g).to(dtype)
     dev = runner.device
-    wd = Fp8Weight(w.q.to(dev), w.scale.to(dev), w.scale_row.to(dev), w.group_k)
+    # NaN just past each scale row: a tile reading a scale column past K poisons the output
+    wd = Fp8Weight(w.q.to(dev), nan_padded_columns(w.scale).to(dev), w.scale_row.to(dev), w.group_k)
     ws = SmallBatchWorkspace.create(dev, max_partial_floats=1 << 14, max_tiles=64)
     out = fill_nan_(torch.empty(m, w.q.shape[0], dtype=dtype, device=dev))
     runner(SMALL, x.to(dev), wd, bias.to(dev), out=out, config=config, workspace=ws)
@@ -135,7 +143,7 @@ def test_small_batch_fp8_matches_reference(runner, dtype, m, config):
     assert not ws.counters.any()
     # gate/up + SwiGLU: the stacked gate and up parts keep their own scale rows
     gu = block_weight([40, 40], k, (32, 128), g, "cpu")
-    gud = Fp8Weight(gu.q.to(dev), gu.scale.to(dev), gu.scale_row.to(dev), gu.group_k)
+    gud = Fp8Weight(gu.q.to(dev), nan_padded_columns(gu.scale).to(dev), gu.scale_row.to(dev), gu.group_k)
     got = runner(SMALL, x.to(dev), gud, config=config, gate_up=True)
     assert relative_error(got, gate_up_silu_fp8_reference(x, gu)) < TOL[dtype]
 
