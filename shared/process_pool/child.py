@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import os
 import pickle
+import signal
 import sys
 import threading
 import time
@@ -46,6 +47,9 @@ def exit_with_parent(parent_pid: int, every_s: float = 1.0) -> None:
 
 
 def main() -> int:
+    # Ctrl-C in a terminal reaches the whole process group: the parent decides when we stop
+    # (it closes our stdin while it drains), so no KeyboardInterrupt trace lands in its log
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if len(sys.argv) > 1:
         exit_with_parent(int(sys.argv[1]))
     replies = os.fdopen(os.dup(1), "wb")

@@ -122,3 +122,36 @@ def test_stop_kills_the_helpers_and_the_pool_starts_fresh_ones_after():
         assert pool.call_sync(f"{T}:echo", 2, timeout_s=60)[3] != first.pid
     finally:
         pool.close()
+
+
+def test_ctrl_c_to_the_group_leaves_the_helpers_to_their_parent(tmp_path):
+    """A terminal's Ctrl-C signals the whole process group: the helper neither dies nor
+    writes a KeyboardInterrupt trace; it answers on and stops when its parent closes it."""
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent(f"""
+        import signal, sys
+        from shared.process_pool.pool import ProcessPool
+        signal.signal(signal.SIGINT, lambda *_: None)  # this parent keeps going (a handler: not inherited)
+        pool = ProcessPool("group", "{T}:setup", ("g",))
+        print(pool.call_sync("{T}:echo", 1, timeout_s=60)[3], flush=True)
+        sys.stdin.readline()  # the test has sent Ctrl-C to the group
+        print(pool.call_sync("{T}:echo", 2, timeout_s=60)[1], flush=True)
+        pool.close()
+    """))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    parent = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        helper = psutil.Process(int(parent.stdout.readline()))
+        os.killpg(parent.pid, signal.SIGINT)
+        time.sleep(0.5)
+        assert helper.is_running() and helper.status() != psutil.STATUS_ZOMBIE
+        parent.stdin.write("go\n")
+        parent.stdin.flush()
+        assert parent.stdout.readline().strip() == "2"  # the same helper still answers
+        parent.wait(30)
+        helper.wait(10)  # closed with its pool
+        assert "KeyboardInterrupt" not in parent.stderr.read()
+    finally:
+        if parent.poll() is None:
+            parent.kill()
