@@ -16,7 +16,6 @@ route (activations quantized above 16 rows), so kernels and references agree clo
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -153,18 +152,9 @@ def _small_batch_config(x: torch.Tensor, w: Fp8Weight, gate_up: bool, config):
         config = get_config(x.shape[0], w.q.shape[0], x.shape[1], 1, num_sms, gate_up, device_gpu_key(x.device))
     from kernels.triton_small_batch_linear import fp8_sub_k
 
-    block_k = config.block_k
-    if not config.use_dot and x.shape[0] == 1:
-        # the one-row CUDA-core path keeps one tile in flight (one stage): an FP8 tile twice as
-        # wide moves the bytes of the 16-bit tile the table was tuned with
-        block_k = min(2 * block_k, max(16, _next_power_of_2(x.shape[1])))
-    if fp8_sub_k(block_k, w.group_k) < 16:  # a sub-tile row must sit inside one scale group
+    if fp8_sub_k(config.block_k, w.group_k) < 16:  # a sub-tile row must sit inside one scale group
         raise ValueError(f"no K tile of >= 16 columns divides the weight's scale group of {w.group_k}")
-    return dataclasses.replace(config, block_k=block_k)
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
+    return config
 
 
 def small_batch_fp8_linear(x: torch.Tensor, w: Fp8Weight, bias=None, out=None, config=None, workspace=None,

@@ -85,6 +85,13 @@ TUNED_H200: dict[ShapeKey, dict[int, SmallBatchConfig]] = {
 
 TUNED: dict[str, dict[ShapeKey, dict[int, SmallBatchConfig]]] = {"H100": TUNED_H100, "H200": TUNED_H200}
 
+# FP8 weights (W8A16, kernels/fp8_linear.py) read half the bytes per tile row: their own tables,
+# from `python3 -m loadtest.bench.small_batch_linear --sweep --fp8` on that GPU. Every FP8
+# linear of <= 16 rows runs this kernel (there is no cuBLAS W8A16 to route to), so an entry is
+# the sweep's best whatever cuBLAS bf16 does. Empty until a device sweep fills them: the
+# heuristic (512-byte rows, the tensor-core path) runs meanwhile.
+TUNED_FP8: dict[str, dict[ShapeKey, dict[int, SmallBatchConfig]]] = {"H100": {}, "H200": {}}
+
 
 def gpu_key(device_name: str) -> str:
     """The TUNED table a device name reads ("NVIDIA H100 80GB HBM3" -> "H100"); "" for none."""
@@ -94,9 +101,9 @@ def gpu_key(device_name: str) -> str:
     return ""
 
 
-def tuned_config(m: int, n: int, k: int, gpu: str, gate_up: bool = False) -> SmallBatchConfig | None:
-    """The sweep's tiling for this GPU, shape and m's bucket, or None."""
-    row = TUNED.get(gpu, {}).get(ShapeKey(n, k, gate_up))
+def tuned_config(m: int, n: int, k: int, gpu: str, gate_up: bool = False, fp8: bool = False) -> SmallBatchConfig | None:
+    """The sweep's tiling for this GPU, shape and m's bucket (16-bit or FP8 weights), or None."""
+    row = (TUNED_FP8 if fp8 else TUNED).get(gpu, {}).get(ShapeKey(n, k, gate_up))
     return row.get(m_bucket(m)) if row and 1 <= m <= MAX_M else None
 
 
@@ -115,8 +122,8 @@ def heuristic_config(m: int, n: int, k: int, elem_bytes: int, num_sms: int, gate
 
 def get_config(m: int, n: int, k: int, elem_bytes: int = 2, num_sms: int = 132,
                gate_up: bool = False, gpu: str = "") -> SmallBatchConfig:
-    """The tuned config for this GPU, (n, k, gate_up) and m's bucket on 16-bit weights, else
-    the heuristic."""
+    """The tuned config for this GPU, (n, k, gate_up) and m's bucket (16-bit weights: TUNED,
+    FP8: TUNED_FP8), else the heuristic."""
     m_bucket(m)  # validates m
-    tuned = tuned_config(m, n, k, gpu, gate_up) if elem_bytes == 2 else None
+    tuned = tuned_config(m, n, k, gpu, gate_up, fp8=elem_bytes == 1) if elem_bytes in (1, 2) else None
     return tuned or heuristic_config(m, n, k, elem_bytes, num_sms, gate_up)

@@ -10,8 +10,12 @@ kernels.silu_and_mul (the engine's path today); a whole-layer line per model (su
 layer's linears at M=1, times the layers, plus the LM head) with the predicted per-step
 saving. --sweep tries a modest grid of tilings per (shape, M) by coordinate descent and
 prints the best, ready to paste into kernels/small_batch_linear_config.py.
+--fp8: the same with block-FP8 weights (128x128 scales, W8A16: kernels/fp8_linear.py), against
+cuBLAS on the bf16 weights (what the model runs without FP8); GB/s and the floor count FP8 bytes,
+and the sweep's lines go to TUNED_FP8 whether or not they beat bf16 cuBLAS (an FP8 linear of
+<= 16 rows always runs this kernel).
 
-    python3 -m loadtest.bench.small_batch_linear [--sweep] [--models qwen3-8b,...] [--json PATH]
+    python3 -m loadtest.bench.small_batch_linear [--sweep] [--fp8] [--models qwen3-8b,...] [--json PATH]
     TRITON_INTERPRET=1 PYTHONPATH=. python -m loadtest.bench.small_batch_linear --smoke --sweep   # CPU: checks the script
 """
 
@@ -81,6 +85,7 @@ class Setup:
     min_bytes_per_graph: int = 0  # filled from l2_bytes: weights read per replay
     replays: int = 10
     smoke: bool = False
+    fp8: bool = False  # block-FP8 weights (x and the output stay in dtype)
 
     @classmethod
     def for_device(cls) -> "Setup":
@@ -165,16 +170,28 @@ def copy_bandwidth(setup: Setup) -> float:
     return 2 * (1 << 29) * 2 / (us * 1e-6)
 
 
+FP8_BLOCK = (128, 128)  # the official FP8 releases' weight blocks
+
+
 class WeightCopies:
     """Distinct copies of one random weight, enough of them that a graph over all reads
-    >= setup.min_bytes_per_graph (so the weights come from HBM, not L2)."""
+    >= setup.min_bytes_per_graph (so the weights come from HBM, not L2). fp8: block-FP8
+    copies (kernels.fp8.Fp8Weight), each its own quantization."""
 
-    def __init__(self, setup: Setup, n: int, k: int, gen: torch.Generator):
-        nbytes = n * k * setup.dtype.itemsize
+    def __init__(self, setup: Setup, n: int, k: int, gen: torch.Generator, fp8: bool = False):
+        nbytes = n * k * (1 if fp8 else setup.dtype.itemsize)
         self.count = max(2, math.ceil(setup.min_bytes_per_graph / nbytes)) if not setup.smoke else 2
-        first = (torch.randn(n, k, device=setup.device, generator=gen) * 0.02).to(setup.dtype)
-        self.weights = [first] + [first.roll(i, 0).clone() for i in range(1, self.count)]
+        first = torch.randn(n, k, device=setup.device, generator=gen) * 0.02
+        dense = [first] + [first.roll(i, 0) for i in range(1, self.count)]
+        self.weights = [_fp8_weight(w) for w in dense] if fp8 else [w.to(setup.dtype) for w in dense]
         self.nbytes = nbytes
+
+
+def _fp8_weight(w: torch.Tensor):
+    from kernels.fp8 import Fp8Weight, block_scale_rows, quantize_block
+
+    q, scale = quantize_block(w, FP8_BLOCK)
+    return Fp8Weight(q, scale, block_scale_rows(w.shape[0], FP8_BLOCK[0]).to(w.device), FP8_BLOCK[1])
 
 
 # ---------------------------------------------------------------- measuring
@@ -190,52 +207,66 @@ class ShapeBench:
     def __init__(self, setup: Setup, lin: Linear, gen: torch.Generator):
         from kernels.small_batch_linear import SmallBatchWorkspace
 
-        self.setup, self.lin = setup, lin
-        self.copies = WeightCopies(setup, lin.n, lin.k, gen)
+        self.setup, self.lin, self.gen = setup, lin, gen
+        self.copies = WeightCopies(setup, lin.n, lin.k, gen, fp8=setup.fp8)
+        self._dense = None if setup.fp8 else self.copies  # cuBLAS's bf16 weights (made when first timed)
         self.x_all = torch.randn(max(setup.m_values), lin.k, device=setup.device, generator=gen).to(setup.dtype)
         self.workspace = SmallBatchWorkspace.create(setup.device, max_partial_floats=1 << 22, max_tiles=1 << 15)
 
     def x(self, m):
         return self.x_all[:m]
 
-    def ours(self, m: int, config=None, gate_up: bool = False) -> float:
+    def _op(self, gate_up: bool):
+        """(x, w, out, config, workspace) -> out: the kernel these weights run."""
+        if self.setup.fp8:
+            from kernels.fp8_linear import small_batch_fp8_linear
+
+            return lambda x, w, **kw: small_batch_fp8_linear(x, w, gate_up=gate_up, **kw)
         from kernels.small_batch_linear import small_batch_gate_up_silu, small_batch_linear
 
+        return small_batch_gate_up_silu if gate_up else small_batch_linear
+
+    def ours(self, m: int, config=None, gate_up: bool = False) -> float:
         x = self.x(m)
         n_out = self.lin.n // 2 if gate_up else self.lin.n
         out = torch.empty(m, n_out, device=self.setup.device, dtype=self.setup.dtype)
-        op = small_batch_gate_up_silu if gate_up else small_batch_linear
+        op = self._op(gate_up)
         fns = [lambda w=w: op(x, w, out=out, config=config, workspace=self.workspace) for w in self.copies.weights]
         return us_per_op(self.setup, fns)
 
     def cublas(self, m: int, gate_up: bool = False) -> float:
+        """cuBLAS on 16-bit weights (FP8 runs: the same shape in bf16, what runs without FP8)."""
         from kernels.silu_and_mul import silu_and_mul
 
+        if self._dense is None:
+            self._dense = WeightCopies(self.setup, self.lin.n, self.lin.k, self.gen)
         x = self.x(m)
         if gate_up:
-            fns = [lambda w=w: silu_and_mul(F.linear(x, w)) for w in self.copies.weights]
+            fns = [lambda w=w: silu_and_mul(F.linear(x, w)) for w in self._dense.weights]
         else:
-            fns = [lambda w=w: F.linear(x, w) for w in self.copies.weights]
+            fns = [lambda w=w: F.linear(x, w) for w in self._dense.weights]
         return us_per_op(self.setup, fns)
 
     def error(self, m: int, config=None, gate_up: bool = False) -> float:
-        from kernels.small_batch_linear import (small_batch_gate_up_silu, small_batch_gate_up_silu_reference,
-                                                small_batch_linear, small_batch_linear_reference)
-
         x, w = self.x(m), self.copies.weights[0]
-        if gate_up:
-            got = small_batch_gate_up_silu(x, w, config=config, workspace=self.workspace)
-            return rel_err(got, small_batch_gate_up_silu_reference(x, w))
-        return rel_err(small_batch_linear(x, w, config=config, workspace=self.workspace),
-                       small_batch_linear_reference(x, w))
+        got = self._op(gate_up)(x, w, config=config, workspace=self.workspace)
+        if self.setup.fp8:
+            from kernels.fp8_linear import gate_up_silu_fp8_reference, small_batch_fp8_reference
+
+            return rel_err(got, gate_up_silu_fp8_reference(x, w) if gate_up else small_batch_fp8_reference(x, w))
+        from kernels.small_batch_linear import small_batch_gate_up_silu_reference, small_batch_linear_reference
+
+        return rel_err(got, small_batch_gate_up_silu_reference(x, w) if gate_up else small_batch_linear_reference(x, w))
 
 
 def _config_of(setup: Setup, lin: Linear, m: int, gate_up: bool):
-    from kernels.small_batch_linear_config import get_config
+    """What the engine picks: this GPU's table (16-bit or FP8), else the heuristic."""
+    from kernels.small_batch_linear_config import get_config, gpu_key
 
-    sms = torch.cuda.get_device_properties(0).multi_processor_count if setup.device == "cuda" else 8
-    elem = setup.dtype.itemsize
-    return get_config(m, lin.n, lin.k, elem, sms, gate_up)
+    cuda = setup.device == "cuda"
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if cuda else 8
+    elem = 1 if setup.fp8 else setup.dtype.itemsize
+    return get_config(m, lin.n, lin.k, elem, sms, gate_up, gpu_key(torch.cuda.get_device_name(0)) if cuda else "")
 
 
 def measure_model(setup: Setup, model: ModelShapes, gen: torch.Generator, say) -> list:
@@ -279,6 +310,8 @@ def _split_for(setup: Setup, lin: Linear, cfg, gate_up: bool, waves: int) -> int
 
 
 TILES = ((16, 256), (16, 512), (32, 256), (32, 512), (64, 128), (64, 256), (128, 128))
+# FP8 rows are half the bytes: the same byte widths and one wider (a tile spans scale groups)
+TILES_FP8 = ((16, 512), (16, 1024), (32, 256), (32, 512), (64, 256), (64, 128), (128, 128))
 
 
 def sweep_shape(setup: Setup, sb: ShapeBench, m: int, gate_up: bool, limit: int = 0) -> tuple:
@@ -302,7 +335,7 @@ def sweep_shape(setup: Setup, sb: ShapeBench, m: int, gate_up: bool, limit: int 
         warps_stages = ((4, 2), (4, 3), (4, 4), (8, 3)) if best.use_dot else ((4, 1), (8, 1))
         steps = [
             lambda b: [replace(b, block_n=bn, block_k=bk, split_k=_split_for(setup, sb.lin, replace(b, block_n=bn,
-                       block_k=bk), gate_up, 4)) for bn, bk in TILES],
+                       block_k=bk), gate_up, 4)) for bn, bk in (TILES_FP8 if setup.fp8 else TILES)],
             lambda b: [replace(b, num_warps=w, num_stages=st) for w, st in warps_stages],
             lambda b: [replace(b, split_k=s) for s in
                        sorted({1} | {_split_for(setup, sb.lin, b, gate_up, waves) for waves in (1, 2, 4, 8)})],
@@ -334,8 +367,9 @@ def sweep(setup: Setup, models, gen: torch.Generator, say, limit: int = 0) -> li
                     err = sb.error(m, best, gate_up)
                     gbs = sb.copies.nbytes / us / 1e3
                     cublas = sb.cublas(m, gate_up)
-                    # a table entry also routes the engine's linear here ("auto"): only where it wins
-                    wins = us < WIN_MARGIN * cublas
+                    # a 16-bit entry also routes the engine's linear here ("auto"): only where it
+                    # wins; FP8 linears always run here, so their best always goes in
+                    wins = setup.fp8 or us < WIN_MARGIN * cublas
                     say(f"  sweep {model.name} {lin.name}{' fused' if gate_up else ''} {lin.n}x{lin.k} M={m}: "
                         f"{us:.2f} us {gbs:.0f} GB/s vs cuBLAS {cublas:.2f} us{'' if wins else ' (no win: left out)'} "
                         f"({count} tried, relerr {err:.1e}) {_short(best)}")
@@ -395,6 +429,7 @@ def main() -> int:
     parser.add_argument("--m", default=",".join(map(str, M_VALUES)), help="batch rows to time")
     parser.add_argument("--sweep", action="store_true", help="also search tilings per (shape, M)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes; CPU with TRITON_INTERPRET=1")
+    parser.add_argument("--fp8", action="store_true", help="block-FP8 weights (W8A16); the sweep fills TUNED_FP8")
     out_dir = os.environ.get("OUT")
     parser.add_argument("--json", default=os.path.join(out_dir, "bench_small_batch_linear.json") if out_dir else None,
                         help="default: $OUT/bench_small_batch_linear.json when OUT is set, else none")
@@ -412,6 +447,7 @@ def main() -> int:
             return 2
         setup = replace(Setup.for_device(), m_values=tuple(int(v) for v in args.m.split(",")))
         models = [MODELS[name] for name in args.models.split(",")]
+    setup = replace(setup, fp8=args.fp8)
     t0 = time.time()
     lines: list = []
 
@@ -422,7 +458,8 @@ def main() -> int:
     import triton
 
     device_name = torch.cuda.get_device_properties(0).name if setup.device == "cuda" else "cpu (interpreter)"
-    say(f"device {device_name}; torch {torch.__version__}, triton {triton.__version__}; {setup.dtype}")
+    say(f"device {device_name}; torch {torch.__version__}, triton {triton.__version__}; {setup.dtype}"
+        + (" activations, block-FP8 weights (cuBLAS: the same shapes in that dtype)" if setup.fp8 else ""))
     copy_bps = copy_bandwidth(setup)
     say(f"copy bandwidth {copy_bps / 1e12:.2f} TB/s (read + write); weights >= {setup.min_bytes_per_graph >> 20} "
         "MiB per graph replay (L2 cold)")
@@ -436,8 +473,10 @@ def main() -> int:
         sweep_lines = sweep(setup, models, gen, say, limit=1 if setup.smoke else 0)
         from kernels.small_batch_linear_config import gpu_key
         gpu = gpu_key(torch.cuda.get_device_name(0)) if setup.device == "cuda" else ""
-        say(f"tuned table entries, faster than cuBLAS by >= {100 * (1 - WIN_MARGIN):.0f}% (paste into "
-            f"TUNED['{gpu or 'this GPU'}'] in kernels/small_batch_linear_config.py):")
+        table = "TUNED_FP8" if setup.fp8 else "TUNED"
+        rule = "the best tiling per shape" if setup.fp8 else f"faster than cuBLAS by >= {100 * (1 - WIN_MARGIN):.0f}%"
+        say(f"tuned table entries, {rule} (paste into {table}['{gpu or 'this GPU'}'] in "
+            "kernels/small_batch_linear_config.py):")
         for line in sweep_lines:
             say(line)
     summary = layer_lines(rows, models, copy_bps)

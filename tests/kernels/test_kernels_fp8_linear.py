@@ -121,7 +121,7 @@ def test_block_dequantization_of_partial_edge_blocks():
 
 SPLIT = SmallBatchConfig(block_n=16, block_k=64, split_k=3)
 NO_SPLIT = SmallBatchConfig(block_n=32, block_k=128, split_k=1)
-FMA = SmallBatchConfig(block_n=16, block_k=256, split_k=2, use_dot=False)  # sub-tiles of the 128-column group (m=1: a 512 tile)
+FMA = SmallBatchConfig(block_n=16, block_k=512, split_k=2, use_dot=False)  # 128-column sub-tiles, the last past K = 384
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -9,7 +9,7 @@ from loadtest.bench.accuracy import fill_nan_, relative_error
 from kernels.small_batch_linear import (SmallBatchWorkspace, small_batch_gate_up_silu_reference,
                                         small_batch_linear_reference, small_batch_preferred,
                                         small_batch_supported)
-from kernels.small_batch_linear_config import (TUNED, ShapeKey, SmallBatchConfig, get_config, gpu_key,
+from kernels.small_batch_linear_config import (TUNED, TUNED_FP8, ShapeKey, SmallBatchConfig, get_config, gpu_key,
                                                heuristic_config, m_bucket, tuned_config)
 from tests.helpers.kernel_dtypes import CUDA, case_generator
 
@@ -131,7 +131,7 @@ def test_bad_input_is_refused():
         SmallBatchConfig(block_n=24)
 
 
-def test_supported_and_config_lookup():
+def test_supported_and_config_lookup(monkeypatch):
     assert small_batch_supported(1, 4096, 4096, torch.bfloat16)
     assert small_batch_supported(16, 151936, 1024, torch.float16)
     assert not small_batch_supported(17, 4096, 4096, torch.bfloat16)
@@ -155,3 +155,12 @@ def test_supported_and_config_lookup():
     assert get_config(1, 12345, 4096) == heuristic_config(1, 12345, 4096, 2, 132)
     assert heuristic_config(1, 151936, 4096, 2, 132).split_k == 1
     assert heuristic_config(1, 1024, 3072, 2, 132).split_k > 1
+    # FP8 weights (one byte) read TUNED_FP8, never a 16-bit entry, and the reverse
+    assert set(TUNED_FP8) == set(TUNED)
+    fp8_entry = SmallBatchConfig(16, 1024, 1, 4, 1, False)
+    monkeypatch.setitem(TUNED_FP8["H100"], ShapeKey(6144, 4096), {1: fp8_entry})
+    assert get_config(1, 6144, 4096, 1, 132, gpu="H100") == fp8_entry
+    assert get_config(1, 6144, 4096, 2, 132, gpu="H100") == TUNED["H100"][ShapeKey(6144, 4096)][1]
+    assert get_config(2, 6144, 4096, 1, 132, gpu="H100") == heuristic_config(2, 6144, 4096, 1, 132)
+    assert get_config(1, 6144, 4096, 1, 132, gpu="H200") == (
+        TUNED_FP8["H200"].get(ShapeKey(6144, 4096), {}).get(1) or heuristic_config(1, 6144, 4096, 1, 132))
