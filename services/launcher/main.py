@@ -151,9 +151,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _serve(stack, model_dir, stopping)
     finally:
         try:
-            if stack.children:
+            started = time.monotonic()
+            had_children = bool(stack.children)
+            if had_children:
                 say(f"stopping: every child drains for up to {stack.drain.grace_s:g}s")
             stack.stop()
+            if had_children:
+                say(f"stopped ({time.monotonic() - started:.1f}s)")
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)

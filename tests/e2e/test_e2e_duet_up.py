@@ -326,6 +326,7 @@ def test_duet_up_reports_a_dead_worker_and_stops_everything(colocated_stack):
     up.signal(signal.SIGTERM)
     up.popen.wait(60)
     assert up.popen.returncode == 0
+    assert "duet up: stopped (" in up.log_text()  # the last word says it is over
     wait_until(lambda: session_processes(up.pid) == {}, 10, "every child of duet up to exit")
 
 
