@@ -161,33 +161,51 @@ def _gemm_error(rep, model) -> None:
                 f"activation rounding (reference vs unquantized activations): {rel(ref, exact):.4f}")
 
 
-def fp8_decode_8b(ctx):
-    from .gpu_engine import decode_floor_ms, decode_step_ms, prefill_rate, release_memory
+def _decode_fp8_and_bf16(ctx, section: str, model: str, batches, aim: str = "", each_engine=None, **engine_kw):
+    """One model's engine with FP8 weights, then with bf16: its weight bytes and the decode step
+    at each batch against its bytes floor; each_engine(tag, eng) measures what else the section
+    wants before the engine is freed. Returns {(tag, batch): step ms}."""
+    from .gpu_engine import decode_floor_ms, decode_step_ms, release_memory
     from .suite_context import need_ceilings as _need_ceilings, random_engine as _engine
 
     args, rep = ctx["args"], ctx["report"]
     c = _need_ceilings(ctx)
     got = {}
     for tag, options in (("fp8", dict(quantization="fp8")), ("bf16", {})):
-        eng = _engine(ctx, "qwen3-8b", max_model_len=4096, cuda_graph_max_bs=32, kv_cache_memory=8 << 30, **options)
-        rep.add("fp8_decode_8b", f"{tag} weights GiB", round(eng.weight_bytes / 2 ** 30, 2), eng.weights_description)
-        for b in (1, 32):
+        eng = _engine(ctx, model, **engine_kw, **options)
+        rep.add(section, f"{tag} weights GiB", round(eng.weight_bytes / 2 ** 30, 2), eng.weights_description)
+        for b in batches:
             floor, gb = decode_floor_ms(eng, b, args.ctx, c.copy_gb_s)
             ms = decode_step_ms(eng, b, args.ctx, args.steps, overlap=True)
             got[(tag, b)] = ms
-            rep.add("fp8_decode_8b", f"{tag} B={b} step_ms", ms,
-                    f"floor {floor:.3f} ms ({gb:.2f} GB read), x{ms / floor:.2f} of floor (aim <= 1.2 for fp8)")
-        prefill_rate(eng, 1, 2048, seed=99)  # warm-up
-        r = prefill_rate(eng, 4, 2048, seed=4)
-        got[(tag, "prefill")] = r["tok_s"]
-        rep.add("fp8_decode_8b", f"{tag} prefill 4x2048 tok_s", r["tok_s"], f"{r['tflops']:.0f} TFLOP/s")
+            rep.add(section, f"{tag} B={b} step_ms", ms,
+                    f"floor {floor:.3f} ms ({gb:.2f} GB read), x{ms / floor:.2f} of floor{aim}")
+        if each_engine is not None:
+            each_engine(tag, eng)
         eng.close()
         del eng
         release_memory()
+    return got
+
+
+def fp8_decode_8b(ctx):
+    from .gpu_engine import prefill_rate
+
+    rep = ctx["report"]
+    prefill = {}
+
+    def prefill_of(tag, eng):
+        prefill_rate(eng, 1, 2048, seed=99)  # warm-up
+        r = prefill_rate(eng, 4, 2048, seed=4)
+        prefill[tag] = r["tok_s"]
+        rep.add("fp8_decode_8b", f"{tag} prefill 4x2048 tok_s", r["tok_s"], f"{r['tflops']:.0f} TFLOP/s")
+
+    got = _decode_fp8_and_bf16(ctx, "fp8_decode_8b", "qwen3-8b", (1, 32), " (aim <= 1.2 for fp8)", prefill_of,
+                               max_model_len=4096, cuda_graph_max_bs=32, kv_cache_memory=8 << 30)
     for b in (1, 32):
         rep.add("fp8_decode_8b", f"bf16/fp8 B={b}", got[("bf16", b)] / got[("fp8", b)],
                 "aim >= 1.6 at B=1" if b == 1 else "")
-    rep.add("fp8_decode_8b", "prefill fp8/bf16", got[("fp8", "prefill")] / got[("bf16", "prefill")])
+    rep.add("fp8_decode_8b", "prefill fp8/bf16", prefill["fp8"] / prefill["bf16"])
 
 
 def fp8_gemm(ctx):
@@ -228,27 +246,10 @@ def fp8_gemm(ctx):
 
 
 def fp8_moe_decode(ctx):
-    from .gpu_engine import decode_floor_ms, decode_step_ms, release_memory
-    from .suite_context import need_ceilings as _need_ceilings, random_engine as _engine
-
-    args, rep = ctx["args"], ctx["report"]
-    c = _need_ceilings(ctx)
-    got = {}
-    for tag, options in (("fp8", dict(quantization="fp8")), ("bf16", {})):
-        eng = _engine(ctx, "qwen3-30b-a3b", max_model_len=2048, cuda_graph_max_bs=32, kv_cache_memory=4 << 30,
-                      **options)
-        rep.add("fp8_moe_decode", f"{tag} weights GiB", round(eng.weight_bytes / 2 ** 30, 2), eng.weights_description)
-        for b in (1, 8, 32):
-            floor, gb = decode_floor_ms(eng, b, args.ctx, c.copy_gb_s)
-            ms = decode_step_ms(eng, b, args.ctx, args.steps, overlap=True)
-            got[(tag, b)] = ms
-            rep.add("fp8_moe_decode", f"{tag} B={b} step_ms", ms, f"floor {floor:.3f} ms ({gb:.2f} GB), "
-                                                                  f"x{ms / floor:.2f}")
-        eng.close()
-        del eng
-        release_memory()
+    got = _decode_fp8_and_bf16(ctx, "fp8_moe_decode", "qwen3-30b-a3b", (1, 8, 32), max_model_len=2048,
+                               cuda_graph_max_bs=32, kv_cache_memory=4 << 30)
     for b in (1, 8, 32):
-        rep.add("fp8_moe_decode", f"bf16/fp8 B={b}", got[("bf16", b)] / got[("fp8", b)])
+        ctx["report"].add("fp8_moe_decode", f"bf16/fp8 B={b}", got[("bf16", b)] / got[("fp8", b)])
 
 
 def fp8_kv_long(ctx):

@@ -182,8 +182,9 @@ class WeightCopies:
         nbytes = n * k * (1 if fp8 else setup.dtype.itemsize)
         self.count = max(2, math.ceil(setup.min_bytes_per_graph / nbytes)) if not setup.smoke else 2
         first = torch.randn(n, k, device=setup.device, generator=gen) * 0.02
-        dense = [first] + [first.roll(i, 0) for i in range(1, self.count)]
-        self.weights = [_fp8_weight(w) for w in dense] if fp8 else [w.to(setup.dtype) for w in dense]
+        convert = _fp8_weight if fp8 else (lambda w: w.to(setup.dtype))
+        # one float32 copy at a time: the LM head's is 2.5 GB
+        self.weights = [convert(first if i == 0 else first.roll(i, 0)) for i in range(self.count)]
         self.nbytes = nbytes
 
 
