@@ -32,12 +32,15 @@ PER_CHANNEL_GROUP_K = 1 << 30  # group_k of a per-channel weight: one K group co
 class Fp8Weight:
     """An FP8 weight and its scales (see the module note). q: float8_e4m3fn [N, K] or
     [E, N, K]; scale: float32 [S, KB] or [E, S, KB]; scale_row: int32 [N]; group_k: weight
-    columns per scale column (block_k, or PER_CHANNEL_GROUP_K)."""
+    columns per scale column (block_k, or PER_CHANNEL_GROUP_K); tile_n: a power of two such
+    that every aligned run of tile_n rows shares one scale row (0: not known; the GEMM then
+    reads a scale a column)."""
 
     q: torch.Tensor
     scale: torch.Tensor
     scale_row: torch.Tensor
     group_k: int
+    tile_n: int = 0
 
     @property
     def per_channel(self) -> bool:
@@ -60,6 +63,17 @@ def expand_scales(scale: torch.Tensor, scale_row: torch.Tensor, group_k: int, k:
 # -- checkpoint formats -------------------------------------------------------------------
 def block_scale_rows(n: int, block_n: int) -> torch.Tensor:
     return torch.arange(n, dtype=torch.int32) // block_n
+
+
+def uniform_tile_rows(change_rows, cap: int = 256) -> int:
+    """The widest power of two (<= cap) that divides every row where the scale row changes
+    (a part's start, a block boundary inside a part): aligned tiles that wide never straddle
+    two scale rows."""
+    tile = cap
+    for r in change_rows:
+        if r > 0:
+            tile = min(tile, r & -r)
+    return tile
 
 
 def dequantize_block(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:

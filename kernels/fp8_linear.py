@@ -30,7 +30,8 @@ _X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 @dataclass(frozen=True)
 class Fp8GemmConfig:
-    """W8A8 GEMM tiling; block_k is the activation group (one scale per row and K step)."""
+    """W8A8 GEMM tiling; block_k is the activation group (one scale per row and K step);
+    tma: tiles through tensor descriptors (else pointer loads)."""
 
     block_m: int = 64
     block_n: int = 128
@@ -38,6 +39,7 @@ class Fp8GemmConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    tma: bool = False
 
 
 def gemm_config(m: int, n: int, block_k: int, device: torch.device) -> Fp8GemmConfig:
@@ -121,7 +123,8 @@ def w8a8_gemm(xq: torch.Tensor, xs: torch.Tensor, w: Fp8Weight, bias=None, out_d
     if out is None:
         out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     from kernels.triton_fp8_gemm import launch_w8a8_gemm
-    return launch_w8a8_gemm(xq, xs, w.q, w.scale, w.scale_row, w.group_k, bias, out, config)
+    uniform = not w.per_channel and w.tile_n >= config.block_n
+    return launch_w8a8_gemm(xq, xs, w.q, w.scale, w.scale_row, w.group_k, bias, out, config, uniform)
 
 
 # -- small batches ----------------------------------------------------------------------------

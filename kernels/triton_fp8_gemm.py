@@ -1,13 +1,19 @@
 """Triton kernels behind kernels.fp8_linear (imported lazily: needs triton).
 
-- _group_quant_kernel, grid (M, groups): one row's group of GROUP columns -> its scale
-  (max|x| / 448) and FP8 values (x / scale on the fp8 grid, triton_fp8.fp8_grid).
+- _group_quant_kernel, grid (M/ROWS, groups): ROWS rows of one group of GROUP columns -> each
+  row's scale (max|x| / 448) and FP8 values (x / scale on the fp8 grid, triton_fp8.fp8_grid).
+  Several rows a program: one row a program made a prefill's quantization millions of
+  one-warp programs.
 - _w8a8_gemm_kernel, grid (M/BM * N/BN), grouped along M for L2 reuse: FP8 x FP8 tensor-core
   dots over K steps of one activation group (BK = group); each step's fp32 dot is scaled by
-  its activation scales (per row) and weight scales (per column: the column's scale row, the
-  step's K group) and added to an fp32 accumulator. Scaling per step is the "promotion"
-  DeepSeek-V3 describes: no FP8 MMA accumulates over more than one group. Bias and the
-  cast to the output dtype in the epilogue. No host sync (CUDA-graph safe).
+  its activation scales (per row) and weight scales and added to an fp32 accumulator.
+  Scaling per step is the "promotion" DeepSeek-V3 describes: no FP8 MMA accumulates over more
+  than one group. Tiles come in through TMA (host tensor descriptors; out-of-bounds rows and
+  columns read as zeros) or, with TMA off, through pointer loads. UNIFORM_BS: the whole
+  N tile shares one weight scale row (block scales whose blocks the tile does not cross), so
+  a step's scale is one value per row (a_s * b_s) and the promotion is one FMA an element
+  instead of two multiplies and an add. Bias and the cast to the output dtype in the
+  epilogue. No host sync (CUDA-graph safe).
 """
 
 from __future__ import annotations
@@ -20,34 +26,47 @@ from kernels.triton_fp8 import FP8_MAX, fp8_grid
 
 
 @triton.jit
-def _group_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s, eps,
-                        GROUP: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _group_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_s, eps,
+                        GROUP: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     g = tl.program_id(1)
     cols = g * GROUP + tl.arange(0, BLOCK)
-    ok = (tl.arange(0, BLOCK) < GROUP) & (cols < K)
-    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 0), eps), FP8_MAX)
-    q = fp8_grid(tl.math.div_rn(x, scale))
-    tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
-    tl.store(s_ptr + row * stride_s + g, scale)
+    row_ok = rows < M
+    ok = row_ok[:, None] & ((tl.arange(0, BLOCK) < GROUP) & (cols < K))[None, :]
+    r = rows.to(tl.int64)[:, None]
+    x = tl.load(x_ptr + r * stride_x + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 1), eps), FP8_MAX)
+    q = fp8_grid(tl.math.div_rn(x, scale[:, None]))
+    tl.store(q_ptr + r * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(s_ptr + rows.to(tl.int64) * stride_s + g, scale, mask=row_ok)
 
 
 def launch_group_quant(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, group: int, eps: float) -> None:
     m, k = x.shape
     if m == 0:
         return
-    groups = triton.cdiv(k, group)
-    _group_quant_kernel[(m, groups)](x, q, s, k, x.stride(0), q.stride(0), s.stride(0), eps,
-                                     GROUP=group, BLOCK=triton.next_power_of_2(group),
-                                     num_warps=1 if group <= 128 else 4)
+    block = triton.next_power_of_2(group)
+    rows = max(1, min(triton.next_power_of_2(m), 4096 // block))  # ~4k elements a program
+    _group_quant_kernel[(triton.cdiv(m, rows), triton.cdiv(k, group))](
+        x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), eps,
+        GROUP=group, BLOCK=block, ROWS=rows, num_warps=4 if rows * block >= 2048 else 1)
+
+
+@triton.jit
+def _promote(acc, d, a_s, bs_ptrs, k_col, group_k, UNIFORM_BS: tl.constexpr):
+    """acc + d scaled by this K step's activation scales (rows) and weight scales."""
+    if UNIFORM_BS:
+        return acc + d * (a_s * tl.load(bs_ptrs + k_col // group_k))[:, None]
+    b_s = tl.load(bs_ptrs + k_col // group_k)
+    return acc + d * a_s[:, None] * b_s[None, :]
 
 
 @triton.jit(do_not_specialize=["M"])
-def _w8a8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, srow_ptr, c_ptr, bias_ptr,
+def _w8a8_gemm_kernel(a_ptr, a_desc, as_ptr, b_ptr, b_desc, bs_ptr, srow_ptr, c_ptr, bias_ptr,
                       M, N, K, group_k,
                       stride_am, stride_asm, stride_bn, stride_bsr, stride_cm,
-                      HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, UNIFORM_BS: tl.constexpr, TMA: tl.constexpr,
+                      EVEN_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                       GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BM)
@@ -68,15 +87,24 @@ def _w8a8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, srow_ptr, c_ptr, bias_ptr,
     a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
     b_ptrs = b_ptr + cols[None, :] * stride_bn + offs_k[:, None]
     as_ptrs = as_ptr + rows * stride_asm
-    bs_ptrs = bs_ptr + tl.load(srow_ptr + cols).to(tl.int64) * stride_bsr
+    if UNIFORM_BS:
+        bs_ptrs = bs_ptr + tl.load(srow_ptr + pid_n * BN).to(tl.int64) * stride_bsr
+    else:
+        bs_ptrs = bs_ptr + tl.load(srow_ptr + cols).to(tl.int64) * stride_bsr
     acc = tl.zeros([BM, BN], tl.float32)
     for kk in range(0, tl.cdiv(K, BK)):
-        k_ok = offs_k < K - kk * BK
-        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        if TMA:
+            a = a_desc.load([pid_m * BM, kk * BK])
+            b = b_desc.load([pid_n * BN, kk * BK]).T
+        elif EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_ok = offs_k < K - kk * BK
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
         a_s = tl.load(as_ptrs + kk)
-        b_s = tl.load(bs_ptrs + (kk * BK) // group_k)
-        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        acc = _promote(acc, tl.dot(a, b), a_s, bs_ptrs, kk * BK, group_k, UNIFORM_BS)
         a_ptrs += BK
         b_ptrs += BK
     if HAS_BIAS:
@@ -85,18 +113,30 @@ def _w8a8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, srow_ptr, c_ptr, bias_ptr,
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def launch_w8a8_gemm(a, a_s, b, b_s, srow, group_k: int, bias, out, config) -> torch.Tensor:
+def tma_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """TMA needs 16-byte aligned bases and row strides, and unit last strides."""
+    return all(t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (a, b))
+
+
+def launch_w8a8_gemm(a, a_s, b, b_s, srow, group_k: int, bias, out, config, uniform_bs: bool = False) -> torch.Tensor:
     """a [M, K] fp8, a_s [M, ceil(K/BK)] fp32, b [N, K] fp8 (K contiguous), b_s [S, KB] fp32,
-    srow [N] int32, out [M, N]."""
+    srow [N] int32, out [M, N]. uniform_bs: every N tile of config.block_n lies in one scale row."""
     m, k = a.shape
     n = b.shape[0]
     if m == 0:
         return out
+    tma = config.tma and tma_fits(a, b)
+    a_desc = b_desc = None
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        a_desc = TensorDescriptor.from_tensor(a, [config.block_m, config.block_k])
+        b_desc = TensorDescriptor.from_tensor(b, [config.block_n, config.block_k])
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
     _w8a8_gemm_kernel[grid](
-        a, a_s, b, b_s, srow, out, bias if bias is not None else out,
+        a, a_desc, a_s, b, b_desc, b_s, srow, out, bias if bias is not None else out,
         m, n, k, min(group_k, 1 << 30),
         a.stride(0), a_s.stride(0), b.stride(0), b_s.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, BM=config.block_m, BN=config.block_n, BK=config.block_k,
+        HAS_BIAS=bias is not None, UNIFORM_BS=uniform_bs, TMA=tma, EVEN_K=k % config.block_k == 0,
+        BM=config.block_m, BN=config.block_n, BK=config.block_k,
         GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages)
     return out

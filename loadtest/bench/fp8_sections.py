@@ -13,12 +13,15 @@ table and exits if one hangs):
                   8-token chunks (the decode-size W8A16 kernels reading FP8 pages)
   fp8_decode_8b   (b) 8B decode B=1, 32 (ctx 1024): FP8 vs its floor in FP8 bytes and vs bf16;
                   engine prefill 4x2048 FP8 vs bf16
-  fp8_gemm        (d) W8A8 GEMM at 8B prefill shapes (M=8192) vs torch._scaled_mm on the same
-                  shape and vs the measured FP8 peak; a few tilings; the quantize kernel's time
+  fp8_gemm        (d) W8A8 GEMM at the 8B linears: M=8192 (prefill) vs torch._scaled_mm on the same
+                  shape and vs the measured FP8 peak, M=32 (decode) in GB/s; the tilings of
+                  GEMM_TILINGS; per-tile vs per-column weight scales; the quantize kernel's time
   fp8_moe_decode  (c) 30B-A3B decode B=1, 8, 32: FP8 vs floor (touched experts) and bf16
   fp8_kv_long     (e) 8B FP8 weights, ctx 16k: step time and KV pages with FP8 vs bf16 KV in
                   one budget (B=16 both, B=32 FP8 only: bf16 does not fit an H100), bytes per
                   token a handoff moves
+  fp8_prefill_profile  8B prefill step of 4x2048 tokens, FP8 vs bf16: the kernels taking the most
+                  GPU time (torch.profiler)
 The table comes last (and --json)."""
 from __future__ import annotations
 
@@ -195,7 +198,7 @@ def fp8_decode_8b(ctx):
     prefill = {}
 
     def prefill_of(tag, eng):
-        prefill_rate(eng, 1, 2048, seed=99)  # warm-up
+        prefill_rate(eng, 4, 2048, seed=99)  # warm-up of the same shape: every kernel the step runs is compiled
         r = prefill_rate(eng, 4, 2048, seed=4)
         prefill[tag] = r["tok_s"]
         rep.add("fp8_decode_8b", f"{tag} prefill 4x2048 tok_s", r["tok_s"], f"{r['tflops']:.0f} TFLOP/s")
@@ -208,7 +211,22 @@ def fp8_decode_8b(ctx):
     rep.add("fp8_decode_8b", "prefill fp8/bf16", prefill["fp8"] / prefill["bf16"])
 
 
+# W8A8 tilings tried (block_m, block_n, group_m, warps, stages, tma); block_k is the 128 group
+GEMM_TILINGS = {
+    8192: [(128, 128, 8, 8, 3, False), (128, 128, 8, 8, 3, True), (128, 128, 8, 8, 4, True),
+           (64, 128, 8, 4, 4, False), (64, 128, 8, 4, 4, True), (128, 128, 8, 4, 4, True),
+           (128, 64, 8, 4, 4, True), (64, 256, 8, 8, 3, True)],
+    32: [(64, 128, 1, 4, 4, False), (64, 64, 1, 4, 4, False), (64, 64, 1, 4, 6, True),
+         (64, 32, 1, 4, 4, False), (64, 32, 1, 4, 6, True), (64, 32, 1, 4, 8, True), (32, 32, 1, 4, 6, False)],
+}
+L2_FLUSH_BYTES = 128 << 20  # decode sizes rotate over weight copies this large, as a decode step reads HBM
+
+
 def fp8_gemm(ctx):
+    """(d) The W8A8 GEMM at the 8B linears: M=8192 (a prefill step) against the FP8 peak and
+    _scaled_mm on the same shape; M=32 (a decode batch past the small-batch kernel) in GB/s of
+    weights against the copy bandwidth. Each tiling of GEMM_TILINGS, the best, the best with a
+    scale a column (tile_n=0: what per-tile scales save), and the activation quantization."""
     from kernels.fp8 import FP8_DTYPE, Fp8Weight, block_scale_rows
     from kernels.fp8_linear import Fp8GemmConfig, gemm_config, per_token_group_quant, w8a8_gemm
     from .shapes import scaled_mm
@@ -217,32 +235,80 @@ def fp8_gemm(ctx):
     rep = ctx["report"]
     c = _need_ceilings(ctx)
     dev = ctx["dev"]
-    m = 8192
-    tilings = [None, Fp8GemmConfig(128, 128, 128, 8, 8, 3), Fp8GemmConfig(128, 128, 128, 8, 4, 4),
-               Fp8GemmConfig(64, 128, 128, 8, 4, 4), Fp8GemmConfig(128, 256, 128, 8, 8, 3)]
-    x = torch.randn(m, 12288, device=dev, dtype=torch.bfloat16)
-    for name, (n, k) in QWEN3_8B_PREFILL.items():
-        w = Fp8Weight(torch.randn(n, k, device=dev).to(FP8_DTYPE), torch.rand(-(-n // 128), -(-k // 128), device=dev),
-                      block_scale_rows(n, 128).to(dev), 128)
-        xk = x[:, :k].contiguous()
-        xq, xs = per_token_group_quant(xk)
-        flops = 2 * m * n * k
-        best, best_cfg = None, None
-        for cfg in tilings:
-            try:
-                ms = _time_ms(lambda: w8a8_gemm(xq, xs, w, out_dtype=torch.bfloat16, config=cfg))
-            except Exception as e:  # noqa: BLE001 - a tiling that does not fit is not an error
-                rep.add("fp8_gemm", f"{name} tiling {cfg} failed", type(e).__name__)
-                continue
-            if best is None or ms < best:
-                best, best_cfg = ms, cfg or gemm_config(m, n, 128, dev)
-        cublas = _time_ms(lambda: scaled_mm(xq, w.q))
-        quant = _time_ms(lambda: per_token_group_quant(xk))
-        tf = flops / best / 1e9
-        rep.add("fp8_gemm", f"{name} M={m} N={n} K={k} TFLOPs", tf,
-                f"{100 * tf / c.fp8_matmul_tflops:.0f}% of FP8 peak (aim >= 70), _scaled_mm same shape "
-                f"{flops / cublas / 1e9:.0f} TFLOP/s (per-tensor scales), quantize {quant * 1e3:.0f} us, best "
-                f"{best_cfg}")
+    for m, tilings in GEMM_TILINGS.items():
+        x = torch.randn(m, 12288, device=dev, dtype=torch.bfloat16)
+        for name, (n, k) in QWEN3_8B_PREFILL.items():
+            copies = max(1, -(-L2_FLUSH_BYTES // (n * k))) if m <= 64 else 1
+            ws = [Fp8Weight(torch.randn(n, k, device=dev).to(FP8_DTYPE), torch.rand(-(-n // 128), -(-k // 128),
+                            device=dev), block_scale_rows(n, 128).to(dev), 128, 128) for _ in range(copies)]
+            xk = x[:, :k].contiguous()
+            xq, xs = per_token_group_quant(xk)
+            flops, wbytes = 2 * m * n * k, n * k
+
+            def timed(cfg, tile_n=128):
+                wt = [Fp8Weight(w.q, w.scale, w.scale_row, 128, tile_n) for w in ws]
+                return _time_ms(lambda: [w8a8_gemm(xq, xs, w, out_dtype=torch.bfloat16, config=cfg)
+                                         for w in wt]) / copies
+
+            results = {}
+            for t in [None] + [Fp8GemmConfig(bm, bn, 128, gm, nw, ns, tma) for bm, bn, gm, nw, ns, tma in tilings]:
+                cfg = t or gemm_config(m, n, 128, dev)
+                try:
+                    results[cfg] = timed(cfg)
+                except Exception as e:  # noqa: BLE001 - a tiling that does not fit is not an error
+                    rep.add("fp8_gemm", f"{name} M={m} {_tiling(cfg)} failed", type(e).__name__)
+            default_ms = results[gemm_config(m, n, 128, dev)]
+            best_cfg = min(results, key=results.get)
+            best = results[best_cfg]
+            per_column = timed(best_cfg, tile_n=0)
+            quant = _time_ms(lambda: per_token_group_quant(xk))
+            if m > 64:
+                cublas = _time_ms(lambda: scaled_mm(xq, ws[0].q))
+                tf = flops / best / 1e9
+                rep.add("fp8_gemm", f"{name} M={m} N={n} K={k} TFLOPs", tf,
+                        f"{100 * tf / c.fp8_matmul_tflops:.0f}% of FP8 peak (aim >= 70), _scaled_mm same shape "
+                        f"{flops / cublas / 1e9:.0f} TFLOP/s (per-tensor scales), default tiling "
+                        f"{flops / default_ms / 1e9:.0f}, scale a column {flops / per_column / 1e9:.0f}, best "
+                        f"{_tiling(best_cfg)}")
+            else:
+                gbs = wbytes / best / 1e6
+                rep.add("fp8_gemm", f"{name} M={m} N={n} K={k} us", best * 1e3,
+                        f"{gbs:.0f} GB/s of FP8 weights, {100 * gbs / c.copy_gb_s:.0f}% of copy; default tiling "
+                        f"{default_ms * 1e3:.1f} us, scale a column {per_column * 1e3:.1f} us, best {_tiling(best_cfg)}")
+            rep.add("fp8_gemm", f"{name} M={m} quantize us", quant * 1e3,
+                    f"{3 * m * k / quant / 1e6:.0f} GB/s (bf16 in, fp8 out)")
+            rep.data.setdefault("fp8_gemm_tilings", {})[f"{name} M={m}"] = {
+                _tiling(cfg): round(ms * 1e3, 1) for cfg, ms in sorted(results.items(), key=lambda kv: kv[1])}
+        del x
+
+
+def _tiling(cfg) -> str:
+    return (f"{cfg.block_m}x{cfg.block_n} g{cfg.group_m} w{cfg.num_warps} s{cfg.num_stages}"
+            f"{' tma' if cfg.tma else ''}")
+
+
+def fp8_prefill_profile(ctx):
+    """Where an 8B prefill step of 8192 tokens spends GPU time, FP8 weights against bf16: the
+    kernels with the most time (torch.profiler), after a warm-up step of the same shape."""
+    from .gpu_engine import prefill_rate, release_memory
+    from .suite_context import random_engine as _engine
+
+    rep = ctx["report"]
+    for tag, options in (("fp8", dict(quantization="fp8")), ("bf16", {})):
+        eng = _engine(ctx, "qwen3-8b", max_model_len=4096, cuda_graph_max_bs=1, kv_cache_memory=8 << 30, **options)
+        prefill_rate(eng, 4, 2048, seed=98)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            r = prefill_rate(eng, 4, 2048, seed=4)
+        rep.add("fp8_prefill_profile", f"{tag} 4x2048 ms", r["sec"] * 1e3, f"{r['tok_s']:.0f} tok/s")
+        events = sorted(prof.key_averages(), key=lambda e: e.self_device_time_total, reverse=True)
+        total = sum(e.self_device_time_total for e in events)
+        rep.add("fp8_prefill_profile", f"{tag} GPU busy ms", total / 1e3)
+        for e in events[:8]:
+            rep.add("fp8_prefill_profile", f"{tag} {e.key[:60]}", e.self_device_time_total / 1e3,
+                    f"ms in {e.count} launches")
+        eng.close()
+        del eng
+        release_memory()
 
 
 def fp8_moe_decode(ctx):
@@ -282,7 +348,8 @@ def fp8_kv_long(ctx):
 
 
 # (d) before (c): it is quick, and what matters most runs first when the budget is tight
-FP8_SECTIONS = ("ceilings", "fp8_accuracy", "fp8_decode_8b", "fp8_gemm", "fp8_moe_decode", "fp8_kv_long")
+FP8_SECTIONS = ("ceilings", "fp8_accuracy", "fp8_decode_8b", "fp8_gemm", "fp8_moe_decode", "fp8_kv_long",
+                "fp8_prefill_profile")
 SECTIONS = {"fp8_accuracy": fp8_accuracy, "fp8_decode_8b": fp8_decode_8b, "fp8_gemm": fp8_gemm,
-            "fp8_moe_decode": fp8_moe_decode, "fp8_kv_long": fp8_kv_long}
+            "fp8_moe_decode": fp8_moe_decode, "fp8_kv_long": fp8_kv_long, "fp8_prefill_profile": fp8_prefill_profile}
 

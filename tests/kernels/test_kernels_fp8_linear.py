@@ -8,13 +8,15 @@ On the CPU these run in Triton's interpreter, which executes FP8 loads, stores a
 dots exactly, in wider precision): what it cannot show is the FP8 tensor-core numerics and
 speed of a real GPU, which the device script (loadtest/bench/fp8_device.py) measures."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from kernels.fp8 import (FP8_DTYPE, PER_CHANNEL_GROUP_K, Fp8Weight, block_scale_rows, dequantize_block,
                          per_token_group_quant_reference, quantize_block, quantize_channel)
-from kernels.fp8_linear import (fp8_linear_reference, gate_up_silu_fp8_reference, small_batch_fp8_reference,
-                                w8a8_gemm_reference)
+from kernels.fp8_linear import (fp8_linear_reference, gate_up_silu_fp8_reference, gemm_config,
+                                small_batch_fp8_reference, w8a8_gemm_reference)
 from kernels.small_batch_linear import SmallBatchWorkspace
 from kernels.small_batch_linear_config import SmallBatchConfig
 from loadtest.bench.accuracy import fill_nan_, relative_error
@@ -88,21 +90,29 @@ def test_group_quant_is_the_reference_bit_for_bit(runner, k, group):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", ["stacked_partial_blocks", "shard_inside_block", "per_channel"])
-def test_w8a8_gemm_matches_reference(runner, dtype, case):
-    g = case_generator("gemm", dtype, case)
-    m, k = 37, 200  # K = one full group and a partial one
+@pytest.mark.parametrize("case", ["stacked_partial_blocks", "shard_inside_block", "per_channel", "tile_uniform"])
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("k", [200, 256])  # one full group and a partial one; whole groups (no K masks)
+def test_w8a8_gemm_matches_reference(runner, dtype, case, tma, k):
+    g = case_generator("gemm", dtype, case, k)
+    m = 37
+    tile_n = 0
     if case == "per_channel":
         w = channel_weight(90, k, g, "cpu")
+    elif case == "tile_uniform":  # parts on 32-row boundaries: each 32-row N tile has one scale row
+        w, tile_n = block_weight([64, 32, 32], k, (32, 128), g, "cpu"), 32
     else:
         w = block_weight([72, 40, 40], k, (32, 128), g, "cpu", shard_start=20 if case == "shard_inside_block" else 0)
     x = (torch.randn(m, k, generator=g) * 3).to(dtype)
     bias = torch.randn(w.q.shape[0], generator=g).to(dtype)
     xq, xs = per_token_group_quant_reference(x)
     dev = runner.device
-    wd = Fp8Weight(w.q.to(dev), w.scale.to(dev), w.scale_row.to(dev), w.group_k)
+    wd = Fp8Weight(w.q.to(dev), w.scale.to(dev), w.scale_row.to(dev), w.group_k, tile_n)
+    config = replace(gemm_config(m, w.q.shape[0], 128, torch.device(dev)), tma=tma)
+    if tile_n:
+        config = replace(config, block_n=tile_n)
     out = fill_nan_(torch.empty(m, w.q.shape[0], dtype=dtype, device=dev))
-    runner(GEMM, xq.to(dev), xs.to(dev), wd, bias.to(dev), dtype, out=out)
+    runner(GEMM, xq.to(dev), xs.to(dev), wd, bias.to(dev), dtype, out=out, config=config)
     assert relative_error(out, w8a8_gemm_reference(xq, xs, w, bias, dtype)) < GEMM_TOL[dtype]
 
 

@@ -19,12 +19,13 @@ Sharding rules (what tensor parallelism requires of an FP8 checkpoint):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import nn
 
 from kernels.fp8 import (FP8_DTYPE, PER_CHANNEL_GROUP_K, Fp8Weight, channel_scales, quantize_block,
-                         quantize_channel)
+                         quantize_channel, uniform_tile_rows)
 
 from ..model_config import ModelLoadError
 
@@ -81,6 +82,19 @@ class Fp8Layout:
     def scale_cols(self) -> int:
         return 1 if self.grid.per_channel else -(-self.cols // self.grid.group_k)
 
+    @cached_property
+    def uniform_tile_n(self) -> int:
+        """Fp8Weight.tile_n for this shard: rows where the scale row changes are each part's
+        start and the block boundaries inside parts (per-channel: every row, so 1)."""
+        if self.grid.per_channel:
+            return 1
+        g, off, changes = self.grid.group_n, 0, []
+        for p in self.parts:
+            changes.append(off)
+            changes.extend(off + b - p.start for b in range((p.start // g + 1) * g, p.start + p.rows, g))
+            off += p.rows
+        return uniform_tile_rows(changes)
+
     def scale_row_map(self) -> torch.Tensor:
         out, off = [], 0
         for p in self.parts:
@@ -118,8 +132,9 @@ def fp8_weight(module: nn.Module, attr: str = "weight") -> Fp8Weight | None:
     layouts = getattr(module, "fp8", None)
     if not layouts or attr not in layouts:
         return None
+    layout = layouts[attr]
     return Fp8Weight(getattr(module, attr), getattr(module, f"{attr}_scale"), getattr(module, f"{attr}_scale_row"),
-                     layouts[attr].grid.group_k)
+                     layout.grid.group_k, layout.uniform_tile_n)
 
 
 def refresh_scale_rows(module: nn.Module) -> None:
