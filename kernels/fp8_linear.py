@@ -1,9 +1,11 @@
 """Linear layers over FP8 weights (kernels/fp8.py's Fp8Weight): y = x W^T (+ bias).
 
 Two paths, picked by the number of rows, as SGLang and vLLM do:
-- decode sizes (M <= 16): the split-K small-batch kernel (kernels/small_batch_linear.py)
+- decode sizes (M <= 64): the split-K small-batch kernel (kernels/small_batch_linear.py)
   reads each FP8 weight byte once and widens it in registers (W8A16): a decode step is a
   read of the weights, and FP8 halves it. The gate/up + SwiGLU fusion works the same way.
+  (16-bit weights leave this kernel for cuBLAS past 16 rows; FP8 ones would go to the W8A8
+  GEMM, whose [64, 128] tiles give a 4096-wide output 32 programs for 132 SMs.)
 - larger M (prefill, big decode batches): activations quantized per token per group of 128
   columns (one launch), then a W8A8 GEMM on the FP8 tensor cores with the scales applied
   per K step (triton_fp8_gemm.py), DeepSeek-V3's recipe.
@@ -11,7 +13,7 @@ Both are CUDA-graph safe (no host sync; grids depend on shapes only). x, bias an
 share one dtype (bf16, fp16 or fp32); accumulation in fp32.
 
 Each Triton function has its torch reference here; `fp8_linear_reference` follows the same
-route (activations quantized above 16 rows), so kernels and references agree closely.
+route (activations quantized above 64 rows), so kernels and references agree closely.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 
 from kernels.fp8 import (ACT_EPS, ACT_GROUP, FP8_DTYPE, Fp8Weight, dequantize_activations,
                          per_token_group_quant_reference)
-from kernels.small_batch_linear_config import MAX_M
+from kernels.small_batch_linear_config import FP8_MAX_M
 
 _X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -129,8 +131,8 @@ def w8a8_gemm(xq: torch.Tensor, xs: torch.Tensor, w: Fp8Weight, bias=None, out_d
 
 # -- small batches ----------------------------------------------------------------------------
 def small_batch_fp8_supported(m: int, k: int, dtype: torch.dtype) -> bool:
-    """1..16 rows of a 16-bit or fp32 x, weight rows of whole 16-byte vectors (K % 16 == 0)."""
-    return 1 <= m <= MAX_M and dtype in _X_DTYPES and k % 16 == 0
+    """1..64 rows of a 16-bit or fp32 x, weight rows of whole 16-byte vectors (K % 16 == 0)."""
+    return 1 <= m <= FP8_MAX_M and dtype in _X_DTYPES and k % 16 == 0
 
 
 def small_batch_fp8_reference(x: torch.Tensor, w: Fp8Weight, bias=None) -> torch.Tensor:
@@ -162,12 +164,12 @@ def _small_batch_config(x: torch.Tensor, w: Fp8Weight, gate_up: bool, config):
 
 def small_batch_fp8_linear(x: torch.Tensor, w: Fp8Weight, bias=None, out=None, config=None, workspace=None,
                            pdl=None, gate_up: bool = False) -> torch.Tensor:
-    """Triton (the small-batch kernel with FP8 weights): x [M <= 16, K] -> [M, N] in x's dtype;
+    """Triton (the small-batch kernel with FP8 weights): x [M <= 64, K] -> [M, N] in x's dtype;
     gate_up: silu(x W_g^T) * (x W_u^T) for the stacked [2I, K] weight -> [M, I]."""
     n_out = w.q.shape[0] // 2 if gate_up else w.q.shape[0]
     _check(x, w, bias, n_out)
     if not small_batch_fp8_supported(x.shape[0], x.shape[1], x.dtype):
-        raise ValueError(f"small_batch_fp8_linear takes 1..{MAX_M} rows and K % 16 == 0, got {tuple(x.shape)}")
+        raise ValueError(f"small_batch_fp8_linear takes 1..{FP8_MAX_M} rows and K % 16 == 0, got {tuple(x.shape)}")
     if x.stride(1) != 1:
         x = x.contiguous()
     config = _small_batch_config(x, w, gate_up, config)
@@ -179,7 +181,7 @@ def small_batch_fp8_linear(x: torch.Tensor, w: Fp8Weight, bias=None, out=None, c
 
 # -- the layer's entry points -----------------------------------------------------------------
 def fp8_linear_reference(x: torch.Tensor, w: Fp8Weight, bias=None) -> torch.Tensor:
-    """What fp8_linear computes, in torch: W8A16 up to 16 rows (and where the small-batch
+    """What fp8_linear computes, in torch: W8A16 up to 64 rows (and where the small-batch
     kernel does not apply), else activations quantized per token group and W8A8."""
     m, k = x.shape
     if small_batch_fp8_supported(m, k, x.dtype):

@@ -18,7 +18,8 @@ from typing import Optional
 import torch
 
 from kernels.pdl import Pdl
-from kernels.small_batch_linear_config import MAX_M, SmallBatchConfig, get_config, gpu_key, tuned_config
+from kernels.small_batch_linear_config import (MAX_M, PARTIAL_FLOATS, SmallBatchConfig, get_config, gpu_key,
+                                               tuned_config)
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -73,7 +74,7 @@ class SmallBatchWorkspace:
     tuned_only: bool = False
 
     @classmethod
-    def create(cls, device, max_partial_floats: int = 1 << 22, max_tiles: int = 1 << 13) -> "SmallBatchWorkspace":
+    def create(cls, device, max_partial_floats: int = PARTIAL_FLOATS, max_tiles: int = 1 << 13) -> "SmallBatchWorkspace":
         """Defaults (16 MiB + 32 KiB) cover split_k * (2 for gate/up) * M * N up to 4M floats
         (e.g. 32 splits of a 16 x 8192 output) and 8192 split tiles; a call that needs more
         raises ValueError (checked on shapes, before any launch)."""

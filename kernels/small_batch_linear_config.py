@@ -15,6 +15,12 @@ from dataclasses import dataclass
 
 M_BUCKETS = (1, 2, 4, 8, 16)
 MAX_M = M_BUCKETS[-1]
+# FP8 weights (W8A16) run here up to 64 rows: past 16 rows cuBLAS wins for 16-bit weights, but an
+# FP8 weight's alternative is quantizing the activations for the W8A8 GEMM, whose few N tiles at
+# decode sizes leave most SMs idle (loadtest/bench/fp8_sections.py fp8_gemm, M=32)
+FP8_M_BUCKETS = M_BUCKETS + (32, 64)
+FP8_MAX_M = FP8_M_BUCKETS[-1]
+PARTIAL_FLOATS = 1 << 22  # split-K scratch a workspace holds by default (small_batch_linear.SmallBatchWorkspace)
 
 
 @dataclass(frozen=True)
@@ -44,10 +50,11 @@ class ShapeKey:
     gate_up: bool = False
 
 
-def m_bucket(m: int) -> int:
-    if not 1 <= m <= MAX_M:
-        raise ValueError(f"small_batch_linear handles 1..{MAX_M} rows, got {m}")
-    return next(b for b in M_BUCKETS if b >= m)
+def m_bucket(m: int, fp8: bool = False) -> int:
+    buckets = FP8_M_BUCKETS if fp8 else M_BUCKETS
+    if not 1 <= m <= buckets[-1]:
+        raise ValueError(f"small_batch_linear handles 1..{buckets[-1]} rows{' (FP8 weights)' if fp8 else ''}, got {m}")
+    return next(b for b in buckets if b >= m)
 
 
 def _c(block_n, block_k, split_k, num_warps=4, num_stages=3, use_dot=True) -> SmallBatchConfig:
@@ -87,10 +94,27 @@ TUNED: dict[str, dict[ShapeKey, dict[int, SmallBatchConfig]]] = {"H100": TUNED_H
 
 # FP8 weights (W8A16, kernels/fp8_linear.py) read half the bytes per tile row: their own tables,
 # from `python3 -m loadtest.bench.small_batch_linear --sweep --fp8` on that GPU. Every FP8
-# linear of <= 16 rows runs this kernel (there is no cuBLAS W8A16 to route to), so an entry is
-# the sweep's best whatever cuBLAS bf16 does. Empty until a device sweep fills them: the
-# heuristic (512-byte rows, the tensor-core path) runs meanwhile.
-TUNED_FP8: dict[str, dict[ShapeKey, dict[int, SmallBatchConfig]]] = {"H100": {}, "H200": {}}
+# linear of <= 64 rows runs this kernel (there is no cuBLAS W8A16 to route to), so an entry is
+# the sweep's best whatever cuBLAS bf16 does. Buckets a table lacks run the heuristic
+# (512-byte rows, the tensor-core path).
+# H200, 2026-11-25, `--sweep --fp8 --models qwen3-8b,qwen3-30b-a3b --m 1,8` (L2 cold, FP8 bytes;
+# cuBLAS on the bf16 weights beside): M=1 qkv 11.9 us (2109 GB/s; heuristic 23.9, cuBLAS bf16
+# 16.4), o 8.9 (27.4, 13.8), gate/up+SwiGLU 34.7 (81.0, 59.7), down 19.7 (72.2, 31.2): an 8B
+# layer's linears 75 us against 195 with the heuristic tiles. The LM head stays 16-bit (TUNED).
+TUNED_FP8_H200: dict[ShapeKey, dict[int, SmallBatchConfig]] = {
+    ShapeKey(6144, 4096): {1: _c(16, 512, 2, 4, 1, False), 8: _c(64, 128, 6, 4, 3, True)},  # qwen3-8b qkv
+    ShapeKey(4096, 4096): {1: _c(32, 512, 4, 4, 1, False), 8: _c(64, 128, 9, 4, 3, True)},  # qwen3-8b o
+    ShapeKey(24576, 4096): {1: _c(16, 512, 1, 4, 1, False), 8: _c(64, 128, 3, 4, 3, True)},  # qwen3-8b gate_up
+    ShapeKey(24576, 4096, True): {1: _c(32, 256, 1, 8, 1, False), 8: _c(64, 128, 2, 4, 3, True)},  # gate_up+SwiGLU
+    ShapeKey(4096, 12288): {1: _c(32, 256, 5, 4, 1, False), 8: _c(64, 128, 17, 4, 3, True)},  # qwen3-8b down
+    ShapeKey(5120, 2048): {1: _c(32, 512, 4, 4, 1, False), 8: _c(64, 128, 8, 4, 2, True)},  # qwen3-30b-a3b qkv
+    ShapeKey(2048, 4096): {1: _c(32, 256, 8, 4, 1, False), 8: _c(64, 256, 8, 4, 3, True)},  # qwen3-30b-a3b o
+    ShapeKey(128, 2048): {1: _c(16, 512, 4, 8, 1, False), 8: _c(64, 128, 8, 4, 4, True)},  # qwen3-30b-a3b router
+}
+
+# The H100 (same 132 SMs and L2, ~70% of the H200's bandwidth) reads the H200's FP8 sweep until
+# one runs there: the 16-bit tables of the two GPUs agree on most shapes' M=1 tiles.
+TUNED_FP8: dict[str, dict[ShapeKey, dict[int, SmallBatchConfig]]] = {"H100": TUNED_FP8_H200, "H200": TUNED_FP8_H200}
 
 
 def gpu_key(device_name: str) -> str:
@@ -104,19 +128,21 @@ def gpu_key(device_name: str) -> str:
 def tuned_config(m: int, n: int, k: int, gpu: str, gate_up: bool = False, fp8: bool = False) -> SmallBatchConfig | None:
     """The sweep's tiling for this GPU, shape and m's bucket (16-bit or FP8 weights), or None."""
     row = (TUNED_FP8 if fp8 else TUNED).get(gpu, {}).get(ShapeKey(n, k, gate_up))
-    return row.get(m_bucket(m)) if row and 1 <= m <= MAX_M else None
+    return row.get(m_bucket(m, fp8)) if row and 1 <= m <= (FP8_MAX_M if fp8 else MAX_M) else None
 
 
 def heuristic_config(m: int, n: int, k: int, elem_bytes: int, num_sms: int, gate_up: bool = False) -> SmallBatchConfig:
     """512-byte row chunks (16-byte loads, 32 lanes along K), 32 rows a program (16 when
     that leaves SMs without a tile), and split-K until about four programs per SM are in
-    flight (the dot path's 3 stages use ~48 KB of shared memory: four fit on an SM)."""
+    flight (the dot path's 3 stages use ~48 KB of shared memory: four fit on an SM), within
+    a workspace's default scratch."""
     block_k = 512 // elem_bytes
     outputs = n // 2 if gate_up else n
     block_n = 32 if -(-outputs // 32) >= num_sms else 16
     tiles = -(-outputs // block_n)
     k_blocks = -(-k // block_k)
-    split_k = max(1, min(-(-4 * num_sms // tiles), k_blocks, 16))
+    scratch = PARTIAL_FLOATS // ((2 if gate_up else 1) * m * outputs)
+    split_k = max(1, min(-(-4 * num_sms // tiles), k_blocks, 16, scratch))
     return SmallBatchConfig(block_n, block_k, split_k, num_warps=4, num_stages=3, use_dot=True)
 
 
@@ -124,6 +150,6 @@ def get_config(m: int, n: int, k: int, elem_bytes: int = 2, num_sms: int = 132,
                gate_up: bool = False, gpu: str = "") -> SmallBatchConfig:
     """The tuned config for this GPU, (n, k, gate_up) and m's bucket (16-bit weights: TUNED,
     FP8: TUNED_FP8), else the heuristic."""
-    m_bucket(m)  # validates m
+    m_bucket(m, elem_bytes == 1)  # validates m
     tuned = tuned_config(m, n, k, gpu, gate_up, fp8=elem_bytes == 1) if elem_bytes in (1, 2) else None
     return tuned or heuristic_config(m, n, k, elem_bytes, num_sms, gate_up)

@@ -9,8 +9,8 @@ from loadtest.bench.accuracy import fill_nan_, relative_error
 from kernels.small_batch_linear import (SmallBatchWorkspace, small_batch_gate_up_silu_reference,
                                         small_batch_linear_reference, small_batch_preferred,
                                         small_batch_supported)
-from kernels.small_batch_linear_config import (TUNED, TUNED_FP8, ShapeKey, SmallBatchConfig, get_config, gpu_key,
-                                               heuristic_config, m_bucket, tuned_config)
+from kernels.small_batch_linear_config import (PARTIAL_FLOATS, TUNED, TUNED_FP8, ShapeKey, SmallBatchConfig,
+                                               get_config, gpu_key, heuristic_config, m_bucket, tuned_config)
 from tests.helpers.kernel_dtypes import CUDA, case_generator
 
 LINEAR = "kernels.small_batch_linear:small_batch_linear"
@@ -158,7 +158,19 @@ def test_supported_and_config_lookup(monkeypatch):
     # FP8 weights (one byte) read TUNED_FP8, never a 16-bit entry, and the reverse
     assert set(TUNED_FP8) == set(TUNED)
     fp8_entry = SmallBatchConfig(16, 1024, 1, 4, 1, False)
-    monkeypatch.setitem(TUNED_FP8["H100"], ShapeKey(6144, 4096), {1: fp8_entry})
+    monkeypatch.setitem(TUNED_FP8, "H100", {ShapeKey(6144, 4096): {1: fp8_entry}})
     assert get_config(1, 6144, 4096, 1, 132, gpu="H100") == fp8_entry
     assert get_config(1, 6144, 4096, 2, 132, gpu="H100") == TUNED["H100"][ShapeKey(6144, 4096)][1]
     assert get_config(2, 6144, 4096, 1, 132, gpu="H100") == heuristic_config(2, 6144, 4096, 1, 132)
+    # FP8 weights stay on this kernel up to 64 rows (two more buckets); 16-bit ones stop at 16
+    assert [m_bucket(m, fp8=True) for m in (16, 17, 33, 64)] == [16, 32, 64, 64]
+    for bad in (lambda: m_bucket(17), lambda: m_bucket(65, fp8=True), lambda: get_config(17, 64, 64, 2)):
+        with pytest.raises(ValueError, match="rows"):
+            bad()
+    for gpu, table in TUNED_FP8.items():
+        for key, row in table.items():
+            assert set(row) <= {1, 2, 4, 8, 16, 32, 64}, (gpu, key)
+    # the heuristic's split-K never asks for more scratch than a default workspace holds
+    for m, n, gate_up in ((64, 2 * 12288, True), (64, 6144, False), (32, 151936, False)):
+        cfg = heuristic_config(m, n, 4096, 1, 132, gate_up)
+        assert cfg.split_k * (2 if gate_up else 1) * m * (n // 2 if gate_up else n) <= PARTIAL_FLOATS or cfg.split_k == 1
