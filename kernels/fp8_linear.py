@@ -1,11 +1,11 @@
 """Linear layers over FP8 weights (kernels/fp8.py's Fp8Weight): y = x W^T (+ bias).
 
 Two paths, picked by the number of rows, as SGLang and vLLM do:
-- decode sizes (M <= 64): the split-K small-batch kernel (kernels/small_batch_linear.py)
+- decode sizes (M <= 32): the split-K small-batch kernel (kernels/small_batch_linear.py)
   reads each FP8 weight byte once and widens it in registers (W8A16): a decode step is a
   read of the weights, and FP8 halves it. The gate/up + SwiGLU fusion works the same way.
-  (16-bit weights leave this kernel for cuBLAS past 16 rows; FP8 ones would go to the W8A8
-  GEMM, whose [64, 128] tiles give a 4096-wide output 32 programs for 132 SMs.)
+  (16-bit weights leave this kernel for cuBLAS past 16 rows; for FP8 ones it is even with the
+  W8A8 GEMM at 32 rows and loses at 64: kernels/small_batch_linear_config.py.)
 - larger M (prefill, big decode batches): activations quantized per token per group of 128
   columns (one launch), then a W8A8 GEMM on the FP8 tensor cores with the scales applied
   per K step (triton_fp8_gemm.py), DeepSeek-V3's recipe.
@@ -13,7 +13,7 @@ Both are CUDA-graph safe (no host sync; grids depend on shapes only). x, bias an
 share one dtype (bf16, fp16 or fp32); accumulation in fp32.
 
 Each Triton function has its torch reference here; `fp8_linear_reference` follows the same
-route (activations quantized above 64 rows), so kernels and references agree closely.
+route (activations quantized above 32 rows), so kernels and references agree closely.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ _X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 @dataclass(frozen=True)
 class Fp8GemmConfig:
     """W8A8 GEMM tiling; block_k is the activation group (one scale per row and K step);
-    tma: tiles through tensor descriptors (else pointer loads)."""
+    tma: tiles through tensor descriptors (else pointer loads); k_pairs: two K steps an
+    iteration (both dots in flight before either is scaled)."""
 
     block_m: int = 64
     block_n: int = 128
@@ -42,18 +43,21 @@ class Fp8GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     tma: bool = False
+    k_pairs: bool = False
 
 
 def gemm_config(m: int, n: int, block_k: int, device: torch.device) -> Fp8GemmConfig:
-    """SGLang's default W8A8 tiling for Hopper (64 x 128 x 128, 4 warps, 3 stages) from 65
-    rows up, 128-row tiles with 8 warps for long prefills; small tiles in the interpreter."""
+    """Tilings from the H200 runs of loadtest/bench/fp8_sections.py fp8_gemm (Qwen3-8B's
+    linears): TMA tiles and 4 stages for prefills (128 x 128 with 8 warps for long ones over
+    wide outputs), and for 33..64 rows narrow N tiles with 6 stages, so a 4096-wide output
+    still has 64-128 programs for 132 SMs. Small tiles in the interpreter."""
     if device.type != "cuda":
         return Fp8GemmConfig(16, 32, block_k, 1, 4, 1)
     if m <= 64:
-        return Fp8GemmConfig(16 if m <= 16 else 64, 128, block_k, 1, 4, 4)
-    if m >= 4096:
-        return Fp8GemmConfig(128, 128, block_k, 8, 8, 3)
-    return Fp8GemmConfig(64, 128, block_k, 8, 4, 3)
+        return Fp8GemmConfig(64, 64 if n > 4096 else 32, block_k, 1, 4, 6, tma=True)
+    if m >= 4096 and n >= 8192:
+        return Fp8GemmConfig(128, 128, block_k, 8, 8, 4, tma=True)
+    return Fp8GemmConfig(64, 128, block_k, 8, 4, 4, tma=True)
 
 
 def act_group(w: Fp8Weight) -> int:
@@ -131,7 +135,7 @@ def w8a8_gemm(xq: torch.Tensor, xs: torch.Tensor, w: Fp8Weight, bias=None, out_d
 
 # -- small batches ----------------------------------------------------------------------------
 def small_batch_fp8_supported(m: int, k: int, dtype: torch.dtype) -> bool:
-    """1..64 rows of a 16-bit or fp32 x, weight rows of whole 16-byte vectors (K % 16 == 0)."""
+    """1..32 rows of a 16-bit or fp32 x, weight rows of whole 16-byte vectors (K % 16 == 0)."""
     return 1 <= m <= FP8_MAX_M and dtype in _X_DTYPES and k % 16 == 0
 
 
@@ -164,7 +168,7 @@ def _small_batch_config(x: torch.Tensor, w: Fp8Weight, gate_up: bool, config):
 
 def small_batch_fp8_linear(x: torch.Tensor, w: Fp8Weight, bias=None, out=None, config=None, workspace=None,
                            pdl=None, gate_up: bool = False) -> torch.Tensor:
-    """Triton (the small-batch kernel with FP8 weights): x [M <= 64, K] -> [M, N] in x's dtype;
+    """Triton (the small-batch kernel with FP8 weights): x [M <= 32, K] -> [M, N] in x's dtype;
     gate_up: silu(x W_g^T) * (x W_u^T) for the stacked [2I, K] weight -> [M, I]."""
     n_out = w.q.shape[0] // 2 if gate_up else w.q.shape[0]
     _check(x, w, bias, n_out)
@@ -181,7 +185,7 @@ def small_batch_fp8_linear(x: torch.Tensor, w: Fp8Weight, bias=None, out=None, c
 
 # -- the layer's entry points -----------------------------------------------------------------
 def fp8_linear_reference(x: torch.Tensor, w: Fp8Weight, bias=None) -> torch.Tensor:
-    """What fp8_linear computes, in torch: W8A16 up to 64 rows (and where the small-batch
+    """What fp8_linear computes, in torch: W8A16 up to 32 rows (and where the small-batch
     kernel does not apply), else activations quantized per token group and W8A8."""
     m, k = x.shape
     if small_batch_fp8_supported(m, k, x.dtype):

@@ -15,10 +15,12 @@ from dataclasses import dataclass
 
 M_BUCKETS = (1, 2, 4, 8, 16)
 MAX_M = M_BUCKETS[-1]
-# FP8 weights (W8A16) run here up to 64 rows: past 16 rows cuBLAS wins for 16-bit weights, but an
-# FP8 weight's alternative is quantizing the activations for the W8A8 GEMM, whose few N tiles at
-# decode sizes leave most SMs idle (loadtest/bench/fp8_sections.py fp8_gemm, M=32)
-FP8_M_BUCKETS = M_BUCKETS + (32, 64)
+# FP8 weights (W8A16) run here up to 32 rows: past 16 rows cuBLAS wins for 16-bit weights, but an
+# FP8 weight's alternative is quantizing the activations for the W8A8 GEMM; at 32 rows the two
+# are even (H200, an 8B layer's linears: 118 us tuned here, ~116 us W8A8 with its quantizations),
+# at 64 the x tiles this kernel re-reads from L2 for every N tile cost more than the weights
+# (loadtest/bench/fp8_sections.py fp8_gemm; kernels/NOTES.md)
+FP8_M_BUCKETS = M_BUCKETS + (32,)
 FP8_MAX_M = FP8_M_BUCKETS[-1]
 PARTIAL_FLOATS = 1 << 22  # split-K scratch a workspace holds by default (small_batch_linear.SmallBatchWorkspace)
 
@@ -97,19 +99,28 @@ TUNED: dict[str, dict[ShapeKey, dict[int, SmallBatchConfig]]] = {"H100": TUNED_H
 # linear of <= 64 rows runs this kernel (there is no cuBLAS W8A16 to route to), so an entry is
 # the sweep's best whatever cuBLAS bf16 does. Buckets a table lacks run the heuristic
 # (512-byte rows, the tensor-core path).
-# H200, 2026-11-25, `--sweep --fp8 --models qwen3-8b,qwen3-30b-a3b --m 1,8` (L2 cold, FP8 bytes;
-# cuBLAS on the bf16 weights beside): M=1 qkv 11.9 us (2109 GB/s; heuristic 23.9, cuBLAS bf16
+# H200, 2026-11-25, `--sweep --fp8 --models qwen3-8b,qwen3-30b-a3b --m 1,8` and `--m 16,32,64`
+# (L2 cold, FP8 bytes; cuBLAS on the bf16 weights beside): M=1 qkv 11.9 us (2109 GB/s; heuristic 23.9, cuBLAS bf16
 # 16.4), o 8.9 (27.4, 13.8), gate/up+SwiGLU 34.7 (81.0, 59.7), down 19.7 (72.2, 31.2): an 8B
-# layer's linears 75 us against 195 with the heuristic tiles. The LM head stays 16-bit (TUNED).
+# layer's linears 75 us against 195 with the heuristic tiles; M=32 qkv 18.0 (cuBLAS bf16 16.6), o 13.9
+# (13.9), gate/up+SwiGLU 55.0 (59.7), down 31.3 (31.2). The LM head stays 16-bit (TUNED).
 TUNED_FP8_H200: dict[ShapeKey, dict[int, SmallBatchConfig]] = {
-    ShapeKey(6144, 4096): {1: _c(16, 512, 2, 4, 1, False), 8: _c(64, 128, 6, 4, 3, True)},  # qwen3-8b qkv
-    ShapeKey(4096, 4096): {1: _c(32, 512, 4, 4, 1, False), 8: _c(64, 128, 9, 4, 3, True)},  # qwen3-8b o
-    ShapeKey(24576, 4096): {1: _c(16, 512, 1, 4, 1, False), 8: _c(64, 128, 3, 4, 3, True)},  # qwen3-8b gate_up
-    ShapeKey(24576, 4096, True): {1: _c(32, 256, 1, 8, 1, False), 8: _c(64, 128, 2, 4, 3, True)},  # gate_up+SwiGLU
-    ShapeKey(4096, 12288): {1: _c(32, 256, 5, 4, 1, False), 8: _c(64, 128, 17, 4, 3, True)},  # qwen3-8b down
-    ShapeKey(5120, 2048): {1: _c(32, 512, 4, 4, 1, False), 8: _c(64, 128, 8, 4, 2, True)},  # qwen3-30b-a3b qkv
-    ShapeKey(2048, 4096): {1: _c(32, 256, 8, 4, 1, False), 8: _c(64, 256, 8, 4, 3, True)},  # qwen3-30b-a3b o
-    ShapeKey(128, 2048): {1: _c(16, 512, 4, 8, 1, False), 8: _c(64, 128, 8, 4, 4, True)},  # qwen3-30b-a3b router
+    ShapeKey(6144, 4096): {1: _c(16, 512, 2, 4, 1, False), 8: _c(64, 128, 6, 4, 3, True),
+                           16: _c(64, 128, 6, 4, 3, True), 32: _c(64, 128, 6, 4, 2, True)},  # qwen3-8b qkv
+    ShapeKey(4096, 4096): {1: _c(32, 512, 4, 4, 1, False), 8: _c(64, 128, 9, 4, 3, True),
+                           16: _c(64, 128, 9, 4, 3, True), 32: _c(64, 128, 5, 4, 3, True)},  # qwen3-8b o
+    ShapeKey(24576, 4096): {1: _c(16, 512, 1, 4, 1, False), 8: _c(64, 128, 3, 4, 3, True),
+                            16: _c(64, 128, 3, 4, 3, True), 32: _c(64, 128, 1, 4, 3, True)},  # qwen3-8b gate_up
+    ShapeKey(24576, 4096, True): {1: _c(32, 256, 1, 8, 1, False), 8: _c(64, 128, 2, 4, 3, True),
+                                  16: _c(64, 128, 2, 4, 3, True), 32: _c(64, 128, 2, 4, 3, True)},  # gate_up+SwiGLU
+    ShapeKey(4096, 12288): {1: _c(32, 256, 5, 4, 1, False), 8: _c(64, 128, 17, 4, 3, True),
+                            16: _c(64, 128, 9, 4, 3, True), 32: _c(64, 128, 9, 4, 3, True)},  # qwen3-8b down
+    ShapeKey(5120, 2048): {1: _c(32, 512, 4, 4, 1, False), 8: _c(64, 128, 8, 4, 2, True),
+                           16: _c(64, 128, 8, 4, 2, True), 32: _c(64, 128, 7, 4, 2, True)},  # qwen3-30b-a3b qkv
+    ShapeKey(2048, 4096): {1: _c(32, 256, 8, 4, 1, False), 8: _c(64, 256, 8, 4, 3, True),
+                           16: _c(64, 256, 8, 4, 3, True), 32: _c(64, 256, 5, 4, 3, True)},  # qwen3-30b-a3b o
+    ShapeKey(128, 2048): {1: _c(16, 512, 4, 8, 1, False), 8: _c(64, 128, 8, 4, 4, True),
+                          16: _c(64, 128, 8, 4, 3, True), 32: _c(16, 512, 4, 4, 2, True)},  # qwen3-30b-a3b router
 }
 
 # The H100 (same 132 SMs and L2, ~70% of the H200's bandwidth) reads the H200's FP8 sweep until
@@ -139,6 +150,8 @@ def heuristic_config(m: int, n: int, k: int, elem_bytes: int, num_sms: int, gate
     block_k = 512 // elem_bytes
     outputs = n // 2 if gate_up else n
     block_n = 32 if -(-outputs // 32) >= num_sms else 16
+    if m > 16:  # FP8 weights at 17..32 rows: the x tile [32, block_k] must leave room for the stages
+        block_k, block_n = 128, 64
     tiles = -(-outputs // block_n)
     k_blocks = -(-k // block_k)
     scratch = PARTIAL_FLOATS // ((2 if gate_up else 1) * m * outputs)

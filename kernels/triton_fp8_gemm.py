@@ -12,8 +12,9 @@
   columns read as zeros) or, with TMA off, through pointer loads. UNIFORM_BS: the whole
   N tile shares one weight scale row (block scales whose blocks the tile does not cross), so
   a step's scale is one value per row (a_s * b_s) and the promotion is one FMA an element
-  instead of two multiplies and an add. Bias and the cast to the output dtype in the
-  epilogue. No host sync (CUDA-graph safe).
+  instead of two multiplies and an add. PAIRS: two K steps an iteration, both dots issued
+  before the promotions. Bias and the cast to the output dtype in the epilogue. No host sync
+  (CUDA-graph safe).
 """
 
 from __future__ import annotations
@@ -61,13 +62,30 @@ def _promote(acc, d, a_s, bs_ptrs, k_col, group_k, UNIFORM_BS: tl.constexpr):
     return acc + d * a_s[:, None] * b_s[None, :]
 
 
+@triton.jit
+def _tiles(a_ptrs, b_ptrs, a_desc, b_desc, off_m, off_n, k0, K, offs_k,
+           TMA: tl.constexpr, EVEN_K: tl.constexpr, BK: tl.constexpr):
+    """The [BM, BK] activation and [BK, BN] weight tiles of the K step starting at k0."""
+    if TMA:
+        a = a_desc.load([off_m, k0])
+        b = b_desc.load([off_n, k0]).T
+    elif EVEN_K:
+        a = tl.load(a_ptrs + k0)
+        b = tl.load(b_ptrs + k0)
+    else:
+        k_ok = offs_k < K - k0
+        a = tl.load(a_ptrs + k0, mask=k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs + k0, mask=k_ok[:, None], other=0.0)
+    return a, b
+
+
 @triton.jit(do_not_specialize=["M"])
 def _w8a8_gemm_kernel(a_ptr, a_desc, as_ptr, b_ptr, b_desc, bs_ptr, srow_ptr, c_ptr, bias_ptr,
                       M, N, K, group_k,
                       stride_am, stride_asm, stride_bn, stride_bsr, stride_cm,
                       HAS_BIAS: tl.constexpr, UNIFORM_BS: tl.constexpr, TMA: tl.constexpr,
                       EVEN_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      GROUP_M: tl.constexpr):
+                      GROUP_M: tl.constexpr, PAIRS: tl.constexpr):
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(N, BN)
@@ -91,22 +109,27 @@ def _w8a8_gemm_kernel(a_ptr, a_desc, as_ptr, b_ptr, b_desc, bs_ptr, srow_ptr, c_
         bs_ptrs = bs_ptr + tl.load(srow_ptr + pid_n * BN).to(tl.int64) * stride_bsr
     else:
         bs_ptrs = bs_ptr + tl.load(srow_ptr + cols).to(tl.int64) * stride_bsr
+    steps = tl.cdiv(K, BK)
     acc = tl.zeros([BM, BN], tl.float32)
-    for kk in range(0, tl.cdiv(K, BK)):
-        if TMA:
-            a = a_desc.load([pid_m * BM, kk * BK])
-            b = b_desc.load([pid_n * BN, kk * BK]).T
-        elif EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            k_ok = offs_k < K - kk * BK
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-        a_s = tl.load(as_ptrs + kk)
-        acc = _promote(acc, tl.dot(a, b), a_s, bs_ptrs, kk * BK, group_k, UNIFORM_BS)
-        a_ptrs += BK
-        b_ptrs += BK
+    if PAIRS:
+        # two K steps an iteration: both dots are issued before either is promoted, so the
+        # tensor cores have the second while the first is scaled. A second step past K reads
+        # zeros; its scales come from the row's last group (a stray NaN past the row would
+        # turn 0 into NaN).
+        for kp in range(0, tl.cdiv(steps, 2)):
+            k0 = 2 * kp * BK
+            k1 = k0 + BK
+            a0, b0 = _tiles(a_ptrs, b_ptrs, a_desc, b_desc, pid_m * BM, pid_n * BN, k0, K, offs_k, TMA, False, BK)
+            a1, b1 = _tiles(a_ptrs, b_ptrs, a_desc, b_desc, pid_m * BM, pid_n * BN, k1, K, offs_k, TMA, False, BK)
+            d0 = tl.dot(a0, b0)
+            d1 = tl.dot(a1, b1)
+            last = tl.minimum(2 * kp + 1, steps - 1)
+            acc = _promote(acc, d0, tl.load(as_ptrs + 2 * kp), bs_ptrs, k0, group_k, UNIFORM_BS)
+            acc = _promote(acc, d1, tl.load(as_ptrs + last), bs_ptrs, last * BK, group_k, UNIFORM_BS)
+    else:
+        for kk in range(0, steps):
+            a, b = _tiles(a_ptrs, b_ptrs, a_desc, b_desc, pid_m * BM, pid_n * BN, kk * BK, K, offs_k, TMA, EVEN_K, BK)
+            acc = _promote(acc, tl.dot(a, b), tl.load(as_ptrs + kk), bs_ptrs, kk * BK, group_k, UNIFORM_BS)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
@@ -138,5 +161,5 @@ def launch_w8a8_gemm(a, a_s, b, b_s, srow, group_k: int, bias, out, config, unif
         a.stride(0), a_s.stride(0), b.stride(0), b_s.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, UNIFORM_BS=uniform_bs, TMA=tma, EVEN_K=k % config.block_k == 0,
         BM=config.block_m, BN=config.block_n, BK=config.block_k,
-        GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages)
+        GROUP_M=config.group_m, PAIRS=config.k_pairs, num_warps=config.num_warps, num_stages=config.num_stages)
     return out

@@ -211,13 +211,13 @@ def fp8_decode_8b(ctx):
     rep.add("fp8_decode_8b", "prefill fp8/bf16", prefill["fp8"] / prefill["bf16"])
 
 
-# W8A8 tilings tried (block_m, block_n, group_m, warps, stages, tma); block_k is the 128 group
+# W8A8 tilings tried (block_m, block_n, group_m, warps, stages, tma, k_pairs); block_k is the 128 group
 GEMM_TILINGS = {
-    8192: [(128, 128, 8, 8, 3, False), (128, 128, 8, 8, 3, True), (128, 128, 8, 8, 4, True),
-           (64, 128, 8, 4, 4, False), (64, 128, 8, 4, 4, True), (128, 128, 8, 4, 4, True),
-           (128, 64, 8, 4, 4, True), (64, 256, 8, 8, 3, True)],
-    32: [(64, 128, 1, 4, 4, False), (64, 64, 1, 4, 4, False), (64, 64, 1, 4, 6, True),
-         (64, 32, 1, 4, 4, False), (64, 32, 1, 4, 6, True), (64, 32, 1, 4, 8, True), (32, 32, 1, 4, 6, False)],
+    8192: [(128, 128, 8, 8, 4, False, False), (128, 128, 8, 8, 4, True, False), (128, 128, 8, 8, 3, True, True),
+           (64, 128, 8, 4, 4, False, False), (64, 128, 8, 4, 4, True, False), (64, 128, 8, 4, 4, True, True),
+           (64, 128, 8, 4, 3, True, True), (128, 128, 8, 4, 3, True, True), (64, 256, 8, 8, 3, True, False)],
+    32: [(64, 128, 1, 4, 4, False, False), (64, 64, 1, 4, 6, True, False), (64, 64, 1, 4, 8, True, False),
+         (64, 32, 1, 4, 6, True, False), (64, 32, 1, 4, 8, True, False), (64, 32, 1, 4, 4, True, True)],
 }
 L2_FLUSH_BYTES = 128 << 20  # decode sizes rotate over weight copies this large, as a decode step reads HBM
 
@@ -256,7 +256,7 @@ def fp8_gemm(ctx):
                                         for w in wt]) / copies
 
             results = {}
-            for t in [None] + [Fp8GemmConfig(bm, bn, 128, gm, nw, ns, tma) for bm, bn, gm, nw, ns, tma in tilings]:
+            for t in [None] + [Fp8GemmConfig(bm, bn, 128, *rest) for bm, bn, *rest in tilings]:
                 cfg = t or gemm_config(m, n, 128, dev)
                 try:
                     results[cfg] = timed(cfg)
@@ -309,7 +309,7 @@ def _graph_ms(fn, reps: int = 20) -> float:
 
 def _tiling(cfg) -> str:
     return (f"{cfg.block_m}x{cfg.block_n} g{cfg.group_m} w{cfg.num_warps} s{cfg.num_stages}"
-            f"{' tma' if cfg.tma else ''}")
+            f"{' tma' if cfg.tma else ''}{' pairs' if cfg.k_pairs else ''}")
 
 
 def fp8_prefill_profile(ctx):

@@ -162,15 +162,15 @@ def test_supported_and_config_lookup(monkeypatch):
     assert get_config(1, 6144, 4096, 1, 132, gpu="H100") == fp8_entry
     assert get_config(1, 6144, 4096, 2, 132, gpu="H100") == TUNED["H100"][ShapeKey(6144, 4096)][1]
     assert get_config(2, 6144, 4096, 1, 132, gpu="H100") == heuristic_config(2, 6144, 4096, 1, 132)
-    # FP8 weights stay on this kernel up to 64 rows (two more buckets); 16-bit ones stop at 16
-    assert [m_bucket(m, fp8=True) for m in (16, 17, 33, 64)] == [16, 32, 64, 64]
-    for bad in (lambda: m_bucket(17), lambda: m_bucket(65, fp8=True), lambda: get_config(17, 64, 64, 2)):
+    # FP8 weights stay on this kernel up to 32 rows (one more bucket); 16-bit ones stop at 16
+    assert [m_bucket(m, fp8=True) for m in (16, 17, 32)] == [16, 32, 32]
+    for bad in (lambda: m_bucket(17), lambda: m_bucket(33, fp8=True), lambda: get_config(17, 64, 64, 2)):
         with pytest.raises(ValueError, match="rows"):
             bad()
     for gpu, table in TUNED_FP8.items():
         for key, row in table.items():
-            assert set(row) <= {1, 2, 4, 8, 16, 32, 64}, (gpu, key)
+            assert set(row) <= {1, 2, 4, 8, 16, 32}, (gpu, key)
     # the heuristic's split-K never asks for more scratch than a default workspace holds
-    for m, n, gate_up in ((64, 2 * 12288, True), (64, 6144, False), (32, 151936, False)):
+    for m, n, gate_up in ((32, 2 * 12288, True), (32, 6144, False), (32, 151936, False)):
         cfg = heuristic_config(m, n, 4096, 1, 132, gate_up)
         assert cfg.split_k * (2 if gate_up else 1) * m * (n // 2 if gate_up else n) <= PARTIAL_FLOATS or cfg.split_k == 1
