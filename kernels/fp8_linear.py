@@ -48,15 +48,18 @@ class Fp8GemmConfig:
 
 def gemm_config(m: int, n: int, block_k: int, device: torch.device) -> Fp8GemmConfig:
     """Tilings from the H200 runs of loadtest/bench/fp8_sections.py fp8_gemm (Qwen3-8B's
-    linears): TMA tiles and 4 stages for prefills (128 x 128 with 8 warps for long ones over
-    wide outputs), and for 33..64 rows narrow N tiles with 6 stages, so a 4096-wide output
-    still has 64-128 programs for 132 SMs. Small tiles in the interpreter."""
+    linears, kernels/NOTES.md): TMA tiles throughout; long prefills 128 x 128 with 8 warps,
+    3 stages and K steps in pairs; 33..64 rows narrow N tiles (64 columns, 6 stages; 32 with
+    pairs for 4096-wide outputs) so an output still has 64-128 programs for 132 SMs. Small
+    tiles in the interpreter."""
     if device.type != "cuda":
         return Fp8GemmConfig(16, 32, block_k, 1, 4, 1)
     if m <= 64:
-        return Fp8GemmConfig(64, 64 if n > 4096 else 32, block_k, 1, 4, 6, tma=True)
-    if m >= 4096 and n >= 8192:
-        return Fp8GemmConfig(128, 128, block_k, 8, 8, 4, tma=True)
+        if n > 4096:
+            return Fp8GemmConfig(64, 64, block_k, 1, 4, 6, tma=True)
+        return Fp8GemmConfig(64, 32, block_k, 1, 4, 4, tma=True, k_pairs=True)
+    if m >= 4096:
+        return Fp8GemmConfig(128, 128, block_k, 8, 8, 3, tma=True, k_pairs=True)
     return Fp8GemmConfig(64, 128, block_k, 8, 4, 4, tma=True)
 
 

@@ -47,8 +47,13 @@ def launch_group_quant(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, group:
     if m == 0:
         return
     block = triton.next_power_of_2(group)
-    rows = max(1, min(triton.next_power_of_2(m), 4096 // block))  # ~4k elements a program
-    _group_quant_kernel[(triton.cdiv(m, rows), triton.cdiv(k, group))](
+    groups = triton.cdiv(k, group)
+    # ~4k elements a program for long inputs; fewer rows (down to one) while that leaves
+    # under ~8 programs an SM (decode batches: 32 rows of 4096 were 32 programs, 15 us)
+    rows = max(1, min(triton.next_power_of_2(m), 4096 // block))
+    while rows > 1 and triton.cdiv(m, rows) * groups < 1024:
+        rows //= 2
+    _group_quant_kernel[(triton.cdiv(m, rows), groups)](
         x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), eps,
         GROUP=group, BLOCK=block, ROWS=rows, num_warps=4 if rows * block >= 2048 else 1)
 
