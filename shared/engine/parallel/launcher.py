@@ -126,12 +126,19 @@ class TPWorkers:
                 c.send_bytes(control.STOP)
             except (OSError, EOFError):
                 pass
-        for p in self.procs:
+        for rank, p in enumerate(self.procs, start=1):
             try:
                 p.wait(timeout)
             except subprocess.TimeoutExpired:
+                # stuck (e.g. a device-side wait that will never be met): killed. A GPU process
+                # can take many seconds to die while the driver tears its context down; closing
+                # must not fail for that, so wait a while and then leave it to the OS.
+                log.warning("TP rank %d did not stop within %.0fs: killing it", rank, timeout)
                 p.kill()
-                p.wait(5)
+                try:
+                    p.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    log.error("TP rank %d (pid %d) still exiting %.0fs after SIGKILL", rank, p.pid, timeout)
         for c in self.conns:
             c.close()
         if dist.is_initialized():
