@@ -4,7 +4,6 @@ from __future__ import annotations
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,13 +11,9 @@ from dataclasses import dataclass
 
 import httpx
 
+from services.launcher.ports import free_port
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -100,7 +100,7 @@ class Stack:
                 kv += ["--kv-host-memory", place.kv_host_memory]
             role_tp = ["--tp", str(tp)] if tp != flags.tp else []  # after the shared flags: it wins
             argv = duet_command("worker", "--role", role, "--worker-id", name, "--host", host,
-                                "--port", str(free_port(host)), "--metrics-port", str(free_port(host)),
+                                "--port", str(free_port(host)),  # metrics: bound on any free port, published
                                 "--model", model_dir, *kv, "--threads", str(threads),
                                 "--drain-grace", str(self.drain.worker_grace_s), *common, *cfg.worker_args,
                                 *role_tp)

@@ -7,6 +7,7 @@ minute after a restart. A socket still listening on it makes the bind fail eithe
 from __future__ import annotations
 
 import os
+import random
 import socket
 import sys
 
@@ -31,8 +32,29 @@ def port_taken(host: str, port: int) -> bool:
     return False
 
 
+def _ephemeral_ports() -> tuple[int, int]:
+    """The range the OS takes local ports of outgoing connections from (Linux's default if unknown)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = map(int, f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port free now (the OS's pick); each child keeps its port across restarts."""
-    with socket.socket() as s:
+    """A port free now, for a child to bind later; each child keeps its port across restarts.
+    Picked outside the range the OS gives outgoing connections: a port from there (what binding
+    port 0 returns) can become some client's local port before the child binds it, and a test
+    run opens thousands of connections (a router once failed that way and hung)."""
+    lo, hi = _ephemeral_ports()
+    spans = [(p, q) for p, q in ((10000, lo - 1), (hi + 1, 65535)) if q - p >= 1000]
+    pick = random.SystemRandom()
+    for _ in range(64 if spans else 0):
+        first, last = pick.choice(spans)
+        port = pick.randint(first, last)
+        if not port_taken(host, port):
+            return port
+    with socket.socket() as s:  # no room outside the range: the OS's pick
         s.bind((host, 0))
         return s.getsockname()[1]

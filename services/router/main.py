@@ -19,8 +19,11 @@ async def serve(config: RouterConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await server.start()
     try:
+        # inside the try: a start that fails half way (a port taken) stops what it started, so
+        # the process exits and its supervisor sees it; left running, the gRPC server's tasks
+        # kept asyncio.run from finishing and the router hung, serving nothing
+        await server.start()
         await stop.wait()
     finally:
         await server.stop()
@@ -38,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         asyncio.run(serve(config))
-    except RuntimeError as exc:
+    except (RuntimeError, OSError) as exc:  # OSError: a port taken
         logging.getLogger("duet.router").error("%s", exc)
         return 1
     return 0

@@ -42,14 +42,18 @@ class RouterServer:
         if not self.watcher.redis_ok:
             log.warning("registry %s not reachable yet; routing starts when it is",
                         redact_url(self.config.registry.redis_url))
+        if self.config.metrics_port:  # bound before gRPC serves: a taken port fails before anything runs
+            try:
+                self._metrics_server = start_metrics_server(self.metrics, self.config.metrics_port, self.config.host)
+            except OSError as exc:
+                raise OSError(f"could not bind the router's metrics to {self.config.host}:{self.config.metrics_port}: "
+                              f"{exc.strerror or exc}") from exc
         self._grpc = grpc.aio.server()
         duet_pb2_grpc.add_RouterServicer_to_server(self.service, self._grpc)
         self.port = self.config.tls.add_port(self._grpc, f"{self.config.host}:{self.config.port}")
         if self.port == 0:
             raise RuntimeError(f"could not bind the router to {self.config.host}:{self.config.port}")
         await self._grpc.start()
-        if self.config.metrics_port:
-            self._metrics_server = start_metrics_server(self.metrics, self.config.metrics_port, self.config.host)
         log.info("router listening on %s:%d (%s; metrics %s), %d workers known",
                  self.config.host, self.port, self.config.tls.describe("server"), self.metrics_port or "off",
                  len(self.watcher.workers()))

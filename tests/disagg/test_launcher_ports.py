@@ -65,3 +65,17 @@ def test_duet_up_refuses_a_port_a_server_listens_on(capsys):
         port = listener.getsockname()[1]
         assert duet_up(["--host", "127.0.0.1", "--port", str(port)]) == 2
     assert f"port {port} on 127.0.0.1 is in use" in capsys.readouterr().err
+
+
+def test_free_port_is_outside_the_outgoing_connection_range_and_bindable():
+    """`duet up` hands its children ports to bind later; one from the range the OS gives
+    outgoing connections could be some client's local port by then (a router failed so)."""
+    from services.launcher.ports import _ephemeral_ports, free_port
+
+    lo, hi = _ephemeral_ports()
+    ports = {free_port() for _ in range(20)}
+    assert all(not lo <= p <= hi for p in ports), (sorted(ports), lo, hi)
+    assert len(ports) > 1  # random picks, not one fixed port
+    for p in list(ports)[:3]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))

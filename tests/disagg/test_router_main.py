@@ -68,3 +68,27 @@ def test_router_process_serves_and_exits_on_sigterm(redis_server):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_router_whose_metrics_port_is_taken_exits_saying_so(redis_server):
+    """A port taken between `duet up` picking it and the router binding it (CI's parallel
+    stacks): the router exits with status 1 and names the port, so its supervisor restarts it.
+    It used to start gRPC first, then fail on the metrics port and hang while asyncio cancelled
+    the gRPC server's tasks: alive, listening, answering nothing."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        metrics_port = taken.getsockname()[1]
+        env = {**os.environ, "PYTHONPATH": str(REPO), "DUET_REDIS_URL": redis_server.url}
+        proc = subprocess.Popen([sys.executable, "-m", "services.router.main", "--host", "127.0.0.1",
+                                 "--port", str(free_port()), "--metrics-port", str(metrics_port)],
+                                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise AssertionError(f"the router hung: {proc.communicate()[0].decode()[-2000:]}") from None
+    assert proc.returncode == 1, out.decode()
+    assert f"metrics to 127.0.0.1:{metrics_port}" in out.decode()

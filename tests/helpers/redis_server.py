@@ -28,14 +28,14 @@ from pathlib import Path
 
 import pytest
 
+from services.launcher.ports import free_port as launcher_free_port
+
 REDIS_SERVER_BIN = os.environ.get("DUET_TEST_REDIS_SERVER", shutil.which("redis-server") or "/usr/bin/redis-server")
 
 
 def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A TCP port free a moment ago on 127.0.0.1, outside the outgoing-connection range."""
+    return launcher_free_port("127.0.0.1")
 
 
 def _ping(port: int) -> bool:

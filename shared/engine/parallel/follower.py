@@ -7,6 +7,8 @@ from __future__ import annotations
 import importlib
 import os
 import pickle
+import sys
+import threading
 import traceback
 from multiprocessing.connection import Client
 
@@ -21,6 +23,7 @@ from . import control
 from .context import TPContext
 
 IDLE_TICK_S = 0.002  # while rank 0 sends nothing: how often rank services (KV transfer) progress
+LEAVE_GROUP_S = 10.0  # how long leaving the process group may take before the follower just exits
 
 
 def follower_entry() -> None:
@@ -54,8 +57,22 @@ def follower_main(rank: int, size: int, init: str, config, conn) -> None:
     try:
         _follow(engine, conn)
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        _leave_group(LEAVE_GROUP_S)
+
+
+def _leave_group(timeout: float) -> None:
+    """destroy_process_group, bounded. On GPUs a follower told to stop was seen not to exit for
+    30 s (rank 0 then killed it; loadtest/bench/GPU_NOTES.md): tearing the NCCL group down waits
+    for this rank's queued work. The process is exiting anyway: past the bound it exits without."""
+    if not dist.is_initialized():
+        return
+    leaving = threading.Thread(target=dist.destroy_process_group, daemon=True)
+    leaving.start()
+    leaving.join(timeout)
+    if leaving.is_alive():
+        print(f"TP follower: leaving the process group took over {timeout:.0f}s; exiting without it",
+              file=sys.stderr, flush=True)
+        os._exit(0)
 
 
 def _follow(engine, conn) -> None:
