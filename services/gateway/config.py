@@ -42,7 +42,10 @@ class GatewayConfig:
     reserve_timeout_ms: int = setting(0, flag="--reserve-timeout-ms", env="DUET_RESERVE_TIMEOUT_MS",
                                       help="decode admission wait per request; 0 = decode's default")
     rpc_timeout_s: float = setting(600.0, flag="--rpc-timeout", env="DUET_RPC_TIMEOUT",
-                                   help="seconds bounding each unary RPC (route, reserve, prefill)")
+                                   help="seconds bounding each unary RPC to a worker (reserve, prefill)")
+    route_timeout_s: float = setting(15.0, flag="--route-timeout", env="DUET_ROUTE_TIMEOUT",
+                                     help="seconds bounding the router's answer (it answers at once; a router "
+                                          "that does not is down: 503)")
     # How tool calls are read out of answers: auto = from the chat template (hermes or
     # llama3_json); none = never (tool_choice "auto" then returns text only)
     tool_call_parser: str = setting("auto", flag="--tool-call-parser", env="DUET_TOOL_CALL_PARSER",

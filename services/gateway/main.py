@@ -61,7 +61,8 @@ def build_backend(config: GatewayConfig, model_dir: Path, served_name: str, max_
     return GrpcBackend(GrpcBackendConfig(
         router_address=config.router_address, redis_url=config.redis_url, model=served_name,
         max_context_len=max_context, reserve_timeout_ms=config.reserve_timeout_ms,
-        rpc_timeout_s=config.rpc_timeout_s, tls=config.security.grpc_tls, redis=config.security.redis))
+        rpc_timeout_s=config.rpc_timeout_s, route_timeout_s=config.route_timeout_s, tls=config.security.grpc_tls,
+        redis=config.security.redis))
 
 
 def build_context(config: GatewayConfig) -> GatewayContext:

@@ -15,6 +15,7 @@ import asyncio
 import itertools
 import json
 import threading
+import time
 
 import grpc
 import httpx
@@ -387,3 +388,39 @@ def test_colocated_worker_gets_one_generate(client, cluster, reply):
         assert generate.sampling.seed == (-5) % (1 << 64) and abs(generate.sampling.temperature - 0.5) < 1e-6
     finally:
         cluster.remove_worker("both-1")
+
+
+class _SilentRouter(duet_pb2_grpc.RouterServicer):
+    """A router process that accepts the call and never answers (as one did whose start had
+    failed half way, alive and listening)."""
+
+    async def Route(self, request, context):
+        await asyncio.sleep(3600)
+
+
+def test_a_router_that_never_answers_is_a_503_within_the_route_timeout(prompts):
+    loop = LoopThread()
+
+    async def serve():  # made on the loop that runs it
+        server = grpc.aio.server()
+        duet_pb2_grpc.add_RouterServicer_to_server(_SilentRouter(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, port
+
+    server, port = loop.run(serve())
+    backend = GrpcBackend(GrpcBackendConfig(router_address=f"127.0.0.1:{port}", model=MODEL, max_context_len=CONTEXT,
+                                            route_timeout_s=1.0))
+    ctx = GatewayContext(backend, prompts, GatewayMetrics(), MODEL, CONTEXT)
+    try:
+        with UvicornThread(build_app(ctx)) as gw, \
+                openai.OpenAI(base_url=gw.base_url + "/v1", api_key="none", max_retries=0, timeout=30) as client:
+            t0 = time.monotonic()
+            with pytest.raises(openai.APIStatusError) as info:
+                client.chat.completions.create(model=MODEL, messages=MESSAGES)
+            took = time.monotonic() - t0
+        assert info.value.status_code == 503 and "router" in str(info.value.body), info.value.body
+        assert took < 10, took
+    finally:
+        loop.run(server.stop(0))
+        loop.close()

@@ -64,7 +64,8 @@ class GrpcBackendConfig:
     redis_url: str | None = None    # optional: page size for prefix hashes, readiness by live workers
     registry_prefix: str = "duet"
     reserve_timeout_ms: int = 0     # decode admission wait; 0 = decode's default
-    rpc_timeout_s: float = 600.0    # bound on Route / Reserve / Prefill
+    rpc_timeout_s: float = 600.0    # bound on Reserve / Prefill
+    route_timeout_s: float = 15.0   # bound on Route: the router answers at once or is down
     cleanup_timeout_s: float = 5.0  # bound on Cancel / Release
     tls: GrpcTlsConfig = field(default_factory=GrpcTlsConfig)  # to router and workers
     redis: RedisConnection = field(default_factory=RedisConnection)  # registry password, TLS
@@ -261,7 +262,7 @@ class GrpcBackend:
             return await self._router.Route(duet_pb2.RouteRequest(
                 request_id=request.request_id, model=request.model, prompt_tokens=len(request.prompt_token_ids),
                 max_tokens=request.sampling.max_tokens, page_hashes=hashes, n=request.sampling.n),
-                metadata=metadata, timeout=self.config.rpc_timeout_s)
+                metadata=metadata, timeout=self.config.route_timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise rpc_error(exc, "router") from None
 
