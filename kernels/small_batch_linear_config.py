@@ -96,7 +96,7 @@ TUNED: dict[str, dict[ShapeKey, dict[int, SmallBatchConfig]]] = {"H100": TUNED_H
 
 # FP8 weights (W8A16, kernels/fp8_linear.py) read half the bytes per tile row: their own tables,
 # from `python3 -m loadtest.bench.small_batch_linear --sweep --fp8` on that GPU. Every FP8
-# linear of <= 64 rows runs this kernel (there is no cuBLAS W8A16 to route to), so an entry is
+# linear of <= 32 rows runs this kernel (there is no cuBLAS W8A16 to route to), so an entry is
 # the sweep's best whatever cuBLAS bf16 does. Buckets a table lacks run the heuristic
 # (512-byte rows, the tensor-core path).
 # H200, 2026-11-25, `--sweep --fp8 --models qwen3-8b,qwen3-30b-a3b --m 1,8` and `--m 16,32,64`

@@ -291,20 +291,9 @@ def fp8_gemm(ctx):
 
 
 def _graph_ms(fn, reps: int = 20) -> float:
-    """Median ms of fn replayed from a CUDA graph: no launch overhead, as a decode step runs."""
-    from .small_batch_linear import _capture
+    from .small_batch_linear import graph_replay_ms
 
-    graph = _capture([fn])
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return graph_replay_ms([fn], reps)
 
 
 def _tiling(cfg) -> str:

@@ -13,7 +13,7 @@ prints the best, ready to paste into kernels/small_batch_linear_config.py.
 --fp8: the same with block-FP8 weights (128x128 scales, W8A16: kernels/fp8_linear.py), against
 cuBLAS on the bf16 weights (what the model runs without FP8); GB/s and the floor count FP8 bytes,
 and the sweep's lines go to TUNED_FP8 whether or not they beat bf16 cuBLAS (an FP8 linear of
-<= 16 rows always runs this kernel).
+<= 32 rows always runs this kernel).
 
     python3 -m loadtest.bench.small_batch_linear [--sweep] [--fp8] [--models qwen3-8b,...] [--json PATH]
     TRITON_INTERPRET=1 PYTHONPATH=. python -m loadtest.bench.small_batch_linear --smoke --sweep   # CPU: checks the script
@@ -145,18 +145,24 @@ def us_per_op(setup: Setup, fns) -> float:
         for fn in fns:
             fn()
         return (time.perf_counter() - t0) * 1e6 / len(fns)
+    return graph_replay_ms(fns, setup.replays) * 1e3 / len(fns)
+
+
+def graph_replay_ms(fns, replays: int) -> float:
+    """Median milliseconds of one replay of a CUDA graph running fns in order (no launch
+    overhead: as a decode step runs)."""
     graph = _capture(fns)
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
-    for _ in range(setup.replays):
+    for _ in range(replays):
         start.record()
         graph.replay()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
     del graph
-    return sorted(times)[len(times) // 2] * 1e3 / len(fns)
+    return sorted(times)[len(times) // 2]
 
 
 def copy_bandwidth(setup: Setup) -> float:

@@ -62,8 +62,8 @@ def follower_main(rank: int, size: int, init: str, config, conn) -> None:
 
 def _leave_group(timeout: float) -> None:
     """destroy_process_group, bounded. On GPUs a follower told to stop was seen not to exit for
-    30 s (rank 0 then killed it; loadtest/bench/GPU_NOTES.md): tearing the NCCL group down waits
-    for this rank's queued work. The process is exiting anyway: past the bound it exits without."""
+    30 s (rank 0 then killed it; loadtest/bench/GPU_NOTES.md; why is not known yet). The process
+    is exiting anyway: past the bound it exits without leaving the group."""
     if not dist.is_initialized():
         return
     leaving = threading.Thread(target=dist.destroy_process_group, daemon=True)
