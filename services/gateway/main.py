@@ -20,6 +20,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway.http_edge.metrics import GatewayMetrics
 from services.gateway.openai_api.endpoints import GatewayContext
 from services.gateway.openai_api.prompt_builder import PromptBuilder
+from shared.telemetry.logs import setup_logging
 
 log = logging.getLogger("duet.gateway")
 
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"duet gateway: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(config.log_level)
 
     import uvicorn
 

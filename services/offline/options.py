@@ -7,13 +7,13 @@ Kept free of torch imports so `--help` and argument errors answer at once.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from shared.settings.process_vars import CLI_LOG_LEVEL
+from shared.telemetry.logs import setup_logging as setup_stderr_log
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -47,9 +47,7 @@ def add_sampling_options(parser: argparse.ArgumentParser, *, max_tokens: int, te
 
 def setup_logging(level: str) -> None:
     """All logs go to stderr: stdout carries only model output."""
-    numeric = getattr(logging, level.upper(), logging.WARNING)
-    logging.basicConfig(stream=sys.stderr, level=numeric, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger().setLevel(numeric)  # `duet` may have configured the root logger already
+    setup_stderr_log(level)
     if level != "debug":
         # transformers/tqdm chatter is noise for a one-shot command.
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from services.router.config import RouterConfig
 from services.router.server import RouterServer
+from shared.telemetry.logs import setup_logging
 from shared.telemetry.tracing import setup_tracing
 
 
@@ -37,8 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"duet router: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=config.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(config.log_level)
     try:
         asyncio.run(serve(config))
     except (RuntimeError, OSError) as exc:  # OSError: a port taken

@@ -26,6 +26,7 @@ from services.worker.kv_compat import compat_hash, model_kv_key
 from services.worker.load_publisher import LoadPublisher, load_counters
 from services.worker_runtime.context import WorkerContext
 from services.worker_runtime.engine_loop import EngineLoop
+from services.worker_runtime.exit_watchdog import EXIT_AFTER_GRACE_S, ExitWatchdog
 from shared.engine.grammar_guard import GrammarGuard
 from shared.registry.kv_events import KvEventBuffer
 from shared.registry.publisher import WorkerPublisher
@@ -124,23 +125,32 @@ class WorkerHost:
             stop.set()
 
         watcher_task = asyncio.create_task(watch_engine())
+        watchdog = ExitWatchdog(config.drain_grace_s + EXIT_AFTER_GRACE_S)
         try:
             await stop.wait()
         finally:
-            log.info("draining: leaving the registry, finishing in-flight work")
+            watchdog.start("leaving the registry")
             await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
             await publisher.stop(deregister=True)
             for service in self.services:
+                watchdog.enter(f"stopping {type(service).__name__}")
                 await service.stop()
+            watchdog.enter("finishing in-flight work")
             await self._finish_in_flight(config.drain_grace_s)
+            watchdog.enter("stopping the gRPC server")
             await self.server.stop(1.0)
             watcher_task.cancel()
+            watchdog.enter("stopping the registry watcher")
             await ctx.watcher.stop()
+            watchdog.enter("stopping the engine thread")
             loop.stop()
             metrics_server.stop()
             for hook in self.on_stop:
+                watchdog.enter(f"closing ({getattr(hook, '__qualname__', hook)})")
                 hook()
+            watchdog.enter("flushing traces")
             self.tracing.shutdown()
+            watchdog.enter("exiting (interpreter teardown)")
         return 1 if loop.fatal is not None else 0
 
     async def _finish_in_flight(self, grace_s: float) -> None:
@@ -148,8 +158,13 @@ class WorkerHost:
         aloop = asyncio.get_running_loop()
         deadline = aloop.time() + grace_s
         while aloop.time() < deadline and loop.fatal is None:
-            busy = await loop.acall(lambda: engine.has_work or bool(engine.requests)
-                                    or any(check() for check in self.busy))
+            try:  # an engine thread stuck in a step must not hold the drain past its grace
+                busy = await asyncio.wait_for(loop.acall(lambda: engine.has_work or bool(engine.requests)
+                                                         or any(check() for check in self.busy)),
+                                              max(deadline - aloop.time(), 0.05))
+            except asyncio.TimeoutError:
+                log.warning("the engine thread did not answer within the drain grace")
+                break
             if not busy:
                 break
             await asyncio.sleep(0.05)

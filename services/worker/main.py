@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from services.worker.config import WorkerConfig
+from shared.telemetry.logs import setup_logging
 
 log = logging.getLogger("duet.worker")
 
@@ -40,8 +41,7 @@ async def serve(config: WorkerConfig) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = WorkerConfig.from_argv(argv)
-    logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(config.log_level)
     try:
         config.tls.check("server")  # a bad certificate path fails now, not after loading the model
         return asyncio.run(serve(config))

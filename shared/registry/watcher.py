@@ -40,6 +40,10 @@ class WorkerWatcher:
         self._client: aioredis.Redis | None = None
         self._tasks: list[asyncio.Task] = []
         self._wake = asyncio.Event()
+        # stop() sets it before cancelling: a loop whose cancellation a Redis call swallowed
+        # (redis-py does, when cancelled while its pub/sub connection is being set up) still
+        # ends at its next turn instead of running forever
+        self._stopping = False
         self.redis_ok = False
         self.scans = 0
         self._outage = False  # Redis failed since the last good scan
@@ -146,23 +150,34 @@ class WorkerWatcher:
     async def start(self) -> None:
         """First scan (so the set is ready when this returns, if Redis is up), then background loops."""
         await self.refresh()
+        self._stopping = False
         self._tasks = [
             asyncio.create_task(self._scan_loop(), name="registry-scan"),
             asyncio.create_task(self._events_loop(), name="registry-events"),
         ]
 
-    async def stop(self) -> None:
+    async def stop(self, timeout_s: float = 5.0) -> None:
+        """Cancel the loops and close the client; a loop that does not end within timeout_s (a
+        Redis call that swallows its cancellation) is left behind rather than awaited forever:
+        a stopping process must not hang on it."""
+        self._stopping = True
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            try:
-                await task
-            except (asyncio.CancelledError, Exception):
-                pass
+        if self._tasks:
+            done, pending = await asyncio.wait(self._tasks, timeout=timeout_s)
+            for task in done:
+                if not task.cancelled():
+                    task.exception()  # retrieved: a loop that failed while stopping is not news
+            if pending:
+                log.warning("registry watcher: %d loop(s) still running %gs after being cancelled", len(pending),
+                            timeout_s)
         self._tasks = []
         if self._client is not None:
-            await self._client.aclose()
-            self._client = None
+            client, self._client = self._client, None
+            try:
+                await asyncio.wait_for(client.aclose(), timeout_s)
+            except (asyncio.TimeoutError, OSError, ConnectionError) as exc:
+                log.warning("registry watcher: closing the Redis client: %s", exc or type(exc).__name__)
 
     async def __aenter__(self) -> "WorkerWatcher":
         await self.start()
@@ -182,7 +197,7 @@ class WorkerWatcher:
         return True
 
     async def _scan_loop(self) -> None:
-        while True:
+        while not self._stopping:
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout=self.config.scan_interval_s)
             except asyncio.TimeoutError:
@@ -193,12 +208,12 @@ class WorkerWatcher:
     async def _events_loop(self) -> None:
         """Follow join/leave announcements; reconnect with backoff when Redis drops."""
         backoff = 0.1
-        while True:
+        while not self._stopping:
             pubsub = self.client.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(self.keys.events_channel)
                 backoff = 0.1
-                while True:
+                while not self._stopping:
                     message = await pubsub.get_message(timeout=1.0)
                     if message is not None:
                         await self._handle_event(message.get("data"))

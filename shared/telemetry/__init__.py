@@ -5,4 +5,5 @@ Modules (import them directly; this file stays free of imports):
                and start_metrics_server (HTTP /metrics)
   tracing      setup_tracing: OpenTelemetry SDK from standard OTEL_* env (no exporter by default)
   propagation  W3C trace context into/out of gRPC metadata and HTTP headers
+  logs         setup_logging: a service's stderr log at its own --log-level
 """

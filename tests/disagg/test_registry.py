@@ -299,3 +299,63 @@ def test_peer_lookup_survives_a_redis_restart():
         asyncio.run(scenario())
     finally:
         server.stop()
+
+
+def test_watcher_stops_when_redis_swallows_the_cancellation():
+    """redis-py swallows a cancellation that lands while its pub/sub connection is being set up,
+    so the event loop, cancelled right after start(), would read messages forever and a stopping
+    worker would wait on it forever (seen as a worker that never exited after SIGTERM). stop()
+    ends every loop anyway, within a second."""
+    server = RedisServer()
+    server.start()
+    try:
+        async def scenario():
+            took = []
+            for _ in range(5):
+                watcher = WorkerWatcher(fast_config(server.url))
+                await watcher.start()
+                tasks = list(watcher._tasks)
+                t0 = time.monotonic()
+                await asyncio.wait_for(watcher.stop(timeout_s=5.0), 10)
+                took.append(time.monotonic() - t0)
+                assert all(t.done() for t in tasks), tasks  # ended, not left behind
+            return took
+
+        took = asyncio.run(scenario())
+        assert max(took) < 3.0, took
+    finally:
+        server.stop()
+
+
+def test_watcher_stop_is_bounded_when_a_loop_never_ends():
+    """A loop that ignores both its cancellation and the stop flag (a library call that never
+    returns) is left behind after stop()'s bound: a stopping process must not hang on it."""
+    server = RedisServer()
+    server.start()
+    try:
+        async def scenario():
+            watcher = WorkerWatcher(fast_config(server.url))
+            await watcher.start()
+            release = asyncio.Event()
+
+            async def stubborn():
+                while not release.is_set():
+                    try:
+                        await asyncio.sleep(10)
+                    except asyncio.CancelledError:
+                        pass  # swallowed
+
+            watcher._tasks.append(asyncio.create_task(stubborn()))
+            await asyncio.sleep(0)
+            t0 = time.monotonic()
+            try:
+                await watcher.stop(timeout_s=0.5)
+                return time.monotonic() - t0, watcher._client, watcher._tasks
+            finally:
+                release.set()  # it ends at its next wake-up, so asyncio.run can finish
+
+        took, client, tasks = asyncio.run(scenario())
+        assert 0.5 <= took < 3.0, took
+        assert client is None and tasks == []
+    finally:
+        server.stop()
