@@ -10,7 +10,8 @@ table and exits if one hangs):
                   same weights dequantized (float32 engine): cosine and top-1 agreement, for
                   bf16 compute on those weights (the yardstick),
                   FP8 weights (one-shot prefill: W8A8 GEMMs), FP8 weights + FP8 KV, and both in
-                  8-token chunks (the decode-size W8A16 kernels reading FP8 pages)
+                  8-token chunks (the decode-size W8A16 kernels reading FP8 pages); random weights
+                  are too flat to judge it: trained ones, on the CPU, in fp8_accuracy_cpu.py
   fp8_decode_8b   (b) 8B decode B=1, 32 (ctx 1024): FP8 vs its floor in FP8 bytes and vs bf16;
                   engine prefill 4x2048 FP8 vs bf16
   fp8_gemm        (d) W8A8 GEMM at the 8B linears: M=8192 (prefill) vs torch._scaled_mm on the same
