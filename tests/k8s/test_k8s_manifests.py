@@ -463,6 +463,7 @@ def test_grace_period_covers_prestop_and_drain(rendered):
     """The pod must outlive preStop + the process's own drain, or in-flight work is killed."""
     from services.gateway.config import GatewayConfig
     from services.router.config import RouterConfig
+    from services.worker_runtime.exit_watchdog import EXIT_AFTER_GRACE_S
     from shared.settings.spec import find
 
     r = rendered
@@ -473,7 +474,9 @@ def test_grace_period_covers_prestop_and_drain(rendered):
     for pod in r.duet_pods:
         pre = prestop_seconds(pod.main)
         if pod.role in WORKER_ROLES:
-            drain = float(r.env(pod, pod.main)["DUET_DRAIN_GRACE"]) + 1.0  # + gRPC server stop
+            # its exit bound: past it a stuck worker logs its stacks and exits, which the pod
+            # must outlive for that log to be written
+            drain = float(r.env(pod, pod.main)["DUET_DRAIN_GRACE"]) + EXIT_AFTER_GRACE_S
         else:
             drain = drains[pod.role]
         assert pod.spec["terminationGracePeriodSeconds"] >= pre + drain + 2, (
