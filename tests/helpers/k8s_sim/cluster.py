@@ -56,6 +56,7 @@ class Cluster:
         self.images: dict[str, HostImage] = {}
         self.not_run: dict[str, str] = {}
         self._lock = threading.RLock()
+        self._down = False  # down() ran: the namespaces are gone, nothing more to route
 
     # --- views ---------------------------------------------------------------------------
 
@@ -160,11 +161,15 @@ class Cluster:
 
     def pod_gone(self, pod: Pod) -> None:
         with self._lock:
+            if self._down:
+                return
             self.network.remove_pod(pod.netns)
             self.reconcile()
 
     def reconcile(self) -> None:
         with self._lock:
+            if self._down:  # a kubelet thread's late probe result, queued behind down()
+                return
             pods = [p for p in self.pods if p.ip]
             hosts = self.proxy.hosts(pods)
             service_rules = self.proxy.rules(pods)
@@ -176,6 +181,7 @@ class Cluster:
 
     def down(self) -> None:
         with self._lock:
+            self._down = True
             for p in self.all_pods:
                 p.force_stop()
             self.network.down()
