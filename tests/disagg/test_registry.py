@@ -322,7 +322,7 @@ def test_watcher_stops_when_redis_swallows_the_cancellation():
             return took
 
         took = asyncio.run(scenario())
-        assert max(took) < 3.0, took
+        assert max(took) < 4.5, took  # the loops ended on their own, before stop() would give up (5 s)
     finally:
         server.stop()
 
