@@ -125,14 +125,15 @@ def main(argv=None) -> int:
         for mode, chunk in (("prefill", None), (f"chunks of {args.chunk}", args.chunk)):
             logits[name, mode] = logits_of(engine, seqs, chunk)
         engine.close()
+    ppl = {key: perplexity(got, seqs) for key, got in logits.items()}
     rows = []
     for (name, mode), got in logits.items():
         for against in ("fp8 dequantized", "reference"):
             if name == against or (name == "reference" and against == "fp8 dequantized"):
                 continue
             r = compare_logits(got, logits[against, mode])
-            rows.append(Row(name, mode, against, r["cos_mean"], r["cos_min"], r["top1"], perplexity(got, seqs)))
-    ref_ppl = {mode: perplexity(logits["reference", mode], seqs) for (_, mode) in logits}
+            rows.append(Row(name, mode, against, r["cos_mean"], r["cos_min"], r["top1"], ppl[name, mode]))
+    ref_ppl = {mode: value for (name, mode), value in ppl.items() if name == "reference"}
 
     print(f"# FP8 accuracy, CPU: {model_dir.name}, {args.sequences} ShareGPT conversations x {args.tokens} "
           f"tokens teacher-forced, float32 compute ({time.monotonic() - t0:.0f} s)")

@@ -15,8 +15,7 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Callable, TextIO
+from dataclasses import dataclass
 
 log = logging.getLogger("duet.worker")
 
@@ -29,8 +28,6 @@ EXIT_AFTER_GRACE_S = 20.0
 @dataclass
 class ExitWatchdog:
     bound_s: float
-    stream: TextIO = field(default_factory=lambda: sys.stderr)
-    exit: Callable[[int], None] = os._exit  # a test passes its own to watch the process survive
     phase: str = "not started"
     _started: float | None = None
 
@@ -49,7 +46,7 @@ class ExitWatchdog:
         took = time.monotonic() - self._started
         print(f"duet worker: still not exited {took:.0f}s after the drain began (bound {self.bound_s:g}s); "
               f"stuck in: {self.phase}. Every thread's stack follows; exiting with status 1.",
-              file=self.stream, flush=True)
-        faulthandler.dump_traceback(file=self.stream, all_threads=True)
-        self.stream.flush()
-        self.exit(1)
+              file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        os._exit(1)
