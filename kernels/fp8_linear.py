@@ -8,7 +8,9 @@ Two paths, picked by the number of rows, as SGLang and vLLM do:
   W8A8 GEMM at 32 rows and loses at 64: kernels/small_batch_linear_config.py.)
 - larger M (prefill, big decode batches): activations quantized per token per group of 128
   columns (one launch), then a W8A8 GEMM on the FP8 tensor cores with the scales applied
-  per K step (triton_fp8_gemm.py), DeepSeek-V3's recipe.
+  per K step (triton_fp8_gemm.py), DeepSeek-V3's recipe; long prefills on weights in the plain
+  128x128 block layout go to cuBLAS's block-scaled GEMM where torch and the GPU have it
+  (kernels/fp8_cublas.py).
 Both are CUDA-graph safe (no host sync; grids depend on shapes only). x, bias and the output
 share one dtype (bf16, fp16 or fp32); accumulation in fp32.
 
@@ -92,14 +94,20 @@ def _check(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor], n_out: i
 
 
 # -- activation quantization ----------------------------------------------------------------
-def per_token_group_quant(x: torch.Tensor, group: int = ACT_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+def per_token_group_quant(x: torch.Tensor, group: int = ACT_GROUP,
+                          m_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton: x [M, K] -> (float8_e4m3fn [M, K], float32 scales [M, ceil(K/group)]), the
-    same values as kernels.fp8.per_token_group_quant_reference."""
+    same values as kernels.fp8.per_token_group_quant_reference. m_major: the scales stored
+    column by column (stride (1, M)), as cuBLAS's block-scaled GEMM reads them."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be [M, K] with a contiguous last dimension, got {tuple(x.shape)}")
     m, k = x.shape
     q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
-    s = torch.empty(m, -(-k // group), dtype=torch.float32, device=x.device)
+    groups = -(-k // group)
+    if m_major:
+        s = torch.empty(groups, m, dtype=torch.float32, device=x.device).t()
+    else:
+        s = torch.empty(m, groups, dtype=torch.float32, device=x.device)
     from kernels.triton_fp8_gemm import launch_group_quant
     launch_group_quant(x, q, s, group, ACT_EPS)
     return q, s
@@ -170,9 +178,10 @@ def _small_batch_config(x: torch.Tensor, w: Fp8Weight, gate_up: bool, config):
 
 
 def small_batch_fp8_linear(x: torch.Tensor, w: Fp8Weight, bias=None, out=None, config=None, workspace=None,
-                           pdl=None, gate_up: bool = False) -> torch.Tensor:
+                           pdl=None, gate_up: bool = False, widen_f16: bool = True) -> torch.Tensor:
     """Triton (the small-batch kernel with FP8 weights): x [M <= 32, K] -> [M, N] in x's dtype;
-    gate_up: silu(x W_g^T) * (x W_u^T) for the stacked [2I, K] weight -> [M, I]."""
+    gate_up: silu(x W_g^T) * (x W_u^T) for the stacked [2I, K] weight -> [M, I].
+    widen_f16: see kernels/triton_small_batch_linear.py (False only to time the older widening)."""
     n_out = w.q.shape[0] // 2 if gate_up else w.q.shape[0]
     _check(x, w, bias, n_out)
     if not small_batch_fp8_supported(x.shape[0], x.shape[1], x.dtype):
@@ -183,7 +192,7 @@ def small_batch_fp8_linear(x: torch.Tensor, w: Fp8Weight, bias=None, out=None, c
     if out is None:
         out = torch.empty(x.shape[0], n_out, dtype=x.dtype, device=x.device)
     from kernels.triton_small_batch_linear import launch_small_batch_linear
-    return launch_small_batch_linear(x, w.q, bias, out, config, workspace, gate_up, pdl, fp8=w)
+    return launch_small_batch_linear(x, w.q, bias, out, config, workspace, gate_up, pdl, fp8=w, widen_f16=widen_f16)
 
 
 # -- the layer's entry points -----------------------------------------------------------------
@@ -210,8 +219,15 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor] = Non
     elif small_batch_fp8_supported(x2.shape[0], x2.shape[1], x2.dtype):
         y = small_batch_fp8_linear(x2, w, bias, workspace=workspace, pdl=pdl)
     else:
-        xq, xs = per_token_group_quant(x2 if x2.stride(1) == 1 else x2.contiguous(), act_group(w))
-        y = w8a8_gemm(xq, xs, w, bias, x2.dtype)
+        from kernels.fp8_cublas import cublas_route, cublas_w8a8
+
+        x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
+        if cublas_route(x2, w):
+            xq, xs = per_token_group_quant(x2, act_group(w), m_major=True)
+            y = cublas_w8a8(xq, xs, w, bias, x2.dtype)
+        else:
+            xq, xs = per_token_group_quant(x2, act_group(w))
+            y = w8a8_gemm(xq, xs, w, bias, x2.dtype)
     return y.reshape(*lead, w.q.shape[0])
 
 

@@ -27,7 +27,7 @@ from kernels.triton_fp8 import FP8_MAX, fp8_grid
 
 
 @triton.jit
-def _group_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_s, eps,
+def _group_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_s, stride_sg, eps,
                         GROUP: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     g = tl.program_id(1)
@@ -39,7 +39,7 @@ def _group_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_s,
     scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 1), eps), FP8_MAX)
     q = fp8_grid(tl.math.div_rn(x, scale[:, None]))
     tl.store(q_ptr + r * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=ok)
-    tl.store(s_ptr + rows.to(tl.int64) * stride_s + g, scale, mask=row_ok)
+    tl.store(s_ptr + rows.to(tl.int64) * stride_s + g * stride_sg, scale, mask=row_ok)
 
 
 def launch_group_quant(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, group: int, eps: float) -> None:
@@ -54,7 +54,7 @@ def launch_group_quant(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, group:
     while rows > 1 and triton.cdiv(m, rows) * groups < 1024:
         rows //= 2
     _group_quant_kernel[(triton.cdiv(m, rows), groups)](
-        x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), eps,
+        x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1), eps,
         GROUP=group, BLOCK=block, ROWS=rows, num_warps=4 if rows * block >= 2048 else 1)
 
 

@@ -13,8 +13,13 @@ sums the partials in split order 0..S-1 (same bits whatever the arrival order), 
 the epilogue, and resets the counter to 0, so every launch leaves the counters as it
 found them. No host sync, no data-dependent allocation.
 
-FP8 weights (kernels/fp8_linear.py): the tile is widened to x's dtype in registers and each
-row's partial product scaled by its block scale. A K tile may span several scale groups: it is
+FP8 weights (kernels/fp8_linear.py): the tile is widened in registers and each row's partial
+product scaled by its block scale. On the tensor-core path with 16-bit x (WIDEN_F16) the tile is
+widened to fp16, one hardware conversion per two weights (e4m3 -> bf16 or fp32 takes two or three,
+and the conversion unit, a quarter of the FP32 rate, capped an FP8 GEMV near 2.9 TB/s), and x's
+tile goes to fp16 too, each row scaled by a power of two so its largest value sits in
+[2^13, 2^14): exact for every element above 2^-30 of that largest one, so the product is still
+W8A16's. A K tile may span several scale groups: it is
 read as SUB_K-column sub-tiles (SUB_K divides the group, so a sub-tile row has one scale), all
 issued in one unrolled step, so an FP8 tile keeps as many bytes in flight as a 16-bit one of
 half its width: one byte a weight from memory, the rest as for 16-bit weights.
@@ -64,6 +69,28 @@ def _mac_fp8(acc, wt, xt, w_scale, USE_DOT: tl.constexpr, DOT_PRECISION: tl.cons
 
 
 @triton.jit
+def _x_f16(xt):
+    """x's tile in fp16 for the f16 dot, each row times a power of two that puts its largest
+    |x| in [2^13, 2^14) (exact: fp16 holds bf16's 8 significant bits there, and stays far
+    from its 65504 limit), and per row the power of two that undoes it."""
+    xf = xt.to(tl.float32)
+    amax = tl.max(tl.abs(xf), axis=1)
+    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 140  # exponent of amax, minus 13
+    e = tl.minimum(tl.maximum(e, -126), 126)  # zero rows and subnormals: any normal factor will do
+    up = ((127 - e) << 23).to(tl.float32, bitcast=True)
+    down = ((127 + e) << 23).to(tl.float32, bitcast=True)
+    return (xf * up[:, None]).to(tl.float16), down
+
+
+@triton.jit
+def _mac_fp8_f16(acc, wt, x16, w_scale, x_down):
+    """_mac_fp8 on the tensor cores in fp16: the e4m3 tile widened to fp16 (exact, one
+    conversion per two weights), x16/x_down from _x_f16."""
+    d = tl.dot(wt.to(tl.float16), tl.trans(x16))
+    return acc + d * w_scale[:, None] * x_down[None, :]
+
+
+@triton.jit
 def _finish(acc, USE_DOT: tl.constexpr):
     """[BLOCK_N, BLOCK_M] sums."""
     if not USE_DOT:
@@ -91,6 +118,7 @@ def _small_batch_linear_kernel(
     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, GATE_UP: tl.constexpr, SPLIT: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE_ELEMS: tl.constexpr, FP8: tl.constexpr,
+    WIDEN_F16: tl.constexpr,
 ):
     tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -136,7 +164,10 @@ def _small_batch_linear_kernel(
                 k_ok = (ks + rk) < K
                 xt = tl.load(x_ptrs + ks, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
                 wt = tl.load(w_ptrs + ks, mask=k_ok[None, :], other=0.0)
-            if FP8:
+            if WIDEN_F16:
+                x16, x_down = _x_f16(xt)
+                acc = _mac_fp8_f16(acc, wt, x16, tl.load(s_ptrs + sk), x_down)
+            elif FP8:
                 acc = _mac_fp8(acc, wt, xt, tl.load(s_ptrs + sk), USE_DOT, DOT_PRECISION)
             else:
                 acc = _mac(acc, wt, xt, USE_DOT, DOT_PRECISION)
@@ -145,7 +176,9 @@ def _small_batch_linear_kernel(
                     ut = tl.load(u_ptrs + ks)
                 else:
                     ut = tl.load(u_ptrs + ks, mask=((ks + rk) < K)[None, :], other=0.0)
-                if FP8:
+                if WIDEN_F16:
+                    acc_up = _mac_fp8_f16(acc_up, ut, x16, tl.load(su_ptrs + sk), x_down)
+                elif FP8:
                     acc_up = _mac_fp8(acc_up, ut, xt, tl.load(su_ptrs + sk), USE_DOT, DOT_PRECISION)
                 else:
                     acc_up = _mac(acc_up, ut, xt, USE_DOT, DOT_PRECISION)
@@ -192,12 +225,13 @@ def _block_m(m: int, use_dot: bool) -> int:
 
 def launch_small_batch_linear(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor,
                               cfg: SmallBatchConfig, workspace, gate_up: bool, pdl: Pdl | None = None,
-                              fp8=None) -> torch.Tensor:
+                              fp8=None, widen_f16: bool = True) -> torch.Tensor:
     """x [M, K], w [N_w, K] (row stride free, last dim contiguous), out [M, N_out] with a
     contiguous last dim; N_out = N_w, or N_w // 2 for gate_up. workspace: a
     SmallBatchWorkspace or None (then split-K allocates its buffers per call).
     fp8: a kernels.fp8.Fp8Weight whose q is w (a sub-tile of cfg.block_k must divide its
-    group_k: fp8_sub_k)."""
+    group_k: fp8_sub_k). widen_f16: FP8 weights times 16-bit x on the tensor cores widen both
+    to fp16 (the module note); False widens the weights to x's dtype (the benchmark's before)."""
     m, k = x.shape
     n = out.shape[1]
     pdl = pdl_for(pdl, m)
@@ -229,6 +263,7 @@ def launch_small_batch_linear(x: torch.Tensor, w: torch.Tensor, bias, out: torch
         USE_DOT=use_dot, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         PDL=pdl is not None, PREFETCH=min(pdl.prefetch_k_blocks, k_blocks_per_split) if pdl else 0,
         LINE_ELEMS=min(cfg.block_k, 128 // w.element_size()), FP8=fp8 is not None,
+        WIDEN_F16=widen_f16 and fp8 is not None and use_dot and x.dtype in (torch.bfloat16, torch.float16),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )
     return out

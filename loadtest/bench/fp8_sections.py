@@ -17,6 +17,8 @@ table and exits if one hangs):
   fp8_gemm        (d) W8A8 GEMM at the 8B linears: M=8192 (prefill) vs torch._scaled_mm on the same
                   shape and vs the measured FP8 peak, M=32 (decode) in GB/s; the tilings of
                   GEMM_TILINGS; per-tile vs per-column weight scales; the quantize kernel's time
+  fp8_gemm_cublas cuBLAS's block-scaled GEMM (fp8_linear's long-prefill route where it applies)
+                  against the Triton W8A8 GEMM at the 8B linears, M = 256..8192: TFLOP/s, % of peak, error
   fp8_moe_decode  (c) 30B-A3B decode B=1, 8, 32: FP8 vs floor (touched experts) and bf16
   fp8_kv_long     (e) 8B FP8 weights, ctx 16k: step time and KV pages with FP8 vs bf16 KV in
                   one budget (B=16 both, B=32 FP8 only: bf16 does not fit an H100), bytes per
@@ -291,6 +293,46 @@ def fp8_gemm(ctx):
         del x
 
 
+def fp8_gemm_cublas(ctx) -> None:
+    """(d') cuBLAS's block-scaled GEMM (kernels/fp8_cublas.py, fp8_linear's long-prefill route where it
+    applies) against the Triton W8A8 GEMM's default tiling, at the 8B linears and several prefill
+    sizes: TFLOP/s, % of the FP8 peak, and its error against the W8A8 reference."""
+    from kernels.fp8 import FP8_DTYPE, Fp8Weight, block_scale_rows
+    from kernels.fp8_cublas import cublas_route, cublas_w8a8
+    from kernels.fp8_linear import per_token_group_quant, w8a8_gemm, w8a8_gemm_reference
+    from .suite_context import need_ceilings as _need_ceilings
+
+    rep, dev = ctx["report"], ctx["dev"]
+    c = _need_ceilings(ctx)
+    for m in (256, 1024, 2048, 8192):
+        x = torch.randn(m, 12288, device=dev, dtype=torch.bfloat16)
+        for name, (n, k) in QWEN3_8B_PREFILL.items():
+            w = Fp8Weight(torch.randn(n, k, device=dev).to(FP8_DTYPE), torch.rand(n // 128, k // 128, device=dev),
+                          block_scale_rows(n, 128).to(dev), 128, 128)
+            xk = x[:, :k].contiguous()
+            if not cublas_route(xk, w):
+                rep.add("fp8_gemm", f"cuBLAS block-scaled {name} M={m}", "not routed",
+                        "the probe or the layout check refused it")
+                continue
+            xq, xs = per_token_group_quant(xk, m_major=True)
+            xs_rows = xs.contiguous()
+            flops = 2 * m * n * k
+            try:
+                cub = _time_ms(lambda: cublas_w8a8(xq, xs, w))
+            except RuntimeError as e:
+                rep.add("fp8_gemm", f"cuBLAS block-scaled {name} M={m}", "failed", str(e)[:120])
+                continue
+            tri = _time_ms(lambda: w8a8_gemm(xq, xs_rows, w))
+            q2, s2 = per_token_group_quant(xk[:256], m_major=True)
+            ref = w8a8_gemm_reference(q2, s2, w).double()
+            err = ((cublas_w8a8(q2, s2, w).double() - ref).norm() / ref.norm()).item()
+            tf = flops / cub / 1e9
+            rep.add("fp8_gemm", f"cuBLAS block-scaled {name} M={m} TFLOPs", tf,
+                    f"{100 * tf / c.fp8_matmul_tflops:.0f}% of FP8 peak; Triton W8A8 {flops / tri / 1e9:.0f} TFLOP/s "
+                    f"({100 * flops / tri / 1e9 / c.fp8_matmul_tflops:.0f}%); rel err vs reference {err:.1e}")
+        del x
+
+
 def _graph_ms(fn, reps: int = 20) -> float:
     from .small_batch_linear import graph_replay_ms
 
@@ -363,8 +405,9 @@ def fp8_kv_long(ctx):
 
 
 # (d) before (c): it is quick, and what matters most runs first when the budget is tight
-FP8_SECTIONS = ("ceilings", "fp8_accuracy", "fp8_decode_8b", "fp8_gemm", "fp8_moe_decode", "fp8_kv_long",
-                "fp8_prefill_profile")
+FP8_SECTIONS = ("ceilings", "fp8_accuracy", "fp8_decode_8b", "fp8_gemm_cublas", "fp8_gemm", "fp8_moe_decode",
+                "fp8_kv_long", "fp8_prefill_profile")
 SECTIONS = {"fp8_accuracy": fp8_accuracy, "fp8_decode_8b": fp8_decode_8b, "fp8_gemm": fp8_gemm,
+            "fp8_gemm_cublas": fp8_gemm_cublas,
             "fp8_moe_decode": fp8_moe_decode, "fp8_kv_long": fp8_kv_long, "fp8_prefill_profile": fp8_prefill_profile}
 

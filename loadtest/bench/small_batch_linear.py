@@ -13,7 +13,8 @@ prints the best, ready to paste into kernels/small_batch_linear_config.py.
 --fp8: the same with block-FP8 weights (128x128 scales, W8A16: kernels/fp8_linear.py), against
 cuBLAS on the bf16 weights (what the model runs without FP8); GB/s and the floor count FP8 bytes,
 and the sweep's lines go to TUNED_FP8 whether or not they beat bf16 cuBLAS (an FP8 linear of
-<= 32 rows always runs this kernel).
+<= 32 rows always runs this kernel). --fp8-before also times each row with the weights widened
+to x's dtype (the kernel before its fp16 widening); --fp8-dot-only sweeps the tensor-core path only.
 
     python3 -m loadtest.bench.small_batch_linear [--sweep] [--fp8] [--models qwen3-8b,...] [--json PATH]
     TRITON_INTERPRET=1 PYTHONPATH=. python -m loadtest.bench.small_batch_linear --smoke --sweep   # CPU: checks the script
@@ -86,6 +87,8 @@ class Setup:
     replays: int = 10
     smoke: bool = False
     fp8: bool = False  # block-FP8 weights (x and the output stay in dtype)
+    fp8_before: bool = False  # FP8: also time each tiling widening the weights to x's dtype (the older kernel)
+    fp8_dot_only: bool = False  # FP8 sweep: the tensor-core path only (M=1 skips the CUDA-core descent)
 
     @classmethod
     def for_device(cls) -> "Setup":
@@ -110,6 +113,7 @@ class Row:
     weight_bytes: int
     rel_err: float
     config: str
+    before_us: float = float("nan")  # FP8 with --fp8-before: the same tiling widening to x's dtype
 
     def gb_s(self, us: float) -> float:
         return self.weight_bytes / us / 1e3
@@ -233,12 +237,13 @@ class ShapeBench:
 
         return small_batch_gate_up_silu if gate_up else small_batch_linear
 
-    def ours(self, m: int, config=None, gate_up: bool = False) -> float:
+    def ours(self, m: int, config=None, gate_up: bool = False, **kw) -> float:
         x = self.x(m)
         n_out = self.lin.n // 2 if gate_up else self.lin.n
         out = torch.empty(m, n_out, device=self.setup.device, dtype=self.setup.dtype)
         op = self._op(gate_up)
-        fns = [lambda w=w: op(x, w, out=out, config=config, workspace=self.workspace) for w in self.copies.weights]
+        fns = [lambda w=w: op(x, w, out=out, config=config, workspace=self.workspace, **kw)
+               for w in self.copies.weights]
         return us_per_op(self.setup, fns)
 
     def cublas(self, m: int, gate_up: bool = False) -> float:
@@ -289,12 +294,14 @@ def measure_model(setup: Setup, model: ModelShapes, gen: torch.Generator, say) -
                 except Exception as exc:  # report and go on: one bad tiling must not end the run
                     say(f"  {model.name} {lin.name} M={m} {_short(cfg)} failed: {type(exc).__name__}: {str(exc)[:200]}")
                     ours_us, err = float("nan"), float("nan")
+                before = sb.ours(m, cfg, gate_up, widen_f16=False) if setup.fp8 and setup.fp8_before else float("nan")
                 row = Row(model.name, lin.name, lin.n, lin.k, m, "gate_up+silu" if gate_up else "linear",
-                          ours_us, sb.cublas(m, gate_up), sb.copies.nbytes, err, _short(cfg))
+                          ours_us, sb.cublas(m, gate_up), sb.copies.nbytes, err, _short(cfg), before)
                 rows.append(row)
                 say(f"  {row.model:14s} {row.linear:8s} {row.op:12s} {lin.n:6d}x{lin.k:<5d} M={m:<2d} "
                     f"ours {row.ours_us:8.2f} us  cuBLAS {row.cublas_us:8.2f} us  x{row.speedup:4.2f}  "
-                    f"relerr {row.rel_err:.1e}  {row.config}")
+                    f"relerr {row.rel_err:.1e}  {row.config}"
+                    + (f"  (widening to x's dtype: {before:.2f} us)" if before == before else ""))
         del sb
         if setup.device == "cuda":
             torch.cuda.empty_cache()
@@ -355,8 +362,12 @@ def sweep_shape(setup: Setup, sb: ShapeBench, m: int, gate_up: bool, limit: int 
         return best
 
     start = _config_of(setup, sb.lin, m, gate_up)
+    if setup.fp8 and not start.use_dot:  # an FMA start's K tile is too wide for the dot's stages
+        start = replace(start, block_n=64, block_k=128, num_stages=3)
     bests = [descend(replace(start, use_dot=True))]
-    if m == 1:
+    # FP8 at M=1: the CUDA-core path widens each weight to fp32 (a quarter-rate conversion) and
+    # lost to the fp16 tensor-core path; 16-bit weights still try both
+    if m == 1 and not (setup.fp8 and setup.fp8_dot_only):
         bests.append(descend(replace(start, use_dot=False, num_stages=1)))
     best = min(bests, key=lambda c: tried[c])
     return best, tried[best], len(tried)
@@ -366,8 +377,11 @@ def sweep(setup: Setup, models, gen: torch.Generator, say, limit: int = 0) -> li
     lines = []
     for model in models:
         for lin in model.linears:
+            if setup.fp8 and not lin.per_layer:
+                continue  # the LM head stays 16-bit in an FP8 model
             sb = ShapeBench(setup, lin, gen)
-            for gate_up in ([False, True] if lin.gate_up else [False]):
+            # FP8 gate/up runs fused with SwiGLU at decode sizes (fp8_gate_up_silu): only that op is swept
+            for gate_up in ([True] if lin.gate_up and setup.fp8 else [False, True] if lin.gate_up else [False]):
                 entries = []
                 for m in setup.m_values:
                     best, us, count = sweep_shape(setup, sb, m, gate_up, limit)
@@ -437,6 +451,10 @@ def main() -> int:
     parser.add_argument("--sweep", action="store_true", help="also search tilings per (shape, M)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes; CPU with TRITON_INTERPRET=1")
     parser.add_argument("--fp8", action="store_true", help="block-FP8 weights (W8A16); the sweep fills TUNED_FP8")
+    parser.add_argument("--fp8-before", action="store_true",
+                        help="FP8: also time each row widening the weights to x's dtype (the kernel before fp16 widening)")
+    parser.add_argument("--fp8-dot-only", action="store_true",
+                        help="FP8 sweep: the tensor-core path only (no CUDA-core descent at M=1)")
     out_dir = os.environ.get("OUT")
     parser.add_argument("--json", default=os.path.join(out_dir, "bench_small_batch_linear.json") if out_dir else None,
                         help="default: $OUT/bench_small_batch_linear.json when OUT is set, else none")
@@ -454,7 +472,7 @@ def main() -> int:
             return 2
         setup = replace(Setup.for_device(), m_values=tuple(int(v) for v in args.m.split(",")))
         models = [MODELS[name] for name in args.models.split(",")]
-    setup = replace(setup, fp8=args.fp8)
+    setup = replace(setup, fp8=args.fp8, fp8_before=args.fp8_before, fp8_dot_only=args.fp8_dot_only)
     t0 = time.time()
     lines: list = []
 

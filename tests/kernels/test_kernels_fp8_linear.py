@@ -87,6 +87,10 @@ def test_group_quant_is_the_reference_bit_for_bit(runner, k, group):
     rq, rs = per_token_group_quant_reference(x, group)
     assert torch.equal(s.cpu(), rs)
     assert torch.equal(q.cpu().view(torch.uint8), rq.view(torch.uint8))
+    # the same scales stored column by column, as cuBLAS's block-scaled GEMM reads them
+    q, s = runner(QUANT, x.to(runner.device), group, m_major=True)
+    assert s.stride() == (1, 7) and torch.equal(s.cpu(), rs)
+    assert torch.equal(q.cpu().view(torch.uint8), rq.view(torch.uint8))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -156,6 +160,31 @@ def test_small_batch_fp8_matches_reference(runner, dtype, m, config):
     gud = Fp8Weight(gu.q.to(dev), nan_padded_columns(gu.scale).to(dev), gu.scale_row.to(dev), gu.group_k)
     got = runner(SMALL, x.to(dev), gud, config=config, gate_up=True)
     assert relative_error(got, gate_up_silu_fp8_reference(x, gu)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("config", [SPLIT, NO_SPLIT], ids=["split", "nosplit"])
+def test_small_batch_fp8_with_bf16_rows_of_any_magnitude(runner, config):
+    """16-bit x on the tensor-core path runs in fp16 (one conversion per two weights): each row
+    is scaled by a power of two first, so rows far past fp16's 65504 and rows of 1e-6 come out as
+    the float64 product rounded to bf16, per row, not inf or zeros."""
+    g = case_generator("f16 widening", config)
+    k = 384
+    w = block_weight([48, 24, 24], k, (32, 128), g, "cpu", shard_start=8)
+    x = torch.randn(5, k, generator=g)
+    x[0] *= 3e5  # every product past fp16's range before scaling
+    x[1] *= 1e-6
+    x[2, 7] = 4e6  # one outlier column among ordinary values
+    x[3] = 0.0
+    x = x.to(torch.bfloat16)
+    dev = runner.device
+    wd = Fp8Weight(w.q.to(dev), w.scale.to(dev), w.scale_row.to(dev), w.group_k)
+    got = runner(SMALL, x.to(dev), wd, config=config).float().cpu()
+    want = small_batch_fp8_reference(x, w).float()
+    assert torch.equal(got[3], torch.zeros_like(got[3]))
+    # bf16's own rounding of the output (up to 2^-8: the interpreter stores bf16 by truncation);
+    # unscaled, row 0 is inf and row 1 keeps a few bits (fp16 subnormals): errors of 1e-2 and more
+    for row in (0, 1, 2, 4):
+        assert relative_error(got[row], want[row]) < 6e-3, row
 
 
 @pytest.mark.parametrize("m", [2, 29, 40])

@@ -1,0 +1,93 @@
+"""Block-scaled FP8 GEMM through cuBLAS: torch's scaled_mm with 1x128 activation scales and
+128x128 weight scales (cuBLASLt >= 12.9 on Hopper), DeepSeek-V3's recipe as the library runs it.
+
+Where it applies, fp8_linear sends long prefills here instead of the Triton W8A8 GEMM
+(kernels/triton_fp8_gemm.py), as vLLM sends them to CUTLASS's block-scaled kernel: the library's
+kernel overlaps each K step's scaling with the next step's MMAs (warp-specialised consumers), which
+a Triton kernel without warp specialisation cannot. The Triton GEMM stays the route everywhere
+else: weights whose scale rows are not the plain 128-row block map (a stacked part or a tensor-
+parallel shard starting inside a block, per-channel scales), shapes the library refuses, torch
+builds without the API, and where the probe finds the library's product wrong.
+
+Layouts the library reads: the weight [N, K] (K contiguous) is the column-major [K, N] operand
+as it is; its scales [ceil(N/128), ceil(K/128)] transposed (a view); the activation scales
+[M, ceil(K/128)] stored M-major (kernels.fp8_linear.per_token_group_quant(m_major=True)).
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels.fp8 import FP8_DTYPE, Fp8Weight
+
+BLOCK = 128
+# fewer rows than this stay on Triton: its narrow tiles fill the SMs at decode-batch sizes
+MIN_ROWS = 256
+
+
+def weight_fits(w: Fp8Weight) -> bool:
+    """The weight's scales are the plain 128x128 block map cuBLAS reads: 128-column groups,
+    every aligned 128-row run on one scale row and one scale row per run (so row i -> i // 128),
+    float32 scale rows of whole 16-byte vectors (the library's leading-dimension rule)."""
+    if w.q.dim() != 2 or w.group_k != BLOCK or w.tile_n < BLOCK:
+        return False
+    n, k = w.q.shape
+    kb = -(-k // BLOCK)
+    return (k % BLOCK == 0 and n % 16 == 0 and w.scale.shape == (-(-n // BLOCK), kb) and w.scale.stride() == (kb, 1)
+            and kb % 4 == 0 and w.q.stride() == (k, 1))
+
+
+def _scaled_mm(xq: torch.Tensor, xs_mmajor: torch.Tensor, w: Fp8Weight, out_dtype: torch.dtype) -> torch.Tensor:
+    """xq [M, K] fp8, xs_mmajor [M, K/128] with stride (1, M'), w's q [N, K] -> [M, N]."""
+    import torch.nn.functional as F
+
+    b, b_scale = w.q.t(), w.scale.t()
+    if hasattr(F, "scaled_mm") and hasattr(F, "ScalingType"):
+        st = F.ScalingType
+        return F.scaled_mm(xq, b, xs_mmajor, st.BlockWise1x128, b_scale, st.BlockWise128x128, output_dtype=out_dtype)
+    # older torch: _scaled_mm infers block-wise scaling from the scale shapes
+    return torch._scaled_mm(xq, b, scale_a=xs_mmajor, scale_b=b_scale, out_dtype=out_dtype)
+
+
+def cublas_w8a8(xq: torch.Tensor, xs_mmajor: torch.Tensor, w: Fp8Weight, bias=None,
+                out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    y = _scaled_mm(xq, xs_mmajor, w, out_dtype)
+    return y if bias is None else y.add_(bias)
+
+
+def _probe(device_index: int) -> bool:
+    """One small product through the library against the dequantized float64 one: False where
+    torch lacks the API, cuBLAS refuses it (not Hopper, cuBLASLt < 12.9), or the numbers are off."""
+    dev = torch.device("cuda", device_index)
+    try:
+        g = torch.Generator(device=dev).manual_seed(0)
+        m, n, k = 40, 256, 512  # M not a multiple of 16: prefill lengths are anything
+        from kernels.fp8 import block_scale_rows
+        from kernels.fp8_linear import per_token_group_quant, w8a8_gemm_reference
+
+        q = (torch.randn(n, k, device=dev, generator=g) * 4).to(FP8_DTYPE)
+        scale = torch.rand(n // BLOCK, k // BLOCK, device=dev, generator=g) + 0.5
+        w = Fp8Weight(q, scale, block_scale_rows(n, BLOCK).to(dev), BLOCK, BLOCK)
+        x = torch.randn(m, k, device=dev, generator=g).to(torch.bfloat16)
+        xq, xs = per_token_group_quant(x, m_major=True)
+        got = cublas_w8a8(xq, xs, w).double()
+        want = w8a8_gemm_reference(xq, xs.contiguous(), w).double()
+        return bool(((got - want).norm() / want.norm()).item() < 1e-2)
+    except (RuntimeError, TypeError, ValueError, NotImplementedError):
+        return False
+
+
+def cublas_route(x: torch.Tensor, w: Fp8Weight) -> bool:
+    """Send this product to cuBLAS: a CUDA x of >= MIN_ROWS rows, a weight in the plain block
+    layout, and a library that passed its probe (run once per device, never inside a CUDA-graph
+    capture: until then the Triton GEMM serves)."""
+    if not x.is_cuda or x.shape[0] < MIN_ROWS or not weight_fits(w):
+        return False
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if index not in _PROBED:
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        _PROBED[index] = _probe(index)
+    return _PROBED[index]
+
+
+_PROBED: dict[int, bool] = {}  # device index -> the probe's answer (a property of the GPU and the torch build)
