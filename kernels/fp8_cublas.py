@@ -11,7 +11,7 @@ builds without the API, and where the probe finds the library's product wrong.
 
 Layouts the library reads: the weight [N, K] (K contiguous) is the column-major [K, N] operand
 as it is; its scales [ceil(N/128), ceil(K/128)] transposed (a view); the activation scales
-[M, ceil(K/128)] stored M-major (kernels.fp8_linear.per_token_group_quant(m_major=True)).
+[M, ceil(K/128)] stored M-major, in buffers padded to ROW_ALIGN rows (cublas_fp8_linear).
 """
 from __future__ import annotations
 
@@ -50,8 +50,30 @@ def _scaled_mm(xq: torch.Tensor, xs_mmajor: torch.Tensor, w: Fp8Weight, out_dtyp
 
 def cublas_w8a8(xq: torch.Tensor, xs_mmajor: torch.Tensor, w: Fp8Weight, bias=None,
                 out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Quantized activations (rows a multiple of ROW_ALIGN, scales M-major) times the weight."""
     y = _scaled_mm(xq, xs_mmajor, w, out_dtype)
     return y if bias is None else y.add_(bias)
+
+
+# cuBLAS refused 4099 rows (its leading dimensions want 16-byte multiples: the M-major scales' is M)
+ROW_ALIGN = 16
+
+
+def cublas_fp8_linear(x: torch.Tensor, w: Fp8Weight, bias=None) -> torch.Tensor:
+    """y = x W^T (+ bias) in x's dtype: x quantized per token per 128 columns into buffers padded
+    to ROW_ALIGN rows (the padding zeros), the library's GEMM, the real rows returned."""
+    from kernels.fp8 import ACT_EPS
+    from kernels.triton_fp8_gemm import launch_group_quant
+
+    m, k = x.shape
+    rows = -(-m // ROW_ALIGN) * ROW_ALIGN
+    xq = torch.empty(rows, k, dtype=FP8_DTYPE, device=x.device)
+    xs = torch.empty(k // BLOCK, rows, dtype=torch.float32, device=x.device).t()
+    if rows > m:
+        xq[m:].zero_()
+        xs[m:].fill_(1.0)
+    launch_group_quant(x, xq[:m], xs[:m], BLOCK, ACT_EPS)
+    return cublas_w8a8(xq, xs, w, bias, x.dtype)[:m]
 
 
 def _probe(device_index: int) -> bool:
@@ -60,7 +82,7 @@ def _probe(device_index: int) -> bool:
     dev = torch.device("cuda", device_index)
     try:
         g = torch.Generator(device=dev).manual_seed(0)
-        m, n, k = 40, 256, 512  # M not a multiple of 16: prefill lengths are anything
+        m, n, k = 37, 256, 512  # rows not a multiple of ROW_ALIGN: prefill lengths are anything
         from kernels.fp8 import block_scale_rows
         from kernels.fp8_linear import per_token_group_quant, w8a8_gemm_reference
 
@@ -68,9 +90,8 @@ def _probe(device_index: int) -> bool:
         scale = torch.rand(n // BLOCK, k // BLOCK, device=dev, generator=g) + 0.5
         w = Fp8Weight(q, scale, block_scale_rows(n, BLOCK).to(dev), BLOCK, BLOCK)
         x = torch.randn(m, k, device=dev, generator=g).to(torch.bfloat16)
-        xq, xs = per_token_group_quant(x, m_major=True)
-        got = cublas_w8a8(xq, xs, w).double()
-        want = w8a8_gemm_reference(xq, xs.contiguous(), w).double()
+        got = cublas_fp8_linear(x, w).double()
+        want = w8a8_gemm_reference(*per_token_group_quant(x), w).double()
         return bool(((got - want).norm() / want.norm()).item() < 1e-2)
     except (RuntimeError, TypeError, ValueError, NotImplementedError):
         return False

@@ -178,10 +178,9 @@ def _small_batch_config(x: torch.Tensor, w: Fp8Weight, gate_up: bool, config):
 
 
 def small_batch_fp8_linear(x: torch.Tensor, w: Fp8Weight, bias=None, out=None, config=None, workspace=None,
-                           pdl=None, gate_up: bool = False, widen_f16: bool = True) -> torch.Tensor:
+                           pdl=None, gate_up: bool = False) -> torch.Tensor:
     """Triton (the small-batch kernel with FP8 weights): x [M <= 32, K] -> [M, N] in x's dtype;
-    gate_up: silu(x W_g^T) * (x W_u^T) for the stacked [2I, K] weight -> [M, I].
-    widen_f16: see kernels/triton_small_batch_linear.py (False only to time the older widening)."""
+    gate_up: silu(x W_g^T) * (x W_u^T) for the stacked [2I, K] weight -> [M, I]."""
     n_out = w.q.shape[0] // 2 if gate_up else w.q.shape[0]
     _check(x, w, bias, n_out)
     if not small_batch_fp8_supported(x.shape[0], x.shape[1], x.dtype):
@@ -192,7 +191,7 @@ def small_batch_fp8_linear(x: torch.Tensor, w: Fp8Weight, bias=None, out=None, c
     if out is None:
         out = torch.empty(x.shape[0], n_out, dtype=x.dtype, device=x.device)
     from kernels.triton_small_batch_linear import launch_small_batch_linear
-    return launch_small_batch_linear(x, w.q, bias, out, config, workspace, gate_up, pdl, fp8=w, widen_f16=widen_f16)
+    return launch_small_batch_linear(x, w.q, bias, out, config, workspace, gate_up, pdl, fp8=w)
 
 
 # -- the layer's entry points -----------------------------------------------------------------
@@ -219,12 +218,11 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor] = Non
     elif small_batch_fp8_supported(x2.shape[0], x2.shape[1], x2.dtype):
         y = small_batch_fp8_linear(x2, w, bias, workspace=workspace, pdl=pdl)
     else:
-        from kernels.fp8_cublas import cublas_route, cublas_w8a8
+        from kernels.fp8_cublas import cublas_fp8_linear, cublas_route
 
         x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
         if cublas_route(x2, w):
-            xq, xs = per_token_group_quant(x2, act_group(w), m_major=True)
-            y = cublas_w8a8(xq, xs, w, bias, x2.dtype)
+            y = cublas_fp8_linear(x2, w, bias)
         else:
             xq, xs = per_token_group_quant(x2, act_group(w))
             y = w8a8_gemm(xq, xs, w, bias, x2.dtype)

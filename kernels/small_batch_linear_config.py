@@ -35,6 +35,10 @@ class SmallBatchConfig:
     num_warps: int = 4
     num_stages: int = 3
     use_dot: bool = True  # tensor-core dot (x padded to 16 rows) or CUDA-core multiply + sum
+    # FP8 weights, tensor-core path, 16-bit x: widen the weight tile to fp16 with x scaled per row
+    # (kernels/triton_small_batch_linear.py) instead of to x's dtype; faster only where x's tile
+    # is shared (the fused gate/up), since x's per-row scaling is paid every K step
+    widen_f16: bool = False
 
     def __post_init__(self):
         for name in ("block_n", "block_k"):
@@ -59,8 +63,8 @@ def m_bucket(m: int, fp8: bool = False) -> int:
     return next(b for b in buckets if b >= m)
 
 
-def _c(block_n, block_k, split_k, num_warps=4, num_stages=3, use_dot=True) -> SmallBatchConfig:
-    return SmallBatchConfig(block_n, block_k, split_k, num_warps, num_stages, use_dot)
+def _c(block_n, block_k, split_k, num_warps=4, num_stages=3, use_dot=True, widen_f16=False) -> SmallBatchConfig:
+    return SmallBatchConfig(block_n, block_k, split_k, num_warps, num_stages, use_dot, widen_f16)
 
 
 # From the device sweep (bf16, H100 SXM, 132 SMs, L2 cold; 2026-11-24:
@@ -104,6 +108,10 @@ TUNED: dict[str, dict[ShapeKey, dict[int, SmallBatchConfig]]] = {"H100": TUNED_H
 # 16.4), o 8.9 (27.4, 13.8), gate/up+SwiGLU 34.7 (81.0, 59.7), down 19.7 (72.2, 31.2): an 8B
 # layer's linears 75 us against 195 with the heuristic tiles; M=32 qkv 18.0 (cuBLAS bf16 16.6), o 13.9
 # (13.9), gate/up+SwiGLU 55.0 (59.7), down 31.3 (31.2). The LM head stays 16-bit (TUNED).
+# fp16 widening, 2026-11-26 (`--fp8 --fp8-before --fp8-dot-only --sweep --models qwen3-8b --m 1,32`):
+# gate/up+SwiGLU M=32 48.0 us against 55.6 widening to bf16; everywhere else it lost (M=32 qkv 19.0
+# vs 17.9, o 15.7 vs 14.0, down 37.1 vs 31.9; M=1 the tensor-core path's best 10-23% behind the
+# CUDA-core tiles above), so only that entry takes it.
 TUNED_FP8_H200: dict[ShapeKey, dict[int, SmallBatchConfig]] = {
     ShapeKey(6144, 4096): {1: _c(16, 512, 2, 4, 1, False), 8: _c(64, 128, 6, 4, 3, True),
                            16: _c(64, 128, 6, 4, 3, True), 32: _c(64, 128, 6, 4, 2, True)},  # qwen3-8b qkv
@@ -112,7 +120,8 @@ TUNED_FP8_H200: dict[ShapeKey, dict[int, SmallBatchConfig]] = {
     ShapeKey(24576, 4096): {1: _c(16, 512, 1, 4, 1, False), 8: _c(64, 128, 3, 4, 3, True),
                             16: _c(64, 128, 3, 4, 3, True), 32: _c(64, 128, 1, 4, 3, True)},  # qwen3-8b gate_up
     ShapeKey(24576, 4096, True): {1: _c(32, 256, 1, 8, 1, False), 8: _c(64, 128, 2, 4, 3, True),
-                                  16: _c(64, 128, 2, 4, 3, True), 32: _c(64, 128, 2, 4, 3, True)},  # gate_up+SwiGLU
+                                  16: _c(64, 128, 2, 4, 3, True),
+                                  32: _c(64, 128, 2, 4, 3, True, widen_f16=True)},  # gate_up+SwiGLU
     ShapeKey(4096, 12288): {1: _c(32, 256, 5, 4, 1, False), 8: _c(64, 128, 17, 4, 3, True),
                             16: _c(64, 128, 9, 4, 3, True), 32: _c(64, 128, 9, 4, 3, True)},  # qwen3-8b down
     ShapeKey(5120, 2048): {1: _c(32, 512, 4, 4, 1, False), 8: _c(64, 128, 8, 4, 2, True),

@@ -14,12 +14,12 @@ the epilogue, and resets the counter to 0, so every launch leaves the counters a
 found them. No host sync, no data-dependent allocation.
 
 FP8 weights (kernels/fp8_linear.py): the tile is widened in registers and each row's partial
-product scaled by its block scale. On the tensor-core path with 16-bit x (WIDEN_F16) the tile is
-widened to fp16, one hardware conversion per two weights (e4m3 -> bf16 or fp32 takes two or three,
-and the conversion unit, a quarter of the FP32 rate, capped an FP8 GEMV near 2.9 TB/s), and x's
-tile goes to fp16 too, each row scaled by a power of two so its largest value sits in
+product scaled by its block scale. With cfg.widen_f16 (tensor-core path, 16-bit x) the tile is
+widened to fp16, one hardware conversion per two weights (e4m3 -> bf16 takes two or three), and
+x's tile goes to fp16 too, each row scaled by a power of two so its largest value sits in
 [2^13, 2^14): exact for every element above 2^-30 of that largest one, so the product is still
-W8A16's. A K tile may span several scale groups: it is
+W8A16's. x's scaling costs a row reduction every K step: it paid only on the fused gate/up,
+where one x tile serves two weight tiles (kernels/small_batch_linear_config.py). A K tile may span several scale groups: it is
 read as SUB_K-column sub-tiles (SUB_K divides the group, so a sub-tile row has one scale), all
 issued in one unrolled step, so an FP8 tile keeps as many bytes in flight as a 16-bit one of
 half its width: one byte a weight from memory, the rest as for 16-bit weights.
@@ -225,13 +225,13 @@ def _block_m(m: int, use_dot: bool) -> int:
 
 def launch_small_batch_linear(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor,
                               cfg: SmallBatchConfig, workspace, gate_up: bool, pdl: Pdl | None = None,
-                              fp8=None, widen_f16: bool = True) -> torch.Tensor:
+                              fp8=None) -> torch.Tensor:
     """x [M, K], w [N_w, K] (row stride free, last dim contiguous), out [M, N_out] with a
     contiguous last dim; N_out = N_w, or N_w // 2 for gate_up. workspace: a
     SmallBatchWorkspace or None (then split-K allocates its buffers per call).
     fp8: a kernels.fp8.Fp8Weight whose q is w (a sub-tile of cfg.block_k must divide its
-    group_k: fp8_sub_k). widen_f16: FP8 weights times 16-bit x on the tensor cores widen both
-    to fp16 (the module note); False widens the weights to x's dtype (the benchmark's before)."""
+    group_k: fp8_sub_k). cfg.widen_f16: FP8 weights times 16-bit x on the tensor cores widen
+    both to fp16 (the module note)."""
     m, k = x.shape
     n = out.shape[1]
     pdl = pdl_for(pdl, m)
@@ -263,7 +263,7 @@ def launch_small_batch_linear(x: torch.Tensor, w: torch.Tensor, bias, out: torch
         USE_DOT=use_dot, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         PDL=pdl is not None, PREFETCH=min(pdl.prefetch_k_blocks, k_blocks_per_split) if pdl else 0,
         LINE_ELEMS=min(cfg.block_k, 128 // w.element_size()), FP8=fp8 is not None,
-        WIDEN_F16=widen_f16 and fp8 is not None and use_dot and x.dtype in (torch.bfloat16, torch.float16),
+        WIDEN_F16=cfg.widen_f16 and fp8 is not None and use_dot and x.dtype in (torch.bfloat16, torch.float16),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )
     return out

@@ -13,8 +13,8 @@ prints the best, ready to paste into kernels/small_batch_linear_config.py.
 --fp8: the same with block-FP8 weights (128x128 scales, W8A16: kernels/fp8_linear.py), against
 cuBLAS on the bf16 weights (what the model runs without FP8); GB/s and the floor count FP8 bytes,
 and the sweep's lines go to TUNED_FP8 whether or not they beat bf16 cuBLAS (an FP8 linear of
-<= 32 rows always runs this kernel). --fp8-before also times each row with the weights widened
-to x's dtype (the kernel before its fp16 widening); --fp8-dot-only sweeps the tensor-core path only.
+<= 32 rows always runs this kernel). --fp8-before also times each tensor-core row with the other
+widening (SmallBatchConfig.widen_f16); --fp8-dot-only sweeps the tensor-core path only.
 
     python3 -m loadtest.bench.small_batch_linear [--sweep] [--fp8] [--models qwen3-8b,...] [--json PATH]
     TRITON_INTERPRET=1 PYTHONPATH=. python -m loadtest.bench.small_batch_linear --smoke --sweep   # CPU: checks the script
@@ -87,7 +87,7 @@ class Setup:
     replays: int = 10
     smoke: bool = False
     fp8: bool = False  # block-FP8 weights (x and the output stay in dtype)
-    fp8_before: bool = False  # FP8: also time each tiling widening the weights to x's dtype (the older kernel)
+    fp8_before: bool = False  # FP8: also time each tensor-core tiling with the other widening (fp16 / x's dtype)
     fp8_dot_only: bool = False  # FP8 sweep: the tensor-core path only (M=1 skips the CUDA-core descent)
 
     @classmethod
@@ -113,7 +113,7 @@ class Row:
     weight_bytes: int
     rel_err: float
     config: str
-    before_us: float = float("nan")  # FP8 with --fp8-before: the same tiling widening to x's dtype
+    before_us: float = float("nan")  # FP8 with --fp8-before: the same tiling with the other widening
 
     def gb_s(self, us: float) -> float:
         return self.weight_bytes / us / 1e3
@@ -294,14 +294,16 @@ def measure_model(setup: Setup, model: ModelShapes, gen: torch.Generator, say) -
                 except Exception as exc:  # report and go on: one bad tiling must not end the run
                     say(f"  {model.name} {lin.name} M={m} {_short(cfg)} failed: {type(exc).__name__}: {str(exc)[:200]}")
                     ours_us, err = float("nan"), float("nan")
-                before = sb.ours(m, cfg, gate_up, widen_f16=False) if setup.fp8 and setup.fp8_before else float("nan")
+                flip = setup.fp8 and setup.fp8_before and cfg.use_dot
+                before = sb.ours(m, replace(cfg, widen_f16=not cfg.widen_f16), gate_up) if flip else float("nan")
                 row = Row(model.name, lin.name, lin.n, lin.k, m, "gate_up+silu" if gate_up else "linear",
                           ours_us, sb.cublas(m, gate_up), sb.copies.nbytes, err, _short(cfg), before)
                 rows.append(row)
                 say(f"  {row.model:14s} {row.linear:8s} {row.op:12s} {lin.n:6d}x{lin.k:<5d} M={m:<2d} "
                     f"ours {row.ours_us:8.2f} us  cuBLAS {row.cublas_us:8.2f} us  x{row.speedup:4.2f}  "
                     f"relerr {row.rel_err:.1e}  {row.config}"
-                    + (f"  (widening to x's dtype: {before:.2f} us)" if before == before else ""))
+                    + (f"  (widening to {'bf16' if cfg.widen_f16 else 'fp16'} instead: {before:.2f} us)"
+                       if before == before else ""))
         del sb
         if setup.device == "cuda":
             torch.cuda.empty_cache()
@@ -310,7 +312,7 @@ def measure_model(setup: Setup, model: ModelShapes, gen: torch.Generator, say) -
 
 def _short(cfg) -> str:
     return (f"bn{cfg.block_n} bk{cfg.block_k} s{cfg.split_k} w{cfg.num_warps} st{cfg.num_stages} "
-            f"{'dot' if cfg.use_dot else 'fma'}")
+            f"{'dot' if cfg.use_dot else 'fma'}{' f16' if cfg.widen_f16 else ''}")
 
 
 # ---------------------------------------------------------------- sweep
@@ -354,6 +356,8 @@ def sweep_shape(setup: Setup, sb: ShapeBench, m: int, gate_up: bool, limit: int 
             lambda b: [replace(b, split_k=s) for s in
                        sorted({1} | {_split_for(setup, sb.lin, b, gate_up, waves) for waves in (1, 2, 4, 8)})],
         ]
+        if setup.fp8 and best.use_dot:
+            steps.append(lambda b: [replace(b, widen_f16=not b.widen_f16)])
         for step in steps:
             cands = step(best)
             for c in cands[:limit or None]:
@@ -396,7 +400,7 @@ def sweep(setup: Setup, models, gen: torch.Generator, say, limit: int = 0) -> li
                         f"({count} tried, relerr {err:.1e}) {_short(best)}")
                     if wins:
                         entries.append(f"{m}: _c({best.block_n}, {best.block_k}, {best.split_k}, {best.num_warps}, "
-                                       f"{best.num_stages}, {best.use_dot})")
+                                       f"{best.num_stages}, {best.use_dot}{', widen_f16=True' if best.widen_f16 else ''})")
                 if entries:
                     lines.append(f"    ShapeKey({lin.n}, {lin.k}{', True' if gate_up else ''}): "
                                  f"{{{', '.join(entries)}}},  # {model.name} {lin.name}")
@@ -452,7 +456,7 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes; CPU with TRITON_INTERPRET=1")
     parser.add_argument("--fp8", action="store_true", help="block-FP8 weights (W8A16); the sweep fills TUNED_FP8")
     parser.add_argument("--fp8-before", action="store_true",
-                        help="FP8: also time each row widening the weights to x's dtype (the kernel before fp16 widening)")
+                        help="FP8: also time each tensor-core row with the other widening (fp16 or x's dtype)")
     parser.add_argument("--fp8-dot-only", action="store_true",
                         help="FP8 sweep: the tensor-core path only (no CUDA-core descent at M=1)")
     out_dir = os.environ.get("OUT")

@@ -162,9 +162,10 @@ def test_small_batch_fp8_matches_reference(runner, dtype, m, config):
     assert relative_error(got, gate_up_silu_fp8_reference(x, gu)) < TOL[dtype]
 
 
-@pytest.mark.parametrize("config", [SPLIT, NO_SPLIT], ids=["split", "nosplit"])
+@pytest.mark.parametrize("config", [replace(SPLIT, widen_f16=True), replace(NO_SPLIT, widen_f16=True)],
+                         ids=["split", "nosplit"])
 def test_small_batch_fp8_with_bf16_rows_of_any_magnitude(runner, config):
-    """16-bit x on the tensor-core path runs in fp16 (one conversion per two weights): each row
+    """widen_f16: 16-bit x on the tensor-core path runs in fp16 (one conversion per two weights): each row
     is scaled by a power of two first, so rows far past fp16's 65504 and rows of 1e-6 come out as
     the float64 product rounded to bf16, per row, not inf or zeros."""
     g = case_generator("f16 widening", config)
@@ -179,6 +180,13 @@ def test_small_batch_fp8_with_bf16_rows_of_any_magnitude(runner, config):
     dev = runner.device
     wd = Fp8Weight(w.q.to(dev), w.scale.to(dev), w.scale_row.to(dev), w.group_k)
     got = runner(SMALL, x.to(dev), wd, config=config).float().cpu()
+    # the fused gate/up (where the engine's table takes it) shares the scaled x tile
+    gu = block_weight([40, 40], k, (32, 128), g, "cpu")
+    gud = Fp8Weight(gu.q.to(dev), gu.scale.to(dev), gu.scale_row.to(dev), gu.group_k)
+    got_gu = runner(SMALL, x.to(dev), gud, config=config, gate_up=True).float().cpu()
+    want_gu = gate_up_silu_fp8_reference(x, gu).float()
+    for row in (0, 1, 2, 4):
+        assert relative_error(got_gu[row], want_gu[row]) < 6e-3, row
     want = small_batch_fp8_reference(x, w).float()
     assert torch.equal(got[3], torch.zeros_like(got[3]))
     # bf16's own rounding of the output (up to 2^-8: the interpreter stores bf16 by truncation);
