@@ -298,7 +298,7 @@ def fp8_gemm_cublas(ctx) -> None:
     applies) against the Triton W8A8 GEMM's default tiling, at the 8B linears and several prefill
     sizes: TFLOP/s, % of the FP8 peak, and its error against the W8A8 reference."""
     from kernels.fp8 import FP8_DTYPE, Fp8Weight, block_scale_rows
-    from kernels.fp8_cublas import MIN_ROWS, cublas_route, cublas_w8a8
+    from kernels.fp8_cublas import cublas_route, cublas_w8a8
     from kernels.fp8_linear import per_token_group_quant, w8a8_gemm, w8a8_gemm_reference
     from .suite_context import need_ceilings as _need_ceilings
 
@@ -310,8 +310,7 @@ def fp8_gemm_cublas(ctx) -> None:
             w = Fp8Weight(torch.randn(n, k, device=dev).to(FP8_DTYPE), torch.rand(n // 128, k // 128, device=dev),
                           block_scale_rows(n, 128).to(dev), 128, 128)
             xk = x[:, :k].contiguous()
-            # the route's row threshold aside (rows below it are timed too, to place it)
-            if not cublas_route(torch.empty(MIN_ROWS, k, device=dev, dtype=torch.bfloat16), w):
+            if not cublas_route(xk, w):
                 rep.add("fp8_gemm", f"cuBLAS block-scaled {name} M={m}", "not routed",
                         "the probe or the layout check refused it")
                 continue

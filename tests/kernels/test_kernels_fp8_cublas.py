@@ -42,14 +42,16 @@ def test_the_route_stays_off_without_a_gpu():
 
 
 @pytest.mark.skipif(not CUDA, reason="cuBLAS needs a GPU")
-@pytest.mark.parametrize("m", [256, 1000, 4099])  # 4099: rows padded to the library's alignment
+@pytest.mark.parametrize("m", [33, 1000, 4099])  # 4099: rows padded to the library's alignment
 def test_cublas_route_matches_the_triton_gemm(m):
     from kernels.fp8_linear import per_token_group_quant, w8a8_gemm, w8a8_gemm_reference
     from kernels.fp8_cublas import cublas_fp8_linear
 
     w = layout_weight([(0, 1024), (0, 256), (0, 256)], 2048, "cuda")
     x = torch.randn(m, 2048, generator=case_generator("cublas", m)).to("cuda", torch.bfloat16)
+    hopper_api = torch.cuda.get_device_capability() == (9, 0) and hasattr(torch.nn.functional, "scaled_mm")
     if not cublas_route(x, w):
+        assert not hopper_api, "the probe refused cuBLAS on a Hopper GPU whose torch has scaled_mm"
         pytest.skip("this GPU or torch build has no block-scaled cuBLAS GEMM")
     got = cublas_fp8_linear(x, w)
     xq, xs = per_token_group_quant(x)
