@@ -22,6 +22,8 @@ import torch
 from kernels.fp8 import FP8_DTYPE, Fp8Weight
 
 BLOCK = 128
+# rows from which the route is taken (fp8_linear's W8A8 path starts at 33)
+MIN_ROWS = 33
 
 
 def weight_fits(w: Fp8Weight) -> bool:
@@ -98,10 +100,10 @@ def _probe(device_index: int) -> bool:
 
 
 def cublas_route(x: torch.Tensor, w: Fp8Weight) -> bool:
-    """Send this product to cuBLAS: a CUDA x, a weight in the plain block layout, and a library
+    """Send this product to cuBLAS: a CUDA x of >= MIN_ROWS rows, a weight in the plain block layout, and a library
     that passed its probe (run once per device, never inside a CUDA-graph capture: until then
     the Triton GEMM serves)."""
-    if not x.is_cuda or not weight_fits(w):
+    if not x.is_cuda or x.shape[0] < MIN_ROWS or not weight_fits(w):
         return False
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     if index not in _PROBED:

@@ -19,6 +19,7 @@ table and exits if one hangs):
                   GEMM_TILINGS; per-tile vs per-column weight scales; the quantize kernel's time
   fp8_gemm_cublas cuBLAS's block-scaled GEMM (fp8_linear's long-prefill route where it applies)
                   against the Triton W8A8 GEMM at the 8B linears, M = 256..8192: TFLOP/s, % of peak, error
+  fp8_decode_8b_wide  8B decode B=64, 128: FP8 with cuBLAS's GEMM, FP8 on the Triton GEMM, bf16
   fp8_moe_decode  (c) 30B-A3B decode B=1, 8, 32: FP8 vs floor (touched experts) and bf16
   fp8_kv_long     (e) 8B FP8 weights, ctx 16k: step time and KV pages with FP8 vs bf16 KV in
                   one budget (B=16 both, B=32 FP8 only: bf16 does not fit an H100), bytes per
@@ -28,7 +29,6 @@ table and exits if one hangs):
 The table comes last (and --json)."""
 from __future__ import annotations
 
-import time
 
 import torch
 
@@ -214,6 +214,40 @@ def fp8_decode_8b(ctx):
     rep.add("fp8_decode_8b", "prefill fp8/bf16", prefill["fp8"] / prefill["bf16"])
 
 
+def fp8_decode_8b_wide(ctx):
+    """8B decode at B=64 and 128 (the W8A8 sizes), FP8 with the W8A8 products on cuBLAS's
+    block-scaled GEMM (kernels/fp8_cublas.py), on the Triton GEMM, and bf16: where the route's
+    row threshold belongs for CUDA-graphed decode batches."""
+    import kernels.fp8_cublas as fc
+    from .gpu_engine import decode_floor_ms, decode_step_ms, release_memory
+    from .suite_context import need_ceilings as _need_ceilings, random_engine as _engine
+
+    args, rep = ctx["args"], ctx["report"]
+    c = _need_ceilings(ctx)
+    batches = (64, 128)
+    kw = dict(max_model_len=2048, cuda_graph_max_bs=128, kv_cache_memory=8 << 30)
+    got = {}
+    default_rows = fc.MIN_ROWS
+    for tag, options, min_rows in (("fp8 cuBLAS", dict(quantization="fp8"), 33),
+                                   ("fp8 Triton", dict(quantization="fp8"), 1 << 30), ("bf16", {}, default_rows)):
+        fc.MIN_ROWS = min_rows  # read when each graph is captured (engine start) and at every eager call
+        try:
+            eng = _engine(ctx, "qwen3-8b", **kw, **options)
+            for b in batches:
+                floor, gb = decode_floor_ms(eng, b, args.ctx, c.copy_gb_s)
+                ms = decode_step_ms(eng, b, args.ctx, args.steps, overlap=True)
+                got[(tag, b)] = ms
+                rep.add("fp8_decode_8b_wide", f"{tag} B={b} step_ms", ms, f"floor {floor:.3f} ms, x{ms / floor:.2f}")
+            eng.close()
+            del eng
+        finally:
+            fc.MIN_ROWS = default_rows
+        release_memory()
+    for b in batches:
+        rep.add("fp8_decode_8b_wide", f"B={b} Triton/cuBLAS", got[("fp8 Triton", b)] / got[("fp8 cuBLAS", b)],
+                f"bf16/fp8 cuBLAS {got[('bf16', b)] / got[('fp8 cuBLAS', b)]:.2f}")
+
+
 # W8A8 tilings tried (block_m, block_n, group_m, warps, stages, tma, k_pairs); block_k is the 128 group
 GEMM_TILINGS = {
     8192: [(128, 128, 8, 8, 4, False, False), (128, 128, 8, 8, 4, True, False), (128, 128, 8, 8, 3, True, True),
@@ -295,8 +329,9 @@ def fp8_gemm(ctx):
 
 def fp8_gemm_cublas(ctx) -> None:
     """(d') cuBLAS's block-scaled GEMM (kernels/fp8_cublas.py, fp8_linear's long-prefill route where it
-    applies) against the Triton W8A8 GEMM's default tiling, at the 8B linears and several prefill
-    sizes: TFLOP/s, % of the FP8 peak, and its error against the W8A8 reference."""
+    applies) against the Triton W8A8 GEMM's default tiling, at the 8B linears and M = 64..8192
+    (up to 256 rows in CUDA graphs, as decode batches run; the weight L2-warm for both):
+    TFLOP/s, % of the FP8 peak, and its error against the W8A8 reference."""
     from kernels.fp8 import FP8_DTYPE, Fp8Weight, block_scale_rows
     from kernels.fp8_cublas import cublas_route, cublas_w8a8
     from kernels.fp8_linear import per_token_group_quant, w8a8_gemm, w8a8_gemm_reference
@@ -317,12 +352,14 @@ def fp8_gemm_cublas(ctx) -> None:
             xq, xs = per_token_group_quant(xk, m_major=True)
             xs_rows = xs.contiguous()
             flops = 2 * m * n * k
+            # decode-batch sizes run in CUDA graphs (eager, both sides were mostly launch cost)
+            time_of = _graph_ms if m <= 256 else _time_ms
             try:
-                cub = _time_ms(lambda: cublas_w8a8(xq, xs, w))
+                cub = time_of(lambda: cublas_w8a8(xq, xs, w))
             except RuntimeError as e:
                 rep.add("fp8_gemm", f"cuBLAS block-scaled {name} M={m}", "failed", str(e)[:120])
                 continue
-            tri = _time_ms(lambda: w8a8_gemm(xq, xs_rows, w))
+            tri = time_of(lambda: w8a8_gemm(xq, xs_rows, w))
             q2, s2 = per_token_group_quant(xk[:256], m_major=True)
             ref = w8a8_gemm_reference(q2, s2, w).double()
             err = ((cublas_w8a8(q2, s2, w).double() - ref).norm() / ref.norm()).item()
@@ -405,9 +442,9 @@ def fp8_kv_long(ctx):
 
 
 # (d) before (c): it is quick, and what matters most runs first when the budget is tight
-FP8_SECTIONS = ("ceilings", "fp8_accuracy", "fp8_decode_8b", "fp8_gemm_cublas", "fp8_gemm", "fp8_moe_decode",
-                "fp8_kv_long", "fp8_prefill_profile")
+FP8_SECTIONS = ("ceilings", "fp8_accuracy", "fp8_decode_8b", "fp8_gemm_cublas", "fp8_decode_8b_wide", "fp8_gemm",
+                "fp8_moe_decode", "fp8_kv_long", "fp8_prefill_profile")
 SECTIONS = {"fp8_accuracy": fp8_accuracy, "fp8_decode_8b": fp8_decode_8b, "fp8_gemm": fp8_gemm,
-            "fp8_gemm_cublas": fp8_gemm_cublas,
+            "fp8_gemm_cublas": fp8_gemm_cublas, "fp8_decode_8b_wide": fp8_decode_8b_wide,
             "fp8_moe_decode": fp8_moe_decode, "fp8_kv_long": fp8_kv_long, "fp8_prefill_profile": fp8_prefill_profile}
 
