@@ -29,7 +29,6 @@ table and exits if one hangs):
 The table comes last (and --json)."""
 from __future__ import annotations
 
-
 import torch
 
 QWEN3_8B_PREFILL = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
