@@ -1,12 +1,12 @@
 """Block-scaled FP8 GEMM through cuBLAS: torch's scaled_mm with 1x128 activation scales and
 128x128 weight scales (cuBLASLt >= 12.9 on Hopper), DeepSeek-V3's recipe as the library runs it.
 
-Where it applies, fp8_linear sends every W8A8 product (more than 32 rows: prefills and large
+Where it applies, fp8_linear sends the W8A8 products of MIN_ROWS rows or more (prefills, large
 decode batches) here instead of the Triton W8A8 GEMM (kernels/triton_fp8_gemm.py), as vLLM sends
 them to CUTLASS's block-scaled kernel: the library's kernel overlaps each K step's scaling with the
 next step's MMAs (warp-specialised consumers), which a Triton kernel without warp specialisation
-cannot. H200, Qwen3-8B's linears: 79-91% of the FP8 peak at 8192 rows against Triton's 49-58%,
-and 1.5-1.9x Triton's speed at 64, 128 and 256 rows too (loadtest/bench/GPU_NOTES.md). The Triton GEMM stays the route everywhere
+cannot. H200, Qwen3-8B's linears: 79-91% of the FP8 peak at 8192 rows against Triton's 49-58%;
+in CUDA graphs 1.05-1.4x Triton's speed at 128 and 256 rows, even at 64 (loadtest/bench/GPU_NOTES.md). The Triton GEMM stays the route everywhere
 else: weights whose scale rows are not the plain 128-row block map (a stacked part or a tensor-
 parallel shard starting inside a block, per-channel scales), shapes the library refuses, torch
 builds without the API, and where the probe finds the library's product wrong.
@@ -22,8 +22,9 @@ import torch
 from kernels.fp8 import FP8_DTYPE, Fp8Weight
 
 BLOCK = 128
-# rows from which the route is taken (fp8_linear's W8A8 path starts at 33)
-MIN_ROWS = 33
+# rows from which the route is taken: in CUDA graphs (decode batches) the library is level with
+# the Triton GEMM at 64 rows (ahead on 1 of Qwen3-8B's 4 linears) and ahead from 128 (all four)
+MIN_ROWS = 128
 
 
 def weight_fits(w: Fp8Weight) -> bool:

@@ -20,6 +20,7 @@ table and exits if one hangs):
   fp8_gemm_cublas cuBLAS's block-scaled GEMM (fp8_linear's long-prefill route where it applies)
                   against the Triton W8A8 GEMM at the 8B linears, M = 256..8192: TFLOP/s, % of peak, error
   fp8_decode_8b_wide  8B decode B=64, 128: FP8 with cuBLAS's GEMM, FP8 on the Triton GEMM, bf16
+  fp8_decode_8b_rows  8B FP8 decode B=8, 16, 32 with W8A16 up to 32, 16 or 8 rows (W8A8 above)
   fp8_moe_decode  (c) 30B-A3B decode B=1, 8, 32: FP8 vs floor (touched experts) and bf16
   fp8_kv_long     (e) 8B FP8 weights, ctx 16k: step time and KV pages with FP8 vs bf16 KV in
                   one budget (B=16 both, B=32 FP8 only: bf16 does not fit an H100), bytes per
@@ -247,6 +248,32 @@ def fp8_decode_8b_wide(ctx):
                 f"bf16/fp8 cuBLAS {got[('bf16', b)] / got[('fp8 cuBLAS', b)]:.2f}")
 
 
+def fp8_decode_8b_rows(ctx):
+    """8B FP8 decode at B=8, 16, 32 with the W8A16 small-batch kernel taking up to 32, 16 or 8
+    rows (W8A8 above): where fp8_linear's switch between the two belongs."""
+    import kernels.fp8_linear as fl
+    from .gpu_engine import decode_floor_ms, decode_step_ms, release_memory
+    from .suite_context import need_ceilings as _need_ceilings, random_engine as _engine
+
+    args, rep = ctx["args"], ctx["report"]
+    c = _need_ceilings(ctx)
+    default = fl.FP8_MAX_M
+    for max_m in (32, 16, 8):
+        fl.FP8_MAX_M = max_m  # read when each decode graph is captured (engine start)
+        try:
+            eng = _engine(ctx, "qwen3-8b", quantization="fp8", max_model_len=2048, cuda_graph_max_bs=32,
+                          kv_cache_memory=8 << 30)
+            for b in (8, 16, 32):
+                floor, _ = decode_floor_ms(eng, b, args.ctx, c.copy_gb_s)
+                ms = decode_step_ms(eng, b, args.ctx, args.steps, overlap=True)
+                rep.add("fp8_decode_8b_rows", f"W8A16 to {max_m} rows B={b} step_ms", ms, f"x{ms / floor:.2f} of floor")
+            eng.close()
+            del eng
+        finally:
+            fl.FP8_MAX_M = default
+        release_memory()
+
+
 # W8A8 tilings tried (block_m, block_n, group_m, warps, stages, tma, k_pairs); block_k is the 128 group
 GEMM_TILINGS = {
     8192: [(128, 128, 8, 8, 4, False, False), (128, 128, 8, 8, 4, True, False), (128, 128, 8, 8, 3, True, True),
@@ -441,9 +468,10 @@ def fp8_kv_long(ctx):
 
 
 # (d) before (c): it is quick, and what matters most runs first when the budget is tight
-FP8_SECTIONS = ("ceilings", "fp8_accuracy", "fp8_decode_8b", "fp8_gemm_cublas", "fp8_decode_8b_wide", "fp8_gemm",
-                "fp8_moe_decode", "fp8_kv_long", "fp8_prefill_profile")
+FP8_SECTIONS = ("ceilings", "fp8_accuracy", "fp8_decode_8b", "fp8_gemm_cublas", "fp8_decode_8b_wide",
+                "fp8_decode_8b_rows", "fp8_gemm", "fp8_moe_decode", "fp8_kv_long", "fp8_prefill_profile")
 SECTIONS = {"fp8_accuracy": fp8_accuracy, "fp8_decode_8b": fp8_decode_8b, "fp8_gemm": fp8_gemm,
             "fp8_gemm_cublas": fp8_gemm_cublas, "fp8_decode_8b_wide": fp8_decode_8b_wide,
+            "fp8_decode_8b_rows": fp8_decode_8b_rows,
             "fp8_moe_decode": fp8_moe_decode, "fp8_kv_long": fp8_kv_long, "fp8_prefill_profile": fp8_prefill_profile}
 
