@@ -21,6 +21,7 @@ table and exits if one hangs):
                   against the Triton W8A8 GEMM at the 8B linears, M = 256..8192: TFLOP/s, % of peak, error
   fp8_decode_8b_wide  8B decode B=64, 128: FP8 with cuBLAS's GEMM, FP8 on the Triton GEMM, bf16
   fp8_decode_8b_rows  8B FP8 decode B=8, 16, 32 with W8A16 up to 32, 16 or 8 rows (W8A8 above)
+  fp8_decode_profile  8B FP8 decode B=32 and 64: step, GPU busy time, heaviest kernels
   fp8_moe_decode  (c) 30B-A3B decode B=1, 8, 32: FP8 vs floor (touched experts) and bf16
   fp8_kv_long     (e) 8B FP8 weights, ctx 16k: step time and KV pages with FP8 vs bf16 KV in
                   one budget (B=16 both, B=32 FP8 only: bf16 does not fit an H100), bytes per
@@ -274,6 +275,31 @@ def fp8_decode_8b_rows(ctx):
         release_memory()
 
 
+def fp8_decode_profile(ctx):
+    """8B FP8 decode at B=32 and 64 (one engine, graphs up to 128): the step, the GPU busy time a
+    step and its heaviest kernels (torch.profiler over 8 steps): why B=32 measured slower than 64."""
+    from .gpu_engine import decode_step_ms, release_memory
+    from .suite_context import random_engine as _engine
+
+    args, rep = ctx["args"], ctx["report"]
+    eng = _engine(ctx, "qwen3-8b", quantization="fp8", max_model_len=2048, cuda_graph_max_bs=128,
+                  kv_cache_memory=8 << 30)
+    for b in (32, 64):
+        ms = decode_step_ms(eng, b, args.ctx, args.steps, overlap=True)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            decode_step_ms(eng, b, args.ctx, 8, warm=2, overlap=True)
+        events = sorted(prof.key_averages(), key=lambda e: e.self_device_time_total, reverse=True)
+        steps = 8 + 2 + 2  # the profiled call's warm and timed steps, and its first token's
+        total = sum(e.self_device_time_total for e in events) / 1e3
+        rep.add("fp8_decode_profile", f"B={b} step_ms", ms, f"GPU busy {total:.1f} ms over the profiled call")
+        for e in events[:7]:
+            rep.add("fp8_decode_profile", f"B={b} {e.key[:56]}", e.self_device_time_total / 1e3,
+                    f"ms in {e.count} launches (~{steps} steps)")
+    eng.close()
+    del eng
+    release_memory()
+
+
 # W8A8 tilings tried (block_m, block_n, group_m, warps, stages, tma, k_pairs); block_k is the 128 group
 GEMM_TILINGS = {
     8192: [(128, 128, 8, 8, 4, False, False), (128, 128, 8, 8, 4, True, False), (128, 128, 8, 8, 3, True, True),
@@ -469,9 +495,10 @@ def fp8_kv_long(ctx):
 
 # (d) before (c): it is quick, and what matters most runs first when the budget is tight
 FP8_SECTIONS = ("ceilings", "fp8_accuracy", "fp8_decode_8b", "fp8_gemm_cublas", "fp8_decode_8b_wide",
-                "fp8_decode_8b_rows", "fp8_gemm", "fp8_moe_decode", "fp8_kv_long", "fp8_prefill_profile")
+                "fp8_decode_8b_rows", "fp8_decode_profile", "fp8_gemm", "fp8_moe_decode", "fp8_kv_long",
+                "fp8_prefill_profile")
 SECTIONS = {"fp8_accuracy": fp8_accuracy, "fp8_decode_8b": fp8_decode_8b, "fp8_gemm": fp8_gemm,
             "fp8_gemm_cublas": fp8_gemm_cublas, "fp8_decode_8b_wide": fp8_decode_8b_wide,
-            "fp8_decode_8b_rows": fp8_decode_8b_rows,
+            "fp8_decode_8b_rows": fp8_decode_8b_rows, "fp8_decode_profile": fp8_decode_profile,
             "fp8_moe_decode": fp8_moe_decode, "fp8_kv_long": fp8_kv_long, "fp8_prefill_profile": fp8_prefill_profile}
 
