@@ -28,6 +28,10 @@ def random_prompts(rng: np.random.Generator, vocab: int, lengths) -> list[list[i
     return [rng.integers(10, vocab - 10, size=int(n)).tolist() for n in lengths]
 
 
+def _outputs(engine, rids) -> int:
+    return sum(r.num_output for r in (engine.get(rid) for rid in rids) if r is not None)
+
+
 def _drain(engine, rids) -> None:
     for rid in rids:
         engine.abort(rid)
@@ -60,12 +64,19 @@ def decode_step_ms(engine, batch: int, ctx: int, steps: int, warm: int = 8, *, g
     for _ in range(warm):
         engine.step()
     torch.cuda.synchronize()
+    before = _outputs(engine, rids)
     t0 = now()
     for _ in range(steps):
         engine.step()
     torch.cuda.synchronize()
     ms = (now() - t0) / steps * 1e3
+    decoded = _outputs(engine, rids) - before
     _drain(engine, rids)
+    # a KV budget too small for the batch runs fewer sequences a step (and looks faster); the
+    # overlap scheduler's one step in flight moves the count by at most one step's tokens
+    if decoded < batch * (steps - 1):
+        raise RuntimeError(f"decode_step_ms: {decoded} tokens in {steps} steps of a batch of {batch}: not every "
+                           "sequence ran every step (KV cache too small for the batch?)")
     _set_overlap(engine, False)
     if g is not None:
         g.capture = bool(g.graphs)
