@@ -6,8 +6,9 @@ decode batches) here instead of the Triton W8A8 GEMM (kernels/triton_fp8_gemm.py
 them to CUTLASS's block-scaled kernel: the library's kernel overlaps each K step's scaling with the
 next step's MMAs (warp-specialised consumers), which a Triton kernel without warp specialisation
 cannot. H200, Qwen3-8B's linears: 79-91% of the FP8 peak at 8192 rows against Triton's 49-58%;
-in CUDA graphs 1.05-1.4x Triton's speed at 128 and 256 rows, even at 64 (loadtest/bench/GPU_NOTES.md). The Triton GEMM stays the route everywhere
-else: weights whose scale rows are not the plain 128-row block map (a stacked part or a tensor-
+in CUDA graphs 1.05-1.4x Triton's speed at 128 and 256 rows and level at 64; the 8B decode step
+at B=128 7% faster, at B=64 4% slower (loadtest/bench/GPU_NOTES.md). The Triton GEMM stays the
+route everywhere else: weights whose scale rows are not the plain 128-row block map (a stacked part or a tensor-
 parallel shard starting inside a block, per-channel scales), shapes the library refuses, torch
 builds without the API, and where the probe finds the library's product wrong.
 
@@ -23,7 +24,8 @@ from kernels.fp8 import FP8_DTYPE, Fp8Weight
 
 BLOCK = 128
 # rows from which the route is taken: in CUDA graphs (decode batches) the library is level with
-# the Triton GEMM at 64 rows (ahead on 1 of Qwen3-8B's 4 linears) and ahead from 128 (all four)
+# the Triton GEMM at 64 rows (ahead on 1 of Qwen3-8B's 4 linears; the step 4% slower) and ahead
+# from 128 (all four; the step 7% faster)
 MIN_ROWS = 128
 
 
@@ -58,7 +60,8 @@ def cublas_w8a8(xq: torch.Tensor, xs_mmajor: torch.Tensor, w: Fp8Weight, bias=No
     return y if bias is None else y.add_(bias)
 
 
-# cuBLAS refused 4099 rows (its leading dimensions want 16-byte multiples: the M-major scales' is M)
+# cuBLAS refused 4099 rows and takes them padded to 16 (our reading: the M-major scales' leading
+# dimension, M, must be a 16-byte multiple)
 ROW_ALIGN = 16
 
 
@@ -101,9 +104,9 @@ def _probe(device_index: int) -> bool:
 
 
 def cublas_route(x: torch.Tensor, w: Fp8Weight) -> bool:
-    """Send this product to cuBLAS: a CUDA x of >= MIN_ROWS rows, a weight in the plain block layout, and a library
-    that passed its probe (run once per device, never inside a CUDA-graph capture: until then
-    the Triton GEMM serves)."""
+    """Send this product to cuBLAS: a CUDA x of >= MIN_ROWS rows, a weight in the plain block
+    layout, and a library that passed its probe (run once per device, never inside a CUDA-graph
+    capture: until then the Triton GEMM serves)."""
     if not x.is_cuda or x.shape[0] < MIN_ROWS or not weight_fits(w):
         return False
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()

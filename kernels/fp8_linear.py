@@ -8,9 +8,9 @@ Two paths, picked by the number of rows, as SGLang and vLLM do:
   W8A8 GEMM at 32 rows and loses at 64: kernels/small_batch_linear_config.py.)
 - larger M (prefill, big decode batches): activations quantized per token per group of 128
   columns (one launch), then a W8A8 GEMM on the FP8 tensor cores with the scales applied
-  per K step (triton_fp8_gemm.py), DeepSeek-V3's recipe; long prefills on weights in the plain
-  128x128 block layout go to cuBLAS's block-scaled GEMM where torch and the GPU have it
-  (kernels/fp8_cublas.py).
+  per K step (triton_fp8_gemm.py), DeepSeek-V3's recipe; from 128 rows, on weights in the plain
+  128x128 block layout, cuBLAS's block-scaled GEMM where torch and the GPU have it
+  (kernels/fp8_cublas.py: 79-91% of the FP8 peak at prefill sizes against Triton's 49-58%).
 Both are CUDA-graph safe (no host sync; grids depend on shapes only). x, bias and the output
 share one dtype (bf16, fp16 or fp32); accumulation in fp32.
 

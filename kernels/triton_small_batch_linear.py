@@ -19,8 +19,8 @@ widened to fp16, one hardware conversion per two weights (e4m3 -> bf16 takes two
 x's tile goes to fp16 too, each row scaled by a power of two so its largest value sits in
 [2^13, 2^14): exact for every element above 2^-30 of that largest one, so the product is still
 W8A16's. x's scaling costs a row reduction every K step: it paid only on the fused gate/up,
-where one x tile serves two weight tiles (kernels/small_batch_linear_config.py). A K tile may span several scale groups: it is
-read as SUB_K-column sub-tiles (SUB_K divides the group, so a sub-tile row has one scale), all
+where one x tile serves two weight tiles (kernels/small_batch_linear_config.py).
+A K tile may span several scale groups: it is read as SUB_K-column sub-tiles (SUB_K divides the group, so a sub-tile row has one scale), all
 issued in one unrolled step, so an FP8 tile keeps as many bytes in flight as a 16-bit one of
 half its width: one byte a weight from memory, the rest as for 16-bit weights.
 """
