@@ -9,8 +9,12 @@ stage 2 is not launched (one launch per layer instead of two; SGLang's decode
 kernels drop their reduce step the same way).
 Each sequence divides its own length over the splits on the device, so the
 grid is fixed for a given B and split count (CUDA graphs).
-An FP8 cache is widened to q's dtype as it is read (exact); its k_scale rides in the
-softmax scale and its v_scale multiplies each split's output (kernels/store_kv.py).
+An FP8 cache is widened as it is read (exact); its k_scale rides in the softmax scale and its
+v_scale multiplies each split's output (kernels/store_kv.py). With a 16-bit q (KV_F16) the pages
+widen to fp16, one conversion per two values, and q goes to fp16 with a power of two per head
+(kernels/triton_f16_rows.py): widening to bf16 took two conversions a value on the quarter-rate
+conversion unit, which at long context bounded the step (Qwen3-8B, 16k, B=16: FP8 KV slower than
+bf16 KV). Else (fp32 q, 16-bit pages) to q's dtype.
 """
 
 from dataclasses import dataclass
@@ -22,6 +26,7 @@ import triton.language as tl
 
 from kernels.paged_kv import next_power_of_2
 from kernels.pdl import Pdl, launch_options, pdl_for
+from kernels.triton_f16_rows import rows_to_f16
 from kernels.triton_pdl import pdl_enter
 
 _LOG2E = 1.4426950408889634
@@ -54,7 +59,7 @@ def _decode_stage1(
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DIRECT_OUT: tl.constexpr, PDL: tl.constexpr,
+    DIRECT_OUT: tl.constexpr, PDL: tl.constexpr, KV_F16: tl.constexpr,
 ):
     pdl_enter(PDL)
     b = tl.program_id(0)
@@ -81,6 +86,11 @@ def _decode_stage1(
             q + b.to(tl.int64) * stride_q_b + heads[:, None] * stride_q_h + d[None, :],
             mask=head_ok[:, None] & d_ok[None, :], other=0.0,
         )
+        if KV_F16:  # fp16 q, the per-head power of two folded into the scores' scale
+            qv, q_down = rows_to_f16(qv)
+            s_scale = qk_scale_log2 * q_down[:, None]
+        else:
+            s_scale = qk_scale_log2
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -97,7 +107,7 @@ def _decode_stage1(
                 k_base + page[:, None] * stride_k_page + off[:, None] * stride_k_off + d[None, :],
                 mask=kv_mask, other=0.0,
             ).to(qv.dtype)  # an FP8 cache widens exactly; its k_scale is in qk_scale_log2
-            s = tl.dot(qv, tl.trans(kt), input_precision=DOT_PRECISION) * qk_scale_log2
+            s = tl.dot(qv, tl.trans(kt), input_precision=DOT_PRECISION) * s_scale
             s = tl.where(pos_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.exp2(s - m_new[:, None])
@@ -210,6 +220,7 @@ def launch_decode_attention(
         BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_N=cfg.block_n,
         NUM_SPLITS=num_kv_splits, PAGE_SIZE=page_size, DOT_PRECISION=precision,
         DIRECT_OUT=direct, PDL=pdl is not None,
+        KV_F16=k_cache.element_size() == 1 and q.dtype in (torch.bfloat16, torch.float16),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )
     if direct:

@@ -18,7 +18,7 @@ product scaled by its block scale. With cfg.widen_f16 (tensor-core path, 16-bit 
 widened to fp16, one hardware conversion per two weights (e4m3 -> bf16 takes two or three), and
 x's tile goes to fp16 too, each row scaled by a power of two so its largest value sits in
 [2^13, 2^14): exact for every element above 2^-30 of that largest one, so the product is still
-W8A16's. x's scaling costs a row reduction every K step: it paid only on the fused gate/up,
+W8A16's (kernels/triton_f16_rows.py). x's scaling costs a row reduction every K step: it paid only on the fused gate/up,
 where one x tile serves two weight tiles (kernels/small_batch_linear_config.py).
 A K tile may span several scale groups: it is read as SUB_K-column sub-tiles (SUB_K divides the group, so a sub-tile row has one scale), all
 issued in one unrolled step, so an FP8 tile keeps as many bytes in flight as a 16-bit one of
@@ -34,6 +34,7 @@ import triton.language as tl
 from kernels.pdl import Pdl, launch_options, pdl_for
 from kernels.small_batch_linear_config import SmallBatchConfig
 
+from kernels.triton_f16_rows import rows_to_f16
 from kernels.triton_pdl import pdl_enter, prefetch_l2
 
 
@@ -69,23 +70,9 @@ def _mac_fp8(acc, wt, xt, w_scale, USE_DOT: tl.constexpr, DOT_PRECISION: tl.cons
 
 
 @triton.jit
-def _x_f16(xt):
-    """x's tile in fp16 for the f16 dot, each row times a power of two that puts its largest
-    |x| in [2^13, 2^14) (exact: fp16 holds bf16's 8 significant bits there, and stays far
-    from its 65504 limit), and per row the power of two that undoes it."""
-    xf = xt.to(tl.float32)
-    amax = tl.max(tl.abs(xf), axis=1)
-    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 140  # exponent of amax, minus 13
-    e = tl.minimum(tl.maximum(e, -126), 126)  # zero rows and subnormals: any normal factor will do
-    up = ((127 - e) << 23).to(tl.float32, bitcast=True)
-    down = ((127 + e) << 23).to(tl.float32, bitcast=True)
-    return (xf * up[:, None]).to(tl.float16), down
-
-
-@triton.jit
 def _mac_fp8_f16(acc, wt, x16, w_scale, x_down):
     """_mac_fp8 on the tensor cores in fp16: the e4m3 tile widened to fp16 (exact, one
-    conversion per two weights), x16/x_down from _x_f16."""
+    conversion per two weights), x16/x_down from rows_to_f16."""
     d = tl.dot(wt.to(tl.float16), tl.trans(x16))
     return acc + d * w_scale[:, None] * x_down[None, :]
 
@@ -165,7 +152,7 @@ def _small_batch_linear_kernel(
                 xt = tl.load(x_ptrs + ks, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
                 wt = tl.load(w_ptrs + ks, mask=k_ok[None, :], other=0.0)
             if WIDEN_F16:
-                x16, x_down = _x_f16(xt)
+                x16, x_down = rows_to_f16(xt)
                 acc = _mac_fp8_f16(acc, wt, x16, tl.load(s_ptrs + sk), x_down)
             elif FP8:
                 acc = _mac_fp8(acc, wt, xt, tl.load(s_ptrs + sk), USE_DOT, DOT_PRECISION)
