@@ -170,10 +170,29 @@ def _num_sms(device: torch.device) -> int:
     return 8  # interpreter: any small number keeps the grids small
 
 
-def choose_num_kv_splits(batch: int, kv_programs_per_seq: int, kv_capacity: int, num_sms: int) -> int:
-    """Enough splits to give every SM about two programs, but never splits
-    shorter than _MIN_TOKENS_PER_SPLIT of the page table's capacity."""
-    wanted = triton.cdiv(2 * num_sms, max(1, batch * kv_programs_per_seq))
+# Long page tables and FP8 pages (H200, one Qwen3-8B layer at 16k context, B=16 / 32,
+# `python3 -m loadtest.bench.decode_attention_long`): bf16 pages with 3 stages 259 / 497 us against
+# 295 / 562 with 2 (at copy speed); FP8 pages with 128-token steps and ~8 programs an SM 228 / 443 us
+# against 243 / 626 with the bf16 tiling (the FP8 tile's widening and layout change leave less to
+# overlap, so more programs and longer steps carry the bytes in flight). Short tables keep the
+# tiling swept at 1k context (loadtest/bench/kernels.py --sweep).
+LONG_CAPACITY = 8192
+LONG_BF16 = DecodeConfig(64, 4, 3)
+FP8_PAGES = DecodeConfig(128, 4, 2)
+
+
+def default_config(kv_capacity: int, fp8_pages: bool) -> DecodeConfig:
+    """The stage-1 tiling for a page table of kv_capacity tokens (fixed per CUDA graph)."""
+    if fp8_pages:
+        return FP8_PAGES
+    return LONG_BF16 if kv_capacity >= LONG_CAPACITY else DecodeConfig()
+
+
+def choose_num_kv_splits(batch: int, kv_programs_per_seq: int, kv_capacity: int, num_sms: int,
+                         programs_per_sm: int = 2) -> int:
+    """Enough splits to give every SM about programs_per_sm programs (8 for FP8 pages), but never
+    splits shorter than _MIN_TOKENS_PER_SPLIT of the page table's capacity."""
+    wanted = triton.cdiv(programs_per_sm * num_sms, max(1, batch * kv_programs_per_seq))
     by_length = triton.cdiv(kv_capacity, _MIN_TOKENS_PER_SPLIT)
     return max(1, min(wanted, by_length, _MAX_SPLITS))
 
@@ -183,9 +202,10 @@ def launch_decode_attention(
     num_kv_splits: Optional[int] = None, out: Optional[torch.Tensor] = None,
     config: Optional[DecodeConfig] = None, pdl: Optional[Pdl] = None, k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:
-    cfg = config or DecodeConfig()
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
+    fp8_pages = k_cache.element_size() == 1
+    cfg = config or default_config(page_table.shape[1] * page_size, fp8_pages)
     group = num_q_heads // num_kv_heads
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -193,7 +213,8 @@ def launch_decode_attention(
     head_blocks = triton.cdiv(group, block_h)
     if num_kv_splits is None:
         num_kv_splits = choose_num_kv_splits(
-            batch, num_kv_heads * head_blocks, page_table.shape[1] * page_size, _num_sms(q.device)
+            batch, num_kv_heads * head_blocks, page_table.shape[1] * page_size, _num_sms(q.device),
+            programs_per_sm=8 if fp8_pages else 2,
         )
     o = torch.empty_like(q) if out is None else out
     if batch == 0:

@@ -110,6 +110,18 @@ def test_auto_split_count_follows_batch_and_capacity():
     assert choose_num_kv_splits(batch=128, kv_programs_per_seq=8, kv_capacity=32768, num_sms=132) == 1
     # a short page table never gets splits shorter than the minimum
     assert choose_num_kv_splits(batch=1, kv_programs_per_seq=1, kv_capacity=128, num_sms=132) == 1
+    # FP8 pages ask for ~8 programs an SM: B=16 of Qwen3-8B (8 kv heads) at 16k gets 9 splits, not 3
+    assert choose_num_kv_splits(batch=16, kv_programs_per_seq=8, kv_capacity=16384, num_sms=132) == 3
+    assert choose_num_kv_splits(batch=16, kv_programs_per_seq=8, kv_capacity=16384, num_sms=132,
+                                programs_per_sm=8) == 9
+
+
+def test_default_tiling_follows_page_dtype_and_capacity():
+    from kernels.triton_decode_attention import DecodeConfig, default_config
+
+    assert default_config(4096, fp8_pages=False) == DecodeConfig()  # swept at 1k context
+    assert default_config(16384, fp8_pages=False).num_stages == 3  # long tables: one more stage in flight
+    assert default_config(1024, fp8_pages=True).block_n == 128  # FP8 pages: longer steps
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
