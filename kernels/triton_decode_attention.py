@@ -11,10 +11,10 @@ Each sequence divides its own length over the splits on the device, so the
 grid is fixed for a given B and split count (CUDA graphs).
 An FP8 cache is widened as it is read (exact); its k_scale rides in the softmax scale and its
 v_scale multiplies each split's output (kernels/store_kv.py). With a 16-bit q (KV_F16) the pages
-widen to fp16, one conversion per two values, and q goes to fp16 with a power of two per head
-(kernels/triton_f16_rows.py): widening to bf16 took two conversions a value on the quarter-rate
-conversion unit, which at long context bounded the step (Qwen3-8B, 16k, B=16: FP8 KV slower than
-bf16 KV). Else (fp32 q, 16-bit pages) to q's dtype.
+widen to fp16, one conversion per two values against two to bf16, and q goes to fp16 with a power
+of two per head (kernels/triton_f16_rows.py); exact either way. Its effect alone was not measured:
+what moved FP8 pages at long context was the tiling (default_config, choose_num_kv_splits).
+Else (fp32 q, 16-bit pages) pages widen to q's dtype.
 """
 
 from dataclasses import dataclass
