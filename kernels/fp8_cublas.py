@@ -8,9 +8,10 @@ next step's MMAs (warp-specialised consumers), which a Triton kernel without war
 cannot. H200, Qwen3-8B's linears: 79-91% of the FP8 peak at 8192 rows against Triton's 49-58%;
 in CUDA graphs 1.05-1.4x Triton's speed at 128 and 256 rows and level at 64; the 8B decode step
 at B=128 7% faster, at B=64 4% slower (loadtest/bench/GPU_NOTES.md). The Triton GEMM stays the
-route everywhere else: weights whose scale rows are not the plain 128-row block map (a stacked part or a tensor-
-parallel shard starting inside a block, per-channel scales), shapes the library refuses, torch
-builds without the API, and where the probe finds the library's product wrong.
+route everywhere else: fewer rows, fp16 or fp32 activations (the probe checks bf16), weights whose
+scale rows are not the plain 128-row block map (a stacked part or a tensor-parallel shard starting
+inside a block, per-channel scales) or whose shape the layout check refuses, torch builds or GPUs
+without the API, and where the probe finds the library's product wrong.
 
 Layouts the library reads: the weight [N, K] (K contiguous) is the column-major [K, N] operand
 as it is; its scales [ceil(N/128), ceil(K/128)] transposed (a view); the activation scales
@@ -60,8 +61,8 @@ def cublas_w8a8(xq: torch.Tensor, xs_mmajor: torch.Tensor, w: Fp8Weight, bias=No
     return y if bias is None else y.add_(bias)
 
 
-# cuBLAS refused 4099 rows and takes them padded to 16 (our reading: the M-major scales' leading
-# dimension, M, must be a 16-byte multiple)
+# cuBLAS refused 4099 rows and takes them padded to 16 (our reading: the M-major fp32 scales'
+# leading dimension, M, must be a 16-byte multiple, M % 4; 16 rows covers that)
 ROW_ALIGN = 16
 
 
@@ -103,18 +104,25 @@ def _probe(device_index: int) -> bool:
         return False
 
 
-def cublas_route(x: torch.Tensor, w: Fp8Weight) -> bool:
-    """Send this product to cuBLAS: a CUDA x of >= MIN_ROWS rows, a weight in the plain block
-    layout, and a library that passed its probe (run once per device, never inside a CUDA-graph
-    capture: until then the Triton GEMM serves)."""
-    if not x.is_cuda or x.shape[0] < MIN_ROWS or not weight_fits(w):
+def available(device: torch.device) -> bool:
+    """The library passed its probe on this device (run once per device; never inside a
+    CUDA-graph capture, where it answers False until a later eager call has probed)."""
+    if device.type != "cuda":
         return False
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _PROBED:
         if torch.cuda.is_current_stream_capturing():
             return False
         _PROBED[index] = _probe(index)
     return _PROBED[index]
+
+
+def cublas_route(x: torch.Tensor, w: Fp8Weight) -> bool:
+    """Send this product to cuBLAS: a bf16 CUDA x (what the probe checks) of >= MIN_ROWS rows, a
+    weight in the plain block layout, and a library that passed its probe (`available`)."""
+    if x.dtype != torch.bfloat16 or x.shape[0] < MIN_ROWS or not weight_fits(w):
+        return False
+    return available(x.device)
 
 
 _PROBED: dict[int, bool] = {}  # device index -> the probe's answer (a property of the GPU and the torch build)

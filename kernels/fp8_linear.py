@@ -135,8 +135,9 @@ def w8a8_gemm(xq: torch.Tensor, xs: torch.Tensor, w: Fp8Weight, bias=None, out_d
         config = gemm_config(m, n, group, xq.device)
     if config.block_k != group:
         raise ValueError(f"the GEMM's K step ({config.block_k}) must be the activation group ({group})")
-    if xs.shape != (m, -(-k // group)):
-        raise ValueError(f"activation scales must be [{m}, {-(-k // group)}], got {tuple(xs.shape)}")
+    if xs.shape != (m, -(-k // group)) or (xs.shape[1] > 1 and xs.stride(1) != 1):
+        raise ValueError(f"activation scales must be [{m}, {-(-k // group)}] with a contiguous last dimension "
+                         f"(not per_token_group_quant's m_major ones), got {tuple(xs.shape)} {xs.stride()}")
     if out is None:
         out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     from kernels.triton_fp8_gemm import launch_w8a8_gemm

@@ -4,7 +4,8 @@ values, against two or three to bf16 or fp32 on a unit that runs at a quarter of
 (kernels/NOTES.md); the 16-bit side then has to be fp16 too. bf16's range does not fit fp16's, so
 each row is scaled by a power of two that puts its largest |x| in [2^13, 2^14): exact for every
 element above 2^-30 of that largest one (fp16 holds bf16's 8 significant bits there), far from
-fp16's 65504 limit, and undone exactly by the returned factor."""
+fp16's 65504 limit, and undone exactly by the returned factor (rows whose largest |x| is below
+2^-113 stay below 2^13: the factor is clamped to a normal float, harmless)."""
 from __future__ import annotations
 
 import triton
@@ -13,7 +14,10 @@ import triton.language as tl
 
 @triton.jit
 def rows_to_f16(x):
-    """(x [R, C] * 2^-e as fp16, 2^e [R] in fp32), e per row (zero rows: any normal factor)."""
+    """(x [R, C] * 2^-e as fp16, 2^e [R] in fp32), e per row (zero rows: any normal factor).
+    An fp16 x is already there: as it is, with factors of 1 (scaling it could only lose bits)."""
+    if x.dtype == tl.float16:
+        return x, tl.full((x.shape[0],), 1.0, tl.float32)
     xf = x.to(tl.float32)
     amax = tl.max(tl.abs(xf), axis=1)
     e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 140  # exponent of amax, minus 13

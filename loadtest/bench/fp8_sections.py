@@ -17,8 +17,8 @@ table and exits if one hangs):
   fp8_gemm        (d) W8A8 GEMM at the 8B linears: M=8192 (prefill) vs torch._scaled_mm on the same
                   shape and vs the measured FP8 peak, M=32 (decode) in GB/s; the tilings of
                   GEMM_TILINGS; per-tile vs per-column weight scales; the quantize kernel's time
-  fp8_gemm_cublas cuBLAS's block-scaled GEMM (fp8_linear's long-prefill route where it applies)
-                  against the Triton W8A8 GEMM at the 8B linears, M = 256..8192: TFLOP/s, % of peak, error
+  fp8_gemm_cublas cuBLAS's block-scaled GEMM (fp8_linear's route from 128 rows where it applies)
+                  against the Triton W8A8 GEMM at the 8B linears, M = 64..8192: TFLOP/s, % of peak, error
   fp8_decode_8b_wide  8B decode B=64, 128: FP8 with cuBLAS's GEMM, FP8 on the Triton GEMM, bf16
   fp8_decode_8b_rows  8B FP8 decode B=8, 16, 32 with W8A16 up to 32, 16 or 8 rows (W8A8 above)
   fp8_decode_profile  8B FP8 decode B=32 and 64: step, GPU busy time, heaviest kernels
@@ -233,6 +233,7 @@ def fp8_decode_8b_wide(ctx):
     for tag, options, min_rows in (("fp8 cuBLAS", dict(quantization="fp8"), 33),
                                    ("fp8 Triton", dict(quantization="fp8"), 1 << 30), ("bf16", {}, default_rows)):
         fc.MIN_ROWS = min_rows  # read when each graph is captured (engine start) and at every eager call
+        eng = None
         try:
             eng = _engine(ctx, "qwen3-8b", **kw, **options)
             for b in batches:
@@ -240,11 +241,12 @@ def fp8_decode_8b_wide(ctx):
                 ms = decode_step_ms(eng, b, args.ctx, args.steps, overlap=True)
                 got[(tag, b)] = ms
                 rep.add("fp8_decode_8b_wide", f"{tag} B={b} step_ms", ms, f"floor {floor:.3f} ms, x{ms / floor:.2f}")
-            eng.close()
-            del eng
         finally:
             fc.MIN_ROWS = default_rows
-        release_memory()
+            if eng is not None:
+                eng.close()
+            del eng
+            release_memory()
     for b in batches:
         rep.add("fp8_decode_8b_wide", f"B={b} Triton/cuBLAS", got[("fp8 Triton", b)] / got[("fp8 cuBLAS", b)],
                 f"bf16/fp8 cuBLAS {got[('bf16', b)] / got[('fp8 cuBLAS', b)]:.2f}")
@@ -262,6 +264,7 @@ def fp8_decode_8b_rows(ctx):
     default = fl.FP8_MAX_M
     for max_m in (32, 16, 8):
         fl.FP8_MAX_M = max_m  # read when each decode graph is captured (engine start)
+        eng = None
         try:
             eng = _engine(ctx, "qwen3-8b", quantization="fp8", max_model_len=2048, cuda_graph_max_bs=32,
                           kv_cache_memory=8 << 30)
@@ -269,11 +272,12 @@ def fp8_decode_8b_rows(ctx):
                 floor, _ = decode_floor_ms(eng, b, args.ctx, c.copy_gb_s)
                 ms = decode_step_ms(eng, b, args.ctx, args.steps, overlap=True)
                 rep.add("fp8_decode_8b_rows", f"W8A16 to {max_m} rows B={b} step_ms", ms, f"x{ms / floor:.2f} of floor")
-            eng.close()
-            del eng
         finally:
             fl.FP8_MAX_M = default
-        release_memory()
+            if eng is not None:
+                eng.close()
+            del eng
+            release_memory()
 
 
 def fp8_decode_profile(ctx):
@@ -386,7 +390,7 @@ def fp8_gemm_cublas(ctx) -> None:
     (up to 256 rows in CUDA graphs, as decode batches run; the weight L2-warm for both):
     TFLOP/s, % of the FP8 peak, and its error against the W8A8 reference."""
     from kernels.fp8 import FP8_DTYPE, Fp8Weight, block_scale_rows
-    from kernels.fp8_cublas import cublas_route, cublas_w8a8
+    from kernels.fp8_cublas import available, cublas_w8a8, weight_fits
     from kernels.fp8_linear import per_token_group_quant, w8a8_gemm, w8a8_gemm_reference
     from .suite_context import need_ceilings as _need_ceilings
 
@@ -398,9 +402,8 @@ def fp8_gemm_cublas(ctx) -> None:
             w = Fp8Weight(torch.randn(n, k, device=dev).to(FP8_DTYPE), torch.rand(n // 128, k // 128, device=dev),
                           block_scale_rows(n, 128).to(dev), 128, 128)
             xk = x[:, :k].contiguous()
-            if not cublas_route(xk, w):
-                rep.add("fp8_gemm", f"cuBLAS block-scaled {name} M={m}", "not routed",
-                        "the probe or the layout check refused it")
+            if not (weight_fits(w) and available(xk.device)):  # the route's row threshold aside
+                rep.add("fp8_gemm_cublas", f"{name} M={m}", "not routed", "the probe or the layout check refused it")
                 continue
             xq, xs = per_token_group_quant(xk, m_major=True)
             xs_rows = xs.contiguous()
@@ -410,14 +413,14 @@ def fp8_gemm_cublas(ctx) -> None:
             try:
                 cub = time_of(lambda: cublas_w8a8(xq, xs, w))
             except RuntimeError as e:
-                rep.add("fp8_gemm", f"cuBLAS block-scaled {name} M={m}", "failed", str(e)[:120])
+                rep.add("fp8_gemm_cublas", f"{name} M={m}", "failed", str(e)[:120])
                 continue
             tri = time_of(lambda: w8a8_gemm(xq, xs_rows, w))
             q2, s2 = per_token_group_quant(xk[:256], m_major=True)
             ref = w8a8_gemm_reference(q2, s2, w).double()
             err = ((cublas_w8a8(q2, s2, w).double() - ref).norm() / ref.norm()).item()
             tf = flops / cub / 1e9
-            rep.add("fp8_gemm", f"cuBLAS block-scaled {name} M={m} TFLOPs", tf,
+            rep.add("fp8_gemm_cublas", f"{name} M={m} TFLOPs", tf,
                     f"{100 * tf / c.fp8_matmul_tflops:.0f}% of FP8 peak; Triton W8A8 {flops / tri / 1e9:.0f} TFLOP/s "
                     f"({100 * flops / tri / 1e9 / c.fp8_matmul_tflops:.0f}%); rel err vs reference {err:.1e}")
         del x

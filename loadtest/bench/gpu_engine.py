@@ -62,27 +62,29 @@ def decode_step_ms(engine, batch: int, ctx: int, steps: int, warm: int = 8, *, g
     stagger = -(-batch * ctx // engine.scheduler.max_batched_tokens)
     params = SamplingParams(temperature=0, max_tokens=warm + steps + 8 + stagger, ignore_eos=True)
     rids = [engine.add_request(p, params) for p in random_prompts(rng, engine.model_config.vocab_size, [ctx] * batch)]
-    while any(engine.get(r) is not None and engine.get(r).num_output < 2 for r in rids):
-        engine.step()
-    for _ in range(warm):
-        engine.step()
-    torch.cuda.synchronize()
-    before = _outputs(engine, rids)
-    t0 = now()
-    for _ in range(steps):
-        engine.step()
-    torch.cuda.synchronize()
-    ms = (now() - t0) / steps * 1e3
-    decoded = _outputs(engine, rids) - before
-    _drain(engine, rids)
+    try:
+        while any(engine.get(r) is not None and engine.get(r).num_output < 2 for r in rids):
+            engine.step()
+        for _ in range(warm):
+            engine.step()
+        torch.cuda.synchronize()
+        before = _outputs(engine, rids)
+        t0 = now()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        ms = (now() - t0) / steps * 1e3
+        decoded = _outputs(engine, rids) - before
+    finally:
+        _drain(engine, rids)
+        _set_overlap(engine, False)
+        if g is not None:
+            g.capture = bool(g.graphs)
     # a batch some of whose sequences finished or waited (KV too small) looks faster; the overlap
     # scheduler's one step in flight moves the count by at most one step's tokens
     if decoded < batch * (steps - 1):
         raise RuntimeError(f"decode_step_ms: {decoded} tokens in {steps} steps of a batch of {batch}: not every "
                            "sequence ran every step")
-    _set_overlap(engine, False)
-    if g is not None:
-        g.capture = bool(g.graphs)
     return ms
 
 

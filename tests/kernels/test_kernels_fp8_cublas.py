@@ -41,8 +41,15 @@ def test_the_route_stays_off_without_a_gpu():
     assert not cublas_route(torch.randn(4096, 4096), w)
 
 
+def test_the_route_takes_bf16_only():
+    """The probe checks bf16 products; fp16 and fp32 activations keep the Triton GEMM."""
+    w = layout_weight([(0, 1024)], 4096)
+    for dtype in (torch.float16, torch.float32):
+        assert not cublas_route(torch.randn(256, 4096).to(dtype), w)
+
+
 @pytest.mark.skipif(not CUDA, reason="cuBLAS needs a GPU")
-@pytest.mark.parametrize("m", [33, 1000, 4099])  # 4099: rows padded to the library's alignment
+@pytest.mark.parametrize("m", [128, 1000, 4099])  # 4099: rows padded to the library's alignment
 def test_cublas_route_matches_the_triton_gemm(m):
     from kernels.fp8_linear import per_token_group_quant, w8a8_gemm, w8a8_gemm_reference
     from kernels.fp8_cublas import cublas_fp8_linear

@@ -106,17 +106,19 @@ def test_decode_attention_reads_fp8_pages(runner, k_scale, v_scale):
     assert relative_error(out, exact) < 0.05  # e4m3 K and V
 
 
-def test_decode_attention_fp8_pages_with_bf16_q_of_any_magnitude(runner):
-    """A 16-bit q reads FP8 pages in fp16 (one conversion per two cached values): each head of q
-    is scaled by a power of two first, so a head far past fp16's range (1e5: a one-hot softmax)
-    and a tiny one (1e-6: a flat softmax) give the reference's output, not NaN or the wrong
-    weights. Both with one split (stage 1 writes o) and three (stage 2 reduces)."""
-    g = case_generator("decode bf16 q")
+@pytest.mark.parametrize("dtype,big,small", [(torch.bfloat16, 1e5, 1e-6), (torch.float16, 1e3, 1e-3)])
+def test_decode_attention_fp8_pages_with_16bit_q_of_any_magnitude(runner, dtype, big, small):
+    """A 16-bit q reads FP8 pages in fp16 (one conversion per two cached values): each bf16 head
+    of q is scaled by a power of two first, so a head far past fp16's range (1e5: a one-hot
+    softmax) and a tiny one (1e-6: a flat softmax) give the reference's output, not NaN or the
+    wrong weights; an fp16 q goes in as it is. Both with one split (stage 1 writes o) and three
+    (stage 2 reduces)."""
+    g = case_generator("decode 16-bit q", dtype)
     _, kv8 = fp8_paged_kv([40, 130, 7], 2, 64, 16, g, 0.5, 2.0)
     q = torch.randn(3, 8, 64, generator=g)
-    q[1, 2] *= 1e5
-    q[0, 5] *= 1e-6
-    q = q.to(torch.bfloat16)
+    q[1, 2] *= big
+    q[0, 5] *= small
+    q = q.to(dtype)
     scale = 1 / math.sqrt(64)
     dev = runner.device
     ref = decode_attention_reference(q.float(), kv8.k_cache, kv8.v_cache, kv8.page_table, kv8.seq_lens, scale,
