@@ -17,11 +17,14 @@ def rows_to_f16(x):
     """(x [R, C] * 2^-e as fp16, 2^e [R] in fp32), e per row (zero rows: any normal factor).
     An fp16 x is already there: as it is, with factors of 1 (scaling it could only lose bits)."""
     if x.dtype == tl.float16:
-        return x, tl.full((x.shape[0],), 1.0, tl.float32)
-    xf = x.to(tl.float32)
-    amax = tl.max(tl.abs(xf), axis=1)
-    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 140  # exponent of amax, minus 13
-    e = tl.minimum(tl.maximum(e, -126), 126)
-    up = ((127 - e) << 23).to(tl.float32, bitcast=True)
-    down = ((127 + e) << 23).to(tl.float32, bitcast=True)
-    return (xf * up[:, None]).to(tl.float16), down
+        x16 = x
+        down = tl.full((x.shape[0],), 1.0, tl.float32)
+    else:
+        xf = x.to(tl.float32)
+        amax = tl.max(tl.abs(xf), axis=1)
+        e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 140  # exponent of amax, minus 13
+        e = tl.minimum(tl.maximum(e, -126), 126)
+        up = ((127 - e) << 23).to(tl.float32, bitcast=True)
+        down = ((127 + e) << 23).to(tl.float32, bitcast=True)
+        x16 = (xf * up[:, None]).to(tl.float16)
+    return x16, down
