@@ -199,13 +199,15 @@ def fp8_linear():
     from kernels.small_batch_linear import SmallBatchWorkspace
     from kernels.small_batch_linear_config import SmallBatchConfig
     ws = SmallBatchWorkspace.create("cpu", max_partial_floats=1 << 20, max_tiles=1 << 12)
-    configs = [SmallBatchConfig(16, 64, 3), SmallBatchConfig(32, 128, 1), SmallBatchConfig(16, 256, 2, use_dot=False)]
+    configs = [SmallBatchConfig(16, 64, 3), SmallBatchConfig(32, 128, 1), SmallBatchConfig(16, 256, 2, use_dot=False),
+               SmallBatchConfig(64, 128, 2, widen_f16=True)]  # fp16 widening (kernels/triton_f16_rows.py)
     for dt in DTYPES:
         for k, group in ((320, 128), (96, 32), (4096, 128)):
             per_token_group_quant(_e(7, k, dtype=dt), group)
         for block in ((32, 128), None):
             w = _fp8_weight(96, 256, block)
             for m in (37, 300, 5000):  # a GPU's three tilings
+                per_token_group_quant(_e(m, 256, dtype=dt), 128, m_major=True)  # cuBLAS's scale layout
                 xq, xs = _e(m, 256, dtype=FP8), _e(m, 2)
                 for bias in (None, _e(96, dtype=dt)):
                     w8a8_gemm(xq, xs, w, bias, dt)  # the CPU's tiles

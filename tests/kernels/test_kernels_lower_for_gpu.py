@@ -17,7 +17,8 @@ triton_store_kv.py, triton_page_copy.py, triton_qk_norm_rope.py, triton_rotary_e
 triton_rms_norm.py, triton_silu_and_mul.py, triton_small_batch_linear.py, triton_fp8_gemm.py,
 triton_fp8_moe.py, triton_fused_moe.py, triton_moe_decode.py, triton_rejection_sample.py,
 triton_peer_all_reduce.py, triton_peer_read_all_reduce.py; the device-function modules
-triton_fp8.py, triton_moe_topk.py and triton_pdl.py through the kernels that call them; and
+triton_fp8.py, triton_f16_rows.py, triton_moe_topk.py and triton_pdl.py through the kernels that
+call them; and
 the tests' own probe kernel (tests/helpers/fp8_probe.py).
 
 The last two tests show it fails where the GPU did: on the rejection kernel with its old
