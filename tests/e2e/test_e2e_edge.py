@@ -338,7 +338,7 @@ def test_every_early_end_frees_the_reservation_at_once(stacks, tokenizer):
 
 def test_dropped_requests_free_the_decode_pages(stacks):
     """Ten ~1100-token completions whose clients leave 50 to 500 ms after sending (the hostile
-    probe's staggered disconnects): the KV is back to 0 within a few seconds, in both modes."""
+    probe's staggered disconnects): the KV is back to 0 within seconds, in both modes."""
     words = " hello" * 1100
 
     async def drop_all(stack):
@@ -353,5 +353,7 @@ def test_dropped_requests_free_the_decode_pages(stacks):
 
     for stack in stacks.values():
         asyncio.run(drop_all(stack))
-        kv_back_to_zero(stack, decode_worker(stack), 10)  # a step already running finishes first
+        # a step already running finishes first; a full CI run (two test workers on two cores) once
+        # took over 10 s here, where alone it takes ~1: a leak never gets back to 0 at all
+        kv_back_to_zero(stack, decode_worker(stack), 20)
         stack.wait_idle()
