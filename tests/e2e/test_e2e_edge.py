@@ -354,6 +354,6 @@ def test_dropped_requests_free_the_decode_pages(stacks):
     for stack in stacks.values():
         asyncio.run(drop_all(stack))
         # a step already running finishes first; a full CI run (two test workers on two cores) once
-        # took over 10 s here, where alone it takes ~1: a leak never gets back to 0 at all
+        # took over 10 s here (the test passes alone): a leak never gets back to 0 at all
         kv_back_to_zero(stack, decode_worker(stack), 20)
         stack.wait_idle()
