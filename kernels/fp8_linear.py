@@ -27,6 +27,7 @@ import torch
 
 from kernels.fp8 import (ACT_EPS, ACT_GROUP, FP8_DTYPE, Fp8Weight, dequantize_activations,
                          per_token_group_quant_reference)
+from kernels.fp8_cublas import cublas_fp8_linear, cublas_route
 from kernels.small_batch_linear_config import FP8_MAX_M
 
 _X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -219,8 +220,6 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor] = Non
     elif small_batch_fp8_supported(x2.shape[0], x2.shape[1], x2.dtype):
         y = small_batch_fp8_linear(x2, w, bias, workspace=workspace, pdl=pdl)
     else:
-        from kernels.fp8_cublas import cublas_fp8_linear, cublas_route
-
         x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
         if cublas_route(x2, w):
             y = cublas_fp8_linear(x2, w, bias)

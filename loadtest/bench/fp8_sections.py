@@ -31,6 +31,8 @@ table and exits if one hangs):
 The table comes last (and --json)."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 QWEN3_8B_PREFILL = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
@@ -215,13 +217,38 @@ def fp8_decode_8b(ctx):
     rep.add("fp8_decode_8b", "prefill fp8/bf16", prefill["fp8"] / prefill["bf16"])
 
 
+@contextlib.contextmanager
+def _engine_8b(ctx, patch: tuple | None = None, **engine_kw):
+    """A random-weight Qwen3-8B engine (engine_kw: its options), closed and its memory released on
+    every exit; patch (module, name, value): that module global set while the engine is built and
+    runs (it is read when the decode graphs are captured and at every eager call), then restored."""
+    from .gpu_engine import release_memory
+    from .suite_context import random_engine
+
+    module, name, value = patch or (None, None, None)
+    saved = getattr(module, name) if module else None
+    eng = None
+    try:
+        if module:
+            setattr(module, name, value)
+        eng = random_engine(ctx, "qwen3-8b", **engine_kw)
+        yield eng
+    finally:
+        if module:
+            setattr(module, name, saved)
+        if eng is not None:
+            eng.close()
+        del eng
+        release_memory()
+
+
 def fp8_decode_8b_wide(ctx):
     """8B decode at B=64 and 128 (the W8A8 sizes), FP8 with the W8A8 products on cuBLAS's
     block-scaled GEMM (kernels/fp8_cublas.py), on the Triton GEMM, and bf16: where the route's
     row threshold belongs for CUDA-graphed decode batches."""
     import kernels.fp8_cublas as fc
-    from .gpu_engine import decode_floor_ms, decode_step_ms, release_memory
-    from .suite_context import need_ceilings as _need_ceilings, random_engine as _engine
+    from .gpu_engine import decode_floor_ms, decode_step_ms
+    from .suite_context import need_ceilings as _need_ceilings
 
     args, rep = ctx["args"], ctx["report"]
     c = _need_ceilings(ctx)
@@ -229,24 +256,14 @@ def fp8_decode_8b_wide(ctx):
     # every sequence resident: 128 x ~1.1k tokens x 144 KiB (bf16 KV) is ~20 GiB
     kw = dict(max_model_len=2048, cuda_graph_max_bs=128, kv_cache_memory=24 << 30)
     got = {}
-    default_rows = fc.MIN_ROWS
     for tag, options, min_rows in (("fp8 cuBLAS", dict(quantization="fp8"), 33),
-                                   ("fp8 Triton", dict(quantization="fp8"), 1 << 30), ("bf16", {}, default_rows)):
-        fc.MIN_ROWS = min_rows  # read when each graph is captured (engine start) and at every eager call
-        eng = None
-        try:
-            eng = _engine(ctx, "qwen3-8b", **kw, **options)
+                                   ("fp8 Triton", dict(quantization="fp8"), 1 << 30), ("bf16", {}, fc.MIN_ROWS)):
+        with _engine_8b(ctx, (fc, "MIN_ROWS", min_rows), **kw, **options) as eng:
             for b in batches:
                 floor, gb = decode_floor_ms(eng, b, args.ctx, c.copy_gb_s)
                 ms = decode_step_ms(eng, b, args.ctx, args.steps, overlap=True)
                 got[(tag, b)] = ms
                 rep.add("fp8_decode_8b_wide", f"{tag} B={b} step_ms", ms, f"floor {floor:.3f} ms, x{ms / floor:.2f}")
-        finally:
-            fc.MIN_ROWS = default_rows
-            if eng is not None:
-                eng.close()
-            del eng
-            release_memory()
     for b in batches:
         rep.add("fp8_decode_8b_wide", f"B={b} Triton/cuBLAS", got[("fp8 Triton", b)] / got[("fp8 cuBLAS", b)],
                 f"bf16/fp8 cuBLAS {got[('bf16', b)] / got[('fp8 cuBLAS', b)]:.2f}")
@@ -256,53 +273,39 @@ def fp8_decode_8b_rows(ctx):
     """8B FP8 decode at B=8, 16, 32 with the W8A16 small-batch kernel taking up to 32, 16 or 8
     rows (W8A8 above): where fp8_linear's switch between the two belongs."""
     import kernels.fp8_linear as fl
-    from .gpu_engine import decode_floor_ms, decode_step_ms, release_memory
-    from .suite_context import need_ceilings as _need_ceilings, random_engine as _engine
+    from .gpu_engine import decode_floor_ms, decode_step_ms
+    from .suite_context import need_ceilings as _need_ceilings
 
     args, rep = ctx["args"], ctx["report"]
     c = _need_ceilings(ctx)
-    default = fl.FP8_MAX_M
     for max_m in (32, 16, 8):
-        fl.FP8_MAX_M = max_m  # read when each decode graph is captured (engine start)
-        eng = None
-        try:
-            eng = _engine(ctx, "qwen3-8b", quantization="fp8", max_model_len=2048, cuda_graph_max_bs=32,
-                          kv_cache_memory=8 << 30)
+        with _engine_8b(ctx, (fl, "FP8_MAX_M", max_m), quantization="fp8", max_model_len=2048, cuda_graph_max_bs=32,
+                        kv_cache_memory=8 << 30) as eng:
             for b in (8, 16, 32):
                 floor, _ = decode_floor_ms(eng, b, args.ctx, c.copy_gb_s)
                 ms = decode_step_ms(eng, b, args.ctx, args.steps, overlap=True)
                 rep.add("fp8_decode_8b_rows", f"W8A16 to {max_m} rows B={b} step_ms", ms, f"x{ms / floor:.2f} of floor")
-        finally:
-            fl.FP8_MAX_M = default
-            if eng is not None:
-                eng.close()
-            del eng
-            release_memory()
 
 
 def fp8_decode_profile(ctx):
     """8B FP8 decode at B=32 and 64 (one engine, graphs up to 128): the step, the GPU busy time a
     step and its heaviest kernels (torch.profiler over 8 steps): why B=32 measured slower than 64."""
-    from .gpu_engine import decode_step_ms, release_memory
-    from .suite_context import random_engine as _engine
+    from .gpu_engine import decode_step_ms
 
     args, rep = ctx["args"], ctx["report"]
-    eng = _engine(ctx, "qwen3-8b", quantization="fp8", max_model_len=2048, cuda_graph_max_bs=128,
-                  kv_cache_memory=8 << 30)
-    for b in (32, 64):
-        ms = decode_step_ms(eng, b, args.ctx, args.steps, overlap=True)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            decode_step_ms(eng, b, args.ctx, 8, warm=2, overlap=True)
-        events = sorted(prof.key_averages(), key=lambda e: e.self_device_time_total, reverse=True)
-        steps = 8 + 2 + 2  # the profiled call's warm and timed steps, and its first token's
-        total = sum(e.self_device_time_total for e in events) / 1e3
-        rep.add("fp8_decode_profile", f"B={b} step_ms", ms, f"GPU busy {total:.1f} ms over the profiled call")
-        for e in events[:7]:
-            rep.add("fp8_decode_profile", f"B={b} {e.key[:56]}", e.self_device_time_total / 1e3,
-                    f"ms in {e.count} launches (~{steps} steps)")
-    eng.close()
-    del eng
-    release_memory()
+    with _engine_8b(ctx, quantization="fp8", max_model_len=2048, cuda_graph_max_bs=128,
+                    kv_cache_memory=8 << 30) as eng:
+        for b in (32, 64):
+            ms = decode_step_ms(eng, b, args.ctx, args.steps, overlap=True)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                decode_step_ms(eng, b, args.ctx, 8, warm=2, overlap=True)
+            events = sorted(prof.key_averages(), key=lambda e: e.self_device_time_total, reverse=True)
+            steps = 8 + 2 + 2  # the profiled call's warm and timed steps, and its first token's
+            total = sum(e.self_device_time_total for e in events) / 1e3
+            rep.add("fp8_decode_profile", f"B={b} step_ms", ms, f"GPU busy {total:.1f} ms over the profiled call")
+            for e in events[:7]:
+                rep.add("fp8_decode_profile", f"B={b} {e.key[:56]}", e.self_device_time_total / 1e3,
+                        f"ms in {e.count} launches (~{steps} steps)")
 
 
 # W8A8 tilings tried (block_m, block_n, group_m, warps, stages, tma, k_pairs); block_k is the 128 group
