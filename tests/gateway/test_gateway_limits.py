@@ -270,6 +270,28 @@ def test_idle_keep_alive_closes_and_big_headers_are_refused(server, idle):
     assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "headers_too_large"
 
 
+def test_an_idle_kept_alive_connection_is_only_the_keep_alive_timeouts(ctx, idle):
+    """With keep-alive (3 s) above the header timeout (1 s), an idle connection after a response
+    stays open past the header timeout and serves the next request (a client's pool reuses it:
+    the server closing it first is what fails a request with a connection error); a request
+    then trickled on that connection is still dropped about a header timeout after its first
+    byte."""
+    limits = GatewayLimits(header_timeout_s=1.0, keep_alive_s=3.0)
+    request = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+    with UvicornThread(build_app(ctx), **uvicorn_limits(limits)) as srv, \
+            socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
+        s.sendall(request)
+        assert _read_response(s).startswith(b"HTTP/1.1 200")
+        time.sleep(1.8)  # idle past the header timeout, inside keep-alive
+        s.sendall(request)
+        assert _read_response(s).startswith(b"HTTP/1.1 200")
+        time.sleep(1.5)
+        s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Slow: a")  # then nothing more
+        started = time.monotonic()
+        assert _read_until_closed(s, 5) == b""
+        assert 0.8 < time.monotonic() - started < 1.8  # the header timeout, not keep-alive's 3 s
+
+
 @pytest.mark.parametrize("raw", [
     b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
     b"GET /v1/models HTTP/1.1 trailing-garbage\r\nHost: x\r\n\r\n",
@@ -316,3 +338,22 @@ def test_limit_flags_and_env():
     options = uvicorn_limits(limits)
     assert options["timeout_keep_alive"] == 3.0 and options["h11_max_incomplete_event_size"] == limits.max_header_bytes
     assert options["http"].header_timeout_s == 2.5
+
+
+def _read_response(s: socket.socket) -> bytes:
+    """One whole response with a Content-Length body, leaving the connection open."""
+    s.settimeout(5)
+    out = b""
+
+    def more() -> bytes:
+        data = s.recv(65536)
+        assert data, f"the server closed the connection (after {out!r})"
+        return data
+    while b"\r\n\r\n" not in out:
+        out += more()
+    head, _, body = out.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":", 1)[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:")))
+    while len(body) < length:
+        body += more()
+    return out

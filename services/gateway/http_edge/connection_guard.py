@@ -5,8 +5,12 @@ uvicorn's h11 protocol bounds the size of a request's headers (h11_max_incomplet
 and closes idle keep-alive connections (timeout_keep_alive), but it starts no clock while
 a request's headers are arriving: a client that opens a connection and trickles a header
 byte every few seconds (slowloris) holds it forever. GuardedH11Protocol adds that clock:
-from the connection's opening, and again after each response, the next request's headers
-must be complete within header_timeout_s or the connection is closed. The h11 protocol is
+from the connection's opening, and on a kept-alive connection from the next request's first
+byte, the request's headers must be complete within header_timeout_s or the connection is
+closed. An idle kept-alive connection is timeout_keep_alive's alone, and that is set well
+above the idle expiry of common clients (httpx, and so the openai SDK, drop idle
+connections after 5 s): whoever closes an idle connection first must be the client, or a
+request it sends just as the server closes fails with a connection error. The h11 protocol is
 named explicitly (not "auto") so these limits hold whatever else is installed. What its
 parser refuses is answered as OpenAI error JSON (parser_errors.py)."""
 
@@ -37,16 +41,23 @@ class GuardedH11Protocol(JsonParserErrors, H11Protocol):
         self._cancel_header_timer()
         super().connection_lost(exc)
 
+    def data_received(self, data: bytes) -> None:
+        # A kept-alive connection's clock starts at the next request's first byte: while it
+        # sits idle only timeout_keep_alive may close it (see the module note).
+        if self._awaiting_headers() and self._header_timer is None:
+            self._arm_header_timer()
+        super().data_received(data)
+
     def handle_events(self) -> None:
         super().handle_events()
         if not self._awaiting_headers():
             self._cancel_header_timer()
 
     def on_response_complete(self) -> None:
-        # Armed first: the parent may start a pipelined request at once (handle_events
-        # above then cancels it again).
-        self._arm_header_timer()
         super().on_response_complete()
+        # Part of a pipelined next request already buffered: its clock starts now.
+        if self._awaiting_headers() and self.conn.trailing_data[0] and self._header_timer is None:
+            self._arm_header_timer()
 
     def _awaiting_headers(self) -> bool:
         return self.cycle is None or self.cycle.response_complete

@@ -52,8 +52,11 @@ class GatewayLimits:
     # and headers larger than max_header_bytes are refused (slowloris, header floods).
     header_timeout_s: float = setting(10.0, flag="--header-timeout", env="DUET_HEADER_TIMEOUT",
                                       help="seconds to receive a request's headers before the connection is dropped")
-    keep_alive_s: float = setting(5.0, flag="--keep-alive-timeout", env="DUET_KEEP_ALIVE_TIMEOUT",
-                                  help="seconds an idle keep-alive connection stays open")
+    # Above the idle expiry of clients and load balancers in front (httpx 5 s, cloud load
+    # balancers 60 s), so they close an idle connection first (connection_guard.py).
+    keep_alive_s: float = setting(75.0, flag="--keep-alive-timeout", env="DUET_KEEP_ALIVE_TIMEOUT",
+                                  help="seconds an idle keep-alive connection stays open (keep it above "
+                                       "the idle timeout of the clients and load balancers in front)")
     max_header_bytes: int = setting(64 << 10, flag="--max-header-bytes", env="DUET_MAX_HEADER_BYTES",
                                     help="request line + headers larger than this are refused")
 
