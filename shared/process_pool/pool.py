@@ -110,6 +110,21 @@ class ProcessPool:
             self._slots.put(None)
         self._closed = False
         self._generation = 0  # bumped by stop(): older helpers are killed when they come back
+        self._ever_started = False
+        self._starting = 0  # helpers starting now
+        self.start_error: str | None = None  # why the last start failed (None after a success)
+
+    @property
+    def ready(self) -> bool:
+        """A helper has started (and set up) at least once: calls no longer wait for the first
+        one's interpreter and imports (a readiness check can wait for this after prestart())."""
+        return self._ever_started
+
+    def ensure_starting(self) -> None:
+        """Not ready and no helper starting (the first start failed): try again, in the
+        background (a readiness check calls this, so a transient failure does not stick)."""
+        if not self._ever_started and not self._starting and not self._closed:
+            self.prestart(1)
 
     async def call(self, target: str, *args: Any, timeout_s: float) -> Any:
         """target(state, *args) in a helper; CallTimeout past timeout_s (the wait for a free
@@ -187,13 +202,19 @@ class ProcessPool:
         args = self.setup_args() if callable(self.setup_args) else self.setup_args
         env = {**os.environ, **CHILD_ENV,
                "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
-        helper = _Helper(self.name, [sys.executable, "-m", "shared.process_pool.child", str(os.getpid())], env,
-                         self._generation)
-        self.stats.started += 1
+        self._starting += 1
         try:
-            helper.exchange(("setup", self.setup, tuple(args)), self.start_timeout_s)
-        except Exception as exc:
-            helper.kill()
-            raise CallFailed(f"{self.name}: a helper process could not start: {type(exc).__name__}: {exc}",
-                             during_setup=True) from None
+            helper = _Helper(self.name, [sys.executable, "-m", "shared.process_pool.child", str(os.getpid())], env,
+                             self._generation)
+            self.stats.started += 1
+            try:
+                helper.exchange(("setup", self.setup, tuple(args)), self.start_timeout_s)
+            except Exception as exc:
+                helper.kill()
+                self.start_error = f"{type(exc).__name__}: {exc}"
+                raise CallFailed(f"{self.name}: a helper process could not start: {self.start_error}",
+                                 during_setup=True) from None
+        finally:
+            self._starting -= 1
+        self._ever_started, self.start_error = True, None
         return helper

@@ -17,6 +17,7 @@ from services.gateway.http_edge.app import build_app
 from services.gateway.http_edge.metrics import GatewayMetrics
 from services.gateway.openai_api.endpoints import GatewayContext
 from services.gateway.openai_api.prompt_builder import PromptBuilder
+from shared.process_pool.pool import ProcessPool
 from tests.helpers.openai_schema import validate
 from tests.helpers.gateway_support import ScriptedBackend, UvicornThread, byte_level_tokenizer_dir, sse_data, wait_until
 
@@ -427,7 +428,26 @@ def test_health_follows_backend_readiness(http, scripted, backend):
     assert response.status_code == 503
     validate(response.json(), "ErrorResponse")
     backend.is_ready = True
-    assert http.get("/health").status_code == 200
+    assert wait_until(lambda: http.get("/health").status_code == 200, 60)  # and the template helper's
+
+
+def test_health_waits_for_the_chat_template_helper(prompts, backend, scripted, tmp_path):
+    """Ready only once a chat-template helper has started (the app starts one): a first chat
+    request on a busy node must not wait for its interpreter and imports. A helper that
+    cannot start keeps /health at 503 saying why, and is tried again."""
+    ctx = GatewayContext(backend, prompts, GatewayMetrics(), MODEL, CONTEXT)
+    flag = tmp_path / "ready"
+    ctx.renderer.pool.close()
+    ctx.renderer.pool = ProcessPool("chat-template", "tests.helpers.pool_targets:setup_once_exists", (str(flag),))
+    with UvicornThread(build_app(ctx, manage_backend=False)) as srv, \
+            httpx.Client(base_url=srv.base_url, timeout=30) as http:
+        assert wait_until(lambda: ctx.renderer.pool.start_error is not None, 60)
+        response = http.get("/health")
+        assert response.status_code == 503, response.text
+        validate(response.json(), "ErrorResponse")
+        assert "chat template helper process could not start" in response.json()["error"]["message"]
+        flag.touch()
+        assert wait_until(lambda: http.get("/health").status_code == 200, 60)
 
 
 def test_metrics(http, client, scripted):

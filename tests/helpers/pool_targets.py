@@ -41,3 +41,10 @@ def die(state: dict) -> None:
 
 def bad_setup() -> None:
     raise ImportError("no such thing")
+
+
+def setup_once_exists(path: str) -> dict:
+    """Fails until `path` exists (a start that fails, then one that does not)."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} is not there yet")
+    return {"tag": "late", "calls": 0}

@@ -164,10 +164,19 @@ class OpenAIEndpoints:
         return JSONResponse(self._model_card())
 
     async def health(self) -> Response:
-        if self.ctx.backend.ready():
-            return JSONResponse({"status": "ok"})
-        return APIError(503, "the backend is not ready to serve yet", "server_error", None,
-                        "not_ready").response()
+        if not self.ctx.backend.ready():
+            return APIError(503, "the backend is not ready to serve yet", "server_error", None,
+                            "not_ready").response()
+        # Ready once a chat-template helper is up too (started with the app): on a busy node its
+        # interpreter and tokenizer imports take seconds the first chat request must not wait for.
+        pool = self.ctx.renderer.pool
+        if not pool.ready:
+            pool.ensure_starting()
+            why = (f"could not start ({pool.start_error}); trying again" if pool.start_error
+                   else "is still starting")
+            return APIError(503, f"the chat template helper process {why}", "server_error", None,
+                            "not_ready").response()
+        return JSONResponse({"status": "ok"})
 
     async def prometheus(self) -> Response:
         return Response(self.ctx.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
