@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from shared.process_pool.pool import CallFailed, CallTimeout, ProcessPool
+from tests.helpers.gateway_support import wait_until
 
 pytestmark = pytest.mark.timeout(180)
 T = "tests.helpers.pool_targets"
@@ -75,27 +76,18 @@ def test_ready_after_a_first_start_and_a_failed_start_is_tried_again(tmp_path):
     try:
         assert not pool.ready and pool.start_error is None
         pool.prestart()
-        assert _wait(lambda: pool.start_error is not None, 60), "the first start did not fail"
+        assert wait_until(lambda: pool.start_error is not None, 60), "the first start did not fail"
         assert not pool.ready and "is not there yet" in pool.start_error
         started = pool.stats.started
         flag.touch()
         pool.ensure_starting()
-        assert _wait(lambda: pool.ready, 60), pool.start_error
+        assert wait_until(lambda: pool.ready, 60), pool.start_error
         assert pool.start_error is None and pool.stats.started == started + 1
         pool.ensure_starting()  # ready: nothing more starts
         assert pool.call_sync(f"{T}:echo", 5, timeout_s=60)[:2] == ("late", 5)
         assert pool.stats.started == started + 1
     finally:
         pool.close()
-
-
-def _wait(predicate, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 def test_async_calls_leave_the_event_loop_free_and_queue_beyond_the_helpers(pool):
