@@ -11,6 +11,8 @@ import random
 import socket
 import sys
 
+from services.launcher.port_claims import claim
+
 # asyncio's create_server default for reuse_address (Windows' SO_REUSEADDR means something else)
 REUSE_ADDRESS = os.name == "posix" and sys.platform != "cygwin"
 
@@ -51,9 +53,9 @@ def free_port(host: str = "127.0.0.1") -> int:
     spans = [(p, q) for p, q in ((10000, lo - 1), (hi + 1, 65535)) if q - p >= 1000]
     pick = random.SystemRandom()
     for _ in range(64 if spans else 0):
-        first, last = pick.choice(spans)
+        first, last = pick.choices(spans, weights=[q - p for p, q in spans])[0]  # every port alike
         port = pick.randint(first, last)
-        if not port_taken(host, port):
+        if not port_taken(host, port) and claim(port):  # nor handed out by another process just now
             return port
     with socket.socket() as s:  # no room outside the range: the OS's pick
         s.bind((host, 0))

@@ -1,9 +1,14 @@
 """`duet up`'s port check against a port the way a just-stopped stack leaves it: the old
-listener gone, its closed connections in TIME_WAIT on the server side."""
+listener gone, its closed connections in TIME_WAIT on the server side; and the ports it
+hands its children (services/launcher/ports.py, port_claims.py)."""
 from __future__ import annotations
 
 import errno
+import os
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -12,6 +17,8 @@ from fastapi import FastAPI
 from services.launcher.main import main as duet_up
 from services.launcher.ports import port_taken
 from tests.helpers.gateway_support import UvicornThread
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _time_wait_port(connections: int = 3) -> int:
@@ -79,3 +86,32 @@ def test_free_port_is_outside_the_outgoing_connection_range_and_bindable():
     for p in list(ports)[:3]:
         with socket.socket() as s:
             s.bind(("127.0.0.1", p))
+
+
+def test_a_claimed_port_is_not_handed_out_again_until_the_claim_lapses(tmp_path):
+    from services.launcher.port_claims import CLAIM_S, claim
+
+    folder = tmp_path / "claims"
+    assert claim(40001, folder, now=1000.0)
+    assert not claim(40001, folder, now=1000.0 + CLAIM_S / 2)  # another picker's, a moment ago
+    assert claim(40002, folder, now=1000.0)
+    assert claim(40001, folder, now=1000.0 + CLAIM_S + 1)  # lapsed: the port may be bound or free
+    assert not claim(40001, folder, now=1000.0 + CLAIM_S + 2)
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    assert claim(40003, blocked / "claims")  # nowhere to write a claim: every port may go
+
+
+def test_two_processes_picking_at_once_never_hand_out_the_same_port(tmp_path):
+    """Ports are bound seconds after they are picked (a child's imports): two processes picking
+    then (two test workers, two launchers) must not pick alike. 2 x 300 picks among ~27k ports
+    would share about three without the claims."""
+    script = ("import sys\nfrom services.launcher.ports import free_port\n"
+              "print(' '.join(str(free_port()) for _ in range(300)))\n")
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+             for _ in range(2)]
+    picks = [set(map(int, p.communicate(timeout=120)[0].split())) for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert len(picks[0]) == len(picks[1]) == 300
+    assert not picks[0] & picks[1], sorted(picks[0] & picks[1])

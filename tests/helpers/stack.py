@@ -53,6 +53,10 @@ def duet_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "services.cli", *args]
 
 
+class ProcessExited(RuntimeError):
+    """A stack process the wait depends on has exited: wait_until gives up at once."""
+
+
 def wait_until(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.1):
     """Poll predicate() until it returns something truthy; raise with `what` on timeout."""
     deadline = time.monotonic() + timeout
@@ -62,6 +66,8 @@ def wait_until(predicate: Callable[[], object], timeout: float, what: str, inter
             value = predicate()
             if value:
                 return value
+        except ProcessExited:
+            raise
         except Exception as exc:  # a scrape can fail while a process starts
             last_exc = exc
         time.sleep(interval)
@@ -298,7 +304,7 @@ class DuetUp(_StackBase):
     def wait_ready(self, timeout: float = 300.0) -> "DuetUp":
         def ready():
             if not self.proc.alive:
-                raise RuntimeError(f"duet up exited with {self.proc.popen.returncode}")
+                raise ProcessExited(f"duet up exited with {self.proc.popen.returncode}")
             text = self.proc.log_text()
             m = re.search(r"redis\s+(redis://\S+)", text)
             return m is not None and re.search(rf"^{re.escape(self.base_url)}$", text, re.M) is not None and m
@@ -410,7 +416,7 @@ class ProcessStack(_StackBase):
             for wid in worker_ids:
                 proc = self.procs.get(wid)
                 if proc is not None and not proc.alive:
-                    raise RuntimeError(f"{wid} exited with {proc.popen.returncode}")
+                    raise ProcessExited(f"{wid} exited with {proc.popen.returncode}")
             return set(worker_ids) <= set(self.workers())
         try:
             wait_until(registered, timeout, f"{list(worker_ids)} in the registry", interval=0.25)
@@ -420,9 +426,15 @@ class ProcessStack(_StackBase):
     def wait_ready(self, timeout: float = 240.0) -> "ProcessStack":
         workers = [n for n in self.procs if n not in ("router", "gateway")]
         self.wait_registered(workers, timeout)
+        def healthy():
+            # a process that exited (a router that could not bind) fails the wait at once
+            exited = {n: p.popen.returncode for n, p in self.procs.items() if p.popen is not None and not p.alive}
+            if exited:
+                raise ProcessExited(f"exited: {exited}")
+            return http_status(self.health_url) == 200
         try:
-            wait_until(lambda: http_status(self.health_url) == 200, 120, "the gateway's /health")
-        except TimeoutError as exc:
+            wait_until(healthy, 120, "the gateway's /health")
+        except (TimeoutError, ProcessExited) as exc:
             raise RuntimeError(f"{exc}\n{self.report_logs()}") from None
         return self
 
