@@ -24,7 +24,6 @@ def claim(port: int, folder: Path | None = None, now: float | None = None) -> bo
     """True when this process may hand out `port`: no other claimed it within CLAIM_S. Where no
     claim can be written (a read-only or foreign folder) every port may be handed out."""
     folder = folder or claims_dir()
-    now_given = now is not None  # a test's clock: the claim carries it
     now = time.time() if now is None else now
     path = folder / str(port)
     try:
@@ -41,8 +40,7 @@ def claim(port: int, folder: Path | None = None, now: float | None = None) -> bo
     except OSError:
         return True
     os.close(fd)
-    if now_given:
-        os.utime(path, (now, now))
+    os.utime(path, (now, now))  # the claim's time is the caller's clock (a test's, or time.time())
     if random.random() < 1 / 64:  # now and then, forget lapsed claims
         forget_lapsed(folder, now)
     return True

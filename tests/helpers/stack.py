@@ -426,6 +426,7 @@ class ProcessStack(_StackBase):
     def wait_ready(self, timeout: float = 240.0) -> "ProcessStack":
         workers = [n for n in self.procs if n not in ("router", "gateway")]
         self.wait_registered(workers, timeout)
+
         def healthy():
             # a process that exited (a router that could not bind) fails the wait at once
             exited = {n: p.popen.returncode for n, p in self.procs.items() if p.popen is not None and not p.alive}
