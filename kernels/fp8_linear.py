@@ -1,21 +1,23 @@
 """Linear layers over FP8 weights (kernels/fp8.py's Fp8Weight): y = x W^T (+ bias).
 
-Two paths, picked by the number of rows, as SGLang and vLLM do:
-- decode sizes (M <= 32): the split-K small-batch kernel (kernels/small_batch_linear.py)
-  reads each FP8 weight byte once and widens it in registers (W8A16): a decode step is a
-  read of the weights, and FP8 halves it. The gate/up + SwiGLU fusion works the same way.
-  (16-bit weights leave this kernel for cuBLAS past 16 rows; for FP8 ones it is even with the
-  W8A8 GEMM at 32 rows and loses at 64: kernels/small_batch_linear_config.py.)
+Three paths, picked by the number of rows, as SGLang and vLLM do:
+- decode sizes (2 <= M <= 32) on Hopper: x quantized per token per group of 128 columns
+  inside the GEMM, each K step an FP8 tensor-core dot with the weight tile as the MMA's M side
+  (kernels/fp8_decode_gemm.py): a decode step is a read of the weights, FP8 halves it, and
+  nothing is widened on the way. The gate/up + SwiGLU fusion works the same way.
+  One row, and elsewhere (other GPUs, a group the kernel cannot step by) up to 32 rows: the
+  split-K small-batch kernel (kernels/small_batch_linear.py), which widens each FP8 weight in
+  registers (W8A16, no activation rounding; as fast at one row, slower from 2: kernels/NOTES.md).
 - larger M (prefill, big decode batches): activations quantized per token per group of 128
   columns (one launch), then a W8A8 GEMM on the FP8 tensor cores with the scales applied
   per K step (triton_fp8_gemm.py), DeepSeek-V3's recipe; from 128 rows, on weights in the plain
   128x128 block layout, cuBLAS's block-scaled GEMM where torch and the GPU have it
   (kernels/fp8_cublas.py: 79-91% of the FP8 peak at prefill sizes against Triton's 49-58%).
-Both are CUDA-graph safe (no host sync; grids depend on shapes only). x, bias and the output
+All are CUDA-graph safe (no host sync; grids depend on shapes only). x, bias and the output
 share one dtype (bf16, fp16 or fp32); accumulation in fp32.
 
 Each Triton function has its torch reference here; `fp8_linear_reference` follows the same
-route (activations quantized above 32 rows), so kernels and references agree closely.
+route (on the CPU, the route a Hopper GPU takes), so kernels and references agree closely.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 from kernels.fp8 import (ACT_EPS, ACT_GROUP, FP8_DTYPE, Fp8Weight, dequantize_activations,
                          per_token_group_quant_reference)
 from kernels.fp8_cublas import cublas_fp8_linear, cublas_route
+from kernels.fp8_decode_gemm import fp8_decode_linear, fp8_decode_reference, fp8_decode_route
 from kernels.small_batch_linear_config import FP8_MAX_M
 
 _X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -198,9 +201,12 @@ def small_batch_fp8_linear(x: torch.Tensor, w: Fp8Weight, bias=None, out=None, c
 
 # -- the layer's entry points -----------------------------------------------------------------
 def fp8_linear_reference(x: torch.Tensor, w: Fp8Weight, bias=None) -> torch.Tensor:
-    """What fp8_linear computes, in torch: W8A16 up to 32 rows (and where the small-batch
-    kernel does not apply), else activations quantized per token group and W8A8."""
+    """What fp8_linear computes, in torch: W8A8 with activations quantized per token group where
+    the decode GEMM runs (on the CPU: where it would run on Hopper), else W8A16 up to 32 rows;
+    past that activations quantized per token group and W8A8."""
     m, k = x.shape
+    if fp8_decode_route(x, w, on_hopper=not x.is_cuda):
+        return fp8_decode_reference(x, w, bias)
     if small_batch_fp8_supported(m, k, x.dtype):
         return small_batch_fp8_reference(x, w, bias)
     group = act_group(w)
@@ -217,6 +223,8 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor] = Non
     _check(x2, w, bias, w.q.shape[0])
     if not _use_triton(x2):
         y = fp8_linear_reference(x2, w, bias)
+    elif fp8_decode_route(x2, w):
+        y = fp8_decode_linear(x2, w, bias, workspace=workspace, pdl=pdl)
     elif small_batch_fp8_supported(x2.shape[0], x2.shape[1], x2.dtype):
         y = small_batch_fp8_linear(x2, w, bias, workspace=workspace, pdl=pdl)
     else:
@@ -230,8 +238,13 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor] = Non
 
 
 def fp8_gate_up_silu(x: torch.Tensor, w: Fp8Weight, *, workspace=None, pdl=None) -> Optional[torch.Tensor]:
-    """silu(x W_g^T) * (x W_u^T) in one small-batch launch, or None where that kernel does not
-    apply (then the caller runs fp8_linear and SwiGLU)."""
-    if x.dim() != 2 or not _use_triton(x) or not small_batch_fp8_supported(x.shape[0], x.shape[1], x.dtype):
+    """silu(x W_g^T) * (x W_u^T) in one launch at decode sizes (the decode GEMM, else the
+    small-batch kernel), or None where neither applies (then the caller runs fp8_linear and
+    SwiGLU)."""
+    if x.dim() != 2 or not _use_triton(x):
+        return None
+    if fp8_decode_route(x, w):
+        return fp8_decode_linear(x, w, workspace=workspace, pdl=pdl, gate_up=True)
+    if not small_batch_fp8_supported(x.shape[0], x.shape[1], x.dtype):
         return None
     return small_batch_fp8_linear(x, w, workspace=workspace, pdl=pdl, gate_up=True)

@@ -172,6 +172,15 @@ def _small_batch_linear_kernel(
     acc = _finish(acc, USE_DOT)
     acc_up = _finish(acc_up, USE_DOT)
 
+    split_k_finish(acc, acc_up, bias, out, partials, counters, tile, split, split_k, M, N, rn, rm, n_ok, m_ok,
+                   stride_om, HAS_BIAS, GATE_UP, SPLIT)
+
+
+@triton.jit
+def split_k_finish(acc, acc_up, bias, out, partials, counters, tile, split, split_k, M, N, rn, rm, n_ok, m_ok,
+                   stride_om, HAS_BIAS: tl.constexpr, GATE_UP: tl.constexpr, SPLIT: tl.constexpr):
+    """The epilogue of a program's [BLOCK_N, BLOCK_M] sums (acc_up: the up half's, GATE_UP);
+    under split-K (SPLIT), the deterministic reduction of the module note first."""
     if SPLIT:
         num_acc = 2 if GATE_UP else 1
         mask = n_ok[:, None] & m_ok[None, :]
@@ -182,8 +191,8 @@ def _small_batch_linear_kernel(
         tl.debug_barrier()  # every thread's partial is written before the release below
         arrived = tl.atomic_add(counters + tile, 1, sem="acq_rel", scope="gpu")
         if arrived == split_k - 1:
-            total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            total_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            total = tl.zeros(acc.shape, dtype=tl.float32)
+            total_up = tl.zeros(acc.shape, dtype=tl.float32)
             for s in range(0, split_k):  # fixed order: the same bits every run
                 q_ptrs = partials + (s * num_acc * M + rm[None, :]) * N + rn[:, None]
                 total += tl.load(q_ptrs, mask=mask, other=0.0, cache_modifier=".cg")

@@ -9,14 +9,15 @@ teacher-forced over ShareGPT conversations (chat template, real text), float32 c
   fp8 dequantized  --quantization fp8: weights quantized to FP8 in 128 x 128 blocks at load and
                    dequantized (what the CPU engine serves)
   fp8 route        the same FP8 weights kept in FP8, every linear through the torch reference
-                   of the GPU kernels' route (kernels/fp8_linear.py: weights widened for 32
-                   rows or fewer (W8A16), activations quantized per token per 128 columns
-                   above (W8A8)): the GPU path's arithmetic, not its kernels (those are checked
-                   against these references in tests/kernels/)
+                   of the GPU kernels' route on Hopper (kernels/fp8_linear.py: activations
+                   quantized per token per 128 columns from 2 rows (W8A8: the decode GEMM to
+                   32 rows, the GEMM above), weights widened at one row (W8A16)): the GPU
+                   path's arithmetic, not its kernels (those are checked against these
+                   references in tests/kernels/)
   fp8 route + kv   the same with an FP8 KV cache (--kv-cache-dtype fp8_e4m3, scales 1.0)
 
-each once as one prefill per sequence (the W8A8 route) and once in 8-token chunks (the W8A16
-route, attention reading the pages). Against the dequantized weights (the issue's aim: logits
+each once as one prefill per sequence and once in 8-token chunks (decode sizes, attention
+reading the pages). Against the dequantized weights (the issue's aim: logits
 cosine >= 0.99, top-1 agreement >= 95%) and against the reference (what FP8 costs), with the
 text's perplexity for each.
 

@@ -10,7 +10,7 @@ table and exits if one hangs):
                   same weights dequantized (float32 engine): cosine and top-1 agreement, for
                   bf16 compute on those weights (the yardstick),
                   FP8 weights (one-shot prefill: W8A8 GEMMs), FP8 weights + FP8 KV, and both in
-                  8-token chunks (the decode-size W8A16 kernels reading FP8 pages); random weights
+                  8-token chunks (the decode-size kernels reading FP8 pages); random weights
                   are too flat to judge it: trained ones, on the CPU, in fp8_accuracy_cpu.py
   fp8_decode_8b   (b) 8B decode B=1, 32 (ctx 1024): FP8 vs its floor in FP8 bytes and vs bf16;
                   engine prefill 4x2048 FP8 vs bf16
@@ -20,7 +20,7 @@ table and exits if one hangs):
   fp8_gemm_cublas cuBLAS's block-scaled GEMM (fp8_linear's route from 128 rows where it applies)
                   against the Triton W8A8 GEMM at the 8B linears, M = 64..8192: TFLOP/s, % of peak, error
   fp8_decode_8b_wide  8B decode B=64, 128: FP8 with cuBLAS's GEMM, FP8 on the Triton GEMM, bf16
-  fp8_decode_8b_rows  8B FP8 decode B=8, 16, 32 with W8A16 up to 32, 16 or 8 rows (W8A8 above)
+  fp8_decode_route  8B FP8 decode B=1, 8, 32 on the W8A8 decode GEMM and with it off (W8A16 to 32 rows)
   fp8_decode_profile  8B FP8 decode B=32 and 64: step, GPU busy time, heaviest kernels
   fp8_moe_decode  (c) 30B-A3B decode B=1, 8, 32: FP8 vs floor (touched experts) and bf16
   fp8_kv_long     (e) 8B FP8 weights, ctx 16k: step time and KV pages with FP8 vs bf16 KV in
@@ -269,22 +269,26 @@ def fp8_decode_8b_wide(ctx):
                 f"bf16/fp8 cuBLAS {got[('bf16', b)] / got[('fp8 cuBLAS', b)]:.2f}")
 
 
-def fp8_decode_8b_rows(ctx):
-    """8B FP8 decode at B=8, 16, 32 with the W8A16 small-batch kernel taking up to 32, 16 or 8
-    rows (W8A8 above): where fp8_linear's switch between the two belongs."""
-    import kernels.fp8_linear as fl
+def fp8_decode_route(ctx):
+    """8B FP8 decode at B=1, 8, 32 with decode sizes on the W8A8 decode GEMM (x quantized in
+    the kernel, kernels/fp8_decode_gemm.py) and with it off (the W8A16 small-batch kernel up to 32
+    rows, the M-tiled W8A8 GEMM above): the same engine build, one route each."""
+    import kernels.fp8_decode_gemm as fd
     from .gpu_engine import decode_floor_ms, decode_step_ms
     from .suite_context import need_ceilings as _need_ceilings
 
     args, rep = ctx["args"], ctx["report"]
     c = _need_ceilings(ctx)
-    for max_m in (32, 16, 8):
-        with _engine_8b(ctx, (fl, "FP8_MAX_M", max_m), quantization="fp8", max_model_len=2048, cuda_graph_max_bs=32,
-                        kv_cache_memory=8 << 30) as eng:
-            for b in (8, 16, 32):
+    got = {}
+    for tag, max_m in (("decode GEMM", fd.FP8_DECODE_MAX_M), ("W8A16 small-batch", 0)):
+        with _engine_8b(ctx, (fd, "FP8_DECODE_MAX_M", max_m), quantization="fp8", max_model_len=2048,
+                        cuda_graph_max_bs=32, kv_cache_memory=8 << 30) as eng:
+            for b in (1, 8, 32):
                 floor, _ = decode_floor_ms(eng, b, args.ctx, c.copy_gb_s)
-                ms = decode_step_ms(eng, b, args.ctx, args.steps, overlap=True)
-                rep.add("fp8_decode_8b_rows", f"W8A16 to {max_m} rows B={b} step_ms", ms, f"x{ms / floor:.2f} of floor")
+                got[(tag, b)] = ms = decode_step_ms(eng, b, args.ctx, args.steps, overlap=True)
+                rep.add("fp8_decode_route", f"{tag} B={b} step_ms", ms, f"x{ms / floor:.2f} of floor {floor:.3f}")
+    for b in (1, 8, 32):
+        rep.add("fp8_decode_route", f"B={b} small-batch/decode GEMM", got[("W8A16 small-batch", b)] / got[("decode GEMM", b)])
 
 
 def fp8_decode_profile(ctx):
@@ -502,10 +506,10 @@ def fp8_kv_long(ctx):
 
 # (d) before (c): it is quick, and what matters most runs first when the budget is tight
 FP8_SECTIONS = ("ceilings", "fp8_accuracy", "fp8_decode_8b", "fp8_gemm_cublas", "fp8_decode_8b_wide",
-                "fp8_decode_8b_rows", "fp8_decode_profile", "fp8_gemm", "fp8_moe_decode", "fp8_kv_long",
+                "fp8_decode_route", "fp8_decode_profile", "fp8_gemm", "fp8_moe_decode", "fp8_kv_long",
                 "fp8_prefill_profile")
 SECTIONS = {"fp8_accuracy": fp8_accuracy, "fp8_decode_8b": fp8_decode_8b, "fp8_gemm": fp8_gemm,
             "fp8_gemm_cublas": fp8_gemm_cublas, "fp8_decode_8b_wide": fp8_decode_8b_wide,
-            "fp8_decode_8b_rows": fp8_decode_8b_rows, "fp8_decode_profile": fp8_decode_profile,
+            "fp8_decode_route": fp8_decode_route, "fp8_decode_profile": fp8_decode_profile,
             "fp8_moe_decode": fp8_moe_decode, "fp8_kv_long": fp8_kv_long, "fp8_prefill_profile": fp8_prefill_profile}
 

@@ -211,18 +211,24 @@ def test_a_rank_slice_inside_a_scale_block_is_refused(tmp_path):
 @pytest.mark.parametrize("kind,fmt,kv_fp8", [("tiny", "block", True), ("qwen3_moe", "block", True),
                                              ("qwen2_moe_shared", "channel", False)])
 def test_gpu_path_in_the_interpreter_equals_its_reference(runner, tmp_path, kind, fmt, kv_fp8):
-    """FP8 linears (small-batch and W8A8 GEMM), FP8 experts (per-pair decode kernel and grouped
-    GEMMs) and FP8 KV pages through the Triton kernels = the torch layers over FP8 weights;
-    and near the dequantized model (activations and KV quantized to FP8 cost a few percent)."""
+    """FP8 linears (W8A16 small-batch kernel, W8A8 decode GEMM), FP8 experts (per-pair decode
+    kernel and grouped GEMMs) and FP8 KV pages through the Triton kernels = the torch layers over
+    FP8 weights; and near the dequantized model (activations and KV quantized to FP8 cost a few
+    percent). Where the decode GEMM quantizes activations, two paths whose other kernels differ
+    in the last bits (attention, experts, norms: ~1e-7) can round an activation to neighbouring
+    FP8 values, a jump of one FP8 step in one value: equal to 1e-4 with the W8A16 kernel, within
+    a few percent with the decode GEMM (the decode GEMM equals its reference to the bit:
+    tests/kernels/test_kernels_fp8_decode_gemm.py)."""
     from tests.helpers.tiny_models import make_tiny_model
     src = make_tiny_model(tmp_path / "src", "qwen3") if kind == "tiny" else build_model_dir(tmp_path / "src", kind)
     q = quantize_checkpoint(src, tmp_path / "fp8", fmt, block=(32, 32), kv_scales=True)
-    errs = runner("tests.helpers.fp8_model_check:check_fp8_model", str(q), runner.device.type, kv_fp8)
-    assert errs["fp8_layers"] >= 7
-    tol = 1e-2 if runner.use_cuda else 1e-4  # a GPU's FP8 tensor-core dots add in reduced precision
-    for step in ("extend", "decode"):
-        assert errs[f"{step}_vs_torch_fp8"] < tol, errs
-        assert errs[f"{step}_vs_dequantized"] < 0.3, errs
+    check = "tests.helpers.fp8_model_check:check_fp8_model"
+    for decode_gemm, tol in ((False, 1e-2 if runner.use_cuda else 1e-4), (True, 5e-2)):
+        errs = runner(check, str(q), runner.device.type, kv_fp8, decode_gemm)
+        assert errs["fp8_layers"] >= 7
+        for step in ("extend", "decode"):  # a GPU's FP8 tensor-core dots add in reduced precision
+            assert errs[f"{step}_vs_torch_fp8"] < tol, (decode_gemm, errs)
+            assert errs[f"{step}_vs_dequantized"] < 0.3, (decode_gemm, errs)
 
 
 def test_fp8_kv_cache_on_cpu(default_fp8, tmp_path):

@@ -3,8 +3,9 @@ CPU, natively on a GPU): one FP8 checkpoint as the GPU engine runs it (fused lay
 linears and experts through the Triton kernels, the Triton attention backend, optionally an
 FP8 KV pool) beside the same checkpoint through the torch layers (FP8 weights through the
 kernels' torch references) and dequantized (float32 weights and KV: what transformers runs).
-One extend step of two prompts (one over 16 tokens: the W8A8 GEMM path) and one decode step
-(the W8A16 small-batch path); returns relative errors of the hidden states."""
+One extend step of two prompts (25 tokens) and one decode step (2 rows); returns relative errors
+of the hidden states. decode_gemm: FP8 linears of 2..32 rows take the W8A8 decode GEMM, as the
+engine runs them on Hopper (kernels/fp8_decode_gemm.py); off, the W8A16 small-batch kernel."""
 from __future__ import annotations
 
 import torch
@@ -12,7 +13,18 @@ import torch
 from loadtest.bench.accuracy import relative_error
 
 
-def check_fp8_model(model_dir: str, device: str, kv_fp8: bool) -> dict:
+def check_fp8_model(model_dir: str, device: str, kv_fp8: bool, decode_gemm: bool = True) -> dict:
+    import kernels.fp8_decode_gemm as fd
+
+    saved = fd.FP8_DECODE_MAX_M
+    fd.FP8_DECODE_MAX_M = saved if decode_gemm else 0
+    try:
+        return _check(model_dir, device, kv_fp8)
+    finally:
+        fd.FP8_DECODE_MAX_M = saved
+
+
+def _check(model_dir: str, device: str, kv_fp8: bool) -> dict:
     from shared.engine.attention.torch_backend import TorchAttentionBackend
     from shared.engine.attention.triton_backend import TritonAttentionBackend
     from shared.engine.kv_pool import KVLayout, KVPool

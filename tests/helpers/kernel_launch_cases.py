@@ -221,6 +221,28 @@ def fp8_linear():
             small_batch_fp8_linear(_e(1, 256, dtype=dt), w, workspace=ws, pdl=_pdl(), gate_up=True)
 
 
+def fp8_decode_gemm():
+    """The decode GEMM's launch (its wrapper runs only on Hopper or in the interpreter): the
+    tilings a GPU picks at 1, 16, 17 and 32 rows for Qwen3-8B's linears, split-K or not, bias,
+    gate/up, PDL, block and per-channel scales, 16-bit and fp32 x."""
+    from kernels.fp8 import ACT_EPS
+    from kernels.fp8_decode_gemm import decode_config
+    from kernels.small_batch_linear import SmallBatchWorkspace
+    from kernels.triton_fp8_decode_gemm import launch_fp8_decode_gemm
+    ws = SmallBatchWorkspace.create("cpu", max_partial_floats=1 << 24, max_tiles=1 << 12)
+    for dt in DTYPES:
+        for n, k, gate_up in ((6144, 4096, False), (4096, 12288, False), (24576, 4096, True)):
+            w = _fp8_weight(n, k, (128, 128))
+            for m in (1, 16, 17, 32):
+                cfg = decode_config(m, n, k, 132, gate_up, 128, CUDA)
+                out = _e(m, n // 2 if gate_up else n, dtype=dt)
+                launch_fp8_decode_gemm(_e(m, k, dtype=dt), w, None, out, cfg, ws, gate_up, _pdl() if m == 1 else None,
+                                       128, ACT_EPS)
+        w = _fp8_weight(96, 256, None)
+        launch_fp8_decode_gemm(_e(3, 256, dtype=dt), w, _e(96, dtype=dt), _e(3, 96, dtype=dt),
+                               decode_config(3, 96, 256, 132, False, 128, CUDA), ws, False, None, 128, ACT_EPS)
+
+
 # -- mixture of experts ----------------------------------------------------------------------------
 def _route(t, e, k):
     return _e(t, k), torch.randint(0, e, (t, k), dtype=torch.int32)
@@ -339,6 +361,7 @@ GROUPS = {
     "triton_rejection_sample": rejection_sample,
     "triton_small_batch_linear": small_batch_linear,
     "triton_fp8_gemm": fp8_linear,
+    "triton_fp8_decode_gemm": fp8_decode_gemm,
     "triton_fused_moe": fused_moe,
     "triton_moe_decode": moe_decode,
     "triton_fp8_moe": fp8_moe,

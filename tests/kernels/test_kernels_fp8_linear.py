@@ -195,19 +195,28 @@ def test_small_batch_fp8_with_bf16_rows_of_any_magnitude(runner, config):
         assert relative_error(got[row], want[row]) < 6e-3, row
 
 
-@pytest.mark.parametrize("m", [2, 29, 40])
+@pytest.mark.parametrize("m", [1, 2, 29, 40])
 def test_fp8_linear_routes_and_matches_its_reference(runner, m):
-    """<= 32 rows: the W8A16 small-batch kernel; more: quantized activations and the GEMM.
-    The reference takes the same route."""
+    """One row: the W8A16 small-batch kernel; 2..32 rows: the decode GEMM (activations quantized
+    inside it, kernels/fp8_decode_gemm.py); more: activations quantized in one launch, then the
+    GEMM. The reference takes the same route."""
     g = case_generator("route", m)
     w = channel_weight(64, 256, g, "cpu")
     x = torch.randn(m, 256, generator=g)
     dev = runner.device
     wd = Fp8Weight(w.q.to(dev), w.scale.to(dev), w.scale_row.to(dev), w.group_k)
     got = runner(LINEAR, x.to(dev), wd)
-    assert relative_error(got, fp8_linear_reference(x, w)) < (1e-5 if m <= 32 else GEMM_TOL[torch.float32])
-    # and both stay near the unquantized product (FP8 weights, and activations above 32 rows)
-    assert relative_error(got, x @ w.dequantize().T) < (1e-5 if m <= 32 else 0.08)
+    assert relative_error(got, fp8_linear_reference(x, w)) < (1e-5 if m == 1 else GEMM_TOL[torch.float32])
+    # and it stays near the unquantized product (FP8 weights, and activations from 2 rows)
+    assert relative_error(got, x @ w.dequantize().T) < (1e-5 if m == 1 else 0.08)
+    # the fused gate/up + SwiGLU at decode sizes takes the same kernel
+    if m <= 32:
+        from kernels.fp8_decode_gemm import fp8_decode_reference
+        gu = block_weight([40, 40], 256, (32, 128), g, "cpu")
+        gud = Fp8Weight(gu.q.to(dev), gu.scale.to(dev), gu.scale_row.to(dev), gu.group_k)
+        got = runner("kernels.fp8_linear:fp8_gate_up_silu", x.to(dev), gud)
+        want = gate_up_silu_fp8_reference(x, gu) if m == 1 else fp8_decode_reference(x, gu, gate_up=True)
+        assert relative_error(got, want) < (1e-5 if m == 1 else GEMM_TOL[torch.float32])
 
 
 def test_bad_input_is_refused():
