@@ -214,6 +214,11 @@ def fp8_linear_reference(x: torch.Tensor, w: Fp8Weight, bias=None) -> torch.Tens
     return w8a8_gemm_reference(xq, xs, w, bias, x.dtype, group)
 
 
+def _decode_gemm_on(workspace) -> bool:
+    """The engine's --fp8-decode-gemm, carried by the layers' workspace (on without one)."""
+    return workspace is None or workspace.fp8_decode_gemm
+
+
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor] = None, *, workspace=None,
                pdl=None) -> torch.Tensor:
     """y = x W^T (+ bias) for an FP8 weight, by the route in the module note; x [..., K]. On a
@@ -223,7 +228,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor] = Non
     _check(x2, w, bias, w.q.shape[0])
     if not _use_triton(x2):
         y = fp8_linear_reference(x2, w, bias)
-    elif fp8_decode_route(x2, w):
+    elif _decode_gemm_on(workspace) and fp8_decode_route(x2, w):
         y = fp8_decode_linear(x2, w, bias, workspace=workspace, pdl=pdl)
     elif small_batch_fp8_supported(x2.shape[0], x2.shape[1], x2.dtype):
         y = small_batch_fp8_linear(x2, w, bias, workspace=workspace, pdl=pdl)
@@ -243,7 +248,7 @@ def fp8_gate_up_silu(x: torch.Tensor, w: Fp8Weight, *, workspace=None, pdl=None)
     SwiGLU)."""
     if x.dim() != 2 or not _use_triton(x):
         return None
-    if fp8_decode_route(x, w):
+    if _decode_gemm_on(workspace) and fp8_decode_route(x, w):
         return fp8_decode_linear(x, w, workspace=workspace, pdl=pdl, gate_up=True)
     if not small_batch_fp8_supported(x.shape[0], x.shape[1], x.dtype):
         return None

@@ -67,11 +67,14 @@ class SmallBatchWorkspace:
     up front (before CUDA-graph capture) per stream that runs these kernels: two launches
     in flight at once must not share a workspace. tuned_only: the layers holding this
     workspace use the kernel only where small_batch_tuned (a view of the same buffers:
-    `dataclasses.replace(ws, tuned_only=True)`)."""
+    `dataclasses.replace(ws, tuned_only=True)`). fp8_decode_gemm: FP8 linears holding this
+    workspace send 2..32 rows to the W8A8 decode GEMM where it runs (kernels/fp8_linear.py);
+    False keeps them on this kernel (W8A16)."""
 
     partials: torch.Tensor
     counters: torch.Tensor
     tuned_only: bool = False
+    fp8_decode_gemm: bool = True
 
     @classmethod
     def create(cls, device, max_partial_floats: int = PARTIAL_FLOATS, max_tiles: int = 1 << 13) -> "SmallBatchWorkspace":

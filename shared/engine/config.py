@@ -132,6 +132,14 @@ class EngineConfig:
         "none", flag="--quantization", env="DUET_QUANTIZATION", choices=("none", "fp8"),
         help="fp8: quantize a 16-bit checkpoint's linear layers to FP8 (128x128 blocks) at load; an FP8 "
              "checkpoint (quantization_config fp8 / compressed-tensors float8) is served in FP8 without it")
+    # FP8 linears of 2..32 rows on Hopper (kernels/fp8_decode_gemm.py): "on" quantizes the
+    # activations per token per 128 columns inside the GEMM (W8A8, as prefill and as SGLang and
+    # vLLM run block FP8), "off" widens the weights instead (W8A16: slower, no activation rounding)
+    fp8_decode_gemm: str = setting(
+        "on", flag="--fp8-decode-gemm", env="DUET_FP8_DECODE_GEMM", choices=("on", "off"),
+        help="FP8 linears of 2..32 rows on Hopper: on = activations quantized to FP8 inside the GEMM (W8A8, "
+             "faster: 8B decode at 8 rows 1.10x); off = the weights widened to 16 bits (W8A16, no activation "
+             "rounding)")
     kv_cache_dtype: str = setting(
         "auto", flag="--kv-cache-dtype", env="DUET_KV_CACHE_DTYPE", choices=("auto", "fp8_e4m3"),
         help="KV cache dtype: auto (the weights' dtype) or fp8_e4m3 (half a bf16 cache's bytes per token and "

@@ -14,7 +14,7 @@ import time
 import uuid
 import weakref
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -103,13 +103,14 @@ class Engine:
             from .models.layers import enable_small_batch_linears
             self.small_batch_workspace = SmallBatchWorkspace.create(self.device)
             enable_small_batch_linears(self.model, self.small_batch_workspace, mode=which)
-        if fused and self.fp8_layers:  # FP8 linears' decode sizes always run the small-batch kernel
+        if fused and self.fp8_layers:  # FP8 decode sizes: the small-batch kernel or the decode GEMM, both split-K
             from kernels.small_batch_linear import SmallBatchWorkspace
             if self.small_batch_workspace is None:
                 self.small_batch_workspace = SmallBatchWorkspace.create(self.device)
+            on = config.fp8_decode_gemm == "on"  # W8A8 decode GEMM at 2..32 rows, else W8A16
             for m in self.model.modules():
-                if getattr(m, "fp8", None) and getattr(m, "small_batch", "absent") is None:
-                    m.small_batch = self.small_batch_workspace
+                if getattr(m, "fp8", None) and hasattr(m, "small_batch"):
+                    m.small_batch = replace(m.small_batch or self.small_batch_workspace, fp8_decode_gemm=on)
         if self.tp.size > 1 and self.device.type == "cuda" and config.custom_all_reduce:
             from .parallel.custom_all_reduce import CustomAllReduce
             car = None

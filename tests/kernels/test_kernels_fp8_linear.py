@@ -217,6 +217,12 @@ def test_fp8_linear_routes_and_matches_its_reference(runner, m):
         got = runner("kernels.fp8_linear:fp8_gate_up_silu", x.to(dev), gud)
         want = gate_up_silu_fp8_reference(x, gu) if m == 1 else fp8_decode_reference(x, gu, gate_up=True)
         assert relative_error(got, want) < (1e-5 if m == 1 else GEMM_TOL[torch.float32])
+        # --fp8-decode-gemm off (the layers' workspace says so): the W8A16 small-batch kernel
+        ws = replace(SmallBatchWorkspace.create(dev, max_partial_floats=1 << 16, max_tiles=64), fp8_decode_gemm=False)
+        got = runner(LINEAR, x.to(dev), wd, workspace=ws)
+        assert relative_error(got, small_batch_fp8_reference(x, w)) < 1e-5
+        got = runner("kernels.fp8_linear:fp8_gate_up_silu", x.to(dev), gud, workspace=ws)
+        assert relative_error(got, gate_up_silu_fp8_reference(x, gu)) < 1e-5
 
 
 def test_bad_input_is_refused():
