@@ -30,9 +30,7 @@ from kernels.fp8 import ACT_EPS, ACT_GROUP, FP8_DTYPE, FP8_MAX, Fp8Weight
 # past 32 rows the M-tiled W8A8 GEMM (cuBLAS from 128) takes over: every program quantizes x's
 # whole tile each K step, work that grows with the rows (gate/up at 64 rows: 84 us, vs 51 at 32)
 FP8_DECODE_MAX_M = 32
-# fp8_linear's route starts at 2 rows: at one row the W8A16 small-batch kernel with PDL is as fast
-# (a Qwen3-8B layer's linears 83.7 us against 82.9, H100) and rounds no activations
-FP8_DECODE_MIN_M = 2
+
 _GROUPS = (32, 64, 128)  # activation groups the K step can be (an FP8 dot takes K >= 32)
 
 
@@ -103,10 +101,8 @@ def _tma_available() -> bool:
 
 
 def fp8_decode_route(x: torch.Tensor, w: Fp8Weight, on_hopper: bool = False) -> bool:
-    """Whether fp8_linear sends x through the decode GEMM: 2..32 rows it can run here (on_hopper:
-    it could run on a Hopper GPU, the route the CPU's references follow)."""
-    if x.dim() != 2 or x.shape[0] < FP8_DECODE_MIN_M:
-        return False
+    """Whether the decode GEMM can take x here (on_hopper: whether it could on a Hopper GPU, the
+    route the CPU's references follow); kernels/fp8_linear.py decides whether it does."""
     return fp8_decode_shape_ok(x, w) if on_hopper else fp8_decode_supported(x, w)
 
 

@@ -1,13 +1,14 @@
 """Linear layers over FP8 weights (kernels/fp8.py's Fp8Weight): y = x W^T (+ bias).
 
 Three paths, picked by the number of rows, as SGLang and vLLM do:
-- decode sizes (2 <= M <= 32) on Hopper: x quantized per token per group of 128 columns
-  inside the GEMM, each K step an FP8 tensor-core dot with the weight tile as the MMA's M side
+- decode sizes (M <= 32) on Hopper: x quantized per token per group of 128 columns inside the
+  GEMM, each K step an FP8 tensor-core dot with the weight tile as the MMA's M side
   (kernels/fp8_decode_gemm.py): a decode step is a read of the weights, FP8 halves it, and
   nothing is widened on the way. The gate/up + SwiGLU fusion works the same way.
-  One row, and elsewhere (other GPUs, a group the kernel cannot step by) up to 32 rows: the
-  split-K small-batch kernel (kernels/small_batch_linear.py), which widens each FP8 weight in
-  registers (W8A16, no activation rounding; as fast at one row, slower from 2: kernels/NOTES.md).
+  One row of a shape the small-batch sweep tuned, and elsewhere (other GPUs, a group the kernel
+  cannot step by, --fp8-decode-gemm off) up to 32 rows: the split-K small-batch kernel
+  (kernels/small_batch_linear.py), which widens each FP8 weight in registers (W8A16, no
+  activation rounding; as fast at one row with its tuned tiles, slower from 2: kernels/NOTES.md).
 - larger M (prefill, big decode batches): activations quantized per token per group of 128
   columns (one launch), then a W8A8 GEMM on the FP8 tensor cores with the scales applied
   per K step (triton_fp8_gemm.py), DeepSeek-V3's recipe; from 128 rows, on weights in the plain
@@ -205,7 +206,7 @@ def fp8_linear_reference(x: torch.Tensor, w: Fp8Weight, bias=None) -> torch.Tens
     the decode GEMM runs (on the CPU: where it would run on Hopper), else W8A16 up to 32 rows;
     past that activations quantized per token group and W8A8."""
     m, k = x.shape
-    if fp8_decode_route(x, w, on_hopper=not x.is_cuda):
+    if _decode_gemm_takes(x, w, None, on_hopper=not x.is_cuda):
         return fp8_decode_reference(x, w, bias)
     if small_batch_fp8_supported(m, k, x.dtype):
         return small_batch_fp8_reference(x, w, bias)
@@ -214,9 +215,23 @@ def fp8_linear_reference(x: torch.Tensor, w: Fp8Weight, bias=None) -> torch.Tens
     return w8a8_gemm_reference(xq, xs, w, bias, x.dtype, group)
 
 
-def _decode_gemm_on(workspace) -> bool:
-    """The engine's --fp8-decode-gemm, carried by the layers' workspace (on without one)."""
-    return workspace is None or workspace.fp8_decode_gemm
+def _decode_gemm_takes(x: torch.Tensor, w: Fp8Weight, workspace, gate_up: bool = False,
+                       on_hopper: bool = False) -> bool:
+    """Whether x goes through the decode GEMM: the engine's --fp8-decode-gemm (carried by the
+    layers' workspace; on without one), a size and weight the kernel runs here (on_hopper: would
+    run on Hopper, for the CPU's references), and past one row, or at one row where the
+    small-batch kernel has no tuned tiling for the shape (its heuristic tiles made Qwen3-8B's
+    TP=2 shards 1.46x slower at batch 1 than TP=1's tuned ones; an H100 and an H200 read the
+    same FP8 table, and the references read it too)."""
+    if (workspace is not None and not workspace.fp8_decode_gemm) or not fp8_decode_route(x, w, on_hopper):
+        return False
+    if x.shape[0] > 1:
+        return True
+    from kernels.small_batch_linear import device_gpu_key
+    from kernels.small_batch_linear_config import tuned_config
+
+    n, k = w.q.shape
+    return tuned_config(1, n, k, device_gpu_key(x.device) or "H200", gate_up, fp8=True) is None
 
 
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor] = None, *, workspace=None,
@@ -228,7 +243,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor] = Non
     _check(x2, w, bias, w.q.shape[0])
     if not _use_triton(x2):
         y = fp8_linear_reference(x2, w, bias)
-    elif _decode_gemm_on(workspace) and fp8_decode_route(x2, w):
+    elif _decode_gemm_takes(x2, w, workspace):
         y = fp8_decode_linear(x2, w, bias, workspace=workspace, pdl=pdl)
     elif small_batch_fp8_supported(x2.shape[0], x2.shape[1], x2.dtype):
         y = small_batch_fp8_linear(x2, w, bias, workspace=workspace, pdl=pdl)
@@ -248,7 +263,7 @@ def fp8_gate_up_silu(x: torch.Tensor, w: Fp8Weight, *, workspace=None, pdl=None)
     SwiGLU)."""
     if x.dim() != 2 or not _use_triton(x):
         return None
-    if _decode_gemm_on(workspace) and fp8_decode_route(x, w):
+    if _decode_gemm_takes(x, w, workspace, gate_up=True):
         return fp8_decode_linear(x, w, workspace=workspace, pdl=pdl, gate_up=True)
     if not small_batch_fp8_supported(x.shape[0], x.shape[1], x.dtype):
         return None

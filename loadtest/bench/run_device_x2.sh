@@ -11,7 +11,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 for f in .whl/deb/*.deb; do dpkg -x "$f" /tmp/r; done
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/r/usr/bin:$PATH LD_LIBRARY_PATH=/tmp/r/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
-PARTS=${PARTS:-allreduce,tp_moe,tp_dense,moe_split,hetero_tp,stack_dense}
+PARTS=${PARTS:-allreduce,tp_moe,tp_dense,tp_fp8,moe_split,hetero_tp,stack_dense}
 part() {  # part NAME SECONDS CMD...: run bounded, log to $OUT/NAME.log, print its table
   local name=$1 secs=$2; shift 2
   case ",$PARTS," in *",$name,"*) ;; *) return 0 ;; esac
@@ -31,6 +31,9 @@ part allreduce "${T_AR:-90}" python3 -m loadtest.bench --suite tp --sections all
 # uninstrumented (the profile's follower syncs stall an overlapped pipeline: its rows are not step times)
 part tp_dense "${T_TP_DENSE:-330}" python3 -m loadtest.bench.tp_profile --batches 1,32 --steps 24 --no-instrument \
   --configs "${TP_CONFIGS:-1:off:fused:overlap,2:on:fused:overlap,2:on:fused}" --timeout 105
+# FP8 under TP=2: greedy tokens against TP=1 (FP8 weights, and with FP8 KV), the 8B FP8 decode step
+part tp_fp8 "${T_TP_FP8:-300}" python3 -m loadtest.bench --suite tp --sections ceilings,tp_fp8 --tp-batches 1,32 \
+  --steps 24 --json "$OUT/tp_fp8.json"
 # a MoE checkpoint served disaggregated: prefill on GPU 0, decode on GPU 1
 part moe_split "${T_MOE_SPLIT:-100}" python3 -m loadtest.bench.stack_gpu --model qwen3-30b-a3b --stacks split \
   --concurrency 4,16 --input-len 1024 --output-len 128 --warmup-concurrency 4 --warmup-requests 8 \

@@ -1,7 +1,7 @@
 """`duet bench`: the engine's GPU benchmark suite, on random-weight models of real shapes.
 
     duet bench [--models qwen3-0.6b,qwen3-8b] [--sections ...] [--json out.json]
-    duet bench --suite tp            # on a 2-GPU host: TP=2 equality, fused all-reduce, TP decode
+    duet bench --suite tp            # on a 2-GPU host: TP=2 equality, fused all-reduce, TP decode, MoE TP/EP, FP8 under TP
     duet bench --suite fp8 --budget-s 400   # FP8: accuracy, decode, GEMM, MoE, long-context KV (fp8_sections.py)
 
 Sections (single-GPU suite, in order): ceilings (copy bandwidth, bf16 matmul), equality
@@ -34,7 +34,7 @@ from .suite_context import need_ceilings as _need_ceilings
 from .suite_context import random_engine as _engine
 
 SINGLE_SECTIONS = ("ceilings", "equality", "decode", "prefill", "offline", "hf")
-TP_SECTIONS = ("ceilings", "tp_equality", "allreduce", "tp_decode", "moe_tp")
+TP_SECTIONS = ("ceilings", "tp_equality", "allreduce", "tp_decode", "moe_tp", "tp_fp8")
 
 
 def _parse(argv):
@@ -319,13 +319,9 @@ def _tp_equality(ctx):
             ref = in_fresh_process("loadtest.bench.tp:greedy_tokens", ckpt, dtype, 1, prompts, 48)
             for tp, ep in layouts:
                 got = in_fresh_process("loadtest.bench.tp:greedy_tokens", ckpt, dtype, tp, prompts, 48, ep)
-                same = sum(a == b for a, b in zip(ref, got))
                 # tokens equal up to each sequence's first divergence (after it the contexts differ)
-                prefix = sum(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
-                             for a, b in zip(ref, got)) / sum(map(len, ref))
                 ctx["report"].add("tp_equality", f"{name} {dtype} TP{tp}/EP{ep}==TP1 sequences",
-                                  f"{same}/{len(prompts)}", f"{100 * prefix:.1f}% of tokens before the first "
-                                  "divergence")
+                                  *_equal_share(ref, got))
 
 
 def _allreduce(ctx):
@@ -353,6 +349,47 @@ def _tp_decode(ctx):
         for r in rows:
             rep.add("tp_decode", f"{name} TP={tp} custom_ar={'on' if r['custom_ar'] else 'off'} B={r['batch']} "
                                  f"step_ms", r["step_ms"], f"per-rank floor {r['floor_ms']:.3f} ms")
+
+
+def _equal_share(ref, got) -> tuple[str, str]:
+    """("same/total" sequences, share of tokens before each sequence's first divergence)."""
+    same = sum(a == b for a, b in zip(ref, got))
+    prefix = sum(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+                 for a, b in zip(ref, got)) / sum(map(len, ref))
+    return f"{same}/{len(ref)}", f"{100 * prefix:.1f}% of tokens before the first divergence"
+
+
+def _tp_fp8(ctx):
+    """FP8 under TP=2 (two GPUs): greedy tokens with FP8 weights (quantized at load), and with FP8
+    weights + FP8 KV, at TP=2 (the MoE model also EP=2) against TP=1, bf16 compute, random small
+    models; then Qwen3-8B's FP8 decode step at TP=1 and TP=2 (fused all-reduce, overlap)."""
+    from .hf_peer import equality_prompts
+    from .shapes import config_only_dir, random_checkpoint_dir
+    from .tp import in_fresh_process
+
+    args, rep = ctx["args"], ctx["report"]
+    prompts = equality_prompts(4096, n=6)
+    for name, layouts in (("qwen3-small", [(2, 1)]), ("qwen3-moe-small", [(2, 1), (2, 2)])):
+        ckpt = str(random_checkpoint_dir(name, ctx["root"], ctx["dev"]))
+        for label, kv in (("fp8", "auto"), ("fp8+fp8kv", "fp8_e4m3")):
+            ref = in_fresh_process("loadtest.bench.tp:greedy_tokens", ckpt, "bfloat16", 1, prompts, 48, 1, "fp8", kv)
+            for tp, ep in layouts:
+                got = in_fresh_process("loadtest.bench.tp:greedy_tokens", ckpt, "bfloat16", tp, prompts, 48, ep,
+                                       "fp8", kv)
+                rep.add("tp_fp8", f"{name} {label} TP{tp}/EP{ep}==TP1 sequences", *_equal_share(ref, got))
+    c = _need_ceilings(ctx)
+    model_dir = str(config_only_dir("qwen3-8b", ctx["root"]))
+    batches = [int(b) for b in args.tp_batches.split(",")]
+    steps = {}
+    for tp, car in ((1, False), (2, True)):
+        for r in in_fresh_process("loadtest.bench.tp:tp_decode_rows", model_dir, tp, car, batches, args.ctx,
+                                  args.steps, c.copy_gb_s, 1, (True,), "fp8"):
+            steps[(tp, r["batch"])] = r["step_ms"]
+            rep.add("tp_fp8", f"qwen3-8b fp8 TP={tp} B={r['batch']} step_ms", r["step_ms"],
+                    f"per-rank floor {r['floor_ms']:.3f} ms, x{r['step_ms'] / r['floor_ms']:.2f}")
+    for b in batches:
+        if (1, b) in steps and (2, b) in steps:
+            rep.add("tp_fp8", f"qwen3-8b fp8 B={b} TP2/TP1", steps[(2, b)] / steps[(1, b)], "aim 0.6 (bf16: 0.74-0.76)")
 
 
 def _moe_tp(ctx):
@@ -394,7 +431,7 @@ def _spec(ctx):
 
 SECTION_FUNCS = {"ceilings": _ceilings, "equality": _equality, "decode": _decode, "prefill": _prefill,
                  "offline": _offline, "hf": _hf, "tp_equality": _tp_equality, "allreduce": _allreduce,
-                 "tp_decode": _tp_decode, "moe_tp": _moe_tp, "decode_fp8": _decode_fp8, "prefill_fp8": _prefill_fp8,
+                 "tp_decode": _tp_decode, "moe_tp": _moe_tp, "tp_fp8": _tp_fp8, "decode_fp8": _decode_fp8, "prefill_fp8": _prefill_fp8,
                  "offline_fp8": _offline_fp8, "spec": _spec}
 
 

@@ -150,11 +150,13 @@ def in_fresh_process(target: str, *args, timeout: float = 400.0):
     return value
 
 
-def greedy_tokens(model_dir: str, dtype: str, tp: int, prompts, new_tokens: int, ep: int = 1) -> list[list[int]]:
+def greedy_tokens(model_dir: str, dtype: str, tp: int, prompts, new_tokens: int, ep: int = 1,
+                  quantization: str = "none", kv_cache_dtype: str = "auto") -> list[list[int]]:
     from shared.engine import Engine, SamplingParams
 
     eng = Engine(model_dir=model_dir, dtype=dtype, tp_size=tp, ep_size=ep, kv_cache_memory=1 << 30,
-                 cuda_graph_max_bs=max(8, len(prompts)))  # a short graph ladder: quick to start
+                 cuda_graph_max_bs=max(8, len(prompts)),  # a short graph ladder: quick to start
+                 quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     rids = [eng.add_request(p, params) for p in prompts]
     got = {r: [] for r in rids}
@@ -166,7 +168,7 @@ def greedy_tokens(model_dir: str, dtype: str, tp: int, prompts, new_tokens: int,
 
 
 def tp_decode_rows(model_dir: str, tp: int, custom_ar: bool, batches, ctx_len: int, steps: int,
-                   copy_gb_s: float, ep: int = 1, overlaps=(False,)) -> list[dict]:
+                   copy_gb_s: float, ep: int = 1, overlaps=(False,), quantization: str = "none") -> list[dict]:
     import logging
 
     from .gpu_engine import decode_floor_ms, decode_step_ms, make_engine
@@ -175,7 +177,7 @@ def tp_decode_rows(model_dir: str, tp: int, custom_ar: bool, batches, ctx_len: i
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     t0 = time.monotonic()
     eng = make_engine(model_dir, load_format="dummy", tp_size=tp, ep_size=ep, custom_all_reduce=custom_ar,
-                      max_model_len=4096, cuda_graph_max_bs=max(batches))
+                      max_model_len=4096, cuda_graph_max_bs=max(batches), quantization=quantization)
     active = eng.tp.custom_all_reduce is not None
     print(f"[tp_decode child] TP={tp} EP={ep} custom_ar={active} engine ready in {time.monotonic() - t0:.0f}s",
           file=sys.stderr, flush=True)
