@@ -223,7 +223,9 @@ def test_gpu_path_in_the_interpreter_equals_its_reference(runner, tmp_path, kind
     src = make_tiny_model(tmp_path / "src", "qwen3") if kind == "tiny" else build_model_dir(tmp_path / "src", kind)
     q = quantize_checkpoint(src, tmp_path / "fp8", fmt, block=(32, 32), kv_scales=True)
     check = "tests.helpers.fp8_model_check:check_fp8_model"
-    for decode_gemm, tol in ((False, 1e-2 if runner.use_cuda else 1e-4), (True, 5e-2)):
+    # both routes on the MoE + FP8 KV model; the decode GEMM's on the others (CI time)
+    routes = ((False, 1e-2 if runner.use_cuda else 1e-4), (True, 5e-2)) if kind == "qwen3_moe" else ((True, 5e-2),)
+    for decode_gemm, tol in routes:
         errs = runner(check, str(q), runner.device.type, kv_fp8, decode_gemm)
         assert errs["fp8_layers"] >= 7
         for step in ("extend", "decode"):  # a GPU's FP8 tensor-core dots add in reduced precision
