@@ -8,10 +8,12 @@ bytes (loadtest/bench/fp8_decode_linear_probe.py). This kernel widens nothing: e
 quantizes x's slice to FP8 (per row per group of 128 columns, the prefill's recipe, as SGLang
 and vLLM run block-FP8 models at every batch size), and the FP8 tensor cores take the weight
 tile as the MMA's M side ("swap AB": 64 or 128 weight rows against x's rows padded to 16),
-each step's dot promoted with both scales (triton_fp8_decode_gemm.py). The same probe: 87.2 us
-a layer at one row, 90.5 at 8 (small-batch 110.3), 112.0 at 32 (119.1). Each K step quantizes
-x's tile in every program, work that grows with the rows: at 64 rows it lost (gate/up 84 us),
-so past 32 the M-tiled W8A8 GEMM takes over.
+each step's dot promoted with both scales (triton_fp8_decode_gemm.py). As a decode step calls
+them (`fp8_decode_linear_probe --engine`, H100): 94.6 us a layer at 8 rows against the small-batch
+kernel's 104-111, 110.7 at 32 against 117-119, at one row level with its tuned tiles (PDL). Each
+K step quantizes x's tile in every program, work that grows with the rows: at 64 rows it lost
+(gate/up 84 us against 51 at 32), so past 32 the M-tiled W8A8 GEMM takes over. kernels/fp8_linear.py
+sends it 2..32 rows, and one row of a shape the small-batch sweep did not tune.
 
 Numerics are W8A8's (fp8_decode_reference): the activation rounding the small-batch kernel
 avoided, the same as the prefill path's. Needs Hopper (FP8 MMA and TMA) or Triton's interpreter;
