@@ -22,6 +22,7 @@ elsewhere kernels.fp8_linear keeps the small-batch kernel.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -89,23 +90,22 @@ def fp8_decode_supported(x: torch.Tensor, w: Fp8Weight) -> bool:
     if not fp8_decode_shape_ok(x, w):
         return False
     if x.is_cuda:
-        return torch.cuda.get_device_capability(x.device)[0] >= 9 and _tma_available()
+        return _hopper_with_tma(x.device.index if x.device.index is not None else torch.cuda.current_device())
     from kernels.availability import triton_interpret_enabled
     return triton_interpret_enabled()
 
 
-def _tma_available() -> bool:
+@functools.lru_cache(maxsize=None)
+def _hopper_with_tma(index: int) -> bool:
+    """Compute capability 9+ and a Triton with host TMA descriptors (asked once a device: the
+    route asks at every eager decode-size call)."""
+    if torch.cuda.get_device_capability(index)[0] < 9:
+        return False
     try:
         from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
     except ImportError:
         return False
     return True
-
-
-def fp8_decode_route(x: torch.Tensor, w: Fp8Weight, on_hopper: bool = False) -> bool:
-    """Whether the decode GEMM can take x here (on_hopper: whether it could on a Hopper GPU, the
-    route the CPU's references follow); kernels/fp8_linear.py decides whether it does."""
-    return fp8_decode_shape_ok(x, w) if on_hopper else fp8_decode_supported(x, w)
 
 
 def quantize_rows_reference(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:

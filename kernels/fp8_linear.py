@@ -31,7 +31,8 @@ import torch
 from kernels.fp8 import (ACT_EPS, ACT_GROUP, FP8_DTYPE, Fp8Weight, dequantize_activations,
                          per_token_group_quant_reference)
 from kernels.fp8_cublas import cublas_fp8_linear, cublas_route
-from kernels.fp8_decode_gemm import fp8_decode_linear, fp8_decode_reference, fp8_decode_route
+from kernels.fp8_decode_gemm import (fp8_decode_linear, fp8_decode_reference, fp8_decode_shape_ok,
+                                     fp8_decode_supported)
 from kernels.small_batch_linear_config import FP8_MAX_M
 
 _X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -223,7 +224,9 @@ def _decode_gemm_takes(x: torch.Tensor, w: Fp8Weight, workspace, gate_up: bool =
     small-batch kernel has no tuned tiling for the shape (its heuristic tiles made Qwen3-8B's
     TP=2 shards 1.46x slower at batch 1 than TP=1's tuned ones; an H100 and an H200 read the
     same FP8 table, and the references read it too)."""
-    if (workspace is not None and not workspace.fp8_decode_gemm) or not fp8_decode_route(x, w, on_hopper):
+    if workspace is not None and not workspace.fp8_decode_gemm:
+        return False
+    if not (fp8_decode_shape_ok(x, w) if on_hopper else fp8_decode_supported(x, w)):
         return False
     if x.shape[0] > 1:
         return True
