@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the router reads pools from the registry and never imports torch
+    import torch
 
 
 @dataclass(frozen=True)

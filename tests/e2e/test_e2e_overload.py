@@ -1,5 +1,5 @@
 """Overload through `duet up` split (1 prefill + 1 decode, default model): arrivals at 10x
-what the stack serves, for 30 s (loadtest/overload.py measures the capacity first). The
+what the stack serves, for 20 s (loadtest/overload.py measures the capacity first). The
 gateway admits 8 generations and queues 16 more; every answer is 200 or 429 with
 Retry-After (never a 5xx, a dropped connection or a hang), the gateway's memory (RSS)
 stays bounded, a plain request right after is served promptly, and every worker is idle
@@ -22,7 +22,7 @@ from tests.helpers.stack import DuetUp, managed, new_log_dir
 
 pytestmark = pytest.mark.slow
 
-DURATION_S = float(os.environ.get("DUET_OVERLOAD_S", "30"))
+DURATION_S = float(os.environ.get("DUET_OVERLOAD_S", "20"))
 RSS_GROWTH_MB = 150  # bounded: the gateway holds at most 8 + 16 requests, whatever arrives
 
 
