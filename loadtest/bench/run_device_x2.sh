@@ -32,7 +32,7 @@ part allreduce "${T_AR:-90}" python3 -m loadtest.bench --suite tp --sections all
 part tp_dense "${T_TP_DENSE:-330}" python3 -m loadtest.bench.tp_profile --batches 1,32 --steps 24 --no-instrument \
   --configs "${TP_CONFIGS:-1:off:fused:overlap,2:on:fused:overlap,2:on:fused}" --timeout 105
 # FP8 under TP=2: greedy tokens against TP=1 (FP8 weights, and with FP8 KV), the 8B FP8 decode step
-part tp_fp8 "${T_TP_FP8:-300}" python3 -m loadtest.bench --suite tp --sections ceilings,tp_fp8 --tp-batches 1,32 \
+part tp_fp8 "${T_TP_FP8:-300}" python3 -m loadtest.bench --suite tp --sections ceilings,tp_fp8,tp_fp8_steps --tp-batches 1,32 \
   --steps 24 --json "$OUT/tp_fp8.json"
 # a MoE checkpoint served disaggregated: prefill on GPU 0, decode on GPU 1
 part moe_split "${T_MOE_SPLIT:-100}" python3 -m loadtest.bench.stack_gpu --model qwen3-30b-a3b --stacks split \

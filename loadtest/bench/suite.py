@@ -34,7 +34,7 @@ from .suite_context import need_ceilings as _need_ceilings
 from .suite_context import random_engine as _engine
 
 SINGLE_SECTIONS = ("ceilings", "equality", "decode", "prefill", "offline", "hf")
-TP_SECTIONS = ("ceilings", "tp_equality", "allreduce", "tp_decode", "moe_tp", "tp_fp8")
+TP_SECTIONS = ("ceilings", "tp_equality", "allreduce", "tp_decode", "moe_tp", "tp_fp8", "tp_fp8_steps")
 
 
 def _parse(argv):
@@ -362,12 +362,12 @@ def _equal_share(ref, got) -> tuple[str, str]:
 def _tp_fp8(ctx):
     """FP8 under TP=2 (two GPUs): greedy tokens with FP8 weights (quantized at load), and with FP8
     weights + FP8 KV, at TP=2 (the MoE model also EP=2) against TP=1, bf16 compute, random small
-    models; then Qwen3-8B's FP8 decode step at TP=1 and TP=2 (fused all-reduce, overlap)."""
+    models (the step times: tp_fp8_steps)."""
     from .hf_peer import equality_prompts
-    from .shapes import config_only_dir, random_checkpoint_dir
+    from .shapes import random_checkpoint_dir
     from .tp import in_fresh_process
 
-    args, rep = ctx["args"], ctx["report"]
+    rep = ctx["report"]
     prompts = equality_prompts(4096, n=6)
     for name, layouts in (("qwen3-small", [(2, 1)]), ("qwen3-moe-small", [(2, 1), (2, 2)])):
         ckpt = str(random_checkpoint_dir(name, ctx["root"], ctx["dev"]))
@@ -377,6 +377,14 @@ def _tp_fp8(ctx):
                 got = in_fresh_process("loadtest.bench.tp:greedy_tokens", ckpt, "bfloat16", tp, prompts, 48, ep,
                                        "fp8", kv)
                 rep.add("tp_fp8", f"{name} {label} TP{tp}/EP{ep}==TP1 sequences", *_equal_share(ref, got))
+
+
+def _tp_fp8_steps(ctx):
+    """Qwen3-8B's FP8 decode step at TP=1 and TP=2 (fused all-reduce, overlap)."""
+    from .shapes import config_only_dir
+    from .tp import in_fresh_process
+
+    args, rep = ctx["args"], ctx["report"]
     c = _need_ceilings(ctx)
     model_dir = str(config_only_dir("qwen3-8b", ctx["root"]))
     batches = [int(b) for b in args.tp_batches.split(",")]
@@ -431,7 +439,7 @@ def _spec(ctx):
 
 SECTION_FUNCS = {"ceilings": _ceilings, "equality": _equality, "decode": _decode, "prefill": _prefill,
                  "offline": _offline, "hf": _hf, "tp_equality": _tp_equality, "allreduce": _allreduce,
-                 "tp_decode": _tp_decode, "moe_tp": _moe_tp, "tp_fp8": _tp_fp8, "decode_fp8": _decode_fp8, "prefill_fp8": _prefill_fp8,
+                 "tp_decode": _tp_decode, "moe_tp": _moe_tp, "tp_fp8": _tp_fp8, "tp_fp8_steps": _tp_fp8_steps, "decode_fp8": _decode_fp8, "prefill_fp8": _prefill_fp8,
                  "offline_fp8": _offline_fp8, "spec": _spec}
 
 
