@@ -10,8 +10,6 @@ shared/engine/speculative/rejection.rejection_sample_reference)."""
 
 from __future__ import annotations
 
-import torch
-
 
 def _check(target_logp, draft_probs, draft_tokens, num_draft, u, keys):
     B, K1, V = target_logp.shape
