@@ -4,7 +4,6 @@ An FP8 cache (float8_e4m3fn) stores k / k_scale and v / v_scale, saturated at +-
 rounded to nearest even (kernels/fp8.py kv_cache_values); readers multiply by the scales.
 Other caches store k and v cast to their dtype and ignore the scales."""
 
-
 from kernels.fp8 import kv_cache_values
 from kernels.paged_kv import PagedCacheShape
 
