@@ -27,11 +27,14 @@ import triton.language as tl
 from kernels.paged_kv import next_power_of_2
 from kernels.pdl import Pdl, launch_options, pdl_for
 from kernels.triton_f16_rows import rows_to_f16
-from kernels.triton_pdl import pdl_enter
+from kernels.triton_pdl import pdl_enter, prefetch_l2
 
 _LOG2E = 1.4426950408889634
 _MIN_TOKENS_PER_SPLIT = 128
 _MAX_SPLITS = 32
+# Under PDL, stage 1 asks L2 for its split's K/V while the kernel before runs (False: the
+# benchmarks' "before", loadtest/bench/fp8_sections.py fp8_attn_prefetch)
+PDL_KV_PREFETCH = True
 
 
 @dataclass(frozen=True)
@@ -44,11 +47,34 @@ class DecodeConfig:
     direct_single_split: bool = True  # one split: stage 1 writes o, no stage 2 (False: benchmarks' "before")
 
 
+@triton.jit
+def _prefetch_split(seq_len_ptr, pt_row, pt_width, num_pages, k_base, v_base, split, stride_k_page, stride_k_off,
+                    stride_v_page, stride_v_off, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, LINE_ELEMS: tl.constexpr,
+                    LINES: tl.constexpr):
+    """L2 prefetches of the K and V rows this program's split will read (128-byte lines). Every
+    index is clamped into its table: what is read here only steers hints."""
+    seq_len = tl.load(seq_len_ptr)
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    line = tl.minimum(tl.arange(0, LINES) * LINE_ELEMS, HEAD_DIM - 1)  # LINES: a power of two
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        pos_ok = pos < end
+        pos = tl.where(pos_ok, pos, start)  # past the split: its first row again (already asked for)
+        page = tl.load(pt_row + tl.minimum(pos // PAGE_SIZE, pt_width - 1))
+        page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
+        off = pos % PAGE_SIZE
+        prefetch_l2(k_base + (page * stride_k_page + off * stride_k_off)[:, None] + line[None, :])
+        prefetch_l2(v_base + (page * stride_v_page + off * stride_v_off)[:, None] + line[None, :])
+
+
 # batch index arrays are slices at any offset and the page-table width varies by batch: not
 # specialised on (a serving batch would compile a variant warm-up never met: shared/engine/warmup.py)
-@triton.jit(do_not_specialize=["stride_pt_b"], do_not_specialize_on_alignment=["page_table", "seq_lens"])
+@triton.jit(do_not_specialize=["stride_pt_b", "pt_width", "num_pages"], do_not_specialize_on_alignment=["page_table", "seq_lens"])
 def _decode_stage1(
-    q, k_cache, v_cache, page_table, seq_lens, mid_o, mid_lse, o, qk_scale_log2, v_scale,
+    q, k_cache, v_cache, page_table, seq_lens, mid_o, mid_lse, o, qk_scale_log2, v_scale, pt_width, num_pages,
     stride_q_b, stride_q_h,
     stride_k_page, stride_k_head, stride_k_off,
     stride_v_page, stride_v_head, stride_v_off,
@@ -60,12 +86,25 @@ def _decode_stage1(
     BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     DIRECT_OUT: tl.constexpr, PDL: tl.constexpr, KV_F16: tl.constexpr,
+    PREFETCH: tl.constexpr, LINE_ELEMS: tl.constexpr, LINES: tl.constexpr,
 ):
-    pdl_enter(PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_BLOCKS
     head_block = tl.program_id(1) % HEAD_BLOCKS
     split = tl.program_id(2)
+    pt_row = page_table + b.to(tl.int64) * stride_pt_b
+    k_base = k_cache + kv_head.to(tl.int64) * stride_k_head
+    v_base = v_cache + kv_head.to(tl.int64) * stride_v_head
+    if PREFETCH:
+        # While the kernel before (the new token's K/V store) runs, ask L2 for this split's
+        # pages: the host wrote seq_lens and the page table before the step's first kernel, the
+        # older tokens' K/V are earlier steps', and a prefetch is only a hint (the one line the
+        # kernel before writes is fetched again after the wait). The bytes are a few us of DRAM
+        # latency on the critical path at one row (kernels/NOTES.md).
+        _prefetch_split(seq_lens + b, pt_row, pt_width, num_pages, k_base, v_base, split, stride_k_page, stride_k_off,
+                        stride_v_page, stride_v_off, NUM_SPLITS, BLOCK_N, PAGE_SIZE, HEAD_DIM, LINE_ELEMS,
+                        LINES)
+    pdl_enter(PDL)
 
     seq_len = tl.load(seq_lens + b)
     # split length rounded up to whole BLOCK_N steps keeps loads aligned
@@ -94,9 +133,6 @@ def _decode_stage1(
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        pt_row = page_table + b.to(tl.int64) * stride_pt_b
-        k_base = k_cache + kv_head.to(tl.int64) * stride_k_head
-        v_base = v_cache + kv_head.to(tl.int64) * stride_v_head
         for n0 in range(start, end, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
             pos_ok = pos < end
@@ -230,6 +266,7 @@ def launch_decode_attention(
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     _decode_stage1[(batch, num_kv_heads * head_blocks, num_kv_splits)](
         q, k_cache, v_cache, page_table, seq_lens, mid_o, mid_lse, o, sm_scale * _LOG2E * k_scale, v_scale,
+        page_table.shape[1], k_cache.shape[0],
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -242,6 +279,7 @@ def launch_decode_attention(
         NUM_SPLITS=num_kv_splits, PAGE_SIZE=page_size, DOT_PRECISION=precision,
         DIRECT_OUT=direct, PDL=pdl is not None,
         KV_F16=k_cache.element_size() == 1 and q.dtype in (torch.bfloat16, torch.float16),
+        PREFETCH=pdl is not None and PDL_KV_PREFETCH, LINE_ELEMS=128 // k_cache.element_size(), LINES=next_power_of_2(triton.cdiv(head_dim * k_cache.element_size(), 128)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )
     if direct:

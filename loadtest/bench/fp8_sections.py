@@ -22,6 +22,10 @@ table and exits if one hangs):
   fp8_decode_8b_wide  8B decode B=64, 128: FP8 with cuBLAS's GEMM, FP8 on the Triton GEMM, bf16
   fp8_decode_route  8B FP8 decode B=1, 8, 32 on the W8A8 decode GEMM and with it off (W8A16 to 32 rows)
   fp8_decode_profile  8B FP8 decode B=32 and 64: step, GPU busy time, heaviest kernels
+  fp8_decode_timeline  8B decode B=1 and 32, FP8 and bf16: a step's kernels on one time line
+                  (decode_timeline.py): busy and idle time, kernels a step, the heaviest by name
+  fp8_attn_prefetch  8B decode B=1, FP8 and bf16, with decode attention's K/V prefetch under PDL
+                  on and off (kernels/triton_decode_attention.py PDL_KV_PREFETCH)
   fp8_moe_decode  (c) 30B-A3B decode B=1, 8, 32: FP8 vs floor (touched experts) and bf16
   fp8_kv_long     (e) 8B FP8 weights, ctx 16k: step time and KV pages with FP8 vs bf16 KV in
                   one budget (B=16 both, B=32 FP8 only: bf16 does not fit an H100), bytes per
@@ -312,6 +316,50 @@ def fp8_decode_profile(ctx):
                         f"ms in {e.count} launches (~{steps} steps)")
 
 
+def fp8_decode_timeline(ctx):
+    """Where an 8B decode step's time goes at B=1 and 32, FP8 weights and bf16: kernel time by
+    name, idle time between kernels, kernels a step (torch.profiler over 8 steady steps)."""
+    from .decode_timeline import decode_timeline
+
+    args, rep = ctx["args"], ctx["report"]
+    for tag, options in (("fp8", dict(quantization="fp8")), ("bf16", {})):
+        with _engine_8b(ctx, max_model_len=2048, cuda_graph_max_bs=32, kv_cache_memory=8 << 30, **options) as eng:
+            for b in (1, 32):
+                t = decode_timeline(eng, b, args.ctx)
+                rep.add("fp8_decode_timeline", f"{tag} B={b} GPU span a step ms", t.step_ms,
+                        f"busy {t.busy_ms:.3f}, idle {t.idle_ms:.3f}; {t.kernels_per_step:.0f} kernels, "
+                        f"{t.bubbles_per_step:.0f} gaps over 5 us")
+                for k in t.kernels[:8 if b == 1 else 5]:
+                    rep.add("fp8_decode_timeline", f"{tag} B={b} {k.name[:48]}", round(k.us_per_step, 1),
+                            f"us a step in {k.launches_per_step:.0f} launches (longest {k.longest_us:.1f} us)")
+
+
+def fp8_attn_prefetch(ctx):
+    """8B decode at one row, FP8 and bf16, decode attention's split K/V prefetched into L2 while
+    the kernel before runs (PDL) and not: the step, and stage 1's share of the time line."""
+    from kernels import triton_decode_attention as tda
+
+    from .decode_timeline import decode_timeline
+    from .gpu_engine import decode_floor_ms, decode_step_ms
+    from .suite_context import need_ceilings
+
+    args, rep = ctx["args"], ctx["report"]
+    c = need_ceilings(ctx)
+    got = {}
+    for tag, options in (("fp8", dict(quantization="fp8")), ("bf16", {})):
+        for prefetch in (False, True):
+            with _engine_8b(ctx, (tda, "PDL_KV_PREFETCH", prefetch), max_model_len=2048, cuda_graph_max_bs=8,
+                            kv_cache_memory=8 << 30, **options) as eng:
+                floor, _ = decode_floor_ms(eng, 1, args.ctx, c.copy_gb_s)
+                got[(tag, prefetch)] = ms = decode_step_ms(eng, 1, args.ctx, args.steps, overlap=True)
+                stage1 = next((k.us_per_step for k in decode_timeline(eng, 1, args.ctx).kernels
+                               if "decode_stage1" in k.name), float("nan"))
+                rep.add("fp8_attn_prefetch", f"{tag} B=1 prefetch {'on' if prefetch else 'off'} step_ms", ms,
+                        f"x{ms / floor:.2f} of floor {floor:.3f}; attention stage 1 {stage1 / 36:.1f} us a layer")
+        rep.add("fp8_attn_prefetch", f"{tag} B=1 off/on", got[(tag, False)] / got[(tag, True)])
+    rep.add("fp8_attn_prefetch", "bf16/fp8 B=1 (prefetch on)", got[("bf16", True)] / got[("fp8", True)], "aim >= 1.6")
+
+
 # W8A8 tilings tried (block_m, block_n, group_m, warps, stages, tma, k_pairs); block_k is the 128 group
 GEMM_TILINGS = {
     8192: [(128, 128, 8, 8, 4, False, False), (128, 128, 8, 8, 4, True, False), (128, 128, 8, 8, 3, True, True),
@@ -506,10 +554,11 @@ def fp8_kv_long(ctx):
 
 # (d) before (c): it is quick, and what matters most runs first when the budget is tight
 FP8_SECTIONS = ("ceilings", "fp8_accuracy", "fp8_decode_8b", "fp8_gemm_cublas", "fp8_decode_8b_wide",
-                "fp8_decode_route", "fp8_decode_profile", "fp8_gemm", "fp8_moe_decode", "fp8_kv_long",
+                "fp8_decode_route", "fp8_decode_profile", "fp8_decode_timeline", "fp8_attn_prefetch", "fp8_gemm", "fp8_moe_decode", "fp8_kv_long",
                 "fp8_prefill_profile")
 SECTIONS = {"fp8_accuracy": fp8_accuracy, "fp8_decode_8b": fp8_decode_8b, "fp8_gemm": fp8_gemm,
             "fp8_gemm_cublas": fp8_gemm_cublas, "fp8_decode_8b_wide": fp8_decode_8b_wide,
             "fp8_decode_route": fp8_decode_route, "fp8_decode_profile": fp8_decode_profile,
+            "fp8_decode_timeline": fp8_decode_timeline, "fp8_attn_prefetch": fp8_attn_prefetch,
             "fp8_moe_decode": fp8_moe_decode, "fp8_kv_long": fp8_kv_long, "fp8_prefill_profile": fp8_prefill_profile}
 
