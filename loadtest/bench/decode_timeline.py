@@ -29,6 +29,7 @@ class StepTimeline:
     kernels_per_step: float
     bubbles_per_step: float  # gaps over 5 us a step
     kernels: list[KernelShare] = field(default_factory=list)  # heaviest first
+    gaps: list[tuple[float, str, str]] = field(default_factory=list)  # longest idle gaps: (us, before, after)
 
 
 def device_intervals(prof) -> list[tuple[int, int, str]]:
@@ -50,20 +51,25 @@ def timeline(intervals: list[tuple[int, int, str]], steps: int, top: int = 12) -
     bubbles = 0
     cur_s, cur_e = intervals[0][0], intervals[0][0]  # the busy run so far; cur_e: everything's end
     per_name: dict[str, list[int]] = defaultdict(list)
+    gaps: list[tuple[float, str, str]] = []
+    last_name = intervals[0][2]
     for s, e, name in intervals:
         per_name[name].append(max(0, e - max(s, cur_e)))
         if s > cur_e:  # a gap: close the busy run
             busy += cur_e - cur_s
             idle += s - cur_e
             bubbles += (s - cur_e) > 5_000
+            gaps.append(((s - cur_e) / 1e3, last_name[:40], name[:40]))
             cur_s = s
+        if e >= cur_e:
+            last_name = name
         cur_e = max(cur_e, e)
     busy += cur_e - cur_s
     kernels = sorted((KernelShare(name[:72], sum(d) / 1e3 / steps, len(d) / steps, max(d) / 1e3)
                       for name, d in per_name.items()), key=lambda k: -k.us_per_step)
     return StepTimeline(step_ms=(end - start) / 1e6 / steps, busy_ms=busy / 1e6 / steps, idle_ms=idle / 1e6 / steps,
                         kernels_per_step=len(intervals) / steps, bubbles_per_step=bubbles / steps,
-                        kernels=kernels[:top])
+                        kernels=kernels[:top], gaps=sorted(gaps, reverse=True)[:top])
 
 
 def decode_timeline(engine, batch: int, ctx: int, steps: int = 8, warm: int = 8) -> StepTimeline:

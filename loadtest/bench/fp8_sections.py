@@ -332,6 +332,8 @@ def fp8_decode_timeline(ctx):
                 for k in t.kernels[:8 if b == 1 else 5]:
                     rep.add("fp8_decode_timeline", f"{tag} B={b} {k.name[:48]}", round(k.us_per_step, 1),
                             f"us a step in {k.launches_per_step:.0f} launches (longest {k.longest_us:.1f} us)")
+                for us, before, after in t.gaps[:3]:
+                    rep.add("fp8_decode_timeline", f"{tag} B={b} idle gap us", round(us, 1), f"{before} -> {after}")
 
 
 def _greedy_one_row(eng, ctx_len: int) -> list[int]:

@@ -27,6 +27,8 @@ def test_busy_idle_and_bubbles_per_step():
     assert [k.name for k in t.kernels][2] == "c"  # heaviest first
     assert by_name["c"].longest_us == pytest.approx(8)
     assert sum(k.us_per_step for k in t.kernels) == pytest.approx(t.busy_ms * 1e3)  # the shares tile the busy time
+    assert t.gaps[0] == (10.0, "c", "a")  # the longest gap, between the kernels around it
+    assert [g[0] for g in t.gaps] == [10.0, 2.0, 2.0]
 
 
 def test_a_kernel_inside_another_adds_no_busy_time():
