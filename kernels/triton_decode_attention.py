@@ -48,10 +48,10 @@ class DecodeConfig:
 
 
 @triton.jit
-def _prefetch_split(seq_len_ptr, pt_row, pt_width, num_pages, k_base, v_base, split, stride_k_page, stride_k_off,
-                    stride_v_page, stride_v_off, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
-                    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, LINE_ELEMS: tl.constexpr,
-                    LINES: tl.constexpr):
+def _prefetch_split(seq_len_ptr, pt_row, pt_width, num_pages, k_base, v_base, split,
+                    stride_k_page, stride_k_off, stride_v_page, stride_v_off,
+                    NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, LINE_ELEMS: tl.constexpr, LINES: tl.constexpr):
     """L2 prefetches of the K and V rows this program's split will read (128-byte lines). Every
     index is clamped into its table: what is read here only steers hints."""
     seq_len = tl.load(seq_len_ptr)
@@ -72,7 +72,8 @@ def _prefetch_split(seq_len_ptr, pt_row, pt_width, num_pages, k_base, v_base, sp
 
 # batch index arrays are slices at any offset and the page-table width varies by batch: not
 # specialised on (a serving batch would compile a variant warm-up never met: shared/engine/warmup.py)
-@triton.jit(do_not_specialize=["stride_pt_b", "pt_width", "num_pages"], do_not_specialize_on_alignment=["page_table", "seq_lens"])
+@triton.jit(do_not_specialize=["stride_pt_b", "pt_width", "num_pages"],
+            do_not_specialize_on_alignment=["page_table", "seq_lens"])
 def _decode_stage1(
     q, k_cache, v_cache, page_table, seq_lens, mid_o, mid_lse, o, qk_scale_log2, v_scale, pt_width, num_pages,
     stride_q_b, stride_q_h,
@@ -101,9 +102,9 @@ def _decode_stage1(
         # older tokens' K/V are earlier steps', and a prefetch is only a hint (the one line the
         # kernel before writes is fetched again after the wait). The bytes are a few us of DRAM
         # latency on the critical path at one row (kernels/NOTES.md).
-        _prefetch_split(seq_lens + b, pt_row, pt_width, num_pages, k_base, v_base, split, stride_k_page, stride_k_off,
-                        stride_v_page, stride_v_off, NUM_SPLITS, BLOCK_N, PAGE_SIZE, HEAD_DIM, LINE_ELEMS,
-                        LINES)
+        _prefetch_split(seq_lens + b, pt_row, pt_width, num_pages, k_base, v_base, split,
+                        stride_k_page, stride_k_off, stride_v_page, stride_v_off,
+                        NUM_SPLITS, BLOCK_N, PAGE_SIZE, HEAD_DIM, LINE_ELEMS, LINES)
     pdl_enter(PDL)
 
     seq_len = tl.load(seq_lens + b)
@@ -279,7 +280,8 @@ def launch_decode_attention(
         NUM_SPLITS=num_kv_splits, PAGE_SIZE=page_size, DOT_PRECISION=precision,
         DIRECT_OUT=direct, PDL=pdl is not None,
         KV_F16=k_cache.element_size() == 1 and q.dtype in (torch.bfloat16, torch.float16),
-        PREFETCH=pdl is not None and PDL_KV_PREFETCH, LINE_ELEMS=128 // k_cache.element_size(), LINES=next_power_of_2(triton.cdiv(head_dim * k_cache.element_size(), 128)),
+        PREFETCH=pdl is not None and PDL_KV_PREFETCH, LINE_ELEMS=128 // k_cache.element_size(),
+        LINES=next_power_of_2(triton.cdiv(head_dim * k_cache.element_size(), 128)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )
     if direct:

@@ -578,8 +578,8 @@ def fp8_kv_long(ctx):
 
 # (d) before (c): it is quick, and what matters most runs first when the budget is tight
 FP8_SECTIONS = ("ceilings", "fp8_accuracy", "fp8_decode_8b", "fp8_gemm_cublas", "fp8_decode_8b_wide",
-                "fp8_decode_route", "fp8_decode_profile", "fp8_decode_timeline", "fp8_attn_prefetch", "fp8_gemm", "fp8_moe_decode", "fp8_kv_long",
-                "fp8_prefill_profile")
+                "fp8_decode_route", "fp8_decode_profile", "fp8_decode_timeline", "fp8_attn_prefetch", "fp8_gemm",
+                "fp8_moe_decode", "fp8_kv_long", "fp8_prefill_profile")
 SECTIONS = {"fp8_accuracy": fp8_accuracy, "fp8_decode_8b": fp8_decode_8b, "fp8_gemm": fp8_gemm,
             "fp8_gemm_cublas": fp8_gemm_cublas, "fp8_decode_8b_wide": fp8_decode_8b_wide,
             "fp8_decode_route": fp8_decode_route, "fp8_decode_profile": fp8_decode_profile,

@@ -439,8 +439,8 @@ def _spec(ctx):
 
 SECTION_FUNCS = {"ceilings": _ceilings, "equality": _equality, "decode": _decode, "prefill": _prefill,
                  "offline": _offline, "hf": _hf, "tp_equality": _tp_equality, "allreduce": _allreduce,
-                 "tp_decode": _tp_decode, "moe_tp": _moe_tp, "tp_fp8": _tp_fp8, "tp_fp8_steps": _tp_fp8_steps, "decode_fp8": _decode_fp8, "prefill_fp8": _prefill_fp8,
-                 "offline_fp8": _offline_fp8, "spec": _spec}
+                 "tp_decode": _tp_decode, "moe_tp": _moe_tp, "tp_fp8": _tp_fp8, "tp_fp8_steps": _tp_fp8_steps,
+                 "decode_fp8": _decode_fp8, "prefill_fp8": _prefill_fp8, "offline_fp8": _offline_fp8, "spec": _spec}
 
 
 def _fp8_section(name):
@@ -451,7 +451,8 @@ def _fp8_section(name):
 
 
 for _name in ("fp8_accuracy", "fp8_decode_8b", "fp8_gemm", "fp8_gemm_cublas", "fp8_decode_8b_wide",
-              "fp8_decode_route", "fp8_decode_profile", "fp8_decode_timeline", "fp8_attn_prefetch", "fp8_moe_decode", "fp8_kv_long", "fp8_prefill_profile"):
+              "fp8_decode_route", "fp8_decode_profile", "fp8_decode_timeline", "fp8_attn_prefetch", "fp8_moe_decode",
+              "fp8_kv_long", "fp8_prefill_profile"):
     SECTION_FUNCS[_name] = _fp8_section(_name)
 
 
