@@ -76,22 +76,15 @@ def decode_timeline(engine, batch: int, ctx: int, steps: int = 8, warm: int = 8)
     """Profile `steps` decode steps of a batch in steady state (graphs and overlap on, as served):
     the GPU is idle when the profiled window opens and drained when it closes, so every kernel
     in it belongs to those steps."""
-    import numpy as np
-
     from shared.engine import SamplingParams
 
-    from .gpu_engine import _drain, _set_overlap, random_prompts
+    from .gpu_engine import _drain, _set_overlap, start_decoding
 
     _set_overlap(engine, True)
-    rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0, max_tokens=warm + steps + 64, ignore_eos=True)
-    rids = [engine.add_request(p, params) for p in random_prompts(rng, engine.model_config.vocab_size, [ctx] * batch)]
+    rids: list = []
     try:
-        while any(engine.get(r) is not None and engine.get(r).num_output < 2 for r in rids):
-            engine.step()
-        for _ in range(warm):
-            engine.step()
-        torch.cuda.synchronize()
+        rids = start_decoding(engine, batch, ctx, params, warm)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):
                 engine.step()

@@ -47,6 +47,23 @@ def _set_overlap(engine, on: bool) -> None:
     engine.overlap = OverlapScheduler(engine) if on else None
 
 
+def start_decoding(engine, batch: int, ctx: int, params, warm: int, seed: int = 0) -> list:
+    """`batch` random prompts of `ctx` tokens added and stepped until every one decodes, then
+    `warm` more steps; the GPU idle after. Their request ids (the caller drains them)."""
+    rng = np.random.default_rng(seed)
+    rids = [engine.add_request(p, params) for p in random_prompts(rng, engine.model_config.vocab_size, [ctx] * batch)]
+    try:
+        while any(engine.get(r) is not None and engine.get(r).num_output < 2 for r in rids):
+            engine.step()
+        for _ in range(warm):
+            engine.step()
+        torch.cuda.synchronize()
+    except BaseException:
+        _drain(engine, rids)
+        raise
+    return rids
+
+
 def decode_step_ms(engine, batch: int, ctx: int, steps: int, warm: int = 8, *, graphs: bool = True,
                    overlap: bool = False, seed: int = 0) -> float:
     """Median-free plain mean over `steps` engine steps once every request decodes."""
@@ -56,18 +73,13 @@ def decode_step_ms(engine, batch: int, ctx: int, steps: int, warm: int = 8, *, g
     if g is not None:
         g.capture = graphs and bool(g.graphs)
     _set_overlap(engine, overlap)
-    rng = np.random.default_rng(seed)
     # prompts prefill over several steps (the step's token budget): the first ones decode that
     # many steps early, and must not reach max_tokens inside the timed window
     stagger = -(-batch * ctx // engine.scheduler.max_batched_tokens)
     params = SamplingParams(temperature=0, max_tokens=warm + steps + 8 + stagger, ignore_eos=True)
-    rids = [engine.add_request(p, params) for p in random_prompts(rng, engine.model_config.vocab_size, [ctx] * batch)]
+    rids: list = []
     try:
-        while any(engine.get(r) is not None and engine.get(r).num_output < 2 for r in rids):
-            engine.step()
-        for _ in range(warm):
-            engine.step()
-        torch.cuda.synchronize()
+        rids = start_decoding(engine, batch, ctx, params, warm, seed)
         before = _outputs(engine, rids)
         t0 = now()
         for _ in range(steps):
