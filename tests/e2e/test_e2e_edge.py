@@ -280,8 +280,13 @@ def test_a_worker_bounds_a_grammar_it_is_sent_directly(stacks, tokenizer):
 
 def kv_back_to_zero(stack, worker: str, within_s: float) -> float:
     started = time.monotonic()
-    wait_until(lambda: stack.kv_usage(worker) == 0, within_s, f"decode KV back to 0 within {within_s}s",
-               interval=0.05)
+    try:
+        wait_until(lambda: stack.kv_usage(worker) == 0, within_s, f"decode KV back to 0 within {within_s}s",
+                   interval=0.05)
+    except TimeoutError as exc:  # what was still held: a slow abort, or a request that outlived its client
+        held = {"kv_usage": stack.kv_usage(worker), "running": stack.running(worker)}
+        wait_until(lambda: stack.kv_usage(worker) == 0, 120, "decode KV back to 0 at all", interval=0.5)
+        raise AssertionError(f"{exc}; then {held}, back to 0 {time.monotonic() - started:.0f}s after the drop") from None
     return time.monotonic() - started
 
 
