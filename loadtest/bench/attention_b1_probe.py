@@ -52,7 +52,8 @@ def main(argv=None) -> None:
             try:
                 ms = decode_step_ms(eng, 1, args.ctx, args.steps, overlap=True)
                 t = decode_timeline(eng, 1, args.ctx)
-                attn = sum(k.us_per_step for k in t.kernels if "decode_stage" in k.name) / 36
+                attn = sum(k.us_per_step for k in t.kernels if "decode_stage" in k.name)
+                attn /= eng.model_config.num_layers
                 rows.append((name, ms, attn))
                 print(f"{name}: step {ms:.3f} ms, attention {attn:.1f} us a layer", flush=True)
             finally:

@@ -376,7 +376,8 @@ def fp8_attn_prefetch(ctx):
                                if "decode_stage1" in k.name), float("nan"))
                 got[(tag, prefetch, "tokens")] = _greedy_one_row(eng, args.ctx)
                 rep.add("fp8_attn_prefetch", f"{tag} B=1 prefetch {'on' if prefetch else 'off'} step_ms", ms,
-                        f"x{ms / floor:.2f} of floor {floor:.3f}; attention stage 1 {stage1 / 36:.1f} us a layer")
+                        f"x{ms / floor:.2f} of floor {floor:.3f}; "
+                        f"attention stage 1 {stage1 / eng.model_config.num_layers:.1f} us a layer")
         rep.add("fp8_attn_prefetch", f"{tag} B=1 off/on", got[(tag, False)] / got[(tag, True)])
         same = got[(tag, False, "tokens")] == got[(tag, True, "tokens")]
         rep.add("fp8_attn_prefetch", f"{tag} greedy tokens off == on", "yes" if same else "NO",
