@@ -196,7 +196,7 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
             ctx.engine.add_request(prompt, params, rid=rid)
             ctx.loop.attach(rid, aloop, q)
         try:
-            await ctx.loop.acall(start)
+            await ctx.loop.acall_or_undo(start, lambda: (ctx.loop.detach(rid), ctx.engine.abort(rid)))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return None
@@ -216,7 +216,7 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
             if res is not None:
                 res.waiter = waiter_for(aloop, event)
             return res
-        res = await ctx.loop.acall(arm)
+        res = await ctx.loop.acall_or_undo(arm, lambda: book.cancel(msg.reservation_id, msg.generation))
         if res is None:
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"reservation {msg.reservation_id}/{msg.generation} is unknown or was cancelled")
@@ -256,7 +256,7 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
             ctx.loop.attach(rid, aloop, q)
             return None
         try:
-            return await ctx.loop.acall(join)
+            return await ctx.loop.acall_or_undo(join, lambda: (ctx.loop.detach(rid), ctx.engine.abort(rid)))
         except TimeoutError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except ValueError as exc:

@@ -54,6 +54,19 @@ class EngineLoop:
     async def acall(self, fn: Callable[[], object]):
         return await asyncio.wrap_future(self.call(fn))
 
+    async def acall_or_undo(self, fn: Callable[[], object], undo: Callable[[], object]):
+        """acall(fn) for a command that starts something (a request, a waiter) which only the
+        awaiting handler would later end. Cancelled (the caller left) after the loop thread
+        took fn, fn still runs to its end, so undo() is queued behind it: the one queue keeps
+        that order. undo must be harmless if fn raised or what it started already ended."""
+        fut = self.call(fn)
+        try:
+            return await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:
+            if not fut.cancel():  # running or done: it took effect
+                self.call(undo)
+            raise
+
     def add_tick(self, fn: Callable[[], bool]) -> None:
         """fn() runs every iteration on the loop thread; it returns True while it has
         something pending (so the loop keeps polling instead of sleeping)."""

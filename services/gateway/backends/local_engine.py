@@ -109,7 +109,7 @@ class LocalBackend:
             except ValueError as exc:
                 raise BackendBadRequest(str(exc)) from None
         try:
-            await loop.acall(add)
+            await loop.acall_or_undo(add, lambda: (loop.detach(rid), engine.abort(rid)))
         except ValueError as exc:  # the engine's checks (length, vocabulary, KV capacity, grammar)
             raise BackendBadRequest(str(exc)) from None
         finished = False

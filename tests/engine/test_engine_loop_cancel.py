@@ -1,0 +1,110 @@
+"""A handler that leaves while its start command waits on the engine thread.
+
+The engine thread runs handlers' commands between steps. A handler cancelled (its client
+left) after the thread took its start command used to leave the request running unheard to
+its last token, holding its pages: the test of dropped requests once saw the KV still held
+20 s later. acall_or_undo queues the undo behind the start instead; a start still queued is
+withdrawn and never runs."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from services.worker_runtime.engine_loop import EngineLoop
+from shared.engine.engine import Engine
+from shared.engine.sampling_params import SamplingParams
+from tests.helpers.engine_models import assert_all_pages_free, build_model_dir, random_prompts
+
+KIND = "llama_tied_gqa2"
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_model_dir(tmp_path_factory.mktemp("loop_cancel") / KIND, KIND, seed=7)
+
+
+@pytest.fixture
+def running(model_dir):
+    engine = Engine(model_dir=str(model_dir), dtype="float32", device="cpu", page_size=4)
+    loop = EngineLoop(engine)
+    loop.start()
+    yield engine, loop
+    loop.stop()
+
+
+def starter(engine, loop, rid, taken: threading.Event, release: threading.Event, aloop, q):
+    prompt = random_prompts(1, [40], seed=3)[0]
+
+    def start():
+        taken.set()
+        release.wait(10)  # the handler is cancelled while this runs
+        engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True), rid=rid)
+        loop.attach(rid, aloop, q)
+    return start
+
+
+def run_in_loop_thread(loop, fn):
+    return loop.call(fn).result(10)
+
+
+def test_a_start_taken_before_the_cancel_is_undone(running):
+    engine, loop = running
+    taken, release = threading.Event(), threading.Event()
+
+    async def handler_leaves():
+        q: asyncio.Queue = asyncio.Queue()
+        start = starter(engine, loop, "r1", taken, release, asyncio.get_running_loop(), q)
+        task = asyncio.ensure_future(loop.acall_or_undo(start, lambda: (loop.detach("r1"), engine.abort("r1"))))
+        while not taken.is_set():
+            await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        release.set()
+    asyncio.run(handler_leaves())
+    # the undo ran right behind the start: nothing of r1 is left, however long it asked for
+    assert run_in_loop_thread(loop, lambda: "r1" in engine.requests) is False
+    run_in_loop_thread(loop, lambda: assert_all_pages_free(engine))
+
+
+def test_a_start_still_queued_is_withdrawn(running):
+    engine, loop = running
+    gate, taken, release = threading.Event(), threading.Event(), threading.Event()
+    release.set()
+    undone = []
+
+    async def handler_leaves():
+        q: asyncio.Queue = asyncio.Queue()
+        loop.call(lambda: gate.wait(10))  # the engine thread is busy with an earlier command
+        start = starter(engine, loop, "r2", taken, release, asyncio.get_running_loop(), q)
+        task = asyncio.ensure_future(loop.acall_or_undo(start, lambda: undone.append("r2")))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        gate.set()
+    asyncio.run(handler_leaves())
+    run_in_loop_thread(loop, lambda: None)  # everything queued before this has run
+    assert not taken.is_set() and undone == []
+    run_in_loop_thread(loop, lambda: assert_all_pages_free(engine))
+
+
+def test_a_start_that_completes_is_not_undone(running):
+    engine, loop = running
+    taken, release = threading.Event(), threading.Event()
+    release.set()
+
+    async def handler_stays():
+        q: asyncio.Queue = asyncio.Queue()
+        start = starter(engine, loop, "r3", taken, release, asyncio.get_running_loop(), q)
+        await loop.acall_or_undo(start, lambda: engine.abort("r3"))
+        outs = [await q.get() for _ in range(3)]
+        await loop.acall(lambda: (loop.detach("r3"), engine.abort("r3")))  # before this event loop closes
+        return outs
+    outs = asyncio.run(handler_stays())
+    assert all(o.rid == "r3" and o.token_ids and not o.finished for o in outs)  # it ran on: nothing undid it
+    run_in_loop_thread(loop, lambda: assert_all_pages_free(engine))
