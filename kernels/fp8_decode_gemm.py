@@ -12,8 +12,11 @@ each step's dot promoted with both scales (triton_fp8_decode_gemm.py). As a deco
 them (`fp8_decode_linear_probe --engine`, H100): 94.6 us a layer at 8 rows against the small-batch
 kernel's 104-111, 110.7 at 32 against 117-119, at one row level with its tuned tiles (PDL). Each
 K step quantizes x's tile in every program, work that grows with the rows: at 64 rows it lost
-(gate/up 84 us against 51 at 32), so past 32 the M-tiled W8A8 GEMM takes over. kernels/fp8_linear.py
-sends it 2..32 rows, and one row of a shape the small-batch sweep did not tune.
+(gate/up 84 us against 51 at 32), so past 32 the M-tiled W8A8 GEMM takes over. From 17 rows
+(PREQUANT_MIN_M) a small kernel quantizes x once before the GEMM and the programs read FP8 x: the
+same values (the same _quantize_rows), 112.9 -> 102.7 us a layer at 32 rows; at 8 rows the extra
+launch costs more than it saves. kernels/fp8_linear.py sends it 2..32 rows, and one row of a shape
+the small-batch sweep did not tune.
 
 Numerics are W8A8's (fp8_decode_reference): the activation rounding the small-batch kernel
 avoided, the same as the prefill path's. Needs Hopper (FP8 MMA and TMA) or Triton's interpreter;
@@ -23,7 +26,7 @@ elsewhere kernels.fp8_linear keeps the small-batch kernel.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -35,6 +38,10 @@ from kernels.fp8 import ACT_EPS, ACT_GROUP, FP8_DTYPE, FP8_MAX, Fp8Weight
 FP8_DECODE_MAX_M = 32
 
 _GROUPS = (32, 64, 128)  # activation groups the K step can be (an FP8 dot takes K >= 32)
+# From this many rows x is quantized once by its own kernel before the GEMM (Fp8DecodeConfig.
+# prequant): H100, Qwen3-8B's linears at 32 rows 112.9 -> 102.7 us a layer, at 8 rows 94-96 ->
+# 98 (`fp8_decode_linear_probe --engine --m 8,32`, kernels/NOTES.md). 33: never (the bench's before)
+PREQUANT_MIN_M = 17
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,9 @@ class Fp8DecodeConfig:
     num_warps: int = 4
     num_stages: int = 4
     split_k: int = 1
+    # x quantized once by its own small kernel before the GEMM, instead of each program
+    # quantizing its x slice every K step (the same values: _quantize_rows either way)
+    prequant: bool = False
 
 
 def decode_config(m: int, n_rows: int, k: int, num_sms: int, gate_up: bool, group: int,
@@ -53,11 +63,17 @@ def decode_config(m: int, n_rows: int, k: int, num_sms: int, gate_up: bool, grou
     """Tilings from the H100 sweeps of fp8_decode_linear_probe --engine (Qwen3-8B's linears as a
     decode step calls them, kernels/NOTES.md): 3 stages; 64-row tiles from 2 to 16 rows and for
     the wide gate/up weight, 128 otherwise; 8 warps past 16 rows but for gate/up and the long-K
-    down; K splits for about two programs an SM (four on 64-row tiles but gate/up's). n_rows: the
-    weight's rows (both halves for gate/up). Small tiles in the interpreter."""
+    down; K splits for about two programs an SM (four on 64-row tiles but gate/up's). From
+    PREQUANT_MIN_M rows x is quantized before the GEMM, on 64-row tiles, 4 warps and stages, about
+    one program an SM. n_rows: the weight's rows (both halves for gate/up). Small tiles in the
+    interpreter."""
     wide = n_rows >= 16384
+    prequant = m >= PREQUANT_MIN_M
+    stages = 1 if device.type != "cuda" else 3
     if device.type != "cuda":
         block_n, warps, per_sm = 32, 4, 2
+    elif prequant:  # the same sweep's best for every shape at 32 rows: few splits, 4 stages
+        block_n, warps, per_sm, stages = 64, 4, 1, 4
     else:
         block_n = 64 if wide or 1 < m <= 16 else 128
         warps = 8 if m > 16 and not wide and k < 8192 else 4
@@ -65,7 +81,7 @@ def decode_config(m: int, n_rows: int, k: int, num_sms: int, gate_up: bool, grou
     tiles = -(-(n_rows // 2 if gate_up else n_rows) // block_n)
     steps = -(-k // group)
     split = max(1, min(steps, -(-per_sm * num_sms // tiles)))
-    return Fp8DecodeConfig(block_n, warps, 1 if device.type != "cuda" else 3, split)
+    return Fp8DecodeConfig(block_n, warps, stages, split, prequant)
 
 
 def decode_group(w: Fp8Weight) -> Optional[int]:
@@ -176,5 +192,4 @@ def _fit(config: Fp8DecodeConfig, workspace, m: int, n_out: int, gate_up: bool) 
     while split > 1 and (split * (2 if gate_up else 1) * m * n_out > workspace.partials.numel()
                          or tiles > workspace.counters.numel()):
         split -= 1
-    return config if split == config.split_k else Fp8DecodeConfig(config.block_n, config.num_warps,
-                                                                  config.num_stages, split)
+    return config if split == config.split_k else replace(config, split_k=split)

@@ -38,12 +38,27 @@ def _quantize_rows(x_ptrs, m_ok, k_ok, eps):
 
 
 @triton.jit
+def _quantize_x_kernel(x, xq, xs, M, K, eps, stride_xm, stride_qm, stride_sm,
+                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program g: every row's group g of x, quantized as the GEMM's K step does it (_quantize_rows),
+    into xq (FP8) and xs (a scale a row and group)."""
+    g = tl.program_id(0)
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = g * BLOCK_K + tl.arange(0, BLOCK_K)
+    m_ok, k_ok = rm < M, rk < K
+    q, s = _quantize_rows(x + rm[:, None].to(tl.int64) * stride_xm + rk[None, :], m_ok, k_ok, eps)
+    tl.store(xq + rm[:, None].to(tl.int64) * stride_qm + rk[None, :], q, mask=m_ok[:, None] & k_ok[None, :])
+    tl.store(xs + rm.to(tl.int64) * stride_sm + g, s, mask=m_ok)
+
+
+@triton.jit
 def _fp8_decode_gemm_kernel(
-    x, w, w_desc, w_scale, scale_row, bias, out, partials, counters,
+    x, xs, w, w_desc, w_scale, scale_row, bias, out, partials, counters,
     M, N, K, up_rows, steps_per_split, split_k, group_k, eps,
-    stride_xm, stride_wn, stride_ws, stride_om,
+    stride_xm, stride_xsm, stride_wn, stride_ws, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, GATE_UP: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    PREQUANT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -73,7 +88,11 @@ def _fp8_decode_gemm_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
-        xq, sx = _quantize_rows(x_ptrs + k0, m_ok, (k0 + rk) < K, eps)
+        if PREQUANT:  # x is already FP8 (_quantize_x_kernel), xs its scales
+            xq = tl.load(x_ptrs + k0, mask=m_ok[:, None] & ((k0 + rk) < K)[None, :], other=0.0)
+            sx = tl.load(xs + rm * stride_xsm + k0 // BLOCK_K, mask=m_ok, other=0.0)
+        else:
+            xq, sx = _quantize_rows(x_ptrs + k0, m_ok, (k0 + rk) < K, eps)
         sk = k0 // group_k  # BLOCK_K divides group_k: one weight scale a row this step
         d = tl.dot(w_desc.load([off_n, k0]), tl.trans(xq))  # rows past the weight read as zeros
         acc += d * (tl.load(s_ptrs + sk)[:, None] * sx[None, :])
@@ -109,14 +128,24 @@ def launch_fp8_decode_gemm(x: torch.Tensor, w, bias, out: torch.Tensor, cfg, wor
     else:
         partials, counters = out, out  # never touched without split-K
     q = w.q
+    block_m = max(16, triton.next_power_of_2(m))
+    xs = out  # never read without prequant
+    if cfg.prequant:  # x quantized once here, not by every program at every K step
+        xq = torch.empty(m, k, dtype=q.dtype, device=x.device)
+        xs = torch.empty(m, steps, dtype=torch.float32, device=x.device)
+        _quantize_x_kernel[(steps, triton.cdiv(m, block_m))](
+            x, xq, xs, m, k, eps, x.stride(0), xq.stride(0), xs.stride(0), BLOCK_M=block_m, BLOCK_K=group,
+            num_warps=4)
+        x = xq
     _fp8_decode_gemm_kernel[(tiles, split_k)](
-        x, q, TensorDescriptor.from_tensor(q, [cfg.block_n, group]), w.scale, w.scale_row,
+        x, xs, q, TensorDescriptor.from_tensor(q, [cfg.block_n, group]), w.scale, w.scale_row,
         bias if bias is not None else out, out, partials, counters,
         m, n, k, n if gate_up else 0, per_split, split_k, min(w.group_k, 1 << 30), eps,
-        x.stride(0), q.stride(0), w.scale.stride(0), out.stride(0),
-        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg.block_n, BLOCK_K=group,
+        x.stride(0), xs.stride(0), q.stride(0), w.scale.stride(0), out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=group,
         HAS_BIAS=bias is not None, GATE_UP=gate_up, SPLIT=split_k > 1,
         PDL=pdl is not None, PREFETCH=min(pdl.prefetch_k_blocks, per_split) if pdl else 0,
+        PREQUANT=cfg.prequant,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )
     return out

@@ -212,7 +212,9 @@ def engine_sweep(args, setup, gen, sms, time_fn, t0) -> int:
     them: gate/up fused with SwiGLU, the deterministic split-K, PDL at one row (kernels/pdl.py);
     the decode GEMM's default tiling and the best of DECODE_SWEEP ((block_n, warps, stages,
     programs an SM))."""
-    from kernels.fp8_decode_gemm import Fp8DecodeConfig, fp8_decode_linear
+    from dataclasses import replace
+
+    from kernels.fp8_decode_gemm import Fp8DecodeConfig, decode_config, fp8_decode_linear
     from kernels.fp8_linear import small_batch_fp8_linear
     from kernels.pdl import Pdl
     from kernels.small_batch_linear import SmallBatchWorkspace
@@ -230,30 +232,42 @@ def engine_sweep(args, setup, gen, sms, time_fn, t0) -> int:
                 tag = " pdl" if pdl else ""
                 us = time_fn(copies, lambda w: (lambda: small_batch_fp8_linear(x, w, workspace=ws, pdl=pdl, gate_up=gate_up)))
                 table.append((name, m, f"small-batch{tag}", us, ""))
-                us = time_fn(copies, lambda w: (lambda: fp8_decode_linear(x, w, workspace=ws, pdl=pdl, gate_up=gate_up)))
-                table.append((name, m, f"decode default{tag}", us, ""))
-                best = None
-                tiles_rows = n // 2 if gate_up else n
-                for bn, warps, stages, per_sm in DECODE_SWEEP:
-                    split = max(1, min(k // 128, -(-per_sm * sms // -(-tiles_rows // bn))))
-                    cfg = Fp8DecodeConfig(bn, warps, stages, split)
-                    try:
-                        us = time_fn(copies, lambda w: (lambda: fp8_decode_linear(x, w, workspace=ws, pdl=pdl, config=cfg,
-                                                                                  gate_up=gate_up)))
-                    except Exception as e:  # noqa: BLE001 - a tiling that does not compile is skipped
-                        print(f"  {name} m{m} {cfg} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
-                        continue
-                    if best is None or us < best[0]:
-                        best = (us, cfg)
-                table.append((name, m, f"decode best{tag}", best[0], f"bn{best[1].block_n} w{best[1].num_warps} "
-                              f"st{best[1].num_stages} split{best[1].split_k}"))
-                print("  " + " | ".join(f"{r[2]} {r[3]:.2f}" for r in table[-3:]), flush=True)
+                sms_dev = torch.cuda.get_device_properties(0).multi_processor_count
+                default = decode_config(m, n, k, sms_dev, gate_up, 128, x.device)
+                # prequant: x quantized once by its own kernel before the GEMM (Fp8DecodeConfig.prequant)
+                for pre in (False, True):
+                    label = "decode" + (" prequant" if pre else "")
+                    cfg0 = replace(default, prequant=pre)
+                    us = time_fn(copies, lambda w: (lambda: fp8_decode_linear(x, w, workspace=ws, pdl=pdl, config=cfg0,
+                                                                              gate_up=gate_up)))
+                    table.append((name, m, f"{label} default{tag}", us, ""))
+                    best = None
+                    tiles_rows = n // 2 if gate_up else n
+                    for bn, warps, stages, per_sm in DECODE_SWEEP:
+                        split = max(1, min(k // 128, -(-per_sm * sms // -(-tiles_rows // bn))))
+                        cfg = Fp8DecodeConfig(bn, warps, stages, split, prequant=pre)
+                        try:
+                            us = time_fn(copies, lambda w: (lambda: fp8_decode_linear(
+                                x, w, workspace=ws, pdl=pdl, config=cfg, gate_up=gate_up)))
+                        except Exception as e:  # noqa: BLE001 - a tiling that does not compile is skipped
+                            print(f"  {name} m{m} {cfg} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                            continue
+                        if best is None or us < best[0]:
+                            best = (us, cfg)
+                    table.append((name, m, f"{label} best{tag}", best[0], f"bn{best[1].block_n} w{best[1].num_warps} "
+                                  f"st{best[1].num_stages} split{best[1].split_k}"))
+                print("  " + " | ".join(f"{r[2]} {r[3]:.2f}" for r in table[-5:]), flush=True)
         del copies
         torch.cuda.empty_cache()
     print(f"\n=== fp8_decode_linear_probe --engine (FP8 weights past L2; gate_up fused), {time.time() - t0:.0f} s ===")
-    print(f"{'shape':<8}{'M':>3}  {'variant':<22}{'us':>8}  tiling")
+    print(f"{'shape':<8}{'M':>3}  {'variant':<27}{'us':>8}  tiling")
     for name, m, label, us, tiling in table:
-        print(f"{name:<8}{m:>3}  {label:<22}{us:8.2f}  {tiling}")
+        print(f"{name:<8}{m:>3}  {label:<27}{us:8.2f}  {tiling}")
+    sums: dict = {}
+    for name, m, label, us, _ in table:
+        sums[(m, label)] = sums.get((m, label), 0.0) + us
+    for (m, label), us in sums.items():
+        print(f"a layer's linears, M={m}, {label}: {us:.1f} us")
     return 0
 
 

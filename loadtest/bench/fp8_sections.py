@@ -21,6 +21,8 @@ table and exits if one hangs):
                   against the Triton W8A8 GEMM at the 8B linears, M = 64..8192: TFLOP/s, % of peak, error
   fp8_decode_8b_wide  8B decode B=64, 128: FP8 with cuBLAS's GEMM, FP8 on the Triton GEMM, bf16
   fp8_decode_route  8B FP8 decode B=1, 8, 32 on the W8A8 decode GEMM and with it off (W8A16 to 32 rows)
+  fp8_decode_prequant  8B FP8 decode B=8..32: the decode GEMM's x quantized before it from 17
+                  rows (default), from 9, never (PREQUANT_MIN_M)
   fp8_decode_profile  8B FP8 decode B=32 and 64: step, GPU busy time, heaviest kernels
   fp8_decode_timeline  8B decode B=1 and 32, FP8 and bf16: a step's kernels on one time line
                   (decode_timeline.py): busy and idle time, kernels a step, the heaviest by name
@@ -293,6 +295,30 @@ def fp8_decode_route(ctx):
                 rep.add("fp8_decode_route", f"{tag} B={b} step_ms", ms, f"x{ms / floor:.2f} of floor {floor:.3f}")
     for b in (1, 8, 32):
         rep.add("fp8_decode_route", f"B={b} small-batch/decode GEMM", got[("W8A16 small-batch", b)] / got[("decode GEMM", b)])
+
+
+def fp8_decode_prequant(ctx):
+    """8B FP8 decode at B=8, 16, 24, 32 with the decode GEMM's x quantized once before it from 17
+    rows (the default, kernels/fp8_decode_gemm.py PREQUANT_MIN_M), from 9 rows, and never (each
+    program quantizing its x slice every K step): one engine build each."""
+    import kernels.fp8_decode_gemm as fd
+    from .gpu_engine import decode_floor_ms, decode_step_ms
+    from .suite_context import need_ceilings as _need_ceilings
+
+    args, rep = ctx["args"], ctx["report"]
+    c = _need_ceilings(ctx)
+    got = {}
+    batches = (8, 16, 24, 32)
+    for tag, min_m in (("in-kernel", 33), ("prequant from 17", 17), ("prequant from 9", 9)):
+        with _engine_8b(ctx, (fd, "PREQUANT_MIN_M", min_m), quantization="fp8", max_model_len=2048,
+                        cuda_graph_max_bs=32, kv_cache_memory=8 << 30) as eng:
+            for b in batches:
+                floor, _ = decode_floor_ms(eng, b, args.ctx, c.copy_gb_s)
+                got[(tag, b)] = ms = decode_step_ms(eng, b, args.ctx, args.steps, overlap=True)
+                rep.add("fp8_decode_prequant", f"{tag} B={b} step_ms", ms, f"x{ms / floor:.2f} of floor {floor:.3f}")
+    for b in batches:
+        for tag in ("prequant from 17", "prequant from 9"):
+            rep.add("fp8_decode_prequant", f"B={b} in-kernel/{tag}", got[("in-kernel", b)] / got[(tag, b)])
 
 
 def fp8_decode_profile(ctx):
@@ -579,11 +605,13 @@ def fp8_kv_long(ctx):
 
 # (d) before (c): it is quick, and what matters most runs first when the budget is tight
 FP8_SECTIONS = ("ceilings", "fp8_accuracy", "fp8_decode_8b", "fp8_gemm_cublas", "fp8_decode_8b_wide",
-                "fp8_decode_route", "fp8_decode_profile", "fp8_decode_timeline", "fp8_attn_prefetch", "fp8_gemm",
+                "fp8_decode_route", "fp8_decode_prequant", "fp8_decode_profile", "fp8_decode_timeline",
+                "fp8_attn_prefetch", "fp8_gemm",
                 "fp8_moe_decode", "fp8_kv_long", "fp8_prefill_profile")
 SECTIONS = {"fp8_accuracy": fp8_accuracy, "fp8_decode_8b": fp8_decode_8b, "fp8_gemm": fp8_gemm,
             "fp8_gemm_cublas": fp8_gemm_cublas, "fp8_decode_8b_wide": fp8_decode_8b_wide,
-            "fp8_decode_route": fp8_decode_route, "fp8_decode_profile": fp8_decode_profile,
+            "fp8_decode_route": fp8_decode_route, "fp8_decode_prequant": fp8_decode_prequant,
+            "fp8_decode_profile": fp8_decode_profile,
             "fp8_decode_timeline": fp8_decode_timeline, "fp8_attn_prefetch": fp8_attn_prefetch,
             "fp8_moe_decode": fp8_moe_decode, "fp8_kv_long": fp8_kv_long, "fp8_prefill_profile": fp8_prefill_profile}
 

@@ -21,6 +21,7 @@ DTYPES = [torch.bfloat16, torch.float32] if CUDA else [torch.float32]
 TOL = {torch.float32: 5e-3 if CUDA else 1e-5, torch.bfloat16: 1e-2}
 SPLIT = Fp8DecodeConfig(block_n=32, num_warps=4, num_stages=1, split_k=3)
 NO_SPLIT = Fp8DecodeConfig(block_n=64, num_warps=4, num_stages=1, split_k=1)
+PREQUANT = Fp8DecodeConfig(block_n=32, num_warps=4, num_stages=1, split_k=3, prequant=True)
 
 
 def on(dev, w: Fp8Weight, nan_pad: bool = True) -> Fp8Weight:
@@ -40,7 +41,7 @@ def rows_of_every_size(m, k, g, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [1, 5, 16, 17, 32])
-@pytest.mark.parametrize("config", [SPLIT, NO_SPLIT, None], ids=["split", "nosplit", "default"])
+@pytest.mark.parametrize("config", [SPLIT, NO_SPLIT, PREQUANT, None], ids=["split", "nosplit", "prequant", "default"])
 def test_decode_gemm_matches_reference(runner, dtype, m, config):
     g = case_generator("decode", dtype, m, config)
     k = 400  # three whole groups and a partial one of 16 columns
@@ -67,7 +68,7 @@ def test_decode_gemm_matches_reference(runner, dtype, m, config):
     assert not ws.counters.any()
 
 
-@pytest.mark.parametrize("config", [SPLIT, NO_SPLIT], ids=["split", "nosplit"])
+@pytest.mark.parametrize("config", [SPLIT, NO_SPLIT, PREQUANT], ids=["split", "nosplit", "prequant"])
 def test_decode_gemm_per_channel_and_small_groups(runner, config):
     """A per-channel weight (one scale a row over all K) and a 64-column block grid (the K step
     follows the weight's group)."""
@@ -80,6 +81,25 @@ def test_decode_gemm_per_channel_and_small_groups(runner, config):
     w64 = block_weight([96], 256, (64, 64), g, "cpu")
     got = runner(DECODE, x.to(dev), on(dev, w64), config=config)
     assert relative_error(got, fp8_decode_reference(x, w64)) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("m", [3, 32])
+def test_x_quantized_before_the_gemm_gives_the_same_bits(runner, m):
+    """prequant only moves x's quantization out of the K loop into its own kernel: the same FP8
+    values and scales reach the same dots, so the outputs are equal to the bit (bias, gate/up)."""
+    import dataclasses
+    g = case_generator("decode prequant", m)
+    dev = runner.device
+    k = 400
+    w = block_weight([48, 24, 24], k, (32, 128), g, "cpu", shard_start=8)
+    x = rows_of_every_size(m, k, g, torch.float32).to(DTYPES[0]).to(dev)
+    bias = torch.randn(w.q.shape[0], generator=g).to(DTYPES[0]).to(dev)
+    for gate_up in (False, True):
+        wt = block_weight([40, 40], k, (32, 128), g, "cpu") if gate_up else w
+        b = None if gate_up else bias
+        outs = [runner(DECODE, x, on(dev, wt), b, config=dataclasses.replace(SPLIT, prequant=pre), gate_up=gate_up)
+                for pre in (False, True)]
+        assert torch.equal(outs[0], outs[1]), (outs[0] - outs[1]).abs().max()
 
 
 def test_a_split_the_workspace_cannot_hold_is_narrowed(runner):
