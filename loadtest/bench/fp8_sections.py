@@ -25,6 +25,7 @@ table and exits if one hangs):
                   rows (default), from 9, never (PREQUANT_MIN_M)
   fp8_decode_gemm_64  8B FP8 decode B=32, 48, 64: the decode GEMM taking up to 64 rows against 32
                   (FP8_DECODE_MAX_M)
+  fp8_pdl_rows    8B FP8 decode B=1..32 with PDL on one-row launches (default) and up to 32 rows
   fp8_decode_profile  8B FP8 decode B=32 and 64: step, GPU busy time, heaviest kernels
   fp8_decode_timeline  8B decode B=1 and 32, FP8 and bf16: a step's kernels on one time line
                   (decode_timeline.py): busy and idle time, kernels a step, the heaviest by name
@@ -347,6 +348,30 @@ def fp8_decode_gemm_64(ctx):
                 got[("decode GEMM to 32", b)] / got[("decode GEMM to 64", b)])
 
 
+def fp8_pdl_rows(ctx):
+    """8B FP8 decode at B=1, 8, 16, 32 with programmatic dependent launch on launches of one row
+    (the default, kernels/pdl.py Pdl.max_rows) and of up to 32 rows: one engine build each."""
+    import functools
+
+    import kernels.pdl as kp
+    from .gpu_engine import decode_floor_ms, decode_step_ms
+    from .suite_context import need_ceilings as _need_ceilings
+
+    args, rep = ctx["args"], ctx["report"]
+    c = _need_ceilings(ctx)
+    got = {}
+    batches = (1, 8, 16, 32)
+    for tag, rows in (("PDL to 1 row", 1), ("PDL to 32 rows", 32)):
+        with _engine_8b(ctx, (kp, "Pdl", functools.partial(kp.Pdl, max_rows=rows)), quantization="fp8",
+                        max_model_len=2048, cuda_graph_max_bs=32, kv_cache_memory=8 << 30) as eng:
+            for b in batches:
+                floor, _ = decode_floor_ms(eng, b, args.ctx, c.copy_gb_s)
+                got[(tag, b)] = ms = decode_step_ms(eng, b, args.ctx, args.steps, overlap=True)
+                rep.add("fp8_pdl_rows", f"{tag} B={b} step_ms", ms, f"x{ms / floor:.2f} of floor {floor:.3f}")
+    for b in batches:
+        rep.add("fp8_pdl_rows", f"B={b} 1 row / 32 rows", got[("PDL to 1 row", b)] / got[("PDL to 32 rows", b)])
+
+
 def fp8_decode_profile(ctx):
     """8B FP8 decode at B=32 and 64 (one engine, graphs up to 128): the step, the GPU busy time a
     step and its heaviest kernels (torch.profiler over 8 steps): why B=32 measured slower than 64."""
@@ -631,13 +656,13 @@ def fp8_kv_long(ctx):
 
 # (d) before (c): it is quick, and what matters most runs first when the budget is tight
 FP8_SECTIONS = ("ceilings", "fp8_accuracy", "fp8_decode_8b", "fp8_gemm_cublas", "fp8_decode_8b_wide",
-                "fp8_decode_route", "fp8_decode_prequant", "fp8_decode_gemm_64", "fp8_decode_profile",
-                "fp8_decode_timeline", "fp8_attn_prefetch", "fp8_gemm",
+                "fp8_decode_route", "fp8_decode_prequant", "fp8_decode_gemm_64", "fp8_pdl_rows",
+                "fp8_decode_profile", "fp8_decode_timeline", "fp8_attn_prefetch", "fp8_gemm",
                 "fp8_moe_decode", "fp8_kv_long", "fp8_prefill_profile")
 SECTIONS = {"fp8_accuracy": fp8_accuracy, "fp8_decode_8b": fp8_decode_8b, "fp8_gemm": fp8_gemm,
             "fp8_gemm_cublas": fp8_gemm_cublas, "fp8_decode_8b_wide": fp8_decode_8b_wide,
             "fp8_decode_route": fp8_decode_route, "fp8_decode_prequant": fp8_decode_prequant,
-            "fp8_decode_gemm_64": fp8_decode_gemm_64,
+            "fp8_decode_gemm_64": fp8_decode_gemm_64, "fp8_pdl_rows": fp8_pdl_rows,
             "fp8_decode_profile": fp8_decode_profile,
             "fp8_decode_timeline": fp8_decode_timeline, "fp8_attn_prefetch": fp8_attn_prefetch,
             "fp8_moe_decode": fp8_moe_decode, "fp8_kv_long": fp8_kv_long, "fp8_prefill_profile": fp8_prefill_profile}
