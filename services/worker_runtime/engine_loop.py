@@ -85,7 +85,18 @@ class EngineLoop:
             if out.request_finished and not out.prefill_done:
                 self._sinks.pop(out.rid, None)
         for aloop, items in by_loop.items():
-            aloop.call_soon_threadsafe(_put_all, items)
+            try:
+                aloop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that handler's event loop is closed: nobody will read these
+                self._orphaned({out.rid for _, out in items})
+
+    def _orphaned(self, rids: set[str]) -> None:
+        """End requests whose outputs can no longer be delivered (free their pages) instead of
+        letting the error stop the loop for every other request."""
+        for rid in rids:
+            self._sinks.pop(rid, None)
+            self.engine.abort(rid)
+        log.warning("dropped %d request(s) whose handler's event loop is closed", len(rids))
 
     def detach(self, rid: str) -> None:
         self._sinks.pop(rid, None)

@@ -4,11 +4,13 @@ The engine thread runs handlers' commands between steps. A handler cancelled (it
 left) after the thread took its start command used to leave the request running unheard to
 its last token, holding its pages: the test of dropped requests once saw the KV still held
 20 s later. acall_or_undo queues the undo behind the start instead; a start still queued is
-withdrawn and never runs."""
+withdrawn and never runs. A handler whose event loop closed while its request ran (nobody can
+read it any more) has its request ended, not the engine thread stopped for everyone."""
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -108,3 +110,31 @@ def test_a_start_that_completes_is_not_undone(running):
     outs = asyncio.run(handler_stays())
     assert all(o.rid == "r3" and o.token_ids and not o.finished for o in outs)  # it ran on: nothing undid it
     run_in_loop_thread(loop, lambda: assert_all_pages_free(engine))
+
+
+def test_a_closed_handler_loop_ends_its_request_not_the_engine(running):
+    engine, loop = running
+    taken, release = threading.Event(), threading.Event()
+    release.set()
+
+    async def handler_loop_goes_away():
+        q: asyncio.Queue = asyncio.Queue()
+        start = starter(engine, loop, "r4", taken, release, asyncio.get_running_loop(), q)
+        await loop.acall(start)
+        await q.get()  # it is running; then this event loop closes with the request still attached
+    asyncio.run(handler_loop_goes_away())
+    deadline = time.monotonic() + 10
+    while run_in_loop_thread(loop, lambda: "r4" in engine.requests) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert loop.fatal is None
+    run_in_loop_thread(loop, lambda: assert_all_pages_free(engine))
+    # and the engine still serves
+    taken.clear()
+
+    async def next_handler():
+        q: asyncio.Queue = asyncio.Queue()
+        await loop.acall(starter(engine, loop, "r5", taken, release, asyncio.get_running_loop(), q))
+        out = await q.get()
+        await loop.acall(lambda: (loop.detach("r5"), engine.abort("r5")))
+        return out
+    assert asyncio.run(next_handler()).token_ids
