@@ -278,26 +278,38 @@ def fp8_decode_8b_wide(ctx):
                 f"bf16/fp8 cuBLAS {got[('bf16', b)] / got[('fp8 cuBLAS', b)]:.2f}")
 
 
+def _fp8_steps_by_setting(ctx, section: str, settings, batches, **engine_kw) -> dict:
+    """8B FP8 decode steps (ms) at each batch, one engine build per setting (tag, patch): patch
+    as _engine_8b's. Each step goes into the report with its floor; returns {(tag, batch): ms}."""
+    from .gpu_engine import decode_floor_ms, decode_step_ms
+    from .suite_context import need_ceilings
+
+    args, rep = ctx["args"], ctx["report"]
+    c = need_ceilings(ctx)
+    got = {}
+    opts = dict(quantization="fp8", max_model_len=2048, cuda_graph_max_bs=max(batches), kv_cache_memory=8 << 30)
+    for tag, patch in settings:
+        with _engine_8b(ctx, patch, **{**opts, **engine_kw}) as eng:
+            for b in batches:
+                floor, _ = decode_floor_ms(eng, b, args.ctx, c.copy_gb_s)
+                got[(tag, b)] = ms = decode_step_ms(eng, b, args.ctx, args.steps, overlap=True)
+                rep.add(section, f"{tag} B={b} step_ms", ms, f"x{ms / floor:.2f} of floor {floor:.3f}")
+    return got
+
+
 def fp8_decode_route(ctx):
     """8B FP8 decode at B=1, 8, 32 with decode sizes on the W8A8 decode GEMM (x quantized in
     the kernel, kernels/fp8_decode_gemm.py) and with it off (the W8A16 small-batch kernel up to 32
     rows, the M-tiled W8A8 GEMM above): the same engine build, one route each."""
     import kernels.fp8_decode_gemm as fd
-    from .gpu_engine import decode_floor_ms, decode_step_ms
-    from .suite_context import need_ceilings as _need_ceilings
 
-    args, rep = ctx["args"], ctx["report"]
-    c = _need_ceilings(ctx)
-    got = {}
-    for tag, max_m in (("decode GEMM", fd.FP8_DECODE_MAX_M), ("W8A16 small-batch", 0)):
-        with _engine_8b(ctx, (fd, "FP8_DECODE_MAX_M", max_m), quantization="fp8", max_model_len=2048,
-                        cuda_graph_max_bs=32, kv_cache_memory=8 << 30) as eng:
-            for b in (1, 8, 32):
-                floor, _ = decode_floor_ms(eng, b, args.ctx, c.copy_gb_s)
-                got[(tag, b)] = ms = decode_step_ms(eng, b, args.ctx, args.steps, overlap=True)
-                rep.add("fp8_decode_route", f"{tag} B={b} step_ms", ms, f"x{ms / floor:.2f} of floor {floor:.3f}")
-    for b in (1, 8, 32):
-        rep.add("fp8_decode_route", f"B={b} small-batch/decode GEMM", got[("W8A16 small-batch", b)] / got[("decode GEMM", b)])
+    batches = (1, 8, 32)
+    got = _fp8_steps_by_setting(ctx, "fp8_decode_route", [
+        ("decode GEMM", (fd, "FP8_DECODE_MAX_M", fd.FP8_DECODE_MAX_M)),
+        ("W8A16 small-batch", (fd, "FP8_DECODE_MAX_M", 0))], batches)
+    for b in batches:
+        ctx["report"].add("fp8_decode_route", f"B={b} small-batch/decode GEMM",
+                          got[("W8A16 small-batch", b)] / got[("decode GEMM", b)])
 
 
 def fp8_decode_prequant(ctx):
@@ -305,23 +317,14 @@ def fp8_decode_prequant(ctx):
     rows (the default, kernels/fp8_decode_gemm.py PREQUANT_MIN_M), from 9 rows, and never (each
     program quantizing its x slice every K step): one engine build each."""
     import kernels.fp8_decode_gemm as fd
-    from .gpu_engine import decode_floor_ms, decode_step_ms
-    from .suite_context import need_ceilings as _need_ceilings
 
-    args, rep = ctx["args"], ctx["report"]
-    c = _need_ceilings(ctx)
-    got = {}
     batches = (8, 16, 24, 32)
-    for tag, min_m in (("in-kernel", 33), ("prequant from 17", 17), ("prequant from 9", 9)):
-        with _engine_8b(ctx, (fd, "PREQUANT_MIN_M", min_m), quantization="fp8", max_model_len=2048,
-                        cuda_graph_max_bs=32, kv_cache_memory=8 << 30) as eng:
-            for b in batches:
-                floor, _ = decode_floor_ms(eng, b, args.ctx, c.copy_gb_s)
-                got[(tag, b)] = ms = decode_step_ms(eng, b, args.ctx, args.steps, overlap=True)
-                rep.add("fp8_decode_prequant", f"{tag} B={b} step_ms", ms, f"x{ms / floor:.2f} of floor {floor:.3f}")
+    got = _fp8_steps_by_setting(ctx, "fp8_decode_prequant", [
+        (tag, (fd, "PREQUANT_MIN_M", min_m))
+        for tag, min_m in (("in-kernel", 33), ("prequant from 17", 17), ("prequant from 9", 9))], batches)
     for b in batches:
         for tag in ("prequant from 17", "prequant from 9"):
-            rep.add("fp8_decode_prequant", f"B={b} in-kernel/{tag}", got[("in-kernel", b)] / got[(tag, b)])
+            ctx["report"].add("fp8_decode_prequant", f"B={b} in-kernel/{tag}", got[("in-kernel", b)] / got[(tag, b)])
 
 
 def fp8_decode_gemm_64(ctx):
@@ -329,23 +332,13 @@ def fp8_decode_gemm_64(ctx):
     against the route now (up to 32; past it per_token_group_quant and the M-tiled W8A8 GEMM):
     kernels/fp8_decode_gemm.py FP8_DECODE_MAX_M, one engine build each."""
     import kernels.fp8_decode_gemm as fd
-    from .gpu_engine import decode_floor_ms, decode_step_ms
-    from .suite_context import need_ceilings as _need_ceilings
 
-    args, rep = ctx["args"], ctx["report"]
-    c = _need_ceilings(ctx)
-    got = {}
     batches = (32, 48, 64)
-    for tag, max_m in (("decode GEMM to 32", 32), ("decode GEMM to 64", 64)):
-        with _engine_8b(ctx, (fd, "FP8_DECODE_MAX_M", max_m), quantization="fp8", max_model_len=2048,
-                        cuda_graph_max_bs=64, kv_cache_memory=12 << 30) as eng:
-            for b in batches:
-                floor, _ = decode_floor_ms(eng, b, args.ctx, c.copy_gb_s)
-                got[(tag, b)] = ms = decode_step_ms(eng, b, args.ctx, args.steps, overlap=True)
-                rep.add("fp8_decode_gemm_64", f"{tag} B={b} step_ms", ms, f"x{ms / floor:.2f} of floor {floor:.3f}")
+    got = _fp8_steps_by_setting(ctx, "fp8_decode_gemm_64", [
+        (f"decode GEMM to {m}", (fd, "FP8_DECODE_MAX_M", m)) for m in (32, 64)], batches, kv_cache_memory=12 << 30)
     for b in batches:
-        rep.add("fp8_decode_gemm_64", f"B={b} to 32 / to 64",
-                got[("decode GEMM to 32", b)] / got[("decode GEMM to 64", b)])
+        ctx["report"].add("fp8_decode_gemm_64", f"B={b} to 32 / to 64",
+                          got[("decode GEMM to 32", b)] / got[("decode GEMM to 64", b)])
 
 
 def fp8_pdl_rows(ctx):
@@ -354,22 +347,14 @@ def fp8_pdl_rows(ctx):
     import functools
 
     import kernels.pdl as kp
-    from .gpu_engine import decode_floor_ms, decode_step_ms
-    from .suite_context import need_ceilings as _need_ceilings
 
-    args, rep = ctx["args"], ctx["report"]
-    c = _need_ceilings(ctx)
-    got = {}
     batches = (1, 8, 16, 32)
-    for tag, rows in (("PDL to 1 row", 1), ("PDL to 32 rows", 32)):
-        with _engine_8b(ctx, (kp, "Pdl", functools.partial(kp.Pdl, max_rows=rows)), quantization="fp8",
-                        max_model_len=2048, cuda_graph_max_bs=32, kv_cache_memory=8 << 30) as eng:
-            for b in batches:
-                floor, _ = decode_floor_ms(eng, b, args.ctx, c.copy_gb_s)
-                got[(tag, b)] = ms = decode_step_ms(eng, b, args.ctx, args.steps, overlap=True)
-                rep.add("fp8_pdl_rows", f"{tag} B={b} step_ms", ms, f"x{ms / floor:.2f} of floor {floor:.3f}")
+    got = _fp8_steps_by_setting(ctx, "fp8_pdl_rows", [
+        (f"PDL to {rows} row{'s' if rows > 1 else ''}", (kp, "Pdl", functools.partial(kp.Pdl, max_rows=rows)))
+        for rows in (1, 32)], batches)
     for b in batches:
-        rep.add("fp8_pdl_rows", f"B={b} 1 row / 32 rows", got[("PDL to 1 row", b)] / got[("PDL to 32 rows", b)])
+        ctx["report"].add("fp8_pdl_rows", f"B={b} 1 row / 32 rows",
+                          got[("PDL to 1 row", b)] / got[("PDL to 32 rows", b)])
 
 
 def fp8_decode_profile(ctx):
