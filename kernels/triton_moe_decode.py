@@ -79,9 +79,24 @@ def _row_scales(s_ptr, srow_ptr, e, n, k0, stride_se, stride_sr, group_k, FP8: t
 
 
 @triton.jit
+def _group_scaled_sums(w, v, s_ptr, srow_ptr, e, n, k0, stride_se, stride_sr, group_k, n_groups,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr):
+    """FP8 rows w [BLOCK_N, BLOCK_K] whose columns from k0 span BLOCK_K // SUB_K scale groups
+    (SUB_K == the group): each row's products with v summed per group, times that group's scale,
+    then summed: [BLOCK_N]. A group past the weight's last reads the last scale (times zeros)."""
+    G: tl.constexpr = BLOCK_K // SUB_K
+    part = tl.sum(tl.reshape(w.to(tl.float32) * v[None, :], (BLOCK_N, G, SUB_K)), axis=2)
+    row = tl.load(srow_ptr + n).to(tl.int64)
+    cols = tl.minimum(k0 // group_k + tl.arange(0, G), n_groups - 1)
+    sc = tl.load(s_ptr + e.to(tl.int64) * stride_se + row[:, None] * stride_sr + cols[None, :])
+    return tl.sum(part * sc, axis=1)
+
+
+@triton.jit
 def _gate_up_part(x_ptr, w13_ptr, part_ptr, e, pair, nb, ks, num_splits, H, I, stride_x, stride_we,
-                  s13_ptr, srow13_ptr, stride_s13e, stride_s13r, group_k,
-                  TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr):
+                  s13_ptr, srow13_ptr, stride_s13e, stride_s13r, group_k, groups13,
+                  TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
+                  SUB_K: tl.constexpr):
     """Partial gate and up sums over one K chunk for BLOCK_N intermediate columns of a pair:
     one load of each tile, so every program has its whole share of bytes in flight at once."""
     t = pair // TOP_K
@@ -95,11 +110,19 @@ def _gate_up_part(x_ptr, w13_ptr, part_ptr, e, pair, nb, ks, num_splits, H, I, s
     u = tl.load(rows + I * H, mask=m, other=0.0)
     xv = tl.load(x_ptr + t * stride_x + k, mask=k_ok, other=0.0).to(tl.float32)
     nc = tl.minimum(n, I - 1)
-    sg = _row_scales(s13_ptr, srow13_ptr, e, nc, ks * BLOCK_K, stride_s13e, stride_s13r, group_k, FP8)
-    su = _row_scales(s13_ptr, srow13_ptr, e, nc + I, ks * BLOCK_K, stride_s13e, stride_s13r, group_k, FP8)
     base = part_ptr + (pair * num_splits + ks) * 2 * I
-    tl.store(base + n, tl.sum(g.to(tl.float32) * xv[None, :], axis=1) * sg, mask=n_ok)
-    tl.store(base + I + n, tl.sum(u.to(tl.float32) * xv[None, :], axis=1) * su, mask=n_ok)
+    if FP8 and BLOCK_K > SUB_K:  # the tile spans several scale groups
+        gs = _group_scaled_sums(g, xv, s13_ptr, srow13_ptr, e, nc, ks * BLOCK_K, stride_s13e, stride_s13r,
+                                group_k, groups13, BLOCK_N, BLOCK_K, SUB_K)
+        us = _group_scaled_sums(u, xv, s13_ptr, srow13_ptr, e, nc + I, ks * BLOCK_K, stride_s13e, stride_s13r,
+                                group_k, groups13, BLOCK_N, BLOCK_K, SUB_K)
+        tl.store(base + n, gs, mask=n_ok)
+        tl.store(base + I + n, us, mask=n_ok)
+    else:
+        sg = _row_scales(s13_ptr, srow13_ptr, e, nc, ks * BLOCK_K, stride_s13e, stride_s13r, group_k, FP8)
+        su = _row_scales(s13_ptr, srow13_ptr, e, nc + I, ks * BLOCK_K, stride_s13e, stride_s13r, group_k, FP8)
+        tl.store(base + n, tl.sum(g.to(tl.float32) * xv[None, :], axis=1) * sg, mask=n_ok)
+        tl.store(base + I + n, tl.sum(u.to(tl.float32) * xv[None, :], axis=1) * su, mask=n_ok)
 
 
 @triton.jit
@@ -125,10 +148,10 @@ def _experts_kernel(x_ptr, w13_ptr, w2_ptr, ids_ptr, emap_ptr, topk_w_ptr, part_
                     split_ptr, pair_done_ptr, pair_seen_ptr, sum_ptr, out_ptr,
                     s13_ptr, srow13_ptr, s2_ptr, srow2_ptr,
                     H, I, num_pairs, stride_x, stride_w13e, stride_w2e, stride_out,
-                    stride_s13e, stride_s13r, stride_s2e, stride_s2r, group_k,
+                    stride_s13e, stride_s13r, stride_s2e, stride_s2r, group_k, groups13, groups2,
                     TOP_K: tl.constexpr, HAS_MAP: tl.constexpr, GATE_N: tl.constexpr, GATE_K: tl.constexpr,
                     DOWN_N: tl.constexpr, DOWN_K: tl.constexpr, MAX: tl.constexpr, PDL: tl.constexpr,
-                    FP8: tl.constexpr):
+                    FP8: tl.constexpr, SUB_K: tl.constexpr):
     """Per pair, I/GATE_N * H/GATE_K gate/up programs: partial sums of a column block over one
     K chunk; the last chunk to arrive for a (pair, column block) adds them up, applies
     SiLU-and-mul and arrives on the pair's counter. And H/DOWN_N down programs: the pair's
@@ -139,8 +162,8 @@ def _experts_kernel(x_ptr, w13_ptr, w2_ptr, ids_ptr, emap_ptr, topk_w_ptr, part_
     All gate/up programs come first: ordering them pair by pair, so one pair's down
     projection streams while the next pairs' gate/up run, measured slower (H200, M=1: 48 vs
     40 us; its spinning down programs hold SM slots the gate/up programs need).
-    FP8 weights (W8A16): each tile row is scaled by its block scale (GATE_K and DOWN_K divide
-    the scale's K group)."""
+    FP8 weights (W8A16): each tile row is scaled by its block scale; a K tile either lies in one
+    scale group or spans whole groups (SUB_K: the group), summed per group then scaled."""
     pdl_enter(PDL)  # everything here depends on the routing the previous kernel wrote
     pid = tl.program_id(0)
     nb_gate = tl.cdiv(I, GATE_N)
@@ -162,7 +185,8 @@ def _experts_kernel(x_ptr, w13_ptr, w2_ptr, ids_ptr, emap_ptr, topk_w_ptr, part_
             e = tl.load(emap_ptr + e)
         if e >= 0:  # another rank's expert: nothing to compute, the down side writes zeros
             _gate_up_part(x_ptr, w13_ptr, part_ptr, e, pair, nb, r % splits, splits, H, I, stride_x, stride_w13e,
-                          s13_ptr, srow13_ptr, stride_s13e, stride_s13r, group_k, TOP_K, GATE_N, GATE_K, FP8)
+                          s13_ptr, srow13_ptr, stride_s13e, stride_s13r, group_k, groups13, TOP_K, GATE_N, GATE_K,
+                          FP8, SUB_K)
         tl.debug_barrier()
         split_counter = split_ptr + pair * nb_gate + nb
         if tl.atomic_add(split_counter, 1, sem="acq_rel") == splits - 1:
@@ -194,16 +218,27 @@ def _experts_kernel(x_ptr, w13_ptr, w2_ptr, ids_ptr, emap_ptr, topk_w_ptr, part_
             ec = tl.maximum(e, 0)
             nc = tl.minimum(n, H - 1)
             iv = tl.load(inter_ptr + pair * I + k, mask=k < I, other=0.0, cache_modifier=".cg").to(tl.float32)
-            sw = _row_scales(s2_ptr, srow2_ptr, ec, nc, 0, stride_s2e, stride_s2r, group_k, FP8)
-            acc = w.to(tl.float32) * sw[:, None] * iv[None, :]
-            for k0 in range(DOWN_K, I, DOWN_K):  # intermediates wider than one tile (Mixtral)
-                kk = k0 + k
-                ivk = tl.load(inter_ptr + pair * I + kk, mask=kk < I, other=0.0, cache_modifier=".cg")
-                wk = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & (kk < I)[None, :], other=0.0)
-                sw = _row_scales(s2_ptr, srow2_ptr, ec, nc, k0, stride_s2e, stride_s2r, group_k, FP8)
-                acc += wk.to(tl.float32) * sw[:, None] * ivk.to(tl.float32)[None, :]
+            if FP8 and DOWN_K > SUB_K:  # tiles spanning several scale groups: summed per group
+                total = _group_scaled_sums(w, iv, s2_ptr, srow2_ptr, ec, nc, 0, stride_s2e, stride_s2r, group_k,
+                                           groups2, DOWN_N, DOWN_K, SUB_K)
+                for k0 in range(DOWN_K, I, DOWN_K):  # intermediates wider than one tile (Mixtral)
+                    kk = k0 + k
+                    ivk = tl.load(inter_ptr + pair * I + kk, mask=kk < I, other=0.0, cache_modifier=".cg")
+                    wk = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & (kk < I)[None, :], other=0.0)
+                    total += _group_scaled_sums(wk, ivk.to(tl.float32), s2_ptr, srow2_ptr, ec, nc, k0, stride_s2e,
+                                                stride_s2r, group_k, groups2, DOWN_N, DOWN_K, SUB_K)
+            else:
+                sw = _row_scales(s2_ptr, srow2_ptr, ec, nc, 0, stride_s2e, stride_s2r, group_k, FP8)
+                acc = w.to(tl.float32) * sw[:, None] * iv[None, :]
+                for k0 in range(DOWN_K, I, DOWN_K):  # intermediates wider than one tile (Mixtral)
+                    kk = k0 + k
+                    ivk = tl.load(inter_ptr + pair * I + kk, mask=kk < I, other=0.0, cache_modifier=".cg")
+                    wk = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & (kk < I)[None, :], other=0.0)
+                    sw = _row_scales(s2_ptr, srow2_ptr, ec, nc, k0, stride_s2e, stride_s2r, group_k, FP8)
+                    acc += wk.to(tl.float32) * sw[:, None] * ivk.to(tl.float32)[None, :]
+                total = tl.sum(acc, axis=1)
             dt = out_ptr.dtype.element_ty
-            y = tl.sum(acc, axis=1).to(dt).to(tl.float32) * tl.load(topk_w_ptr + pair)
+            y = total.to(dt).to(tl.float32) * tl.load(topk_w_ptr + pair)
         tl.store(rows_ptr + pair * H + n, y, mask=n_ok)
         tl.debug_barrier()
         if tl.atomic_add(pair_seen_ptr + pair, 1, sem="acq_rel") == nb_down - 1:
@@ -267,17 +302,20 @@ def launch_experts(x, w13, w2, weights, ids, expert_map, out, counters, tile, pd
     inter_rows = torch.empty(pairs, inter, dtype=x.dtype, device=dev)
     rows = torch.empty(pairs, h, dtype=torch.float32, device=dev)
     grid = (pairs * (nb_gate * splits + nb_down),)
+    down_k = min(triton.next_power_of_2(inter), tile.down_block_k)
+    sub_k = max(tile.gate_up_block_k, down_k)
     if fp8 is not None:
         f13, f2 = fp8
         scales = (f13.scale, f13.scale_row, f2.scale, f2.scale_row)
         scale_strides = (f13.scale.stride(0), f13.scale.stride(1), f2.scale.stride(0), f2.scale.stride(1),
-                         min(f13.group_k, 1 << 30))
+                         min(f13.group_k, 1 << 30), f13.scale.shape[-1], f2.scale.shape[-1])
+        sub_k = min(sub_k, f13.group_k)  # a tile wider than a group is summed group by group
     else:
-        scales, scale_strides = (x, ids, x, ids), (0, 0, 0, 0, 1)
+        scales, scale_strides = (x, ids, x, ids), (0, 0, 0, 0, 1, 1, 1)
     _experts_kernel[grid](
         x, w13, w2, ids, emap, weights, part, inter_rows, rows, split, pair_done, pair_seen, sums, out, *scales,
         h, inter, pairs, x.stride(0), w13.stride(0), w2.stride(0), out.stride(0), *scale_strides,
         TOP_K=top_k, HAS_MAP=expert_map is not None, GATE_N=tile.gate_up_block_n, GATE_K=tile.gate_up_block_k,
-        DOWN_N=tile.down_block_n, DOWN_K=min(triton.next_power_of_2(inter), tile.down_block_k), MAX=MAX_SPINS,
-        PDL=pdl is not None, FP8=fp8 is not None, num_warps=tile.warps, **launch_options(pdl))
+        DOWN_N=tile.down_block_n, DOWN_K=down_k, MAX=MAX_SPINS,
+        PDL=pdl is not None, FP8=fp8 is not None, SUB_K=sub_k, num_warps=tile.warps, **launch_options(pdl))
     return out

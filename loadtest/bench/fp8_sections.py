@@ -32,6 +32,7 @@ table and exits if one hangs):
   fp8_attn_prefetch  8B decode B=1, FP8 and bf16, with decode attention's K/V prefetch under PDL
                   on and off (kernels/triton_decode_attention.py PDL_KV_PREFETCH)
   fp8_moe_decode  (c) 30B-A3B decode B=1, 8, 32: FP8 vs floor (touched experts) and bf16
+  fp8_moe_timeline  30B-A3B FP8 decode B=1 and 8: a step's kernels on one time line
   fp8_kv_long     (e) 8B FP8 weights, ctx 16k: step time and KV pages with FP8 vs bf16 KV in
                   one budget (B=16 both, B=32 FP8 only: bf16 does not fit an H100), bytes per
                   token a handoff moves
@@ -610,6 +611,31 @@ def fp8_moe_decode(ctx):
         ctx["report"].add("fp8_moe_decode", f"bf16/fp8 B={b}", got[("bf16", b)] / got[("fp8", b)])
 
 
+def fp8_moe_timeline(ctx):
+    """Where a Qwen3-30B-A3B FP8 decode step's time goes at B=1 and 8 (x3.3 and x2.0 of its floor
+    on an H200): kernel time by name, idle time, kernels a step (decode_timeline.py)."""
+    from .decode_timeline import decode_timeline
+    from .gpu_engine import release_memory
+    from .suite_context import random_engine
+
+    args, rep = ctx["args"], ctx["report"]
+    eng = random_engine(ctx, "qwen3-30b-a3b", quantization="fp8", max_model_len=2048, cuda_graph_max_bs=8,
+                        kv_cache_memory=4 << 30)
+    try:
+        for b in (1, 8):
+            t = decode_timeline(eng, b, args.ctx)
+            rep.add("fp8_moe_timeline", f"B={b} GPU span a step ms", t.step_ms,
+                    f"busy {t.busy_ms:.3f}, idle {t.idle_ms:.3f}; {t.kernels_per_step:.0f} kernels, "
+                    f"{t.bubbles_per_step:.0f} gaps over 5 us")
+            for k in t.kernels[:12]:
+                rep.add("fp8_moe_timeline", f"B={b} {k.name[:48]}", round(k.us_per_step, 1),
+                        f"us a step in {k.launches_per_step:.0f} launches (longest {k.longest_us:.1f} us)")
+    finally:
+        eng.close()
+        del eng
+        release_memory()
+
+
 def fp8_kv_long(ctx):
     from shared.kv_transfer.pool_info import PoolInfo
     from .gpu_engine import decode_step_ms, release_memory
@@ -643,12 +669,13 @@ def fp8_kv_long(ctx):
 FP8_SECTIONS = ("ceilings", "fp8_accuracy", "fp8_decode_8b", "fp8_gemm_cublas", "fp8_decode_8b_wide",
                 "fp8_decode_route", "fp8_decode_prequant", "fp8_decode_gemm_64", "fp8_pdl_rows",
                 "fp8_decode_profile", "fp8_decode_timeline", "fp8_attn_prefetch", "fp8_gemm",
-                "fp8_moe_decode", "fp8_kv_long", "fp8_prefill_profile")
+                "fp8_moe_decode", "fp8_moe_timeline", "fp8_kv_long", "fp8_prefill_profile")
 SECTIONS = {"fp8_accuracy": fp8_accuracy, "fp8_decode_8b": fp8_decode_8b, "fp8_gemm": fp8_gemm,
             "fp8_gemm_cublas": fp8_gemm_cublas, "fp8_decode_8b_wide": fp8_decode_8b_wide,
             "fp8_decode_route": fp8_decode_route, "fp8_decode_prequant": fp8_decode_prequant,
             "fp8_decode_gemm_64": fp8_decode_gemm_64, "fp8_pdl_rows": fp8_pdl_rows,
             "fp8_decode_profile": fp8_decode_profile,
             "fp8_decode_timeline": fp8_decode_timeline, "fp8_attn_prefetch": fp8_attn_prefetch,
-            "fp8_moe_decode": fp8_moe_decode, "fp8_kv_long": fp8_kv_long, "fp8_prefill_profile": fp8_prefill_profile}
+            "fp8_moe_decode": fp8_moe_decode, "fp8_moe_timeline": fp8_moe_timeline, "fp8_kv_long": fp8_kv_long,
+            "fp8_prefill_profile": fp8_prefill_profile}
 

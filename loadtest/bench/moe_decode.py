@@ -1,6 +1,6 @@
 """A decode batch's MoE block on the device: the launch sequences the model can run, timed.
 
-    python3 -m loadtest.bench.moe_decode [--m 1,2,4,8,16] [--tiles]
+    python3 -m loadtest.bench.moe_decode [--m 1,2,4,8,16] [--tiles] [--fp8]
     TRITON_INTERPRET=1 python -m loadtest.bench.moe_decode --smoke   # CPU: checks the script
 
 Qwen3-30B-A3B shape (128 experts, top-8, hidden 2048, expert intermediate 768, bf16),
@@ -11,6 +11,8 @@ included) as one CUDA-graph replay with L2 flushed before it:
 - route+grouped: router and top-k in one kernel, then the grouped experts;
 - route+pairs: router and top-k, then one experts kernel (per-pair gate/up, per-pair down
   with the top-k sum fused): two launches, at each DecodeTile of --tiles.
+--fp8: the experts block-FP8 (128 x 128, kernels/fp8_moe.py experts_fp8; the router stays 16-bit),
+route+pairs only, each tile against the W8A16 reference.
 Floor: bytes the block must read (router weight, the experts the batch's routing touches,
 activations) over the device-copy bandwidth measured in the same run. Short table last."""
 from __future__ import annotations
@@ -59,6 +61,7 @@ def main(argv=None) -> int:
     p.add_argument("--m", default="1,2,4,8,16")
     p.add_argument("--tiles", action="store_true", help="sweep DecodeTile variants for route+pairs")
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--fp8", action="store_true", help="block-FP8 experts (route+pairs only)")
     a = p.parse_args(argv)
     cfg = BenchConfig.smoke() if a.smoke else BenchConfig()
     if cfg.device != "cuda" and not a.smoke:
@@ -72,6 +75,7 @@ def main(argv=None) -> int:
     router = (torch.randn(e, h, generator=gen) * 2 / h ** 0.5).to(dev, dtype)
     w13 = (torch.randn(e, 2 * i, h, generator=gen) / h ** 0.5).to(dev, dtype)
     w2 = (torch.randn(e, h, i, generator=gen) / i ** 0.5).to(dev, dtype)
+    fp8 = _fp8_experts(w13, w2, 16 if a.smoke else 128) if a.fp8 else None
     ms_list = [1, 3] if a.smoke else [int(v) for v in a.m.split(",")]
     tiles = tile_grid(a.smoke) if a.tiles or a.smoke else [moe_decode.DecodeTile()]
     counters = moe_decode.DecodeCounters.create(max(ms_list), e, k, h, i, moe_decode.DecodeTile(), dev)
@@ -80,7 +84,8 @@ def main(argv=None) -> int:
         x = torch.randn(m, h, generator=gen).to(dev, dtype)
         want, _, ids = moe_decode.moe_decode_reference(x, router, w13, w2, k, True, dtype)
         touched = int(torch.unique(ids).numel())
-        nbytes = (router.numel() + touched * 3 * h * i + 2 * x.numel()) * x.element_size()
+        expert_bytes = touched * 3 * h * i * (1 if fp8 else x.element_size())
+        nbytes = (router.numel() + 2 * x.numel()) * x.element_size() + expert_bytes
         floor = nbytes / copy * 1e3
         out = torch.empty_like(x)
 
@@ -93,14 +98,20 @@ def main(argv=None) -> int:
             w, ids_ = moe_decode.route(x, router, k, True, dtype, counters=counters)
             return fused_moe(x, w13, w2, w, ids_, out=out)
 
-        variants = [("gemm+grouped", gemm_grouped, None), ("route+grouped", route_grouped, None)]
+        variants = [] if fp8 else [("gemm+grouped", gemm_grouped, None), ("route+grouped", route_grouped, None)]
+        if fp8:
+            from kernels.fp8_moe import experts_fp8, fused_moe_fp8_reference
+            w_, ids_ = moe_decode.route(x, router, k, True, dtype, counters=counters)
+            want = fused_moe_fp8_reference(x, fp8[0], fp8[1], w_, ids_, quantize_activations=False).to(dtype)
         for tile in tiles:
             c = moe_decode.DecodeCounters.create(max(ms_list), e, k, h, i, tile, dev)
 
             def pairs(tile=tile, c=c):
                 w, ids_ = moe_decode.route(x, router, k, True, dtype, counters=c, tile=tile)
+                if fp8:
+                    return experts_fp8(x, fp8[0], fp8[1], w, ids_, counters=c, out=out, tile=tile)
                 return moe_decode.experts(x, w13, w2, w, ids_, counters=c, out=out, tile=tile)
-            variants.append((f"route+pairs {_short(tile)}", pairs, tile))
+            variants.append((f"route+pairs{' fp8' if fp8 else ''} {_short(tile)}", pairs, tile))
         for name, fn, _ in variants:
             try:
                 err = relative_error(fn().float(), want.float())
@@ -123,6 +134,18 @@ def main(argv=None) -> int:
             print(f"M={m:<3} {r.variant:<44} {r.ms * 1e3:8.1f} us  x{r.ms / r.floor_ms:5.2f} floor  "
                   f"{base.ms / r.ms:5.2f}x vs gemm+grouped  relerr {r.relerr:.1e}{mark}")
     return 0
+
+
+def _fp8_experts(w13, w2, block: int):
+    """Block-FP8 copies of the stacked experts (kernels.fp8.Fp8Weight), each expert quantized on
+    its own block x block grid (gate and up share one: I is a multiple of the block)."""
+    from kernels.fp8 import Fp8Weight, quantize_block
+
+    def stack(w):
+        qs, ss = zip(*(quantize_block(w[j], (block, block)) for j in range(w.shape[0])))
+        rows = (torch.arange(w.shape[1], device=w.device) // block).to(torch.int32)
+        return Fp8Weight(torch.stack(qs), torch.stack(ss), rows, block)
+    return stack(w13), stack(w2)
 
 
 def _short(t) -> str:

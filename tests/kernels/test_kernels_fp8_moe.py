@@ -19,7 +19,11 @@ FUSED = "kernels.fp8_moe:fused_moe_fp8"
 EXPERTS = "kernels.fp8_moe:experts_fp8"
 BLOCK = (16, 32)
 W8A8_TOL = 5e-3 if CUDA else 1e-5  # FP8 tensor-core dots add in reduced precision within a K step
-TILE = DecodeTile(gate_up_block_n=8, gate_up_block_k=64, down_block_n=16, down_block_k=16)  # 64: narrowed to 32
+# K tiles spanning two 32-column scale groups (gate/up 64; down 64, over a partial last group at
+# I = 40 or 48), or inside one (down 16)
+TILE = DecodeTile(gate_up_block_n=8, gate_up_block_k=64, down_block_n=16, down_block_k=16)
+WIDE_TILE = DecodeTile(gate_up_block_n=8, gate_up_block_k=64, down_block_n=16, down_block_k=64)
+NARROW_TILE = DecodeTile(gate_up_block_n=8, gate_up_block_k=16, down_block_n=16, down_block_k=16)
 
 
 def stack_experts(parts_per_expert: list[list[torch.Tensor]], per_channel: bool) -> Fp8Weight:
@@ -57,6 +61,14 @@ def to(w: Fp8Weight, dev) -> Fp8Weight:
     return Fp8Weight(w.q.to(dev), w.scale.to(dev), w.scale_row.to(dev), w.group_k)
 
 
+def nan_padded(w: Fp8Weight, dev) -> Fp8Weight:
+    """w on dev with each scale row followed by NaN columns (a wider row stride): a scale read
+    past a row's last group poisons the output (0 x NaN)."""
+    padded = torch.full((*w.scale.shape[:-1], w.scale.shape[-1] + 2), float("nan"))
+    padded[..., :w.scale.shape[-1]] = w.scale
+    return Fp8Weight(w.q.to(dev), padded.to(dev)[..., :w.scale.shape[-1]], w.scale_row.to(dev), w.group_k)
+
+
 def route(g, t, e, k, h):
     x = torch.randn(t, h, generator=g)
     weights, ids = select_experts_reference(torch.randn(t, e, generator=g), k, True)
@@ -80,17 +92,18 @@ def test_fused_moe_fp8_matches_reference(runner, t, e, k, h, i, per_channel):
     assert relative_error(out, exact) < 0.1
 
 
+@pytest.mark.parametrize("tile", [TILE, WIDE_TILE, NARROW_TILE], ids=["tile", "wide", "narrow"])
 @pytest.mark.parametrize("t,e,k,h,i,per_channel", [(1, 6, 2, 72, 40, False), (2, 8, 4, 64, 48, False),
                                                    (2, 4, 2, 64, 32, True)])
-def test_decode_experts_fp8_matches_reference(runner, t, e, k, h, i, per_channel):
+def test_decode_experts_fp8_matches_reference(runner, t, e, k, h, i, per_channel, tile):
     g = case_generator("decode", t, e, k, h, i, per_channel)
     w13, w2 = experts(g, e, h, i, per_channel)
     x, weights, ids = route(g, t, e, k, h)
     dev = runner.device
-    counters = DecodeCounters.create(t, e, k, h, i, TILE, dev)
+    counters = DecodeCounters.create(t, e, k, h, i, tile, dev)
     out = fill_nan_(torch.empty(t, h, device=dev))
-    runner(EXPERTS, x.to(dev), to(w13, dev), to(w2, dev), weights.to(dev), ids.to(dev), counters=counters, out=out,
-           tile=TILE)
+    runner(EXPERTS, x.to(dev), nan_padded(w13, dev), nan_padded(w2, dev), weights.to(dev), ids.to(dev),
+           counters=counters, out=out, tile=tile)
     want = fused_moe_fp8_reference(x, w13, w2, weights, ids, quantize_activations=False)
     assert relative_error(out, want) < 1e-5
     assert int(counters.down.count_nonzero()) == 0, "the kernel must leave its arrival counters at zero"
