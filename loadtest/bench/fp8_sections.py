@@ -26,6 +26,7 @@ table and exits if one hangs):
   fp8_decode_gemm_64  8B FP8 decode B=32, 48, 64: the decode GEMM taking up to 64 rows against 32
                   (FP8_DECODE_MAX_M)
   fp8_pdl_rows    8B FP8 decode B=1..32 with PDL on one-row launches (default) and up to 32 rows
+  fp8_pdl_prefetch  8B FP8 decode B=1 with the GEMVs prefetching 1, 2 or 4 weight tiles under PDL
   fp8_decode_profile  8B FP8 decode B=32 and 64: step, GPU busy time, heaviest kernels
   fp8_decode_timeline  8B decode B=1 and 32, FP8 and bf16: a step's kernels on one time line
                   (decode_timeline.py): busy and idle time, kernels a step, the heaviest by name
@@ -280,8 +281,9 @@ def fp8_decode_8b_wide(ctx):
 
 
 def _fp8_steps_by_setting(ctx, section: str, settings, batches, **engine_kw) -> dict:
-    """8B FP8 decode steps (ms) at each batch, one engine build per setting (tag, patch): patch
-    as _engine_8b's. Each step goes into the report with its floor; returns {(tag, batch): ms}."""
+    """8B FP8 decode steps (ms) at each batch, one engine build per setting (tag, patch) or (tag,
+    patch, engine options): patch as _engine_8b's. Each step goes into the report with its floor;
+    returns {(tag, batch): ms}."""
     from .gpu_engine import decode_floor_ms, decode_step_ms
     from .suite_context import need_ceilings
 
@@ -289,8 +291,8 @@ def _fp8_steps_by_setting(ctx, section: str, settings, batches, **engine_kw) -> 
     c = need_ceilings(ctx)
     got = {}
     opts = dict(quantization="fp8", max_model_len=2048, cuda_graph_max_bs=max(batches), kv_cache_memory=8 << 30)
-    for tag, patch in settings:
-        with _engine_8b(ctx, patch, **{**opts, **engine_kw}) as eng:
+    for tag, patch, *own in settings:
+        with _engine_8b(ctx, patch, **{**opts, **engine_kw, **(own[0] if own else {})}) as eng:
             for b in batches:
                 floor, _ = decode_floor_ms(eng, b, args.ctx, c.copy_gb_s)
                 got[(tag, b)] = ms = decode_step_ms(eng, b, args.ctx, args.steps, overlap=True)
@@ -356,6 +358,17 @@ def fp8_pdl_rows(ctx):
     for b in batches:
         ctx["report"].add("fp8_pdl_rows", f"B={b} 1 row / 32 rows",
                           got[("PDL to 1 row", b)] / got[("PDL to 32 rows", b)])
+
+
+def fp8_pdl_prefetch(ctx):
+    """8B FP8 decode at B=1 with the small-batch GEMVs prefetching 1 (default), 2 or 4 of their
+    first weight tiles into L2 before the PDL wait (an FP8 tile is half a 16-bit one's bytes; on
+    bf16 deeper lost, kernels/NOTES.md)."""
+    got = _fp8_steps_by_setting(ctx, "fp8_pdl_prefetch", [
+        (f"prefetch {d}", None, dict(pdl_prefetch_k_blocks=d)) for d in (1, 2, 4)], (1,))
+    for d in (2, 4):
+        ctx["report"].add("fp8_pdl_prefetch", f"B=1 prefetch 1 / {d}",
+                          got[("prefetch 1", 1)] / got[(f"prefetch {d}", 1)])
 
 
 def fp8_decode_profile(ctx):
@@ -668,12 +681,13 @@ def fp8_kv_long(ctx):
 # (d) before (c): it is quick, and what matters most runs first when the budget is tight
 FP8_SECTIONS = ("ceilings", "fp8_accuracy", "fp8_decode_8b", "fp8_gemm_cublas", "fp8_decode_8b_wide",
                 "fp8_decode_route", "fp8_decode_prequant", "fp8_decode_gemm_64", "fp8_pdl_rows",
-                "fp8_decode_profile", "fp8_decode_timeline", "fp8_attn_prefetch", "fp8_gemm",
+                "fp8_pdl_prefetch", "fp8_decode_profile", "fp8_decode_timeline", "fp8_attn_prefetch", "fp8_gemm",
                 "fp8_moe_decode", "fp8_moe_timeline", "fp8_kv_long", "fp8_prefill_profile")
 SECTIONS = {"fp8_accuracy": fp8_accuracy, "fp8_decode_8b": fp8_decode_8b, "fp8_gemm": fp8_gemm,
             "fp8_gemm_cublas": fp8_gemm_cublas, "fp8_decode_8b_wide": fp8_decode_8b_wide,
             "fp8_decode_route": fp8_decode_route, "fp8_decode_prequant": fp8_decode_prequant,
             "fp8_decode_gemm_64": fp8_decode_gemm_64, "fp8_pdl_rows": fp8_pdl_rows,
+            "fp8_pdl_prefetch": fp8_pdl_prefetch,
             "fp8_decode_profile": fp8_decode_profile,
             "fp8_decode_timeline": fp8_decode_timeline, "fp8_attn_prefetch": fp8_attn_prefetch,
             "fp8_moe_decode": fp8_moe_decode, "fp8_moe_timeline": fp8_moe_timeline, "fp8_kv_long": fp8_kv_long,
