@@ -256,7 +256,9 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
             ctx.loop.attach(rid, aloop, q)
             return None
         try:
-            return await ctx.loop.acall_or_undo(join, lambda: (ctx.loop.detach(rid), ctx.engine.abort(rid)))
+            # the caller left: end the request if join started it, else free the reservation
+            return await ctx.loop.acall_or_undo(join, lambda: (ctx.loop.detach(rid), ctx.engine.abort(rid),
+                                                               book.cancel(res.reservation_id, res.generation)))
         except TimeoutError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except ValueError as exc:

@@ -56,15 +56,16 @@ class EngineLoop:
 
     async def acall_or_undo(self, fn: Callable[[], object], undo: Callable[[], object]):
         """acall(fn) for a command that starts something (a request, a waiter) which only the
-        awaiting handler would later end. Cancelled (the caller left) after the loop thread
-        took fn, fn still runs to its end, so undo() is queued behind it: the one queue keeps
-        that order. undo must be harmless if fn raised or what it started already ended."""
+        awaiting handler would later end. Cancelled (the caller left): fn is withdrawn if the
+        loop thread has not taken it, and undo() is queued either way, behind fn if fn was
+        taken (the one queue keeps that order). undo must be harmless whether fn ran, raised or
+        never ran (it may also free what waited on the caller, e.g. a reservation)."""
         fut = self.call(fn)
         try:
             return await asyncio.wrap_future(fut)
         except asyncio.CancelledError:
-            if not fut.cancel():  # running or done: it took effect
-                self.call(undo)
+            fut.cancel()  # not taken yet: it never runs
+            self.call(undo)
             raise
 
     def add_tick(self, fn: Callable[[], bool]) -> None:
