@@ -43,7 +43,9 @@ def tile_grid(smoke: bool):
     grid = [DecodeTile(), DecodeTile(warps=4)]
     for gn, gk in ((16, 256), (16, 1024), (8, 1024), (64, 256), (32, 128), (32, 512), (64, 128)):
         grid.append(DecodeTile(gate_up_block_n=gn, gate_up_block_k=gk))
-    for dn, dk, w in ((8, 256, 4), (32, 256, 4), (16, 512, 4), (16, 256, 2), (16, 256, 8), (32, 256, 8)):
+    # whole-row down tiles (1024 >= the 768-wide intermediate): every down weight loaded before the wait
+    for dn, dk, w in ((8, 256, 4), (32, 256, 4), (16, 512, 4), (16, 256, 2), (16, 256, 8), (32, 256, 8),
+                      (8, 1024, 4), (16, 1024, 4), (16, 1024, 8), (32, 1024, 8), (32, 512, 4)):
         grid.append(DecodeTile(down_block_n=dn, down_block_k=dk, warps=w))
     for be, bk, w in ((1, 2048, 1), (4, 2048, 4), (8, 512, 4), (2, 1024, 1)):
         grid.append(DecodeTile(router_block_e=be, router_block_k=bk, router_warps=w))
