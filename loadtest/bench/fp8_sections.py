@@ -34,6 +34,7 @@ table and exits if one hangs):
                   on and off (kernels/triton_decode_attention.py PDL_KV_PREFETCH)
   fp8_moe_decode  (c) 30B-A3B decode B=1, 8, 32: FP8 vs floor (touched experts) and bf16
   fp8_moe_timeline  30B-A3B FP8 decode B=1 and 8: a step's kernels on one time line
+  fp8_moe_pairs   30B-A3B FP8 decode B=2..6 with the per-pair experts kernel to 2 tokens and to 4
   fp8_kv_long     (e) 8B FP8 weights, ctx 16k: step time and KV pages with FP8 vs bf16 KV in
                   one budget (B=16 both, B=32 FP8 only: bf16 does not fit an H100), bytes per
                   token a handoff moves
@@ -649,6 +650,39 @@ def fp8_moe_timeline(ctx):
         release_memory()
 
 
+def fp8_moe_pairs(ctx):
+    """30B-A3B FP8 decode at B=2, 3, 4, 6 with the per-pair experts kernel (W8A16) taking up to 2
+    tokens (the 16-bit limit) and up to 4 (shared/engine/models/moe.py EXPERTS_DECODE_MAX_TOKENS_FP8),
+    the W8A8 grouped GEMMs above: one engine build each."""
+    import shared.engine.models.moe as moe
+
+    from .gpu_engine import decode_floor_ms, decode_step_ms, release_memory
+    from .suite_context import need_ceilings, random_engine
+
+    args, rep = ctx["args"], ctx["report"]
+    c = need_ceilings(ctx)
+    got, batches, saved = {}, (2, 3, 4, 6), moe.EXPERTS_DECODE_MAX_TOKENS_FP8
+    for limit in (2, 4):
+        eng = None
+        try:
+            moe.EXPERTS_DECODE_MAX_TOKENS_FP8 = limit
+            eng = random_engine(ctx, "qwen3-30b-a3b", quantization="fp8", max_model_len=2048, cuda_graph_max_bs=8,
+                                kv_cache_memory=4 << 30)
+            for b in batches:
+                floor, _ = decode_floor_ms(eng, b, args.ctx, c.copy_gb_s)
+                got[(limit, b)] = ms = decode_step_ms(eng, b, args.ctx, args.steps, overlap=True)
+                rep.add("fp8_moe_pairs", f"pairs to {limit} B={b} step_ms", ms,
+                        f"x{ms / floor:.2f} of floor {floor:.3f}")
+        finally:
+            moe.EXPERTS_DECODE_MAX_TOKENS_FP8 = saved
+            if eng is not None:
+                eng.close()
+            del eng
+            release_memory()
+    for b in batches:
+        rep.add("fp8_moe_pairs", f"B={b} to 2 / to 4", got[(2, b)] / got[(4, b)])
+
+
 def fp8_kv_long(ctx):
     from shared.kv_transfer.pool_info import PoolInfo
     from .gpu_engine import decode_step_ms, release_memory
@@ -682,7 +716,8 @@ def fp8_kv_long(ctx):
 FP8_SECTIONS = ("ceilings", "fp8_accuracy", "fp8_decode_8b", "fp8_gemm_cublas", "fp8_decode_8b_wide",
                 "fp8_decode_route", "fp8_decode_prequant", "fp8_decode_gemm_64", "fp8_pdl_rows",
                 "fp8_pdl_prefetch", "fp8_decode_profile", "fp8_decode_timeline", "fp8_attn_prefetch", "fp8_gemm",
-                "fp8_moe_decode", "fp8_moe_timeline", "fp8_kv_long", "fp8_prefill_profile")
+                "fp8_moe_decode", "fp8_moe_timeline", "fp8_moe_pairs", "fp8_kv_long",
+                "fp8_prefill_profile")
 SECTIONS = {"fp8_accuracy": fp8_accuracy, "fp8_decode_8b": fp8_decode_8b, "fp8_gemm": fp8_gemm,
             "fp8_gemm_cublas": fp8_gemm_cublas, "fp8_decode_8b_wide": fp8_decode_8b_wide,
             "fp8_decode_route": fp8_decode_route, "fp8_decode_prequant": fp8_decode_prequant,
@@ -690,6 +725,7 @@ SECTIONS = {"fp8_accuracy": fp8_accuracy, "fp8_decode_8b": fp8_decode_8b, "fp8_g
             "fp8_pdl_prefetch": fp8_pdl_prefetch,
             "fp8_decode_profile": fp8_decode_profile,
             "fp8_decode_timeline": fp8_decode_timeline, "fp8_attn_prefetch": fp8_attn_prefetch,
-            "fp8_moe_decode": fp8_moe_decode, "fp8_moe_timeline": fp8_moe_timeline, "fp8_kv_long": fp8_kv_long,
+            "fp8_moe_decode": fp8_moe_decode, "fp8_moe_timeline": fp8_moe_timeline,
+            "fp8_moe_pairs": fp8_moe_pairs, "fp8_kv_long": fp8_kv_long,
             "fp8_prefill_profile": fp8_prefill_profile}
 

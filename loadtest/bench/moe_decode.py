@@ -102,9 +102,14 @@ def main(argv=None) -> int:
 
         variants = [] if fp8 else [("gemm+grouped", gemm_grouped, None), ("route+grouped", route_grouped, None)]
         if fp8:
-            from kernels.fp8_moe import experts_fp8, fused_moe_fp8_reference
+            from kernels.fp8_moe import experts_fp8, fused_moe_fp8, fused_moe_fp8_reference
             w_, ids_ = moe_decode.route(x, router, k, True, dtype, counters=counters)
             want = fused_moe_fp8_reference(x, fp8[0], fp8[1], w_, ids_, quantize_activations=False).to(dtype)
+
+            def route_grouped_fp8():  # the W8A8 grouped GEMMs the engine runs past EXPERTS_DECODE_MAX_TOKENS
+                w, ids_ = moe_decode.route(x, router, k, True, dtype, counters=counters)
+                return fused_moe_fp8(x, fp8[0], fp8[1], w, ids_, out=out)
+            variants.append(("route+grouped fp8 (W8A8)", route_grouped_fp8, None))
         for tile in tiles:
             c = moe_decode.DecodeCounters.create(max(ms_list), e, k, h, i, tile, dev)
 

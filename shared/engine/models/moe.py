@@ -18,7 +18,7 @@ How experts are split over ranks (`ExpertPlacement`):
 GPU: kernels/fused_moe.py (expert-aligned grouped GEMMs, SiLU-and-mul fused, CUDA-graph
 safe) for prefill; at decode sizes kernels/moe_decode.py: the router GEMV and top-k in one
 launch (up to ROUTE_FUSED_MAX_TOKENS tokens) and, for the fewest tokens
-(EXPERTS_DECODE_MAX_TOKENS), the experts as per-pair GEMVs with the top-k sum fused: three
+(EXPERTS_DECODE_MAX_TOKENS; _FP8 for FP8 experts), the experts as per-pair GEMVs with the top-k sum fused: three
 launches for the block instead of seven. CPU: a loop over the experts the batch touches, in transformers' order of
 operations, so float64 runs match it token for token.
 
@@ -171,6 +171,11 @@ class ReplicatedLinear(nn.Module):
 # shape (loadtest/bench/moe_kernel.py --decode): see loadtest/bench/GPU_NOTES.md
 ROUTE_FUSED_MAX_TOKENS = 64
 EXPERTS_DECODE_MAX_TOKENS = 2
+# FP8 experts: the per-pair kernel reads FP8 weights without quantizing activations (W8A16) and
+# beats the W8A8 grouped GEMMs to 4 tokens (H100, the 30B-A3B block with its router: 3 tokens
+# 66.3 vs 78.6 us, 4 80.2 vs 87.7, 6 even, 8 134.8 vs 133.3; `python3 -m loadtest.bench.moe_decode
+# --fp8 --m 1,2,3,4,6,8,12`, kernels/NOTES.md)
+EXPERTS_DECODE_MAX_TOKENS_FP8 = 4
 
 
 class MoEBlock(nn.Module):
@@ -242,7 +247,7 @@ class MoEBlock(nn.Module):
             emap = self.expert_map if self.place.is_expert_parallel else None
             return fused_moe_fp8_reference(h, fp8_weight(self.experts, "w13"), fp8_weight(self.experts, "w2"),
                                            weights.float(), ids.to(torch.int32), expert_map=emap,
-                                           quantize_activations=h.shape[0] > EXPERTS_DECODE_MAX_TOKENS)
+                                           quantize_activations=h.shape[0] > EXPERTS_DECODE_MAX_TOKENS_FP8)
         out = torch.zeros_like(h)
         w13, w2, n = self.experts.w13, self.experts.w2, self.place.inter_local
         for expert in torch.unique(ids).tolist():
@@ -269,7 +274,7 @@ class MoEBlock(nn.Module):
         if self.experts.fp8:
             from kernels.fp8_moe import experts_fp8, fused_moe_fp8
             w13, w2 = fp8_weight(self.experts, "w13"), fp8_weight(self.experts, "w2")
-            if h.shape[0] <= EXPERTS_DECODE_MAX_TOKENS:
+            if h.shape[0] <= EXPERTS_DECODE_MAX_TOKENS_FP8:
                 return experts_fp8(h, w13, w2, weights, ids, counters=counters, expert_map=emap,
                                    tile=self.decode_tile, pdl=self.pdl)
             return fused_moe_fp8(h, w13, w2, weights, ids, expert_map=emap)
