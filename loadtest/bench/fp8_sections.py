@@ -230,10 +230,11 @@ def fp8_decode_8b(ctx):
 
 
 @contextlib.contextmanager
-def _engine_8b(ctx, patch: tuple | None = None, **engine_kw):
-    """A random-weight Qwen3-8B engine (engine_kw: its options), closed and its memory released on
-    every exit; patch (module, name, value): that module global set while the engine is built and
-    runs (it is read when the decode graphs are captured and at every eager call), then restored."""
+def _bench_engine(ctx, patch: tuple | None = None, model: str = "qwen3-8b", **engine_kw):
+    """A random-weight engine of `model` (engine_kw: its options), closed and its memory released
+    on every exit; patch (module, name, value): that module global set while the engine is built
+    and runs (it is read when the decode graphs are captured and at every eager call), then
+    restored."""
     from .gpu_engine import release_memory
     from .suite_context import random_engine
 
@@ -243,7 +244,7 @@ def _engine_8b(ctx, patch: tuple | None = None, **engine_kw):
     try:
         if module:
             setattr(module, name, value)
-        eng = random_engine(ctx, "qwen3-8b", **engine_kw)
+        eng = random_engine(ctx, model, **engine_kw)
         yield eng
     finally:
         if module:
@@ -270,7 +271,7 @@ def fp8_decode_8b_wide(ctx):
     got = {}
     for tag, options, min_rows in (("fp8 cuBLAS", dict(quantization="fp8"), 33),
                                    ("fp8 Triton", dict(quantization="fp8"), 1 << 30), ("bf16", {}, fc.MIN_ROWS)):
-        with _engine_8b(ctx, (fc, "MIN_ROWS", min_rows), **kw, **options) as eng:
+        with _bench_engine(ctx, (fc, "MIN_ROWS", min_rows), **kw, **options) as eng:
             for b in batches:
                 floor, gb = decode_floor_ms(eng, b, args.ctx, c.copy_gb_s)
                 ms = decode_step_ms(eng, b, args.ctx, args.steps, overlap=True)
@@ -281,10 +282,10 @@ def fp8_decode_8b_wide(ctx):
                 f"bf16/fp8 cuBLAS {got[('bf16', b)] / got[('fp8 cuBLAS', b)]:.2f}")
 
 
-def _fp8_steps_by_setting(ctx, section: str, settings, batches, **engine_kw) -> dict:
-    """8B FP8 decode steps (ms) at each batch, one engine build per setting (tag, patch) or (tag,
-    patch, engine options): patch as _engine_8b's. Each step goes into the report with its floor;
-    returns {(tag, batch): ms}."""
+def _fp8_steps_by_setting(ctx, section: str, settings, batches, model: str = "qwen3-8b", **engine_kw) -> dict:
+    """FP8 decode steps (ms) of `model` at each batch, one engine build per setting (tag, patch) or
+    (tag, patch, engine options): patch as _bench_engine's. Each step goes into the report with its
+    floor; returns {(tag, batch): ms}."""
     from .gpu_engine import decode_floor_ms, decode_step_ms
     from .suite_context import need_ceilings
 
@@ -293,7 +294,7 @@ def _fp8_steps_by_setting(ctx, section: str, settings, batches, **engine_kw) -> 
     got = {}
     opts = dict(quantization="fp8", max_model_len=2048, cuda_graph_max_bs=max(batches), kv_cache_memory=8 << 30)
     for tag, patch, *own in settings:
-        with _engine_8b(ctx, patch, **{**opts, **engine_kw, **(own[0] if own else {})}) as eng:
+        with _bench_engine(ctx, patch, model, **{**opts, **engine_kw, **(own[0] if own else {})}) as eng:
             for b in batches:
                 floor, _ = decode_floor_ms(eng, b, args.ctx, c.copy_gb_s)
                 got[(tag, b)] = ms = decode_step_ms(eng, b, args.ctx, args.steps, overlap=True)
@@ -378,7 +379,7 @@ def fp8_decode_profile(ctx):
     from .gpu_engine import decode_step_ms
 
     args, rep = ctx["args"], ctx["report"]
-    with _engine_8b(ctx, quantization="fp8", max_model_len=2048, cuda_graph_max_bs=128,
+    with _bench_engine(ctx, quantization="fp8", max_model_len=2048, cuda_graph_max_bs=128,
                     kv_cache_memory=8 << 30) as eng:
         for b in (32, 64):
             ms = decode_step_ms(eng, b, args.ctx, args.steps, overlap=True)
@@ -400,7 +401,7 @@ def fp8_decode_timeline(ctx):
 
     args, rep = ctx["args"], ctx["report"]
     for tag, options in (("fp8", dict(quantization="fp8")), ("bf16", {})):
-        with _engine_8b(ctx, max_model_len=2048, cuda_graph_max_bs=32, kv_cache_memory=8 << 30, **options) as eng:
+        with _bench_engine(ctx, max_model_len=2048, cuda_graph_max_bs=32, kv_cache_memory=8 << 30, **options) as eng:
             for b in (1, 32):
                 t = decode_timeline(eng, b, args.ctx)
                 rep.add("fp8_decode_timeline", f"{tag} B={b} GPU span a step ms", t.step_ms,
@@ -445,7 +446,7 @@ def fp8_attn_prefetch(ctx):
     got = {}
     for tag, options in (("fp8", dict(quantization="fp8")), ("bf16", {})):
         for prefetch in (False, True):
-            with _engine_8b(ctx, (tda, "PDL_KV_PREFETCH", prefetch), max_model_len=2048, cuda_graph_max_bs=8,
+            with _bench_engine(ctx, (tda, "PDL_KV_PREFETCH", prefetch), max_model_len=2048, cuda_graph_max_bs=8,
                             kv_cache_memory=8 << 30, **options) as eng:
                 floor, _ = decode_floor_ms(eng, 1, args.ctx, c.copy_gb_s)
                 got[(tag, prefetch)] = ms = decode_step_ms(eng, 1, args.ctx, args.steps, overlap=True)
@@ -629,13 +630,10 @@ def fp8_moe_timeline(ctx):
     """Where a Qwen3-30B-A3B FP8 decode step's time goes at B=1 and 8 (x3.3 and x2.0 of its floor
     on an H200): kernel time by name, idle time, kernels a step (decode_timeline.py)."""
     from .decode_timeline import decode_timeline
-    from .gpu_engine import release_memory
-    from .suite_context import random_engine
 
     args, rep = ctx["args"], ctx["report"]
-    eng = random_engine(ctx, "qwen3-30b-a3b", quantization="fp8", max_model_len=2048, cuda_graph_max_bs=8,
-                        kv_cache_memory=4 << 30)
-    try:
+    with _bench_engine(ctx, None, "qwen3-30b-a3b", quantization="fp8", max_model_len=2048, cuda_graph_max_bs=8,
+                       kv_cache_memory=4 << 30) as eng:
         for b in (1, 8):
             t = decode_timeline(eng, b, args.ctx)
             rep.add("fp8_moe_timeline", f"B={b} GPU span a step ms", t.step_ms,
@@ -644,10 +642,6 @@ def fp8_moe_timeline(ctx):
             for k in t.kernels[:12]:
                 rep.add("fp8_moe_timeline", f"B={b} {k.name[:48]}", round(k.us_per_step, 1),
                         f"us a step in {k.launches_per_step:.0f} launches (longest {k.longest_us:.1f} us)")
-    finally:
-        eng.close()
-        del eng
-        release_memory()
 
 
 def fp8_moe_pairs(ctx):
@@ -656,31 +650,12 @@ def fp8_moe_pairs(ctx):
     the W8A8 grouped GEMMs above: one engine build each."""
     import shared.engine.models.moe as moe
 
-    from .gpu_engine import decode_floor_ms, decode_step_ms, release_memory
-    from .suite_context import need_ceilings, random_engine
-
-    args, rep = ctx["args"], ctx["report"]
-    c = need_ceilings(ctx)
-    got, batches, saved = {}, (2, 3, 4, 6), moe.EXPERTS_DECODE_MAX_TOKENS_FP8
-    for limit in (2, 4):
-        eng = None
-        try:
-            moe.EXPERTS_DECODE_MAX_TOKENS_FP8 = limit
-            eng = random_engine(ctx, "qwen3-30b-a3b", quantization="fp8", max_model_len=2048, cuda_graph_max_bs=8,
-                                kv_cache_memory=4 << 30)
-            for b in batches:
-                floor, _ = decode_floor_ms(eng, b, args.ctx, c.copy_gb_s)
-                got[(limit, b)] = ms = decode_step_ms(eng, b, args.ctx, args.steps, overlap=True)
-                rep.add("fp8_moe_pairs", f"pairs to {limit} B={b} step_ms", ms,
-                        f"x{ms / floor:.2f} of floor {floor:.3f}")
-        finally:
-            moe.EXPERTS_DECODE_MAX_TOKENS_FP8 = saved
-            if eng is not None:
-                eng.close()
-            del eng
-            release_memory()
+    batches = (2, 3, 4, 6)
+    got = _fp8_steps_by_setting(ctx, "fp8_moe_pairs", [
+        (f"pairs to {limit}", (moe, "EXPERTS_DECODE_MAX_TOKENS_FP8", limit)) for limit in (2, 4)], batches,
+        model="qwen3-30b-a3b", cuda_graph_max_bs=8, kv_cache_memory=4 << 30)
     for b in batches:
-        rep.add("fp8_moe_pairs", f"B={b} to 2 / to 4", got[(2, b)] / got[(4, b)])
+        ctx["report"].add("fp8_moe_pairs", f"B={b} to 2 / to 4", got[("pairs to 2", b)] / got[("pairs to 4", b)])
 
 
 def fp8_kv_long(ctx):

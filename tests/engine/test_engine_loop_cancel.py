@@ -54,6 +54,18 @@ def run_in_loop_thread(loop, fn):
     return loop.call(fn).result(10)
 
 
+async def a_few_outputs(engine, loop, rid, n, start_with) -> list:
+    """rid started through start_with(start) (loop.acall, or an acall_or_undo), its first n
+    outputs read, then ended before the calling event loop closes."""
+    taken, release = threading.Event(), threading.Event()
+    release.set()
+    q: asyncio.Queue = asyncio.Queue()
+    await start_with(starter(engine, loop, rid, taken, release, asyncio.get_running_loop(), q))
+    outs = [await q.get() for _ in range(n)]
+    await loop.acall(lambda: (loop.detach(rid), engine.abort(rid)))
+    return outs
+
+
 def test_a_start_taken_before_the_cancel_is_undone(running):
     engine, loop = running
     taken, release = threading.Event(), threading.Event()
@@ -98,17 +110,8 @@ def test_a_start_still_queued_is_withdrawn(running):
 
 def test_a_start_that_completes_is_not_undone(running):
     engine, loop = running
-    taken, release = threading.Event(), threading.Event()
-    release.set()
-
-    async def handler_stays():
-        q: asyncio.Queue = asyncio.Queue()
-        start = starter(engine, loop, "r3", taken, release, asyncio.get_running_loop(), q)
-        await loop.acall_or_undo(start, lambda: engine.abort("r3"))
-        outs = [await q.get() for _ in range(3)]
-        await loop.acall(lambda: (loop.detach("r3"), engine.abort("r3")))  # before this event loop closes
-        return outs
-    outs = asyncio.run(handler_stays())
+    outs = asyncio.run(a_few_outputs(engine, loop, "r3", 3,
+                                     lambda start: loop.acall_or_undo(start, lambda: engine.abort("r3"))))
     assert all(o.rid == "r3" and o.token_ids and not o.finished for o in outs)  # it ran on: nothing undid it
     run_in_loop_thread(loop, lambda: assert_all_pages_free(engine))
 
@@ -130,12 +133,4 @@ def test_a_closed_handler_loop_ends_its_request_not_the_engine(running):
     assert loop.fatal is None
     run_in_loop_thread(loop, lambda: assert_all_pages_free(engine))
     # and the engine still serves
-    taken.clear()
-
-    async def next_handler():
-        q: asyncio.Queue = asyncio.Queue()
-        await loop.acall(starter(engine, loop, "r5", taken, release, asyncio.get_running_loop(), q))
-        out = await q.get()
-        await loop.acall(lambda: (loop.detach("r5"), engine.abort("r5")))
-        return out
-    assert asyncio.run(next_handler()).token_ids
+    assert asyncio.run(a_few_outputs(engine, loop, "r5", 1, loop.acall))[0].token_ids
