@@ -105,7 +105,7 @@ class Prologue:
         w = 1 + 0.1 * torch.randn(2, s.head_dim, device=dev, generator=gen)
         self.norm = QKNorm(w[0].to(s.dtype), w[1].to(s.dtype), 1e-6)
         pages = batch + 1
-        self.pool = torch.zeros(pages, s.layers, 2, s.h_kv, s.page_size, s.head_dim, device=dev, dtype=s.dtype)
+        self.pool = torch.zeros(pages, s.h_kv, s.layers, 2, s.page_size, s.head_dim, device=dev, dtype=s.dtype)
         self.slots = (torch.arange(batch, device=dev, dtype=torch.int32) + 1) * s.page_size + 1
 
     def views(self, qkv):
@@ -123,7 +123,7 @@ class Prologue:
         for layer in range(layers):
             qn, kn = rms_norm(q, self.norm.q_weight, self.norm.eps), rms_norm(k, self.norm.k_weight, self.norm.eps)
             rotary_embedding(self.positions, qn, kn, self.cos_sin)
-            store_kv(self.pool[:, layer, 0], self.pool[:, layer, 1], kn, v, self.slots)
+            store_kv(self.pool[:, :, layer, 0], self.pool[:, :, layer, 1], kn, v, self.slots)
         return qn, kn
 
     def fused(self, qkv, layers):
@@ -133,7 +133,7 @@ class Prologue:
         for layer in range(layers):
             # in place: repeated calls keep re-norming the same buffer (values stay bounded)
             qk_norm_rope(self.positions, q, k, self.cos_sin, norm=self.norm,
-                         kv_write=KVCacheWrite(self.pool[:, layer, 0], self.pool[:, layer, 1], v, self.slots))
+                         kv_write=KVCacheWrite(self.pool[:, :, layer, 0], self.pool[:, :, layer, 1], v, self.slots))
         return q, k
 
 
@@ -142,11 +142,11 @@ def prologue_rows(shape: Shape, gen: torch.Generator) -> list:
     for batch in shape.batches:
         p = Prologue(shape, batch, gen)
         qn, kn = p.unfused(p.qkv, 1)
-        cache_ref = p.pool[:, 0].clone()
+        cache_ref = p.pool[:, :, 0].clone()
         p.pool.zero_()
         qkv = p.qkv.clone()
         qf, kf = p.fused(qkv, 1)
-        err = max(rel_err(qf, qn), rel_err(kf, kn), rel_err(p.pool[:, 0], cache_ref))
+        err = max(rel_err(qf, qn), rel_err(kf, kn), rel_err(p.pool[:, :, 0], cache_ref))
         before = per_layer_us(shape, lambda: p.unfused(p.qkv, shape.layers))
         after = per_layer_us(shape, lambda: p.fused(qkv, shape.layers))
         rows.append(Row("q/k norm + rope + store", batch, before, after, err, "4 launches -> 1"))
@@ -165,7 +165,7 @@ def decode_rows(shape: Shape, gen: torch.Generator) -> list:
     rows = []
     for batch in s.batches:
         pages_per_seq = math.ceil(s.ctx / s.page_size)
-        pool = torch.randn(batch * pages_per_seq + 1, s.layers, 2, s.h_kv, s.page_size, s.head_dim,
+        pool = torch.randn(batch * pages_per_seq + 1, s.h_kv, s.layers, 2, s.page_size, s.head_dim,
                            device=s.device, generator=gen).to(s.dtype)
         ids = torch.randperm(batch * pages_per_seq, device=s.device, generator=gen) + 1
         page_table = ids.view(batch, pages_per_seq).to(torch.int32)
@@ -175,12 +175,12 @@ def decode_rows(shape: Shape, gen: torch.Generator) -> list:
 
         def run(splits, cfg):
             for layer in range(s.layers):
-                launch_decode_attention(q, pool[:, layer, 0], pool[:, layer, 1], page_table, seq_lens, scale,
+                launch_decode_attention(q, pool[:, :, layer, 0], pool[:, :, layer, 1], page_table, seq_lens, scale,
                                         splits, out, cfg)
             return out
 
-        ref = decode_attention_reference(q, pool[:, 0, 0], pool[:, 0, 1], page_table, seq_lens, scale)
-        launch_decode_attention(q, pool[:, 0, 0], pool[:, 0, 1], page_table, seq_lens, scale, 1, out, direct)
+        ref = decode_attention_reference(q, pool[:, :, 0, 0], pool[:, :, 0, 1], page_table, seq_lens, scale)
+        launch_decode_attention(q, pool[:, :, 0, 0], pool[:, :, 0, 1], page_table, seq_lens, scale, 1, out, direct)
         err = rel_err(out, ref)
         before = per_layer_us(s, lambda: run(1, two_stage))
         after = per_layer_us(s, lambda: run(1, direct))

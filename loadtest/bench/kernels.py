@@ -137,11 +137,11 @@ def matmul_rate(cfg: BenchConfig) -> float:
 
 
 def paged_pool(cfg: BenchConfig, num_seqs: int, seq_len: int, gen: torch.Generator):
-    """Pool [pages, layers, 2, H_kv, page, D] with each sequence's pages at
+    """Pool [pages, H_kv, layers, 2, page, D] (the engine's order) with each sequence's pages at
     random ids; returns (pool, page_table, seq_lens) for layer 1."""
     pages_per_seq = math.ceil(seq_len / PAGE_SIZE)
     num_pages = num_seqs * pages_per_seq + 1
-    pool = torch.randn((num_pages, NUM_LAYERS, 2, H_KV, PAGE_SIZE, HEAD_DIM), device=cfg.device, dtype=cfg.dtype,
+    pool = torch.randn((num_pages, H_KV, NUM_LAYERS, 2, PAGE_SIZE, HEAD_DIM), device=cfg.device, dtype=cfg.dtype,
                        generator=gen)
     ids = torch.randperm(num_pages - 1, device=cfg.device, generator=gen) + 1
     page_table = ids.view(num_seqs, pages_per_seq).to(torch.int32)
@@ -165,7 +165,7 @@ def decode_rows(cfg: BenchConfig, ceil_bw: float, ceil_flops: float, gen: torch.
     rows = []
     for batch in cfg.decode_batches:
         pool, page_table, seq_lens = paged_pool(cfg, batch, ctx, gen)
-        k_cache, v_cache = pool[:, 1, 0], pool[:, 1, 1]
+        k_cache, v_cache = pool[:, :, 1, 0], pool[:, :, 1, 1]
         q = torch.randn((batch, H_Q, HEAD_DIM), device=cfg.device, dtype=cfg.dtype, generator=gen)
         out = torch.empty_like(q)
         args = (q, k_cache, v_cache, page_table, seq_lens, scale)
@@ -195,7 +195,7 @@ def extend_rows(cfg: BenchConfig, ceil_bw: float, ceil_flops: float, gen: torch.
     for num_prompts, new_tokens, prefix in cfg.extend_cases:
         total = prefix + new_tokens
         pool, page_table, seq_lens = paged_pool(cfg, num_prompts, total, gen)
-        k_cache, v_cache = pool[:, 1, 0], pool[:, 1, 1]
+        k_cache, v_cache = pool[:, :, 1, 0], pool[:, :, 1, 1]
         q = torch.randn((num_prompts * new_tokens, H_Q, HEAD_DIM), device=cfg.device, dtype=cfg.dtype, generator=gen)
         qo_indptr = torch.arange(0, num_prompts + 1, device=cfg.device, dtype=torch.int32) * new_tokens
         out = torch.empty_like(q)
@@ -237,7 +237,7 @@ def small_kernel_rows(cfg: BenchConfig, ceil_bw: float, gen: torch.Generator):
     ]
     gate_up = torch.randn((tokens, 2 * inter), device=cfg.device, dtype=cfg.dtype, generator=gen)
     cases.append((f"silu_and_mul {tokens}x2x{inter}", lambda: silu_and_mul(gate_up), 1.5 * gate_up.numel() * ELEM))
-    pool = torch.randn((cfg.gather_pool_pages, cfg.gather_layers, 2, H_KV, PAGE_SIZE, HEAD_DIM), device=cfg.device,
+    pool = torch.randn((cfg.gather_pool_pages, H_KV, cfg.gather_layers, 2, PAGE_SIZE, HEAD_DIM), device=cfg.device,
                        dtype=cfg.dtype, generator=gen)
     ids = torch.randperm(cfg.gather_pool_pages, device=cfg.device, generator=gen)[: cfg.gather_n]
     page_bytes = pool[0].numel() * ELEM
@@ -278,7 +278,7 @@ def sweep(cfg: BenchConfig, gen: torch.Generator) -> list:
     for batch in cfg.decode_batches[1:]:
         pool, page_table, seq_lens = paged_pool(cfg, batch, cfg.decode_ctx, gen)
         q = torch.randn((batch, H_Q, HEAD_DIM), device=cfg.device, dtype=cfg.dtype, generator=gen)
-        setups.append((q, pool[:, 1, 0], pool[:, 1, 1], page_table, seq_lens, scale))
+        setups.append((q, pool[:, :, 1, 0], pool[:, :, 1, 1], page_table, seq_lens, scale))
     for dc in decode_cfgs:
         times = []
         for args in setups:
@@ -290,7 +290,7 @@ def sweep(cfg: BenchConfig, gen: torch.Generator) -> list:
     for batch in cfg.decode_batches[:3]:
         pool, page_table, seq_lens = paged_pool(cfg, batch, cfg.decode_ctx, gen)
         q = torch.randn((batch, H_Q, HEAD_DIM), device=cfg.device, dtype=cfg.dtype, generator=gen)
-        args = (q, pool[:, 1, 0], pool[:, 1, 1], page_table, seq_lens, scale)
+        args = (q, pool[:, :, 1, 0], pool[:, :, 1, 1], page_table, seq_lens, scale)
         out = torch.empty_like(q)
         cells = [f"{sp}:{bench_replay(cfg, lambda: launch_decode_attention(*args, num_kv_splits=sp, out=out)):.4f}"
                  for sp in (1, 2, 4, 8, 16, 32)[: (cfg.sweep_limit + 1) if cfg.sweep_limit else None]]
@@ -315,7 +315,7 @@ def sweep(cfg: BenchConfig, gen: torch.Generator) -> list:
         pool, page_table, seq_lens = paged_pool(cfg, prompts, new, gen)
         q = torch.randn((prompts * new, H_Q, HEAD_DIM), device=cfg.device, dtype=cfg.dtype, generator=gen)
         indptr_p = torch.arange(0, prompts + 1, device=cfg.device, dtype=torch.int32) * new
-        esetups.append(((q, pool[:, 1, 0], pool[:, 1, 1], page_table, indptr_p, seq_lens, scale), new))
+        esetups.append(((q, pool[:, :, 1, 0], pool[:, :, 1, 1], page_table, indptr_p, seq_lens, scale), new))
     for ec in extend_cfgs:
         try:
             times = []

@@ -5,7 +5,7 @@
 The same bytes written two ways between two real NIXL agents in one process: whole pages
 between pools of equal head layout (what equal TP sizes do: one descriptor per run of
 pages), and one rank's heads into pools holding twice as many (prefill TP 2 -> decode TP 1:
-one descriptor per page and K/V block, head_plan.py). Prints ms, GB/s and descriptors.
+one descriptor per page (head-major pages), head_plan.py). Prints ms, GB/s and descriptors.
 On the GPUs the same comparison is the handoff tail in GPU_NOTES.md (hetero_tp.py)."""
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=128)
     a = p.parse_args(argv)
-    shape = lambda h: (a.pages + 1, a.layers, 2, h, a.page_size, a.head_dim)  # noqa: E731
+    shape = lambda h: (a.pages + 1, h, a.layers, 2, a.page_size, a.head_dim)  # noqa: E731
     pages = list(range(1, a.pages + 1))
     src = KvTransferAgent("src", torch.randn(shape(a.heads)), progress_thread=False)
     same = KvTransferAgent("same", torch.zeros(shape(a.heads)), progress_thread=False)

@@ -1,7 +1,8 @@
 """Random paged KV caches for kernel tests and benchmarks (here, beside accuracy.py, for
 the same reason: both use them, and the runtime packages carry no test code).
 
-Builds a page-major pool `[pages, layers, 2, kv_heads, page_size, head_dim]`
+Builds a pool laid out as the engine's (shared/engine/kv_pool.py: page-major, head-major
+pages) `[pages, kv_heads, layers, 2, page_size, head_dim]`
 in which only the live tokens of one layer hold data: every other slot
 (page 0, which padding page-table entries point to; spare pages; the tail of
 each sequence's last page; the other layers) is NaN, so a kernel that reads
@@ -16,18 +17,18 @@ import torch
 
 @dataclass
 class RandomPagedKV:
-    pool: torch.Tensor  # [pages, layers, 2, kv_heads, page_size, head_dim]
+    pool: torch.Tensor  # [pages, kv_heads, layers, 2, page_size, head_dim]
     layer: int
     page_table: torch.Tensor  # int32 [B, P], padding entries 0
     seq_lens: torch.Tensor  # int32 [B]
 
     @property
     def k_cache(self) -> torch.Tensor:
-        return self.pool[:, self.layer, 0]
+        return self.pool[:, :, self.layer, 0]
 
     @property
     def v_cache(self) -> torch.Tensor:
-        return self.pool[:, self.layer, 1]
+        return self.pool[:, :, self.layer, 1]
 
     @property
     def page_size(self) -> int:
@@ -54,7 +55,7 @@ def random_paged_kv(
     ids = (torch.randperm(num_pages - 1, generator=generator) + 1).tolist()
     width = max(pages_per_seq, default=0) + extra_table_cols
     page_table = torch.zeros((len(seq_lens), max(width, 1)), dtype=torch.int32)
-    shape = (num_pages, num_layers, 2, num_kv_heads, page_size, head_dim)
+    shape = (num_pages, num_kv_heads, num_layers, 2, page_size, head_dim)
     pool = torch.full(shape, float("nan") if poison else 0.0, dtype=torch.float32)
     live = torch.randn(shape, generator=generator)
     cursor = 0
@@ -64,7 +65,7 @@ def random_paged_kv(
             cursor += 1
             page_table[b, j] = page
             used = min(page_size, n - j * page_size)
-            pool[page, layer, :, :, :used] = live[page, layer, :, :, :used]
+            pool[page, :, layer, :, :used] = live[page, :, layer, :, :used]
     if not poison:
         pool = live
     return RandomPagedKV(

@@ -12,11 +12,13 @@ def compat_hash(served_model: str, kv_key: str) -> str:
 
 
 def model_kv_key(engine) -> str:
-    """L<layers>-H<kv heads>-P<page>-D<head dim>-<KV dtype>, and for an FP8 cache with scales
-    other than 1.0 a digest of them (pages written with one scale read wrong with another)."""
+    """L<layers>-H<kv heads>-P<page>-D<head dim>-<KV dtype>-<page order> (heads_first), and for an FP8 cache
+    with scales other than 1.0 a digest of them (pages written with one scale read wrong with
+    another). The page order (kv_pool.py) is there so that a worker of a build that laid a
+    page out differently never pairs with this one during a rolling upgrade."""
     layout, mc = engine.layout, engine.model_config
     key = (f"L{layout.num_layers}-H{mc.num_kv_heads}-P{layout.page_size}-D{layout.head_dim}-"
-           f"{str(layout.dtype).removeprefix('torch.')}")
+           f"{str(layout.dtype).removeprefix('torch.')}-{layout.page_order}")
     scales = engine.pool.scales
     if any(s != (1.0, 1.0) for s in scales):
         key += "-kvs" + hashlib.sha256(repr(scales).encode()).hexdigest()[:8]

@@ -1,7 +1,7 @@
 """The host-memory tier under the device KV pool: pages the device gives up are kept here
 (pinned host memory on a GPU) and copied back when a request reuses them.
 
-Same page layout as the device pool ([pages, layers, 2, kv_heads, page_size, head_dim],
+Same page layout as the device pool ([pages, kv_heads, layers, 2, page_size, head_dim],
 page-major), so a page is one contiguous byte range on both sides and a run of consecutive
 pages is one copy: on an H100 pinned host<->device copies reach ~51 GB/s in 2 MiB pieces
 against ~20 GB/s in 256 KiB ones.

@@ -1,9 +1,14 @@
 """The paged KV cache: one tensor, page-major, so a request's pages move as few large blocks.
 
-Layout: [num_pages, num_layers, 2, kv_heads, page_size, head_dim]. Page i is one contiguous
-byte range holding K and V of every layer for page_size tokens, so a run of consecutive
-page ids is one transfer descriptor. Page 0 is kept back as a padding page (page-table
-padding and CUDA-graph dummy rows write there), never handed out."""
+Layout: [num_pages, kv_heads, num_layers, 2, page_size, head_dim]. Page i is one contiguous
+byte range holding K and V of every layer for page_size tokens, so a run of consecutive page
+ids is one transfer descriptor. Inside a page the heads are outermost (head-major), so any
+range of heads is one contiguous byte range too: a worker at another tensor-parallel size
+writes its share of a page as one descriptor (shared/kv_transfer/head_plan.py), not one per
+layer. The kernels see a layer through strided [num_pages, kv_heads, page_size, head_dim]
+views, and each (page, head) [page_size, head_dim] tile is contiguous in either order. Page 0
+is kept back as a padding page (page-table padding and CUDA-graph dummy rows write there),
+never handed out."""
 from __future__ import annotations
 
 import heapq
@@ -25,7 +30,13 @@ class KVLayout:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (self.num_pages, self.num_layers, 2, self.num_kv_heads, self.page_size, self.head_dim)
+        return (self.num_pages, self.num_kv_heads, self.num_layers, 2, self.page_size, self.head_dim)
+
+    @property
+    def page_order(self) -> str:
+        """Named in the pairing key (services/worker/kv_compat.py): pools that order a page's
+        bytes differently must never exchange pages."""
+        return "heads_first"
 
     @property
     def bytes_per_page(self) -> int:
@@ -61,11 +72,11 @@ class KVPool:
         return self.scales[layer]
 
     def k_cache(self, layer: int) -> torch.Tensor:
-        """[num_pages, kv_heads, page_size, head_dim] view (strided across pages)."""
-        return self.buffer[:, layer, 0]
+        """[num_pages, kv_heads, page_size, head_dim] view (strided across pages and heads)."""
+        return self.buffer[:, :, layer, 0]
 
     def v_cache(self, layer: int) -> torch.Tensor:
-        return self.buffer[:, layer, 1]
+        return self.buffer[:, :, layer, 1]
 
 
 class PageAllocator:

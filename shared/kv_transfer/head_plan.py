@@ -2,15 +2,18 @@
 at different tensor-parallel sizes.
 
 Each rank's pool holds a contiguous range of global KV heads (PoolInfo.first_head,
-num_heads); inside a page, K and V of every layer are `blocks` blocks of heads. A decode
+num_heads); a page is head-major (each head's K and V of every layer, `blocks` blocks, are
+contiguous), so a range of heads is one contiguous byte range of the page. A decode
 rank needs every head it holds from some prefill rank that holds it; where a head is
 replicated on several prefill ranks (TP above the KV-head count), decode rank j takes it
 from holder j mod holders, so the writes spread over the replicas and no byte is sent twice.
 
 The plan is a function of the two sides' head layouts only, so it is computed once per
 (prefill layout, decode layout) pair and cached. Equal layouts give one whole-page copy per
-rank pair (today's page-run descriptors); otherwise a copy is one descriptor per (page,
-block): the head range is contiguous inside a block on both sides.
+rank pair (page-run descriptors); otherwise a copy is one descriptor per page: the head
+range is contiguous inside a page on both sides. (With layers outermost, as vLLM's per-layer
+caches are, it would be one per page and layer: 56 for a 28-layer model, each a cost of its
+own on the GPU transports.)
 """
 from __future__ import annotations
 
@@ -111,14 +114,12 @@ def copy_descriptors(copy: HeadCopy, src_page_ids: Sequence[int], dst_page_ids: 
         return descriptor_arrays(merge_page_runs(src_page_ids, dst_page_ids), local, remote)
     if len(src_page_ids) != len(dst_page_ids):
         raise ValueError(f"{len(src_page_ids)} source pages but {len(dst_page_ids)} destination pages")
-    hb = local.head_bytes
-    block = np.arange(local.blocks, dtype=np.uint64)
-    length = copy.num_heads * hb
+    head_span = local.blocks * local.head_bytes  # one head's bytes in a page (every layer's K and V)
+    length = copy.num_heads * head_span
 
     def side(pool: PoolInfo, pages, head: int, device_id: int) -> np.ndarray:
         pages = np.asarray(pages, dtype=np.uint64)
-        in_page = (block * pool.num_heads + head) * hb  # the head range's offset in each block
-        addr = (pool.base_addr + pages[:, None] * pool.page_bytes + in_page[None, :]).reshape(-1)
+        addr = pool.base_addr + pages * pool.page_bytes + head * head_span
         out = np.empty((addr.size, 3), dtype=np.uint64)
         out[:, 0], out[:, 1], out[:, 2] = addr, length, device_id
         return out

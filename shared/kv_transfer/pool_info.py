@@ -12,10 +12,11 @@ if TYPE_CHECKING:  # the router reads pools from the registry and never imports 
 class PoolInfo:
     """Pool layout [num_pages, ...] with page i at [base_addr + i*page_bytes, +page_bytes).
 
-    Inside a page: `blocks` blocks (K and V of every layer) of `num_heads` heads each, a
-    head being page_bytes / (blocks * num_heads) contiguous bytes; this rank holds global
-    KV heads [first_head, first_head + num_heads). Writers between ranks of different
-    tensor-parallel sizes copy head ranges out of each block (head_plan.py)."""
+    Inside a page (head-major, shared/engine/kv_pool.py): `num_heads` heads, each `blocks`
+    blocks (K and V of every layer) of head_bytes = page_bytes / (blocks * num_heads)
+    contiguous bytes, so a range of heads is one contiguous byte range of the page; this
+    rank holds global KV heads [first_head, first_head + num_heads). Writers between ranks
+    of different tensor-parallel sizes copy head ranges out of each page (head_plan.py)."""
 
     base_addr: int
     page_bytes: int
@@ -32,7 +33,7 @@ class PoolInfo:
 
     @classmethod
     def from_tensor(cls, pool: torch.Tensor, first_head: int = 0) -> "PoolInfo":
-        """A 6-d pool is the engine's [pages, layers, 2, heads, page_size, head_dim]; any
+        """A 6-d pool is the engine's [pages, heads, layers, 2, page_size, head_dim]; any
         other shape is one block of one head per page."""
         if not pool.is_contiguous():
             raise ValueError("KV pool must be contiguous (page-major layout)")
@@ -40,7 +41,7 @@ class PoolInfo:
             raise ValueError(f"KV pool needs a leading page dimension, got shape {tuple(pool.shape)}")
         page_bytes = pool[0].numel() * pool.element_size()
         is_cuda = pool.device.type == "cuda"
-        blocks, heads = (pool.shape[1] * pool.shape[2], pool.shape[3]) if pool.dim() == 6 else (1, 1)
+        heads, blocks = (pool.shape[1], pool.shape[2] * pool.shape[3]) if pool.dim() == 6 else (1, 1)
         return cls(base_addr=pool.data_ptr(), page_bytes=page_bytes, num_pages=int(pool.shape[0]),
                    mem_type="VRAM" if is_cuda else "DRAM",
                    device_id=(pool.device.index or 0) if is_cuda else 0,

@@ -1,7 +1,8 @@
 """Which prefill and decode workers can hand KV to each other, and why a pair cannot.
 
 Two workers pair when they serve the same model with the same KV layout (compat_hash:
-layers, KV heads, page size, head dim, KV dtype and an FP8 cache's scales; not the TP size) and every KV head a decode
+layers, KV heads, page size, head dim, KV dtype, the order inside a page and an FP8 cache's
+scales; not the TP size) and every KV head a decode
 rank holds is held by some prefill rank (kv_transfer/head_plan.py), which is true for any
 two TP sizes that divide (or are multiples of) the KV-head count. Results are cached per
 pair of layouts: the router asks on every request."""
@@ -19,14 +20,18 @@ def _heads(info: WorkerInfo) -> tuple[RankHeads, ...]:
 
 
 # the readable KV layout (services/worker: L<layers>-H<kv heads>-P<page>-D<head dim>-<dtype>
-# [-kvs<scales digest>]), field by field, for saying which part of two layouts differs
+# -<page order>[-kvs<scales digest>]), field by field, for saying which part of two layouts
+# differs. Builds before the page order was named laid pages out layers first.
 _LAYOUT_FIELDS = {"L": "layers", "H": "KV heads", "P": "page size", "D": "head dim"}
+_PAGE_ORDERS = ("heads_first", "layers_first")
 
 
 def _layout_fields(layout: str) -> dict[str, str]:
-    fields = {"KV-cache scales": "none"}
+    fields = {"KV-cache scales": "none", "page order": "layers_first"}
     for part in layout.split("-"):
-        if part.startswith("kvs"):
+        if part in _PAGE_ORDERS:
+            fields["page order"] = part
+        elif part.startswith("kvs"):
             fields["KV-cache scales"] = part[3:]
         elif part[:1] in _LAYOUT_FIELDS and part[1:].isdigit():
             fields[_LAYOUT_FIELDS[part[:1]]] = part[1:]
@@ -40,7 +45,7 @@ def layout_difference(prefill_layout: str, decode_layout: str) -> str:
     float8_e4m3fn"; "" when neither names a difference (hashes differ by the model)."""
     p, d = _layout_fields(prefill_layout), _layout_fields(decode_layout)
     out = []
-    for name in ("kv dtype", "layers", "KV heads", "page size", "head dim", "KV-cache scales"):
+    for name in ("kv dtype", "layers", "KV heads", "page size", "head dim", "page order", "KV-cache scales"):
         a, b = p.get(name, "?"), d.get(name, "?")
         if a != b:
             out.append(f"{name} {a} vs {b}")

@@ -12,8 +12,8 @@ from shared.kv_transfer.descriptors import PageRun, merge_page_runs
 from shared.kv_transfer.notice import TransferNotice
 from shared.kv_transfer.write_stream import PageWriteStream
 
-# page-major [num_pages, num_layers, 2, kv_heads, page_size, head_dim]
-POOL_SHAPE = (48, 3, 2, 2, 4, 8)
+# page-major [num_pages, kv_heads, num_layers, 2, page_size, head_dim] (kv_pool.py)
+POOL_SHAPE = (48, 2, 3, 2, 4, 8)
 
 
 def make_pool(fill: str) -> torch.Tensor:

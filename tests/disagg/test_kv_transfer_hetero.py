@@ -1,13 +1,14 @@
 """KV written between workers at different tensor-parallel sizes, re-sharded by heads, with
 real NIXL agents (UCX, host memory) in one process: one agent per prefill rank and per
-decode rank, each over a pool shaped as the engine's ([pages, layers, 2, heads, page_size,
-head_dim]) holding that rank's KV heads of one "model" cache.
+decode rank, each over a pool shaped as the engine's ([pages, heads, layers, 2, page_size,
+head_dim], head-major pages) holding that rank's KV heads of one "model" cache.
 
 For each (prefill TP, decode TP, KV heads) case, every prefill rank writes its share of the
 head plan (head_plan.py) for one reservation and notifies decode rank 0 (if it wrote anything): every decode
 rank's pages then equal the model cache's heads that rank holds, byte for byte; nothing
 else in the decode pools changed; the bytes sent equal the reservation's KV on the decode
-side; decode rank 0 got one notice per writing prefill rank, each saying how many come. Replicated heads are written once per
+side; decode rank 0 got one notice per writing prefill rank, each saying how many come; a
+head-sliced copy is one descriptor per page (not one per page and layer). Replicated heads are written once per
 decode rank, from one replica (spread over them). Layouts that cannot pair are refused
 with a reason."""
 from __future__ import annotations
@@ -32,8 +33,8 @@ def make_agents(prefix: str, tp: int, kv_heads: int, cache: torch.Tensor | None)
     agents = []
     for r in range(tp):
         heads = kv_head_slice(kv_heads, tp, r)
-        pool = (cache[:, :, :, heads.first:heads.stop].clone() if cache is not None
-                else torch.zeros(PAGES, LAYERS, 2, heads.count, PAGE_SIZE, HEAD_DIM))
+        pool = (cache[:, heads.first:heads.stop].clone() if cache is not None
+                else torch.zeros(PAGES, heads.count, LAYERS, 2, PAGE_SIZE, HEAD_DIM))
         agents.append(KvTransferAgent(f"{prefix}-r{r}", pool.contiguous(), write_timeout_s=5,
                                       progress_thread=False, first_head=heads.first))
     return agents
@@ -45,7 +46,7 @@ def make_agents(prefix: str, tp: int, kv_heads: int, cache: torch.Tensor | None)
 ])
 def test_heads_land_where_the_decode_ranks_hold_them(prefill_tp, decode_tp, kv_heads):
     torch.manual_seed(prefill_tp * 10 + decode_tp)
-    cache = torch.randn(PAGES, LAYERS, 2, kv_heads, PAGE_SIZE, HEAD_DIM)
+    cache = torch.randn(PAGES, kv_heads, LAYERS, 2, PAGE_SIZE, HEAD_DIM)
     tag = f"{prefill_tp}{decode_tp}{kv_heads}"
     prefill = make_agents(f"p{tag}", prefill_tp, kv_heads, cache)
     decode = make_agents(f"d{tag}", decode_tp, kv_heads, None)
@@ -74,7 +75,7 @@ def test_heads_land_where_the_decode_ranks_hold_them(prefill_tp, decode_tp, kv_h
         untouched = [p for p in range(PAGES) if p not in DST_PAGES]
         for j, d in enumerate(decode):
             heads = kv_head_slice(kv_heads, decode_tp, j)
-            assert torch.equal(d.pool[DST_PAGES], cache[SRC_PAGES][:, :, :, heads.first:heads.stop]), f"decode rank {j}"
+            assert torch.equal(d.pool[DST_PAGES], cache[SRC_PAGES][:, heads.first:heads.stop]), f"decode rank {j}"
             assert d.pool[untouched].abs().sum() == 0
         kv_bytes = len(DST_PAGES) * sum(d.pool_info.page_bytes for d in decode)
         assert sum(s.bytes_sent for s in streams) == sum(n.kv_bytes for n in notices) == kv_bytes
@@ -83,6 +84,9 @@ def test_heads_land_where_the_decode_ranks_hold_them(prefill_tp, decode_tp, kv_h
         assert written == sorted((j, k) for j, d in enumerate(decode) for k in range(d.pool_info.num_heads))
         if prefill_tp == decode_tp and kv_heads % prefill_tp == 0:
             assert all(c.whole_page and c.src_rank == c.dst_rank for c in plan)  # the plain page-run path
+        sliced = [c for c in plan if not c.whole_page]  # one descriptor per page each, whatever the layers
+        whole_descriptors = sum(s.num_descriptors for s in streams) - len(sliced) * len(SRC_PAGES)
+        assert whole_descriptors == (len(plan) - len(sliced)) * 4  # page runs: 2->7 | 3,4->1,2 ; 9->3 | 10->11
         if prefill_tp > kv_heads:  # replicas share the reading: more than one prefill rank writes
             assert len({c.src_rank for c in plan}) == min(prefill_tp, max(decode_tp, kv_heads))
     finally:

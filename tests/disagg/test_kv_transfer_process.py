@@ -21,7 +21,7 @@ from shared.registry.keys import RegistryKeys
 from shared.registry.peers import PeerNotFound, connect_sync, fetch_peer_sync
 from tests.helpers.redis_server import redis_server  # noqa: F401  (fixture)
 
-POOL_SHAPE = (64, 2, 2, 2, 8, 16)  # [pages, layers, 2, kv_heads, page_size, head_dim]
+POOL_SHAPE = (64, 2, 2, 2, 8, 16)  # [pages, kv_heads, layers, 2, page_size, head_dim]
 
 
 def registry_config(url: str) -> RegistryConfig:

@@ -44,7 +44,8 @@ def test_bf16_and_fp8_pools_never_pair_and_the_router_says_why(engines, redis_se
     fp8_prefill = _worker("p-fp8", "prefill", engines["fp8"])
     bf16_decode = _worker("d-bf16", "decode", engines["bf16"])
     fp8_decode = _worker("d-fp8", "decode", engines["fp8"])
-    assert fp8_prefill.kv_layout.endswith("-float8_e4m3fn") and bf16_decode.kv_layout.endswith("-bfloat16")
+    assert fp8_prefill.kv_layout.endswith("-float8_e4m3fn-heads_first")
+    assert bf16_decode.kv_layout.endswith("-bfloat16-heads_first")
     assert fp8_prefill.compat_hash != bf16_decode.compat_hash
     assert fp8_prefill.kv_pools[0].page_bytes * 2 == bf16_decode.kv_pools[0].page_bytes
     problem = pair_problem(fp8_prefill, bf16_decode)
@@ -69,3 +70,16 @@ def test_bf16_and_fp8_pools_never_pair_and_the_router_says_why(engines, redis_se
             assert {(r.prefill.worker_id, r.decode.worker_id) for r in replies} == {("p-fp8", "d-fp8")}
 
     asyncio.run(scenario())
+
+
+def test_a_worker_that_lays_pages_out_layers_first_never_pairs(engines):
+    """A build from before the page order was named (its key has none: layers first) and this
+    one move whole pages whose bytes are ordered differently: they must not pair, and the
+    reason names the order."""
+    new = _worker("p-new", "prefill", engines["bf16"])
+    old = _worker("d-old", "decode", engines["bf16"])
+    old.kv_layout = new.kv_layout.removesuffix("-heads_first")
+    old.compat_hash = compat_hash("tiny", old.kv_layout)
+    assert new.compat_hash != old.compat_hash
+    assert pair_problem(new, old).endswith(": page order heads_first vs layers_first"), pair_problem(new, old)
+    assert pair_problem(new, _worker("d-new", "decode", engines["bf16"])) == ""

@@ -72,8 +72,8 @@ def qk_norm_rope():
             norm = QKNorm(_e(d, dtype=dt), _e(d, dtype=dt), 1e-6)
             pos, cache = torch.zeros(5, dtype=torch.int64), _e(4096, d)
             for cache_dt in (dt, FP8):
-                pool = _e(12, 3, 2, h_kv, page, d, dtype=cache_dt)
-                store = KVCacheWrite(pool[:, 1, 0], pool[:, 1, 1], v, torch.zeros(5, dtype=torch.int32), 0.5, 2.0)
+                pool = _e(12, h_kv, 3, 2, page, d, dtype=cache_dt)
+                store = KVCacheWrite(pool[:, :, 1, 0], pool[:, :, 1, 1], v, torch.zeros(5, dtype=torch.int32), 0.5, 2.0)
                 run(pos, q, k, cache, True, norm=norm, kv_write=store)
                 run(pos, q, k, cache, False, norm=None, kv_write=store)
                 one = KVCacheWrite(store.k_cache, store.v_cache, v[:1], store.slot_mapping[:1], 0.5, 2.0)
@@ -89,9 +89,9 @@ def store_kv():
     for dt in DTYPES:
         for h_kv, d, page in ((2, 64, 1), (8, 128, 16), (3, 96, 16)):
             for cache_dt in (dt, FP8):
-                pool = _e(6, 2, 2, h_kv, page, d, dtype=cache_dt)
+                pool = _e(6, h_kv, 2, 2, page, d, dtype=cache_dt)
                 k = _e(9, h_kv, d, dtype=dt)
-                run(pool[:, 1, 0], pool[:, 1, 1], k, k, torch.zeros(9, dtype=torch.int32), 0.5, 2.0)
+                run(pool[:, :, 1, 0], pool[:, :, 1, 1], k, k, torch.zeros(9, dtype=torch.int32), 0.5, 2.0)
 
 
 def page_copy():
@@ -106,10 +106,10 @@ def page_copy():
 
 def _paged(seq_lens, h_kv, d, page, dt):
     pages = sum(-(-n // page) for n in seq_lens) + 2
-    pool = _e(pages, 2, 2, h_kv, page, d, dtype=dt)
+    pool = _e(pages, h_kv, 2, 2, page, d, dtype=dt)
     width = max(-(-n // page) for n in seq_lens) + 1
     table = torch.zeros(len(seq_lens), width, dtype=torch.int32)
-    return pool[:, 1, 0], pool[:, 1, 1], table, torch.tensor(seq_lens, dtype=torch.int32)
+    return pool[:, :, 1, 0], pool[:, :, 1, 1], table, torch.tensor(seq_lens, dtype=torch.int32)
 
 
 def decode_attention():

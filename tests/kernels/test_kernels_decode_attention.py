@@ -19,7 +19,7 @@ CUDA = torch.cuda.is_available()
 def naive_decode(q, pool, layer, page_table, seq_lens, sm_scale):
     """float64, explicit slot arithmetic, one (sequence, head) at a time."""
     batch, num_q_heads, head_dim = q.shape
-    num_kv_heads, page_size = pool.shape[3], pool.shape[4]
+    num_kv_heads, page_size = pool.shape[1], pool.shape[4]
     group = num_q_heads // num_kv_heads
     out = torch.zeros(batch, num_q_heads, head_dim, dtype=torch.float64)
     for b in range(batch):
@@ -28,8 +28,8 @@ def naive_decode(q, pool, layer, page_table, seq_lens, sm_scale):
             keys, vals = [], []
             for pos in range(n):
                 page = int(page_table[b, pos // page_size])
-                keys.append(pool[page, layer, 0, h // group, pos % page_size].double())
-                vals.append(pool[page, layer, 1, h // group, pos % page_size].double())
+                keys.append(pool[page, h // group, layer, 0, pos % page_size].double())
+                vals.append(pool[page, h // group, layer, 1, pos % page_size].double())
             if not keys:
                 continue
             scores = torch.stack(keys) @ q[b, h].double() * sm_scale
@@ -155,14 +155,14 @@ def test_page_offsets_beyond_int32():
 
     page_elems = 2 * 8 * 16 * 128
     num_pages = (2**31) // page_elems + 2048
-    pool = torch.empty((num_pages, 1, 2, 8, 16, 128), dtype=torch.bfloat16, device="cuda")
+    pool = torch.empty((num_pages, 8, 1, 2, 16, 128), dtype=torch.bfloat16, device="cuda")
     g = torch.Generator(device="cuda").manual_seed(3)
     high = torch.arange(num_pages - 64, num_pages, device="cuda", dtype=torch.int32)
-    pool[high.long()] = torch.randn((64, 1, 2, 8, 16, 128), generator=g, device="cuda").bfloat16()
+    pool[high.long()] = torch.randn((64, 8, 1, 2, 16, 128), generator=g, device="cuda").bfloat16()
     page_table = high.view(2, 32).contiguous()
     seq_lens = torch.tensor([512, 77], dtype=torch.int32, device="cuda")
     q = torch.randn((2, 32, 128), generator=g, device="cuda").bfloat16()
-    k_cache, v_cache = pool[:, 0, 0], pool[:, 0, 1]
+    k_cache, v_cache = pool[:, :, 0, 0], pool[:, :, 0, 1]
     out = decode_attention(q, k_cache, v_cache, page_table, seq_lens, 0.088)
     ref = decode_attention_reference(q, k_cache, v_cache, page_table, seq_lens, 0.088)
     assert relative_error(out, ref) < 1e-2

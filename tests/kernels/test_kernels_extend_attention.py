@@ -20,15 +20,15 @@ def naive_extend(q, pool, layer, page_table, ext_lens, prefix_lens, sm_scale):
     """float64: per sequence, slot-by-slot gather, dense causal mask built from
     absolute positions, softmax over the whole row."""
     num_q_heads, head_dim = q.shape[1:]
-    num_kv_heads, page_size = pool.shape[3], pool.shape[4]
+    num_kv_heads, page_size = pool.shape[1], pool.shape[4]
     group = num_q_heads // num_kv_heads
     out = torch.zeros(q.shape, dtype=torch.float64)
     t0 = 0
     for b, (ext, prefix) in enumerate(zip(ext_lens, prefix_lens)):
         total = prefix + ext
         slots = [(int(page_table[b, p // page_size]), p % page_size) for p in range(total)]
-        k = torch.stack([pool[pg, layer, 0, :, off] for pg, off in slots]).double()  # [L, H_kv, D]
-        v = torch.stack([pool[pg, layer, 1, :, off] for pg, off in slots]).double()
+        k = torch.stack([pool[pg, :, layer, 0, off] for pg, off in slots]).double()  # [L, H_kv, D]
+        v = torch.stack([pool[pg, :, layer, 1, off] for pg, off in slots]).double()
         for i in range(ext):
             visible = prefix + i + 1
             for h in range(num_q_heads):

@@ -80,8 +80,8 @@ def fp8_paged_kv(seq_lens, h_kv, d, page, g, k_scale, v_scale):
     """A random paged pool in fp32 and the FP8 cache the engine would hold for it."""
     kv = random_paged_kv(seq_lens, h_kv, d, page, torch.float32, torch.device("cpu"), g, poison=False)
     fp8 = kv.pool.clone()
-    fp8[:, :, 0] = fp8[:, :, 0] / k_scale
-    fp8[:, :, 1] = fp8[:, :, 1] / v_scale
+    fp8[:, :, :, 0] = fp8[:, :, :, 0] / k_scale
+    fp8[:, :, :, 1] = fp8[:, :, :, 1] / v_scale
     kv8 = random_paged_kv(seq_lens, h_kv, d, page, torch.float32, torch.device("cpu"), g, poison=False)
     kv8.pool, kv8.page_table, kv8.seq_lens = fp8.clamp(-448, 448).to(FP8_DTYPE), kv.page_table, kv.seq_lens
     return kv, kv8

@@ -26,7 +26,7 @@ def _case(tokens, h_q, h_kv, head_dim, page_size, dtype, device, with_norm=True)
         norm = QKNorm((1 + 0.2 * torch.randn(head_dim, generator=g)).to(device, dtype),
                       (1 + 0.2 * torch.randn(head_dim, generator=g)).to(device, dtype), 1e-6)
     # the cache is a strided view of a page-major pool, as the engine's is
-    pool = torch.randn(NUM_PAGES, 3, 2, h_kv, page_size, head_dim, generator=g).to(device, dtype)
+    pool = torch.randn(NUM_PAGES, h_kv, 3, 2, page_size, head_dim, generator=g).to(device, dtype)
     slots = torch.randperm(NUM_PAGES * page_size, generator=g)[:tokens].to(torch.int32)
     if tokens > 1:
         slots[tokens // 2] = -1
@@ -44,7 +44,7 @@ def _run_both(runner, qkv, positions, norm, pool, slots, h_q, h_kv, head_dim, is
     qkv_ref, pool_ref = qkv.clone(), pool.clone()
     for buf, pl, call in ((qkv, pool, "triton"), (qkv_ref, pool_ref, "reference")):
         q, k, v = _split(buf, h_q, h_kv, head_dim)
-        kv_write = KVCacheWrite(pl[:, 1, 0], pl[:, 1, 1], v, slots) if store else None
+        kv_write = KVCacheWrite(pl[:, :, 1, 0], pl[:, :, 1, 1], v, slots) if store else None
         if call == "triton":
             runner(TARGET, positions, q, k, cache, is_neox, norm=norm, kv_write=kv_write)
         else:
@@ -70,8 +70,8 @@ def test_triton_matches_reference(runner, dtype, is_neox, tokens, h_q, h_kv, hea
     live = slots[slots >= 0].long().cpu()
     untouched = torch.ones(NUM_PAGES * page_size, dtype=torch.bool)
     untouched[live] = False
-    flat = pool.cpu().permute(0, 4, 1, 2, 3, 5).reshape(NUM_PAGES * page_size, 3, -1)
-    flat_ref = pool_ref.cpu().permute(0, 4, 1, 2, 3, 5).reshape(NUM_PAGES * page_size, 3, -1)
+    flat = pool.cpu().permute(0, 4, 2, 3, 1, 5).reshape(NUM_PAGES * page_size, 3, -1)
+    flat_ref = pool_ref.cpu().permute(0, 4, 2, 3, 1, 5).reshape(NUM_PAGES * page_size, 3, -1)
     assert torch.equal(flat[untouched], flat_ref[untouched])
     assert torch.equal(flat[:, [0, 2]], flat_ref[:, [0, 2]])
 
@@ -121,7 +121,7 @@ def test_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="norm weights"):
         qk_norm_rope(positions, q, k, cache, norm=QKNorm(norm.q_weight[:32], norm.k_weight, 1e-6))
     with pytest.raises(ValueError, match="v must have"):
-        qk_norm_rope(positions, q, k, cache, kv_write=KVCacheWrite(pool[:, 0, 0], pool[:, 0, 1], v[:2], slots))
+        qk_norm_rope(positions, q, k, cache, kv_write=KVCacheWrite(pool[:, :, 0, 0], pool[:, :, 0, 1], v[:2], slots))
 
 
 def check_fused_model_matches_unfused(model_dir: str, device: str) -> dict:
