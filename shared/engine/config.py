@@ -45,8 +45,9 @@ class EngineConfig:
     # the CPU (its device pool is host memory already); 0: off
     kv_host_memory: int | None = setting(
         None, flag="--kv-host-memory", env="DUET_KV_HOST_MEMORY", parse=parsers.size,
-        help="host-memory KV tier under the device pool, e.g. 16G; 0 = off (default: on a GPU twice the "
-             "device KV budget, at most a quarter of the host's available memory; off on the CPU)")
+        help="host-memory KV tier under the device pool, e.g. 16G, for the whole worker (a TP worker's ranks "
+             "each hold their share); 0 = off (default: on a GPU twice the device KV budget, at most a quarter "
+             "of the host's available memory; off on the CPU)")
     mem_fraction: float = setting(
         0.85, flag="--mem-fraction", env="DUET_MEM_FRACTION",
         help="GPU: share of total memory for weights + KV (+ graphs)")

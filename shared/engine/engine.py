@@ -254,13 +254,18 @@ class Engine:
         return layout
 
     def _make_host_tier(self):
-        """The host-memory tier under the KV pool (kv_host_tier.py), or None."""
-        budget = self.config.kv_host_memory
+        """The host-memory tier under the KV pool (kv_host_tier.py), or None.
+
+        The budget is the worker's, all its ranks together: each of a TP worker's ranks pins
+        its shard of every host page (budget / tp bytes), not the whole budget again, and all
+        ranks hold the same page count (each rank's free memory is read at its own moment)."""
+        budget, ranks = self.config.kv_host_memory, self.tp.size
         if budget is None:  # auto: on a GPU only (a CPU pool is host memory already)
             if self.device.type != "cuda":
                 return None
-            budget = min(2 * self.layout.num_pages * self.layout.bytes_per_page, _available_host_memory() // 4)
-        pages = int(budget) // self.layout.bytes_per_page
+            budget = min(2 * self.layout.num_pages * self.layout.bytes_per_page * ranks,
+                         _available_host_memory() // 4)
+        pages = self.tp.min_across_ranks(int(budget) // (self.layout.bytes_per_page * ranks), self.device)
         if pages < 1 or not self.config.enable_prefix_cache:
             return None
         from .kv_host_tier import HostKVTier
@@ -268,8 +273,8 @@ class Engine:
         if self._tp_workers is not None:  # every rank copies the same pages of its shard
             tier.mirror = lambda kind, src, dst: self.call_followers(
                 "shared.engine.kv_host_tier:follower_copy", kind, src, dst)
-        log.info("host KV tier: %d pages (%.2f GiB%s)", pages, pages * self.layout.bytes_per_page / 2**30,
-                 ", pinned" if self.device.type == "cuda" else "")
+        log.info("host KV tier: %d pages (%.2f GiB%s%s)", pages, pages * self.layout.bytes_per_page / 2**30,
+                 f" on each of {ranks} ranks" if ranks > 1 else "", ", pinned" if self.device.type == "cuda" else "")
         return tier
 
     @property

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .kv_pool import KVLayout, PageAllocator
+from .pinned_memory import pinned_empty
 
 
 def page_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -56,8 +57,8 @@ class HostKVTier:
         self.layout = layout
         self.device = device_buffer.device
         on_gpu = self.device.type == "cuda"
-        self.buffer = torch.empty((num_pages,) + tuple(layout.shape[1:]), dtype=layout.dtype,
-                                  pin_memory=on_gpu)
+        shape = (num_pages,) + tuple(layout.shape[1:])
+        self.buffer = pinned_empty(shape, layout.dtype) if on_gpu else torch.empty(shape, dtype=layout.dtype)
         self.allocator = PageAllocator(num_pages, reserve_first=False)
         self.stream = torch.cuda.Stream(self.device) if on_gpu else None
         self.bytes_saved = 0

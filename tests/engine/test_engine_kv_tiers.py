@@ -147,6 +147,33 @@ def test_conversations_larger_than_the_device_pool_come_back_from_the_host(model
     assert tiered.stats.cached_tokens > tiered.stats.host_cached_tokens
 
 
+def _host_tier(engine) -> tuple[int, int]:
+    """Runs on every rank: its host tier's pages and pinned bytes."""
+    host = engine.kv.cache.host
+    return host.allocator.num_pages, host.buffer.numel() * host.buffer.element_size()
+
+
+def test_tp2_host_tier_is_the_workers_budget_split_over_its_ranks(model_dir):
+    """--kv-host-memory is the worker's: each of two ranks holds its shard of every host page
+    (half the bytes), not the whole budget again; and the tier works under TP (the follower
+    copies the same pages of its shard): TP=1's tokens, with pages offloaded and loaded."""
+    openers = [[(7 * c + i) % 400 + 1 for i in range(22)] for c in range(5)]
+    follow = [5, 6, 7, 8, 9]
+    ref = make_engine(model_dir, pages=64, enable_prefix_cache=False)
+    tiered = make_engine(model_dir, pages=10, host_pages=120, tp=2)  # 10 whole pages = 20 per rank's shard
+    try:
+        ranks = [_host_tier(tiered)] + tiered._tp_workers.call("tests.engine.test_engine_kv_tiers:_host_tier")
+        assert [pages for pages, _ in ranks] == [120, 120]
+        assert sum(nbytes for _, nbytes in ranks) == kv_bytes_for_pages(model_dir, 120, PS)
+        for (p_ref, a_ref), (p_got, a_got) in zip(converse(ref, openers, 3, follow),
+                                                  converse(tiered, openers, 3, follow)):
+            assert p_ref == p_got and a_ref == a_got
+        st = tiered.kv.cache.stats
+        assert st.offloaded_pages > 0 and st.loaded_pages > 0 and st.host_hit_pages > 0
+    finally:
+        tiered.close()
+
+
 def test_without_a_host_tier_evicted_pages_are_gone(model_dir):
     eng = make_engine(model_dir, pages=20)
     openers = [[(3 * c + i) % 400 + 1 for i in range(22)] for c in range(5)]
