@@ -1,7 +1,9 @@
 """Attention through FlashInfer's paged kernels, used when the package is importable and
 asked for (--attention-backend flashinfer). K/V are stored by our store_kv kernel; the
 pool's per-layer views are passed as (k, v) in FlashInfer's HND layout
-[pages, kv_heads, page_size, head_dim] with the pool's page stride.
+[pages, kv_heads, page_size, head_dim] with the pool's page and head strides (pages are
+head-major, kv_pool.py, so a layer's heads are not adjacent; FlashInfer reads the strides
+from the tensors it is given, which nobody could check here either).
 
 Each step is planned once (prepare), not per layer: page index lists in CSR form
 (indptr over pages, page ids, fill of each last page). CUDA graphs are not captured for
