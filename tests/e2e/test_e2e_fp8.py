@@ -70,7 +70,7 @@ def test_fp8_serves_split_and_colocated_with_the_offline_engines_text(stacks, re
     for s in stacks[0]:
         model = s.client().models.list().data[0].id
         for entry in s.workers().values():
-            assert entry["kv_layout"].endswith("-float8_e4m3fn"), entry["kv_layout"]
+            assert entry["kv_layout"].endswith("-float8_e4m3fn-heads_first"), entry["kv_layout"]
             for pool in json.loads(entry["kv_pools"]):  # the transfer peers' pools (none colocated)
                 assert pool["page_bytes"] == page_bytes(model_dir(), PAGE_SIZE, 1)
         chat = s.client().chat.completions.create(model=model, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0)
