@@ -11,9 +11,9 @@ from holder j mod holders, so the writes spread over the replicas and no byte is
 The plan is a function of the two sides' head layouts only, so it is computed once per
 (prefill layout, decode layout) pair and cached. Equal layouts give one whole-page copy per
 rank pair (page-run descriptors); otherwise a copy is one descriptor per page: the head
-range is contiguous inside a page on both sides. (With layers outermost, as vLLM's per-layer
-caches are, it would be one per page and layer: 56 for a 28-layer model, each a cost of its
-own on the GPU transports.)
+range is contiguous inside a page on both sides. (With layers outermost, as in a cache kept
+one tensor per layer, it would be one per page and layer: 56 for a 28-layer model, each a cost
+of its own on the GPU transports.)
 """
 from __future__ import annotations
 
