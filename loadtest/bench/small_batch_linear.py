@@ -202,7 +202,10 @@ def _fp8_weight(w: torch.Tensor):
     from kernels.fp8 import Fp8Weight, block_scale_rows, quantize_block
 
     q, scale = quantize_block(w, FP8_BLOCK)
-    return Fp8Weight(q, scale, block_scale_rows(w.shape[0], FP8_BLOCK[0]).to(w.device), FP8_BLOCK[1])
+    # tile_n as the engine's loader sets it (quantization/fp8_params.py): the scale row changes
+    # every block of rows, and the bench's shapes are whole blocks
+    tile_n = FP8_BLOCK[0] if w.shape[0] % FP8_BLOCK[0] == 0 else 0
+    return Fp8Weight(q, scale, block_scale_rows(w.shape[0], FP8_BLOCK[0]).to(w.device), FP8_BLOCK[1], tile_n)
 
 
 # ---------------------------------------------------------------- measuring
