@@ -56,11 +56,6 @@ class Fp8DecodeConfig:
     # x quantized once by its own small kernel before the GEMM, instead of each program
     # quantizing its x slice every K step (the same values: _quantize_rows either way)
     prequant: bool = False
-    # each K step's scales loaded one step ahead (they feed no dot, so the pipeliner leaves
-    # their loads inside the step), and one weight scale a tile where the weight's tile_n says
-    # every row of a tile shares it: the same values, the same bits
-    scales_ahead: bool = False
-    uniform_scale: bool = False
 
 
 def decode_config(m: int, n_rows: int, k: int, num_sms: int, gate_up: bool, group: int,

@@ -52,38 +52,13 @@ def _quantize_x_kernel(x, xq, xs, M, K, eps, stride_xm, stride_qm, stride_sm,
 
 
 @triton.jit
-def _step_scales(s_ptrs, su_ptrs, xs, rm, m_ok, stride_xsm, k0, group_k, BLOCK_K: tl.constexpr,
-                 GATE_UP: tl.constexpr, PREQUANT: tl.constexpr):
-    """The K step at k0's weight scales (a row's, or the tile's one) and, with x quantized before
-    the GEMM, x's group scales (else zeros: the step computes them)."""
-    sk = k0 // group_k  # BLOCK_K divides group_k: one weight scale a row this step
-    sw = tl.load(s_ptrs + sk)
-    su = sw
-    if GATE_UP:
-        su = tl.load(su_ptrs + sk)
-    if PREQUANT:
-        sx = tl.load(xs + rm * stride_xsm + k0 // BLOCK_K, mask=m_ok, other=0.0)
-    else:
-        sx = tl.zeros(rm.shape, tl.float32)
-    return sw, su, sx
-
-
-@triton.jit
-def _outer(sw, sx, UNIFORM_SCALE: tl.constexpr):
-    """The promotion factors of a step's [BLOCK_N, BLOCK_M] dot: weight scale x x scale."""
-    if UNIFORM_SCALE:
-        return (sw * sx)[None, :]
-    return sw[:, None] * sx[None, :]
-
-
-@triton.jit
 def _fp8_decode_gemm_kernel(
     x, xs, w, w_desc, w_scale, scale_row, bias, out, partials, counters,
     M, N, K, up_rows, steps_per_split, split_k, group_k, eps,
     stride_xm, stride_xsm, stride_wn, stride_ws, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, GATE_UP: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-    PREQUANT: tl.constexpr, SCALES_AHEAD: tl.constexpr, UNIFORM_SCALE: tl.constexpr,
+    PREQUANT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -106,36 +81,24 @@ def _fp8_decode_gemm_kernel(
                 prefetch_l2(line_ptrs + up_rows * stride_wn)
         pdl_enter(PDL)
 
-    if UNIFORM_SCALE:  # every row of the tile shares one scale row (Fp8Weight.tile_n >= BLOCK_N)
-        s_ptrs = w_scale + tl.load(scale_row + off_n).to(tl.int64) * stride_ws
-        su_ptrs = w_scale + tl.load(scale_row + off_n + up_rows).to(tl.int64) * stride_ws  # up_rows 0: s_ptrs
-    else:
-        s_ptrs = w_scale + tl.load(scale_row + rows).to(tl.int64) * stride_ws
+    s_ptrs = w_scale + tl.load(scale_row + rows).to(tl.int64) * stride_ws
+    if GATE_UP:
         su_ptrs = w_scale + tl.load(scale_row + rows + up_rows).to(tl.int64) * stride_ws
     x_ptrs = x + rm[:, None] * stride_xm + rk[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    # SCALES_AHEAD: a step's scales are loaded one step earlier (they feed no dot, so Triton's
-    # pipeliner leaves them as plain loads waited on inside the step)
-    sw, su, sx = _step_scales(s_ptrs, su_ptrs, xs, rm, m_ok, stride_xsm, k_start, group_k, BLOCK_K, GATE_UP, PREQUANT)
     for k0 in range(k_start, k_end, BLOCK_K):
-        if SCALES_AHEAD:
-            sw_n, su_n, sx_n = _step_scales(s_ptrs, su_ptrs, xs, rm, m_ok, stride_xsm,
-                                            tl.minimum(k0 + BLOCK_K, k_end - 1), group_k, BLOCK_K, GATE_UP, PREQUANT)
-        else:
-            sw, su, sx = _step_scales(s_ptrs, su_ptrs, xs, rm, m_ok, stride_xsm, k0, group_k, BLOCK_K, GATE_UP,
-                                      PREQUANT)
         if PREQUANT:  # x is already FP8 (_quantize_x_kernel), xs its scales
             xq = tl.load(x_ptrs + k0, mask=m_ok[:, None] & ((k0 + rk) < K)[None, :], other=0.0)
+            sx = tl.load(xs + rm * stride_xsm + k0 // BLOCK_K, mask=m_ok, other=0.0)
         else:
             xq, sx = _quantize_rows(x_ptrs + k0, m_ok, (k0 + rk) < K, eps)
+        sk = k0 // group_k  # BLOCK_K divides group_k: one weight scale a row this step
         d = tl.dot(w_desc.load([off_n, k0]), tl.trans(xq))  # rows past the weight read as zeros
-        acc += d * _outer(sw, sx, UNIFORM_SCALE)
+        acc += d * (tl.load(s_ptrs + sk)[:, None] * sx[None, :])
         if GATE_UP:
             d_up = tl.dot(w_desc.load([up_rows + off_n, k0]), tl.trans(xq))
-            acc_up += d_up * _outer(su, sx, UNIFORM_SCALE)
-        if SCALES_AHEAD:
-            sw, su, sx = sw_n, su_n, sx_n
+            acc_up += d_up * (tl.load(su_ptrs + sk)[:, None] * sx[None, :])
 
     split_k_finish(acc, acc_up, bias, out, partials, counters, tile, split, split_k, M, N, rn, rm, n_ok, m_ok,
                    stride_om, HAS_BIAS, GATE_UP, SPLIT)
@@ -182,8 +145,7 @@ def launch_fp8_decode_gemm(x: torch.Tensor, w, bias, out: torch.Tensor, cfg, wor
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=group,
         HAS_BIAS=bias is not None, GATE_UP=gate_up, SPLIT=split_k > 1,
         PDL=pdl is not None, PREFETCH=min(pdl.prefetch_k_blocks, per_split) if pdl else 0,
-        PREQUANT=cfg.prequant, SCALES_AHEAD=cfg.scales_ahead,
-        UNIFORM_SCALE=cfg.uniform_scale and w.tile_n >= cfg.block_n,
+        PREQUANT=cfg.prequant,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )
     return out

@@ -135,9 +135,6 @@ def main(argv=None) -> int:
     p.add_argument("--engine", action="store_true",
                    help="instead: the engine's two decode kernels as a step calls them (gate/up fused with SwiGLU, "
                         "PDL at one row) and the decode GEMM's tilings")
-    p.add_argument("--scales", action="store_true",
-                   help="instead: the decode GEMM's default tiling with its scale options (scales_ahead, "
-                        "uniform_scale) off and on, as a decode step calls it")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
@@ -154,8 +151,6 @@ def main(argv=None) -> int:
 
     if args.engine:
         return engine_sweep(args, setup, gen, sms, time_fn, t0)
-    if args.scales:
-        return scales_sweep(args, setup, gen, time_fn, t0)
 
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
@@ -273,54 +268,6 @@ def engine_sweep(args, setup, gen, sms, time_fn, t0) -> int:
         sums[(m, label)] = sums.get((m, label), 0.0) + us
     for (m, label), us in sums.items():
         print(f"a layer's linears, M={m}, {label}: {us:.1f} us")
-    return 0
-
-
-SCALE_OPTIONS = ((False, False), (True, False), (False, True), (True, True))  # (scales_ahead, uniform_scale)
-
-
-def scales_sweep(args, setup, gen, time_fn, t0) -> int:
-    """The decode GEMM through its wrapper at its default tiling (prequant as the route picks it),
-    each K step's scales loaded inside the step (as before) or a step ahead, per row or one a
-    tile; outputs checked equal to the bit against the first option's."""
-    from dataclasses import replace
-
-    from kernels.fp8_decode_gemm import decode_config, fp8_decode_linear
-    from kernels.small_batch_linear import SmallBatchWorkspace
-    from .small_batch_linear import WeightCopies
-
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    table = []
-    for name in args.shapes.split(","):
-        n, k = SHAPES[name]
-        gate_up = name == "gate_up"
-        copies = WeightCopies(setup, n, k, gen, fp8=True)
-        for m in [int(v) for v in args.m.split(",")]:
-            x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
-            ws = SmallBatchWorkspace.create("cuda")
-            default = decode_config(m, n, k, sms, gate_up, 128, x.device)
-            first = None
-            for ahead, uniform in SCALE_OPTIONS:
-                cfg = replace(default, scales_ahead=ahead, uniform_scale=uniform)
-                out = fp8_decode_linear(x, copies.weights[0], workspace=ws, config=cfg, gate_up=gate_up)
-                first = out if first is None else first
-                same = bool(torch.equal(out, first))
-                us = time_fn(copies, lambda w: (lambda: fp8_decode_linear(x, w, workspace=ws, config=cfg,
-                                                                          gate_up=gate_up)))
-                table.append((name, m, ahead, uniform, us, same))
-                print(f"  {name} m{m} ahead={ahead} uniform={uniform}: {us:.2f} us, same bits {same}", flush=True)
-        del copies
-        torch.cuda.empty_cache()
-    print(f"\n=== fp8_decode_linear_probe --scales (FP8 weights past L2; gate_up fused), {time.time() - t0:.0f} s ===")
-    print("| shape | M | scales ahead | one a tile | us | same bits |")
-    print("|---|---|---|---|---|---|")
-    for name, m, ahead, uniform, us, same in table:
-        print(f"| {name} | {m} | {ahead} | {uniform} | {us:.2f} | {same} |")
-    sums: dict = {}
-    for name, m, ahead, uniform, us, _ in table:
-        sums[(m, ahead, uniform)] = sums.get((m, ahead, uniform), 0.0) + us
-    for (m, ahead, uniform), us in sums.items():
-        print(f"a layer's linears, M={m}, scales ahead {ahead}, one a tile {uniform}: {us:.1f} us")
     return 0
 
 

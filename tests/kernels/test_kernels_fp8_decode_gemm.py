@@ -102,31 +102,6 @@ def test_x_quantized_before_the_gemm_gives_the_same_bits(runner, m):
         assert torch.equal(outs[0], outs[1]), (outs[0] - outs[1]).abs().max()
 
 
-@pytest.mark.parametrize("prequant", [False, True])
-def test_scales_a_step_ahead_and_one_scale_a_tile_give_the_same_bits(runner, prequant):
-    """scales_ahead only loads each K step's scales one step earlier, uniform_scale reads a tile's
-    one weight scale once instead of a copy per row (the weight's tile_n says they are equal):
-    the same factors reach the same dots, so the outputs are equal to the bit. A weight whose
-    tile_n is too small for the tile keeps the per-row scales (its scale rows change inside a
-    tile: the shard starts mid-block), and must still be exact."""
-    import dataclasses
-    g = case_generator("decode scales", prequant)
-    dev = runner.device
-    k = 400
-    x = rows_of_every_size(20, k, g, torch.float32).to(DTYPES[0]).to(dev)
-    base = dataclasses.replace(SPLIT, prequant=prequant)
-    for parts, shard, gate_up in (([64, 64], 0, False), ([64, 64], 0, True), ([48, 24, 24], 8, False)):
-        w = block_weight(parts, k, (32, 128), g, "cpu", shard_start=shard)
-        tile_n = 32 if shard == 0 else 8  # aligned runs of rows sharing a scale row
-        wd = dataclasses.replace(on(dev, w), tile_n=tile_n)
-        outs = [runner(DECODE, x, wd, config=dataclasses.replace(base, scales_ahead=a, uniform_scale=u),
-                       gate_up=gate_up) for a, u in ((False, False), (True, False), (False, True), (True, True))]
-        for o in outs[1:]:
-            assert torch.equal(outs[0], o), (parts, gate_up, (outs[0] - o).abs().max())
-        want = fp8_decode_reference(x.cpu(), w, gate_up=gate_up)
-        assert relative_error(outs[-1], want) < TOL[DTYPES[0]]
-
-
 def test_a_split_the_workspace_cannot_hold_is_narrowed(runner):
     """Four splits of a 29 x 96 output need 11136 partial floats: a workspace of 6000 gets two,
     and the result is the same product."""
