@@ -4,7 +4,7 @@
     python3 -m loadtest.bench.multiturn_device --model qwen3-8b --parts hosttier,nocache
 
 Random weights of a real shape (drawn on the GPU from a fixed seed, every worker the same), the
-default model's tokenizer, `duet up` on one GPU (prefill and decode share it). The workload is
+default model's tokenizer, `duet up` on this host's GPUs (one GPU: prefill and decode share it; two: a GPU each). The workload is
 `duet loadtest multiturn --workload synthetic`: C conversations, each with its own ~5.9k-token
 system prompt, 4 turns in lockstep, 64-token user turns, 48 output tokens, greedy; each answer
 fed back into the next prompt. Parts:
@@ -13,6 +13,7 @@ fed back into the next prompt. Parts:
 - split / colocated / nocache: 1 prefill + 1 decode, 1 colocated worker, and split with
   --disable-prefix-cache, at each --conversations value: TTFT p50 by turn, cached share, KV the
   prefill worker sent at each turn as a share of those prompts' KV, 429s;
+- colocated2 (two GPUs): 2 colocated workers, each on its own GPU, as split's 1 + 1 are there;
 - hosttier: split with each worker's GPU KV budget a third of the working set at
   --hosttier-conversations and a host tier large enough for all of it; against split's run at
   the same C (all in GPU).
@@ -175,6 +176,9 @@ def turn_rows(doc: dict, stack: str, conversations: int, per_token: int, turns: 
 STACKS = {
     "split": (["--prefill", "1", "--decode", "1"], []),
     "colocated": (["--both", "1", "--prefill", "0", "--decode", "0"], []),
+    # two GPUs: two colocated workers, one a GPU (the router pairs each conversation by its cache),
+    # against split's prefill and decode each on its own GPU
+    "colocated2": (["--both", "2", "--prefill", "0", "--decode", "0"], []),
     "nocache": (["--prefill", "1", "--decode", "1"], ["--disable-prefix-cache"]),
 }
 
@@ -194,13 +198,19 @@ def run_stack(name: str, folder: pathlib.Path, args, out: pathlib.Path, conversa
     t0 = time.monotonic()
     with DuetStack(up, out / name / "logs") as stack:
         ready_s = time.monotonic() - t0
-        scrape = prefill_metrics_url(out / name / "logs") if name != "colocated" else None
+        scrape = prefill_metrics_url(out / name / "logs") if not name.startswith("colocated") else None
         for i, c in enumerate(conversations):
             doc = run_multiturn(stack.url, folder, out / name / f"c{c}", f"{name} C={c}", c, seed=10 * c + i,
                                 scrape=scrape, shape=args.shape, max_run_s=args.max_run_s)
             rows.append(dict(turn_rows(doc, name, c, per_token, args.shape.turns), ready_s=ready_s))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return rows
+
+
+def _gpus() -> str:
+    import torch
+    n = torch.cuda.device_count()
+    return f"{n} GPU{'s' if n != 1 else ''} ({torch.cuda.get_device_name(0)})" if n else "no GPU"
 
 
 def main(argv=None) -> int:
@@ -244,7 +254,7 @@ def main(argv=None) -> int:
     rows = run_each(args.parts, part)
     (out / "multiturn_device.json").write_text(json.dumps(rows, indent=1, default=str))
     print(f"\n=== multiturn_device: {args.model_dir or args.model}, {shape.turns} turns lockstep, system "
-          f"{shape.system_len} + user {shape.user_len} -> {shape.output_len} tokens, one GPU ===")
+          f"{shape.system_len} + user {shape.user_len} -> {shape.output_len} tokens, {_gpus()} ===")
     for r in rows:
         if r["part"] == "restore":
             extra = f"  {100 * r['of_pinned']:.0f}% of pinned" if "of_pinned" in r else ""
@@ -260,9 +270,10 @@ def main(argv=None) -> int:
               f"{r['ready_s']:>8.0f}")
     by = {(r["part"], r["conversations"]): r for r in rows if r["part"] != "restore"}
     for c in cs:
-        s, co = by.get(("split", c)), by.get(("colocated", c))
-        if s and co and co["ttft2p_s"]:
-            print(f"C={c}: split / colocated TTFT turns 2+ p50 = {s['ttft2p_s'] / co['ttft2p_s']:.2f}x")
+        for other in ("colocated", "colocated2"):
+            s, co = by.get(("split", c)), by.get((other, c))
+            if s and co and co["ttft2p_s"]:
+                print(f"C={c}: split / {other} TTFT turns 2+ p50 = {s['ttft2p_s'] / co['ttft2p_s']:.2f}x")
     s, h = by.get(("split", hc)), by.get(("hosttier", hc))
     if s and h and s["ttft2p_s"]:
         print(f"C={hc}: host tier / all in GPU TTFT turns 2+ p50 = {h['ttft2p_s'] / s['ttft2p_s']:.2f}x")
