@@ -167,7 +167,9 @@ def turn_rows(doc: dict, stack: str, conversations: int, per_token: int, turns: 
             if turn_prompt and t + 1 < len(rounds):
                 shares.append((sent(t + 1) - sent(t)) / (turn_prompt * per_token))
         moved = max(shares) if shares else None
+    tpots = [r["tpot"] for r in later if r.get("tpot")]
     return dict(part=stack, conversations=conversations, ttft1_s=ttft({0}), ttft2p_s=ttft(set(range(1, turns))),
+                tpot2p_ms=1e3 * statistics.median(tpots) if tpots else None,
                 cached2p=cached / prompt if prompt else None, moved2p_max=moved,
                 http_429=sum(1 for r in recs if r.get("error_kind") == "http_429"),
                 failed=sum(1 for r in recs if not r["ok"]), requests=len(recs))
@@ -259,13 +261,14 @@ def main(argv=None) -> int:
         if r["part"] == "restore":
             extra = f"  {100 * r['of_pinned']:.0f}% of pinned" if "of_pinned" in r else ""
             print(f"restore  {r['what']:<30}{r['gb_s']:>7.1f} GB/s{extra}")
-    print(f"{'stack':<10}{'C':>4}{'TTFT t1':>9}{'TTFT t2+':>9}{'cached t2+':>11}{'moved t2+ max':>14}{'429':>5}"
-          f"{'failed':>7}{'ready s':>8}")
+    print(f"{'stack':<10}{'C':>4}{'TTFT t1':>9}{'TTFT t2+':>9}{'TPOT t2+ ms':>12}{'cached t2+':>11}"
+          f"{'moved t2+ max':>14}{'429':>5}{'failed':>7}{'ready s':>8}")
     for r in rows:
         if r["part"] == "restore":
             continue
         pct = lambda v: "-" if v is None else f"{100 * v:.0f}%"  # noqa: E731
-        print(f"{r['part']:<10}{r['conversations']:>4}{r['ttft1_s']:>9.2f}{r['ttft2p_s']:>9.3f}"
+        tpot = "-" if r.get("tpot2p_ms") is None else f"{r['tpot2p_ms']:.1f}"
+        print(f"{r['part']:<10}{r['conversations']:>4}{r['ttft1_s']:>9.2f}{r['ttft2p_s']:>9.3f}{tpot:>12}"
               f"{pct(r['cached2p']):>11}{pct(r['moved2p_max']):>14}{r['http_429']:>5}{r['failed']:>7}"
               f"{r['ready_s']:>8.0f}")
     by = {(r["part"], r["conversations"]): r for r in rows if r["part"] != "restore"}
