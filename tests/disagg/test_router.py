@@ -292,3 +292,60 @@ def test_decode_pairing_weighs_held_tokens_not_just_share():
     assert pick(40, 32 // PAGE) == "d2"
     # 6000-token conversation, d1 holds all but the last turn: the held KV decides
     assert pick(6000, 5800 // PAGE) == "d1"
+
+
+def test_local_prefill_weighs_the_decode_workers_own_prefill_queue():
+    """A follow-up turn whose prefix decode holds stays local while decode's prefill queue is
+    short; when a burst of follow-ups has queued more there than a handoff costs, an idle
+    prefill worker that holds the prefix too (from the first turn) takes it; one that does not
+    hold it would recompute the whole prompt, so the request stays local."""
+    from services.router.config import RoutingWeights
+    from services.router.inflight import WorkerInflight
+    from services.router.policy import DecodeChoice, PrefillChoice, local_prefill_reason
+
+    weights = RoutingWeights()  # handoff 512 tokens
+    d1 = worker("d1", "decode")
+    follow_up = DecodeChoice(d1, pages=4, cost=0.1, cached_tokens=5800)  # 200 tokens left
+    warm = PrefillChoice(worker("p1", "prefill"), cached_tokens=5800, uncached_tokens=200, cost=200)
+    cold = PrefillChoice(worker("p2", "prefill"), cached_tokens=0, uncached_tokens=6000, cost=6000)
+
+    def local(prefill, queued: int = 0, reported: int = 0) -> bool:
+        decode = follow_up if not reported else DecodeChoice(
+            worker("d1", "decode", queued_prefill_tokens=reported), 4, 0.1, 5800)
+        return bool(local_prefill_reason(decode, 6000, weights, prefill, {"d1": WorkerInflight(prefill_tokens=queued)}))
+
+    assert local(warm)                      # idle decode: 200 against 200 + 512
+    assert local(warm, queued=500)          # 700 against 712: still local
+    assert not local(warm, queued=600)      # 800 against 712: the prefill worker
+    assert not local(warm, reported=600)    # the worker's own report counts as well
+    assert local(cold, queued=5000)         # 5200 against 6512: recomputing 6000 is worse
+    assert local(None, queued=10_000)       # no prefill worker to hand it to
+    # eligibility is unchanged: under half the prompt held is never local, whatever the load
+    assert not local_prefill_reason(DecodeChoice(d1, 4, 0.1, 2000), 6000, weights, warm, {})
+
+
+def test_a_burst_of_follow_ups_spreads_over_decode_and_prefill(redis_server):
+    """Through the router: 12 follow-up turns of conversations decode and prefill both hold
+    arrive at once (none released): the first ones are prefilled locally, then decode's queue
+    sends some to the prefill worker, and the reason says why."""
+    async def scenario():
+        prompt = list(range(5000, 5000 + 40 * PAGE))  # 640 tokens, the last 10 pages (160) new
+        hashes = chained_page_hashes(prompt, PAGE)
+        async with Cluster(redis_server.url) as c:
+            await c.add(worker("p1", "prefill"), hashes=hashes[:30])
+            await c.add(worker("d1", "decode"), hashes=hashes[:30])
+            await c.wait_live("p1", "d1")
+            replies = [await c.route(prompt_tokens=len(prompt), page_hashes=hashes, request_id=f"r{i}")
+                       for i in range(12)]
+            kinds = ["local" if r.local_prefill else "split" for r in replies]
+            assert kinds[0] == "local" and "local" in kinds[1:] and "split" in kinds, kinds
+            split = next(r for r in replies if not r.local_prefill)
+            assert split.prefill.worker_id == "p1" and "prefill queue" in split.reason, split.reason
+            # once decode's prefill shares are released (first tokens out), it takes them again
+            for r in replies:
+                await c.stub.Release(duet_pb2.ReleaseRequest(request_id=r.request_id,
+                                                             stage=duet_pb2.RELEASE_STAGE_PREFILL_DONE))
+            again = await c.route(prompt_tokens=len(prompt), page_hashes=hashes, request_id="r-next")
+            assert again.local_prefill, again.reason
+
+    asyncio.run(scenario())
