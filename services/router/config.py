@@ -38,11 +38,6 @@ class RoutingWeights:
         512, flag="--local-prefill-max-tokens", env="DUET_LOCAL_PREFILL_MAX_TOKENS",
         help="... with at most this many prompt tokens left to compute prefills them itself (no prefill "
              "worker, no transfer); 0 = always through a prefill worker")
-    local_prefill_handoff_tokens: int = setting(
-        512, flag="--local-prefill-handoff-tokens", env="DUET_LOCAL_PREFILL_HANDOFF_TOKENS",
-        help="... unless its own prefill queue plus the rest outweighs the best prefill worker's cost "
-             "plus this many tokens (the hop and the KV transfer of a split): then the prefill worker "
-             "takes it; a very large value keeps every such request local whatever the queues")
 
 
 @dataclass

@@ -22,14 +22,7 @@ prefill too), then the prefill worker among those that can write into it.
 
 Local prefill (conditional disaggregation): when the chosen decode worker holds at least
 `local_prefill_min_share` of the prompt and the rest is at most `local_prefill_max_tokens`,
-it prefills the rest itself: no prefill worker, no transfer. Unless its own prefill queue
-makes that slower than the best prefill worker: local cost = queue_weight * the decode
-worker's queued prefill tokens + the rest; split cost = that prefill worker's cost (its
-queue, its uncached tokens) + `local_prefill_handoff_tokens` (the hop and the transfer, in
-prompt tokens). At low load a follow-up turn stays local; when a burst of follow-ups piles
-their deltas onto one decode worker (every conversation's next turn at once), the excess
-goes to prefill workers that hold the conversations from their first turn, which would
-otherwise idle from then on.
+it prefills the rest itself: no prefill worker, no transfer.
 
 Ties go to the worker with fewer requests routed here, then rotate, so equal workers
 share a burst evenly.
@@ -141,30 +134,16 @@ def choose_decode(
     return best
 
 
-def local_prefill_reason(decode: DecodeChoice, prompt_tokens: int, weights: RoutingWeights,
-                         prefill: PrefillChoice | None = None,
-                         inflight: dict[str, WorkerInflight] | None = None) -> str:
-    """Why the decode worker should prefill the rest itself, or "" when it should not.
-    prefill: the best prefill worker for the split alternative (None: there is none, or the
-    caller does not weigh load); inflight: the router's own account, for the decode worker's
-    prefill queue (max of it and the worker's report, as choose_prefill counts)."""
+def local_prefill_reason(decode: DecodeChoice, prompt_tokens: int, weights: RoutingWeights) -> str:
+    """Why the decode worker should prefill the rest itself, or "" when it should not."""
     rest = prompt_tokens - decode.cached_tokens
     if weights.local_prefill_max_tokens <= 0 or prompt_tokens <= 0:
         return ""
     share = decode.cached_tokens / prompt_tokens
     if share < weights.local_prefill_min_share or rest > weights.local_prefill_max_tokens:
         return ""
-    reason = (f"local prefill: decode {decode.worker.worker_id} holds {decode.cached_tokens} of "
-              f"{prompt_tokens} prompt tokens ({share:.0%}); {rest} left to compute")
-    if prefill is None:
-        return reason
-    local = (inflight or {}).get(decode.worker.worker_id, _NO_LOAD)
-    queued = max(decode.worker.load.queued_prefill_tokens, local.prefill_tokens)
-    local_cost = weights.prefill_queue_weight * queued + rest
-    split_cost = prefill.cost + weights.local_prefill_handoff_tokens
-    if local_cost > split_cost:
-        return ""
-    return f"{reason}, {queued} queued there (split would cost {split_cost:.0f} against {local_cost:.0f})"
+    return (f"local prefill: decode {decode.worker.worker_id} holds {decode.cached_tokens} of "
+            f"{prompt_tokens} prompt tokens ({share:.0%}); {rest} left to compute")
 
 
 def choose_colocated(

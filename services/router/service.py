@@ -105,22 +105,20 @@ class RouterService(duet_pb2_grpc.RouterServicer):
             cached = await self._cached_pages(list(candidates.values()), list(request.page_hashes))
             decode = choose_decode(decodes, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
                                    inflight=loads, weights=weights, rotation=rotation, cached_pages=cached, n=n)
-            prefill = choose_prefill(pairable[decode.worker.worker_id], prompt_tokens=prompt_tokens,
-                                     cached_pages=cached, inflight=loads, weights=weights, rotation=rotation)
-            reason = local_prefill_reason(decode, prompt_tokens, weights, prefill, loads)
-            if reason:  # it holds most of the prompt and is not busier: no prefill worker, no transfer
+            reason = local_prefill_reason(decode, prompt_tokens, weights)
+            if reason:  # it holds most of the prompt: no prefill worker, no transfer
                 self.inflight.add(RoutedRequest(request_id, decode.worker.worker_id,
                                                 prompt_tokens - decode.cached_tokens, decode.worker.worker_id,
                                                 decode.pages, time.monotonic()))
                 return duet_pb2.RouteReply(request_id=request_id, decode=worker_ref(decode.worker), colocated=True,
                                            local_prefill=True, cached_tokens=decode.cached_tokens,
                                            decode_cached_tokens=decode.cached_tokens, reason=reason)
+            prefill = choose_prefill(pairable[decode.worker.worker_id], prompt_tokens=prompt_tokens,
+                                     cached_pages=cached, inflight=loads, weights=weights, rotation=rotation)
             self.inflight.add(RoutedRequest(request_id, prefill.worker.worker_id, prefill.uncached_tokens,
                                             decode.worker.worker_id, decode.pages, time.monotonic()))
             reason = (f"split: decode {decode.worker.worker_id} holds {decode.cached_tokens} of {prompt_tokens} "
                       f"prompt tokens, prefill {prefill.worker.worker_id} {prefill.cached_tokens}")
-            if local_prefill_reason(decode, prompt_tokens, weights):  # eligible, but its queue said no
-                reason += f"; decode's own prefill queue is longer than the handoff to {prefill.worker.worker_id}"
             return duet_pb2.RouteReply(request_id=request_id, prefill=worker_ref(prefill.worker),
                                        decode=worker_ref(decode.worker), colocated=False,
                                        cached_tokens=prefill.cached_tokens, decode_cached_tokens=decode.cached_tokens,

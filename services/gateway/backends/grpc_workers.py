@@ -239,13 +239,8 @@ class GrpcBackend:
             else:
                 open_seqs = set(range(request.sampling.n))
             # Split: prefill's cached count is the one that matters (decode computed no prompt).
-            prefill_pending = route.colocated
             async for event in self._decode_stream(decode, generate, metadata, want_logprobs, state,
                                                    report_cached=route.colocated, open_seqs=open_seqs):
-                if prefill_pending:  # its first token: the worker's prefill of it is done, so the
-                    # router stops counting its tokens in that worker's prefill queue (policy.py)
-                    prefill_pending = False
-                    self._cleanup(self._release(request.request_id, duet_pb2.RELEASE_STAGE_PREFILL_DONE))
                 yield event
         finally:
             # Runs on success, failure, early close (stop string) and cancellation (client left).
