@@ -71,6 +71,10 @@ class EngineConfig:
     cuda_graph_max_bs: int = setting(
         256, flag="--cuda-graph-max-bs", env="DUET_CUDA_GRAPH_MAX_BS",
         help="largest decode batch captured as a CUDA graph; larger batches run eagerly")
+    prefill_graph_max_tokens: int = setting(
+        512, flag="--prefill-graph-max-tokens", env="DUET_PREFILL_GRAPH_MAX_TOKENS",
+        help="prefill steps of up to this many tokens (and 8 sequences) replay CUDA graphs captured per "
+             "token bucket (a conversation's next turn, a short prompt); 0 = eager")
     # CPU prepares step N+1 while the device runs step N (overlap.py). None: on, except with
     # TP on GPUs without the custom all-reduce (the tokens would need an NCCL broadcast a step);
     # with it, 2 x H200, Qwen3-8B shape, TP=2: 3.54 / 4.55 ms at B=1 / 32 vs 4.09 / 5.51 plain

@@ -37,6 +37,8 @@ class ModelRunner:
         # CUDA graphs of steps where every sequence extends by the same few tokens
         # (speculative verify steps; speculative/uniform_graph.py), set by the speculator
         self.extend_graphs = None
+        # CUDA graphs of small prefill steps (prefill_graph.py), set by the engine on GPU
+        self.prefill_graphs = None
 
     def build(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         plan = plan_batch(batch, self.page_size)
@@ -90,6 +92,8 @@ class ModelRunner:
             hidden = self.graphs.run(input_ids, positions, meta)
         elif self.extend_graphs is not None and self.extend_graphs.can_run(meta):
             hidden = self.extend_graphs.run(input_ids, positions, meta)
+        elif self.prefill_graphs is not None and self.prefill_graphs.can_run(meta):
+            hidden = self.prefill_graphs.run(input_ids, positions, meta)
         else:
             self.backend.prepare(meta)
             hidden = self.model(input_ids, positions, ForwardBatch(self.backend, meta))

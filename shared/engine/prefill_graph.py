@@ -1,0 +1,130 @@
+"""CUDA graphs for small prefill steps: a conversation's next turn, a short prompt.
+
+A prefill step of ~100 tokens is as host-bound as a decode step: 36 layers of kernels
+launched one by one from Python take ~30 ms on an H100 where the weights read in ~6
+(loadtest/bench/followup_probe.py; a follow-up turn's whole first token took 41-47 ms in
+the engine). So, as decode graphs do (cuda_graph.py), steps of up to MAX_SEQS sequences and
+a few hundred tokens replay a graph captured for the next token bucket up.
+
+Every graph has the same MAX_SEQS + 1 sequences over static buffers; a step fills the first
+n, gives the unused ones no tokens (their extend-attention programs exit at once), and the
+last one, the padding sequence, takes the bucket's remaining tokens: positions from 0 over
+the padding page (zeros, never written), slot -1 (nothing stored). The attention grid is
+sized by the bucket, so the captured launches fit any step of it. Its rows are computed
+and dropped; the real rows' numbers are those of an eager step of the same token count
+(capture=False runs these padded shapes eagerly)."""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from .attention.metadata import AttentionMetadata
+from .cuda_graph import capture_graph
+from .kv_pool import PADDING_PAGE
+
+log = logging.getLogger("duet.engine.prefill_graph")
+
+MAX_SEQS = 8  # sequences a captured prefill step holds (then eager)
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """64, 128, 256, ... up to max_tokens (itself the last)."""
+    out, t = [], 64
+    while t < max_tokens:
+        out.append(t)
+        t *= 2
+    return out + [max_tokens] if max_tokens > 0 else []
+
+
+class PrefillGraphs:
+    def __init__(self, model, backend, device: torch.device, max_tokens: int, max_pages: int,
+                 capture: bool = True, max_seqs: int = MAX_SEQS):
+        from .model_runner import ForwardBatch
+
+        self.model, self.backend, self.device = model, backend, device
+        self.buckets = token_buckets(max_tokens)
+        self.max_tokens = self.buckets[-1]
+        self.max_seqs = max_seqs
+        self.max_pages = max_pages
+        page = backend.pool.layout.page_size
+        if -(-self.max_tokens // page) > max_pages:
+            raise ValueError(f"{self.max_tokens} padding tokens need more than the {max_pages} pages a row holds")
+        t, s = self.max_tokens, max_seqs + 1  # + the padding sequence
+        self.input_ids = torch.zeros(t, dtype=torch.int32, device=device)
+        self.positions = torch.zeros(t, dtype=torch.int32, device=device)
+        self.slots = torch.full((t,), -1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.ones(s, dtype=torch.int32, device=device)
+        self.extend_lens = torch.zeros(s, dtype=torch.int32, device=device)
+        self.qo_indptr = torch.zeros(s + 1, dtype=torch.int32, device=device)
+        self.page_table = torch.full((s, max_pages), PADDING_PAGE, dtype=torch.int32, device=device)
+        self._pad_positions = torch.arange(t, dtype=torch.int32, device=device)
+        self._forward_batch = ForwardBatch
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.capture = capture
+        if not capture:
+            return
+        t0 = time.monotonic()
+        self.pool_handle = torch.cuda.graph_pool_handle()
+        with torch.inference_mode():
+            for bucket in reversed(self.buckets):
+                self._fill_padding(0, 0, bucket)
+                self.graphs[bucket], self.outputs[bucket] = capture_graph(
+                    device, self.pool_handle, lambda b=bucket: self._run_model(b))
+        torch.cuda.synchronize(device)
+        log.info("captured %d prefill CUDA graphs (%d..%d tokens, up to %d sequences) in %.1fs", len(self.buckets),
+                 self.buckets[0], self.max_tokens, max_seqs, time.monotonic() - t0)
+
+    def _meta(self, bucket: int) -> AttentionMetadata:
+        s = self.max_seqs + 1
+        return AttentionMetadata(
+            is_decode=False, page_size=self.backend.pool.layout.page_size, seq_lens=self.seq_lens,
+            extend_lens=self.extend_lens, qo_indptr=self.qo_indptr, page_table=self.page_table,
+            slot_mapping=self.slots[:bucket], seq_lens_host=[1] * s, extend_lens_host=[bucket] * s,
+            num_pages_host=[1] * s)  # extend_lens_host: its max sizes the attention grid (the bucket)
+
+    def _run_model(self, bucket: int):
+        return self.model(self.input_ids[:bucket], self.positions[:bucket],
+                          self._forward_batch(self.backend, self._meta(bucket)))
+
+    def bucket_for(self, tokens: int) -> int | None:
+        return next((b for b in self.buckets if b >= tokens), None)
+
+    def can_run(self, meta: AttentionMetadata) -> bool:
+        return (not meta.is_decode and meta.batch_size <= self.max_seqs
+                and meta.slot_mapping.shape[0] <= self.max_tokens and meta.page_table.shape[1] <= self.max_pages)
+
+    def _fill_padding(self, n: int, t: int, bucket: int) -> None:
+        """Sequences n.. get no tokens; the padding sequence (the last) takes tokens t..bucket."""
+        last = self.max_seqs
+        self.seq_lens[n:last].fill_(1)
+        self.extend_lens[n:last].zero_()
+        self.page_table[n:last, 0].fill_(PADDING_PAGE)
+        self.qo_indptr[n + 1:last + 1].fill_(t)
+        self.qo_indptr[last + 1].fill_(bucket)
+        self.seq_lens[last].fill_(max(bucket - t, 1))
+        self.extend_lens[last].fill_(bucket - t)
+        self.page_table[last].fill_(PADDING_PAGE)
+        self.input_ids[t:bucket].zero_()
+        self.positions[t:bucket].copy_(self._pad_positions[:bucket - t])
+        self.slots[t:bucket].fill_(-1)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [t, hidden] of the step (a view of the graph's output, valid until the next replay)."""
+        n, t = meta.batch_size, meta.slot_mapping.shape[0]
+        bucket = self.bucket_for(t)
+        width = meta.page_table.shape[1]
+        self.input_ids[:t].copy_(input_ids)
+        self.positions[:t].copy_(positions)
+        self.slots[:t].copy_(meta.slot_mapping)
+        self.seq_lens[:n].copy_(meta.seq_lens)
+        self.extend_lens[:n].copy_(meta.extend_lens)
+        self.qo_indptr[:n + 1].copy_(meta.qo_indptr)
+        self.page_table[:n, :width].copy_(meta.page_table)
+        self._fill_padding(n, t, bucket)
+        if not self.capture:
+            return self._run_model(bucket)[:t]
+        self.graphs[bucket].replay()
+        return self.outputs[bucket][:t]
