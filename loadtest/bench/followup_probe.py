@@ -74,6 +74,7 @@ def one_engine(args, graphs: int, make_engine, config_only_dir, params_cls) -> t
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(12)
     buf.write("steps of the profiled follow-up, ms: " + ", ".join(f"{1e3 * s:.1f}" for s in steps) + "\n")
+    engine.close()
     del engine
     return rows, buf.getvalue()
 
@@ -103,7 +104,8 @@ def main(argv=None) -> int:
         print(f"--- prefill graphs up to {graphs} tokens: the profiled follow-up ---")
         print(profile)
         if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+            from .gpu_engine import release_memory
+            release_memory()  # the engine's cycles collected, its memory returned before the next
     print(f"\n| {args.model}, random weights | prefill graphs up to | prompt tokens | first token ms | engine steps |")
     print("|---|---|---|---|---|")
     for graphs, label, n, t, k in table:
