@@ -145,13 +145,17 @@ class Engine:
                                                  max_bs=min(config.cuda_graph_max_bs, config.max_running_requests),
                                                  max_pages=-(-self.max_model_len // self.layout.page_size),
                                                  capture=capture)
-            if config.prefill_graph_max_tokens > 0:  # small prefill steps (a next turn) are as launch-bound
+            if capture and config.prefill_graph_max_tokens > 0:  # small prefill steps are as launch-bound
                 from .prefill_graph import PrefillGraphs
                 max_tokens = min(config.prefill_graph_max_tokens, config.resolve_batched_tokens(self.device),
                                  self.max_model_len)
-                self.runner.prefill_graphs = PrefillGraphs(
-                    self.model, self.backend, self.device, max_tokens=max_tokens,
-                    max_pages=-(-self.max_model_len // self.layout.page_size), capture=capture)
+                try:
+                    self.runner.prefill_graphs = PrefillGraphs(
+                        self.model, self.backend, self.device, max_tokens=max_tokens,
+                        max_pages=-(-self.max_model_len // self.layout.page_size))
+                except (RuntimeError, ValueError) as exc:  # a model whose prefill path cannot be captured
+                    torch.cuda.synchronize(self.device)
+                    log.warning("prefill CUDA graphs off (capture failed: %s); prefill steps run eagerly", exc)
         self.requests: dict[str, Req] = {}
         # launched steps whose prefill-only KV a transfer may not read yet: (event, [(req, end)])
         self._kv_in_flight: deque = deque()
