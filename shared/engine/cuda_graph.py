@@ -45,6 +45,21 @@ def capture_graph(device, pool_handle, run):
     return graph, out
 
 
+def capture_ladder(device, keys, run, before=None) -> tuple[dict, dict]:
+    """({key: graph}, {key: its output}) for run(key) over keys, captured largest first into one
+    memory pool (the smaller graphs reuse the larger ones' memory); before(key), if given,
+    fills the static buffers for that key's capture."""
+    graphs, outputs = {}, {}
+    pool_handle = torch.cuda.graph_pool_handle()
+    with torch.inference_mode():
+        for key in sorted(keys, reverse=True):
+            if before is not None:
+                before(key)
+            graphs[key], outputs[key] = capture_graph(device, pool_handle, lambda k=key: run(k))
+    torch.cuda.synchronize(device)
+    return graphs, outputs
+
+
 class CudaGraphRunner:
     def __init__(self, model, backend, pool, device: torch.device, max_bs: int, max_pages: int,
                  sizes: list[int] | None = None, capture: bool = True):

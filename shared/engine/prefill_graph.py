@@ -21,7 +21,7 @@ import time
 import torch
 
 from .attention.metadata import AttentionMetadata
-from .cuda_graph import capture_graph
+from .cuda_graph import capture_ladder
 from .kv_pool import PADDING_PAGE
 
 log = logging.getLogger("duet.engine.prefill_graph")
@@ -67,13 +67,8 @@ class PrefillGraphs:
         if not capture:
             return
         t0 = time.monotonic()
-        self.pool_handle = torch.cuda.graph_pool_handle()
-        with torch.inference_mode():
-            for bucket in reversed(self.buckets):
-                self._fill_padding(0, 0, bucket)
-                self.graphs[bucket], self.outputs[bucket] = capture_graph(
-                    device, self.pool_handle, lambda b=bucket: self._run_model(b))
-        torch.cuda.synchronize(device)
+        self.graphs, self.outputs = capture_ladder(device, self.buckets, self._run_model,
+                                                   before=lambda b: self._fill_padding(0, 0, b))
         log.info("captured %d prefill CUDA graphs (%d..%d tokens, up to %d sequences) in %.1fs", len(self.buckets),
                  self.buckets[0], self.max_tokens, max_seqs, time.monotonic() - t0)
 

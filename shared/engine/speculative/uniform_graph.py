@@ -16,7 +16,7 @@ import time
 import torch
 
 from ..attention.metadata import AttentionMetadata
-from ..cuda_graph import batch_size_ladder, capture_graph
+from ..cuda_graph import batch_size_ladder, capture_ladder
 from ..kv_pool import PADDING_PAGE
 
 log = logging.getLogger("duet.engine.speculative")
@@ -47,11 +47,7 @@ class UniformExtendGraphs:
         if not capture:
             return
         t0 = time.monotonic()
-        self.pool_handle = torch.cuda.graph_pool_handle()
-        with torch.inference_mode():
-            for bs in reversed(self.sizes):
-                self._capture(bs)
-        torch.cuda.synchronize(device)
+        self.graphs, self.outputs = capture_ladder(device, self.sizes, self._run_model)
         log.info("captured %d CUDA graphs of %d-token extends (batch %d..%d) in %.1fs", len(self.sizes), q_len,
                  self.sizes[0], self.max_bs, time.monotonic() - t0)
 
@@ -66,9 +62,6 @@ class UniformExtendGraphs:
     def _run_model(self, bs: int):
         n = bs * self.q_len
         return self.model(self.input_ids[:n], self.positions[:n], self._forward_batch(self.backend, self._meta(bs)))
-
-    def _capture(self, bs: int) -> None:
-        self.graphs[bs], self.outputs[bs] = capture_graph(self.device, self.pool_handle, lambda: self._run_model(bs))
 
     def padded_size(self, n: int) -> int | None:
         return next((s for s in self.sizes if s >= n), None)
