@@ -90,6 +90,19 @@ def test_ready_after_a_first_start_and_a_failed_start_is_tried_again(tmp_path):
         pool.close()
 
 
+def test_a_call_takes_the_started_helper_before_an_unstarted_slot():
+    """prestart(1) on a pool of two (what the gateway does): the first call is answered by the
+    helper that started, not by starting the second one (a call would wait for its start)."""
+    pool = ProcessPool("first", f"{T}:setup", ("first",), processes=2)
+    try:
+        pool.prestart(1)
+        assert wait_until(lambda: pool.ready, 60), pool.start_error
+        pids = {pool.call_sync(f"{T}:echo", i, timeout_s=60)[3] for i in range(3)}
+        assert pool.stats.started == 1 and len(pids) == 1, (pool.stats.started, pids)
+    finally:
+        pool.close()
+
+
 def test_async_calls_leave_the_event_loop_free_and_queue_beyond_the_helpers(pool):
     async def scenario():
         gaps, stop = [], asyncio.Event()
