@@ -34,7 +34,6 @@ import triton.language as tl
 from kernels.triton_pdl import prefetch_l2
 
 HIDDEN, INTER, QKV = 4096, 12288, 6144  # Qwen3-8B
-GROUP = 128  # weight scale blocks (128 x 128), the official FP8 releases' layout
 
 
 @triton.jit
@@ -186,10 +185,9 @@ def _chain_kernel_tma(x, wqkv, sqkv, yqkv, wo, so, yo, wgu, sgu, ygu, wd, sd, yd
 
 
 def _fp8_weight(n, k, gen, device):
-    from kernels.fp8 import Fp8Weight, block_scale_rows, quantize_block
-    w = torch.randn(n, k, device=device, generator=gen) * k ** -0.5
-    q, scale = quantize_block(w)
-    return Fp8Weight(q, scale, block_scale_rows(n, GROUP).to(device), GROUP, GROUP)
+    """A random [n, k] weight, block-FP8 as the benches and the engine's loader make it."""
+    from .small_batch_linear import _fp8_weight as block_fp8
+    return block_fp8(torch.randn(n, k, device=device, generator=gen) * k ** -0.5)
 
 
 def random_layers(count, device, qkv=QKV, hidden=HIDDEN, inter=INTER):
