@@ -98,7 +98,10 @@ def test_transformers_own_fp8_loading_agrees(tmp_path):
     own FP8 dequantization of the folder gives the tokens ours does."""
     src = build_model_dir(tmp_path / "src", "qwen3_moe", seed=5)
     q = quantize_checkpoint(src, tmp_path / "fp8", "block", block=(16, 16))
-    hf = load_hf(q, torch.float32)
+    from transformers import FineGrainedFP8Config
+    # dequantized at load, as on a machine without a GPU: with one, transformers would run its
+    # own FP8 kernels (which need the `kernels` package) instead of the dequantized weights
+    hf = load_hf(q, torch.float32, quantization_config=FineGrainedFP8Config(dequantize=True))
     prompts = random_prompts(3, [6, 20, 11], seed=9)
     refs = [hf_greedy(hf, p, 10) for p in prompts]
     got = run_engine(Engine(model_dir=str(q), device="cpu", kv_cache_memory=KV_BYTES), prompts,

@@ -102,11 +102,11 @@ def random_prompts(n: int, lengths: list[int], vocab: int = 512, seed: int = 1) 
 
 
 # -- HF reference --------------------------------------------------------------------------
-def load_hf(model_dir: Path, dtype: torch.dtype):
+def load_hf(model_dir: Path, dtype: torch.dtype, **kw):
     from transformers import AutoModelForCausalLM
     # eager experts: transformers' default grouped_mm has no float64
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager",
-                                                 experts_implementation="eager")
+                                                 experts_implementation="eager", **kw)
     return model.eval()
 
 
