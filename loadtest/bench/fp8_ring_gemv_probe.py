@@ -155,6 +155,122 @@ if gluon is not None:
         for j in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(j))
 
+    # -- the whole chain as one persistent kernel: phases behind grid barriers, each phase's
+    # first STAGES tiles issued before the barrier that precedes it (weights need no data)
+    @gluon.jit
+    def _grid_sync(bar, P):
+        """Every program arrives before any leaves (the counter only grows: a program's target is
+        the next multiple of P above its arrival)."""
+        gl.thread_barrier()
+        old = gl.atomic_add(bar, 1, sem="acq_rel", scope="gpu")
+        target = (old // P + 1) * P
+        seen = old + 1
+        while seen < target:
+            seen = gl.atomic_add(bar, 0, sem="acquire", scope="gpu")
+        gl.thread_barrier()
+
+    @gluon.jit
+    def _issue_at(w_desc, ring, ring_u, bars, g, step, total, pid, P, N, KSTEPS: gl.constexpr,
+                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GATE_UP: gl.constexpr):
+        """The copy of the phase's step `step` (if < total) into the slot of global step g: g
+        counts consumed steps over all phases, so every slot's barrier completes in order."""
+        s = g % STAGES
+        t = pid + (step // KSTEPS) * P
+        k0 = (step % KSTEPS) * BLOCK_K
+        pred = step < total
+        bar = bars.index(s)
+        if GATE_UP:
+            mbarrier.expect(bar, 2 * BLOCK_N * BLOCK_K, pred=pred)
+            tma.async_copy_global_to_shared(w_desc, [t * BLOCK_N, k0], bar, ring.index(s), pred=pred)
+            tma.async_copy_global_to_shared(w_desc, [t * BLOCK_N + N, k0], bar, ring_u.index(s), pred=pred)
+        else:
+            mbarrier.expect(bar, BLOCK_N * BLOCK_K, pred=pred)
+            tma.async_copy_global_to_shared(w_desc, [t * BLOCK_N, k0], bar, ring.index(s), pred=pred)
+
+    @gluon.jit
+    def _prologue(w_desc, ring, ring_u, bars, g, pid, P, N, K: gl.constexpr, BLOCK_N: gl.constexpr,
+                  BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GATE_UP: gl.constexpr):
+        KSTEPS: gl.constexpr = K // BLOCK_K
+        total = (N // BLOCK_N - pid + P - 1) // P * KSTEPS
+        for j in gl.static_range(STAGES):
+            _issue_at(w_desc, ring, ring_u, bars, g + j, j, total, pid, P, N, KSTEPS, BLOCK_N, BLOCK_K, STAGES,
+                      GATE_UP)
+
+    @gluon.jit
+    def _ring_phase(w_desc, scale_ptr, scale_row_ptr, x_ptr, y_ptr, ring, ring_u, bars, g, pid, P, N,
+                    K: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                    GATE_UP: gl.constexpr, VEC: gl.constexpr, TPW_N: gl.constexpr):
+        """One linear over the program's row tiles (whole K each), its prologue already issued;
+        returns the global step count after it."""
+        KSTEPS: gl.constexpr = K // BLOCK_K
+        KB: gl.constexpr = K // 128
+        NW: gl.constexpr = gl.num_warps()
+        my_tiles = (N // BLOCK_N - pid + P - 1) // P
+        total = my_tiles * KSTEPS
+        layout: gl.constexpr = gl.BlockedLayout([1, VEC], [TPW_N, 32 // TPW_N], [NW, 1], [1, 0])
+        offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+        step = 0
+        for tt in range(my_tiles):
+            t = pid + tt * P
+            srow = gl.load(scale_row_ptr + t * BLOCK_N) * KB
+            srow_u = srow
+            if GATE_UP:
+                srow_u = gl.load(scale_row_ptr + t * BLOCK_N + N) * KB
+            acc = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, layout)
+            acc_u = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, layout)
+            for ks in range(KSTEPS):
+                kk = ks * BLOCK_K + offs_k
+                xk = gl.load(x_ptr + kk).to(gl.float32)
+                s = g % STAGES
+                mbarrier.wait(bars.index(s), (g // STAGES) & 1)
+                w = ring.index(s).load(layout).to(gl.float32)
+                acc += w * gl.expand_dims(xk * gl.load(scale_ptr + srow + kk // 128), 0)
+                if GATE_UP:
+                    uw = ring_u.index(s).load(layout).to(gl.float32)
+                    acc_u += uw * gl.expand_dims(xk * gl.load(scale_ptr + srow_u + kk // 128), 0)
+                gl.thread_barrier()  # every warp has read slot s before the copy that refills it
+                _issue_at(w_desc, ring, ring_u, bars, g + STAGES, step + STAGES, total, pid, P, N, KSTEPS,
+                          BLOCK_N, BLOCK_K, STAGES, GATE_UP)
+                g += 1
+                step += 1
+            out = gl.sum(acc, axis=1)
+            if GATE_UP:
+                up = gl.sum(acc_u, axis=1)
+                out = out / (1.0 + gl.exp(-out)) * up
+            gl.store(y_ptr + t * BLOCK_N + offs_n, out.to(y_ptr.dtype.element_ty))
+        return g
+
+    @gluon.jit
+    def ring_chain_kernel(x_ptr, dq, sq, rq, yq, do, so, ro, yo, dg, sg, rg, yg, dd, sd, rd, yd, bar,
+                          HIDDEN: gl.constexpr, INTER: gl.constexpr, QKV: gl.constexpr, BLOCK_N: gl.constexpr,
+                          BLOCK_K: gl.constexpr, STAGES: gl.constexpr, VEC: gl.constexpr, TPW_N: gl.constexpr):
+        pid = gl.program_id(0)
+        P = gl.num_programs(0)
+        ring = gl.allocate_shared_memory(dq.dtype, [STAGES, BLOCK_N, BLOCK_K], dq.layout)
+        ring_u = gl.allocate_shared_memory(dq.dtype, [STAGES, BLOCK_N, BLOCK_K], dq.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for j in gl.static_range(STAGES):
+            mbarrier.init(bars.index(j), count=1)
+        g = 0
+        _prologue(dq, ring, ring_u, bars, g, pid, P, QKV, HIDDEN, BLOCK_N, BLOCK_K, STAGES, False)
+        g = _ring_phase(dq, sq, rq, x_ptr, yq, ring, ring_u, bars, g, pid, P, QKV, HIDDEN, BLOCK_N, BLOCK_K,
+                        STAGES, False, VEC, TPW_N)
+        _prologue(do, ring, ring_u, bars, g, pid, P, HIDDEN, HIDDEN, BLOCK_N, BLOCK_K, STAGES, False)
+        _grid_sync(bar, P)
+        g = _ring_phase(do, so, ro, yq, yo, ring, ring_u, bars, g, pid, P, HIDDEN, HIDDEN, BLOCK_N, BLOCK_K,
+                        STAGES, False, VEC, TPW_N)
+        _prologue(dg, ring, ring_u, bars, g, pid, P, INTER, HIDDEN, BLOCK_N, BLOCK_K, STAGES, True)
+        _grid_sync(bar, P)
+        g = _ring_phase(dg, sg, rg, yo, yg, ring, ring_u, bars, g, pid, P, INTER, HIDDEN, BLOCK_N, BLOCK_K,
+                        STAGES, True, VEC, TPW_N)
+        _prologue(dd, ring, ring_u, bars, g, pid, P, HIDDEN, INTER, BLOCK_N, BLOCK_K, STAGES, False)
+        _grid_sync(bar, P)
+        g = _ring_phase(dd, sd, rd, yg, yd, ring, ring_u, bars, g, pid, P, HIDDEN, INTER, BLOCK_N, BLOCK_K,
+                        STAGES, False, VEC, TPW_N)
+        for j in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(j))
+
 
 def ring_layout_params(block_n: int, block_k: int, warps: int) -> tuple[int, int]:
     """(values a thread reads at once along K, threads of a warp along N) for a [block_n,
@@ -250,6 +366,33 @@ def ring_chain(layers, x0, tiling, pdl: bool):
     return run, bufs[0]
 
 
+def persistent_ring_chain(layers, x0, tiling):
+    """The chain as one cooperative ring kernel a layer; returns (run, layer 0's outputs), the
+    outputs NaN-poisoned first (a phase that read before its barrier would show)."""
+    bn, bk, stages, warps, per_sm = tiling
+    dev = x0.device
+    descs = [{k: ring_descriptor(lw[k], bn, bk) for k in KINDS} for lw in layers]
+    nan = float("nan")
+    bufs = [{k: torch.full((n,), nan, dtype=torch.bfloat16, device=dev)
+             for k, n in (("qkv", QKV), ("o", HIDDEN), ("gu", INTER), ("d", HIDDEN))} for _ in layers]
+    bar = torch.zeros(1, dtype=torch.int64, device=dev)
+    vec, tpw_n = ring_layout_params(bn, bk, warps)
+    programs = _sms(dev) * per_sm
+
+    def run():
+        x = x0.view(-1)
+        for lw, d, b in zip(layers, descs, bufs):
+            args = [x]
+            for k in KINDS:
+                args += [d[k], lw[k].scale, lw[k].scale_row, b[k]]
+            ring_chain_kernel[(programs,)](*args, bar, HIDDEN=HIDDEN, INTER=INTER, QKV=QKV, BLOCK_N=bn,
+                                           BLOCK_K=bk, STAGES=stages, VEC=vec, TPW_N=tpw_n, num_warps=warps,
+                                           launch_cooperative_grid=True)
+            x = b["d"]
+        return x
+    return run, bufs[0]
+
+
 def one_kind(layers, kind, x_by_kind, tiling, pdl, engine, ws):
     """Only one linear of each layer (the same input each time): its time alone."""
     from kernels.fp8_linear import fp8_gate_up_silu, fp8_linear
@@ -279,6 +422,8 @@ def main(argv=None) -> int:
     p.add_argument("--tilings", default="32x256x4x4x3,16x256x4x4x4,32x256x3x4x4,32x128x6x4x3,32x256x4x8x2,"
                    "64x256x3x4x3,32x256x6x4x2,16x256x6x4x3",
                    help="BLOCK_N x BLOCK_K x STAGES x warps x programs an SM of the ring kernel")
+    p.add_argument("--persistent", default="",
+                   help="tilings (as --tilings) of the whole chain as one persistent ring kernel a layer")
     p.add_argument("--no-pdl", action="store_true")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -333,12 +478,26 @@ def main(argv=None) -> int:
             continue
         rows.append((label, us, err, alone))
         say(f"{label}: {us:.1f} us a layer, alone {alone}, err {err:.1e}")
+    for spec in filter(None, args.persistent.split(",")):
+        tiling = tuple(int(v) for v in spec.split("x"))
+        label = "persistent ring bn{} bk{} stages{} w{} {}/SM".format(*tiling)
+        try:
+            run, out0 = persistent_ring_chain(layers, x0, tiling)
+            run()
+            torch.cuda.synchronize()
+            err = max(phase_errors(out0, ref0).values())
+            us = graph_replay_ms([run], 10) * 1e3 / args.layers
+        except Exception as e:  # noqa: BLE001 - a tiling that fails is reported, the rest run
+            say(f"{label}: failed {type(e).__name__}: {str(e)[:300]}")
+            continue
+        rows.append((label, us, err, None))
+        say(f"{label}: {us:.1f} us a layer, err {err:.1e}")
     say("")
     say(f"| one-row FP8 chain ({args.layers} layers, pdl {pdl is not None}) | us a layer | x floor ({floor_us:.1f}) "
         "| qkv / o / gate-up / down alone, us (GB/s) | layer 0 vs fp32, max rel err |")
     say("|---|---|---|---|---|")
     for label, us, err, alone in rows:
-        parts = " / ".join(f"{alone[k]:.1f} ({kind_bytes[k] / alone[k] / 1e3:.0f})" for k in KINDS)
+        parts = " / ".join(f"{alone[k]:.1f} ({kind_bytes[k] / alone[k] / 1e3:.0f})" for k in KINDS) if alone else "-"
         say(f"| {label} | {us:.1f} | {us / floor_us:.2f} | {parts} | {err:.1e} |")
     return 0
 
