@@ -18,6 +18,7 @@ the small-batch GEMV's W8A16, y[n] = sum_k w[n, k] * scale[row(n), k // 128] * x
 gate/up: silu(gate) * up, the up rows N below the gate rows; a row tile shares one scale row.
 
     python3 -m loadtest.bench.fp8_ring_gemv_probe [--layers 8] [--tilings 32x256x4x8x2,...] [--no-pdl]
+        [--persistent 8x256x4x2x6,16x256x4x4x3]   (the chain as one cooperative ring kernel a layer)
 """
 from __future__ import annotations
 
