@@ -442,7 +442,7 @@ def main(argv=None) -> int:
     layers = random_layers(args.layers, dev)
     layer_bytes = QKV * HIDDEN + HIDDEN * HIDDEN + 2 * INTER * HIDDEN + HIDDEN * INTER
     x0 = torch.randn(1, HIDDEN, device=dev).to(torch.bfloat16)
-    copy_bw = _copy_bandwidth(dev, graph_replay_ms)
+    copy_bw = _copy_bandwidth(dev)
     floor_us = layer_bytes / copy_bw * 1e6
     say(f"copy {copy_bw / 1e9:.0f} GB/s; a layer's FP8 weights {layer_bytes / 1e6:.1f} MB -> floor {floor_us:.1f} us")
     pdl = None if args.no_pdl else (Pdl() if pdl_supported(dev) else None)

@@ -287,12 +287,10 @@ def phase_errors(bufs, ref) -> dict:
             for k in ("qkv", "o", "gu", "d")}
 
 
-def _copy_bandwidth(dev, graph_replay_ms) -> float:
-    """Bytes/s of a 1 GiB device copy, read + write counted (the benches' copy speed)."""
-    src = torch.randn(1 << 29, device=dev, dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    ms = graph_replay_ms([lambda: dst.copy_(src)] * 4, 10) / 4
-    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
+def _copy_bandwidth(dev) -> float:
+    """Bytes/s of the benches' copy speed (loadtest/bench/shapes.py copy_gb_s: eager, read + write)."""
+    from .shapes import copy_gb_s
+    return copy_gb_s(dev) * 1e9
 
 
 def main(argv=None) -> int:
@@ -321,7 +319,7 @@ def main(argv=None) -> int:
     layer_bytes = QKV * HIDDEN + HIDDEN * HIDDEN + 2 * INTER * HIDDEN + HIDDEN * INTER
     x0 = torch.randn(1, HIDDEN, device=dev).to(torch.bfloat16)
 
-    copy_bw = _copy_bandwidth(dev, graph_replay_ms)
+    copy_bw = _copy_bandwidth(dev)
     floor_us = layer_bytes / copy_bw * 1e6
     say(f"copy {copy_bw / 1e9:.0f} GB/s; a layer's FP8 weights {layer_bytes / 1e6:.1f} MB -> floor {floor_us:.1f} us")
 
