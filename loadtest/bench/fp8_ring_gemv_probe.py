@@ -172,38 +172,43 @@ if gluon is not None:
 
     @gluon.jit
     def _issue_at(w_desc, ring, ring_u, bars, g, step, total, pid, P, N, KSTEPS: gl.constexpr,
-                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GATE_UP: gl.constexpr):
-        """The copy of the phase's step `step` (if < total) into the slot of global step g: g
-        counts consumed steps over all phases, so every slot's barrier completes in order."""
+                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, SUB: gl.constexpr, STAGES: gl.constexpr,
+                  GATE_UP: gl.constexpr):
+        """The copies of the phase's step `step` (if < total; SUB boxes along K) into the slot of
+        global step g: g counts consumed steps over all phases, so every slot's barrier completes
+        in order."""
         s = g % STAGES
         t = pid + (step // KSTEPS) * P
-        k0 = (step % KSTEPS) * BLOCK_K
+        k0 = (step % KSTEPS) * BLOCK_K * SUB
         pred = step < total
         bar = bars.index(s)
         if GATE_UP:
-            mbarrier.expect(bar, 2 * BLOCK_N * BLOCK_K, pred=pred)
-            tma.async_copy_global_to_shared(w_desc, [t * BLOCK_N, k0], bar, ring.index(s), pred=pred)
-            tma.async_copy_global_to_shared(w_desc, [t * BLOCK_N + N, k0], bar, ring_u.index(s), pred=pred)
+            mbarrier.expect(bar, 2 * SUB * BLOCK_N * BLOCK_K, pred=pred)
         else:
-            mbarrier.expect(bar, BLOCK_N * BLOCK_K, pred=pred)
-            tma.async_copy_global_to_shared(w_desc, [t * BLOCK_N, k0], bar, ring.index(s), pred=pred)
+            mbarrier.expect(bar, SUB * BLOCK_N * BLOCK_K, pred=pred)
+        for j in gl.static_range(SUB):
+            tma.async_copy_global_to_shared(w_desc, [t * BLOCK_N, k0 + j * BLOCK_K], bar, ring.index(s * SUB + j),
+                                            pred=pred)
+            if GATE_UP:
+                tma.async_copy_global_to_shared(w_desc, [t * BLOCK_N + N, k0 + j * BLOCK_K], bar,
+                                                ring_u.index(s * SUB + j), pred=pred)
 
     @gluon.jit
     def _prologue(w_desc, ring, ring_u, bars, g, pid, P, N, K: gl.constexpr, BLOCK_N: gl.constexpr,
-                  BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GATE_UP: gl.constexpr):
-        KSTEPS: gl.constexpr = K // BLOCK_K
+                  BLOCK_K: gl.constexpr, SUB: gl.constexpr, STAGES: gl.constexpr, GATE_UP: gl.constexpr):
+        KSTEPS: gl.constexpr = K // (BLOCK_K * SUB)
         total = (N // BLOCK_N - pid + P - 1) // P * KSTEPS
         for j in gl.static_range(STAGES):
-            _issue_at(w_desc, ring, ring_u, bars, g + j, j, total, pid, P, N, KSTEPS, BLOCK_N, BLOCK_K, STAGES,
-                      GATE_UP)
+            _issue_at(w_desc, ring, ring_u, bars, g + j, j, total, pid, P, N, KSTEPS, BLOCK_N, BLOCK_K, SUB,
+                      STAGES, GATE_UP)
 
     @gluon.jit
     def _ring_phase(w_desc, scale_ptr, scale_row_ptr, x_ptr, y_ptr, ring, ring_u, bars, g, pid, P, N,
-                    K: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                    GATE_UP: gl.constexpr, VEC: gl.constexpr, TPW_N: gl.constexpr):
+                    K: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, SUB: gl.constexpr,
+                    STAGES: gl.constexpr, GATE_UP: gl.constexpr, VEC: gl.constexpr, TPW_N: gl.constexpr):
         """One linear over the program's row tiles (whole K each), its prologue already issued;
         returns the global step count after it."""
-        KSTEPS: gl.constexpr = K // BLOCK_K
+        KSTEPS: gl.constexpr = K // (BLOCK_K * SUB)
         KB: gl.constexpr = K // 128
         NW: gl.constexpr = gl.num_warps()
         my_tiles = (N // BLOCK_N - pid + P - 1) // P
@@ -221,18 +226,19 @@ if gluon is not None:
             acc = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, layout)
             acc_u = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, layout)
             for ks in range(KSTEPS):
-                kk = ks * BLOCK_K + offs_k
-                xk = gl.load(x_ptr + kk).to(gl.float32)
                 s = g % STAGES
                 mbarrier.wait(bars.index(s), (g // STAGES) & 1)
-                w = ring.index(s).load(layout).to(gl.float32)
-                acc += w * gl.expand_dims(xk * gl.load(scale_ptr + srow + kk // 128), 0)
-                if GATE_UP:
-                    uw = ring_u.index(s).load(layout).to(gl.float32)
-                    acc_u += uw * gl.expand_dims(xk * gl.load(scale_ptr + srow_u + kk // 128), 0)
+                for j in gl.static_range(SUB):
+                    kk = (ks * SUB + j) * BLOCK_K + offs_k
+                    xk = gl.load(x_ptr + kk).to(gl.float32)
+                    w = ring.index(s * SUB + j).load(layout).to(gl.float32)
+                    acc += w * gl.expand_dims(xk * gl.load(scale_ptr + srow + kk // 128), 0)
+                    if GATE_UP:
+                        uw = ring_u.index(s * SUB + j).load(layout).to(gl.float32)
+                        acc_u += uw * gl.expand_dims(xk * gl.load(scale_ptr + srow_u + kk // 128), 0)
                 gl.thread_barrier()  # every warp has read slot s before the copy that refills it
                 _issue_at(w_desc, ring, ring_u, bars, g + STAGES, step + STAGES, total, pid, P, N, KSTEPS,
-                          BLOCK_N, BLOCK_K, STAGES, GATE_UP)
+                          BLOCK_N, BLOCK_K, SUB, STAGES, GATE_UP)
                 g += 1
                 step += 1
             out = gl.sum(acc, axis=1)
@@ -245,29 +251,30 @@ if gluon is not None:
     @gluon.jit
     def ring_chain_kernel(x_ptr, dq, sq, rq, yq, do, so, ro, yo, dg, sg, rg, yg, dd, sd, rd, yd, bar,
                           HIDDEN: gl.constexpr, INTER: gl.constexpr, QKV: gl.constexpr, BLOCK_N: gl.constexpr,
-                          BLOCK_K: gl.constexpr, STAGES: gl.constexpr, VEC: gl.constexpr, TPW_N: gl.constexpr):
+                          BLOCK_K: gl.constexpr, SUB: gl.constexpr, STAGES: gl.constexpr, VEC: gl.constexpr,
+                          TPW_N: gl.constexpr):
         pid = gl.program_id(0)
         P = gl.num_programs(0)
-        ring = gl.allocate_shared_memory(dq.dtype, [STAGES, BLOCK_N, BLOCK_K], dq.layout)
-        ring_u = gl.allocate_shared_memory(dq.dtype, [STAGES, BLOCK_N, BLOCK_K], dq.layout)
+        ring = gl.allocate_shared_memory(dq.dtype, [STAGES * SUB, BLOCK_N, BLOCK_K], dq.layout)
+        ring_u = gl.allocate_shared_memory(dq.dtype, [STAGES * SUB, BLOCK_N, BLOCK_K], dq.layout)
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for j in gl.static_range(STAGES):
             mbarrier.init(bars.index(j), count=1)
         g = 0
-        _prologue(dq, ring, ring_u, bars, g, pid, P, QKV, HIDDEN, BLOCK_N, BLOCK_K, STAGES, False)
-        g = _ring_phase(dq, sq, rq, x_ptr, yq, ring, ring_u, bars, g, pid, P, QKV, HIDDEN, BLOCK_N, BLOCK_K,
+        _prologue(dq, ring, ring_u, bars, g, pid, P, QKV, HIDDEN, BLOCK_N, BLOCK_K, SUB, STAGES, False)
+        g = _ring_phase(dq, sq, rq, x_ptr, yq, ring, ring_u, bars, g, pid, P, QKV, HIDDEN, BLOCK_N, BLOCK_K, SUB,
                         STAGES, False, VEC, TPW_N)
-        _prologue(do, ring, ring_u, bars, g, pid, P, HIDDEN, HIDDEN, BLOCK_N, BLOCK_K, STAGES, False)
+        _prologue(do, ring, ring_u, bars, g, pid, P, HIDDEN, HIDDEN, BLOCK_N, BLOCK_K, SUB, STAGES, False)
         _grid_sync(bar, P)
-        g = _ring_phase(do, so, ro, yq, yo, ring, ring_u, bars, g, pid, P, HIDDEN, HIDDEN, BLOCK_N, BLOCK_K,
+        g = _ring_phase(do, so, ro, yq, yo, ring, ring_u, bars, g, pid, P, HIDDEN, HIDDEN, BLOCK_N, BLOCK_K, SUB,
                         STAGES, False, VEC, TPW_N)
-        _prologue(dg, ring, ring_u, bars, g, pid, P, INTER, HIDDEN, BLOCK_N, BLOCK_K, STAGES, True)
+        _prologue(dg, ring, ring_u, bars, g, pid, P, INTER, HIDDEN, BLOCK_N, BLOCK_K, SUB, STAGES, True)
         _grid_sync(bar, P)
-        g = _ring_phase(dg, sg, rg, yo, yg, ring, ring_u, bars, g, pid, P, INTER, HIDDEN, BLOCK_N, BLOCK_K,
+        g = _ring_phase(dg, sg, rg, yo, yg, ring, ring_u, bars, g, pid, P, INTER, HIDDEN, BLOCK_N, BLOCK_K, SUB,
                         STAGES, True, VEC, TPW_N)
-        _prologue(dd, ring, ring_u, bars, g, pid, P, HIDDEN, INTER, BLOCK_N, BLOCK_K, STAGES, False)
+        _prologue(dd, ring, ring_u, bars, g, pid, P, HIDDEN, INTER, BLOCK_N, BLOCK_K, SUB, STAGES, False)
         _grid_sync(bar, P)
-        g = _ring_phase(dd, sd, rd, yg, yd, ring, ring_u, bars, g, pid, P, HIDDEN, INTER, BLOCK_N, BLOCK_K,
+        g = _ring_phase(dd, sd, rd, yg, yd, ring, ring_u, bars, g, pid, P, HIDDEN, INTER, BLOCK_N, BLOCK_K, SUB,
                         STAGES, False, VEC, TPW_N)
         for j in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(j))
@@ -370,7 +377,7 @@ def ring_chain(layers, x0, tiling, pdl: bool):
 def persistent_ring_chain(layers, x0, tiling):
     """The chain as one cooperative ring kernel a layer; returns (run, layer 0's outputs), the
     outputs NaN-poisoned first (a phase that read before its barrier would show)."""
-    bn, bk, stages, warps, per_sm = tiling
+    bn, bk, stages, warps, per_sm, sub = (*tiling, 1)[:6]
     dev = x0.device
     descs = [{k: ring_descriptor(lw[k], bn, bk) for k in KINDS} for lw in layers]
     nan = float("nan")
@@ -387,8 +394,8 @@ def persistent_ring_chain(layers, x0, tiling):
             for k in KINDS:
                 args += [d[k], lw[k].scale, lw[k].scale_row, b[k]]
             ring_chain_kernel[(programs,)](*args, bar, HIDDEN=HIDDEN, INTER=INTER, QKV=QKV, BLOCK_N=bn,
-                                           BLOCK_K=bk, STAGES=stages, VEC=vec, TPW_N=tpw_n, num_warps=warps,
-                                           launch_cooperative_grid=True)
+                                           BLOCK_K=bk, SUB=sub, STAGES=stages, VEC=vec, TPW_N=tpw_n,
+                                           num_warps=warps, launch_cooperative_grid=True)
             x = b["d"]
         return x
     return run, bufs[0]
@@ -424,7 +431,8 @@ def main(argv=None) -> int:
                    "64x256x3x4x3,32x256x6x4x2,16x256x6x4x3",
                    help="BLOCK_N x BLOCK_K x STAGES x warps x programs an SM of the ring kernel")
     p.add_argument("--persistent", default="",
-                   help="tilings (as --tilings) of the whole chain as one persistent ring kernel a layer")
+                   help="tilings (as --tilings, and optionally x boxes along K a step) of the whole chain as "
+                   "one persistent ring kernel a layer")
     p.add_argument("--no-pdl", action="store_true")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -481,7 +489,7 @@ def main(argv=None) -> int:
         say(f"{label}: {us:.1f} us a layer, alone {alone}, err {err:.1e}")
     for spec in filter(None, args.persistent.split(",")):
         tiling = tuple(int(v) for v in spec.split("x"))
-        label = "persistent ring bn{} bk{} stages{} w{} {}/SM".format(*tiling)
+        label = "persistent ring bn{} bk{} stages{} w{} {}/SM x{} boxes a step".format(*(*tiling, 1)[:6])
         try:
             run, out0 = persistent_ring_chain(layers, x0, tiling)
             run()
