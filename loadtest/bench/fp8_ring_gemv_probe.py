@@ -32,6 +32,7 @@ from .persistent_chain_probe import (
     HIDDEN,
     INTER,
     QKV,
+    _dims,
     phase_errors,
     random_layers,
     reference_layer,
@@ -42,6 +43,9 @@ try:  # Gluon ships with Triton >= 3.5; without it (or without Hopper) nothing h
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    # renamed after Triton 3.6 (async_copy_global_to_shared -> async_load, thread_barrier -> barrier)
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 except ImportError:  # pragma: no cover - exercised only on an old Triton
     gluon = None
 
@@ -67,11 +71,11 @@ if gluon is not None:
         bar = bars.index(s)
         if GATE_UP:
             mbarrier.expect(bar, 2 * BLOCK_N * BLOCK_K, pred=pred)
-            tma.async_copy_global_to_shared(w_desc, [t * BLOCK_N, k0], bar, ring.index(s), pred=pred)
-            tma.async_copy_global_to_shared(w_desc, [t * BLOCK_N + N, k0], bar, ring_u.index(s), pred=pred)
+            _tma_load(w_desc, [t * BLOCK_N, k0], bar, ring.index(s), pred=pred)
+            _tma_load(w_desc, [t * BLOCK_N + N, k0], bar, ring_u.index(s), pred=pred)
         else:
             mbarrier.expect(bar, BLOCK_N * BLOCK_K, pred=pred)
-            tma.async_copy_global_to_shared(w_desc, [t * BLOCK_N, k0], bar, ring.index(s), pred=pred)
+            _tma_load(w_desc, [t * BLOCK_N, k0], bar, ring.index(s), pred=pred)
 
     @gluon.jit
     def fp8_ring_gemv_kernel(w_desc, scale_ptr, scale_row_ptr, x_ptr, y_ptr, part_ptr, count_ptr, N,
@@ -127,7 +131,7 @@ if gluon is not None:
                     xu = xk * gl.load(scale_ptr + srow_u + kk // 128)
                     uw = ring_u.index(s).load(layout).to(gl.float32)
                     acc_u += uw * gl.expand_dims(xu, 0)
-                gl.thread_barrier()  # every warp has read slot s before the copy that refills it
+                _cta_barrier()  # every warp has read slot s before the copy that refills it
                 _issue(w_desc, ring, ring_u, bars, i + STAGES, total, pid, P, N, STEPS, SPLIT, BLOCK_N, BLOCK_K,
                        STAGES, GATE_UP)
                 i += 1
@@ -140,7 +144,7 @@ if gluon is not None:
                 gl.atomic_add(part_ptr + rows, out, sem="relaxed")
                 if GATE_UP:
                     gl.atomic_add(part_ptr + N + rows, up, sem="relaxed")
-                gl.thread_barrier()
+                _cta_barrier()
                 seen = gl.atomic_add(count_ptr + t, 1, sem="acq_rel")
                 if seen == SPLIT - 1:
                     out = gl.atomic_xchg(part_ptr + rows, gl.zeros_like(out))
@@ -162,13 +166,13 @@ if gluon is not None:
     def _grid_sync(bar, P):
         """Every program arrives before any leaves (the counter only grows: a program's target is
         the next multiple of P above its arrival)."""
-        gl.thread_barrier()
+        _cta_barrier()
         old = gl.atomic_add(bar, 1, sem="acq_rel", scope="gpu")
         target = (old // P + 1) * P
         seen = old + 1
         while seen < target:
             seen = gl.atomic_add(bar, 0, sem="acquire", scope="gpu")
-        gl.thread_barrier()
+        _cta_barrier()
 
     @gluon.jit
     def _issue_at(w_desc, ring, ring_u, bars, g, step, total, pid, P, N, KSTEPS: gl.constexpr,
@@ -187,10 +191,10 @@ if gluon is not None:
         else:
             mbarrier.expect(bar, SUB * BLOCK_N * BLOCK_K, pred=pred)
         for j in gl.static_range(SUB):
-            tma.async_copy_global_to_shared(w_desc, [t * BLOCK_N, k0 + j * BLOCK_K], bar, ring.index(s * SUB + j),
+            _tma_load(w_desc, [t * BLOCK_N, k0 + j * BLOCK_K], bar, ring.index(s * SUB + j),
                                             pred=pred)
             if GATE_UP:
-                tma.async_copy_global_to_shared(w_desc, [t * BLOCK_N + N, k0 + j * BLOCK_K], bar,
+                _tma_load(w_desc, [t * BLOCK_N + N, k0 + j * BLOCK_K], bar,
                                                 ring_u.index(s * SUB + j), pred=pred)
 
     @gluon.jit
@@ -236,7 +240,7 @@ if gluon is not None:
                     if GATE_UP:
                         uw = ring_u.index(s * SUB + j).load(layout).to(gl.float32)
                         acc_u += uw * gl.expand_dims(xk * gl.load(scale_ptr + srow_u + kk // 128), 0)
-                gl.thread_barrier()  # every warp has read slot s before the copy that refills it
+                _cta_barrier()  # every warp has read slot s before the copy that refills it
                 _issue_at(w_desc, ring, ring_u, bars, g + STAGES, step + STAGES, total, pid, P, N, KSTEPS,
                           BLOCK_N, BLOCK_K, SUB, STAGES, GATE_UP)
                 g += 1
@@ -379,10 +383,11 @@ def persistent_ring_chain(layers, x0, tiling):
     outputs NaN-poisoned first (a phase that read before its barrier would show)."""
     bn, bk, stages, warps, per_sm, sub = (*tiling, 1)[:6]
     dev = x0.device
+    qkv, hidden, inter = _dims(layers[0])
     descs = [{k: ring_descriptor(lw[k], bn, bk) for k in KINDS} for lw in layers]
     nan = float("nan")
     bufs = [{k: torch.full((n,), nan, dtype=torch.bfloat16, device=dev)
-             for k, n in (("qkv", QKV), ("o", HIDDEN), ("gu", INTER), ("d", HIDDEN))} for _ in layers]
+             for k, n in (("qkv", qkv), ("o", hidden), ("gu", inter), ("d", hidden))} for _ in layers]
     bar = torch.zeros(1, dtype=torch.int64, device=dev)
     vec, tpw_n = ring_layout_params(bn, bk, warps)
     programs = _sms(dev) * per_sm
@@ -393,7 +398,7 @@ def persistent_ring_chain(layers, x0, tiling):
             args = [x]
             for k in KINDS:
                 args += [d[k], lw[k].scale, lw[k].scale_row, b[k]]
-            ring_chain_kernel[(programs,)](*args, bar, HIDDEN=HIDDEN, INTER=INTER, QKV=QKV, BLOCK_N=bn,
+            ring_chain_kernel[(programs,)](*args, bar, HIDDEN=hidden, INTER=inter, QKV=qkv, BLOCK_N=bn,
                                            BLOCK_K=bk, SUB=sub, STAGES=stages, VEC=vec, TPW_N=tpw_n,
                                            num_warps=warps, launch_cooperative_grid=True)
             x = b["d"]
