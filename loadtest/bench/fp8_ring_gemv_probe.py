@@ -34,7 +34,6 @@ from .persistent_chain_probe import (
     QKV,
     _dims,
     phase_errors,
-    random_layers,
     reference_layer,
 )
 
@@ -446,18 +445,12 @@ def main(argv=None) -> int:
     from kernels.fp8_linear import fp8_gate_up_silu, fp8_linear
     from kernels.pdl import Pdl, pdl_supported
     from kernels.small_batch_linear import SmallBatchWorkspace
-    from loadtest.bench.persistent_chain_probe import _copy_bandwidth, separate_chain
+    from loadtest.bench.persistent_chain_probe import ChainSetup, separate_chain
     from loadtest.bench.small_batch_linear import graph_replay_ms
 
-    dev = torch.device("cuda")
     say = lambda s: print(s, flush=True)
-    say(f"# {torch.cuda.get_device_name(dev)}, {args.layers} layers")
-    layers = random_layers(args.layers, dev)
-    layer_bytes = QKV * HIDDEN + HIDDEN * HIDDEN + 2 * INTER * HIDDEN + HIDDEN * INTER
-    x0 = torch.randn(1, HIDDEN, device=dev).to(torch.bfloat16)
-    copy_bw = _copy_bandwidth(dev)
-    floor_us = layer_bytes / copy_bw * 1e6
-    say(f"copy {copy_bw / 1e9:.0f} GB/s; a layer's FP8 weights {layer_bytes / 1e6:.1f} MB -> floor {floor_us:.1f} us")
+    setup = ChainSetup.create(args.layers, say)
+    dev, layers, x0, floor_us = setup.dev, setup.layers, setup.x0, setup.floor_us
     pdl = None if args.no_pdl else (Pdl() if pdl_supported(dev) else None)
     ws = SmallBatchWorkspace.create(dev)
     ref0 = reference_layer(x0.view(-1), layers[0])

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -287,10 +288,31 @@ def phase_errors(bufs, ref) -> dict:
             for k in ("qkv", "o", "gu", "d")}
 
 
-def _copy_bandwidth(dev) -> float:
-    """Bytes/s of the benches' copy speed (loadtest/bench/shapes.py copy_gb_s: eager, read + write)."""
-    from .shapes import copy_gb_s
-    return copy_gb_s(dev) * 1e9
+@dataclass
+class ChainSetup:
+    """What both chain probes start from: distinct random layers on the GPU, a bf16 row, and
+    the layer's floor at the benches' copy speed (loadtest/bench/shapes.py copy_gb_s: eager,
+    read + write)."""
+    dev: torch.device
+    layers: list
+    x0: torch.Tensor
+    layer_bytes: int
+    floor_us: float
+
+    @classmethod
+    def create(cls, count: int, say) -> ChainSetup:
+        from .shapes import copy_gb_s
+
+        dev = torch.device("cuda")
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        say(f"# {torch.cuda.get_device_name(dev)}, {sms} SMs, {count} layers")
+        layers = random_layers(count, dev)
+        layer_bytes = QKV * HIDDEN + HIDDEN * HIDDEN + 2 * INTER * HIDDEN + HIDDEN * INTER
+        x0 = torch.randn(1, HIDDEN, device=dev).to(torch.bfloat16)
+        copy = copy_gb_s(dev) * 1e9
+        floor_us = layer_bytes / copy * 1e6
+        say(f"copy {copy / 1e9:.0f} GB/s; a layer's FP8 weights {layer_bytes / 1e6:.1f} MB -> floor {floor_us:.1f} us")
+        return cls(dev, layers, x0, layer_bytes, floor_us)
 
 
 def main(argv=None) -> int:
@@ -311,17 +333,10 @@ def main(argv=None) -> int:
     from kernels.small_batch_linear import SmallBatchWorkspace
     from loadtest.bench.small_batch_linear import graph_replay_ms
 
-    dev = torch.device("cuda")
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
     say = lambda s: print(s, flush=True)
-    say(f"# {torch.cuda.get_device_name(dev)}, {sms} SMs, {args.layers} layers")
-    layers = random_layers(args.layers, dev)
-    layer_bytes = QKV * HIDDEN + HIDDEN * HIDDEN + 2 * INTER * HIDDEN + HIDDEN * INTER
-    x0 = torch.randn(1, HIDDEN, device=dev).to(torch.bfloat16)
-
-    copy_bw = _copy_bandwidth(dev)
-    floor_us = layer_bytes / copy_bw * 1e6
-    say(f"copy {copy_bw / 1e9:.0f} GB/s; a layer's FP8 weights {layer_bytes / 1e6:.1f} MB -> floor {floor_us:.1f} us")
+    setup = ChainSetup.create(args.layers, say)
+    dev, layers, x0, floor_us = setup.dev, setup.layers, setup.x0, setup.floor_us
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
 
     rows = []
     pdl = Pdl() if pdl_supported(dev) else None
