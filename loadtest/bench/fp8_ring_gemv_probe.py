@@ -16,6 +16,11 @@ is filled before the wait on the previous kernel, since weights never depend on 
 in fp32 partial sums (the last chunk to arrive finishes the tile and zeroes the partials). Math:
 the small-batch GEMV's W8A16, y[n] = sum_k w[n, k] * scale[row(n), k // 128] * x[k] in fp32;
 gate/up: silu(gate) * up, the up rows N below the gate rows; a row tile shares one scale row.
+`--persistent` runs the chain as one cooperative kernel a layer instead: the four linears are
+phases behind grid barriers, each phase's first ring slots filled before the barrier before it, and
+a step may span several TMA boxes along K (fewer waits and barriers for the same bytes). The two
+kernels keep their own loops (split K in one, boxes a step in the other): they are what was
+measured (kernels/NOTES.md, "A shared-memory ring for the one-row FP8 linears").
 
     python3 -m loadtest.bench.fp8_ring_gemv_probe [--layers 8] [--tilings 32x256x4x8x2,...] [--no-pdl]
         [--persistent 8x256x4x2x6,16x256x4x4x3]   (the chain as one cooperative ring kernel a layer)
