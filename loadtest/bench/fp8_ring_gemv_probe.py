@@ -447,10 +447,13 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("needs CUDA", file=sys.stderr)
         return 2
-    from kernels.fp8_linear import fp8_gate_up_silu, fp8_linear
     from kernels.pdl import Pdl, pdl_supported
     from kernels.small_batch_linear import SmallBatchWorkspace
-    from loadtest.bench.persistent_chain_probe import ChainSetup, separate_chain
+    from loadtest.bench.persistent_chain_probe import (
+        ChainSetup,
+        separate_chain,
+        separate_layer,
+    )
     from loadtest.bench.small_batch_linear import graph_replay_ms
 
     say = lambda s: print(s, flush=True)
@@ -463,12 +466,7 @@ def main(argv=None) -> int:
     kind_bytes = {"qkv": QKV * HIDDEN, "o": HIDDEN * HIDDEN, "gu": 2 * INTER * HIDDEN, "d": HIDDEN * INTER}
 
     rows = []
-    sep = {}
-    sep["qkv"] = fp8_linear(x0, layers[0]["qkv"], workspace=ws, pdl=pdl).view(-1)
-    sep["o"] = fp8_linear(sep["qkv"][:HIDDEN].view(1, -1), layers[0]["o"], workspace=ws, pdl=pdl).view(-1)
-    sep["gu"] = fp8_gate_up_silu(sep["o"].view(1, -1), layers[0]["gu"], workspace=ws, pdl=pdl).view(-1)
-    sep["d"] = fp8_linear(sep["gu"].view(1, -1), layers[0]["d"], workspace=ws, pdl=pdl).view(-1)
-    err = max(phase_errors(sep, ref0).values())
+    err = max(phase_errors(separate_layer(layers[0], x0, pdl, ws), ref0).values())
     us = graph_replay_ms([separate_chain(layers, x0, pdl, ws)], 10) * 1e3 / args.layers
     alone = {k: graph_replay_ms([one_kind(layers, k, x_by_kind, None, pdl, True, ws)], 10) * 1e3 / args.layers
              for k in KINDS}

@@ -213,6 +213,17 @@ def separate_chain(layers, x0, pdl, workspace):
     return run
 
 
+def separate_layer(lw, x0, pdl, workspace) -> dict:
+    """One layer's four outputs (flat) by the engine's kernels, as separate_chain runs them."""
+    from kernels.fp8_linear import fp8_gate_up_silu, fp8_linear
+
+    out = {"qkv": fp8_linear(x0, lw["qkv"], workspace=workspace, pdl=pdl).view(-1)}
+    out["o"] = fp8_linear(out["qkv"][:HIDDEN].view(1, -1), lw["o"], workspace=workspace, pdl=pdl).view(-1)
+    out["gu"] = fp8_gate_up_silu(out["o"].view(1, -1), lw["gu"], workspace=workspace, pdl=pdl).view(-1)
+    out["d"] = fp8_linear(out["gu"].view(1, -1), lw["d"], workspace=workspace, pdl=pdl).view(-1)
+    return out
+
+
 def persistent_chain(layers, x0, programs, depth, block_n=16, block_k=512, ahead=1, warps=4, coop=True,
                      stages=1):
     """The chain as one persistent kernel a layer; returns (run, the layers' output buffers).
@@ -328,7 +339,6 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("needs CUDA", file=sys.stderr)
         return 2
-    from kernels.fp8_linear import fp8_gate_up_silu, fp8_linear
     from kernels.pdl import Pdl, pdl_supported
     from kernels.small_batch_linear import SmallBatchWorkspace
     from loadtest.bench.small_batch_linear import graph_replay_ms
@@ -342,15 +352,7 @@ def main(argv=None) -> int:
     pdl = Pdl() if pdl_supported(dev) else None
     ws = SmallBatchWorkspace.create(dev)
     ref0 = reference_layer(x0.view(-1), layers[0])
-    sep_one = {}
-
-    def separate_layer0():
-        sep_one["qkv"] = fp8_linear(x0, layers[0]["qkv"], workspace=ws, pdl=pdl).view(-1)
-        sep_one["o"] = fp8_linear(sep_one["qkv"][:HIDDEN].view(1, -1), layers[0]["o"], workspace=ws, pdl=pdl)
-        sep_one["gu"] = fp8_gate_up_silu(sep_one["o"], layers[0]["gu"], workspace=ws, pdl=pdl)
-        sep_one["d"] = fp8_linear(sep_one["gu"], layers[0]["d"], workspace=ws, pdl=pdl)
-    separate_layer0()
-    err = max(phase_errors({k: v.view(-1) for k, v in sep_one.items()}, ref0).values())
+    err = max(phase_errors(separate_layer(layers[0], x0, pdl, ws), ref0).values())
     us = graph_replay_ms([separate_chain(layers, x0, pdl, ws)], 10) * 1e3 / args.layers
     rows.append(("separate (engine kernels, PDL)", us, err))
     say(f"separate: {us:.1f} us a layer, layer 0 max rel err {err:.1e}")
