@@ -31,6 +31,10 @@ class UpConfig:
              "--mem-fraction of a worker's own GPUs, or a share of a shared one)")
     threads: int | None = setting(flag="--threads", parse=parsers.optional_int,
                                   help="torch threads per worker (default: the machine's cores shared among workers)")
+    chat_template_processes: int | None = setting(
+        flag="--chat-template-processes", env="DUET_CHAT_TEMPLATE_PROCESSES", parse=parsers.optional_int,
+        help="the gateway's chat-template helper processes (default: half the machine's cores, 2 to 8; each "
+             "renders and tokenizes one request's whole conversation at a time)")
     log_dir: str | None = setting(flag="--log-dir", help="where each process writes its log (default: a new temp dir)")
     worker_args: list[str] = field(default_factory=list)  # after `--`, passed to every worker
     health_timeout_s: float = setting(300.0, flag="--health-timeout",

@@ -51,6 +51,14 @@ def _healthy(url: str, context=None) -> bool:
         return False
 
 
+def template_helpers(cores: int) -> int:
+    """The gateway's chat-template helpers on a machine of `cores`: every turn of a conversation is
+    rendered and tokenized whole, so a burst of follow-ups queues for them (48 turns of 6.3k tokens
+    at once on 16 cores: p50 197 ms before routing with 2 helpers, 70 ms with 8; loadtest/bench/
+    chat_render_wave.py). Half the cores, 2 to 8 (each helper holds a tokenizer, ~300 MB)."""
+    return max(2, min(8, cores // 2))
+
+
 class Stack:
     def __init__(self, cfg: UpConfig, log_dir: Path):
         self.cfg = cfg
@@ -107,9 +115,11 @@ class Stack:
             self.children.append(Child(name, argv, self.log_dir / f"{name}.log", kind="worker",
                                        env={**thread_env(threads), **place.env(), **secure_env}))
         gw_args, gw_env = gateway_security(cfg, self.secrets)
+        helpers = cfg.chat_template_processes or template_helpers(cores)
         self.children.append(Child("gateway", duet_command(
             "gateway", "--host", host, "--port", str(cfg.port), "--router-address", f"{host}:{self.router_port}",
-            "--model", model_dir, "--drain-grace", str(self.drain.gateway_grace_s), *common, *gw_args),
+            "--model", model_dir, "--drain-grace", str(self.drain.gateway_grace_s),
+            "--chat-template-processes", str(helpers), *common, *gw_args),
             self.log_dir / "gateway.log", kind="gateway", env={**thread_env(1), **gw_env, **secure_env}))
         self.threads = threads
 
