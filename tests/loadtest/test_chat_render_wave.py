@@ -13,7 +13,7 @@ def test_a_small_wave_renders_every_turn_for_each_helper_count(capsys):
     assert main(["--conversations", "4", "--system-words", "120", "--turns", "1", "--processes", "1,2",
                  "--waves", "1"]) == 0
     out = capsys.readouterr().out
-    rows = re.findall(r"^\| (\d+) \| (\d+) \| (\d+) \| (\d+) \|$", out, re.M)
+    rows = re.findall(r"^\| (\d+) \| (\d+) \| (\d+) \| (\d+) \|$", out, re.MULTILINE)
     assert [r[0] for r in rows] == ["1", "2"], out
     tokens = int(re.search(r"(\d+) prompt tokens each", out).group(1))
     direct = PromptBuilder.from_model_dir(resolve_model_dir(None, progress=False)).chat_prompt_ids(
