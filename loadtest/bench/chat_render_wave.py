@@ -8,6 +8,10 @@ turns at once through the real ChatRenderer and prints, for each helper count, t
 time and the per-turn latency (what a turn adds to its TTFT before routing).
 
     python -m loadtest.bench.chat_render_wave [--tokenizer DIR] [--conversations 48] [--processes 1,2,4,8]
+
+The conversations are the multi-turn bench's (loadtest/bench/multiturn_device.py, the same
+SyntheticShape), sent at their last turn. (The figures in the notes, 6331 tokens a turn, were
+made with word-sampled chats before this reuse: commit 12edd00.)
 """
 from __future__ import annotations
 
@@ -17,21 +21,24 @@ import os
 import random
 import time
 
-_TEXT = ("the of and to in is that for it as was with be by on not he this are or his from at which but have "
-         "an they you were her she there one all we their time people year way day thing man world life hand "
-         "part child eye woman place work week case point number group problem fact")
-WORDS = _TEXT.split()
+from loadtest.multiturn.synthetic_dialogs import SyntheticShape, synthetic_dialogs
+from loadtest.tokenizer_source import TokenCounter
+from loadtest.workloads.synthetic_text import SyntheticText
 
 
-def conversation(seed: int, system_words: int, turns: int) -> list[dict]:
-    """A system prompt of system_words words, then `turns` user/assistant exchanges and a new
-    user turn: the messages a client sends for its next turn."""
-    rng = random.Random(seed)
-    say = lambda n: " ".join(rng.choice(WORDS) for _ in range(n))
-    msgs = [{"role": "system", "content": say(system_words)}]
-    for _ in range(turns):
-        msgs += [{"role": "user", "content": say(60)}, {"role": "assistant", "content": say(48)}]
-    return msgs + [{"role": "user", "content": say(60)}]
+def conversations(tokenizer, shape: SyntheticShape, seed: int = 0) -> list[list[dict]]:
+    """The multi-turn bench's conversations (loadtest/multiturn/synthetic_dialogs.py: a system
+    prompt of system_len tokens, user turns of user_len) at their last turn: every earlier turn
+    answered with output_len tokens, the messages a client sends for that last turn."""
+    text = SyntheticText(TokenCounter(tokenizer), random.Random(seed))
+    out = []
+    for dialog in synthetic_dialogs(shape, text):
+        msgs = list(dialog.opening)
+        for turn in dialog.turns[:-1]:
+            msgs += [{"role": "user", "content": turn.user},
+                     {"role": "assistant", "content": text.text(turn.output_len)}]
+        out.append(msgs + [{"role": "user", "content": dialog.turns[-1].user}])
+    return out
 
 
 async def one_wave(renderer, convos) -> tuple[float, list[float], int]:
@@ -53,7 +60,7 @@ async def run(args) -> list[tuple]:
     from shared.model_files.default_model import resolve_model_dir
 
     builder = PromptBuilder.from_model_dir(args.tokenizer or resolve_model_dir(None, progress=False))
-    convos = [conversation(i, args.system_words, args.turns) for i in range(args.conversations)]
+    convos = conversations(builder.tokenizer, SyntheticShape(args.conversations, args.system_len, args.turns))
     rows = []
     for processes in (int(v) for v in args.processes.split(",")):
         renderer = ChatRenderer(builder, ChatTemplateConfig(processes=processes, timeout_s=120.0))
@@ -77,8 +84,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokenizer", default=None, help="a model folder with the tokenizer (default: the embedded model)")
     p.add_argument("--conversations", type=int, default=48)
-    p.add_argument("--system-words", type=int, default=5900)
-    p.add_argument("--turns", type=int, default=3, help="exchanges before the new user turn")
+    p.add_argument("--system-len", type=int, default=SyntheticShape.system_len, help="system prompt tokens")
+    p.add_argument("--turns", type=int, default=SyntheticShape.turns, help="the wave sends each conversation's last")
     p.add_argument("--processes", default="1,2,4,8")
     p.add_argument("--waves", type=int, default=3, help="waves a helper count (the fastest is kept)")
     args = p.parse_args(argv)
