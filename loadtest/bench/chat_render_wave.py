@@ -10,8 +10,9 @@ time and the per-turn latency (what a turn adds to its TTFT before routing).
     python -m loadtest.bench.chat_render_wave [--tokenizer DIR] [--conversations 48] [--processes 1,2,4,8]
 
 The conversations are the multi-turn load generator's synthetic ones (loadtest/multiturn/
-synthetic_dialogs.py, the shape loadtest/bench/multiturn_device.py drives), sent at their last turn. (The figures in the notes, 6331 tokens a turn, were
-made with word-sampled chats before this reuse: commit 12edd00.)
+synthetic_dialogs.py, the shape loadtest/bench/multiturn_device.py drives), sent at their last
+turn. (The figures in the notes, 6331 tokens a turn, were made with word-sampled chats before
+this reuse: commit 12edd00.)
 """
 from __future__ import annotations
 
