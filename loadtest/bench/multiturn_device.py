@@ -5,9 +5,9 @@
 
 Random weights of a real shape (drawn on the GPU from a fixed seed, every worker the same), the
 default model's tokenizer, `duet up` on this host's GPUs (one GPU: prefill and decode share it;
-two: a GPU each). The workload is `duet loadtest multiturn --workload synthetic`: C conversations, each with its own ~5.9k-token
-system prompt, 4 turns in lockstep, 64-token user turns, 48 output tokens, greedy; each answer
-fed back into the next prompt. Parts:
+two: a GPU each). The workload is `duet loadtest multiturn --workload synthetic`: C conversations,
+each with its own ~5.9k-token system prompt, 4 turns in lockstep, 64-token user turns, 48 output
+tokens, greedy; each answer fed back into the next prompt. Parts:
 - restore: host<->GPU page copies of the host tier (kv_host_tier.py) against one pinned copy of
   the same bytes, measured in this process;
 - split / colocated / nocache: 1 prefill + 1 decode, 1 colocated worker, and split with
