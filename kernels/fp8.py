@@ -52,6 +52,18 @@ class Fp8Weight:
                                                          self.q.shape[-1])).to(dtype)
 
 
+@dataclass(frozen=True)
+class Fp8Rows:
+    """Activation rows already quantized the way the decode GEMM quantizes them (per row per
+    group of columns: kernels/fp8_decode_gemm.py quantize_rows_reference), by the kernel that
+    produced them (the RMSNorm before qkv and gate/up), so the GEMM skips that step and its launch.
+    q: float8_e4m3fn [M, K]; scales: float32 [M, ceil(K / group)], contiguous rows."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    group: int
+
+
 def expand_scales(scale: torch.Tensor, scale_row: torch.Tensor, group_k: int, k: int) -> torch.Tensor:
     """Per-element scales [..., N, K] from scale [..., S, KB] and scale_row [N]."""
     rows = scale.index_select(-2, scale_row.to(scale.device).long())

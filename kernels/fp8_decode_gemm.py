@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from kernels.fp8 import ACT_EPS, ACT_GROUP, FP8_DTYPE, FP8_MAX, Fp8Weight
+from kernels.fp8 import ACT_EPS, ACT_GROUP, FP8_DTYPE, FP8_MAX, Fp8Rows, Fp8Weight
 
 # past 32 rows the M-tiled W8A8 GEMM (cuBLAS from 128) takes over: every program quantizes x's
 # whole tile each K step, work that grows with the rows (gate/up at 64 rows: 84 us, vs 51 at 32)
@@ -42,6 +42,10 @@ _GROUPS = (32, 64, 128)  # activation groups the K step can be (an FP8 dot takes
 # prequant): H100, Qwen3-8B's linears at 32 rows 112.9 -> 102.7 us a layer, at 8 rows 94-96 ->
 # 98 (`fp8_decode_linear_probe --engine --m 8,32`, kernels/NOTES.md). 33: never (the bench's before)
 PREQUANT_MIN_M = 17
+# From this many rows the RMSNorm before qkv and gate/up writes x in FP8 for the decode GEMM
+# (kernels.rms_norm.rms_norm_fp8_rows), which then neither quantizes x per K step nor launches
+# the quantization kernel above.
+FUSED_QUANT_MIN_M = 2
 
 
 @dataclass(frozen=True)
@@ -157,10 +161,12 @@ def fp8_decode_reference(x: torch.Tensor, w: Fp8Weight, bias=None, gate_up: bool
 
 
 def fp8_decode_linear(x: torch.Tensor, w: Fp8Weight, bias=None, *, out=None, config=None, workspace=None,
-                      pdl=None, gate_up: bool = False) -> torch.Tensor:
+                      pdl=None, gate_up: bool = False, x_fp8: Optional[Fp8Rows] = None) -> torch.Tensor:
     """Triton: x [M <= 32, K] -> [M, N] in x's dtype (gate_up: silu(x W_g^T) * (x W_u^T) for the
     stacked [2I, K] weight -> [M, I]). workspace: a kernels.small_batch_linear.SmallBatchWorkspace
-    for split-K (None: buffers per call); a split it cannot hold is narrowed."""
+    for split-K (None: buffers per call); a split it cannot hold is narrowed. x_fp8: x already
+    quantized by the kernel that made it (kernels.rms_norm.rms_norm_fp8_rows): the GEMM reads it
+    instead of quantizing x (the same values, so the same result to the bit)."""
     if not fp8_decode_supported(x, w):
         raise ValueError(f"fp8_decode_linear takes 1..{FP8_DECODE_MAX_M} rows, K % 16 == 0 and a 2-D FP8 weight "
                          f"of a 32/64/128-column group on Hopper, got x {tuple(x.shape)}, weight {tuple(w.q.shape)}")
@@ -177,12 +183,25 @@ def fp8_decode_linear(x: torch.Tensor, w: Fp8Weight, bias=None, *, out=None, con
     if config is None:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 8
         config = decode_config(m, n_rows, k, sms, gate_up, group, x.device)
+    if x_fp8 is not None:
+        _check_rows(x_fp8, x, group)
+        config = replace(config, prequant=True)
     if workspace is not None:
         config = _fit(config, workspace, m, n_out, gate_up)
     if out is None:
         out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     from kernels.triton_fp8_decode_gemm import launch_fp8_decode_gemm
-    return launch_fp8_decode_gemm(x, w, bias, out, config, workspace, gate_up, pdl, group, ACT_EPS)
+    return launch_fp8_decode_gemm(x, w, bias, out, config, workspace, gate_up, pdl, group, ACT_EPS, x_fp8)
+
+
+def _check_rows(x_fp8: Fp8Rows, x: torch.Tensor, group: int) -> None:
+    m, k = x.shape
+    if x_fp8.group != group or x_fp8.q.shape != (m, k) or x_fp8.q.dtype != FP8_DTYPE or x_fp8.q.stride(1) != 1:
+        raise ValueError(f"x_fp8 must be x's rows [{m}, {k}] in FP8 quantized by groups of {group}, got "
+                         f"{tuple(x_fp8.q.shape)} {x_fp8.q.dtype} by {x_fp8.group}")
+    if x_fp8.scales.shape != (m, -(-k // group)) or x_fp8.scales.dtype != torch.float32 or (
+            x_fp8.scales.shape[1] > 1 and x_fp8.scales.stride(1) != 1):
+        raise ValueError(f"x_fp8's scales must be float32 [{m}, {-(-k // group)}] with contiguous rows")
 
 
 def _fit(config: Fp8DecodeConfig, workspace, m: int, n_out: int, gate_up: bool) -> Fp8DecodeConfig:

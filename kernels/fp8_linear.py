@@ -28,10 +28,11 @@ from typing import Optional
 
 import torch
 
-from kernels.fp8 import (ACT_EPS, ACT_GROUP, FP8_DTYPE, Fp8Weight, dequantize_activations,
+from kernels.fp8 import (ACT_EPS, ACT_GROUP, FP8_DTYPE, Fp8Rows, Fp8Weight, dequantize_activations,
                          per_token_group_quant_reference)
 from kernels.fp8_cublas import cublas_fp8_linear, cublas_route
-from kernels.fp8_decode_gemm import (fp8_decode_linear, fp8_decode_reference, fp8_decode_shape_ok,
+from kernels import fp8_decode_gemm as decode_gemm_module  # FUSED_QUANT_MIN_M read at call time (benches patch it)
+from kernels.fp8_decode_gemm import (decode_group, fp8_decode_linear, fp8_decode_reference, fp8_decode_shape_ok,
                                      fp8_decode_supported)
 from kernels.small_batch_linear_config import FP8_MAX_M
 
@@ -237,17 +238,30 @@ def _decode_gemm_takes(x: torch.Tensor, w: Fp8Weight, workspace, gate_up: bool =
     return tuned_config(1, n, k, device_gpu_key(x.device) or "H200", gate_up, fp8=True) is None
 
 
+def fp8_rows_group(x: torch.Tensor, w: Fp8Weight, workspace=None, gate_up: bool = False) -> Optional[int]:
+    """The activation group the decode GEMM would quantize x by for this weight, where it takes x
+    and the kernel that makes x should quantize it instead (kernels.rms_norm.rms_norm_fp8_rows:
+    from FUSED_QUANT_MIN_M rows, where the GEMM would otherwise pay for its own quantization);
+    else None. x: the rows the norm is about to normalise (same shape, dtype, device)."""
+    if x.dim() != 2 or x.shape[0] < decode_gemm_module.FUSED_QUANT_MIN_M or not x.is_cuda:
+        return None
+    if not _decode_gemm_takes(x, w, workspace, gate_up):
+        return None
+    return decode_group(w)
+
+
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor] = None, *, workspace=None,
-               pdl=None) -> torch.Tensor:
+               pdl=None, x_fp8: Optional[Fp8Rows] = None) -> torch.Tensor:
     """y = x W^T (+ bias) for an FP8 weight, by the route in the module note; x [..., K]. On a
-    device without Triton (the CPU), the reference."""
+    device without Triton (the CPU), the reference. x_fp8: x's rows already quantized for the
+    decode GEMM (fp8_rows_group), used where that GEMM runs."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     _check(x2, w, bias, w.q.shape[0])
     if not _use_triton(x2):
         y = fp8_linear_reference(x2, w, bias)
     elif _decode_gemm_takes(x2, w, workspace):
-        y = fp8_decode_linear(x2, w, bias, workspace=workspace, pdl=pdl)
+        y = fp8_decode_linear(x2, w, bias, workspace=workspace, pdl=pdl, x_fp8=x_fp8)
     elif small_batch_fp8_supported(x2.shape[0], x2.shape[1], x2.dtype):
         y = small_batch_fp8_linear(x2, w, bias, workspace=workspace, pdl=pdl)
     else:
@@ -260,14 +274,15 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor] = Non
     return y.reshape(*lead, w.q.shape[0])
 
 
-def fp8_gate_up_silu(x: torch.Tensor, w: Fp8Weight, *, workspace=None, pdl=None) -> Optional[torch.Tensor]:
+def fp8_gate_up_silu(x: torch.Tensor, w: Fp8Weight, *, workspace=None, pdl=None,
+                     x_fp8: Optional[Fp8Rows] = None) -> Optional[torch.Tensor]:
     """silu(x W_g^T) * (x W_u^T) in one launch at decode sizes (the decode GEMM, else the
     small-batch kernel), or None where neither applies (then the caller runs fp8_linear and
     SwiGLU)."""
     if x.dim() != 2 or not _use_triton(x):
         return None
     if _decode_gemm_takes(x, w, workspace, gate_up=True):
-        return fp8_decode_linear(x, w, workspace=workspace, pdl=pdl, gate_up=True)
+        return fp8_decode_linear(x, w, workspace=workspace, pdl=pdl, gate_up=True, x_fp8=x_fp8)
     if not small_batch_fp8_supported(x.shape[0], x.shape[1], x.dtype):
         return None
     return small_batch_fp8_linear(x, w, workspace=workspace, pdl=pdl, gate_up=True)

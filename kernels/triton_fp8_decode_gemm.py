@@ -105,10 +105,11 @@ def _fp8_decode_gemm_kernel(
 
 
 def launch_fp8_decode_gemm(x: torch.Tensor, w, bias, out: torch.Tensor, cfg, workspace, gate_up: bool,
-                           pdl: Pdl | None, group: int, eps: float) -> torch.Tensor:
+                           pdl: Pdl | None, group: int, eps: float, x_fp8=None) -> torch.Tensor:
     """x [M, K] (last dim contiguous), w a kernels.fp8.Fp8Weight [N_w, K], out [M, N_out] with a
     contiguous last dim (N_out = N_w, or N_w // 2 for gate_up); cfg a Fp8DecodeConfig whose
-    split_k the wrapper has fitted to the workspace."""
+    split_k the wrapper has fitted to the workspace; x_fp8 a kernels.fp8.Fp8Rows of x (with
+    cfg.prequant) or None."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     m, k = x.shape
@@ -130,7 +131,9 @@ def launch_fp8_decode_gemm(x: torch.Tensor, w, bias, out: torch.Tensor, cfg, wor
     q = w.q
     block_m = max(16, triton.next_power_of_2(m))
     xs = out  # never read without prequant
-    if cfg.prequant:  # x quantized once here, not by every program at every K step
+    if x_fp8 is not None:  # quantized by the kernel that made x (kernels/rms_norm.py)
+        x, xs = x_fp8.q, x_fp8.scales
+    elif cfg.prequant:  # x quantized once here, not by every program at every K step
         xq = torch.empty(m, k, dtype=q.dtype, device=x.device)
         xs = torch.empty(m, steps, dtype=torch.float32, device=x.device)
         _quantize_x_kernel[(steps, triton.cdiv(m, block_m))](

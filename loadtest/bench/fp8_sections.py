@@ -23,6 +23,8 @@ table and exits if one hangs):
   fp8_decode_route  8B FP8 decode B=1, 8, 32 on the W8A8 decode GEMM and with it off (W8A16 to 32 rows)
   fp8_decode_prequant  8B FP8 decode B=8..32: the decode GEMM's x quantized before it from 17
                   rows (default), from 9, never (PREQUANT_MIN_M)
+  fp8_norm_quant  8B FP8 decode B=2..32: the norms before qkv and gate/up writing x in FP8 for the
+                  decode GEMM from 2 rows (default), from 17, never (FUSED_QUANT_MIN_M)
   fp8_decode_gemm_64  8B FP8 decode B=32, 48, 64: the decode GEMM taking up to 64 rows against 32
                   (FP8_DECODE_MAX_M)
   fp8_pdl_rows    8B FP8 decode B=1..32 with PDL on one-row launches (default) and up to 32 rows
@@ -332,6 +334,36 @@ def fp8_decode_prequant(ctx):
             ctx["report"].add("fp8_decode_prequant", f"B={b} in-kernel/{tag}", got[("in-kernel", b)] / got[(tag, b)])
 
 
+def fp8_norm_quant(ctx):
+    """8B FP8 decode at B=2, 8, 16, 32 with the RMSNorms before qkv and gate/up writing their
+    output in FP8 for the decode GEMM (kernels.rms_norm.rms_norm_fp8_rows) from 2 rows (the
+    default, kernels/fp8_decode_gemm.py FUSED_QUANT_MIN_M), from 17, and never (the GEMM
+    quantizing x itself, by its own launch from 17 rows): one engine build each, and 8 rows'
+    greedy tokens in the graphs, which must be equal (the same FP8 bytes reach the same dots)."""
+    import kernels.fp8_decode_gemm as fd
+
+    from .gpu_engine import decode_floor_ms, decode_step_ms
+    from .suite_context import need_ceilings
+
+    args, rep = ctx["args"], ctx["report"]
+    c = need_ceilings(ctx)
+    batches = (2, 8, 16, 32)
+    got = {}
+    opts = dict(quantization="fp8", max_model_len=2048, cuda_graph_max_bs=32, kv_cache_memory=8 << 30)
+    for tag, min_m in (("norm from 2", 2), ("norm from 17", 17), ("GEMM quantizes", 33)):
+        with _bench_engine(ctx, (fd, "FUSED_QUANT_MIN_M", min_m), **opts) as eng:
+            for b in batches:
+                floor, _ = decode_floor_ms(eng, b, args.ctx, c.copy_gb_s)
+                got[(tag, b)] = ms = decode_step_ms(eng, b, args.ctx, args.steps, overlap=True)
+                rep.add("fp8_norm_quant", f"{tag} B={b} step_ms", ms, f"x{ms / floor:.2f} of floor {floor:.3f}")
+            got[(tag, "tokens")] = _greedy_rows(eng, args.ctx, 8)
+    for b in batches:
+        for tag in ("norm from 2", "norm from 17"):
+            rep.add("fp8_norm_quant", f"B={b} GEMM quantizes/{tag}", got[("GEMM quantizes", b)] / got[(tag, b)])
+    same = all(got[(t, "tokens")] == got[("GEMM quantizes", "tokens")] for t in ("norm from 2", "norm from 17"))
+    rep.add("fp8_norm_quant", "8 rows' greedy tokens equal", "yes" if same else "NO", "64 tokens each, CUDA graphs")
+
+
 def fp8_decode_gemm_64(ctx):
     """8B FP8 decode at B=32, 48, 64: the decode GEMM (x quantized before it) taking up to 64 rows
     against the route now (up to 32; past it per_token_group_quant and the M-tiled W8A8 GEMM):
@@ -416,20 +448,26 @@ def fp8_decode_timeline(ctx):
 
 def _greedy_one_row(eng, ctx_len: int) -> list[int]:
     """64 greedy tokens of one random prompt (the decode steps run in the one-row graph)."""
+    return _greedy_rows(eng, ctx_len, 1)[0]
+
+
+def _greedy_rows(eng, ctx_len: int, rows: int) -> list[list[int]]:
+    """64 greedy tokens of each of `rows` random prompts decoded together (the decode steps run
+    in the graph of that many rows)."""
     import numpy as np
 
     from shared.engine import SamplingParams
 
     from .gpu_engine import random_prompts
 
-    prompt = random_prompts(np.random.default_rng(7), eng.model_config.vocab_size, [ctx_len])[0]
-    rid = eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
-    tokens: list[int] = []
+    prompts = random_prompts(np.random.default_rng(7), eng.model_config.vocab_size, [ctx_len] * rows)
+    rids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)) for p in prompts]
+    tokens: dict = {rid: [] for rid in rids}
     while eng.has_work:
         for out in eng.step():
-            if out.rid == rid:
-                tokens += out.token_ids
-    return tokens
+            if out.rid in tokens:
+                tokens[out.rid] += out.token_ids
+    return [tokens[rid] for rid in rids]
 
 
 def fp8_attn_prefetch(ctx):
@@ -689,13 +727,14 @@ def fp8_kv_long(ctx):
 
 # (d) before (c): it is quick, and what matters most runs first when the budget is tight
 FP8_SECTIONS = ("ceilings", "fp8_accuracy", "fp8_decode_8b", "fp8_gemm_cublas", "fp8_decode_8b_wide",
-                "fp8_decode_route", "fp8_decode_prequant", "fp8_decode_gemm_64", "fp8_pdl_rows",
+                "fp8_decode_route", "fp8_decode_prequant", "fp8_norm_quant", "fp8_decode_gemm_64", "fp8_pdl_rows",
                 "fp8_pdl_prefetch", "fp8_decode_profile", "fp8_decode_timeline", "fp8_attn_prefetch", "fp8_gemm",
                 "fp8_moe_decode", "fp8_moe_timeline", "fp8_moe_pairs", "fp8_kv_long",
                 "fp8_prefill_profile")
 SECTIONS = {"fp8_accuracy": fp8_accuracy, "fp8_decode_8b": fp8_decode_8b, "fp8_gemm": fp8_gemm,
             "fp8_gemm_cublas": fp8_gemm_cublas, "fp8_decode_8b_wide": fp8_decode_8b_wide,
             "fp8_decode_route": fp8_decode_route, "fp8_decode_prequant": fp8_decode_prequant,
+            "fp8_norm_quant": fp8_norm_quant,
             "fp8_decode_gemm_64": fp8_decode_gemm_64, "fp8_pdl_rows": fp8_pdl_rows,
             "fp8_pdl_prefetch": fp8_pdl_prefetch,
             "fp8_decode_profile": fp8_decode_profile,

@@ -42,6 +42,11 @@ def rms_norm():
             for pdl in (None, _pdl()):
                 run(x, w, 1e-6, pdl=pdl)
                 run(x, w, 1e-6, _e(rows, width, dtype=dt), pdl=pdl)
+    from kernels.rms_norm import rms_norm_fp8_rows
+    for rows, width, group in ((8, 4096, 128), (32, 4096, 128), (2, 576, 64), (1, 48, 128)):
+        x, w = _e(rows, width, dtype=BF16), _e(width, dtype=BF16)
+        rms_norm_fp8_rows(x, w, 1e-6, _e(rows, width, dtype=BF16), group)
+        rms_norm_fp8_rows(x, w, 1e-6, None, group, pdl=_pdl())
 
 
 def silu_and_mul():
@@ -225,7 +230,9 @@ def fp8_decode_gemm():
     """The decode GEMM's launch (its wrapper runs only on Hopper or in the interpreter): the
     tilings a GPU picks at 1, 16, 17 and 32 rows for Qwen3-8B's linears, split-K or not, bias,
     gate/up, PDL, block and per-channel scales, 16-bit and fp32 x."""
-    from kernels.fp8 import ACT_EPS
+    import dataclasses
+
+    from kernels.fp8 import ACT_EPS, Fp8Rows
     from kernels.fp8_decode_gemm import decode_config
     from kernels.small_batch_linear import SmallBatchWorkspace
     from kernels.triton_fp8_decode_gemm import launch_fp8_decode_gemm
@@ -238,6 +245,11 @@ def fp8_decode_gemm():
                 out = _e(m, n // 2 if gate_up else n, dtype=dt)
                 launch_fp8_decode_gemm(_e(m, k, dtype=dt), w, None, out, cfg, ws, gate_up, _pdl() if m == 1 else None,
                                        128, ACT_EPS)
+            for m in (8, 32):  # x quantized by the norm before (kernels.rms_norm.rms_norm_fp8_rows)
+                cfg = dataclasses.replace(decode_config(m, n, k, 132, gate_up, 128, CUDA), prequant=True)
+                rows = Fp8Rows(_e(m, k, dtype=FP8), _e(m, k // 128), 128)
+                launch_fp8_decode_gemm(_e(m, k, dtype=dt), w, None, _e(m, n // 2 if gate_up else n, dtype=dt), cfg,
+                                       ws, gate_up, None, 128, ACT_EPS, rows)
         w = _fp8_weight(96, 256, None)
         launch_fp8_decode_gemm(_e(3, 256, dtype=dt), w, _e(96, dtype=dt), _e(3, 96, dtype=dt),
                                decode_config(3, 96, 256, 132, False, 128, CUDA), ws, False, None, 128, ACT_EPS)

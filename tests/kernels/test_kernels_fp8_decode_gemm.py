@@ -102,6 +102,39 @@ def test_x_quantized_before_the_gemm_gives_the_same_bits(runner, m):
         assert torch.equal(outs[0], outs[1]), (outs[0] - outs[1]).abs().max()
 
 
+@pytest.mark.parametrize("m,config", [(3, SPLIT), (32, PREQUANT), (5, NO_SPLIT)])
+def test_x_quantized_by_the_norm_gives_the_same_bits(runner, m, config):
+    """The RMSNorm before qkv and gate/up can hand the GEMM its output already in FP8
+    (kernels.rms_norm.rms_norm_fp8_rows): the GEMM then reads those bytes and scales instead of
+    quantizing x itself, and its output is equal to the bit, gate/up included."""
+    import dataclasses
+    g = case_generator("decode norm rows", m)
+    dev = runner.device
+    k = 400
+    x = rows_of_every_size(m, k, g, torch.float32).to(torch.bfloat16).to(dev)
+    norm_w = (1 + 0.1 * torch.randn(k, generator=g)).to(torch.bfloat16).to(dev)
+    residual = torch.randn(m, k, generator=g).to(torch.bfloat16).to(dev)
+    normed, _, rows = runner("kernels.rms_norm:rms_norm_fp8_rows", x, norm_w, 1e-6, residual, 128)
+    for gate_up in (False, True):
+        wt = block_weight([40, 40] if gate_up else [48, 24, 24], k, (32, 128), g, "cpu")
+        plain = runner(DECODE, normed, on(dev, wt), config=dataclasses.replace(config, prequant=False), gate_up=gate_up)
+        fed = runner(DECODE, normed, on(dev, wt), config=config, gate_up=gate_up, x_fp8=rows)
+        assert torch.equal(plain, fed), (plain - fed).abs().max()
+
+
+def test_rows_of_another_group_or_shape_are_refused(runner):
+    from kernels.fp8 import FP8_DTYPE, Fp8Rows
+    g = case_generator("decode rows refused")
+    w = on(runner.device, block_weight([64], 256, (32, 128), g, "cpu"))
+    x = torch.randn(4, 256, generator=g).to(runner.device)
+    q = torch.zeros(4, 256, dtype=FP8_DTYPE, device=runner.device)
+    for rows, says in ((Fp8Rows(q, torch.ones(4, 4, device=runner.device), 64), "groups of 128"),
+                       (Fp8Rows(q[:3], torch.ones(3, 2, device=runner.device), 128), r"rows \[4, 256\]"),
+                       (Fp8Rows(q, torch.ones(4, 3, device=runner.device), 128), "scales")):
+        with pytest.raises(Exception, match=says):
+            runner(DECODE, x, w, config=NO_SPLIT, x_fp8=rows)
+
+
 def test_a_split_the_workspace_cannot_hold_is_narrowed(runner):
     """Four splits of a 29 x 96 output need 11136 partial floats: a workspace of 6000 gets two,
     and the result is the same product."""

@@ -62,3 +62,28 @@ def test_reference_matches_float64_formula_and_hf():
     hf.weight.data.copy_(weight.float())
     x32 = x.float()
     assert relative_error(rms_norm_reference(x32, weight.float(), 1e-6), hf(x32).detach()) < 1e-6
+
+
+@pytest.mark.parametrize("width,group,fused", [(576, 128, True), (4096, 128, False), (200, 64, True), (48, 128, True)])
+def test_fp8_rows_are_the_decode_gemms_quantization_of_the_output(runner, width, group, fused):
+    """rms_norm_fp8_rows writes what rms_norm writes (out and h to the bit) plus the output
+    quantized per row per group exactly as the decode GEMM quantizes x: the same FP8 bytes and
+    scales as quantize_rows_reference of that output (partial last groups, a group wider than
+    the row, an all-zero row)."""
+    from kernels.fp8_decode_gemm import quantize_rows_reference
+
+    dtype = torch.bfloat16
+    x, residual, weight = _inputs(5, width, dtype, runner.device)
+    x[3] = 0.0
+    residual[3] = 0.0
+    res = residual if fused else None
+    plain = runner(TARGET, x, weight, 1e-6, res)
+    out, h, rows = runner("kernels.rms_norm:rms_norm_fp8_rows", x, weight, 1e-6, res, group)
+    plain_out = plain[0] if fused else plain
+    assert torch.equal(out, plain_out)
+    assert (h is not None) == fused and (not fused or torch.equal(h, plain[1]))
+    q_ref, s_ref = quantize_rows_reference(out.cpu(), group)
+    assert rows.group == group and rows.q.shape == (5, width) and rows.scales.shape == (5, -(-width // group))
+    assert torch.equal(rows.q.cpu().view(torch.uint8), q_ref.to(rows.q.dtype).view(torch.uint8))
+    assert torch.equal(rows.scales.cpu(), s_ref)
+    assert rows.q[3].float().abs().sum() == 0

@@ -16,14 +16,15 @@ from ..parallel.context import TPContext
 from ..quantization.fp8_params import Fp8Layout, RowSlice, fp8_weight
 
 
-def _linear(module, x, weight, bias=None):
+def _linear(module, x, weight, bias=None, x_fp8=None):
     """F.linear, or at decode sizes (<= 16 rows, 16-bit, GPU) the split-K small-batch kernel
     when the engine enabled it on this layer (module.small_batch: its workspace; module.pdl:
-    programmatic dependent launch, kernels/pdl.py). FP8 weights: kernels/fp8_linear.py."""
+    programmatic dependent launch, kernels/pdl.py). FP8 weights: kernels/fp8_linear.py (x_fp8:
+    x's rows already quantized by the norm before, kernels/fp8.py Fp8Rows)."""
     ws = module.small_batch
     if weight.dtype == FP8_DTYPE:
         from kernels.fp8_linear import fp8_linear
-        return fp8_linear(x, fp8_weight(module), bias, workspace=ws, pdl=module.pdl)
+        return fp8_linear(x, fp8_weight(module), bias, workspace=ws, pdl=module.pdl, x_fp8=x_fp8)
     if ws is not None and x.dim() == 2:
         from kernels.small_batch_linear import small_batch_linear, small_batch_preferred, small_batch_tuned
         if small_batch_preferred(x.shape[0], weight.shape[0], weight.shape[1], x.dtype) and (
@@ -56,6 +57,16 @@ class RMSNorm(nn.Module):
         out = self.weight * h.to(dtype)
         return out if residual is None else (out, residual)
 
+    def forward_fp8_rows(self, x: torch.Tensor, residual: torch.Tensor | None, group: int | None):
+        """(normed, new residual or None, kernels.fp8.Fp8Rows or None). With a group (the one the
+        FP8 linear after this norm would quantize by: its fp8_rows_group) the fused kernel also
+        writes the normed rows in FP8, and that linear skips its own quantization."""
+        if group is None or not self.fused:
+            res = self.forward(x, residual)
+            return (res, None, None) if residual is None else (*res, None)
+        from kernels.rms_norm import rms_norm_fp8_rows
+        return rms_norm_fp8_rows(x, self.weight, self.eps, residual, group, pdl=self.pdl)
+
 
 class ColumnParallelLinear(nn.Module):
     """y = x W^T with W's output rows split across ranks. `parts` lists the sizes of
@@ -78,8 +89,17 @@ class ColumnParallelLinear(nn.Module):
         self.pdl = None  # kernels.pdl.Pdl for the small-batch kernel (set by the engine)
         self.fp8 = None  # {"weight": Fp8Layout} once the weight is FP8
 
-    def forward(self, x):
-        return _linear(self, x, self.weight, self.bias)
+    def forward(self, x, x_fp8=None):
+        return _linear(self, x, self.weight, self.bias, x_fp8)
+
+    def fp8_rows_group(self, x: torch.Tensor, gate_up: bool = False) -> int | None:
+        """The group by which the norm before this layer should also write x in FP8 for it
+        (kernels/fp8_linear.py fp8_rows_group), or None (16-bit weights, a route that does not
+        quantize x that way). x: the norm's input rows."""
+        if not self.fp8:
+            return None
+        from kernels.fp8_linear import fp8_rows_group
+        return fp8_rows_group(x, fp8_weight(self), self.small_batch, gate_up)
 
     def fp8_layouts(self, grid) -> dict[str, Fp8Layout]:
         """Each stacked part's rows of its own checkpoint tensor, every column."""
@@ -89,11 +109,11 @@ class ColumnParallelLinear(nn.Module):
     def fp8_slot(self, part):
         return "weight", part, None
 
-    def forward_parts(self, x) -> list[torch.Tensor]:
+    def forward_parts(self, x, x_fp8=None) -> list[torch.Tensor]:
         """The stacked outputs separately. On GPU one matmul then views; on CPU one matmul
         per part, which is faster there at small batch (smaller weight working set)."""
         if x.device.type == "cuda" or len(self.parts) == 1 or self.fp8:
-            return list(self.forward(x).split(self.parts, dim=-1))
+            return list(self.forward(x, x_fp8).split(self.parts, dim=-1))
         outs, start = [], 0
         for n in self.parts:
             b = None if self.bias is None else self.bias[start:start + n]
@@ -154,11 +174,17 @@ class SwiGLU(nn.Module):
         self.inter = tp.shard(intermediate, "intermediate_size")
         self.fused = fused
 
-    def forward(self, h):
+    def fp8_rows_group(self, h: torch.Tensor) -> int | None:
+        """ColumnParallelLinear.fp8_rows_group for the fused gate/up launch."""
+        return self.gate_up_proj.fp8_rows_group(h, gate_up=True)
+
+    def forward(self, h, h_fp8=None):
+        """h_fp8: h's rows already in FP8 (kernels/fp8.py Fp8Rows), for an FP8 gate/up."""
         ws = self.gate_up_proj.small_batch
         if self.gate_up_proj.fp8:
             from kernels.fp8_linear import fp8_gate_up_silu
-            out = fp8_gate_up_silu(h, fp8_weight(self.gate_up_proj), workspace=ws, pdl=self.gate_up_proj.pdl)
+            out = fp8_gate_up_silu(h, fp8_weight(self.gate_up_proj), workspace=ws, pdl=self.gate_up_proj.pdl,
+                                   x_fp8=h_fp8)
             if out is not None:
                 return self.down_proj(out)
         elif ws is not None and h.dim() == 2:

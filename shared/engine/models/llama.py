@@ -44,8 +44,9 @@ class Attention(nn.Module):
         self.fused = fused
         self.pdl = None  # kernels.pdl.Pdl for the fused q/k-norm + RoPE kernel (set by the engine)
 
-    def forward(self, positions, h, rotary: RotaryEmbedding, fb):
-        q, k, v = self.qkv_proj.forward_parts(h)
+    def forward(self, positions, h, rotary: RotaryEmbedding, fb, h_fp8=None):
+        """h_fp8: h's rows already in FP8 for an FP8 qkv (kernels/fp8.py Fp8Rows), or None."""
+        q, k, v = self.qkv_proj.forward_parts(h, h_fp8)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -76,17 +77,20 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
-def reduce_add_norm(tp: TPContext, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm):
-    """All-reduce a row-parallel output, add the residual, RMSNorm: (normed, new residual).
-    With TP on GPU one custom kernel does all three (custom_all_reduce.py)."""
+def reduce_add_norm(tp: TPContext, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
+                    fp8_group: int | None = None):
+    """All-reduce a row-parallel output, add the residual, RMSNorm: (normed, new residual,
+    the normed rows in FP8 or None). With TP on GPU one custom kernel does all three
+    (custom_all_reduce.py; it writes no FP8 rows). fp8_group: the next FP8 linear's
+    fp8_rows_group, for the norm's kernel to quantize its output by."""
     if tp.size > 1:
         fused = tp.custom_all_reduce
         if fused is not None:
             out = fused.all_reduce_add_rms_norm(x, residual, norm.weight, norm.eps)
             if out is not None:
-                return out
+                return (*out, None)
         x = tp.all_reduce(x)
-    return norm(x, residual)
+    return norm.forward_fp8_rows(x, residual, fp8_group)
 
 
 class DecoderLayer(nn.Module):
@@ -104,15 +108,19 @@ class DecoderLayer(nn.Module):
 
     def forward(self, positions, h, residual, rotary, fb):
         """h: the embedding (residual None) or the previous layer's un-reduced MLP output.
-        Returns this layer's un-reduced MLP output and the residual stream."""
+        Returns this layer's un-reduced MLP output and the residual stream. Where the next
+        linear is FP8 at decode sizes, each norm also hands it the rows in FP8 (h8)."""
+        group = self.self_attn.qkv_proj.fp8_rows_group(h)
         if residual is None:
             residual = h
-            h = self.input_layernorm(h)
+            h, _, h8 = self.input_layernorm.forward_fp8_rows(h, None, group)
         else:
-            h, residual = reduce_add_norm(self.tp, h, residual, self.input_layernorm)
-        h = self.self_attn(positions, h, rotary, fb)
-        h, residual = reduce_add_norm(self.tp, h, residual, self.post_attention_layernorm)
-        return self.mlp(h), residual
+            h, residual, h8 = reduce_add_norm(self.tp, h, residual, self.input_layernorm, group)
+        h = self.self_attn(positions, h, rotary, fb, h8)
+        dense = isinstance(self.mlp, SwiGLU)
+        group = self.mlp.fp8_rows_group(h) if dense else None
+        h, residual, h8 = reduce_add_norm(self.tp, h, residual, self.post_attention_layernorm, group)
+        return (self.mlp(h, h8) if dense else self.mlp(h)), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -147,7 +155,7 @@ class LlamaForCausalLM(nn.Module):
             h, residual = layer(positions, h, residual, self.rotary, fb)
         if aux is not None:
             aux.capture(len(self.layers), h, residual)
-        h, _ = reduce_add_norm(self.tp, h, residual, self.norm)
+        h, _, _ = reduce_add_norm(self.tp, h, residual, self.norm)
         return h
 
     @torch.inference_mode()
