@@ -362,7 +362,7 @@ def fp8_norm_quant(ctx):
             for b in (8, 32):  # where the time moves: the norms, the quantize launches, the GEMMs
                 t = decode_timeline(eng, b, args.ctx)
                 for k in t.kernels:
-                    if any(n in k.name for n in ("rms_norm", "quantize_x", "decode_gemm")):
+                    if any(n in k.name for n in ("rms_norm", "quantize_x", "decode_gemm", "small_batch")):
                         rep.add("fp8_norm_quant", f"{tag} B={b} {k.name[:40]}", round(k.us_per_step, 1),
                                 f"us a step in {k.launches_per_step:.0f} launches")
                 rep.add("fp8_norm_quant", f"{tag} B={b} GPU busy a step ms", t.busy_ms, f"span {t.step_ms:.3f}")
