@@ -15,8 +15,11 @@ K step quantizes x's tile in every program, work that grows with the rows: at 64
 (gate/up 84 us against 51 at 32), so past 32 the M-tiled W8A8 GEMM takes over. From 17 rows
 (PREQUANT_MIN_M) a small kernel quantizes x once before the GEMM and the programs read FP8 x: the
 same values (the same _quantize_rows), 112.9 -> 102.7 us a layer at 32 rows; at 8 rows the extra
-launch costs more than it saves. kernels/fp8_linear.py sends it 2..32 rows, and one row of a shape
-the small-batch sweep did not tune.
+launch costs more than it saves. Where the RMSNorm before qkv and gate/up can write its output in
+FP8 (kernels.rms_norm.rms_norm_fp8_rows, from FUSED_QUANT_MIN_M rows), the GEMM takes those bytes
+and scales (x_fp8) and neither quantizes nor launches anything for x: the same values, the same
+output to the bit. kernels/fp8_linear.py sends it 2..32 rows, and one row of a shape the
+small-batch sweep did not tune.
 
 Numerics are W8A8's (fp8_decode_reference): the activation rounding the small-batch kernel
 avoided, the same as the prefill path's. Needs Hopper (FP8 MMA and TMA) or Triton's interpreter;
@@ -44,7 +47,9 @@ _GROUPS = (32, 64, 128)  # activation groups the K step can be (an FP8 dot takes
 PREQUANT_MIN_M = 17
 # From this many rows the RMSNorm before qkv and gate/up writes x in FP8 for the decode GEMM
 # (kernels.rms_norm.rms_norm_fp8_rows), which then neither quantizes x per K step nor launches
-# the quantization kernel above.
+# the quantization kernel above. H100, 8B decode step against the GEMM quantizing x
+# (`fp8_device --sections ceilings,fp8_norm_quant`, kernels/NOTES.md): B=2/8/16 1.01x, B=32 1.02x;
+# from 17 instead: 1.00x below 17. 33: never
 FUSED_QUANT_MIN_M = 2
 
 

@@ -4,7 +4,9 @@ Three paths, picked by the number of rows, as SGLang and vLLM do:
 - decode sizes (M <= 32) on Hopper: x quantized per token per group of 128 columns inside the
   GEMM, each K step an FP8 tensor-core dot with the weight tile as the MMA's M side
   (kernels/fp8_decode_gemm.py): a decode step is a read of the weights, FP8 halves it, and
-  nothing is widened on the way. The gate/up + SwiGLU fusion works the same way.
+  nothing is widened on the way. The gate/up + SwiGLU fusion works the same way. Where the
+  RMSNorm before the linear wrote x in FP8 for it (fp8_rows_group: the layer asks, the norm's
+  kernel quantizes, x_fp8 carries the bytes), the GEMM skips its own quantization.
   One row of a shape the small-batch sweep tuned, and elsewhere (other GPUs, a group the kernel
   cannot step by, --fp8-decode-gemm off) up to 32 rows: the split-K small-batch kernel
   (kernels/small_batch_linear.py), which widens each FP8 weight in registers (W8A16, no
