@@ -28,6 +28,8 @@ table and exits if one hangs):
   fp8_decode_gemm_64  8B FP8 decode B=32, 48, 64: the decode GEMM taking up to 64 rows against 32
                   (FP8_DECODE_MAX_M)
   fp8_pdl_rows    8B FP8 decode B=1..32 with PDL on one-row launches (default) and up to 32 rows
+  fp8_pdl_rows_kv  8B decode B=1..32, FP8 and bf16: PDL on one row (default), to 32 rows, to 32 rows
+                  without decode attention's K/V prefetch
   fp8_pdl_prefetch  8B FP8 decode B=1 with the GEMVs prefetching 1, 2 or 4 weight tiles under PDL
   fp8_decode_profile  8B FP8 decode B=32 and 64: step, GPU busy time, heaviest kernels
   fp8_decode_timeline  8B decode B=1 and 32, FP8 and bf16: a step's kernels on one time line
@@ -404,6 +406,45 @@ def fp8_pdl_rows(ctx):
                           got[("PDL to 1 row", b)] / got[("PDL to 32 rows", b)])
 
 
+def fp8_pdl_rows_kv(ctx):
+    """8B decode at B=1, 8, 16, 32, FP8 and bf16: PDL on one-row launches (default), to 32 rows,
+    and to 32 rows without decode attention's K/V prefetch under PDL (kernels/
+    triton_decode_attention.py PDL_KV_PREFETCH: each program asks L2 for its split's pages
+    before it waits, which at 32 rows is every row's context): one engine build each."""
+    import functools
+
+    import kernels.pdl as kp
+    from kernels import triton_decode_attention as tda
+
+    from .gpu_engine import decode_floor_ms, decode_step_ms
+    from .suite_context import need_ceilings
+
+    args, rep = ctx["args"], ctx["report"]
+    c = need_ceilings(ctx)
+    batches = (1, 8, 16, 32)
+    settings = (("one row", 1, True), ("32 rows", 32, True), ("32 rows, no KV prefetch", 32, False))
+    got = {}
+    saved = tda.PDL_KV_PREFETCH
+    for weights, quant in (("fp8", "fp8"), ("bf16", "none")):
+        for tag, rows, kv_prefetch in settings:
+            tda.PDL_KV_PREFETCH = kv_prefetch
+            try:
+                with _bench_engine(ctx, (kp, "Pdl", functools.partial(kp.Pdl, max_rows=rows)), quantization=quant,
+                                   max_model_len=2048, cuda_graph_max_bs=32, kv_cache_memory=8 << 30) as eng:
+                    for b in batches:
+                        floor, _ = decode_floor_ms(eng, b, args.ctx, c.copy_gb_s)
+                        runs = [decode_step_ms(eng, b, args.ctx, args.steps, overlap=True) for _ in range(2)]
+                        got[(weights, tag, b)] = ms = min(runs)
+                        rep.add("fp8_pdl_rows_kv", f"{weights} {tag} B={b} step_ms", ms,
+                                f"x{ms / floor:.2f} of floor {floor:.3f}; runs {runs[0]:.3f} / {runs[1]:.3f}")
+            finally:
+                tda.PDL_KV_PREFETCH = saved
+        for b in batches:
+            for tag, _, _ in settings[1:]:
+                rep.add("fp8_pdl_rows_kv", f"{weights} B={b} one row/{tag}",
+                        got[(weights, "one row", b)] / got[(weights, tag, b)])
+
+
 def fp8_pdl_prefetch(ctx):
     """8B FP8 decode at B=1 with the small-batch GEMVs prefetching 1 (default), 2 or 4 of their
     first weight tiles into L2 before the PDL wait (an FP8 tile is half a 16-bit one's bytes; on
@@ -738,7 +779,7 @@ def fp8_kv_long(ctx):
 # (d) before (c): it is quick, and what matters most runs first when the budget is tight
 FP8_SECTIONS = ("ceilings", "fp8_accuracy", "fp8_decode_8b", "fp8_gemm_cublas", "fp8_decode_8b_wide",
                 "fp8_decode_route", "fp8_decode_prequant", "fp8_norm_quant", "fp8_decode_gemm_64", "fp8_pdl_rows",
-                "fp8_pdl_prefetch", "fp8_decode_profile", "fp8_decode_timeline", "fp8_attn_prefetch", "fp8_gemm",
+                "fp8_pdl_rows_kv", "fp8_pdl_prefetch", "fp8_decode_profile", "fp8_decode_timeline", "fp8_attn_prefetch", "fp8_gemm",
                 "fp8_moe_decode", "fp8_moe_timeline", "fp8_moe_pairs", "fp8_kv_long",
                 "fp8_prefill_profile")
 SECTIONS = {"fp8_accuracy": fp8_accuracy, "fp8_decode_8b": fp8_decode_8b, "fp8_gemm": fp8_gemm,
@@ -746,7 +787,7 @@ SECTIONS = {"fp8_accuracy": fp8_accuracy, "fp8_decode_8b": fp8_decode_8b, "fp8_g
             "fp8_decode_route": fp8_decode_route, "fp8_decode_prequant": fp8_decode_prequant,
             "fp8_norm_quant": fp8_norm_quant,
             "fp8_decode_gemm_64": fp8_decode_gemm_64, "fp8_pdl_rows": fp8_pdl_rows,
-            "fp8_pdl_prefetch": fp8_pdl_prefetch,
+            "fp8_pdl_rows_kv": fp8_pdl_rows_kv, "fp8_pdl_prefetch": fp8_pdl_prefetch,
             "fp8_decode_profile": fp8_decode_profile,
             "fp8_decode_timeline": fp8_decode_timeline, "fp8_attn_prefetch": fp8_attn_prefetch,
             "fp8_moe_decode": fp8_moe_decode, "fp8_moe_timeline": fp8_moe_timeline,
