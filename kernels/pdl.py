@@ -29,12 +29,19 @@ class Pdl:
 
     prefetch_k_blocks: int = 1
     max_rows: int = 1
+    # launches over this many rows or more let the next kernel be scheduled only once their
+    # main loop is done (the linears, decode attention's first stage), as CUTLASS's kernels do
+    # after their mainloop: an early signal let the next kernel's programs take SM slots the
+    # running one still wanted (what made PDL lose past one row, kernels/NOTES.md)
+    late_from_rows: int = 2
 
     def __post_init__(self):
         if self.prefetch_k_blocks < 0:
             raise ValueError(f"prefetch_k_blocks must be >= 0, got {self.prefetch_k_blocks}")
         if self.max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {self.max_rows}")
+        if self.late_from_rows < 1:
+            raise ValueError(f"late_from_rows must be >= 1, got {self.late_from_rows}")
 
 
 def parse_prefetch_at(spec: str) -> dict[str, int]:
@@ -55,6 +62,12 @@ def parse_prefetch_at(spec: str) -> dict[str, int]:
 def pdl_for(pdl: Pdl | None, rows: int) -> Pdl | None:
     """pdl for a launch over `rows` rows, or None where it is not used."""
     return pdl if pdl is not None and rows <= pdl.max_rows else None
+
+
+def pdl_late(pdl: Pdl | None, rows: int) -> bool:
+    """Whether a kernel with a main loop, launched with pdl over `rows` rows, signals the next
+    kernel after that loop (triton_pdl.pdl_release) rather than on entry."""
+    return pdl is not None and rows >= pdl.late_from_rows
 
 
 def pdl_supported(device: torch.device | str) -> bool:

@@ -25,16 +25,20 @@ import triton
 import triton.language as tl
 
 from kernels.paged_kv import next_power_of_2
-from kernels.pdl import Pdl, launch_options, pdl_for
+from kernels.pdl import Pdl, launch_options, pdl_for, pdl_late
 from kernels.triton_f16_rows import rows_to_f16
-from kernels.triton_pdl import pdl_enter, prefetch_l2
+from kernels.triton_pdl import pdl_enter, pdl_enter_late, pdl_release, prefetch_l2
 
 _LOG2E = 1.4426950408889634
 _MIN_TOKENS_PER_SPLIT = 128
 _MAX_SPLITS = 32
 # Under PDL, stage 1 asks L2 for its split's K/V while the kernel before runs (False: the
-# benchmarks' "before", loadtest/bench/fp8_sections.py fp8_attn_prefetch)
+# benchmarks' "before", loadtest/bench/fp8_sections.py fp8_attn_prefetch), on batches of up to
+# PDL_KV_PREFETCH_MAX_ROWS: at 32 rows that is every row's context, asked for while the kernel
+# before still reads its own bytes (H100 8B, PDL to 32 rows: FP8 B=32 7.42 ms with it, 6.12
+# without; kernels/NOTES.md)
 PDL_KV_PREFETCH = True
+PDL_KV_PREFETCH_MAX_ROWS = 1
 
 
 @dataclass(frozen=True)
@@ -87,7 +91,7 @@ def _decode_stage1(
     BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     DIRECT_OUT: tl.constexpr, PDL: tl.constexpr, KV_F16: tl.constexpr,
-    PREFETCH: tl.constexpr, LINE_ELEMS: tl.constexpr, LINES: tl.constexpr,
+    PREFETCH: tl.constexpr, LINE_ELEMS: tl.constexpr, LINES: tl.constexpr, PDL_LATE: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_BLOCKS
@@ -105,7 +109,7 @@ def _decode_stage1(
         _prefetch_split(seq_lens + b, pt_row, pt_width, num_pages, k_base, v_base, split,
                         stride_k_page, stride_k_off, stride_v_page, stride_v_off,
                         NUM_SPLITS, BLOCK_N, PAGE_SIZE, HEAD_DIM, LINE_ELEMS, LINES)
-    pdl_enter(PDL)
+    pdl_enter_late(PDL, PDL_LATE)
 
     seq_len = tl.load(seq_lens + b)
     # split length rounded up to whole BLOCK_N steps keeps loads aligned
@@ -156,6 +160,7 @@ def _decode_stage1(
             ).to(qv.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PRECISION)
             m_i = m_new
+        pdl_release(PDL, PDL_LATE)
         acc = acc * v_scale  # an FP8 cache's v_scale (1.0 otherwise)
         if DIRECT_OUT:  # the only split: this is the output
             tl.store(o_ptrs, (acc / l_i[:, None]).to(o.dtype.element_ty), mask=out_mask)
@@ -280,7 +285,8 @@ def launch_decode_attention(
         NUM_SPLITS=num_kv_splits, PAGE_SIZE=page_size, DOT_PRECISION=precision,
         DIRECT_OUT=direct, PDL=pdl is not None,
         KV_F16=k_cache.element_size() == 1 and q.dtype in (torch.bfloat16, torch.float16),
-        PREFETCH=pdl is not None and PDL_KV_PREFETCH, LINE_ELEMS=128 // k_cache.element_size(),
+        PREFETCH=pdl is not None and PDL_KV_PREFETCH and batch <= PDL_KV_PREFETCH_MAX_ROWS, LINE_ELEMS=128 // k_cache.element_size(),
+        PDL_LATE=pdl_late(pdl, batch),
         LINES=next_power_of_2(triton.cdiv(head_dim * k_cache.element_size(), 128)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )

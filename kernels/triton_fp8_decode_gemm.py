@@ -17,9 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import Pdl, launch_options, pdl_for
+from kernels.pdl import Pdl, launch_options, pdl_for, pdl_late
 from kernels.triton_fp8 import FP8_MAX, fp8_grid
-from kernels.triton_pdl import pdl_enter, prefetch_l2
+from kernels.triton_pdl import pdl_enter_late, pdl_release, prefetch_l2
 from kernels.triton_small_batch_linear import split_k_finish
 
 
@@ -58,7 +58,7 @@ def _fp8_decode_gemm_kernel(
     stride_xm, stride_xsm, stride_wn, stride_ws, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, GATE_UP: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-    PREQUANT: tl.constexpr,
+    PREQUANT: tl.constexpr, PDL_LATE: tl.constexpr,
 ):
     tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -79,7 +79,7 @@ def _fp8_decode_gemm_kernel(
             prefetch_l2(line_ptrs)
             if GATE_UP:
                 prefetch_l2(line_ptrs + up_rows * stride_wn)
-        pdl_enter(PDL)
+        pdl_enter_late(PDL, PDL_LATE)
 
     s_ptrs = w_scale + tl.load(scale_row + rows).to(tl.int64) * stride_ws
     if GATE_UP:
@@ -99,6 +99,7 @@ def _fp8_decode_gemm_kernel(
         if GATE_UP:
             d_up = tl.dot(w_desc.load([up_rows + off_n, k0]), tl.trans(xq))
             acc_up += d_up * (tl.load(su_ptrs + sk)[:, None] * sx[None, :])
+    pdl_release(PDL, PDL_LATE)
 
     split_k_finish(acc, acc_up, bias, out, partials, counters, tile, split, split_k, M, N, rn, rm, n_ok, m_ok,
                    stride_om, HAS_BIAS, GATE_UP, SPLIT)
@@ -148,7 +149,7 @@ def launch_fp8_decode_gemm(x: torch.Tensor, w, bias, out: torch.Tensor, cfg, wor
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=group,
         HAS_BIAS=bias is not None, GATE_UP=gate_up, SPLIT=split_k > 1,
         PDL=pdl is not None, PREFETCH=min(pdl.prefetch_k_blocks, per_split) if pdl else 0,
-        PREQUANT=cfg.prequant,
+        PREQUANT=cfg.prequant, PDL_LATE=pdl_late(pdl, m),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )
     return out

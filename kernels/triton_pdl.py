@@ -20,6 +20,25 @@ def pdl_enter(PDL: tl.constexpr):
 
 
 @triton.jit
+def pdl_enter_late(PDL: tl.constexpr, LATE: tl.constexpr):
+    """pdl_enter, or with LATE only its wait: the kernel then lets the next one be scheduled
+    itself, after its main loop (pdl_release)."""
+    if PDL:
+        if not LATE:
+            gdc_launch_dependents()
+        gdc_wait()
+
+
+@triton.jit
+def pdl_release(PDL: tl.constexpr, LATE: tl.constexpr):
+    """A LATE kernel's signal that the next kernel may be scheduled (its main loop is done; the
+    next kernel still waits for this one to finish before it reads anything)."""
+    if PDL:
+        if LATE:
+            gdc_launch_dependents()
+
+
+@triton.jit
 def prefetch_l2(ptrs):
     """Ask L2 for the 128-byte lines at ptrs (one address per line); nothing comes back."""
     tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],

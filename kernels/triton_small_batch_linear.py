@@ -31,11 +31,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import Pdl, launch_options, pdl_for
+from kernels.pdl import Pdl, launch_options, pdl_for, pdl_late
 from kernels.small_batch_linear_config import SmallBatchConfig
 
 from kernels.triton_f16_rows import rows_to_f16
-from kernels.triton_pdl import pdl_enter, prefetch_l2
+from kernels.triton_pdl import pdl_enter_late, pdl_release, prefetch_l2
 
 
 @triton.jit
@@ -105,7 +105,7 @@ def _small_batch_linear_kernel(
     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, GATE_UP: tl.constexpr, SPLIT: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE_ELEMS: tl.constexpr, FP8: tl.constexpr,
-    WIDEN_F16: tl.constexpr,
+    WIDEN_F16: tl.constexpr, PDL_LATE: tl.constexpr,
 ):
     tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -127,7 +127,7 @@ def _small_batch_linear_kernel(
             prefetch_l2(line_ptrs)
             if GATE_UP:
                 prefetch_l2(line_ptrs + up_elems)
-        pdl_enter(PDL)
+        pdl_enter_late(PDL, PDL_LATE)
 
     w_ptrs = w + rows[:, None] * stride_wn + rk[None, :]
     u_ptrs = w_ptrs + up_elems  # the up half's rows: N rows further down
@@ -169,6 +169,7 @@ def _small_batch_linear_kernel(
                     acc_up = _mac_fp8(acc_up, ut, xt, tl.load(su_ptrs + sk), USE_DOT, DOT_PRECISION)
                 else:
                     acc_up = _mac(acc_up, ut, xt, USE_DOT, DOT_PRECISION)
+    pdl_release(PDL, PDL_LATE)
     acc = _finish(acc, USE_DOT)
     acc_up = _finish(acc_up, USE_DOT)
 
@@ -260,6 +261,7 @@ def launch_small_batch_linear(x: torch.Tensor, w: torch.Tensor, bias, out: torch
         PDL=pdl is not None, PREFETCH=min(pdl.prefetch_k_blocks, k_blocks_per_split) if pdl else 0,
         LINE_ELEMS=min(cfg.block_k, 128 // w.element_size()), FP8=fp8 is not None,
         WIDEN_F16=cfg.widen_f16 and fp8 is not None and use_dot and x.dtype in (torch.bfloat16, torch.float16),
+        PDL_LATE=pdl_late(pdl, m),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )
     return out

@@ -28,8 +28,8 @@ table and exits if one hangs):
   fp8_decode_gemm_64  8B FP8 decode B=32, 48, 64: the decode GEMM taking up to 64 rows against 32
                   (FP8_DECODE_MAX_M)
   fp8_pdl_rows    8B FP8 decode B=1..32 with PDL on one-row launches (default) and up to 32 rows
-  fp8_pdl_rows_kv  8B decode B=1..32, FP8 and bf16: PDL on one row (default), to 32 rows, to 32 rows
-                  without decode attention's K/V prefetch
+  fp8_pdl_past_one_row  8B decode B=1..32, FP8 and bf16: PDL on one-row launches, to 32 rows
+                  signalling on entry, to 32 rows with the linears and attention signalling late
   fp8_pdl_prefetch  8B FP8 decode B=1 with the GEMVs prefetching 1, 2 or 4 weight tiles under PDL
   fp8_decode_profile  8B FP8 decode B=32 and 64: step, GPU busy time, heaviest kernels
   fp8_decode_timeline  8B decode B=1 and 32, FP8 and bf16: a step's kernels on one time line
@@ -406,43 +406,44 @@ def fp8_pdl_rows(ctx):
                           got[("PDL to 1 row", b)] / got[("PDL to 32 rows", b)])
 
 
-def fp8_pdl_rows_kv(ctx):
-    """8B decode at B=1, 8, 16, 32, FP8 and bf16: PDL on one-row launches (default), to 32 rows,
-    and to 32 rows without decode attention's K/V prefetch under PDL (kernels/
-    triton_decode_attention.py PDL_KV_PREFETCH: each program asks L2 for its split's pages
-    before it waits, which at 32 rows is every row's context): one engine build each."""
+def fp8_pdl_past_one_row(ctx):
+    """8B decode at B=1, 8, 16, 24, 32, FP8 and bf16: PDL on one-row launches (kernels/pdl.py
+    Pdl.max_rows 1), on launches of up to 32 rows with every kernel letting the next be
+    scheduled on entry ("early"), and up to 32 rows with the linears and decode attention's first
+    stage doing so after their main loop ("late", Pdl.late_from_rows); decode attention's K/V
+    prefetch on one-row launches only (PDL_KV_PREFETCH_MAX_ROWS): one engine build each, and 8
+    rows' greedy tokens, which must be equal (PDL changes no value)."""
     import functools
 
     import kernels.pdl as kp
-    from kernels import triton_decode_attention as tda
 
     from .gpu_engine import decode_floor_ms, decode_step_ms
     from .suite_context import need_ceilings
 
     args, rep = ctx["args"], ctx["report"]
     c = need_ceilings(ctx)
-    batches = (1, 8, 16, 32)
-    settings = (("one row", 1, True), ("32 rows", 32, True), ("32 rows, no KV prefetch", 32, False))
+    batches = (1, 8, 16, 24, 32)
+    settings = (("one row", functools.partial(kp.Pdl, max_rows=1)),
+                ("32 rows early", functools.partial(kp.Pdl, max_rows=32, late_from_rows=33)),
+                ("32 rows late", functools.partial(kp.Pdl, max_rows=32, late_from_rows=2)))
     got = {}
-    saved = tda.PDL_KV_PREFETCH
     for weights, quant in (("fp8", "fp8"), ("bf16", "none")):
-        for tag, rows, kv_prefetch in settings:
-            tda.PDL_KV_PREFETCH = kv_prefetch
-            try:
-                with _bench_engine(ctx, (kp, "Pdl", functools.partial(kp.Pdl, max_rows=rows)), quantization=quant,
-                                   max_model_len=2048, cuda_graph_max_bs=32, kv_cache_memory=8 << 30) as eng:
-                    for b in batches:
-                        floor, _ = decode_floor_ms(eng, b, args.ctx, c.copy_gb_s)
-                        runs = [decode_step_ms(eng, b, args.ctx, args.steps, overlap=True) for _ in range(2)]
-                        got[(weights, tag, b)] = ms = min(runs)
-                        rep.add("fp8_pdl_rows_kv", f"{weights} {tag} B={b} step_ms", ms,
-                                f"x{ms / floor:.2f} of floor {floor:.3f}; runs {runs[0]:.3f} / {runs[1]:.3f}")
-            finally:
-                tda.PDL_KV_PREFETCH = saved
+        for tag, pdl in settings:
+            with _bench_engine(ctx, (kp, "Pdl", pdl), quantization=quant, max_model_len=2048, cuda_graph_max_bs=32,
+                               kv_cache_memory=8 << 30) as eng:
+                for b in batches:
+                    floor, _ = decode_floor_ms(eng, b, args.ctx, c.copy_gb_s)
+                    runs = [decode_step_ms(eng, b, args.ctx, args.steps, overlap=True) for _ in range(2)]
+                    got[(weights, tag, b)] = ms = min(runs)
+                    rep.add("fp8_pdl_past_one_row", f"{weights} {tag} B={b} step_ms", ms,
+                            f"x{ms / floor:.2f} of floor {floor:.3f}; runs {runs[0]:.3f} / {runs[1]:.3f}")
+                got[(weights, tag, "tokens")] = _greedy_rows(eng, args.ctx, 8)
         for b in batches:
-            for tag, _, _ in settings[1:]:
-                rep.add("fp8_pdl_rows_kv", f"{weights} B={b} one row/{tag}",
+            for tag, _ in settings[1:]:
+                rep.add("fp8_pdl_past_one_row", f"{weights} B={b} one row/{tag}",
                         got[(weights, "one row", b)] / got[(weights, tag, b)])
+        same = all(got[(weights, t, "tokens")] == got[(weights, "one row", "tokens")] for t, _ in settings)
+        rep.add("fp8_pdl_past_one_row", f"{weights} 8 rows' greedy tokens equal", "yes" if same else "NO")
 
 
 def fp8_pdl_prefetch(ctx):
@@ -779,7 +780,7 @@ def fp8_kv_long(ctx):
 # (d) before (c): it is quick, and what matters most runs first when the budget is tight
 FP8_SECTIONS = ("ceilings", "fp8_accuracy", "fp8_decode_8b", "fp8_gemm_cublas", "fp8_decode_8b_wide",
                 "fp8_decode_route", "fp8_decode_prequant", "fp8_norm_quant", "fp8_decode_gemm_64", "fp8_pdl_rows",
-                "fp8_pdl_rows_kv", "fp8_pdl_prefetch", "fp8_decode_profile", "fp8_decode_timeline", "fp8_attn_prefetch", "fp8_gemm",
+                "fp8_pdl_past_one_row", "fp8_pdl_prefetch", "fp8_decode_profile", "fp8_decode_timeline", "fp8_attn_prefetch", "fp8_gemm",
                 "fp8_moe_decode", "fp8_moe_timeline", "fp8_moe_pairs", "fp8_kv_long",
                 "fp8_prefill_profile")
 SECTIONS = {"fp8_accuracy": fp8_accuracy, "fp8_decode_8b": fp8_decode_8b, "fp8_gemm": fp8_gemm,
@@ -787,7 +788,7 @@ SECTIONS = {"fp8_accuracy": fp8_accuracy, "fp8_decode_8b": fp8_decode_8b, "fp8_g
             "fp8_decode_route": fp8_decode_route, "fp8_decode_prequant": fp8_decode_prequant,
             "fp8_norm_quant": fp8_norm_quant,
             "fp8_decode_gemm_64": fp8_decode_gemm_64, "fp8_pdl_rows": fp8_pdl_rows,
-            "fp8_pdl_rows_kv": fp8_pdl_rows_kv, "fp8_pdl_prefetch": fp8_pdl_prefetch,
+            "fp8_pdl_past_one_row": fp8_pdl_past_one_row, "fp8_pdl_prefetch": fp8_pdl_prefetch,
             "fp8_decode_profile": fp8_decode_profile,
             "fp8_decode_timeline": fp8_decode_timeline, "fp8_attn_prefetch": fp8_attn_prefetch,
             "fp8_moe_decode": fp8_moe_decode, "fp8_moe_timeline": fp8_moe_timeline,

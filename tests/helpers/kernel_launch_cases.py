@@ -33,6 +33,12 @@ def _pdl():
     return Pdl()
 
 
+def _pdl_rows(rows):
+    """PDL on launches of up to `rows` rows (the linears and decode attention signal late past one)."""
+    from kernels.pdl import Pdl
+    return Pdl(max_rows=rows)
+
+
 # -- elementwise and norms -------------------------------------------------------------------------
 def rms_norm():
     from kernels.rms_norm import rms_norm as run
@@ -130,6 +136,8 @@ def decode_attention():
                     run(q, kc, vc, table, lens, 0.125, num_kv_splits=splits, **scales)
                 run(q[:1], kc, vc, table[:1], lens[:1], 0.125, pdl=_pdl(), **scales)
                 run(q[:1], kc, vc, table[:1], lens[:1], 0.125, num_kv_splits=4, pdl=_pdl(), **scales)
+                # PDL past one row: stage 1 lets the next kernel go after its loop (kernels/pdl.py)
+                run(q, kc, vc, table, lens, 0.125, num_kv_splits=2, pdl=_pdl_rows(32), **scales)
                 launch_decode_attention(q, kc, vc, table, lens, 0.125, 1, None,
                                         DecodeConfig(direct_single_split=False), **scales)
 
@@ -186,7 +194,7 @@ def small_batch_linear():
         for n, k, gate_up in ((6144, 4096, False), (24576, 4096, True), (4096, 12288, False), (2048, 4096, False)):
             w = _e(n, k, dtype=dt)
             call = small_batch_gate_up_silu if gate_up else run
-            for m, pdl in ((1, None), (1, Pdl()), (1, Pdl(prefetch_k_blocks=8)), (8, None)):
+            for m, pdl in ((1, None), (1, Pdl()), (1, Pdl(prefetch_k_blocks=8)), (8, None), (8, _pdl_rows(32))):
                 call(_e(m, k, dtype=dt), w, config=get_config(m, n, k, dt.itemsize, 132, gate_up, "H100"),
                      workspace=ws, pdl=pdl)
 
@@ -243,8 +251,8 @@ def fp8_decode_gemm():
             for m in (1, 16, 17, 32):
                 cfg = decode_config(m, n, k, 132, gate_up, 128, CUDA)
                 out = _e(m, n // 2 if gate_up else n, dtype=dt)
-                launch_fp8_decode_gemm(_e(m, k, dtype=dt), w, None, out, cfg, ws, gate_up, _pdl() if m == 1 else None,
-                                       128, ACT_EPS)
+                launch_fp8_decode_gemm(_e(m, k, dtype=dt), w, None, out, cfg, ws, gate_up,
+                                       _pdl() if m == 1 else _pdl_rows(32) if m == 16 else None, 128, ACT_EPS)
             for m in (8, 32):  # x quantized by the norm before (kernels.rms_norm.rms_norm_fp8_rows)
                 cfg = dataclasses.replace(decode_config(m, n, k, 132, gate_up, 128, CUDA), prequant=True)
                 rows = Fp8Rows(_e(m, k, dtype=FP8), _e(m, k // 128), 128)
