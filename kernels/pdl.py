@@ -19,21 +19,34 @@ from dataclasses import dataclass
 import torch
 
 
+# Dense FP8 models take PDL on launches of up to this many rows (others on one row: Pdl.max_rows).
+# H100, Qwen3-8B FP8 decode, the step with PDL on one row over the step with it to 32 rows (the
+# linears and decode attention's first stage signalling late from 2 to 16 rows, everything on
+# entry past that; attention's K/V prefetch on one row only): B=8 1.018, 16 0.995, 24 1.036, 32
+# 1.026 (`fp8_device --sections ceilings,fp8_pdl_past_one_row`, kernels/NOTES.md). bf16 gained
+# nothing past one row (0.99-1.01: its linears past 16 rows are cuBLAS's, outside PDL); MoE models
+# are not measured past one row.
+FP8_DENSE_MAX_ROWS = 32
+
+
 @dataclass(frozen=True)
 class Pdl:
     """How kernels launch when PDL is on. prefetch_k_blocks: how many of its first
     [BLOCK_N, BLOCK_K] weight tiles each small-batch-linear program prefetches into L2
     before it waits for the previous kernel (0: none). max_rows: only launches over at most
     this many rows (tokens, sequences) use PDL: on an H100 it took Qwen3-8B's batch-1 step
-    from 6.18 to 5.94 ms, but made batch 8 slower (6.87 -> 7.12 ms), see kernels/NOTES.md."""
+    from 6.18 to 5.94 ms, but made batch 8 slower (6.87 -> 7.12 ms), see kernels/NOTES.md
+    (dense FP8 models: FP8_DENSE_MAX_ROWS). late_from_rows..late_to_rows: launches over that
+    many rows of the kernels with a main loop (the linears, decode attention's first stage)
+    let the next kernel be scheduled only after that loop, as CUTLASS's kernels do after their
+    mainloop, not on entry: at 2-16 rows the decode GEMM runs 2-4 programs an SM and the next
+    kernel's early programs took slots it still wanted; past 16 (one program an SM) on entry
+    measured better."""
 
     prefetch_k_blocks: int = 1
     max_rows: int = 1
-    # launches over this many rows or more let the next kernel be scheduled only once their
-    # main loop is done (the linears, decode attention's first stage), as CUTLASS's kernels do
-    # after their mainloop: an early signal let the next kernel's programs take SM slots the
-    # running one still wanted (what made PDL lose past one row, kernels/NOTES.md)
     late_from_rows: int = 2
+    late_to_rows: int = 16
 
     def __post_init__(self):
         if self.prefetch_k_blocks < 0:
@@ -42,6 +55,12 @@ class Pdl:
             raise ValueError(f"max_rows must be >= 1, got {self.max_rows}")
         if self.late_from_rows < 1:
             raise ValueError(f"late_from_rows must be >= 1, got {self.late_from_rows}")
+
+
+def engine_pdl(prefetch_k_blocks: int, dense_fp8: bool) -> Pdl:
+    """The engine's Pdl: past one row only for dense FP8 models on one GPU (dense_fp8), where it
+    was measured to pay (FP8_DENSE_MAX_ROWS)."""
+    return Pdl(prefetch_k_blocks=prefetch_k_blocks, max_rows=FP8_DENSE_MAX_ROWS if dense_fp8 else 1)
 
 
 def parse_prefetch_at(spec: str) -> dict[str, int]:
@@ -67,7 +86,7 @@ def pdl_for(pdl: Pdl | None, rows: int) -> Pdl | None:
 def pdl_late(pdl: Pdl | None, rows: int) -> bool:
     """Whether a kernel with a main loop, launched with pdl over `rows` rows, signals the next
     kernel after that loop (triton_pdl.pdl_release) rather than on entry."""
-    return pdl is not None and rows >= pdl.late_from_rows
+    return pdl is not None and pdl.late_from_rows <= rows <= pdl.late_to_rows
 
 
 def pdl_supported(device: torch.device | str) -> bool:

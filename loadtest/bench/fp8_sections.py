@@ -28,8 +28,8 @@ table and exits if one hangs):
   fp8_decode_gemm_64  8B FP8 decode B=32, 48, 64: the decode GEMM taking up to 64 rows against 32
                   (FP8_DECODE_MAX_M)
   fp8_pdl_rows    8B FP8 decode B=1..32 with PDL on one-row launches (default) and up to 32 rows
-  fp8_pdl_past_one_row  8B decode B=1..32, FP8 and bf16: PDL on one-row launches, to 32 rows
-                  signalling on entry, to 32 rows with the linears and attention signalling late
+  fp8_pdl_past_one_row  8B FP8 decode B=1..32: PDL on one-row launches, and to 32 rows with the
+                  linears and attention signalling late to 16 rows (default), never, to 32 rows
   fp8_pdl_prefetch  8B FP8 decode B=1 with the GEMVs prefetching 1, 2 or 4 weight tiles under PDL
   fp8_decode_profile  8B FP8 decode B=32 and 64: step, GPU busy time, heaviest kernels
   fp8_decode_timeline  8B decode B=1 and 32, FP8 and bf16: a step's kernels on one time line
@@ -236,23 +236,23 @@ def fp8_decode_8b(ctx):
 @contextlib.contextmanager
 def _bench_engine(ctx, patch: tuple | None = None, model: str = "qwen3-8b", **engine_kw):
     """A random-weight engine of `model` (engine_kw: its options), closed and its memory released
-    on every exit; patch (module, name, value): that module global set while the engine is built
-    and runs (it is read when the decode graphs are captured and at every eager call), then
-    restored."""
+    on every exit; patch (module, name, value), or a list of them: that module global set while
+    the engine is built and runs (it is read when the decode graphs are captured and at every
+    eager call), then restored."""
     from .gpu_engine import release_memory
     from .suite_context import random_engine
 
-    module, name, value = patch or (None, None, None)
-    saved = getattr(module, name) if module else None
+    patches = [] if patch is None else list(patch) if isinstance(patch, list) else [patch]
+    saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
     eng = None
     try:
-        if module:
+        for module, name, value in patches:
             setattr(module, name, value)
         eng = random_engine(ctx, model, **engine_kw)
         yield eng
     finally:
-        if module:
-            setattr(module, name, saved)
+        for module, name, value in reversed(saved):
+            setattr(module, name, value)
         if eng is not None:
             eng.close()
         del eng
@@ -286,10 +286,12 @@ def fp8_decode_8b_wide(ctx):
                 f"bf16/fp8 cuBLAS {got[('bf16', b)] / got[('fp8 cuBLAS', b)]:.2f}")
 
 
-def _fp8_steps_by_setting(ctx, section: str, settings, batches, model: str = "qwen3-8b", **engine_kw) -> dict:
+def _fp8_steps_by_setting(ctx, section: str, settings, batches, model: str = "qwen3-8b", greedy_rows: int = 0,
+                          **engine_kw) -> dict:
     """FP8 decode steps (ms) of `model` at each batch, one engine build per setting (tag, patch) or
-    (tag, patch, engine options): patch as _bench_engine's. Each step goes into the report with its
-    floor; returns {(tag, batch): ms}."""
+    (tag, patch, engine options): patch as _bench_engine's. Each step is the better of two runs and
+    goes into the report with its floor; returns {(tag, batch): ms}, and {(tag, "tokens"): ...}
+    with greedy_rows: that many rows' greedy tokens decoded together (_greedy_rows)."""
     from .gpu_engine import decode_floor_ms, decode_step_ms
     from .suite_context import need_ceilings
 
@@ -301,8 +303,12 @@ def _fp8_steps_by_setting(ctx, section: str, settings, batches, model: str = "qw
         with _bench_engine(ctx, patch, model, **{**opts, **engine_kw, **(own[0] if own else {})}) as eng:
             for b in batches:
                 floor, _ = decode_floor_ms(eng, b, args.ctx, c.copy_gb_s)
-                got[(tag, b)] = ms = decode_step_ms(eng, b, args.ctx, args.steps, overlap=True)
-                rep.add(section, f"{tag} B={b} step_ms", ms, f"x{ms / floor:.2f} of floor {floor:.3f}")
+                runs = [decode_step_ms(eng, b, args.ctx, args.steps, overlap=True) for _ in range(2)]
+                got[(tag, b)] = ms = min(runs)
+                rep.add(section, f"{tag} B={b} step_ms", ms,
+                        f"x{ms / floor:.2f} of floor {floor:.3f}; runs {runs[0]:.3f} / {runs[1]:.3f}")
+            if greedy_rows:
+                got[(tag, "tokens")] = _greedy_rows(eng, args.ctx, greedy_rows)
     return got
 
 
@@ -392,14 +398,16 @@ def fp8_decode_gemm_64(ctx):
 
 def fp8_pdl_rows(ctx):
     """8B FP8 decode at B=1, 8, 16, 32 with programmatic dependent launch on launches of one row
-    (the default, kernels/pdl.py Pdl.max_rows) and of up to 32 rows: one engine build each."""
+    and of up to 32 rows (kernels/pdl.py FP8_DENSE_MAX_ROWS), every kernel signalling the next on
+    entry (the fourth session's run): one engine build each."""
     import functools
 
     import kernels.pdl as kp
 
     batches = (1, 8, 16, 32)
     got = _fp8_steps_by_setting(ctx, "fp8_pdl_rows", [
-        (f"PDL to {rows} row{'s' if rows > 1 else ''}", (kp, "Pdl", functools.partial(kp.Pdl, max_rows=rows)))
+        (f"PDL to {rows} row{'s' if rows > 1 else ''}",
+         [(kp, "FP8_DENSE_MAX_ROWS", rows), (kp, "Pdl", functools.partial(kp.Pdl, late_to_rows=0))])
         for rows in (1, 32)], batches)
     for b in batches:
         ctx["report"].add("fp8_pdl_rows", f"B={b} 1 row / 32 rows",
@@ -407,43 +415,26 @@ def fp8_pdl_rows(ctx):
 
 
 def fp8_pdl_past_one_row(ctx):
-    """8B decode at B=1, 8, 16, 24, 32, FP8 and bf16: PDL on one-row launches (kernels/pdl.py
-    Pdl.max_rows 1), on launches of up to 32 rows with every kernel letting the next be
-    scheduled on entry ("early"), and up to 32 rows with the linears and decode attention's first
-    stage doing so after their main loop ("late", Pdl.late_from_rows); decode attention's K/V
-    prefetch on one-row launches only (PDL_KV_PREFETCH_MAX_ROWS): one engine build each, and 8
-    rows' greedy tokens, which must be equal (PDL changes no value)."""
+    """8B FP8 decode at B=1..32 with PDL on one-row launches, and on launches of up to 32 rows
+    (kernels/pdl.py FP8_DENSE_MAX_ROWS) with the linears and decode attention's first stage
+    signalling the next kernel after their main loop from 2 to 16 rows (the default, Pdl.
+    late_to_rows), never (all on entry), and from 2 to 32 rows: one engine build each, and 8 rows'
+    greedy tokens, which must be equal (PDL changes no value)."""
     import functools
 
     import kernels.pdl as kp
 
-    from .gpu_engine import decode_floor_ms, decode_step_ms
-    from .suite_context import need_ceilings
-
-    args, rep = ctx["args"], ctx["report"]
-    c = need_ceilings(ctx)
-    batches = (1, 8, 16, 24, 32)
-    settings = (("one row", functools.partial(kp.Pdl, max_rows=1)),
-                ("32 rows early", functools.partial(kp.Pdl, max_rows=32, late_from_rows=33)),
-                ("32 rows late", functools.partial(kp.Pdl, max_rows=32, late_from_rows=2)))
-    got = {}
-    for weights, quant in (("fp8", "fp8"), ("bf16", "none")):
-        for tag, pdl in settings:
-            with _bench_engine(ctx, (kp, "Pdl", pdl), quantization=quant, max_model_len=2048, cuda_graph_max_bs=32,
-                               kv_cache_memory=8 << 30) as eng:
-                for b in batches:
-                    floor, _ = decode_floor_ms(eng, b, args.ctx, c.copy_gb_s)
-                    runs = [decode_step_ms(eng, b, args.ctx, args.steps, overlap=True) for _ in range(2)]
-                    got[(weights, tag, b)] = ms = min(runs)
-                    rep.add("fp8_pdl_past_one_row", f"{weights} {tag} B={b} step_ms", ms,
-                            f"x{ms / floor:.2f} of floor {floor:.3f}; runs {runs[0]:.3f} / {runs[1]:.3f}")
-                got[(weights, tag, "tokens")] = _greedy_rows(eng, args.ctx, 8)
-        for b in batches:
-            for tag, _ in settings[1:]:
-                rep.add("fp8_pdl_past_one_row", f"{weights} B={b} one row/{tag}",
-                        got[(weights, "one row", b)] / got[(weights, tag, b)])
-        same = all(got[(weights, t, "tokens")] == got[(weights, "one row", "tokens")] for t, _ in settings)
-        rep.add("fp8_pdl_past_one_row", f"{weights} 8 rows' greedy tokens equal", "yes" if same else "NO")
+    batches = (1, 4, 8, 16, 17, 24, 32)
+    settings = [("one row", [(kp, "FP8_DENSE_MAX_ROWS", 1)])] + [
+        (tag, [(kp, "FP8_DENSE_MAX_ROWS", 32), (kp, "Pdl", functools.partial(kp.Pdl, late_to_rows=late))])
+        for tag, late in (("32 rows, late to 16", 16), ("32 rows, on entry", 0), ("32 rows, late to 32", 32))]
+    got = _fp8_steps_by_setting(ctx, "fp8_pdl_past_one_row", settings, batches, greedy_rows=8)
+    rep = ctx["report"]
+    for b in batches:
+        for tag, _ in settings[1:]:
+            rep.add("fp8_pdl_past_one_row", f"B={b} one row/{tag}", got[("one row", b)] / got[(tag, b)])
+    same = all(got[(t, "tokens")] == got[("one row", "tokens")] for t, _ in settings)
+    rep.add("fp8_pdl_past_one_row", "8 rows' greedy tokens equal", "yes" if same else "NO")
 
 
 def fp8_pdl_prefetch(ctx):

@@ -195,12 +195,14 @@ class Engine:
         mode = str(config.pdl).lower()
         if mode not in ("on", "off"):
             raise ValueError(f"pdl must be on or off, not {config.pdl!r}")
-        from kernels.pdl import Pdl, parse_prefetch_at, pdl_supported
+        from kernels.pdl import engine_pdl, parse_prefetch_at, pdl_supported
         overrides = parse_prefetch_at(config.pdl_prefetch_at)  # bad values fail on any device
         if mode == "off" or not fused or not pdl_supported(self.device):
             return None
         from .models.layers import enable_pdl
-        pdl = Pdl(prefetch_k_blocks=config.pdl_prefetch_k_blocks)
+        # past one row: dense FP8 models on one GPU, where it was measured (kernels/pdl.py)
+        dense_fp8 = bool(self.fp8_layers) and self.model_config.moe is None and self.tp.size == 1
+        pdl = engine_pdl(config.pdl_prefetch_k_blocks, dense_fp8)
         enable_pdl(self.model, pdl, overrides)
         if hasattr(self.backend, "pdl"):
             self.backend.pdl = pdl

@@ -9,7 +9,7 @@ import gc
 import pytest
 import torch
 
-from kernels.pdl import Pdl, launch_options, parse_prefetch_at, pdl_for, pdl_supported
+from kernels.pdl import FP8_DENSE_MAX_ROWS, Pdl, engine_pdl, launch_options, parse_prefetch_at, pdl_for, pdl_late, pdl_supported
 from shared.engine.sampling_params import SamplingParams
 from tests.helpers.engine_models import build_model_dir, random_prompts, run_engine
 
@@ -29,6 +29,19 @@ def test_pdl_settings_and_where_it_is_off():
     for bad in ("o_proj", "o_proj=-1", "=3", "o_proj=two"):
         with pytest.raises(ValueError, match="name=blocks"):
             parse_prefetch_at(bad)
+
+
+def test_past_one_row_only_dense_fp8_and_the_long_kernels_signal_late_to_16_rows():
+    """The engine's Pdl takes launches past one row only for dense FP8 models; kernels with a main
+    loop signal the next kernel after it from 2 to 16 rows, on entry at one row and past 16."""
+    assert engine_pdl(1, dense_fp8=False) == Pdl(prefetch_k_blocks=1, max_rows=1)
+    fp8 = engine_pdl(2, dense_fp8=True)
+    assert fp8.max_rows == FP8_DENSE_MAX_ROWS == 32 and fp8.prefetch_k_blocks == 2
+    assert [rows for rows in range(1, 34) if pdl_late(fp8, rows)] == list(range(2, 17))
+    assert not pdl_late(None, 8)
+    assert [rows for rows in range(1, 34) if pdl_for(fp8, rows)] == list(range(1, 33))
+    with pytest.raises(ValueError, match="late_from_rows"):
+        Pdl(late_from_rows=0)
 
 
 def test_prefetch_overrides_reach_the_named_linears_only():
@@ -144,6 +157,28 @@ def test_engine_greedy_tokens_identical_with_pdl_on_the_gpu(tmp_path):
         eng = Engine(model_dir=str(model_dir), device="cuda", dtype="bfloat16", small_batch_linear="all", pdl=pdl,
                      kv_cache_memory=1 << 28)
         assert (eng.pdl is not None) == (pdl == "on")
+        got[pdl] = [r.token_ids for r in run_engine(eng, prompts, params)]
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert got["on"] == got["off"]
+
+
+@pytest.mark.skipif(not HOPPER, reason="PDL needs a Hopper (sm_90+) GPU; on CPU the fallback test above runs")
+def test_fp8_engine_greedy_tokens_identical_with_pdl_past_one_row(tmp_path):
+    """A dense FP8 model takes PDL on decode launches of up to 32 rows (late signals from 2 to 16,
+    attention's K/V prefetch on one row only): batches of 1..6 rows give the tokens PDL off gives."""
+    from shared.engine.engine import Engine
+
+    model_dir = build_model_dir(tmp_path / "m", "qwen3_headdim32", dtype=torch.bfloat16, hidden_size=512,
+                                intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2, head_dim=128)
+    prompts = random_prompts(6, [3, 40, 17, 90, 8, 130])
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    got = {}
+    for pdl in ("off", "on"):
+        eng = Engine(model_dir=str(model_dir), device="cuda", dtype="bfloat16", quantization="fp8", pdl=pdl,
+                     kv_cache_memory=1 << 28)
+        assert (eng.pdl.max_rows if eng.pdl else None) == (FP8_DENSE_MAX_ROWS if pdl == "on" else None)
         got[pdl] = [r.token_ids for r in run_engine(eng, prompts, params)]
         del eng
         gc.collect()
