@@ -27,6 +27,9 @@ import torch
 # nothing past one row (0.99-1.01: its linears past 16 rows are cuBLAS's, outside PDL); MoE models
 # are not measured past one row.
 FP8_DENSE_MAX_ROWS = 32
+# FP8 mixture-of-experts models: launches of up to this many rows (loadtest/bench/fp8_sections.py
+# fp8_moe_pdl_rows measures 1 against 32)
+FP8_MOE_MAX_ROWS = 1
 
 
 @dataclass(frozen=True)
@@ -57,10 +60,11 @@ class Pdl:
             raise ValueError(f"late_from_rows must be >= 1, got {self.late_from_rows}")
 
 
-def engine_pdl(prefetch_k_blocks: int, dense_fp8: bool) -> Pdl:
-    """The engine's Pdl: past one row only for dense FP8 models on one GPU (dense_fp8), where it
-    was measured to pay (FP8_DENSE_MAX_ROWS)."""
-    return Pdl(prefetch_k_blocks=prefetch_k_blocks, max_rows=FP8_DENSE_MAX_ROWS if dense_fp8 else 1)
+def engine_pdl(prefetch_k_blocks: int, fp8_model: str | None) -> Pdl:
+    """The engine's Pdl: past one row for FP8 models on one GPU (fp8_model "dense" or "moe"), as
+    far as measured to pay (FP8_DENSE_MAX_ROWS, FP8_MOE_MAX_ROWS); one row otherwise."""
+    rows = {"dense": FP8_DENSE_MAX_ROWS, "moe": FP8_MOE_MAX_ROWS}.get(fp8_model, 1)
+    return Pdl(prefetch_k_blocks=prefetch_k_blocks, max_rows=rows)
 
 
 def parse_prefetch_at(spec: str) -> dict[str, int]:

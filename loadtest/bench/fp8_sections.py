@@ -39,6 +39,7 @@ table and exits if one hangs):
   fp8_moe_decode  (c) 30B-A3B decode B=1, 8, 32: FP8 vs floor (touched experts) and bf16
   fp8_moe_timeline  30B-A3B FP8 decode B=1 and 8: a step's kernels on one time line
   fp8_moe_pairs   30B-A3B FP8 decode B=2..6 with the per-pair experts kernel to 2 tokens and to 4
+  fp8_moe_pdl_rows  30B-A3B FP8 decode B=1..32 with PDL on one-row launches (default) and to 32 rows
   fp8_kv_long     (e) 8B FP8 weights, ctx 16k: step time and KV pages with FP8 vs bf16 KV in
                   one budget (B=16 both, B=32 FP8 only: bf16 does not fit an H100), bytes per
                   token a handoff moves
@@ -739,6 +740,22 @@ def fp8_moe_pairs(ctx):
         ctx["report"].add("fp8_moe_pairs", f"B={b} to 2 / to 4", got[("pairs to 2", b)] / got[("pairs to 4", b)])
 
 
+def fp8_moe_pdl_rows(ctx):
+    """30B-A3B FP8 decode at B=1, 2, 8, 16, 32 with PDL on one-row launches (kernels/pdl.py
+    FP8_MOE_MAX_ROWS 1, the default) and on launches of up to 32 rows (the loop kernels signalling
+    late from 2 to 16 rows, as dense FP8 models run): one engine build each."""
+    import kernels.pdl as kp
+
+    batches = (1, 2, 8, 16, 32)
+    got = _fp8_steps_by_setting(ctx, "fp8_moe_pdl_rows", [
+        (f"PDL to {rows} row{'s' if rows > 1 else ''}", (kp, "FP8_MOE_MAX_ROWS", rows)) for rows in (1, 32)],
+        batches, model="qwen3-30b-a3b", cuda_graph_max_bs=32, kv_cache_memory=4 << 30, greedy_rows=8)
+    for b in batches:
+        ctx["report"].add("fp8_moe_pdl_rows", f"B={b} 1 row / 32 rows", got[("PDL to 1 row", b)] / got[("PDL to 32 rows", b)])
+    same = got[("PDL to 1 row", "tokens")] == got[("PDL to 32 rows", "tokens")]
+    ctx["report"].add("fp8_moe_pdl_rows", "8 rows' greedy tokens equal", "yes" if same else "NO")
+
+
 def fp8_kv_long(ctx):
     from shared.kv_transfer.pool_info import PoolInfo
     from .gpu_engine import decode_step_ms, release_memory
@@ -772,7 +789,7 @@ def fp8_kv_long(ctx):
 FP8_SECTIONS = ("ceilings", "fp8_accuracy", "fp8_decode_8b", "fp8_gemm_cublas", "fp8_decode_8b_wide",
                 "fp8_decode_route", "fp8_decode_prequant", "fp8_norm_quant", "fp8_decode_gemm_64", "fp8_pdl_rows",
                 "fp8_pdl_past_one_row", "fp8_pdl_prefetch", "fp8_decode_profile", "fp8_decode_timeline", "fp8_attn_prefetch", "fp8_gemm",
-                "fp8_moe_decode", "fp8_moe_timeline", "fp8_moe_pairs", "fp8_kv_long",
+                "fp8_moe_decode", "fp8_moe_timeline", "fp8_moe_pairs", "fp8_moe_pdl_rows", "fp8_kv_long",
                 "fp8_prefill_profile")
 SECTIONS = {"fp8_accuracy": fp8_accuracy, "fp8_decode_8b": fp8_decode_8b, "fp8_gemm": fp8_gemm,
             "fp8_gemm_cublas": fp8_gemm_cublas, "fp8_decode_8b_wide": fp8_decode_8b_wide,
@@ -783,6 +800,6 @@ SECTIONS = {"fp8_accuracy": fp8_accuracy, "fp8_decode_8b": fp8_decode_8b, "fp8_g
             "fp8_decode_profile": fp8_decode_profile,
             "fp8_decode_timeline": fp8_decode_timeline, "fp8_attn_prefetch": fp8_attn_prefetch,
             "fp8_moe_decode": fp8_moe_decode, "fp8_moe_timeline": fp8_moe_timeline,
-            "fp8_moe_pairs": fp8_moe_pairs, "fp8_kv_long": fp8_kv_long,
+            "fp8_moe_pairs": fp8_moe_pairs, "fp8_moe_pdl_rows": fp8_moe_pdl_rows, "fp8_kv_long": fp8_kv_long,
             "fp8_prefill_profile": fp8_prefill_profile}
 

@@ -9,7 +9,7 @@ import gc
 import pytest
 import torch
 
-from kernels.pdl import FP8_DENSE_MAX_ROWS, Pdl, engine_pdl, launch_options, parse_prefetch_at, pdl_for, pdl_late, pdl_supported
+from kernels.pdl import FP8_DENSE_MAX_ROWS, FP8_MOE_MAX_ROWS, Pdl, engine_pdl, launch_options, parse_prefetch_at, pdl_for, pdl_late, pdl_supported
 from shared.engine.sampling_params import SamplingParams
 from tests.helpers.engine_models import build_model_dir, random_prompts, run_engine
 
@@ -31,11 +31,12 @@ def test_pdl_settings_and_where_it_is_off():
             parse_prefetch_at(bad)
 
 
-def test_past_one_row_only_dense_fp8_and_the_long_kernels_signal_late_to_16_rows():
-    """The engine's Pdl takes launches past one row only for dense FP8 models; kernels with a main
+def test_past_one_row_only_fp8_and_the_long_kernels_signal_late_to_16_rows():
+    """The engine's Pdl takes launches past one row only for FP8 models (MoE ones as far as measured); kernels with a main
     loop signal the next kernel after it from 2 to 16 rows, on entry at one row and past 16."""
-    assert engine_pdl(1, dense_fp8=False) == Pdl(prefetch_k_blocks=1, max_rows=1)
-    fp8 = engine_pdl(2, dense_fp8=True)
+    assert engine_pdl(1, None) == Pdl(prefetch_k_blocks=1, max_rows=1)
+    assert engine_pdl(1, "moe").max_rows == FP8_MOE_MAX_ROWS
+    fp8 = engine_pdl(2, "dense")
     assert fp8.max_rows == FP8_DENSE_MAX_ROWS == 32 and fp8.prefetch_k_blocks == 2
     assert [rows for rows in range(1, 34) if pdl_late(fp8, rows)] == list(range(2, 17))
     assert not pdl_late(None, 8)
