@@ -19,17 +19,15 @@ from dataclasses import dataclass
 import torch
 
 
-# Dense FP8 models take PDL on launches of up to this many rows (others on one row: Pdl.max_rows).
-# H100, Qwen3-8B FP8 decode, the step with PDL on one row over the step with it to 32 rows (the
-# linears and decode attention's first stage signalling late from 2 to 16 rows, everything on
-# entry past that; attention's K/V prefetch on one row only): B=8 1.018, 16 0.995, 24 1.036, 32
-# 1.026 (`fp8_device --sections ceilings,fp8_pdl_past_one_row`, kernels/NOTES.md). bf16 gained
-# nothing past one row (0.99-1.01: its linears past 16 rows are cuBLAS's, outside PDL); MoE models
-# are not measured past one row.
-FP8_DENSE_MAX_ROWS = 32
-# FP8 mixture-of-experts models: launches of up to this many rows (loadtest/bench/fp8_sections.py
-# fp8_moe_pdl_rows measures 1 against 32)
-FP8_MOE_MAX_ROWS = 1
+# Launches of up to this many rows take PDL, by the model's weights and kind (one GPU; with tensor
+# parallelism one row). H100, the step with PDL on one row over the step with it to 32 rows (the
+# linears and decode attention's first stage signalling late from 2 to 16 rows, everything on entry
+# past that; attention's K/V prefetch on one row only), kernels/NOTES.md "PDL past one row":
+# - FP8 Qwen3-8B: B=4 1.030, 8 1.018, 16 0.996, 17 1.045, 24 1.041, 32 1.025
+#   (`fp8_device --sections ceilings,fp8_pdl_past_one_row`);
+# - FP8 Qwen3-30B-A3B: B=2 1.078, 8 1.016, 16 1.000, 32 1.003 (`--sections ceilings,fp8_moe_pdl_rows`);
+# - 16-bit Qwen3-8B: 0.99-1.01 (its linears past 16 rows are cuBLAS's, outside PDL): one row.
+MAX_ROWS = {("fp8", "dense"): 32, ("fp8", "moe"): 32, ("16-bit", "dense"): 1, ("16-bit", "moe"): 1}
 
 
 @dataclass(frozen=True)
@@ -39,7 +37,7 @@ class Pdl:
     before it waits for the previous kernel (0: none). max_rows: only launches over at most
     this many rows (tokens, sequences) use PDL: on an H100 it took Qwen3-8B's batch-1 step
     from 6.18 to 5.94 ms, but made batch 8 slower (6.87 -> 7.12 ms), see kernels/NOTES.md
-    (dense FP8 models: FP8_DENSE_MAX_ROWS). late_from_rows..late_to_rows: launches over that
+    (by model: MAX_ROWS). late_from_rows..late_to_rows: launches over that
     many rows of the kernels with a main loop (the linears, decode attention's first stage)
     let the next kernel be scheduled only after that loop, as CUTLASS's kernels do after their
     mainloop, not on entry: at 2-16 rows the decode GEMM runs 2-4 programs an SM and the next
@@ -60,10 +58,11 @@ class Pdl:
             raise ValueError(f"late_from_rows must be >= 1, got {self.late_from_rows}")
 
 
-def engine_pdl(prefetch_k_blocks: int, fp8_model: str | None) -> Pdl:
-    """The engine's Pdl: past one row for FP8 models on one GPU (fp8_model "dense" or "moe"), as
-    far as measured to pay (FP8_DENSE_MAX_ROWS, FP8_MOE_MAX_ROWS); one row otherwise."""
-    rows = {"dense": FP8_DENSE_MAX_ROWS, "moe": FP8_MOE_MAX_ROWS}.get(fp8_model, 1)
+def engine_pdl(prefetch_k_blocks: int, weights: str, kind: str, tp_size: int = 1) -> Pdl:
+    """The engine's Pdl for a model of `weights` ("fp8" or "16-bit") and `kind` ("dense" or "moe"):
+    PDL on launches of up to MAX_ROWS rows on one GPU, one row under tensor parallelism (not
+    measured past one row there)."""
+    rows = MAX_ROWS[(weights, kind)] if tp_size == 1 else 1
     return Pdl(prefetch_k_blocks=prefetch_k_blocks, max_rows=rows)
 
 

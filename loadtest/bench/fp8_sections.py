@@ -39,7 +39,7 @@ table and exits if one hangs):
   fp8_moe_decode  (c) 30B-A3B decode B=1, 8, 32: FP8 vs floor (touched experts) and bf16
   fp8_moe_timeline  30B-A3B FP8 decode B=1 and 8: a step's kernels on one time line
   fp8_moe_pairs   30B-A3B FP8 decode B=2..6 with the per-pair experts kernel to 2 tokens and to 4
-  fp8_moe_pdl_rows  30B-A3B FP8 decode B=1..32 with PDL on one-row launches (default) and to 32 rows
+  fp8_moe_pdl_rows  30B-A3B decode B=1..32, FP8 and bf16, with PDL on one-row launches and to 32 rows
   fp8_kv_long     (e) 8B FP8 weights, ctx 16k: step time and KV pages with FP8 vs bf16 KV in
                   one budget (B=16 both, B=32 FP8 only: bf16 does not fit an H100), bytes per
                   token a handoff moves
@@ -399,7 +399,7 @@ def fp8_decode_gemm_64(ctx):
 
 def fp8_pdl_rows(ctx):
     """8B FP8 decode at B=1, 8, 16, 32 with programmatic dependent launch on launches of one row
-    and of up to 32 rows (kernels/pdl.py FP8_DENSE_MAX_ROWS), every kernel signalling the next on
+    and of up to 32 rows (kernels/pdl.py MAX_ROWS), every kernel signalling the next on
     entry (the fourth session's run): one engine build each."""
     import functools
 
@@ -408,7 +408,8 @@ def fp8_pdl_rows(ctx):
     batches = (1, 8, 16, 32)
     got = _fp8_steps_by_setting(ctx, "fp8_pdl_rows", [
         (f"PDL to {rows} row{'s' if rows > 1 else ''}",
-         [(kp, "FP8_DENSE_MAX_ROWS", rows), (kp, "Pdl", functools.partial(kp.Pdl, late_to_rows=0))])
+         [(kp, "MAX_ROWS", {**kp.MAX_ROWS, ("fp8", "dense"): rows}),
+          (kp, "Pdl", functools.partial(kp.Pdl, late_to_rows=0))])
         for rows in (1, 32)], batches)
     for b in batches:
         ctx["report"].add("fp8_pdl_rows", f"B={b} 1 row / 32 rows",
@@ -417,7 +418,7 @@ def fp8_pdl_rows(ctx):
 
 def fp8_pdl_past_one_row(ctx):
     """8B FP8 decode at B=1..32 with PDL on one-row launches, and on launches of up to 32 rows
-    (kernels/pdl.py FP8_DENSE_MAX_ROWS) with the linears and decode attention's first stage
+    (kernels/pdl.py MAX_ROWS) with the linears and decode attention's first stage
     signalling the next kernel after their main loop from 2 to 16 rows (the default, Pdl.
     late_to_rows), never (all on entry), and from 2 to 32 rows: one engine build each, and 8 rows'
     greedy tokens, which must be equal (PDL changes no value)."""
@@ -426,8 +427,9 @@ def fp8_pdl_past_one_row(ctx):
     import kernels.pdl as kp
 
     batches = (1, 4, 8, 16, 17, 24, 32)
-    settings = [("one row", [(kp, "FP8_DENSE_MAX_ROWS", 1)])] + [
-        (tag, [(kp, "FP8_DENSE_MAX_ROWS", 32), (kp, "Pdl", functools.partial(kp.Pdl, late_to_rows=late))])
+    settings = [("one row", [(kp, "MAX_ROWS", {**kp.MAX_ROWS, ("fp8", "dense"): 1})])] + [
+        (tag, [(kp, "MAX_ROWS", {**kp.MAX_ROWS, ("fp8", "dense"): 32}),
+               (kp, "Pdl", functools.partial(kp.Pdl, late_to_rows=late))])
         for tag, late in (("32 rows, late to 16", 16), ("32 rows, on entry", 0), ("32 rows, late to 32", 32))]
     got = _fp8_steps_by_setting(ctx, "fp8_pdl_past_one_row", settings, batches, greedy_rows=8)
     rep = ctx["report"]
@@ -741,19 +743,24 @@ def fp8_moe_pairs(ctx):
 
 
 def fp8_moe_pdl_rows(ctx):
-    """30B-A3B FP8 decode at B=1, 2, 8, 16, 32 with PDL on one-row launches (kernels/pdl.py
-    FP8_MOE_MAX_ROWS 1, the default) and on launches of up to 32 rows (the loop kernels signalling
-    late from 2 to 16 rows, as dense FP8 models run): one engine build each."""
+    """30B-A3B decode at B=1, 2, 8, 16, 32, FP8 and bf16, with PDL on one-row launches and on
+    launches of up to 32 rows (kernels/pdl.py MAX_ROWS; the loop kernels signalling late from 2 to
+    16 rows, as dense models run): one engine build each; 8 rows' greedy tokens must be equal."""
     import kernels.pdl as kp
 
     batches = (1, 2, 8, 16, 32)
-    got = _fp8_steps_by_setting(ctx, "fp8_moe_pdl_rows", [
-        (f"PDL to {rows} row{'s' if rows > 1 else ''}", (kp, "FP8_MOE_MAX_ROWS", rows)) for rows in (1, 32)],
-        batches, model="qwen3-30b-a3b", cuda_graph_max_bs=32, kv_cache_memory=4 << 30, greedy_rows=8)
-    for b in batches:
-        ctx["report"].add("fp8_moe_pdl_rows", f"B={b} 1 row / 32 rows", got[("PDL to 1 row", b)] / got[("PDL to 32 rows", b)])
-    same = got[("PDL to 1 row", "tokens")] == got[("PDL to 32 rows", "tokens")]
-    ctx["report"].add("fp8_moe_pdl_rows", "8 rows' greedy tokens equal", "yes" if same else "NO")
+    rep = ctx["report"]
+    for weights, quant in (("fp8", "fp8"), ("16-bit", "none")):
+        got = _fp8_steps_by_setting(ctx, "fp8_moe_pdl_rows", [
+            (f"{weights} PDL to {rows} row{'s' if rows > 1 else ''}",
+             (kp, "MAX_ROWS", {**kp.MAX_ROWS, (weights, "moe"): rows})) for rows in (1, 32)],
+            batches, model="qwen3-30b-a3b", cuda_graph_max_bs=32, kv_cache_memory=4 << 30, greedy_rows=8,
+            quantization=quant)
+        one, many = f"{weights} PDL to 1 row", f"{weights} PDL to 32 rows"
+        for b in batches:
+            rep.add("fp8_moe_pdl_rows", f"{weights} B={b} 1 row / 32 rows", got[(one, b)] / got[(many, b)])
+        rep.add("fp8_moe_pdl_rows", f"{weights} 8 rows' greedy tokens equal",
+                "yes" if got[(one, "tokens")] == got[(many, "tokens")] else "NO")
 
 
 def fp8_kv_long(ctx):

@@ -200,11 +200,9 @@ class Engine:
         if mode == "off" or not fused or not pdl_supported(self.device):
             return None
         from .models.layers import enable_pdl
-        # past one row: FP8 models on one GPU, where it was measured (kernels/pdl.py)
-        fp8_model = None
-        if self.fp8_layers and self.tp.size == 1:
-            fp8_model = "moe" if self.model_config.moe is not None else "dense"
-        pdl = engine_pdl(config.pdl_prefetch_k_blocks, fp8_model)
+        # how many rows take PDL depends on the model (kernels/pdl.py MAX_ROWS)
+        pdl = engine_pdl(config.pdl_prefetch_k_blocks, "fp8" if self.fp8_layers else "16-bit",
+                         "moe" if self.model_config.moe is not None else "dense", self.tp.size)
         enable_pdl(self.model, pdl, overrides)
         if hasattr(self.backend, "pdl"):
             self.backend.pdl = pdl

@@ -9,7 +9,7 @@ import gc
 import pytest
 import torch
 
-from kernels.pdl import FP8_DENSE_MAX_ROWS, FP8_MOE_MAX_ROWS, Pdl, engine_pdl, launch_options, parse_prefetch_at, pdl_for, pdl_late, pdl_supported
+from kernels.pdl import MAX_ROWS, Pdl, engine_pdl, launch_options, parse_prefetch_at, pdl_for, pdl_late, pdl_supported
 from shared.engine.sampling_params import SamplingParams
 from tests.helpers.engine_models import build_model_dir, random_prompts, run_engine
 
@@ -31,13 +31,15 @@ def test_pdl_settings_and_where_it_is_off():
             parse_prefetch_at(bad)
 
 
-def test_past_one_row_only_fp8_and_the_long_kernels_signal_late_to_16_rows():
-    """The engine's Pdl takes launches past one row only for FP8 models (MoE ones as far as measured); kernels with a main
-    loop signal the next kernel after it from 2 to 16 rows, on entry at one row and past 16."""
-    assert engine_pdl(1, None) == Pdl(prefetch_k_blocks=1, max_rows=1)
-    assert engine_pdl(1, "moe").max_rows == FP8_MOE_MAX_ROWS
-    fp8 = engine_pdl(2, "dense")
-    assert fp8.max_rows == FP8_DENSE_MAX_ROWS == 32 and fp8.prefetch_k_blocks == 2
+def test_past_one_row_by_model_and_the_long_kernels_signal_late_to_16_rows():
+    """The engine's Pdl takes launches past one row where MAX_ROWS says (FP8 models on one GPU);
+    kernels with a main loop signal the next kernel after it from 2 to 16 rows, on entry at one row
+    and past 16."""
+    assert engine_pdl(1, "16-bit", "dense") == Pdl(prefetch_k_blocks=1, max_rows=1)
+    assert engine_pdl(1, "fp8", "moe").max_rows == MAX_ROWS[("fp8", "moe")]
+    assert engine_pdl(1, "fp8", "dense", tp_size=2).max_rows == 1
+    fp8 = engine_pdl(2, "fp8", "dense")
+    assert fp8.max_rows == MAX_ROWS[("fp8", "dense")] == 32 and fp8.prefetch_k_blocks == 2
     assert [rows for rows in range(1, 34) if pdl_late(fp8, rows)] == list(range(2, 17))
     assert not pdl_late(None, 8)
     assert [rows for rows in range(1, 34) if pdl_for(fp8, rows)] == list(range(1, 33))
@@ -179,7 +181,7 @@ def test_fp8_engine_greedy_tokens_identical_with_pdl_past_one_row(tmp_path):
     for pdl in ("off", "on"):
         eng = Engine(model_dir=str(model_dir), device="cuda", dtype="bfloat16", quantization="fp8", pdl=pdl,
                      kv_cache_memory=1 << 28)
-        assert (eng.pdl.max_rows if eng.pdl else None) == (FP8_DENSE_MAX_ROWS if pdl == "on" else None)
+        assert (eng.pdl.max_rows if eng.pdl else None) == (MAX_ROWS[("fp8", "dense")] if pdl == "on" else None)
         got[pdl] = [r.token_ids for r in run_engine(eng, prompts, params)]
         del eng
         gc.collect()
