@@ -36,13 +36,12 @@ class Pdl:
     [BLOCK_N, BLOCK_K] weight tiles each small-batch-linear program prefetches into L2
     before it waits for the previous kernel (0: none). max_rows: only launches over at most
     this many rows (tokens, sequences) use PDL: on an H100 it took Qwen3-8B's batch-1 step
-    from 6.18 to 5.94 ms, but made batch 8 slower (6.87 -> 7.12 ms), see kernels/NOTES.md
-    (by model: MAX_ROWS). late_from_rows..late_to_rows: launches over that
-    many rows of the kernels with a main loop (the linears, decode attention's first stage)
-    let the next kernel be scheduled only after that loop, as CUTLASS's kernels do after their
-    mainloop, not on entry: at 2-16 rows the decode GEMM runs 2-4 programs an SM and the next
-    kernel's early programs took slots it still wanted; past 16 (one program an SM) on entry
-    measured better."""
+    from 6.18 to 5.94 ms, but made batch 8 slower (6.87 -> 7.12 ms), see kernels/NOTES.md;
+    the engine's by model: MAX_ROWS. late_from_rows..late_to_rows: launches over that many rows
+    of the kernels with a main loop (the linears, decode attention's first stage) let the next
+    kernel be scheduled only after that loop, as CUTLASS's kernels do after their mainloop, not
+    on entry: at 2-16 rows the decode GEMM runs 2-4 programs an SM and the next kernel's early
+    programs took slots it still wanted; past 16 (one program an SM) on entry measured as well."""
 
     prefetch_k_blocks: int = 1
     max_rows: int = 1

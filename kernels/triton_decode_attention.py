@@ -285,8 +285,8 @@ def launch_decode_attention(
         NUM_SPLITS=num_kv_splits, PAGE_SIZE=page_size, DOT_PRECISION=precision,
         DIRECT_OUT=direct, PDL=pdl is not None,
         KV_F16=k_cache.element_size() == 1 and q.dtype in (torch.bfloat16, torch.float16),
-        PREFETCH=pdl is not None and PDL_KV_PREFETCH and batch <= PDL_KV_PREFETCH_MAX_ROWS, LINE_ELEMS=128 // k_cache.element_size(),
-        PDL_LATE=pdl_late(pdl, batch),
+        PREFETCH=pdl is not None and PDL_KV_PREFETCH and batch <= PDL_KV_PREFETCH_MAX_ROWS,
+        LINE_ELEMS=128 // k_cache.element_size(), PDL_LATE=pdl_late(pdl, batch),
         LINES=next_power_of_2(triton.cdiv(head_dim * k_cache.element_size(), 128)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )
