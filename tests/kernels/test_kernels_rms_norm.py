@@ -87,3 +87,8 @@ def test_fp8_rows_are_the_decode_gemms_quantization_of_the_output(runner, width,
     assert torch.equal(rows.q.cpu().view(torch.uint8), q_ref.to(rows.q.dtype).view(torch.uint8))
     assert torch.equal(rows.scales.cpu(), s_ref)
     assert rows.q[3].float().abs().sum() == 0
+    from kernels.rms_norm import rms_norm_fp8_rows_reference
+    ref_out, _, ref_rows = rms_norm_fp8_rows_reference(x.cpu(), weight.cpu(), 1e-6, None if res is None else res.cpu(),
+                                                       group)
+    assert relative_error(out.cpu(), ref_out) < ELEMENTWISE_TOLERANCE[dtype]
+    assert relative_error(rows.scales.cpu(), ref_rows.scales) < ELEMENTWISE_TOLERANCE[dtype]
