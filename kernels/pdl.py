@@ -25,9 +25,11 @@ import torch
 # past that; attention's K/V prefetch on one row only), kernels/NOTES.md "PDL past one row":
 # - FP8 Qwen3-8B: B=4 1.030, 8 1.018, 16 0.996, 17 1.045, 24 1.041, 32 1.025
 #   (`fp8_device --sections ceilings,fp8_pdl_past_one_row`);
-# - FP8 Qwen3-30B-A3B: B=2 1.078, 8 1.016, 16 1.000, 32 1.003 (`--sections ceilings,fp8_moe_pdl_rows`);
-# - 16-bit Qwen3-8B: 0.99-1.01 (its linears past 16 rows are cuBLAS's, outside PDL): one row.
-MAX_ROWS = {("fp8", "dense"): 32, ("fp8", "moe"): 32, ("16-bit", "dense"): 1, ("16-bit", "moe"): 1}
+# - FP8 Qwen3-30B-A3B: B=2 1.078, 8 1.016, 16 1.000, 32 1.003 (`--sections ceilings,fp8_moe_pdl_rows`;
+#   an H200: 1.075, 1.017, 1.004, 1.006);
+# - 16-bit Qwen3-8B: 0.99-1.01 (its linears past 16 rows are cuBLAS's, outside PDL): one row;
+# - 16-bit Qwen3-30B-A3B (H200): B=2 1.043 (the per-pair experts kernel), 8 0.992, 16 0.996, 32 0.994: two.
+MAX_ROWS = {("fp8", "dense"): 32, ("fp8", "moe"): 32, ("16-bit", "dense"): 1, ("16-bit", "moe"): 2}
 
 
 @dataclass(frozen=True)
