@@ -110,13 +110,13 @@ class EngineConfig:
         help="decode-size linears through our split-K GEMV instead of cuBLAS (auto: the LM head and "
              "each linear this GPU's sweep tuned)")
     # programmatic dependent launch for the decode kernels (kernels/pdl.py; Hopper+): batch 1,
-    # and up to 32 rows on dense FP8 models on one GPU; "on" (default; where the GPU and Triton
+    # and more rows where measured to pay (MAX_ROWS); "on" (default; where the GPU and Triton
     # have it) or "off"; the small-batch linears
     # prefetch this many weight tiles into L2 while the kernel before them finishes
     pdl: str = setting(
         "on", flag="--pdl", env="DUET_PDL", env_in_code=True, choices=("on", "off"),
-        help="programmatic dependent launch for the decode kernels (Hopper): batch 1, and up to 32 rows "
-             "on dense FP8 models on one GPU")
+        help="programmatic dependent launch for the decode kernels (Hopper): batch 1, and on one GPU up to 32 "
+             "rows for FP8 models, 2 for 16-bit MoE ones")
     pdl_prefetch_k_blocks: int = setting(
         1, flag="--pdl-prefetch", env="DUET_PDL_PREFETCH", env_in_code=True,
         help="weight tiles a small-batch GEMV pulls into L2 before it waits on the kernel before it")
