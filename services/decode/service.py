@@ -127,15 +127,6 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
         split = request.HasField("reservation")
         aloop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        ended = [False]  # the request finished here (else the RPC's end drops it)
-
-        def on_rpc_end(_context) -> None:
-            # The caller left (or the RPC failed) before the request finished: drop it when the
-            # RPC ends, not only in the handler's `finally` below, which runs when grpc closes
-            # this generator. A rid the engine does not hold (never joined, already done) is a no-op.
-            if not ended[0]:
-                ctx.loop.call(lambda: (ctx.loop.detach(rid), ctx.engine.abort(rid)))
-        context.add_done_callback(on_rpc_end)
         with ctx.span("decode", context, request_id=rid, split=split) as span:
             spec = None  # speculative decoding: the sequences' stats, summed onto the span
             if split:
@@ -143,7 +134,7 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
             else:
                 started = await self._start_colocated(rid, prompt, params, aloop, q, context)
             emitted = 1 if split else 0
-            finished = ended[0] = started is not None and started.finished
+            finished = started is not None and started.finished
             try:
                 if started is not None:  # the request already ended at its first token
                     yield self._last_chunk(started, [], prompt, emitted)
@@ -152,7 +143,7 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
                 while True:
                     out, pending = pending or await q.get(), None
                     if out.error:
-                        finished = ended[0] = True  # the engine ended it (counted once, as an error, not also cancelled)
+                        finished = True  # the engine ended it (counted once, as an error, not also cancelled)
                         ctx.metrics.request_finished("Generate", grpc.StatusCode.INTERNAL)
                         await context.abort(grpc.StatusCode.INTERNAL, out.error)
                     emitted += len(out.token_ids)
@@ -170,7 +161,7 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
                     if out.spec is not None:
                         spec = spec_totals(spec, out.spec)
                     if out.request_finished:
-                        finished = ended[0] = True
+                        finished = True
                         ctx.metrics.request_finished("Generate", grpc.StatusCode.OK if out.finish_reason != "abort"
                                                     else grpc.StatusCode.CANCELLED)
                         yield self._last_chunk(out, tokens, prompt, emitted)
