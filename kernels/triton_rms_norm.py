@@ -44,7 +44,7 @@ def _rms_norm_kernel(
     tl.store(out + row * stride_out + cols, y, mask=ok)
     if GROUP > 0:
         yf = y.to(tl.float32)  # columns past n_cols are zeros and move no maximum
-        if GROUP != TILE:  # narrower groups (weights of 32/64-column blocks): the maxima only
+        if GROUP != TILE:  # narrower groups (weights of 32/64-column blocks): the rounded values regrouped
             yf = tl.reshape(yf, [TILES * TILE // GROUP, GROUP])
             gcols = tl.reshape(cols, [TILES * TILE // GROUP, GROUP])
         else:
