@@ -63,6 +63,15 @@ if gluon is not None:
                                   is_pure=False, pack=1)
 
     @gluon.jit
+    def _tile_scale_rows(scale_row_ptr, t, N, BLOCK_N: gl.constexpr, KB: gl.constexpr, GATE_UP: gl.constexpr):
+        """Weight tile t's first scale element, and its up half's (N rows further; gate/up only)."""
+        srow = gl.load(scale_row_ptr + t * BLOCK_N) * KB
+        srow_u = srow
+        if GATE_UP:
+            srow_u = gl.load(scale_row_ptr + t * BLOCK_N + N) * KB
+        return srow, srow_u
+
+    @gluon.jit
     def _issue(w_desc, ring, ring_u, bars, i, total, pid, P, N, STEPS: gl.constexpr, SPLIT: gl.constexpr,
                BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GATE_UP: gl.constexpr):
         """TMA copy of the program's step i (if i < total) into slot i % STAGES. The program's
@@ -117,10 +126,7 @@ if gluon is not None:
             u = pid + uu * P
             t = u // SPLIT
             kbase = (u % SPLIT) * STEPS * BLOCK_K
-            srow = gl.load(scale_row_ptr + t * BLOCK_N) * KB
-            srow_u = srow
-            if GATE_UP:
-                srow_u = gl.load(scale_row_ptr + t * BLOCK_N + N) * KB
+            srow, srow_u = _tile_scale_rows(scale_row_ptr, t, N, BLOCK_N, KB, GATE_UP)
             acc = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, layout)
             acc_u = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, layout)
             for ks in range(STEPS):
@@ -227,10 +233,7 @@ if gluon is not None:
         step = 0
         for tt in range(my_tiles):
             t = pid + tt * P
-            srow = gl.load(scale_row_ptr + t * BLOCK_N) * KB
-            srow_u = srow
-            if GATE_UP:
-                srow_u = gl.load(scale_row_ptr + t * BLOCK_N + N) * KB
+            srow, srow_u = _tile_scale_rows(scale_row_ptr, t, N, BLOCK_N, KB, GATE_UP)
             acc = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, layout)
             acc_u = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, layout)
             for ks in range(KSTEPS):

@@ -27,7 +27,6 @@ table and exits if one hangs):
                   decode GEMM from 2 rows (default), from 17, never (FUSED_QUANT_MIN_M)
   fp8_decode_gemm_64  8B FP8 decode B=32, 48, 64: the decode GEMM taking up to 64 rows against 32
                   (FP8_DECODE_MAX_M)
-  fp8_pdl_rows    8B FP8 decode B=1..32 with PDL on one-row launches (default) and up to 32 rows
   fp8_pdl_past_one_row  8B FP8 decode B=1..32: PDL on one-row launches, and to 32 rows with the
                   linears and attention signalling late to 16 rows (default), never, to 32 rows
   fp8_pdl_prefetch  8B FP8 decode B=1 with the GEMVs prefetching 1, 2 or 4 weight tiles under PDL
@@ -288,11 +287,12 @@ def fp8_decode_8b_wide(ctx):
 
 
 def _fp8_steps_by_setting(ctx, section: str, settings, batches, model: str = "qwen3-8b", greedy_rows: int = 0,
-                          **engine_kw) -> dict:
+                          after=None, **engine_kw) -> dict:
     """FP8 decode steps (ms) of `model` at each batch, one engine build per setting (tag, patch) or
     (tag, patch, engine options): patch as _bench_engine's. Each step is the better of two runs and
     goes into the report with its floor; returns {(tag, batch): ms}, and {(tag, "tokens"): ...}
-    with greedy_rows: that many rows' greedy tokens decoded together (_greedy_rows)."""
+    with greedy_rows: that many rows' greedy tokens decoded together (_greedy_rows). after(eng,
+    tag): more measurements on each setting's engine, after its steps."""
     from .gpu_engine import decode_floor_ms, decode_step_ms
     from .suite_context import need_ceilings
 
@@ -308,6 +308,8 @@ def _fp8_steps_by_setting(ctx, section: str, settings, batches, model: str = "qw
                 got[(tag, b)] = ms = min(runs)
                 rep.add(section, f"{tag} B={b} step_ms", ms,
                         f"x{ms / floor:.2f} of floor {floor:.3f}; runs {runs[0]:.3f} / {runs[1]:.3f}")
+            if after is not None:
+                after(eng, tag)
             if greedy_rows:
                 got[(tag, "tokens")] = _greedy_rows(eng, args.ctx, greedy_rows)
     return got
@@ -352,34 +354,27 @@ def fp8_norm_quant(ctx):
     import kernels.fp8_decode_gemm as fd
 
     from .decode_timeline import decode_timeline
-    from .gpu_engine import decode_floor_ms, decode_step_ms
-    from .suite_context import need_ceilings
 
     args, rep = ctx["args"], ctx["report"]
-    c = need_ceilings(ctx)
+    tags = ("norm from 2", "norm from 17", "GEMM quantizes")
+
+    def time_line(eng, tag):
+        for b in (8, 32):  # where the time moves: the norms, the quantize launches, the GEMMs
+            t = decode_timeline(eng, b, args.ctx)
+            for k in t.kernels:
+                if any(n in k.name for n in ("rms_norm", "quantize_x", "decode_gemm", "small_batch")):
+                    rep.add("fp8_norm_quant", f"{tag} B={b} {k.name[:40]}", round(k.us_per_step, 1),
+                            f"us a step in {k.launches_per_step:.0f} launches")
+            rep.add("fp8_norm_quant", f"{tag} B={b} GPU busy a step ms", t.busy_ms, f"span {t.step_ms:.3f}")
+
     batches = (2, 8, 16, 32)
-    got = {}
-    opts = dict(quantization="fp8", max_model_len=2048, cuda_graph_max_bs=32, kv_cache_memory=8 << 30)
-    for tag, min_m in (("norm from 2", 2), ("norm from 17", 17), ("GEMM quantizes", 33)):
-        with _bench_engine(ctx, (fd, "FUSED_QUANT_MIN_M", min_m), **opts) as eng:
-            for b in batches:
-                floor, _ = decode_floor_ms(eng, b, args.ctx, c.copy_gb_s)
-                runs = [decode_step_ms(eng, b, args.ctx, args.steps, overlap=True) for _ in range(2)]
-                got[(tag, b)] = ms = min(runs)
-                rep.add("fp8_norm_quant", f"{tag} B={b} step_ms", ms,
-                        f"x{ms / floor:.2f} of floor {floor:.3f}; runs {runs[0]:.3f} / {runs[1]:.3f}")
-            for b in (8, 32):  # where the time moves: the norms, the quantize launches, the GEMMs
-                t = decode_timeline(eng, b, args.ctx)
-                for k in t.kernels:
-                    if any(n in k.name for n in ("rms_norm", "quantize_x", "decode_gemm", "small_batch")):
-                        rep.add("fp8_norm_quant", f"{tag} B={b} {k.name[:40]}", round(k.us_per_step, 1),
-                                f"us a step in {k.launches_per_step:.0f} launches")
-                rep.add("fp8_norm_quant", f"{tag} B={b} GPU busy a step ms", t.busy_ms, f"span {t.step_ms:.3f}")
-            got[(tag, "tokens")] = _greedy_rows(eng, args.ctx, 8)
+    got = _fp8_steps_by_setting(ctx, "fp8_norm_quant", [
+        (tag, (fd, "FUSED_QUANT_MIN_M", min_m)) for tag, min_m in zip(tags, (2, 17, 33))], batches,
+        greedy_rows=8, after=time_line)
     for b in batches:
-        for tag in ("norm from 2", "norm from 17"):
+        for tag in tags[:2]:
             rep.add("fp8_norm_quant", f"B={b} GEMM quantizes/{tag}", got[("GEMM quantizes", b)] / got[(tag, b)])
-    same = all(got[(t, "tokens")] == got[("GEMM quantizes", "tokens")] for t in ("norm from 2", "norm from 17"))
+    same = all(got[(t, "tokens")] == got[("GEMM quantizes", "tokens")] for t in tags[:2])
     rep.add("fp8_norm_quant", "8 rows' greedy tokens equal", "yes" if same else "NO", "64 tokens each, CUDA graphs")
 
 
@@ -395,25 +390,6 @@ def fp8_decode_gemm_64(ctx):
     for b in batches:
         ctx["report"].add("fp8_decode_gemm_64", f"B={b} to 32 / to 64",
                           got[("decode GEMM to 32", b)] / got[("decode GEMM to 64", b)])
-
-
-def fp8_pdl_rows(ctx):
-    """8B FP8 decode at B=1, 8, 16, 32 with programmatic dependent launch on launches of one row
-    and of up to 32 rows (kernels/pdl.py MAX_ROWS), every kernel signalling the next on
-    entry (the fourth session's run): one engine build each."""
-    import functools
-
-    import kernels.pdl as kp
-
-    batches = (1, 8, 16, 32)
-    got = _fp8_steps_by_setting(ctx, "fp8_pdl_rows", [
-        (f"PDL to {rows} row{'s' if rows > 1 else ''}",
-         [(kp, "MAX_ROWS", {**kp.MAX_ROWS, ("fp8", "dense"): rows}),
-          (kp, "Pdl", functools.partial(kp.Pdl, late_to_rows=0))])
-        for rows in (1, 32)], batches)
-    for b in batches:
-        ctx["report"].add("fp8_pdl_rows", f"B={b} 1 row / 32 rows",
-                          got[("PDL to 1 row", b)] / got[("PDL to 32 rows", b)])
 
 
 def fp8_pdl_past_one_row(ctx):
@@ -794,15 +770,16 @@ def fp8_kv_long(ctx):
 
 # (d) before (c): it is quick, and what matters most runs first when the budget is tight
 FP8_SECTIONS = ("ceilings", "fp8_accuracy", "fp8_decode_8b", "fp8_gemm_cublas", "fp8_decode_8b_wide",
-                "fp8_decode_route", "fp8_decode_prequant", "fp8_norm_quant", "fp8_decode_gemm_64", "fp8_pdl_rows",
-                "fp8_pdl_past_one_row", "fp8_pdl_prefetch", "fp8_decode_profile", "fp8_decode_timeline", "fp8_attn_prefetch", "fp8_gemm",
+                "fp8_decode_route", "fp8_decode_prequant", "fp8_norm_quant", "fp8_decode_gemm_64",
+                "fp8_pdl_past_one_row", "fp8_pdl_prefetch", "fp8_decode_profile", "fp8_decode_timeline",
+                "fp8_attn_prefetch", "fp8_gemm",
                 "fp8_moe_decode", "fp8_moe_timeline", "fp8_moe_pairs", "fp8_moe_pdl_rows", "fp8_kv_long",
                 "fp8_prefill_profile")
 SECTIONS = {"fp8_accuracy": fp8_accuracy, "fp8_decode_8b": fp8_decode_8b, "fp8_gemm": fp8_gemm,
             "fp8_gemm_cublas": fp8_gemm_cublas, "fp8_decode_8b_wide": fp8_decode_8b_wide,
             "fp8_decode_route": fp8_decode_route, "fp8_decode_prequant": fp8_decode_prequant,
             "fp8_norm_quant": fp8_norm_quant,
-            "fp8_decode_gemm_64": fp8_decode_gemm_64, "fp8_pdl_rows": fp8_pdl_rows,
+            "fp8_decode_gemm_64": fp8_decode_gemm_64,
             "fp8_pdl_past_one_row": fp8_pdl_past_one_row, "fp8_pdl_prefetch": fp8_pdl_prefetch,
             "fp8_decode_profile": fp8_decode_profile,
             "fp8_decode_timeline": fp8_decode_timeline, "fp8_attn_prefetch": fp8_attn_prefetch,
