@@ -48,9 +48,10 @@ PREQUANT_MIN_M = 17
 # From this many rows the RMSNorm before qkv and gate/up writes x in FP8 for the decode GEMM
 # (kernels.rms_norm.rms_norm_fp8_rows), which then neither quantizes x per K step nor launches
 # the quantization kernel above. H100, 8B decode step against the GEMM quantizing x
-# (`fp8_device --sections ceilings,fp8_norm_quant`, kernels/NOTES.md): B=2/8/16 1.01x, B=32 1.02x;
-# from 17 instead: 1.00x below 17. 33: never
-FUSED_QUANT_MIN_M = 2
+# (`fp8_device --sections ceilings,fp8_norm_quant`, kernels/NOTES.md): with PDL on one row, from 2
+# rows B=2/8/16 1.01x, B=32 1.02x; with PDL to 32 rows (now the default) from 2 rows B=2/8/16
+# 1.002/0.998/0.994, from 17 1.001/1.003/1.002, B=32 1.03x either way: from 17. 33: never
+FUSED_QUANT_MIN_M = 17
 
 
 @dataclass(frozen=True)

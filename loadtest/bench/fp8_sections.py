@@ -24,7 +24,7 @@ table and exits if one hangs):
   fp8_decode_prequant  8B FP8 decode B=8..32: the decode GEMM's x quantized before it from 17
                   rows (default), from 9, never (PREQUANT_MIN_M)
   fp8_norm_quant  8B FP8 decode B=2..32: the norms before qkv and gate/up writing x in FP8 for the
-                  decode GEMM from 2 rows (default), from 17, never (FUSED_QUANT_MIN_M)
+                  decode GEMM from 2 rows, from 17 (default), never (FUSED_QUANT_MIN_M)
   fp8_decode_gemm_64  8B FP8 decode B=32, 48, 64: the decode GEMM taking up to 64 rows against 32
                   (FP8_DECODE_MAX_M)
   fp8_pdl_past_one_row  8B FP8 decode B=1..32: PDL on one-row launches, and to 32 rows with the
@@ -347,8 +347,8 @@ def fp8_decode_prequant(ctx):
 
 def fp8_norm_quant(ctx):
     """8B FP8 decode at B=2, 8, 16, 32 with the RMSNorms before qkv and gate/up writing their
-    output in FP8 for the decode GEMM (kernels.rms_norm.rms_norm_fp8_rows) from 2 rows (the
-    default, kernels/fp8_decode_gemm.py FUSED_QUANT_MIN_M), from 17, and never (the GEMM
+    output in FP8 for the decode GEMM (kernels.rms_norm.rms_norm_fp8_rows) from 2 rows, from 17
+    (the default, kernels/fp8_decode_gemm.py FUSED_QUANT_MIN_M), and never (the GEMM
     quantizing x itself, by its own launch from 17 rows): one engine build each, and 8 rows'
     greedy tokens in the graphs, which must be equal (the same FP8 bytes reach the same dots)."""
     import kernels.fp8_decode_gemm as fd
