@@ -49,6 +49,13 @@ class Pdl:
     max_rows: int = 1
     late_from_rows: int = 2
     late_to_rows: int = 16
+    # launches over at least this many rows of the short kernels (no main loop: the norms, q/k-norm +
+    # RoPE, attention's second stage, the x quantization before a decode GEMM) wait for the kernel
+    # before, then let the next be scheduled: signalled on entry, a short kernel launched early let
+    # the big kernel after it be scheduled while the big kernel before it still ran. H200, on entry
+    # (x's quantization without PDL) over this: FP8 8B B=2/8/16/24/32 1.000/1.016/1.015/1.027/1.016,
+    # FP8 30B-A3B B=2/8/32 1.013/1.004/1.009 (`fp8_device --sections ceilings,fp8_pdl_wait_first`)
+    wait_first_from_rows: int = 2
 
     def __post_init__(self):
         if self.prefetch_k_blocks < 0:
@@ -57,6 +64,8 @@ class Pdl:
             raise ValueError(f"max_rows must be >= 1, got {self.max_rows}")
         if self.late_from_rows < 1:
             raise ValueError(f"late_from_rows must be >= 1, got {self.late_from_rows}")
+        if self.wait_first_from_rows < 1:
+            raise ValueError(f"wait_first_from_rows must be >= 1, got {self.wait_first_from_rows}")
 
 
 def engine_pdl(prefetch_k_blocks: int, weights: str, kind: str, tp_size: int = 1) -> Pdl:
@@ -91,6 +100,12 @@ def pdl_late(pdl: Pdl | None, rows: int) -> bool:
     """Whether a kernel with a main loop, launched with pdl over `rows` rows, signals the next
     kernel after that loop (triton_pdl.pdl_release) rather than on entry."""
     return pdl is not None and pdl.late_from_rows <= rows <= pdl.late_to_rows
+
+
+def pdl_wait_first(pdl: Pdl | None, rows: int) -> bool:
+    """Whether a short kernel launched with pdl over `rows` rows waits before it signals
+    (triton_pdl.pdl_enter's WAIT_FIRST)."""
+    return pdl is not None and rows >= pdl.wait_first_from_rows
 
 
 def pdl_supported(device: torch.device | str) -> bool:

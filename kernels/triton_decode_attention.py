@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from kernels.paged_kv import next_power_of_2
-from kernels.pdl import Pdl, launch_options, pdl_for, pdl_late
+from kernels.pdl import Pdl, launch_options, pdl_for, pdl_late, pdl_wait_first
 from kernels.triton_f16_rows import rows_to_f16
 from kernels.triton_pdl import pdl_enter, pdl_enter_late, pdl_release, prefetch_l2
 
@@ -181,9 +181,9 @@ def _decode_stage2(
     stride_ml_b, stride_ml_h,
     stride_o_b, stride_o_h,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr, WAIT_FIRST: tl.constexpr,
 ):
-    pdl_enter(PDL)
+    pdl_enter(PDL, WAIT_FIRST)
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(seq_lens + b)
@@ -299,6 +299,7 @@ def launch_decode_attention(
         o.stride(0), o.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=cfg.block_n,
         NUM_SPLITS=num_kv_splits, BLOCK_S=max(2, next_power_of_2(num_kv_splits)), PDL=pdl is not None,
+        WAIT_FIRST=pdl_wait_first(pdl, batch),
         num_warps=4, **launch_options(pdl),
     )
     return o

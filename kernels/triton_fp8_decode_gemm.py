@@ -17,10 +17,15 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import Pdl, launch_options, pdl_for, pdl_late
+from kernels.pdl import Pdl, launch_options, pdl_for, pdl_late, pdl_wait_first
 from kernels.triton_fp8 import FP8_MAX, fp8_grid
-from kernels.triton_pdl import pdl_enter_late, pdl_release, prefetch_l2
+from kernels.triton_pdl import pdl_enter, pdl_enter_late, pdl_release, prefetch_l2
 from kernels.triton_small_batch_linear import split_k_finish
+
+
+# The x quantization kernel launched with PDL where its GEMM is (the bench's switch: before, it
+# launched plainly, so it and the GEMM after it each waited for the kernel before to end)
+QUANTIZE_PDL = True
 
 
 @triton.jit
@@ -39,9 +44,13 @@ def _quantize_rows(x_ptrs, m_ok, k_ok, eps):
 
 @triton.jit
 def _quantize_x_kernel(x, xq, xs, M, K, eps, stride_xm, stride_qm, stride_sm,
-                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+                       WAIT_FIRST: tl.constexpr):
     """Program g: every row's group g of x, quantized as the GEMM's K step does it (_quantize_rows),
-    into xq (FP8) and xs (a scale a row and group)."""
+    into xq (FP8) and xs (a scale a row and group). Under PDL (a short kernel: kernels/pdl.py
+    wait_first_from_rows) the GEMM after it is scheduled while it runs and pulls its first weight
+    tiles into L2 meanwhile."""
+    pdl_enter(PDL, WAIT_FIRST)
     g = tl.program_id(0)
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     rk = g * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -139,7 +148,7 @@ def launch_fp8_decode_gemm(x: torch.Tensor, w, bias, out: torch.Tensor, cfg, wor
         xs = torch.empty(m, steps, dtype=torch.float32, device=x.device)
         _quantize_x_kernel[(steps, triton.cdiv(m, block_m))](
             x, xq, xs, m, k, eps, x.stride(0), xq.stride(0), xs.stride(0), BLOCK_M=block_m, BLOCK_K=group,
-            num_warps=4)
+            PDL=pdl is not None and QUANTIZE_PDL, WAIT_FIRST=pdl_wait_first(pdl, m), num_warps=4, **launch_options(pdl if QUANTIZE_PDL else None))
         x = xq
     _fp8_decode_gemm_kernel[(tiles, split_k)](
         x, xs, q, TensorDescriptor.from_tensor(q, [cfg.block_n, group]), w.scale, w.scale_row,

@@ -10,13 +10,17 @@ except ImportError:  # Triton < 3.4: pdl_supported() is False, so PDL=True is ne
 
 
 @triton.jit
-def pdl_enter(PDL: tl.constexpr):
+def pdl_enter(PDL: tl.constexpr, WAIT_FIRST: tl.constexpr = False):
     """Let the next kernel be scheduled, then wait until the previous one has finished and
-    its writes are visible. Nothing global may be read (but constant weights) or written
-    before this. Without PDL: nothing."""
+    its writes are visible (WAIT_FIRST: the wait first, kernels/pdl.py pdl_wait_first). Nothing
+    global may be read (but constant weights) or written before this. Without PDL: nothing."""
     if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+        if WAIT_FIRST:
+            gdc_wait()
+            gdc_launch_dependents()
+        else:
+            gdc_launch_dependents()
+            gdc_wait()
 
 
 @triton.jit

@@ -11,7 +11,7 @@ import triton.language as tl
 
 from kernels.fp8 import FP8_DTYPE
 from kernels.paged_kv import next_power_of_2
-from kernels.pdl import launch_options, pdl_for
+from kernels.pdl import launch_options, pdl_for, pdl_wait_first
 from kernels.triton_fp8 import fp8_quantize
 from kernels.triton_pdl import pdl_enter
 
@@ -53,9 +53,10 @@ def _qk_norm_rope_kernel(
     num_q_heads,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, PAGE_SIZE: tl.constexpr,
     IS_NEOX: tl.constexpr, HAS_NORM: tl.constexpr, HAS_STORE: tl.constexpr, PDL: tl.constexpr,
+    WAIT_FIRST: tl.constexpr,
     KV_FP8: tl.constexpr,
 ):
-    pdl_enter(PDL)
+    pdl_enter(PDL, WAIT_FIRST)
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     pos = tl.load(positions + tok).to(tl.int64)
@@ -129,5 +130,6 @@ def launch_qk_norm_rope(positions, q, k, cos_sin_cache, is_neox, norm, kv_write,
         num_q_heads,
         HALF=half, BLOCK_HALF=next_power_of_2(half), PAGE_SIZE=page_size,
         IS_NEOX=is_neox, HAS_NORM=norm is not None, HAS_STORE=kv_write is not None, PDL=pdl is not None,
+        WAIT_FIRST=pdl_wait_first(pdl, num_tokens),
         KV_FP8=kv_write is not None and kc.dtype == FP8_DTYPE, num_warps=1, **launch_options(pdl),
     )

@@ -5,7 +5,7 @@ import triton
 import triton.language as tl
 
 from kernels.paged_kv import next_power_of_2
-from kernels.pdl import launch_options, pdl_for
+from kernels.pdl import launch_options, pdl_for, pdl_wait_first
 from kernels.triton_fp8 import FP8_MAX, fp8_grid
 from kernels.triton_pdl import pdl_enter
 
@@ -18,7 +18,7 @@ def _rms_norm_kernel(
     x, residual, weight, out, h_out, q_out, q_scales, eps, q_eps,
     stride_x, stride_r, stride_out, stride_h, stride_q, stride_qs, n_cols,
     HAS_RESIDUAL: tl.constexpr, TILES: tl.constexpr, TILE: tl.constexpr, PDL: tl.constexpr,
-    GROUP: tl.constexpr,
+    GROUP: tl.constexpr, WAIT_FIRST: tl.constexpr,
 ):
     """One row per program, held as [TILES, TILE] from its load on, with or without FP8 rows
     (GROUP > 0: the output also written as the decode GEMM quantizes x, triton_fp8_decode_gemm.
@@ -26,7 +26,7 @@ def _rms_norm_kernel(
     this code, so the normed values are the same bits either way (a separate kernel's other
     reduction order changed greedy tokens), and the groups are the tile's rows without a layout
     change (a 1-D row reshaped into groups took 7-9 us a launch on an H100 against 2.1)."""
-    pdl_enter(PDL)
+    pdl_enter(PDL, WAIT_FIRST)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, TILES)[:, None] * TILE + tl.arange(0, TILE)[None, :]
     ok = cols < n_cols
@@ -86,6 +86,7 @@ def launch_rms_norm(x, weight, eps, residual=None, out=None, residual_out=None, 
             x2, r2, weight, out2, h2, q, qs, eps, q_eps,
             x2.stride(0), r2.stride(0), out2.stride(0), h2.stride(0), q.stride(0), qs.stride(0), n_cols,
             HAS_RESIDUAL=residual is not None, TILES=block // TILE, TILE=TILE, PDL=pdl is not None, GROUP=group,
+            WAIT_FIRST=pdl_wait_first(pdl, n_rows),
             num_warps=min(16, max(1, block // 256)), **launch_options(pdl),
         )
     return out if residual is None else (out, h)

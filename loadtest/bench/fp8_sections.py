@@ -29,6 +29,8 @@ table and exits if one hangs):
                   (FP8_DECODE_MAX_M)
   fp8_pdl_past_one_row  8B FP8 decode B=1..32: PDL on one-row launches, and to 32 rows with the
                   linears and attention signalling late to 16 rows (default), never, to 32 rows
+  fp8_pdl_wait_first  FP8 decode, 8B B=2..32 and 30B-A3B B=2..32: PDL's short kernels signalling after
+                  their wait past one row (default), on entry, and before (x's quantization without PDL)
   fp8_pdl_prefetch  8B FP8 decode B=1 with the GEMVs prefetching 1, 2 or 4 weight tiles under PDL
   fp8_decode_profile  8B FP8 decode B=32 and 64: step, GPU busy time, heaviest kernels
   fp8_decode_timeline  8B decode B=1 and 32, FP8 and bf16: a step's kernels on one time line
@@ -416,6 +418,47 @@ def fp8_pdl_past_one_row(ctx):
     rep.add("fp8_pdl_past_one_row", "8 rows' greedy tokens equal", "yes" if same else "NO")
 
 
+def fp8_pdl_wait_first(ctx):
+    """FP8 decode past one row with PDL's short kernels (norms, q/k-norm + RoPE, attention's second
+    stage, the decode GEMM's x quantization: no main loop) signalling the next kernel after their
+    wait (the default, kernels/pdl.py Pdl.wait_first_from_rows) against two earlier forms: "before"
+    (short kernels signalling on entry, the x quantization launched without PDL) and "on entry"
+    (the x quantization with PDL too). 8B at B=2..32 and 30B-A3B at B=2, 8, 32; one engine build a
+    setting, 8 rows' greedy tokens (must be equal); the 8B default's B=32 time line by kernel."""
+    import functools
+
+    import kernels.pdl as kp
+    import kernels.triton_fp8_decode_gemm as tg
+
+    from .decode_timeline import decode_timeline
+
+    args, rep = ctx["args"], ctx["report"]
+    on_entry = (kp, "Pdl", functools.partial(kp.Pdl, wait_first_from_rows=1 << 30))
+    settings = [("before", [on_entry, (tg, "QUANTIZE_PDL", False)]), ("on entry", [on_entry]), ("wait first", None)]
+
+    def time_line(eng, tag):
+        if not tag.endswith("wait first"):
+            return
+        t = decode_timeline(eng, 32, args.ctx)
+        rep.add("fp8_pdl_wait_first", "8B B=32 GPU span a step ms", t.step_ms,
+                f"busy {t.busy_ms:.3f}, idle {t.idle_ms:.3f}; {t.kernels_per_step:.0f} kernels")
+        for k in t.kernels[:9]:
+            rep.add("fp8_pdl_wait_first", f"8B B=32 {k.name[:44]}", round(k.us_per_step, 1),
+                    f"us a step in {k.launches_per_step:.0f} launches")
+
+    for model, batches, tags, after, kw in (
+            ("qwen3-8b", (2, 8, 16, 24, 32), settings, time_line, {}),
+            ("qwen3-30b-a3b", (2, 8, 32), settings[::2], None, dict(kv_cache_memory=4 << 30))):
+        got = _fp8_steps_by_setting(ctx, "fp8_pdl_wait_first", [(f"{model} {t}", p) for t, p in tags], batches,
+                                    model=model, greedy_rows=8, after=after, **kw)
+        for b in batches:
+            for tag, _ in tags[:-1]:
+                rep.add("fp8_pdl_wait_first", f"{model} B={b} {tag}/wait first",
+                        got[(f"{model} {tag}", b)] / got[(f"{model} wait first", b)])
+        same = all(got[(f"{model} {t}", "tokens")] == got[(f"{model} wait first", "tokens")] for t, _ in tags)
+        rep.add("fp8_pdl_wait_first", f"{model} 8 rows' greedy tokens equal", "yes" if same else "NO")
+
+
 def fp8_pdl_prefetch(ctx):
     """8B FP8 decode at B=1 with the small-batch GEMVs prefetching 1 (default), 2 or 4 of their
     first weight tiles into L2 before the PDL wait (an FP8 tile is half a 16-bit one's bytes; on
@@ -771,7 +814,7 @@ def fp8_kv_long(ctx):
 # (d) before (c): it is quick, and what matters most runs first when the budget is tight
 FP8_SECTIONS = ("ceilings", "fp8_accuracy", "fp8_decode_8b", "fp8_gemm_cublas", "fp8_decode_8b_wide",
                 "fp8_decode_route", "fp8_decode_prequant", "fp8_norm_quant", "fp8_decode_gemm_64",
-                "fp8_pdl_past_one_row", "fp8_pdl_prefetch", "fp8_decode_profile", "fp8_decode_timeline",
+                "fp8_pdl_past_one_row", "fp8_pdl_wait_first", "fp8_pdl_prefetch", "fp8_decode_profile", "fp8_decode_timeline",
                 "fp8_attn_prefetch", "fp8_gemm",
                 "fp8_moe_decode", "fp8_moe_timeline", "fp8_moe_pairs", "fp8_moe_pdl_rows", "fp8_kv_long",
                 "fp8_prefill_profile")
@@ -780,7 +823,8 @@ SECTIONS = {"fp8_accuracy": fp8_accuracy, "fp8_decode_8b": fp8_decode_8b, "fp8_g
             "fp8_decode_route": fp8_decode_route, "fp8_decode_prequant": fp8_decode_prequant,
             "fp8_norm_quant": fp8_norm_quant,
             "fp8_decode_gemm_64": fp8_decode_gemm_64,
-            "fp8_pdl_past_one_row": fp8_pdl_past_one_row, "fp8_pdl_prefetch": fp8_pdl_prefetch,
+            "fp8_pdl_past_one_row": fp8_pdl_past_one_row, "fp8_pdl_wait_first": fp8_pdl_wait_first,
+            "fp8_pdl_prefetch": fp8_pdl_prefetch,
             "fp8_decode_profile": fp8_decode_profile,
             "fp8_decode_timeline": fp8_decode_timeline, "fp8_attn_prefetch": fp8_attn_prefetch,
             "fp8_moe_decode": fp8_moe_decode, "fp8_moe_timeline": fp8_moe_timeline,

@@ -9,7 +9,8 @@ import gc
 import pytest
 import torch
 
-from kernels.pdl import MAX_ROWS, Pdl, engine_pdl, launch_options, parse_prefetch_at, pdl_for, pdl_late, pdl_supported
+from kernels.pdl import (MAX_ROWS, Pdl, engine_pdl, launch_options, parse_prefetch_at, pdl_for, pdl_late,
+                         pdl_supported, pdl_wait_first)
 from shared.engine.sampling_params import SamplingParams
 from tests.helpers.engine_models import build_model_dir, random_prompts, run_engine
 
@@ -45,6 +46,16 @@ def test_past_one_row_by_model_and_the_long_kernels_signal_late_to_16_rows():
     assert [rows for rows in range(1, 34) if pdl_for(fp8, rows)] == list(range(1, 33))
     with pytest.raises(ValueError, match="late_from_rows"):
         Pdl(late_from_rows=0)
+
+
+def test_short_kernels_wait_first_past_one_row():
+    """The kernels without a main loop signal on entry at one row only; past it they wait first
+    (where they take PDL at all)."""
+    fp8 = engine_pdl(1, "fp8", "dense")
+    assert [rows for rows in range(1, 34) if pdl_wait_first(fp8, rows)] == list(range(2, 34))
+    assert not pdl_wait_first(None, 8)
+    with pytest.raises(ValueError, match="wait_first_from_rows"):
+        Pdl(wait_first_from_rows=0)
 
 
 def test_prefetch_overrides_reach_the_named_linears_only():

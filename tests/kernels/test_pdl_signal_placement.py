@@ -45,6 +45,8 @@ def launches():
     from kernels.fp8 import ACT_EPS
     from kernels.fp8_decode_gemm import decode_config
     from kernels.pdl import engine_pdl
+    from kernels.qk_norm_rope import qk_norm_rope
+    from kernels.rms_norm import rms_norm
     from kernels.small_batch_linear import SmallBatchWorkspace, small_batch_linear
     from kernels.small_batch_linear_config import get_config
     from kernels.triton_fp8_decode_gemm import launch_fp8_decode_gemm
@@ -62,6 +64,8 @@ def launches():
                                    torch.empty(m, 6144, dtype=torch.bfloat16),
                                    decode_config(m, 6144, 4096, 132, False, 128, CUDA), ws, False, pdl, 128, ACT_EPS)
             got[("decode GEMM", m)] = rec.launches[-1]
+            if m == 24:  # from 17 rows x is quantized by its own launch first (Fp8DecodeConfig.prequant)
+                got[("x quantization", m)] = rec.launches[-2]
         for m in (1, 8):
             small_batch_linear(torch.empty(m, 4096, dtype=torch.bfloat16), w16, workspace=ws, pdl=pdl,
                                config=get_config(m, 6144, 4096, 2, 132, False, "H100"))
@@ -73,6 +77,16 @@ def launches():
                              num_kv_splits=2, pdl=pdl)
             got[("attention stage 1", b)] = next(lc for lc in rec.launches[start:]
                                                  if lc.fn.__name__ == "_decode_stage1")
+            got[("attention stage 2", b)] = next(lc for lc in rec.launches[start:]
+                                                 if lc.fn.__name__ == "_decode_stage2")
+        for m in (1, 8):
+            rms_norm(torch.empty(m, 4096, dtype=torch.bfloat16), torch.empty(4096, dtype=torch.bfloat16), 1e-6,
+                     residual=torch.empty(m, 4096, dtype=torch.bfloat16), pdl=pdl)
+            got[("rms norm", m)] = rec.launches[-1]
+            qk_norm_rope(torch.zeros(m, dtype=torch.int64), torch.empty(m, 32, 128, dtype=torch.bfloat16),
+                         torch.empty(m, 8, 128, dtype=torch.bfloat16), torch.empty(64, 128, dtype=torch.float32),
+                         is_neox=True, pdl=pdl)
+            got[("q/k norm + RoPE", m)] = rec.launches[-1]
     return got
 
 
@@ -89,3 +103,19 @@ def test_the_signal_comes_after_the_main_loop_from_2_to_16_rows_only(launches, k
         assert wait < _first(lines, *loop_math) < _last(lines, *loop_math) < signal, kind
     else:
         assert signal < wait < _first(lines, *loop_math), kind
+
+
+
+@pytest.mark.parametrize("kind,rows,wait_first", [("rms norm", 1, False), ("rms norm", 8, True),
+                                                  ("q/k norm + RoPE", 1, False), ("q/k norm + RoPE", 8, True),
+                                                  ("attention stage 2", 1, False), ("attention stage 2", 8, True),
+                                                  ("x quantization", 24, True)])
+def test_short_kernels_wait_before_they_signal_past_one_row(launches, kind, rows, wait_first):
+    """The kernels without a main loop signal on entry at one row (the next linear's programs pull
+    their first weight tiles while the kernel before this one runs) and past it only after their
+    wait (kernels/pdl.py wait_first_from_rows): signalled on entry there, the big kernel after them
+    was scheduled while the one before them still ran. Either way they read only after the wait."""
+    lines = _ptx_lines(launches[(kind, rows)])
+    signal, wait = _first(lines, "griddepcontrol.launch_dependents"), _first(lines, "griddepcontrol.wait")
+    assert sum("griddepcontrol.launch_dependents" in line for line in lines) == 1
+    assert (wait < signal if wait_first else signal < wait) and max(signal, wait) < _first(lines, "ld.global"), kind
