@@ -31,6 +31,8 @@ table and exits if one hangs):
                   linears and attention signalling late to 16 rows (default), never, to 32 rows
   fp8_pdl_wait_first  FP8 decode, 8B B=2..32 and 30B-A3B B=2..32: PDL's short kernels signalling after
                   their wait past one row (default), on entry, and before (x's quantization without PDL)
+  fp8_pdl_orders  8B decode: at one row short kernels (or all) waiting before they signal, FP8 and
+                  bf16; past 16 rows loop kernels signalling late to 32
   fp8_pdl_prefetch  8B FP8 decode B=1 with the GEMVs prefetching 1, 2 or 4 weight tiles under PDL
   fp8_decode_profile  8B FP8 decode B=32 and 64: step, GPU busy time, heaviest kernels
   fp8_decode_timeline  8B decode B=1 and 32, FP8 and bf16: a step's kernels on one time line
@@ -459,6 +461,40 @@ def fp8_pdl_wait_first(ctx):
         rep.add("fp8_pdl_wait_first", f"{model} 8 rows' greedy tokens equal", "yes" if same else "NO")
 
 
+def fp8_pdl_orders(ctx):
+    """8B decode, where each kernel lets the next be scheduled under PDL, against the default (short
+    kernels on entry at one row and waiting first past it, loop kernels late from 2 to 16 rows): at
+    one row, short kernels waiting first, and every kernel waiting first (FP8 and bf16); past 16
+    rows, the loop kernels signalling late to 32 (FP8). One engine build a setting; 8 rows' greedy
+    tokens equal across the FP8 settings."""
+    import functools
+
+    import kernels.pdl as kp
+
+    rep = ctx["report"]
+
+    def pdl(**kw):
+        return (kp, "Pdl", functools.partial(kp.Pdl, **kw))
+
+    one_row = [("short wait first at 1 row", pdl(wait_first_from_rows=1)),
+               ("all wait first at 1 row", pdl(wait_first_from_rows=1, late_from_rows=1))]
+    for weights, quant, settings, batches in (
+            ("fp8", "fp8", one_row + [("late to 32 rows", pdl(late_to_rows=32))], (1, 24, 32)),
+            ("bf16", "none", one_row, (1,))):
+        tags = [("default", None)] + settings
+        got = _fp8_steps_by_setting(ctx, "fp8_pdl_orders", [(f"{weights} {t}", p, dict(quantization=quant))
+                                                            for t, p in tags], batches,
+                                    greedy_rows=8 if weights == "fp8" else 0)
+        for b in batches:
+            for tag, _ in settings:
+                if (b == 1) == ("1 row" in tag):
+                    rep.add("fp8_pdl_orders", f"{weights} B={b} default/{tag}",
+                            got[(f"{weights} default", b)] / got[(f"{weights} {tag}", b)])
+        if weights == "fp8":
+            same = all(got[(f"fp8 {t}", "tokens")] == got[("fp8 default", "tokens")] for t, _ in tags)
+            rep.add("fp8_pdl_orders", "fp8 8 rows' greedy tokens equal", "yes" if same else "NO")
+
+
 def fp8_pdl_prefetch(ctx):
     """8B FP8 decode at B=1 with the small-batch GEMVs prefetching 1 (default), 2 or 4 of their
     first weight tiles into L2 before the PDL wait (an FP8 tile is half a 16-bit one's bytes; on
@@ -814,7 +850,8 @@ def fp8_kv_long(ctx):
 # (d) before (c): it is quick, and what matters most runs first when the budget is tight
 FP8_SECTIONS = ("ceilings", "fp8_accuracy", "fp8_decode_8b", "fp8_gemm_cublas", "fp8_decode_8b_wide",
                 "fp8_decode_route", "fp8_decode_prequant", "fp8_norm_quant", "fp8_decode_gemm_64",
-                "fp8_pdl_past_one_row", "fp8_pdl_wait_first", "fp8_pdl_prefetch", "fp8_decode_profile", "fp8_decode_timeline",
+                "fp8_pdl_past_one_row", "fp8_pdl_wait_first", "fp8_pdl_orders", "fp8_pdl_prefetch",
+                "fp8_decode_profile", "fp8_decode_timeline",
                 "fp8_attn_prefetch", "fp8_gemm",
                 "fp8_moe_decode", "fp8_moe_timeline", "fp8_moe_pairs", "fp8_moe_pdl_rows", "fp8_kv_long",
                 "fp8_prefill_profile")
@@ -824,7 +861,7 @@ SECTIONS = {"fp8_accuracy": fp8_accuracy, "fp8_decode_8b": fp8_decode_8b, "fp8_g
             "fp8_norm_quant": fp8_norm_quant,
             "fp8_decode_gemm_64": fp8_decode_gemm_64,
             "fp8_pdl_past_one_row": fp8_pdl_past_one_row, "fp8_pdl_wait_first": fp8_pdl_wait_first,
-            "fp8_pdl_prefetch": fp8_pdl_prefetch,
+            "fp8_pdl_orders": fp8_pdl_orders, "fp8_pdl_prefetch": fp8_pdl_prefetch,
             "fp8_decode_profile": fp8_decode_profile,
             "fp8_decode_timeline": fp8_decode_timeline, "fp8_attn_prefetch": fp8_attn_prefetch,
             "fp8_moe_decode": fp8_moe_decode, "fp8_moe_timeline": fp8_moe_timeline,
