@@ -52,10 +52,12 @@ class Pdl:
     # launches over at least this many rows of the short kernels (no main loop: the norms, q/k-norm +
     # RoPE, attention's second stage, the x quantization before a decode GEMM) wait for the kernel
     # before, then let the next be scheduled: signalled on entry, a short kernel launched early let
-    # the big kernel after it be scheduled while the big kernel before it still ran. H200, on entry
-    # (x's quantization without PDL) over this: FP8 8B B=2/8/16/24/32 1.000/1.016/1.015/1.027/1.016,
-    # FP8 30B-A3B B=2/8/32 1.013/1.004/1.009 (`fp8_device --sections ceilings,fp8_pdl_wait_first`)
-    wait_first_from_rows: int = 2
+    # the big kernel after it be scheduled while the big kernel before it still ran. H200, signals on
+    # entry over this (kernels/NOTES.md "PDL's short kernels: wait, then signal"): 8B B=1 FP8 1.026,
+    # bf16 1.084 (`fp8_device --sections ceilings,fp8_pdl_orders`); FP8 8B B=8..32 1.015-1.027, FP8
+    # 30B-A3B B=2/8/32 1.013/1.004/1.009 (`--sections ceilings,fp8_pdl_wait_first`). The loop kernels
+    # at one row keep their early signal (waiting first there too: FP8 0.945)
+    wait_first_from_rows: int = 1
 
     def __post_init__(self):
         if self.prefetch_k_blocks < 0:

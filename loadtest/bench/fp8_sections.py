@@ -29,10 +29,10 @@ table and exits if one hangs):
                   (FP8_DECODE_MAX_M)
   fp8_pdl_past_one_row  8B FP8 decode B=1..32: PDL on one-row launches, and to 32 rows with the
                   linears and attention signalling late to 16 rows (default), never, to 32 rows
-  fp8_pdl_wait_first  FP8 decode, 8B B=2..32 and 30B-A3B B=2..32: PDL's short kernels signalling after
-                  their wait past one row (default), on entry, and before (x's quantization without PDL)
-  fp8_pdl_orders  8B decode: at one row short kernels (or all) waiting before they signal, FP8 and
-                  bf16; past 16 rows loop kernels signalling late to 32
+  fp8_pdl_wait_first  decode, 8B FP8 B=1..32, bf16 B=1, 30B-A3B FP8 B=1..32: PDL's short kernels waiting
+                  before they signal (default) and before (on entry; x's quantization without PDL)
+  fp8_pdl_orders  8B decode: at one row short kernels signalling on entry, or every kernel waiting
+                  first, FP8 and bf16; past 16 rows loop kernels signalling late to 32
   fp8_pdl_prefetch  8B FP8 decode B=1 with the GEMVs prefetching 1, 2 or 4 weight tiles under PDL
   fp8_decode_profile  8B FP8 decode B=32 and 64: step, GPU busy time, heaviest kernels
   fp8_decode_timeline  8B decode B=1 and 32, FP8 and bf16: a step's kernels on one time line
@@ -421,12 +421,12 @@ def fp8_pdl_past_one_row(ctx):
 
 
 def fp8_pdl_wait_first(ctx):
-    """FP8 decode past one row with PDL's short kernels (norms, q/k-norm + RoPE, attention's second
-    stage, the decode GEMM's x quantization: no main loop) signalling the next kernel after their
-    wait (the default, kernels/pdl.py Pdl.wait_first_from_rows) against two earlier forms: "before"
-    (short kernels signalling on entry, the x quantization launched without PDL) and "on entry"
-    (the x quantization with PDL too). 8B at B=2..32 and 30B-A3B at B=2, 8, 32; one engine build a
-    setting, 8 rows' greedy tokens (must be equal); the 8B default's B=32 time line by kernel."""
+    """Decode with PDL's short kernels (norms, q/k-norm + RoPE, attention's second stage, the decode
+    GEMM's x quantization: no main loop) waiting for the kernel before, then signalling the next (the
+    default, kernels/pdl.py Pdl.wait_first_from_rows) against "before" (short kernels signalling on
+    entry, x's quantization launched without PDL): 8B FP8 at B=1..32, 8B bf16 at B=1 (its PDL
+    rows), 30B-A3B FP8 at B=1, 2, 8, 32; one engine build a setting, 8 rows' greedy tokens equal
+    (FP8); the 8B FP8 default's B=32 time line by kernel."""
     import functools
 
     import kernels.pdl as kp
@@ -435,11 +435,10 @@ def fp8_pdl_wait_first(ctx):
     from .decode_timeline import decode_timeline
 
     args, rep = ctx["args"], ctx["report"]
-    on_entry = (kp, "Pdl", functools.partial(kp.Pdl, wait_first_from_rows=1 << 30))
-    settings = [("before", [on_entry, (tg, "QUANTIZE_PDL", False)]), ("on entry", [on_entry]), ("wait first", None)]
+    before = [(kp, "Pdl", functools.partial(kp.Pdl, wait_first_from_rows=1 << 30)), (tg, "QUANTIZE_PDL", False)]
 
     def time_line(eng, tag):
-        if not tag.endswith("wait first"):
+        if tag != "qwen3-8b fp8 wait first":
             return
         t = decode_timeline(eng, 32, args.ctx)
         rep.add("fp8_pdl_wait_first", "8B B=32 GPU span a step ms", t.step_ms,
@@ -448,25 +447,28 @@ def fp8_pdl_wait_first(ctx):
             rep.add("fp8_pdl_wait_first", f"8B B=32 {k.name[:44]}", round(k.us_per_step, 1),
                     f"us a step in {k.launches_per_step:.0f} launches")
 
-    for model, batches, tags, after, kw in (
-            ("qwen3-8b", (2, 8, 16, 24, 32), settings, time_line, {}),
-            ("qwen3-30b-a3b", (2, 8, 32), settings[::2], None, dict(kv_cache_memory=4 << 30))):
-        got = _fp8_steps_by_setting(ctx, "fp8_pdl_wait_first", [(f"{model} {t}", p) for t, p in tags], batches,
-                                    model=model, greedy_rows=8, after=after, **kw)
+    for model, quant, batches, kw in (("qwen3-8b", "fp8", (1, 2, 8, 16, 24, 32), {}),
+                                      ("qwen3-8b", "none", (1,), {}),
+                                      ("qwen3-30b-a3b", "fp8", (1, 2, 8, 32), dict(kv_cache_memory=4 << 30))):
+        name = f"{model} {'fp8' if quant == 'fp8' else 'bf16'}"
+        got = _fp8_steps_by_setting(
+            ctx, "fp8_pdl_wait_first", [(f"{name} {t}", p, dict(quantization=quant))
+                                        for t, p in (("before", before), ("wait first", None))],
+            batches, model=model, greedy_rows=8 if quant == "fp8" else 0, after=time_line, **kw)
         for b in batches:
-            for tag, _ in tags[:-1]:
-                rep.add("fp8_pdl_wait_first", f"{model} B={b} {tag}/wait first",
-                        got[(f"{model} {tag}", b)] / got[(f"{model} wait first", b)])
-        same = all(got[(f"{model} {t}", "tokens")] == got[(f"{model} wait first", "tokens")] for t, _ in tags)
-        rep.add("fp8_pdl_wait_first", f"{model} 8 rows' greedy tokens equal", "yes" if same else "NO")
+            rep.add("fp8_pdl_wait_first", f"{name} B={b} before/wait first",
+                    got[(f"{name} before", b)] / got[(f"{name} wait first", b)])
+        if quant == "fp8":
+            rep.add("fp8_pdl_wait_first", f"{name} 8 rows' greedy tokens equal",
+                    "yes" if got[(f"{name} before", "tokens")] == got[(f"{name} wait first", "tokens")] else "NO")
 
 
 def fp8_pdl_orders(ctx):
     """8B decode, where each kernel lets the next be scheduled under PDL, against the default (short
-    kernels on entry at one row and waiting first past it, loop kernels late from 2 to 16 rows): at
-    one row, short kernels waiting first, and every kernel waiting first (FP8 and bf16); past 16
-    rows, the loop kernels signalling late to 32 (FP8). One engine build a setting; 8 rows' greedy
-    tokens equal across the FP8 settings."""
+    kernels waiting first; loop kernels on entry at one row, late from 2 to 16 rows): at one row,
+    short kernels signalling on entry, and every kernel waiting first (FP8 and bf16); past 16 rows,
+    the loop kernels signalling late to 32 (FP8). One engine build a setting; 8 rows' greedy tokens
+    equal across the FP8 settings."""
     import functools
 
     import kernels.pdl as kp
@@ -476,8 +478,8 @@ def fp8_pdl_orders(ctx):
     def pdl(**kw):
         return (kp, "Pdl", functools.partial(kp.Pdl, **kw))
 
-    one_row = [("short wait first at 1 row", pdl(wait_first_from_rows=1)),
-               ("all wait first at 1 row", pdl(wait_first_from_rows=1, late_from_rows=1))]
+    one_row = [("short on entry at 1 row", pdl(wait_first_from_rows=2)),
+               ("all wait first at 1 row", pdl(late_from_rows=1))]
     for weights, quant, settings, batches in (
             ("fp8", "fp8", one_row + [("late to 32 rows", pdl(late_to_rows=32))], (1, 24, 32)),
             ("bf16", "none", one_row, (1,))):

@@ -48,11 +48,12 @@ def test_past_one_row_by_model_and_the_long_kernels_signal_late_to_16_rows():
         Pdl(late_from_rows=0)
 
 
-def test_short_kernels_wait_first_past_one_row():
-    """The kernels without a main loop signal on entry at one row only; past it they wait first
-    (where they take PDL at all)."""
+def test_short_kernels_wait_first():
+    """The kernels without a main loop wait for the kernel before, then signal the next, at every
+    size (where they take PDL at all)."""
     fp8 = engine_pdl(1, "fp8", "dense")
-    assert [rows for rows in range(1, 34) if pdl_wait_first(fp8, rows)] == list(range(2, 34))
+    assert [rows for rows in range(1, 34) if pdl_wait_first(fp8, rows)] == list(range(1, 34))
+    assert pdl_wait_first(engine_pdl(1, "16-bit", "dense"), 1)
     assert not pdl_wait_first(None, 8)
     with pytest.raises(ValueError, match="wait_first_from_rows"):
         Pdl(wait_first_from_rows=0)
