@@ -3,10 +3,12 @@
 A kernel launched with PDL may be scheduled while the kernel before it in the stream is
 still finishing: it says so early (griddepcontrol.launch_dependents), and waits
 (griddepcontrol.wait) before it reads or writes anything an earlier kernel touches.
-What runs before the wait overlaps the previous kernel's tail: the small-batch linears
-use it to pull their first weight tiles into L2 (weights never change during a step),
-which is what a batch-1 decode step spends its time on between the bandwidth-bound
-GEMVs. Works inside CUDA graphs (programmatic edges). SGLang, TensorRT-LLM and FlashInfer
+What runs before the wait overlaps the previous kernel's tail: the launch itself, and
+optionally a linear's first weight tiles pulled into L2 (weights never change during a
+step; measured no longer worth it once the short kernels waited before they signalled,
+kernels/NOTES.md). Where each kernel signals matters more than what it prefetches: a
+signal on entry lets the next kernel's programs take SM slots and memory bandwidth from
+the kernel still running. Works inside CUDA graphs (programmatic edges). SGLang, TensorRT-LLM and FlashInfer
 enable the same thing for their decode kernels on Hopper.
 
 Pure Python: no triton import (the device kernels check `pdl is not None`).
@@ -35,8 +37,9 @@ MAX_ROWS = {("fp8", "dense"): 32, ("fp8", "moe"): 32, ("16-bit", "dense"): 1, ("
 @dataclass(frozen=True)
 class Pdl:
     """How kernels launch when PDL is on. prefetch_k_blocks: how many of its first
-    [BLOCK_N, BLOCK_K] weight tiles each small-batch-linear program prefetches into L2
-    before it waits for the previous kernel (0: none). max_rows: only launches over at most
+    [BLOCK_N, BLOCK_K] weight tiles each decode-linear program prefetches into L2 before it
+    waits for the previous kernel (0, the engine's default: none; H200, 8B B=1 with 1 against
+    0: FP8 0.988, bf16 0.995, `fp8_device --sections ceilings,fp8_pdl_prefetch`). max_rows: only launches over at most
     this many rows (tokens, sequences) use PDL: on an H100 it took Qwen3-8B's batch-1 step
     from 6.18 to 5.94 ms, but made batch 8 slower (6.87 -> 7.12 ms), see kernels/NOTES.md;
     the engine's by model: MAX_ROWS. late_from_rows..late_to_rows: launches over that many rows
@@ -45,7 +48,7 @@ class Pdl:
     on entry: at 2-16 rows the decode GEMM runs 2-4 programs an SM and the next kernel's early
     programs took slots it still wanted; past 16 (one program an SM) on entry measured as well."""
 
-    prefetch_k_blocks: int = 1
+    prefetch_k_blocks: int = 0
     max_rows: int = 1
     late_from_rows: int = 2
     late_to_rows: int = 16

@@ -33,7 +33,8 @@ table and exits if one hangs):
                   before they signal (default) and before (on entry; x's quantization without PDL)
   fp8_pdl_orders  8B decode: at one row short kernels signalling on entry, or every kernel waiting
                   first, FP8 and bf16; past 16 rows loop kernels signalling late to 32
-  fp8_pdl_prefetch  8B FP8 decode B=1 with the GEMVs prefetching 1, 2 or 4 weight tiles under PDL
+  fp8_pdl_prefetch  8B decode B=1 (FP8 also B=8), FP8 and bf16, with the linears prefetching 0, 1, 2 or 4
+                  weight tiles under PDL
   fp8_decode_profile  8B FP8 decode B=32 and 64: step, GPU busy time, heaviest kernels
   fp8_decode_timeline  8B decode B=1 and 32, FP8 and bf16: a step's kernels on one time line
                   (decode_timeline.py): busy and idle time, kernels a step, the heaviest by name
@@ -498,15 +499,19 @@ def fp8_pdl_orders(ctx):
 
 
 def fp8_pdl_prefetch(ctx):
-    """8B FP8 decode at B=1 with the small-batch GEMVs prefetching 1 (default), 2 or 4 of their
-    first weight tiles into L2 before the PDL wait (an FP8 tile is half a 16-bit one's bytes; on
-    bf16 deeper lost, kernels/NOTES.md)."""
-    got = _fp8_steps_by_setting(ctx, "fp8_pdl_prefetch", [
-        (f"prefetch {d}", None, dict(pdl_prefetch_k_blocks=d)) for d in (1, 2, 4)], (1,))
-    for d in (2, 4):
-        ctx["report"].add("fp8_pdl_prefetch", f"B=1 prefetch 1 / {d}",
-                          got[("prefetch 1", 1)] / got[(f"prefetch {d}", 1)])
-
+    """8B decode at B=1 (and 8 for FP8) with the linears prefetching 0, 1 (default), 2 or 4 of their
+    first weight tiles into L2 before the PDL wait, FP8 and bf16 (deeper lost on both while the short
+    kernels signalled on entry, kernels/NOTES.md; since they wait first, a linear's prefetch overlaps
+    only the short kernel before it)."""
+    rep = ctx["report"]
+    for weights, quant, batches in (("fp8", "fp8", (1, 8)), ("bf16", "none", (1,))):
+        got = _fp8_steps_by_setting(ctx, "fp8_pdl_prefetch", [
+            (f"{weights} prefetch {d}", None, dict(pdl_prefetch_k_blocks=d, quantization=quant))
+            for d in (0, 1, 2, 4)], batches)
+        for b in batches:
+            for d in (0, 2, 4):
+                rep.add("fp8_pdl_prefetch", f"{weights} B={b} prefetch 1 / {d}",
+                        got[(f"{weights} prefetch 1", b)] / got[(f"{weights} prefetch {d}", b)])
 
 def fp8_decode_profile(ctx):
     """8B FP8 decode at B=32 and 64 (one engine, graphs up to 128): the step, the GPU busy time a

@@ -118,8 +118,9 @@ class EngineConfig:
         help="programmatic dependent launch for the decode kernels (Hopper): batch 1, and on one GPU up to 32 "
              "rows for FP8 models, 2 for 16-bit MoE ones")
     pdl_prefetch_k_blocks: int = setting(
-        1, flag="--pdl-prefetch", env="DUET_PDL_PREFETCH", env_in_code=True,
-        help="weight tiles a small-batch GEMV pulls into L2 before it waits on the kernel before it")
+        0, flag="--pdl-prefetch", env="DUET_PDL_PREFETCH", env_in_code=True,
+        help="weight tiles a decode linear pulls into L2 before it waits on the kernel before it (0: none; "
+             "since the short kernels wait before they signal, a prefetch only competes: kernels/NOTES.md)")
     pdl_prefetch_at: str = setting(
         "", flag="--pdl-prefetch-at", env="DUET_PDL_PREFETCH_AT", env_in_code=True,
         help='per-linear depths that replace --pdl-prefetch, by attribute name: "o_proj=8,qkv_proj=2"')

@@ -29,8 +29,9 @@ def _e(*shape, dtype=FP32):
 
 
 def _pdl():
+    """PDL with one weight tile prefetched (the --pdl-prefetch path; the engine's default is none)."""
     from kernels.pdl import Pdl
-    return Pdl()
+    return Pdl(prefetch_k_blocks=1)
 
 
 def _pdl_rows(rows):
