@@ -36,9 +36,11 @@ _MAX_SPLITS = 32
 # benchmarks' "before", loadtest/bench/fp8_sections.py fp8_attn_prefetch), on batches of up to
 # PDL_KV_PREFETCH_MAX_ROWS: at 32 rows that is every row's context, asked for while the kernel
 # before still reads its own bytes (H100 8B, PDL to 32 rows: FP8 B=32 7.42 ms with it, 6.12
-# without; kernels/NOTES.md)
+# without; kernels/NOTES.md). Asked again once the kernel before (q/k-norm + RoPE) waited before
+# it signalled (H200 8B FP8, `fp8_device --sections ceilings,fp8_attn_prefetch_rows`, two builds
+# prefetching past one row over one not): B=2 1.013 / 1.010, B=4 0.995 / 0.994, B=8 0.97, B=32 0.82
 PDL_KV_PREFETCH = True
-PDL_KV_PREFETCH_MAX_ROWS = 1
+PDL_KV_PREFETCH_MAX_ROWS = 2
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ table and exits if one hangs):
                   (decode_timeline.py): busy and idle time, kernels a step, the heaviest by name
   fp8_attn_prefetch  8B decode B=1, FP8 and bf16, with decode attention's K/V prefetch under PDL
                   on and off (kernels/triton_decode_attention.py PDL_KV_PREFETCH)
+  fp8_attn_prefetch_rows  8B FP8 decode B=1..32 with attention's K/V prefetch under PDL to 1, 2, 8, 32 rows
   fp8_moe_decode  (c) 30B-A3B decode B=1, 8, 32: FP8 vs floor (touched experts) and bf16
   fp8_moe_timeline  30B-A3B FP8 decode B=1 and 8: a step's kernels on one time line
   fp8_moe_pairs   30B-A3B FP8 decode B=2..6 with the per-pair experts kernel to 2 tokens and to 4
@@ -609,6 +610,25 @@ def fp8_attn_prefetch(ctx):
     rep.add("fp8_attn_prefetch", "bf16/fp8 B=1 (prefetch on)", got[("bf16", True)] / got[("fp8", True)], "aim >= 1.6")
 
 
+def fp8_attn_prefetch_rows(ctx):
+    """8B FP8 decode at B=1..32 with decode attention's K/V prefetch under PDL on launches of up to 1
+    row, 2 (default, kernels/triton_decode_attention.py PDL_KV_PREFETCH_MAX_ROWS), 8 and 32: it was held
+    to one row while the kernel before attention's first stage signalled on entry (32 rows' K/V asked
+    for while the big kernel two back still streamed); that kernel (q/k-norm + RoPE) now waits first.
+    One engine build each; 8 rows' greedy tokens equal."""
+    from kernels import triton_decode_attention as tda
+
+    rep = ctx["report"]
+    batches = (1, 2, 4, 8, 16, 32)
+    settings = [(f"to {r} rows", (tda, "PDL_KV_PREFETCH_MAX_ROWS", r)) for r in (1, 2, 8, 32)]
+    got = _fp8_steps_by_setting(ctx, "fp8_attn_prefetch_rows", settings, batches, greedy_rows=8)
+    for b in batches:
+        for tag, _ in settings[1:]:
+            rep.add("fp8_attn_prefetch_rows", f"B={b} to 1 row/{tag}", got[("to 1 rows", b)] / got[(tag, b)])
+    same = all(got[(t, "tokens")] == got[("to 1 rows", "tokens")] for t, _ in settings)
+    rep.add("fp8_attn_prefetch_rows", "8 rows' greedy tokens equal", "yes" if same else "NO")
+
+
 # W8A8 tilings tried (block_m, block_n, group_m, warps, stages, tma, k_pairs); block_k is the 128 group
 GEMM_TILINGS = {
     8192: [(128, 128, 8, 8, 4, False, False), (128, 128, 8, 8, 4, True, False), (128, 128, 8, 8, 3, True, True),
@@ -859,7 +879,7 @@ FP8_SECTIONS = ("ceilings", "fp8_accuracy", "fp8_decode_8b", "fp8_gemm_cublas", 
                 "fp8_decode_route", "fp8_decode_prequant", "fp8_norm_quant", "fp8_decode_gemm_64",
                 "fp8_pdl_past_one_row", "fp8_pdl_wait_first", "fp8_pdl_orders", "fp8_pdl_prefetch",
                 "fp8_decode_profile", "fp8_decode_timeline",
-                "fp8_attn_prefetch", "fp8_gemm",
+                "fp8_attn_prefetch", "fp8_attn_prefetch_rows", "fp8_gemm",
                 "fp8_moe_decode", "fp8_moe_timeline", "fp8_moe_pairs", "fp8_moe_pdl_rows", "fp8_kv_long",
                 "fp8_prefill_profile")
 SECTIONS = {"fp8_accuracy": fp8_accuracy, "fp8_decode_8b": fp8_decode_8b, "fp8_gemm": fp8_gemm,
@@ -871,6 +891,7 @@ SECTIONS = {"fp8_accuracy": fp8_accuracy, "fp8_decode_8b": fp8_decode_8b, "fp8_g
             "fp8_pdl_orders": fp8_pdl_orders, "fp8_pdl_prefetch": fp8_pdl_prefetch,
             "fp8_decode_profile": fp8_decode_profile,
             "fp8_decode_timeline": fp8_decode_timeline, "fp8_attn_prefetch": fp8_attn_prefetch,
+            "fp8_attn_prefetch_rows": fp8_attn_prefetch_rows,
             "fp8_moe_decode": fp8_moe_decode, "fp8_moe_timeline": fp8_moe_timeline,
             "fp8_moe_pairs": fp8_moe_pairs, "fp8_moe_pdl_rows": fp8_moe_pdl_rows, "fp8_kv_long": fp8_kv_long,
             "fp8_prefill_profile": fp8_prefill_profile}
