@@ -8,8 +8,8 @@ optionally a linear's first weight tiles pulled into L2 (weights never change du
 step; measured no longer worth it once the short kernels waited before they signalled,
 kernels/NOTES.md). Where each kernel signals matters more than what it prefetches: a
 signal on entry lets the next kernel's programs take SM slots and memory bandwidth from
-the kernel still running. Works inside CUDA graphs (programmatic edges). SGLang, TensorRT-LLM and FlashInfer
-enable the same thing for their decode kernels on Hopper.
+the kernel still running. Works inside CUDA graphs (programmatic edges). SGLang,
+TensorRT-LLM and FlashInfer enable the same thing for their decode kernels on Hopper.
 
 Pure Python: no triton import (the device kernels check `pdl is not None`).
 """
@@ -39,10 +39,10 @@ class Pdl:
     """How kernels launch when PDL is on. prefetch_k_blocks: how many of its first
     [BLOCK_N, BLOCK_K] weight tiles each decode-linear program prefetches into L2 before it
     waits for the previous kernel (0, the engine's default: none; H200, 8B B=1 with 1 against
-    0: FP8 0.988, bf16 0.995, `fp8_device --sections ceilings,fp8_pdl_prefetch`). max_rows: only launches over at most
-    this many rows (tokens, sequences) use PDL: on an H100 it took Qwen3-8B's batch-1 step
-    from 6.18 to 5.94 ms, but made batch 8 slower (6.87 -> 7.12 ms), see kernels/NOTES.md;
-    the engine's by model: MAX_ROWS. late_from_rows..late_to_rows: launches over that many rows
+    0: FP8 0.988, bf16 0.995, `fp8_device --sections ceilings,fp8_pdl_prefetch`). max_rows:
+    only launches over at most this many rows (tokens, sequences) use PDL: on an H100 it took
+    Qwen3-8B's batch-1 step from 6.18 to 5.94 ms, but made batch 8 slower (6.87 -> 7.12 ms), see
+    kernels/NOTES.md; the engine's by model: MAX_ROWS. late_from_rows..late_to_rows: launches over that many rows
     of the kernels with a main loop (the linears, decode attention's first stage) let the next
     kernel be scheduled only after that loop, as CUTLASS's kernels do after their mainloop, not
     on entry: at 2-16 rows the decode GEMM runs 2-4 programs an SM and the next kernel's early

@@ -47,9 +47,8 @@ def _quantize_x_kernel(x, xq, xs, M, K, eps, stride_xm, stride_qm, stride_sm,
                        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
                        WAIT_FIRST: tl.constexpr):
     """Program g: every row's group g of x, quantized as the GEMM's K step does it (_quantize_rows),
-    into xq (FP8) and xs (a scale a row and group). Under PDL (a short kernel: kernels/pdl.py
-    wait_first_from_rows) the GEMM after it is scheduled while it runs and pulls its first weight
-    tiles into L2 meanwhile."""
+    into xq (FP8) and xs (a scale a row and group). Under PDL (a short kernel: it waits, then
+    signals, kernels/pdl.py wait_first_from_rows) the GEMM after it is scheduled while it runs."""
     pdl_enter(PDL, WAIT_FIRST)
     g = tl.program_id(0)
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
