@@ -33,6 +33,7 @@ table and exits if one hangs):
                   before they signal (default) and before (on entry; x's quantization without PDL)
   fp8_pdl_orders  8B decode: at one row short kernels signalling on entry, or every kernel waiting
                   first, FP8 and bf16; past 16 rows loop kernels signalling late to 32
+  fp8_pdl_late_linear  8B decode B=1: one linear at a time signalling after its loop, FP8 (and bf16 gate/up)
   fp8_pdl_prefetch  8B decode B=1 (FP8 also B=8), FP8 and bf16, with the linears prefetching 0, 1, 2 or 4
                   weight tiles under PDL
   fp8_decode_profile  8B FP8 decode B=32 and 64: step, GPU busy time, heaviest kernels
@@ -499,6 +500,36 @@ def fp8_pdl_orders(ctx):
             rep.add("fp8_pdl_orders", "fp8 8 rows' greedy tokens equal", "yes" if same else "NO")
 
 
+def fp8_pdl_late_linear(ctx):
+    """8B decode at one row with one linear at a time (qkv_proj, o_proj, gate_up_proj, down_proj)
+    signalling the next kernel after its main loop instead of on entry (gate/up is the one linear
+    followed by another big kernel, down): FP8, and bf16 for gate/up; one engine build each."""
+    import dataclasses
+
+    import shared.engine.models.layers as layers
+
+    rep = ctx["report"]
+    enable = layers.enable_pdl
+
+    def late_at(linear):
+        def enable_pdl(model, pdl, prefetch_at=None):
+            n = enable(model, pdl, prefetch_at)
+            for name, m in model.named_modules():
+                if name.endswith(linear) and getattr(m, "pdl", None) is not None:
+                    m.pdl = dataclasses.replace(m.pdl, late_from_rows=1)
+            return n
+        return (layers, "enable_pdl", enable_pdl)
+
+    for weights, quant, linears in (("fp8", "fp8", ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
+                                    ("bf16", "none", ("gate_up_proj",))):
+        tags = [("default", None)] + [(f"{lin} late", late_at(lin)) for lin in linears]
+        got = _fp8_steps_by_setting(ctx, "fp8_pdl_late_linear", [(f"{weights} {t}", p, dict(quantization=quant))
+                                                                 for t, p in tags], (1,))
+        for tag, _ in tags[1:]:
+            rep.add("fp8_pdl_late_linear", f"{weights} B=1 default/{tag}",
+                    got[(f"{weights} default", 1)] / got[(f"{weights} {tag}", 1)])
+
+
 def fp8_pdl_prefetch(ctx):
     """8B decode at B=1 (and 8 for FP8) with the linears prefetching 0, 1 (default), 2 or 4 of their
     first weight tiles into L2 before the PDL wait, FP8 and bf16 (deeper lost on both while the short
@@ -877,7 +908,7 @@ def fp8_kv_long(ctx):
 # (d) before (c): it is quick, and what matters most runs first when the budget is tight
 FP8_SECTIONS = ("ceilings", "fp8_accuracy", "fp8_decode_8b", "fp8_gemm_cublas", "fp8_decode_8b_wide",
                 "fp8_decode_route", "fp8_decode_prequant", "fp8_norm_quant", "fp8_decode_gemm_64",
-                "fp8_pdl_past_one_row", "fp8_pdl_wait_first", "fp8_pdl_orders", "fp8_pdl_prefetch",
+                "fp8_pdl_past_one_row", "fp8_pdl_wait_first", "fp8_pdl_orders", "fp8_pdl_late_linear", "fp8_pdl_prefetch",
                 "fp8_decode_profile", "fp8_decode_timeline",
                 "fp8_attn_prefetch", "fp8_attn_prefetch_rows", "fp8_gemm",
                 "fp8_moe_decode", "fp8_moe_timeline", "fp8_moe_pairs", "fp8_moe_pdl_rows", "fp8_kv_long",
@@ -888,7 +919,8 @@ SECTIONS = {"fp8_accuracy": fp8_accuracy, "fp8_decode_8b": fp8_decode_8b, "fp8_g
             "fp8_norm_quant": fp8_norm_quant,
             "fp8_decode_gemm_64": fp8_decode_gemm_64,
             "fp8_pdl_past_one_row": fp8_pdl_past_one_row, "fp8_pdl_wait_first": fp8_pdl_wait_first,
-            "fp8_pdl_orders": fp8_pdl_orders, "fp8_pdl_prefetch": fp8_pdl_prefetch,
+            "fp8_pdl_orders": fp8_pdl_orders,
+            "fp8_pdl_late_linear": fp8_pdl_late_linear, "fp8_pdl_prefetch": fp8_pdl_prefetch,
             "fp8_decode_profile": fp8_decode_profile,
             "fp8_decode_timeline": fp8_decode_timeline, "fp8_attn_prefetch": fp8_attn_prefetch,
             "fp8_attn_prefetch_rows": fp8_attn_prefetch_rows,

@@ -452,7 +452,7 @@ def _fp8_section(name):
 
 for _name in ("fp8_accuracy", "fp8_decode_8b", "fp8_gemm", "fp8_gemm_cublas", "fp8_decode_8b_wide",
               "fp8_decode_route", "fp8_decode_prequant", "fp8_norm_quant", "fp8_decode_gemm_64",
-              "fp8_pdl_past_one_row", "fp8_pdl_wait_first", "fp8_pdl_orders", "fp8_pdl_prefetch", "fp8_decode_profile",
+              "fp8_pdl_past_one_row", "fp8_pdl_wait_first", "fp8_pdl_orders", "fp8_pdl_late_linear", "fp8_pdl_prefetch", "fp8_decode_profile",
               "fp8_decode_timeline",
               "fp8_attn_prefetch", "fp8_attn_prefetch_rows", "fp8_moe_decode",
               "fp8_moe_timeline", "fp8_moe_pairs", "fp8_moe_pdl_rows", "fp8_kv_long", "fp8_prefill_profile"):
