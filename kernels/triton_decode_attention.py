@@ -33,7 +33,7 @@ _LOG2E = 1.4426950408889634
 _MIN_TOKENS_PER_SPLIT = 128
 _MAX_SPLITS = 32
 # Under PDL, stage 1 asks L2 for its split's K/V while the kernel before runs (False: the
-# benchmarks' "before", loadtest/bench/fp8_sections.py fp8_attn_prefetch), on batches of up to
+# benchmarks' "before", loadtest/bench/fp8_pdl_sections.py fp8_attn_prefetch), on batches of up to
 # PDL_KV_PREFETCH_MAX_ROWS: at 32 rows that is every row's context, asked for while the kernel
 # before still reads its own bytes (H100 8B, PDL to 32 rows: FP8 B=32 7.42 ms with it, 6.12
 # without; kernels/NOTES.md). Asked again once the kernel before (q/k-norm + RoPE) waited before

@@ -51,12 +51,15 @@ table and exits if one hangs):
                   token a handoff moves
   fp8_prefill_profile  8B prefill step of 4x2048 tokens, FP8 vs bf16: the kernels taking the most
                   GPU time (torch.profiler)
-The table comes last (and --json)."""
+The table comes last (and --json). The PDL sections (fp8_pdl_*, fp8_attn_prefetch*, fp8_moe_pdl_rows)
+live in fp8_pdl_sections.py; the loop several sections share (an engine per setting, decode steps,
+greedy tokens) in fp8_steps.py."""
 from __future__ import annotations
 
-import contextlib
-
 import torch
+
+from .fp8_pdl_sections import PDL_SECTIONS
+from .fp8_steps import bench_engine, fp8_steps_by_setting
 
 QWEN3_8B_PREFILL = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 
@@ -240,32 +243,6 @@ def fp8_decode_8b(ctx):
     rep.add("fp8_decode_8b", "prefill fp8/bf16", prefill["fp8"] / prefill["bf16"])
 
 
-@contextlib.contextmanager
-def _bench_engine(ctx, patch: tuple | None = None, model: str = "qwen3-8b", **engine_kw):
-    """A random-weight engine of `model` (engine_kw: its options), closed and its memory released
-    on every exit; patch (module, name, value), or a list of them: that module global set while
-    the engine is built and runs (it is read when the decode graphs are captured and at every
-    eager call), then restored."""
-    from .gpu_engine import release_memory
-    from .suite_context import random_engine
-
-    patches = [] if patch is None else list(patch) if isinstance(patch, list) else [patch]
-    saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
-    eng = None
-    try:
-        for module, name, value in patches:
-            setattr(module, name, value)
-        eng = random_engine(ctx, model, **engine_kw)
-        yield eng
-    finally:
-        for module, name, value in reversed(saved):
-            setattr(module, name, value)
-        if eng is not None:
-            eng.close()
-        del eng
-        release_memory()
-
-
 def fp8_decode_8b_wide(ctx):
     """8B decode at B=64 and 128 (the W8A8 sizes), FP8 with the W8A8 products on cuBLAS's
     block-scaled GEMM (kernels/fp8_cublas.py), on the Triton GEMM, and bf16: where the route's
@@ -282,7 +259,7 @@ def fp8_decode_8b_wide(ctx):
     got = {}
     for tag, options, min_rows in (("fp8 cuBLAS", dict(quantization="fp8"), 33),
                                    ("fp8 Triton", dict(quantization="fp8"), 1 << 30), ("bf16", {}, fc.MIN_ROWS)):
-        with _bench_engine(ctx, (fc, "MIN_ROWS", min_rows), **kw, **options) as eng:
+        with bench_engine(ctx, (fc, "MIN_ROWS", min_rows), **kw, **options) as eng:
             for b in batches:
                 floor, gb = decode_floor_ms(eng, b, args.ctx, c.copy_gb_s)
                 ms = decode_step_ms(eng, b, args.ctx, args.steps, overlap=True)
@@ -293,35 +270,6 @@ def fp8_decode_8b_wide(ctx):
                 f"bf16/fp8 cuBLAS {got[('bf16', b)] / got[('fp8 cuBLAS', b)]:.2f}")
 
 
-def _fp8_steps_by_setting(ctx, section: str, settings, batches, model: str = "qwen3-8b", greedy_rows: int = 0,
-                          after=None, **engine_kw) -> dict:
-    """FP8 decode steps (ms) of `model` at each batch, one engine build per setting (tag, patch) or
-    (tag, patch, engine options): patch as _bench_engine's. Each step is the better of two runs and
-    goes into the report with its floor; returns {(tag, batch): ms}, and {(tag, "tokens"): ...}
-    with greedy_rows: that many rows' greedy tokens decoded together (_greedy_rows). after(eng,
-    tag): more measurements on each setting's engine, after its steps."""
-    from .gpu_engine import decode_floor_ms, decode_step_ms
-    from .suite_context import need_ceilings
-
-    args, rep = ctx["args"], ctx["report"]
-    c = need_ceilings(ctx)
-    got = {}
-    opts = dict(quantization="fp8", max_model_len=2048, cuda_graph_max_bs=max(batches), kv_cache_memory=8 << 30)
-    for tag, patch, *own in settings:
-        with _bench_engine(ctx, patch, model, **{**opts, **engine_kw, **(own[0] if own else {})}) as eng:
-            for b in batches:
-                floor, _ = decode_floor_ms(eng, b, args.ctx, c.copy_gb_s)
-                runs = [decode_step_ms(eng, b, args.ctx, args.steps, overlap=True) for _ in range(2)]
-                got[(tag, b)] = ms = min(runs)
-                rep.add(section, f"{tag} B={b} step_ms", ms,
-                        f"x{ms / floor:.2f} of floor {floor:.3f}; runs {runs[0]:.3f} / {runs[1]:.3f}")
-            if after is not None:
-                after(eng, tag)
-            if greedy_rows:
-                got[(tag, "tokens")] = _greedy_rows(eng, args.ctx, greedy_rows)
-    return got
-
-
 def fp8_decode_route(ctx):
     """8B FP8 decode at B=1, 8, 32 with decode sizes on the W8A8 decode GEMM (x quantized in
     the kernel, kernels/fp8_decode_gemm.py) and with it off (the W8A16 small-batch kernel up to 32
@@ -329,7 +277,7 @@ def fp8_decode_route(ctx):
     import kernels.fp8_decode_gemm as fd
 
     batches = (1, 8, 32)
-    got = _fp8_steps_by_setting(ctx, "fp8_decode_route", [
+    got = fp8_steps_by_setting(ctx, "fp8_decode_route", [
         ("decode GEMM", (fd, "FP8_DECODE_MAX_M", fd.FP8_DECODE_MAX_M)),
         ("W8A16 small-batch", (fd, "FP8_DECODE_MAX_M", 0))], batches)
     for b in batches:
@@ -344,7 +292,7 @@ def fp8_decode_prequant(ctx):
     import kernels.fp8_decode_gemm as fd
 
     batches = (8, 16, 24, 32)
-    got = _fp8_steps_by_setting(ctx, "fp8_decode_prequant", [
+    got = fp8_steps_by_setting(ctx, "fp8_decode_prequant", [
         (tag, (fd, "PREQUANT_MIN_M", min_m))
         for tag, min_m in (("in-kernel", 33), ("prequant from 17", 17), ("prequant from 9", 9))], batches)
     for b in batches:
@@ -375,7 +323,7 @@ def fp8_norm_quant(ctx):
             rep.add("fp8_norm_quant", f"{tag} B={b} GPU busy a step ms", t.busy_ms, f"span {t.step_ms:.3f}")
 
     batches = (2, 8, 16, 32)
-    got = _fp8_steps_by_setting(ctx, "fp8_norm_quant", [
+    got = fp8_steps_by_setting(ctx, "fp8_norm_quant", [
         (tag, (fd, "FUSED_QUANT_MIN_M", min_m)) for tag, min_m in zip(tags, (2, 17, 33))], batches,
         greedy_rows=8, after=time_line)
     for b in batches:
@@ -392,158 +340,12 @@ def fp8_decode_gemm_64(ctx):
     import kernels.fp8_decode_gemm as fd
 
     batches = (32, 48, 64)
-    got = _fp8_steps_by_setting(ctx, "fp8_decode_gemm_64", [
+    got = fp8_steps_by_setting(ctx, "fp8_decode_gemm_64", [
         (f"decode GEMM to {m}", (fd, "FP8_DECODE_MAX_M", m)) for m in (32, 64)], batches, kv_cache_memory=12 << 30)
     for b in batches:
         ctx["report"].add("fp8_decode_gemm_64", f"B={b} to 32 / to 64",
                           got[("decode GEMM to 32", b)] / got[("decode GEMM to 64", b)])
 
-
-def fp8_pdl_past_one_row(ctx):
-    """8B FP8 decode at B=1..32 with PDL on one-row launches, and on launches of up to 32 rows
-    (kernels/pdl.py MAX_ROWS) with the linears and decode attention's first stage
-    signalling the next kernel after their main loop from 2 to 16 rows (the default, Pdl.
-    late_to_rows), never (all on entry), and from 2 to 32 rows: one engine build each, and 8 rows'
-    greedy tokens, which must be equal (PDL changes no value)."""
-    import functools
-
-    import kernels.pdl as kp
-
-    batches = (1, 4, 8, 16, 17, 24, 32)
-    settings = [("one row", [(kp, "MAX_ROWS", {**kp.MAX_ROWS, ("fp8", "dense"): 1})])] + [
-        (tag, [(kp, "MAX_ROWS", {**kp.MAX_ROWS, ("fp8", "dense"): 32}),
-               (kp, "Pdl", functools.partial(kp.Pdl, late_to_rows=late))])
-        for tag, late in (("32 rows, late to 16", 16), ("32 rows, on entry", 0), ("32 rows, late to 32", 32))]
-    got = _fp8_steps_by_setting(ctx, "fp8_pdl_past_one_row", settings, batches, greedy_rows=8)
-    rep = ctx["report"]
-    for b in batches:
-        for tag, _ in settings[1:]:
-            rep.add("fp8_pdl_past_one_row", f"B={b} one row/{tag}", got[("one row", b)] / got[(tag, b)])
-    same = all(got[(t, "tokens")] == got[("one row", "tokens")] for t, _ in settings)
-    rep.add("fp8_pdl_past_one_row", "8 rows' greedy tokens equal", "yes" if same else "NO")
-
-
-def fp8_pdl_wait_first(ctx):
-    """Decode with PDL's short kernels (norms, q/k-norm + RoPE, attention's second stage, the decode
-    GEMM's x quantization: no main loop) waiting for the kernel before, then signalling the next (the
-    default, kernels/pdl.py Pdl.wait_first_from_rows) against "before" (short kernels signalling on
-    entry, x's quantization launched without PDL): 8B FP8 at B=1..32, 8B bf16 at B=1 (its PDL
-    rows), 30B-A3B FP8 at B=1, 2, 8, 32; one engine build a setting, 8 rows' greedy tokens equal
-    (FP8); the 8B FP8 default's B=32 time line by kernel."""
-    import functools
-
-    import kernels.pdl as kp
-    import kernels.triton_fp8_decode_gemm as tg
-
-    from .decode_timeline import decode_timeline
-
-    args, rep = ctx["args"], ctx["report"]
-    before = [(kp, "Pdl", functools.partial(kp.Pdl, wait_first_from_rows=1 << 30)), (tg, "QUANTIZE_PDL", False)]
-
-    def time_line(eng, tag):
-        if tag != "qwen3-8b fp8 wait first":
-            return
-        t = decode_timeline(eng, 32, args.ctx)
-        rep.add("fp8_pdl_wait_first", "8B B=32 GPU span a step ms", t.step_ms,
-                f"busy {t.busy_ms:.3f}, idle {t.idle_ms:.3f}; {t.kernels_per_step:.0f} kernels")
-        for k in t.kernels[:9]:
-            rep.add("fp8_pdl_wait_first", f"8B B=32 {k.name[:44]}", round(k.us_per_step, 1),
-                    f"us a step in {k.launches_per_step:.0f} launches")
-
-    for model, quant, batches, kw in (("qwen3-8b", "fp8", (1, 2, 8, 16, 24, 32), {}),
-                                      ("qwen3-8b", "none", (1,), {}),
-                                      ("qwen3-30b-a3b", "fp8", (1, 2, 8, 32), dict(kv_cache_memory=4 << 30))):
-        name = f"{model} {'fp8' if quant == 'fp8' else 'bf16'}"
-        got = _fp8_steps_by_setting(
-            ctx, "fp8_pdl_wait_first", [(f"{name} {t}", p, dict(quantization=quant))
-                                        for t, p in (("before", before), ("wait first", None))],
-            batches, model=model, greedy_rows=8 if quant == "fp8" else 0, after=time_line, **kw)
-        for b in batches:
-            rep.add("fp8_pdl_wait_first", f"{name} B={b} before/wait first",
-                    got[(f"{name} before", b)] / got[(f"{name} wait first", b)])
-        if quant == "fp8":
-            rep.add("fp8_pdl_wait_first", f"{name} 8 rows' greedy tokens equal",
-                    "yes" if got[(f"{name} before", "tokens")] == got[(f"{name} wait first", "tokens")] else "NO")
-
-
-def fp8_pdl_orders(ctx):
-    """8B decode, where each kernel lets the next be scheduled under PDL, against the default (short
-    kernels waiting first; loop kernels on entry at one row, late from 2 to 16 rows): at one row,
-    short kernels signalling on entry, and every kernel waiting first (FP8 and bf16); past 16 rows,
-    the loop kernels signalling late to 32 (FP8). One engine build a setting; 8 rows' greedy tokens
-    equal across the FP8 settings."""
-    import functools
-
-    import kernels.pdl as kp
-
-    rep = ctx["report"]
-
-    def pdl(**kw):
-        return (kp, "Pdl", functools.partial(kp.Pdl, **kw))
-
-    one_row = [("short on entry at 1 row", pdl(wait_first_from_rows=2)),
-               ("all wait first at 1 row", pdl(late_from_rows=1))]
-    for weights, quant, settings, batches in (
-            ("fp8", "fp8", one_row + [("late to 32 rows", pdl(late_to_rows=32))], (1, 24, 32)),
-            ("bf16", "none", one_row, (1,))):
-        tags = [("default", None)] + settings
-        got = _fp8_steps_by_setting(ctx, "fp8_pdl_orders", [(f"{weights} {t}", p, dict(quantization=quant))
-                                                            for t, p in tags], batches,
-                                    greedy_rows=8 if weights == "fp8" else 0)
-        for b in batches:
-            for tag, _ in settings:
-                if (b == 1) == ("1 row" in tag):
-                    rep.add("fp8_pdl_orders", f"{weights} B={b} default/{tag}",
-                            got[(f"{weights} default", b)] / got[(f"{weights} {tag}", b)])
-        if weights == "fp8":
-            same = all(got[(f"fp8 {t}", "tokens")] == got[("fp8 default", "tokens")] for t, _ in tags)
-            rep.add("fp8_pdl_orders", "fp8 8 rows' greedy tokens equal", "yes" if same else "NO")
-
-
-def fp8_pdl_late_linear(ctx):
-    """8B decode at one row with one linear at a time (qkv_proj, o_proj, gate_up_proj, down_proj)
-    signalling the next kernel after its main loop instead of on entry (gate/up is the one linear
-    followed by another big kernel, down): FP8, and bf16 for gate/up; one engine build each."""
-    import dataclasses
-
-    import shared.engine.models.layers as layers
-
-    rep = ctx["report"]
-    enable = layers.enable_pdl
-
-    def late_at(linear):
-        def enable_pdl(model, pdl, prefetch_at=None):
-            n = enable(model, pdl, prefetch_at)
-            for name, m in model.named_modules():
-                if name.endswith(linear) and getattr(m, "pdl", None) is not None:
-                    m.pdl = dataclasses.replace(m.pdl, late_from_rows=1)
-            return n
-        return (layers, "enable_pdl", enable_pdl)
-
-    for weights, quant, linears in (("fp8", "fp8", ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
-                                    ("bf16", "none", ("gate_up_proj",))):
-        tags = [("default", None)] + [(f"{lin} late", late_at(lin)) for lin in linears]
-        got = _fp8_steps_by_setting(ctx, "fp8_pdl_late_linear", [(f"{weights} {t}", p, dict(quantization=quant))
-                                                                 for t, p in tags], (1,))
-        for tag, _ in tags[1:]:
-            rep.add("fp8_pdl_late_linear", f"{weights} B=1 default/{tag}",
-                    got[(f"{weights} default", 1)] / got[(f"{weights} {tag}", 1)])
-
-
-def fp8_pdl_prefetch(ctx):
-    """8B decode at B=1 (and 8 for FP8) with the linears prefetching 0, 1 (default), 2 or 4 of their
-    first weight tiles into L2 before the PDL wait, FP8 and bf16 (deeper lost on both while the short
-    kernels signalled on entry, kernels/NOTES.md; since they wait first, a linear's prefetch overlaps
-    only the short kernel before it)."""
-    rep = ctx["report"]
-    for weights, quant, batches in (("fp8", "fp8", (1, 8)), ("bf16", "none", (1,))):
-        got = _fp8_steps_by_setting(ctx, "fp8_pdl_prefetch", [
-            (f"{weights} prefetch {d}", None, dict(pdl_prefetch_k_blocks=d, quantization=quant))
-            for d in (0, 1, 2, 4)], batches)
-        for b in batches:
-            for d in (0, 2, 4):
-                rep.add("fp8_pdl_prefetch", f"{weights} B={b} prefetch 1 / {d}",
-                        got[(f"{weights} prefetch 1", b)] / got[(f"{weights} prefetch {d}", b)])
 
 def fp8_decode_profile(ctx):
     """8B FP8 decode at B=32 and 64 (one engine, graphs up to 128): the step, the GPU busy time a
@@ -551,7 +353,7 @@ def fp8_decode_profile(ctx):
     from .gpu_engine import decode_step_ms
 
     args, rep = ctx["args"], ctx["report"]
-    with _bench_engine(ctx, quantization="fp8", max_model_len=2048, cuda_graph_max_bs=128,
+    with bench_engine(ctx, quantization="fp8", max_model_len=2048, cuda_graph_max_bs=128,
                     kv_cache_memory=8 << 30) as eng:
         for b in (32, 64):
             ms = decode_step_ms(eng, b, args.ctx, args.steps, overlap=True)
@@ -573,7 +375,7 @@ def fp8_decode_timeline(ctx):
 
     args, rep = ctx["args"], ctx["report"]
     for tag, options in (("fp8", dict(quantization="fp8")), ("bf16", {})):
-        with _bench_engine(ctx, max_model_len=2048, cuda_graph_max_bs=32, kv_cache_memory=8 << 30, **options) as eng:
+        with bench_engine(ctx, max_model_len=2048, cuda_graph_max_bs=32, kv_cache_memory=8 << 30, **options) as eng:
             for b in (1, 32):
                 t = decode_timeline(eng, b, args.ctx)
                 rep.add("fp8_decode_timeline", f"{tag} B={b} GPU span a step ms", t.step_ms,
@@ -584,80 +386,6 @@ def fp8_decode_timeline(ctx):
                             f"us a step in {k.launches_per_step:.0f} launches (longest {k.longest_us:.1f} us)")
                 for us, before, after in t.gaps[:3]:
                     rep.add("fp8_decode_timeline", f"{tag} B={b} idle gap us", round(us, 1), f"{before} -> {after}")
-
-
-def _greedy_one_row(eng, ctx_len: int) -> list[int]:
-    """64 greedy tokens of one random prompt (the decode steps run in the one-row graph)."""
-    return _greedy_rows(eng, ctx_len, 1)[0]
-
-
-def _greedy_rows(eng, ctx_len: int, rows: int) -> list[list[int]]:
-    """64 greedy tokens of each of `rows` random prompts decoded together (the decode steps run
-    in the graph of that many rows)."""
-    import numpy as np
-
-    from shared.engine import SamplingParams
-
-    from .gpu_engine import random_prompts
-
-    prompts = random_prompts(np.random.default_rng(7), eng.model_config.vocab_size, [ctx_len] * rows)
-    rids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)) for p in prompts]
-    tokens: dict = {rid: [] for rid in rids}
-    while eng.has_work:
-        for out in eng.step():
-            if out.rid in tokens:
-                tokens[out.rid] += out.token_ids
-    return [tokens[rid] for rid in rids]
-
-
-def fp8_attn_prefetch(ctx):
-    """8B decode at one row, FP8 and bf16, decode attention's split K/V prefetched into L2 while
-    the kernel before runs (PDL) and not: the step, and stage 1's share of the time line."""
-    from kernels import triton_decode_attention as tda
-
-    from .decode_timeline import decode_timeline
-    from .gpu_engine import decode_floor_ms, decode_step_ms
-    from .suite_context import need_ceilings
-
-    args, rep = ctx["args"], ctx["report"]
-    c = need_ceilings(ctx)
-    got = {}
-    for tag, options in (("fp8", dict(quantization="fp8")), ("bf16", {})):
-        for prefetch in (False, True):
-            with _bench_engine(ctx, (tda, "PDL_KV_PREFETCH", prefetch), max_model_len=2048, cuda_graph_max_bs=8,
-                            kv_cache_memory=8 << 30, **options) as eng:
-                floor, _ = decode_floor_ms(eng, 1, args.ctx, c.copy_gb_s)
-                got[(tag, prefetch)] = ms = decode_step_ms(eng, 1, args.ctx, args.steps, overlap=True)
-                stage1 = next((k.us_per_step for k in decode_timeline(eng, 1, args.ctx).kernels
-                               if "decode_stage1" in k.name), float("nan"))
-                got[(tag, prefetch, "tokens")] = _greedy_one_row(eng, args.ctx)
-                rep.add("fp8_attn_prefetch", f"{tag} B=1 prefetch {'on' if prefetch else 'off'} step_ms", ms,
-                        f"x{ms / floor:.2f} of floor {floor:.3f}; "
-                        f"attention stage 1 {stage1 / eng.model_config.num_layers:.1f} us a layer")
-        rep.add("fp8_attn_prefetch", f"{tag} B=1 off/on", got[(tag, False)] / got[(tag, True)])
-        same = got[(tag, False, "tokens")] == got[(tag, True, "tokens")]
-        rep.add("fp8_attn_prefetch", f"{tag} greedy tokens off == on", "yes" if same else "NO",
-                "64 tokens of one row in CUDA graphs: a prefetch is only a hint")
-    rep.add("fp8_attn_prefetch", "bf16/fp8 B=1 (prefetch on)", got[("bf16", True)] / got[("fp8", True)], "aim >= 1.6")
-
-
-def fp8_attn_prefetch_rows(ctx):
-    """8B FP8 decode at B=1..32 with decode attention's K/V prefetch under PDL on launches of up to 1
-    row, 2 (default, kernels/triton_decode_attention.py PDL_KV_PREFETCH_MAX_ROWS), 8 and 32: it was held
-    to one row while the kernel before attention's first stage signalled on entry (32 rows' K/V asked
-    for while the big kernel two back still streamed); that kernel (q/k-norm + RoPE) now waits first.
-    One engine build each; 8 rows' greedy tokens equal."""
-    from kernels import triton_decode_attention as tda
-
-    rep = ctx["report"]
-    batches = (1, 2, 4, 8, 16, 32)
-    settings = [(f"to {r} rows", (tda, "PDL_KV_PREFETCH_MAX_ROWS", r)) for r in (1, 2, 8, 32)]
-    got = _fp8_steps_by_setting(ctx, "fp8_attn_prefetch_rows", settings, batches, greedy_rows=8)
-    for b in batches:
-        for tag, _ in settings[1:]:
-            rep.add("fp8_attn_prefetch_rows", f"B={b} to 1 row/{tag}", got[("to 1 rows", b)] / got[(tag, b)])
-    same = all(got[(t, "tokens")] == got[("to 1 rows", "tokens")] for t, _ in settings)
-    rep.add("fp8_attn_prefetch_rows", "8 rows' greedy tokens equal", "yes" if same else "NO")
 
 
 # W8A8 tilings tried (block_m, block_n, group_m, warps, stages, tma, k_pairs); block_k is the 128 group
@@ -829,7 +557,7 @@ def fp8_moe_timeline(ctx):
     from .decode_timeline import decode_timeline
 
     args, rep = ctx["args"], ctx["report"]
-    with _bench_engine(ctx, None, "qwen3-30b-a3b", quantization="fp8", max_model_len=2048, cuda_graph_max_bs=8,
+    with bench_engine(ctx, None, "qwen3-30b-a3b", quantization="fp8", max_model_len=2048, cuda_graph_max_bs=8,
                        kv_cache_memory=4 << 30) as eng:
         for b in (1, 8):
             t = decode_timeline(eng, b, args.ctx)
@@ -848,32 +576,11 @@ def fp8_moe_pairs(ctx):
     import shared.engine.models.moe as moe
 
     batches = (2, 3, 4, 6)
-    got = _fp8_steps_by_setting(ctx, "fp8_moe_pairs", [
+    got = fp8_steps_by_setting(ctx, "fp8_moe_pairs", [
         (f"pairs to {limit}", (moe, "EXPERTS_DECODE_MAX_TOKENS_FP8", limit)) for limit in (2, 4)], batches,
         model="qwen3-30b-a3b", cuda_graph_max_bs=8, kv_cache_memory=4 << 30)
     for b in batches:
         ctx["report"].add("fp8_moe_pairs", f"B={b} to 2 / to 4", got[("pairs to 2", b)] / got[("pairs to 4", b)])
-
-
-def fp8_moe_pdl_rows(ctx):
-    """30B-A3B decode at B=1, 2, 8, 16, 32, FP8 and bf16, with PDL on one-row launches and on
-    launches of up to 32 rows (kernels/pdl.py MAX_ROWS; the loop kernels signalling late from 2 to
-    16 rows, as dense models run): one engine build each; 8 rows' greedy tokens must be equal."""
-    import kernels.pdl as kp
-
-    batches = (1, 2, 8, 16, 32)
-    rep = ctx["report"]
-    for weights, quant in (("fp8", "fp8"), ("16-bit", "none")):
-        got = _fp8_steps_by_setting(ctx, "fp8_moe_pdl_rows", [
-            (f"{weights} PDL to {rows} row{'s' if rows > 1 else ''}",
-             (kp, "MAX_ROWS", {**kp.MAX_ROWS, (weights, "moe"): rows})) for rows in (1, 32)],
-            batches, model="qwen3-30b-a3b", cuda_graph_max_bs=32, kv_cache_memory=4 << 30, greedy_rows=8,
-            quantization=quant)
-        one, many = f"{weights} PDL to 1 row", f"{weights} PDL to 32 rows"
-        for b in batches:
-            rep.add("fp8_moe_pdl_rows", f"{weights} B={b} 1 row / 32 rows", got[(one, b)] / got[(many, b)])
-        rep.add("fp8_moe_pdl_rows", f"{weights} 8 rows' greedy tokens equal",
-                "yes" if got[(one, "tokens")] == got[(many, "tokens")] else "NO")
 
 
 def fp8_kv_long(ctx):
@@ -908,23 +615,16 @@ def fp8_kv_long(ctx):
 # (d) before (c): it is quick, and what matters most runs first when the budget is tight
 FP8_SECTIONS = ("ceilings", "fp8_accuracy", "fp8_decode_8b", "fp8_gemm_cublas", "fp8_decode_8b_wide",
                 "fp8_decode_route", "fp8_decode_prequant", "fp8_norm_quant", "fp8_decode_gemm_64",
-                "fp8_pdl_past_one_row", "fp8_pdl_wait_first", "fp8_pdl_orders", "fp8_pdl_late_linear", "fp8_pdl_prefetch",
-                "fp8_decode_profile", "fp8_decode_timeline",
+                "fp8_pdl_past_one_row", "fp8_pdl_wait_first", "fp8_pdl_orders", "fp8_pdl_late_linear",
+                "fp8_pdl_prefetch", "fp8_decode_profile", "fp8_decode_timeline",
                 "fp8_attn_prefetch", "fp8_attn_prefetch_rows", "fp8_gemm",
                 "fp8_moe_decode", "fp8_moe_timeline", "fp8_moe_pairs", "fp8_moe_pdl_rows", "fp8_kv_long",
                 "fp8_prefill_profile")
 SECTIONS = {"fp8_accuracy": fp8_accuracy, "fp8_decode_8b": fp8_decode_8b, "fp8_gemm": fp8_gemm,
             "fp8_gemm_cublas": fp8_gemm_cublas, "fp8_decode_8b_wide": fp8_decode_8b_wide,
             "fp8_decode_route": fp8_decode_route, "fp8_decode_prequant": fp8_decode_prequant,
-            "fp8_norm_quant": fp8_norm_quant,
-            "fp8_decode_gemm_64": fp8_decode_gemm_64,
-            "fp8_pdl_past_one_row": fp8_pdl_past_one_row, "fp8_pdl_wait_first": fp8_pdl_wait_first,
-            "fp8_pdl_orders": fp8_pdl_orders,
-            "fp8_pdl_late_linear": fp8_pdl_late_linear, "fp8_pdl_prefetch": fp8_pdl_prefetch,
-            "fp8_decode_profile": fp8_decode_profile,
-            "fp8_decode_timeline": fp8_decode_timeline, "fp8_attn_prefetch": fp8_attn_prefetch,
-            "fp8_attn_prefetch_rows": fp8_attn_prefetch_rows,
+            "fp8_norm_quant": fp8_norm_quant, "fp8_decode_gemm_64": fp8_decode_gemm_64,
+            "fp8_decode_profile": fp8_decode_profile, "fp8_decode_timeline": fp8_decode_timeline,
             "fp8_moe_decode": fp8_moe_decode, "fp8_moe_timeline": fp8_moe_timeline,
-            "fp8_moe_pairs": fp8_moe_pairs, "fp8_moe_pdl_rows": fp8_moe_pdl_rows, "fp8_kv_long": fp8_kv_long,
-            "fp8_prefill_profile": fp8_prefill_profile}
-
+            "fp8_moe_pairs": fp8_moe_pairs, "fp8_kv_long": fp8_kv_long,
+            "fp8_prefill_profile": fp8_prefill_profile, **PDL_SECTIONS}
