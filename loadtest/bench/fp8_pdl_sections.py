@@ -4,7 +4,7 @@ kernel lets the next be scheduled, what it prefetches before its wait, and on ho
 the rest: fp8_sections.py)."""
 from __future__ import annotations
 
-from .fp8_steps import bench_engine, fp8_steps_by_setting, greedy_one_row
+from .fp8_steps import bench_engine, fp8_steps_by_setting, greedy_one_row, report_against
 
 
 def fp8_pdl_past_one_row(ctx):
@@ -23,12 +23,7 @@ def fp8_pdl_past_one_row(ctx):
                (kp, "Pdl", functools.partial(kp.Pdl, late_to_rows=late))])
         for tag, late in (("32 rows, late to 16", 16), ("32 rows, on entry", 0), ("32 rows, late to 32", 32))]
     got = fp8_steps_by_setting(ctx, "fp8_pdl_past_one_row", settings, batches, greedy_rows=8)
-    rep = ctx["report"]
-    for b in batches:
-        for tag, _ in settings[1:]:
-            rep.add("fp8_pdl_past_one_row", f"B={b} one row/{tag}", got[("one row", b)] / got[(tag, b)])
-    same = all(got[(t, "tokens")] == got[("one row", "tokens")] for t, _ in settings)
-    rep.add("fp8_pdl_past_one_row", "8 rows' greedy tokens equal", "yes" if same else "NO")
+    report_against(ctx["report"], "fp8_pdl_past_one_row", got, "one row", [t for t, _ in settings[1:]], batches)
 
 
 def fp8_pdl_wait_first(ctx):
@@ -66,12 +61,8 @@ def fp8_pdl_wait_first(ctx):
             ctx, "fp8_pdl_wait_first", [(f"{name} {t}", p, dict(quantization=quant))
                                         for t, p in (("before", before), ("wait first", None))],
             batches, model=model, greedy_rows=8 if quant == "fp8" else 0, after=time_line, **kw)
-        for b in batches:
-            rep.add("fp8_pdl_wait_first", f"{name} B={b} before/wait first",
-                    got[(f"{name} before", b)] / got[(f"{name} wait first", b)])
-        if quant == "fp8":
-            rep.add("fp8_pdl_wait_first", f"{name} 8 rows' greedy tokens equal",
-                    "yes" if got[(f"{name} before", "tokens")] == got[(f"{name} wait first", "tokens")] else "NO")
+        report_against(rep, "fp8_pdl_wait_first", got, f"{name} before", [f"{name} wait first"], batches,
+                       base_label="before", prefix=f"{name} ", tokens=quant == "fp8")
 
 
 def fp8_pdl_orders(ctx):
@@ -197,11 +188,8 @@ def fp8_attn_prefetch_rows(ctx):
     batches = (1, 2, 4, 8, 16, 32)
     settings = [(f"to {r} rows", (tda, "PDL_KV_PREFETCH_MAX_ROWS", r)) for r in (1, 2, 8, 32)]
     got = fp8_steps_by_setting(ctx, "fp8_attn_prefetch_rows", settings, batches, greedy_rows=8)
-    for b in batches:
-        for tag, _ in settings[1:]:
-            rep.add("fp8_attn_prefetch_rows", f"B={b} to 1 row/{tag}", got[("to 1 rows", b)] / got[(tag, b)])
-    same = all(got[(t, "tokens")] == got[("to 1 rows", "tokens")] for t, _ in settings)
-    rep.add("fp8_attn_prefetch_rows", "8 rows' greedy tokens equal", "yes" if same else "NO")
+    report_against(rep, "fp8_attn_prefetch_rows", got, "to 1 rows", [t for t, _ in settings[1:]], batches,
+                   base_label="to 1 row")
 
 
 def fp8_moe_pdl_rows(ctx):

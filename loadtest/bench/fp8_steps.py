@@ -61,6 +61,20 @@ def fp8_steps_by_setting(ctx, section: str, settings, batches, model: str = "qwe
     return got
 
 
+def report_against(rep, section: str, got: dict, base: str, tags, batches, base_label: str | None = None,
+                   prefix: str = "", tokens: bool = True) -> None:
+    """Into the report: each batch's step under `base` over the step under each of `tags` ("B=8
+    base/tag", after `prefix`), and with tokens, whether every setting's greedy tokens equal the
+    base's (fp8_steps_by_setting's greedy_rows)."""
+    label = base_label or base
+    for b in batches:
+        for tag in tags:
+            rep.add(section, f"{prefix}B={b} {label}/{tag.removeprefix(prefix)}", got[(base, b)] / got[(tag, b)])
+    if tokens:
+        same = all(got[(t, "tokens")] == got[(base, "tokens")] for t in tags)
+        rep.add(section, f"{prefix}8 rows' greedy tokens equal", "yes" if same else "NO")
+
+
 def greedy_one_row(eng, ctx_len: int) -> list[int]:
     """64 greedy tokens of one random prompt (the decode steps run in the one-row graph)."""
     return greedy_rows(eng, ctx_len, 1)[0]

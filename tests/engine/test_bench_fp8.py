@@ -50,3 +50,20 @@ def test_helpers(tmp_path):
     assert set(FP8_SECTIONS) - {"ceilings"} == set(SECTIONS)
     from loadtest.bench.suite import SECTION_FUNCS
     assert set(FP8_SECTIONS) <= set(SECTION_FUNCS)
+
+
+def test_report_against_gives_base_over_setting_and_flags_unequal_tokens():
+    """The sections' shared tail (fp8_steps.report_against): the base's step over each setting's, a
+    batch at a time, and "NO" when any setting's greedy tokens differ from the base's."""
+    from loadtest.bench.fp8_steps import report_against
+    from loadtest.bench.suite_context import Report
+
+    got = {("m before", 1): 3.0, ("m now", 1): 2.0, ("m before", 8): 4.0, ("m now", 8): 5.0,
+           ("m before", "tokens"): [[1, 2]], ("m now", "tokens"): [[1, 3]]}
+    rep = Report()
+    report_against(rep, "s", got, "m before", ["m now"], (1, 8), base_label="before", prefix="m ")
+    assert rep.data["s"] == {"m B=1 before/now": 1.5, "m B=8 before/now": 0.8, "m 8 rows' greedy tokens equal": "NO"}
+    got[("m now", "tokens")] = [[1, 2]]
+    rep = Report()
+    report_against(rep, "s", got, "m before", ["m now"], (1,))
+    assert rep.data["s"] == {"B=1 m before/m now": 1.5, "8 rows' greedy tokens equal": "yes"}
