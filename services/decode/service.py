@@ -15,14 +15,15 @@ import uuid
 import grpc
 
 from protos import duet_pb2, duet_pb2_grpc
-from protos.sampling_codec import sampling_from_proto
 from services.decode.reservations import waiter_for
 from services.worker_runtime.context import WorkerContext
-from services.worker_runtime.convert import FINISH, prompt_logprobs_to_proto, tokens_to_proto
 from services.worker_runtime.grammar_check import compile_ahead
 from shared.admission.context_rule import completion_budget
 from shared.admission.kv_demand import check_fits, kv_demand
 from shared.registry.prefix_hashes import chained_page_hashes
+from shared.wire.outputs import Usage, chunk_to_proto, first_token_ids_from_proto, tokens_to_proto
+from shared.wire.reservation import KvReservation, RankPages, reservation_to_proto
+from shared.wire.sampling import sampling_from_proto
 
 log = logging.getLogger("duet.decode")
 
@@ -81,17 +82,16 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
                 queue.remove(ticket)
             span.set_attribute("duet.held_tokens", res.held_pages * ctx.page_size)
             await self._until_ready(res)
-        reply = duet_pb2.Reservation(
+        # the writer checks the held pages' hashes against its prompt before skipping them
+        held_hashes = chained_page_hashes(prompt_ids[:res.held_pages * ctx.page_size],
+                                          ctx.page_size) if res.held_pages else []
+        return reservation_to_proto(KvReservation(
             reservation_id=res.reservation_id, generation=res.generation, decode_worker_id=ctx.worker_id,
             decode_instance_nonce=ctx.instance_nonce, page_size=ctx.page_size,
             num_layers=eng.layout.num_layers, kv_dtype=str(eng.kv_dtype).removeprefix("torch."),
-            compat_hash=ctx.compat_hash, held_pages=res.held_pages)
-        if res.held_pages:  # the writer checks these against its prompt before skipping the pages
-            reply.held_page_hashes.extend(chained_page_hashes(prompt_ids[:res.held_pages * ctx.page_size],
-                                                              ctx.page_size))
-        for rank, agent in enumerate(ctx.rank_agents):  # TP ranks mirror rank 0's page table
-            reply.ranks.add(rank=rank, agent_name=agent.name, page_ids=res.page_ids)
-        return reply
+            compat_hash=ctx.compat_hash, held_pages=res.held_pages, held_page_hashes=held_hashes,
+            # TP ranks mirror rank 0's page table
+            ranks=[RankPages(rank, agent.name, list(res.page_ids)) for rank, agent in enumerate(ctx.rank_agents)]))
 
     async def _until_ready(self, res) -> None:
         """Hand res out once launched GPU work that may touch its pages has run. Cancelled
@@ -166,11 +166,7 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
                                                     else grpc.StatusCode.CANCELLED)
                         yield self._last_chunk(out, tokens, prompt, emitted)
                         return
-                    chunk = duet_pb2.TokenChunk(tokens=tokens, index=out.index,
-                                                finish_reason=FINISH[out.finish_reason if out.finished else None])
-                    if out.prompt_logprobs is not None:
-                        chunk.prompt_logprobs.extend(prompt_logprobs_to_proto(prompt, out.prompt_logprobs))
-                    yield chunk
+                    yield chunk_to_proto(out, prompt, tokens)
             finally:
                 if not finished:  # client went away: drop the request, free its pages
                     ctx.loop.call(lambda: (ctx.loop.detach(rid), ctx.engine.abort(rid)))
@@ -181,13 +177,7 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
 
     @staticmethod
     def _last_chunk(out, tokens, prompt, emitted) -> duet_pb2.TokenChunk:
-        chunk = duet_pb2.TokenChunk(
-            tokens=tokens, finish_reason=FINISH[out.finish_reason], index=out.index,
-            usage=duet_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=emitted,
-                                 cached_tokens=out.num_cached_tokens))
-        if out.prompt_logprobs is not None:
-            chunk.prompt_logprobs.extend(prompt_logprobs_to_proto(prompt, out.prompt_logprobs))
-        return chunk
+        return chunk_to_proto(out, prompt, tokens, Usage(len(prompt), emitted, out.num_cached_tokens))
 
     async def _start_colocated(self, rid, prompt, params, aloop, q, context):
         ctx = self.ctx
@@ -231,8 +221,8 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
             except asyncio.CancelledError:  # the caller left while we waited: give the pages back
                 ctx.loop.call(lambda: book.cancel(res.reservation_id, res.generation))
                 raise
-        first = request.first_token.id
-        firsts = [t.id for t in request.first_tokens] or [first]
+        firsts = first_token_ids_from_proto(request)
+        first = firsts[0]
 
         def join():
             notice = res.notice

@@ -27,26 +27,25 @@ from typing import AsyncIterator
 import grpc
 
 from protos import duet_pb2, duet_pb2_grpc
-from protos.sampling_codec import ContractOverflow, sampling_to_proto
 from services.gateway.backends.capacity import WorkerCapacity
 from services.gateway.backends.interface import (
-    FINISH_LENGTH,
-    FINISH_STOP,
     BackendBadRequest,
     BackendBusy,
     BackendError,
     BackendUnavailable,
     GenerationRequest,
     TokenEvent,
-    TokenLogprob,
 )
+from services.gateway.backends.token_events import token_event
 from shared.registry.pairing import pair_problem
 from shared.registry.connection import RedisConnection
 from shared.security.grpc_tls import GrpcTlsConfig
+from shared.wire.contract_overflow import ContractOverflow
+from shared.wire.outputs import chunk_from_proto, first_tokens_to_proto, prefill_reply_from_proto
+from shared.wire.sampling import sampling_to_proto
 
 log = logging.getLogger("duet.gateway.grpc")
 
-_FINISH = {duet_pb2.FINISH_REASON_STOP: FINISH_STOP, duet_pb2.FINISH_REASON_LENGTH: FINISH_LENGTH}
 _BUSY_CODES = {grpc.StatusCode.RESOURCE_EXHAUSTED}
 _UNAVAILABLE_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED,
                       grpc.StatusCode.CANCELLED, grpc.StatusCode.NOT_FOUND}
@@ -82,18 +81,6 @@ def rpc_error(exc: grpc.aio.AioRpcError, what: str) -> BackendError:
     if code in _BAD_REQUEST_CODES:
         return BackendBadRequest(detail)
     return BackendError(message)
-
-
-def _prompt_logprobs(tokens) -> list[TokenLogprob] | None:
-    return [TokenLogprob(t.id, t.logprob, [(a.token_id, a.logprob) for a in t.top_logprobs])
-            for t in tokens] or None
-
-
-def _events(tokens, logprobs: bool) -> tuple[list[int], list[TokenLogprob] | None]:
-    ids = [t.id for t in tokens]
-    if not logprobs:
-        return ids, None
-    return ids, [TokenLogprob(t.id, t.logprob, [(a.token_id, a.logprob) for a in t.top_logprobs]) for t in tokens]
 
 
 @dataclass
@@ -213,29 +200,21 @@ class GrpcBackend:
                                                 prompt_token_ids=request.prompt_token_ids, sampling=sampling)
             if not route.colocated:
                 reply = await self._reserve_and_prefill(request, route, decode, sampling, metadata, state)
-                if reply.finish_reason == duet_pb2.FINISH_REASON_ABORT:
+                answer = prefill_reply_from_proto(reply, request.request_id, want_logprobs)
+                if any(out.finish_reason == "abort" for out in answer.firsts):
                     raise BackendUnavailable("the prefill worker aborted the request")
-                starts = list(reply.sequences) or [duet_pb2.SequenceStart(
-                    first_token=reply.first_token, finish_reason=reply.finish_reason)]
                 # TTFT is prefill time: the first tokens go out before decode starts. When they
                 # already end the request (EOS, stop token, max_tokens=1) decode never runs
                 # and the `finally` below cancels the reservation.
-                open_seqs = set()
-                for index, start in enumerate(starts):
-                    ids, logprobs = _events([start.first_token], want_logprobs)
-                    finish = _FINISH.get(start.finish_reason)
-                    if finish is None:
-                        open_seqs.add(index)
-                    yield TokenEvent(ids, logprobs, finish, cached_tokens=reply.cached_tokens,
-                                     computed_tokens=reply.computed_tokens, index=index,
-                                     prompt_logprobs=_prompt_logprobs(reply.prompt_logprobs) if index == 0 else None)
+                open_seqs = {out.index for out in answer.firsts if not out.finished}
+                for out in answer.firsts:
+                    yield token_event(out, request.prompt_token_ids, want_logprobs,
+                                      cached_tokens=answer.cached_tokens, computed_tokens=answer.computed_tokens)
                 if not open_seqs:
                     return
-                generate.reservation.CopyFrom(state.reservation)
+                generate.reservation.CopyFrom(state.reservation)  # relayed as decode sent it
                 generate.prefill_worker_id = route.prefill.worker_id
-                generate.first_token.CopyFrom(reply.first_token)
-                if len(starts) > 1:
-                    generate.first_tokens.extend(s.first_token for s in starts)
+                first_tokens_to_proto(generate, answer.firsts)
             else:
                 open_seqs = set(range(request.sampling.n))
             # Split: prefill's cached count is the one that matters (decode computed no prompt).
@@ -296,20 +275,18 @@ class GrpcBackend:
         state.stream = decode.Generate(generate, metadata=metadata)
         try:
             async for chunk in state.stream:
-                if chunk.finish_reason == duet_pb2.FINISH_REASON_ABORT:
+                out, usage = chunk_from_proto(chunk, generate.request_id, want_logprobs)
+                if out.finish_reason == "abort":
                     state.stream_done = True
                     raise BackendUnavailable("the decode worker aborted the request")
-                finish = _FINISH.get(chunk.finish_reason)
-                ids, logprobs = _events(chunk.tokens, want_logprobs)
-                if finish is not None:
-                    open_seqs.discard(chunk.index)
-                done = not open_seqs or chunk.HasField("usage")  # usage comes with the last chunk
+                if out.finished:
+                    open_seqs.discard(out.index)
+                done = not open_seqs or out.request_finished  # usage comes with the last chunk
                 if done:
                     state.stream_done = state.completed = True
-                if ids or finish is not None or chunk.prompt_logprobs:
-                    cached = chunk.usage.cached_tokens if report_cached and chunk.HasField("usage") else None
-                    yield TokenEvent(ids, logprobs, finish, cached_tokens=cached, index=chunk.index,
-                                     prompt_logprobs=_prompt_logprobs(chunk.prompt_logprobs))
+                if out.token_ids or out.finished or out.prompt_logprobs is not None:
+                    cached = usage.cached_tokens if report_cached and usage is not None else None
+                    yield token_event(out, generate.prompt_token_ids, want_logprobs, cached_tokens=cached)
                 if done:
                     return
         except grpc.aio.AioRpcError as exc:
