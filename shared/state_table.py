@@ -55,13 +55,3 @@ class StateTable:
     def terminal(self) -> set[Enum]:
         """States no move leaves."""
         return {m.dst for m in self.moves.values()} - {m.src for m in self.moves.values()}
-
-    def mermaid(self) -> str:
-        """The table as a mermaid stateDiagram-v2 (docs/ARCHITECTURE.md holds this text)."""
-        edges: dict[tuple[str, str], list[str]] = {}
-        for m in self.moves.values():
-            edges.setdefault((m.src.name, m.dst.name), []).append(m.event.name.lower())
-        lines = ["stateDiagram-v2", f"    [*] --> {self.initial.name}"]
-        lines += [f"    {src} --> {dst}: {', '.join(events)}" for (src, dst), events in edges.items()]
-        lines += [f"    {s.name} --> [*]" for s in sorted(self.terminal, key=lambda s: s.name)]
-        return "\n".join(lines)
