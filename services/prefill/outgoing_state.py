@@ -17,48 +17,54 @@ notice went out, FAILED when a write or the notice failed.
     FAILED      a write or the notice failed; the pages are freed and the RPC fails
     CANCELLED   the abort notice went out (or could not); the pages are freed and the RPC fails
 
-Each move names its failure rule (docs/ARCHITECTURE.md, "Failure rules and the tests that
-prove them") and the tests that hold it."""
+The failure rule each move serves and its tests: docs/ARCHITECTURE.md, "Failure rules and
+the tests that prove them"."""
 from __future__ import annotations
 
-from enum import Enum
+from enum import Enum, auto
 
 from shared.state_table import Move, StateTable
 
 
 class OutgoingState(Enum):
-    PREFILLING = "prefilling"
-    TAIL = "tail"
-    FINISHING = "finishing"
-    DECLINING = "declining"
-    CANCELLING = "cancelling"
-    DONE = "done"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
+    PREFILLING = auto()
+    TAIL = auto()
+    FINISHING = auto()
+    DECLINING = auto()
+    CANCELLING = auto()
+    DONE = auto()
+    FAILED = auto()
+    CANCELLED = auto()
 
 
 class OutgoingEvent(Enum):
-    FIRST_TOKEN = "first_token"  # the engine sampled the first token (the prompt is computed)
-    FINISH = "finish"  # every page posted: queue the done notice
-    DECLINE = "decline"  # held prefix mismatch: queue the declined notice, write nothing
-    CANCEL = "cancel"  # the RPC gave up (stop_writing, cancel)
-    ENDED = "ended"  # the engine ended the request before its first token
-    STREAM_DONE = "stream_done"  # nothing in flight and the queued notice went out
-    STREAM_FAILED = "stream_failed"  # a write (or the notice) failed
+    FIRST_TOKEN = auto()  # the engine sampled the first token (the prompt is computed)
+    FINISH = auto()  # every page posted: queue the done notice
+    DECLINE = auto()  # held prefix mismatch: queue the declined notice, write nothing
+    CANCEL = auto()  # the RPC gave up (stop_writing, cancel)
+    ENDED = auto()  # the engine ended the request before its first token
+    STREAM_DONE = auto()  # nothing in flight and the queued notice went out
+    STREAM_FAILED = auto()  # a write (or the notice) failed
 
 
 S, E = OutgoingState, OutgoingEvent
 WRITING = frozenset({S.PREFILLING, S.TAIL})  # states that post page writes
 
-UNIT = "tests/disagg/test_outgoing_lifecycle.py::"
-HAPPY = UNIT + "test_a_handoff_writes_every_page_then_its_done_notice"
-DECLINE = UNIT + "test_a_held_prefix_that_is_not_the_prompts_writes_nothing_and_declines"
-CANCEL = UNIT + "test_a_cancel_in_any_state_sends_abort_once_nothing_is_in_flight"
-WRITE_FAILS = UNIT + "test_a_failed_write_or_notice_fails_the_request_and_frees_its_pages"
-ENDED = UNIT + "test_a_request_the_engine_ends_before_its_first_token_aborts"
+
+def _unit(test: str) -> str:
+    return f"tests/disagg/test_outgoing_lifecycle.py::{test}"
+
+
+HAPPY = _unit("test_a_handoff_writes_every_page_then_its_done_notice")
+DECLINE = _unit("test_a_held_prefix_that_is_not_the_prompts_writes_nothing_and_declines")
+CANCEL = _unit("test_a_cancel_in_any_state_sends_abort_once_nothing_is_in_flight")
+WRITE_FAILS = _unit("test_a_failed_write_or_notice_fails_the_request_and_frees_its_pages")
+ENDED = _unit("test_a_request_the_engine_ends_before_its_first_token_aborts")
 DECODE_KILLED = "tests/disagg/test_failures_workers.py::test_decode_killed_while_prefill_writes"
-HELD_PREFIX = "tests/disagg/test_failures_workers.py::test_a_held_prefix_that_is_not_the_prompts_makes_decode_recompute"
-DISCONNECT = "tests/disagg/test_failures_pair.py::test_disconnect_during_prefill_stops_prefill_and_frees_the_reservation"
+HELD_PREFIX = ("tests/disagg/test_failures_workers.py::"
+               "test_a_held_prefix_that_is_not_the_prompts_makes_decode_recompute")
+DISCONNECT = ("tests/disagg/test_failures_pair.py::"
+              "test_disconnect_during_prefill_stops_prefill_and_frees_the_reservation")
 EARLY_ENDS = "tests/e2e/test_e2e_edge.py::test_every_early_end_frees_the_reservation_at_once"
 GREEDY = "tests/e2e/test_e2e_duet_up.py::test_greedy_answers_equal_the_offline_engine"
 
