@@ -126,7 +126,7 @@ class OutgoingTransfers:
             out = self.active.get(o.rid)
             if out is not None and o.prefill_done and out.state in WRITING:
                 out.firsts[o.index] = o  # all n arrive from the same step
-                if o.index == 0:
+                if o.index == 0 and out.state is S.PREFILLING:
                     out.first = o
                     self._move(out, E.FIRST_TOKEN)
 

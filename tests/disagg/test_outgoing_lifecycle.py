@@ -224,6 +224,8 @@ def test_moves_the_table_lacks_are_refused(engine, agents):
         with pytest.raises(IllegalMove):
             OUTGOING.next(s, e, "handoff of request x")
     assert OUTGOING.terminal == {S.DONE, S.FAILED, S.CANCELLED}
+    for s in set(OutgoingState) - OUTGOING.terminal:  # a cancel or a failed stream may come at any time
+        assert OUTGOING.allows(s, E.CANCEL) and OUTGOING.allows(s, E.STREAM_FAILED), s
     # a first token that comes after the RPC gave up moves nothing (the engine stops at its next step)
     h = Handoff(engine, agents, "late-first")
     h.run(lambda: h.out.pages_sent > 0)

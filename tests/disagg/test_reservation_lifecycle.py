@@ -207,6 +207,9 @@ def test_moves_the_table_lacks_are_refused_and_logged(engine, agents, caplog):
             RESERVATION.next(s, e, "reservation 0")
     for s in RESERVATION.terminal:  # nothing leaves an end
         assert not any(RESERVATION.allows(s, e) for e in ReservationEvent)
+    for s in set(ReservationState) - RESERVATION.terminal:  # what the book relies on never to raise
+        assert RESERVATION.allows(s, E.CANCEL) and RESERVATION.allows(s, E.CANCEL_UNSENT), s
+        assert RESERVATION.allows(s, E.NOTICE_DONE) or s in (S.WRITTEN, S.DECLINED, S.NOTICED), s
     # through the book: the service may consume only a claimed reservation with its notice in hand
     w = World(engine, agents)
     res = w.reserve()
