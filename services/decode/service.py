@@ -15,7 +15,8 @@ import uuid
 import grpc
 
 from protos import duet_pb2, duet_pb2_grpc
-from services.decode.reservations import waiter_for
+from services.decode.reservation_state import ReservationState
+from services.decode.reservations import ReservationGone, waiter_for
 from services.worker_runtime.context import WorkerContext
 from services.worker_runtime.grammar_check import compile_ahead
 from shared.admission.context_rule import completion_budget
@@ -202,18 +203,16 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
         event = asyncio.Event()
 
         def arm():
-            res = book.get(msg.reservation_id, msg.generation)
-            if res is not None:
-                res.waiter = waiter_for(aloop, event)
-            return res
+            return book.claim(msg.reservation_id, msg.generation, waiter_for(aloop, event))
         res = await ctx.loop.acall_or_undo(arm, lambda: book.cancel(msg.reservation_id, msg.generation))
         if res is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"reservation {msg.reservation_id}/{msg.generation} is unknown or was cancelled")
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"reservation {msg.reservation_id}/{msg.generation} "
+                                                           "is unknown, was cancelled or is claimed already")
         deadline = time.monotonic() + ctx.config.notice_timeout_s
         with ctx.span("kv_transfer_wait", context, request_id=rid):
-            try:
-                while res.notice is None and time.monotonic() < deadline and ctx.is_live(res.writer_id):
+            try:  # until the notice (NOTICED), a cancel by its caller, the deadline or the writer's leave
+                while res.state is ReservationState.CLAIMED and time.monotonic() < deadline \
+                        and ctx.is_live(res.writer_id):
                     try:
                         await asyncio.wait_for(event.wait(), 0.1)
                     except asyncio.TimeoutError:
@@ -225,6 +224,8 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
         first = firsts[0]
 
         def join():
+            if not res.claimed:  # its caller cancelled it meanwhile (and left)
+                raise ReservationGone(f"reservation {res.reservation_id}/{res.generation} was cancelled")
             notice = res.notice
             if notice is not None and notice.kind == "done" and notice.first_token_id == first:
                 book.consume(res)
@@ -238,7 +239,7 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
                 ctx.engine.add_request(prompt, params, rid=rid, output_prefix=firsts)
                 mode = "recompute"
                 log.warning("request %s: KV from %s did not arrive (%s); recomputing the prompt",
-                            rid, res.writer_id, "abort" if notice else "no notice")
+                            rid, res.writer_id, notice.kind if notice else "no notice")
             ctx.recomputes += mode == "recompute"
             if not ctx.engine.is_live(rid):  # the first token(s) already ended it
                 from shared.engine.outputs import StepOutput
@@ -251,6 +252,8 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
                                                                book.cancel(res.reservation_id, res.generation)))
         except TimeoutError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except ReservationGone as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
