@@ -1,12 +1,15 @@
 """Checks of the function-calling and structured-output fields (tools, tool_choice,
-response_format), with OpenAI's parameter names in the messages. Only shapes are checked
-here; whether a schema compiles is the grammar engine's call (gateway: openai_api/structured_outputs.py)."""
+response_format), with OpenAI's parameter names in the messages. A schema that will
+constrain the output (response_format's, and the functions' a forced tool_choice calls) is
+checked for keywords the grammar engine would not enforce (json_schema_support.py); whether
+it compiles, within the limits, is the grammar engine's call (gateway: openai_api/structured_outputs.py)."""
 from __future__ import annotations
 
 import re
 from typing import Any
 
 from shared.openai_protocol.errors import InvalidRequest
+from shared.openai_protocol.json_schema_support import check_schema
 
 FUNCTION_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 
@@ -48,6 +51,8 @@ def check_tool_choice(choice, tools: list[dict[str, Any]] | None, flat: bool = F
                                  "tool_choice")
         if choice == "required" and not tools:
             raise InvalidRequest("tool_choice 'required' needs tools", "tool_choice")
+        if choice == "required":
+            check_forced_schemas(tools, None, flat)
         return
     name = named_choice(choice, flat)
     if name is None:
@@ -55,6 +60,22 @@ def check_tool_choice(choice, tools: list[dict[str, Any]] | None, flat: bool = F
                              "{\"name\": ...}}", "tool_choice")
     if name not in [tool_function(t, flat)["name"] for t in tools or []]:
         raise InvalidRequest(f"tool_choice names function {name!r}, which is not in tools", "tool_choice")
+    check_forced_schemas(tools, name, flat)
+
+
+def check_forced_schemas(tools: list[dict[str, Any]] | None, name: str | None, flat: bool = False) -> None:
+    """The parameter schemas a forced tool_choice turns into a grammar: the named function's
+    (name), or every function's ("required": name None)."""
+    for i, tool in enumerate(tools or []):
+        fn = tool_function(tool, flat)
+        if fn.get("parameters") and name in (None, fn["name"]):
+            where = parameters_param(i, flat)
+            check_schema(fn["parameters"], where, where)
+
+
+def parameters_param(index: int, flat: bool = False) -> str:
+    """Where tool `index`'s parameter schema is in the request (an error's param)."""
+    return f"tools[{index}].parameters" if flat else f"tools[{index}].function.parameters"
 
 
 def named_choice(choice, flat: bool = False) -> str | None:
@@ -65,7 +86,9 @@ def named_choice(choice, flat: bool = False) -> str | None:
     return name if isinstance(name, str) else None
 
 
-def check_response_format(fmt: dict[str, Any] | None, param: str = "response_format") -> None:
+def check_response_format(fmt: dict[str, Any] | None, param: str = "response_format",
+                          schema_at: str | None = None) -> None:
+    """schema_at: where the schema is in the request (default: param.json_schema.schema)."""
     if fmt is None:
         return
     kind = fmt.get("type")
@@ -76,5 +99,8 @@ def check_response_format(fmt: dict[str, Any] | None, param: str = "response_for
         spec = fmt.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
             raise InvalidRequest("json_schema needs a name and a schema", f"{param}.json_schema")
+        where = schema_at or f"{param}.json_schema.schema"
         if not isinstance(spec.get("schema", {}), dict):
-            raise InvalidRequest("json_schema.schema must be a JSON schema object", f"{param}.json_schema.schema")
+            raise InvalidRequest("json_schema.schema must be a JSON schema object", where)
+        if spec.get("schema"):
+            check_schema(spec["schema"], where, param)
