@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from shared.openai_protocol.errors import InvalidRequest
 from shared.openai_protocol.json_schema_oneof import overlapping_pair
 from shared.openai_protocol.json_schema_recursion import endless_ref
 from shared.openai_protocol.json_schema_refs import BadRef, resolve
@@ -44,14 +43,13 @@ REFUSED = {
     "$anchor": "refer by a JSON pointer ('#/$defs/name')", "$dynamicRef": _NOT_ENFORCED,
     "$dynamicAnchor": _NOT_ENFORCED, "$recursiveRef": _NOT_ENFORCED, "$recursiveAnchor": _NOT_ENFORCED,
 }
-ANNOTATIONS = frozenset({"title", "description", "default", "examples", "deprecated", "readOnly", "writeOnly",
-                         "$comment", "$schema", "$vocabulary", "contentEncoding", "contentMediaType",
-                         "contentSchema", "$defs", "definitions", "$id"})
 COMBINERS = ("$ref", "anyOf", "oneOf", "allOf")
 ENFORCED_FORMATS = frozenset({"date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uri",
                               "uri-reference", "uri-template", "uuid", "json-pointer", "relative-json-pointer"})
 # standard formats xgrammar lets any string through for
 UNENFORCED_FORMATS = frozenset({"idn-email", "idn-hostname", "iri", "iri-reference", "regex"})
+# every other keyword (title, description, default, examples, $defs, $comment, content*, and
+# any JSON Schema does not define) is an annotation: allowed anywhere, enforced by no one
 _KNOWN = frozenset(REFUSED) | frozenset(COMBINERS) | frozenset(TYPED_KEYWORDS) | {"type", "const", "enum"}
 
 
@@ -63,14 +61,6 @@ class SchemaProblem:
 
     def __str__(self) -> str:
         return f"keyword '{self.keyword}' at {self.path} {self.why}"
-
-
-def check_schema(schema: Any, where: str, param: str) -> None:
-    """InvalidRequest (param; the message starts with `where`, the schema's place in the
-    request) when the schema uses what structured outputs cannot enforce."""
-    problem = schema_problem(schema)
-    if problem is not None:
-        raise InvalidRequest(f"{where}: {problem}", param)
 
 
 def schema_problem(schema: Any) -> SchemaProblem | None:
@@ -101,9 +91,10 @@ def schema_problem(schema: Any) -> SchemaProblem | None:
     def target(ref: Any) -> Any:
         return resolve(schema, ref)[0]
 
+    shapes: dict = {}
     for node, path in nodes:
         if isinstance(node.get("oneOf"), list):
-            pair = overlapping_pair(node["oneOf"], target)
+            pair = overlapping_pair(node["oneOf"], target, shapes)
             if pair is not None:
                 return SchemaProblem("oneOf", path, f"is not enforced: a value may match both branch {pair[0]} "
                                      f"and {pair[1]} (only provably disjoint branches are: different types, "

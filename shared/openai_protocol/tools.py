@@ -1,15 +1,13 @@
 """Checks of the function-calling and structured-output fields (tools, tool_choice,
-response_format), with OpenAI's parameter names in the messages. A schema that will
-constrain the output (response_format's, and the functions' a forced tool_choice calls) is
-checked for keywords the grammar engine would not enforce (json_schema_support.py); whether
-it compiles, within the limits, is the grammar engine's call (gateway: openai_api/structured_outputs.py)."""
+response_format), with OpenAI's parameter names in the messages. Only shapes are checked
+here; whether the grammar engine enforces a schema (json_schema_support.py) and compiles it
+is decided off the event loop, within the grammar limits (gateway: openai_api/structured_outputs.py)."""
 from __future__ import annotations
 
 import re
 from typing import Any
 
 from shared.openai_protocol.errors import InvalidRequest
-from shared.openai_protocol.json_schema_support import check_schema
 
 FUNCTION_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 
@@ -51,8 +49,6 @@ def check_tool_choice(choice, tools: list[dict[str, Any]] | None, flat: bool = F
                                  "tool_choice")
         if choice == "required" and not tools:
             raise InvalidRequest("tool_choice 'required' needs tools", "tool_choice")
-        if choice == "required":
-            check_forced_schemas(tools, None, flat)
         return
     name = named_choice(choice, flat)
     if name is None:
@@ -60,17 +56,6 @@ def check_tool_choice(choice, tools: list[dict[str, Any]] | None, flat: bool = F
                              "{\"name\": ...}}", "tool_choice")
     if name not in [tool_function(t, flat)["name"] for t in tools or []]:
         raise InvalidRequest(f"tool_choice names function {name!r}, which is not in tools", "tool_choice")
-    check_forced_schemas(tools, name, flat)
-
-
-def check_forced_schemas(tools: list[dict[str, Any]] | None, name: str | None, flat: bool = False) -> None:
-    """The parameter schemas a forced tool_choice turns into a grammar: the named function's
-    (name), or every function's ("required": name None)."""
-    for i, tool in enumerate(tools or []):
-        fn = tool_function(tool, flat)
-        if fn.get("parameters") and name in (None, fn["name"]):
-            where = parameters_param(i, flat)
-            check_schema(fn["parameters"], where, where)
 
 
 def parameters_param(index: int, flat: bool = False) -> str:
@@ -102,5 +87,3 @@ def check_response_format(fmt: dict[str, Any] | None, param: str = "response_for
         where = schema_at or f"{param}.json_schema.schema"
         if not isinstance(spec.get("schema", {}), dict):
             raise InvalidRequest("json_schema.schema must be a JSON schema object", where)
-        if spec.get("schema"):
-            check_schema(spec["schema"], where, param)

@@ -13,7 +13,7 @@ import json
 import jsonschema
 import pytest
 
-from services.gateway.openai_api.structured_outputs import checked, tool_choice_grammar
+from services.gateway.openai_api.structured_outputs import checked, response_format_grammar, tool_choice_grammar
 from shared.engine.grammar import compile_spec
 from shared.engine.grammar_guard import GrammarGuard
 from shared.engine.grammar_limits import GrammarLimits
@@ -21,7 +21,7 @@ from shared.engine.grammar_spec import GrammarError, GrammarSpec
 from shared.engine.grammar_trial import check_can_start
 from shared.openai_protocol.errors import InvalidRequest
 from shared.openai_protocol.json_schema_refs import rebase_refs
-from shared.openai_protocol.json_schema_support import check_schema, schema_problem
+from shared.openai_protocol.json_schema_support import schema_problem
 from shared.openai_protocol.requests import parse_chat_request
 from shared.openai_protocol.responses import parse_responses_request
 from tests.helpers.gateway_support import byte_level_tokenizer_dir
@@ -129,10 +129,14 @@ REFUSED = [
 
 
 @pytest.fixture(scope="module")
-def compiler(tmp_path_factory):
-    import xgrammar as xgr
+def tokenizer(tmp_path_factory):
     from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(str(byte_level_tokenizer_dir(tmp_path_factory.mktemp("tok"))))
+    return AutoTokenizer.from_pretrained(str(byte_level_tokenizer_dir(tmp_path_factory.mktemp("tok"))))
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer):
+    import xgrammar as xgr
     return xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer)),
                                max_threads=1, cache_enabled=False)
 
@@ -184,44 +188,86 @@ def test_recursion_with_no_way_out_gives_a_grammar_nothing_fits(compiler):
     check_can_start(compile_spec(compiler, GrammarSpec("json_schema", json.dumps(LINKED))), "json_schema")
 
 
-def test_the_error_names_the_request_field_the_keyword_and_its_place():
-    with pytest.raises(InvalidRequest) as caught:
-        check_schema({"type": "object", "properties": {"a": {"not": STR}}}, "response_format.json_schema.schema",
-                     "response_format")
-    assert caught.value.param == "response_format"
-    assert caught.value.message.startswith(
-        "response_format.json_schema.schema: keyword 'not' at $.properties.a is not supported")
-    odd = schema_problem({"type": "object", "properties": {"a b": {"not": {}}}})
-    assert odd.path == '$.properties["a b"]'
+def test_a_problem_reads_keyword_place_and_why():
+    problem = schema_problem({"type": "object", "properties": {"a": {"not": STR}}})
+    assert str(problem) == "keyword 'not' at $.properties.a is not supported (a schema's complement cannot be " \
+                           "generated)"
+    assert schema_problem({"type": "object", "properties": {"a b": {"not": {}}}}).path == '$.properties["a b"]'
 
 
-def body(**fields) -> bytes:
-    return json.dumps({"messages": [{"role": "user", "content": "hi"}], **fields}).encode()
+@pytest.fixture(scope="module")
+def guard(tokenizer):
+    g = GrammarGuard.for_tokenizer(GrammarLimits(timeout_s=30), tokenizer)
+    yield g
+    g.close()
 
 
-def test_parsing_refuses_response_formats_and_forced_tools_alike():
+def gateway_check(guard, body: dict, responses: bool = False):
+    """What the gateway does with a request's schemas (endpoints.py): parse, build the
+    grammar, have the guard judge it (a helper process); the InvalidRequest, or None."""
+    if responses:
+        req = parse_responses_request(json.dumps({"input": "hi", **body}).encode())
+        grammar = response_format_grammar(req.format, "text.format", "text.format.schema")
+        if req.tools:
+            grammar = tool_choice_grammar(req.tools, req.effective_tool_choice, None, flat=True) or grammar
+    else:
+        req = parse_chat_request(json.dumps({"messages": [{"role": "user", "content": "hi"}], **body}).encode())
+        grammar = response_format_grammar(req.response_format)
+        if req.tools:
+            grammar = tool_choice_grammar(req.tools, req.effective_tool_choice, None) or grammar
+    try:
+        asyncio.run(checked(guard, grammar))
+    except InvalidRequest as exc:
+        return exc
+    return None
+
+
+def test_each_way_a_schema_comes_in_is_refused_with_its_field(guard):
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}
-    with pytest.raises(InvalidRequest, match=r"^response_format.json_schema.schema: keyword '\$ref' at \$ ") as c:
-        parse_chat_request(body(response_format=fmt))
-    assert c.value.param == "response_format"
-    with pytest.raises(InvalidRequest, match=r"^text.format.schema: keyword 'not' at \$ ") as c:
-        parse_responses_request(json.dumps({"input": "hi", "text": {"format": {
-            "type": "json_schema", "name": "x", "schema": {"not": STR}}}}).encode())
-    assert c.value.param == "text.format"
+    refused = gateway_check(guard, {"response_format": fmt})
+    assert refused.param == "response_format"
+    assert refused.message.startswith("response_format.json_schema.schema: keyword '$ref' at $ makes the schema")
+    refused = gateway_check(guard, {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"not": STR}}}},
+                            responses=True)
+    assert (refused.param, refused.message[:37]) == ("text.format", "text.format.schema: keyword 'not' at ")
     bad = {"type": "object", "properties": {"a": {"allOf": [STR, INT]}}}
     good = {"type": "object", "properties": {"a": INT}}
     tools = [{"type": "function", "function": {"name": "f", "parameters": good}},
              {"type": "function", "function": {"name": "g", "parameters": bad}}]
-    parse_chat_request(body(tools=tools))  # auto: no grammar, nothing to enforce
-    parse_chat_request(body(tools=tools, tool_choice={"type": "function", "function": {"name": "f"}}))
+    assert gateway_check(guard, {"tools": tools}) is None  # auto: no grammar, nothing enforced
+    assert gateway_check(guard, {"tools": tools, "tool_choice": {"type": "function", "function": {"name": "f"}}}) \
+        is None
     for choice in ("required", {"type": "function", "function": {"name": "g"}}):
-        with pytest.raises(InvalidRequest, match=r"keyword 'allOf' at \$.properties.a") as c:
-            parse_chat_request(body(tools=tools, tool_choice=choice))
-        assert c.value.param == "tools[1].function.parameters"
+        refused = gateway_check(guard, {"tools": tools, "tool_choice": choice})
+        assert refused.param == "tools[1].function.parameters"
+        assert refused.message.startswith("tools[1].function.parameters: keyword 'allOf' at $.properties.a ")
     flat = [{"type": "function", "name": "g", "parameters": bad}]
-    with pytest.raises(InvalidRequest) as c:
-        parse_responses_request(json.dumps({"input": "hi", "tools": flat, "tool_choice": "required"}).encode())
-    assert c.value.param == "tools[0].parameters"
+    refused = gateway_check(guard, {"tools": flat, "tool_choice": "required"}, responses=True)
+    assert refused.param == "tools[0].parameters"
+
+
+def test_what_only_the_compile_tells_names_the_place_too(guard):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 1}}}}}]
+    refused = gateway_check(guard, {"tools": tools, "tool_choice": {"type": "function", "function": {"name": "f"}}})
+    assert refused.param == "tools[0].function.parameters"
+    assert refused.message.startswith("tools[0].function.parameters: invalid json schema: ")
+    assert "minimum" in refused.message
+
+
+def test_a_worker_asked_directly_refuses_it_too(tokenizer):
+    """A worker's guard (its own vocabulary, shipping slow compiles) runs the same trial: a
+    schema sent to it over gRPC without the gateway never reaches its engine."""
+    from shared.engine.grammar import GrammarBackend
+    backend = GrammarBackend(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    worker_guard = GrammarGuard.for_tokenizer_info(GrammarLimits(timeout_s=30), backend.info.serialize_json)
+    try:
+        with pytest.raises(GrammarError, match=r"^keyword '\$ref' at \$ makes the schema recurse"):
+            asyncio.run(worker_guard.check(GrammarSpec("json_schema", json.dumps({"$ref": "#"}))))
+        with pytest.raises(GrammarError, match=r"^keyword 'not' at \$ "):
+            asyncio.run(worker_guard.check(GrammarSpec("json_schema", json.dumps({"not": STR}))))
+    finally:
+        worker_guard.close()
 
 
 def test_required_tool_calls_keep_each_functions_refs(compiler):
@@ -240,19 +286,3 @@ def test_required_tool_calls_keep_each_functions_refs(compiler):
     assert grammar_takes(compiler, schema, [call, {"name": "g", "parameters": {}}])
     assert not grammar_takes(compiler, schema, [{"name": "f", "parameters": {"unit": "c", "sub": [call]}}])
     assert not grammar_takes(compiler, schema, [{"name": "f", "parameters": {"unit": "k", "sub": None}}])
-
-
-def test_the_gateways_compile_check_names_the_place(tmp_path):
-    """What only the compile can tell (here: minimum over maximum) is a 400 naming the field
-    and, in the message, the schema's place."""
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(str(byte_level_tokenizer_dir(tmp_path / "tok")))
-    guard = GrammarGuard.for_tokenizer(GrammarLimits(timeout_s=30), tokenizer)
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 1}}}}}]
-    try:
-        with pytest.raises(InvalidRequest, match=r"^tools\[0\].function.parameters: invalid json schema: .*minimum"):
-            asyncio.run(checked(guard, tool_choice_grammar(tools, {"type": "function", "function": {"name": "f"}},
-                                                           None)))
-    finally:
-        guard.close()

@@ -1,11 +1,12 @@
 """Structured outputs: the grammar a request needs, if any: from response_format (chat;
 text.format in the Responses API: json_object / json_schema), or from a forced tool_choice
 ("required": a list of calls to the given functions, vLLM's shape; a named function: its
-arguments). Parsing already refused schemas with keywords the grammar engine would not
-enforce (shared/openai_protocol/json_schema_support.py); `checked` then has the GrammarGuard
-compile it within the server's limits (a helper process, a time budget), so a schema that
-cannot compile, not in time, or to a grammar no JSON value fits, is a 400 naming the problem
-before any worker is asked."""
+arguments). `checked` then has the GrammarGuard judge it within the server's limits (a
+helper process, a time budget): a schema with keywords the grammar engine would not enforce
+(shared/openai_protocol/json_schema_support.py), one that cannot compile, not in time, or to
+a grammar no output can begin, is a 400 naming the problem and where it is in the request,
+before any worker is asked. "required" checks each function's schema on its own first, so
+the error names the function."""
 from __future__ import annotations
 
 import json
@@ -26,6 +27,7 @@ class RequestGrammar:
     spec: GrammarSpec
     param: str  # the request field it came from (the 400's param)
     where: str  # the schema's place in the request (a 400's message starts with it)
+    parts: tuple["RequestGrammar", ...] = ()  # schemas inside spec, checked first on their own
 
 
 def response_format_grammar(fmt: dict[str, Any] | None, param: str = "response_format",
@@ -62,7 +64,10 @@ def tool_choice_grammar(tools: list[dict[str, Any]], choice, parallel: bool | No
         schema["maxItems"] = 1
     if defs:
         schema["$defs"] = defs
-    return RequestGrammar(GrammarSpec("json_schema", json.dumps(schema)), "tools", "tools")
+    parts = tuple(RequestGrammar(GrammarSpec("json_schema", json.dumps(params)), parameters_param(i, flat),
+                                 parameters_param(i, flat))
+                  for i, t in enumerate(tools) if (params := tool_function(t, flat).get("parameters")))
+    return RequestGrammar(GrammarSpec("json_schema", json.dumps(schema)), "tools", "tools", parts)
 
 
 def _placed(parameters: dict[str, Any], name: str, defs: dict[str, Any]) -> dict[str, Any]:
@@ -78,8 +83,9 @@ def _placed(parameters: dict[str, Any], name: str, defs: dict[str, Any]) -> dict
 async def checked(guard: GrammarGuard, grammar: RequestGrammar | None) -> GrammarSpec | None:
     if grammar is None:
         return None
-    try:
-        await guard.check(grammar.spec)
-    except GrammarError as exc:
-        raise InvalidRequest(f"{grammar.where}: {exc}", grammar.param) from None
+    for part, keywords_only in [*((p, True) for p in grammar.parts), (grammar, False)]:
+        try:
+            await guard.check(part.spec, keywords_only=keywords_only)
+        except GrammarError as exc:
+            raise InvalidRequest(f"{part.where}: {exc}", part.param) from None
     return grammar.spec
