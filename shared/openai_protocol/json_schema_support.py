@@ -64,7 +64,8 @@ class SchemaProblem:
 
 
 def schema_problem(schema: Any) -> SchemaProblem | None:
-    """The first keyword (in document order) the grammar engine would not enforce, or None.
+    """The first thing in the schema the grammar engine would not enforce, or None: keywords
+    in document order, then overlapping oneOf branches, then recursion with no way to end.
     Iterative, linear in the schema's size; only what the root reaches is read."""
     if not is_schema(schema):
         return SchemaProblem("schema", "$", "must be a JSON schema (an object or a boolean)")
@@ -160,6 +161,9 @@ def _values_problem(node: dict[str, Any], path: str) -> SchemaProblem | None:
     values = [node["const"]] if first == "const" else node["enum"]
     if not isinstance(values, list) or not values:
         return SchemaProblem("enum", path, "must be a non-empty list")
+    problem = _type_problem(node, path)
+    if problem is not None:
+        return problem
     declared = node.get("type")
     types = frozenset([declared] if isinstance(declared, str) else declared if isinstance(declared, list) else [])
     for value in values if types else ():
@@ -168,12 +172,18 @@ def _values_problem(node: dict[str, Any], path: str) -> SchemaProblem | None:
     return None
 
 
-def _typed_problem(node: dict[str, Any], path: str, names: bool) -> SchemaProblem | None:
+def _type_problem(node: dict[str, Any], path: str) -> SchemaProblem | None:
     declared = node.get("type")
-    if declared is not None and not (
-            (isinstance(declared, str) and declared in JSON_TYPES) or
-            (isinstance(declared, list) and declared and all(isinstance(t, str) and t in JSON_TYPES for t in declared))):
+    names = [declared] if isinstance(declared, str) else declared if isinstance(declared, list) else None
+    if declared is not None and not (names and all(isinstance(t, str) and t in JSON_TYPES for t in names)):
         return SchemaProblem("type", path, f"must be one of {sorted(JSON_TYPES)} or a non-empty list of them")
+    return None
+
+
+def _typed_problem(node: dict[str, Any], path: str, names: bool) -> SchemaProblem | None:
+    problem = _type_problem(node, path)
+    if problem is not None:
+        return problem
     types = node_types(node) or (frozenset({"string"}) if names else None)
     if types is None:
         typed = next((k for k in node if k in TYPED_KEYWORDS), None)
@@ -194,6 +204,7 @@ def _typed_problem(node: dict[str, Any], path: str, names: bool) -> SchemaProble
 def _string_problem(node: dict[str, Any], path: str) -> SchemaProblem | None:
     """One of a format, a pattern or a length is enforced on a string, never two."""
     fmt = node.get("format")
+    fmt = fmt if isinstance(fmt, str) else None  # else: not a format (the compile says so)
     if fmt in UNENFORCED_FORMATS:
         return SchemaProblem("format", path, f"{fmt!r} is not supported; supported formats: "
                              f"{', '.join(sorted(ENFORCED_FORMATS))}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 
 import jsonschema
 import pytest
@@ -22,6 +23,7 @@ from shared.engine.grammar_trial import check_can_start
 from shared.openai_protocol.errors import InvalidRequest
 from shared.openai_protocol.json_schema_refs import rebase_refs
 from shared.openai_protocol.json_schema_support import schema_problem
+from shared.openai_protocol.json_schema_walk import TYPED_KEYWORDS
 from shared.openai_protocol.requests import parse_chat_request
 from shared.openai_protocol.responses import parse_responses_request
 from tests.helpers.gateway_support import byte_level_tokenizer_dir
@@ -193,6 +195,25 @@ def test_a_problem_reads_keyword_place_and_why():
     assert str(problem) == "keyword 'not' at $.properties.a is not supported (a schema's complement cannot be " \
                            "generated)"
     assert schema_problem({"type": "object", "properties": {"a b": {"not": {}}}}).path == '$.properties["a b"]'
+
+
+def test_any_json_at_all_gets_an_answer_not_an_exception():
+    """Keywords holding values of every wrong kind (a hostile client's): a problem or None,
+    never a crash (which the helper would turn into "the grammar compiler failed")."""
+    rng = random.Random(5)
+    keys = list(TYPED_KEYWORDS) + ["type", "const", "enum", "$ref", "anyOf", "oneOf", "allOf", "$defs", "not", "x"]
+    leaves = [None, True, False, 0, 2.5, "", "#", "#/$defs/a", "#/properties", "string", ["a"], ["string", "null"]]
+
+    def value(depth):
+        pick = rng.random()
+        if depth > 4 or pick < 0.3:
+            return rng.choice(leaves)
+        if pick < 0.55:
+            return [value(depth + 1) for _ in range(rng.randint(0, 3))]
+        return {rng.choice(keys): value(depth + 1) for _ in range(rng.randint(0, 4))}
+
+    answers = [schema_problem(value(1)) for _ in range(3000)]
+    assert any(a is None for a in answers) and any(a is not None for a in answers)
 
 
 @pytest.fixture(scope="module")
