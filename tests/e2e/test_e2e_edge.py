@@ -189,12 +189,11 @@ def grammar_requests(pattern: str) -> list[tuple[str, dict, str]]:
     """(path, body, the 400's param) for each way a schema reaches the gateway."""
     ask = [{"role": "user", "content": "Answer."}]
     fmt = schema_format(pattern)
-    return [("/chat/completions", {"messages": ask, "max_tokens": 4, "response_format": fmt},
-             "response_format.json_schema.schema"),
-            ("/chat/completions", {"messages": ask, "max_tokens": 4, **named_tool(pattern)}, "tools"),
+    return [("/chat/completions", {"messages": ask, "max_tokens": 4, "response_format": fmt}, "response_format"),
+            ("/chat/completions", {"messages": ask, "max_tokens": 4, **named_tool(pattern)},
+             "tools[0].function.parameters"),
             ("/responses", {"input": "Answer.", "max_output_tokens": 4, "text": {"format": {
-                "type": "json_schema", "name": "x", "schema": fmt["json_schema"]["schema"]}}},
-             "text.format.json_schema.schema")]
+                "type": "json_schema", "name": "x", "schema": fmt["json_schema"]["schema"]}}}, "text.format")]
 
 
 class HealthWatch:
