@@ -24,14 +24,7 @@ from services.launcher.gpus import plan as place_workers
 from services.launcher.ports import free_port, port_taken
 from services.launcher.redis_process import redis_child, wait_ready
 from services.launcher.restart_policy import RestartPolicy
-from services.launcher.security import (
-    SecretsDir,
-    SecureStack,
-    gateway_security,
-    grpc_tls_args,
-    health_ssl_context,
-    make_secure,
-)
+from services.launcher.security import SecretsDir, SecureStack, gateway_security, health_ssl_context, make_secure
 from services.launcher.shutdown import DrainPlan, stop_children
 from services.launcher.supervisor import Supervisor
 from shared.security.secret_files import redact_url
@@ -67,11 +60,11 @@ class Stack:
         self.redis_url = cfg.redis_url
         self.stopped = False
         self.secrets = SecretsDir()
-        self.secure = SecureStack(None, None)
+        self.secure = SecureStack()  # --insecure keeps this: plaintext gRPC, Redis without a password
         self.drain = DrainPlan(cfg.drain_grace_s)
 
     def make_secure(self) -> None:
-        self.cfg, self.secure = make_secure(self.cfg, self.secrets, own_redis=self.redis_url is None)
+        self.secure = make_secure(self.cfg, self.secrets, own_redis=self.redis_url is None)
 
     def start_redis(self) -> None:
         host = self.cfg.host
@@ -85,8 +78,7 @@ class Stack:
         cfg, host = self.cfg, self.cfg.host
         flags = WorkerFlags.parse(cfg.worker_args)
         gpus = [] if flags.device.startswith("cpu") else visible_gpus()
-        roles = [(role, i) for role, count in (("prefill", cfg.prefill), ("decode", cfg.decode), ("both", cfg.both))
-                 for i in range(count)]
+        roles = cfg.worker_names()
         tps = [cfg.role_tp(role, flags.tp) for role, _ in roles]
         self.placements = place_workers(cfg.num_workers, flags, gpus, explicit_kv=cfg.kv_cache_memory,
                                         card_bytes=gpu_memory_bytes() if gpus else 0,
@@ -96,13 +88,13 @@ class Stack:
         cores = os.cpu_count() or 1
         threads = cfg.threads or max(1, cores // max(1, cfg.num_workers))
         self.router_port = free_port(host)
-        common = ["--redis-url", self.redis_url, *grpc_tls_args(cfg)]
-        secure_env = self.secure.child_env()
+        common = ["--redis-url", self.redis_url]
+        secure, secure_env = self.secure, self.secure.child_env()
         self.children.append(Child("router", duet_command(
             "router", "--host", host, "--port", str(self.router_port), "--metrics-port", str(free_port(host)),
-            *common), self.log_dir / "router.log", kind="router", env={**thread_env(1), **secure_env}))
-        for (role, i), place, tp in zip(roles, self.placements, tps):
-            name = f"{role}-{i}"
+            *common, *secure.grpc_args("router")), self.log_dir / "router.log", kind="router",
+            env={**thread_env(1), **secure_env}))
+        for (role, name), place, tp in zip(roles, self.placements, tps):
             kv = ["--kv-cache-memory", place.kv_cache_memory] if place.kv_cache_memory else []
             if place.kv_host_memory:
                 kv += ["--kv-host-memory", place.kv_host_memory]
@@ -110,8 +102,8 @@ class Stack:
             argv = duet_command("worker", "--role", role, "--worker-id", name, "--host", host,
                                 "--port", str(free_port(host)),  # metrics: bound on any free port, published
                                 "--model", model_dir, *kv, "--threads", str(threads),
-                                "--drain-grace", str(self.drain.worker_grace_s), *common, *cfg.worker_args,
-                                *role_tp)
+                                "--drain-grace", str(self.drain.worker_grace_s), *common,
+                                *secure.grpc_args(name), *cfg.worker_args, *role_tp)
             self.children.append(Child(name, argv, self.log_dir / f"{name}.log", kind="worker",
                                        env={**thread_env(threads), **place.env(), **secure_env}))
         gw_args, gw_env = gateway_security(cfg, self.secrets)
@@ -119,7 +111,7 @@ class Stack:
         self.children.append(Child("gateway", duet_command(
             "gateway", "--host", host, "--port", str(cfg.port), "--router-address", f"{host}:{self.router_port}",
             "--model", model_dir, "--drain-grace", str(self.drain.gateway_grace_s),
-            "--chat-template-processes", str(helpers), *common, *gw_args),
+            "--chat-template-processes", str(helpers), *common, *secure.grpc_args("gateway"), *gw_args),
             self.log_dir / "gateway.log", kind="gateway", env={**thread_env(1), **gw_env, **secure_env}))
         self.threads = threads
 
@@ -175,7 +167,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _serve(stack: Stack, model_dir: str, stopping: dict) -> int:
     try:
-        if stack.cfg.secure:
+        if stack.cfg.insecure:
+            say(INSECURE_WARNING)
+        else:
             stack.make_secure()
         if stack.redis_url is None:
             stack.start_redis()
@@ -183,8 +177,8 @@ def _serve(stack: Stack, model_dir: str, stopping: dict) -> int:
     except FileNotFoundError as exc:  # no redis-server on PATH
         say(str(exc))
         return 2
-    except ImportError as exc:  # --secure without `cryptography`
-        say(f"--secure needs the `cryptography` package ({exc})")
+    except ImportError as exc:  # an install without `cryptography` (a dependency)
+        say(f"the stack's certificates need the `cryptography` package ({exc}); or run with --insecure")
         return 2
     except ValueError as exc:  # e.g. --tp larger than the visible GPUs
         say(str(exc))
@@ -223,20 +217,38 @@ def _gave_up() -> int:
     return 1
 
 
+INSECURE_WARNING = ("INSECURE (--insecure): gRPC is plaintext and any local process may call the router and "
+                    "the workers directly (route, reserve KV pages, prefill, generate: past the gateway's API keys "
+                    "and limits), and Redis has no password (any local process may register a fake worker)")
+
+
+def _security_lines(stack: Stack) -> tuple[str, str]:
+    """The banner's Redis note and its gRPC line."""
+    secure, cfg = stack.secure, stack.cfg
+    redis_auth = f" (password required: {secure.redis_password_file})" if secure.redis_password_file else ""
+    if not secure.mutual_tls:
+        return redis_auth, "plaintext, open to every local process (--insecure)"
+    folder = secure.certs["gateway"].cert.parent
+    return redis_auth, (f"mutual TLS, a certificate per service from a throwaway CA ({folder}); each caller "
+                        f"may call only what its role needs")
+
+
 def _print_banner(stack: Stack, model_dir: str, base: str) -> None:
     cfg = stack.cfg
     workers = [c.name + (f" (GPU {c.env['CUDA_VISIBLE_DEVICES']})" if "CUDA_VISIBLE_DEVICES" in c.env else "")
                for c in stack.children if c.kind == "worker"]
-    redis_auth = " (password required)" if stack.secure.redis_password_file else ""
+    redis_auth, grpc_line = _security_lines(stack)
     restarts = (f"A child that dies is restarted (up to {cfg.restart_limit} times in a row)" if cfg.restart_limit
                 else "A child that dies stops the stack (--restart-limit 0)")
+    warning = f"{INSECURE_WARNING}.\n" if cfg.insecure else ""
     print(f"\nDuet is up. OpenAI API: {base}/v1   (health {base}/health, metrics {base}/metrics)\n"
+          f"{warning}"
           f"  model   {model_dir}\n"
           f"  router  {cfg.host}:{stack.router_port}\n"
           f"  workers {', '.join(workers)}\n"
           f"  redis   {redact_url(stack.redis_url)}{redis_auth}\n"
-          f"  auth    {'API key required' if cfg.api_keys or cfg.api_keys_file else 'none (open)'}; "
-          f"gRPC {'mTLS' if cfg.grpc_tls_ca_file else 'TLS' if cfg.grpc_tls_cert_file else 'plaintext'}\n"
+          f"  auth    {'API key required' if cfg.api_keys or cfg.api_keys_file else 'none (open)'}\n"
+          f"  gRPC    {grpc_line}\n"
           f"  logs    {stack.log_dir}\n"
           f"{restarts}; Ctrl-C stops everything (drain: {stack.drain.grace_s:g}s).\n", file=sys.stderr, flush=True)
     print(f"{base}/v1", flush=True)  # stdout: the one thing a script needs
