@@ -224,7 +224,7 @@ INSECURE_WARNING = ("INSECURE (--insecure): gRPC is plaintext and any local proc
 
 def _security_lines(stack: Stack) -> tuple[str, str]:
     """The banner's Redis note and its gRPC line."""
-    secure, cfg = stack.secure, stack.cfg
+    secure = stack.secure
     redis_auth = f" (password required: {secure.redis_password_file})" if secure.redis_password_file else ""
     if not secure.mutual_tls:
         return redis_auth, "plaintext, open to every local process (--insecure)"

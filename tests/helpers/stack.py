@@ -2,7 +2,9 @@
 
 Two ways to run the stack:
 
-* `DuetUp`: `duet up` as one subprocess (it starts redis, router, workers, gateway);
+* `DuetUp`: `duet up` as one subprocess (it starts redis, router, workers, gateway), secure as
+  the product's default (its Redis password and each child's gRPC certificate are read from the
+  files duet up names; `grpc_channel()` dials as one of its children) unless given --insecure;
 * `ProcessStack`: redis (tests/helpers/redis_server.py), router, workers and gateway as separate
   subprocesses, for tests that kill, stop or add one.
 
@@ -293,6 +295,8 @@ class DuetUp(_StackBase):
             argv += ["--", *worker_args]
         self.proc = Process("duet-up", argv, self.log_dir / "duet-up.out", env=child_env(env))
         self.redis_url = ""
+        self.redis_password: str | None = None  # duet up's own Redis (unless --insecure): from wait_ready()
+        self.certs_dir: Path | None = None  # every child's gRPC certificate (unless --insecure)
 
     def processes(self) -> list[Process]:
         return [self.proc]
@@ -313,7 +317,37 @@ class DuetUp(_StackBase):
         except (TimeoutError, RuntimeError) as exc:
             raise RuntimeError(f"{exc}\n{self.report_logs()}") from None
         self.redis_url = m.group(1)
+        text = self.proc.log_text()
+        password = re.search(r"\(password required: (\S+)\)", text)
+        if password:  # the stack's Redis password, read where its children read it (same user)
+            self.redis_password = Path(password.group(1)).read_text().strip()
+            self.redis_url = self.redis_url.replace("redis://", f"redis://:{self.redis_password}@", 1)
+        certs = re.search(r"throwaway CA \((\S+)\)", text)
+        self.certs_dir = Path(certs.group(1)) if certs else None
         return self
+
+    def grpc_channel(self, address: str, server: str, *, as_child: str = "gateway", aio: bool = False):
+        """A gRPC channel to `address` as the child `as_child` ("gateway", "router", a worker id)
+        dials: with its certificate, checking the name `server` (shared/security/identity.py:
+        server_name) in the server's; plaintext when the stack runs --insecure."""
+        import grpc
+        module = grpc.aio if aio else grpc
+        if self.certs_dir is None:
+            return module.insecure_channel(address)
+        creds = grpc.ssl_channel_credentials((self.certs_dir / "grpc-ca.crt").read_bytes(),
+                                             (self.certs_dir / f"{as_child}.key").read_bytes(),
+                                             (self.certs_dir / f"{as_child}.crt").read_bytes())
+        return module.secure_channel(address, creds, options=[("grpc.ssl_target_name_override", server)])
+
+    def worker_channel(self, worker_id: str, service: str, *, as_child: str = "gateway", aio: bool = False):
+        """A channel to a worker's gRPC (its address from the registry), as `as_child` dials it."""
+        from shared.security.identity import server_name
+        return self.grpc_channel(self.workers()[worker_id]["address"], server_name(service, worker_id),
+                                 as_child=as_child, aio=aio)
+
+    @property
+    def router_address(self) -> str:
+        return re.search(r"router\s+(\S+:\d+)", self.proc.log_text()).group(1)
 
     def router_metrics(self) -> Metrics:
         """The router's /metrics (duet up gives it --host and --metrics-port on its command line)."""
