@@ -102,6 +102,21 @@ class GrpcTlsConfig:
             self._creds = self.channel_credentials()
         return self._creds
 
+    def check_identity(self, role: str, worker_id: str = "") -> None:
+        """Under mutual TLS, this process's certificate must name its role (and, if it names a
+        worker, this one): a mismatch fails at start, not later as calls refused or a worker
+        the router never trusts."""
+        if not self.mutual:
+            return
+        from shared.security.identity import certificate_identity
+        found = certificate_identity(read_pem(self.cert_file, "gRPC TLS certificate"))
+        if found is None:
+            raise ValueError(f"the gRPC certificate {self.cert_file} names no Duet role "
+                             f"(a URI spiffe://duet/<role>[/<id>]: shared/security/identity.py)")
+        if found.role != role or (found.worker_id and found.worker_id != worker_id):
+            want = role + (f" {worker_id}" if worker_id else "")
+            raise ValueError(f"the gRPC certificate {self.cert_file} is {found}'s, not {want}'s")
+
     def check(self, side: str) -> None:
         """Read the files now, so a bad path fails the process at start with a clear message."""
         if side == "server" and self.server_enabled:

@@ -75,3 +75,14 @@ def identity_in(sans: Iterable[bytes | str]) -> Identity | None:
     none, or more than one (a certificate must name one role)."""
     found = {i for i in (Identity.from_uri(s.decode() if isinstance(s, bytes) else s) for s in sans) if i}
     return found.pop() if len(found) == 1 else None
+
+
+def certificate_identity(pem: bytes) -> Identity | None:
+    """The identity a PEM certificate names (its first certificate, the holder's own)."""
+    from cryptography import x509
+    cert = x509.load_pem_x509_certificate(pem)
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return None
+    return identity_in(san.get_values_for_type(x509.UniformResourceIdentifier))

@@ -257,3 +257,14 @@ def test_config_flags_env_and_bad_files(pki, tmp_path):
         GrpcTlsConfig(ca_file=str(tmp_path / "junk.crt")).check("client")
     with pytest.raises(ValueError, match="needs --grpc-tls-cert-file"):
         GrpcTlsConfig(ca_file=str(s.ca)).check("server")
+    # each process checks at start that its certificate is its own
+    tls(pki["router"]).check_identity("router")
+    tls(pki["decode-0"]).check_identity("decode", "decode-0")
+    tls(pki["decode-pool"]).check_identity("decode", "duet-decode-7c9f8-x2kq4")  # role-wide: any pod
+    GrpcTlsConfig().check_identity("gateway")  # plaintext: nothing to check
+    for files, role, worker_id, why in ((pki["decode-0"], "decode", "decode-1", "is decode decode-0's, not decode decode-1's"),
+                                        (pki["decode-0"], "prefill", "decode-0", "is decode decode-0's"),
+                                        (pki["router"], "gateway", "", "is router's, not gateway's"),
+                                        (pki["no-role"], "gateway", "", "names no Duet role")):
+        with pytest.raises(ValueError, match=why):
+            tls(files).check_identity(role, worker_id)
