@@ -17,6 +17,7 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
+from services.launcher.banner import INSECURE_WARNING, print_banner
 from services.launcher.children import Child, duet_command, thread_env
 from services.launcher.config import UpConfig
 from services.launcher.gpus import WorkerFlags, gpu_memory_bytes, host_available_bytes, visible_gpus, weight_bytes
@@ -27,7 +28,6 @@ from services.launcher.restart_policy import RestartPolicy
 from services.launcher.security import SecretsDir, SecureStack, gateway_security, health_ssl_context, make_secure
 from services.launcher.shutdown import DrainPlan, stop_children
 from services.launcher.supervisor import Supervisor
-from shared.security.secret_files import redact_url
 
 log = logging.getLogger("duet.up")
 
@@ -204,7 +204,7 @@ def _serve(stack: Stack, model_dir: str, stopping: dict) -> int:
             say(f"the gateway did not become healthy in {cfg.health_timeout_s:.0f}s; logs in {stack.log_dir}")
             return 1
         time.sleep(0.25)
-    _print_banner(stack, model_dir, base)
+    print_banner(stack, model_dir, base)
     while stopping["sig"] is None:
         if supervisor.tick() is not None:
             return _gave_up()
@@ -215,40 +215,3 @@ def _serve(stack: Stack, model_dir: str, stopping: dict) -> int:
 def _gave_up() -> int:
     say("a child keeps dying: stopping the stack (exit code 1)")
     return 1
-
-
-INSECURE_WARNING = ("INSECURE (--insecure): gRPC is plaintext and any local process may call the router and "
-                    "the workers directly (route, reserve KV pages, prefill, generate: past the gateway's API keys "
-                    "and limits), and Redis has no password (any local process may register a fake worker)")
-
-
-def _security_lines(stack: Stack) -> tuple[str, str]:
-    """The banner's Redis note and its gRPC line."""
-    secure = stack.secure
-    redis_auth = f" (password required: {secure.redis_password_file})" if secure.redis_password_file else ""
-    if not secure.mutual_tls:
-        return redis_auth, "plaintext, open to every local process (--insecure)"
-    folder = secure.certs["gateway"].cert.parent
-    return redis_auth, (f"mutual TLS, a certificate per service from a throwaway CA ({folder}); each caller "
-                        f"may call only what its role needs")
-
-
-def _print_banner(stack: Stack, model_dir: str, base: str) -> None:
-    cfg = stack.cfg
-    workers = [c.name + (f" (GPU {c.env['CUDA_VISIBLE_DEVICES']})" if "CUDA_VISIBLE_DEVICES" in c.env else "")
-               for c in stack.children if c.kind == "worker"]
-    redis_auth, grpc_line = _security_lines(stack)
-    restarts = (f"A child that dies is restarted (up to {cfg.restart_limit} times in a row)" if cfg.restart_limit
-                else "A child that dies stops the stack (--restart-limit 0)")
-    warning = f"{INSECURE_WARNING}.\n" if cfg.insecure else ""
-    print(f"\nDuet is up. OpenAI API: {base}/v1   (health {base}/health, metrics {base}/metrics)\n"
-          f"{warning}"
-          f"  model   {model_dir}\n"
-          f"  router  {cfg.host}:{stack.router_port}\n"
-          f"  workers {', '.join(workers)}\n"
-          f"  redis   {redact_url(stack.redis_url)}{redis_auth}\n"
-          f"  auth    {'API key required' if cfg.api_keys or cfg.api_keys_file else 'none (open)'}\n"
-          f"  gRPC    {grpc_line}\n"
-          f"  logs    {stack.log_dir}\n"
-          f"{restarts}; Ctrl-C stops everything (drain: {stack.drain.grace_s:g}s).\n", file=sys.stderr, flush=True)
-    print(f"{base}/v1", flush=True)  # stdout: the one thing a script needs

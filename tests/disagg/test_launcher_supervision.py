@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from services.launcher.banner import certificates_in, registry_url_in
 from services.launcher.children import describe_exit
 from services.launcher.config import UpConfig
 from services.launcher.restart_policy import MAX_BACKOFF_S, RestartCounter, RestartPolicy
@@ -259,6 +260,16 @@ def test_make_secure_issues_each_child_its_identity_and_a_redis_password_in_priv
     finally:
         vault.close()
     assert not files[0].exists()
+
+
+def test_the_banner_names_the_registry_with_its_password_file_and_the_certificates(tmp_path):
+    password = tmp_path / "redis-password"
+    password.write_text("s3cret\n")
+    banner = (f"  redis   redis://127.0.0.1:6390/0 (password required: {password})\n"
+              f"  gRPC    mutual TLS, a certificate per service from a throwaway CA ({tmp_path}); ...\n")
+    assert registry_url_in(banner) == "redis://:s3cret@127.0.0.1:6390/0" and certificates_in(banner) == tmp_path
+    insecure = "  redis   redis://127.0.0.1:6390/0\n  gRPC    plaintext, open to every local process (--insecure)\n"
+    assert registry_url_in(insecure) == "redis://127.0.0.1:6390/0" and certificates_in(insecure) is None
 
 
 def test_cryptography_is_a_dependency_of_a_plain_install():

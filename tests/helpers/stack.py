@@ -316,14 +316,11 @@ class DuetUp(_StackBase):
             m = wait_until(ready, timeout, "duet up to print its URL", interval=0.25)
         except (TimeoutError, RuntimeError) as exc:
             raise RuntimeError(f"{exc}\n{self.report_logs()}") from None
-        self.redis_url = m.group(1)
+        from services.launcher.banner import certificates_in, registry_url_in
         text = self.proc.log_text()
-        password = re.search(r"\(password required: (\S+)\)", text)
-        if password:  # the stack's Redis password, read where its children read it (same user)
-            self.redis_password = Path(password.group(1)).read_text().strip()
-            self.redis_url = self.redis_url.replace("redis://", f"redis://:{self.redis_password}@", 1)
-        certs = re.search(r"throwaway CA \((\S+)\)", text)
-        self.certs_dir = Path(certs.group(1)) if certs else None
+        self.redis_url = registry_url_in(text)  # with the password the banner's file holds
+        self.redis_password = redis.Redis.from_url(self.redis_url).connection_pool.connection_kwargs.get("password")
+        self.certs_dir = certificates_in(text)
         return self
 
     def grpc_channel(self, address: str, server: str, *, as_child: str = "gateway", aio: bool = False):
