@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import redis
 
@@ -319,7 +320,7 @@ class DuetUp(_StackBase):
         from services.launcher.banner import certificates_in, registry_url_in
         text = self.proc.log_text()
         self.redis_url = registry_url_in(text)  # with the password the banner's file holds
-        self.redis_password = redis.Redis.from_url(self.redis_url).connection_pool.connection_kwargs.get("password")
+        self.redis_password = urlsplit(self.redis_url).password
         self.certs_dir = certificates_in(text)
         return self
 
