@@ -311,10 +311,9 @@ class DuetUp(_StackBase):
             if not self.proc.alive:
                 raise ProcessExited(f"duet up exited with {self.proc.popen.returncode}")
             text = self.proc.log_text()
-            m = re.search(r"redis\s+(redis://\S+)", text)
-            return m is not None and re.search(rf"^{re.escape(self.base_url)}$", text, re.M) is not None and m
+            return re.search(r"^  redis   redis://", text, re.M) and re.search(rf"^{re.escape(self.base_url)}$", text, re.M)
         try:
-            m = wait_until(ready, timeout, "duet up to print its URL", interval=0.25)
+            wait_until(ready, timeout, "duet up to print its URL", interval=0.25)
         except (TimeoutError, RuntimeError) as exc:
             raise RuntimeError(f"{exc}\n{self.report_logs()}") from None
         from services.launcher.banner import certificates_in, registry_url_in
