@@ -251,7 +251,8 @@ def sampling(max_tokens: int = 4, pattern: str | None = None) -> duet_pb2.Sampli
 
 
 def worker_stub(stack, worker_id: str, stub):
-    channel = grpc.insecure_channel(stack.workers()[worker_id]["address"])
+    """A stub on a worker, dialled as the gateway dials it (the stack's mutual TLS)."""
+    channel = stack.worker_channel(worker_id, "prefill" if stub is duet_pb2_grpc.PrefillStub else "decode")
     return channel, stub(channel)
 
 

@@ -40,6 +40,7 @@ from services.gateway.backends.token_events import token_event
 from shared.registry.pairing import pair_problem
 from shared.registry.connection import RedisConnection
 from shared.security.grpc_tls import GrpcTlsConfig
+from shared.security.identity import server_name
 from shared.wire.contract_overflow import ContractOverflow
 from shared.wire.outputs import chunk_from_proto, first_tokens_to_proto, prefill_reply_from_proto
 from shared.wire.sampling import sampling_to_proto
@@ -85,22 +86,24 @@ def rpc_error(exc: grpc.aio.AioRpcError, what: str) -> BackendError:
 
 @dataclass
 class _Channels:
-    """One channel per worker, replaced when the worker's address or instance nonce changes
-    (a restart: never reuse a channel, or anything cached, across instances)."""
+    """One channel per worker and service, replaced when the worker's address or instance nonce
+    changes (a restart: never reuse a channel, or anything cached, across instances). Under TLS
+    the worker's certificate must name it serving that service (shared/security/identity.py):
+    an address from a forged registry entry fails the handshake and gets no request."""
 
     tls: GrpcTlsConfig = field(default_factory=GrpcTlsConfig)
-    channels: dict[str, tuple[str, str, grpc.aio.Channel]] = field(default_factory=dict)
+    channels: dict[tuple[str, str], tuple[str, str, grpc.aio.Channel]] = field(default_factory=dict)
 
-    def get(self, ref: duet_pb2.WorkerRef) -> grpc.aio.Channel:
-        known = self.channels.get(ref.worker_id)
+    def get(self, ref: duet_pb2.WorkerRef, service: str) -> grpc.aio.Channel:
+        known = self.channels.get((ref.worker_id, service))
         if known is not None and known[:2] == (ref.address, ref.instance_nonce):
             return known[2]
         if known is not None:
             old = known[2]
             # Calls still running on it finish or fail on their own; close it shortly.
             asyncio.get_running_loop().call_later(30, lambda: asyncio.ensure_future(old.close()))
-        channel = self.tls.aio_channel(ref.address)
-        self.channels[ref.worker_id] = (ref.address, ref.instance_nonce, channel)
+        channel = self.tls.aio_channel(ref.address, server_name(service, ref.worker_id))
+        self.channels[(ref.worker_id, service)] = (ref.address, ref.instance_nonce, channel)
         return channel
 
     async def close(self) -> None:
@@ -129,7 +132,7 @@ class GrpcBackend:
         return self.config.max_context_len
 
     async def start(self) -> None:
-        self._router_channel = self.config.tls.aio_channel(self.config.router_address)
+        self._router_channel = self.config.tls.aio_channel(self.config.router_address, server_name("router"))
         self._router = duet_pb2_grpc.RouterStub(self._router_channel)
         if self.config.redis_url:
             from shared.registry.config import RegistryConfig
@@ -195,7 +198,7 @@ class GrpcBackend:
         try:
             route = await self._route(request, metadata)
             state.routed = True
-            decode = duet_pb2_grpc.DecodeStub(self._workers.get(route.decode))
+            decode = duet_pb2_grpc.DecodeStub(self._workers.get(route.decode, "decode"))
             generate = duet_pb2.GenerateRequest(request_id=request.request_id,
                                                 prompt_token_ids=request.prompt_token_ids, sampling=sampling)
             if not route.colocated:
@@ -259,7 +262,7 @@ class GrpcBackend:
                 state.reserve_unanswered = False
             raise rpc_error(exc, f"decode worker {route.decode.worker_id} (reserve)") from None
         state.reserve_unanswered = False
-        prefill = duet_pb2_grpc.PrefillStub(self._workers.get(route.prefill))
+        prefill = duet_pb2_grpc.PrefillStub(self._workers.get(route.prefill, "prefill"))
         state.prefill_sent = True  # from here prefill may write: decode waits for its notice
         try:
             reply = await prefill.Prefill(duet_pb2.PrefillRequest(
