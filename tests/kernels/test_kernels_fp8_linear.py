@@ -19,7 +19,7 @@ from kernels.fp8_linear import (fp8_linear_reference, gate_up_silu_fp8_reference
                                 small_batch_fp8_reference, w8a8_gemm_reference)
 from kernels.small_batch_linear import SmallBatchWorkspace
 from kernels.small_batch_linear_config import SmallBatchConfig
-from loadtest.bench.accuracy import fill_nan_, relative_error
+from tests.helpers.accuracy import fill_nan_, relative_error
 from tests.helpers.kernel_dtypes import CUDA, case_generator
 
 QUANT = "kernels.fp8_linear:per_token_group_quant"

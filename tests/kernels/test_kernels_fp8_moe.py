@@ -12,7 +12,7 @@ from kernels.fp8 import PER_CHANNEL_GROUP_K, Fp8Weight, quantize_block, quantize
 from kernels.fp8_moe import fused_moe_fp8_reference
 from kernels.fused_moe import select_experts_reference
 from kernels.moe_decode import DecodeCounters, DecodeTile
-from loadtest.bench.accuracy import fill_nan_, relative_error
+from tests.helpers.accuracy import fill_nan_, relative_error
 from tests.helpers.kernel_dtypes import CUDA, case_generator
 
 FUSED = "kernels.fp8_moe:fused_moe_fp8"

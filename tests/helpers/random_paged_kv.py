@@ -1,5 +1,4 @@
-"""Random paged KV caches for kernel tests and benchmarks (here, beside accuracy.py, for
-the same reason: both use them, and the runtime packages carry no test code).
+"""Random paged KV caches for the kernel tests.
 
 Builds a pool laid out as the engine's (shared/engine/kv_pool.py: page-major, head-major
 pages) `[pages, kv_heads, layers, 2, page_size, head_dim]`

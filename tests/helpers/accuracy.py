@@ -1,6 +1,4 @@
-"""Accuracy checks the kernel tests and the kernel benchmarks share: poisoned outputs and
-relative error. (Here, not in kernels/: benchmarks ship with loadtest, the tests import it
-from here, and the runtime packages carry no test code.)"""
+"""Accuracy checks the kernel tests share: poisoned outputs and relative error."""
 
 import torch
 

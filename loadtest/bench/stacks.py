@@ -1,0 +1,139 @@
+"""The `stack` and `multiturn` sections: whole `duet up` stacks on this host's GPUs (or its CPU),
+each started fresh for a layout of --stacks (or the server at --base-url), driven by `duet
+loadtest`. Random weights of the last --models shape drawn on the device from a fixed seed (every
+worker holds the same model) and the default model's tokenizer, or --model-dir. When both
+sections run, they share each layout's stack."""
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from .measure import decode_step_ms, with_engine
+from .shapes import config_only_dir
+
+LAYOUTS = {  # `duet up`'s workers (GPU placement: services/launcher/gpus.py); --worker-arg adds e.g. --tp 2
+    "colocated": ["--both", "1", "--prefill", "0", "--decode", "0"],
+    "split": ["--prefill", "1", "--decode", "1"],
+    "colocated2": ["--both", "2", "--prefill", "0", "--decode", "0"],  # two GPUs: a worker on each, as split's
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def stack(run) -> None:
+    """Per layout: the first `duet loadtest` run after ready, then closed-loop points at each
+    --concurrency (random --stack-lens requests); afterwards the engine's own decode step at
+    those batches and the requests' mean context, beside the stacks' TPOT."""
+    tpot = _stacks(run, ("stack", "multiturn") if "multiturn" in run.sections else ("stack",))
+    prompt, output = run.ints(run.args.stack_lens)
+    concs = [c for c in run.ints(run.args.concurrency) if any(k[1] == c for k in tpot)]
+    if not concs:
+        return
+    model, options = _model(run)
+    steps = with_engine(run, model, lambda eng: {c: decode_step_ms(eng, c, prompt + output // 2, run.args.steps,
+                                                                     overlap=True) for c in concs},
+                        cuda_graph_max_bs=max(concs), max_model_len=2 * (prompt + output), **options)
+    for (layout, c), ms in sorted(tpot.items()):
+        run.add("stack", f"{layout} c={c} TPOT p50 / engine step", ms / steps[c], f"engine step {steps[c]:.2f} ms")
+
+
+def multiturn(run) -> None:
+    """Per layout and --conversations count: synthetic conversations of --chat shape, each with
+    its own system prompt, turns in lockstep, greedy: TTFT p50 of turn 1 and of later turns
+    (whose history the server may hold), the later turns' cached share, failed turns."""
+    if "stack" not in run.sections:  # else it ran with the stack section's stacks
+        _stacks(run, ("multiturn",))
+
+
+def _model(run) -> tuple[str | Path, dict]:
+    if run.args.model_dir:
+        return Path(run.args.model_dir), {}
+    from shared.model_files.default_model import resolve_model_dir
+
+    folder = config_only_dir(run.names(run.args.models)[-1], run.root)
+    src = Path(run.args.tokenizer_from or resolve_model_dir(None))
+    for f in TOKENIZER_FILES:  # the default model's ids fit every shape's vocabulary
+        if (src / f).is_file():
+            shutil.copy(src / f, folder / f)
+    return folder, {"load_format": "dummy"}
+
+
+def _stacks(run, kinds) -> dict[tuple[str, int], float]:
+    from loadtest.duet_stack import DuetStack
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's SIGTERM still stops the stack
+    folder, options = _model(run)
+    if run.args.base_url:
+        return _measure(run, kinds, run.args.base_url, folder, "server")
+    prompt, output = run.ints(run.args.stack_lens)
+    weights = ["--load-format", "dummy"] if options else []
+    tpot = {}
+    for layout in run.names(run.args.stacks):
+        argv = [*LAYOUTS[layout], "--model", str(folder), "--", *weights, "--max-model-len",
+                str(max(8192, 2 * (prompt + output))), *run.args.worker_arg]
+        t0 = time.monotonic()
+        try:
+            with DuetStack(argv, run.root / layout / "logs") as s:
+                run.add(kinds[0], f"{layout} ready_s", round(time.monotonic() - t0, 1), f"duet up {' '.join(argv)}")
+                tpot.update(_measure(run, kinds, s.url, folder, layout))
+        except Exception as e:  # noqa: BLE001 - the next layout still runs
+            run.add(kinds[0], f"{layout} FAILED", f"{type(e).__name__}: {str(e)[:160]}")
+    return tpot
+
+
+def _measure(run, kinds, url: str, folder: Path, layout: str) -> dict[tuple[str, int], float]:
+    tpot = _load(run, url, folder, layout) if "stack" in kinds else {}
+    if "multiturn" in kinds:
+        _chats(run, url, folder, layout)
+    return tpot
+
+
+def _loadtest(argv: list[str], out: Path) -> dict:
+    from loadtest.__main__ import main as loadtest_main
+
+    loadtest_main([*argv, "-o", str(out), "--no-progress", "--no-plots"])  # rows below say what failed
+    return json.loads((out / "results.json").read_text())
+
+
+def _load(run, url: str, folder: Path, layout: str) -> dict[tuple[str, int], float]:
+    from loadtest.results_io import read_results
+
+    prompt, output = run.ints(run.args.stack_lens)
+    concs = run.ints(run.args.concurrency)
+    tpot = {}
+    for i, c in enumerate([concs[0], *concs]):  # the first run after ready, then the sweep (fresh prompts)
+        point = "first run" if i == 0 else f"c={c}"
+        out = run.root / layout / f"load{i}"
+        _loadtest(["--base-url", url, "--api", "completions", "--workload", "random", "--input-len", str(prompt),
+                   "--output-len", str(output), "-n", str(max(4, 3 * c)), "-c", str(c), "--seed", str(i),
+                   "--tokenizer", str(folder), "--label", f"{layout} {point}"], out)
+        s = read_results(out / "results.json").summaries()[0]
+        run.add("stack", f"{layout} {point} TTFT p50 ms", s.ttft.p50, f"p99 {s.ttft.p99}, TPOT p50 {s.tpot.p50} ms, "
+                f"ITL p99 {s.itl.p99} ms, {s.output_throughput:.0f} out tok/s, {s.failed} of {s.requests} failed")
+        if i and s.tpot.p50:
+            tpot[layout, c] = s.tpot.p50
+    return tpot
+
+
+def _chats(run, url: str, folder: Path, layout: str) -> None:
+    system, user, output, turns = run.ints(run.args.chat)
+    for c in run.ints(run.args.conversations):
+        doc = _loadtest(["multiturn", "--base-url", url, "--tokenizer", str(folder), "--workload", "synthetic",
+                         "--conversations", str(c), "--system-len", str(system), "--user-len", str(user),
+                         "--output-len", str(output), "--max-turns", str(turns), "--mode", "lockstep",
+                         "--temperature", "0", "--ignore-eos", "on", "--max-context-tokens", "0", "--seed", str(c),
+                         "--label", f"{layout} C={c}"], run.root / layout / f"chat{c}")
+        recs = doc["records"]
+        later = [r for r in recs if r["turn"] >= 1 and r["ok"]]
+        prompt = sum(r["input_tokens"] or 0 for r in later)
+        cached = sum(r["usage_cached_tokens"] or 0 for r in later)
+        first = statistics.median([r["ttft"] for r in recs if r["turn"] == 0 and r["ttft"]] or [0])
+        rest = statistics.median([r["ttft"] for r in later if r["ttft"]] or [0])
+        run.add("multiturn", f"{layout} C={c} turn 1 TTFT p50 s", first)
+        run.add("multiturn", f"{layout} C={c} later turns TTFT p50 s", rest,
+                f"{sum(not r['ok'] for r in recs)} of {len(recs)} turns failed")
+        run.add("multiturn", f"{layout} C={c} later turns cached share", cached / max(prompt, 1))
