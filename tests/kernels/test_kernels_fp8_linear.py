@@ -6,7 +6,7 @@ scale rows restart, a shard starting inside a block), per-channel scales, bias, 
 
 On the CPU these run in Triton's interpreter, which executes FP8 loads, stores and dots (the
 dots exactly, in wider precision): what it cannot show is the FP8 tensor-core numerics and
-speed of a real GPU, which the device script (loadtest/bench/fp8_device.py) measures."""
+speed of a real GPU, which `duet bench --sections fp8` measures."""
 
 from dataclasses import replace
 
