@@ -26,7 +26,7 @@ QUANT = "kernels.fp8_linear:per_token_group_quant"
 GEMM = "kernels.fp8_linear:w8a8_gemm"
 SMALL = "kernels.fp8_linear:small_batch_fp8_linear"
 LINEAR = "kernels.fp8_linear:fp8_linear"
-GRID = "tests.helpers.fp8_probe:fp8_grid_of"
+GRID = "tests.helpers.fp8_grid_kernel:fp8_grid_of"
 # interpreter: fp32 (exact dots); natively bf16 too (one rounding of the output)
 DTYPES = [torch.bfloat16, torch.float32] if CUDA else [torch.float32]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
