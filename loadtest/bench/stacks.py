@@ -5,10 +5,8 @@ worker holds the same model) and the default model's tokenizer, or --model-dir. 
 sections run, they share each layout's stack."""
 from __future__ import annotations
 
-import json
 import shutil
 import signal
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -43,8 +41,8 @@ def stack(run) -> None:
 
 def multiturn(run) -> None:
     """Per layout and --conversations count: synthetic conversations of --chat shape, each with
-    its own system prompt, turns in lockstep, greedy: TTFT p50 of turn 1 and of later turns
-    (whose history the server may hold), the later turns' cached share, failed turns."""
+    its own system prompt, turns in lockstep, greedy: by turn, TTFT p50, the share of the prompt
+    the server had cached (turns 2+ may find their history there), the prompt, failed turns."""
     if "stack" not in run.sections:  # else it ran with the stack section's stacks
         _stacks(run, ("multiturn",))
 
@@ -92,11 +90,10 @@ def _measure(run, kinds, url: str, folder: Path, layout: str) -> dict[tuple[str,
     return tpot
 
 
-def _loadtest(argv: list[str], out: Path) -> dict:
+def _loadtest(argv: list[str], out: Path) -> None:
     from loadtest.__main__ import main as loadtest_main
 
-    loadtest_main([*argv, "-o", str(out), "--no-progress", "--no-plots"])  # rows below say what failed
-    return json.loads((out / "results.json").read_text())
+    loadtest_main([*argv, "-o", str(out), "--no-progress", "--no-plots"])  # the rows say what failed
 
 
 def _load(run, url: str, folder: Path, layout: str) -> dict[tuple[str, int], float]:
@@ -120,20 +117,16 @@ def _load(run, url: str, folder: Path, layout: str) -> dict[tuple[str, int], flo
 
 
 def _chats(run, url: str, folder: Path, layout: str) -> None:
+    from loadtest.multiturn.results_io import read_result
+
     system, user, output, turns = run.ints(run.args.chat)
     for c in run.ints(run.args.conversations):
-        doc = _loadtest(["multiturn", "--base-url", url, "--tokenizer", str(folder), "--workload", "synthetic",
-                         "--conversations", str(c), "--system-len", str(system), "--user-len", str(user),
-                         "--output-len", str(output), "--max-turns", str(turns), "--mode", "lockstep",
-                         "--temperature", "0", "--ignore-eos", "on", "--max-context-tokens", "0", "--seed", str(c),
-                         "--label", f"{layout} C={c}"], run.root / layout / f"chat{c}")
-        recs = doc["records"]
-        later = [r for r in recs if r["turn"] >= 1 and r["ok"]]
-        prompt = sum(r["input_tokens"] or 0 for r in later)
-        cached = sum(r["usage_cached_tokens"] or 0 for r in later)
-        first = statistics.median([r["ttft"] for r in recs if r["turn"] == 0 and r["ttft"]] or [0])
-        rest = statistics.median([r["ttft"] for r in later if r["ttft"]] or [0])
-        run.add("multiturn", f"{layout} C={c} turn 1 TTFT p50 s", first)
-        run.add("multiturn", f"{layout} C={c} later turns TTFT p50 s", rest,
-                f"{sum(not r['ok'] for r in recs)} of {len(recs)} turns failed")
-        run.add("multiturn", f"{layout} C={c} later turns cached share", cached / max(prompt, 1))
+        out = run.root / layout / f"chat{c}"
+        _loadtest(["multiturn", "--base-url", url, "--tokenizer", str(folder), "--workload", "synthetic",
+                   "--conversations", str(c), "--system-len", str(system), "--user-len", str(user),
+                   "--output-len", str(output), "--max-turns", str(turns), "--mode", "lockstep", "--temperature",
+                   "0", "--ignore-eos", "on", "--max-context-tokens", "0", "--seed", str(c), "--label",
+                   f"{layout} C={c}"], out)
+        for t in read_result(out / "results.json").summary().by_turn:
+            run.add("multiturn", f"{layout} C={c} turn {t.turn + 1} TTFT p50 ms", t.ttft.p50,
+                    f"cached {t.cache.share}, prompt {t.prompt_tokens_mean} tokens, {t.failed} of {t.requests} failed")
