@@ -94,9 +94,9 @@ class Ceilings:
 
 def measure_ceilings(device: torch.device) -> Ceilings:
     """Copy bandwidth and matmul peaks of the device (a GPU: a 1 GiB copy and 8192^3 products;
-    the CPU of a dry run: 64 MiB and 1024^3). The copy is eager: inside a CUDA graph it
+    the CPU of a dry run: 16 MiB and 512^3). The copy is eager: inside a CUDA graph it
     becomes a memcpy node, slower than the copies a step makes."""
-    n, elems = (8192, 1 << 29) if device.type == "cuda" else (1024, 1 << 25)
+    n, elems = (8192, 1 << 29) if device.type == "cuda" else (512, 1 << 23)
     src = torch.randn(elems, device=device, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
     copy = 4 * elems / median_ms(lambda: dst.copy_(src), device) / 1e6

@@ -77,7 +77,7 @@ def parser() -> argparse.ArgumentParser:
     sections = "\n".join(f"  {name:<10} {what}" for name, (_, what) in SECTIONS.items())
     p = argparse.ArgumentParser(prog="duet bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=f"sections (--sections, in this order):\n{sections}")
+                                epilog=f"sections (run in the order --sections gives):\n{sections}")
     a = p.add_argument
     a("--sections", default=DEFAULT_SECTIONS, help=f"comma list (default {DEFAULT_SECTIONS})")
     a("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a dry run of the sections")

@@ -94,15 +94,15 @@ def test_bench_stack_sections_measure_this_stack(duet_stack, tmp_path, torch_one
     url, model_dir = duet_stack
     out = tmp_path / "bench.json"
     assert bench_main(["--device", "cpu", "--sections", "stack,multiturn", "--base-url", url, "--model-dir",
-                       str(model_dir), "--concurrency", "2", "--stack-lens", "32,8", "--conversations", "2",
-                       "--chat", "64,8,4,2", "--steps", "2", "--workdir", str(tmp_path / "work"),
+                       str(model_dir), "--concurrency", "1", "--stack-lens", "32,8", "--conversations", "2",
+                       "--chat", "48,8,4,2", "--steps", "2", "--workdir", str(tmp_path / "work"),
                        "--json", str(out)]) == 0
     d = json.loads(out.read_text())
-    assert d["stack"]["server first run TTFT p50 ms"] > 0 and d["stack"]["server c=2 TTFT p50 ms"] > 0
-    assert d["stack"]["server c=2 TPOT p50 / engine step"] > 0
+    assert d["stack"]["server first run TTFT p50 ms"] > 0 and d["stack"]["server c=1 TTFT p50 ms"] > 0
+    assert d["stack"]["server c=1 TPOT p50 / engine step"] > 0
     assert d["multiturn"]["server C=2 turn 1 TTFT p50 ms"] > 0 and d["multiturn"]["server C=2 turn 2 TTFT p50 ms"] > 0
     printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("[stack]", "[multiturn]"))]
-    assert sum("TTFT p50 ms" in line and "0 of 6 failed" in line for line in printed) == 2
+    assert sum("TTFT p50 ms" in line and "0 of 4 failed" in line for line in printed) == 2
     turns = [line for line in printed if line.startswith("[multiturn] server C=2 turn")]
     assert len(turns) == 2 and all("0 of 2 failed" in line for line in turns), turns
     later = float(turns[1].split("cached ")[1].split(",")[0])
