@@ -11,7 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-from .measure import decode_step_ms, with_engine
 from .shapes import config_only_dir
 
 LAYOUTS = {  # `duet up`'s workers (GPU placement: services/launcher/gpus.py); --worker-arg adds e.g. --tp 2
@@ -24,19 +23,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 def stack(run) -> None:
     """Per layout: the first `duet loadtest` run after ready, then closed-loop points at each
-    --concurrency (random --stack-lens requests); afterwards the engine's own decode step at
-    those batches and the requests' mean context, beside the stacks' TPOT."""
-    tpot = _stacks(run, ("stack", "multiturn") if "multiturn" in run.sections else ("stack",))
-    prompt, output = run.ints(run.args.stack_lens)
-    concs = [c for c in run.ints(run.args.concurrency) if any(k[1] == c for k in tpot)]
-    if not concs:
-        return
-    model, options = _model(run)
-    steps = with_engine(run, model, lambda eng: {c: decode_step_ms(eng, c, prompt + output // 2, run.args.steps,
-                                                                     overlap=True) for c in concs},
-                        cuda_graph_max_bs=max(concs), max_model_len=2 * (prompt + output), **options)
-    for (layout, c), ms in sorted(tpot.items()):
-        run.add("stack", f"{layout} c={c} TPOT p50 / engine step", ms / steps[c], f"engine step {steps[c]:.2f} ms")
+    --concurrency, random --stack-lens requests: TTFT, TPOT, ITL, output tokens/s, failures.
+    (The engine's own step at a batch: `--sections decode --batches C --ctx <mean context>`.)"""
+    _stacks(run, ("stack", "multiturn") if "multiturn" in run.sections else ("stack",))
 
 
 def multiturn(run) -> None:
@@ -47,29 +36,29 @@ def multiturn(run) -> None:
         _stacks(run, ("multiturn",))
 
 
-def _model(run) -> tuple[str | Path, dict]:
+def _model(run) -> tuple[Path, list[str]]:
+    """The model folder and the workers' weight flags: --model-dir, or random weights of the last
+    --models shape with a tokenizer (the default model's ids fit every shape's vocabulary)."""
     if run.args.model_dir:
-        return Path(run.args.model_dir), {}
+        return Path(run.args.model_dir), []
     from shared.model_files.default_model import resolve_model_dir
 
     folder = config_only_dir(run.names(run.args.models)[-1], run.root)
     src = Path(run.args.tokenizer_from or resolve_model_dir(None))
-    for f in TOKENIZER_FILES:  # the default model's ids fit every shape's vocabulary
+    for f in TOKENIZER_FILES:
         if (src / f).is_file():
             shutil.copy(src / f, folder / f)
-    return folder, {"load_format": "dummy"}
+    return folder, ["--load-format", "dummy"]
 
 
-def _stacks(run, kinds) -> dict[tuple[str, int], float]:
+def _stacks(run, kinds) -> None:
     from loadtest.duet_stack import DuetStack
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's SIGTERM still stops the stack
-    folder, options = _model(run)
+    folder, weights = _model(run)
     if run.args.base_url:
         return _measure(run, kinds, run.args.base_url, folder, "server")
     prompt, output = run.ints(run.args.stack_lens)
-    weights = ["--load-format", "dummy"] if options else []
-    tpot = {}
     for layout in run.names(run.args.stacks):
         argv = [*LAYOUTS[layout], "--model", str(folder), "--", *weights, "--max-model-len",
                 str(max(8192, 2 * (prompt + output))), *run.args.worker_arg]
@@ -77,17 +66,16 @@ def _stacks(run, kinds) -> dict[tuple[str, int], float]:
         try:
             with DuetStack(argv, run.root / layout / "logs") as s:
                 run.add(kinds[0], f"{layout} ready_s", round(time.monotonic() - t0, 1), f"duet up {' '.join(argv)}")
-                tpot.update(_measure(run, kinds, s.url, folder, layout))
+                _measure(run, kinds, s.url, folder, layout)
         except Exception as e:  # noqa: BLE001 - the next layout still runs
             run.add(kinds[0], f"{layout} FAILED", f"{type(e).__name__}: {str(e)[:160]}")
-    return tpot
 
 
-def _measure(run, kinds, url: str, folder: Path, layout: str) -> dict[tuple[str, int], float]:
-    tpot = _load(run, url, folder, layout) if "stack" in kinds else {}
+def _measure(run, kinds, url: str, folder: Path, layout: str) -> None:
+    if "stack" in kinds:
+        _load(run, url, folder, layout)
     if "multiturn" in kinds:
         _chats(run, url, folder, layout)
-    return tpot
 
 
 def _loadtest(argv: list[str], out: Path) -> None:
@@ -96,12 +84,11 @@ def _loadtest(argv: list[str], out: Path) -> None:
     loadtest_main([*argv, "-o", str(out), "--no-progress", "--no-plots"])  # the rows say what failed
 
 
-def _load(run, url: str, folder: Path, layout: str) -> dict[tuple[str, int], float]:
+def _load(run, url: str, folder: Path, layout: str) -> None:
     from loadtest.results_io import read_results
 
     prompt, output = run.ints(run.args.stack_lens)
     concs = run.ints(run.args.concurrency)
-    tpot = {}
     for i, c in enumerate([concs[0], *concs]):  # the first run after ready, then the sweep (fresh prompts)
         point = "first run" if i == 0 else f"c={c}"
         out = run.root / layout / f"load{i}"
@@ -111,9 +98,6 @@ def _load(run, url: str, folder: Path, layout: str) -> dict[tuple[str, int], flo
         s = read_results(out / "results.json").summaries()[0]
         run.add("stack", f"{layout} {point} TTFT p50 ms", s.ttft.p50, f"p99 {s.ttft.p99}, TPOT p50 {s.tpot.p50} ms, "
                 f"ITL p99 {s.itl.p99} ms, {s.output_throughput:.0f} out tok/s, {s.failed} of {s.requests} failed")
-        if i and s.tpot.p50:
-            tpot[layout, c] = s.tpot.p50
-    return tpot
 
 
 def _chats(run, url: str, folder: Path, layout: str) -> None:

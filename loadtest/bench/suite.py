@@ -32,7 +32,7 @@ SECTIONS = {  # name: (module:function, what it measures)
     "fp8": ("sections:fp8", "FP8 weights, and FP8 weights + FP8 KV, against bf16: decode and prefill"),
     "spec": ("sections:spec", "speculative decoding at batch 1: the accept-all ceiling, greedy tokens equal"),
     "tp": ("tp:tp", "TP=2 against TP=1: greedy tokens (MoE: EP=2 too), decode steps (two GPUs)"),
-    "stack": ("stacks:stack", "`duet up` stacks under `duet loadtest`: TTFT, TPOT against the engine step"),
+    "stack": ("stacks:stack", "`duet up` stacks under `duet loadtest`: TTFT, TPOT, ITL, tokens/s, the first run"),
     "multiturn": ("stacks:multiturn", "`duet up` stacks under `duet loadtest multiturn`: TTFT by turn, cache"),
 }
 DEFAULT_SECTIONS = "ceilings,equality,decode,prefill,offline"
