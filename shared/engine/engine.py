@@ -137,8 +137,8 @@ class Engine:
             from .cuda_graph import CudaGraphRunner
             capture = config.cuda_graph
             if capture and self.tp.size > 1 and self.tp.custom_all_reduce is None:
-                # NCCL collectives captured in decode graphs hung (no step in minutes with the
-                # custom all-reduce off); run those steps eagerly
+                # NCCL collectives captured in decode graphs hung on 2 x H200 (tp_profile,
+                # custom all-reduce off: no step in 7 minutes); run those steps eagerly
                 log.warning("tensor parallel without the custom all-reduce: decode CUDA graphs off")
                 capture = False
             self.runner.graphs = CudaGraphRunner(self.model, self.backend, self.pool, self.device,
