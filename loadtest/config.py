@@ -40,6 +40,12 @@ class EndpointConfig:
     def path(self) -> str:
         return "/chat/completions" if self.api == "chat" else "/completions"
 
+    def to_json(self) -> dict:
+        """For result files: never a secret."""
+        d = asdict(self)
+        del d["api_key"]
+        return {**d, "headers": {k: "<redacted>" for k in self.headers}}
+
 
 @dataclass
 class WorkloadConfig:
@@ -96,8 +102,6 @@ class RunConfig:
     tokenizer: str | None = None
 
     def to_json(self) -> dict:
-        d = asdict(self)
-        d["endpoint"].pop("api_key", None)  # never write secrets into result files
-        d["endpoint"]["headers"] = {k: "<redacted>" for k in d["endpoint"]["headers"]}
+        d = {**asdict(self), "endpoint": self.endpoint.to_json()}
         d["load"]["request_rates"] = [r if r != float("inf") else "inf" for r in self.load.request_rates]
         return d

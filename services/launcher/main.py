@@ -46,9 +46,8 @@ def _healthy(url: str, context=None) -> bool:
 
 def template_helpers(cores: int) -> int:
     """The gateway's chat-template helpers on a machine of `cores`: every turn of a conversation is
-    rendered and tokenized whole, so a burst of follow-ups queues for them (48 turns of 6.3k tokens
-    at once on 16 cores: p50 197 ms before routing with 2 helpers, 70 ms with 8; loadtest/bench/
-    chat_render_wave.py). Half the cores, 2 to 8 (each helper holds a tokenizer: ~120 MB with the default model's)."""
+    rendered and tokenized whole, so a burst of follow-ups queues for them (docs/performance/
+    multiturn.md). Half the cores, 2 to 8 (each helper holds a tokenizer: ~120 MB with the default model's)."""
     return max(2, min(8, cores // 2))
 
 
