@@ -3,6 +3,7 @@ through protos/sampling_codec.py, the one converter pair the gateway uses too)."
 from __future__ import annotations
 
 from protos import duet_pb2
+from shared.engine.cache_scope import CacheScope
 from shared.engine.outputs import StepOutput
 
 FINISH = {None: duet_pb2.FINISH_REASON_UNSPECIFIED, "stop": duet_pb2.FINISH_REASON_STOP,
@@ -33,3 +34,8 @@ def prompt_logprobs_to_proto(prompt_ids: list[int], entries: list | None) -> lis
             tok.top_logprobs.add(token_id=tid, logprob=tlp)
         out.append(tok)
     return out
+
+
+def cache_scope(request) -> CacheScope:
+    """The prefix-cache namespace and tenant a Reserve, Prefill or Generate request carries."""
+    return CacheScope(namespace=request.cache_namespace, tenant=request.tenant)
