@@ -107,6 +107,8 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
         oldest call, unless its tenant's live work holds its share and another tenant waits)."""
         ctx = self.ctx
         queue = list(self.reserve_queue)
+        if ticket not in queue:  # its handler left while this waited for the loop
+            return None
         turn = ctx.engine.kv.next_in_turn(queue, lambda t: t.tenant)
         if turn is not ticket:
             ticket.turn, turn.turn = False, True
