@@ -99,8 +99,8 @@ class KVManager:
 
     def _over_cache_share(self) -> Callable[[int], bool] | None:
         """Whether a tenant's live and cached pages are past its cache share now (None: no quota)."""
-        if not self.quota.limits_cache or not self.cache.device_pages_by_tenant:
-            return None
+        if not self.quota.limits_cache or len(self.cache.device_pages_by_tenant) < 2:
+            return None  # one tenant's pages (or none): its LRU is everyone's
         live, cached, capacity = self.live_pages_by_tenant(), self.cache.device_pages_by_tenant, self.capacity
         return lambda tenant: self.quota.over_cache_share(live.get(tenant, 0), cached.get(tenant, 0), capacity)
 
