@@ -116,13 +116,13 @@ def fp8_decode_supported(x: torch.Tensor, w: Fp8Weight) -> bool:
     if not fp8_decode_shape_ok(x, w):
         return False
     if x.is_cuda:
-        return _hopper_with_tma(x.device.index if x.device.index is not None else torch.cuda.current_device())
+        return hopper_with_tma(x.device.index if x.device.index is not None else torch.cuda.current_device())
     from kernels.availability import triton_interpret_enabled
     return triton_interpret_enabled()
 
 
 @functools.lru_cache(maxsize=None)
-def _hopper_with_tma(index: int) -> bool:
+def hopper_with_tma(index: int) -> bool:
     """Compute capability 9+ and a Triton with host TMA descriptors (asked once a device: the
     route asks at every eager decode-size call)."""
     if torch.cuda.get_device_capability(index)[0] < 9:

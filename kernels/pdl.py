@@ -81,21 +81,6 @@ def engine_pdl(prefetch_k_blocks: int, weights: str, kind: str, tp_size: int = 1
     return Pdl(prefetch_k_blocks=prefetch_k_blocks, max_rows=rows)
 
 
-def parse_prefetch_at(spec: str) -> dict[str, int]:
-    """"o_proj=8,qkv_proj=2" -> {"o_proj": 8, "qkv_proj": 2}: per-linear prefetch depths (by
-    the module's attribute name) that replace Pdl.prefetch_k_blocks there."""
-    out: dict[str, int] = {}
-    for item in (spec or "").split(","):
-        item = item.strip()
-        if not item:
-            continue
-        name, sep, value = item.partition("=")
-        if not sep or not name.strip() or not value.strip().isdigit():
-            raise ValueError(f"prefetch overrides are name=blocks pairs separated by commas, got {item!r}")
-        out[name.strip()] = int(value)
-    return out
-
-
 def pdl_for(pdl: Pdl | None, rows: int) -> Pdl | None:
     """pdl for a launch over `rows` rows, or None where it is not used."""
     return pdl if pdl is not None and rows <= pdl.max_rows else None

@@ -2,8 +2,8 @@
 
 Grid (B,): the program walks the request's drafts (K is small and static), then scans the
 vocabulary once in BLOCK_V tiles keeping the running Gumbel maximum of the residual (or of
-p after a full acceptance). The Gumbel noise is the sampler's hash evaluated in float64,
-so a draw equals the torch reference's."""
+p after a full acceptance). The Gumbel noise is the sampler's hash (kernels/gumbel_noise.py)
+evaluated in float64, so a draw equals the torch reference's."""
 
 import torch
 import triton

@@ -3,7 +3,11 @@
 The table is built from the declarations themselves: each command's settings dataclass
 (a field names its flag and variable, shared/settings) and the few variables read outside
 them (shared/settings/process_vars.py). A variable several commands read (DUET_HOST,
-DUET_MODEL, ...) is one entry that names them all, with each one's default."""
+DUET_MODEL, ...) is one entry that names them all, with each one's default.
+
+`duet env --plan [engine flags]` prints instead the engine plan (shared/engine/plan.py) a
+worker with those flags would run on this machine: kernels, graphs, overlap, PDL, all-reduce,
+tiers, each with its reason, resolved from the model's config.json without loading weights."""
 from __future__ import annotations
 
 import argparse
@@ -30,11 +34,18 @@ def table() -> dict[str, catalog.EnvVar]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="duet env", description=__doc__.split("\n\n")[0])
-    p.add_argument("--json", action="store_true", help="print the table as JSON")
+    p = argparse.ArgumentParser(prog="duet env", description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p.add_argument("--json", action="store_true", help="print the table (or the plan) as JSON")
     p.add_argument("--no-internal", dest="internal", action="store_false",
-                   help="leave out the variables Duet sets for its own processes")
-    args = p.parse_args(argv)
+                   help="leave out the internal variables (Duet's own processes, knobs kept for experiments)")
+    p.add_argument("--plan", action="store_true",
+                   help="print the engine plan a worker would run on this machine instead; takes `duet worker`'s "
+                        "engine flags after it (--model DIR, --tp N, ...) and loads no weights")
+    args, rest = p.parse_known_args(argv)
+    if args.plan:
+        return _print_plan(rest, args.json)
+    if rest:
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
     entries = table()
     if args.json:
         rows = [row for row in catalog.as_json(entries) if args.internal or not row["internal"]]
@@ -42,6 +53,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         print()
     else:
         sys.stdout.write(catalog.render(entries, os.environ, internal=args.internal))
+    return 0
+
+
+def _print_plan(argv: list[str], as_json: bool) -> int:
+    from shared.engine.config import EngineConfig
+    from shared.settings.flags import parse_argv
+    config = parse_argv(EngineConfig, argv, env=None, prog="duet env --plan")
+    from shared.engine.plan_resolve import plan_for  # torch: only for --plan
+    try:
+        plan = plan_for(config)
+    except ValueError as exc:  # a combination the engine refuses, a model folder it cannot read
+        print(f"duet env --plan: {exc}", file=sys.stderr)
+        return 1
+    if as_json:
+        json.dump(plan.as_dict(), sys.stdout, indent=1)
+        print()
+    else:
+        print(plan.explain())
+        print(f"\none line (the engine logs it at start): {plan.render()}")
     return 0
 
 

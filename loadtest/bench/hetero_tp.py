@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import pathlib
-import re
 import sys
 import tempfile
 import time
@@ -74,11 +73,12 @@ def scrape(url: str) -> dict[str, float]:
 
 def redis_url(up_log: pathlib.Path, timeout_s: float = 60.0) -> str:
     """duet up prints its Redis URL once the gateway is healthy, a moment after /health says so."""
+    from services.launcher.banner import registry_url_in
     end = time.monotonic() + timeout_s
     while True:
-        m = re.search(r"redis\s+(redis://\S+)", up_log.read_text())
-        if m or time.monotonic() > end:
-            return m.group(1) if m else ""
+        url = registry_url_in(up_log.read_text())  # with the password, when the stack has one
+        if url or time.monotonic() > end:
+            return url or ""
         time.sleep(0.5)
 
 

@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import pathlib
-import re
 import statistics
 import sys
 import tempfile
@@ -120,11 +119,12 @@ def restore_speed(model: str, pages: int = 768, page_size: int = 16) -> list[dic
 def prefill_metrics_url(log_dir: pathlib.Path) -> str | None:
     """The prefill worker's /metrics, from the registry duet up started."""
     import redis
-    text = (log_dir / "up.log").read_text(errors="replace")
-    m = re.search(r"redis\s+(redis://\S+)", text)
-    if not m:
+
+    from services.launcher.banner import registry_url_in
+    url = registry_url_in((log_dir / "up.log").read_text(errors="replace"))  # with the stack's password
+    if not url:
         return None
-    r = redis.Redis.from_url(m.group(1), decode_responses=True)
+    r = redis.Redis.from_url(url, decode_responses=True)
     for key in r.scan_iter("duet:worker:*"):
         if key.count(":") == 2 and r.hget(key, "role") == "prefill":
             return f"http://{r.hget(key, 'metrics')}/metrics"

@@ -75,10 +75,11 @@ def section_kernels(ctx) -> None:
     import torch
 
     from kernels.rejection_sample import rejection_sample
+    from kernels.rejection_sample import rejection_sample_reference
     from kernels.verify_attention import verify_attention, verify_attention_reference
     from loadtest.bench.accuracy import relative_error
     from loadtest.bench.random_paged_kv import random_paged_kv
-    from shared.engine.speculative.rejection import rejection_sample_reference, uniform
+    from shared.engine.speculative.rejection import uniform
 
     rep, dev, smoke = ctx["report"], ctx["dev"], ctx["smoke"]
     dtype = torch.float32 if smoke else torch.bfloat16

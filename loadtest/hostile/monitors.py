@@ -46,6 +46,12 @@ class GatewayProcess:
         except Exception:
             return []
 
+    def environ(self) -> dict[str, str]:
+        try:
+            return self._proc().environ()
+        except Exception:
+            return {}
+
 
 class RssWatch:
     def __init__(self, gateway: GatewayProcess, cap_growth_mb: float, on_cap: Callable[[float], None],

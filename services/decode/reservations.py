@@ -1,17 +1,21 @@
 """Decode side of the handoff: reserved pages, completion notices, and the rule that
 reserved pages are never reused while a write into them may still land.
 
-Runs on the engine-loop thread. A reservation is freed when it is consumed by a decode,
-or, once cancelled, when its notice (done or abort) arrives, or when its writer has left
-the registry, or `quarantine_s` after the cancel (longer than prefill's own write timeout;
+Runs on the engine-loop thread. Each reservation is in one state of the lifecycle in
+reservation_state.py; ReservationBook turns what happens (a Generate claims it, a notice
+arrives, a cancel, its writer leaves or comes back to the registry, a deadline passes) into
+that table's events, refuses what the table forbids, and frees the pages on the one move
+into FREED. In short: a reservation is freed once no write can land and nobody will decode
+it. A cancel quarantines it until its notice (done, declined or abort) arrives, its writer
+has left the registry, or `quarantine_s` passed (longer than prefill's own write timeout;
 the writer's RPC is cancelled with it). Prefill sends an abort notice for every request it
 gives up on (cancelled or refused at any point), so the quarantine is the last resort. A
 cancel that says the reservation never reached a prefill worker frees it at once (nobody
 can write into pages nobody was told about), as does a cancel by request id for a Reserve
 whose answer never reached its caller (and a later Reserve for that request is refused).
 One nobody cancels or claims (its gateway died) is freed once no write can land: at once
-after an abort notice, `claim_timeout_s` after a done notice or after its writer left the
-registry. Each rule and the test that proves it: docs/ARCHITECTURE.md,
+after an abort notice, `claim_timeout_s` after a done or declined notice or after its
+writer left the registry. Each rule and the test that proves it: docs/ARCHITECTURE.md,
 "Failure rules"."""
 from __future__ import annotations
 
@@ -23,12 +27,26 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from services.decode.reservation_state import (
+    CLAIMED_STATES,
+    NOTICE_EVENTS,
+    RESERVATION,
+    WATCHED,
+    WRITER_WATCH,
+    ReservationEvent,
+    ReservationState,
+)
 from shared.engine.cache_scope import DEFAULT_SCOPE, CacheScope
 from shared.kv_transfer.notice import TransferNotice
 
 log = logging.getLogger("duet.decode")
 
 DROPPED_REQUESTS_KEPT = 4096  # request ids cancel_request() refuses later Reserves for
+S, E = ReservationState, ReservationEvent
+
+
+class ReservationGone(Exception):
+    """Its caller cancelled the reservation while a Generate waited on it."""
 
 
 @dataclass(eq=False)
@@ -39,29 +57,43 @@ class Reservation:
     page_ids: list[int]
     writer_id: str
     prompt_tokens: int
+    trail: list[tuple[ReservationState, float]]  # every state entered, with its clock time; the last is now's
     held_pages: int = 0  # leading prompt pages this worker already held (the writer skips them)
-    created: float = field(default_factory=time.monotonic)
-    notice: TransferNotice | None = None  # set once every rank reported (see ReservationBook.tick)
-    notice_at: float | None = None
+    deadline: float | None = None  # when the current state expires (a DEADLINE move); None: never
+    notice: TransferNotice | None = None  # every rank's notice, combined (WRITTEN, DECLINED, NOTICED)
     rank_notices: dict[int, TransferNotice] = field(default_factory=dict)
-    cancelled: bool = False
-    cancelled_at: float | None = None
-    unsent: bool = False  # its caller never gave it to a prefill worker: no write can land
-    settled_at: float | None = None  # unclaimed, and no write can land any more, since then
-    waiter: Callable[[], None] | None = None  # wakes the Generate handler (set: it is claimed)
+    waiter: Callable[[], None] | None = None  # wakes the Generate that claimed it (CLAIMED, NOTICED)
     ready_event: object = None  # CUDA event: launched GPU work that may touch the pages has run
 
     @property
     def key(self) -> str:
         return f"res-{self.reservation_id}"
 
+    @property
+    def state(self) -> ReservationState:
+        return self.trail[-1][0]
+
+    @property
+    def created(self) -> float:
+        return self.trail[0][1]
+
+    @property
+    def claimed(self) -> bool:
+        return self.state in CLAIMED_STATES
+
+    def entered(self, state: ReservationState) -> float | None:
+        """When it last entered `state` (None: never)."""
+        return next((t for s, t in reversed(self.trail) if s is state), None)
+
 
 class ReservationBook:
     def __init__(self, engine, agent, is_live: Callable[[str], bool], quarantine_s: float = 60.0,
-                 metrics=None, claim_timeout_s: float = 30.0, num_ranks: int = 1):
+                 metrics=None, claim_timeout_s: float = 30.0, num_ranks: int = 1,
+                 clock: Callable[[], float] = time.monotonic):
         """num_ranks: notices a reservation waits for when a notice does not say (its
         num_ranks): every rank of the prefill worker writes its heads and sends its own
-        notice here, and a reservation is written (or aborted) only when all of them have."""
+        notice here, and a reservation is written (or aborted) only when all of them have.
+        clock: this process's monotonic clock (deadlines never cross hosts)."""
         self.engine = engine
         self.agent = agent
         self.is_live = is_live
@@ -69,7 +101,8 @@ class ReservationBook:
         self.claim_timeout_s = claim_timeout_s
         self.metrics = metrics
         self.num_ranks = num_ranks
-        self.open: dict[int, Reservation] = {}
+        self.clock = clock
+        self.open: dict[int, Reservation] = {}  # every reservation not CONSUMED or FREED
         self.dropped_requests: OrderedDict[str, None] = OrderedDict()  # cancel_request() ids (bounded)
         self._ids = itertools.count(1)
         self.generation = 1  # ids are never reused in one instance; the nonce covers restarts
@@ -95,7 +128,8 @@ class ReservationBook:
         if eng.kv.available - need < headroom:
             return None
         rid = next(self._ids)
-        res = Reservation(rid, self.generation, request_id, [], writer_id, prompt_tokens)
+        res = Reservation(rid, self.generation, request_id, [], writer_id, prompt_tokens,
+                          trail=[(S.RESERVED, self.clock())])
         kv = eng.reserve(res.key, prompt_tokens, prompt_ids, scope)
         if kv is None:
             return None
@@ -110,21 +144,31 @@ class ReservationBook:
         res = self.open.get(reservation_id)
         return res if res is not None and res.generation == generation else None
 
-    # -- lifecycle ----------------------------------------------------------------------------
+    # -- what callers do ------------------------------------------------------------------------
+    def claim(self, reservation_id: int, generation: int, waiter: Callable[[], None]) -> Reservation | None:
+        """A Generate takes the reservation; waiter() wakes it when the notice arrives. None:
+        unknown, cancelled, or claimed already (one Generate per reservation)."""
+        res = self.get(reservation_id, generation)
+        if res is None or not RESERVATION.allows(res.state, E.CLAIM):
+            return None
+        res.waiter = waiter
+        self._move(res, E.CLAIM)
+        return res
+
     def consume(self, res: Reservation) -> None:
-        """The reservation's pages now belong to a running request (engine.add_prefilled)."""
-        self.open.pop(res.reservation_id, None)
+        """The reservation's pages now belong to a running request (engine.add_prefilled);
+        only a claimed one with its notice in hand (NOTICED)."""
+        self._move(res, E.CONSUME)
 
     def cancel(self, reservation_id: int, generation: int, unsent: bool = False) -> bool:
-        """unsent: the caller never gave the reservation to a prefill worker."""
+        """unsent: the caller never gave the reservation to a prefill worker (nobody can
+        write into pages nobody was told about: freed at once)."""
         res = self.get(reservation_id, generation)
         if res is None:
             return False
-        res.cancelled, res.waiter = True, None
-        res.unsent = res.unsent or unsent
-        if res.cancelled_at is None:
-            res.cancelled_at = time.monotonic()
-        self._maybe_free(res)
+        self._move(res, E.CANCEL_UNSENT if unsent else E.CANCEL)
+        if res.state is not S.FREED:
+            self._settle(res, self.clock())  # no write can land already (its writer is gone): freed now
         return True
 
     def cancel_request(self, request_id: str) -> bool:
@@ -133,61 +177,77 @@ class ReservationBook:
         self.dropped_requests[request_id] = None
         while len(self.dropped_requests) > DROPPED_REQUESTS_KEPT:
             self.dropped_requests.popitem(last=False)
-        found = [r for r in self.open.values() if r.request_id == request_id and r.waiter is None]
+        found = [r for r in self.open.values() if r.request_id == request_id and not r.claimed]
         for res in found:
             self.cancel(res.reservation_id, res.generation, unsent=True)
         return bool(found)
 
-    def writes_may_land(self, res: Reservation) -> bool:
-        if res.notice is not None or res.unsent:
-            return False
-        if not self.is_live(res.writer_id):
-            return False
-        # A live writer may still be computing (and writing) a long prompt: only a cancel,
-        # which also cancels its RPC, starts the clock on its last in-flight write.
-        return res.cancelled_at is None or time.monotonic() - res.cancelled_at < self.quarantine_s
-
-    def _abandoned(self, res: Reservation, now: float) -> bool:
-        """Nobody cancelled it, no Generate claims it, and no write can land any more: the
-        gateway that made it is gone (crashed, or lost its Cancel)."""
-        if res.cancelled or res.waiter is not None or self.writes_may_land(res):
-            res.settled_at = None
-            return False
-        if res.settled_at is None:
-            res.settled_at = now
-        if res.notice is not None and res.notice.kind == "abort":
-            return True  # the writer gave up: no gateway will ask to decode it
-        return now - res.settled_at >= self.claim_timeout_s
-
-    def _maybe_free(self, res: Reservation) -> None:
-        if res.cancelled and not self.writes_may_land(res):
-            self.open.pop(res.reservation_id, None)
-            self.engine.cancel_reservation(res.key)
-
+    # -- what the engine loop does ----------------------------------------------------------------
     def tick(self) -> bool:
         for notice in self.agent.get_notices():
-            res = self.get(notice.reservation_id, notice.generation)
-            if res is None:
-                log.debug("late notice for reservation %s/%s ignored", notice.reservation_id, notice.generation)
-                continue
-            res.rank_notices[notice.rank] = notice
-            if len(res.rank_notices) < (notice.num_ranks or self.num_ranks):
-                continue  # other ranks may still be writing
-            res.notice, res.notice_at = combined_notice(res.rank_notices), time.monotonic()
-            if self.metrics is not None and res.notice.kind == "done":
-                self.metrics.observe_kv_transfer("received", res.notice.kv_bytes, res.notice_at - res.created)
-            if res.waiter is not None:
-                res.waiter()
-            self._maybe_free(res)
-        now = time.monotonic()
+            self._on_rank_notice(notice)
+        now = self.clock()
         for res in list(self.open.values()):
-            if not res.cancelled and self._abandoned(res, now):
+            self._settle(res, now)
+        return bool(self.open)
+
+    def _on_rank_notice(self, notice: TransferNotice) -> None:
+        res = self.get(notice.reservation_id, notice.generation)
+        if res is None or res.notice is not None:
+            log.debug("late notice for reservation %s/%s ignored", notice.reservation_id, notice.generation)
+            return
+        res.rank_notices[notice.rank] = notice
+        if len(res.rank_notices) < (notice.num_ranks or self.num_ranks):
+            return  # other ranks may still be writing
+        combined, now = combined_notice(res.rank_notices), self.clock()
+        if self.metrics is not None and combined.kind == "done":
+            self.metrics.observe_kv_transfer("received", combined.kv_bytes, now - res.created)
+        if combined.kind == "abort" and not res.claimed and res.state is not S.QUARANTINED:
+            log.info("reservation %d (request %s): its writer gave up before anyone claimed it; freeing its %d "
+                     "pages", res.reservation_id, res.request_id, len(res.page_ids))
+        res.notice = combined
+        self._move(res, NOTICE_EVENTS[combined.kind], now)
+        if res.state is S.NOTICED and res.waiter is not None:
+            res.waiter()
+
+    def _settle(self, res: Reservation, now: float) -> None:
+        """The one place a reservation moves by itself: by its writer's liveness in the
+        registry, or by the deadline of the state it is in."""
+        event = WRITER_WATCH.get((res.state, self.is_live(res.writer_id))) if res.state in WATCHED else None
+        if event is not None:
+            self._move(res, event, now)
+        if res.deadline is not None and now >= res.deadline:
+            if res.state is not S.QUARANTINED:
                 log.warning("reservation %d (request %s) was never claimed; freeing its %d pages",
                             res.reservation_id, res.request_id, len(res.page_ids))
-                res.cancelled, res.cancelled_at = True, now
-            if res.cancelled:
-                self._maybe_free(res)
-        return bool(self.open)
+            self._move(res, E.DEADLINE, now)
+
+    def _move(self, res: Reservation, event: ReservationEvent, now: float | None = None) -> None:
+        """Every state change goes through here; the one move into FREED frees the pages."""
+        now = self.clock() if now is None else now
+        old = res.state
+        new = RESERVATION.next(old, event, f"reservation {res.reservation_id} (request {res.request_id})")
+        if new is old:
+            return  # a repeat (a second cancel): its clock keeps running
+        res.deadline = self._deadline(res, new, now)
+        res.trail.append((new, now))
+        if new not in CLAIMED_STATES:
+            res.waiter = None
+        if new in (S.CONSUMED, S.FREED):
+            self.open.pop(res.reservation_id, None)
+        if new is S.FREED:
+            self.engine.cancel_reservation(res.key)
+
+    def _deadline(self, res: Reservation, new: ReservationState, now: float) -> float | None:
+        """When `new` expires. QUARANTINED: the writer's last in-flight write has had its time
+        (longer than prefill's write timeout; its RPC was cancelled too). Unclaimed with no
+        write to come: a gateway that died never claims it; the clock runs from when no
+        write could land any more (a notice after its writer left keeps it)."""
+        if new is S.QUARANTINED:
+            return now + self.quarantine_s
+        if new in (S.WRITTEN, S.DECLINED, S.ORPHANED):
+            return res.deadline if res.state is S.ORPHANED else now + self.claim_timeout_s
+        return None
 
 
 def waiter_for(aloop: asyncio.AbstractEventLoop, event: asyncio.Event) -> Callable[[], None]:
@@ -196,7 +256,8 @@ def waiter_for(aloop: asyncio.AbstractEventLoop, event: asyncio.Event) -> Callab
 
 def combined_notice(by_rank: dict[int, TransferNotice]) -> TransferNotice:
     """One notice for the reservation: rank 0's (its first token), an abort if any rank
-    aborted, and the bytes of every rank."""
+    aborted (else declined if any declined), and the bytes of every rank."""
     first = by_rank[min(by_rank)]
-    kind = "abort" if any(n.kind == "abort" for n in by_rank.values()) else "done"
+    kinds = {n.kind for n in by_rank.values()}
+    kind = "abort" if "abort" in kinds else "declined" if "declined" in kinds else "done"
     return TransferNotice(**{**first.__dict__, "kind": kind, "kv_bytes": sum(n.kv_bytes for n in by_rank.values())})

@@ -16,14 +16,17 @@ from dataclasses import dataclass
 import grpc
 
 from protos import duet_pb2, duet_pb2_grpc
-from protos.sampling_codec import sampling_from_proto
-from services.decode.reservations import waiter_for
+from services.decode.reservation_state import ReservationState
+from services.decode.reservations import ReservationGone, waiter_for
 from services.worker_runtime.context import WorkerContext
-from services.worker_runtime.convert import FINISH, cache_scope, prompt_logprobs_to_proto, tokens_to_proto
 from services.worker_runtime.grammar_check import compile_ahead
 from shared.admission.context_rule import completion_budget
 from shared.admission.kv_demand import check_fits, kv_demand
 from shared.registry.prefix_hashes import chained_page_hashes
+from shared.wire.cache_scope import cache_scope_from_proto
+from shared.wire.outputs import Usage, chunk_to_proto, first_token_ids_from_proto, tokens_to_proto
+from shared.wire.reservation import KvReservation, RankPages, reservation_to_proto
+from shared.wire.sampling import sampling_from_proto
 
 log = logging.getLogger("duet.decode")
 
@@ -60,7 +63,7 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         prompt_ids = list(request.prompt_token_ids) or None
-        scope = cache_scope(request)
+        scope = cache_scope_from_proto(request)
         if prompt_ids is not None and len(prompt_ids) != request.prompt_tokens:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"prompt_token_ids has {len(prompt_ids)} ids for prompt_tokens {request.prompt_tokens}")
@@ -90,17 +93,16 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
                 queue.remove(ticket)
             span.set_attribute("duet.held_tokens", res.held_pages * ctx.page_size)
             await self._until_ready(res)
-        reply = duet_pb2.Reservation(
+        # the writer checks the held pages' hashes against its prompt before skipping them
+        held_hashes = chained_page_hashes(prompt_ids[:res.held_pages * ctx.page_size], ctx.page_size,
+                                          seed=scope.namespace) if res.held_pages else []
+        return reservation_to_proto(KvReservation(
             reservation_id=res.reservation_id, generation=res.generation, decode_worker_id=ctx.worker_id,
             decode_instance_nonce=ctx.instance_nonce, page_size=ctx.page_size,
             num_layers=eng.layout.num_layers, kv_dtype=str(eng.kv_dtype).removeprefix("torch."),
-            compat_hash=ctx.compat_hash, held_pages=res.held_pages)
-        if res.held_pages:  # the writer checks these against its prompt before skipping the pages
-            reply.held_page_hashes.extend(chained_page_hashes(prompt_ids[:res.held_pages * ctx.page_size],
-                                                              ctx.page_size, seed=scope.namespace))
-        for rank, agent in enumerate(ctx.rank_agents):  # TP ranks mirror rank 0's page table
-            reply.ranks.add(rank=rank, agent_name=agent.name, page_ids=res.page_ids)
-        return reply
+            compat_hash=ctx.compat_hash, held_pages=res.held_pages, held_page_hashes=held_hashes,
+            # TP ranks mirror rank 0's page table
+            ranks=[RankPages(rank, agent.name, list(res.page_ids)) for rank, agent in enumerate(ctx.rank_agents)]))
 
     def _try_reserve(self, ticket: _QueuedReserve, request, n, prompt_ids, scope):
         """On the engine loop: reserve if it is ticket's turn, else mark whose turn it is (the
@@ -151,7 +153,7 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         await compile_ahead(ctx, params, context)
         prompt = list(request.prompt_token_ids)
-        scope = cache_scope(request)  # colocated or recomputed: split requests keep their reservation's
+        scope = cache_scope_from_proto(request)  # colocated or recomputed: split requests keep their reservation's
         split = request.HasField("reservation")
         aloop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
@@ -194,11 +196,7 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
                                                     else grpc.StatusCode.CANCELLED)
                         yield self._last_chunk(out, tokens, prompt, emitted)
                         return
-                    chunk = duet_pb2.TokenChunk(tokens=tokens, index=out.index,
-                                                finish_reason=FINISH[out.finish_reason if out.finished else None])
-                    if out.prompt_logprobs is not None:
-                        chunk.prompt_logprobs.extend(prompt_logprobs_to_proto(prompt, out.prompt_logprobs))
-                    yield chunk
+                    yield chunk_to_proto(out, prompt, tokens)
             finally:
                 if not finished:  # client went away: drop the request, free its pages
                     ctx.loop.call(lambda: (ctx.loop.detach(rid), ctx.engine.abort(rid)))
@@ -209,13 +207,7 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
 
     @staticmethod
     def _last_chunk(out, tokens, prompt, emitted) -> duet_pb2.TokenChunk:
-        chunk = duet_pb2.TokenChunk(
-            tokens=tokens, finish_reason=FINISH[out.finish_reason], index=out.index,
-            usage=duet_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=emitted,
-                                 cached_tokens=out.num_cached_tokens))
-        if out.prompt_logprobs is not None:
-            chunk.prompt_logprobs.extend(prompt_logprobs_to_proto(prompt, out.prompt_logprobs))
-        return chunk
+        return chunk_to_proto(out, prompt, tokens, Usage(len(prompt), emitted, out.num_cached_tokens))
 
     async def _start_colocated(self, rid, prompt, params, aloop, q, context, scope):
         ctx = self.ctx
@@ -240,18 +232,16 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
         event = asyncio.Event()
 
         def arm():
-            res = book.get(msg.reservation_id, msg.generation)
-            if res is not None:
-                res.waiter = waiter_for(aloop, event)
-            return res
+            return book.claim(msg.reservation_id, msg.generation, waiter_for(aloop, event))
         res = await ctx.loop.acall_or_undo(arm, lambda: book.cancel(msg.reservation_id, msg.generation))
         if res is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"reservation {msg.reservation_id}/{msg.generation} is unknown or was cancelled")
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"reservation {msg.reservation_id}/{msg.generation} "
+                                                           "is unknown, was cancelled or is claimed already")
         deadline = time.monotonic() + ctx.config.notice_timeout_s
         with ctx.span("kv_transfer_wait", context, request_id=rid):
-            try:
-                while res.notice is None and time.monotonic() < deadline and ctx.is_live(res.writer_id):
+            try:  # until the notice (NOTICED), a cancel by its caller, the deadline or the writer's leave
+                while res.state is ReservationState.CLAIMED and time.monotonic() < deadline \
+                        and ctx.is_live(res.writer_id):
                     try:
                         await asyncio.wait_for(event.wait(), 0.1)
                     except asyncio.TimeoutError:
@@ -259,10 +249,12 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
             except asyncio.CancelledError:  # the caller left while we waited: give the pages back
                 ctx.loop.call(lambda: book.cancel(res.reservation_id, res.generation))
                 raise
-        first = request.first_token.id
-        firsts = [t.id for t in request.first_tokens] or [first]
+        firsts = first_token_ids_from_proto(request)
+        first = firsts[0]
 
         def join():
+            if not res.claimed:  # its caller cancelled it meanwhile (and left)
+                raise ReservationGone(f"reservation {res.reservation_id}/{res.generation} was cancelled")
             notice = res.notice
             if notice is not None and notice.kind == "done" and notice.first_token_id == first:
                 book.consume(res)
@@ -276,7 +268,7 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
                 ctx.engine.add_request(prompt, params, rid=rid, output_prefix=firsts, scope=scope)
                 mode = "recompute"
                 log.warning("request %s: KV from %s did not arrive (%s); recomputing the prompt",
-                            rid, res.writer_id, "abort" if notice else "no notice")
+                            rid, res.writer_id, notice.kind if notice else "no notice")
             ctx.recomputes += mode == "recompute"
             if not ctx.engine.is_live(rid):  # the first token(s) already ended it
                 from shared.engine.outputs import StepOutput
@@ -289,6 +281,8 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
                                                                book.cancel(res.reservation_id, res.generation)))
         except TimeoutError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except ReservationGone as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 

@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         ctx = build_context(config)
         if config.backend == "grpc":
             security.grpc_tls.check("client")
+            security.grpc_tls.check_identity("gateway")
         ssl_options = security.uvicorn_ssl_kwargs()
         keys = auth.ApiKeyStore(security.api_keys, security.api_keys_file) if security.auth_enabled else None
     except (ModelNotFoundError, ValueError, OSError) as exc:

@@ -5,9 +5,11 @@ reserved pages (so the transfer hides behind compute); when the first token is s
 the rest (the partial last page too) is written and the completion notice is queued
 behind the writes. Pages the decode worker already holds (the reservation's held prefix,
 checked by hash) are skipped; if its hashes do not match the prompt, nothing is written and
-the notice says abort, so decode recomputes: a bad hint costs work, never a wrong token. When every write has landed the request's pages are released into the
-prefix cache and the RPC gets its answer. A failed write or a cancel releases the pages
-and tells decode (abort notice) once nothing is in flight.
+the notice says declined, so decode recomputes: a bad hint costs work, never a wrong token.
+When every write has landed the request's pages are released into the prefix cache and the
+RPC gets its answer. A failed write or a cancel releases the pages and tells decode (abort
+notice) once nothing is in flight. Each handoff is in one state of the lifecycle in
+outgoing_state.py; every change goes through `_move`, which refuses what the table forbids.
 
 `lock` is held while a stream is touched (the loop's tick and hooks, start, cancel), not
 during engine steps: stop_writing() from the RPC's thread then stops a request's writes at
@@ -20,6 +22,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from services.prefill.outgoing_state import OUTGOING, WRITING, OutgoingEvent, OutgoingState
 from shared.engine.cache_scope import DEFAULT_SCOPE, CacheScope
 from shared.engine.outputs import StepOutput
 from shared.engine.request import ReqStatus
@@ -48,15 +51,23 @@ class Outgoing:
     generation: int
     num_prompt: int
     result: concurrent.futures.Future
+    trail: list[tuple[OutgoingState, float]]  # every state entered, with its monotonic time; the last is now's
     held_pages: int = 0  # leading prompt pages decode holds: never written
     write_nothing: bool = False  # the held prefix did not match the prompt: decode recomputes
     pages_sent: int = 0  # prompt pages written (or skipped as held), from the first
-    first: StepOutput | None = None
+    first: StepOutput | None = None  # the first token (TAIL on)
     firsts: dict[int, StepOutput] = field(default_factory=dict)  # by sequence index
-    started: float = field(default_factory=time.monotonic)
-    prefill_done_at: float | None = None  # the first token sampled: only the handoff tail remains
-    cancelled: bool = False
-    error: str = ""
+    error: str = ""  # why it failed, when the stream does not say
+
+    @property
+    def state(self) -> OutgoingState:
+        return self.trail[-1][0]
+
+    def entered(self, state: OutgoingState) -> float | None:
+        return next((t for s, t in reversed(self.trail) if s is state), None)
+
+
+S, E = OutgoingState, OutgoingEvent
 
 
 class OutgoingTransfers:
@@ -84,7 +95,8 @@ class OutgoingTransfers:
         self.engine.add_request(prompt_ids, params, rid=rid, prefill_only=True, scope=scope)
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self.active[rid] = Outgoing(rid, stream, reservation_id, generation, len(prompt_ids), fut,
-                                    held_pages=held_pages, write_nothing=write_nothing, pages_sent=held_pages)
+                                    trail=[(S.PREFILLING, time.monotonic())], held_pages=held_pages,
+                                    write_nothing=write_nothing, pages_sent=held_pages)
         return fut
 
     def cancel(self, rid: str) -> None:
@@ -92,7 +104,7 @@ class OutgoingTransfers:
             out = self.active.get(rid)
             if out is None:
                 return
-            out.cancelled = True
+            self._move(out, E.CANCEL)
             self.engine.abort(rid)  # stops prefill at the next step (or releases held pages)
             out.stream.abort(self._notice(out, "abort"))
 
@@ -102,9 +114,9 @@ class OutgoingTransfers:
         the loop, to stop the computation. A TP stream's followers are the loop's: left to it."""
         with self.lock:
             out = self.active.get(rid)
-            if out is None or out.cancelled or self.followers is not None:
+            if out is None or out.state is S.CANCELLING or self.followers is not None:
                 return
-            out.cancelled = True
+            self._move(out, E.CANCEL)
             out.stream.abort(self._notice(out, "abort"))
 
     def on_step(self, outs: list[StepOutput]) -> None:
@@ -114,11 +126,11 @@ class OutgoingTransfers:
     def _on_step(self, outs: list[StepOutput]) -> None:
         for o in outs:
             out = self.active.get(o.rid)
-            if out is not None and o.prefill_done:
+            if out is not None and o.prefill_done and out.state in WRITING:
                 out.firsts[o.index] = o  # all n arrive from the same step
-                if o.index == 0:
+                if o.index == 0 and out.state is S.PREFILLING:
                     out.first = o
-                    out.prefill_done_at = time.monotonic()
+                    self._move(out, E.FIRST_TOKEN)
 
     def _notice(self, out: Outgoing, kind: str) -> TransferNotice:
         token = out.first.token_ids[0] if out.first else -1
@@ -140,10 +152,11 @@ class OutgoingTransfers:
 
     def _advance(self, out: Outgoing) -> None:
         req = self.engine.get(out.rid)
-        if req is None and not out.cancelled and out.first is None:
-            out.cancelled, out.error = True, "the request ended before its first token"
+        if req is None and out.state is S.PREFILLING:
+            out.error = "the request ended before its first token"
+            self._move(out, E.ENDED)
             out.stream.abort(self._notice(out, "abort"))
-        if not out.cancelled and out.stream.state not in (DONE, FAILED) and req is not None:
+        if out.state in WRITING and out.stream.state not in (DONE, FAILED) and req is not None:
             held = req.status is ReqStatus.HELD
             # only pages the device has finished (a launched chunk may still be running)
             done = max(req.num_kv_ready, req.num_cached_tokens)
@@ -155,39 +168,49 @@ class OutgoingTransfers:
                     out.pages_sent = ready
                 except TransferError as exc:
                     out.error = str(exc)
-            if held and out.write_nothing and not out.stream.notice_queued:
-                out.stream.abort(self._notice(out, "abort"))  # decode recomputes; our answer stands
-            elif held and out.pages_sent * self.page_size >= out.num_prompt and not out.stream.notice_queued:
-                out.stream.finish(self._notice(out, "done"))
+            if held and out.state is S.TAIL and out.stream.state not in (DONE, FAILED):
+                if out.write_nothing:  # decode recomputes; our answer stands
+                    self._move(out, E.DECLINE)
+                    out.stream.finish(self._notice(out, "declined"))
+                elif out.pages_sent * self.page_size >= out.num_prompt:
+                    self._move(out, E.FINISH)
+                    out.stream.finish(self._notice(out, "done"))
         self._settle(out)
 
     def _settle(self, out: Outgoing) -> None:
         state = out.stream.poll()
         if state in (DONE, FAILED):
-            self._complete(out, state)
+            self._complete(out, E.STREAM_DONE if state == DONE else E.STREAM_FAILED)
 
-    def _complete(self, out: Outgoing, state: str) -> None:
+    def _move(self, out: Outgoing, event: OutgoingEvent) -> None:
+        """Every state change goes through here (under `lock`)."""
+        new = OUTGOING.next(out.state, event, f"handoff of request {out.rid}")
+        if new is not out.state:
+            out.trail.append((new, time.monotonic()))
+
+    def _complete(self, out: Outgoing, event: OutgoingEvent) -> None:
+        self._move(out, event)
         self.active.pop(out.rid, None)
         if self.engine.get(out.rid) is not None:
-            if state == DONE and not out.cancelled:
+            if out.state is S.DONE:
                 self.engine.release_held(out.rid)
             else:
                 self.engine.abort(out.rid)
         now = time.monotonic()
-        seconds = now - out.started
+        seconds = now - out.trail[0][1]
         sent = out.stream.bytes_sent
         if self.metrics is not None and sent:
             self.metrics.observe_kv_transfer("sent", sent, seconds)
-            if state == DONE and out.prefill_done_at is not None:
-                self.metrics.kv_handoff_tail_seconds.observe(now - out.prefill_done_at)
+            if out.state is S.DONE:  # from the first token to the notice: what the handoff adds to TTFT
+                self.metrics.kv_handoff_tail_seconds.observe(now - out.entered(S.TAIL))
         if out.result.done():
             return
-        if state == DONE and not out.cancelled and out.first is not None:
+        if out.state is S.DONE:  # FINISHING or DECLINING: the first token is in hand
             req_cached = out.first.num_cached_tokens
             firsts = [out.firsts[i] for i in sorted(out.firsts)]
             out.result.set_result(PrefillResult(out.first, firsts, sent, seconds,
                                                 computed_tokens=out.num_prompt - req_cached,
                                                 cached_tokens=req_cached))
         else:
-            reason = out.error or out.stream.error or ("cancelled" if out.cancelled else state)
+            reason = out.error or out.stream.error or ("cancelled" if out.state is S.CANCELLED else "write failed")
             out.result.set_exception(TransferError(f"KV transfer to the decode worker failed: {reason}"))

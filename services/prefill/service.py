@@ -10,9 +10,7 @@ from dataclasses import dataclass
 import grpc
 
 from protos import duet_pb2, duet_pb2_grpc
-from protos.sampling_codec import sampling_from_proto
 from services.worker_runtime.context import WorkerContext
-from services.worker_runtime.convert import FINISH, cache_scope, prompt_logprobs_to_proto, tokens_to_proto
 from services.worker_runtime.grammar_check import compile_ahead
 from shared.kv_transfer.agent import TransferError
 from shared.kv_transfer.head_plan import PairingError, plan_head_copies
@@ -21,6 +19,10 @@ from shared.kv_transfer.tp_write_stream import TpWriteStream
 from shared.kv_transfer.write_stream import rank_stream
 from shared.registry.peers import PeerNotFound
 from shared.registry.prefix_hashes import chained_page_hashes
+from shared.wire.cache_scope import cache_scope_from_proto
+from shared.wire.outputs import PrefillAnswer, prefill_reply_to_proto
+from shared.wire.reservation import KvReservation, reservation_from_proto
+from shared.wire.sampling import sampling_from_proto
 
 log = logging.getLogger("duet.prefill")
 
@@ -32,18 +34,18 @@ class PrefillService(duet_pb2_grpc.PrefillServicer):
 
     async def Prefill(self, request: duet_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         handoff = _Handoff(request.request_id or uuid.uuid4().hex)
+        res = reservation_from_proto(request.reservation)
         answered = False
         try:
-            reply = await self._prefill(request, context, handoff)
+            reply = await self._prefill(request, res, context, handoff)
             answered = True
             return reply
         finally:
             if not answered:  # refused, failed or cancelled (the caller left) at any point
-                self._abandon(request.reservation, handoff)
+                self._abandon(res, handoff)
 
-    async def _prefill(self, request: duet_pb2.PrefillRequest, context, handoff: "_Handoff"):
+    async def _prefill(self, request: duet_pb2.PrefillRequest, res: KvReservation, context, handoff: "_Handoff"):
         ctx = self.ctx
-        res = request.reservation
         rid = handoff.rid
         with ctx.span("prefill", context, request_id=rid, prompt_tokens=len(request.prompt_token_ids)):
             if res.compat_hash != ctx.compat_hash or res.page_size != ctx.page_size:
@@ -78,14 +80,14 @@ class PrefillService(duet_pb2_grpc.PrefillServicer):
             mine = {c.dst_rank for c in plan if c.src_rank == 0} | {0}
             decode_peers = {j: ctx.peers.add(specs[j]) for j in sorted(mine)}
             prompt = list(request.prompt_token_ids)
-            scope = cache_scope(request)  # its namespace: prefill's own prefix cache, the held hashes' seed
+            scope = cache_scope_from_proto(request)  # its namespace: prefill's own prefix cache, the held hashes' seed
             held = res.held_pages
             if held < 0 or held * ctx.page_size > len(prompt):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"reservation holds {held} pages of a {len(prompt)}-token prompt")
             # never trust a hint for correctness: skip the held pages only if they are this prompt's
             mismatch = held > 0 and chained_page_hashes(prompt[:held * ctx.page_size], ctx.page_size,
-                                                        seed=scope.namespace) != list(res.held_page_hashes)
+                                                        seed=scope.namespace) != res.held_page_hashes
             if mismatch:
                 log.warning("request %s: decode %s holds %d pages that are not this prompt's; it will recompute",
                             rid, res.decode_worker_id, held)
@@ -111,20 +113,11 @@ class PrefillService(duet_pb2_grpc.PrefillServicer):
                 ctx.metrics.request_finished("Prefill", grpc.StatusCode.UNAVAILABLE)
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
             ctx.metrics.request_finished("Prefill", grpc.StatusCode.OK)
-            first = result.first
-            reply = duet_pb2.PrefillReply(cached_tokens=result.cached_tokens,
-                                          computed_tokens=result.computed_tokens,
-                                          kv_bytes_sent=result.kv_bytes,
-                                          finish_reason=FINISH[first.finish_reason if first.finished else None])
-            reply.first_token.CopyFrom(tokens_to_proto(first)[0])
-            for seq in result.firsts:
-                start = reply.sequences.add(finish_reason=FINISH[seq.finish_reason if seq.finished else None])
-                start.first_token.CopyFrom(tokens_to_proto(seq)[0])
-            reply.prompt_logprobs.extend(prompt_logprobs_to_proto(prompt, first.prompt_logprobs))
-            return reply
+            return prefill_reply_to_proto(PrefillAnswer(result.firsts, result.cached_tokens, result.computed_tokens,
+                                                        result.kv_bytes), prompt)
 
     # -- a request that ends unanswered ----------------------------------------------------------
-    def _abandon(self, res: duet_pb2.Reservation, handoff: "_Handoff") -> None:
+    def _abandon(self, res: KvReservation, handoff: "_Handoff") -> None:
         """Decode holds res's pages until it learns no write can land. A started request stops
         writing now (its abort notice goes out at once when no write is in flight, else when
         they land) and stops computing at the next step; one never started (and, with `gone`
@@ -141,7 +134,7 @@ class PrefillService(duet_pb2_grpc.PrefillServicer):
             self._notices.add(task)
             task.add_done_callback(self._notices.discard)
 
-    async def _send_abort_notice(self, res: duet_pb2.Reservation, rid: str) -> None:
+    async def _send_abort_notice(self, res: KvReservation, rid: str) -> None:
         ctx = self.ctx
         notice = TransferNotice(reservation_id=res.reservation_id, generation=res.generation, rank=0,
                                 request_id=rid, kind="abort", num_ranks=1)

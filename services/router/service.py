@@ -50,6 +50,11 @@ class RouterService(duet_pb2_grpc.RouterServicer):
             if request.prompt_tokens <= 0:
                 await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "prompt_tokens must be positive")
             reply = await self._route(request, request_id, model)
+            trust = self.watcher.trust
+            if (reply is None or isinstance(reply, str)) and trust is not None and trust.pending:
+                # workers that just joined are being asked who they are: wait for that, not 503
+                await trust.settle(trust.probe_timeout_s)
+                reply = await self._route(request, request_id, model)
             if isinstance(reply, str):
                 self.metrics.route_decisions.labels(kind="unavailable").inc()
                 span.set_attribute("duet.route", "unpaired")

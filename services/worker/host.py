@@ -64,7 +64,8 @@ class WorkerHost:
                             tracer=tracing.tracer, watcher=WorkerWatcher(config.registry, model=served))
         ctx.grammar_guard = GrammarGuard.for_tokenizer_info(config.engine.grammar,
                                                             lambda: engine.grammars.info.serialize_json())
-        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)],
+                                 interceptors=config.tls.interceptors())  # mTLS: who may call what
         host = cls(config, engine, ctx, server, served, kv_layout, tracing)
         host.on_stop.append(ctx.grammar_guard.close)
         return host

@@ -44,6 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(config.log_level)
     try:
         config.tls.check("server")  # a bad certificate path fails now, not after loading the model
+        config.tls.check_identity(config.role, config.worker_id or "")
         return asyncio.run(serve(config))
     except KeyboardInterrupt:
         return 0

@@ -1,16 +1,19 @@
 """Engine settings: one dataclass, filled by the offline API, the CLI and the workers.
 
 Each field is declared once with its flag and DUET_* variable (shared/settings): `duet worker`
-takes them all (`--help` lists them), a worker's WorkerConfig holds one of these, and
-`duet env` prints the variables. Adding a setting is one field here. No torch import at
-module level: `duet worker --help` and `duet env` read this file."""
+takes them all (`--help` lists them but the internal ones), a worker's WorkerConfig holds one
+of these, and `duet env` prints the variables. Values given in code are parsed and checked by
+the same declarations (__post_init__), so the engine receives typed values. What the engine
+then runs (kernels, graphs, overlap, PDL, all-reduce, tiers) is resolved once from these, the
+device and the model into an EnginePlan (plan.py, plan_resolve.py). Adding a setting is one
+field here. No torch import at module level: `duet worker --help` and `duet env` read this file."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING
 
 from shared.settings import parsers
-from shared.settings.spec import nested, setting
+from shared.settings.spec import check_values, nested, setting
 
 from .grammar_limits import GrammarLimits
 from .tenant_quota import TenantQuota
@@ -20,7 +23,6 @@ if TYPE_CHECKING:
 
     from .parallel.context import TPContext
 
-DTYPES = ("float32", "bfloat16", "float16", "float64")  # torch dtype names (float64: tests, CPU only)
 CPU_DEFAULT_KV_BYTES = 1 << 30  # absolute on CPU: several workers share one small machine
 
 
@@ -34,8 +36,8 @@ class EngineConfig:
     model_dir: str | None = setting(
         None, flag="--model", env="DUET_MODEL", help="HF model folder (default: the embedded SmolLM2-135M)")
     dtype: str = setting(
-        "auto", flag="--dtype", env="DUET_DTYPE", choices=("auto", "float32", "bfloat16", "float16"),
-        help="weights and KV dtype (auto: float32 on CPU, bfloat16 on GPU)")
+        "auto", flag="--dtype", env="DUET_DTYPE", choices=("auto", "float32", "bfloat16", "float16", "float64"),
+        help="weights and KV dtype (auto: float32 on CPU, bfloat16 on GPU; float64: CPU only, for tests)")
     device: str = setting("auto", flag="--device", env="DUET_DEVICE", help="auto | cpu | cuda | cuda:N")
     page_size: int = setting(16, flag="--page-size", env="DUET_PAGE_SIZE", help="tokens per KV page")
     kv_cache_memory: int | None = setting(
@@ -65,7 +67,8 @@ class EngineConfig:
         help="share the KV pages of common prompt prefixes (radix cache)")
     attention_backend: str = setting(
         "auto", flag="--attention-backend", env="DUET_ATTENTION_BACKEND",
-        help="auto | torch | triton | flashinfer")
+        choices=("auto", "torch", "triton", "flashinfer"),
+        help="attention kernels (auto: triton on a GPU, torch on the CPU; flashinfer when installed)")
     cuda_graph: bool = setting(
         True, flag="--cuda-graph", env="DUET_CUDA_GRAPH", off_flags=("--disable-cuda-graph",),
         help="decode through captured CUDA graphs (GPU)")
@@ -93,13 +96,13 @@ class EngineConfig:
              "holds 1/ep of the experts whole)")
     custom_all_reduce: bool = setting(
         True, flag="--custom-all-reduce", env="DUET_CUSTOM_ALL_REDUCE",
-        help="TP on GPU: one-shot P2P all-reduce fused with add+RMSNorm instead of NCCL "
-             "(DUET_CUSTOM_ALLREDUCE picks its mode)")
-    # fused: one launch that pushes, signals with in-kernel flags, sums and does add+RMSNorm;
-    # barrier: the same sum between two torch symm-mem barriers; oneshot: torch's
-    # one-launch copy+sync+sum, then add+RMSNorm (custom_all_reduce.py)
+        help="TP on GPU: one-shot P2P all-reduce fused with add+RMSNorm instead of NCCL")
+    # internal (benchmarks compare them, loadtest/bench/tp_profile.py): fused: one launch that
+    # pushes, signals with in-kernel flags, sums and does add+RMSNorm; barrier: the same sum
+    # between two torch symm-mem barriers; oneshot: torch's one-launch copy+sync+sum, then
+    # add+RMSNorm (custom_all_reduce.py)
     custom_all_reduce_mode: str = setting(
-        "fused", flag="--custom-all-reduce-mode", env="DUET_CUSTOM_ALLREDUCE", env_in_code=True,
+        "fused", flag="--custom-all-reduce-mode", env="DUET_CUSTOM_ALLREDUCE", env_in_code=True, internal=True,
         choices=("fused", "barrier", "oneshot"), help="kernel of the custom all-reduce")
     # decode-size linears (<= 16 rows, bf16/fp16, GPU) through the split-K Triton kernel
     # (kernels/small_batch_linear.py) instead of cuBLAS: "auto" (default: the LM head, which it
@@ -112,18 +115,21 @@ class EngineConfig:
              "each linear this GPU's sweep tuned)")
     # programmatic dependent launch for the decode kernels (kernels/pdl.py; Hopper+): batch 1,
     # and more rows where measured to pay (MAX_ROWS); "on" (default; where the GPU and Triton
-    # have it) or "off"; the small-batch linears
-    # prefetch this many weight tiles into L2 while the kernel before them finishes
+    # have it) or "off"
     pdl: str = setting(
         "on", flag="--pdl", env="DUET_PDL", env_in_code=True, choices=("on", "off"),
         help="programmatic dependent launch for the decode kernels (Hopper): batch 1, and on one GPU up to 32 "
              "rows for FP8 models, 2 for 16-bit MoE ones")
+    # internal, for the PDL benchmarks (loadtest/bench/pdl.py, fp8_pdl_sections.py): the
+    # small-batch linears prefetch this many weight tiles into L2 while the kernel before them
+    # finishes; measured not to pay once the short kernels wait before they signal
     pdl_prefetch_k_blocks: int = setting(
-        0, flag="--pdl-prefetch", env="DUET_PDL_PREFETCH", env_in_code=True,
+        0, flag="--pdl-prefetch", env="DUET_PDL_PREFETCH", env_in_code=True, internal=True,
         help="weight tiles a decode linear pulls into L2 before it waits on the kernel before it (0: none; "
              "since the short kernels wait before they signal, a prefetch only competes: kernels/NOTES.md)")
-    pdl_prefetch_at: str = setting(
-        "", flag="--pdl-prefetch-at", env="DUET_PDL_PREFETCH_AT", env_in_code=True,
+    pdl_prefetch_at: dict[str, int] = setting(
+        {}, flag="--pdl-prefetch-at", env="DUET_PDL_PREFETCH_AT", env_in_code=True, internal=True,
+        parse=parsers.name_counts,
         help='per-linear depths that replace --pdl-prefetch, by attribute name: "o_proj=8,qkv_proj=2"')
     grammar_cache_size: int = setting(
         256, flag="--grammar-cache-size", env="DUET_GRAMMAR_CACHE_SIZE",
@@ -192,7 +198,22 @@ class EngineConfig:
     speculative_accept_all: bool = False
     tp: TPContext = field(default_factory=_tp_context)  # this process's rank (set by the engine)
 
+    def __post_init__(self):
+        check_values(self)  # text given in code parsed as a flag's, choices enforced
+
+    def with_options(self, **options) -> EngineConfig:
+        """A copy with these fields replaced, checked as flags are (`tp=N` names tp_size, as in
+        `LLM(model, tp=2)`); TypeError for a name that is no option."""
+        if isinstance(options.get("tp"), int):
+            options["tp_size"] = options.pop("tp")
+        names = {f.name for f in fields(self)}
+        for name in options:
+            if name not in names:
+                raise TypeError(f"unknown engine option {name!r}")
+        return replace(self, **options) if options else self
+
     def resolve_device(self) -> torch.device:
+        """The device this rank runs on (rank r of a TP worker takes the r-th GPU from the given one)."""
         import torch
         if self.device == "auto":
             dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -201,29 +222,3 @@ class EngineConfig:
         if dev.type == "cuda":  # an explicit index (set_device needs one); rank r takes the r-th GPU
             dev = torch.device("cuda", (dev.index or 0) + self.tp.rank)
         return dev
-
-    def resolve_dtype(self, device: torch.device) -> torch.dtype:
-        import torch
-        if self.dtype == "auto":
-            return torch.bfloat16 if device.type == "cuda" else torch.float32
-        if self.dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {self.dtype!r}; choose auto, float32, bfloat16 or float16")
-        if self.dtype == "float64" and device.type == "cuda":  # the Triton kernels have no fp64 variants
-            raise ValueError("dtype float64 runs on the CPU only (device='cpu'); on a GPU choose float32, "
-                             "bfloat16 or float16")
-        return getattr(torch, self.dtype)
-
-    def resolve_kv_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """The KV pool's dtype for weights/activations of `dtype`."""
-        import torch
-        kind = str(self.kv_cache_dtype or "auto").lower()
-        if kind == "auto":
-            return dtype
-        if kind in ("fp8", "fp8_e4m3", "float8_e4m3fn"):
-            return torch.float8_e4m3fn
-        raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose auto or fp8_e4m3")
-
-    def resolve_batched_tokens(self, device: torch.device) -> int:
-        if self.max_num_batched_tokens:
-            return self.max_num_batched_tokens
-        return 8192 if device.type == "cuda" else 1024

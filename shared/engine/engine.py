@@ -21,6 +21,7 @@ import torch
 from shared.admission.context_rule import completion_budget
 from shared.admission.kv_demand import check_fits, kv_demand
 
+from . import engine_parts as parts
 from .attention.select import make_attention_backend
 from .cache_scope import DEFAULT_SCOPE, CacheScope
 from .config import CPU_DEFAULT_KV_BYTES, EngineConfig
@@ -30,6 +31,8 @@ from .model_config import ModelConfig
 from .model_runner import ModelRunner
 from .models.loader import load_model
 from .outputs import StepOutput
+from .plan import Decision
+from .plan_resolve import probe_device, resolve_plan
 from .request import Req, ReqStatus
 from . import logit_constraints
 from .sampler import SampleRow, sample
@@ -52,111 +55,54 @@ class EngineStats:
 
 class Engine:
     def __init__(self, config: EngineConfig | None = None, **overrides):
-        config = config or EngineConfig()
-        for k, v in overrides.items():
-            if k == "tp" and isinstance(v, int):  # LLM(model, tp=2)
-                k = "tp_size"
-            if not hasattr(config, k):
-                raise TypeError(f"unknown engine option {k!r}")
-            setattr(config, k, v)
-        self.config = config
+        """Build the engine from its plan (plan.py): every start-time choice is resolved once
+        from the settings, the device and the model's config, then each part is made from it."""
+        self.config = config = (config or EngineConfig()).with_options(**overrides)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         from shared.model_files.default_model import resolve_model_dir
         self.model_dir = resolve_model_dir(config.model_dir)
         self.model_config = mc = ModelConfig.from_dir(self.model_dir, quantization=config.quantization)
-        self._tp_workers = None
+        self.plan = plan = resolve_plan(config, mc, probe_device(config.resolve_device()))
         # per-rank services a worker attaches (e.g. a follower's KV transfer agent, see
         # shared/kv_transfer/rank_transfers.py); the follower loop gives them idle ticks
         self.rank_services: dict[str, object] = {}
-        if config.ep_size not in (1, config.tp_size):
-            raise ValueError(f"expert-parallel size {config.ep_size} must be 1 or the tensor-parallel "
-                             f"size ({config.tp_size}): experts are split over the same ranks")
-        if config.ep_size > 1 and not mc.is_moe:
-            raise ValueError(f"expert parallelism (ep {config.ep_size}) needs a mixture-of-experts model; "
-                             f"{mc.architecture} is dense")
+        self._tp_workers = None
         if config.tp_size > 1 and config.tp.size == 1:  # this process becomes rank 0 of tp_size
-            from .parallel.launcher import check_divisible, launch
-            check_divisible(mc, config.tp_size, expert_parallel=config.ep_size > 1)
+            from .parallel.launcher import launch
             config.tp, self._tp_workers = launch(config, config.tp_size, config.resolve_device())
             weakref.finalize(self, self._tp_workers.shutdown)
-        self.device = config.resolve_device()
-        self.dtype = config.resolve_dtype(self.device)
-        self.kv_dtype = config.resolve_kv_dtype(self.dtype)
         self.tp = config.tp
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.device = torch.device(plan.device.value)
+        self.dtype, self.kv_dtype = getattr(torch, plan.dtype.value), getattr(torch, plan.kv_dtype.value)
+        self.max_model_len = plan.max_model_len.value
         t0 = time.monotonic()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        from kernels.availability import triton_available
-        fused = self.device.type == "cuda" and triton_available()
-        self.model = load_model(mc, self.tp, self.dtype, self.device, self.max_model_len, fused=fused,
+        self.model = load_model(mc, self.tp, self.dtype, self.device, self.max_model_len, fused=plan.kernels.value,
                                 load_format=config.load_format, expert_parallel=config.ep_size > 1)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.fp8_layers = sum(1 for m in self.model.modules() if getattr(m, "fp8", None))
-        self.small_batch_workspace = None
-        which = {"1": "all", "true": "all", "on": "all", "0": "off", "false": "off"}.get(
-            str(config.small_batch_linear).lower(), str(config.small_batch_linear).lower())
-        if which not in ("auto", "lm_head", "all", "off"):
-            raise ValueError(f"small_batch_linear must be auto, lm_head, all or off, not {config.small_batch_linear!r}")
-        if fused and which != "off" and self.dtype in (torch.bfloat16, torch.float16):
-            from kernels.small_batch_linear import SmallBatchWorkspace
-            from .models.layers import enable_small_batch_linears
-            self.small_batch_workspace = SmallBatchWorkspace.create(self.device)
-            enable_small_batch_linears(self.model, self.small_batch_workspace, mode=which)
-        if fused and self.fp8_layers:  # FP8 decode sizes: the small-batch kernel or the decode GEMM, both split-K
-            from kernels.small_batch_linear import SmallBatchWorkspace
-            if self.small_batch_workspace is None:
-                self.small_batch_workspace = SmallBatchWorkspace.create(self.device)
-            on = config.fp8_decode_gemm == "on"  # W8A8 decode GEMM at 2..32 rows, else W8A16
-            for m in self.model.modules():
-                if getattr(m, "fp8", None) and hasattr(m, "small_batch"):
-                    m.small_batch = replace(m.small_batch or self.small_batch_workspace, fp8_decode_gemm=on)
-        if self.tp.size > 1 and self.device.type == "cuda" and config.custom_all_reduce:
-            from .parallel.custom_all_reduce import CustomAllReduce
-            car = None
-            if self.tp.all_ranks_agree(CustomAllReduce.fresh_process(), self.device):
-                car = CustomAllReduce.try_create(self.tp, self.device, mode=config.custom_all_reduce_mode)
-            if self.tp.all_ranks_agree(car is not None, self.device):  # all use it, or none
-                self.tp.custom_all_reduce = car
-        self.spec = None  # speculative decoding (speculative/speculator.py), when configured
-        if config.speculative_method and self.tp.rank == 0:  # TP: rank 0 drafts, every rank verifies
+        self.small_batch_workspace = parts.route_linears(self.model, plan, self.device)
+        if plan.custom_all_reduce.value is not None:
+            failed = parts.attach_custom_all_reduce(self.tp, self.device, plan.custom_all_reduce.value)
+            if failed:  # NCCL instead, and the graph and overlap choices that depend on it
+                self.plan = plan = resolve_plan(config, mc, plan.facts, custom_all_reduce_failed=failed)
+        self.spec = None  # speculative decoding (speculative/speculator.py): rank 0 drafts, every rank verifies
+        if plan.speculative.value is not None:
             from .speculative.speculator import Speculator
             self.spec = Speculator(self, config)
         self.layout = self._size_kv()
         self.pool = KVPool(self.layout, self.device, self._kv_scales())
-        self.backend = make_attention_backend(config.attention_backend, self.pool, self.device)
-        self.pdl = self._enable_pdl(config, fused)
+        self.backend = make_attention_backend(plan.attention.value, self.pool)
+        self.pdl = parts.enable_decode_pdl(self.model, self.backend, plan.pdl.value)
         self.kv = KVManager(self.layout.num_pages, self.layout.page_size, config.enable_prefix_cache,
                             host_tier=self._make_host_tier(), quota=config.tenant_quota)
-        self.scheduler = Scheduler(self.kv, config.resolve_batched_tokens(self.device), config.max_running_requests)
+        self.scheduler = Scheduler(self.kv, plan.step_tokens.value, config.max_running_requests)
         self.runner = ModelRunner(self.model, self.pool, self.backend, self.device)
         if self._tp_workers is not None:
             self.runner.plan_sink = self._tp_workers.send_plan
-        if self.device.type == "cuda" and self.backend.supports_cuda_graph:
-            # graphs off still pads decode batches to the same sizes: identical numbers either way
-            from .cuda_graph import CudaGraphRunner
-            capture = config.cuda_graph
-            if capture and self.tp.size > 1 and self.tp.custom_all_reduce is None:
-                # NCCL collectives captured in decode graphs hung on 2 x H200 (tp_profile,
-                # custom all-reduce off: no step in 7 minutes); run those steps eagerly
-                log.warning("tensor parallel without the custom all-reduce: decode CUDA graphs off")
-                capture = False
-            self.runner.graphs = CudaGraphRunner(self.model, self.backend, self.pool, self.device,
-                                                 max_bs=min(config.cuda_graph_max_bs, config.max_running_requests),
-                                                 max_pages=-(-self.max_model_len // self.layout.page_size),
-                                                 capture=capture)
-            if capture and config.prefill_graph_max_tokens > 0:  # small prefill steps are as launch-bound
-                from .prefill_graph import PrefillGraphs
-                max_tokens = min(config.prefill_graph_max_tokens, config.resolve_batched_tokens(self.device),
-                                 self.max_model_len)
-                try:
-                    self.runner.prefill_graphs = PrefillGraphs(
-                        self.model, self.backend, self.device, max_tokens=max_tokens,
-                        max_pages=-(-self.max_model_len // self.layout.page_size))
-                except (RuntimeError, ValueError) as exc:  # a model whose prefill path cannot be captured
-                    torch.cuda.synchronize(self.device)
-                    log.warning("prefill CUDA graphs off (capture failed: %s); prefill steps run eagerly", exc)
+        self._make_graphs()
         self.requests: dict[str, Req] = {}
         self.kv.live_requests = self.requests.values  # their pages count against their tenants
         # launched steps whose prefill-only KV a transfer may not read yet: (event, [(req, end)])
@@ -167,48 +113,32 @@ class Engine:
         self._grammars = None
         self._grammar_lock = threading.Lock()
         self.overlap = None
-        overlap = config.overlap_schedule
-        if overlap is None:
-            # with TP on GPUs only where the tokens travel by the custom all-reduce's push
-            overlap = not (self.tp.size > 1 and self.device.type == "cuda" and self.tp.custom_all_reduce is None)
-        if overlap:
+        if self.plan.overlap.value:
             from .overlap import OverlapScheduler
             self.overlap = OverlapScheduler(self)
         if self.spec is not None:
             self.spec.attach()
         if self._tp_workers is not None:
             self._tp_workers.wait_ready()
-        log.info("engine ready in %.1fs: %s %s on %s, %s, weights %.2f GiB (%s), KV %d pages x %d tokens "
-                 "(%.2f GiB, %s), backend %s, cuda graphs %s, custom all-reduce %s, overlap %s, "
-                 "small-batch linears %s, PDL %s",
-                 time.monotonic() - t0, mc.architecture, str(self.dtype).removeprefix("torch."),
-                 self.device, f"tp {self.tp.rank}/{self.tp.size}", self.weight_bytes / 2**30,
-                 self.weights_description, self.layout.num_pages, self.layout.page_size,
-                 self.layout.num_pages * self.layout.bytes_per_page / 2**30,
-                 str(self.kv_dtype).removeprefix("torch."), self.backend.name,
-                 "on" if self.runner.graphs is not None and self.runner.graphs.capture else "off",
-                 "on" if self.tp.custom_all_reduce is not None else "off",
-                 "on" if self.overlap is not None else "off",
-                 which if self.small_batch_workspace is not None else "off",
-                 "on" if self.pdl is not None else "off")
+        log.info("engine ready in %.1fs: %s, weights %.2f GiB (%s), KV %d pages x %d tokens (%.2f GiB)",
+                 time.monotonic() - t0, mc.architecture, self.weight_bytes / 2**30, self.weights_description,
+                 self.layout.num_pages, self.layout.page_size,
+                 self.layout.num_pages * self.layout.bytes_per_page / 2**30)
+        log.info("engine plan: %s", self.plan.render())
 
-    def _enable_pdl(self, config: EngineConfig, fused: bool):
-        """Programmatic dependent launch on the decode kernels where the GPU and Triton have it."""
-        mode = str(config.pdl).lower()
-        if mode not in ("on", "off"):
-            raise ValueError(f"pdl must be on or off, not {config.pdl!r}")
-        from kernels.pdl import engine_pdl, parse_prefetch_at, pdl_supported
-        overrides = parse_prefetch_at(config.pdl_prefetch_at)  # bad values fail on any device
-        if mode == "off" or not fused or not pdl_supported(self.device):
-            return None
-        from .models.layers import enable_pdl
-        # how many rows take PDL depends on the model (kernels/pdl.py MAX_ROWS)
-        pdl = engine_pdl(config.pdl_prefetch_k_blocks, "fp8" if self.fp8_layers else "16-bit",
-                         "moe" if self.model_config.moe is not None else "dense", self.tp.size)
-        enable_pdl(self.model, pdl, overrides)
-        if hasattr(self.backend, "pdl"):
-            self.backend.pdl = pdl
-        return pdl
+    def _make_graphs(self) -> None:
+        """Decode graphs (or their padded eager runner) and small-prefill graphs, as planned."""
+        graphs = self.plan.decode_graphs.value
+        if graphs is None:
+            return
+        max_pages = -(-self.max_model_len // self.layout.page_size)
+        self.runner.graphs = parts.decode_graphs(self.model, self.backend, self.pool, self.device, graphs, max_pages)
+        if self.plan.prefill_graphs.value:  # small prefill steps are as launch-bound
+            self.runner.prefill_graphs, failed = parts.prefill_graphs(
+                self.model, self.backend, self.device, self.plan.prefill_graphs.value, max_pages)
+            if failed:  # a model whose prefill path cannot be captured
+                log.warning("prefill CUDA graphs off (%s); prefill steps run eagerly", failed)
+                self.plan = replace(self.plan, prefill_graphs=Decision(0, "off", failed))
 
     def call_followers(self, target: str, *args) -> list:
         """Run `module:function(engine, *args)` on tensor-parallel ranks 1..N-1 (results in
@@ -274,14 +204,14 @@ class Engine:
         The budget is the worker's, all its ranks together: each of a TP worker's ranks pins
         its shard of every host page (budget / tp bytes), not the whole budget again, and all
         ranks hold the same page count (each rank's free memory is read at its own moment)."""
-        budget, ranks = self.config.kv_host_memory, self.tp.size
-        if budget is None:  # auto: on a GPU only (a CPU pool is host memory already)
-            if self.device.type != "cuda":
-                return None
-            budget = min(2 * self.layout.num_pages * self.layout.bytes_per_page * ranks,
-                         _available_host_memory() // 4)
+        planned, ranks = self.plan.host_tier.value, self.tp.size
+        if planned is None:
+            return None
+        budget = planned.budget
+        if budget is None:  # auto: twice the device pool, at most the plan's cap
+            budget = min(2 * self.layout.num_pages * self.layout.bytes_per_page * ranks, planned.cap)
         pages = self.tp.min_across_ranks(int(budget) // (self.layout.bytes_per_page * ranks), self.device)
-        if pages < 1 or not self.config.enable_prefix_cache:
+        if pages < 1:
             return None
         from .kv_host_tier import HostKVTier
         tier = HostKVTier(self.pool.buffer, self.layout, pages)
@@ -637,27 +567,6 @@ class Engine:
         assert not self.scheduler.has_work and not self.requests, "engine still has requests"
         assert not self.groups.live, f"sequence groups still open: {list(self.groups.live)}"
         self.kv.check_idle()
-
-
-def _available_host_memory() -> int:
-    """What this process may still take: MemAvailable, and within a container (a pod) what
-    its cgroup limit leaves, in bytes."""
-    avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        limit = open("/sys/fs/cgroup/memory.max").read().strip()
-        if limit != "max":
-            used = int(open("/sys/fs/cgroup/memory.current").read())
-            avail = min(avail, int(limit) - used)
-    except (OSError, ValueError):
-        pass
-    return max(avail, 0)
 
 
 def _find_stop(text: str, stops: list[str], prev_len: int) -> tuple[int, str] | None:

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.gumbel_noise import gumbel_noise
+
 from . import logit_constraints
 
 _M32 = 0xFFFFFFFF
@@ -25,20 +27,6 @@ def _mix64(x: int) -> int:
 
 def draw_key(seed: int, position: int) -> int:
     return _mix64(_mix64(seed & 0xFFFFFFFFFFFFFFFF) ^ position) & _M32
-
-
-def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[n] int64 keys -> [n, vocab] float32 Gumbel noise, a pure function of (key, index).
-    Multipliers stay below 2**31 so int64 products never overflow."""
-    idx = torch.arange(vocab, device=keys.device, dtype=torch.int64)
-    x = (keys[:, None] ^ ((idx[None, :] * 0x61C88647) & _M32))
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _M32
-    x = x ^ (x >> 15)
-    x = (x * 0x2C1B3C6D) & _M32
-    x = x ^ (x >> 16)
-    u = (x.to(torch.float64) + 0.5) / 4294967296.0
-    return (-torch.log(-torch.log(u))).to(torch.float32)
 
 
 @dataclass

@@ -2,7 +2,9 @@
 
 It travels as a NIXL notification (sent only after every write of the reservation
 completed remotely), so decode learns: "reservation R, generation G is fully written
-by rank r; the first token is T". `abort` notices tell decode the writer gave up.
+by rank r; the first token is T". `abort` notices tell decode the writer gave up;
+`declined` ones that it wrote nothing on purpose (the reservation's held prefix is not its
+prompt's) but its answer stands, so the Generate that follows recomputes the prompt.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ class TransferNotice:
     generation: int
     rank: int
     request_id: str = ""
-    kind: str = "done"          # "done" | "abort"
+    kind: str = "done"          # "done" | "declined" | "abort"
     first_token_id: int = -1    # the token prefill sampled (decode's next input)
     num_tokens: int = 0         # prompt tokens whose KV was written
     kv_bytes: int = 0           # bytes this rank wrote for the reservation
@@ -37,6 +39,6 @@ class TransferNotice:
             notice = cls(**fields)
         except (ValueError, TypeError):
             return None
-        if notice.kind not in ("done", "abort"):
+        if notice.kind not in ("done", "declined", "abort"):
             return None
         return notice

@@ -57,7 +57,7 @@ class ResponsesRequest(_Body):
         _range("max_output_tokens", self.max_output_tokens, 1, INT32_MAX)
         check_tools(self.tools, flat=True)
         check_tool_choice(self.tool_choice, self.tools, flat=True)
-        check_response_format(self.format, "text.format")
+        check_response_format(self.format, "text.format", schema_at="text.format.schema")
         if isinstance(self.input, str) and not self.input:
             raise InvalidRequest("input must not be empty", "input")
         self.chat_messages()  # raises on items it cannot take

@@ -76,29 +76,38 @@ def collect(commands: Sequence[tuple[str, type]], variables: Iterable[Variable] 
 
 
 def render(table: Mapping[str, EnvVar], env: Mapping[str, str] | None = None, *, internal: bool = True) -> str:
-    """Plain text, one block a variable; with env, the values set now (secrets masked)."""
-    blocks = []
-    for var in table.values():
-        if var.internal and not internal:
-            continue
-        notes = [var.type, "read by " + ", ".join(r.command for r in var.readers)]
-        if var.internal:
-            notes.append("internal: set by Duet for its own processes")
-        if var.in_code:
-            notes.append("also in code (offline API, benchmarks)")
-        lines = [f"{var.name}  ({'; '.join(notes)})"]
-        helps: dict[str, list[str]] = {}
-        for r in var.readers:
-            helps.setdefault(r.help, []).append(r.command)
-        lines += [f"    {text}" if len(helps) == 1 else f"    {', '.join(cmds)}: {text}" for text, cmds in helps.items()]
-        defaults = var.defaults
-        shown = [f"{value or 'none'} ({', '.join(cmds)})" for value, cmds in defaults.items()]
-        if not var.secret:
-            lines.append("    default: " + (next(iter(defaults)) or "none" if len(defaults) == 1 else "; ".join(shown)))
-        if env is not None and env.get(var.name, "").strip():
-            lines.append(f"    set now: {'***' if var.secret else env[var.name]}")
-        blocks.append("\n".join(lines))
-    return "\n".join(blocks) + "\n"
+    """Plain text, one block a variable, the internal ones last under a heading of their own;
+    with env, the values set now (secrets masked)."""
+    public = [_block(var, env) for var in table.values() if not var.internal]
+    hidden = [_block(var, env) for var in table.values() if var.internal] if internal else []
+    if hidden:
+        public.append("\n" + INTERNAL_HEADING)
+    return "\n".join(public + hidden) + "\n"
+
+
+INTERNAL_HEADING = ("Internal: set by Duet for its own processes, or knobs kept so experiments can compare "
+                    "their values (flags hidden from --help):")
+
+
+def _block(var: EnvVar, env: Mapping[str, str] | None) -> str:
+    notes = [var.type, "read by " + ", ".join(r.command for r in var.readers)]
+    flags = sorted({r.flag for r in var.readers if r.flag})
+    if var.internal and flags:
+        notes.append("flag " + ", ".join(flags))
+    if var.in_code:
+        notes.append("also in code (offline API, benchmarks)")
+    lines = [f"{var.name}  ({'; '.join(notes)})"]
+    helps: dict[str, list[str]] = {}
+    for r in var.readers:
+        helps.setdefault(r.help, []).append(r.command)
+    lines += [f"    {text}" if len(helps) == 1 else f"    {', '.join(cmds)}: {text}" for text, cmds in helps.items()]
+    defaults = var.defaults
+    shown = [f"{value or 'none'} ({', '.join(cmds)})" for value, cmds in defaults.items()]
+    if not var.secret:
+        lines.append("    default: " + (next(iter(defaults)) or "none" if len(defaults) == 1 else "; ".join(shown)))
+    if env is not None and env.get(var.name, "").strip():
+        lines.append(f"    set now: {'***' if var.secret else env[var.name]}")
+    return "\n".join(lines)
 
 
 def as_json(table: Mapping[str, EnvVar]) -> list[dict]:

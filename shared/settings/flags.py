@@ -2,7 +2,8 @@
 
 A flag's default is its DUET_* variable's value when set (else the declared default), so the
 order is: flag, then variable, then default. Bools get `--x/--no-x`; a nested dataclass's
-flags join the parser (in a --help section of their own when the field gives a title)."""
+flags join the parser (in a --help section of their own when the field gives a title). An
+internal setting's flag is accepted but hidden from --help."""
 from __future__ import annotations
 
 import argparse
@@ -56,9 +57,11 @@ def _add_setting(parser: argparse.ArgumentParser, target, spec: Setting, dest: s
     else:
         kwargs.update(type=_flag_parser(spec), metavar=_metavar(spec))
     action = target.add_argument(spec.flag, **kwargs)
-    action.help = help_text(spec, env)  # after: BooleanOptionalAction appends its own default
+    # after: BooleanOptionalAction appends its own default; an internal flag is taken, not shown
+    action.help = argparse.SUPPRESS if spec.internal else help_text(spec, env)
     for off in spec.off_flags:
-        target.add_argument(off, dest=dest, action="store_false", help=f"same as --no-{spec.flag[2:]}")
+        target.add_argument(off, dest=dest, action="store_false",
+                            help=argparse.SUPPRESS if spec.internal else f"same as --no-{spec.flag[2:]}")
 
 
 def help_text(spec: Setting, env: Mapping[str, str]) -> str:
@@ -81,6 +84,8 @@ def format_value(value: Any) -> str:
         return "on" if value else "off"
     if isinstance(value, (list, tuple)):
         return ",".join(map(str, value))
+    if isinstance(value, Mapping):
+        return ",".join(f"{k}={v}" for k, v in value.items())
     return str(value)
 
 

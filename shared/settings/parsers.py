@@ -61,5 +61,19 @@ def words(text: str) -> list[str]:
     return text.replace(",", " ").split()
 
 
+@labelled("name=int,...")
+def name_counts(text: str) -> dict[str, int]:
+    """'o_proj=8, qkv_proj=2' -> {'o_proj': 8, 'qkv_proj': 2}: counts by name, each >= 0."""
+    out: dict[str, int] = {}
+    for item in text.split(","):
+        name, sep, value = item.strip().partition("=")
+        if not item.strip():
+            continue
+        if not sep or not name.strip() or not value.strip().isdigit():
+            raise ValueError(f"expected name=count pairs separated by commas, got {item.strip()!r}")
+        out[name.strip()] = int(value)
+    return out
+
+
 def label(parse: Callable[[str], Any]) -> str:
     return getattr(parse, "label", None) or {int: "int", float: "float", str: "text"}.get(parse, parse.__name__)

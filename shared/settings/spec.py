@@ -9,6 +9,7 @@ The flag (flags.py), the variable (its value is the flag's default), `duet env` 
 and the dataclass built back from parsed flags all come from that one declaration."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -36,7 +37,9 @@ class Setting:
     off_flags: tuple[str, ...] = ()  # older spellings that turn a bool off, e.g. "--disable-cuda-graph"
     repeat: bool = False      # a list: each flag adds one item to the variable's items
     env_in_code: bool = False  # the variable also sets the field when the dataclass is built in code
-    internal: bool = False    # set by Duet for its own processes, not by users
+    # not for users: set by Duet for its own processes, or a knob kept so experiments (benchmarks)
+    # can compare its values; its flag is hidden from --help and `duet env` lists it apart
+    internal: bool = False
     secret: bool = False      # never print its value
 
     @property
@@ -57,17 +60,32 @@ class Setting:
             raise SettingError(f"{source}={text!r}: choose one of {', '.join(self.choices)}")
         return value
 
+    def coerce(self, value: Any, name: str) -> Any:
+        """A value given in code (EngineConfig(pdl="on"), Engine(**options)): text goes through
+        the parser as a flag's would, then the choices apply; SettingError names the field and flag."""
+        where = f"{name}={'***' if self.secret else repr(value)}" + (f" ({self.flag})" if self.flag else "")
+        if isinstance(value, str) and self.parse is not str:
+            try:
+                value = self.parse(value)
+            except ValueError as exc:
+                raise SettingError(f"{where}: {exc}") from None
+        if self.choices and value not in self.choices and not (value is None and self.default is None):
+            raise SettingError(f"{where}: choose one of {', '.join(self.choices)}")
+        return value
+
     def env_value(self, env: Mapping[str, str]) -> Any:
         """The variable's value, or MISSING when unset (an empty value counts as unset)."""
         text = env.get(self.env, "") if self.env else ""
         return self.from_text(text, self.env) if text.strip() else MISSING
 
     def value(self, env: Mapping[str, str]) -> Any:
-        """The variable's value, else the default (a fresh copy of a list)."""
+        """The variable's value, else the default (a fresh copy of a list or dict)."""
         found = self.env_value(env)
         if found is not MISSING:
             return found
-        return list(self.default) if isinstance(self.default, (list, tuple)) and self.repeat else self.default
+        if isinstance(self.default, (list, tuple)) and self.repeat:
+            return list(self.default)
+        return copy.copy(self.default) if isinstance(self.default, dict) else self.default
 
 
 @dataclass(frozen=True)
@@ -93,14 +111,28 @@ def setting(default: Any = None, *, flag: str | None = None, env: str | None = N
     metadata = {SETTING: spec}
     if env_in_code:
         return dataclasses.field(default_factory=lambda: _code_default(spec), metadata=metadata, repr=not secret)
-    if repeat:
-        return dataclasses.field(default_factory=lambda: list(spec.default), metadata=metadata, repr=not secret)
+    if repeat or isinstance(default, dict):
+        return dataclasses.field(default_factory=lambda: copy.copy(spec.default), metadata=metadata,
+                                 repr=not secret)
     return dataclasses.field(default=default, metadata=metadata, repr=not secret)
 
 
 def _code_default(spec: Setting) -> Any:
     found = spec.env_value(os.environ)
-    return spec.default if found is MISSING else found
+    return copy.copy(spec.default) if found is MISSING else found
+
+
+def check_values(obj: Any) -> None:
+    """Parse and check the values a settings dataclass was given in code, as its flags would
+    be (Setting.coerce), in place; nested settings dataclasses too. Call from __post_init__."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if NESTED in f.metadata:
+            check_values(value)
+        elif SETTING in f.metadata:
+            checked = f.metadata[SETTING].coerce(value, f.name)
+            if checked is not value:
+                object.__setattr__(obj, f.name, checked)
 
 
 def nested(cls: type, title: str = "") -> Any:

@@ -4,6 +4,8 @@ decode workers (separate processes, real redis-server, router, gateway, NIXL/UCX
 * a missing completion notice past the deadline makes decode recompute the prompt, and
   the answer is still right (driven over decode's own gRPC API: through the gateway the
   notice always precedes Generate, so the test plays a gateway whose prefill never wrote);
+* a reservation whose held prefix is not the prompt prefill computes is never read: prefill
+  declines it and decode recomputes (the test plays a gateway that sends another prompt);
 * a decode worker SIGKILLed while prefill writes into its reservation: prefill's writes
   fail and it frees its pages, the client gets a clean OpenAI error, the router stops
   choosing the dead worker once its registry TTL passes, later requests succeed;
@@ -190,6 +192,53 @@ def test_unclaimed_reservation_is_freed_after_the_claim_timeout(ready, tokenizer
     stack.wait_idle(["decode-1", "prefill-1"], timeout=NOTICE_TIMEOUT_S + 10)
     assert time.monotonic() - done_at >= NOTICE_TIMEOUT_S - 1.0
     assert "was never claimed" in stack.procs["decode-1"].log_text()
+
+
+def test_a_held_prefix_that_is_not_the_prompts_makes_decode_recompute(ready, tokenizer):
+    """Decode holds the leading pages of prompt A (a finished request). A reservation made
+    for A names them; prefill, asked with prompt B, finds their hashes are not its prompt's:
+    it writes nothing, sends a declined notice and still answers with B's first token. Decode
+    keeps the reservation for the Generate that follows, which recomputes B: the answer is
+    B's, never one read from A's pages."""
+    stack = ready
+    a = tokenizer.encode("Held pages belong to the first prompt of this test. It is long enough to fill two "
+                         "whole pages of sixteen tokens each, and then it goes on for a few more words, so "
+                         "that the last page is only partly filled when the prompt ends here.")
+    assert len(a) > 40
+    b = [a[0], *(t + 1 for t in a[1:])]  # same length, another prompt from its second token on
+    ref_a, ref_b = offline_outputs(offline_llm(model_dir()), [a, b], 6)
+    decode, writer = "decode-0", "prefill-0"
+    entries = stack.workers()
+    sampling = duet_pb2.SamplingParams(temperature=0, max_tokens=6)
+    with grpc.insecure_channel(entries[decode]["address"]) as dch, \
+            grpc.insecure_channel(entries[writer]["address"]) as pch:
+        dstub, pstub = duet_pb2_grpc.DecodeStub(dch), duet_pb2_grpc.PrefillStub(pch)
+
+        def split(rid: str, prompt: list[int], reserve_for: list[int]):
+            """Reserve (for the prompt reserve_for), Prefill and Generate prompt, as a gateway does."""
+            res = dstub.Reserve(duet_pb2.ReserveRequest(request_id=rid, prompt_tokens=len(reserve_for), max_tokens=6,
+                                                        prefill_worker_id=writer, prompt_token_ids=reserve_for),
+                                timeout=30)
+            reply = pstub.Prefill(duet_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
+                                                          reservation=res), timeout=60)
+            tokens = [reply.first_token.id]
+            for chunk in dstub.Generate(duet_pb2.GenerateRequest(
+                    request_id=rid, prompt_token_ids=prompt, sampling=sampling, reservation=res,
+                    prefill_worker_id=writer, first_token=reply.first_token), timeout=60):
+                tokens += [t.id for t in chunk.tokens]
+            return res, reply, tokens
+
+        res, reply, tokens = split("held-a", a, a)
+        assert tokens == ref_a.token_ids and res.held_pages == 0 and reply.kv_bytes_sent > 0
+        before = stack.metrics(decode).value("duet_kv_recomputes_total")
+        res, reply, tokens = split("held-b", b, a)  # decode holds A's pages: the reservation names them
+        assert res.held_pages >= 2 and reply.kv_bytes_sent == 0
+        assert tokens == ref_b.token_ids
+    wait_until(lambda: stack.metrics(decode).value("duet_kv_recomputes_total") - before == 1, 5,
+               "the recompute counter")
+    assert "did not arrive (declined)" in stack.procs[decode].log_text()
+    assert "are not this prompt's" in stack.procs[writer].log_text()
+    stack.wait_idle([decode, writer], timeout=30)
 
 
 def test_decode_killed_while_prefill_writes(ready, model):

@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from protos import duet_pb2, duet_pb2_grpc
 from tests.helpers.openai_schema import validate
 from tests.helpers.stack import (
     DuetUp,
@@ -272,7 +273,8 @@ def test_early_endings_free_every_page(stack, references, prompts):
 
 @pytest.fixture(scope="module")
 def colocated_stack(request):
-    up = DuetUp(new_log_dir("up-both"), "--both", "1", "--prefill", "0", "--decode", "0")
+    # --insecure: this module's other stack runs the default (secure) one
+    up = DuetUp(new_log_dir("up-both"), "--both", "1", "--prefill", "0", "--decode", "0", "--insecure")
     with managed(request, up.start()) as stack:
         yield stack.wait_ready()
 
@@ -289,6 +291,20 @@ def test_seeded_sample_is_the_same_split_and_colocated(stack, colocated_stack, t
     assert offline[0].text == split[0]
     assert {f["role"] for f in colocated_stack.workers().values()} == {"both"}
     stack.wait_idle()
+    colocated_stack.wait_idle()
+
+
+def test_insecure_says_so_and_serves_plaintext_grpc(stack, colocated_stack):
+    out = colocated_stack.proc.log_text()
+    assert "duet up: INSECURE (--insecure): gRPC is plaintext" in out  # at start, and in the banner
+    assert "gRPC    plaintext, open to every local process (--insecure)" in out
+    assert colocated_stack.redis_password is None and colocated_stack.certs_dir is None
+    assert "gRPC    mutual TLS" in stack.proc.log_text() and "INSECURE" not in stack.proc.log_text()
+    with colocated_stack.worker_channel("both-0", "decode") as channel:  # a plaintext channel: served
+        chunks = list(duet_pb2_grpc.DecodeStub(channel).Generate(duet_pb2.GenerateRequest(
+            request_id="plaintext", prompt_token_ids=[1, 2, 3],
+            sampling=duet_pb2.SamplingParams(temperature=0, top_p=1, max_tokens=2, ignore_eos=True)), timeout=60))
+    assert chunks[-1].usage.completion_tokens == 2
     colocated_stack.wait_idle()
 
 

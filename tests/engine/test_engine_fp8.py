@@ -124,8 +124,10 @@ def test_online_quantization_holds_the_numbers_of_the_fp8_release(tmp_path):
     assert [x.logprobs for x in a] == [y.logprobs for y in b]
     plain = run_engine(Engine(model_dir=str(src), device="cpu", kv_cache_memory=KV_BYTES), prompts, params)
     assert [x.logprobs for x in a] != [y.logprobs for y in plain]  # the weights did change
+    with pytest.raises(ValueError, match=r"quantization='int8' \(--quantization\): choose one of none, fp8"):
+        Engine(model_dir=str(src), device="cpu", quantization="int8")  # refused as the flag refuses it
     with pytest.raises(ModelLoadError, match="--quantization 'int8' is not supported"):
-        Engine(model_dir=str(src), device="cpu", quantization="int8")
+        ModelConfig.from_dir(src, quantization="int8")
 
 
 @pytest.mark.parametrize("method,qc", [

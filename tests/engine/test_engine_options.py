@@ -54,23 +54,26 @@ def test_half_dtypes_run(model_dir, dtype, torch_dtype):
 
 
 def test_unknown_dtype_is_a_clear_error(model_dir):
-    with pytest.raises(ValueError, match=r"unknown dtype 'float8'.*float32.*bfloat16.*float16"):
+    with pytest.raises(ValueError, match=r"dtype='float8' \(--dtype\): choose one of auto, float32, bfloat16, float16"):
         Engine(model_dir=str(model_dir), dtype="float8", kv_cache_memory=KV)
 
 
-def test_float64_is_for_the_cpu_only():
+def test_float64_is_for_the_cpu_only(model_dir):
     from shared.engine.config import EngineConfig
+    from shared.engine.model_config import ModelConfig
+    from shared.engine.plan import DeviceFacts
+    from shared.engine.plan_resolve import resolve_plan
 
-    cfg = EngineConfig(dtype="float64")
-    assert cfg.resolve_dtype(torch.device("cpu")) == torch.float64
-    with pytest.raises(ValueError, match="float64 runs on the CPU only"):
-        cfg.resolve_dtype(torch.device("cuda"))  # resolving needs no GPU
+    cfg, mc = EngineConfig(dtype="float64"), ModelConfig.from_dir(model_dir)
+    assert resolve_plan(cfg, mc, DeviceFacts("cpu")).dtype.value == "float64"
+    with pytest.raises(ValueError, match="float64 runs on the CPU only"):  # resolving needs no GPU
+        resolve_plan(cfg, mc, DeviceFacts("cuda", 0, "NVIDIA H100 80GB HBM3", (9, 0), triton=True))
 
 
 def test_unknown_options_and_backends_are_refused(model_dir):
     with pytest.raises(TypeError, match="unknown engine option 'page_sise'"):
         Engine(model_dir=str(model_dir), device="cpu", page_sise=4)
-    with pytest.raises(ValueError, match="unknown attention backend 'fast'"):
+    with pytest.raises(ValueError, match=r"attention_backend='fast' \(--attention-backend\): choose one of"):
         Engine(model_dir=str(model_dir), device="cpu", attention_backend="fast", kv_cache_memory=KV)
     with pytest.raises(ValueError, match="needs a CUDA device"):
         Engine(model_dir=str(model_dir), device="cpu", attention_backend="triton", kv_cache_memory=KV)

@@ -1,7 +1,6 @@
-"""The one admission rule (shared/admission) and the one sampling converter pair
-(protos/sampling_codec.py): the KV demand of a request with n sequences, the context rule's
-OpenAI message, the "can never fit any live worker" check the gateway makes, and the codec
-refusing what the gRPC contract cannot carry instead of overflowing."""
+"""The one admission rule (shared/admission): the KV demand of a request with n sequences,
+the context rule's OpenAI message, the "can never fit any live worker" check the gateway
+makes. The sampling type's way over gRPC is tests/disagg/test_wire_roundtrip.py."""
 from __future__ import annotations
 
 import math
@@ -10,15 +9,11 @@ import sys
 
 import pytest
 
-from protos import duet_pb2
-from protos.sampling_codec import ContractOverflow, sampling_from_proto, sampling_to_proto
 from services.gateway.backends.capacity import (WorkerCapacity, batch_capacity, check_fits_some_worker,
                                                 prefill_capacity)
 from services.router.policy import pages_needed
 from shared.admission.context_rule import completion_budget
 from shared.admission.kv_demand import check_fits, kv_demand
-from shared.engine.grammar_spec import GrammarSpec
-from shared.engine.sampling_params import SamplingParams
 from shared.openai_protocol.errors import InvalidRequest
 
 
@@ -97,39 +92,11 @@ def test_can_never_fit_any_live_worker():
     assert prefill_capacity(split) == 0 and prefill_capacity([WorkerCapacity("both", 9, 16, 8, 512)]) == 1024
 
 
-# --- the sampling type and its codec -----------------------------------------------------
-
-def test_sampling_params_cross_the_contract_unchanged():
-    params = SamplingParams(temperature=0.5, top_p=0.75, top_k=40, min_p=0.125, seed=-5, max_tokens=77,
-                            stop=["x", "yz"], stop_token_ids=[7, 8], ignore_eos=True, repetition_penalty=1.25,
-                            frequency_penalty=0.5, presence_penalty=-0.5, logprobs=3, n=4,
-                            logit_bias={50: -100.0, 2**31 - 1: 2.5}, grammar=GrammarSpec("regex", "[ab]+"),
-                            prompt_logprobs=2)
-    msg = sampling_to_proto(params)
-    assert msg.seed == (-5) % (1 << 64)  # two's complement: the engine's generator reads it the same
-    back = sampling_from_proto(duet_pb2.SamplingParams.FromString(msg.SerializeToString()))
-    params.seed = (-5) % (1 << 64)
-    assert back == params
-    off = sampling_from_proto(sampling_to_proto(SamplingParams(max_tokens=None, top_k=-1)))
-    assert (off.max_tokens, off.top_k, off.logprobs, off.seed, off.grammar, off.prompt_logprobs) == \
-        (None, -1, None, None, None, None)
-
-
-@pytest.mark.parametrize("field,value", [
-    ("top_k", 2**40), ("n", 2**31), ("max_tokens", 2**31), ("logprobs", 2**31), ("prompt_logprobs", 2**33),
-    ("seed", 2**64), ("seed", -(2**63) - 1), ("stop_token_ids", [2**31]), ("logit_bias", {2**40: 1.0}),
-    ("logit_bias", {5: float("inf")}), ("repetition_penalty", 1e300), ("min_tokens", 3)])
-def test_the_codec_refuses_what_the_contract_cannot_carry(field, value):
-    params = SamplingParams()
-    setattr(params, field, value)  # past SamplingParams' own checks: the codec is the last line
-    with pytest.raises(ContractOverflow) as info:
-        sampling_to_proto(params)
-    assert info.value.field == ("top_logprobs" if field == "logprobs" else field)
-
+# --- no torch on the gateway's path -------------------------------------------------------
 
 def test_the_sampling_type_and_the_rules_import_without_torch():
     code = ("import sys\n"
             "import shared.engine.sampling_params, shared.admission.kv_demand, shared.admission.context_rule\n"
-            "import protos.sampling_codec, services.gateway.openai_api.request_sampling\n"
+            "import shared.wire.sampling, services.gateway.openai_api.request_sampling\n"
             "assert 'torch' not in sys.modules, 'torch imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True)

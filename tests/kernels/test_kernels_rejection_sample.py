@@ -6,8 +6,10 @@ draft's q (a chi-square test over many keyed draws)."""
 import pytest
 import torch
 
-from shared.engine.sampler import draw_key, gumbel_noise
-from shared.engine.speculative.rejection import accept_key, draft_key, rejection_sample_reference, uniform
+from kernels.gumbel_noise import gumbel_noise
+from kernels.rejection_sample import rejection_sample_reference
+from shared.engine.sampler import draw_key
+from shared.engine.speculative.rejection import accept_key, draft_key, uniform
 
 TARGET = "kernels.rejection_sample:rejection_sample"
 

@@ -1,6 +1,7 @@
 """Settings declared once (shared/settings): flags, DUET_* variables and defaults from one field
-declaration; the engine's settings reaching `duet worker`; the table of every variable
-(`duet env`) agreeing with what each command's --help shows."""
+declaration; the engine's settings reaching `duet worker`, parsed once (values given in code
+too); the table of every variable (`duet env`) agreeing with what each command's --help shows,
+but for the internal settings, whose flags are accepted and hidden."""
 from __future__ import annotations
 
 import argparse
@@ -20,7 +21,7 @@ from services.worker.config import WorkerConfig
 from shared.engine.config import EngineConfig
 from shared.settings import parsers
 from shared.settings.flags import add_flags, format_value, from_args, parse_argv
-from shared.settings.spec import nested, setting, walk
+from shared.settings.spec import check_values, nested, setting, walk
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -39,6 +40,8 @@ class Toy:
     maybe: bool | None = setting(None, flag="--maybe", env="T_MAYBE", parse=parsers.boolean, help="optional")
     budget: int | None = setting(None, flag="--budget", env="T_BUDGET", parse=parsers.optional_size, help="size")
     mode: str = setting("a", flag="--mode", env="T_MODE", choices=("a", "b"), help="a choice")
+    depths: dict[str, int] = setting({}, flag="--depths", env="T_DEPTHS", parse=parsers.name_counts,
+                                     internal=True, help="an experiment's knob")
     keys: list[str] = setting(flag="--key", env="T_KEYS", repeat=True, help="repeatable")
     plain: int = 7  # not a setting: keeps its default
     inner: Inner = nested(Inner, "inner")
@@ -77,6 +80,60 @@ def test_bad_values_name_their_source(capsys):
     assert "T_BUDGET='lots'" in capsys.readouterr().err
 
 
+def test_an_internal_flag_is_accepted_but_hidden_from_help():
+    p = argparse.ArgumentParser()
+    add_flags(p, Toy, {})
+    assert "--depths" not in p.format_help() and "T_DEPTHS" not in p.format_help()
+    assert parse_argv(Toy, ["--depths", "o_proj=8, qkv_proj=0"], {}).depths == {"o_proj": 8, "qkv_proj": 0}
+    assert parse_argv(Toy, [], {"T_DEPTHS": "a=1"}).depths == {"a": 1}
+    assert Toy().depths == {} and Toy().depths is not Toy().depths  # a fresh dict each
+    worker = WorkerConfig.parser({}).format_help()
+    assert "--pdl " in worker.replace("\n", " ")  # a public kernel-path flag is shown
+    for flag in ("--pdl-prefetch", "--custom-all-reduce-mode", "DUET_PDL_PREFETCH", "DUET_CUSTOM_ALLREDUCE"):
+        assert flag not in worker, flag
+    c = WorkerConfig.from_argv(["--pdl-prefetch-at", "o_proj=8", "--custom-all-reduce-mode", "barrier"], {})
+    assert (c.engine.pdl_prefetch_at, c.engine.custom_all_reduce_mode) == ({"o_proj": 8}, "barrier")
+
+
+def test_name_counts_parser():
+    assert parsers.name_counts("") == {} and parsers.name_counts(" o_proj=8, qkv_proj=0") == {"o_proj": 8, "qkv_proj": 0}
+    for bad in ("o_proj", "o_proj=-1", "=3", "o_proj=two"):
+        with pytest.raises(ValueError, match="name=count pairs"):
+            parsers.name_counts(bad)
+
+
+@pytest.mark.parametrize("argv,env,message", [
+    (["--small-batch-linear", "1"], {}, "argument --small-batch-linear: invalid choice: '1'"),  # an old alias
+    (["--pdl", "yes"], {}, "argument --pdl: invalid choice: 'yes'"),
+    (["--fp8-decode-gemm", "maybe"], {}, "argument --fp8-decode-gemm: invalid choice: 'maybe'"),
+    (["--attention-backend", "fast"], {}, "argument --attention-backend: invalid choice: 'fast'"),
+    (["--pdl-prefetch-at", "o_proj"], {}, "argument --pdl-prefetch-at: invalid name=int,... value: 'o_proj'"),
+    ([], {"DUET_SMALL_BATCH_LINEAR": "on"}, "DUET_SMALL_BATCH_LINEAR='on': choose one of auto, lm_head, all, off"),
+    ([], {"DUET_KV_CACHE_DTYPE": "fp8"}, "DUET_KV_CACHE_DTYPE='fp8': choose one of auto, fp8_e4m3"),
+])
+def test_a_bad_kernel_path_value_is_refused_at_parse_time(argv, env, message, capsys):
+    with pytest.raises(SystemExit):
+        WorkerConfig.from_argv(argv, env)
+    assert message in capsys.readouterr().err
+
+
+def test_values_given_in_code_are_parsed_by_the_same_declarations():
+    """The offline API and the benchmarks build EngineConfig in code: text goes through each
+    setting's parser and choices, so the engine gets typed values whoever built the config."""
+    c = EngineConfig(pdl_prefetch_at="o_proj=8", overlap_schedule="off", page_size="32", max_model_len="0")
+    assert (c.pdl_prefetch_at, c.overlap_schedule, c.page_size, c.max_model_len) == ({"o_proj": 8}, False, 32, None)
+    assert EngineConfig().with_options(tp=2, pdl="off").tp_size == 2
+    with pytest.raises(ValueError, match=r"small_batch_linear='on' \(--small-batch-linear\): choose one of auto, "):
+        EngineConfig(small_batch_linear="on")  # an alias the flag never took
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8' \(--kv-cache-dtype\): choose one of auto, fp8_e4m3"):
+        EngineConfig().with_options(kv_cache_dtype="fp8")
+    c.grammar.max_bytes = "1K"  # nested settings too
+    check_values(c)
+    assert c.grammar.max_bytes == 1024
+    with pytest.raises(TypeError, match="unknown engine option 'pdl_prefech'"):
+        EngineConfig().with_options(pdl_prefech=1)
+
+
 def test_help_names_the_variable_and_default_but_never_a_secret():
     p = argparse.ArgumentParser()
     add_flags(p, Toy, {"T_COUNT": "5"})
@@ -95,7 +152,7 @@ def test_every_engine_setting_reaches_the_worker_by_flag_and_variable():
     flags = WorkerConfig.parser({}).format_help()
     for path, spec in specs:  # a path: a field of EngineConfig or of a dataclass it nests
         name = ".".join(path)
-        assert spec.flag in flags and spec.env, name
+        assert (spec.flag in flags) != spec.internal and spec.env, name  # internal: accepted, not shown
         value = _non_default(spec)
         text = format_value(value)
         assert _field(WorkerConfig.from_argv([], {spec.env: text}).engine, path) == value, name
@@ -116,7 +173,7 @@ def _non_default(spec):
         return next(c for c in spec.choices if c != spec.default)
     if spec.parse in (parsers.optional_size, parsers.size):
         return 3 << 30
-    sample = {int: 3, float: 0.25, str: "x", parsers.optional_int: 3}
+    sample = {int: 3, float: 0.25, str: "x", parsers.optional_int: 3, parsers.name_counts: {"o_proj": 3}}
     return sample[spec.parse] if spec.default != sample[spec.parse] else sample[spec.parse] * 2
 
 
@@ -150,7 +207,7 @@ def test_engine_gpu_knobs_still_read_the_environment_when_built_in_code(monkeypa
     monkeypatch.setenv("DUET_PAGE_SIZE", "64")  # a plain setting: flags and variables only
     c = EngineConfig()
     assert (c.pdl, c.small_batch_linear, c.custom_all_reduce_mode, c.pdl_prefetch_k_blocks, c.pdl_prefetch_at,
-            c.page_size) == ("off", "all", "barrier", 3, "o_proj=2", 16)
+            c.page_size) == ("off", "all", "barrier", 3, {"o_proj": 2}, 16)
 
 
 def test_drain_grace_is_one_setting_with_one_default():
@@ -198,7 +255,7 @@ def _help_settings(command: str) -> dict[str, str]:
 def test_help_flags_and_the_variable_table_agree(command):
     shown = _help_settings(command)
     listed = {v.name: v for v in table().values()
-              if any(r.command == command and r.flag for r in v.readers)}
+              if any(r.command == command and r.flag for r in v.readers) and not v.internal}
     assert set(shown) == set(listed), (set(shown) ^ set(listed))
     for name, var in listed.items():
         if not var.secret:
@@ -215,7 +272,11 @@ def test_duet_env_prints_the_table():
     rows = json.loads(subprocess.run([sys.executable, "-m", "services.cli", "env", "--json", "--no-internal"],
                                      capture_output=True, text=True, env=env, cwd=REPO, timeout=120).stdout)
     names = {r["name"] for r in rows}
-    assert "DUET_PAGE_SIZE" in names and "DUET_TP_KEY" not in names
+    assert "DUET_PAGE_SIZE" in names and "DUET_TP_KEY" not in names and "DUET_PDL_PREFETCH_AT" not in names
+    public, internal = out.stdout.split("Internal: ")
+    assert "DUET_PDL  (" in public and "DUET_PDL_PREFETCH_AT" not in public
+    assert "DUET_PDL_PREFETCH_AT  (name=int,...; read by worker; flag --pdl-prefetch-at;" in internal
+    assert "DUET_TP_KEY" in internal
     page = next(r for r in rows if r["name"] == "DUET_PAGE_SIZE")
     assert page["readers"] == [{"command": "worker", "flag": "--page-size", "default": "16",
                                 "help": "tokens per KV page"}]

@@ -27,26 +27,27 @@ from typing import AsyncIterator
 import grpc
 
 from protos import duet_pb2, duet_pb2_grpc
-from protos.sampling_codec import ContractOverflow, sampling_to_proto
 from services.gateway.backends.capacity import WorkerCapacity
 from services.gateway.backends.interface import (
-    FINISH_LENGTH,
-    FINISH_STOP,
     BackendBadRequest,
     BackendBusy,
     BackendError,
     BackendUnavailable,
     GenerationRequest,
     TokenEvent,
-    TokenLogprob,
 )
+from services.gateway.backends.token_events import token_event
 from shared.registry.pairing import pair_problem
 from shared.registry.connection import RedisConnection
 from shared.security.grpc_tls import GrpcTlsConfig
+from shared.security.identity import server_name
+from shared.wire.cache_scope import cache_scope_fields
+from shared.wire.contract_overflow import ContractOverflow
+from shared.wire.outputs import chunk_from_proto, first_tokens_to_proto, prefill_reply_from_proto
+from shared.wire.sampling import sampling_to_proto
 
 log = logging.getLogger("duet.gateway.grpc")
 
-_FINISH = {duet_pb2.FINISH_REASON_STOP: FINISH_STOP, duet_pb2.FINISH_REASON_LENGTH: FINISH_LENGTH}
 _BUSY_CODES = {grpc.StatusCode.RESOURCE_EXHAUSTED}
 _UNAVAILABLE_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED,
                       grpc.StatusCode.CANCELLED, grpc.StatusCode.NOT_FOUND}
@@ -84,36 +85,26 @@ def rpc_error(exc: grpc.aio.AioRpcError, what: str) -> BackendError:
     return BackendError(message)
 
 
-def _prompt_logprobs(tokens) -> list[TokenLogprob] | None:
-    return [TokenLogprob(t.id, t.logprob, [(a.token_id, a.logprob) for a in t.top_logprobs])
-            for t in tokens] or None
-
-
-def _events(tokens, logprobs: bool) -> tuple[list[int], list[TokenLogprob] | None]:
-    ids = [t.id for t in tokens]
-    if not logprobs:
-        return ids, None
-    return ids, [TokenLogprob(t.id, t.logprob, [(a.token_id, a.logprob) for a in t.top_logprobs]) for t in tokens]
-
-
 @dataclass
 class _Channels:
-    """One channel per worker, replaced when the worker's address or instance nonce changes
-    (a restart: never reuse a channel, or anything cached, across instances)."""
+    """One channel per worker and service, replaced when the worker's address or instance nonce
+    changes (a restart: never reuse a channel, or anything cached, across instances). Under TLS
+    the worker's certificate must name it serving that service (shared/security/identity.py):
+    an address from a forged registry entry fails the handshake and gets no request."""
 
     tls: GrpcTlsConfig = field(default_factory=GrpcTlsConfig)
-    channels: dict[str, tuple[str, str, grpc.aio.Channel]] = field(default_factory=dict)
+    channels: dict[tuple[str, str], tuple[str, str, grpc.aio.Channel]] = field(default_factory=dict)
 
-    def get(self, ref: duet_pb2.WorkerRef) -> grpc.aio.Channel:
-        known = self.channels.get(ref.worker_id)
+    def get(self, ref: duet_pb2.WorkerRef, service: str) -> grpc.aio.Channel:
+        known = self.channels.get((ref.worker_id, service))
         if known is not None and known[:2] == (ref.address, ref.instance_nonce):
             return known[2]
         if known is not None:
             old = known[2]
             # Calls still running on it finish or fail on their own; close it shortly.
             asyncio.get_running_loop().call_later(30, lambda: asyncio.ensure_future(old.close()))
-        channel = self.tls.aio_channel(ref.address)
-        self.channels[ref.worker_id] = (ref.address, ref.instance_nonce, channel)
+        channel = self.tls.aio_channel(ref.address, server_name(service, ref.worker_id))
+        self.channels[(ref.worker_id, service)] = (ref.address, ref.instance_nonce, channel)
         return channel
 
     async def close(self) -> None:
@@ -142,7 +133,7 @@ class GrpcBackend:
         return self.config.max_context_len
 
     async def start(self) -> None:
-        self._router_channel = self.config.tls.aio_channel(self.config.router_address)
+        self._router_channel = self.config.tls.aio_channel(self.config.router_address, server_name("router"))
         self._router = duet_pb2_grpc.RouterStub(self._router_channel)
         if self.config.redis_url:
             from shared.registry.config import RegistryConfig
@@ -208,36 +199,28 @@ class GrpcBackend:
         try:
             route = await self._route(request, metadata)
             state.routed = True
-            decode = duet_pb2_grpc.DecodeStub(self._workers.get(route.decode))
-            scope = request.cache_scope
+            decode = duet_pb2_grpc.DecodeStub(self._workers.get(route.decode, "decode"))
+            scope = cache_scope_fields(request.cache_scope)
             generate = duet_pb2.GenerateRequest(request_id=request.request_id,
                                                 prompt_token_ids=request.prompt_token_ids, sampling=sampling,
-                                                cache_namespace=scope.namespace, tenant=scope.tenant)
+                                                **scope)
             if not route.colocated:
                 reply = await self._reserve_and_prefill(request, route, decode, sampling, metadata, state)
-                if reply.finish_reason == duet_pb2.FINISH_REASON_ABORT:
+                answer = prefill_reply_from_proto(reply, request.request_id, want_logprobs)
+                if any(out.finish_reason == "abort" for out in answer.firsts):
                     raise BackendUnavailable("the prefill worker aborted the request")
-                starts = list(reply.sequences) or [duet_pb2.SequenceStart(
-                    first_token=reply.first_token, finish_reason=reply.finish_reason)]
                 # TTFT is prefill time: the first tokens go out before decode starts. When they
                 # already end the request (EOS, stop token, max_tokens=1) decode never runs
                 # and the `finally` below cancels the reservation.
-                open_seqs = set()
-                for index, start in enumerate(starts):
-                    ids, logprobs = _events([start.first_token], want_logprobs)
-                    finish = _FINISH.get(start.finish_reason)
-                    if finish is None:
-                        open_seqs.add(index)
-                    yield TokenEvent(ids, logprobs, finish, cached_tokens=reply.cached_tokens,
-                                     computed_tokens=reply.computed_tokens, index=index,
-                                     prompt_logprobs=_prompt_logprobs(reply.prompt_logprobs) if index == 0 else None)
+                open_seqs = {out.index for out in answer.firsts if not out.finished}
+                for out in answer.firsts:
+                    yield token_event(out, request.prompt_token_ids, want_logprobs,
+                                      cached_tokens=answer.cached_tokens, computed_tokens=answer.computed_tokens)
                 if not open_seqs:
                     return
-                generate.reservation.CopyFrom(state.reservation)
+                generate.reservation.CopyFrom(state.reservation)  # relayed as decode sent it
                 generate.prefill_worker_id = route.prefill.worker_id
-                generate.first_token.CopyFrom(reply.first_token)
-                if len(starts) > 1:
-                    generate.first_tokens.extend(s.first_token for s in starts)
+                first_tokens_to_proto(generate, answer.firsts)
             else:
                 open_seqs = set(range(request.sampling.n))
             # Split: prefill's cached count is the one that matters (decode computed no prompt).
@@ -272,26 +255,26 @@ class GrpcBackend:
 
     async def _reserve_and_prefill(self, request, route, decode, sampling, metadata, state) -> duet_pb2.PrefillReply:
         state.reserve_unanswered = True  # until an answer: decode may have made one we never hear of
-        scope = request.cache_scope
+        scope = cache_scope_fields(request.cache_scope)
         try:
             state.reservation = await decode.Reserve(duet_pb2.ReserveRequest(
                 request_id=request.request_id, prompt_tokens=len(request.prompt_token_ids),
                 max_tokens=request.sampling.max_tokens, prefill_worker_id=route.prefill.worker_id,
                 timeout_ms=self.config.reserve_timeout_ms, n=request.sampling.n,
                 prompt_token_ids=request.prompt_token_ids,  # decode reuses what it holds of it
-                cache_namespace=scope.namespace, tenant=scope.tenant),
+                **scope),
                 metadata=metadata, timeout=self.config.rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
             if exc.code() in _REFUSED_CODES:  # decode answered: it holds nothing for us
                 state.reserve_unanswered = False
             raise rpc_error(exc, f"decode worker {route.decode.worker_id} (reserve)") from None
         state.reserve_unanswered = False
-        prefill = duet_pb2_grpc.PrefillStub(self._workers.get(route.prefill))
+        prefill = duet_pb2_grpc.PrefillStub(self._workers.get(route.prefill, "prefill"))
         state.prefill_sent = True  # from here prefill may write: decode waits for its notice
         try:
             reply = await prefill.Prefill(duet_pb2.PrefillRequest(
                 request_id=request.request_id, prompt_token_ids=request.prompt_token_ids, sampling=sampling,
-                reservation=state.reservation, cache_namespace=scope.namespace, tenant=scope.tenant),
+                reservation=state.reservation, **scope),
                 metadata=metadata, timeout=self.config.rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise rpc_error(exc, f"prefill worker {route.prefill.worker_id}") from None
@@ -303,20 +286,18 @@ class GrpcBackend:
         state.stream = decode.Generate(generate, metadata=metadata)
         try:
             async for chunk in state.stream:
-                if chunk.finish_reason == duet_pb2.FINISH_REASON_ABORT:
+                out, usage = chunk_from_proto(chunk, generate.request_id, want_logprobs)
+                if out.finish_reason == "abort":
                     state.stream_done = True
                     raise BackendUnavailable("the decode worker aborted the request")
-                finish = _FINISH.get(chunk.finish_reason)
-                ids, logprobs = _events(chunk.tokens, want_logprobs)
-                if finish is not None:
-                    open_seqs.discard(chunk.index)
-                done = not open_seqs or chunk.HasField("usage")  # usage comes with the last chunk
+                if out.finished:
+                    open_seqs.discard(out.index)
+                done = not open_seqs or out.request_finished  # usage comes with the last chunk
                 if done:
                     state.stream_done = state.completed = True
-                if ids or finish is not None or chunk.prompt_logprobs:
-                    cached = chunk.usage.cached_tokens if report_cached and chunk.HasField("usage") else None
-                    yield TokenEvent(ids, logprobs, finish, cached_tokens=cached, index=chunk.index,
-                                     prompt_logprobs=_prompt_logprobs(chunk.prompt_logprobs))
+                if out.token_ids or out.finished or out.prompt_logprobs is not None:
+                    cached = usage.cached_tokens if report_cached and usage is not None else None
+                    yield token_event(out, generate.prompt_token_ids, want_logprobs, cached_tokens=cached)
                 if done:
                     return
         except grpc.aio.AioRpcError as exc:

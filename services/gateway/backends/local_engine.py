@@ -23,8 +23,8 @@ from services.gateway.backends.interface import (
     BackendUnavailable,
     GenerationRequest,
     TokenEvent,
-    TokenLogprob,
 )
+from services.gateway.backends.token_events import token_event
 from services.worker_runtime.engine_loop import EngineLoop
 
 log = logging.getLogger("duet.gateway.local")
@@ -119,15 +119,9 @@ class LocalBackend:
                 if out.finish_reason is not None and out.finish_reason not in FINISH_REASONS:
                     finished = out.request_finished  # the engine already dropped it
                     raise BackendUnavailable(out.error or f"the engine ended the request ({out.finish_reason})")
-                event = TokenEvent(
-                    token_ids=list(out.token_ids),
-                    logprobs=_logprobs(out) if params.logprobs is not None else None,
-                    finish_reason=out.finish_reason if out.finished else None,
-                    cached_tokens=out.num_cached_tokens,
-                    computed_tokens=out.num_prompt_tokens - out.num_cached_tokens,
-                    index=out.index,
-                    prompt_logprobs=_prompt_logprobs(request.prompt_token_ids, out.prompt_logprobs),
-                )
+                event = token_event(out, request.prompt_token_ids, params.logprobs is not None,
+                                    cached_tokens=out.num_cached_tokens,
+                                    computed_tokens=out.num_prompt_tokens - out.num_cached_tokens)
                 if out.request_finished:
                     finished = True
                 yield event
@@ -164,22 +158,4 @@ class LocalBackend:
                 self._loop = EngineLoop(engine, idle_wait_s=self.idle_wait_s)
                 self._loop.start()
         self._loaded.set()
-
-
-def _prompt_logprobs(prompt_ids, entries) -> list[TokenLogprob] | None:
-    """The engine's per-position prompt logprobs (position 0 has none), for tokens 1.."""
-    if entries is None:
-        return None
-    return [TokenLogprob(prompt_ids[pos], lp, [(int(t), float(v)) for t, v in top])
-            for pos, (lp, top) in enumerate(entries[1:], start=1)]
-
-
-def _logprobs(out) -> list[TokenLogprob]:
-    result = []
-    for i, token_id in enumerate(out.token_ids):
-        # OpenAI's value for "unknown / very unlikely"; NaN is not valid JSON.
-        logprob = out.logprobs[i] if i < len(out.logprobs) and out.logprobs[i] is not None else -9999.0
-        top = out.top_logprobs[i] if i < len(out.top_logprobs) else []
-        result.append(TokenLogprob(token_id, logprob, [(int(t), float(lp)) for t, lp in top]))
-    return result
 

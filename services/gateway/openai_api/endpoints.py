@@ -240,7 +240,7 @@ class OpenAIEndpoints:
         messages, template_tools = self.ctx.tool_template.render(req.chat_messages(), tools)
         prompt_ids = await self.ctx.renderer.chat_prompt_ids(messages, None, template_tools)
         sampling = responses_sampling(req, len(prompt_ids), self.ctx.max_context_len)
-        grammar = response_format_grammar(req.format, "text.format")
+        grammar = response_format_grammar(req.format, "text.format", "text.format.schema")
         if flat:
             grammar = tool_choice_grammar(flat, choice, req.parallel_tool_calls, flat=True) or grammar
         sampling.grammar = await checked(self.ctx.grammar_guard, grammar)

@@ -1,7 +1,7 @@
 """The engine's SamplingParams from a parsed OpenAI request, with the context rule applied.
 
 SamplingParams (shared/engine/sampling_params.py, no torch) is the one sampling type from
-here to the engine; protos/sampling_codec.py carries it over gRPC."""
+here to the engine; shared/wire/sampling.py carries it over gRPC."""
 
 from __future__ import annotations
 

@@ -48,10 +48,8 @@ def load_draft(engine, model_dir: str, extra_positions: int):
                          f"({target.vocab_size}); the draft must share the target's tokenizer")
     if mc.is_moe:
         log.warning("draft model %s is a mixture of experts; a dense draft is usually cheaper", model_dir)
-    from kernels.availability import triton_available
-    fused = engine.device.type == "cuda" and triton_available()
     model = load_model(mc, TPContext(), engine.dtype, engine.device, engine.max_model_len + extra_positions,
-                       fused=fused, load_format=engine.config.load_format)
+                       fused=engine.plan.kernels.value, load_format=engine.config.load_format)
     return mc, model
 
 
@@ -82,7 +80,7 @@ class DraftModelProposer:
         from ..attention.select import make_attention_backend
         e = self.engine
         self.kv.allocate_pool(self.pool_pages or e.layout.num_pages)
-        backend = make_attention_backend(e.config.attention_backend, self.kv.pool, e.device)
+        backend = make_attention_backend(e.plan.attention.value, self.kv.pool)
         self.runner = ModelRunner(self.model, self.kv.pool, backend, e.device)
         if e.small_batch_workspace is not None:
             from ..models.layers import enable_small_batch_linears

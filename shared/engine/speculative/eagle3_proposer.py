@@ -55,8 +55,7 @@ class Eagle3Proposer(DraftModelProposer):
         self.k = k
         self.max_batch = max_batch
         cfg = engine.config
-        from kernels.availability import triton_available
-        fused = engine.device.type == "cuda" and triton_available()
+        fused = engine.plan.kernels.value
         # the static feature buffers cover the target's decode graphs and every verify step
         rows = max(min(cfg.cuda_graph_max_bs, cfg.max_running_requests), max(1, max_batch) * (k + 1), 64)
         self.raw, self.model = load_head(head_dir, engine.model, engine.dtype, engine.device,

@@ -90,11 +90,9 @@ class Speculator:
             e.runner.extend_graphs = UniformExtendGraphs(
                 e.model, e.backend, e.device, q_len=self.k + 1, max_bs=min(graphs.max_bs, max(1, self.policy.max_batch)),
                 max_pages=graphs.max_pages, capture=graphs.capture)
-        if e.device.type == "cuda":
-            from kernels.availability import triton_available
-            if triton_available():
-                from kernels.rejection_sample import rejection_sample
-                self.rejection_fn = rejection_sample
+        if e.plan.kernels.value:
+            from kernels.rejection_sample import rejection_sample
+            self.rejection_fn = rejection_sample
         log.info("speculative decoding: %s, %d draft tokens, steps aside above batch %d or below "
                  "acceptance %.2f", self.method, self.k, self.policy.max_batch, self.policy.min_acceptance)
 

@@ -14,10 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.rejection_sample import rejection_sample_reference
+
 from ..batch import ScheduledReq
 from ..sampler import SampleRow, draw_key, edit_logits, gumbel_noise, sampling_logprobs
 from .grammar_drafts import draft_constraints
-from .rejection import accept_key, rejection_sample_reference, uniform
+from .rejection import accept_key, uniform
 from .state import Draft
 
 

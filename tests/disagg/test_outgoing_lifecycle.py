@@ -1,0 +1,240 @@
+"""An outgoing KV handoff's lifecycle (services/prefill/outgoing_state.py) through the real
+OutgoingTransfers: a real prefill engine computing the prompt in chunks, its pages written by
+a real NIXL agent into another agent's pool, driven in the engine loop's order (step, step
+hooks, tick).
+
+Every move of the table is taken: the happy path, a held prefix that is not the prompt's, a
+cancel in each state, a failed write or notice in each state, a request the engine ends early.
+Each ends with the engine's pages all free (or cached) and the decode side told once. To act
+between posting a notice and its landing, a stream can be held: its poll reports "in flight"
+until the test lets it go (as a slow transport would)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from services.prefill.outgoing import OutgoingTransfers
+from services.prefill.outgoing_state import OUTGOING, OutgoingEvent, OutgoingState
+from shared.engine.engine import Engine
+from shared.engine.request import ReqStatus
+from shared.engine.sampling_params import SamplingParams
+from shared.kv_transfer.agent import PENDING, KvTransferAgent, TransferError
+from shared.kv_transfer.notice import TransferNotice
+from shared.kv_transfer.write_stream import PageWriteStream
+from shared.state_table import IllegalMove
+from tests.helpers.engine_models import assert_all_pages_free, build_model_dir, random_prompts
+
+S, E = OutgoingState, OutgoingEvent
+PAGE = 4
+PROMPT = random_prompts(1, [30], seed=9)[0]  # 8 pages, the last one partial; 4 chunks of 8
+DST_PAGES = list(range(20, 28))
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    d = build_model_dir(tmp_path_factory.mktemp("out") / "m", "qwen3_headdim32", seed=4)
+    return Engine(model_dir=str(d), dtype="float32", device="cpu", page_size=PAGE, max_num_batched_tokens=8,
+                  kv_cache_memory=1 << 20)
+
+
+@pytest.fixture(scope="module")
+def agents(engine):
+    prefill = KvTransferAgent("outgoing-prefill-r0", engine.pool.buffer, write_timeout_s=10)
+    decode = KvTransferAgent("outgoing-decode-r0", torch.zeros_like(engine.pool.buffer), write_timeout_s=10)
+    yield prefill, decode
+    prefill.close()
+    decode.close()
+
+
+class HeldStream(PageWriteStream):
+    """A real stream whose progress the test can hold: while `held`, poll() reports PENDING."""
+
+    held = False
+
+    def poll(self) -> str:
+        return PENDING if self.held else super().poll()
+
+
+class Handoff:
+    """One request through OutgoingTransfers, and the decode agent's view of it."""
+
+    def __init__(self, engine, agents, rid: str, write_nothing: bool = False, peer_id: str = "decode-0"):
+        self.engine = engine
+        self.prefill, self.decode = agents
+        self.decode.get_notices()
+        self.decode.pool.zero_()
+        self.peer = self.prefill.add_peer(peer_id, "nonce-1", self.decode.metadata(), self.decode.pool_info)
+        self.stream = HeldStream(self.prefill, self.peer, DST_PAGES)
+        self.transfers = OutgoingTransfers(engine)
+        self.rid = rid
+        self.fut = self.transfers.start(rid, PROMPT, SamplingParams(max_tokens=4, temperature=0), self.stream,
+                                        reservation_id=5, generation=2, write_nothing=write_nothing)
+        self.out = self.transfers.active[rid]
+        self.pages: list[int] = []  # the request's pages, seen before they are released
+
+    @property
+    def state(self) -> OutgoingState:
+        return self.out.state
+
+    def run(self, until, timeout_s: float = 30.0) -> None:
+        """The engine loop's order until until() holds between any two of its parts."""
+        end = time.monotonic() + timeout_s
+        while not until():
+            assert time.monotonic() < end, f"stuck in {self.state.name}"
+            if self.engine.has_work:
+                self.transfers.on_step(self.engine.step())
+                req = self.engine.get(self.rid)
+                if req is not None:
+                    self.pages = list(req.page_ids)
+                if until():
+                    return
+            self.transfers.tick()
+            time.sleep(0.001)
+
+    def run_to(self, state: OutgoingState) -> None:
+        self.run(lambda: self.state is state)
+
+    def run_to_end(self) -> None:
+        self.run(self.fut.done)
+        assert self.rid not in self.transfers.active
+
+    def notices(self, timeout_s: float = 5.0) -> list[TransferNotice]:
+        got: list[TransferNotice] = []
+        end = time.monotonic() + timeout_s
+        while not got and time.monotonic() < end:
+            got.extend(self.decode.get_notices())
+            time.sleep(0.002)
+        time.sleep(0.05)
+        return got + self.decode.get_notices()
+
+    def trail(self) -> list[OutgoingState]:
+        return [s for s, _ in self.out.trail]
+
+
+def assert_legal(trail: list[OutgoingState]) -> None:
+    for a, b in zip(trail, trail[1:]):
+        assert any(m.src is a and m.dst is b for m in OUTGOING.moves.values()), (a, b)
+
+
+def test_a_handoff_writes_every_page_then_its_done_notice(engine, agents):
+    h = Handoff(engine, agents, "happy")
+    h.run_to(S.TAIL)
+    assert 0 < h.out.pages_sent < len(DST_PAGES)  # pages went out while the prompt was computed
+    h.run_to_end()
+    assert h.trail() == [S.PREFILLING, S.TAIL, S.FINISHING, S.DONE]
+    result = h.fut.result()
+    assert result.first.token_ids == h.out.first.token_ids and result.kv_bytes == h.stream.bytes_sent > 0
+    [notice] = h.notices()
+    assert (notice.kind, notice.reservation_id, notice.generation, notice.first_token_id) == \
+        ("done", 5, 2, result.first.token_ids[0])
+    src, dst = engine.pool.buffer, h.decode.pool
+    assert torch.equal(dst[DST_PAGES], src[h.pages[:len(DST_PAGES)]])  # every page landed
+    assert_all_pages_free(engine)
+
+
+def test_a_held_prefix_that_is_not_the_prompts_writes_nothing_and_declines(engine, agents):
+    h = Handoff(engine, agents, "declined", write_nothing=True)
+    h.run_to_end()
+    assert h.trail() == [S.PREFILLING, S.TAIL, S.DECLINING, S.DONE]
+    assert h.fut.result().first.token_ids  # the answer stands
+    assert h.stream.bytes_sent == 0 and int(torch.count_nonzero(h.decode.pool)) == 0
+    assert [n.kind for n in h.notices()] == ["declined"]
+    assert_all_pages_free(engine)
+
+
+def _hold_in(h: Handoff, state: OutgoingState) -> None:
+    """Bring h into `state` (for FINISHING and DECLINING with its notice held in flight)."""
+    if state is S.PREFILLING:
+        h.run(lambda: h.out.pages_sent > 0)
+    elif state in (S.FINISHING, S.DECLINING):
+        h.run_to(S.TAIL)
+        h.stream.held = True
+        h.run_to(state)
+    elif state is S.CANCELLING:
+        h.run(lambda: h.out.pages_sent > 0)
+        h.transfers.stop_writing(h.rid)  # the RPC's thread; cancel() follows on the loop
+    else:
+        h.run_to(state)
+    assert h.state is state
+
+
+@pytest.mark.parametrize("state", [S.PREFILLING, S.TAIL, S.FINISHING, S.DECLINING, S.CANCELLING],
+                         ids=lambda s: s.name)
+def test_a_cancel_in_any_state_sends_abort_once_nothing_is_in_flight(engine, agents, state):
+    h = Handoff(engine, agents, f"cancel-{state.name}", write_nothing=state is S.DECLINING)
+    _hold_in(h, state)
+    h.transfers.cancel(h.rid)
+    assert h.state is S.CANCELLING
+    h.stream.held = False
+    h.run_to_end()
+    assert h.trail()[-2:] == [S.CANCELLING, S.CANCELLED]
+    assert_legal(h.trail())
+    with pytest.raises(TransferError, match="cancelled"):
+        h.fut.result()
+    assert [n.kind for n in h.notices()] == ["abort"]  # decode told once, after the writes settled
+    assert_all_pages_free(engine)
+
+
+@pytest.mark.parametrize("state", [S.PREFILLING, S.TAIL, S.FINISHING, S.DECLINING, S.CANCELLING],
+                         ids=lambda s: s.name)
+def test_a_failed_write_or_notice_fails_the_request_and_frees_its_pages(engine, agents, state):
+    """The decode worker goes away (its peer is dropped: in-flight writes fail, new ones and
+    the notice cannot be sent) while the handoff is in `state`."""
+    prefill = agents[0]
+    with KvTransferAgent(f"outgoing-gone-{state.name}", torch.zeros_like(engine.pool.buffer)) as gone:
+        h = Handoff(engine, (prefill, gone), f"fail-{state.name}", write_nothing=state is S.DECLINING,
+                    peer_id=f"decode-{state.name}")
+        if state is S.PREFILLING:
+            prefill.remove_peer(h.peer.worker_id)  # before the first write
+        else:
+            _hold_in(h, state)
+            prefill.remove_peer(h.peer.worker_id)
+            h.stream.held = False
+        h.run_to_end()
+        assert h.notices(timeout_s=0.2) == []
+    end = S.CANCELLED if state is S.CANCELLING else S.FAILED
+    assert h.trail()[-2:] == [state, end]
+    assert_legal(h.trail())
+    with pytest.raises(TransferError, match="KV transfer to the decode worker failed"):
+        h.fut.result()
+    assert_all_pages_free(engine)
+
+
+def test_a_request_the_engine_ends_before_its_first_token_aborts(engine, agents):
+    h = Handoff(engine, agents, "ended")
+    h.run(lambda: h.out.pages_sent > 0)
+    engine.abort(h.rid)  # ended by the engine, not by the RPC
+    h.run_to_end()
+    assert h.trail() == [S.PREFILLING, S.CANCELLING, S.CANCELLED]
+    with pytest.raises(TransferError, match="ended before its first token"):
+        h.fut.result()
+    assert [n.kind for n in h.notices()] == ["abort"]
+    assert_all_pages_free(engine)
+
+
+def test_moves_the_table_lacks_are_refused(engine, agents):
+    every = [(s, e) for s in OutgoingState for e in OutgoingEvent]
+    refused = [(s, e) for s, e in every if not OUTGOING.allows(s, e)]
+    assert len(refused) + len(OUTGOING.moves) == len(every)
+    for s, e in refused:
+        with pytest.raises(IllegalMove):
+            OUTGOING.next(s, e, "handoff of request x")
+    assert OUTGOING.terminal == {S.DONE, S.FAILED, S.CANCELLED}
+    for s in set(OutgoingState) - OUTGOING.terminal:  # a cancel or a failed stream may come at any time
+        assert OUTGOING.allows(s, E.CANCEL) and OUTGOING.allows(s, E.STREAM_FAILED), s
+    # a first token that comes after the RPC gave up moves nothing (the engine stops at its next step)
+    h = Handoff(engine, agents, "late-first")
+    h.run(lambda: h.out.pages_sent > 0)
+    h.transfers.stop_writing(h.rid)
+    h.stream.held = True  # the abort notice waits: the engine computes on until cancel() reaches the loop
+    h.run(lambda: engine.get(h.rid).status is ReqStatus.HELD)
+    assert h.state is S.CANCELLING
+    h.transfers.cancel(h.rid)
+    h.stream.held = False
+    h.run_to_end()
+    assert h.trail() == [S.PREFILLING, S.CANCELLING, S.CANCELLED] and h.out.first is None
+    assert_all_pages_free(engine)
