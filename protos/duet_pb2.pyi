@@ -171,7 +171,7 @@ class ReleaseReply(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_tokens", "max_tokens", "prefill_worker_id", "timeout_ms", "n", "prompt_token_ids")
+    __slots__ = ("request_id", "prompt_tokens", "max_tokens", "prefill_worker_id", "timeout_ms", "n", "prompt_token_ids", "cache_namespace", "tenant")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +179,8 @@ class ReserveRequest(_message.Message):
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_tokens: int
     max_tokens: int
@@ -186,7 +188,9 @@ class ReserveRequest(_message.Message):
     timeout_ms: int
     n: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., prefill_worker_id: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., n: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    cache_namespace: int
+    tenant: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., prefill_worker_id: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., n: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_namespace: _Optional[int] = ..., tenant: _Optional[int] = ...) -> None: ...
 
 class RankPages(_message.Message):
     __slots__ = ("rank", "agent_name", "page_ids")
@@ -243,7 +247,7 @@ class CancelReply(_message.Message):
     def __init__(self, cancelled: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "reservation", "prefill_worker_id", "first_token", "first_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "reservation", "prefill_worker_id", "first_token", "first_tokens", "cache_namespace", "tenant")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -251,6 +255,8 @@ class GenerateRequest(_message.Message):
     PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -258,7 +264,9 @@ class GenerateRequest(_message.Message):
     prefill_worker_id: str
     first_token: Token
     first_tokens: _containers.RepeatedCompositeFieldContainer[Token]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reservation: _Optional[_Union[Reservation, _Mapping]] = ..., prefill_worker_id: _Optional[str] = ..., first_token: _Optional[_Union[Token, _Mapping]] = ..., first_tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ...) -> None: ...
+    cache_namespace: int
+    tenant: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reservation: _Optional[_Union[Reservation, _Mapping]] = ..., prefill_worker_id: _Optional[str] = ..., first_token: _Optional[_Union[Token, _Mapping]] = ..., first_tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., cache_namespace: _Optional[int] = ..., tenant: _Optional[int] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("tokens", "finish_reason", "usage", "index", "prompt_logprobs")
@@ -275,16 +283,20 @@ class TokenChunk(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., index: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[Token, _Mapping]]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "reservation")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "reservation", "cache_namespace", "tenant")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_FIELD_NUMBER: _ClassVar[int]
+    CACHE_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     reservation: Reservation
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reservation: _Optional[_Union[Reservation, _Mapping]] = ...) -> None: ...
+    cache_namespace: int
+    tenant: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reservation: _Optional[_Union[Reservation, _Mapping]] = ..., cache_namespace: _Optional[int] = ..., tenant: _Optional[int] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
     __slots__ = ("first_token", "cached_tokens", "computed_tokens", "kv_bytes_sent", "finish_reason", "sequences", "prompt_logprobs")

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 
 import grpc
 
@@ -22,6 +23,7 @@ from services.worker_runtime.grammar_check import compile_ahead
 from shared.admission.context_rule import completion_budget
 from shared.admission.kv_demand import check_fits, kv_demand
 from shared.registry.prefix_hashes import chained_page_hashes
+from shared.wire.cache_scope import cache_scope_from_proto
 from shared.wire.outputs import Usage, chunk_to_proto, first_token_ids_from_proto, tokens_to_proto
 from shared.wire.reservation import KvReservation, RankPages, reservation_to_proto
 from shared.wire.sampling import sampling_from_proto
@@ -29,12 +31,21 @@ from shared.wire.sampling import sampling_from_proto
 log = logging.getLogger("duet.decode")
 
 
+@dataclass(eq=False)
+class _QueuedReserve:
+    """A Reserve call waiting for room."""
+
+    tenant: int
+    turn: bool = False  # the engine loop chose it ahead of the queue's head (tenant quotas)
+
+
 class DecodeService(duet_pb2_grpc.DecodeServicer):
     def __init__(self, ctx: WorkerContext):
         self.ctx = ctx
         # Reserve calls waiting for room, oldest first (a burst waits its turn instead of
-        # being refused; what can never fit was refused before it queued)
-        self.reserve_queue: list[object] = []
+        # being refused; what can never fit was refused before it queued); a tenant over its
+        # live share lets other tenants' calls go first (_try_reserve)
+        self.reserve_queue: list[_QueuedReserve] = []
 
     # -- admission ------------------------------------------------------------------------
     async def Reserve(self, request: duet_pb2.ReserveRequest, context):
@@ -52,6 +63,7 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         prompt_ids = list(request.prompt_token_ids) or None
+        scope = cache_scope_from_proto(request)
         if prompt_ids is not None and len(prompt_ids) != request.prompt_tokens:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"prompt_token_ids has {len(prompt_ids)} ids for prompt_tokens {request.prompt_tokens}")
@@ -63,15 +75,13 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"decode worker {ctx.worker_id} has {len(queue)} reservations waiting")
         with ctx.span("reserve", context, request_id=request.request_id) as span:
-            ticket = object()
-            queue.append(ticket)  # first come, first served: only the head tries
+            ticket = _QueuedReserve(scope.tenant)
+            queue.append(ticket)  # first come, first served: only the head (or the one chosen) tries
             try:
                 while True:
                     res = None
-                    if queue[0] is ticket:
-                        res = await ctx.loop.acall(lambda: ctx.book.try_reserve(
-                            request.request_id, request.prompt_tokens, request.max_tokens,
-                            request.prefill_worker_id, ctx.config.engine.max_running_requests, n, prompt_ids))
+                    if queue[0] is ticket or ticket.turn:
+                        res = await ctx.loop.acall(lambda: self._try_reserve(ticket, request, n, prompt_ids, scope))
                     if res is not None:
                         break
                     if time.monotonic() >= deadline:
@@ -84,8 +94,8 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
             span.set_attribute("duet.held_tokens", res.held_pages * ctx.page_size)
             await self._until_ready(res)
         # the writer checks the held pages' hashes against its prompt before skipping them
-        held_hashes = chained_page_hashes(prompt_ids[:res.held_pages * ctx.page_size],
-                                          ctx.page_size) if res.held_pages else []
+        held_hashes = chained_page_hashes(prompt_ids[:res.held_pages * ctx.page_size], ctx.page_size,
+                                          seed=scope.namespace) if res.held_pages else []
         return reservation_to_proto(KvReservation(
             reservation_id=res.reservation_id, generation=res.generation, decode_worker_id=ctx.worker_id,
             decode_instance_nonce=ctx.instance_nonce, page_size=ctx.page_size,
@@ -93,6 +103,24 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
             compat_hash=ctx.compat_hash, held_pages=res.held_pages, held_page_hashes=held_hashes,
             # TP ranks mirror rank 0's page table
             ranks=[RankPages(rank, agent.name, list(res.page_ids)) for rank, agent in enumerate(ctx.rank_agents)]))
+
+    def _try_reserve(self, ticket: _QueuedReserve, request, n, prompt_ids, scope):
+        """On the engine loop: reserve if it is ticket's turn, else mark whose turn it is (the
+        oldest call, unless its tenant's live work holds its share and another tenant waits)."""
+        ctx = self.ctx
+        queue = list(self.reserve_queue)
+        if ticket not in queue:  # its handler left while this waited for the loop
+            return None
+        turn = ctx.engine.kv.next_in_turn(queue, lambda t: t.tenant)
+        if turn is not ticket:
+            ticket.turn, turn.turn = False, True
+            return None
+        res = ctx.book.try_reserve(request.request_id, request.prompt_tokens, request.max_tokens,
+                                   request.prefill_worker_id, ctx.config.engine.max_running_requests, n,
+                                   prompt_ids, scope)
+        if res is not None and queue[0] is not ticket:
+            ctx.book.num_passed_over += 1
+        return res
 
     async def _until_ready(self, res) -> None:
         """Hand res out once launched GPU work that may touch its pages has run. Cancelled
@@ -125,15 +153,16 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         await compile_ahead(ctx, params, context)
         prompt = list(request.prompt_token_ids)
+        scope = cache_scope_from_proto(request)  # colocated or recomputed: split requests keep their reservation's
         split = request.HasField("reservation")
         aloop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         with ctx.span("decode", context, request_id=rid, split=split) as span:
             spec = None  # speculative decoding: the sequences' stats, summed onto the span
             if split:
-                started = await self._join_split(request, rid, prompt, params, aloop, q, context)
+                started = await self._join_split(request, rid, prompt, params, aloop, q, context, scope)
             else:
-                started = await self._start_colocated(rid, prompt, params, aloop, q, context)
+                started = await self._start_colocated(rid, prompt, params, aloop, q, context, scope)
             emitted = 1 if split else 0
             finished = started is not None and started.finished
             try:
@@ -180,11 +209,11 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
     def _last_chunk(out, tokens, prompt, emitted) -> duet_pb2.TokenChunk:
         return chunk_to_proto(out, prompt, tokens, Usage(len(prompt), emitted, out.num_cached_tokens))
 
-    async def _start_colocated(self, rid, prompt, params, aloop, q, context):
+    async def _start_colocated(self, rid, prompt, params, aloop, q, context, scope):
         ctx = self.ctx
 
         def start():
-            ctx.engine.add_request(prompt, params, rid=rid)
+            ctx.engine.add_request(prompt, params, rid=rid, scope=scope)
             ctx.loop.attach(rid, aloop, q)
         try:
             await ctx.loop.acall_or_undo(start, lambda: (ctx.loop.detach(rid), ctx.engine.abort(rid)))
@@ -192,7 +221,7 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return None
 
-    async def _join_split(self, request, rid, prompt, params, aloop, q, context):
+    async def _join_split(self, request, rid, prompt, params, aloop, q, context, scope):
         """Wait for the KV (or decide to recompute) and join the running batch. Returns a
         finished StepOutput if the request ended right away, else None."""
         ctx = self.ctx
@@ -236,7 +265,7 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
                     book.cancel(res.reservation_id, res.generation)
                     raise TimeoutError("the prefill worker's KV never arrived")
                 book.cancel(res.reservation_id, res.generation)  # freed once no write can land
-                ctx.engine.add_request(prompt, params, rid=rid, output_prefix=firsts)
+                ctx.engine.add_request(prompt, params, rid=rid, output_prefix=firsts, scope=scope)
                 mode = "recompute"
                 log.warning("request %s: KV from %s did not arrive (%s); recomputing the prompt",
                             rid, res.writer_id, notice.kind if notice else "no notice")

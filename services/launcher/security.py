@@ -43,7 +43,8 @@ class SecretsDir:
 
 
 def gateway_security(cfg: UpConfig, secrets: SecretsDir) -> tuple[list[str], dict[str, str]]:
-    """Extra gateway flags and environment: HTTPS files, and the API keys as a 0600 file."""
+    """Extra gateway flags and environment: HTTPS files, the API keys as a 0600 file, and a
+    random key for the prefix-cache namespaces (0600 too)."""
     args: list[str] = []
     if cfg.tls_cert_file:
         args += ["--tls-cert-file", str(Path(cfg.tls_cert_file).resolve()),
@@ -59,6 +60,7 @@ def gateway_security(cfg: UpConfig, secrets: SecretsDir) -> tuple[list[str], dic
         env["DUET_API_KEYS_FILE"] = str(Path(cfg.api_keys_file).resolve())
     else:
         env["DUET_API_KEYS_FILE"] = ""
+    env["DUET_CACHE_NAMESPACE_KEY_FILE"] = str(secrets.write("cache-namespace-key", os.urandom(32).hex()))
     return args, env
 
 

@@ -69,7 +69,8 @@ class LoadPublisher:
         self._publish_tiers()
 
     def _publish_tiers(self) -> None:
-        """Per-tier reuse, copies and evictions from the radix cache's counters."""
+        """Per-tier reuse, copies and evictions from the radix cache's counters, and what the
+        tenant quotas did."""
         eng, m = self.ctx.engine, self.ctx.metrics
         kv, st = eng.kv, eng.kv.cache.stats
         host = kv.host_tier
@@ -83,6 +84,10 @@ class LoadPublisher:
             "copy:load": (m.kv_tier_copy_bytes.labels(direction="load"), st.loaded_pages * page_bytes),
             "evict:device": (m.kv_evicted_pages.labels(tier="device"), st.device_evicted_pages),
             "evict:host": (m.kv_evicted_pages.labels(tier="host"), st.host_evicted_pages),
+            "evict:quota": (m.kv_tenant_evicted_pages, st.quota_evicted_pages),
+            "passed:admission": (m.kv_tenant_passed_over.labels(stage="admission"), eng.scheduler.num_passed_over),
+            "passed:reserve": (m.kv_tenant_passed_over.labels(stage="reserve"),
+                               self.ctx.book.num_passed_over if self.ctx.book is not None else 0),
         }
         for key, (counter, total) in series.items():
             if total != self._tiers.get(key, 0):

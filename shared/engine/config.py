@@ -16,6 +16,7 @@ from shared.settings import parsers
 from shared.settings.spec import check_values, nested, setting
 
 from .grammar_limits import GrammarLimits
+from .tenant_quota import TenantQuota
 
 if TYPE_CHECKING:
     import torch
@@ -136,6 +137,8 @@ class EngineConfig:
              "was evicted compiles it again")
     # what one request's grammar may cost (the gateway reads the same settings)
     grammar: GrammarLimits = nested(GrammarLimits)
+    # per-tenant KV quotas: cached pages evicted first, live pages admitted last (tenant_quota.py)
+    tenant_quota: TenantQuota = nested(TenantQuota, "tenant KV quotas")
     load_format: str = setting(
         "auto", flag="--load-format", env="DUET_LOAD_FORMAT", choices=("auto", "dummy"),
         help="dummy: random weights drawn on the device from a fixed seed instead of the folder's safetensors "

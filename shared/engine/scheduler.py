@@ -3,7 +3,9 @@
 Each step takes every decoding request (one token each), then fills what is left of the
 token budget with prefill chunks, oldest first. Admission needs free pages; when they run
 out, new work waits in the queue (back-pressure) and, if decoding requests cannot grow,
-the youngest running request is retracted (its pages freed, recomputed later)."""
+the youngest running request is retracted (its pages freed, recomputed later). A waiting
+request whose tenant's live work already holds its share of the pages lets other tenants'
+waiting requests be admitted first (tenant_quota.py)."""
 from __future__ import annotations
 
 from collections import deque
@@ -21,6 +23,7 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # admitted, in arrival order
         self.num_retracted = 0
+        self.num_passed_over = 0  # admissions that went ahead of a tenant over its live share
 
     @property
     def has_work(self) -> bool:
@@ -78,7 +81,7 @@ class Scheduler:
                 batch.items.append(item)
                 budget -= item.length
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
-            req = self.waiting[0]
+            req = self.kv.next_in_turn(self.waiting, lambda r: r.scope.tenant)
             self.kv.match_prefix(req)
             if req.host_pages_waiting and self.running:
                 # part of its prefix waits in the host tier for device room: wait for running
@@ -91,7 +94,11 @@ class Scheduler:
             if item is None:
                 self.kv.drop_prefix(req)
                 break  # back-pressure: wait for pages
-            self.waiting.popleft()
+            if req is self.waiting[0]:
+                self.waiting.popleft()
+            else:
+                self.waiting.remove(req)
+                self.num_passed_over += 1
             req.status = ReqStatus.RUNNING
             self.running.append(req)
             batch.items.append(item)

@@ -83,6 +83,13 @@ class DuetMetrics:
             "host tier when there is one; host pages leave the worker)", ["tier"], registry=r)
         self.kv_host_pages = Gauge(
             "duet_kv_host_cached_pages", "KV pages held in the host tier", registry=r)
+        # per-tenant quotas (shared/engine/tenant_quota.py)
+        self.kv_tenant_evicted_pages = Counter(
+            "duet_kv_tenant_evicted_pages", "Device KV pages evicted from tenants over their cache share, ahead "
+            "of other tenants' pages", registry=r)
+        self.kv_tenant_passed_over = Counter(
+            "duet_kv_tenant_passed_over", "Requests admitted ahead of a waiting request whose tenant held its "
+            "share of the KV pages", ["stage"], registry=r)
         self.kv_unaccounted_pages = Gauge(
             "duet_kv_unaccounted_pages", "Pages neither free nor cached, read whenever the worker is "
             "idle (no request, reservation or transfer): anything but 0 is a leak", ["tier"], registry=r)

@@ -30,10 +30,10 @@ FAKE_POD_IP = "10.244.1.23"
 DUET_ROLES = ("gateway", "router", "prefill", "decode")
 WORKER_ROLES = ("prefill", "decode")
 # Secrets the manifests mount and never render (so `kubectl apply -k` cannot overwrite them):
-# `duet k8s-secrets` makes the first five (components/cert-manager can issue the certificates),
+# `duet k8s-secrets` makes the first six (components/cert-manager can issue the certificates),
 # components/api-keys and components/gateway-tls read the last two
-OUT_OF_BAND_SECRETS = ("duet-redis-auth", "duet-grpc-gateway", "duet-grpc-router", "duet-grpc-prefill",
-                       "duet-grpc-decode", "duet-api-keys", "duet-gateway-tls")
+OUT_OF_BAND_SECRETS = ("duet-redis-auth", "duet-cache-namespace-key", "duet-grpc-gateway", "duet-grpc-router",
+                       "duet-grpc-prefill", "duet-grpc-decode", "duet-api-keys", "duet-gateway-tls")
 
 pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (with kustomize) is not installed")
 
@@ -622,7 +622,8 @@ def test_secrets_are_never_rendered_and_redis_requires_its_password(rendered):
     r = rendered
     assert not r.of_kind("Secret"), "secrets are created beside the manifests, never rendered"
     assert referenced_secrets(r) <= set(OUT_OF_BAND_SECRETS)
-    assert {"duet-redis-auth", *(f"duet-grpc-{role}" for role in DUET_ROLES)} <= referenced_secrets(r)
+    assert {"duet-redis-auth", "duet-cache-namespace-key",
+            *(f"duet-grpc-{role}" for role in DUET_ROLES)} <= referenced_secrets(r)
     redis = r.pod("redis").main
     assert "requirepass $REDIS_PASSWORD" in " ".join(redis["args"]), "Redis must require the password"
     assert {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in redis["env"]
@@ -630,8 +631,8 @@ def test_secrets_are_never_rendered_and_redis_requires_its_password(rendered):
 
 
 def test_k8s_secrets_makes_what_the_manifests_mount():
-    """`duet k8s-secrets` (services/launcher/k8s_secrets.py): the Redis password and a certificate
-    per role, with cert-manager's keys, in the namespace; the certificates name their roles and
+    """`duet k8s-secrets` (services/launcher/k8s_secrets.py): the Redis password, the cache
+    namespace key and a certificate per role, with cert-manager's keys, in the namespace; the certificates name their roles and
     one CA signed them all."""
     from cryptography import x509
 
@@ -643,6 +644,8 @@ def test_k8s_secrets_makes_what_the_manifests_mount():
     assert all(o["metadata"]["namespace"] == NAMESPACE for o in objects.values())
     password = base64.b64decode(objects["duet-redis-auth"]["data"]["password"]).decode()
     assert re.fullmatch(r"[0-9a-f]{48}", password), "URL-safe: it goes into redis://:<password>@host"
+    cache_key = base64.b64decode(objects["duet-cache-namespace-key"]["data"]["key"]).decode()
+    assert re.fullmatch(r"[0-9a-f]{64}", cache_key)
     cas = set()
     for role in DUET_ROLES:
         data = {k: base64.b64decode(v) for k, v in objects[f"duet-grpc-{role}"]["data"].items()}
@@ -654,7 +657,7 @@ def test_k8s_secrets_makes_what_the_manifests_mount():
         cas.add(data["ca.crt"])
         assert cert.issuer == x509.load_pem_x509_certificate(data["ca.crt"]).subject
     assert len(cas) == 1
-    assert set(o["metadata"]["name"] for o in secret_objects(grpc=False)) == {"duet-redis-auth"}
+    assert set(o["metadata"]["name"] for o in secret_objects(grpc=False, cache_key=False)) == {"duet-redis-auth"}
 
 
 def test_podmonitor_scrapes_the_ports_that_serve_metrics():

@@ -41,6 +41,7 @@ from shared.registry.pairing import pair_problem
 from shared.registry.connection import RedisConnection
 from shared.security.grpc_tls import GrpcTlsConfig
 from shared.security.identity import server_name
+from shared.wire.cache_scope import cache_scope_fields
 from shared.wire.contract_overflow import ContractOverflow
 from shared.wire.outputs import chunk_from_proto, first_tokens_to_proto, prefill_reply_from_proto
 from shared.wire.sampling import sampling_to_proto
@@ -199,8 +200,10 @@ class GrpcBackend:
             route = await self._route(request, metadata)
             state.routed = True
             decode = duet_pb2_grpc.DecodeStub(self._workers.get(route.decode, "decode"))
+            scope = cache_scope_fields(request.cache_scope)
             generate = duet_pb2.GenerateRequest(request_id=request.request_id,
-                                                prompt_token_ids=request.prompt_token_ids, sampling=sampling)
+                                                prompt_token_ids=request.prompt_token_ids, sampling=sampling,
+                                                **scope)
             if not route.colocated:
                 reply = await self._reserve_and_prefill(request, route, decode, sampling, metadata, state)
                 answer = prefill_reply_from_proto(reply, request.request_id, want_logprobs)
@@ -239,7 +242,9 @@ class GrpcBackend:
         from shared.registry.prefix_hashes import chained_page_hashes
 
         page_size = self._page_size()
-        hashes = chained_page_hashes(request.prompt_token_ids, page_size) if page_size else []
+        # seeded with the namespace: the workers publish their pages' hashes the same way
+        hashes = (chained_page_hashes(request.prompt_token_ids, page_size, seed=request.cache_scope.namespace)
+                  if page_size else [])
         try:
             return await self._router.Route(duet_pb2.RouteRequest(
                 request_id=request.request_id, model=request.model, prompt_tokens=len(request.prompt_token_ids),
@@ -250,12 +255,14 @@ class GrpcBackend:
 
     async def _reserve_and_prefill(self, request, route, decode, sampling, metadata, state) -> duet_pb2.PrefillReply:
         state.reserve_unanswered = True  # until an answer: decode may have made one we never hear of
+        scope = cache_scope_fields(request.cache_scope)
         try:
             state.reservation = await decode.Reserve(duet_pb2.ReserveRequest(
                 request_id=request.request_id, prompt_tokens=len(request.prompt_token_ids),
                 max_tokens=request.sampling.max_tokens, prefill_worker_id=route.prefill.worker_id,
                 timeout_ms=self.config.reserve_timeout_ms, n=request.sampling.n,
-                prompt_token_ids=request.prompt_token_ids),  # decode reuses what it holds of it
+                prompt_token_ids=request.prompt_token_ids,  # decode reuses what it holds of it
+                **scope),
                 metadata=metadata, timeout=self.config.rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
             if exc.code() in _REFUSED_CODES:  # decode answered: it holds nothing for us
@@ -267,7 +274,8 @@ class GrpcBackend:
         try:
             reply = await prefill.Prefill(duet_pb2.PrefillRequest(
                 request_id=request.request_id, prompt_token_ids=request.prompt_token_ids, sampling=sampling,
-                reservation=state.reservation), metadata=metadata, timeout=self.config.rpc_timeout_s)
+                reservation=state.reservation, **scope),
+                metadata=metadata, timeout=self.config.rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise rpc_error(exc, f"prefill worker {route.prefill.worker_id}") from None
         self._cleanup(self._release(request.request_id, duet_pb2.RELEASE_STAGE_PREFILL_DONE))

@@ -30,6 +30,7 @@ from services.gateway.http_edge.admission import (
     Work,
     register_admission_metrics,
 )
+from services.gateway.http_edge.cache_namespace import CacheNamespaces
 from services.gateway.http_edge.error_responses import (
     APIError,
     from_backend_error,
@@ -96,6 +97,8 @@ class GatewayContext:
     limits: GatewayLimits = field(default_factory=GatewayLimits)
     template: ChatTemplateConfig = field(default_factory=ChatTemplateConfig)
     grammar: GrammarLimits = field(default_factory=GrammarLimits)
+    # whose prompts share prefix-cache pages (main.py gives the configured key; else random)
+    cache_namespaces: CacheNamespaces = field(default_factory=CacheNamespaces.random)
 
     def __post_init__(self) -> None:
         lim = self.limits
@@ -138,6 +141,7 @@ class PreparedRequest:
     include_usage: bool
     echo: list[EchoPrompt] | None = None
     limit_param: str = "max_tokens"  # the request's name for the completion budget (in errors)
+    cache_salt: str | None = None  # with the tenant, the prefix-cache namespace (cache_namespace.py)
 
 
 class OpenAIEndpoints:
@@ -211,7 +215,7 @@ class OpenAIEndpoints:
                                   include_usage=req.include_usage, n=sampling.n, tools=self._tool_mode(tools, choice))
         limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         return PreparedRequest(request_id, [prompt_ids], sampling, formatter, bool(req.stream), req.include_usage,
-                               limit_param=limit_param)
+                               limit_param=limit_param, cache_salt=req.cache_salt)
 
     def _tool_mode(self, tools, choice, flat: bool = False) -> ToolMode | None:
         """How answers are read for tool calls (None: never)."""
@@ -249,7 +253,7 @@ class OpenAIEndpoints:
         formatter = ResponsesFormatter(request_id, self.ctx.served_model_name, int(time.time()), echo,
                                        tools=self._tool_mode(flat, choice, flat=True))
         return PreparedRequest(request_id, [prompt_ids], sampling, formatter, bool(req.stream), False,
-                               limit_param="max_output_tokens")
+                               limit_param="max_output_tokens", cache_salt=req.cache_salt)
 
     async def _prepare_completion(self, body: bytes) -> PreparedRequest:
         req = parse_completion_request(body)
@@ -273,7 +277,8 @@ class OpenAIEndpoints:
                                         self.ctx.token_strings, logprobs=req.logprobs,
                                         include_usage=req.include_usage, n=sampling.n, echo=echo,
                                         echo_only=req.echo_only)
-        return PreparedRequest(request_id, prompts, sampling, formatter, bool(req.stream), req.include_usage, echo)
+        return PreparedRequest(request_id, prompts, sampling, formatter, bool(req.stream), req.include_usage, echo,
+                               cache_salt=req.cache_salt)
 
     # --- serving --------------------------------------------------------------------------
 
@@ -287,7 +292,8 @@ class OpenAIEndpoints:
             kind=trace.SpanKind.SERVER)
         # The admission ticket is held until the outcome is recorded: the end of the answer,
         # of the stream (on_close), or of a cancelled task.
-        ticket = self.ctx.admission.ticket(request.scope.get("state", {}).get("tenant"))
+        tenant = request.scope.get("state", {}).get("tenant")  # the API key's (http_edge/auth.py)
+        ticket = self.ctx.admission.ticket(tenant)
         outcome = _Outcome(lambda status: (ticket.release(), self._finish(endpoint, status, span)))
         try:
             body = await request.body()  # first: the disconnect watch below reads receive()
@@ -307,11 +313,13 @@ class OpenAIEndpoints:
             span.set_attribute("duet.request_id", prepared.request_id)
             span.set_attribute("duet.prompt_tokens", sum(len(p) for p in prepared.prompts))
             trace_context = inject_http_headers({}, context=trace.set_span_in_context(span))
+            cache_scope = self.ctx.cache_namespaces.scope(tenant, prepared.cache_salt)
             generations = []
             for k, prompt_ids in enumerate(prepared.prompts):
                 rid = prepared.request_id if len(prepared.prompts) == 1 else f"{prepared.request_id}-{k}"
                 gen_request = GenerationRequest(rid, prompt_ids, prepared.sampling,
-                                                model=self.ctx.served_model_name, trace_context=trace_context)
+                                                model=self.ctx.served_model_name, trace_context=trace_context,
+                                                cache_scope=cache_scope)
                 metrics.prompt_tokens.labels(endpoint).inc(len(prompt_ids))
                 generations.append(Generation(self.ctx.backend, gen_request, self.ctx.prompts.tokenizer, metrics,
                                               endpoint, arrived_at=arrived_at))
