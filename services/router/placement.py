@@ -60,9 +60,12 @@ def _site(worker: WorkerInfo, inflight: WorkerInflight) -> PrefillSite | None:
     model = worker.perf.step
     if model is None:
         return None
-    reported = worker.load.running_requests + worker.load.waiting_requests
+    counted = worker.load.running_requests + worker.load.waiting_requests
+    # what the last heartbeat counted, less what ended since (this router's releases), or what
+    # this router has routed there and not released, whichever is more
+    reported = max(0, counted - inflight.released_since_report)
     rows = max(reported, inflight.decode_requests) if worker.role != "prefill" else 0
-    context = worker.load.decode_context_tokens
+    context = worker.load.decode_context_tokens * reported // counted if counted else 0
     if reported and rows > reported:  # routed here since the last heartbeat: at the mean context
         context += (rows - reported) * context // reported
     budget = ItlBudget(worker.perf.itl_target_s, worker.perf.budget_floor_tokens, model) \

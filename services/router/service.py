@@ -40,7 +40,8 @@ class RouterService(duet_pb2_grpc.RouterServicer):
         self.metrics = metrics
         self.tracer = tracer or trace.get_tracer("duet.router")
         self.keys = RegistryKeys(config.registry.prefix)
-        self.inflight = InflightTracker(config.inflight_ttl_s)
+        self.inflight = InflightTracker(config.inflight_ttl_s,
+                                        config.registry.heartbeat_interval_s + config.registry.scan_interval_s)
         self._rotation = itertools.count()
         self.placement_metrics = PlacementMetrics(metrics.registry)
 
@@ -68,6 +69,7 @@ class RouterService(duet_pb2_grpc.RouterServicer):
             kind = "local_prefill" if reply.local_prefill else "colocated" if reply.colocated else "split"
             code = placement.code if placement is not None else "only_colocated"
             self.metrics.route_decisions.labels(kind=kind, reason=code).inc()
+            log.debug("route %s: %s (%s)", request_id, reply.reason, code)
             span.set_attribute("duet.route", kind)
             span.set_attribute("duet.route_reason", reply.reason)
             span.set_attribute("duet.placement_reason", code)

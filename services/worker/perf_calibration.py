@@ -1,12 +1,12 @@
 """Time a few engine steps of different shapes before a worker registers: the first fit of
 its step-time model (shared/perf_model/step_model.py), off the request path.
 
-Shapes, scaled by the step's token budget (on CPU at most 256): prefill chunks alone at three
-lengths, a chunk extending a held prefix (attention over context), decode batches of a few
-sizes at a short and a long context (the long one's rows share a cached prefix, so setting
-them up costs one prefill), and decode rows with a prompt arriving (mixed steps). Each step is timed to
-completion (a GPU is synchronised after it); every step with a batch is one sample. Stops at
-the time budget; what ran is what fits. Then the prefix cache and counters are reset, as after
+Shapes, scaled by the step's token budget (on CPU at most 256): prefill chunks alone at two
+lengths, a chunk extending a held prefix (attention over context), decode batches of one and a
+few rows at a short and a long context (the long one's rows share the cached prefix, so setting
+them up costs little), always; then, while the time budget lasts, many rows, decode rows with a
+prompt arriving (mixed steps) and a whole step of prefill. Each step is timed to completion (a
+GPU is synchronised after it); every step with a batch is one sample. Then the prefix cache and counters are reset, as after
 warm-up (shared/engine/warmup.py)."""
 from __future__ import annotations
 
@@ -64,21 +64,26 @@ def calibrate(engine, time_budget_s: float | None = None) -> list[tuple[StepShap
             if arriving is not None and steps == 2:  # rows decode now: a prompt joins them
                 engine.add_request(arriving, SamplingParams(temperature=0, max_tokens=1))
 
-    # the most telling shapes first: what the deadline cuts is the least missed
-    prefix = tokens(min(scale // 4, room // 2))
-    plan = [
-        (scale // 8, lambda: run([tokens(scale // 8)], 1)),                            # a prefill chunk
-        (few * 24, lambda: run([tokens(16) for _ in range(few)], 4)),                  # a few rows, short context
-        # the prefix alone (cached), then rows on it: a long context for the price of short prompts
-        (few * (len(prefix) + 16), lambda: (run([prefix], 1), run([prefix + tokens(8) for _ in range(few)], 4))),
-        (24, lambda: run([tokens(16)], 4)),                                            # one decode row
-        (scale // 2, lambda: run([tokens(scale // 2)], 1)),                            # a long chunk
-        (len(prefix) + scale // 16, lambda: run([prefix + tokens(scale // 16)], 1)),   # a chunk over a held prefix
-        (many * 24, lambda: run([tokens(16) for _ in range(many)], 4)),                # many rows, short context
-        (few * 40 + scale // 8, lambda: run([tokens(16) for _ in range(few)], 8, arriving=tokens(scale // 8))),
-        (scale // 32, lambda: run([tokens(scale // 32)], 1)),                          # a short chunk
+    # six shapes that tell the five terms apart always run, the time budget or not; more while
+    # the budget lasts. The long chunk's prompt stays cached: a held prefix for the rest
+    prefix = tokens(min(scale // 2, room // 2))
+    core = [
+        lambda: run([tokens(scale // 8)], 1),                              # a short chunk
+        lambda: run([prefix], 1),                                          # a long chunk
+        lambda: run([prefix + tokens(scale // 8)], 1),                     # a short chunk over a held prefix
+        lambda: run([tokens(16)], 4),                                      # one decode row
+        lambda: run([tokens(16) for _ in range(few)], 4),                  # a few rows, short context
+        lambda: run([prefix + tokens(8) for _ in range(few)], 4),          # a few rows, long context
     ]
-    for need, scenario in plan:
+    extra = [
+        (many * 24, lambda: run([tokens(16) for _ in range(many)], 4)),   # many rows
+        (few * 40 + scale // 8, lambda: run([tokens(16) for _ in range(few)], 8, arriving=tokens(scale // 8))),
+        (scale, lambda: run([tokens(scale)], 1)),                          # a whole step of prefill
+    ]
+    if few * (len(prefix) + 16) <= room:
+        for scenario in core:
+            scenario()
+    for need, scenario in extra:
         if need <= room and time.monotonic() < deadline:
             scenario()
     engine.kv.cache.reset()

@@ -19,7 +19,7 @@ from services.worker_runtime.step_sampler import StepSampler
 from shared.perf_model.config import PerfModelConfig, default_itl_s
 from shared.perf_model.linear_fit import OnlineLinearFit
 from shared.perf_model.step_budget import ItlBudget
-from shared.perf_model.step_model import StepModel, StepShape
+from shared.perf_model.step_model import RIDGE, StepModel, StepShape
 from shared.perf_model.transfer_model import TransferModel
 from shared.perf_model.worker_perf import WorkerPerf
 
@@ -44,11 +44,11 @@ class PerfTracker:
         self.sampler = StepSampler(engine.scheduler,
                                    lagged=engine.overlap is not None and engine.device.type == "cuda")
         n = len(StepShape().features())
-        seed = OnlineLinearFit([0.0] * n, HALF_LIFE_STEPS)  # the calibration alone: the prior
+        seed = OnlineLinearFit([0.0] * n, HALF_LIFE_STEPS, RIDGE)  # the calibration alone: the prior
         for shape, seconds in calibration:
             seed.add(shape.features(), seconds)
         prior, _ = seed.solve()
-        self.fit = OnlineLinearFit(prior, HALF_LIFE_STEPS)
+        self.fit = OnlineLinearFit(prior, HALF_LIFE_STEPS, RIDGE)
         self.kinds = {"prefill": 0, "decode": 0}
         for shape, seconds in calibration:
             self._add(shape, seconds)

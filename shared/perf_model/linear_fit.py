@@ -13,16 +13,18 @@ from collections.abc import Sequence
 
 import numpy as np
 
-_RIDGE = 1e-4       # pull toward the prior, relative to each term's own weight in the data
+_RIDGE = 1e-4       # default pull toward the prior, relative to each term's own weight in the data
 _MIN_Y = 1e-6       # seconds: a sample below this is a clock artefact, not a step
 
 
 class OnlineLinearFit:
-    def __init__(self, prior: Sequence[float], half_life: float = 1000.0):
+    def __init__(self, prior: Sequence[float], half_life: float = 1000.0, ridge: Sequence[float] | None = None):
         """prior: the coefficients where data says nothing (calibration's, or zeros);
-        half_life: samples after which a sample's weight has halved."""
+        half_life: samples after which a sample's weight has halved; ridge: per term, how
+        strongly it is pulled toward the prior, relative to its weight in the data."""
         n = len(prior)
         self.prior = np.asarray(prior, dtype=np.float64)
+        self.ridge = np.full(n, _RIDGE) if ridge is None else np.asarray(ridge, dtype=np.float64)
         self.decay = 0.5 ** (1.0 / half_life)
         self.xtx = np.zeros((n, n))
         self.xty = np.zeros(n)
@@ -61,7 +63,7 @@ class OnlineLinearFit:
         if self.weight <= 0:
             return tuple(float(c) for c in np.maximum(self.prior, 0)), 0.0
         # per-term ridge (scale-free): a term the samples barely move keeps the prior's value
-        lam = _RIDGE * np.maximum(np.diag(self.xtx), 1e-12 * max(float(np.trace(self.xtx)), 1e-12))
+        lam = self.ridge * np.maximum(np.diag(self.xtx), 1e-12 * max(float(np.trace(self.xtx)), 1e-12))
         a = self.xtx + np.diag(lam)
         b = self.xty + lam * np.maximum(self.prior, 0)
         free = np.ones(n, dtype=bool)

@@ -19,6 +19,11 @@ from dataclasses import dataclass
 # feature scales: each term's unit, so the fit's matrix stays well conditioned
 _TOKENS, _PAIRS, _CONTEXT = 1e3, 1e6, 1e3
 TERMS = ("base_s", "prefill_token_s", "attended_pair_s", "decode_row_s", "context_token_s")
+# the fit's pull toward its prior, per term (linear_fit.py): the attention terms are small next
+# to the others unless contexts are long, and a few noisy steps (a calibration cut short, a
+# single stream whose context grows while the machine's load drifts) would otherwise hand them
+# what noise the first-order terms leave; a few per cent is all they lose with plenty of data
+RIDGE = (1e-4, 1e-4, 0.02, 1e-4, 0.02)
 _UNIT = (1.0, _TOKENS, _PAIRS, 1.0, _CONTEXT)  # coefficient per feature unit -> per natural unit
 
 
