@@ -11,7 +11,9 @@ model (shared/perf_model/prefill_time.py, which runs the worker's own inter-toke
 its decode rows), plus for `split` the KV handoff tail by P's transfer model. And its cost to
 the decode rows running where the prefill runs: how much their step grows. An option whose
 step would pass the inter-token target (the router's `--slo-itl-ms`, else the worker's)
-while it has rows running is held back. The lowest predicted TTFT among the rest wins. So a
+while it has rows running is held back. The lowest predicted TTFT among the rest wins;
+predictions closer than their models' error are a tie, won by the option without a transfer
+(local prefill, then colocated). So a
 decode worker holding 97% of a conversation prefills the rest while its batch is light, and
 hands it to an idle prefill worker once its batch is heavy (DistServe's and Dynamo's planner's
 latency models; Dynamo's and llm-d's deciders use fixed thresholds instead).
@@ -33,6 +35,7 @@ from shared.registry.worker_info import WorkerInfo
 
 _NO_LOAD = WorkerInflight()
 KINDS = ("local_prefill", "colocated", "split")  # preference on equal predictions: no transfer first
+MAX_TIE_MARGIN = 0.25  # predictions within this much (or their models' error, if less) are equal
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,7 @@ class Option:
     step_s: float        # predicted step of the worker running the decode rows, with this option
     itl_impact_s: float  # how much that step grows because of this option
     allowed: bool        # within the inter-token target (or no decode rows to slow down)
+    error: float = 0.0   # the relative error of the model(s) behind ttft_s
 
 
 @dataclass(frozen=True)
@@ -89,7 +93,8 @@ def predict_here(kind: str, worker: WorkerInfo, cached: int, prompt_tokens: int,
     base = site.step_s()
     step = site.step_s(site.chunk(rest, cached), cached)
     allowed = site.decode_rows == 0 or step <= target_s
-    return Option(kind, worker.worker_id, ttft, step, step - base if site.decode_rows else 0.0, allowed)
+    return Option(kind, worker.worker_id, ttft, step, step - base if site.decode_rows else 0.0, allowed,
+                  site.model.rel_error)
 
 
 def kv_bytes_per_token(worker: WorkerInfo) -> float:
@@ -117,7 +122,7 @@ def predict_split(prefill: PrefillChoice, decode: DecodeChoice, prompt_tokens: i
         joined = PrefillSite(d_site.model, d_site.decode_rows + 1, d_site.decode_context + prompt_tokens)
         step = joined.step_s()
         impact = step - d_site.step_s()
-    return Option("split", prefill.worker.worker_id, ttft, step, impact, True)
+    return Option("split", prefill.worker.worker_id, ttft, step, impact, True, p_site.model.rel_error)
 
 
 def within_bounds(decode: DecodeChoice, prompt_tokens: int, weights: RoutingWeights) -> bool:
@@ -151,10 +156,8 @@ def place(decode: DecodeChoice, prefill: PrefillChoice, prompt_tokens: int, *,
         chosen = next((o for o in options if o.kind == "split"), None)
         return Placement("split", "bounds" if not threshold else "itl_target", split_detail + _figures(options, target),
                          chosen, options, target)
-    rank = {k: i for i, k in enumerate(KINDS)}
-    chosen = min(allowed, key=lambda o: (o.ttft_s, rank[o.kind]))
-    fastest = min(options, key=lambda o: (o.ttft_s, rank[o.kind]))
-    code = "lowest_ttft" if chosen is fastest else "itl_target"
+    chosen, fastest = _fastest(allowed), _fastest(options)
+    code = "lowest_ttft" if chosen.kind == fastest.kind else "itl_target"
     if chosen.kind == "local_prefill":
         head = threshold
     elif chosen.kind == "colocated":
@@ -163,6 +166,15 @@ def place(decode: DecodeChoice, prefill: PrefillChoice, prompt_tokens: int, *,
     else:
         head = split_detail
     return Placement(chosen.kind, code, head + _figures(options, target), chosen, options, target)
+
+
+def _fastest(options: list[Option]) -> Option:
+    """The lowest predicted TTFT; predictions closer than their models' error are a tie,
+    which goes to the option without a transfer (KINDS' order): two workers' models fitted
+    apart differ by that much even where the workers are alike."""
+    best = min(options, key=lambda o: (o.ttft_s, KINDS.index(o.kind)))
+    margin = min(MAX_TIE_MARGIN, max(o.error for o in options))
+    return min((o for o in options if o.ttft_s <= best.ttft_s * (1 + margin)), key=lambda o: KINDS.index(o.kind))
 
 
 def _figures(options: list[Option], target_s: float) -> str:

@@ -66,7 +66,9 @@ def calibrate(engine, time_budget_s: float | None = None) -> list[tuple[StepShap
 
     # six shapes that tell the five terms apart always run, the time budget or not; more while
     # the budget lasts. The long chunk's prompt stays cached: a held prefix for the rest
-    prefix = tokens(min(scale // 2, room // 2))
+    # the rows share the prefix's pages: each needs a page or two of its own beside it
+    own = few * (16 + 2 * engine.layout.page_size)
+    prefix = tokens(max(16, min(scale // 2, (room - own) // 2)))
     core = [
         lambda: run([tokens(scale // 8)], 1),                              # a short chunk
         lambda: run([prefix], 1),                                          # a long chunk
@@ -80,12 +82,15 @@ def calibrate(engine, time_budget_s: float | None = None) -> list[tuple[StepShap
         (few * 40 + scale // 8, lambda: run([tokens(16) for _ in range(few)], 8, arriving=tokens(scale // 8))),
         (scale, lambda: run([tokens(scale)], 1)),                          # a whole step of prefill
     ]
-    if few * (len(prefix) + 16) <= room:
+    if len(prefix) + scale // 8 + own <= room:
         for scenario in core:
             scenario()
-    for need, scenario in extra:
-        if need <= room and time.monotonic() < deadline:
-            scenario()
+        for need, scenario in extra:
+            if need <= room and time.monotonic() < deadline:
+                scenario()
+    else:  # a few odd shapes would fit five terms to noise
+        log.warning("perf calibration: a KV pool of %d tokens is too small for its shapes; the step-time model "
+                    "comes from live steps", room)
     engine.kv.cache.reset()
     engine.stats = EngineStats()
     engine.scheduler.num_retracted = 0
