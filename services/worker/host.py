@@ -104,13 +104,13 @@ class WorkerHost:
         loop.after_iteration.append(LoadPublisher(ctx, info, *load_counters(ctx.metrics)))
         # the step-time model: refitted from every step, published with the load, drives the
         # prefill budget beside decode rows
-        perf = PerfTracker(self.engine, info.perf, config.perf, ctx.metrics.registry, calibration=self.calibration,
-                           handoffs=handoff_totals(ctx.metrics.registry) if config.role == "prefill" else None)
-        loop.step_timers.append(perf.on_step)
-        loop.after_iteration.append(perf)
-        if perf.perf.step is not None:
-            log.info("step-time model: %s; inter-token target %.0f ms", perf.perf.step.to_dict(),
-                     perf.perf.itl_target_s * 1000)
+        tracker = PerfTracker(self.engine, info.perf, config.perf, ctx.metrics.registry, calibration=self.calibration,
+                              handoffs=handoff_totals(ctx.metrics.registry) if config.role == "prefill" else None)
+        loop.step_timers.append(tracker.on_step)
+        loop.after_iteration.append(tracker)
+        if info.perf.step is not None:
+            log.info("step-time model: %s; inter-token target %.0f ms", info.perf.step.to_dict(),
+                     info.perf.itl_target_s * 1000)
         if self.engine.spec is not None:  # duet_spec_* counters
             from shared.telemetry.spec_metrics import SpecMetrics
             loop.after_iteration.append(SpecMetrics(self.engine.spec.stats, ctx.metrics.registry))
