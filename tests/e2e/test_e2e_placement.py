@@ -55,6 +55,10 @@ def test_second_turn_local_while_decode_is_idle_remote_while_it_decodes(stack):
                  {"role": "user", "content": SECOND}]
     entry = s.workers()["decode-0"]
     assert entry.get("perf_step"), "the decode worker publishes its step-time model"
+    # the first turn's pages reach the registry within a KV-event interval (50 ms): wait for them,
+    # the race with a client that answers faster is not what this test is about
+    held = (first.usage.prompt_tokens + first.usage.completion_tokens) // int(entry["page_size"]) - 1
+    wait_until(lambda: s.redis().scard("duet:worker:decode-0:pages") >= held, 30, "decode-0's pages in the registry")
 
     before = decisions(s)
     idle = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
