@@ -45,7 +45,9 @@ class LoadPublisher:
         return WorkerLoad(free_pages=eng.kv.available, total_pages=eng.kv.capacity,
                           queued_prefill_tokens=s.queued_prefill_tokens,
                           running_requests=len(s.running) + in_handoff,
-                          waiting_requests=len(s.waiting), kv_usage=eng.kv.usage_ratio)
+                          waiting_requests=len(s.waiting), kv_usage=eng.kv.usage_ratio,
+                          # what the decode rows attend to: the router predicts their step from it
+                          decode_context_tokens=sum(r.num_computed + 1 for r in s.running if r.is_decoding))
 
     def __call__(self) -> None:
         now = time.monotonic()

@@ -5,7 +5,10 @@ token budget with prefill chunks, oldest first. Admission needs free pages; when
 out, new work waits in the queue (back-pressure) and, if decoding requests cannot grow,
 the youngest running request is retracted (its pages freed, recomputed later). A waiting
 request whose tenant's live work already holds its share of the pages lets other tenants'
-waiting requests be admitted first (tenant_quota.py)."""
+waiting requests be admitted first (tenant_quota.py).
+
+Beside decode rows, an optional `itl_budget` (shared/perf_model/step_budget.py) narrows the
+prefill chunks further, so the step stays under an inter-token latency target."""
 from __future__ import annotations
 
 from collections import deque
@@ -24,6 +27,11 @@ class Scheduler:
         self.running: list[Req] = []  # admitted, in arrival order
         self.num_retracted = 0
         self.num_passed_over = 0  # admissions that went ahead of a tenant over its live share
+        # prefill beside decode rows within an inter-token target (the worker sets it)
+        self.itl_budget = None
+        self.last_allowance = None  # the last step's StepAllowance (None: no decode rows or no budget)
+        self.last_batch: Batch | None = None
+        self.num_batches = 0  # batches handed out; with last_batch, what the step timer reads
 
     @property
     def has_work(self) -> bool:
@@ -70,12 +78,16 @@ class Scheduler:
                 continue
             batch.items.append(ScheduledReq(req, req.num_computed, 1))
             budget -= 1
+        rows = len(batch.items)
+        room = self.itl_budget.begin(rows, sum(it.start + 1 for it in batch.items)) \
+            if self.itl_budget is not None and rows else None
+        self.last_allowance = room
         # 2. prefill chunks of admitted requests, then new admissions (FIFO)
         for req in self.running:
             if budget <= 0:
                 break
             if req.status is ReqStatus.RUNNING and not req.is_decoding and not self._awaiting_result(req):
-                item = self._chunk(req, budget)
+                item = self._budgeted_chunk(req, budget, room)
                 if item is None:
                     break
                 batch.items.append(item)
@@ -90,10 +102,10 @@ class Scheduler:
                 break
             if req.num_cached_tokens == 0:
                 req.num_cached_tokens = req.num_computed
-            item = self._chunk(req, budget)
+            item = self._budgeted_chunk(req, budget, room)
             if item is None:
                 self.kv.drop_prefix(req)
-                break  # back-pressure: wait for pages
+                break  # back-pressure (or the step's inter-token budget is spent)
             if req is self.waiting[0]:
                 self.waiting.popleft()
             else:
@@ -108,6 +120,9 @@ class Scheduler:
             # admitted prefills hold all the pages between them: free the youngest so the
             # oldest can finish (otherwise none ever would)
             self._retract(stuck[-1])
+        if batch.items:
+            self.last_batch = batch
+            self.num_batches += 1
         return batch
 
     @staticmethod
@@ -117,6 +132,13 @@ class Scheduler:
         or one whose pending token is its last (max_tokens). Never scheduled nor retracted
         meanwhile: its in-flight result must find it as it was."""
         return req.remaining <= 0 or (req.is_decoding and req.num_output >= req.max_new_tokens)
+
+    def _budgeted_chunk(self, req: Req, budget: int, room) -> ScheduledReq | None:
+        """_chunk within the step's inter-token room too (room None: the token budget only)."""
+        item = self._chunk(req, budget if room is None else min(budget, room.allow(req.num_computed)))
+        if item is not None and room is not None:
+            room.charge(item.start, item.length)
+        return item
 
     def _chunk(self, req: Req, budget: int) -> ScheduledReq | None:
         """The next prefill chunk that fits both the budget and free pages (keeping one

@@ -12,6 +12,7 @@ import secrets
 import socket
 from dataclasses import asdict, dataclass, field
 
+from shared.perf_model.worker_perf import WorkerPerf
 ROLES = ("prefill", "decode", "both")
 _ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 
@@ -42,6 +43,7 @@ class WorkerLoad:
     running_requests: int = 0       # requests in the decode batch (or in prefill, for prefill)
     waiting_requests: int = 0       # admitted but not yet running
     kv_usage: float = 0.0           # share of pages held by live work (duet_kv_cache_usage_ratio)
+    decode_context_tokens: int = 0  # positions the decode rows attend to, summed (their step cost)
 
 
 @dataclass
@@ -60,6 +62,7 @@ class WorkerInfo:
     max_batched_tokens: int = 0     # prompt tokens one engine step takes (chunked prefill; 0 = unknown)
     kv_pools: list[RankKvPool] = field(default_factory=list)  # one per rank (NIXL peers)
     load: WorkerLoad = field(default_factory=WorkerLoad)
+    perf: WorkerPerf = field(default_factory=WorkerPerf)  # step-time model etc. (shared/perf_model)
     heartbeat_seq: int = 0          # bumps each heartbeat (no wall clocks across hosts)
 
     def __post_init__(self) -> None:
@@ -101,6 +104,7 @@ class WorkerInfo:
     def load_fields(self) -> dict[str, str]:
         fields = {f"load_{k}": str(v) for k, v in asdict(self.load).items()}
         fields["heartbeat_seq"] = str(self.heartbeat_seq)
+        fields.update(self.perf.fields())  # refitted while serving: rewritten with the load
         return fields
 
     def to_hash(self) -> dict[str, str]:
@@ -117,6 +121,7 @@ class WorkerInfo:
             running_requests=int(h.get("load_running_requests", 0)),
             waiting_requests=int(h.get("load_waiting_requests", 0)),
             kv_usage=float(h.get("load_kv_usage", 0.0)),
+            decode_context_tokens=int(h.get("load_decode_context_tokens", 0)),
         )
         pools = [RankKvPool(**p) for p in json.loads(h.get("kv_pools", "[]"))]
         return cls(
@@ -134,6 +139,7 @@ class WorkerInfo:
             max_batched_tokens=int(h.get("max_batched_tokens", 0)),
             kv_pools=pools,
             load=load,
+            perf=WorkerPerf.from_fields(h),
             heartbeat_seq=int(h.get("heartbeat_seq", 0)),
         )
 
