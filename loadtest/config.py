@@ -1,6 +1,8 @@
 """Everything one `duet loadtest` invocation was asked to do, as plain data."""
 from __future__ import annotations
 
+import datetime
+import pathlib
 from dataclasses import asdict, dataclass, field
 
 
@@ -90,6 +92,11 @@ class OutputConfig:
     plots: bool = True
     progress: bool = True
     label: str | None = None
+
+    def folder(self, name: str) -> pathlib.Path:
+        """--output-dir, else ./loadtest-results/<time>-<name>."""
+        stamped = pathlib.Path("loadtest-results") / f"{datetime.datetime.now():%Y%m%d-%H%M%S}-{name}"
+        return pathlib.Path(self.output_dir) if self.output_dir else stamped
 
 
 @dataclass

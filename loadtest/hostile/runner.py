@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -69,7 +68,7 @@ async def run_probe(probe: Probe, ctx: ProbeContext) -> ProbeResult:
 
     timeout_s = probe.timeout_s or ctx.sizes.probe_timeout_s
     cpu_before = ctx.gateway.cpu_s() if ctx.gateway else None
-    rss = RssWatch(ctx.gateway, ctx.sizes.rss_cap_mb, on_cap) if ctx.gateway else contextlib.nullcontext()
+    rss = RssWatch(ctx.gateway, ctx.sizes.rss_cap_mb, on_cap)
     health = HealthSampler(ctx.server.base_url)
     started = time.monotonic()
     error = None

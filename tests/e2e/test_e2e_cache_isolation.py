@@ -10,7 +10,7 @@ on the CPU, the official openai client.
 - Redis's page sets hold salted hashes only: the plain chained hashes of A's prompt are in no
   worker's set, the ones seeded with A's namespace (keyed by the file `duet up` gave the
   gateway) are.
-- The cross-tenant probe (loadtest/hostile/cache_probe.py), briefly: B's cached tokens are 0
+- The cross-tenant probe (loadtest/hostile/cache_isolation.py), briefly: B's cached tokens are 0
   for a right and a wrong guess of A's PIN (timing is the probe's measurement, not asserted).
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import psutil
 import pytest
 
-from loadtest.hostile.cache_probe import run_probe
+from loadtest.hostile.cache_isolation import run_probe
 from services.gateway.http_edge.auth import tenant_name
 from services.gateway.http_edge.cache_namespace import CacheNamespaces
 from shared.registry.prefix_hashes import chained_page_hashes

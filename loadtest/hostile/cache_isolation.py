@@ -1,34 +1,32 @@
 """Can one tenant learn another's prompt from the prefix cache? Two API keys, one stack.
 
-    python -m loadtest.hostile.cache_probe --base-url http://127.0.0.1:8000/v1 \
+    python -m loadtest.hostile.cache_isolation --base-url http://127.0.0.1:8000/v1 \
         --victim-key sk-a --attacker-key sk-b [--trials 20] [--words 400] [--json F]
 
-Each trial: the victim (A) sends a note (a system message opening with a fresh 4-digit PIN,
-then --words fresh words); the attacker (B, the other key) then sends the same note, a right
-guess, and the note with another PIN, a wrong guess (which goes first alternates); then A
-sends its note again (its own reuse, the control). Every PIN of a run is different and sits in
-the prompt's first page, so B never sent anything sharing a page with either guess: whatever
-B finds cached came from A. Recorded for each: `usage.prompt_tokens_details.cached_tokens`
-and the time to its first streamed token. Printed: B's cached tokens for right and wrong
-guesses, the TTFT range of each, whether the two ranges overlap, and A's own reuse.
-
-Verdict PASS: B's cached tokens for a right guess are 0 every trial, as for a wrong one, and
-the TTFT ranges overlap (a right guess is indistinguishable by time); A's repeats are
-cached. A leaking cache shows up as cached tokens for the right guess and a faster right
-guess. Exit status 1 on FAIL."""
+Each trial: the victim A sends a note (a system message opening with a fresh 4-digit PIN, then
+--words random words); the attacker B sends the same note (a right guess) and the note with
+another PIN (a wrong guess), in turn first; then A repeats its note (the control). PINs sit in
+the first page and never repeat, so whatever B finds cached came from A. PASS (else exit 1): B
+finds 0 `cached_tokens` for either guess, the two TTFT ranges overlap, A's repeats are cached."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import random
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 
-WORDS = ("amber harbor quiet lantern meadow copper river ledger orchard pebble signal timber velvet "
-         "window canyon falcon garden island jacket kettle lemon marble nickel olive parcel quartz "
-         "ribbon saddle tunnel umbrella violet walnut yarrow zephyr anchor bridge candle dolphin "
-         "ember fabric glacier hollow ivory juniper kernel lagoon mirror nectar onion pepper").split()
+from loadtest.config import EndpointConfig
+from loadtest.endpoint import api_base, discover_model
+from loadtest.records import RequestRecord
+from loadtest.sse_client import PreparedRequest, build_body, make_client, send_streaming
+
+WORDS = ("amber harbor quiet lantern meadow copper river ledger orchard pebble signal timber velvet window canyon "
+         "falcon garden island jacket kettle lemon marble nickel olive parcel quartz ribbon saddle tunnel umbrella "
+         "violet walnut yarrow zephyr anchor bridge candle dolphin ember fabric glacier hollow ivory juniper kernel "
+         "lagoon mirror nectar onion pepper").split()
 
 
 @dataclass
@@ -49,13 +47,8 @@ class Trial:
 class ProbeResult:
     trials: list[Trial] = field(default_factory=list)
 
-    @property
-    def right_cached(self) -> list[int]:
-        return [t.right.cached_tokens for t in self.trials]
-
-    @property
-    def wrong_cached(self) -> list[int]:
-        return [t.wrong.cached_tokens for t in self.trials]
+    right_cached = property(lambda self: [t.right.cached_tokens for t in self.trials])
+    wrong_cached = property(lambda self: [t.wrong.cached_tokens for t in self.trials])
 
     @property
     def victim_hit_rate(self) -> float:
@@ -96,50 +89,42 @@ def note(pin: int, words: list[str]) -> list[dict]:
             {"role": "user", "content": " ".join(words)}]
 
 
-def ask(client, model: str, messages: list[dict]) -> Answer:
-    """One streamed chat completion: its first token's time and the usage it reports."""
-    t0 = time.monotonic()
-    ttft, usage = None, None
-    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=2, temperature=0,
-                                            stream=True, stream_options={"include_usage": True})
-    for chunk in stream:
-        if ttft is None and chunk.choices and chunk.choices[0].delta.content is not None:
-            ttft = time.monotonic() - t0
-        if chunk.usage is not None:
-            usage = chunk.usage
-    if usage is None:
-        raise RuntimeError("the stream carried no usage")
-    details = usage.prompt_tokens_details
-    return Answer(details.cached_tokens if details is not None and details.cached_tokens else 0,
-                  usage.prompt_tokens, ttft if ttft is not None else time.monotonic() - t0)
+async def _probe(base: str, keys: tuple[str, str], trials: int, words: int, rng: random.Random,
+                 model: str | None, timeout_s: float) -> ProbeResult:
+    endpoints = [EndpointConfig(base, api_key=key, model=model, timeout_s=timeout_s, ignore_eos="off") for key in keys]
+    model = model or discover_model(base, endpoints[0].http_headers)
+    result = ProbeResult()
+    async with make_client(endpoints[0], 1) as victim, make_client(endpoints[1], 1) as attacker:
+
+        async def ask(http, messages: list[dict]) -> Answer:
+            """One streamed chat completion: the usage it reports and its first token's time."""
+            rec = RequestRecord(0, 0.0, 0, 2)
+            prepared = PreparedRequest(build_body(endpoints[0], model, messages, None, 2), 0, 2)
+            await send_streaming(http, base + "/chat/completions", endpoints[0], prepared, rec, time.monotonic)
+            if not rec.ok or rec.usage_prompt_tokens is None:
+                raise RuntimeError(f"{rec.error_kind or 'no usage in the stream'}: {rec.error_detail}")
+            return Answer(rec.usage_cached_tokens or 0, rec.usage_prompt_tokens, rec.ttft)
+
+        pins = rng.sample(range(1000, 10000), 2 * trials)  # no two prompts of the run share a first page
+        for i in range(trials):
+            filler = [rng.choice(WORDS) for _ in range(words)]
+            secret, guess = note(pins[2 * i], filler), note(pins[2 * i + 1], filler)
+            await ask(victim, secret)  # A's note is in A's cache now
+            got = {which: await ask(attacker, messages)  # which goes first alternates
+                   for which, messages in [("right", secret), ("wrong", guess)][::1 if i % 2 == 0 else -1]}
+            result.trials.append(Trial(got["right"], got["wrong"], await ask(victim, secret)))
+    return result
 
 
 def run_probe(base_url: str, victim_key: str, attacker_key: str, trials: int = 20, words: int = 400,
               seed: int | None = None, model: str | None = None, timeout_s: float = 120.0) -> ProbeResult:
-    import openai
-
-    victim = openai.OpenAI(base_url=base_url, api_key=victim_key, max_retries=0, timeout=timeout_s)
-    attacker = openai.OpenAI(base_url=base_url, api_key=attacker_key, max_retries=0, timeout=timeout_s)
-    model = model or victim.models.list().data[0].id
     rng = random.Random(seed if seed is not None else time.time_ns())
-    result = ProbeResult()
-    pins = rng.sample(range(1000, 10000), 2 * trials)  # no two prompts of the run share a first page
-    for i in range(trials):
-        filler = [rng.choice(WORDS) for _ in range(words)]
-        secret, guess = note(pins[2 * i], filler), note(pins[2 * i + 1], filler)
-        ask(victim, model, secret)  # A's note is in A's cache now
-        if i % 2 == 0:
-            right = ask(attacker, model, secret)
-            wrong = ask(attacker, model, guess)
-        else:
-            wrong = ask(attacker, model, guess)
-            right = ask(attacker, model, secret)
-        result.trials.append(Trial(right, wrong, ask(victim, model, secret)))
-    return result
+    return asyncio.run(_probe(api_base(base_url), (victim_key, attacker_key), trials, words, rng, model, timeout_s))
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadtest.hostile.cache_probe", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m loadtest.hostile.cache_isolation",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="the gateway's OpenAI base URL (.../v1)")
     p.add_argument("--victim-key", required=True, help="tenant A's API key")
     p.add_argument("--attacker-key", required=True, help="tenant B's API key (another tenant)")
