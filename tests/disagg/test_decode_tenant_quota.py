@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from protos import duet_pb2, duet_pb2_grpc
-from tests.helpers.stack import ProcessStack, managed, new_log_dir
+from tests.helpers.stack import ProcessStack, managed, new_log_dir, wait_until
 
 TENANT_A, TENANT_B = 0xA, 0xB
 WORKERS = {"decode-quota": "0.5", "decode-fifo": "1.0"}
@@ -53,7 +53,9 @@ def test_a_tenant_over_its_live_share_lets_another_tenant_reserve_first(stack, w
         if quota:
             res_a = a.result()  # B holds its share: A goes first, though B asked first
             assert not waiting_b.done() and res_a.page_size > 0
-            assert stack.metrics(worker).value("duet_kv_tenant_passed_over_total", stage="reserve") == 1
+            # the counter is exported by the worker's load loop: wait for its next beat
+            wait_until(lambda: stack.metrics(worker).value("duet_kv_tenant_passed_over_total", stage="reserve") == 1,
+                       10, "the passed-over counter")
         else:
             with pytest.raises(grpc.RpcError) as info:
                 a.result()  # first come, first served: A waits behind B's call, past its deadline
