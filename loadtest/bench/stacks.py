@@ -89,7 +89,7 @@ def _load(run, url: str, folder: Path, layout: str) -> None:
 
     prompt, output = run.ints(run.args.stack_lens)
     concs = run.ints(run.args.concurrency)
-    for i, c in enumerate([concs[0], *concs]):  # the first run after ready, then the sweep (fresh prompts)
+    for i, c in enumerate([concs[0], *concs] if concs else []):  # the first run after ready, then the sweep
         point = "first run" if i == 0 else f"c={c}"
         out = run.root / layout / f"load{i}"
         _loadtest(["--base-url", url, "--api", "completions", "--workload", "random", "--input-len", str(prompt),
@@ -98,6 +98,19 @@ def _load(run, url: str, folder: Path, layout: str) -> None:
         s = read_results(out / "results.json").summaries()[0]
         run.add("stack", f"{layout} {point} TTFT p50 ms", s.ttft.p50, f"p99 {s.ttft.p99}, TPOT p50 {s.tpot.p50} ms, "
                 f"ITL p99 {s.itl.p99} ms, {s.output_throughput:.0f} out tok/s, {s.failed} of {s.requests} failed")
+    ttft_ms, tpot_ms = run.names(run.args.slo)
+    for rate in run.names(run.args.rates):  # open loop: Poisson arrivals, goodput under the SLO
+        out = run.root / layout / f"rate{rate}"
+        shape = (["--workload", "sharegpt"] if run.args.rate_workload == "sharegpt" else
+                 ["--workload", "random", "--input-len", str(prompt), "--output-len", str(output)])
+        _loadtest(["--base-url", url, "--api", "completions", *shape, "--request-rate", rate, "--duration",
+                   str(run.args.seconds_per_rate), "-n", str(int(float(rate) * run.args.seconds_per_rate) + 8),
+                   "--seed", rate, "--slo-ttft-ms", ttft_ms, "--slo-tpot-ms", tpot_ms, "--tokenizer", str(folder),
+                   "--label", f"{layout} {rate}/s"], out)
+        s = read_results(out / "results.json").summaries()[0]
+        run.add("stack", f"{layout} {run.args.rate_workload} {rate}/s goodput %", round(100 * (s.goodput.share or 0), 1),
+                f"TTFT p50/p90 {s.ttft.p50}/{s.ttft.p90}, TPOT p50/p90 {s.tpot.p50}/{s.tpot.p90} ms, ITL p99 "
+                f"{s.itl.p99} ms, {s.request_throughput:.2f} req/s, {s.failed} of {s.requests} failed")
 
 
 def _chats(run, url: str, folder: Path, layout: str) -> None:
@@ -113,4 +126,16 @@ def _chats(run, url: str, folder: Path, layout: str) -> None:
                    f"{layout} C={c}"], out)
         for t in read_result(out / "results.json").summary().by_turn:
             run.add("multiturn", f"{layout} C={c} turn {t.turn + 1} TTFT p50 ms", t.ttft.p50,
-                    f"cached {t.cache.share}, prompt {t.prompt_tokens_mean} tokens, {t.failed} of {t.requests} failed")
+                    f"p90 {t.ttft.p90}, TPOT p50/p90 {t.tpot.p50}/{t.tpot.p90} ms, cached {t.cache.share}, "
+                    f"prompt {t.prompt_tokens_mean} tokens, {t.failed} of {t.requests} failed")
+    for rate in run.names(run.args.agentic_rates):  # agent sessions arriving at a rate: shared prompt, tools
+        out = run.root / layout / f"agentic{rate}"
+        _loadtest(["multiturn", "--base-url", url, "--tokenizer", str(folder), "--workload", "agentic", "--mode",
+                   "poisson", "--conversation-rate", rate, "--duration", str(run.args.seconds_per_rate),
+                   "--conversations", str(int(float(rate) * run.args.seconds_per_rate) + 2), "--temperature", "0",
+                   "--max-context-tokens", "0", "--seed", rate, "--system-len", str(system), "--max-turns", str(turns),
+                   "--output-len", str(output), "--label", f"{layout} agentic {rate}/s"], out)
+        s = read_result(out / "results.json").summary().all_turns
+        run.add("multiturn", f"{layout} agentic {rate}/s TTFT p50 ms", s.ttft.p50,
+                f"p90 {s.ttft.p90}, TPOT p50/p90 {s.tpot.p50}/{s.tpot.p90} ms, cached {s.cache.share}, "
+                f"{s.failed} of {s.requests} failed")

@@ -93,7 +93,13 @@ def parser() -> argparse.ArgumentParser:
     a("--stacks", default="colocated,split", help="stack, multiturn: colocated, split, colocated2 (two GPUs)")
     a("--concurrency", default="1,16,32", help="stack: closed-loop points")
     a("--stack-lens", default="1024,256", help="stack: prompt and output tokens")
+    a("--rates", default="", help="stack: Poisson request rates (req/s), --seconds-per-rate each, goodput under --slo")
+    a("--rate-workload", choices=("random", "sharegpt"), default="random", help="stack: what --rates send "
+      "(random: --stack-lens)")
+    a("--seconds-per-rate", type=float, default=20.0)
+    a("--slo", default="2000,15", help="stack, multiturn: TTFT and TPOT targets, ms")
     a("--conversations", default="8,48", help="multiturn: conversations a run")
+    a("--agentic-rates", default="", help="multiturn: agentic sessions started per second, --seconds-per-rate each")
     a("--chat", default="5900,64,48,4", help="multiturn: system, user, output tokens, turns (lockstep)")
     a("--base-url", help="stack, multiturn: measure this running server instead of starting --stacks")
     a("--model-dir", help="stack, multiturn: a real model folder instead of random weights of the last --models")

@@ -96,12 +96,17 @@ def test_bench_stack_sections_measure_this_stack(duet_stack, tmp_path, torch_one
     assert bench_main(["--device", "cpu", "--sections", "stack,multiturn", "--base-url", url, "--model-dir",
                        str(model_dir), "--concurrency", "1", "--stack-lens", "32,8", "--conversations", "2",
                        "--chat", "48,8,4,2", "--steps", "2", "--workdir", str(tmp_path / "work"),
+                       "--rates", "2", "--seconds-per-rate", "2", "--slo", "60000,5000", "--agentic-rates", "1",
                        "--json", str(out)]) == 0
     d = json.loads(out.read_text())
     assert d["stack"]["server first run TTFT p50 ms"] > 0 and d["stack"]["server c=1 TTFT p50 ms"] > 0
     assert d["multiturn"]["server C=2 turn 1 TTFT p50 ms"] > 0 and d["multiturn"]["server C=2 turn 2 TTFT p50 ms"] > 0
     printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("[stack]", "[multiturn]"))]
     assert sum("TTFT p50 ms" in line and "0 of 4 failed" in line for line in printed) == 2
+    # open loop: every request of the rate point met the loose SLO; the agentic sessions all finished
+    assert d["stack"]["server random 2/s goodput %"] == 100.0
+    agentic = [line for line in printed if line.startswith("[multiturn] server agentic 1/s")]
+    assert len(agentic) == 1 and " 0 of " in agentic[0], agentic
     turns = [line for line in printed if line.startswith("[multiturn] server C=2 turn")]
     assert len(turns) == 2 and all("0 of 2 failed" in line for line in turns), turns
     later = float(turns[1].split("cached ")[1].split(",")[0])
