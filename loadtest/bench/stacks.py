@@ -66,16 +66,40 @@ def _stacks(run, kinds) -> None:
         try:
             with DuetStack(argv, run.root / layout / "logs") as s:
                 run.add(kinds[0], f"{layout} ready_s", round(time.monotonic() - t0, 1), f"duet up {' '.join(argv)}")
-                _measure(run, kinds, s.url, folder, layout)
+                _measure(run, kinds, s.url, folder, layout, s.log_dir)
         except Exception as e:  # noqa: BLE001 - the next layout still runs
             run.add(kinds[0], f"{layout} FAILED", f"{type(e).__name__}: {str(e)[:160]}")
 
 
-def _measure(run, kinds, url: str, folder: Path, layout: str) -> None:
+def _measure(run, kinds, url: str, folder: Path, layout: str, log_dir: Path | None = None) -> None:
     if "stack" in kinds:
-        _load(run, url, folder, layout)
+        _load(run, url, folder, layout, log_dir)
     if "multiturn" in kinds:
         _chats(run, url, folder, layout)
+
+
+def decode_step_totals(log_dir: Path | None) -> tuple[float, float]:
+    """(seconds, steps) of decode-only engine steps summed over the stack's workers, from each
+    worker's /metrics (its address from the ready line in its log): the step the client's TPOT
+    should match."""
+    import re
+
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = [0.0, 0.0]
+    logs = sorted(log_dir.glob("*.log")) if log_dir else []
+    addresses = {m for f in logs for m in re.findall(r" worker \S+ ready: .* metrics (\S+) ", f.read_text(errors="replace"))}
+    for address in addresses:
+        try:
+            text = httpx.get(f"http://{address}/metrics", timeout=5).text
+        except httpx.HTTPError:
+            continue  # a worker that restarted: its last address
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples if family.name == "duet_engine_step_seconds" else ():
+                if sample.labels.get("phase") == "decode" and sample.name.endswith(("_sum", "_count")):
+                    total[sample.name.endswith("_count")] += sample.value
+    return total[0], total[1]
 
 
 def _loadtest(argv: list[str], out: Path) -> None:
@@ -84,7 +108,7 @@ def _loadtest(argv: list[str], out: Path) -> None:
     loadtest_main([*argv, "-o", str(out), "--no-progress", "--no-plots"])  # the rows say what failed
 
 
-def _load(run, url: str, folder: Path, layout: str) -> None:
+def _load(run, url: str, folder: Path, layout: str, log_dir: Path | None) -> None:
     from loadtest.results_io import read_results
 
     prompt, output = run.ints(run.args.stack_lens)
@@ -103,6 +127,7 @@ def _load(run, url: str, folder: Path, layout: str) -> None:
         out = run.root / layout / f"rate{rate}"
         shape = (["--workload", "sharegpt"] if run.args.rate_workload == "sharegpt" else
                  ["--workload", "random", "--input-len", str(prompt), "--output-len", str(output)])
+        before = decode_step_totals(log_dir)
         _loadtest(["--base-url", url, "--api", "completions", *shape, "--request-rate", rate, "--duration",
                    str(run.args.seconds_per_rate), "-n", str(int(float(rate) * run.args.seconds_per_rate) + 8),
                    "--seed", rate, "--slo-ttft-ms", ttft_ms, "--slo-tpot-ms", tpot_ms, "--tokenizer", str(folder),
@@ -111,6 +136,10 @@ def _load(run, url: str, folder: Path, layout: str) -> None:
         run.add("stack", f"{layout} {run.args.rate_workload} {rate}/s goodput %", round(100 * (s.goodput.share or 0), 1),
                 f"TTFT p50/p90 {s.ttft.p50}/{s.ttft.p90}, TPOT p50/p90 {s.tpot.p50}/{s.tpot.p90} ms, ITL p99 "
                 f"{s.itl.p99} ms, {s.request_throughput:.2f} req/s, {s.failed} of {s.requests} failed")
+        seconds, steps = (a - b for a, b in zip(decode_step_totals(log_dir), before))
+        if steps > 0:  # the workers' own decode step over the same window, beside the client's TPOT
+            run.add("stack", f"{layout} {run.args.rate_workload} {rate}/s decode step ms", round(1000 * seconds / steps, 2),
+                    f"mean of {steps:.0f} decode-only steps; TPOT p50 / step {(s.tpot.p50 or 0) / (1000 * seconds / steps):.2f}")
 
 
 def _chats(run, url: str, folder: Path, layout: str) -> None:

@@ -30,7 +30,7 @@ def duet_stack(tmp_path_factory):
     except RuntimeError as e:
         pytest.fail(f"{e}:\n{(stack.log_dir / 'up.log').read_text()[-4000:]}")
     try:
-        yield stack.url, model_dir
+        yield stack.url, model_dir, stack.log_dir
     finally:
         stack.stop()
         assert stack.proc.poll() is not None
@@ -60,7 +60,7 @@ def _delta(before, after, name: str, **labels) -> float:
               "-n", "4", "-c", "2"]),
 ])
 def test_report_matches_gateway_metrics(duet_stack, tmp_path, api, workload):
-    url, model_dir = duet_stack
+    url, model_dir, log_dir = duet_stack
     before = _counters(url)
     out = tmp_path / api
     rc = loadtest_main(["--base-url", url, "--api", api, "--tokenizer", str(model_dir), "--ignore-eos", "on",
@@ -91,7 +91,7 @@ def test_bench_stack_sections_measure_this_stack(duet_stack, tmp_path, torch_one
     the fixture's helper otherwise)."""
     from loadtest.bench.suite import main as bench_main
 
-    url, model_dir = duet_stack
+    url, model_dir, log_dir = duet_stack
     out = tmp_path / "bench.json"
     assert bench_main(["--device", "cpu", "--sections", "stack,multiturn", "--base-url", url, "--model-dir",
                        str(model_dir), "--concurrency", "1", "--stack-lens", "32,8", "--conversations", "2",
@@ -103,6 +103,10 @@ def test_bench_stack_sections_measure_this_stack(duet_stack, tmp_path, torch_one
     assert d["multiturn"]["server C=2 turn 1 TTFT p50 ms"] > 0 and d["multiturn"]["server C=2 turn 2 TTFT p50 ms"] > 0
     printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("[stack]", "[multiturn]"))]
     assert sum("TTFT p50 ms" in line and "0 of 4 failed" in line for line in printed) == 2
+    # the workers' own decode steps, scraped from the /metrics their ready lines name
+    from loadtest.bench.stacks import decode_step_totals
+    seconds, steps = decode_step_totals(log_dir)
+    assert steps > 0 and seconds > 0
     # open loop: every request of the rate point met the loose SLO; the agentic sessions all finished
     assert d["stack"]["server random 2/s goodput %"] == 100.0
     agentic = [line for line in printed if line.startswith("[multiturn] server agentic 1/s")]
