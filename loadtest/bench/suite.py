@@ -96,6 +96,7 @@ def parser() -> argparse.ArgumentParser:
     a("--rates", default="", help="stack: Poisson request rates (req/s), --seconds-per-rate each, goodput under --slo")
     a("--rate-workload", choices=("random", "sharegpt"), default="random", help="stack: what --rates send "
       "(random: --stack-lens)")
+    a("--filled-rates", default="", help="stack with multiturn: rates run again after the chats filled the caches")
     a("--seconds-per-rate", type=float, default=20.0)
     a("--slo", default="2000,15", help="stack, multiturn: TTFT and TPOT targets, ms")
     a("--conversations", default="8,48", help="multiturn: conversations a run")
