@@ -77,7 +77,7 @@ def _measure(run, kinds, url: str, folder: Path, layout: str, log_dir: Path | No
     if "multiturn" in kinds:
         _chats(run, url, folder, layout)
         if "stack" in kinds:  # the same load once the chats filled the caches (and the host tier)
-            _rates(run, url, folder, layout, log_dir, run.names(run.args.filled_rates), " filled")
+            _rates(run, url, folder, layout, log_dir, run.names(run.args.filled_rates), "random", " filled")
 
 
 def decode_step_totals(log_dir: Path | None) -> tuple[float, float]:
@@ -124,18 +124,20 @@ def _load(run, url: str, folder: Path, layout: str, log_dir: Path | None) -> Non
         s = read_results(out / "results.json").summaries()[0]
         run.add("stack", f"{layout} {point} TTFT p50 ms", s.ttft.p50, f"p99 {s.ttft.p99}, TPOT p50 {s.tpot.p50} ms, "
                 f"ITL p99 {s.itl.p99} ms, {s.output_throughput:.0f} out tok/s, {s.failed} of {s.requests} failed")
-    _rates(run, url, folder, layout, log_dir, run.names(run.args.rates), "")
+    _rates(run, url, folder, layout, log_dir, run.names(run.args.rates), "random", "")
+    _rates(run, url, folder, layout, log_dir, run.names(run.args.sharegpt_rates), "sharegpt", "")
 
 
-def _rates(run, url: str, folder: Path, layout: str, log_dir: Path | None, rates: list[str], tag: str) -> None:
+def _rates(run, url: str, folder: Path, layout: str, log_dir: Path | None, rates: list[str], workload: str,
+           tag: str) -> None:
     """Open loop: Poisson arrivals at each rate, goodput under --slo (tag: e.g. after the chats filled the caches)."""
     from loadtest.results_io import read_results
 
     prompt, output = run.ints(run.args.stack_lens)
     ttft_ms, tpot_ms = run.names(run.args.slo)
     for rate in rates:
-        out = run.root / layout / f"rate{rate}{tag}"
-        shape = (["--workload", "sharegpt"] if run.args.rate_workload == "sharegpt" else
+        out = run.root / layout / f"{workload}{rate}{tag}"
+        shape = (["--workload", "sharegpt"] if workload == "sharegpt" else
                  ["--workload", "random", "--input-len", str(prompt), "--output-len", str(output)])
         before = decode_step_totals(log_dir)
         _loadtest(["--base-url", url, "--api", "completions", *shape, "--request-rate", rate, "--duration",
@@ -143,12 +145,12 @@ def _rates(run, url: str, folder: Path, layout: str, log_dir: Path | None, rates
                    "--seed", str(int(float(rate) * 100) + len(tag)), "--slo-ttft-ms", ttft_ms, "--slo-tpot-ms", tpot_ms, "--tokenizer", str(folder),
                    "--label", f"{layout} {rate}/s"], out)
         s = read_results(out / "results.json").summaries()[0]
-        run.add("stack", f"{layout} {run.args.rate_workload} {rate}/s{tag} goodput %", round(100 * (s.goodput.share or 0), 1),
+        run.add("stack", f"{layout} {workload} {rate}/s{tag} goodput %", round(100 * (s.goodput.share or 0), 1),
                 f"TTFT p50/p90 {s.ttft.p50}/{s.ttft.p90}, TPOT p50/p90 {s.tpot.p50}/{s.tpot.p90} ms, ITL p99 "
                 f"{s.itl.p99} ms, {s.request_throughput:.2f} req/s, {s.failed} of {s.requests} failed")
         seconds, steps = (a - b for a, b in zip(decode_step_totals(log_dir), before))
         if steps > 0:  # the workers' own decode step over the same window, beside the client's TPOT
-            run.add("stack", f"{layout} {run.args.rate_workload} {rate}/s{tag} decode step ms", round(1000 * seconds / steps, 2),
+            run.add("stack", f"{layout} {workload} {rate}/s{tag} decode step ms", round(1000 * seconds / steps, 2),
                     f"mean of {steps:.0f} decode-only steps; TPOT p50 / step {(s.tpot.p50 or 0) / (1000 * seconds / steps):.2f}")
 
 

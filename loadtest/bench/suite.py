@@ -93,9 +93,9 @@ def parser() -> argparse.ArgumentParser:
     a("--stacks", default="colocated,split", help="stack, multiturn: colocated, split, colocated2 (two GPUs)")
     a("--concurrency", default="1,16,32", help="stack: closed-loop points")
     a("--stack-lens", default="1024,256", help="stack: prompt and output tokens")
-    a("--rates", default="", help="stack: Poisson request rates (req/s), --seconds-per-rate each, goodput under --slo")
-    a("--rate-workload", choices=("random", "sharegpt"), default="random", help="stack: what --rates send "
-      "(random: --stack-lens)")
+    a("--rates", default="", help="stack: Poisson rates (req/s) of --stack-lens prompts, --seconds-per-rate each, "
+      "goodput under --slo")
+    a("--sharegpt-rates", default="", help="stack: the same with ShareGPT's single turns")
     a("--filled-rates", default="", help="stack with multiturn: rates run again after the chats filled the caches")
     a("--seconds-per-rate", type=float, default=20.0)
     a("--slo", default="2000,15", help="stack, multiturn: TTFT and TPOT targets, ms")
