@@ -95,7 +95,7 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
             await self._until_ready(res)
         # the writer checks the held pages' hashes against its prompt before skipping them
         held_hashes = chained_page_hashes(prompt_ids[:res.held_pages * ctx.page_size], ctx.page_size,
-                                          seed=scope.namespace) if res.held_pages else []
+                                          seed=scope.cache_key) if res.held_pages else []
         return reservation_to_proto(KvReservation(
             reservation_id=res.reservation_id, generation=res.generation, decode_worker_id=ctx.worker_id,
             decode_instance_nonce=ctx.instance_nonce, page_size=ctx.page_size,

@@ -243,7 +243,7 @@ class GrpcBackend:
 
         page_size = self._page_size()
         # seeded with the namespace: the workers publish their pages' hashes the same way
-        hashes = (chained_page_hashes(request.prompt_token_ids, page_size, seed=request.cache_scope.namespace)
+        hashes = (chained_page_hashes(request.prompt_token_ids, page_size, seed=request.cache_scope.cache_key)
                   if page_size else [])
         try:
             return await self._router.Route(duet_pb2.RouteRequest(
