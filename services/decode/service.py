@@ -64,6 +64,9 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         prompt_ids = list(request.prompt_token_ids) or None
         scope = cache_scope_from_proto(request)
+        if scope.adapter and (eng.lora is None or not eng.lora.knows(scope.adapter)):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"decode worker {ctx.worker_id} does not serve LoRA adapter {scope.adapter!r}")
         if prompt_ids is not None and len(prompt_ids) != request.prompt_tokens:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"prompt_token_ids has {len(prompt_ids)} ids for prompt_tokens {request.prompt_tokens}")
@@ -81,7 +84,10 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
                 while True:
                     res = None
                     if queue[0] is ticket or ticket.turn:
-                        res = await ctx.loop.acall(lambda: self._try_reserve(ticket, request, n, prompt_ids, scope))
+                        try:  # a LoRA adapter unloaded meanwhile, or whose folder no longer reads
+                            res = await ctx.loop.acall(lambda: self._try_reserve(ticket, request, n, prompt_ids, scope))
+                        except ValueError as exc:
+                            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                     if res is not None:
                         break
                     if time.monotonic() >= deadline:

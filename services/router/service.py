@@ -68,6 +68,8 @@ class RouterService(duet_pb2_grpc.RouterServicer):
                 self.metrics.route_decisions.labels(kind="unavailable", reason="no_worker").inc()
                 span.set_attribute("duet.route", "unavailable")
                 detail = (f"no live worker can serve model {model!r}" if model else "no live worker")
+                if request.lora_adapter:
+                    detail += f" with LoRA adapter {request.lora_adapter!r}"
                 if not self.watcher.redis_ok:
                     detail += " (registry unreachable; using the last known worker set)"
                 await self._refuse(context, grpc.StatusCode.UNAVAILABLE, detail)
@@ -114,7 +116,9 @@ class RouterService(duet_pb2_grpc.RouterServicer):
                      model: str) -> tuple[duet_pb2.RouteReply | str | None, Placement | None]:
         """The decision and how it was placed; a string says why live workers could not be
         paired, None: none live."""
-        live = [w for w in self.watcher.workers() if not model or w.model == model]
+        adapter = request.lora_adapter  # only workers serving it (they publish their adapters)
+        live = [w for w in self.watcher.workers() if (not model or w.model == model)
+                and (not adapter or adapter in w.adapters.served)]
         self.inflight.expire({w.worker_id for w in self.watcher.workers()})
         by_role: dict[str, list[WorkerInfo]] = defaultdict(list)
         for worker in live:
@@ -136,11 +140,14 @@ class RouterService(duet_pb2_grpc.RouterServicer):
             candidates.update((w.worker_id, w) for w in extra)
             cached = await self._cached_pages(list(candidates.values()), list(request.page_hashes))
             decode = choose_decode(decodes, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
-                                   inflight=loads, weights=weights, rotation=rotation, cached_pages=cached, n=n)
+                                   inflight=loads, weights=weights, rotation=rotation, cached_pages=cached, n=n,
+                                   adapter=adapter)
             prefill = choose_prefill(pairable[decode.worker.worker_id], prompt_tokens=prompt_tokens,
-                                     cached_pages=cached, inflight=loads, weights=weights, rotation=rotation)
+                                     cached_pages=cached, inflight=loads, weights=weights, rotation=rotation,
+                                     adapter=adapter)
             both = choose_colocated(extra, prompt_tokens=prompt_tokens, max_tokens=max_tokens, cached_pages=cached,
-                                    inflight=loads, weights=weights, rotation=rotation, n=n) if extra else None
+                                    inflight=loads, weights=weights, rotation=rotation, n=n,
+                                    adapter=adapter) if extra else None
             placement = place(decode, prefill, prompt_tokens, inflight=loads, weights=weights,
                               target_s=self.config.slo.itl_ms / 1000, colocated=both[0] if both else None)
             if placement.kind == "local_prefill":  # it holds most of the prompt: no prefill worker, no transfer
@@ -169,7 +176,7 @@ class RouterService(duet_pb2_grpc.RouterServicer):
         cached = await self._cached_pages(boths, list(request.page_hashes))
         prefill, decode = choose_colocated(boths, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
                                            cached_pages=cached, inflight=loads, weights=weights,
-                                           rotation=rotation, n=n)
+                                           rotation=rotation, n=n, adapter=adapter)
         reason = f"colocated: {prefill.worker.worker_id} holds {prefill.cached_tokens} of {prompt_tokens} prompt tokens"
         return self._colocated_reply(request_id, prefill, decode, reason), None
 

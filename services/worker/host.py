@@ -21,9 +21,11 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from protos import duet_pb2_grpc
 from services.worker.config import WorkerConfig
 from services.worker.kv_compat import compat_hash, model_kv_key
 from services.worker.load_publisher import LoadPublisher, load_counters
+from services.worker_runtime.adapters import AdaptersService
 from services.worker_runtime.context import WorkerContext
 from services.worker_runtime.engine_loop import EngineLoop
 from services.worker_runtime.exit_watchdog import EXIT_AFTER_GRACE_S, ExitWatchdog
@@ -32,7 +34,7 @@ from shared.engine.grammar_guard import GrammarGuard
 from shared.registry.kv_events import KvEventBuffer
 from shared.registry.publisher import WorkerPublisher
 from shared.registry.watcher import WorkerWatcher
-from shared.registry.worker_info import RankKvPool, WorkerInfo, WorkerLoad, default_worker_id
+from shared.registry.worker_info import RankKvPool, WorkerAdapters, WorkerInfo, WorkerLoad, default_worker_id
 from shared.telemetry.metrics import DuetMetrics, start_metrics_server
 from shared.telemetry.tracing import Tracing, setup_tracing
 
@@ -69,6 +71,7 @@ class WorkerHost:
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)],
                                  interceptors=config.tls.interceptors())  # mTLS: who may call what
         host = cls(config, engine, ctx, server, served, kv_layout, tracing, calibration=list(calibration or []))
+        duet_pb2_grpc.add_AdaptersServicer_to_server(AdaptersService(ctx), server)  # every role: LoRA at run time
         host.on_stop.append(ctx.grammar_guard.close)
         return host
 
@@ -86,7 +89,9 @@ class WorkerHost:
                           compat_hash=ctx.compat_hash, kv_layout=self.kv_layout, instance_nonce=ctx.instance_nonce,
                           max_running_requests=self.config.engine.max_running_requests,
                           max_batched_tokens=self.engine.scheduler.max_batched_tokens, kv_pools=pools,
-                          load=WorkerLoad(total_pages=capacity, free_pages=capacity))
+                          load=WorkerLoad(total_pages=capacity, free_pages=capacity),
+                          adapters=WorkerAdapters(self.engine.lora.names, self.engine.lora.resident)
+                          if self.engine.lora is not None else WorkerAdapters())
 
     async def run(self) -> int:
         """Serve until SIGINT/SIGTERM or the engine loop dies, then drain. The exit status."""

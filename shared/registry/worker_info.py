@@ -47,6 +47,23 @@ class WorkerLoad:
 
 
 @dataclass
+class WorkerAdapters:
+    """The LoRA adapters a worker serves, rewritten with every heartbeat (they load and unload
+    at run time): the gateway lists them, the router picks among the workers that serve one,
+    preferring those that hold it in a device slot already."""
+
+    served: list[str] = field(default_factory=list)    # every adapter it can run (names)
+    resident: list[str] = field(default_factory=list)  # of those, the ones in its device slots now
+
+    def fields(self) -> dict[str, str]:
+        return {"lora_adapters": json.dumps(self.served), "lora_resident": json.dumps(self.resident)}
+
+    @classmethod
+    def from_fields(cls, h: dict[str, str]) -> "WorkerAdapters":
+        return cls(served=json.loads(h.get("lora_adapters") or "[]"), resident=json.loads(h.get("lora_resident") or "[]"))
+
+
+@dataclass
 class WorkerInfo:
     worker_id: str
     role: str                       # prefill | decode | both
@@ -63,6 +80,7 @@ class WorkerInfo:
     kv_pools: list[RankKvPool] = field(default_factory=list)  # one per rank (NIXL peers)
     load: WorkerLoad = field(default_factory=WorkerLoad)
     perf: WorkerPerf = field(default_factory=WorkerPerf)  # step-time model etc. (shared/perf_model)
+    adapters: WorkerAdapters = field(default_factory=WorkerAdapters)  # LoRA adapters it serves
     heartbeat_seq: int = 0          # bumps each heartbeat (no wall clocks across hosts)
 
     def __post_init__(self) -> None:
@@ -105,6 +123,7 @@ class WorkerInfo:
         fields = {f"load_{k}": str(v) for k, v in asdict(self.load).items()}
         fields["heartbeat_seq"] = str(self.heartbeat_seq)
         fields.update(self.perf.fields())  # refitted while serving: rewritten with the load
+        fields.update(self.adapters.fields())  # loaded and unloaded while serving
         return fields
 
     def to_hash(self) -> dict[str, str]:
@@ -140,6 +159,7 @@ class WorkerInfo:
             kv_pools=pools,
             load=load,
             perf=WorkerPerf.from_fields(h),
+            adapters=WorkerAdapters.from_fields(h),
             heartbeat_seq=int(h.get("heartbeat_seq", 0)),
         )
 
