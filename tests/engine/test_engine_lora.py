@@ -231,3 +231,37 @@ def _run_params(eng, prompt, params, adapter):
             if o.rid == rid:
                 tokens += o.token_ids
     return tokens
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the Triton kernels inside CUDA graphs")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_on_a_gpu_the_graphs_replay_each_rows_adapter(tmp_path, dtype):
+    """Decode and small-prefill CUDA graphs captured once (every row on the base model) replay the
+    Triton LoRA kernels with each step's slots: the tokens of eager steps, mixed as alone; in
+    float32 also the CPU's (the torch references)."""
+    from tests.helpers.tiny_models import make_tiny_model
+    base = make_tiny_model(tmp_path / "tiny", "llama", hidden=256, intermediate=512, heads=4, kv_heads=2,
+                           head_dim=64, vocab=512)
+    folders = {"a": save_random_adapter(base, tmp_path / "a", rank=8, seed=1),
+               "b": save_random_adapter(base, tmp_path / "b", rank=16, seed=2, targets=("q_proj", "down_proj"))}
+    cfg = LoraConfig(adapters=[f"{n}={f}" for n, f in folders.items()], max_loras=2)
+    jobs = [([5 + i, 6, 7, 8, 9 + i] * (2 + i), ["", "a", "b"][i % 3]) for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+    def serve(**kw):
+        eng = Engine(model_dir=str(base), dtype=dtype, kv_cache_memory=64 << 20, max_model_len=512, lora=cfg, **kw)
+        rids = [eng.add_request(p, params, scope=CacheScope(adapter=a)) for p, a in jobs]
+        out = {r: [] for r in rids}
+        while eng.has_work:
+            for o in eng.step():
+                out[o.rid] += o.token_ids
+        mixed = [out[r] for r in rids]
+        alone = [_run_params(eng, p, params, a) for p, a in jobs]
+        eng.check_idle()
+        return mixed, alone
+
+    graphs, graphs_alone = serve(device="cuda")
+    eager, _ = serve(device="cuda", cuda_graph=False, prefill_graph_max_tokens=0)
+    assert graphs == graphs_alone == eager
+    if dtype == "float32":
+        assert serve(device="cpu")[0] == graphs
