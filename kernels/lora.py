@@ -65,7 +65,8 @@ def lora_expand_reference(shrunk: torch.Tensor, b: torch.Tensor, y: torch.Tensor
     return y
 
 
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, row_slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, row_slots: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton; [T, P, R]. Rows of the base model (slot -1) are left unwritten: the expand skips them."""
     _check(x, a, row_slots)
     from kernels.triton_lora import launch_lora_shrink

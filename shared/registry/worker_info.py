@@ -60,7 +60,8 @@ class WorkerAdapters:
 
     @classmethod
     def from_fields(cls, h: dict[str, str]) -> "WorkerAdapters":
-        return cls(served=json.loads(h.get("lora_adapters") or "[]"), resident=json.loads(h.get("lora_resident") or "[]"))
+        return cls(served=json.loads(h.get("lora_adapters") or "[]"),
+                   resident=json.loads(h.get("lora_resident") or "[]"))
 
 
 @dataclass

@@ -186,7 +186,8 @@ def test_folders_the_engine_does_not_serve_are_refused_by_name(served, tmp_path)
                                                                                     r=4)),
         "is not a LoRA weight": _copy_adapter(
             folders[B], tmp_path / "embed",
-            tensors_edit=lambda t: t.update({"base_model.model.model.embed_tokens.lora_embedding_A": torch.zeros(4, 8)})),
+            tensors_edit=lambda t: t.update({"base_model.model.model.embed_tokens.lora_embedding_A":
+                                             torch.zeros(4, 8)})),
         r"must be \(4, 1536\) and \(576, 4\)": _copy_adapter(src, tmp_path / "shape", lambda c: c.update(r=4)),
     }
     (tmp_path / "empty").mkdir()

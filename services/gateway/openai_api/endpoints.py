@@ -227,7 +227,8 @@ class OpenAIEndpoints:
             grammar = tool_choice_grammar(tools, choice, req.parallel_tool_calls) or grammar
         sampling.grammar = await checked(self.ctx.grammar_guard, grammar)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        formatter = ChatFormatter(request_id, adapter or self.ctx.served_model_name, int(time.time()), self.ctx.token_strings,
+        formatter = ChatFormatter(request_id, adapter or self.ctx.served_model_name, int(time.time()),
+                                  self.ctx.token_strings,
                                   logprobs=sampling.logprobs is not None, top_logprobs=sampling.logprobs or 0,
                                   include_usage=req.include_usage, n=sampling.n, tools=self._tool_mode(tools, choice))
         limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
