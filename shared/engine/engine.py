@@ -109,7 +109,7 @@ class Engine:
             if self._tp_workers is not None:  # followers write the slot rank 0 chose, each its shard
                 self.lora.mirror = lambda name, path, slot: self.call_followers(
                     "shared.engine.lora.manager:follower_write_slot", name, path, slot)
-            self.lora.step.capturing = True  # graphs captured from here on carry the LoRA launches
+            self.lora.step.forced = True  # graphs captured from here on carry the LoRA launches
         self._make_graphs()
         self.requests: dict[str, Req] = {}
         self.kv.live_requests = self.requests.values  # their pages count against their tenants
@@ -127,7 +127,7 @@ class Engine:
         if self.spec is not None:
             self.spec.attach()
         if self.lora is not None:
-            self.lora.step.capturing = False
+            self.lora.step.forced = False
         if self._tp_workers is not None:
             self._tp_workers.wait_ready()
         log.info("engine ready in %.1fs: %s, weights %.2f GiB (%s), KV %d pages x %d tokens (%.2f GiB)",

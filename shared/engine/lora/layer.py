@@ -9,6 +9,7 @@ step's per-row slot index in a buffer that never moves, so captured CUDA graphs 
 of the step being replayed: y += scale[s] * (x A[s]^T) B[s]^T per row, slot -1 the base model."""
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -23,11 +24,21 @@ class LoraStep:
     scales: torch.Tensor     # [slots] float32 on the device
     triton: bool             # the Triton kernels (GPU) or the torch references
     rows_with_adapters: bool = False  # the eager step has a row of some adapter
-    capturing: bool = False  # CUDA graphs are being captured: the hooks' launches must be in them
+    # the hooks launch even with no adapter row: CUDA graphs being captured must hold the
+    # launches, and warm-up compiles them for every shape
+    forced: bool = False
 
     @property
     def active(self) -> bool:
-        return self.rows_with_adapters or self.capturing
+        return self.rows_with_adapters or self.forced
+
+    @contextmanager
+    def forcing(self):
+        self.forced = True
+        try:
+            yield
+        finally:
+            self.forced = False
 
     def set_rows(self, rows: torch.Tensor, any_adapter: bool) -> None:
         """This step's slots, one per token row (the step plan's `lora` section)."""
