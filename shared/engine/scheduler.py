@@ -20,8 +20,8 @@ from .request import Req, ReqStatus
 
 class Scheduler:
     def __init__(self, kv: KVManager, max_batched_tokens: int, max_running: int, lora=None):
-        """lora: the engine's LoraManager (shared/engine/lora/manager.py), or None: a request of an
-        adapter is admitted only with a device slot holding it, as it is with pages."""
+        """lora: the engine's LoraManager (shared/engine/lora/manager.py), None without adapters. A
+        request of an adapter is admitted only with a device slot holding it, as only with pages."""
         self.kv = kv
         self.lora = lora
         self.failed: list[tuple[Req, str]] = []  # taken out of the queue: their adapter could not load
