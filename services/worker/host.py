@@ -25,7 +25,7 @@ from protos import duet_pb2_grpc
 from services.worker.config import WorkerConfig
 from services.worker.kv_compat import compat_hash, model_kv_key
 from services.worker.load_publisher import LoadPublisher, load_counters
-from services.worker_runtime.adapters import AdaptersService
+from services.worker_runtime.adapters import AdaptersService, load_recorded_adapters
 from services.worker_runtime.context import WorkerContext
 from services.worker_runtime.engine_loop import EngineLoop
 from services.worker_runtime.exit_watchdog import EXIT_AFTER_GRACE_S, ExitWatchdog
@@ -123,6 +123,7 @@ class WorkerHost:
         loop.start()
         await self.server.start()
         await ctx.watcher.start()
+        await load_recorded_adapters(ctx, ctx.watcher.keys, self.served_model)  # loaded at run time before we came
         for service in self.services:
             service.start()
         await publisher.start()

@@ -11,8 +11,33 @@ import grpc
 from protos import duet_pb2, duet_pb2_grpc
 from services.worker_runtime.context import WorkerContext
 from shared.engine.lora.adapter_files import LoraAdapterError
+from shared.registry.keys import RegistryKeys
 
 log = logging.getLogger("duet.worker.adapters")
+
+
+async def load_recorded_adapters(ctx: WorkerContext, keys: RegistryKeys, model: str) -> list[str]:
+    """Load the adapters the gateway loaded at run time before this worker started (the registry's
+    record for `model`); those it cannot read are logged and skipped. The names loaded."""
+    lora = ctx.engine.lora
+    if lora is None or ctx.watcher is None:
+        return []
+    try:
+        recorded = await ctx.watcher.client.hgetall(keys.lora_adapters(model))
+    except Exception as exc:  # noqa: BLE001 - serve our own --lora adapters without them
+        log.warning("could not read the run-time LoRA adapters from the registry: %s", exc)
+        return []
+    loaded = []
+    for raw_name, raw_path in sorted(recorded.items()):
+        name, path = (v.decode() if isinstance(v, bytes) else v for v in (raw_name, raw_path))
+        if lora.knows(name):
+            continue
+        try:
+            await ctx.loop.acall(lambda: lora.load(name, path))
+            loaded.append(name)
+        except LoraAdapterError as exc:
+            log.warning("run-time LoRA adapter %s not loaded: %s", name, exc)
+    return loaded
 
 
 class AdaptersService(duet_pb2_grpc.AdaptersServicer):

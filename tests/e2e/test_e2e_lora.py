@@ -4,8 +4,8 @@ client; random-weight adapters saved by PEFT, references from transformers + PEF
 
 - `alpha`, given at start (`-- --lora alpha=PATH`), is listed by /v1/models with the base model as
   its parent; `model=alpha` gives exactly the merged model's greedy text, the base model its own.
-- `beta`, loaded at run time with vLLM's POST /v1/load_lora_adapter (API key required), is listed
-  and served; a mixed burst of base, alpha and beta requests gives each its own text; after
+- `beta`, loaded at run time with vLLM's POST /v1/load_lora_adapter (API key required), is listed,
+  served and recorded in the registry for workers that start later; a mixed burst of base, alpha and beta requests gives each its own text; after
   /v1/unload_lora_adapter it is gone: a 404 model_not_found in OpenAI's format, as for a name
   nobody ever had.
 - The same prompt under the base model and then an adapter finds nothing cached (pages are never
@@ -23,7 +23,7 @@ import torch
 
 from tests.helpers.engine_models import hf_greedy, load_hf
 from tests.helpers.lora_adapters import merged_model, save_random_adapter
-from tests.helpers.stack import DuetUp, managed, model_dir, new_log_dir
+from tests.helpers.stack import PREFIX, DuetUp, managed, model_dir, new_log_dir
 
 pytestmark = pytest.mark.slow
 
@@ -111,12 +111,15 @@ def test_an_adapter_loaded_at_run_time_serves_beside_the_others_until_unloaded(s
     assert loaded.status_code == 200, loaded.text
     assert _admin(stack, "/load_lora_adapter", body).status_code == 400  # loaded already
     assert {m.id for m in client.models.list()} == {MODEL, "alpha", "beta"}
+    record = f"{PREFIX}:model:{MODEL}:lora"  # a worker that starts later loads it too
+    assert stack.redis().hgetall(record) == {"beta": str(folders["beta"])}
     jobs = [(name, i) for name in ("beta", "", "alpha") for i in range(len(PROMPTS))]
     with ThreadPoolExecutor(len(jobs)) as pool:  # one burst: the steps mix base and both adapters
         got = list(pool.map(lambda job: _complete(client, job[0] or MODEL, PROMPTS[job[1]])[0], jobs))
     assert got == [texts[name][i] for name, i in jobs]
     assert _admin(stack, "/unload_lora_adapter", {"lora_name": "beta"}).status_code == 200
     assert {m.id for m in client.models.list()} == {MODEL, "alpha"}
+    assert stack.redis().hgetall(record) == {}
     for name in ("beta", "never-loaded"):
         with pytest.raises(openai.NotFoundError) as err:
             _complete(client, name, PROMPTS[0])

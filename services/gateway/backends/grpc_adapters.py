@@ -2,8 +2,9 @@
 worker of its model (the Adapters RPCs, services/worker_runtime/adapters.py), then waits until
 their registry entries say so, so that when /v1/load_lora_adapter answers, /v1/models lists the
 adapter and the router routes to it. A load that some worker refuses is undone on the others
-(nobody serves half an adapter). A worker that joins later serves the adapters of its own
-`--lora` only (docs/ARCHITECTURE.md, "Known gaps")."""
+(nobody serves half an adapter). What is loaded is kept in the registry (`<prefix>:model:<m>:lora`,
+name -> folder) so that a worker that starts later, or again, loads it too
+(services/worker_runtime/adapters.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -56,6 +57,7 @@ async def load_everywhere(watcher, channels, name: str, path: str, timeout_s: fl
             raise BackendBadRequest(exc.details() or str(exc), "lora_path")
         raise BackendUnavailable(f"worker {w.worker_id} could not load the LoRA adapter: {exc}")
     log.info("LoRA adapter %s loaded from %s on %d workers", name, path, len(workers))
+    await _remember(watcher, lambda client, key: client.hset(key, name, path))
     await _until(watcher, lambda ws: all(name in w.adapters.served for w in ws), {w.worker_id for w in workers})
 
 
@@ -63,9 +65,21 @@ async def unload_everywhere(watcher, channels, name: str, timeout_s: float) -> N
     holders = [w for w in watcher.workers() if name in w.adapters.served]
     if not holders:
         raise AdapterNotFound(f"The lora adapter '{name}' cannot be found.")
+    await _remember(watcher, lambda client, key: client.hdel(key, name))
     await _unload(channels, holders, name, timeout_s)
     log.info("LoRA adapter %s unloaded from %d workers", name, len(holders))
     await _until(watcher, lambda ws: all(name not in w.adapters.served for w in ws), {w.worker_id for w in holders})
+
+
+async def _remember(watcher, change) -> None:
+    """Apply change(client, key) to the registry's record of run-time adapters (a worker that
+    starts later reads it); a Redis outage leaves the live workers as they are told."""
+    models = {watcher.model} if watcher.model else {w.model for w in watcher.workers()}
+    try:
+        for model in models:
+            await change(watcher.client, watcher.keys.lora_adapters(model))
+    except Exception as exc:  # noqa: BLE001 - the workers have it; only later ones would miss it
+        log.warning("could not record the LoRA change in the registry: %s", exc)
 
 
 async def _unload(channels, workers: list[WorkerInfo], name: str, timeout_s: float) -> None:
