@@ -54,6 +54,11 @@ class RouterService(duet_pb2_grpc.RouterServicer):
             if request.prompt_tokens <= 0:
                 await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "prompt_tokens must be positive")
             reply, placement = await self._route(request, request_id, model)
+            if reply is None and request.lora_adapter:
+                # an adapter loaded at run time: the gateway saw the workers' entries say so,
+                # our periodic scan may not have yet
+                await self.watcher.refresh()
+                reply, placement = await self._route(request, request_id, model)
             trust = self.watcher.trust
             if (reply is None or isinstance(reply, str)) and trust is not None and trust.pending:
                 # workers that just joined are being asked who they are: wait for that, not 503
