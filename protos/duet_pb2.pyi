@@ -199,7 +199,7 @@ class RankPages(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., agent_name: _Optional[str] = ..., page_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Reservation(_message.Message):
-    __slots__ = ("reservation_id", "generation", "decode_worker_id", "decode_instance_nonce", "page_size", "num_layers", "kv_dtype", "compat_hash", "ranks", "held_pages", "held_page_hashes")
+    __slots__ = ("reservation_id", "generation", "decode_worker_id", "decode_instance_nonce", "page_size", "num_layers", "kv_dtype", "compat_hash", "ranks", "held_pages", "held_page_hashes", "capability")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +211,7 @@ class Reservation(_message.Message):
     RANKS_FIELD_NUMBER: _ClassVar[int]
     HELD_PAGES_FIELD_NUMBER: _ClassVar[int]
     HELD_PAGE_HASHES_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     reservation_id: int
     generation: int
     decode_worker_id: str
@@ -222,7 +223,20 @@ class Reservation(_message.Message):
     ranks: _containers.RepeatedCompositeFieldContainer[RankPages]
     held_pages: int
     held_page_hashes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, reservation_id: _Optional[int] = ..., generation: _Optional[int] = ..., decode_worker_id: _Optional[str] = ..., decode_instance_nonce: _Optional[str] = ..., page_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., compat_hash: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankPages, _Mapping]]] = ..., held_pages: _Optional[int] = ..., held_page_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+    capability: WriteCapability
+    def __init__(self, reservation_id: _Optional[int] = ..., generation: _Optional[int] = ..., decode_worker_id: _Optional[str] = ..., decode_instance_nonce: _Optional[str] = ..., page_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., compat_hash: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankPages, _Mapping]]] = ..., held_pages: _Optional[int] = ..., held_page_hashes: _Optional[_Iterable[int]] = ..., capability: _Optional[_Union[WriteCapability, _Mapping]] = ...) -> None: ...
+
+class WriteCapability(_message.Message):
+    __slots__ = ("writer_id", "lifetime_ms", "secret", "signature")
+    WRITER_ID_FIELD_NUMBER: _ClassVar[int]
+    LIFETIME_MS_FIELD_NUMBER: _ClassVar[int]
+    SECRET_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    writer_id: str
+    lifetime_ms: int
+    secret: bytes
+    signature: bytes
+    def __init__(self, writer_id: _Optional[str] = ..., lifetime_ms: _Optional[int] = ..., secret: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("reservation_id", "generation", "prefill_not_sent", "request_id")
@@ -243,7 +257,7 @@ class CancelReply(_message.Message):
     def __init__(self, cancelled: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "reservation", "prefill_worker_id", "first_token", "first_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "reservation", "prefill_worker_id", "first_token", "first_tokens", "request_group")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -251,6 +265,7 @@ class GenerateRequest(_message.Message):
     PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_GROUP_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -258,7 +273,8 @@ class GenerateRequest(_message.Message):
     prefill_worker_id: str
     first_token: Token
     first_tokens: _containers.RepeatedCompositeFieldContainer[Token]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reservation: _Optional[_Union[Reservation, _Mapping]] = ..., prefill_worker_id: _Optional[str] = ..., first_token: _Optional[_Union[Token, _Mapping]] = ..., first_tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ...) -> None: ...
+    request_group: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reservation: _Optional[_Union[Reservation, _Mapping]] = ..., prefill_worker_id: _Optional[str] = ..., first_token: _Optional[_Union[Token, _Mapping]] = ..., first_tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., request_group: _Optional[str] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("tokens", "finish_reason", "usage", "index", "prompt_logprobs")
@@ -275,16 +291,18 @@ class TokenChunk(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., index: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[Token, _Mapping]]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "reservation")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "reservation", "request_group")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_GROUP_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     reservation: Reservation
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reservation: _Optional[_Union[Reservation, _Mapping]] = ...) -> None: ...
+    request_group: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reservation: _Optional[_Union[Reservation, _Mapping]] = ..., request_group: _Optional[str] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
     __slots__ = ("first_token", "cached_tokens", "computed_tokens", "kv_bytes_sent", "finish_reason", "sequences", "prompt_logprobs")

@@ -16,6 +16,7 @@ import grpc
 
 from protos import duet_pb2, duet_pb2_grpc
 from services.decode.reservation_state import ReservationState
+from services.decode.reserve_queue import ReserveWait
 from services.decode.reservations import ReservationGone, waiter_for
 from services.worker_runtime.context import WorkerContext
 from services.worker_runtime.grammar_check import compile_ahead
@@ -32,9 +33,6 @@ log = logging.getLogger("duet.decode")
 class DecodeService(duet_pb2_grpc.DecodeServicer):
     def __init__(self, ctx: WorkerContext):
         self.ctx = ctx
-        # Reserve calls waiting for room, oldest first (a burst waits its turn instead of
-        # being refused; what can never fit was refused before it queued)
-        self.reserve_queue: list[object] = []
 
     # -- admission ------------------------------------------------------------------------
     async def Reserve(self, request: duet_pb2.ReserveRequest, context):
@@ -55,44 +53,58 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
         if prompt_ids is not None and len(prompt_ids) != request.prompt_tokens:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"prompt_token_ids has {len(prompt_ids)} ids for prompt_tokens {request.prompt_tokens}")
-        wait_s = (request.timeout_ms / 1000.0) if request.timeout_ms else ctx.config.reserve_timeout_s
-        deadline = time.monotonic() + wait_s
-        queue = self.reserve_queue
+        # the caller may ask for a shorter wait, never a longer one than this worker allows
+        wait_s = ctx.config.reserve_timeout_s
+        if request.timeout_ms:
+            wait_s = min(wait_s, request.timeout_ms / 1000.0)
+        queue = ctx.reserve_queue
         if len(queue) >= ctx.config.reserve_queue_max:
             ctx.metrics.request_finished("Reserve", grpc.StatusCode.RESOURCE_EXHAUSTED)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"decode worker {ctx.worker_id} has {len(queue)} reservations waiting")
         with ctx.span("reserve", context, request_id=request.request_id) as span:
-            ticket = object()
-            queue.append(ticket)  # first come, first served: only the head tries
-            try:
-                while True:
-                    res = None
-                    if queue[0] is ticket:
-                        res = await ctx.loop.acall(lambda: ctx.book.try_reserve(
-                            request.request_id, request.prompt_tokens, request.max_tokens,
-                            request.prefill_worker_id, ctx.config.engine.max_running_requests, n, prompt_ids))
-                    if res is not None:
-                        break
-                    if time.monotonic() >= deadline:
-                        ctx.metrics.request_finished("Reserve", grpc.StatusCode.RESOURCE_EXHAUSTED)
-                        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                            f"decode worker {ctx.worker_id} has no room after {wait_s:.1f}s")
-                    await asyncio.sleep(0.01)
-            finally:
-                queue.remove(ticket)
+            res = await self._wait_for_room(ReserveWait(
+                request.request_id, request.prompt_tokens, request.max_tokens, request.prefill_worker_id, n,
+                prompt_ids, on_grant=None), wait_s, context)
             span.set_attribute("duet.held_tokens", res.held_pages * ctx.page_size)
             await self._until_ready(res)
         # the writer checks the held pages' hashes against its prompt before skipping them
         held_hashes = chained_page_hashes(prompt_ids[:res.held_pages * ctx.page_size],
                                           ctx.page_size) if res.held_pages else []
-        return reservation_to_proto(KvReservation(
+        answer = KvReservation(
             reservation_id=res.reservation_id, generation=res.generation, decode_worker_id=ctx.worker_id,
             decode_instance_nonce=ctx.instance_nonce, page_size=ctx.page_size,
             num_layers=eng.layout.num_layers, kv_dtype=str(eng.kv_dtype).removeprefix("torch."),
             compat_hash=ctx.compat_hash, held_pages=res.held_pages, held_page_hashes=held_hashes,
             # TP ranks mirror rank 0's page table
-            ranks=[RankPages(rank, agent.name, list(res.page_ids)) for rank, agent in enumerate(ctx.rank_agents)]))
+            ranks=[RankPages(rank, agent.name, list(res.page_ids)) for rank, agent in enumerate(ctx.rank_agents)])
+        # only the writer the caller named may write these pages, for the reservation's lifetime
+        answer.capability = ctx.issuer.issue(answer, res.writer_id, int(ctx.book.ttl_s * 1000), res.secret)
+        return reservation_to_proto(answer)
+
+    async def _wait_for_room(self, wait: ReserveWait, wait_s: float, context):
+        """Queue the call (ReserveQueue: granted on the engine loop as soon as it fits) until
+        it is granted or wait_s passes (RESOURCE_EXHAUSTED). A grant it will not take (the
+        caller left, or it came as the wait ended) is withdrawn: freed at once."""
+        ctx = self.ctx
+        aloop = asyncio.get_running_loop()
+        granted: asyncio.Future = aloop.create_future()
+        wait.on_grant = lambda res: aloop.call_soon_threadsafe(_settle_future, granted, res)
+        await ctx.loop.acall_or_undo(lambda: ctx.reserve_queue.add(wait), lambda: ctx.reserve_queue.withdraw(wait))
+        try:
+            res = await asyncio.wait_for(asyncio.shield(granted), wait_s)
+        except asyncio.TimeoutError:
+            ctx.loop.call(lambda: ctx.reserve_queue.withdraw(wait))
+            ctx.metrics.request_finished("Reserve", grpc.StatusCode.RESOURCE_EXHAUSTED)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"decode worker {ctx.worker_id} has no room after {wait_s:.1f}s")
+        except BaseException:  # the caller left
+            ctx.loop.call(lambda: ctx.reserve_queue.withdraw(wait))
+            raise
+        if res is None:
+            await context.abort(grpc.StatusCode.ABORTED, f"request {wait.request_id} was cancelled before its "
+                                                         "reservation was made")
+        return res
 
     async def _until_ready(self, res) -> None:
         """Hand res out once launched GPU work that may touch its pages has run. Cancelled
@@ -133,7 +145,7 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
             if split:
                 started = await self._join_split(request, rid, prompt, params, aloop, q, context)
             else:
-                started = await self._start_colocated(rid, prompt, params, aloop, q, context)
+                started = await self._start_colocated(rid, prompt, params, aloop, q, context, request.request_group)
             emitted = 1 if split else 0
             finished = started is not None and started.finished
             try:
@@ -180,11 +192,11 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
     def _last_chunk(out, tokens, prompt, emitted) -> duet_pb2.TokenChunk:
         return chunk_to_proto(out, prompt, tokens, Usage(len(prompt), emitted, out.num_cached_tokens))
 
-    async def _start_colocated(self, rid, prompt, params, aloop, q, context):
+    async def _start_colocated(self, rid, prompt, params, aloop, q, context, group: str = ""):
         ctx = self.ctx
 
         def start():
-            ctx.engine.add_request(prompt, params, rid=rid)
+            ctx.engine.add_request(prompt, params, rid=rid, request_group=group)
             ctx.loop.attach(rid, aloop, q)
         try:
             await ctx.loop.acall_or_undo(start, lambda: (ctx.loop.detach(rid), ctx.engine.abort(rid)))
@@ -236,7 +248,8 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
                     book.cancel(res.reservation_id, res.generation)
                     raise TimeoutError("the prefill worker's KV never arrived")
                 book.cancel(res.reservation_id, res.generation)  # freed once no write can land
-                ctx.engine.add_request(prompt, params, rid=rid, output_prefix=firsts)
+                ctx.engine.add_request(prompt, params, rid=rid, output_prefix=firsts,
+                                       request_group=request.request_group)
                 mode = "recompute"
                 log.warning("request %s: KV from %s did not arrive (%s); recomputing the prompt",
                             rid, res.writer_id, notice.kind if notice else "no notice")
@@ -256,6 +269,11 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+
+def _settle_future(fut: asyncio.Future, value) -> None:
+    if not fut.done():
+        fut.set_result(value)
 
 
 def spec_totals(total, stats):
