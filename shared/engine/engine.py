@@ -272,11 +272,14 @@ class Engine:
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
                     rid: str | None = None, prefill_only: bool = False,
-                    output_prefix: list[int] | None = None) -> str:
+                    output_prefix: list[int] | None = None, request_group: str = "") -> str:
         """Queue a request. `output_prefix`: tokens already generated elsewhere (decode
         recomputing a prefill whose KV never arrived); they count as output. For n > 1 it
-        holds each sequence's first token: they are forked after the prompt, unreported."""
+        holds each sequence's first token: they are forked after the prompt, unreported.
+        request_group: the client request it came from (the scheduler takes waiting requests
+        round robin across groups); "" = its own."""
         req = self._make_req(prompt_ids, params or SamplingParams(), rid, prefill_only)
+        req.request_group = request_group
         if output_prefix and req.params.n > 1:
             req.forced_first = list(output_prefix)
         elif output_prefix:

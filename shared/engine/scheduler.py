@@ -1,11 +1,16 @@
 """Continuous batching with chunked prefill under a per-step token budget.
 
 Each step takes every decoding request (one token each), then fills what is left of the
-token budget with prefill chunks, oldest first. Admission needs free pages; when they run
-out, new work waits in the queue (back-pressure) and, if decoding requests cannot grow,
-the youngest running request is retracted (its pages freed, recomputed later)."""
+token budget with prefill chunks: admitted requests first, then waiting ones, taken round
+robin across request groups (the client request a prompt came from: a prompt list's prompts
+are one group), oldest first within a group, so a one-prompt request beside a bulk one is
+admitted within about a step instead of after the bulk's queue. Admission needs free pages;
+when they run out, new work waits in the queue (back-pressure) and, if decoding requests
+cannot grow, the youngest running request is retracted (its pages freed, recomputed later,
+ahead of every group)."""
 from __future__ import annotations
 
+import itertools
 from collections import deque
 
 from .batch import Batch, ScheduledReq
@@ -18,9 +23,13 @@ class Scheduler:
         self.kv = kv
         self.max_batched_tokens = max_batched_tokens
         self.max_running = max_running
-        self.waiting: deque[Req] = deque()
+        self.waiting: deque[Req] = deque()  # every waiting request, arrival order (retracted ones in front)
         self.running: list[Req] = []  # admitted, in arrival order
         self.num_retracted = 0
+        self._groups: dict[str, deque[Req]] = {}  # the waiting requests of each request group, in order
+        self._retracted: set[str] = set()  # waiting rids put back at the front: admitted before any group
+        self._served: dict[str, int] = {}  # group -> when it was last admitted from (round robin)
+        self._turns = itertools.count()
 
     @property
     def has_work(self) -> bool:
@@ -34,6 +43,10 @@ class Scheduler:
     def add(self, req: Req, front: bool = False) -> None:
         req.status = ReqStatus.WAITING
         (self.waiting.appendleft if front else self.waiting.append)(req)
+        group = self._groups.setdefault(_group(req), deque())
+        (group.appendleft if front else group.append)(req)
+        if front:
+            self._retracted.add(req.rid)
 
     def add_running(self, req: Req) -> None:
         """A request whose KV is already in place (decode side of a transfer)."""
@@ -44,7 +57,25 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
-            self.waiting.remove(req)
+            self._take_waiting(req)
+
+    def _take_waiting(self, req: Req) -> None:
+        self.waiting.remove(req)
+        self._retracted.discard(req.rid)
+        key = _group(req)
+        group = self._groups[key]
+        group.remove(req)
+        if not group:
+            del self._groups[key]
+
+    def _next_waiting(self) -> Req:
+        """A retracted request first; else the head of the group admitted from longest ago
+        (a group never admitted from first, then the oldest head)."""
+        head = self.waiting[0]
+        if head.rid in self._retracted:
+            return head
+        return min((g[0] for g in self._groups.values()),
+                   key=lambda r: (self._served.get(_group(r), -1), r.arrival))
 
     def schedule(self) -> Batch:
         batch = Batch()
@@ -78,7 +109,7 @@ class Scheduler:
                 batch.items.append(item)
                 budget -= item.length
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
-            req = self.waiting[0]
+            req = self._next_waiting()
             self.kv.match_prefix(req)
             if req.host_pages_waiting and self.running:
                 # part of its prefix waits in the host tier for device room: wait for running
@@ -91,7 +122,8 @@ class Scheduler:
             if item is None:
                 self.kv.drop_prefix(req)
                 break  # back-pressure: wait for pages
-            self.waiting.popleft()
+            self._take_waiting(req)
+            self._turn(_group(req))
             req.status = ReqStatus.RUNNING
             self.running.append(req)
             batch.items.append(item)
@@ -102,6 +134,11 @@ class Scheduler:
             # oldest can finish (otherwise none ever would)
             self._retract(stuck[-1])
         return batch
+
+    def _turn(self, group: str) -> None:
+        self._served[group] = next(self._turns)
+        if len(self._served) > 4 * (len(self._groups) + 1024):  # forget groups long gone
+            self._served = {g: t for g, t in self._served.items() if g in self._groups}
 
     @staticmethod
     def _awaiting_result(req: Req) -> bool:
@@ -143,3 +180,8 @@ class Scheduler:
         req.num_kv_ready = 0
         self.num_retracted += 1
         self.add(req, front=True)
+
+
+def _group(req: Req) -> str:
+    """The fairness key: the client request it came from, else itself."""
+    return req.request_group or req.out_rid

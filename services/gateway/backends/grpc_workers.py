@@ -196,7 +196,7 @@ class GrpcBackend:
             route = await self._route(request, metadata)
             state.routed = True
             decode = duet_pb2_grpc.DecodeStub(self._workers.get(route.decode))
-            generate = duet_pb2.GenerateRequest(request_id=request.request_id,
+            generate = duet_pb2.GenerateRequest(request_id=request.request_id, request_group=request.group,
                                                 prompt_token_ids=request.prompt_token_ids, sampling=sampling)
             if not route.colocated:
                 reply = await self._reserve_and_prefill(request, route, decode, sampling, metadata, state)
@@ -264,7 +264,8 @@ class GrpcBackend:
         try:
             reply = await prefill.Prefill(duet_pb2.PrefillRequest(
                 request_id=request.request_id, prompt_token_ids=request.prompt_token_ids, sampling=sampling,
-                reservation=state.reservation), metadata=metadata, timeout=self.config.rpc_timeout_s)
+                reservation=state.reservation, request_group=request.group), metadata=metadata,
+                timeout=self.config.rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise rpc_error(exc, f"prefill worker {route.prefill.worker_id}") from None
         self._cleanup(self._release(request.request_id, duet_pb2.RELEASE_STAGE_PREFILL_DONE))
