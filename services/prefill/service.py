@@ -131,6 +131,8 @@ class PrefillService(duet_pb2_grpc.PrefillServicer):
         verifies with its decode instance's key, names this worker and was not taken before.
         Its lifetime counts from now (later than decode's count: decode's deadline comes first)."""
         ctx = self.ctx
+        if ctx.peers is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"a {ctx.config.role} worker writes no KV")
         try:
             key = await ctx.peers.capability_key(res.decode_worker_id, res.decode_instance_nonce)
         except PeerNotFound as exc:

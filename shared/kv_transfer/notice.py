@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields
 
 MAGIC = b"duet1:"
 MAC_BYTES = 16
+_TYPES = {"int": int, "str": str}  # what each field sent must be (the annotations, as strings)
 
 
 @dataclass(frozen=True)
@@ -61,8 +62,12 @@ class TransferNotice:
             values = json.loads(raw[len(MAGIC):])
             values.pop("key", None)
             notice = cls(**values)
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, AttributeError):
             return None
+        for f in fields(notice):  # wrong types are refused here, never met by the reader
+            value = getattr(notice, f.name)
+            if f.name != "key" and (not isinstance(value, _TYPES[f.type]) or isinstance(value, bool)):
+                return None
         if notice.kind not in ("done", "declined", "abort"):
             return None
         return notice
