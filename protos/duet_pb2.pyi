@@ -171,7 +171,7 @@ class ReleaseReply(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_tokens", "max_tokens", "prefill_worker_id", "timeout_ms", "n", "prompt_token_ids")
+    __slots__ = ("request_id", "prompt_tokens", "max_tokens", "prefill_worker_id", "timeout_ms", "n", "prompt_token_ids", "request_group")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +179,7 @@ class ReserveRequest(_message.Message):
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_GROUP_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_tokens: int
     max_tokens: int
@@ -186,7 +187,8 @@ class ReserveRequest(_message.Message):
     timeout_ms: int
     n: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., prefill_worker_id: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., n: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    request_group: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., prefill_worker_id: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., n: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., request_group: _Optional[str] = ...) -> None: ...
 
 class RankPages(_message.Message):
     __slots__ = ("rank", "agent_name", "page_ids")

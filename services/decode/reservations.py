@@ -62,6 +62,7 @@ class Reservation:
     prompt_tokens: int
     trail: list[tuple[ReservationState, float]]  # every state entered, with its clock time; the last is now's
     held_pages: int = 0  # leading prompt pages this worker already held (the writer skips them)
+    group: str = ""  # the client request it came from (fair turns: reserve_queue.py)
     secret: bytes = b""  # its capability's secret: the key of every notice's MAC
     expires: float | None = None  # the end of its capability's lifetime (RESERVED's deadline)
     deadline: float | None = None  # when the current state expires (a DEADLINE move); None: never
@@ -124,7 +125,8 @@ class ReservationBook:
 
     # -- admission --------------------------------------------------------------------------
     def try_reserve(self, request_id: str, prompt_tokens: int, max_tokens: int, writer_id: str,
-                    max_running: int, n: int = 1, prompt_ids: list[int] | None = None) -> Reservation | None:
+                    max_running: int, n: int = 1, prompt_ids: list[int] | None = None,
+                    group: str = "") -> Reservation | None:
         """n > 1: the request forks into n sequences sharing the prompt's pages. prompt_ids:
         the leading pages of it this worker holds are reused (page_ids then lists only the
         pages the writer fills, from `held_pages` on)."""
@@ -135,7 +137,8 @@ class ReservationBook:
             return None
         rid, now = next(self._ids), self.clock()
         res = Reservation(rid, self.generation, request_id, [], writer_id, prompt_tokens,
-                          trail=[(S.RESERVED, now)], secret=new_secret(), expires=now + self.ttl_s)
+                          trail=[(S.RESERVED, now)], group=group or request_id, secret=new_secret(),
+                          expires=now + self.ttl_s)
         res.deadline = res.expires
         kv = eng.reserve(res.key, prompt_tokens, prompt_ids)
         if kv is None:
@@ -159,6 +162,16 @@ class ReservationBook:
         per sequence, and pages for the prompt (at most: held pages need none) plus each
         sequence's first (each copies the prompt's last page and grows on its own)."""
         return n <= room.slots and self.engine.kv.pages_for(prompt_tokens) + n <= room.spare_pages
+
+    def pages_by_group(self) -> dict[str, int]:
+        """Pages each request group holds here: its running requests' and its reservations'."""
+        held: dict[str, int] = {}
+        for req in self.engine.scheduler.running:
+            group = req.request_group or req.out_rid
+            held[group] = held.get(group, 0) + len(req.page_ids)
+        for res in self.open.values():
+            held[res.group] = held.get(res.group, 0) + len(res.page_ids) + res.held_pages
+        return held
 
     def get(self, reservation_id: int, generation: int) -> Reservation | None:
         res = self.open.get(reservation_id)

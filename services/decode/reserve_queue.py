@@ -1,22 +1,31 @@
 """Reserve calls waiting for KV room on a decode worker, granted on the engine loop.
 
-Every tick grants every waiting call that fits, in arrival order: a small reservation is
-not held up by a bigger one at the head that does not fit yet (no head-of-line blocking),
-and a burst that fits is granted in one tick, not one call per engine step. So that the big
-one is not starved by a stream of small ones, aging stops the passing: once a call that
-does not fit has waited `aging_s`, nobody behind it is granted until it is, and the pages
-freed meanwhile accumulate for it.
+Every tick grants every waiting call that fits: a small reservation is not held up by a
+bigger one that does not fit yet (no head-of-line blocking), and a burst that fits is
+granted in one tick, not one call per engine step. The calls take turns by request group
+(the client request they came from: a prompt list's prompts are one group), round robin,
+oldest first within a group, so another client's one Reserve is granted with the next
+pages freed, not after every Reserve a prompt list queued ahead of it. So that a big call is
+not starved by a stream of small ones, aging stops the passing: once a call that does not
+fit has waited `aging_s`, nobody after it in that order is granted, and its group, served
+least recently, comes first from then on: the pages freed accumulate for it. And the last
+sixteenth of the pool goes only to groups holding less than their share of it counting one
+group more: prompt lists that fill the pool between them (their requests hold their pages
+until they finish, minutes on a slow machine) leave another client the pages to start.
 
 Runs on the engine-loop thread (add, withdraw, tick); a grant wakes its RPC through the
 callback the call gave (thread-safe). The RPC's own deadline is its business: it withdraws
 its wait, and a grant it will never take is freed at once (no writer was told of it)."""
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.decode.reservations import Reservation, ReservationBook
+
+NEWCOMER_ROOM = 16  # 1/16 of the pool is kept for groups holding little of it
 
 
 @dataclass(eq=False)
@@ -28,6 +37,7 @@ class ReserveWait:
     n: int
     prompt_ids: list[int] | None
     on_grant: Callable[[Reservation | None], None]  # on the loop thread (hand off thread-safely); None: never
+    group: str = ""  # the client request it came from: calls take turns by group
     since: float = 0.0  # when it started waiting (the queue's clock)
     granted: Reservation | None = field(default=None, repr=False)
 
@@ -40,6 +50,8 @@ class ReserveQueue:
         self.aging_s = aging_s
         self.clock = clock
         self.waiting: list[ReserveWait] = []  # arrival order
+        self._served: dict[str, int] = {}  # group -> when a call of it was last granted
+        self._turns = itertools.count()
 
     def __len__(self) -> int:
         return len(self.waiting)
@@ -71,18 +83,44 @@ class ReserveQueue:
         self._refuse_dropped()
         now, book = self.clock(), self.book
         room = book.room(self.max_running)
-        for wait in list(self.waiting):
+        if not book.fits(room, 1, 1):
+            return False  # not even the smallest call fits: no need to order them
+        held = book.pages_by_group()
+        share = book.engine.kv.capacity / (len(set(held) | {w.group for w in self.waiting}) + 1)
+        for wait in self._turn_order():
             if room.slots <= 0:
                 break  # nothing fits without a batch slot
-            if book.fits(room, wait.prompt_tokens, wait.n):
+            need = book.engine.kv.pages_for(wait.prompt_tokens) + wait.n
+            if book.fits(room, wait.prompt_tokens, wait.n) and self._room_left(room, need, held.get(wait.group, 0),
+                                                                               share):
                 res = book.try_reserve(wait.request_id, wait.prompt_tokens, wait.max_tokens, wait.writer_id,
-                                       self.max_running, wait.n, wait.prompt_ids)
+                                       self.max_running, wait.n, wait.prompt_ids, wait.group)
                 if res is not None:
                     self.waiting.remove(wait)
                     wait.granted = res
+                    self._served[wait.group] = next(self._turns)
+                    held[wait.group] = held.get(wait.group, 0) + need
                     wait.on_grant(res)
                     room = book.room(self.max_running)
                     continue
             if now - wait.since >= self.aging_s:
                 break  # it has waited long enough: the room freed from now on is its
+        if len(self._served) > 4 * (len(self.waiting) + 1024):  # forget groups long gone
+            waiting = {w.group for w in self.waiting}
+            self._served = {g: t for g, t in self._served.items() if g in waiting}
         return False
+
+    def _room_left(self, room, need: int, held: int, share: float) -> bool:
+        """Whether a call of a group holding `held` pages may take `need` more: into the pool's
+        last sixteenth only while the group holds less than its share."""
+        return held + need <= share or room.spare_pages - need >= self.book.engine.kv.capacity // NEWCOMER_ROOM
+
+    def _turn_order(self) -> list[ReserveWait]:
+        """Round robin over the groups: each group's first call, the group granted least
+        recently first (never: first of all), then each group's second, and so on."""
+        position: dict[str, int] = {}
+        keyed = []
+        for wait in self.waiting:  # arrival order
+            k = position[wait.group] = position.get(wait.group, -1) + 1
+            keyed.append(((k, self._served.get(wait.group, -1), wait.since), wait))
+        return [wait for _, wait in sorted(keyed, key=lambda kw: kw[0])]

@@ -65,7 +65,7 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
         with ctx.span("reserve", context, request_id=request.request_id) as span:
             res = await self._wait_for_room(ReserveWait(
                 request.request_id, request.prompt_tokens, request.max_tokens, request.prefill_worker_id, n,
-                prompt_ids, on_grant=None), wait_s, context)
+                prompt_ids, on_grant=None, group=request.request_group or request.request_id), wait_s, context)
             span.set_attribute("duet.held_tokens", res.held_pages * ctx.page_size)
             await self._until_ready(res)
         # the writer checks the held pages' hashes against its prompt before skipping them
@@ -241,7 +241,8 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
             notice = res.notice
             if notice is not None and notice.kind == "done" and notice.first_token_id == first:
                 book.consume(res)
-                ctx.engine.add_prefilled(res.key, prompt, firsts, params, seed=None, rid=rid)
+                ctx.engine.add_prefilled(res.key, prompt, firsts, params, seed=None, rid=rid,
+                                         request_group=request.request_group)
                 mode = "transfer"
             else:
                 if not ctx.config.recompute_on_missing_kv:

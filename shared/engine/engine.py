@@ -301,16 +301,19 @@ class Engine:
         return self.kv.cancel_reservation(reservation_id)
 
     def add_prefilled(self, reservation_id: str, prompt_ids: list[int], first_token: int | list[int],
-                      params: SamplingParams, seed: int | None, rid: str | None = None) -> str:
+                      params: SamplingParams, seed: int | None, rid: str | None = None,
+                      request_group: str = "") -> str:
         """Decode side: join a request whose prompt KV landed in the reserved pages. For
         n > 1, first_token lists every sequence's first token (sampled by prefill): the
-        sequences fork from the transferred pages (sequence_group.py)."""
+        sequences fork from the transferred pages (sequence_group.py). request_group: as
+        add_request's."""
         if seed is not None:
             params.seed = seed
         firsts = list(first_token) if isinstance(first_token, (list, tuple)) else [first_token]
         if len(firsts) != params.n:
             raise ValueError(f"{len(firsts)} first tokens for n={params.n}")
         req = self._make_req(prompt_ids, params, rid, False)
+        req.request_group = request_group
         res = self.kv.take_reservation(reservation_id)
         req.page_ids = res.page_ids
         req.num_tree_pages, req.prefix_node = len(res.held_pages), res.node

@@ -13,7 +13,8 @@ services/decode/reserve_queue.py).
   own wait is capped by the worker's --reserve-timeout whatever its timeout_ms says.
 * A 1-page Reserve is granted past a 500-page one that waits for room; once the big one
   has waited --reserve-aging, smaller ones stop passing it, and it is granted as soon as
-  room exists."""
+  room exists. Waiting Reserves take turns by request group: another client's one is
+  granted with the next pages freed, not after the ones a prompt list queued before it."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -132,33 +133,98 @@ def test_an_unclaimed_reservation_is_freed_by_its_deadline_whatever_the_caller_a
     stack.kill("decode-ttl", 15)
 
 
-def test_a_small_reserve_passes_a_waiting_big_one_until_the_big_one_has_aged(stack):
-    aging_s = 3.0
-    stack.add_worker("decode", "decode-q", extra=["--kv-cache-memory", "400M", "--reserve-aging", str(aging_s),
+AGING_S = 3.0
+
+
+@pytest.fixture(scope="module")
+def decode_q(stack):
+    """A decode worker with room for a 500-page reservation and a short aging time."""
+    stack.add_worker("decode", "decode-q", extra=["--kv-cache-memory", "400M", "--reserve-aging", str(AGING_S),
                                                   "--reserve-timeout", "60"])
     stack.wait_registered(["decode-q"])
-    entry = stack.workers()["decode-q"]
+    return stack.workers()["decode-q"]
+
+
+def cancel(stub, res) -> None:
+    stub.Cancel(duet_pb2.CancelRequest(reservation_id=res.reservation_id, generation=res.generation,
+                                       prefill_not_sent=True), timeout=10)
+
+
+def test_a_small_reserve_passes_a_waiting_big_one_until_the_big_one_has_aged(stack, decode_q):
+    aging_s = AGING_S
+    entry = decode_q
     pages = int(entry["load_total_pages"])
     assert 520 < pages < 600, pages  # 500 pages fit the pool, and a prompt of them the context
     with grpc.insecure_channel(entry["address"]) as channel, concurrent.futures.ThreadPoolExecutor(2) as pool:
         stub = duet_pb2_grpc.DecodeStub(channel)
-
-        def cancel(res):
-            stub.Cancel(duet_pb2.CancelRequest(reservation_id=res.reservation_id, generation=res.generation,
-                                               prefill_not_sent=True), timeout=10)
         holder = reserve(stub, "holder", (pages - 100) * PAGE)  # ~100 pages stay free
         big = pool.submit(reserve, stub, "big", 500 * PAGE)
         time.sleep(0.5)
         assert not big.done()  # waiting for room
         small = reserve(stub, "small", PAGE)  # fits: granted past the big one
         assert len(small.ranks[0].page_ids) == 1 and not big.done()
-        cancel(small)
+        cancel(stub, small)
         time.sleep(aging_s + 0.5)  # the big one has aged
         with pytest.raises(grpc.RpcError) as info:  # it fits the free pages, but may not pass now
             reserve(stub, "small-after", PAGE, timeout_ms=1500)
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not big.done()
-        cancel(holder)  # room: the big one goes
+        cancel(stub, holder)  # room: the big one goes
         granted = big.result(timeout=60)
         assert len(granted.ranks[0].page_ids) == 500
-        cancel(granted)
+        cancel(stub, granted)
     stack.wait_idle(["decode-q"], timeout=30)
+
+
+def test_a_prompt_list_leaves_another_client_room_in_the_pool(stack, decode_q):
+    """One request group's Reserves may not take the pool's last sixteenth while the group
+    holds more than its share: its eleventh 50-page Reserve waits though 68 pages are free,
+    and another client's 40-page one is granted at once."""
+    pages = int(decode_q["load_total_pages"])
+    with grpc.insecure_channel(decode_q["address"]) as channel, concurrent.futures.ThreadPoolExecutor(2) as pool:
+        stub = duet_pb2_grpc.DecodeStub(channel)
+        listed = [reserve(stub, f"big-list-{i}", 50 * PAGE, request_group="big-list") for i in range(10)]
+        free = pages - 500
+        assert 51 <= free and free - 51 < pages // 16  # the eleventh fits, but into the last sixteenth
+        eleventh = pool.submit(reserve, stub, "big-list-10", 50 * PAGE, request_group="big-list")
+        time.sleep(0.5)
+        assert not eleventh.done()
+        other = reserve(stub, "another-client", 40 * PAGE, request_group="another-client")
+        assert len(other.ranks[0].page_ids) == 40 and not eleventh.done()
+        for res in listed + [other]:
+            cancel(stub, res)
+        cancel(stub, eleventh.result(timeout=30))
+    stack.wait_idle(["decode-q"], timeout=30)
+
+
+def test_waiting_reserves_take_turns_by_request_group(stack):
+    """A decode worker's three batch places are taken; six Reserves of one prompt list wait,
+    then one of another request. Each reservation cancelled frees one place: the list's first
+    gets the first, the other request the second (not the seventh)."""
+    stack.add_worker("decode", "decode-rr", extra=["--max-running-requests", "3", "--reserve-timeout", "60"])
+    stack.wait_registered(["decode-rr"])
+    entry = stack.workers()["decode-rr"]
+    with grpc.insecure_channel(entry["address"]) as channel, concurrent.futures.ThreadPoolExecutor(8) as pool:
+        stub = duet_pb2_grpc.DecodeStub(channel)
+        holders = [reserve(stub, f"hold-{i}", PAGE) for i in range(3)]
+        waits = {}
+        for i in range(6):
+            waits[f"list-{i}"] = pool.submit(reserve, stub, f"list-{i}", PAGE, request_group="the-list")
+            time.sleep(0.1)  # arrival order
+        waits["other"] = pool.submit(reserve, stub, "other", PAGE, request_group="another-client")
+        time.sleep(0.5)
+        assert not any(w.done() for w in waits.values())
+
+        def granted() -> set[str]:
+            return {name for name, w in waits.items() if w.done()}
+        cancel(stub, holders[0])
+        waits["list-0"].result(timeout=30)
+        time.sleep(0.3)
+        assert granted() == {"list-0"}
+        cancel(stub, holders[1])
+        waits["other"].result(timeout=30)
+        time.sleep(0.3)
+        assert granted() == {"list-0", "other"}
+        cancel(stub, holders[2])
+        for w in waits.values():  # each one cancelled lets the next in
+            cancel(stub, w.result(timeout=30))
+    stack.wait_idle(["decode-rr"], timeout=30)

@@ -4,9 +4,9 @@ decode over gRPC) and colocated (1 `both` worker).
 
 Two /v1/completions requests each carry a list of 512 prompts; another client's one-token
 request sent while they run is answered before the lists are half done: the gateway admits
-by tenant share, decode's Reserve queue grants what fits, and every engine takes waiting
-requests round robin across client requests, so it waits about one engine step, never the
-lists' turn. How long a step takes is this machine's business: the test compares with the
+by tenant share and keeps a newcomer a place in the batch and its share of the prefill
+budget, decode's Reserve queue and every engine take waiting work round robin across client
+requests, so it waits about an engine step or two, never the lists' turn. How long a step takes is this machine's business: the test compares with the
 lists' own progress, and reports the seconds."""
 from __future__ import annotations
 

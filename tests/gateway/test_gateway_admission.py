@@ -110,6 +110,31 @@ def test_a_full_prefill_budget_still_lets_each_tenant_its_share():
     asyncio.run(go())
 
 
+def test_two_prompt_lists_leave_a_newcomer_a_place_in_the_batch():
+    """The last sixteenth of the sequence budget is for tenants below their share counting
+    one more: two lists stop at 30 of 32 sequences, and a third client's request runs at once
+    instead of waiting for a list's sequence to finish."""
+    async def go():
+        q = AdmissionQueue(10, 10, 0, budget=lambda: Budget(sequences=32))
+        lists, waiting = [q.ticket(k) for k in ("list-a", "list-b")], []
+        for t in lists:
+            await t.acquire(Work(1, 10))
+        for _ in range(40):  # both lists' other prompts, sent together: they take turns
+            waiting += [asyncio.create_task(t.acquire_more(Work(1, 10))) for t in lists]
+        await asyncio.sleep(0.01)
+        assert q.running.sequences == 30 and sum(w.done() for w in waiting) == 28
+        victim = await asyncio.wait_for(q.ticket("victim").acquire(Work(1, 10)), 1)
+        assert q.running.sequences == 31
+        victim.release()
+        for t in lists:
+            t.release()
+        for w in waiting:
+            w.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+        assert (q.running.sequences, q._tenants) == (0, {})
+    asyncio.run(go())
+
+
 def test_prompt_tokens_count_until_their_first_token():
     """The prefill budget: a unit's prompt counts from its grant to its first token, so the
     prefill workers' queue stays a couple of steps long and the order is decided here."""

@@ -251,7 +251,7 @@ class GrpcBackend:
             state.reservation = await decode.Reserve(duet_pb2.ReserveRequest(
                 request_id=request.request_id, prompt_tokens=len(request.prompt_token_ids),
                 max_tokens=request.sampling.max_tokens, prefill_worker_id=route.prefill.worker_id,
-                timeout_ms=self.config.reserve_timeout_ms, n=request.sampling.n,
+                timeout_ms=self.config.reserve_timeout_ms, n=request.sampling.n, request_group=request.group,
                 prompt_token_ids=request.prompt_token_ids),  # decode reuses what it holds of it
                 metadata=metadata, timeout=self.config.rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:

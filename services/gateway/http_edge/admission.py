@@ -11,6 +11,9 @@ can never fit a worker was refused with a 400 before). The prefill budget is sha
 is full, a tenant holding less than its share of it (the budget over the tenants with work
 running or waiting) still gets a unit through, so a newcomer's prompt reaches the workers at
 once (their engines take turns by request) instead of after a prompt list's prompts drain.
+Likewise the last sixteenth of the sequence budget is kept for tenants holding less than
+their share of it counting one tenant more: prompt lists that fill the batch between them
+leave a newcomer a place in it, which they could otherwise hold for minutes.
 
 Fairness: waiting units are served by tenant (an API key, else the request itself), the
 tenant with the smallest dominant share of the running work first (its sequences or tokens
@@ -44,6 +47,9 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+
+NEWCOMER_ROOM = 16  # 1/16 of the sequence budget is kept for tenants with little running
 
 
 class AdmissionRefused(Exception):
@@ -150,12 +156,20 @@ class AdmissionQueue:
         return max(seqs, toks)
 
     def _fits_budget(self, work: Work, budget: Budget, tenant: str, tenants: int) -> bool:
-        """tenants: how many have work running or waiting (the prefill budget's fair share)."""
+        """tenants: how many have work running or waiting (the fair shares)."""
         run = self.running
         if run.sequences == 0:
             return True  # alone, a unit always runs
-        if budget.sequences and run.sequences + work.sequences > budget.sequences:
-            return False
+        mine = self._tenants.get(tenant) or _Share()
+        if budget.sequences:
+            total = run.sequences + work.sequences
+            if total > budget.sequences:
+                return False
+            # the last sixteenth of the batch is kept for tenants below their share counting one
+            # more (a newcomer): two prompt lists cannot fill the batch ahead of a third client
+            if total > budget.sequences - budget.sequences // NEWCOMER_ROOM \
+                    and mine.sequences + work.sequences > budget.sequences / (tenants + 1):
+                return False
         if budget.tokens and run.tokens + work.tokens > budget.tokens:
             return False
         if not budget.prefill_tokens or not run.prefill_tokens \
@@ -164,9 +178,7 @@ class AdmissionQueue:
         # the budget is full, but each tenant is owed its share of it: a newcomer's prompt goes to
         # the workers now (their engines take turns by request) instead of after the bulk's
         # prompts drain; what this lets through stays below another prefill budget in all
-        mine = self._tenants.get(tenant)
-        held = mine.prefill_tokens if mine is not None else 0
-        return held + work.prompt_tokens <= budget.prefill_tokens / max(tenants, 1)
+        return mine.prefill_tokens + work.prompt_tokens <= budget.prefill_tokens / max(tenants, 1)
 
     def request_bound(self, budget: Budget) -> int:
         """Sequences one request may run at once (0: no bound beyond the budget)."""
