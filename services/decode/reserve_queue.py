@@ -91,8 +91,8 @@ class ReserveQueue:
             if room.slots <= 0:
                 break  # nothing fits without a batch slot
             need = book.engine.kv.pages_for(wait.prompt_tokens) + wait.n
-            if book.fits(room, wait.prompt_tokens, wait.n) and self._room_left(room, need, held.get(wait.group, 0),
-                                                                               share):
+            fits = book.fits(room, wait.prompt_tokens, wait.n)
+            if fits and self._room_left(room, need, held.get(wait.group, 0), share):
                 res = book.try_reserve(wait.request_id, wait.prompt_tokens, wait.max_tokens, wait.writer_id,
                                        self.max_running, wait.n, wait.prompt_ids, wait.group)
                 if res is not None:
@@ -103,8 +103,9 @@ class ReserveQueue:
                     wait.on_grant(res)
                     room = book.room(self.max_running)
                     continue
-            if now - wait.since >= self.aging_s:
-                break  # it has waited long enough: the room freed from now on is its
+            if not fits and now - wait.since >= self.aging_s:
+                break  # it has waited long enough: the room freed from now on is its (a group over
+                # its share kept out of the newcomers' room waits without holding up anyone)
         if len(self._served) > 4 * (len(self.waiting) + 1024):  # forget groups long gone
             waiting = {w.group for w in self.waiting}
             self._served = {g: t for g, t in self._served.items() if g in waiting}

@@ -101,9 +101,10 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
         except BaseException:  # the caller left
             ctx.loop.call(lambda: ctx.reserve_queue.withdraw(wait))
             raise
-        if res is None:
-            await context.abort(grpc.StatusCode.ABORTED, f"request {wait.request_id} was cancelled before its "
-                                                         "reservation was made")
+        if res is None:  # a refusal like no room: decode holds nothing for it
+            ctx.metrics.request_finished("Reserve", grpc.StatusCode.RESOURCE_EXHAUSTED)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"request {wait.request_id} was cancelled "
+                                                                    "before its reservation was made")
         return res
 
     async def _until_ready(self, res) -> None:

@@ -34,7 +34,6 @@ def test_the_setting_has_a_short_default_and_reaches_the_router():
 def test_phantom_routes_stop_counting_after_the_ttl(redis_server):
     async def scenario():
         async with Cluster(redis_server.url) as c:
-            c.server.service.inflight.ttl_s = 0.5
             await c.add(worker("p1", "prefill"))
             await c.add(worker("d1", "decode"))
             await c.wait_live("p1", "d1")
@@ -42,6 +41,7 @@ def test_phantom_routes_stop_counting_after_the_ttl(redis_server):
                 await c.route(request_id=f"phantom-{i}")
             loads = c.server.service.inflight.per_worker()
             assert loads["d1"].decode_requests == 200 and len(c.server.service.inflight) == 200
+            c.server.service.inflight.ttl_s = 0.5  # as --inflight-ttl 0.5 would have it
             await asyncio.sleep(0.6)
             assert len(c.server.service.inflight) == 0  # the gauge no longer counts them
             await c.route(request_id="real")  # the next Route drops them
