@@ -34,8 +34,8 @@ def test_the_setting_has_a_short_default_and_reaches_the_router():
 def test_phantom_routes_stop_counting_after_the_ttl(redis_server):
     async def scenario():
         async with Cluster(redis_server.url) as c:
-            await c.add(worker("p1", "prefill"))
-            await c.add(worker("d1", "decode"))
+            for role in ("prefill", "decode"):  # one pair: every route loads d1
+                await c.add(worker(f"{role[0]}1", role))
             await c.wait_live("p1", "d1")
             for i in range(200):  # routed, never released
                 await c.route(request_id=f"phantom-{i}")
