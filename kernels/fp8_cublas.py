@@ -5,9 +5,8 @@ Where it applies, fp8_linear sends the W8A8 products of MIN_ROWS rows or more (p
 decode batches) here instead of the Triton W8A8 GEMM (kernels/triton_fp8_gemm.py), as vLLM sends
 them to CUTLASS's block-scaled kernel: the library's kernel overlaps each K step's scaling with the
 next step's MMAs (warp-specialised consumers), which a Triton kernel without warp specialisation
-cannot. H200, Qwen3-8B's linears: 79-91% of the FP8 peak at 8192 rows against Triton's 49-58%;
-in CUDA graphs 1.05-1.4x Triton's speed at 128 and 256 rows and level at 64; the 8B decode step
-at B=128 7% faster, at B=64 4% slower (loadtest/bench/GPU_NOTES.md). The Triton GEMM stays the
+cannot: at prefill sizes it runs near the FP8 peak where Triton's stays near half of it, and in
+CUDA graphs it is ahead from 128 rows and level at 64 (docs/performance/fp8.md). The Triton GEMM stays the
 route everywhere else: fewer rows, fp16 or fp32 activations (the probe checks bf16), weights whose
 scale rows are not the plain 128-row block map (a stacked part or a tensor-parallel shard starting
 inside a block, per-channel scales) or whose shape the layout check refuses, torch builds or GPUs
@@ -24,9 +23,8 @@ import torch
 from kernels.fp8 import FP8_DTYPE, Fp8Weight
 
 BLOCK = 128
-# rows from which the route is taken: in CUDA graphs (decode batches) the library is level with
-# the Triton GEMM at 64 rows (ahead on 1 of Qwen3-8B's 4 linears; the step 4% slower) and ahead
-# from 128 (all four; the step 7% faster)
+# rows from which the route is taken: in CUDA graphs (decode batches) the library is only level
+# with the Triton GEMM at 64 rows and ahead on every linear from 128
 MIN_ROWS = 128
 
 

@@ -2,24 +2,20 @@
 
 A decode step's linears are a read of the weights. The W8A16 small-batch kernel
 (kernels/small_batch_linear.py) widens every FP8 weight in registers (e4m3 -> fp16 -> fp32,
-then an FMA), and on an H100 that widening, not the bytes, set its pace: Qwen3-8B's four
-linears at one row took 99.6 us a layer against 79.7 for a kernel that only sums the raw
-bytes (loadtest/bench/fp8_decode_linear_probe.py). This kernel widens nothing: each K step
-quantizes x's slice to FP8 (per row per group of 128 columns, the prefill's recipe, as SGLang
-and vLLM run block-FP8 models at every batch size), and the FP8 tensor cores take the weight
-tile as the MMA's M side ("swap AB": 64 or 128 weight rows against x's rows padded to 16),
-each step's dot promoted with both scales (triton_fp8_decode_gemm.py). As a decode step calls
-them (`fp8_decode_linear_probe --engine`, H100): 94.6 us a layer at 8 rows against the small-batch
-kernel's 104-111, 110.7 at 32 against 117-119, at one row level with its tuned tiles (PDL). Each
-K step quantizes x's tile in every program, work that grows with the rows: at 64 rows it lost
-(gate/up 84 us against 51 at 32), so past 32 the M-tiled W8A8 GEMM takes over. From 17 rows
-(PREQUANT_MIN_M) a small kernel quantizes x once before the GEMM and the programs read FP8 x: the
-same values (the same _quantize_rows), 112.9 -> 102.7 us a layer at 32 rows; at 8 rows the extra
-launch costs more than it saves. Where the RMSNorm before qkv and gate/up can write its output in
+then an FMA), and that widening, not the bytes, sets its pace once there is more than one row.
+This kernel widens nothing: each K step quantizes x's slice to FP8 (per row per group of 128
+columns, the prefill's recipe, as SGLang and vLLM run block-FP8 models at every batch size), and
+the FP8 tensor cores take the weight tile as the MMA's M side ("swap AB": 64 or 128 weight rows
+against x's rows padded to 16), each step's dot promoted with both scales
+(triton_fp8_decode_gemm.py). So it beats the small-batch kernel from 2 to 32 rows, and is level
+with its tuned tiles at one row. Each K step quantizes x's tile in every program, work that grows
+with the rows, so past 32 the M-tiled W8A8 GEMM takes over. From PREQUANT_MIN_M rows a small
+kernel quantizes x once before the GEMM and the programs read FP8 x (the same values, the same
+_quantize_rows); below it the extra launch costs more than it saves. Where the RMSNorm before qkv and gate/up can write its output in
 FP8 (kernels.rms_norm.rms_norm_fp8_rows, from FUSED_QUANT_MIN_M rows), the GEMM takes those bytes
 and scales (x_fp8) and neither quantizes nor launches anything for x: the same values, the same
 output to the bit. kernels/fp8_linear.py sends it 2..32 rows, and one row of a shape the
-small-batch sweep did not tune.
+small-batch sweep did not tune. Figures: docs/performance/fp8.md.
 
 Numerics are W8A8's (fp8_decode_reference): the activation rounding the small-batch kernel
 avoided, the same as the prefill path's. Needs Hopper (FP8 MMA and TMA) or Triton's interpreter;
@@ -37,20 +33,18 @@ import torch
 from kernels.fp8 import ACT_EPS, ACT_GROUP, FP8_DTYPE, FP8_MAX, Fp8Rows, Fp8Weight
 
 # past 32 rows the M-tiled W8A8 GEMM (cuBLAS from 128) takes over: every program quantizes x's
-# whole tile each K step, work that grows with the rows (gate/up at 64 rows: 84 us, vs 51 at 32)
+# whole tile each K step, work that grows with the rows until it outweighs the weight's bytes
 FP8_DECODE_MAX_M = 32
 
 _GROUPS = (32, 64, 128)  # activation groups the K step can be (an FP8 dot takes K >= 32)
 # From this many rows x is quantized once by its own kernel before the GEMM (Fp8DecodeConfig.
-# prequant): H100, Qwen3-8B's linears at 32 rows 112.9 -> 102.7 us a layer, at 8 rows 94-96 ->
-# 98 (`fp8_decode_linear_probe --engine --m 8,32`, kernels/NOTES.md). 33: never (the bench's before)
+# prequant): at 32 rows per-program quantization is as much work a K step as the weight tile it
+# multiplies; at 8 the extra launch outweighs it. 33: never
 PREQUANT_MIN_M = 17
 # From this many rows the RMSNorm before qkv and gate/up writes x in FP8 for the decode GEMM
 # (kernels.rms_norm.rms_norm_fp8_rows), which then neither quantizes x per K step nor launches
-# the quantization kernel above. H100, 8B decode step against the GEMM quantizing x
-# (`fp8_device --sections ceilings,fp8_norm_quant`, kernels/NOTES.md): with PDL on one row, from 2
-# rows B=2/8/16 1.01x, B=32 1.02x; with PDL to 32 rows (now the default) from 2 rows B=2/8/16
-# 1.002/0.998/0.994, from 17 1.001/1.003/1.002, B=32 1.03x either way: from 17. 33: never
+# the quantization kernel above. Below 17 rows PDL already overlaps the quantization launches and
+# the norm's FP8 write costs about what it saves (docs/performance/fp8.md). 33: never
 FUSED_QUANT_MIN_M = 17
 
 
@@ -70,8 +64,8 @@ class Fp8DecodeConfig:
 
 def decode_config(m: int, n_rows: int, k: int, num_sms: int, gate_up: bool, group: int,
                   device: torch.device) -> Fp8DecodeConfig:
-    """Tilings from the H100 sweeps of fp8_decode_linear_probe --engine (Qwen3-8B's linears as a
-    decode step calls them, kernels/NOTES.md): 3 stages; 64-row tiles from 2 to 16 rows and for
+    """Tilings from a sweep of Qwen3-8B's linears as a decode step calls them (they hold on Hopper
+    GPUs of either memory, docs/performance/fp8.md): 3 stages; 64-row tiles from 2 to 16 rows and for
     the wide gate/up weight, 128 otherwise; 8 warps past 16 rows but for gate/up and the long-K
     down; K splits for about two programs an SM (four on 64-row tiles but gate/up's). From
     PREQUANT_MIN_M rows x is quantized before the GEMM, on 64-row tiles, 4 warps and stages, about

@@ -10,7 +10,7 @@ Three paths, picked by the number of rows, as SGLang and vLLM do:
   One row of a shape the small-batch sweep tuned, and elsewhere (other GPUs, a group the kernel
   cannot step by, --fp8-decode-gemm off) up to 32 rows: the split-K small-batch kernel
   (kernels/small_batch_linear.py), which widens each FP8 weight in registers (W8A16, no
-  activation rounding; as fast at one row with its tuned tiles, slower from 2: kernels/NOTES.md).
+  activation rounding; as fast at one row with its tuned tiles, slower from 2).
 - larger M (prefill, big decode batches): activations quantized per token per group of 128
   columns (one launch), then a W8A8 GEMM on the FP8 tensor cores with the scales applied
   per K step (triton_fp8_gemm.py), DeepSeek-V3's recipe; from 128 rows, on weights in the plain
@@ -58,8 +58,8 @@ class Fp8GemmConfig:
 
 
 def gemm_config(m: int, n: int, block_k: int, device: torch.device) -> Fp8GemmConfig:
-    """Tilings from the H200 runs of loadtest/bench/fp8_sections.py fp8_gemm (Qwen3-8B's
-    linears, kernels/NOTES.md): TMA tiles throughout; long prefills 128 x 128 with 8 warps,
+    """Tilings from a sweep over Qwen3-8B's linears (docs/performance/fp8.md): TMA tiles
+    throughout; long prefills 128 x 128 with 8 warps,
     3 stages and K steps in pairs; 33..64 rows narrow N tiles (64 columns, 6 stages; 32 with
     pairs for 4096-wide outputs) so an output still has 64-128 programs for 132 SMs. Small
     tiles in the interpreter."""
@@ -224,9 +224,9 @@ def _decode_gemm_takes(x: torch.Tensor, w: Fp8Weight, workspace, gate_up: bool =
     """Whether x goes through the decode GEMM: the engine's --fp8-decode-gemm (carried by the
     layers' workspace; on without one), a size and weight the kernel runs here (on_hopper: would
     run on Hopper, for the CPU's references), and past one row, or at one row where the
-    small-batch kernel has no tuned tiling for the shape (its heuristic tiles made Qwen3-8B's
-    TP=2 shards 1.46x slower at batch 1 than TP=1's tuned ones; an H100 and an H200 read the
-    same FP8 table, and the references read it too)."""
+    small-batch kernel has no tuned tiling for the shape (its heuristic tiles are far slower at
+    one row, e.g. on tensor-parallel shards, where the decode GEMM's tiles follow a rule; every
+    Hopper GPU reads the same FP8 table, and the references read it too)."""
     if workspace is not None and not workspace.fp8_decode_gemm:
         return False
     if not (fp8_decode_shape_ok(x, w) if on_hopper else fp8_decode_supported(x, w)):

@@ -107,8 +107,8 @@ def fused_moe_fp8(x: torch.Tensor, w13: Fp8Weight, w2: Fp8Weight, topk_weights: 
 def fp8_decode_tile(tile: DecodeTile, group_k: int) -> DecodeTile:
     """The experts kernel's K tiles as given where each lies inside one scale group or spans
     whole groups (the kernel sums those group by group), else narrowed until one divides the
-    group. (Narrowing every tile to the group made Qwen3-30B-A3B's gate/up tiles 4 KB and its
-    down tiles 2 KB of FP8 at one token: kernels/NOTES.md.)"""
+    group. (Narrowing every tile to the group would leave a program too few bytes in flight at
+    one token: Qwen3-30B-A3B's gate/up tiles 4 KB, its down tiles 2 KB of FP8.)"""
     def fit(k):
         if k % group_k == 0 and (k // group_k) & (k // group_k - 1) == 0:
             return k

@@ -1,7 +1,7 @@
 """Tile sizes for the fused MoE GEMMs, by token count, as SGLang and vLLM keep per-shape
-tables. TUNED holds what a device sweep (`python3 -m loadtest.bench.moe_kernel --sweep`)
-measured best, keyed by (experts, hidden, expert intermediate, top_k, dtype name) and then
-by token-count bucket; `heuristic` covers every other shape."""
+tables. TUNED holds what a device sweep measured best (docs/performance/kernels.md), keyed by
+(experts, hidden, expert intermediate, top_k, dtype name) and then by token-count bucket;
+`heuristic` covers every other shape."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,8 +34,7 @@ def _t(bm, bn, bk, g, w, st):
     return GemmTile(bm, bn, bk, g, w, st)
 
 
-# (experts, hidden, intermediate, top_k, dtype) -> {bucket: MoEConfig}, from
-# `python3 -m loadtest.bench.moe_kernel --sweep` on an H200 (2026-11-22); grid in that file
+# (experts, hidden, intermediate, top_k, dtype) -> {bucket: MoEConfig}, from the sweep on one GPU
 TUNED: dict[tuple, dict[int, MoEConfig]] = {
     (128, 2048, 768, 8, "bfloat16"): {  # Qwen3-30B-A3B
         1: MoEConfig(_t(16, 64, 128, 1, 4, 4), _t(16, 64, 128, 1, 4, 3)),

@@ -2,8 +2,8 @@
 
 At decode sizes (a few tokens) the grouped-GEMM path (kernels/fused_moe.py) is seven
 launches: a router GEMM, the top-k, the single-program expert sort, two GEMMs and the top-k
-sum, each a short kernel whose ramp, DRAM latency and tail weigh against ~17 us of expert
-bytes per layer (Qwen3-30B-A3B, one token). Here two:
+sum, each a short kernel whose ramp, DRAM latency and tail weigh against a layer's expert
+bytes (Qwen3-30B-A3B at one token: eight experts, 75 MB in bf16). Here two:
   1. route: router logits and top-k; programs over (token, block of experts), the last
      to finish a token routes it;
   2. experts: gate/up with SiLU-and-mul per (pair, column block), no sort or padding, and
@@ -30,20 +30,19 @@ from kernels.fused_moe import _check, fused_moe_reference, select_experts_refere
 
 @dataclass(frozen=True)
 class DecodeTile:
-    """Defaults: from `python3 -m loadtest.bench.moe_decode --tiles` on an H200 for the
-    Qwen3-30B-A3B shape at 1-4 tokens, the gate/up tile confirmed in the engine's decode step
-    (`python3 -m loadtest.bench.pdl --model qwen3-30b-a3b --only 2,8,9`: 32x256 took batch 1
-    from 3.121 to 2.991 ms with overlap, batch 2 from 4.514 to 4.321); the router's top-k by
-    sort on one warp from `--only 2,7,10,11` (kernels/NOTES.md)."""
+    """Defaults: a tile sweep of the Qwen3-30B-A3B shape at 1-4 tokens, the gate/up tile checked in
+    the engine's decode step; the router ranks its experts by one sort on one warp, which needs
+    no shared-memory barrier where k rounds of max + argmax across warps need two each
+    (docs/performance/kernels.md)."""
     router_block_e: int = 2
     router_block_k: int = 2048
-    router_warps: int = 1  # with the sort: B=1 3.484 -> 3.151 ms plain, 2.995 -> 2.958 with overlap
+    router_warps: int = 1  # the sort on one warp: no barrier between warps
     router_sort: bool = True  # top-k by one sort of packed (probability, index) keys, not k argmax rounds
     gate_up_block_n: int = 32
     gate_up_block_k: int = 256  # a gate/up program's K chunk (partial sums added by the last)
     down_block_n: int = 16
     down_block_k: int = 256  # the down tile's width along I (its first tile loads before the wait)
-    warps: int = 2  # of the experts kernel (2 vs 4: batch 2 4.254 vs 4.309 ms, batch 1 the same)
+    warps: int = 2  # of the experts kernel (as fast as 4 at one token, faster at two)
 
 
 def moe_decode_reference(x, router_w, w13, w2, top_k: int, renormalize: bool, round_weights_to=None,

@@ -1,6 +1,6 @@
-"""Tilings for kernels.small_batch_linear: per-GPU tables of per-shape tilings (from
-`python3 -m loadtest.bench.small_batch_linear --sweep` on that GPU, as SGLang and vLLM keep
-per-device config files) and a heuristic for other shapes.
+"""Tilings for kernels.small_batch_linear: per-GPU tables of per-shape tilings (from a sweep on
+that GPU, as SGLang and vLLM keep per-device config files; docs/performance/kernels.md says how
+they were made and how to redo one) and a heuristic for other shapes.
 
 A config is looked up by the GPU (gpu_key: "H100", "H200", ...), the weight's shape (N rows,
 K columns; for the fused gate/up kernel N is 2I, the stacked weight's rows), whether it is
@@ -15,13 +15,11 @@ from dataclasses import dataclass
 
 M_BUCKETS = (1, 2, 4, 8, 16)
 MAX_M = M_BUCKETS[-1]
-# FP8 weights (W8A16) run here up to 32 rows: past 16 rows cuBLAS wins for 16-bit weights, but an
-# FP8 weight's alternative is quantizing the activations for the W8A8 GEMM; at 32 rows the two
-# are even (H200, an 8B layer's linears: 118 us tuned here, ~116 us W8A8 with its quantizations),
-# at 64 the x tiles this kernel re-reads from L2 for every N tile cost more than the weights
-# (loadtest/bench/fp8_sections.py fp8_gemm; kernels/NOTES.md). The whole 8B decode step agrees
-# (fp8_decode_8b_rows, H200): B=16 5.21 ms here against 5.64 with W8A8; B=32 6.09 against 5.98,
-# 2% that W8A16 keeps for its unrounded activations.
+# FP8 weights (W8A16) can run here up to 32 rows: past 16 rows cuBLAS wins for 16-bit weights, but
+# an FP8 weight's alternative is quantizing the activations for a W8A8 GEMM, which costs as much as
+# this kernel saves at 32 rows; at 64 the x tiles it re-reads from L2 for every N tile cost more
+# than the weights. (kernels/fp8_linear.py routes 2..32 rows to the FP8 decode GEMM where Hopper
+# runs it.)
 FP8_M_BUCKETS = M_BUCKETS + (32,)
 FP8_MAX_M = FP8_M_BUCKETS[-1]
 PARTIAL_FLOATS = 1 << 22  # split-K scratch a workspace holds by default (small_batch_linear.SmallBatchWorkspace)
@@ -69,13 +67,10 @@ def _c(block_n, block_k, split_k, num_warps=4, num_stages=3, use_dot=True, widen
     return SmallBatchConfig(block_n, block_k, split_k, num_warps, num_stages, use_dot, widen_f16)
 
 
-# From the device sweep (bf16, H100 SXM, 132 SMs, L2 cold; 2026-11-24:
-# `python3 -m loadtest.bench.small_batch_linear --sweep --models qwen3-8b --m 1,8`). At M=1 the
-# CUDA-core path with one stage wins on every Qwen3-8B shape (qkv 21.2 vs cuBLAS 22.4 us, o 15.0
-# vs 17.4, gate/up+SwiGLU 72.7 vs 78.7, down 39.6 vs 42.1, LM head 400.9 vs 440.1); other
-# buckets fall back to the heuristic. See kernels/NOTES.md.
+# The sweep's winners over cuBLAS, bf16, Qwen3-8B shapes (the GPU's own sweep, L2 cold): at M=1 the
+# CUDA-core path with one stage wins on every shape; other buckets fall back to the heuristic.
 TUNED_H100: dict[ShapeKey, dict[int, SmallBatchConfig]] = {
-    ShapeKey(6144, 4096): {1: _c(16, 256, 2, 4, 1, False)},  # qwen3-8b qkv (M=8: 23.7 vs cuBLAS 22.5 us)
+    ShapeKey(6144, 4096): {1: _c(16, 256, 2, 4, 1, False)},  # qwen3-8b qkv (M=8: cuBLAS wins)
     ShapeKey(4096, 4096): {1: _c(16, 256, 3, 4, 1, False), 8: _c(32, 256, 5, 4, 2, True)},  # qwen3-8b o
     ShapeKey(24576, 4096): {1: _c(16, 512, 1, 4, 1, False), 8: _c(32, 512, 1, 4, 3, True)},  # qwen3-8b gate_up
     ShapeKey(24576, 4096, True): {1: _c(16, 512, 1, 8, 1, False), 8: _c(32, 256, 1, 4, 3, True)},  # gate_up+SwiGLU
@@ -83,9 +78,7 @@ TUNED_H100: dict[ShapeKey, dict[int, SmallBatchConfig]] = {
     ShapeKey(151936, 4096): {1: _c(16, 512, 1, 8, 1, False), 8: _c(64, 256, 1, 4, 3, True)},  # qwen3-8b lm_head
 }
 
-# H200 (132 SMs), same command plus qwen3-30b-a3b, 2026-11-24: M=1 qkv 15.9 vs cuBLAS 17.7 us,
-# o 12.3 vs 13.6, gate/up+SwiGLU 52.2 vs 55.2, down 29.2 vs 32.5, LM head 280.5 vs 340.7;
-# 30B-A3B o 7.9 vs 9.8, LM head 142.6 vs 153.3 (its qkv lost: cuBLAS keeps it).
+# The same sweep on the other GPU, Qwen3-30B-A3B's shapes too (its qkv lost: cuBLAS keeps it).
 TUNED_H200: dict[ShapeKey, dict[int, SmallBatchConfig]] = {
     ShapeKey(6144, 4096): {1: _c(16, 256, 2, 4, 1, False)},  # qwen3-8b qkv
     ShapeKey(4096, 4096): {1: _c(16, 256, 2, 4, 1, False), 8: _c(32, 256, 5, 4, 2, True)},  # qwen3-8b o
@@ -101,19 +94,12 @@ TUNED_H200: dict[ShapeKey, dict[int, SmallBatchConfig]] = {
 TUNED: dict[str, dict[ShapeKey, dict[int, SmallBatchConfig]]] = {"H100": TUNED_H100, "H200": TUNED_H200}
 
 # FP8 weights (W8A16, kernels/fp8_linear.py) read half the bytes per tile row: their own tables,
-# from `python3 -m loadtest.bench.small_batch_linear --sweep --fp8` on that GPU. Every FP8
-# linear of <= 32 rows runs this kernel (there is no cuBLAS W8A16 to route to), so an entry is
-# the sweep's best whatever cuBLAS bf16 does. Buckets a table lacks run the heuristic
-# (512-byte rows, the tensor-core path).
-# H200, 2026-11-25, `--sweep --fp8 --models qwen3-8b,qwen3-30b-a3b --m 1,8` and `--m 16,32,64`
-# (L2 cold, FP8 bytes; cuBLAS on the bf16 weights beside): M=1 qkv 11.9 us (2109 GB/s; heuristic 23.9, cuBLAS bf16
-# 16.4), o 8.9 (27.4, 13.8), gate/up+SwiGLU 34.7 (81.0, 59.7), down 19.7 (72.2, 31.2): an 8B
-# layer's linears 75 us against 195 with the heuristic tiles; M=32 qkv 18.0 (cuBLAS bf16 16.6), o 13.9
-# (13.9), gate/up+SwiGLU 55.0 (59.7), down 31.3 (31.2). The LM head stays 16-bit (TUNED).
-# fp16 widening, 2026-11-26 (`--fp8 --fp8-before --fp8-dot-only --sweep --models qwen3-8b --m 1,32`):
-# gate/up+SwiGLU M=32 48.0 us against 55.6 widening to bf16; everywhere else it lost (M=32 qkv 19.0
-# vs 17.9, o 15.7 vs 14.0, down 37.1 vs 31.9; M=1 the tensor-core path's best 10-23% behind the
-# CUDA-core tiles above), so only that entry takes it.
+# from the sweep with FP8 weights. There is no cuBLAS W8A16 to route to, so an entry is the sweep's
+# best whatever cuBLAS bf16 does. Buckets a table lacks run the heuristic (512-byte rows, the
+# tensor-core path), whose tiles leave an FP8 layer's linears more than twice as slow at one row.
+# The LM head stays 16-bit (TUNED). Widening x and the weights to fp16 for the tensor cores pays
+# only where two weight tiles share a step's x scaling (the fused gate/up at 32 rows), so only
+# that entry takes it.
 TUNED_FP8_H200: dict[ShapeKey, dict[int, SmallBatchConfig]] = {
     ShapeKey(6144, 4096): {1: _c(16, 512, 2, 4, 1, False), 8: _c(64, 128, 6, 4, 3, True),
                            16: _c(64, 128, 6, 4, 3, True), 32: _c(64, 128, 6, 4, 2, True)},  # qwen3-8b qkv
@@ -134,10 +120,9 @@ TUNED_FP8_H200: dict[ShapeKey, dict[int, SmallBatchConfig]] = {
                           16: _c(64, 128, 8, 4, 3, True), 32: _c(16, 512, 4, 4, 2, True)},  # qwen3-30b-a3b router
 }
 
-# The H100 (same 132 SMs and L2, ~70% of the H200's bandwidth) reads the H200's FP8 sweep: the
-# 16-bit tables of the two GPUs agree on most shapes' M=1 tiles, and the H100's own FP8 sweep at
-# M=1 (2026-11-26, `--sweep --fp8 --models qwen3-8b --m 1`) picked the same four tilings (qkv 14.0,
-# o 10.5, gate/up+SwiGLU 43.5, down 23.8 us without PDL).
+# The H100 (the same SMs and L2, less bandwidth) reads the H200's FP8 table: the 16-bit tables of
+# the two GPUs agree on most shapes' one-row tiles, and the H100's own FP8 sweep at one row picked
+# the same tilings.
 TUNED_FP8: dict[str, dict[ShapeKey, dict[int, SmallBatchConfig]]] = {"H100": TUNED_FP8_H200, "H200": TUNED_FP8_H200}
 
 

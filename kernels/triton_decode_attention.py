@@ -32,20 +32,18 @@ from kernels.triton_pdl import pdl_enter, pdl_enter_late, pdl_release, prefetch_
 _LOG2E = 1.4426950408889634
 _MIN_TOKENS_PER_SPLIT = 128
 _MAX_SPLITS = 32
-# Under PDL, stage 1 asks L2 for its split's K/V while the kernel before runs (False: the
-# benchmarks' "before", loadtest/bench/fp8_pdl_sections.py fp8_attn_prefetch), on batches of up to
-# PDL_KV_PREFETCH_MAX_ROWS: at 32 rows that is every row's context, asked for while the kernel
-# before still reads its own bytes (H100 8B, PDL to 32 rows: FP8 B=32 7.42 ms with it, 6.12
-# without; kernels/NOTES.md). Asked again once the kernel before (q/k-norm + RoPE) waited before
-# it signalled (H200 8B FP8, `fp8_device --sections ceilings,fp8_attn_prefetch_rows`, two builds
-# prefetching past one row over one not): B=2 1.013 / 1.010, B=4 0.995 / 0.994, B=8 0.97, B=32 0.82
+# Under PDL, stage 1 asks L2 for its split's K/V while the kernel before runs (False: off, to
+# measure it against), on batches of up to PDL_KV_PREFETCH_MAX_ROWS. One or two rows' pages are
+# a short dependent-load chain worth starting early; from four rows the pages compete with the
+# kernel before for bandwidth and, at 16-32 rows, with each other in L2, and the step slows
+# (docs/performance/pdl.md).
 PDL_KV_PREFETCH = True
 PDL_KV_PREFETCH_MAX_ROWS = 2
 
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Stage-1 tiling (loadtest/bench/kernels.py --sweep compares choices)."""
+    """Stage-1 tiling (docs/performance/kernels.md: tilings within a few percent of each other at 1k context)."""
 
     block_n: int = 64  # kv tokens per inner step
     num_warps: int = 4
@@ -106,8 +104,8 @@ def _decode_stage1(
         # While the kernel before (the new token's K/V store) runs, ask L2 for this split's
         # pages: the host wrote seq_lens and the page table before the step's first kernel, the
         # older tokens' K/V are earlier steps', and a prefetch is only a hint (the one line the
-        # kernel before writes is fetched again after the wait). The bytes are a few us of DRAM
-        # latency on the critical path at one row (kernels/NOTES.md).
+        # kernel before writes is fetched again after the wait). At one row the step's attention
+        # is that chain of dependent loads, not bytes, so starting it early shortens the step.
         _prefetch_split(seq_lens + b, pt_row, pt_width, num_pages, k_base, v_base, split,
                         stride_k_page, stride_k_off, stride_v_page, stride_v_off,
                         NUM_SPLITS, BLOCK_N, PAGE_SIZE, HEAD_DIM, LINE_ELEMS, LINES)
@@ -214,12 +212,10 @@ def _num_sms(device: torch.device) -> int:
     return 8  # interpreter: any small number keeps the grids small
 
 
-# Long page tables and FP8 pages (H200, one Qwen3-8B layer at 16k context, B=16 / 32,
-# `python3 -m loadtest.bench.decode_attention_long`): bf16 pages with 3 stages 259 / 497 us against
-# 295 / 562 with 2 (at copy speed); FP8 pages with 128-token steps and ~8 programs an SM 228 / 443 us
-# against 243 / 626 with the bf16 tiling (the FP8 tile's widening and layout change leave less to
-# overlap, so more programs and longer steps carry the bytes in flight). Short tables keep the
-# tiling swept at 1k context (loadtest/bench/kernels.py --sweep).
+# Long page tables and FP8 pages: a long table's K/V stream is long enough for a third stage to
+# pay; the FP8 tile's widening and layout change leave less to overlap, so more programs (~8 an
+# SM) and longer steps keep the bytes in flight. Short tables keep the tiling swept at 1k
+# context. Figures: docs/performance/kernels.md.
 LONG_CAPACITY = 8192
 LONG_BF16 = DecodeConfig(64, 4, 3)
 FP8_PAGES = DecodeConfig(128, 4, 2)

@@ -104,7 +104,7 @@ def _extend_kernel(
 
 @dataclass(frozen=True)
 class ExtendConfig:
-    """Tiling (loadtest/bench/kernels.py --sweep compares choices)."""
+    """Tiling of a program's query block and KV steps (docs/performance/kernels.md)."""
 
     block_m: int
     block_n: int
@@ -119,7 +119,7 @@ def default_extend_config(head_dim: int, dtype: torch.dtype, device: torch.devic
         return ExtendConfig(64, 32, 4, 2)  # fp32 tiles are twice the bytes: stay inside shared memory
     if head_dim <= 64:
         return ExtendConfig(128, 64, 4, 3)  # not swept on the device yet
-    # H100 sweep (kernels/NOTES.md): 64/64/4 warps/3 stages was 11% faster than 128/64/8/3
+    # swept: smaller query blocks give more programs for a short prompt's few (query block, head) pairs
     return ExtendConfig(64, 64, 4, 3)
 
 

@@ -1,7 +1,7 @@
 """Rows of a 16-bit tile moved into fp16 for the tensor cores, exactly (imported lazily: needs
 triton). Where the other operand is FP8, widening it to fp16 takes one hardware conversion per two
-values, against two or three to bf16 or fp32 on a unit that runs at a quarter of the FP32 rate
-(kernels/NOTES.md); the 16-bit side then has to be fp16 too. bf16's range does not fit fp16's, so
+values, against two or three to bf16 or fp32 on a unit that runs at a quarter of the FP32 rate;
+the 16-bit side then has to be fp16 too. bf16's range does not fit fp16's, so
 each row is scaled by a power of two that puts its largest |x| in [2^13, 2^14): exact for every
 element above 2^-30 of that largest one (fp16 holds bf16's 8 significant bits there), far from
 fp16's 65504 limit, and undone exactly by the returned factor (rows whose largest |x| is below

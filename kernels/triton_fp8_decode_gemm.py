@@ -7,7 +7,7 @@ row (scale = max|x| / 448, the prefill's per-token-group recipe, kernels/triton_
 takes an FP8 tensor-core dot with the weight tile as the MMA's M side (BLOCK_N = 64 or 128
 weight rows against x's rows padded to 16: "swap AB"), and promotes it with the weight's block
 scale and x's group scale. The weight tiles come in through TMA and go to the tensor cores as
-bytes: nothing is widened, which is what bounded the W8A16 GEMV (kernels/NOTES.md). Split-K
+bytes: nothing is widened, which is what bounds the W8A16 GEMV past one row. Split-K
 and the epilogue (bias, SwiGLU, the deterministic reduction) are the small-batch kernel's.
 """
 
@@ -33,9 +33,9 @@ def _quantize_rows(x_ptrs, m_ok, k_ok, eps):
     """x's [BLOCK_M, BLOCK_K] slice as FP8 and each row's scale (zero rows: eps / 448): the values
     are multiplied by the scale's reciprocal, each row's two divisions IEEE-rounded, so the
     result is fp8_decode_reference's to the bit. Dividing every value instead costs: IEEE
-    division per value made gate/up at 32 rows 24% slower (and a zero dividend takes its slow
-    path: a one-row batch's tile is 15 rows of zeros), a fast division is off by an ulp at the
-    exact ties bf16 inputs hit often."""
+    division per value is a long instruction sequence in the K loop (and a zero dividend takes
+    its slow path: a one-row batch's tile is 15 rows of zeros), a fast division is off by an ulp
+    at the exact ties bf16 inputs hit often."""
     xf = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(xf), 1), eps)
     inv = tl.math.div_rn(tl.full(amax.shape, 448.0, tl.float32), amax)

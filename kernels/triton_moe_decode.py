@@ -160,8 +160,8 @@ def _experts_kernel(x_ptr, w13_ptr, w2_ptr, ids_ptr, emap_ptr, topk_w_ptr, part_
     already running or done). The last down program of a (token, column block) sums the
     token's k rows in slot order; the last of a pair zeroes the pair's counters.
     All gate/up programs come first: ordering them pair by pair, so one pair's down
-    projection streams while the next pairs' gate/up run, measured slower (H200, M=1: 48 vs
-    40 us; its spinning down programs hold SM slots the gate/up programs need).
+    projection streams while the next pairs' gate/up run, is slower: its spinning down
+    programs hold SM slots the gate/up programs need.
     FP8 weights (W8A16): each tile row is scaled by its block scale; a K tile either lies in one
     scale group or spans whole groups (SUB_K: the group), summed per group then scaled."""
     pdl_enter(PDL)  # everything here depends on the routing the previous kernel wrote

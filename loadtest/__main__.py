@@ -9,7 +9,12 @@
 """
 from __future__ import annotations
 
+import importlib
 import sys
+
+COMMANDS = {"overload": "loadtest.overload:main", "multiturn": "loadtest.multiturn.main:main",
+            "hostile": "loadtest.hostile.cli:main", "compare": "loadtest.file_commands:compare_main",
+            "report": "loadtest.file_commands:report_main"}  # imported when asked for: some are heavy
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,22 +26,9 @@ def main(argv: list[str] | None = None) -> int:
         from loadtest.run_command import run_command
 
         return run_command(config_from(run_parser().parse_args(rest)))
-    if command == "overload":
-        from loadtest.overload import main as overload_main
-
-        return overload_main(rest)
-    if command == "multiturn":
-        from loadtest.multiturn.main import main as multiturn_main
-
-        return multiturn_main(rest)
-    if command == "hostile":
-        from loadtest.hostile.cli import main as hostile_main
-
-        return hostile_main(rest)
-    if command in ("compare", "report"):
-        from loadtest.file_commands import compare_main, report_main
-
-        return (compare_main if command == "compare" else report_main)(rest)
+    if command in COMMANDS:
+        module, _, function = COMMANDS[command].partition(":")
+        return getattr(importlib.import_module(module), function)(rest)
     print(f"duet loadtest: unknown command {command!r} (run, compare, report, overload, multiturn, hostile)", file=sys.stderr)
     return 2
 

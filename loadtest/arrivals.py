@@ -2,6 +2,7 @@
 (rate = inf, usually with a concurrency cap), or the timestamps of a trace."""
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from dataclasses import dataclass
@@ -24,21 +25,23 @@ class ArrivalProcess:
             raise ValueError("burstiness must be positive")
 
     def gaps(self, rng: random.Random) -> Iterator[float]:
-        if math.isinf(self.rate):
-            while True:
-                yield 0.0
         scale = 1.0 / (self.rate * self.burstiness)
         while True:
-            yield rng.gammavariate(self.burstiness, scale)
+            yield 0.0 if math.isinf(self.rate) else rng.gammavariate(self.burstiness, scale)
 
     def times(self, rng: random.Random) -> Iterator[float]:
         """Send times from 0: the first request goes at once."""
-        t = 0.0
-        gaps = self.gaps(rng)
-        while True:
-            yield t
-            t += next(gaps)
+        return itertools.accumulate(self.gaps(rng), initial=0.0)
 
 
 def format_rate(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
+def rate_to_json(rate: float) -> float | str | None:
+    """JSON has no inf or nan: "inf" (unpaced) and None (a trace's own times)."""
+    return "inf" if math.isinf(rate) else (None if math.isnan(rate) else rate)
+
+
+def rate_from_json(value) -> float:
+    return math.inf if value == "inf" else (math.nan if value is None else float(value))

@@ -5,6 +5,7 @@ import argparse
 import json
 import math
 import os
+from dataclasses import fields
 
 from loadtest.config import SLO, EndpointConfig, LoadConfig, OutputConfig, RunConfig, WorkloadConfig
 from loadtest.workloads.build import WORKLOADS
@@ -110,23 +111,17 @@ def endpoint_from(args: argparse.Namespace) -> EndpointConfig:
         if not sep:
             raise SystemExit(f"--header {h!r}: expected NAME:VALUE")
         headers[name.strip()] = value.strip()
-    endpoint = EndpointConfig(args.base_url, args.api, args.model, args.api_key, headers, args.timeout,
-                              args.temperature, args.ignore_eos, args.extra_body)
-    return endpoint
+    return EndpointConfig(args.base_url, args.api, args.model, args.api_key, headers, args.timeout,
+                          args.temperature, args.ignore_eos, args.extra_body)
 
 
 def config_from(args: argparse.Namespace) -> RunConfig:
-    endpoint = endpoint_from(args)
-    workload = WorkloadConfig(
-        args.workload, args.num_requests or 200, args.seed, args.dataset_path, args.sharegpt_output_len,
-        args.sharegpt_max_prompt_len, args.sharegpt_max_total_len, args.input_len, args.output_len,
-        args.input_spread, args.output_spread, args.length_dist, args.sp_groups, args.sp_system_len,
-        args.sp_question_len, args.sp_output_len, args.trace_path, args.trace_time_unit, args.trace_speedup,
-        args.trace_block_size,
-    )
+    # every workload field has its flag of the same name, but for the two set here
+    workload = WorkloadConfig(**{**{f.name: getattr(args, f.name) for f in fields(WorkloadConfig) if f.name != "name"},
+                                 "name": args.workload, "num_requests": args.num_requests or 200})
     # Bounds: -n alone, --duration alone (cycling the pool), or both (whichever comes first).
     limit = args.num_requests if args.num_requests or args.duration is not None else 200
     load = LoadConfig(args.request_rate, args.burstiness, args.max_concurrency, args.duration, limit,
                       args.warmup_requests, args.drain_timeout, args.sweep_pause)
     output = OutputConfig(args.output_dir, args.save_text, args.plots, args.progress, args.label)
-    return RunConfig(endpoint, workload, load, slo_from(args), output, args.tokenizer)
+    return RunConfig(endpoint_from(args), workload, load, slo_from(args), output, args.tokenizer)

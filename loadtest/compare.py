@@ -8,7 +8,7 @@ from typing import Callable
 
 from loadtest.config import SLO
 from loadtest.metrics import RunSummary
-from loadtest.report_table import slo_text
+from loadtest.report_table import grid, num, slo_text
 from loadtest.results_io import ResultFile
 
 LOWER, HIGHER = "lower", "higher"  # which way is better
@@ -67,22 +67,14 @@ def _change(x: float | None, y: float | None, better: str | None) -> str:
     return text
 
 
-def _fmt(v: float | None, digits: int) -> str:
-    return "-" if v is None else f"{v:,.{digits}f}"
-
-
 def render_compare(a: ResultFile, b: ResultFile, slo: SLO | None = None) -> str:
     sa, sb = a.summaries(slo), b.summaries(slo)
     used = slo if slo is not None and slo.any else a.slo
     out = [f"A = {a.name}  ({a.path})", f"B = {b.name}  ({b.path})", f"Goodput SLO: {slo_text(used)}"]
     for x, y in pair_runs(sa, sb):
-        body = [[r.name, _fmt(r.get(x), r.digits), _fmt(r.get(y), r.digits), _change(r.get(x), r.get(y), r.better)]
+        body = [[r.name, num(r.get(x), r.digits), num(r.get(y), r.digits), _change(r.get(x), r.get(y), r.better)]
                 for r in ROWS]
-        header = [f"A {x.label}  vs  B {y.label}", "A", "B", "B vs A"]
-        widths = [max(len(row[i]) for row in [header, *body]) for i in range(4)]
-        fmt = lambda row: "  ".join([row[0].ljust(widths[0]), *[c.rjust(w) for c, w in zip(row[1:], widths[1:])]])  # noqa: E731
-        rule = "-" * len(fmt(header))
-        out += ["", rule, fmt(header), rule, *[fmt(r) for r in body], rule]
+        out += ["", *grid([f"A {x.label}  vs  B {y.label}", "A", "B", "B vs A"], body)]
     return "\n".join(out)
 
 

@@ -1,6 +1,8 @@
 """Everything one `duet loadtest` invocation was asked to do, as plain data."""
 from __future__ import annotations
 
+import datetime
+import pathlib
 from dataclasses import asdict, dataclass, field
 
 
@@ -39,6 +41,12 @@ class EndpointConfig:
     @property
     def path(self) -> str:
         return "/chat/completions" if self.api == "chat" else "/completions"
+
+    def to_json(self) -> dict:
+        """For result files: never a secret."""
+        d = asdict(self)
+        del d["api_key"]
+        return {**d, "headers": {k: "<redacted>" for k in self.headers}}
 
 
 @dataclass
@@ -85,6 +93,11 @@ class OutputConfig:
     progress: bool = True
     label: str | None = None
 
+    def folder(self, name: str) -> pathlib.Path:
+        """--output-dir, else ./loadtest-results/<time>-<name>."""
+        stamped = pathlib.Path("loadtest-results") / f"{datetime.datetime.now():%Y%m%d-%H%M%S}-{name}"
+        return pathlib.Path(self.output_dir) if self.output_dir else stamped
+
 
 @dataclass
 class RunConfig:
@@ -96,8 +109,6 @@ class RunConfig:
     tokenizer: str | None = None
 
     def to_json(self) -> dict:
-        d = asdict(self)
-        d["endpoint"].pop("api_key", None)  # never write secrets into result files
-        d["endpoint"]["headers"] = {k: "<redacted>" for k in d["endpoint"]["headers"]}
+        d = {**asdict(self), "endpoint": self.endpoint.to_json()}
         d["load"]["request_rates"] = [r if r != float("inf") else "inf" for r in self.load.request_rates]
         return d

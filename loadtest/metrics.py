@@ -1,12 +1,12 @@
 """From request records to the numbers a run is judged by."""
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from loadtest.arrivals import rate_to_json
 from loadtest.config import SLO
 from loadtest.records import RequestRecord
 
@@ -85,12 +85,7 @@ class RunSummary:
     extra: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
-        d = asdict(self)
-        if math.isinf(self.request_rate):
-            d["request_rate"] = "inf"
-        elif math.isnan(self.request_rate):
-            d["request_rate"] = None
-        return d
+        return {**asdict(self), "request_rate": rate_to_json(self.request_rate)}
 
 
 def meets_slo(rec: RequestRecord, slo: SLO) -> bool:
@@ -142,26 +137,15 @@ def summarize(label: str, request_rate: float, records: list[RequestRecord], slo
     busy = sum((r.done_at - r.sent_at) for r in records if r.done_at is not None)
     lags = [r.sent_at - r.scheduled_at for r in records]
     return RunSummary(
-        label=label,
-        request_rate=request_rate,
-        duration_s=duration,
-        requests=len(records),
-        completed=len(done),
-        failed=len(records) - len(done),
-        errors=dict(Counter(r.error_kind for r in records if not r.ok)),
-        input_tokens=in_tok,
-        output_tokens=out_tok,
-        request_throughput=per_s(len(done)),
-        input_throughput=per_s(in_tok),
-        output_throughput=per_s(out_tok),
-        total_token_throughput=per_s(in_tok + out_tok),
-        mean_concurrency=per_s(busy),
-        max_send_lag_ms=max(lags) * 1000 if lags else 0.0,
+        label=label, request_rate=request_rate, duration_s=duration, requests=len(records), completed=len(done),
+        failed=len(records) - len(done), errors=dict(Counter(r.error_kind for r in records if not r.ok)),
+        input_tokens=in_tok, output_tokens=out_tok, request_throughput=per_s(len(done)),
+        input_throughput=per_s(in_tok), output_throughput=per_s(out_tok), total_token_throughput=per_s(in_tok + out_tok),
+        mean_concurrency=per_s(busy), max_send_lag_ms=max(lags) * 1000 if lags else 0.0,
         ttft=Distribution.of_seconds([r.ttft for r in done if r.ttft is not None]),
         itl=Distribution.of_seconds([g for r in done for g in r.itls]),
         tpot=Distribution.of_seconds([r.tpot for r in done if r.tpot is not None]),
         e2e=Distribution.of_seconds([r.e2e for r in done if r.e2e is not None]),
         goodput=Goodput(slo=slo, good=good, share=(good / len(records)) if records else None, rate=per_s(good)),
-        token_check=check_tokens(records),
-        warmup_requests=warmup,
+        token_check=check_tokens(records), warmup_requests=warmup,
     )

@@ -3,15 +3,11 @@
     duet loadtest overload --base-url http://localhost:8000 --factor 10 --duration 30 \
         [--rate R] [--gateway-pid PID]
 
-First measures the capacity (completed requests per second of a closed loop of
---calibrate-concurrency clients over --calibrate-s seconds) unless --rate gives the
-arrival rate; then sends evenly spaced requests at factor x capacity for --duration
-seconds, each a short non-streaming completion, and waits for every answer (bounded by
---timeout). Prints the counts by status (a healthy gateway answers 200 or 429, never 5xx
-or a timeout), p50/p99 latency of the admitted (200) requests, the latency of the 429s,
-the gateway's memory (RSS: before, peak, after; with --gateway-pid, sampled every 0.25 s)
-and the time the server needs to answer a plain request right after. --json writes the
-figures as JSON too."""
+Measures the capacity (completed req/s of a closed loop of --calibrate-concurrency clients
+for --calibrate-s) unless --rate is given, then sends short completions evenly spaced at
+factor x capacity for --duration s and waits for every answer. Prints the counts by status
+(healthy: only 200 and 429), p50/p99 latency of the 200s, p99 of the 429s, the gateway's RSS
+before/peak/after (--gateway-pid) and how fast a plain request is answered right after."""
 from __future__ import annotations
 
 import argparse
@@ -23,6 +19,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 import httpx
+
+from loadtest.hostile.monitors import GatewayProcess, RssWatch
 
 
 @dataclass
@@ -61,32 +59,6 @@ class OverloadResult:
 def body(model: str, max_tokens: int) -> dict:
     return {"model": model, "prompt": "Write one sentence about the sea:", "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True}
-
-
-class RssSampler:
-    """The gateway's resident memory, sampled in a thread every `interval_s`."""
-
-    def __init__(self, pid: int | None, interval_s: float = 0.25):
-        self.pid = pid
-        self.interval_s = interval_s
-        self.peak = 0.0
-        self._stop = asyncio.Event()
-
-    def read_mb(self) -> float | None:
-        if self.pid is None:
-            return None
-        import psutil  # only where the gateway is a local process
-        return psutil.Process(self.pid).memory_info().rss / 2**20
-
-    async def run(self) -> None:
-        while not self._stop.is_set():
-            value = self.read_mb()
-            if value is not None:
-                self.peak = max(self.peak, value)
-            await asyncio.sleep(self.interval_s)
-
-    def stop(self) -> None:
-        self._stop.set()
 
 
 async def _one(http: httpx.AsyncClient, payload: dict, statuses: Counter, latencies: dict[str, list[float]]) -> None:
@@ -133,31 +105,23 @@ async def run_overload(base_url: str, *, factor: float = 10.0, duration_s: float
         model = (await http.get("/v1/models")).json()["data"][0]["id"]
         capacity = await calibrate(http, model, max_tokens, calibrate_concurrency, calibrate_s) if rate is None else 0
         arrival = rate if rate is not None else max(1.0, capacity * factor)
-        sampler = RssSampler(gateway_pid)
-        rss_before = sampler.read_mb()
-        sampler_task = asyncio.create_task(sampler.run())
         statuses: Counter = Counter()
         latencies: dict[str, list[float]] = {}
-        tasks = []
-        started = time.monotonic()
         n = int(arrival * duration_s)
-        for i in range(n):  # evenly spaced, on a schedule (a slow answer never delays a send)
-            delay = started + i / arrival - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(_one(http, body(model, max_tokens), statuses, latencies)))
-        await asyncio.gather(*tasks)
-        t0 = time.monotonic()
-        r = await http.post("/v1/completions", json=body(model, max_tokens))
-        recovery = time.monotonic() - t0
-        sampler.stop()
-        await sampler_task
-        rss_after = sampler.read_mb()
+        with RssWatch(GatewayProcess(gateway_pid) if gateway_pid else None, interval_s=0.25) as rss:
+            tasks, started = [], time.monotonic()
+            for i in range(n):  # evenly spaced, on a schedule (a slow answer never delays a send)
+                await asyncio.sleep(max(0.0, started + i / arrival - time.monotonic()))
+                tasks.append(asyncio.create_task(_one(http, body(model, max_tokens), statuses, latencies)))
+            await asyncio.gather(*tasks)
+            t0 = time.monotonic()
+            r = await http.post("/v1/completions", json=body(model, max_tokens))
+            recovery = time.monotonic() - t0
     return OverloadResult(
         capacity_rps=capacity, arrival_rps=arrival, sent=n, statuses={k: v for k, v in statuses.items()},
         admitted_p50_s=_pct(latencies.get("200", []), 0.5), admitted_p99_s=_pct(latencies.get("200", []), 0.99),
-        refused_p99_s=_pct(latencies.get("429", []), 0.99), rss_before_mb=rss_before,
-        rss_peak_mb=sampler.peak if gateway_pid else None, rss_after_mb=rss_after, recovery_s=recovery,
+        refused_p99_s=_pct(latencies.get("429", []), 0.99), rss_before_mb=rss.before,
+        rss_peak_mb=rss.peak, rss_after_mb=rss.gateway.rss_mb() if rss.gateway else None, recovery_s=recovery,
         recovery_status=r.status_code, duration_s=duration_s, latencies=latencies)
 
 

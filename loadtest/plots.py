@@ -22,6 +22,15 @@ _PANELS = (
 )
 
 
+def save_figure(fig, path: pathlib.Path, title: str) -> pathlib.Path:
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _unit(max_ms: float) -> tuple[str, float]:
     """Seconds once values run past ten seconds; milliseconds below."""
     return ("seconds", 1000.0) if max_ms > 10_000 else ("milliseconds", 1.0)
@@ -54,12 +63,7 @@ def plot_latency_cdfs(series: list[tuple[str, list[RequestRecord]]], path: pathl
         ax.grid(True, alpha=0.3)
         if ax.lines:
             ax.legend(fontsize=8, loc="lower right")
-    fig.suptitle(title or "Latency CDFs")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, title or "Latency CDFs")
 
 
 def plot_sweep(series: dict[str, list[RunSummary]], path: pathlib.Path, slo: SLO, title: str = "") -> pathlib.Path:
@@ -101,9 +105,4 @@ def plot_sweep(series: dict[str, list[RunSummary]], path: pathlib.Path, slo: SLO
         ax.set_xlim(left=0)
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=8)
-    fig.suptitle(title or "Request-rate sweep")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, title or "Request-rate sweep")

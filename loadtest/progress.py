@@ -32,10 +32,7 @@ class Progress:
 
     def finished(self, ok: bool) -> None:
         self.in_flight -= 1
-        if ok:
-            self.ok += 1
-        else:
-            self.failed += 1
+        self.ok, self.failed = self.ok + ok, self.failed + (not ok)
         if self._bar is not None:
             self._bar.update(1)
         self._show()

@@ -39,11 +39,8 @@ class RequestRecord:
     @property
     def output_tokens(self) -> int:
         """Server's count when it gave one, else our tokenizer's, else one per chunk."""
-        if self.usage_completion_tokens is not None:
-            return self.usage_completion_tokens
-        if self.output_tokens_tokenizer is not None:
-            return self.output_tokens_tokenizer
-        return len(self.chunk_times)
+        counts = (self.usage_completion_tokens, self.output_tokens_tokenizer, len(self.chunk_times))
+        return next(n for n in counts if n is not None)
 
     @property
     def input_tokens(self) -> int:

@@ -8,8 +8,19 @@ from loadtest.config import SLO
 from loadtest.metrics import Distribution, RunSummary
 
 
-def _num(x: float | None, digits: int = 1) -> str:
+def num(x: float | None, digits: int = 1) -> str:
     return "-" if x is None else f"{x:,.{digits}f}"
+
+
+def grid(header: list[str], body: list[list[str]], left: frozenset[int] = frozenset({0})) -> list[str]:
+    """Aligned rows between rules: the columns in `left` flush left, the rest right."""
+    widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
+
+    def line(row: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+
+    rule = "-" * max(len(line(r)) for r in [header, *body])
+    return [rule, line(header), rule, *[line(r) for r in body], rule]
 
 
 def _errors(s: RunSummary) -> str:
@@ -18,8 +29,8 @@ def _errors(s: RunSummary) -> str:
 
 def _dist_rows(name: str, get: Callable[[RunSummary], Distribution]) -> list[tuple[str, Callable]]:
     return [
-        (f"{name} mean / p50 (ms)", lambda s: f"{_num(get(s).mean)} / {_num(get(s).p50)}"),
-        (f"{name} p90 / p99 (ms)", lambda s: f"{_num(get(s).p90)} / {_num(get(s).p99)}"),
+        (f"{name} mean / p50 (ms)", lambda s: f"{num(get(s).mean)} / {num(get(s).p50)}"),
+        (f"{name} p90 / p99 (ms)", lambda s: f"{num(get(s).p90)} / {num(get(s).p99)}"),
     ]
 
 
@@ -46,22 +57,22 @@ def _token_check(s: RunSummary) -> str:
 ROWS: list[tuple[str, Callable[[RunSummary], str]]] = [
     ("Requests ok / failed", lambda s: f"{s.completed} / {s.failed}"),
     ("Errors", _errors),
-    ("Duration (s)", lambda s: _num(s.duration_s, 2)),
-    ("Request throughput (req/s)", lambda s: _num(s.request_throughput, 2)),
+    ("Duration (s)", lambda s: num(s.duration_s, 2)),
+    ("Request throughput (req/s)", lambda s: num(s.request_throughput, 2)),
     ("Input tokens", lambda s: f"{s.input_tokens:,}"),
     ("Output tokens", lambda s: f"{s.output_tokens:,}"),
-    ("Input throughput (tok/s)", lambda s: _num(s.input_throughput)),
-    ("Output throughput (tok/s)", lambda s: _num(s.output_throughput)),
-    ("Mean concurrency", lambda s: _num(s.mean_concurrency, 2)),
+    ("Input throughput (tok/s)", lambda s: num(s.input_throughput)),
+    ("Output throughput (tok/s)", lambda s: num(s.output_throughput)),
+    ("Mean concurrency", lambda s: num(s.mean_concurrency, 2)),
     # Unpaced runs have no schedule to lag behind (their wait is for a concurrency slot).
     ("Max send lag behind schedule (ms)",
-     lambda s: _num(s.max_send_lag_ms) if math.isfinite(s.request_rate) else "-"),
+     lambda s: num(s.max_send_lag_ms) if math.isfinite(s.request_rate) else "-"),
     *_dist_rows("TTFT", lambda s: s.ttft),
     *_dist_rows("ITL", lambda s: s.itl),
     *_dist_rows("TPOT", lambda s: s.tpot),
     *_dist_rows("E2E latency", lambda s: s.e2e),
     ("Goodput (share of requests)", lambda s: "-" if s.goodput.share is None else f"{100 * s.goodput.share:.1f}%"),
-    ("Goodput (req/s)", lambda s: _num(s.goodput.rate, 2)),
+    ("Goodput (req/s)", lambda s: num(s.goodput.rate, 2)),
     ("Usage vs tokenizer", _token_check),
 ]
 
@@ -69,13 +80,7 @@ ROWS: list[tuple[str, Callable[[RunSummary], str]]] = [
 def render_table(summaries: list[RunSummary], title: str, slo: SLO) -> str:
     header = ["", *[s.label for s in summaries]]
     body = [[name, *[fn(s) for s in summaries]] for name, fn in ROWS]
-    widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
-
-    def line(row: list[str]) -> str:
-        return "  ".join([row[0].ljust(widths[0]), *[c.rjust(w) for c, w in zip(row[1:], widths[1:])]])
-
-    rule = "-" * len(line(header))
-    out = [title, rule, line(header), rule, *[line(r) for r in body], rule, f"Goodput SLO: {slo_text(slo)}"]
+    out = [title, *grid(header, body), f"Goodput SLO: {slo_text(slo)}"]
     if any(s.token_check.prompt_mismatches * 2 > s.token_check.checked > 0 for s in summaries):
         out.append("Note: most prompt counts differ from the server's: is --tokenizer the server's model?")
     return "\n".join(out)

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import math
 import pathlib
 from dataclasses import dataclass
 
+from loadtest.arrivals import rate_from_json, rate_to_json
 from loadtest.config import SLO
 from loadtest.metrics import RunSummary, summarize
 from loadtest.records import RequestRecord
@@ -34,50 +34,33 @@ class ResultFile:
         return self.meta.get("label") or (self.path.parent.name if self.path else "run")
 
 
-def _rate_to_json(rate: float):
-    return "inf" if math.isinf(rate) else (None if math.isnan(rate) else rate)
-
-
-def _rate_from_json(v) -> float:
-    return math.inf if v == "inf" else (math.nan if v is None else float(v))
-
-
 def write_results(path: pathlib.Path, meta: dict, runs: list[RunResult], summaries: list[RunSummary]) -> None:
-    doc = {
-        "format": FORMAT,
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        **meta,
-        "runs": [
-            {
-                "label": run.label,
-                "request_rate": _rate_to_json(run.request_rate),
-                "started_unix": run.started_unix,
-                "summary": summary.to_json(),
-                "records": [r.to_json() for r in run.records],
-                "warmup": [r.to_json() for r in run.warmup],
-            }
-            for run, summary in zip(runs, summaries)
-        ],
-    }
+    runs_json = [{"label": run.label, "request_rate": rate_to_json(run.request_rate), "started_unix": run.started_unix,
+                  "summary": summary.to_json(), "records": [r.to_json() for r in run.records],
+                  "warmup": [r.to_json() for r in run.warmup]} for run, summary in zip(runs, summaries)]
+    write_doc(path, FORMAT, {**meta, "runs": runs_json})
+
+
+def write_doc(path: pathlib.Path, doc_format: str, body: dict) -> None:
+    """A result file: its format and when it was written, then the body."""
+    doc = {"format": doc_format, "created": _dt.datetime.now().astimezone().isoformat(timespec="seconds"), **body}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1))
 
 
-def read_results(path: str | pathlib.Path) -> ResultFile:
+def read_doc(path: str | pathlib.Path, doc_format: str, what: str) -> tuple[pathlib.Path, dict]:
     p = pathlib.Path(path)
     doc = json.loads(p.read_text())
-    if doc.get("format") != FORMAT:
-        raise SystemExit(f"{p}: not a duet loadtest result file (format {doc.get('format')!r})")
-    runs = [
-        RunResult(
-            label=r["label"],
-            request_rate=_rate_from_json(r["request_rate"]),
-            records=[RequestRecord.from_json(x) for x in r["records"]],
-            started_unix=r.get("started_unix", 0.0),
-            warmup=[RequestRecord.from_json(x) for x in r.get("warmup", [])],
-        )
-        for r in doc["runs"]
-    ]
+    if doc.get("format") != doc_format:
+        raise SystemExit(f"{p}: not a {what} result file (format {doc.get('format')!r})")
+    return p, doc
+
+
+def read_results(path: str | pathlib.Path) -> ResultFile:
+    p, doc = read_doc(path, FORMAT, "duet loadtest")
+    runs = [RunResult(r["label"], rate_from_json(r["request_rate"]), [RequestRecord.from_json(x) for x in r["records"]],
+                      r.get("started_unix", 0.0), [RequestRecord.from_json(x) for x in r.get("warmup", [])])
+            for r in doc["runs"]]
     slo = SLO(**(doc.get("config", {}).get("slo") or {}))
     meta = {k: v for k, v in doc.items() if k != "runs"}
     return ResultFile(p, meta, runs, slo)

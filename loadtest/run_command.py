@@ -2,11 +2,9 @@
 from __future__ import annotations
 
 import asyncio
-import datetime as _dt
 import math
 import pathlib
 import random
-import sys
 import time
 from dataclasses import dataclass
 
@@ -17,15 +15,11 @@ from loadtest.metrics import RunSummary, summarize
 from loadtest.records import RequestRecord
 from loadtest.report_table import render_table
 from loadtest.results_io import write_results
-from loadtest.runner import RateRun, RunResult, run_paced, server_rejects_ignore_eos, warm_up
+from loadtest.runner import RateRun, RunResult, check_ignore_eos, run_paced, say, stop_if_all_failed, warm_up
 from loadtest.sse_client import PreparedRequest, build_body, make_client
 from loadtest.tokenizer_source import TokenCounter, load_tokenizer
 from loadtest.workloads.build import build_workload
 from loadtest.workloads.request_spec import RequestSpec
-
-
-def _say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def prepare(specs: list[RequestSpec], cfg: RunConfig, model: str, counter: TokenCounter) -> list[PreparedRequest]:
@@ -33,11 +27,8 @@ def prepare(specs: list[RequestSpec], cfg: RunConfig, model: str, counter: Token
     for spec in specs:
         messages = spec.chat_messages() if cfg.endpoint.api == "chat" else None
         prompt = None if messages is not None else spec.completion_prompt()
-        out.append(PreparedRequest(
-            body=build_body(cfg.endpoint, model, messages, prompt, spec.output_len),
-            prompt_len=counter.prompt_tokens(messages, prompt),
-            max_tokens=spec.output_len,
-        ))
+        out.append(PreparedRequest(build_body(cfg.endpoint, model, messages, prompt, spec.output_len),
+                                   counter.prompt_tokens(messages, prompt), spec.output_len))
     return out
 
 
@@ -76,20 +67,14 @@ async def _run_all(cfg: RunConfig, url: str, prepared: list[PreparedRequest], sp
     if count is None and load.duration_s is None:
         count = len(prepared)
     conns = load.max_concurrency or 1000
-    session = Session([], ignore_eos_sent=cfg.endpoint.ignore_eos != "off")
+    session = Session([])
     async with make_client(cfg.endpoint, conns) as client:
-        if cfg.endpoint.ignore_eos == "auto":
-            session.probe_requests += 1
-            if await server_rejects_ignore_eos(client, url, cfg.endpoint, prepared[0]):
-                _say("server rejects ignore_eos: sending without it, so outputs may end before max_tokens")
-                session.ignore_eos_sent = False
-                for p in prepared:
-                    p.body.pop("ignore_eos", None)
+        session.probe_requests, session.ignore_eos_sent = await check_ignore_eos(client, url, cfg.endpoint, prepared[0])
+        for p in prepared if not session.ignore_eos_sent else []:
+            p.body.pop("ignore_eos", None)
         warm = await warm_up(client, url, cfg.endpoint, prepared, load.warmup_requests, load.max_concurrency,
                              cfg.output.progress)
-        if warm and not any(r.ok for r in warm):
-            r = warm[0]
-            raise SystemExit(f"warm-up failed: {r.error_kind}: {r.error_detail}")
+        stop_if_all_failed(warm)
         for k, (label, rate, times) in enumerate(_plans(cfg, specs)):
             if k:
                 try:
@@ -118,11 +103,6 @@ def count_output_tokens(records: list[RequestRecord], counter: TokenCounter, kee
             r.output_text = None
 
 
-def default_output_dir(cfg: RunConfig) -> pathlib.Path:
-    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return pathlib.Path("loadtest-results") / f"{stamp}-{cfg.workload.name}"
-
-
 def title_of(cfg: RunConfig, base: str, model: str, workload_size: int) -> str:
     w = cfg.workload
     what = {"sharegpt": "ShareGPT", "random": f"random {w.input_len}->{w.output_len} tokens",
@@ -135,16 +115,16 @@ def title_of(cfg: RunConfig, base: str, model: str, workload_size: int) -> str:
 def run_command(cfg: RunConfig) -> int:
     base = api_base(cfg.endpoint.base_url)
     model = cfg.endpoint.model or discover_model(base, cfg.endpoint.http_headers)
-    _say(f"loading tokenizer {cfg.tokenizer or '(Duet default model)'}")
+    say(f"loading tokenizer {cfg.tokenizer or '(Duet default model)'}")
     counter = TokenCounter(load_tokenizer(cfg.tokenizer))
     specs = build_workload(cfg.workload, counter)
     prepared = prepare(specs, cfg, model, counter)
-    _say(f"{len(prepared)} {cfg.workload.name} requests ready; sending to {base}{cfg.endpoint.path}")
+    say(f"{len(prepared)} {cfg.workload.name} requests ready; sending to {base}{cfg.endpoint.path}")
 
     session = asyncio.run(_run_all(cfg, base + cfg.endpoint.path, prepared, specs))
     runs = session.runs
     if session.interrupted:
-        _say("interrupted: reporting what was sent so far (unfinished requests count as 'interrupted')")
+        say("interrupted: reporting what was sent so far (unfinished requests count as 'interrupted')")
     summaries: list[RunSummary] = []
     for run in runs:
         count_output_tokens(run.records, counter, cfg.output.save_text)
@@ -154,7 +134,7 @@ def run_command(cfg: RunConfig) -> int:
     title = title_of(cfg, base, model, len(prepared))
     table = render_table(summaries, title, cfg.slo)
     print(table)
-    out_dir = pathlib.Path(cfg.output.output_dir) if cfg.output.output_dir else default_output_dir(cfg)
+    out_dir = cfg.output.folder(cfg.workload.name)
     meta = {"label": cfg.output.label, "title": title, "base_url": base, "model": model,
             "tokenizer": cfg.tokenizer, "config": cfg.to_json(), "requests_sent": session.requests_sent,
             "probe_requests": session.probe_requests, "ignore_eos_sent": session.ignore_eos_sent,
@@ -164,7 +144,7 @@ def run_command(cfg: RunConfig) -> int:
     written = [out_dir / "results.json", out_dir / "report.txt"]
     if cfg.output.plots:
         written += write_plots(runs, summaries, cfg, out_dir, cfg.output.label or pathlib.PurePath(model).name)
-    _say("wrote " + ", ".join(str(p) for p in written))
+    say("wrote " + ", ".join(str(p) for p in written))
     if session.interrupted:
         return 130
     return 0 if any(s.completed for s in summaries) else 1

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -114,23 +116,33 @@ async def warm_up(client: httpx.AsyncClient, url: str, endpoint: EndpointConfig,
     """A few requests before measuring (connections, lazy model loading, caches)."""
     if n <= 0:
         return []
-    run = RateRun(client, url, endpoint, prepared, _zeros(), n, None, max_concurrency, math.inf, progress, "warm-up")
+    run = RateRun(client, url, endpoint, prepared, itertools.repeat(0.0), n, None, max_concurrency, math.inf,
+                  progress, "warm-up")
     outcome = await run_paced(run)
     if outcome.interrupted:
         raise asyncio.CancelledError  # nothing measured yet: let Ctrl-C end the program
     return outcome.records
 
 
-def _zeros() -> Iterator[float]:
-    while True:
-        yield 0.0
+def stop_if_all_failed(warmup: list[RequestRecord]) -> None:
+    if warmup and not any(r.ok for r in warmup):
+        raise SystemExit(f"warm-up failed: {warmup[0].error_kind}: {warmup[0].error_detail}")
 
 
-
-async def server_rejects_ignore_eos(client: httpx.AsyncClient, url: str, endpoint: EndpointConfig,
-                                    sample: PreparedRequest) -> bool:
-    """One tiny request with ignore_eos: does the server refuse the field (400/422 naming it)?"""
+async def check_ignore_eos(client: httpx.AsyncClient, url: str, endpoint: EndpointConfig,
+                           sample: PreparedRequest) -> tuple[int, bool]:
+    """(probe requests sent, whether to send ignore_eos). auto: one tiny request with it, and
+    the field is dropped when the server refuses it (400/422 naming it)."""
+    if endpoint.ignore_eos != "auto":
+        return 0, endpoint.ignore_eos == "on"
     probe = PreparedRequest({**sample.body, "max_tokens": 1, "ignore_eos": True}, sample.prompt_len, 1)
     rec = RequestRecord(index=-1, scheduled_at=0.0, prompt_len=sample.prompt_len, max_tokens=1)
     await send_streaming(client, url, endpoint, probe, rec, monotonic_from(time.perf_counter()))
-    return rec.http_status in (400, 422) and "ignore_eos" in (rec.error_detail or "")
+    if rec.http_status in (400, 422) and "ignore_eos" in (rec.error_detail or ""):
+        say("server rejects ignore_eos: sending without it, so outputs may end before max_tokens")
+        return 1, False
+    return 1, True
+
+
+def say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)

@@ -1,9 +1,6 @@
-"""Send one streaming request and time every chunk.
-
-Raw httpx and our own SSE parsing rather than the openai client: each `data:` line
-is stamped the moment it is read, before any JSON work, so per-chunk timing is the
-network's and not the parser's.
-"""
+"""Send one streaming request and time every chunk. Raw httpx and our own SSE parsing, not the
+openai client: each `data:` line is stamped as it is read, before any JSON work, so per-chunk
+timing is the network's and not the parser's."""
 from __future__ import annotations
 
 import json
@@ -28,17 +25,9 @@ class PreparedRequest:
 
 def build_body(endpoint: EndpointConfig, model: str, messages: list[dict] | None, prompt: str | None,
                max_tokens: int) -> dict:
-    body: dict = {
-        "model": model,
-        "max_tokens": max_tokens,
-        "temperature": endpoint.temperature,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    if endpoint.api == "chat":
-        body["messages"] = messages
-    else:
-        body["prompt"] = prompt
+    body: dict = {"model": model, "max_tokens": max_tokens, "temperature": endpoint.temperature, "stream": True,
+                  "stream_options": {"include_usage": True}}
+    body.update({"messages": messages} if endpoint.api == "chat" else {"prompt": prompt})
     if endpoint.ignore_eos != "off":
         body["ignore_eos"] = True  # vLLM/SGLang extension; others ignore or reject it
     body.update(endpoint.extra_body)
@@ -117,19 +106,14 @@ async def send_streaming(
 
 
 def _fail(record: RequestRecord, kind: str, detail: str, clock: Callable[[], float]) -> RequestRecord:
-    record.ok = False
-    record.error_kind = kind
-    record.error_detail = detail
-    record.done_at = clock()
+    record.ok, record.error_kind, record.error_detail, record.done_at = False, kind, detail, clock()
     return record
 
 
 def make_client(endpoint: EndpointConfig, max_connections: int | None) -> httpx.AsyncClient:
-    return httpx.AsyncClient(
-        headers=endpoint.http_headers,
-        timeout=httpx.Timeout(endpoint.timeout_s, connect=30.0),
-        limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
-    )
+    return httpx.AsyncClient(headers=endpoint.http_headers, timeout=httpx.Timeout(endpoint.timeout_s, connect=30.0),
+                             limits=httpx.Limits(max_connections=max_connections,
+                                                 max_keepalive_connections=max_connections))
 
 
 def monotonic_from(start: float) -> Callable[[], float]:

@@ -1,8 +1,5 @@
-"""Which tokenizer the load generator counts with, and how it counts.
-
-The server's `usage` fields are the truth we report; the tokenizer builds prompts of
-exact lengths and checks that the server's counts are what the prompt should cost.
-"""
+"""Which tokenizer the load generator counts with, and how. The server's `usage` is the truth we
+report; the tokenizer builds prompts of exact lengths and checks the server's counts."""
 from __future__ import annotations
 
 import functools

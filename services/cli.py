@@ -49,6 +49,8 @@ COMMANDS: tuple[Command, ...] = (
             "convert the embedded SmolLM2-135M-Instruct into the cache and print its folder"),
     Command("env", "services.env_vars:main", "list every DUET_* environment variable: type, default, who reads it "
                                              "(--plan: the engine plan for this machine)"),
+    Command("k8s-secrets", "services.launcher.k8s_secrets:main",
+            "print the Secrets the k8s manifests mount (Redis password, a certificate per role) for kubectl apply"),
 )
 COMMANDS_BY_NAME = {c.name: c for c in COMMANDS}
 EXIT_USAGE = 2

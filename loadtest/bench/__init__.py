@@ -1,8 +1,4 @@
-"""Engine and kernel benchmarks (GPU suite `duet bench`, CPU engine, Triton kernels).
-
-The load generator itself lives one level up (`loadtest/`); these measure the engine and
-its kernels directly, on random-weight models of real shapes. Results: NOTES in
-GPU_NOTES.md here, CPU figures in ../CPU_NOTES.md, kernel figures in kernels/NOTES.md."""
+"""`duet bench`: the engine's benchmark suite (suite.py); its figures: docs/performance/."""
 
 
 def main(argv=None):

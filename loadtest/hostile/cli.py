@@ -3,11 +3,9 @@
     python -m loadtest hostile --base-url http://127.0.0.1:8000 --api-key sk-test --gateway-pid auto \
         [--redis-url redis://... | --worker-metrics HOST:PORT ...] [--only 1,2,field_*] [--json F] [--markdown F]
 
-Runs every probe (or those --only names: probe names, `prefix*`, or checklist items such as 5),
-one after the other from an idle stack, each within its own time limit, and prints one row
-a probe: status, whether the body is OpenAI error JSON, latency, the gateway's RSS growth
-(peak, and what it kept), /health p50/max during the probe, the victim's latency, and the
-verdict against what the probe expects. Exit status 0 when no probe FAILs."""
+Runs every probe (or those --only names), one after the other from an idle stack, each within
+its time limit, and prints a row a probe (status, error JSON, latency, RSS growth, /health
+p50/max, victim latency, verdict); loadtest/hostile/README.md says more. Exit 1 on a FAIL."""
 from __future__ import annotations
 
 import argparse

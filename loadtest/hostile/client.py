@@ -61,24 +61,18 @@ class Server:
                                  limits=httpx.Limits(max_connections=connections, max_keepalive_connections=8),
                                  verify=False)
 
-    async def post(self, path: str, body: Any = None, *, raw: bytes | None = None, timeout_s: float = 30.0,
-                   http: httpx.AsyncClient | None = None) -> Reply:
-        """POST JSON (or raw bytes); a timeout or a dropped connection is a Reply too."""
+    async def post(self, path: str, body: Any = None, *, raw: bytes | None = None, timeout_s: float = 30.0) -> Reply:
+        """POST JSON (or raw bytes) on a client of its own; a timeout or a dropped connection is a Reply too."""
         content = raw if raw is not None else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"}
         started = time.monotonic()
-        own = http is None
-        http = http or self.client(timeout_s)
-        try:
-            r = await http.post(path, content=content, headers=headers, timeout=timeout_s)
-            return Reply(r.status_code, r.content, time.monotonic() - started, dict(r.headers))
-        except httpx.TimeoutException:
-            return Reply("timeout", None, time.monotonic() - started)
-        except httpx.HTTPError as exc:
-            return Reply(type(exc).__name__, None, time.monotonic() - started)
-        finally:
-            if own:
-                await http.aclose()
+        async with self.client(timeout_s) as http:
+            try:
+                r = await http.post(path, content=content, headers={"Content-Type": "application/json"})
+                return Reply(r.status_code, r.content, time.monotonic() - started, dict(r.headers))
+            except httpx.TimeoutException:
+                return Reply("timeout", None, time.monotonic() - started)
+            except httpx.HTTPError as exc:
+                return Reply(type(exc).__name__, None, time.monotonic() - started)
 
     async def raw_exchange(self, request: bytes, timeout_s: float = 10.0) -> Reply:
         """Send bytes on a fresh TCP connection and parse the one HTTP answer that comes back.

@@ -1,8 +1,6 @@
-"""The decode workers' KV usage (`duet_kv_cache_usage_ratio` on their Prometheus /metrics).
-
-Their /metrics addresses come from --worker-metrics, or from the Redis registry: each worker's
-hash `duet:worker:<id>` names its `role` and `metrics` (host:port); decode and colocated
-(`both`) workers hold the KV a disconnected request may leave behind."""
+"""The decode workers' KV usage (`duet_kv_cache_usage_ratio` on their /metrics). Addresses come
+from --worker-metrics, or the Redis registry: each worker's hash `duet:worker:<id>` names its
+`role` and `metrics` (host:port); decode and `both` workers hold a dropped request's KV."""
 from __future__ import annotations
 
 import asyncio

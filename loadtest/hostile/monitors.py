@@ -1,12 +1,7 @@
-"""What is watched while a probe runs, each in its own thread so that nothing the probe
-does (a large body to encode, a slow answer) delays a reading:
-
-* GatewayProcess: the gateway's resident memory and CPU time (psutil, a local pid);
-* RssWatch: RSS sampled every 50 ms; past the cap it calls `on_cap` (the runner then
-  cuts the probe short, so a memory bomb cannot take the machine down);
-* HealthSampler: GET /health on a fixed schedule (every 100 ms) whether or not earlier
-  ones answered, so a stalled event loop shows in the p50 and not only in one slow sample;
-  a request still open when the probe ends counts with the time it has waited so far."""
+"""What is watched while a probe runs, each in its own thread (nothing the probe does delays a
+reading): the gateway's RSS and CPU (psutil, a local pid); RSS every 50 ms, calling `on_cap`
+past the cap (the runner then cuts the probe short); GET /health every 100 ms whether or not
+earlier ones answered (a stalled loop shows in the p50; one still open counts its wait)."""
 from __future__ import annotations
 
 import asyncio
@@ -23,60 +18,56 @@ import httpx
 class GatewayProcess:
     pid: int
 
-    def _proc(self):
-        import psutil  # only where the gateway is a local process
-        return psutil.Process(self.pid)
+    def _read(self, what: Callable, default=None):
+        try:
+            import psutil  # only where the gateway is a local process
+            return what(psutil.Process(self.pid))
+        except Exception:  # gone, or not ours to read
+            return default
 
     def rss_mb(self) -> float | None:
-        try:
-            return self._proc().memory_info().rss / 2**20
-        except Exception:  # gone, or not ours to read
-            return None
+        return self._read(lambda p: p.memory_info().rss / 2**20)
 
     def cpu_s(self) -> float | None:
-        try:
-            t = self._proc().cpu_times()
-            return t.user + t.system
-        except Exception:
-            return None
+        return self._read(lambda p: sum(p.cpu_times()[:2]))  # user + system
 
     def cmdline(self) -> list[str]:
-        try:
-            return self._proc().cmdline()
-        except Exception:
-            return []
+        return self._read(lambda p: p.cmdline(), [])
+
+    def environ(self) -> dict[str, str]:
+        return self._read(lambda p: p.environ(), {})
 
 
 class RssWatch:
-    def __init__(self, gateway: GatewayProcess, cap_growth_mb: float, on_cap: Callable[[float], None],
-                 interval_s: float = 0.05):
-        self.gateway = gateway
-        self.cap_growth_mb = cap_growth_mb
-        self.on_cap = on_cap
-        self.interval_s = interval_s
-        self.before = gateway.rss_mb()
-        self.peak = self.before
+    """No gateway: nothing is read (before and peak stay None)."""
+
+    def __init__(self, gateway: GatewayProcess | None, cap_growth_mb: float = float("inf"),
+                 on_cap: Callable[[float], None] | None = None, interval_s: float = 0.05):
+        self.gateway, self.cap_growth_mb, self.on_cap, self.interval_s = gateway, cap_growth_mb, on_cap, interval_s
+        self.before = self.peak = gateway.rss_mb() if gateway else None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hostile-rss", daemon=True)
-        self._capped = False
 
     def __enter__(self) -> "RssWatch":
-        self._thread.start()
+        if self.gateway is not None:
+            self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
 
     def _run(self) -> None:
+        capped = False
         while not self._stop.is_set():
             value = self.gateway.rss_mb()
             if value is not None:
                 self.peak = value if self.peak is None else max(self.peak, value)
-                if (not self._capped and self.before is not None
-                        and value - self.before > self.cap_growth_mb):
-                    self._capped = True
-                    self.on_cap(value - self.before)
+                if not capped and self.before is not None and value - self.before > self.cap_growth_mb:
+                    capped = True
+                    if self.on_cap:
+                        self.on_cap(value - self.before)
             self._stop.wait(self.interval_s)
 
 
@@ -91,10 +82,7 @@ class HealthStats:
 
 class HealthSampler:
     def __init__(self, base_url: str, interval_s: float = 0.1, max_open: int = 400, verify: bool = False):
-        self.base_url = base_url
-        self.interval_s = interval_s
-        self.max_open = max_open
-        self.verify = verify
+        self.base_url, self.interval_s, self.max_open, self.verify = base_url, interval_s, max_open, verify
         self._latencies: list[float] = []
         self._errors = 0
         self._open: dict[int, float] = {}  # sample number -> sent at

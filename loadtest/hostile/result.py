@@ -75,10 +75,7 @@ class ProbeResult:
         self.body_head = reply.head()
 
     def to_json(self) -> dict[str, Any]:
-        out = {k: v for k, v in self.__dict__.items()}
-        out["rss_delta_mb"] = self.rss_delta_mb
-        out["rss_kept_mb"] = self.rss_kept_mb
-        return out
+        return {**self.__dict__, "rss_delta_mb": self.rss_delta_mb, "rss_kept_mb": self.rss_kept_mb}
 
 
 # --- checks verdicts are made of: each (ok, why) ----------------------------------------------

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 
@@ -68,7 +68,7 @@ async def run_probe(probe: Probe, ctx: ProbeContext) -> ProbeResult:
 
     timeout_s = probe.timeout_s or ctx.sizes.probe_timeout_s
     cpu_before = ctx.gateway.cpu_s() if ctx.gateway else None
-    rss = RssWatch(ctx.gateway, ctx.sizes.rss_cap_mb, on_cap) if ctx.gateway else contextlib.nullcontext()
+    rss = RssWatch(ctx.gateway, ctx.sizes.rss_cap_mb, on_cap)
     health = HealthSampler(ctx.server.base_url)
     started = time.monotonic()
     error = None
@@ -110,14 +110,23 @@ def select(probes: list[Probe], only: list[str], skip: list[str]) -> list[Probe]
 
 
 def redis_url_of(gateway: GatewayProcess | None) -> str | None:
-    """The --redis-url the gateway was started with (duet up passes it on the command line)."""
+    """The --redis-url the gateway was started with (duet up passes it on the command line),
+    with the password from the file its environment names (duet up's default: ours to read
+    when the gateway is our own process)."""
     argv = gateway.cmdline() if gateway else []
+    url = None
     for i, arg in enumerate(argv):
         if arg == "--redis-url" and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith("--redis-url="):
-            return arg.split("=", 1)[1]
-    return None
+            url = argv[i + 1]
+        elif arg.startswith("--redis-url="):
+            url = arg.split("=", 1)[1]
+    password_file = gateway.environ().get("DUET_REDIS_PASSWORD_FILE") if gateway and url else None
+    if url and password_file and "@" not in url:
+        try:
+            url = url.replace("redis://", f"redis://:{Path(password_file).read_text().strip()}@", 1)
+        except OSError:
+            pass  # not ours to read: the registry reading fails and says so
+    return url
 
 
 def gateway_pid_listening_on(port: int) -> int | None:

@@ -1,11 +1,8 @@
-"""Agent sessions: one long system prompt and tool set shared by every session, then many
-short turns, each adding a tool result (a few hundred tokens) after the model's previous
-answer. The prompt shape of coding and operations agents: long shared prefix, growing
-history, short deltas.
-
-Requests carry the tools with tool_choice "none", so small models that seldom emit tool
-calls still answer in text; the history attaches a synthetic call to each answer, so the
-next tool message answers a real tool_call id."""
+"""Agent sessions (the prompt shape of coding and operations agents): one long system prompt and
+tool set shared by every session, then many short turns, each adding a tool result (a few
+hundred tokens) after the model's previous answer. Requests carry the tools with tool_choice
+"none", so small models still answer in text; the history attaches a synthetic call to each
+answer, so the next tool message answers a real tool_call id."""
 from __future__ import annotations
 
 import json

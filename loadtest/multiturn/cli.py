@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields
 
 from loadtest.cli_args import add_server_flags, endpoint_from, parse_rates
 from loadtest.config import OutputConfig
@@ -91,10 +92,8 @@ def config_from(args: argparse.Namespace) -> MultiTurnConfig:
         value = getattr(args, flag)
         if value is not None and value < (0 if flag == "system_len" else 1):
             raise SystemExit(f"--{flag.replace('_', '-')} must be positive, got {value}")
-    workload = DialogWorkload(
-        args.workload, args.conversations, args.max_turns, args.seed, args.dataset_path, args.min_turns,
-        args.output_len, args.max_output_len, args.system_len, args.user_len, args.tool_output_len, args.num_tools,
-    ).resolved()
+    workload = DialogWorkload(args.workload, **{f.name: getattr(args, f.name) for f in fields(DialogWorkload)
+                                                 if f.name != "name"}).resolved()
     arrivals = DialogArrivals(args.mode or DEFAULTS[args.workload].mode, args.conversation_rate, args.burstiness,
                               ThinkTime(args.think_time, args.think_time_dist), args.max_concurrency, args.duration,
                               args.warmup_requests)

@@ -2,10 +2,8 @@
 from __future__ import annotations
 
 import asyncio
-import datetime as _dt
 import pathlib
 import random
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -23,16 +21,12 @@ from loadtest.multiturn.turn_record import DialogOutcome, TurnRecord
 from loadtest.progress import Progress
 from loadtest.records import RequestRecord
 from loadtest.run_command import count_output_tokens
-from loadtest.runner import server_rejects_ignore_eos
+from loadtest.runner import check_ignore_eos, say, stop_if_all_failed
 from loadtest.sse_client import PreparedRequest, build_body, make_client, monotonic_from, send_streaming
 from loadtest.tokenizer_source import TokenCounter, load_tokenizer
 
 # Warm-up shares no prefix with any workload, so turn 0's cached share stays the workload's own.
 WARMUP_MESSAGES = [{"role": "user", "content": "Reply with one short greeting."}]
-
-
-def _say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -58,14 +52,13 @@ async def scrape_duet_series(urls: list[str]) -> dict[str, dict[str, float]]:
         for url in urls:
             series: dict[str, float] = {}
             try:
-                text = (await client.get(url)).text
-                for family in text_string_to_metric_families(text):
+                for family in text_string_to_metric_families((await client.get(url)).text):
                     for sample in family.samples:
                         if sample.name.startswith("duet_"):
                             labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
                             series[f"{sample.name}{{{labels}}}"] = sample.value
             except Exception as exc:  # noqa: BLE001 - a counter we cannot read must not stop the run
-                _say(f"could not read {url}: {exc}")
+                say(f"could not read {url}: {exc}")
             out[url] = series
     return out
 
@@ -73,25 +66,20 @@ async def scrape_duet_series(urls: list[str]) -> dict[str, dict[str, float]]:
 async def _warm_up(cfg: MultiTurnConfig, client, url: str, model: str, counter: TokenCounter, drive: Drive) -> None:
     body = build_body(cfg.endpoint, model, WARMUP_MESSAGES, None, 4)
     sample = PreparedRequest(body, counter.prompt_tokens(WARMUP_MESSAGES, None), 4)
-    if cfg.endpoint.ignore_eos == "auto":
-        drive.probe_requests += 1
-        if await server_rejects_ignore_eos(client, url, cfg.endpoint, sample):
-            _say("server rejects ignore_eos: sending without it, so answers may end before max_tokens")
-            drive.ignore_eos_sent = False
-            body.pop("ignore_eos", None)
+    drive.probe_requests, drive.ignore_eos_sent = await check_ignore_eos(client, url, cfg.endpoint, sample)
+    if not drive.ignore_eos_sent:
+        body.pop("ignore_eos", None)
     clock = monotonic_from(time.perf_counter())
     for i in range(cfg.arrivals.warmup_requests):
         rec = RequestRecord(index=i, scheduled_at=0.0, prompt_len=sample.prompt_len, max_tokens=4)
         drive.warmup.append(await send_streaming(client, url, cfg.endpoint, sample, rec, clock))
-    if drive.warmup and not any(r.ok for r in drive.warmup):
-        r = drive.warmup[0]
-        raise SystemExit(f"warm-up failed: {r.error_kind}: {r.error_detail}")
+    stop_if_all_failed(drive.warmup)
 
 
 async def _drive(cfg: MultiTurnConfig, url: str, model: str, counter: TokenCounter, context: int | None,
                  states: list[DialogState]) -> Drive:
     a = cfg.arrivals
-    drive = Drive(ignore_eos_sent=cfg.endpoint.ignore_eos != "off")
+    drive = Drive()
     async with make_client(cfg.endpoint, a.max_concurrency or max(1, len(states))) as client:
         await _warm_up(cfg, client, url, model, counter, drive)
         sender = TurnSender(client, url, cfg.endpoint, model, counter, monotonic_from(time.perf_counter()), context,
@@ -104,14 +92,12 @@ async def _drive(cfg: MultiTurnConfig, url: str, model: str, counter: TokenCount
             sender.progress = progress
             try:
                 if a.mode == "lockstep":
-                    after_round = None
+                    async def scrape(index: int) -> None:
+                        series = await scrape_duet_series(cfg.scrape_metrics)
+                        drive.round_metrics.append({"turn": index, "series": series})
                     if cfg.scrape_metrics:
-                        async def after_round(index: int) -> None:
-                            drive.round_metrics.append({"turn": index, "series": await scrape_duet_series(
-                                cfg.scrape_metrics)})
-                        drive.round_metrics.append({"turn": -1, "series": await scrape_duet_series(
-                            cfg.scrape_metrics)})
-                    await run_lockstep(sender, states, a.duration_s, after_round)
+                        await scrape(-1)
+                    await run_lockstep(sender, states, a.duration_s, scrape if cfg.scrape_metrics else None)
                 else:
                     timings = plan_timing([len(s.plan.turns) for s in states], a.conversation_rate, a.burstiness,
                                           a.think_time, random.Random(cfg.workload.seed + 2))
@@ -145,11 +131,6 @@ def _describe(cfg: MultiTurnConfig, model: str, base: str) -> str:
     return f"{label}{what}; {how}; model {model} at {base}"
 
 
-def default_output_dir(cfg: MultiTurnConfig) -> pathlib.Path:
-    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return pathlib.Path("loadtest-results") / f"{stamp}-multiturn-{cfg.workload.name}"
-
-
 def run_multiturn(cfg: MultiTurnConfig) -> int:
     if cfg.endpoint.api != "chat":
         raise SystemExit("multi-turn workloads use the chat API (--api chat)")
@@ -159,16 +140,16 @@ def run_multiturn(cfg: MultiTurnConfig) -> int:
     if context is None:
         context = served_context_len(base, cfg.endpoint.http_headers, model)
     context = context or None  # 0: no limit
-    _say(f"loading tokenizer {cfg.tokenizer or '(Duet default model)'}")
+    say(f"loading tokenizer {cfg.tokenizer or '(Duet default model)'}")
     counter = TokenCounter(load_tokenizer(cfg.tokenizer))
     dialogs = build_dialogs(cfg.workload, counter, context)
     states = [DialogState.start(d) for d in dialogs]
     title = _describe(cfg, model, base)
-    _say(f"{title}\ncontext limit: {context or 'none'} tokens; sending to {base}/chat/completions")
+    say(f"{title}\ncontext limit: {context or 'none'} tokens; sending to {base}/chat/completions")
 
     drive = asyncio.run(_drive(cfg, base + "/chat/completions", model, counter, context, states))
     if drive.interrupted:
-        _say("interrupted: reporting what was sent so far (unfinished turns count as 'interrupted')")
+        say("interrupted: reporting what was sent so far (unfinished turns count as 'interrupted')")
     count_output_tokens([t.request for t in drive.turns], counter, cfg.output.save_text)
     count_output_tokens(drive.warmup, counter, cfg.output.save_text)
     sent = Counter(t.conversation for t in drive.turns)
@@ -187,7 +168,7 @@ def run_multiturn(cfg: MultiTurnConfig) -> int:
     summary = result.summary()
     table = render_turn_table(summary, title)
     print(table)
-    out_dir = pathlib.Path(cfg.output.output_dir) if cfg.output.output_dir else default_output_dir(cfg)
+    out_dir = cfg.output.folder("multiturn-" + cfg.workload.name)
     write_result(out_dir / "results.json", result, summary)
     (out_dir / "report.txt").write_text(table + "\n")
     written = [out_dir / "results.json", out_dir / "report.txt"]
@@ -196,7 +177,7 @@ def run_multiturn(cfg: MultiTurnConfig) -> int:
 
         name = cfg.output.label or pathlib.PurePath(model).name
         written.append(plot_ttft_by_turn([(name, summary)], out_dir / "ttft_by_turn.png", title))
-    _say("wrote " + ", ".join(str(p) for p in written))
+    say("wrote " + ", ".join(str(p) for p in written))
     if drive.interrupted:
         return 130
     return 0 if summary.overall.completed else 1

@@ -75,9 +75,7 @@ class MultiTurnConfig:
     scrape_metrics: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
-        d = asdict(self)
-        d["endpoint"].pop("api_key", None)  # never write secrets into result files
-        d["endpoint"]["headers"] = {k: "<redacted>" for k in d["endpoint"]["headers"]}
+        d = {**asdict(self), "endpoint": self.endpoint.to_json()}
         if d["arrivals"]["conversation_rate"] == float("inf"):
             d["arrivals"]["conversation_rate"] = "inf"
         return d

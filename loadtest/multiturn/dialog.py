@@ -1,8 +1,6 @@
-"""One conversation: what it starts with, what each turn adds, and the history as it grows.
-
-The history holds the model's real answers (the streamed text), not a dataset's: turn t+1's
-prompt is exactly what a chat client would send after turn t, so prefix caches and KV kept
-across turns see the traffic they are built for."""
+"""One conversation: what it starts with, what each turn adds, and the history as it grows. The
+history holds the model's real answers, not a dataset's: turn t+1's prompt is what a chat client
+would send after turn t, so prefix caches and KV kept across turns see the traffic they are for."""
 from __future__ import annotations
 
 import copy

@@ -3,6 +3,7 @@ times between turns). Each turn's messages are the history so far, answers inclu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -32,7 +33,7 @@ class TurnSender:
     send_ignore_eos: bool = True
     keep_messages: bool = False
     gate: asyncio.Semaphore | None = None  # cap on requests in flight
-    progress: Progress | None = None
+    progress: Progress = field(default_factory=lambda: Progress(None, "turns", enabled=False))
     records: list[TurnRecord] = field(default_factory=list)
 
     def prepare(self, state: DialogState) -> PreparedRequest | None:
@@ -59,16 +60,11 @@ class TurnSender:
                             max_tokens=prepared.max_tokens)
         turn = TurnRecord(state.plan.id, state.turn, rec, prepared.body["messages"] if self.keep_messages else None)
         self.records.append(turn)
-        if self.gate is not None:
-            await self.gate.acquire()
-        if self.progress is not None:
+        async with self.gate or contextlib.nullcontext():
             self.progress.started()
-        try:
-            await send_streaming(self.client, self.url, self.endpoint, prepared, rec, self.clock)
-        finally:
-            if self.gate is not None:
-                self.gate.release()
-            if self.progress is not None:
+            try:
+                await send_streaming(self.client, self.url, self.endpoint, prepared, rec, self.clock)
+            finally:
                 self.progress.finished(rec.ok)
         if rec.ok:
             state.accept(rec.output_text or "")

@@ -5,12 +5,8 @@ from __future__ import annotations
 import math
 import pathlib
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only, never a window
-import matplotlib.pyplot as plt  # noqa: E402
-
-from loadtest.multiturn.turn_metrics import MultiTurnSummary  # noqa: E402
+from loadtest.multiturn.turn_metrics import MultiTurnSummary
+from loadtest.plots import plt, save_figure
 
 
 def _value(x: float | None, scale: float = 1.0) -> float:
@@ -53,9 +49,4 @@ def plot_ttft_by_turn(series: list[tuple[str, MultiTurnSummary]], path: pathlib.
             ax.set_ylim(bottom=0)
         if ax.lines:
             ax.legend(fontsize=8)
-    fig.suptitle(title or "TTFT by turn index")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, title or "TTFT by turn index")

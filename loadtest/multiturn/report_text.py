@@ -4,10 +4,7 @@ from __future__ import annotations
 from typing import Callable
 
 from loadtest.multiturn.turn_metrics import MultiTurnSummary, TurnSummary
-
-
-def _num(x: float | None, digits: int = 1) -> str:
-    return "-" if x is None else f"{x:,.{digits}f}"
+from loadtest.report_table import grid, num
 
 
 def _pct(x: float | None) -> str:
@@ -23,33 +20,21 @@ TURN_COLUMNS: list[tuple[str, Callable[[TurnSummary], str]]] = [
     ("sent", lambda t: str(t.requests)),
     ("ok", lambda t: str(t.completed)),
     ("429", lambda t: str(t.http_429)),
-    ("prompt tok", lambda t: _num(t.prompt_tokens_mean, 0)),
+    ("prompt tok", lambda t: num(t.prompt_tokens_mean, 0)),
     ("cached %", lambda t: _pct(t.cache.share)),
-    ("TTFT p50", lambda t: _num(t.ttft.p50)),
-    ("p90", lambda t: _num(t.ttft.p90)),
-    ("p99", lambda t: _num(t.ttft.p99)),
-    ("TPOT p50", lambda t: _num(t.tpot.p50)),
-    ("E2E p50", lambda t: _num(t.e2e.p50)),
+    ("TTFT p50", lambda t: num(t.ttft.p50)),
+    ("p90", lambda t: num(t.ttft.p90)),
+    ("p99", lambda t: num(t.ttft.p99)),
+    ("TPOT p50", lambda t: num(t.tpot.p50)),
+    ("E2E p50", lambda t: num(t.e2e.p50)),
     ("errors", _errors),
 ]
-
-
-def _grid(header: list[str], body: list[list[str]], left: frozenset[int] = frozenset()) -> list[str]:
-    """Aligned rows: the columns in `left` flush left, the rest right."""
-    widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
-
-    def line(row: list[str]) -> str:
-        cells = [c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
-        return "  ".join(cells).rstrip()
-
-    rule = "-" * max(len(line(r)) for r in [header, *body])
-    return [rule, line(header), rule, *[line(r) for r in body], rule]
 
 
 def conversations_line(s: MultiTurnSummary) -> str:
     n = sum(s.conversations.values())
     how = ", ".join(f"{k} {v}" for k, v in sorted(s.conversations.items()))
-    return f"Conversations: {n} ({how}); {_num(s.turns_per_conversation, 2)} turns sent each on average"
+    return f"Conversations: {n} ({how}); {num(s.turns_per_conversation, 2)} turns sent each on average"
 
 
 def render_turn_table(s: MultiTurnSummary, title: str) -> str:
@@ -61,21 +46,21 @@ def render_turn_table(s: MultiTurnSummary, title: str) -> str:
     return "\n".join([
         title,
         conversations_line(s),
-        *_grid(header, body, frozenset({len(header) - 1})),
+        *grid(header, body, frozenset({len(header) - 1})),
         "Times in ms; prompt tok is the mean per finished request; cached % is cached_tokens / prompt tokens.",
-        f"Duration {_num(o.duration_s, 2)} s; {_num(o.request_throughput, 2)} req/s; "
-        f"input {_num(o.input_throughput)} tok/s; output {_num(o.output_throughput)} tok/s; {cached}.",
+        f"Duration {num(o.duration_s, 2)} s; {num(o.request_throughput, 2)} req/s; "
+        f"input {num(o.input_throughput)} tok/s; output {num(o.output_throughput)} tok/s; {cached}.",
     ])
 
 
 def render_comparison(named: list[tuple[str, MultiTurnSummary]]) -> str:
     """One table per metric: turn indexes down, runs across."""
     metrics: list[tuple[str, Callable[[TurnSummary], str]]] = [
-        ("TTFT p50 (ms)", lambda t: _num(t.ttft.p50)),
-        ("TTFT p90 (ms)", lambda t: _num(t.ttft.p90)),
-        ("TTFT p99 (ms)", lambda t: _num(t.ttft.p99)),
+        ("TTFT p50 (ms)", lambda t: num(t.ttft.p50)),
+        ("TTFT p90 (ms)", lambda t: num(t.ttft.p90)),
+        ("TTFT p99 (ms)", lambda t: num(t.ttft.p99)),
         ("Cached share of prompt tokens (%)", lambda t: _pct(t.cache.share)),
-        ("Mean prompt tokens", lambda t: _num(t.prompt_tokens_mean, 0)),
+        ("Mean prompt tokens", lambda t: num(t.prompt_tokens_mean, 0)),
         ("Failed requests (of them 429)", lambda t: f"{t.failed} ({t.http_429})"),
     ]
     turns = sorted({t.turn for _, s in named for t in s.by_turn})
@@ -89,9 +74,9 @@ def render_comparison(named: list[tuple[str, MultiTurnSummary]]) -> str:
                 t = s.all_turns if turn < 0 else next((x for x in s.by_turn if x.turn == turn), None)
                 row.append("-" if t is None else fn(t))
             body.append(row)
-        out += ["", title, *_grid(["turn", *names], body)]
-    body = [[n, _num(s.overall.request_throughput, 2), _num(s.overall.output_throughput),
-             _num(s.overall.duration_s, 2), conversations_line(s).split(": ", 1)[1]] for n, s in named]
+        out += ["", title, *grid(["turn", *names], body, frozenset())]
+    body = [[n, num(s.overall.request_throughput, 2), num(s.overall.output_throughput),
+             num(s.overall.duration_s, 2), conversations_line(s).split(": ", 1)[1]] for n, s in named]
     header = ["run", "req/s", "out tok/s", "duration s", "conversations"]
-    out += ["", "Overall", *_grid(header, body, frozenset({0, 4}))]
+    out += ["", "Overall", *grid(header, body, frozenset({0, 4}))]
     return "\n".join(out)

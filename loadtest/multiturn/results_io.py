@@ -2,15 +2,14 @@
 the summary is for readers and is recomputed on loading (compare, report)."""
 from __future__ import annotations
 
-import datetime as _dt
-import json
-import math
 import pathlib
 from dataclasses import dataclass, field
 
+from loadtest.arrivals import rate_from_json
 from loadtest.multiturn.turn_metrics import MultiTurnSummary, summarize_multiturn
 from loadtest.multiturn.turn_record import DialogOutcome, TurnRecord
 from loadtest.records import RequestRecord
+from loadtest.results_io import read_doc, write_doc
 
 FORMAT = "duet-loadtest-multiturn/1"
 
@@ -29,32 +28,21 @@ class MultiTurnResult:
 
     @property
     def rate(self) -> float:
-        r = self.meta.get("conversation_rate")
-        return math.inf if r == "inf" else (math.nan if r is None else float(r))
+        return rate_from_json(self.meta.get("conversation_rate"))
 
     def summary(self) -> MultiTurnSummary:
         return summarize_multiturn(self.name, self.rate, self.turns, self.outcomes, len(self.warmup))
 
 
 def write_result(path: pathlib.Path, result: MultiTurnResult, summary: MultiTurnSummary) -> None:
-    doc = {
-        "format": FORMAT,
-        "created": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-        **result.meta,
-        "summary": summary.to_json(),
-        "conversations": [o.to_json() for o in result.outcomes],
-        "records": [t.to_json() for t in result.turns],
-        "warmup": [r.to_json() for r in result.warmup],
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=1))
+    write_doc(path, FORMAT, {**result.meta, "summary": summary.to_json(),
+                             "conversations": [o.to_json() for o in result.outcomes],
+                             "records": [t.to_json() for t in result.turns],
+                             "warmup": [r.to_json() for r in result.warmup]})
 
 
 def read_result(path: str | pathlib.Path) -> MultiTurnResult:
-    p = pathlib.Path(path)
-    doc = json.loads(p.read_text())
-    if doc.get("format") != FORMAT:
-        raise SystemExit(f"{p}: not a duet loadtest multiturn result file (format {doc.get('format')!r})")
+    p, doc = read_doc(path, FORMAT, "duet loadtest multiturn")
     meta = {k: v for k, v in doc.items() if k not in ("summary", "conversations", "records", "warmup")}
     return MultiTurnResult(p, meta, [TurnRecord.from_json(d) for d in doc["records"]],
                            [DialogOutcome(**d) for d in doc["conversations"]],

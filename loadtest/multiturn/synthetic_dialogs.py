@@ -19,11 +19,6 @@ class SyntheticShape:
 
 
 def synthetic_dialogs(shape: SyntheticShape, text: SyntheticText) -> list[Dialog]:
-    return [
-        Dialog(
-            id=i,
-            opening=[{"role": "system", "content": text.text(shape.system_len)}],
-            turns=[TurnSpec(output_len=shape.output_len, user=text.text(shape.user_len)) for _ in range(shape.turns)],
-        )
-        for i in range(shape.conversations)
-    ]
+    return [Dialog(i, [{"role": "system", "content": text.text(shape.system_len)}],
+                   [TurnSpec(output_len=shape.output_len, user=text.text(shape.user_len)) for _ in range(shape.turns)])
+            for i in range(shape.conversations)]

@@ -80,14 +80,10 @@ def _mean(values: list[float]) -> float | None:
 def summarize_turn(turn: int, records: list[RequestRecord]) -> TurnSummary:
     done = [r for r in records if r.ok]
     return TurnSummary(
-        turn=turn,
-        requests=len(records),
-        completed=len(done),
-        failed=len(records) - len(done),
+        turn=turn, requests=len(records), completed=len(done), failed=len(records) - len(done),
         errors=dict(Counter(r.error_kind for r in records if not r.ok)),
         prompt_tokens_mean=_mean([r.input_tokens for r in done]),
-        output_tokens_mean=_mean([r.output_tokens for r in done]),
-        cache=CacheUse.of(records),
+        output_tokens_mean=_mean([r.output_tokens for r in done]), cache=CacheUse.of(records),
         ttft=Distribution.of_seconds([r.ttft for r in done if r.ttft is not None]),
         tpot=Distribution.of_seconds([r.tpot for r in done if r.tpot is not None]),
         e2e=Distribution.of_seconds([r.e2e for r in done if r.e2e is not None]),

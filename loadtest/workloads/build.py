@@ -18,21 +18,13 @@ WORKLOADS = ("sharegpt", "random", "shared-prefix", "trace")
 def build_workload(cfg: WorkloadConfig, counter: TokenCounter) -> list[RequestSpec]:
     rng = random.Random(cfg.seed)
     if cfg.name == "sharegpt":
-        limits = ShareGPTFilter(
-            fixed_output_len=cfg.sharegpt_output_len,
-            max_prompt_len=cfg.sharegpt_max_prompt_len,
-            max_total_len=cfg.sharegpt_max_total_len,
-        )
+        limits = ShareGPTFilter(fixed_output_len=cfg.sharegpt_output_len, max_prompt_len=cfg.sharegpt_max_prompt_len,
+                                max_total_len=cfg.sharegpt_max_total_len)
         return sample_sharegpt(load_conversations(cfg.dataset_path), cfg.num_requests, counter, rng, limits)
     text = SyntheticText(counter, random.Random(cfg.seed + 1))
     if cfg.name == "random":
-        return sample_random(
-            cfg.num_requests,
-            LengthDistribution(cfg.input_len, cfg.input_spread, cfg.length_dist),
-            LengthDistribution(cfg.output_len, cfg.output_spread, cfg.length_dist),
-            text,
-            rng,
-        )
+        return sample_random(cfg.num_requests, LengthDistribution(cfg.input_len, cfg.input_spread, cfg.length_dist),
+                             LengthDistribution(cfg.output_len, cfg.output_spread, cfg.length_dist), text, rng)
     if cfg.name == "shared-prefix":
         shape = SharedPrefixShape(cfg.sp_groups, cfg.sp_system_len, cfg.sp_question_len, cfg.sp_output_len)
         return sample_shared_prefix(cfg.num_requests, shape, text, rng)

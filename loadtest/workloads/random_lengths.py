@@ -34,15 +34,7 @@ class LengthDistribution:
         return max(1, round(value))
 
 
-def sample_random(
-    num: int,
-    input_lens: LengthDistribution,
-    output_lens: LengthDistribution,
-    text: SyntheticText,
-    rng: random.Random,
-) -> list[RequestSpec]:
-    out = []
-    for _ in range(num):
-        n_in = input_lens.draw(rng)
-        out.append(RequestSpec(user_text=text.text(n_in), output_len=output_lens.draw(rng), target_input_len=n_in))
-    return out
+def sample_random(num: int, input_lens: LengthDistribution, output_lens: LengthDistribution, text: SyntheticText,
+                  rng: random.Random) -> list[RequestSpec]:
+    lengths = [(input_lens.draw(rng), output_lens.draw(rng)) for _ in range(num)]
+    return [RequestSpec(user_text=text.text(n_in), output_len=n_out, target_input_len=n_in) for n_in, n_out in lengths]

@@ -21,14 +21,8 @@ def sample_shared_prefix(num: int, shape: SharedPrefixShape, text: SyntheticText
     """`num` requests spread round-robin over the groups, then shuffled so one group's
     requests do not all arrive together."""
     systems = [text.text(shape.system_prompt_len) for _ in range(shape.num_groups)]
-    out = [
-        RequestSpec(
-            user_text=text.text(shape.question_len),
-            output_len=shape.output_len,
-            system_text=systems[i % shape.num_groups],
-            target_input_len=shape.system_prompt_len + shape.question_len,
-        )
-        for i in range(num)
-    ]
+    out = [RequestSpec(user_text=text.text(shape.question_len), output_len=shape.output_len,
+                       system_text=systems[i % shape.num_groups],
+                       target_input_len=shape.system_prompt_len + shape.question_len) for i in range(num)]
     rng.shuffle(out)
     return out

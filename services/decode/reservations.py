@@ -39,6 +39,7 @@ from services.decode.reservation_state import (
     ReservationEvent,
     ReservationState,
 )
+from shared.engine.cache_scope import DEFAULT_SCOPE, CacheScope
 from shared.kv_transfer.capability import new_secret
 from shared.kv_transfer.notice import TransferNotice
 
@@ -122,14 +123,15 @@ class ReservationBook:
         self.dropped_requests: OrderedDict[str, None] = OrderedDict()  # cancel_request() ids (bounded)
         self._ids = itertools.count(1)
         self.generation = 1  # ids are never reused in one instance; the nonce covers restarts
+        self.num_passed_over = 0  # reservations made ahead of a tenant over its live share
 
     # -- admission --------------------------------------------------------------------------
     def try_reserve(self, request_id: str, prompt_tokens: int, max_tokens: int, writer_id: str,
                     max_running: int, n: int = 1, prompt_ids: list[int] | None = None,
-                    group: str = "") -> Reservation | None:
+                    scope: CacheScope = DEFAULT_SCOPE, group: str = "") -> Reservation | None:
         """n > 1: the request forks into n sequences sharing the prompt's pages. prompt_ids:
-        the leading pages of it this worker holds are reused (page_ids then lists only the
-        pages the writer fills, from `held_pages` on)."""
+        the leading pages of it this worker holds (under scope's namespace) are reused
+        (page_ids then lists only the pages the writer fills, from `held_pages` on)."""
         if request_id in self.dropped_requests:
             return None  # its caller gave up before an answer (cancel_request): never again
         eng = self.engine
@@ -140,7 +142,7 @@ class ReservationBook:
                           trail=[(S.RESERVED, now)], group=group or request_id, secret=new_secret(),
                           expires=now + self.ttl_s)
         res.deadline = res.expires
-        kv = eng.reserve(res.key, prompt_tokens, prompt_ids)
+        kv = eng.reserve(res.key, prompt_tokens, prompt_ids, scope)
         if kv is None:
             return None
         res.page_ids, res.held_pages = kv.fresh_pages, len(kv.held_pages)

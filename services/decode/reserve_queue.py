@@ -12,6 +12,10 @@ least recently, comes first from then on: the pages freed accumulate for it. And
 sixteenth of the pool goes only to groups holding less than their share of it counting one
 group more: prompt lists that fill the pool between them (their requests hold their pages
 until they finish, minutes on a slow machine) leave another client the pages to start.
+Tenant quotas (shared/engine/tenant_quota.py) come first: while a call of a tenant within its
+live share waits, the calls of tenants whose live work holds their share are passed over
+(neither granted nor holding anyone up by their age; counted in `book.num_passed_over`,
+exported as duet_kv_tenant_passed_over_total{stage="reserve"}); alone, they take their turns.
 
 Runs on the engine-loop thread (add, withdraw, tick); a grant wakes its RPC through the
 callback the call gave (thread-safe). The RPC's own deadline is its business: it withdraws
@@ -24,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.decode.reservations import Reservation, ReservationBook
+from shared.engine.cache_scope import DEFAULT_SCOPE, CacheScope
 
 NEWCOMER_ROOM = 16  # 1/16 of the pool is kept for groups holding little of it
 
@@ -38,6 +43,7 @@ class ReserveWait:
     prompt_ids: list[int] | None
     on_grant: Callable[[Reservation | None], None]  # on the loop thread (hand off thread-safely); None: never
     group: str = ""  # the client request it came from: calls take turns by group
+    scope: CacheScope = DEFAULT_SCOPE  # its prefix-cache namespace and tenant (the tenant's live share)
     since: float = 0.0  # when it started waiting (the queue's clock)
     granted: Reservation | None = field(default=None, repr=False)
 
@@ -87,15 +93,22 @@ class ReserveQueue:
             return False  # not even the smallest call fits: no need to order them
         held = book.pages_by_group()
         share = book.engine.kv.capacity / (len(set(held) | {w.group for w in self.waiting}) + 1)
-        for wait in self._turn_order():
+        order = self._turn_order()
+        passed = self._passed_over(order)
+        first_passed = next((i for i, w in enumerate(order) if w in passed), len(order))
+        for i, wait in enumerate(order):
+            if wait in passed:
+                continue
             if room.slots <= 0:
                 break  # nothing fits without a batch slot
             need = book.engine.kv.pages_for(wait.prompt_tokens) + wait.n
             fits = book.fits(room, wait.prompt_tokens, wait.n)
             if fits and self._room_left(room, need, held.get(wait.group, 0), share):
                 res = book.try_reserve(wait.request_id, wait.prompt_tokens, wait.max_tokens, wait.writer_id,
-                                       self.max_running, wait.n, wait.prompt_ids, wait.group)
+                                       self.max_running, wait.n, wait.prompt_ids, wait.scope, wait.group)
                 if res is not None:
+                    if i > first_passed:
+                        book.num_passed_over += 1  # granted ahead of a tenant over its live share
                     self.waiting.remove(wait)
                     wait.granted = res
                     self._served[wait.group] = next(self._turns)
@@ -115,6 +128,15 @@ class ReserveQueue:
         """Whether a call of a group holding `held` pages may take `need` more: into the pool's
         last sixteenth only while the group holds less than its share."""
         return held + need <= share or room.spare_pages - need >= self.book.engine.kv.capacity // NEWCOMER_ROOM
+
+    def _passed_over(self, order: list[ReserveWait]) -> set[ReserveWait]:
+        """The calls of tenants whose live work holds their share of the pool, while another
+        tenant's call within its share waits (empty when none does: the order decides)."""
+        over = self.book.engine.kv.over_live_share() if len(order) > 1 else None
+        if over is None:
+            return set()
+        passed = {w for w in order if over(w.scope.tenant)}
+        return passed if len(passed) < len(order) else set()
 
     def _turn_order(self) -> list[ReserveWait]:
         """Round robin over the groups: each group's first call, the group granted least

@@ -23,6 +23,7 @@ from services.worker_runtime.grammar_check import compile_ahead
 from shared.admission.context_rule import completion_budget
 from shared.admission.kv_demand import check_fits, kv_demand
 from shared.registry.prefix_hashes import chained_page_hashes
+from shared.wire.cache_scope import cache_scope_from_proto
 from shared.wire.outputs import Usage, chunk_to_proto, first_token_ids_from_proto, tokens_to_proto
 from shared.wire.reservation import KvReservation, RankPages, reservation_to_proto
 from shared.wire.sampling import sampling_from_proto
@@ -50,6 +51,7 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         prompt_ids = list(request.prompt_token_ids) or None
+        scope = cache_scope_from_proto(request)
         if prompt_ids is not None and len(prompt_ids) != request.prompt_tokens:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"prompt_token_ids has {len(prompt_ids)} ids for prompt_tokens {request.prompt_tokens}")
@@ -65,12 +67,13 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
         with ctx.span("reserve", context, request_id=request.request_id) as span:
             res = await self._wait_for_room(ReserveWait(
                 request.request_id, request.prompt_tokens, request.max_tokens, request.prefill_worker_id, n,
-                prompt_ids, on_grant=None, group=request.request_group or request.request_id), wait_s, context)
+                prompt_ids, on_grant=None, group=request.request_group or request.request_id, scope=scope),
+                wait_s, context)
             span.set_attribute("duet.held_tokens", res.held_pages * ctx.page_size)
             await self._until_ready(res)
         # the writer checks the held pages' hashes against its prompt before skipping them
-        held_hashes = chained_page_hashes(prompt_ids[:res.held_pages * ctx.page_size],
-                                          ctx.page_size) if res.held_pages else []
+        held_hashes = chained_page_hashes(prompt_ids[:res.held_pages * ctx.page_size], ctx.page_size,
+                                          seed=scope.namespace) if res.held_pages else []
         answer = KvReservation(
             reservation_id=res.reservation_id, generation=res.generation, decode_worker_id=ctx.worker_id,
             decode_instance_nonce=ctx.instance_nonce, page_size=ctx.page_size,
@@ -138,15 +141,17 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         await compile_ahead(ctx, params, context)
         prompt = list(request.prompt_token_ids)
+        scope = cache_scope_from_proto(request)  # colocated or recomputed: split requests keep their reservation's
         split = request.HasField("reservation")
         aloop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         with ctx.span("decode", context, request_id=rid, split=split) as span:
             spec = None  # speculative decoding: the sequences' stats, summed onto the span
             if split:
-                started = await self._join_split(request, rid, prompt, params, aloop, q, context)
+                started = await self._join_split(request, rid, prompt, params, aloop, q, context, scope)
             else:
-                started = await self._start_colocated(rid, prompt, params, aloop, q, context, request.request_group)
+                started = await self._start_colocated(rid, prompt, params, aloop, q, context, scope,
+                                                      request.request_group)
             emitted = 1 if split else 0
             finished = started is not None and started.finished
             try:
@@ -193,11 +198,11 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
     def _last_chunk(out, tokens, prompt, emitted) -> duet_pb2.TokenChunk:
         return chunk_to_proto(out, prompt, tokens, Usage(len(prompt), emitted, out.num_cached_tokens))
 
-    async def _start_colocated(self, rid, prompt, params, aloop, q, context, group: str = ""):
+    async def _start_colocated(self, rid, prompt, params, aloop, q, context, scope, group: str = ""):
         ctx = self.ctx
 
         def start():
-            ctx.engine.add_request(prompt, params, rid=rid, request_group=group)
+            ctx.engine.add_request(prompt, params, rid=rid, scope=scope, request_group=group)
             ctx.loop.attach(rid, aloop, q)
         try:
             await ctx.loop.acall_or_undo(start, lambda: (ctx.loop.detach(rid), ctx.engine.abort(rid)))
@@ -205,7 +210,7 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return None
 
-    async def _join_split(self, request, rid, prompt, params, aloop, q, context):
+    async def _join_split(self, request, rid, prompt, params, aloop, q, context, scope):
         """Wait for the KV (or decide to recompute) and join the running batch. Returns a
         finished StepOutput if the request ended right away, else None."""
         ctx = self.ctx
@@ -250,7 +255,7 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
                     book.cancel(res.reservation_id, res.generation)
                     raise TimeoutError("the prefill worker's KV never arrived")
                 book.cancel(res.reservation_id, res.generation)  # freed once no write can land
-                ctx.engine.add_request(prompt, params, rid=rid, output_prefix=firsts,
+                ctx.engine.add_request(prompt, params, rid=rid, output_prefix=firsts, scope=scope,
                                        request_group=request.request_group)
                 mode = "recompute"
                 log.warning("request %s: KV from %s did not arrive (%s); recomputing the prompt",

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from services.gateway.backends.interface import GenerationBackend
 from services.gateway.config import GatewayConfig
+from services.gateway.http_edge.cache_namespace import CacheNamespaces
 from services.gateway.http_edge.metrics import GatewayMetrics
 from services.gateway.openai_api.endpoints import GatewayContext
 from services.gateway.openai_api.prompt_builder import PromptBuilder
@@ -74,9 +75,11 @@ def build_context(config: GatewayConfig) -> GatewayContext:
     max_context = context_length(config, model_dir)
     prompts = PromptBuilder.from_model_dir(model_dir)
     backend = build_backend(config, model_dir, served_name, max_context)
+    namespaces = CacheNamespaces.configured(config.security.cache_namespace_key_file,
+                                            config.security.shared_cache_salts)
     return GatewayContext(backend, prompts, GatewayMetrics(), served_name, max_context,
                           tool_call_parser=config.tool_call_parser, limits=config.limits,
-                          template=config.template, grammar=config.grammar)
+                          template=config.template, grammar=config.grammar, cache_namespaces=namespaces)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         ctx = build_context(config)
         if config.backend == "grpc":
             security.grpc_tls.check("client")
+            security.grpc_tls.check_identity("gateway")
         ssl_options = security.uvicorn_ssl_kwargs()
         keys = auth.ApiKeyStore(security.api_keys, security.api_keys_file) if security.auth_enabled else None
     except (ModelNotFoundError, ValueError, OSError) as exc:

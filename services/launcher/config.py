@@ -62,19 +62,12 @@ class UpConfig:
     tls_cert_file: str | None = setting(flag="--tls-cert-file", env="DUET_TLS_CERT_FILE",
                                         help="gateway HTTPS certificate (PEM)")
     tls_key_file: str | None = setting(flag="--tls-key-file", env="DUET_TLS_KEY_FILE", help="gateway HTTPS key (PEM)")
-    grpc_tls_cert_file: str | None = setting(
-        flag="--grpc-tls-cert-file", env="DUET_GRPC_TLS_CERT_FILE",
-        help="gRPC certificate (PEM) for the router and workers, and the gateway's client certificate under "
-             "mTLS (one certificate for every service)")
-    grpc_tls_key_file: str | None = setting(flag="--grpc-tls-key-file", env="DUET_GRPC_TLS_KEY_FILE",
-                                            help="its key (PEM)")
-    grpc_tls_ca_file: str | None = setting(flag="--grpc-tls-ca-file", env="DUET_GRPC_TLS_CA_FILE",
-                                           help="CA of the gRPC certificates: with it every gRPC link is mutual TLS")
-    secure: bool = setting(
-        False, flag="--secure", env="DUET_SECURE",
-        help="close the local stack to other local processes: a throwaway CA and certificate for mutual TLS "
-             "on every gRPC link, and a random password for the Redis duet up starts (in 0600 files, "
-             "removed when it stops)")
+    insecure: bool = setting(
+        False, flag="--insecure", env="DUET_INSECURE",
+        help="open the local stack to every local process: plaintext gRPC that any caller may use, and "
+             "a Redis without a password (default: a throwaway CA issues each service a certificate "
+             "naming its role for mutual TLS on every gRPC link, and the Redis duet up starts gets a "
+             "random password; both in 0600 files, removed when it stops)")
     prefill_tp: int | None = setting(
         flag="--prefill-tp", parse=int,
         help="tensor-parallel size of the prefill workers (default: --tp after --, else 1); may differ from "
@@ -104,16 +97,16 @@ class UpConfig:
             p.error("--prefill-tp and --decode-tp must be >= 1")
         if bool(cfg.tls_cert_file) != bool(cfg.tls_key_file):
             p.error("--tls-cert-file and --tls-key-file go together")
-        if bool(cfg.grpc_tls_cert_file) != bool(cfg.grpc_tls_key_file):
-            p.error("--grpc-tls-cert-file and --grpc-tls-key-file go together")
-        if cfg.grpc_tls_ca_file and not cfg.grpc_tls_cert_file:
-            p.error("--grpc-tls-ca-file needs --grpc-tls-cert-file and --grpc-tls-key-file")
-        if cfg.secure and (cfg.grpc_tls_cert_file or cfg.grpc_tls_ca_file):
-            p.error("--secure makes its own gRPC certificates: leave out the --grpc-tls-* files")
         if cfg.restart_limit < 0 or cfg.restart_backoff_s < 0 or cfg.restart_reset_s < 0 or cfg.drain_grace_s < 0:
             p.error("--restart-limit, --restart-backoff, --restart-reset and --drain-grace must be >= 0")
         cfg.worker_args = [x for x in a.worker_args if x != "--"]
         return cfg
+
+    def worker_names(self) -> list[tuple[str, str]]:
+        """(role, name) of every worker duet up starts: prefill-0.., decode-0.., both-0..; the
+        name is its registry id."""
+        return [(role, f"{role}-{i}") for role, count in (("prefill", self.prefill), ("decode", self.decode),
+                                                           ("both", self.both)) for i in range(count)]
 
     def role_tp(self, role: str, default: int) -> int:
         return {"prefill": self.prefill_tp, "decode": self.decode_tp}.get(role) or default

@@ -17,6 +17,7 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
+from services.launcher.banner import INSECURE_WARNING, print_banner
 from services.launcher.children import Child, duet_command, thread_env
 from services.launcher.config import UpConfig
 from services.launcher.gpus import WorkerFlags, gpu_memory_bytes, host_available_bytes, visible_gpus, weight_bytes
@@ -24,17 +25,9 @@ from services.launcher.gpus import plan as place_workers
 from services.launcher.ports import free_port, port_taken
 from services.launcher.redis_process import redis_child, wait_ready
 from services.launcher.restart_policy import RestartPolicy
-from services.launcher.security import (
-    SecretsDir,
-    SecureStack,
-    gateway_security,
-    grpc_tls_args,
-    health_ssl_context,
-    make_secure,
-)
+from services.launcher.security import SecretsDir, SecureStack, gateway_security, health_ssl_context, make_secure
 from services.launcher.shutdown import DrainPlan, stop_children
 from services.launcher.supervisor import Supervisor
-from shared.security.secret_files import redact_url
 
 log = logging.getLogger("duet.up")
 
@@ -53,9 +46,8 @@ def _healthy(url: str, context=None) -> bool:
 
 def template_helpers(cores: int) -> int:
     """The gateway's chat-template helpers on a machine of `cores`: every turn of a conversation is
-    rendered and tokenized whole, so a burst of follow-ups queues for them (48 turns of 6.3k tokens
-    at once on 16 cores: p50 197 ms before routing with 2 helpers, 70 ms with 8; loadtest/bench/
-    chat_render_wave.py). Half the cores, 2 to 8 (each helper holds a tokenizer: ~120 MB with the default model's)."""
+    rendered and tokenized whole, so a burst of follow-ups queues for them (docs/performance/
+    multiturn.md). Half the cores, 2 to 8 (each helper holds a tokenizer: ~120 MB with the default model's)."""
     return max(2, min(8, cores // 2))
 
 
@@ -67,11 +59,11 @@ class Stack:
         self.redis_url = cfg.redis_url
         self.stopped = False
         self.secrets = SecretsDir()
-        self.secure = SecureStack(None, None)
+        self.secure = SecureStack()  # --insecure keeps this: plaintext gRPC, Redis without a password
         self.drain = DrainPlan(cfg.drain_grace_s)
 
     def make_secure(self) -> None:
-        self.cfg, self.secure = make_secure(self.cfg, self.secrets, own_redis=self.redis_url is None)
+        self.secure = make_secure(self.cfg, self.secrets, own_redis=self.redis_url is None)
 
     def start_redis(self) -> None:
         host = self.cfg.host
@@ -85,8 +77,7 @@ class Stack:
         cfg, host = self.cfg, self.cfg.host
         flags = WorkerFlags.parse(cfg.worker_args)
         gpus = [] if flags.device.startswith("cpu") else visible_gpus()
-        roles = [(role, i) for role, count in (("prefill", cfg.prefill), ("decode", cfg.decode), ("both", cfg.both))
-                 for i in range(count)]
+        roles = cfg.worker_names()
         tps = [cfg.role_tp(role, flags.tp) for role, _ in roles]
         self.placements = place_workers(cfg.num_workers, flags, gpus, explicit_kv=cfg.kv_cache_memory,
                                         card_bytes=gpu_memory_bytes() if gpus else 0,
@@ -96,13 +87,13 @@ class Stack:
         cores = os.cpu_count() or 1
         threads = cfg.threads or max(1, cores // max(1, cfg.num_workers))
         self.router_port = free_port(host)
-        common = ["--redis-url", self.redis_url, *grpc_tls_args(cfg)]
-        secure_env = self.secure.child_env()
+        common = ["--redis-url", self.redis_url]
+        secure, secure_env = self.secure, self.secure.child_env()
         self.children.append(Child("router", duet_command(
             "router", "--host", host, "--port", str(self.router_port), "--metrics-port", str(free_port(host)),
-            *common), self.log_dir / "router.log", kind="router", env={**thread_env(1), **secure_env}))
-        for (role, i), place, tp in zip(roles, self.placements, tps):
-            name = f"{role}-{i}"
+            *common, *secure.grpc_args("router")), self.log_dir / "router.log", kind="router",
+            env={**thread_env(1), **secure_env}))
+        for (role, name), place, tp in zip(roles, self.placements, tps):
             kv = ["--kv-cache-memory", place.kv_cache_memory] if place.kv_cache_memory else []
             if place.kv_host_memory:
                 kv += ["--kv-host-memory", place.kv_host_memory]
@@ -110,8 +101,8 @@ class Stack:
             argv = duet_command("worker", "--role", role, "--worker-id", name, "--host", host,
                                 "--port", str(free_port(host)),  # metrics: bound on any free port, published
                                 "--model", model_dir, *kv, "--threads", str(threads),
-                                "--drain-grace", str(self.drain.worker_grace_s), *common, *cfg.worker_args,
-                                *role_tp)
+                                "--drain-grace", str(self.drain.worker_grace_s), *common,
+                                *secure.grpc_args(name), *cfg.worker_args, *role_tp)
             self.children.append(Child(name, argv, self.log_dir / f"{name}.log", kind="worker",
                                        env={**thread_env(threads), **place.env(), **secure_env}))
         gw_args, gw_env = gateway_security(cfg, self.secrets)
@@ -119,7 +110,7 @@ class Stack:
         self.children.append(Child("gateway", duet_command(
             "gateway", "--host", host, "--port", str(cfg.port), "--router-address", f"{host}:{self.router_port}",
             "--model", model_dir, "--drain-grace", str(self.drain.gateway_grace_s),
-            "--chat-template-processes", str(helpers), *common, *gw_args),
+            "--chat-template-processes", str(helpers), *common, *secure.grpc_args("gateway"), *gw_args),
             self.log_dir / "gateway.log", kind="gateway", env={**thread_env(1), **gw_env, **secure_env}))
         self.threads = threads
 
@@ -175,7 +166,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _serve(stack: Stack, model_dir: str, stopping: dict) -> int:
     try:
-        if stack.cfg.secure:
+        if stack.cfg.insecure:
+            say(INSECURE_WARNING)
+        else:
             stack.make_secure()
         if stack.redis_url is None:
             stack.start_redis()
@@ -183,8 +176,8 @@ def _serve(stack: Stack, model_dir: str, stopping: dict) -> int:
     except FileNotFoundError as exc:  # no redis-server on PATH
         say(str(exc))
         return 2
-    except ImportError as exc:  # --secure without `cryptography`
-        say(f"--secure needs the `cryptography` package ({exc})")
+    except ImportError as exc:  # an install without `cryptography` (a dependency)
+        say(f"the stack's certificates need the `cryptography` package ({exc}); or run with --insecure")
         return 2
     except ValueError as exc:  # e.g. --tp larger than the visible GPUs
         say(str(exc))
@@ -210,7 +203,7 @@ def _serve(stack: Stack, model_dir: str, stopping: dict) -> int:
             say(f"the gateway did not become healthy in {cfg.health_timeout_s:.0f}s; logs in {stack.log_dir}")
             return 1
         time.sleep(0.25)
-    _print_banner(stack, model_dir, base)
+    print_banner(stack, model_dir, base)
     while stopping["sig"] is None:
         if supervisor.tick() is not None:
             return _gave_up()
@@ -221,22 +214,3 @@ def _serve(stack: Stack, model_dir: str, stopping: dict) -> int:
 def _gave_up() -> int:
     say("a child keeps dying: stopping the stack (exit code 1)")
     return 1
-
-
-def _print_banner(stack: Stack, model_dir: str, base: str) -> None:
-    cfg = stack.cfg
-    workers = [c.name + (f" (GPU {c.env['CUDA_VISIBLE_DEVICES']})" if "CUDA_VISIBLE_DEVICES" in c.env else "")
-               for c in stack.children if c.kind == "worker"]
-    redis_auth = " (password required)" if stack.secure.redis_password_file else ""
-    restarts = (f"A child that dies is restarted (up to {cfg.restart_limit} times in a row)" if cfg.restart_limit
-                else "A child that dies stops the stack (--restart-limit 0)")
-    print(f"\nDuet is up. OpenAI API: {base}/v1   (health {base}/health, metrics {base}/metrics)\n"
-          f"  model   {model_dir}\n"
-          f"  router  {cfg.host}:{stack.router_port}\n"
-          f"  workers {', '.join(workers)}\n"
-          f"  redis   {redact_url(stack.redis_url)}{redis_auth}\n"
-          f"  auth    {'API key required' if cfg.api_keys or cfg.api_keys_file else 'none (open)'}; "
-          f"gRPC {'mTLS' if cfg.grpc_tls_ca_file else 'TLS' if cfg.grpc_tls_cert_file else 'plaintext'}\n"
-          f"  logs    {stack.log_dir}\n"
-          f"{restarts}; Ctrl-C stops everything (drain: {stack.drain.grace_s:g}s).\n", file=sys.stderr, flush=True)
-    print(f"{base}/v1", flush=True)  # stdout: the one thing a script needs

@@ -1,19 +1,21 @@
 """`duet up`'s security wiring: API keys handed to the gateway in a private 0600 file (never
-on a command line, which `ps` shows to every user), HTTPS for the gateway, one gRPC
-certificate (+ CA for mutual TLS) for every service, and `--secure`: a throwaway CA and
-certificate (mTLS on every gRPC link) and a random password for the Redis duet up starts."""
+on a command line, which `ps` shows to every user), HTTPS for the gateway, and, unless
+--insecure, a throwaway CA that issues every child a certificate naming its role and id
+(mutual TLS on every gRPC link, each caller limited to the methods its role needs:
+shared/security/) and a random password for the Redis duet up starts."""
 from __future__ import annotations
 
-import dataclasses
 import os
 import secrets
 import shutil
 import ssl
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.launcher.config import UpConfig
+from services.launcher.throwaway_pki import CertFiles
+from shared.security.identity import Identity
 
 
 class SecretsDir:
@@ -40,18 +42,9 @@ class SecretsDir:
             self.path = None
 
 
-def grpc_tls_args(cfg: UpConfig) -> list[str]:
-    """The same gRPC TLS flags for router, workers and gateway (paths only, no secrets)."""
-    args = []
-    for flag, value in (("--grpc-tls-cert-file", cfg.grpc_tls_cert_file), ("--grpc-tls-key-file", cfg.grpc_tls_key_file),
-                        ("--grpc-tls-ca-file", cfg.grpc_tls_ca_file)):
-        if value:
-            args += [flag, str(Path(value).resolve())]
-    return args
-
-
 def gateway_security(cfg: UpConfig, secrets: SecretsDir) -> tuple[list[str], dict[str, str]]:
-    """Extra gateway flags and environment: HTTPS files, and the API keys as a 0600 file."""
+    """Extra gateway flags and environment: HTTPS files, the API keys as a 0600 file, and a
+    random key for the prefix-cache namespaces (0600 too)."""
     args: list[str] = []
     if cfg.tls_cert_file:
         args += ["--tls-cert-file", str(Path(cfg.tls_cert_file).resolve()),
@@ -67,6 +60,7 @@ def gateway_security(cfg: UpConfig, secrets: SecretsDir) -> tuple[list[str], dic
         env["DUET_API_KEYS_FILE"] = str(Path(cfg.api_keys_file).resolve())
     else:
         env["DUET_API_KEYS_FILE"] = ""
+    env["DUET_CACHE_NAMESPACE_KEY_FILE"] = str(secrets.write("cache-namespace-key", os.urandom(32).hex()))
     return args, env
 
 
@@ -81,30 +75,49 @@ def health_ssl_context(cfg: UpConfig) -> ssl.SSLContext | None:
     return ctx
 
 
+# inherited from duet up's environment, these would give a child other certificates than its own
+_GRPC_TLS_VARS = ("DUET_GRPC_TLS_CERT_FILE", "DUET_GRPC_TLS_KEY_FILE", "DUET_GRPC_TLS_CA_FILE")
+
+
 @dataclass(frozen=True)
 class SecureStack:
-    """What `--secure` made: the gRPC files are in the returned config; the Redis password is
-    in two 0600 files, one for redis-server (its config file), one for the services."""
+    """What duet up made to close the stack: a certificate per child (name -> files: "router",
+    "gateway", and each worker by its id), and the Redis password in two 0600 files, one for
+    redis-server (its config file), one for the services. Empty: --insecure."""
 
-    redis_password_file: Path | None  # None with --redis-url: that Redis is secured by its owner
-    redis_config_file: Path | None
+    certs: dict[str, CertFiles] = field(default_factory=dict)
+    redis_password_file: Path | None = None  # None with --redis-url: that Redis is secured by its owner
+    redis_config_file: Path | None = None
+
+    @property
+    def mutual_tls(self) -> bool:
+        return bool(self.certs)
+
+    def grpc_args(self, child: str) -> list[str]:
+        """The child's own certificate and the CA (paths only, no secrets)."""
+        files = self.certs.get(child)
+        if files is None:
+            return []
+        return ["--grpc-tls-cert-file", str(files.cert), "--grpc-tls-key-file", str(files.key),
+                "--grpc-tls-ca-file", str(files.ca)]
 
     def child_env(self) -> dict[str, str]:
         """The services read the password from the file (never argv, never the variable)."""
-        if self.redis_password_file is None:
-            return {}
-        return {"DUET_REDIS_PASSWORD_FILE": str(self.redis_password_file), "DUET_REDIS_PASSWORD": ""}
+        env = {var: "" for var in _GRPC_TLS_VARS}
+        if self.redis_password_file is not None:
+            env.update({"DUET_REDIS_PASSWORD_FILE": str(self.redis_password_file), "DUET_REDIS_PASSWORD": ""})
+        return env
 
 
-def make_secure(cfg: UpConfig, vault: SecretsDir, *, own_redis: bool) -> tuple[UpConfig, SecureStack]:
-    """A throwaway CA + certificate for mutual TLS on every gRPC link, and (for the Redis that
-    duet up starts) a random password; the config returned names the certificate files."""
+def make_secure(cfg: UpConfig, vault: SecretsDir, *, own_redis: bool) -> SecureStack:
+    """A throwaway CA and a certificate for each child, and (for the Redis that duet up starts)
+    a random password."""
     from services.launcher.throwaway_pki import make_certificates
-    certs = make_certificates(vault.folder(), [cfg.host])
-    cfg = dataclasses.replace(cfg, grpc_tls_cert_file=str(certs.cert), grpc_tls_key_file=str(certs.key),
-                              grpc_tls_ca_file=str(certs.ca))
+    identities = {"router": Identity("router"), "gateway": Identity("gateway"),
+                  **{name: Identity(role, name) for role, name in cfg.worker_names()}}
+    certs = make_certificates(vault.folder(), identities)
     if not own_redis:
-        return cfg, SecureStack(None, None)
+        return SecureStack(certs)
     password = secrets.token_urlsafe(32)
-    return cfg, SecureStack(vault.write("redis-password", password + "\n"),
-                            vault.write("redis.conf", f"requirepass {password}\n"))
+    return SecureStack(certs, vault.write("redis-password", password + "\n"),
+                       vault.write("redis.conf", f"requirepass {password}\n"))

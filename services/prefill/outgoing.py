@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 from services.prefill.outgoing_state import OUTGOING, WRITING, OutgoingEvent, OutgoingState
+from shared.engine.cache_scope import DEFAULT_SCOPE, CacheScope
 from shared.engine.outputs import StepOutput
 from shared.engine.request import ReqStatus
 from shared.kv_transfer.agent import DONE, FAILED, TransferError
@@ -88,17 +89,19 @@ class OutgoingTransfers:
 
     def start(self, rid: str, prompt_ids, params, stream: PageWriteStream,
               reservation_id: int, generation: int, held_pages: int = 0,
-              write_nothing: bool = False, secret: bytes = b"",
+              write_nothing: bool = False, scope: CacheScope = DEFAULT_SCOPE, secret: bytes = b"",
               deadline: float = float("inf"), request_group: str = "") -> concurrent.futures.Future:
         """held_pages: the reservation's leading pages decode already holds; the stream's
-        pages are the ones after them. write_nothing: their hashes did not match. secret,
-        deadline: the reservation's write capability (notice MAC key; end of its lifetime on
-        this process's monotonic clock). request_group: the client request it came from (the
-        engine's fair turns)."""
+        pages are the ones after them. write_nothing: their hashes did not match. scope: the
+        prefix-cache namespace and tenant of the request on this worker. secret, deadline: the
+        reservation's write capability (notice MAC key; end of its lifetime on this process's
+        monotonic clock). request_group: the client request it came from (the engine's fair
+        turns)."""
         if (held_pages + len(stream.dst_page_ids)) * self.page_size < len(prompt_ids):
             raise ValueError(f"reservation has {held_pages} held + {len(stream.dst_page_ids)} pages; the "
                              f"prompt needs {-(-len(prompt_ids) // self.page_size)}")
-        self.engine.add_request(prompt_ids, params, rid=rid, prefill_only=True, request_group=request_group)
+        self.engine.add_request(prompt_ids, params, rid=rid, prefill_only=True, scope=scope,
+                                request_group=request_group)
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self.active[rid] = Outgoing(rid, stream, reservation_id, generation, len(prompt_ids), fut,
                                     trail=[(S.PREFILLING, time.monotonic())], held_pages=held_pages,

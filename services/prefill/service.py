@@ -27,6 +27,7 @@ from shared.kv_transfer.tp_write_stream import TpWriteStream
 from shared.kv_transfer.write_stream import rank_stream
 from shared.registry.peers import PeerNotFound
 from shared.registry.prefix_hashes import chained_page_hashes
+from shared.wire.cache_scope import cache_scope_from_proto
 from shared.wire.outputs import PrefillAnswer, prefill_reply_to_proto
 from shared.wire.reservation import KvReservation, reservation_from_proto
 from shared.wire.sampling import sampling_from_proto
@@ -89,13 +90,14 @@ class PrefillService(duet_pb2_grpc.PrefillServicer):
             mine = {c.dst_rank for c in plan if c.src_rank == 0} | {0}
             decode_peers = {j: ctx.peers.add(specs[j]) for j in sorted(mine)}
             prompt = list(request.prompt_token_ids)
+            scope = cache_scope_from_proto(request)  # its namespace: prefill's own prefix cache, the held hashes' seed
             held = res.held_pages
             if held < 0 or held * ctx.page_size > len(prompt):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"reservation holds {held} pages of a {len(prompt)}-token prompt")
             # never trust a hint for correctness: skip the held pages only if they are this prompt's
-            mismatch = held > 0 and chained_page_hashes(prompt[:held * ctx.page_size], ctx.page_size) != \
-                res.held_page_hashes
+            mismatch = held > 0 and chained_page_hashes(prompt[:held * ctx.page_size], ctx.page_size,
+                                                        seed=scope.namespace) != res.held_page_hashes
             if mismatch:
                 log.warning("request %s: decode %s holds %d pages that are not this prompt's; it will recompute",
                             rid, res.decode_worker_id, held)
@@ -108,7 +110,7 @@ class PrefillService(duet_pb2_grpc.PrefillServicer):
                     if ctx.config.engine.tp_size > 1:
                         stream = TpWriteStream(stream, ctx.outgoing.followers, specs, pages[0], plan)
                     fut = ctx.outgoing.start(rid, prompt, params, stream, res.reservation_id, res.generation,
-                                             held_pages=held, write_nothing=mismatch,
+                                             held_pages=held, write_nothing=mismatch, scope=scope,
                                              secret=res.capability.secret, deadline=handoff.deadline,
                                              request_group=request.request_group)
                     handoff.started = True  # from here OutgoingTransfers tells decode how it ended

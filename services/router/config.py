@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from shared.perf_model.config import ItlTarget
 from shared.registry.config import RegistryConfig
 from shared.security.grpc_tls import GrpcTlsConfig
 from shared.settings.flags import build_parser, from_args
@@ -30,14 +31,20 @@ class RoutingWeights:
         1024, flag="--decode-transfer-min-tokens", env="DUET_ROUTER_DECODE_TRANSFER_MIN_TOKENS",
         help="the transfer share is counted against at least this many tokens, so a short prompt's "
              "transfer (a chat template's shared head) weighs next to nothing and load decides")
-    # conditional disaggregation: see policy.local_prefill_reason
+    # conditional disaggregation: placement.py (predicted), policy.local_prefill_reason (threshold)
+    placement: str = setting(
+        "predicted", flag="--placement", env="DUET_PLACEMENT", choices=("predicted", "threshold"),
+        help="where a prefill runs: predicted = by each option's predicted time to first token and its cost to "
+             "the decode worker's inter-token latency (the workers' step-time models; the local-prefill settings "
+             "below are bounds); threshold = on the decode worker whenever it is within those bounds")
     local_prefill_min_share: float = setting(
         0.5, flag="--local-prefill-min-share", env="DUET_LOCAL_PREFILL_MIN_SHARE",
-        help="local prefill: a decode worker holding at least this share of the prompt ...")
+        help="local prefill: a decode worker may prefill a prompt itself (with --placement predicted: when that is "
+             "predicted faster and within the inter-token target) if it holds at least this share of it ...")
     local_prefill_max_tokens: int = setting(
         512, flag="--local-prefill-max-tokens", env="DUET_LOCAL_PREFILL_MAX_TOKENS",
-        help="... with at most this many prompt tokens left to compute prefills them itself (no prefill "
-             "worker, no transfer); 0 = always through a prefill worker")
+        help="... and at most this many prompt tokens are left to compute (no prefill worker, no transfer); "
+             "0 = always through a prefill worker")
 
 
 @dataclass
@@ -50,6 +57,7 @@ class RouterConfig:
     registry: RegistryConfig = nested(RegistryConfig)
     tls: GrpcTlsConfig = nested(GrpcTlsConfig, "gRPC TLS (between gateway, router and workers)")
     weights: RoutingWeights = nested(RoutingWeights)
+    slo: ItlTarget = nested(ItlTarget)
     inflight_ttl_s: float = setting(
         60.0, flag="--inflight-ttl", env="DUET_ROUTER_INFLIGHT_TTL",
         help="seconds a routed request counts in the router's own load account unless released first (a "

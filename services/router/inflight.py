@@ -8,11 +8,16 @@ never releases, and a Route nobody follows up (a client of the router's gRPC tha
 routes) must not pin load. The account only bridges the heartbeats: a request that really
 runs is in its worker's reported load long before its entry expires, and loads are the
 larger of the two, so a short TTL forgets nothing that is real.
+
+The other way round, a heartbeat may still count a request that ended since: the report
+the router holds was written at most a heartbeat plus a registry scan ago, so the tracker
+keeps each worker's DONE releases of that window (`released_since_report`), and a
+conversation's next turn does not see its own previous turn still running there.
 """
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass
 
 
@@ -32,12 +37,16 @@ class WorkerInflight:
     prefill_requests: int = 0
     decode_pages: int = 0
     decode_requests: int = 0
+    released_since_report: int = 0  # requests ended here that its load report may still count
 
 
 class InflightTracker:
-    def __init__(self, ttl_s: float):
+    def __init__(self, ttl_s: float, report_age_s: float = 2.0):
+        """report_age_s: how old a worker's load report can be (heartbeat + registry scan)."""
         self.ttl_s = ttl_s
+        self.report_age_s = report_age_s
         self._requests: dict[str, RoutedRequest] = {}
+        self._released: deque[tuple[float, str]] = deque()  # (time.monotonic(), decode worker) of DONE releases
 
     def __len__(self) -> int:
         """Entries not yet past the TTL (expire() drops them at the next Route)."""
@@ -55,6 +64,7 @@ class InflightTracker:
             req.prefill_worker, req.prefill_tokens = None, 0
         else:
             del self._requests[request_id]
+            self._released.append((time.monotonic(), req.decode_worker))
         return True
 
     def expire(self, live_workers: set[str], now: float | None = None) -> int:
@@ -69,7 +79,10 @@ class InflightTracker:
                 req.prefill_worker, req.prefill_tokens = None, 0
         return dropped
 
-    def per_worker(self) -> dict[str, WorkerInflight]:
+    def per_worker(self, now: float | None = None) -> dict[str, WorkerInflight]:
+        now = time.monotonic() if now is None else now
+        while self._released and self._released[0][0] < now - self.report_age_s:
+            self._released.popleft()
         loads: dict[str, WorkerInflight] = defaultdict(WorkerInflight)
         for req in self._requests.values():
             if req.prefill_worker is not None:
@@ -79,4 +92,6 @@ class InflightTracker:
             load = loads[req.decode_worker]
             load.decode_pages += req.decode_pages
             load.decode_requests += 1
+        for _, worker_id in self._released:
+            loads[worker_id].released_since_report += 1
         return dict(loads)

@@ -35,6 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = RouterConfig.from_argv(argv)
         config.tls.check("server")
+        config.tls.check_identity("router")
     except ValueError as exc:
         print(f"duet router: {exc}", file=sys.stderr)
         return 2

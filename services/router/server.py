@@ -9,6 +9,7 @@ from prometheus_client import Gauge
 from protos import duet_pb2_grpc
 from services.router.config import RouterConfig
 from services.router.service import RouterService
+from shared.registry.entry_trust import EntryTrust
 from shared.registry.watcher import WorkerWatcher
 from shared.security.secret_files import redact_url
 from shared.telemetry.metrics import DuetMetrics, MetricsServer, start_metrics_server
@@ -23,7 +24,9 @@ class RouterServer:
     def __init__(self, config: RouterConfig, *, tracing: Tracing | None = None, metrics: DuetMetrics | None = None):
         self.config = config
         self.metrics = metrics or DuetMetrics("router")
-        self.watcher = WorkerWatcher(config.registry, model=config.model or None)
+        # mutual TLS: route only to entries whose worker proved its identity (entry_trust.py)
+        self.trust = EntryTrust(config.tls) if config.tls.mutual else None
+        self.watcher = WorkerWatcher(config.registry, model=config.model or None, trust=self.trust)
         self.service = RouterService(config, self.watcher, self.metrics,
                                      tracer=tracing.tracer if tracing is not None else None)
         self._grpc: grpc.aio.Server | None = None
@@ -39,6 +42,8 @@ class RouterServer:
 
     async def start(self) -> int:
         await self.watcher.start()
+        if self.trust is not None:  # the workers already registered are asked who they are first
+            await self.trust.settle(self.trust.probe_timeout_s)
         if not self.watcher.redis_ok:
             log.warning("registry %s not reachable yet; routing starts when it is",
                         redact_url(self.config.registry.redis_url))
@@ -48,7 +53,7 @@ class RouterServer:
             except OSError as exc:
                 raise OSError(f"could not bind the router's metrics to {self.config.host}:{self.config.metrics_port}: "
                               f"{exc.strerror or exc}") from exc
-        self._grpc = grpc.aio.server()
+        self._grpc = grpc.aio.server(interceptors=self.config.tls.interceptors())
         duet_pb2_grpc.add_RouterServicer_to_server(self.service, self._grpc)
         self.port = self.config.tls.add_port(self._grpc, f"{self.config.host}:{self.config.port}")
         if self.port == 0:
@@ -71,3 +76,5 @@ class RouterServer:
             self._metrics_server.stop()
             self._metrics_server = None
         await self.watcher.stop()
+        if self.trust is not None:
+            await self.trust.close()

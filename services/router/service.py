@@ -14,8 +14,10 @@ from opentelemetry import trace
 from protos import duet_pb2, duet_pb2_grpc
 from services.router.config import RouterConfig
 from services.router.inflight import InflightTracker, RoutedRequest
+from services.router.placement import Placement, place
+from services.router.placement_metrics import PlacementMetrics
 from shared.registry.pairing import pair_problem
-from services.router.policy import choose_colocated, choose_decode, choose_prefill, local_prefill_reason
+from services.router.policy import DecodeChoice, PrefillChoice, choose_colocated, choose_decode, choose_prefill
 from shared.registry.keys import RegistryKeys
 from shared.registry.kv_events import cached_prefix_pages
 from shared.registry.watcher import WorkerWatcher
@@ -38,8 +40,10 @@ class RouterService(duet_pb2_grpc.RouterServicer):
         self.metrics = metrics
         self.tracer = tracer or trace.get_tracer("duet.router")
         self.keys = RegistryKeys(config.registry.prefix)
-        self.inflight = InflightTracker(config.inflight_ttl_s)
+        self.inflight = InflightTracker(config.inflight_ttl_s,
+                                        config.registry.heartbeat_interval_s + config.registry.scan_interval_s)
         self._rotation = itertools.count()
+        self.placement_metrics = PlacementMetrics(metrics.registry)
 
     async def Route(self, request: duet_pb2.RouteRequest, context: grpc.aio.ServicerContext) -> duet_pb2.RouteReply:
         parent = extract_grpc_context(context.invocation_metadata())
@@ -49,23 +53,33 @@ class RouterService(duet_pb2_grpc.RouterServicer):
             span.set_attribute("duet.request_id", request_id)
             if request.prompt_tokens <= 0:
                 await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "prompt_tokens must be positive")
-            reply = await self._route(request, request_id, model)
+            reply, placement = await self._route(request, request_id, model)
+            trust = self.watcher.trust
+            if (reply is None or isinstance(reply, str)) and trust is not None and trust.pending:
+                # workers that just joined are being asked who they are: wait for that, not 503
+                await trust.settle(trust.probe_timeout_s)
+                reply, placement = await self._route(request, request_id, model)
             if isinstance(reply, str):
-                self.metrics.route_decisions.labels(kind="unavailable").inc()
+                self.metrics.route_decisions.labels(kind="unavailable", reason="unpaired").inc()
                 span.set_attribute("duet.route", "unpaired")
                 log.warning("route %s: %s", request_id, reply)
                 await context.abort(grpc.StatusCode.UNAVAILABLE, reply)
             if reply is None:
-                self.metrics.route_decisions.labels(kind="unavailable").inc()
+                self.metrics.route_decisions.labels(kind="unavailable", reason="no_worker").inc()
                 span.set_attribute("duet.route", "unavailable")
                 detail = (f"no live worker can serve model {model!r}" if model else "no live worker")
                 if not self.watcher.redis_ok:
                     detail += " (registry unreachable; using the last known worker set)"
                 await self._refuse(context, grpc.StatusCode.UNAVAILABLE, detail)
             kind = "local_prefill" if reply.local_prefill else "colocated" if reply.colocated else "split"
-            self.metrics.route_decisions.labels(kind=kind).inc()
+            code = placement.code if placement is not None else "only_colocated"
+            self.metrics.route_decisions.labels(kind=kind, reason=code).inc()
+            log.debug("route %s: %s (%s)", request_id, reply.reason, code)
             span.set_attribute("duet.route", kind)
             span.set_attribute("duet.route_reason", reply.reason)
+            span.set_attribute("duet.placement_reason", code)
+            if placement is not None:
+                self._record_placement(span, placement)
             span.set_attribute("duet.decode_worker", reply.decode.worker_id)
             if not reply.colocated:
                 span.set_attribute("duet.prefill_worker", reply.prefill.worker_id)
@@ -73,6 +87,18 @@ class RouterService(duet_pb2_grpc.RouterServicer):
             span.set_attribute("duet.decode_cached_tokens", reply.decode_cached_tokens)
             self.metrics.request_finished("Route", grpc.StatusCode.OK)
             return reply
+
+    def _record_placement(self, span, placement: Placement) -> None:
+        """The predicted figures of every option weighed, on the span and in metrics."""
+        self.placement_metrics.observe(placement)
+        if placement.target_s:
+            span.set_attribute("duet.itl_target_ms", placement.target_s * 1000)
+        for option in placement.options:
+            span.set_attribute(f"duet.predicted_ttft_{option.kind}_ms", option.ttft_s * 1000)
+        if placement.chosen is not None:
+            span.set_attribute("duet.predicted_ttft_ms", placement.chosen.ttft_s * 1000)
+            span.set_attribute("duet.predicted_step_ms", placement.chosen.step_s * 1000)
+            span.set_attribute("duet.predicted_itl_impact_ms", placement.chosen.itl_impact_s * 1000)
 
     async def _refuse(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, detail: str) -> None:
         self.metrics.request_finished("Route", code)
@@ -85,8 +111,9 @@ class RouterService(duet_pb2_grpc.RouterServicer):
     # --- the decision ---------------------------------------------------------
 
     async def _route(self, request: duet_pb2.RouteRequest, request_id: str,
-                     model: str) -> duet_pb2.RouteReply | str | None:
-        """The decision; a string says why live workers could not be paired, None: none live."""
+                     model: str) -> tuple[duet_pb2.RouteReply | str | None, Placement | None]:
+        """The decision and how it was placed; a string says why live workers could not be
+        paired, None: none live."""
         live = [w for w in self.watcher.workers() if not model or w.model == model]
         self.inflight.expire({w.worker_id for w in self.watcher.workers()})
         by_role: dict[str, list[WorkerInfo]] = defaultdict(list)
@@ -99,49 +126,61 @@ class RouterService(duet_pb2_grpc.RouterServicer):
         loads = self.inflight.per_worker()
         prompt_tokens, max_tokens, n = request.prompt_tokens, max(0, request.max_tokens), max(1, request.n)
         weights = self.config.weights
+        boths = by_role["both"]
+        now = time.monotonic()
 
         if decodes:
+            # `both` workers are a third option beside split and local prefill (predicted placement only)
+            extra = boths if weights.placement == "predicted" else []
             candidates = {w.worker_id: w for d in decodes for w in [d, *pairable[d.worker_id]]}
+            candidates.update((w.worker_id, w) for w in extra)
             cached = await self._cached_pages(list(candidates.values()), list(request.page_hashes))
             decode = choose_decode(decodes, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
                                    inflight=loads, weights=weights, rotation=rotation, cached_pages=cached, n=n)
-            reason = local_prefill_reason(decode, prompt_tokens, weights)
-            if reason:  # it holds most of the prompt: no prefill worker, no transfer
-                self.inflight.add(RoutedRequest(request_id, decode.worker.worker_id,
-                                                prompt_tokens - decode.cached_tokens, decode.worker.worker_id,
-                                                decode.pages, time.monotonic()))
-                return duet_pb2.RouteReply(request_id=request_id, decode=worker_ref(decode.worker), colocated=True,
-                                           local_prefill=True, cached_tokens=decode.cached_tokens,
-                                           decode_cached_tokens=decode.cached_tokens, reason=reason)
             prefill = choose_prefill(pairable[decode.worker.worker_id], prompt_tokens=prompt_tokens,
                                      cached_pages=cached, inflight=loads, weights=weights, rotation=rotation)
+            both = choose_colocated(extra, prompt_tokens=prompt_tokens, max_tokens=max_tokens, cached_pages=cached,
+                                    inflight=loads, weights=weights, rotation=rotation, n=n) if extra else None
+            placement = place(decode, prefill, prompt_tokens, inflight=loads, weights=weights,
+                              target_s=self.config.slo.itl_ms / 1000, colocated=both[0] if both else None)
+            if placement.kind == "local_prefill":  # it holds most of the prompt: no prefill worker, no transfer
+                self.inflight.add(RoutedRequest(request_id, decode.worker.worker_id,
+                                                prompt_tokens - decode.cached_tokens, decode.worker.worker_id,
+                                                decode.pages, now))
+                return duet_pb2.RouteReply(request_id=request_id, decode=worker_ref(decode.worker), colocated=True,
+                                           local_prefill=True, cached_tokens=decode.cached_tokens,
+                                           decode_cached_tokens=decode.cached_tokens,
+                                           reason=placement.detail), placement
+            if placement.kind == "colocated":
+                return self._colocated_reply(request_id, *both, placement.detail), placement
             self.inflight.add(RoutedRequest(request_id, prefill.worker.worker_id, prefill.uncached_tokens,
-                                            decode.worker.worker_id, decode.pages, time.monotonic()))
-            reason = (f"split: decode {decode.worker.worker_id} holds {decode.cached_tokens} of {prompt_tokens} "
-                      f"prompt tokens, prefill {prefill.worker.worker_id} {prefill.cached_tokens}")
+                                            decode.worker.worker_id, decode.pages, now))
             return duet_pb2.RouteReply(request_id=request_id, prefill=worker_ref(prefill.worker),
                                        decode=worker_ref(decode.worker), colocated=False,
                                        cached_tokens=prefill.cached_tokens, decode_cached_tokens=decode.cached_tokens,
-                                       reason=reason)
+                                       reason=placement.detail), placement
 
-        boths = by_role["both"]
         if not boths:
             if by_role["prefill"] and by_role["decode"]:  # workers there, but none can pair: say why
                 p, d = by_role["prefill"][0], by_role["decode"][0]
                 return (f"no prefill worker can hand its KV to a decode worker; e.g. {p.worker_id} -> "
-                        f"{d.worker_id}: {pair_problem(p, d)}")
-            return None
+                        f"{d.worker_id}: {pair_problem(p, d)}"), None
+            return None, None
         cached = await self._cached_pages(boths, list(request.page_hashes))
         prefill, decode = choose_colocated(boths, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
                                            cached_pages=cached, inflight=loads, weights=weights,
                                            rotation=rotation, n=n)
+        reason = f"colocated: {prefill.worker.worker_id} holds {prefill.cached_tokens} of {prompt_tokens} prompt tokens"
+        return self._colocated_reply(request_id, prefill, decode, reason), None
+
+    def _colocated_reply(self, request_id: str, prefill: PrefillChoice, decode: DecodeChoice,
+                         reason: str) -> duet_pb2.RouteReply:
         worker = prefill.worker
         self.inflight.add(RoutedRequest(request_id, worker.worker_id, prefill.uncached_tokens,
                                         worker.worker_id, decode.pages, time.monotonic()))
         return duet_pb2.RouteReply(request_id=request_id, decode=worker_ref(worker), colocated=True,
                                    cached_tokens=prefill.cached_tokens, decode_cached_tokens=prefill.cached_tokens,
-                                   reason=f"colocated: {worker.worker_id} holds {prefill.cached_tokens} of "
-                                          f"{prompt_tokens} prompt tokens")
+                                   reason=reason)
 
     async def _cached_pages(self, workers: list[WorkerInfo], page_hashes: list[int]) -> dict[str, int]:
         """Leading prompt pages each worker holds; {} when unknown (no hashes, Redis slow or down)."""

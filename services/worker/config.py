@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from shared.engine.config import EngineConfig
+from shared.perf_model.config import PerfModelConfig
 from shared.registry.config import RegistryConfig
 from shared.security.grpc_tls import GrpcTlsConfig
 from shared.settings.drain import drain_grace
@@ -67,6 +68,7 @@ class WorkerConfig:
     log_level: str = setting("info", flag="--log-level", env="DUET_LOG_LEVEL", help="stderr log level")
     drain_grace_s: float = drain_grace()
     engine: EngineConfig = nested(EngineConfig, "engine (model, KV cache, batching, kernels)")
+    perf: PerfModelConfig = nested(PerfModelConfig, "step-time model and inter-token latency target")
     registry: RegistryConfig = nested(RegistryConfig, "registry")
     tls: GrpcTlsConfig = nested(GrpcTlsConfig, "gRPC TLS (between gateway, router and workers)")
 

@@ -27,6 +27,7 @@ from services.worker.load_publisher import LoadPublisher, load_counters
 from services.worker_runtime.context import WorkerContext
 from services.worker_runtime.engine_loop import EngineLoop
 from services.worker_runtime.exit_watchdog import EXIT_AFTER_GRACE_S, ExitWatchdog
+from services.worker_runtime.perf_tracker import PerfTracker, handoff_totals
 from shared.engine.grammar_guard import GrammarGuard
 from shared.registry.kv_events import KvEventBuffer
 from shared.registry.publisher import WorkerPublisher
@@ -51,9 +52,10 @@ class WorkerHost:
     services: list = field(default_factory=list)  # start() / async stop() while serving (peer warm-up)
     busy: list[Callable[[], bool]] = field(default_factory=list)  # in-flight work a drain waits for
     on_stop: list[Callable[[], None]] = field(default_factory=list)  # after the engine loop stopped
+    calibration: list = field(default_factory=list)  # timed start-up steps (perf_calibration.py)
 
     @classmethod
-    def create(cls, config: WorkerConfig, engine) -> "WorkerHost":
+    def create(cls, config: WorkerConfig, engine, calibration: list | None = None) -> "WorkerHost":
         served = config.served_model_name or engine.model_dir.name
         worker_id = config.worker_id or default_worker_id(config.role)
         kv_layout = model_kv_key(engine)
@@ -64,8 +66,9 @@ class WorkerHost:
                             tracer=tracing.tracer, watcher=WorkerWatcher(config.registry, model=served))
         ctx.grammar_guard = GrammarGuard.for_tokenizer_info(config.engine.grammar,
                                                             lambda: engine.grammars.info.serialize_json())
-        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
-        host = cls(config, engine, ctx, server, served, kv_layout, tracing)
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)],
+                                 interceptors=config.tls.interceptors())  # mTLS: who may call what
+        host = cls(config, engine, ctx, server, served, kv_layout, tracing, calibration=list(calibration or []))
         host.on_stop.append(ctx.grammar_guard.close)
         return host
 
@@ -101,6 +104,15 @@ class WorkerHost:
                                     nixl_metadata={r: a.metadata for r, a in enumerate(ctx.rank_agents)} or None,
                                     load_fn=lambda: info.load, kv_events=self.kv_events)
         loop.after_iteration.append(LoadPublisher(ctx, info, *load_counters(ctx.metrics)))
+        # the step-time model: refitted from every step, published with the load, drives the
+        # prefill budget beside decode rows
+        tracker = PerfTracker(self.engine, info.perf, config.perf, ctx.metrics.registry, calibration=self.calibration,
+                              handoffs=handoff_totals(ctx.metrics.registry) if config.role == "prefill" else None)
+        loop.step_timers.append(tracker.on_step)
+        loop.after_iteration.append(tracker)
+        if info.perf.step is not None:
+            log.info("step-time model: %s; inter-token target %.0f ms", info.perf.step.to_dict(),
+                     info.perf.itl_target_s * 1000)
         if self.engine.spec is not None:  # duet_spec_* counters
             from shared.telemetry.spec_metrics import SpecMetrics
             loop.after_iteration.append(SpecMetrics(self.engine.spec.stats, ctx.metrics.registry))

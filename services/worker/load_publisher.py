@@ -45,7 +45,9 @@ class LoadPublisher:
         return WorkerLoad(free_pages=eng.kv.available, total_pages=eng.kv.capacity,
                           queued_prefill_tokens=s.queued_prefill_tokens,
                           running_requests=len(s.running) + in_handoff,
-                          waiting_requests=len(s.waiting), kv_usage=eng.kv.usage_ratio)
+                          waiting_requests=len(s.waiting), kv_usage=eng.kv.usage_ratio,
+                          # what the decode rows attend to: the router predicts their step from it
+                          decode_context_tokens=sum(r.num_computed + 1 for r in s.running if r.is_decoding))
 
     def __call__(self) -> None:
         now = time.monotonic()
@@ -69,7 +71,8 @@ class LoadPublisher:
         self._publish_tiers()
 
     def _publish_tiers(self) -> None:
-        """Per-tier reuse, copies and evictions from the radix cache's counters."""
+        """Per-tier reuse, copies and evictions from the radix cache's counters, and what the
+        tenant quotas did."""
         eng, m = self.ctx.engine, self.ctx.metrics
         kv, st = eng.kv, eng.kv.cache.stats
         host = kv.host_tier
@@ -83,6 +86,10 @@ class LoadPublisher:
             "copy:load": (m.kv_tier_copy_bytes.labels(direction="load"), st.loaded_pages * page_bytes),
             "evict:device": (m.kv_evicted_pages.labels(tier="device"), st.device_evicted_pages),
             "evict:host": (m.kv_evicted_pages.labels(tier="host"), st.host_evicted_pages),
+            "evict:quota": (m.kv_tenant_evicted_pages, st.quota_evicted_pages),
+            "passed:admission": (m.kv_tenant_passed_over.labels(stage="admission"), eng.scheduler.num_passed_over),
+            "passed:reserve": (m.kv_tenant_passed_over.labels(stage="reserve"),
+                               self.ctx.book.num_passed_over if self.ctx.book is not None else 0),
         }
         for key, (counter, total) in series.items():
             if total != self._tiers.get(key, 0):

@@ -23,6 +23,7 @@ async def serve(config: WorkerConfig) -> int:
     # torch, NIXL, gRPC and the role services load here, once the flags parsed: `duet worker
     # --help` and a bad flag answer at once
     from services.worker.host import WorkerHost
+    from services.worker.perf_calibration import calibrate
     from services.worker.roles import install_role
     from shared.engine.engine import Engine
     from shared.engine.warmup import warm_up
@@ -34,7 +35,8 @@ async def serve(config: WorkerConfig) -> int:
     engine = Engine(config.engine)
     if config.warmup:
         warm_up(engine)  # before anything can route work here
-    host = WorkerHost.create(config, engine)
+    calibration = calibrate(engine) if config.perf.calibrate else []
+    host = WorkerHost.create(config, engine, calibration)
     install_role(host)
     return await host.run()
 
@@ -44,6 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(config.log_level)
     try:
         config.tls.check("server")  # a bad certificate path fails now, not after loading the model
+        config.tls.check_identity(config.role, config.worker_id or "")
         return asyncio.run(serve(config))
     except KeyboardInterrupt:
         return 0

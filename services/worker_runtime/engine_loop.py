@@ -31,6 +31,8 @@ class EngineLoop:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.on_step: list[Callable[[list[StepOutput]], None]] = []
+        # (start, end) perf_counter stamps of every engine.step() call: the step-time model's input
+        self.step_timers: list[Callable[[float, float], None]] = []
         # run after every iteration (a step, a command, a tick or an idle wake-up): load
         # gauges read here are current as of the last change, not of the last timer tick
         self.after_iteration: list[Callable[[], None]] = []
@@ -127,7 +129,11 @@ class EngineLoop:
             while not self._stop.is_set():
                 self._drain(block=not (engine.has_work or busy), timeout=self.idle_wait_s)
                 if engine.has_work:
+                    t0 = time.perf_counter()
                     outs = engine.step()
+                    t1 = time.perf_counter()
+                    for timer in self.step_timers:
+                        timer(t0, t1)
                     self._deliver(outs)
                     for hook in self.on_step:
                         hook(outs)

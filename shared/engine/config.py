@@ -16,6 +16,7 @@ from shared.settings import parsers
 from shared.settings.spec import check_values, nested, setting
 
 from .grammar_limits import GrammarLimits
+from .tenant_quota import TenantQuota
 
 if TYPE_CHECKING:
     import torch
@@ -80,7 +81,7 @@ class EngineConfig:
              "token bucket (a conversation's next turn, a short prompt); 0 = eager")
     # CPU prepares step N+1 while the device runs step N (overlap.py). None: on, except with
     # TP on GPUs without the custom all-reduce (the tokens would need an NCCL broadcast a step);
-    # with it, 2 x H200, Qwen3-8B shape, TP=2: 3.54 / 4.55 ms at B=1 / 32 vs 4.09 / 5.51 plain
+    # with it rank 0 pushes the tokens on the device and overlap pays as on one GPU
     overlap_schedule: bool | None = setting(
         None, flag="--overlap-schedule", env="DUET_OVERLAP_SCHEDULE", parse=parsers.boolean,
         help="prepare step N+1 on the CPU while the device runs step N (default on, except with --tp > 1 "
@@ -96,7 +97,7 @@ class EngineConfig:
     custom_all_reduce: bool = setting(
         True, flag="--custom-all-reduce", env="DUET_CUSTOM_ALL_REDUCE",
         help="TP on GPU: one-shot P2P all-reduce fused with add+RMSNorm instead of NCCL")
-    # internal (benchmarks compare them, loadtest/bench/tp_profile.py): fused: one launch that
+    # internal (kept for comparisons; docs/performance/tp.md): fused: one launch that
     # pushes, signals with in-kernel flags, sums and does add+RMSNorm; barrier: the same sum
     # between two torch symm-mem barriers; oneshot: torch's one-launch copy+sync+sum, then
     # add+RMSNorm (custom_all_reduce.py)
@@ -105,7 +106,7 @@ class EngineConfig:
         choices=("fused", "barrier", "oneshot"), help="kernel of the custom all-reduce")
     # decode-size linears (<= 16 rows, bf16/fp16, GPU) through the split-K Triton kernel
     # (kernels/small_batch_linear.py) instead of cuBLAS: "auto" (default: the LM head, which it
-    # won on H100 and H200, and every linear whose shape and batch this GPU's sweep tuned, i.e.
+    # won on every GPU swept, and every linear whose shape and batch this GPU's sweep tuned, i.e.
     # where it beat cuBLAS), "lm_head", "all", or "off"
     small_batch_linear: str = setting(
         "auto", flag="--small-batch-linear", env="DUET_SMALL_BATCH_LINEAR", env_in_code=True,
@@ -119,13 +120,13 @@ class EngineConfig:
         "on", flag="--pdl", env="DUET_PDL", env_in_code=True, choices=("on", "off"),
         help="programmatic dependent launch for the decode kernels (Hopper): batch 1, and on one GPU up to 32 "
              "rows for FP8 models, 2 for 16-bit MoE ones")
-    # internal, for the PDL benchmarks (loadtest/bench/pdl.py, fp8_pdl_sections.py): the
+    # internal, for the PDL benchmarks (docs/performance/pdl.md): the
     # small-batch linears prefetch this many weight tiles into L2 while the kernel before them
     # finishes; measured not to pay once the short kernels wait before they signal
     pdl_prefetch_k_blocks: int = setting(
         0, flag="--pdl-prefetch", env="DUET_PDL_PREFETCH", env_in_code=True, internal=True,
         help="weight tiles a decode linear pulls into L2 before it waits on the kernel before it (0: none; "
-             "since the short kernels wait before they signal, a prefetch only competes: kernels/NOTES.md)")
+             "since the short kernels wait before they signal, a prefetch only competes)")
     pdl_prefetch_at: dict[str, int] = setting(
         {}, flag="--pdl-prefetch-at", env="DUET_PDL_PREFETCH_AT", env_in_code=True, internal=True,
         parse=parsers.name_counts,
@@ -136,6 +137,8 @@ class EngineConfig:
              "was evicted compiles it again")
     # what one request's grammar may cost (the gateway reads the same settings)
     grammar: GrammarLimits = nested(GrammarLimits)
+    # per-tenant KV quotas: cached pages evicted first, live pages admitted last (tenant_quota.py)
+    tenant_quota: TenantQuota = nested(TenantQuota, "tenant KV quotas")
     load_format: str = setting(
         "auto", flag="--load-format", env="DUET_LOAD_FORMAT", choices=("auto", "dummy"),
         help="dummy: random weights drawn on the device from a fixed seed instead of the folder's safetensors "
@@ -152,7 +155,7 @@ class EngineConfig:
     fp8_decode_gemm: str = setting(
         "on", flag="--fp8-decode-gemm", env="DUET_FP8_DECODE_GEMM", choices=("on", "off"),
         help="FP8 linears of 2..32 rows on Hopper: on = activations quantized to FP8 inside the GEMM (W8A8, "
-             "faster: 8B decode at 8 rows 1.10x); off = the weights widened to 16 bits (W8A16, no activation "
+             "faster); off = the weights widened to 16 bits (W8A16, no activation "
              "rounding)")
     kv_cache_dtype: str = setting(
         "auto", flag="--kv-cache-dtype", env="DUET_KV_CACHE_DTYPE", choices=("auto", "fp8_e4m3"),

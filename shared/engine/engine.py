@@ -23,6 +23,7 @@ from shared.admission.kv_demand import check_fits, kv_demand
 
 from . import engine_parts as parts
 from .attention.select import make_attention_backend
+from .cache_scope import DEFAULT_SCOPE, CacheScope
 from .config import CPU_DEFAULT_KV_BYTES, EngineConfig
 from .kv_manager import KVManager
 from .kv_pool import KVLayout, KVPool
@@ -96,13 +97,14 @@ class Engine:
         self.backend = make_attention_backend(plan.attention.value, self.pool)
         self.pdl = parts.enable_decode_pdl(self.model, self.backend, plan.pdl.value)
         self.kv = KVManager(self.layout.num_pages, self.layout.page_size, config.enable_prefix_cache,
-                            host_tier=self._make_host_tier())
+                            host_tier=self._make_host_tier(), quota=config.tenant_quota)
         self.scheduler = Scheduler(self.kv, plan.step_tokens.value, config.max_running_requests)
         self.runner = ModelRunner(self.model, self.pool, self.backend, self.device)
         if self._tp_workers is not None:
             self.runner.plan_sink = self._tp_workers.send_plan
         self._make_graphs()
         self.requests: dict[str, Req] = {}
+        self.kv.live_requests = self.requests.values  # their pages count against their tenants
         # launched steps whose prefill-only KV a transfer may not read yet: (event, [(req, end)])
         self._kv_in_flight: deque = deque()
         self.groups = SequenceGroups(self)  # n > 1 requests
@@ -244,7 +246,8 @@ class Engine:
         return self._grammars
 
     # -- requests -----------------------------------------------------------------------
-    def _make_req(self, prompt_ids, params: SamplingParams, rid, prefill_only) -> Req:
+    def _make_req(self, prompt_ids, params: SamplingParams, rid, prefill_only,
+                  scope: CacheScope = DEFAULT_SCOPE) -> Req:
         if not prompt_ids:
             raise ValueError("prompt is empty")
         vocab = self.model_config.vocab_size
@@ -263,7 +266,7 @@ class Engine:
             raise ValueError(f"duplicate request id {rid}")
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
         req = Req(rid=rid, prompt_ids=list(prompt_ids), params=params, max_new_tokens=max_new,
-                  seed=seed, prefill_only=prefill_only)
+                  seed=seed, prefill_only=prefill_only, scope=scope)
         if params.grammar is not None:
             req.grammar = self.grammars.new_state(params.grammar)  # GrammarError: a ValueError
         if params.prompt_logprobs is not None:
@@ -272,13 +275,15 @@ class Engine:
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
                     rid: str | None = None, prefill_only: bool = False,
-                    output_prefix: list[int] | None = None, request_group: str = "") -> str:
+                    output_prefix: list[int] | None = None, scope: CacheScope = DEFAULT_SCOPE,
+                    request_group: str = "") -> str:
         """Queue a request. `output_prefix`: tokens already generated elsewhere (decode
         recomputing a prefill whose KV never arrived); they count as output. For n > 1 it
         holds each sequence's first token: they are forked after the prompt, unreported.
+        scope: the prefix-cache namespace it reads and fills, and its tenant (cache_scope.py).
         request_group: the client request it came from (the scheduler takes waiting requests
         round robin across groups); "" = its own."""
-        req = self._make_req(prompt_ids, params or SamplingParams(), rid, prefill_only)
+        req = self._make_req(prompt_ids, params or SamplingParams(), rid, prefill_only, scope)
         req.request_group = request_group
         if output_prefix and req.params.n > 1:
             req.forced_first = list(output_prefix)
@@ -290,12 +295,13 @@ class Engine:
         self.scheduler.add(req)
         return req.rid
 
-    def reserve(self, reservation_id: str, num_tokens: int, prompt_ids: list[int] | None = None):
+    def reserve(self, reservation_id: str, num_tokens: int, prompt_ids: list[int] | None = None,
+                scope: CacheScope = DEFAULT_SCOPE):
         """Decode side: set pages aside for a prompt whose KV another worker will write.
-        With the prompt's token ids, the leading pages this worker already holds (any tier)
-        are reused; the writer fills only the rest. Returns a kv_manager.KVReservation
-        (None: no room now)."""
-        return self.kv.reserve(reservation_id, num_tokens, prompt_ids)
+        With the prompt's token ids, the leading pages this worker already holds (any tier,
+        under scope's namespace) are reused; the writer fills only the rest. Returns a
+        kv_manager.KVReservation (None: no room now)."""
+        return self.kv.reserve(reservation_id, num_tokens, prompt_ids, scope)
 
     def cancel_reservation(self, reservation_id: str) -> bool:
         return self.kv.cancel_reservation(reservation_id)
@@ -312,7 +318,8 @@ class Engine:
         firsts = list(first_token) if isinstance(first_token, (list, tuple)) else [first_token]
         if len(firsts) != params.n:
             raise ValueError(f"{len(firsts)} first tokens for n={params.n}")
-        req = self._make_req(prompt_ids, params, rid, False)
+        scope = self.kv.reserved[reservation_id].scope  # the namespace its held pages matched under
+        req = self._make_req(prompt_ids, params, rid, False, scope)
         req.request_group = request_group
         res = self.kv.take_reservation(reservation_id)
         req.page_ids = res.page_ids

@@ -1,8 +1,9 @@
 """A request's grammar, checked within the server's limits before anyone compiles it for real:
-size first (grammar_limits.py), then a trial compile in a helper process with a hard time
-budget (shared/process_pool), so a schema that would take minutes costs at most the budget,
-never on a serving event loop or an engine thread. Verdicts are remembered (by digest), so a
-schema seen before is answered at once.
+size first (grammar_limits.py), then, in a helper process with a hard time budget
+(shared/process_pool), a JSON schema's keywords (what the grammar engine would not enforce
+is refused, shared/openai_protocol/json_schema_support.py) and a trial compile, so a schema
+that would take minutes costs at most the budget, never on a serving event loop or an engine
+thread. Verdicts are remembered (by digest), so a schema seen before is answered at once.
 
 The gateway checks with its tokenizer's vocabulary; each worker checks again with its own
 (the same limits: a worker never trusts that someone checked) and takes the helper's result
@@ -43,17 +44,19 @@ class GrammarGuard:
     def for_tokenizer_info(cls, limits: GrammarLimits, info_json: Callable[[], str]) -> "GrammarGuard":
         return cls(limits, f"{_TRIAL}:setup_from_info", lambda: (info_json(),), ship=True)
 
-    async def check(self, spec: GrammarSpec) -> str | None:
-        """GrammarError (the message says why) unless spec compiles within the limits. Returns
-        the compiled grammar serialized (xgrammar's JSON) when shipped, else None."""
+    async def check(self, spec: GrammarSpec, keywords_only: bool = False) -> str | None:
+        """GrammarError (the message says why) unless spec compiles within the limits (a JSON
+        schema: and the grammar engine enforces all of it). Returns the compiled grammar
+        serialized (xgrammar's JSON) when shipped, else None. keywords_only: a JSON schema's
+        size and keywords, no compile (a part of a larger schema, checked for its own message)."""
         if spec.kind == "json_object":
             return None  # built in: nothing of the client's to compile
-        key = hashlib.sha256(f"{spec.kind}\0{spec.text}".encode()).digest()
+        key = hashlib.sha256(f"{spec.kind}\0{int(keywords_only)}\0{spec.text}".encode()).digest()
         with self._lock:
             verdict = self._verdicts.get(key)
         shipped = None
         if verdict is None:
-            verdict, shipped = await self._judge(spec)
+            verdict, shipped = await self._judge(spec, keywords_only)
             with self._lock:
                 self._verdicts[key] = verdict
                 while len(self._verdicts) > self._max_verdicts:
@@ -62,13 +65,16 @@ class GrammarGuard:
             raise GrammarError(verdict)
         return shipped
 
-    async def _judge(self, spec: GrammarSpec) -> tuple[str, str | None]:
+    async def _judge(self, spec: GrammarSpec, keywords_only: bool) -> tuple[str, str | None]:
         """(the problem or "", the shipped result)."""
         budget = self.limits.timeout_s
         try:
             check_size(spec, self.limits)
-            shipped = await self.pool.call(f"{_TRIAL}:trial_compile", spec.kind, spec.text, budget, self.ship,
-                                           timeout_s=budget * 2 if self.ship else budget)
+            if keywords_only:
+                shipped = await self.pool.call(f"{_TRIAL}:trial_schema", spec.text, timeout_s=budget)
+            else:
+                shipped = await self.pool.call(f"{_TRIAL}:trial_compile", spec.kind, spec.text, budget, self.ship,
+                                               timeout_s=budget * 2 if self.ship else budget)
         except GrammarError as exc:
             return str(exc), None
         except CallTimeout:

@@ -3,8 +3,8 @@
 
 Same page layout as the device pool ([pages, kv_heads, layers, 2, page_size, head_dim],
 page-major), so a page is one contiguous byte range on both sides and a run of consecutive
-pages is one copy: on an H100 pinned host<->device copies reach ~51 GB/s in 2 MiB pieces
-against ~20 GB/s in 256 KiB ones.
+pages is one copy: each pinned host<->device copy pays a fixed cost, so megabyte pieces copy
+at several times the speed of a page's quarter megabyte.
 
 On a GPU the copies run on a stream of their own. A save (device -> host, write-back on
 eviction) first waits for the work already launched (the pages' last writer may still be

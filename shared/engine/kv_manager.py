@@ -1,13 +1,20 @@
 """Page ownership for requests: prefix matching (loading pages back from the host tier),
 growth, release into the prefix cache, reservations for incoming transfers, and the
-accounting the metrics report."""
+accounting the metrics report. Every match and insert is under the request's cache
+namespace, and eviction and admission follow the per-tenant quotas (tenant_quota.py)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
 
+from .cache_scope import DEFAULT_SCOPE, CacheScope
 from .kv_pool import PageAllocator
 from .radix_cache import PrefixMatch, RadixCache, RadixNode
 from .request import Req
+from .tenant_quota import TenantQuota, first_within_share
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -20,6 +27,7 @@ class KVReservation:
     node: RadixNode | None
     host_loaded_pages: int = 0  # of held_pages, the ones loaded back from the host tier
     load_event: object = None  # CUDA event of that load (None: nothing in flight)
+    scope: CacheScope = field(default=DEFAULT_SCOPE)  # the request's: held pages matched under it
 
     @property
     def page_ids(self) -> list[int]:
@@ -28,13 +36,16 @@ class KVReservation:
 
 class KVManager:
     def __init__(self, num_pages: int, page_size: int, enable_prefix_cache: bool, kv_events=None,
-                 host_tier=None):
+                 host_tier=None, quota: TenantQuota | None = None):
         """host_tier: kv_host_tier.HostKVTier under the device pool, or None."""
         self.page_size = page_size
         self.allocator = PageAllocator(num_pages)
         self.cache = RadixCache(self.allocator, page_size, enabled=enable_prefix_cache, events=kv_events,
                                 host=host_tier)
         self.reserved: dict[str, KVReservation] = {}  # reservation id -> its pages (decode side)
+        self.quota = quota if quota is not None else TenantQuota()
+        # the live requests, whose own pages count against their tenants (the engine sets it)
+        self.live_requests: Callable[[], Iterable[Req]] = tuple
 
     # -- capacity -----------------------------------------------------------------------
     @property
@@ -66,18 +77,58 @@ class KVManager:
         if n <= 0:
             return []
         if self.allocator.num_free < n:
-            self.cache.evict(n - self.allocator.num_free)
+            self.cache.evict(n - self.allocator.num_free, self._over_cache_share())
         if self.allocator.num_free < n:
             return None
         return self.allocator.allocate(n)
 
+    # -- tenants ----------------------------------------------------------------------------
+    def live_pages_by_tenant(self) -> dict[int, int]:
+        """Pages live work holds, per tenant: each request's own pages (not the tree's) and
+        each reservation's fresh pages. Counted from the requests themselves, so it cannot
+        drift from them."""
+        out: dict[int, int] = {}
+        for req in self.live_requests():
+            own = len(req.page_ids) - req.num_tree_pages
+            if own:
+                out[req.scope.tenant] = out.get(req.scope.tenant, 0) + own
+        for res in self.reserved.values():
+            if res.fresh_pages:
+                out[res.scope.tenant] = out.get(res.scope.tenant, 0) + len(res.fresh_pages)
+        return out
+
+    def _over_cache_share(self) -> Callable[[int], bool] | None:
+        """Whether a tenant's live and cached pages are past its cache share now (None: no quota)."""
+        if not self.quota.limits_cache or len(self.cache.device_pages_by_tenant) < 2:
+            return None  # one tenant's pages (or none): its LRU is everyone's
+        live, cached, capacity = self.live_pages_by_tenant(), self.cache.device_pages_by_tenant, self.capacity
+        return lambda tenant: self.quota.over_cache_share(live.get(tenant, 0), cached.get(tenant, 0), capacity)
+
+    def over_live_share(self) -> Callable[[int], bool] | None:
+        """Whether a tenant's live work holds its share of the pool now (None: no live quota)."""
+        if not self.quota.limits_live:
+            return None
+        live, capacity = self.live_pages_by_tenant(), self.capacity
+        return lambda tenant: self.quota.over_live_share(live.get(tenant, 0), capacity)
+
+    def next_in_turn(self, waiting: Sequence[T], tenant_of: Callable[[T], int]) -> T:
+        """Which waiting item goes next: the first, unless its tenant's live work holds its
+        share of the pool and another tenant's item, within its share, waits: then the
+        first such (the scheduler's admissions; decode's Reserve queue passes over the same
+        tenants with over_live_share)."""
+        head = waiting[0]
+        over = self.over_live_share() if len(waiting) > 1 else None
+        if over is None or not over(tenant_of(head)):
+            return head
+        return first_within_share(waiting, tenant_of, over) or head
+
     # -- prefix matching ------------------------------------------------------------------
-    def match_and_lock(self, tokens: list[int]) -> tuple[PrefixMatch, object]:
-        """The longest prefix of `tokens` held in any tier, brought onto the device (host
-        pages are loaded back as far as device pages can be had) and locked: returns the
-        match (its pages, its deepest locked node) and the load's event (None: no copy in
-        flight, or on the CPU)."""
-        m = self.cache.match(tokens)
+    def match_and_lock(self, tokens: list[int], namespace: int = 0) -> tuple[PrefixMatch, object]:
+        """The longest prefix of `tokens` held in any tier under `namespace`, brought onto the
+        device (host pages are loaded back as far as device pages can be had) and locked:
+        returns the match (its pages, its deepest locked node) and the load's event (None: no
+        copy in flight, or on the CPU)."""
+        m = self.cache.match(tokens, namespace)
         stats = self.cache.stats
         stats.device_hit_pages += len(m.pages)
         event = None
@@ -106,7 +157,7 @@ class KVManager:
         if req.page_ids or req.params.prompt_logprobs is not None:
             return  # prompt logprobs need every prompt position computed (as vLLM does)
         before = self.cache.stats.loaded_pages
-        m, event = self.match_and_lock(req.token_ids[: len(req.token_ids) - 1])
+        m, event = self.match_and_lock(req.token_ids[: len(req.token_ids) - 1], req.scope.namespace)
         req.prefix_node = m.node
         req.page_ids = list(m.pages)
         req.num_tree_pages = len(m.pages)
@@ -141,7 +192,7 @@ class KVManager:
         own = req.page_ids[req.num_tree_pages:]
         if cache and self.cache.enabled and req.num_computed >= self.page_size:
             full = req.num_computed // self.page_size
-            dup, node = self.cache.insert(req.token_ids[: full * self.page_size], req.page_ids[:full])
+            dup, node = self.cache.insert(req.token_ids[: full * self.page_size], req.page_ids[:full], req.scope)
             tail = req.page_ids[full:]
             to_free = dup + tail
             # the new path is owned by the tree now; nothing of it stays locked for us
@@ -155,15 +206,16 @@ class KVManager:
 
     # -- reservations (decode side of a KV transfer) ------------------------------------
     def reserve(self, reservation_id: str, num_tokens: int, prompt_ids: list[int] | None = None,
-                ) -> KVReservation | None:
+                scope: CacheScope = DEFAULT_SCOPE) -> KVReservation | None:
         """Pages for a prompt of num_tokens whose KV another worker writes. With the prompt's
-        token ids, the leading full pages this worker holds (any tier) are reused and locked:
-        only the rest is fresh. None when the pages cannot be had now."""
+        token ids, the leading full pages this worker holds (any tier, under scope's
+        namespace) are reused and locked: only the rest is fresh. None when the pages cannot
+        be had now."""
         held, node, loaded, event = [], None, 0, None
         if prompt_ids is not None and self.cache.enabled:
             full = (min(len(prompt_ids), num_tokens) // self.page_size) * self.page_size
             before = self.cache.stats.loaded_pages
-            m, event = self.match_and_lock(list(prompt_ids[:full]))
+            m, event = self.match_and_lock(list(prompt_ids[:full]), scope.namespace)
             held, node = list(m.pages), m.node
             loaded = self.cache.stats.loaded_pages - before
         fresh = self.allocate(self.pages_for(num_tokens) - len(held))
@@ -171,7 +223,7 @@ class KVManager:
             if node is not None:
                 self.cache.unlock(node)
             return None
-        res = KVReservation(held, fresh, node, loaded, event)
+        res = KVReservation(held, fresh, node, loaded, event, scope)
         self.reserved[reservation_id] = res
         return res
 
@@ -194,6 +246,10 @@ class KVManager:
         assert total == self.capacity, f"page leak: {self.capacity - total} pages unaccounted"
         assert self.cache.num_locked_pages == 0, "cached pages still locked with no live work"
         assert not self.reserved, f"reservations still open: {list(self.reserved)}"
+        by_tenant = self.cache.device_pages_by_tenant
+        assert sum(by_tenant.values()) == self.cache.num_cached_pages and min(by_tenant.values(), default=1) > 0, \
+            f"cached pages per tenant {by_tenant} do not add up to {self.cache.num_cached_pages}"
+        assert not self.live_pages_by_tenant(), f"pages still held per tenant: {self.live_pages_by_tenant()}"
         host = self.cache.host
         if host is not None:
             total = host.allocator.num_free + self.cache.num_host_pages

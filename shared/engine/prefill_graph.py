@@ -1,9 +1,9 @@
 """CUDA graphs for small prefill steps: a conversation's next turn, a short prompt.
 
 A prefill step of ~100 tokens is as host-bound as a decode step: 36 layers of kernels
-launched one by one from Python take ~30 ms on an H100 where the weights read in ~6
-(loadtest/bench/followup_probe.py; a follow-up turn's whole first token took 41-47 ms in
-the engine). So, as decode graphs do (cuda_graph.py), steps of up to MAX_SEQS sequences and
+launched one by one from Python take several times what reading the weights does, and a
+follow-up turn's first token is mostly that step (docs/performance/multiturn.md). So, as
+decode graphs do (cuda_graph.py), steps of up to MAX_SEQS sequences and
 a few hundred tokens replay a graph captured for the next token bucket up.
 
 Every graph has the same MAX_SEQS + 1 sequences over static buffers; a step fills the first

@@ -14,7 +14,14 @@ Eviction walks device -> host -> gone, least recently used first: an unlocked de
 there already) and leaves the device; host-only leaves leave the tree when the host tier
 needs room. A match that runs into host-only nodes can load them back (`load_back`).
 Every step publishes a KV event when an event sink is set: stored (entered the tree),
-offloaded (device -> host), loaded (host -> device), removed (gone from every tier)."""
+offloaded (device -> host), loaded (host -> device), removed (gone from every tier).
+
+The tree is partitioned by cache namespace (cache_scope.py): a top-level node's key in the
+root's children starts with its namespace (SGLang's `extra_key`), so a request matches only
+pages inserted under its own namespace, and the page hashes a node publishes are seeded with
+it. Each node remembers the tenant that inserted it: `device_pages_by_tenant` counts the
+device pages each tenant's nodes hold, and eviction can take from chosen tenants first
+(`evict(over_share=...)`, tenant_quota.py)."""
 from __future__ import annotations
 
 import heapq
@@ -22,6 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .cache_scope import DEFAULT_SCOPE, CacheScope
 from .kv_pool import PageAllocator
 
 
@@ -35,6 +43,8 @@ class RadixNode:
     last_access: float = 0.0
     hashes: list[int] = field(default_factory=list)  # chained page hashes, when published
     host_pages: list[int] = field(default_factory=list)  # lower-tier copy ([] when none)
+    namespace: int = 0  # the cache namespace it was inserted under (its whole path shares it)
+    tenant: int = 0  # who inserted it: its device pages count against that tenant
 
     def __lt__(self, other: "RadixNode") -> bool:
         return self.last_access < other.last_access
@@ -72,6 +82,7 @@ class TierStats:
     device_evicted_pages: int = 0  # pages that left the device (kept on host or dropped)
     host_evicted_pages: int = 0  # host copies dropped to make room
     dropped_pages: int = 0  # pages that left the tree (no tier kept them)
+    quota_evicted_pages: int = 0  # of device_evicted_pages, taken from tenants over their cache share
 
 
 class RadixCache:
@@ -91,14 +102,21 @@ class RadixCache:
         self.num_cached_pages = 0  # device pages owned by the tree
         self.num_locked_pages = 0  # device pages of the tree on some live request's path
         self.num_host_pages = 0  # host pages owned by the tree
+        self.device_pages_by_tenant: dict[int, int] = {}  # of num_cached_pages, per inserting tenant
         self.stats = TierStats()
 
     # -- lookup -------------------------------------------------------------------------
-    def _child_key(self, tokens, pos) -> tuple[int, ...]:
-        return tuple(tokens[pos:pos + self.page_size])
+    def _slot(self, parent: RadixNode, namespace: int, first_page) -> tuple:
+        """A child's key in parent.children: its first page, led by its namespace at the top."""
+        page = tuple(first_page)
+        return (namespace, *page) if parent is self.root else page
 
-    def match(self, tokens: list[int]) -> PrefixMatch:
-        """Longest held prefix of `tokens` in whole pages, on the device and below it."""
+    def _slot_of(self, node: RadixNode) -> tuple:
+        return self._slot(node.parent, node.namespace, node.key[:self.page_size])
+
+    def match(self, tokens: list[int], namespace: int = 0) -> PrefixMatch:
+        """Longest held prefix of `tokens` in whole pages, on the device and below it, among
+        the pages inserted under `namespace`."""
         node, pages, pos, host_nodes = self.root, [], 0, []
         if not self.enabled:
             return PrefixMatch(pages, node, host_nodes)
@@ -106,7 +124,7 @@ class RadixCache:
         ps = self.page_size
         deepest_device = self.root
         while pos + ps <= len(tokens):
-            child = node.children.get(self._child_key(tokens, pos))
+            child = node.children.get(self._slot(node, namespace, tokens[pos:pos + ps]))
             if child is None:
                 break
             n = self._matching_pages(child, tokens, pos)
@@ -122,9 +140,9 @@ class RadixCache:
             node = child
         return PrefixMatch(pages, deepest_device, host_nodes)
 
-    def match_prefix(self, tokens: list[int]) -> tuple[list[int], RadixNode]:
+    def match_prefix(self, tokens: list[int], namespace: int = 0) -> tuple[list[int], RadixNode]:
         """Longest prefix of `tokens` on the device, in whole pages: (pages, deepest node)."""
-        m = self.match(tokens)
+        m = self.match(tokens, namespace)
         return m.pages, m.node
 
     def _matching_pages(self, child: RadixNode, tokens, pos: int) -> int:
@@ -140,12 +158,13 @@ class RadixCache:
         cut = n_pages * self.page_size
         upper = RadixNode(key=node.key[:cut], pages=node.pages[:n_pages], parent=node.parent,
                           lock_ref=node.lock_ref, last_access=node.last_access,
-                          hashes=node.hashes[:n_pages], host_pages=node.host_pages[:n_pages])
+                          hashes=node.hashes[:n_pages], host_pages=node.host_pages[:n_pages],
+                          namespace=node.namespace, tenant=node.tenant)
         node.hashes = node.hashes[n_pages:]
-        node.parent.children[upper.key[:self.page_size]] = upper
+        node.parent.children[self._slot_of(upper)] = upper
         node.key, node.pages, node.host_pages = node.key[cut:], node.pages[n_pages:], node.host_pages[n_pages:]
         node.parent = upper
-        upper.children[node.key[:self.page_size]] = node
+        upper.children[self._slot_of(node)] = node
         return upper
 
     # -- locking ------------------------------------------------------------------------
@@ -177,9 +196,7 @@ class RadixCache:
                 break
             self.host.load(node.host_pages, dev)
             node.pages = dev
-            self.num_cached_pages += len(dev)
-            if node.lock_ref > 0:
-                self.num_locked_pages += len(dev)
+            self._device_pages_changed(node, len(dev))
             self.stats.loaded_pages += len(dev)
             self._event("loaded", node)
             match.pages.extend(dev)
@@ -189,8 +206,10 @@ class RadixCache:
         return loaded
 
     # -- insert -------------------------------------------------------------------------
-    def insert(self, tokens: list[int], pages: list[int]) -> tuple[list[int], RadixNode]:
-        """Give the tree ownership of `pages` (KV of tokens[:len(pages)*page_size]).
+    def insert(self, tokens: list[int], pages: list[int], scope: CacheScope = DEFAULT_SCOPE,
+               ) -> tuple[list[int], RadixNode]:
+        """Give the tree ownership of `pages` (KV of tokens[:len(pages)*page_size]), under
+        scope's namespace; new nodes count against scope's tenant.
 
         Returns (pages the caller must free because the tree already held that prefix on
         the device, deepest node). Pages that are already the tree's own (a matched prefix)
@@ -204,16 +223,17 @@ class RadixCache:
             return list(pages), self.root
         node, pos, duplicates = self.root, 0, []
         now = time.monotonic()
+        namespace = scope.namespace
         while pos < len(tokens):
-            child = node.children.get(self._child_key(tokens, pos))
+            child = node.children.get(self._slot(node, namespace, tokens[pos:pos + ps]))
             if child is None:
                 new = RadixNode(key=tuple(tokens[pos:]), pages=list(pages[pos // ps:]),
-                                parent=node, last_access=now)
-                node.children[new.key[:ps]] = new
-                self.num_cached_pages += len(new.pages)
+                                parent=node, last_access=now, namespace=namespace, tenant=scope.tenant)
+                node.children[self._slot_of(new)] = new
+                self._device_pages_changed(new, len(new.pages))
                 if self.events is not None:
                     from shared.registry.prefix_hashes import chained_page_hashes
-                    new.hashes = chained_page_hashes(tokens, ps)[pos // ps:]
+                    new.hashes = chained_page_hashes(tokens, ps, seed=namespace)[pos // ps:]
                     self.events.stored(new.hashes)
                 return duplicates, new
             n = self._matching_pages(child, tokens, pos)
@@ -224,9 +244,7 @@ class RadixCache:
                 duplicates.extend(m for m, p in zip(mine, child.pages) if m != p)
             else:  # held below the device only: our copy becomes its device copy
                 child.pages = list(mine)
-                self.num_cached_pages += len(mine)
-                if child.lock_ref > 0:
-                    self.num_locked_pages += len(mine)
+                self._device_pages_changed(child, len(mine))
                 self._event("loaded", child)
             child.last_access = now
             pos += len(child.key)
@@ -238,19 +256,31 @@ class RadixCache:
     def num_evictable_pages(self) -> int:
         return self.num_cached_pages - self.num_locked_pages
 
-    def evict(self, num_pages: int) -> int:
+    def evict(self, num_pages: int, over_share: Callable[[int], bool] | None = None) -> int:
         """Free at least num_pages unlocked device pages (LRU device leaves first); returns
-        pages freed. With a host tier each keeps its KV there."""
-        leaves = [n for n in self._all_nodes() if self._device_evictable(n)]
+        pages freed. With a host tier each keeps its KV there. over_share(tenant): while it
+        says a tenant is over its share, that tenant's pages go first (LRU among them)."""
+        freed = 0
+        if over_share is not None:
+            freed = self._evict_leaves(num_pages, lambda node: over_share(node.tenant))
+            self.stats.quota_evicted_pages += freed
+        if freed < num_pages:
+            freed += self._evict_leaves(num_pages - freed)
+        return freed
+
+    def _evict_leaves(self, num_pages: int, chosen: Callable[[RadixNode], bool] | None = None) -> int:
+        def evictable(node: RadixNode) -> bool:
+            return self._device_evictable(node) and (chosen is None or chosen(node))
+        leaves = [n for n in self._all_nodes() if evictable(n)]
         heapq.heapify(leaves)
         freed = 0
         while freed < num_pages and leaves:
             leaf = heapq.heappop(leaves)
-            if not self._device_evictable(leaf):  # changed since it was queued
+            if not evictable(leaf):  # changed since it was queued
                 continue
             parent = leaf.parent
             freed += self._evict_from_device(leaf)
-            if self._device_evictable(parent):
+            if evictable(parent):
                 heapq.heappush(leaves, parent)
         return freed
 
@@ -268,8 +298,8 @@ class RadixCache:
                 self.num_host_pages += n
                 self.stats.offloaded_pages += n
         self.allocator.free(node.pages)
+        self._device_pages_changed(node, -n)
         node.pages = []
-        self.num_cached_pages -= n
         self.stats.device_evicted_pages += n
         if node.host_pages:
             self._event("offloaded", node)
@@ -328,9 +358,20 @@ class RadixCache:
         self.stats.dropped_pages += len(node.key) // self.page_size
         self._event("removed", node)
         parent = node.parent
-        if parent is not None and parent.children.get(node.key[:self.page_size]) is node:
-            del parent.children[node.key[:self.page_size]]
+        if parent is not None and parent.children.get(self._slot_of(node)) is node:
+            del parent.children[self._slot_of(node)]
         node.parent = None
+
+    def _device_pages_changed(self, node: RadixNode, delta: int) -> None:
+        """node gained (or lost) delta device pages: the tree's counters follow."""
+        self.num_cached_pages += delta
+        if node.lock_ref > 0:
+            self.num_locked_pages += delta
+        count = self.device_pages_by_tenant.get(node.tenant, 0) + delta
+        if count:
+            self.device_pages_by_tenant[node.tenant] = count
+        else:
+            self.device_pages_by_tenant.pop(node.tenant, None)
 
     def _event(self, kind: str, node: RadixNode) -> None:
         if self.events is not None and node.hashes:

@@ -5,6 +5,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from .cache_scope import DEFAULT_SCOPE, CacheScope
 from .radix_cache import RadixNode
 from .sampling_params import SamplingParams
 
@@ -24,6 +25,7 @@ class Req:
     max_new_tokens: int
     seed: int
     prefill_only: bool = False  # disaggregated prefill: stop after the first token, hold pages
+    scope: CacheScope = DEFAULT_SCOPE  # the prefix-cache namespace it reads and fills, its tenant
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     page_ids: list[int] = field(default_factory=list)  # page i holds tokens [i*ps, (i+1)*ps)
     num_computed: int = 0  # tokens whose KV is in the cache (cached_len), as of the launched steps

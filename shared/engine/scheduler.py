@@ -7,7 +7,12 @@ are one group), oldest first within a group, so a one-prompt request beside a bu
 admitted within about a step instead of after the bulk's queue. Admission needs free pages;
 when they run out, new work waits in the queue (back-pressure) and, if decoding requests
 cannot grow, the youngest running request is retracted (its pages freed, recomputed later,
-ahead of every group)."""
+ahead of every group). In that order, a waiting request whose tenant's live work already
+holds its share of the pages lets other tenants' waiting requests be admitted first
+(tenant_quota.py).
+
+Beside decode rows, an optional `itl_budget` (shared/perf_model/step_budget.py) narrows the
+prefill chunks further, so the step stays under an inter-token latency target."""
 from __future__ import annotations
 
 import itertools
@@ -30,6 +35,12 @@ class Scheduler:
         self._retracted: set[str] = set()  # waiting rids put back at the front: admitted before any group
         self._served: dict[str, int] = {}  # group -> when it was last admitted from (round robin)
         self._turns = itertools.count()
+        self.num_passed_over = 0  # admissions that went ahead of a tenant over its live share
+        # prefill beside decode rows within an inter-token target (the worker sets it)
+        self.itl_budget = None
+        self.last_allowance = None  # the last step's StepAllowance (None: no decode rows or no budget)
+        self.last_batch: Batch | None = None
+        self.num_batches = 0  # batches handed out; with last_batch, what the step timer reads
 
     @property
     def has_work(self) -> bool:
@@ -68,14 +79,14 @@ class Scheduler:
         if not group:
             del self._groups[key]
 
-    def _next_waiting(self) -> Req:
-        """A retracted request first; else the head of the group admitted from longest ago
-        (a group never admitted from first, then the oldest head)."""
-        head = self.waiting[0]
-        if head.rid in self._retracted:
-            return head
-        return min((g[0] for g in self._groups.values()),
-                   key=lambda r: (self._served.get(_group(r), -1), r.arrival))
+    def _turn_order(self) -> list[Req]:
+        """Who may be admitted next, in order: the retracted requests (the queue's front), then
+        each group's head, the group admitted from longest ago first (a group never admitted
+        from first, then the oldest head). The tenant quota picks from this order."""
+        order = list(itertools.takewhile(lambda r: r.rid in self._retracted, self.waiting))
+        heads = sorted((g[0] for g in self._groups.values() if g[0].rid not in self._retracted),
+                       key=lambda r: (self._served.get(_group(r), -1), r.arrival))
+        return order + heads
 
     def schedule(self) -> Batch:
         batch = Batch()
@@ -98,18 +109,23 @@ class Scheduler:
                 continue
             batch.items.append(ScheduledReq(req, req.num_computed, 1))
             budget -= 1
+        rows = len(batch.items)
+        room = self.itl_budget.begin(rows, sum(it.start + 1 for it in batch.items)) \
+            if self.itl_budget is not None and rows else None
+        self.last_allowance = room
         # 2. prefill chunks of admitted requests, then new admissions (FIFO)
         for req in self.running:
             if budget <= 0:
                 break
             if req.status is ReqStatus.RUNNING and not req.is_decoding and not self._awaiting_result(req):
-                item = self._chunk(req, budget)
+                item = self._budgeted_chunk(req, budget, room)
                 if item is None:
                     break
                 batch.items.append(item)
                 budget -= item.length
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
-            req = self._next_waiting()
+            turn_order = self._turn_order()
+            req = self.kv.next_in_turn(turn_order, lambda r: r.scope.tenant)
             self.kv.match_prefix(req)
             if req.host_pages_waiting and self.running:
                 # part of its prefix waits in the host tier for device room: wait for running
@@ -118,12 +134,14 @@ class Scheduler:
                 break
             if req.num_cached_tokens == 0:
                 req.num_cached_tokens = req.num_computed
-            item = self._chunk(req, budget)
+            item = self._budgeted_chunk(req, budget, room)
             if item is None:
                 self.kv.drop_prefix(req)
-                break  # back-pressure: wait for pages
+                break  # back-pressure (or the step's inter-token budget is spent)
             self._take_waiting(req)
             self._turn(_group(req))
+            if req is not turn_order[0]:
+                self.num_passed_over += 1
             req.status = ReqStatus.RUNNING
             self.running.append(req)
             batch.items.append(item)
@@ -133,6 +151,9 @@ class Scheduler:
             # admitted prefills hold all the pages between them: free the youngest so the
             # oldest can finish (otherwise none ever would)
             self._retract(stuck[-1])
+        if batch.items:
+            self.last_batch = batch
+            self.num_batches += 1
         return batch
 
     def _turn(self, group: str) -> None:
@@ -147,6 +168,13 @@ class Scheduler:
         or one whose pending token is its last (max_tokens). Never scheduled nor retracted
         meanwhile: its in-flight result must find it as it was."""
         return req.remaining <= 0 or (req.is_decoding and req.num_output >= req.max_new_tokens)
+
+    def _budgeted_chunk(self, req: Req, budget: int, room) -> ScheduledReq | None:
+        """_chunk within the step's inter-token room too (room None: the token budget only)."""
+        item = self._chunk(req, budget if room is None else min(budget, room.allow(req.num_computed)))
+        if item is not None and room is not None:
+            room.charge(item.start, item.length)
+        return item
 
     def _chunk(self, req: Req, budget: int) -> ScheduledReq | None:
         """The next prefill chunk that fits both the budget and free pages (keeping one

@@ -47,7 +47,7 @@ class SequenceGroups:
         for i in range(1, p.n):
             kid = Req(rid=f"{parent.rid}#{i}", prompt_ids=parent.prompt_ids, params=p,
                       max_new_tokens=parent.max_new_tokens, seed=p.child_seed(base, i),
-                      prefill_only=parent.prefill_only, index=i, group=parent.rid)
+                      prefill_only=parent.prefill_only, scope=parent.scope, index=i, group=parent.rid)
             kid.token_ids = list(parent.token_ids[:parent.num_prompt])
             if p.grammar is not None:
                 kid.grammar = e.grammars.new_state(p.grammar)
@@ -97,8 +97,8 @@ class SequenceGroups:
         if not kv.cache.enabled or full == 0:
             return [], None
         tokens = parent.prompt_ids[:full * kv.page_size]
-        dups, _ = kv.cache.insert(tokens, parent.page_ids[:full])
-        pages, node = kv.cache.match_prefix(tokens)
+        dups, _ = kv.cache.insert(tokens, parent.page_ids[:full], parent.scope)
+        pages, node = kv.cache.match_prefix(tokens, parent.scope.namespace)
         kv.cache.lock(node)
         if parent.prefix_node is not None:
             kv.cache.unlock(parent.prefix_node)

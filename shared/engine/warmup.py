@@ -20,8 +20,8 @@ log = logging.getLogger("duet.engine.warmup")
 PREFILL_BUCKETS = (16, 64, 256, 1024, 4096, 16384)
 DECODE_BATCHES = (1, 8, 32)
 # prompts prefilled together: the LM head's small-batch linear has M buckets 1/2/4/8/16, so a
-# step that samples 2-16 prefill rows compiled its own variant in the first load-test run
-# (colocated Qwen3-8B, 4 clients: first-run TTFT p50 755 ms against 64 ms in the second)
+# step that samples 2-16 prefill rows would compile its own variant in the first traffic (a
+# first run after ready an order of magnitude slower than the second)
 MULTI_PREFILL = (2, 4, 8, 16)
 
 

@@ -4,7 +4,8 @@ pydantic checks the shape and JSON types (strict: "0.5" is not a number, 1 is no
 boolean); `check()` then checks ranges and combinations with messages that name the
 parameter, as OpenAI's API does. Unknown fields are ignored (as vLLM does), so
 clients that send newer OpenAI fields keep working. Extensions follow vLLM's names:
-top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids, chat_template_kwargs.
+top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids, chat_template_kwargs,
+cache_salt (a string that keeps the request's prefix cache apart from requests without it).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from shared.openai_protocol.tools import check_response_format, check_tool_choic
 MAX_TOP_LOGPROBS = 20
 MAX_N = 128
 MAX_BATCH_CHOICES = 1024  # prompts x n in one completions request (vLLM has no cap; one request must stay bounded)
+MAX_CACHE_SALT_CHARS = 1024
 _TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")  # ASCII digits only: "²" is a digit to str.isdigit, not to int()
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Union member names pydantic puts into an error's location; not part of the param path.
@@ -65,6 +67,7 @@ class _SamplingFields(_Body):
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    cache_salt: str | None = None
 
     @property
     def stop_list(self) -> list[str]:
@@ -105,6 +108,7 @@ class _SamplingFields(_Body):
                 raise InvalidRequest(f"stop_token_ids must be token ids (0 to {INT32_MAX}), got {token_id}",
                                      f"stop_token_ids[{i}]")
         self.token_bias()  # raises on bad keys or values
+        check_cache_salt(self.cache_salt)
 
     @property
     def num_choices(self) -> int:
@@ -273,6 +277,13 @@ def _param_path(loc: tuple) -> str:
         else:
             path += f".{part}" if path else str(part)
     return path
+
+
+def check_cache_salt(salt: str | None) -> None:
+    """vLLM's rule (a non-empty string when given), and a bound on its length."""
+    if salt is not None and not 0 < len(salt) <= MAX_CACHE_SALT_CHARS:
+        raise InvalidRequest(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters, "
+                             f"got {len(salt)}", "cache_salt")
 
 
 def _range(name: str, value, low, high) -> None:

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict
 
 from protos.wire_ranges import INT32_MAX
 from shared.openai_protocol.errors import InvalidRequest
-from shared.openai_protocol.requests import _parse, _range
+from shared.openai_protocol.requests import _parse, _range, check_cache_salt
 from shared.openai_protocol.tools import check_response_format, check_tool_choice, check_tools
 
 
@@ -41,6 +41,7 @@ class ResponsesRequest(_Body):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    cache_salt: str | None = None  # vLLM's: a prefix cache apart from requests without it
 
     def check(self) -> None:
         if self.previous_response_id is not None:
@@ -49,13 +50,14 @@ class ResponsesRequest(_Body):
         _range("temperature", self.temperature, 0.0, 2.0)
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        check_cache_salt(self.cache_salt)
         if self.max_output_tokens is not None and self.max_output_tokens < 1:
             raise InvalidRequest(f"max_output_tokens must be at least 1, got {self.max_output_tokens}",
                                  "max_output_tokens")
         _range("max_output_tokens", self.max_output_tokens, 1, INT32_MAX)
         check_tools(self.tools, flat=True)
         check_tool_choice(self.tool_choice, self.tools, flat=True)
-        check_response_format(self.format, "text.format")
+        check_response_format(self.format, "text.format", schema_at="text.format.schema")
         if isinstance(self.input, str) and not self.input:
             raise InvalidRequest("input must not be empty", "input")
         self.chat_messages()  # raises on items it cannot take

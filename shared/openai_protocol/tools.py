@@ -1,6 +1,7 @@
 """Checks of the function-calling and structured-output fields (tools, tool_choice,
 response_format), with OpenAI's parameter names in the messages. Only shapes are checked
-here; whether a schema compiles is the grammar engine's call (gateway: openai_api/structured_outputs.py)."""
+here; whether the grammar engine enforces a schema (json_schema_support.py) and compiles it
+is decided off the event loop, within the grammar limits (gateway: openai_api/structured_outputs.py)."""
 from __future__ import annotations
 
 import re
@@ -57,6 +58,11 @@ def check_tool_choice(choice, tools: list[dict[str, Any]] | None, flat: bool = F
         raise InvalidRequest(f"tool_choice names function {name!r}, which is not in tools", "tool_choice")
 
 
+def parameters_param(index: int, flat: bool = False) -> str:
+    """Where tool `index`'s parameter schema is in the request (an error's param)."""
+    return f"tools[{index}].parameters" if flat else f"tools[{index}].function.parameters"
+
+
 def named_choice(choice, flat: bool = False) -> str | None:
     """The function a dict tool_choice names (chat: nested under "function"; Responses: flat)."""
     if not isinstance(choice, dict) or choice.get("type") != "function":
@@ -65,7 +71,9 @@ def named_choice(choice, flat: bool = False) -> str | None:
     return name if isinstance(name, str) else None
 
 
-def check_response_format(fmt: dict[str, Any] | None, param: str = "response_format") -> None:
+def check_response_format(fmt: dict[str, Any] | None, param: str = "response_format",
+                          schema_at: str | None = None) -> None:
+    """schema_at: where the schema is in the request (default: param.json_schema.schema)."""
     if fmt is None:
         return
     kind = fmt.get("type")
@@ -76,5 +84,6 @@ def check_response_format(fmt: dict[str, Any] | None, param: str = "response_for
         spec = fmt.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
             raise InvalidRequest("json_schema needs a name and a schema", f"{param}.json_schema")
+        where = schema_at or f"{param}.json_schema.schema"
         if not isinstance(spec.get("schema", {}), dict):
-            raise InvalidRequest("json_schema.schema must be a JSON schema object", f"{param}.json_schema.schema")
+            raise InvalidRequest("json_schema.schema must be a JSON schema object", where)

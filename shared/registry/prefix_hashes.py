@@ -2,7 +2,10 @@
 
 The gateway sends them to the router (never the token ids); prefill workers publish
 the hashes of the pages their prefix cache holds (kv_events). Both sides must hash
-the same way, so this is the one definition. Only full pages are hashed.
+the same way, so this is the one definition. Only full pages are hashed. Serving always
+seeds the chain with the request's cache namespace (shared/engine/cache_scope.py), a keyed
+hash only the gateway can make: the registry holds salted hashes, which nobody can
+recompute from a guessed prompt, and one tenant's pages never match another's.
 """
 from __future__ import annotations
 

@@ -3,7 +3,9 @@
 A periodic SCAN is the source of truth (it is how leaves by TTL are seen); the join
 channel makes new workers appear at once. When Redis cannot be reached the watcher
 keeps serving the last set it read (docs/ARCHITECTURE.md, "Failure rules": serving stays up), and says so in
-`redis_ok`. Filters: model and compat hash (several deployments may share a Redis).
+`redis_ok`. Filters: model and compat hash (several deployments may share a Redis), and,
+given an EntryTrust (the router under mutual TLS: entry_trust.py), only entries whose worker
+proved it is the worker they name.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from collections.abc import Callable
 import redis.asyncio as aioredis
 
 from shared.registry.config import RegistryConfig
+from shared.registry.entry_trust import EntryTrust
 from shared.registry.keys import RegistryKeys
 from shared.registry.publisher import connect_async
 from shared.registry.worker_info import WorkerInfo
@@ -30,12 +33,14 @@ class WorkerWatcher:
         model: str | None = None,
         compat_hash: str | None = None,
         on_change: Callable[[dict[str, WorkerInfo]], None] | None = None,
+        trust: EntryTrust | None = None,
     ):
         self.config = config
         self.keys = RegistryKeys(config.prefix)
         self.model = model or None
         self.compat_hash = compat_hash or None
         self._on_change = on_change
+        self.trust = trust
         self._workers: dict[str, WorkerInfo] = {}
         self._client: aioredis.Redis | None = None
         self._tasks: list[asyncio.Task] = []
@@ -53,11 +58,15 @@ class WorkerWatcher:
 
     def workers(self, role: str | None = None) -> list[WorkerInfo]:
         """Last known live workers, optionally of one role, sorted by id."""
-        found = [w for w in self._workers.values() if role is None or w.role == role]
+        found = [w for w in self._workers.values() if (role is None or w.role == role) and self._trusted(w)]
         return sorted(found, key=lambda w: w.worker_id)
 
     def get(self, worker_id: str) -> WorkerInfo | None:
-        return self._workers.get(worker_id)
+        info = self._workers.get(worker_id)
+        return info if info is not None and self._trusted(info) else None
+
+    def _trusted(self, info: WorkerInfo) -> bool:
+        return self.trust is None or self.trust.admits(info)
 
     def is_live(self, worker_id: str, instance_nonce: str | None = None) -> bool:
         """In the last known set (with this nonce, if given). A Redis outage never makes a worker 'gone'."""
@@ -142,6 +151,8 @@ class WorkerWatcher:
         changed = fresh.keys() != self._workers.keys() or any(
             fresh[k].instance_nonce != self._workers[k].instance_nonce for k in fresh)
         self._workers = fresh
+        if self.trust is not None:
+            self.trust.sync(list(fresh.values()))
         if changed and self._on_change is not None:
             self._on_change(dict(fresh))
 

@@ -12,6 +12,7 @@ import secrets
 import socket
 from dataclasses import asdict, dataclass, field
 
+from shared.perf_model.worker_perf import WorkerPerf
 ROLES = ("prefill", "decode", "both")
 _ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 
@@ -42,6 +43,7 @@ class WorkerLoad:
     running_requests: int = 0       # requests in the decode batch (or in prefill, for prefill)
     waiting_requests: int = 0       # admitted but not yet running
     kv_usage: float = 0.0           # share of pages held by live work (duet_kv_cache_usage_ratio)
+    decode_context_tokens: int = 0  # positions the decode rows attend to, summed (their step cost)
 
 
 @dataclass
@@ -63,6 +65,7 @@ class WorkerInfo:
     # it issues with its reservations (shared/kv_transfer/capability.py); "" for other roles
     capability_key: str = ""
     load: WorkerLoad = field(default_factory=WorkerLoad)
+    perf: WorkerPerf = field(default_factory=WorkerPerf)  # step-time model etc. (shared/perf_model)
     heartbeat_seq: int = 0          # bumps each heartbeat (no wall clocks across hosts)
 
     def __post_init__(self) -> None:
@@ -105,6 +108,7 @@ class WorkerInfo:
     def load_fields(self) -> dict[str, str]:
         fields = {f"load_{k}": str(v) for k, v in asdict(self.load).items()}
         fields["heartbeat_seq"] = str(self.heartbeat_seq)
+        fields.update(self.perf.fields())  # refitted while serving: rewritten with the load
         return fields
 
     def to_hash(self) -> dict[str, str]:
@@ -121,6 +125,7 @@ class WorkerInfo:
             running_requests=int(h.get("load_running_requests", 0)),
             waiting_requests=int(h.get("load_waiting_requests", 0)),
             kv_usage=float(h.get("load_kv_usage", 0.0)),
+            decode_context_tokens=int(h.get("load_decode_context_tokens", 0)),
         )
         pools = [RankKvPool(**p) for p in json.loads(h.get("kv_pools", "[]"))]
         return cls(
@@ -139,6 +144,7 @@ class WorkerInfo:
             kv_pools=pools,
             capability_key=h.get("capability_key", ""),
             load=load,
+            perf=WorkerPerf.from_fields(h),
             heartbeat_seq=int(h.get("heartbeat_seq", 0)),
         )
 

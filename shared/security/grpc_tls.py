@@ -5,12 +5,14 @@ mounted certificate files (cert-manager's Secret keys tls.crt, tls.key, ca.crt):
 
   server (router, workers): cert + key -> TLS; + CA -> mTLS (a client certificate signed
                             by that CA is required)
-  client (gateway):         CA -> verify servers against it (else the system roots);
+  client (gateway, router): CA -> verify servers against it (else the system roots);
                             cert + key -> present them (what an mTLS server asks for)
 
-Nothing set -> plaintext, as before (the laptop default). Workers are dialled by pod IP
-(from the registry), so clients can check every server against one name instead
-(--grpc-tls-server-name, gRPC's ssl_target_name_override): one certificate for the pool.
+Nothing set -> plaintext (`duet up --insecure`, or a service started by hand without the
+flags). Under mutual TLS, certificates carry identities (identity.py): a server lets each
+caller's role call only the methods it needs (caller_guard.py), and a client checks the
+name of the server it means (the router, or worker <id> serving decode or prefill; gRPC's
+ssl_target_name_override) rather than the address it dials, which came from the registry.
 Files are read once at start; a rotated certificate takes effect on restart."""
 from __future__ import annotations
 
@@ -34,9 +36,6 @@ class GrpcTlsConfig:
         flag="--grpc-tls-ca-file", env="DUET_GRPC_TLS_CA_FILE",
         help="PEM CA bundle: servers then require client certificates it signed (mTLS), clients verify "
              "servers with it")
-    server_name: str | None = setting(
-        flag="--grpc-tls-server-name", env="DUET_GRPC_TLS_SERVER_NAME",
-        help="clients: the name servers' certificates must carry, whatever address is dialled")
     _creds: grpc.ChannelCredentials | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -74,10 +73,12 @@ class GrpcTlsConfig:
         cert = read_pem(self.cert_file, "gRPC TLS certificate") if self.cert_file else None
         return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
 
-    def channel_options(self) -> list[tuple[str, str]]:
-        if self.client_enabled and self.server_name:
-            return [("grpc.ssl_target_name_override", self.server_name)]
-        return []
+    def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
+        """For a server: under mutual TLS, the role check on every method (caller_guard.py)."""
+        if not self.mutual:
+            return []
+        from shared.security.caller_guard import CallerGuard
+        return [CallerGuard()]
 
     # --- use ------------------------------------------------------------------------------
 
@@ -87,10 +88,12 @@ class GrpcTlsConfig:
             return server.add_secure_port(address, self.server_credentials())
         return server.add_insecure_port(address)
 
-    def aio_channel(self, address: str, options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
-        """An asyncio channel to `address`, with TLS when configured."""
-        opts = list(options) + self.channel_options()
+    def aio_channel(self, address: str, server_name: str, options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
+        """An asyncio channel to `address`, with TLS when configured; the server's certificate
+        must then name `server_name` (identity.server_name), whatever the address."""
+        opts = list(options)
         if self.client_enabled:
+            opts.append(("grpc.ssl_target_name_override", server_name))
             return grpc.aio.secure_channel(address, self._cached_channel_credentials(), options=opts)
         return grpc.aio.insecure_channel(address, options=opts)
 
@@ -98,6 +101,21 @@ class GrpcTlsConfig:
         if self._creds is None:  # the gateway opens a channel per worker: read the files once
             self._creds = self.channel_credentials()
         return self._creds
+
+    def check_identity(self, role: str, worker_id: str = "") -> None:
+        """Under mutual TLS, this process's certificate must name its role (and, if it names a
+        worker, this one): a mismatch fails at start, not later as calls refused or a worker
+        the router never trusts."""
+        if not self.mutual:
+            return
+        from shared.security.identity import certificate_identity
+        found = certificate_identity(read_pem(self.cert_file, "gRPC TLS certificate"))
+        if found is None:
+            raise ValueError(f"the gRPC certificate {self.cert_file} names no Duet role "
+                             f"(a URI spiffe://duet/<role>[/<id>]: shared/security/identity.py)")
+        if found.role != role or (found.worker_id and found.worker_id != worker_id):
+            want = role + (f" {worker_id}" if worker_id else "")
+            raise ValueError(f"the gRPC certificate {self.cert_file} is {found}'s, not {want}'s")
 
     def check(self, side: str) -> None:
         """Read the files now, so a bad path fails the process at start with a clear message."""

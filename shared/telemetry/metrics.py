@@ -77,7 +77,8 @@ class DuetMetrics:
             buckets=_E2E_BUCKETS, registry=r)
         self.requests = requests_counter(r)  # the label scheme every process shares (requests.py)
         self.route_decisions = Counter(
-            "duet_router_decisions", "Router answers by kind", ["kind"], registry=r)
+            "duet_router_decisions", "Router answers by kind and the reason for it (services/router/placement.py)",
+            ["kind", "reason"], registry=r)
         # KV that outlives the request: reuse and movement per tier (device, host)
         self.kv_cache_hit_tokens = Counter(
             "duet_kv_cache_hit_tokens", "Prompt tokens whose KV was reused, by the tier it was found in",
@@ -90,6 +91,13 @@ class DuetMetrics:
             "host tier when there is one; host pages leave the worker)", ["tier"], registry=r)
         self.kv_host_pages = Gauge(
             "duet_kv_host_cached_pages", "KV pages held in the host tier", registry=r)
+        # per-tenant quotas (shared/engine/tenant_quota.py)
+        self.kv_tenant_evicted_pages = Counter(
+            "duet_kv_tenant_evicted_pages", "Device KV pages evicted from tenants over their cache share, ahead "
+            "of other tenants' pages", registry=r)
+        self.kv_tenant_passed_over = Counter(
+            "duet_kv_tenant_passed_over", "Requests admitted ahead of a waiting request whose tenant held its "
+            "share of the KV pages", ["stage"], registry=r)
         self.kv_unaccounted_pages = Gauge(
             "duet_kv_unaccounted_pages", "Pages neither free nor cached, read whenever the worker is "
             "idle (no request, reservation or transfer): anything but 0 is a leak", ["tier"], registry=r)

@@ -6,6 +6,8 @@ converted, both ways; the gateway and the workers call it, protos/ holds the con
                        <-> Token, TokenChunk, PrefillReply
   reservation.py       KvReservation (the destination pages per rank, the write capability)
                        <-> duet_pb2.Reservation
+  cache_scope.py       CacheScope (prefix-cache namespace, tenant) <-> the cache_namespace and
+                       tenant fields of Reserve, Prefill and Generate requests
   contract_overflow.py ContractOverflow: a value the contract cannot carry, refused by name
 
 Scalars that travel as they are (request ids, prompt token ids, counts the RPCs ask for) are

@@ -1,117 +1,248 @@
-"""gRPC TLS and mutual TLS (shared/security/grpc_tls.py) on the real router server, with
-certificates made here: a client that does not trust the CA, one without a client
-certificate (under mTLS), one with a certificate from another CA and a plaintext one are
-all refused; the right one is served. Also the name override used to dial workers by IP."""
+"""gRPC TLS, mutual TLS and identities (shared/security/) on the real router server and on
+stand-in workers (a gRPC server with the health service, as a worker serves it), with
+certificates naming identities as duet up's throwaway CA issues them (tests/helpers/tls_certs.py):
+
+- transport: a client that does not trust the CA, one without a client certificate, one with
+  a certificate from another CA, and a plaintext one are refused; the gateway's is served;
+- roles: a certificate of the wrong role (a worker's calling Route, the router's calling
+  Route) gets PERMISSION_DENIED naming the method and the role, and leaves nothing in flight;
+  one naming no Duet role too; the health check is open to any certified caller;
+- names: a client checks the name of the server it means (the router, worker <id> serving
+  decode), never the address: another worker's certificate fails, a role-wide one passes
+  for any id of its role and no other role;
+- registry trust: the router routes only to entries whose worker proved its identity; forged
+  entries (another CA's certificate, a genuine certificate of another worker) get no request."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+from pathlib import Path
 
 import grpc
 import pytest
+import redis.asyncio as aioredis
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from protos import duet_pb2, duet_pb2_grpc
 from services.router.config import RouterConfig
 from services.router.server import RouterServer
 from shared.registry.config import RegistryConfig
+from shared.registry.keys import RegistryKeys
 from shared.registry.publisher import WorkerPublisher
 from shared.registry.worker_info import WorkerInfo
 from shared.security.grpc_tls import GrpcTlsConfig
+from shared.security.identity import Identity, server_name
 from tests.helpers.redis_server import redis_server  # noqa: F401  (fixture)
-from tests.helpers.tls_certs import TestCA
+from tests.helpers.tls_certs import CertFiles, TestCA
+
+LOCAL = [("grpc.use_local_subchannel_pool", 1)]  # a connection of its own per client
 
 
 @pytest.fixture(scope="module")
-def pki(tmp_path_factory):
+def pki(tmp_path_factory) -> dict[str, CertFiles]:
     root = tmp_path_factory.mktemp("pki")
     ca, other = TestCA(root / "ca"), TestCA(root / "other", name="not-duet-ca")
-    return {
-        "ca": ca,
-        "server": ca.issue("server", "duet-router"),
-        "client": ca.issue("client", "duet-gateway", server=False, dns=(), ips=()),
-        "stranger": other.issue("stranger", "someone", server=False, dns=(), ips=()),
-        "named": ca.issue("named", "duet-internal", dns=("duet-internal",), ips=()),
-    }
+    identities = {"router": Identity("router"), "gateway": Identity("gateway"), "w": Identity("both", "w"),
+                  "decode-0": Identity("decode", "decode-0"), "prefill-0": Identity("prefill", "prefill-0"),
+                  "decode-pool": Identity("decode")}  # a role-wide certificate, as the k8s Secrets carry
+    return {**{name: ca.issue_identity(name, i) for name, i in identities.items()},
+            "stranger": other.issue_identity("stranger", Identity("gateway")),
+            "stranger-decode-9": other.issue_identity("stranger-decode-9", Identity("decode", "decode-9")),
+            "no-role": ca.issue("no-role", "duet-gateway", dns=(), ips=())}
+
+
+def tls(files: CertFiles, *, ca: Path | None = None, client_cert: bool = True) -> GrpcTlsConfig:
+    cert = str(files.cert) if client_cert else None
+    key = str(files.key) if client_cert else None
+    return GrpcTlsConfig(cert_file=cert, key_file=key, ca_file=str(ca or files.ca))
 
 
 def registry(url: str) -> RegistryConfig:
     return RegistryConfig(redis_url=url, ttl_s=2.0, heartbeat_interval_s=0.5, scan_interval_s=0.2)
 
 
-async def route(address: str, tls: GrpcTlsConfig | None) -> duet_pb2.RouteReply:
-    # a subchannel of its own: no connection shared with an earlier client's channel
-    options = [("grpc.use_local_subchannel_pool", 1)]
-    channel = tls.aio_channel(address, options) if tls is not None else grpc.aio.insecure_channel(address, options)
-    async with channel:
-        return await duet_pb2_grpc.RouterStub(channel).Route(duet_pb2.RouteRequest(prompt_tokens=5), timeout=5)
+@contextlib.asynccontextmanager
+async def stand_in_worker(server_tls: GrpcTlsConfig):
+    """A gRPC server with the health service, behind the same guard as a worker; yields
+    (port, the methods it was asked for)."""
+    asked: list[str] = []
 
-
-async def with_router(url: str, server_tls: GrpcTlsConfig, clients: dict[str, GrpcTlsConfig | None]) -> dict:
-    """Start a router with server_tls and one live worker; each client's Route outcome:
-    the chosen worker id, "refused" (no connection), or the error of an answered call."""
-    pub = WorkerPublisher(WorkerInfo(worker_id="w", role="both", address="w:1", model="m", page_size=16),
-                          registry(url))
-    await pub.start()
-    server = RouterServer(RouterConfig(host="127.0.0.1", port=0, metrics_port=0, model="m",
-                                       registry=registry(url), tls=server_tls))
+    class Count(grpc.aio.ServerInterceptor):
+        async def intercept_service(self, continuation, details):
+            asked.append(details.method)
+            return await continuation(details)
+    server = grpc.aio.server(interceptors=[Count(), *server_tls.interceptors()])
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server_tls.add_port(server, "127.0.0.1:0")
     await server.start()
-    for _ in range(100):  # the router has seen the worker: a refusal below is the transport's
-        if server.watcher.workers():
-            break
-        await asyncio.sleep(0.05)
-    out = {}
+    await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     try:
-        for name, tls in clients.items():
-            try:
-                out[name] = (await route(f"127.0.0.1:{server.port}", tls)).decode.worker_id
-            except grpc.aio.AioRpcError as exc:
-                # a transport refusal, not an answer from the router (which can also be UNAVAILABLE)
-                refused = "failed to connect to all addresses" in (exc.details() or "")
-                out[name] = "refused" if refused else f"{exc.code().name}: {exc.details()}"
+        yield port, asked
     finally:
-        await server.stop()
-        await pub.stop()
-    return out
+        await server.stop(0)
+
+
+async def call(address: str, name: str, client: GrpcTlsConfig | None, method: str = "route") -> str:
+    """One call: "ok: <detail>", "refused" (no connection: the handshake failed) or the error."""
+    channel = client.aio_channel(address, name, LOCAL) if client else grpc.aio.insecure_channel(address, options=LOCAL)
+    async with channel:
+        try:
+            if method == "route":
+                reply = await duet_pb2_grpc.RouterStub(channel).Route(duet_pb2.RouteRequest(prompt_tokens=5), timeout=5)
+                return f"ok: {reply.decode.worker_id}"
+            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            return f"ok: {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}"
+        except grpc.aio.AioRpcError as exc:
+            if "failed to connect to all addresses" in (exc.details() or ""):
+                return "refused"
+            return f"{exc.code().name}: {exc.details()}"
+
+
+@contextlib.asynccontextmanager
+async def router_with_worker(url: str, server_tls: GrpcTlsConfig, worker_tls: GrpcTlsConfig):
+    """A router (server_tls) and one live `both` worker "w" (a stand-in serving worker_tls)."""
+    async with stand_in_worker(worker_tls) as (port, _):
+        pub = WorkerPublisher(WorkerInfo(worker_id="w", role="both", address=f"127.0.0.1:{port}", model="m",
+                                         page_size=16), registry(url))
+        await pub.start()
+        server = RouterServer(RouterConfig(host="127.0.0.1", port=0, metrics_port=0, model="m",
+                                           registry=registry(url), tls=server_tls))
+        await server.start()
+        try:
+            # the router sees (and under mTLS trusts) the worker: a refusal below is the transport's
+            assert await server.watcher.wait_for(lambda w: w.workers(), 10)
+            yield server
+        finally:
+            await server.stop()
+            await pub.stop()
 
 
 def test_mutual_tls_refuses_every_client_but_the_one_with_a_ca_signed_certificate(pki, redis_server):
-    s, c, st = pki["server"], pki["client"], pki["stranger"]
-    server_tls = GrpcTlsConfig(cert_file=str(s.cert), key_file=str(s.key), ca_file=str(s.ca))
-    outcome = asyncio.run(with_router(redis_server.url, server_tls, {
-        "mtls": GrpcTlsConfig(cert_file=str(c.cert), key_file=str(c.key), ca_file=str(c.ca)),
-        "no client cert": GrpcTlsConfig(ca_file=str(c.ca)),
-        "cert from another CA": GrpcTlsConfig(cert_file=str(st.cert), key_file=str(st.key), ca_file=str(c.ca)),
-        "does not trust the CA": GrpcTlsConfig(cert_file=str(c.cert), key_file=str(c.key), ca_file=str(st.ca)),
-        "plaintext": None,
-    }))
-    assert outcome == {"mtls": "w", "no client cert": "refused", "cert from another CA": "refused",
-                       "does not trust the CA": "refused", "plaintext": "refused"}
+    async def run():
+        async with router_with_worker(redis_server.url, tls(pki["router"]), tls(pki["w"])) as router:
+            address, name = f"127.0.0.1:{router.port}", server_name("router")
+            return {who: await call(address, name, client) for who, client in {
+                "gateway": tls(pki["gateway"]),
+                "no client cert": tls(pki["gateway"], client_cert=False),
+                "cert from another CA": tls(pki["stranger"], ca=pki["gateway"].ca),
+                "does not trust the CA": tls(pki["gateway"], ca=pki["stranger"].ca),
+                "plaintext": None,
+            }.items()}
+    assert asyncio.run(run()) == {"gateway": "ok: w", "no client cert": "refused", "cert from another CA": "refused",
+                                  "does not trust the CA": "refused", "plaintext": "refused"}
 
 
 def test_server_tls_without_ca_serves_any_client_that_trusts_it(pki, redis_server):
-    s, st = pki["server"], pki["stranger"]
-    server_tls = GrpcTlsConfig(cert_file=str(s.cert), key_file=str(s.key))
-    outcome = asyncio.run(with_router(redis_server.url, server_tls, {
-        "tls": GrpcTlsConfig(ca_file=str(s.ca)),
-        "system roots only": GrpcTlsConfig(cert_file=str(st.cert), key_file=str(st.key)),
-        "plaintext": None,
-    }))
-    assert outcome == {"tls": "w", "system roots only": "refused", "plaintext": "refused"}
+    async def run():
+        server_tls = GrpcTlsConfig(cert_file=str(pki["router"].cert), key_file=str(pki["router"].key))
+        assert server_tls.interceptors() == []  # no client certificates: no roles to check
+        async with router_with_worker(redis_server.url, server_tls, GrpcTlsConfig()) as router:
+            address, name = f"127.0.0.1:{router.port}", server_name("router")
+            return {who: await call(address, name, client) for who, client in {
+                "tls": tls(pki["router"], client_cert=False),
+                "system roots only": GrpcTlsConfig(cert_file=str(pki["stranger"].cert),
+                                                   key_file=str(pki["stranger"].key)),
+                "plaintext": None}.items()}
+    assert asyncio.run(run()) == {"tls": "ok: w", "system roots only": "refused", "plaintext": "refused"}
 
 
-def test_server_name_override_checks_one_name_whatever_address_is_dialled(pki, redis_server):
-    """Workers are dialled by pod IP: clients check the pool's one certificate name instead."""
-    n = pki["named"]  # SAN: DNS duet-internal only, no IP
-    server_tls = GrpcTlsConfig(cert_file=str(n.cert), key_file=str(n.key))
-    outcome = asyncio.run(with_router(redis_server.url, server_tls, {
-        "by name": GrpcTlsConfig(ca_file=str(n.ca), server_name="duet-internal"),
-        "by ip": GrpcTlsConfig(ca_file=str(n.ca)),
-        "wrong name": GrpcTlsConfig(ca_file=str(n.ca), server_name="duet-router"),
-    }))
-    assert outcome == {"by name": "w", "by ip": "refused", "wrong name": "refused"}
+def test_each_role_may_call_only_what_it_needs(pki, redis_server):
+    async def run():
+        async with router_with_worker(redis_server.url, tls(pki["router"]), tls(pki["w"])) as router:
+            address, name = f"127.0.0.1:{router.port}", server_name("router")
+            routes = {who: await call(address, name, tls(pki[who])) for who in
+                      ("gateway", "decode-0", "prefill-0", "router", "w", "no-role")}
+            for _ in range(20):  # what a hostile worker's flood would have left in flight
+                await call(address, name, tls(pki["decode-0"]))
+            return routes, len(router.service.inflight)
+    routes, inflight = asyncio.run(run())
+    assert routes.pop("gateway") == "ok: w"
+    assert routes.pop("no-role") == ("PERMISSION_DENIED: /duet.v1.Router/Route refused: the caller's certificate "
+                                     "names no Duet role")
+    for who, outcome in routes.items():
+        role = {"decode-0": "decode", "prefill-0": "prefill", "router": "router", "w": "both"}[who]
+        assert outcome == (f"PERMISSION_DENIED: /duet.v1.Router/Route refused to role {role} "
+                           f"({Identity(role, '' if who == 'router' else who)}): only gateway may call it"), who
+    assert inflight == 1  # the gateway's one Route; the refused ones left nothing behind
+
+
+def test_a_client_checks_the_name_of_the_server_it_means(pki):
+    """Workers are dialled at addresses from the registry: the certificate must name the
+    worker and the service, whatever the address."""
+    async def run():
+        out = {}
+        for server, names in {"decode-0": [("decode", "decode-0"), ("decode", "decode-1"), ("prefill", "decode-0"),
+                                           ("router", "")],
+                              "decode-pool": [("decode", "decode-0"), ("decode", "decode-7f9c2"),
+                                              ("prefill", "prefill-0")],
+                              "w": [("decode", "w"), ("prefill", "w"), ("decode", "decode-0")]}.items():
+            async with stand_in_worker(tls(pki[server])) as (port, asked):
+                for service, worker_id in names:
+                    outcome = await call(f"127.0.0.1:{port}", server_name(service, worker_id), tls(pki["gateway"]),
+                                         method="health")
+                    out[(server, service, worker_id)] = outcome
+                # the guard lets any certified caller ask for health (the router's trust probe)
+                out[(server, "as decode-0")] = await call(f"127.0.0.1:{port}", server_name("decode", "decode-0"),
+                                                          tls(pki["decode-0"]), method="health")
+                assert len(asked) == sum(o.startswith("ok") for k, o in out.items() if k[0] == server)
+        return out
+    out = asyncio.run(run())
+    ok = "ok: SERVING"
+    assert out == {
+        ("decode-0", "decode", "decode-0"): ok, ("decode-0", "decode", "decode-1"): "refused",
+        ("decode-0", "prefill", "decode-0"): "refused", ("decode-0", "router", ""): "refused",
+        ("decode-0", "as decode-0"): ok,
+        ("decode-pool", "decode", "decode-0"): ok, ("decode-pool", "decode", "decode-7f9c2"): ok,
+        ("decode-pool", "prefill", "prefill-0"): "refused", ("decode-pool", "as decode-0"): ok,
+        ("w", "decode", "w"): ok, ("w", "prefill", "w"): ok, ("w", "decode", "decode-0"): "refused",
+        ("w", "as decode-0"): "refused"}  # asked for decode-0, w's certificate does not name it
+
+
+def test_router_routes_only_to_entries_whose_worker_proved_its_identity(pki, redis_server):
+    """Forged entries: a server with another CA's certificate naming decode-9, and the genuine
+    certificate of prefill-0 and of decode-0 behind ids that are not theirs. The router probes
+    each (a health check naming the worker it claims to be), never trusts one, and sends every
+    Route to the real worker; the forged servers are asked for nothing at all."""
+    url = redis_server.url
+
+    async def run():
+        keys = RegistryKeys("duet")
+        forged = {"decode-9": pki["stranger-decode-9"], "decode-8": pki["prefill-0"], "decode-7": pki["decode-0"]}
+        async with contextlib.AsyncExitStack() as stack:
+            real_port, real_asked = await stack.enter_async_context(stand_in_worker(tls(pki["w"])))
+            fakes = {wid: await stack.enter_async_context(stand_in_worker(tls(files))) for wid, files in forged.items()}
+            real = WorkerPublisher(WorkerInfo(worker_id="w", role="both", address=f"127.0.0.1:{real_port}", model="m",
+                                              page_size=16), registry(url))
+            await real.start()
+            stack.push_async_callback(real.stop)
+            client = aioredis.from_url(url)
+            stack.push_async_callback(client.aclose)
+            for wid, (port, _) in fakes.items():  # what anyone with Redis access can write
+                info = WorkerInfo(worker_id=wid, role="both", address=f"127.0.0.1:{port}", model="m", page_size=16,
+                                  instance_nonce=f"forged-{wid}")
+                await client.hset(keys.worker(wid), mapping=info.to_hash())
+                await client.publish(keys.events_channel, json.dumps({"event": "join", "worker_id": wid}))
+            router = RouterServer(RouterConfig(host="127.0.0.1", port=0, metrics_port=0, model="m",
+                                               registry=registry(url), tls=tls(pki["router"])))
+            await router.start()
+            stack.push_async_callback(router.stop)
+            assert router.watcher.trust is not None
+            await asyncio.sleep(1.0)  # several scans, probes and a retry of each forged entry
+            picks = {await call(f"127.0.0.1:{router.port}", server_name("router"), tls(pki["gateway"]))
+                     for _ in range(12)}
+            in_registry = {w.worker_id for w in router.watcher._workers.values()}
+            return picks, in_registry, {wid: asked for wid, (_, asked) in fakes.items()}, real_asked
+    picks, in_registry, fake_asked, real_asked = asyncio.run(run())
+    assert in_registry == {"w", "decode-9", "decode-8", "decode-7"}  # read, and not trusted
+    assert picks == {"ok: w"}
+    assert fake_asked == {"decode-9": [], "decode-8": [], "decode-7": []}  # not one call got through
+    assert real_asked and set(real_asked) == {"/grpc.health.v1.Health/Check"}  # the router's probe
 
 
 def test_config_flags_env_and_bad_files(pki, tmp_path):
-    s = pki["server"]
+    s = pki["router"]
     env = {"DUET_GRPC_TLS_CERT_FILE": str(s.cert), "DUET_GRPC_TLS_KEY_FILE": str(s.key),
            "DUET_GRPC_TLS_CA_FILE": str(s.ca)}
     config = RouterConfig.from_argv([], env)
@@ -126,3 +257,14 @@ def test_config_flags_env_and_bad_files(pki, tmp_path):
         GrpcTlsConfig(ca_file=str(tmp_path / "junk.crt")).check("client")
     with pytest.raises(ValueError, match="needs --grpc-tls-cert-file"):
         GrpcTlsConfig(ca_file=str(s.ca)).check("server")
+    # each process checks at start that its certificate is its own
+    tls(pki["router"]).check_identity("router")
+    tls(pki["decode-0"]).check_identity("decode", "decode-0")
+    tls(pki["decode-pool"]).check_identity("decode", "duet-decode-7c9f8-x2kq4")  # role-wide: any pod
+    GrpcTlsConfig().check_identity("gateway")  # plaintext: nothing to check
+    for files, role, worker_id, why in ((pki["decode-0"], "decode", "decode-1", "is decode decode-0's, not decode decode-1's"),
+                                        (pki["decode-0"], "prefill", "decode-0", "is decode decode-0's"),
+                                        (pki["router"], "gateway", "", "is router's, not gateway's"),
+                                        (pki["no-role"], "gateway", "", "names no Duet role")):
+        with pytest.raises(ValueError, match=why):
+            tls(files).check_identity(role, worker_id)

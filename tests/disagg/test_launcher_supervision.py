@@ -1,7 +1,7 @@
 """`duet up`'s supervision without a stack: the restart policy (backoff doubling up to a cap,
 a long run forgives earlier deaths, giving up after the limit), the supervisor loop over
-children that die (on a fake clock), the drain plan, and the throwaway certificates of
---secure."""
+children that die (on a fake clock), the drain plan, and the throwaway certificates and Redis
+password it makes by default (unless --insecure)."""
 from __future__ import annotations
 
 import ssl
@@ -10,12 +10,15 @@ from pathlib import Path
 
 import pytest
 
+from services.launcher.banner import certificates_in, registry_url_in
 from services.launcher.children import describe_exit
 from services.launcher.config import UpConfig
 from services.launcher.restart_policy import MAX_BACKOFF_S, RestartCounter, RestartPolicy
 from services.launcher.security import SecretsDir, make_secure
+from services.launcher.throwaway_pki import CertFiles
 from services.launcher.shutdown import KILL_AFTER_S, DrainPlan, stop_children
 from services.launcher.supervisor import Supervisor
+from shared.security.identity import server_name
 
 
 def test_backoff_doubles_up_to_the_cap_then_gives_up():
@@ -182,25 +185,31 @@ def test_restart_settings_are_flags_and_variables():
                              {"DUET_RESTART_RESET": "15", "DUET_DRAIN_GRACE": "4"})
     assert (cfg.restart_limit, cfg.restart_backoff_s, cfg.restart_reset_s, cfg.drain_grace_s) == (2, 0.5, 15.0, 4.0)
     assert UpConfig.from_argv([], {}).restart_limit == 5
-    with pytest.raises(SystemExit):
-        UpConfig.from_argv(["--secure", "--grpc-tls-cert-file", "c", "--grpc-tls-key-file", "k"], {})
 
 
-def mutual_handshake(cert: str, key: str, ca: str, hostname: str) -> None:
+def test_secure_unless_insecure_and_no_certificates_of_ones_own():
+    assert not UpConfig.from_argv([], {}).insecure
+    assert UpConfig.from_argv(["--insecure"], {}).insecure and UpConfig.from_argv([], {"DUET_INSECURE": "1"}).insecure
+    for argv in (["--secure"], ["--grpc-tls-cert-file", "c", "--grpc-tls-key-file", "k"]):
+        with pytest.raises(SystemExit):  # the default; duet up makes each child's certificate itself
+            UpConfig.from_argv(argv, {})
+
+
+def mutual_handshake(server: CertFiles, client: CertFiles, hostname: str) -> None:
     """A TLS handshake in memory between a server that requires a client certificate and a
     client that presents one and checks the server's name: raises ssl.SSLError if either refuses."""
     server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    server_ctx.load_cert_chain(cert, key)
-    server_ctx.load_verify_locations(ca)
+    server_ctx.load_cert_chain(server.cert, server.key)
+    server_ctx.load_verify_locations(server.ca)
     server_ctx.verify_mode = ssl.CERT_REQUIRED
-    client_ctx = ssl.create_default_context(cafile=ca)
-    client_ctx.load_cert_chain(cert, key)
+    client_ctx = ssl.create_default_context(cafile=client.ca)
+    client_ctx.load_cert_chain(client.cert, client.key)
     s_in, s_out, c_in, c_out = ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO()
-    server = server_ctx.wrap_bio(s_in, s_out, server_side=True)
-    client = client_ctx.wrap_bio(c_in, c_out, server_hostname=hostname)
+    server_end = server_ctx.wrap_bio(s_in, s_out, server_side=True)
+    client_end = client_ctx.wrap_bio(c_in, c_out, server_hostname=hostname)
     done = set()
     for _ in range(20):
-        for side, out, peer_in in ((client, c_out, s_in), (server, s_out, c_in)):
+        for side, out, peer_in in ((client_end, c_out, s_in), (server_end, s_out, c_in)):
             try:
                 side.do_handshake()
                 done.add(id(side))
@@ -212,28 +221,40 @@ def mutual_handshake(cert: str, key: str, ca: str, hostname: str) -> None:
     raise AssertionError("handshake did not finish")
 
 
-def test_secure_makes_a_ca_a_certificate_and_a_redis_password_in_private_files():
+def test_make_secure_issues_each_child_its_identity_and_a_redis_password_in_private_files():
     vault = SecretsDir()
     try:
-        cfg, made = make_secure(UpConfig.from_argv(["--secure", "--host", "10.1.2.3"], {}), vault, own_redis=True)
-        files = [Path(cfg.grpc_tls_cert_file), Path(cfg.grpc_tls_key_file), Path(cfg.grpc_tls_ca_file),
-                 made.redis_password_file, made.redis_config_file]
+        made = make_secure(UpConfig.from_argv(["--prefill", "1", "--decode", "2"], {}), vault, own_redis=True)
+        certs = made.certs
+        assert set(certs) == {"router", "gateway", "prefill-0", "decode-0", "decode-1"}
+        files = [made.redis_password_file, made.redis_config_file,
+                 *(f for c in certs.values() for f in (c.cert, c.key, c.ca))]
         assert vault.path.stat().st_mode & 0o777 == 0o700
         assert all(f.parent == vault.path and f.stat().st_mode & 0o777 == 0o600 for f in files)
         password = made.redis_password_file.read_text().strip()
         assert len(password) >= 32 and made.redis_config_file.read_text() == f"requirepass {password}\n"
-        assert made.child_env() == {"DUET_REDIS_PASSWORD_FILE": str(made.redis_password_file),
-                                    "DUET_REDIS_PASSWORD": ""}
-        for name in ("127.0.0.1", "localhost", "10.1.2.3"):  # one certificate, both ends of every link
-            mutual_handshake(cfg.grpc_tls_cert_file, cfg.grpc_tls_key_file, cfg.grpc_tls_ca_file, name)
-        with pytest.raises(ssl.SSLError):
-            mutual_handshake(cfg.grpc_tls_cert_file, cfg.grpc_tls_key_file, cfg.grpc_tls_ca_file, "example.com")
+        assert made.child_env()["DUET_REDIS_PASSWORD_FILE"] == str(made.redis_password_file)
+        assert made.child_env()["DUET_REDIS_PASSWORD"] == "" and made.child_env()["DUET_GRPC_TLS_CERT_FILE"] == ""
+        assert made.grpc_args("decode-1") == ["--grpc-tls-cert-file", str(certs["decode-1"].cert),
+                                              "--grpc-tls-key-file", str(certs["decode-1"].key),
+                                              "--grpc-tls-ca-file", str(certs["decode-1"].ca)]
+        for who in certs.values():
+            assert who.cert.read_bytes().startswith(b"-----BEGIN CERTIFICATE-----")
+        gateway = certs["gateway"]  # each server answers the gateway under its own name only
+        for server, name in (("router", server_name("router")), ("decode-1", server_name("decode", "decode-1")),
+                             ("prefill-0", server_name("prefill", "prefill-0"))):
+            mutual_handshake(certs[server], gateway, name)
+        for server, name in (("decode-0", server_name("decode", "decode-1")), ("router", "127.0.0.1"),
+                             ("prefill-0", server_name("decode", "prefill-0"))):
+            with pytest.raises(ssl.SSLError):
+                mutual_handshake(certs[server], gateway, name)
         other = SecretsDir()
         try:  # another run's CA trusts none of these
-            stranger, external = make_secure(UpConfig.from_argv(["--secure"], {}), other, own_redis=False)
+            external = make_secure(UpConfig.from_argv([], {}), other, own_redis=False)
             with pytest.raises(ssl.SSLError):
-                mutual_handshake(cfg.grpc_tls_cert_file, cfg.grpc_tls_key_file, stranger.grpc_tls_ca_file, "127.0.0.1")
-            assert external.child_env() == {}  # a --redis-url Redis is secured by whoever runs it
+                mutual_handshake(certs["router"], external.certs["gateway"], server_name("router"))
+            assert external.redis_password_file is None  # a --redis-url Redis is secured by whoever runs it
+            assert "DUET_REDIS_PASSWORD_FILE" not in external.child_env()
         finally:
             other.close()
     finally:
@@ -241,8 +262,18 @@ def test_secure_makes_a_ca_a_certificate_and_a_redis_password_in_private_files()
     assert not files[0].exists()
 
 
+def test_the_banner_names_the_registry_with_its_password_file_and_the_certificates(tmp_path):
+    password = tmp_path / "redis-password"
+    password.write_text("s3cret\n")
+    banner = (f"  redis   redis://127.0.0.1:6390/0 (password required: {password})\n"
+              f"  gRPC    mutual TLS, a certificate per service from a throwaway CA ({tmp_path}); ...\n")
+    assert registry_url_in(banner) == "redis://:s3cret@127.0.0.1:6390/0" and certificates_in(banner) == tmp_path
+    insecure = "  redis   redis://127.0.0.1:6390/0\n  gRPC    plaintext, open to every local process (--insecure)\n"
+    assert registry_url_in(insecure) == "redis://127.0.0.1:6390/0" and certificates_in(insecure) is None
+
+
 def test_cryptography_is_a_dependency_of_a_plain_install():
-    """--secure makes its certificates with `cryptography`: it may not be a dev-only extra."""
+    """duet up makes its certificates with `cryptography` by default: it may not be a dev-only extra."""
     text = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
     deps = text.split("dependencies = [", 1)[1].split("]", 1)[0]
     assert '"cryptography' in deps, deps

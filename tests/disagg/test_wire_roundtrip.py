@@ -1,7 +1,7 @@
 """The wire module (shared/wire/) both ways: every engine object that crosses the gRPC
 contract comes back equal after a trip through the message's bytes (sampling parameters,
 step outputs with logprobs, finish reasons, prompt logprobs, usage, prefill's first tokens,
-a reservation's pages), what the contract does not keep comes back as documented, and a
+a reservation's pages and write capability, a request's cache scope), what the contract does not keep comes back as documented, and a
 value the contract cannot carry is refused by its name, up to the gateway's backend."""
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ from services.gateway.backends.interface import BackendBadRequest, GenerationReq
 from shared.engine.grammar_spec import GrammarSpec
 from shared.engine.outputs import StepOutput
 from shared.engine.sampling_params import SamplingParams
+from shared.engine.cache_scope import DEFAULT_SCOPE, CacheScope
+from shared.wire.cache_scope import cache_scope_fields, cache_scope_from_proto
 from shared.wire.contract_overflow import ContractOverflow
 from shared.wire.outputs import (PrefillAnswer, Usage, chunk_from_proto, chunk_to_proto, first_token_ids_from_proto,
                                  first_tokens_to_proto, prefill_reply_from_proto, prefill_reply_to_proto)
@@ -104,7 +106,7 @@ def test_the_grpc_backend_turns_a_refusal_into_a_bad_request_naming_the_param():
 
 def test_the_wire_module_imports_without_torch():
     code = ("import sys\n"
-            "import shared.wire.sampling, shared.wire.outputs, shared.wire.reservation\n"
+            "import shared.wire.sampling, shared.wire.outputs, shared.wire.reservation, shared.wire.cache_scope\n"
             "assert 'torch' not in sys.modules, 'torch imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -223,3 +225,11 @@ def test_a_write_capability_comes_back_and_still_verifies():
     assert refusal(back, "prefill-0", CapabilityIssuer().public_key)[0] == "signature"  # another instance's key
     back.ranks[1].page_ids[2] = 10
     assert refusal(back, "prefill-0", issuer.public_key)[0] == "signature"
+
+
+# --- a request's cache namespace and tenant ------------------------------------------------
+
+@pytest.mark.parametrize("message", [duet_pb2.ReserveRequest, duet_pb2.PrefillRequest, duet_pb2.GenerateRequest])
+@pytest.mark.parametrize("scope", [CacheScope(2**64 - 1, 3), DEFAULT_SCOPE])
+def test_a_cache_scope_comes_back_equal_on_every_request_that_carries_it(message, scope):
+    assert cache_scope_from_proto(through_bytes(message(**cache_scope_fields(scope)))) == scope

@@ -110,10 +110,8 @@ def test_what_can_never_fit_is_a_400_at_once(stack):
         assert "tokens of KV" in error["error"]["message"]
     assert stack.gateway_metrics().value("duet_requests_total", status="429") == 0
     if stack.mode == "split":  # the worker answers the same rule: INVALID_ARGUMENT, not RESOURCE_EXHAUSTED
-        decode = stack.workers()["decode-0"]["address"]
-
         async def reserve():
-            async with grpc.aio.insecure_channel(decode) as channel:
+            async with stack.worker_channel("decode-0", "decode", aio=True) as channel:  # as the gateway
                 stub = duet_pb2_grpc.DecodeStub(channel)
                 await stub.Reserve(duet_pb2.ReserveRequest(request_id="never-fits", prompt_tokens=10,
                                                            max_tokens=2048, n=128, prefill_worker_id="prefill-0"),

@@ -189,12 +189,11 @@ def grammar_requests(pattern: str) -> list[tuple[str, dict, str]]:
     """(path, body, the 400's param) for each way a schema reaches the gateway."""
     ask = [{"role": "user", "content": "Answer."}]
     fmt = schema_format(pattern)
-    return [("/chat/completions", {"messages": ask, "max_tokens": 4, "response_format": fmt},
-             "response_format.json_schema.schema"),
-            ("/chat/completions", {"messages": ask, "max_tokens": 4, **named_tool(pattern)}, "tools"),
+    return [("/chat/completions", {"messages": ask, "max_tokens": 4, "response_format": fmt}, "response_format"),
+            ("/chat/completions", {"messages": ask, "max_tokens": 4, **named_tool(pattern)},
+             "tools[0].function.parameters"),
             ("/responses", {"input": "Answer.", "max_output_tokens": 4, "text": {"format": {
-                "type": "json_schema", "name": "x", "schema": fmt["json_schema"]["schema"]}}},
-             "text.format.json_schema.schema")]
+                "type": "json_schema", "name": "x", "schema": fmt["json_schema"]["schema"]}}}, "text.format")]
 
 
 class HealthWatch:
@@ -252,7 +251,8 @@ def sampling(max_tokens: int = 4, pattern: str | None = None) -> duet_pb2.Sampli
 
 
 def worker_stub(stack, worker_id: str, stub):
-    channel = grpc.insecure_channel(stack.workers()[worker_id]["address"])
+    """A stub on a worker, dialled as the gateway dials it (the stack's mutual TLS)."""
+    channel = stack.worker_channel(worker_id, "prefill" if stub is duet_pb2_grpc.PrefillStub else "decode")
     return channel, stub(channel)
 
 

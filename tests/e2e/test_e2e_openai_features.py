@@ -62,6 +62,8 @@ def test_structured_outputs_validate_and_greedy_split_equals_colocated(stacks):
     greedy = {name: features.check_structured_outputs(s.client(), MODEL) for name, s in stacks.items()}
     assert greedy["split"] == greedy["colocated"]
     features.check_bad_schema_is_400(stacks["split"].client(), MODEL)
+    for stack in stacks.values():
+        features.check_unenforceable_schemas_are_400(stack.client(), MODEL)
     idle(stacks)
 
 

@@ -1,25 +1,34 @@
-"""`duet up` with an API key, HTTPS at the gateway and mutual TLS on every gRPC link
-(certificates made here with `cryptography`): the right key over HTTPS works with the
-official openai client; a missing or wrong key gets 401 and no request reaches a worker
-(their token counters and the gateway's request counter stay put); a client that does not
-trust the CA is refused; a gRPC client without a client certificate is refused by the
-workers and the router; the key is on no child's command line, in no log, and its 0600
-file is gone after shutdown."""
+"""`duet up` as it starts by default (mutual TLS on every gRPC link with a certificate per
+child, Redis with a password), plus an API key and HTTPS at the gateway (certificates made
+here with `cryptography`): the right key over HTTPS works with the official openai client; a
+missing or wrong key gets 401 and no request reaches a worker (their token counters and the
+gateway's request counter stay put); a client that does not trust the CA is refused.
+
+What a hostile local process tried against an open stack, refused: calls to the router and
+the workers in plaintext, over TLS without a client certificate or with another CA's; calls
+with a genuine certificate of the wrong role (a worker's routing, reserving KV, prefilling:
+PERMISSION_DENIED, nothing left in flight); forged registry entries pointing at gRPC servers
+of its own (no request reaches them while real requests are served); Redis without the
+password. The key is on no child's command line, in no log, and its 0600 file is gone after
+shutdown."""
 from __future__ import annotations
 
-import asyncio
-import re
+import json
 import ssl
+from concurrent import futures
 from pathlib import Path
 
 import grpc
 import httpx
 import openai
+import psutil
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+import redis
 
-from tests.helpers.stack import DuetUp, Metrics, managed, new_log_dir
-from tests.helpers.tls_certs import TestCA
+from protos import duet_pb2, duet_pb2_grpc
+from shared.security.identity import Identity, server_name
+from tests.helpers.stack import DuetUp, Metrics, managed, new_log_dir, wait_until
+from tests.helpers.tls_certs import CertFiles, TestCA
 
 pytestmark = pytest.mark.slow
 
@@ -30,18 +39,18 @@ MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
     ca = TestCA(tmp_path_factory.mktemp("pki"))
+    other = TestCA(tmp_path_factory.mktemp("other"), name="other-ca")
     return {"https": ca.issue("gateway-https", "duet-gateway", client=False),
-            "grpc": ca.issue("grpc", "duet-internal"),  # server and client usage: every service
-            "stranger": TestCA(tmp_path_factory.mktemp("other"), name="other-ca").issue("x", "x")}
+            # another CA's certificates with the identities duet up's children have
+            "stranger": other.issue_identity("stranger", Identity("gateway")),
+            "stranger-decode-9": other.issue_identity("stranger-decode-9", Identity("decode", "decode-9"))}
 
 
 @pytest.fixture(scope="module")
 def stack(request, pki):
-    h, g = pki["https"], pki["grpc"]
+    h = pki["https"]
     up = DuetUp(new_log_dir("up-security"), "--api-key", API_KEY,
-                "--tls-cert-file", str(h.cert), "--tls-key-file", str(h.key),
-                "--grpc-tls-cert-file", str(g.cert), "--grpc-tls-key-file", str(g.key),
-                "--grpc-tls-ca-file", str(g.ca))
+                "--tls-cert-file", str(h.cert), "--tls-key-file", str(h.key))
     up.base_url = up.base_url.replace("http://", "https://")
     with managed(request, up.start()) as s:
         s.wait_ready()
@@ -114,39 +123,141 @@ def test_client_that_does_not_trust_the_ca_is_refused(stack, pki):
         httpx.get(stack.base_url.replace("https://", "http://") + "/models", timeout=10)
 
 
-def grpc_outcome(address: str, pki, *, ca: bool, client_cert) -> str:
-    """A gRPC health check against `address`: SERVING, refused, or the error."""
-    async def call():
-        opts = [("grpc.use_local_subchannel_pool", 1)]
-        if ca or client_cert:
-            creds = grpc.ssl_channel_credentials(
-                root_certificates=pki["grpc"].ca.read_bytes() if ca else None,
-                private_key=client_cert.key.read_bytes() if client_cert else None,
-                certificate_chain=client_cert.cert.read_bytes() if client_cert else None)
-            channel = grpc.aio.secure_channel(address, creds, options=opts)
-        else:
-            channel = grpc.aio.insecure_channel(address, options=opts)
-        async with channel:
-            try:
-                reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
-                return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-            except grpc.aio.AioRpcError as exc:
-                if "failed to connect to all addresses" in (exc.details() or ""):
-                    return "refused"
-                return exc.code().name  # answered (e.g. UNIMPLEMENTED: the router has no health service)
-    return asyncio.run(call())
+# --- gRPC and Redis: what a hostile local process tried ------------------------------------
+
+LOCAL = [("grpc.use_local_subchannel_pool", 1)]  # a connection of its own per client
 
 
-def test_grpc_needs_a_client_certificate_signed_by_the_ca(stack, pki):
+def target_calls(stack) -> dict[str, tuple[str, str, object]]:
+    """For the router and each worker: (address, the name its certificate carries, a call of
+    the method a hostile caller wants: Route, Reserve naming decode's pages, Prefill)."""
     workers = stack.workers()
-    router = re.search(r"router\s+(\S+:\d+)", stack.proc.log_text()).group(1)
-    assert len(workers) == 2
-    for address in [w["address"] for w in workers.values()] + [router]:
-        answered = "UNIMPLEMENTED" if address == router else "SERVING"
-        assert grpc_outcome(address, pki, ca=True, client_cert=pki["grpc"]) == answered, address
-        assert grpc_outcome(address, pki, ca=True, client_cert=None) == "refused", address
-        assert grpc_outcome(address, pki, ca=True, client_cert=pki["stranger"]) == "refused", address
-        assert grpc_outcome(address, pki, ca=False, client_cert=None) == "refused", address
+    reserve = duet_pb2.ReserveRequest(request_id="hostile", prompt_tokens=8000, max_tokens=8000,
+                                      prefill_worker_id="prefill-0")
+    prefill = duet_pb2.PrefillRequest(request_id="hostile", prompt_token_ids=[1, 2, 3],
+                                      reservation=duet_pb2.Reservation(decode_worker_id="decode-0", ranks=[
+                                          duet_pb2.RankPages(page_ids=[1, 2, 3])]))
+    return {
+        "router": (stack.router_address, server_name("router"),
+                   lambda ch: duet_pb2_grpc.RouterStub(ch).Route(duet_pb2.RouteRequest(prompt_tokens=5), timeout=10)),
+        "decode-0": (workers["decode-0"]["address"], server_name("decode", "decode-0"),
+                     lambda ch: duet_pb2_grpc.DecodeStub(ch).Reserve(reserve, timeout=10)),
+        "prefill-0": (workers["prefill-0"]["address"], server_name("prefill", "prefill-0"),
+                      lambda ch: duet_pb2_grpc.PrefillStub(ch).Prefill(prefill, timeout=10)),
+    }
+
+
+def outcome(channel, call) -> str:
+    """"answered", "refused" (no connection: the handshake failed) or the error code and detail."""
+    with channel:
+        try:
+            call(channel)
+            return "answered"
+        except grpc.RpcError as exc:
+            if "failed to connect to all addresses" in (exc.details() or ""):
+                return "refused"
+            return f"{exc.code().name}: {exc.details()}"
+
+
+def tls_channel(stack, address: str, name: str, cert=None, ca: Path | None = None):
+    creds = grpc.ssl_channel_credentials((ca or stack.certs_dir / "grpc-ca.crt").read_bytes(),
+                                         cert.key.read_bytes() if cert else None,
+                                         cert.cert.read_bytes() if cert else None)
+    return grpc.secure_channel(address, creds, options=LOCAL + [("grpc.ssl_target_name_override", name)])
+
+
+def test_grpc_without_the_stacks_credentials_is_refused(stack, pki):
+    assert stack.certs_dir is not None, "duet up runs mutual TLS by default"
+    for target, (address, name, call) in target_calls(stack).items():
+        assert outcome(grpc.insecure_channel(address, options=LOCAL), call) == "refused", target
+        # TLS that trusts the stack's CA but shows no client certificate: mutual TLS refuses it
+        assert outcome(tls_channel(stack, address, name), call) == "refused", target
+        # a certificate naming the gateway, from another CA
+        assert outcome(tls_channel(stack, address, name, pki["stranger"]), call) == "refused", target
+
+
+def test_a_certificate_of_the_wrong_role_is_permission_denied(stack):
+    calls = target_calls(stack)
+    inflight = stack.router_metrics().value("duet_router_inflight_requests")
+    for caller, target in (("decode-0", "router"), ("prefill-0", "router"), ("router", "router"),
+                           ("prefill-0", "decode-0"), ("router", "decode-0"), ("decode-0", "prefill-0")):
+        address, name, call = calls[target]
+        got = outcome(stack.grpc_channel(address, name, as_child=caller), call)
+        method = {"router": "Router/Route", "decode-0": "Decode/Reserve", "prefill-0": "Prefill/Prefill"}[target]
+        assert got.startswith(f"PERMISSION_DENIED: /duet.v1.{method} refused to role {caller.split('-')[0]} "), \
+            (caller, target, got)
+        assert got.endswith("only gateway may call it"), got
+    for _ in range(50):  # a flood of Routes from a worker's certificate leaves nothing in flight
+        outcome(stack.grpc_channel(*calls["router"][:2], as_child="decode-0"), calls["router"][2])
+    assert stack.router_metrics().value("duet_router_inflight_requests") == inflight
+    # the gateway's certificate is let through (here to the router's own refusal of a bad request)
+    got = outcome(stack.grpc_channel(calls["router"][0], calls["router"][1]),
+                  lambda ch: duet_pb2_grpc.RouterStub(ch).Route(duet_pb2.RouteRequest(prompt_tokens=0), timeout=10))
+    assert got == "INVALID_ARGUMENT: prompt_tokens must be positive"
+
+
+class CountingServer:
+    """A hostile gRPC server: TLS with the certificate it was given, no client certificate
+    asked for, every call counted (and answered UNIMPLEMENTED)."""
+
+    def __init__(self, cert, key: bytes | None = None):
+        self.calls: list[str] = []
+        calls = self.calls
+
+        class Count(grpc.ServerInterceptor):
+            def intercept_service(self, continuation, details):
+                calls.append(details.method)
+                return continuation(details)
+        self.server = grpc.server(futures.ThreadPoolExecutor(2), interceptors=[Count()])
+        creds = grpc.ssl_server_credentials([(key or cert.key.read_bytes(), cert.cert.read_bytes())])
+        self.port = self.server.add_secure_port("127.0.0.1:0", creds)
+        self.server.start()
+
+    def close(self) -> None:
+        self.server.stop(0)
+
+
+def test_a_forged_registry_entry_receives_nothing_while_requests_are_served(stack, pki):
+    """Entries written as anyone with Redis access could (copies of decode-0's, with their own
+    id, address and instance nonce) pointing at servers of the test's own: one with another
+    CA's certificate naming decode-9, and two with genuine certificates of the stack (prefill-0's,
+    decode-0's) under ids that are not theirs. The router never trusts them, every chat is
+    served, and the servers are asked for nothing."""
+    certs = stack.certs_dir
+    fakes = {"decode-9": CountingServer(pki["stranger-decode-9"]),
+             "decode-8": CountingServer(CertFiles(certs / "prefill-0.crt", certs / "prefill-0.key", certs / "grpc-ca.crt")),
+             "decode-7": CountingServer(CertFiles(certs / "decode-0.crt", certs / "decode-0.key", certs / "grpc-ca.crt"))}
+    r = stack.redis()
+    genuine = r.hgetall("duet:worker:decode-0")
+    try:
+        for wid, server in fakes.items():
+            r.hset(f"duet:worker:{wid}", mapping={**genuine, "worker_id": wid, "instance_nonce": f"forged{wid}",
+                                                  "address": f"127.0.0.1:{server.port}"})
+            r.publish("duet:workers:events", json.dumps({"event": "join", "worker_id": wid}))
+        router_log = stack.log_dir / "router.log"
+        wait_until(lambda: all(f"registry entry {wid} (decode at 127.0.0.1:{fakes[wid].port}) not trusted"
+                               in router_log.read_text() for wid in fakes), 30, "the router to check the entries")
+        c = client(stack, pki, API_KEY)
+        for i in range(6):
+            out = c.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=4, temperature=0,
+                                            messages=[{"role": "user", "content": f"Say {i}."}])
+            assert out.usage.completion_tokens > 0
+        assert {wid: s.calls for wid, s in fakes.items()} == {wid: [] for wid in fakes}
+    finally:
+        r.delete(*(f"duet:worker:{wid}" for wid in fakes))
+        for server in fakes.values():
+            server.close()
+
+
+def test_redis_refuses_a_client_without_the_password(stack):
+    assert stack.redis_password and set(stack.workers()) == {"prefill-0", "decode-0"}  # with it: both registered
+    plain = stack.redis_url.replace(f":{stack.redis_password}@", "")
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis.from_url(plain, socket_timeout=5).ping()
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis.from_url(plain.replace("redis://", "redis://:wrong@"), socket_timeout=5).ping()
+    for proc in psutil.Process(stack.proc.pid).children(recursive=True):  # the password is on no command line
+        assert stack.redis_password not in " ".join(proc.cmdline())
 
 
 def children(pid: int) -> list[int]:
@@ -186,6 +297,6 @@ def test_key_is_on_no_child_command_line_nor_in_any_log(stack, pki):
     for log in stack.log_dir.iterdir():
         text = log.read_text(errors="replace")
         assert API_KEY not in text and "sk-wrong-for-the-log" not in text, log
-    assert "mTLS" in stack.proc.log_text() and "API key required" in stack.proc.log_text()
+    assert "gRPC    mutual TLS" in stack.proc.log_text() and "API key required" in stack.proc.log_text()
     stack.close()  # the secrets folder goes with duet up
     assert not keys_file.exists() and not keys_file.parent.exists()

@@ -1,6 +1,6 @@
 """The load generator against Duet itself: `duet up` (default model, 1 prefill + 1
 decode), checked against what the gateway counted in /metrics: requests by status,
-prompt tokens and generated tokens.
+prompt tokens and generated tokens; and `duet bench`'s stack and multiturn sections on it.
 
 This starts the whole stack (redis, router, two workers, gateway) on CPU."""
 from __future__ import annotations
@@ -19,8 +19,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def duet_stack(tmp_path_factory):
-    """`duet up` with its defaults (1 prefill + 1 decode), through the helper
-    loadtest.compare_disagg uses, so that helper is exercised here too."""
+    """`duet up` with its defaults (1 prefill + 1 decode), through the helper the bench's
+    stack sections start their stacks with (loadtest/duet_stack.py), so it is exercised here too."""
     from shared.model_files.default_model import ensure_default_model
 
     model_dir = ensure_default_model()
@@ -83,3 +83,26 @@ def test_report_matches_gateway_metrics(duet_stack, tmp_path, api, workload):
     assert s["output_tokens"] == 8 * len(run["records"])
     assert s["token_check"]["prompt_mismatches"] == 0
     assert s["ttft"]["count"] == len(run["records"]) and s["tpot"]["p50"] > 0
+
+
+def test_bench_stack_sections_measure_this_stack(duet_stack, tmp_path, torch_one_thread, capsys):
+    """`duet bench --sections stack,multiturn --base-url`: TTFT by point and by turn, the second
+    turn served from the cache, nothing failed (the sections start each --stacks layout through
+    the fixture's helper otherwise)."""
+    from loadtest.bench.suite import main as bench_main
+
+    url, model_dir = duet_stack
+    out = tmp_path / "bench.json"
+    assert bench_main(["--device", "cpu", "--sections", "stack,multiturn", "--base-url", url, "--model-dir",
+                       str(model_dir), "--concurrency", "1", "--stack-lens", "32,8", "--conversations", "2",
+                       "--chat", "48,8,4,2", "--steps", "2", "--workdir", str(tmp_path / "work"),
+                       "--json", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert d["stack"]["server first run TTFT p50 ms"] > 0 and d["stack"]["server c=1 TTFT p50 ms"] > 0
+    assert d["multiturn"]["server C=2 turn 1 TTFT p50 ms"] > 0 and d["multiturn"]["server C=2 turn 2 TTFT p50 ms"] > 0
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("[stack]", "[multiturn]"))]
+    assert sum("TTFT p50 ms" in line and "0 of 4 failed" in line for line in printed) == 2
+    turns = [line for line in printed if line.startswith("[multiturn] server C=2 turn")]
+    assert len(turns) == 2 and all("0 of 2 failed" in line for line in turns), turns
+    later = float(turns[1].split("cached ")[1].split(",")[0])
+    assert 0 < later <= 1  # the second turn found its history in the server's cache

@@ -16,7 +16,7 @@
   the Triton interpreter equals its torch reference (tests/helpers/fp8_model_check.py).
 - An FP8 KV cache on the CPU: float8 pages (a quarter of fp32's bytes), the checkpoint's
   k_scale / v_scale applied, greedy text close to the float32 cache's.
-What only a GPU shows (FP8 tensor-core numerics, speed, CUDA graphs): loadtest/bench/fp8_device.py."""
+What only a GPU shows (FP8 tensor-core numerics, speed, CUDA graphs): `duet bench --sections fp8`."""
 from __future__ import annotations
 
 import json

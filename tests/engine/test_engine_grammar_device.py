@@ -1,7 +1,7 @@
 """Constrained decoding on each device there is (CPU always, CUDA when present: pinned
 bitmask copies, xgrammar's bitmask kernel, CUDA graphs, the overlap loop, page copies for
 n > 1), with nothing but this repository: a random-weight model and the synthetic
-vocabulary of loadtest/bench/grammar_cost.py (no tokenizer files, no jsonschema package),
+vocabulary of tests/helpers/synthetic_vocab.py (no tokenizer files, no jsonschema package),
 so it runs on the GPU image as it is:
 
     python -m pytest -q tests/engine/test_engine_grammar_device.py
@@ -13,12 +13,12 @@ import json
 import pytest
 import torch
 
-from loadtest.bench.grammar_cost import synthetic_info
 from shared.engine.engine import Engine
 from shared.engine.grammar import GrammarBackend
 from shared.engine.grammar_spec import GrammarSpec
 from shared.engine.sampling_params import SamplingParams
 from tests.helpers.engine_models import assert_all_pages_free, build_model_dir, random_prompts
+from tests.helpers.synthetic_vocab import synthetic_info
 
 VOCAB = 4096
 EOS = 2

@@ -65,6 +65,7 @@ def nothing_left(backend):
 def test_structured_outputs(client):
     features.check_structured_outputs(client, MODEL)
     features.check_bad_schema_is_400(client, MODEL)
+    features.check_unenforceable_schemas_are_400(client, MODEL)
 
 
 def test_tools(client):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from loadtest.bench.accuracy import relative_error
+from tests.helpers.accuracy import relative_error
 
 
 def check_fp8_model(model_dir: str, device: str, kv_fp8: bool, decode_gemm: bool = True) -> dict:

@@ -5,7 +5,7 @@ alignment matter).
 
 A group per kernels/triton_*.py module that launches something; each calls the public
 wrappers the kernel tests call (kernels/*.py, tests/helpers/peer_all_reduce_sim.py,
-tests/helpers/fp8_probe.py) over the variants a GPU meets: bf16, fp16 and fp32 activations,
+tests/helpers/fp8_grid_kernel.py) over the variants a GPU meets: bf16, fp16 and fp32 activations,
 FP8 weights and FP8 KV caches, the constexpr branches (residual, norm, store, neox, expert
 map, split-K, direct single split, ...), programmatic dependent launch (launch_pdl, only
 possible on a GPU), and the tile configs a GPU picks (the wrappers pick small tiles on the
@@ -364,7 +364,7 @@ def peer_read_all_reduce():
 
 
 def fp8_probe():
-    from tests.helpers.fp8_probe import fp8_grid_of
+    from tests.helpers.fp8_grid_kernel import fp8_grid_of
     fp8_grid_of(_e(5000))
 
 

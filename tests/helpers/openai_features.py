@@ -151,10 +151,50 @@ def check_bad_schema_is_400(client, model) -> None:
     except openai.BadRequestError as exc:
         body = exc.response.json()
         validate(body, "ErrorResponse")
+        assert body["error"]["message"].startswith("response_format.json_schema.schema: "), body
         assert "minimum greater than maximum" in body["error"]["message"], body
-        assert body["error"]["param"] == "response_format.json_schema.schema"
+        assert body["error"]["param"] == "response_format"
     else:
         raise AssertionError("a schema xgrammar cannot compile was accepted")
+
+
+# schemas whose keywords xgrammar would not enforce (the output would break them, or, for
+# {"$ref": "#"}, the worker would fail on a grammar nothing fits), with the keyword named
+UNENFORCEABLE = {
+    "$ref": {"$ref": "#"},
+    "not": {"type": "object", "properties": {"a": {"not": {"type": "string"}}}, "required": ["a"]},
+    "allOf": {"allOf": [{"type": "string"}, {"type": "integer"}]},
+}
+
+
+def check_unenforceable_schemas_are_400(client, model) -> None:
+    """Each way a schema comes in (chat response_format, Responses text.format, a forced
+    function's parameters): a 400 invalid_request_error naming the keyword and the field."""
+    import openai
+    for keyword, schema in UNENFORCEABLE.items():
+        calls = {
+            "response_format": lambda: client.chat.completions.create(
+                model=model, messages=ASK, max_tokens=5,
+                response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}),
+            "text.format": lambda: client.responses.create(
+                model=model, input="hi", max_output_tokens=5,
+                text={"format": {"type": "json_schema", "name": "x", "schema": schema, "strict": True}}),
+            "tools[0].function.parameters": lambda: client.chat.completions.create(
+                model=model, messages=ASK, max_tokens=5, tool_choice="required", tools=[{"type": "function",
+                "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": schema},
+                                                         "required": ["x"]}}}]),
+        }
+        for param, call in calls.items():
+            try:
+                call()
+            except openai.BadRequestError as exc:
+                body = exc.response.json()
+                validate(body, "ErrorResponse")
+                error = body["error"]
+                assert error["type"] == "invalid_request_error" and error["param"] == param, body
+                assert f"keyword '{keyword}' at $" in error["message"], body
+            else:
+                raise AssertionError(f"{param}: a schema with {keyword!r} was accepted")
 
 
 # --- tools -------------------------------------------------------------------------------

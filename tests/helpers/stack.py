@@ -2,7 +2,9 @@
 
 Two ways to run the stack:
 
-* `DuetUp`: `duet up` as one subprocess (it starts redis, router, workers, gateway);
+* `DuetUp`: `duet up` as one subprocess (it starts redis, router, workers, gateway), secure as
+  the product's default (its Redis password and each child's gRPC certificate are read from the
+  files duet up names; `grpc_channel()` dials as one of its children) unless given --insecure;
 * `ProcessStack`: redis (tests/helpers/redis_server.py), router, workers and gateway as separate
   subprocesses, for tests that kill, stop or add one.
 
@@ -30,6 +32,7 @@ from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import redis
 
@@ -293,6 +296,8 @@ class DuetUp(_StackBase):
             argv += ["--", *worker_args]
         self.proc = Process("duet-up", argv, self.log_dir / "duet-up.out", env=child_env(env))
         self.redis_url = ""
+        self.redis_password: str | None = None  # duet up's own Redis (unless --insecure): from wait_ready()
+        self.certs_dir: Path | None = None  # every child's gRPC certificate (unless --insecure)
 
     def processes(self) -> list[Process]:
         return [self.proc]
@@ -306,14 +311,40 @@ class DuetUp(_StackBase):
             if not self.proc.alive:
                 raise ProcessExited(f"duet up exited with {self.proc.popen.returncode}")
             text = self.proc.log_text()
-            m = re.search(r"redis\s+(redis://\S+)", text)
-            return m is not None and re.search(rf"^{re.escape(self.base_url)}$", text, re.M) is not None and m
+            return re.search(r"^  redis   redis://", text, re.M) and re.search(rf"^{re.escape(self.base_url)}$", text, re.M)
         try:
-            m = wait_until(ready, timeout, "duet up to print its URL", interval=0.25)
+            wait_until(ready, timeout, "duet up to print its URL", interval=0.25)
         except (TimeoutError, RuntimeError) as exc:
             raise RuntimeError(f"{exc}\n{self.report_logs()}") from None
-        self.redis_url = m.group(1)
+        from services.launcher.banner import certificates_in, registry_url_in
+        text = self.proc.log_text()
+        self.redis_url = registry_url_in(text)  # with the password the banner's file holds
+        self.redis_password = urlsplit(self.redis_url).password
+        self.certs_dir = certificates_in(text)
         return self
+
+    def grpc_channel(self, address: str, server: str, *, as_child: str = "gateway", aio: bool = False):
+        """A gRPC channel to `address` as the child `as_child` ("gateway", "router", a worker id)
+        dials: with its certificate, checking the name `server` (shared/security/identity.py:
+        server_name) in the server's; plaintext when the stack runs --insecure."""
+        import grpc
+        module = grpc.aio if aio else grpc
+        if self.certs_dir is None:
+            return module.insecure_channel(address)
+        creds = grpc.ssl_channel_credentials((self.certs_dir / "grpc-ca.crt").read_bytes(),
+                                             (self.certs_dir / f"{as_child}.key").read_bytes(),
+                                             (self.certs_dir / f"{as_child}.crt").read_bytes())
+        return module.secure_channel(address, creds, options=[("grpc.ssl_target_name_override", server)])
+
+    def worker_channel(self, worker_id: str, service: str, *, as_child: str = "gateway", aio: bool = False):
+        """A channel to a worker's gRPC (its address from the registry), as `as_child` dials it."""
+        from shared.security.identity import server_name
+        return self.grpc_channel(self.workers()[worker_id]["address"], server_name(service, worker_id),
+                                 as_child=as_child, aio=aio)
+
+    @property
+    def router_address(self) -> str:
+        return re.search(r"router\s+(\S+:\d+)", self.proc.log_text()).group(1)
 
     def router_metrics(self) -> Metrics:
         """The router's /metrics (duet up gives it --host and --metrics-port on its command line)."""

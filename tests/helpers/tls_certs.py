@@ -1,6 +1,7 @@
 """Certificates for TLS tests, made with `cryptography`: a CA, a server certificate for
-127.0.0.1 / localhost (and any extra DNS names), client certificates, a second CA that
-signed none of them. Written as PEM files with cert-manager's names (tls.crt, tls.key, ca.crt)."""
+127.0.0.1 / localhost (and any extra DNS names), client certificates, certificates naming a
+Duet identity (shared/security/identity.py) or none, a second CA that signed none of them.
+Written as PEM files with cert-manager's names (tls.crt, tls.key, ca.crt)."""
 from __future__ import annotations
 
 import datetime as dt
@@ -60,12 +61,18 @@ class TestCA:
         self.ca_file = self.root / f"{name}.crt"
         self.ca_file.write_bytes(self.cert.public_bytes(serialization.Encoding.PEM))
 
+    def issue_identity(self, folder: str, identity) -> CertFiles:
+        """A certificate naming a Duet identity, as duet up's CA issues them."""
+        return self.issue(folder, identity.uri, dns=tuple(identity.dns_names), ips=(), uris=(identity.uri,))
+
     def issue(self, folder: str, cn: str, *, server: bool = True, client: bool = True,
-              dns: tuple[str, ...] = ("localhost",), ips: tuple[str, ...] = ("127.0.0.1",)) -> CertFiles:
+              dns: tuple[str, ...] = ("localhost",), ips: tuple[str, ...] = ("127.0.0.1",),
+              uris: tuple[str, ...] = ()) -> CertFiles:
         key = _key()
         now = dt.datetime.now(dt.timezone.utc)
         usages = ([ExtendedKeyUsageOID.SERVER_AUTH] if server else []) + ([ExtendedKeyUsageOID.CLIENT_AUTH] if client else [])
-        san = [x509.DNSName(d) for d in dns] + [x509.IPAddress(ipaddress.ip_address(i)) for i in ips]
+        san = ([x509.UniformResourceIdentifier(u) for u in uris] + [x509.DNSName(d) for d in dns]
+               + [x509.IPAddress(ipaddress.ip_address(i)) for i in ips])
         builder = (x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(self.cert.subject)
                    .public_key(key.public_key()).serial_number(x509.random_serial_number())
                    .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=1))

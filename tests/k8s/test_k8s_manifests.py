@@ -29,6 +29,11 @@ NAMESPACE = "duet"
 FAKE_POD_IP = "10.244.1.23"
 DUET_ROLES = ("gateway", "router", "prefill", "decode")
 WORKER_ROLES = ("prefill", "decode")
+# Secrets the manifests mount and never render (so `kubectl apply -k` cannot overwrite them):
+# `duet k8s-secrets` makes the first six (components/cert-manager can issue the certificates),
+# components/api-keys and components/gateway-tls read the last two
+OUT_OF_BAND_SECRETS = ("duet-redis-auth", "duet-cache-namespace-key", "duet-grpc-gateway", "duet-grpc-router",
+                       "duet-grpc-prefill", "duet-grpc-decode", "duet-api-keys", "duet-gateway-tls")
 
 pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (with kustomize) is not installed")
 
@@ -54,8 +59,7 @@ def components_overlay_dir() -> str:
         "kind": "Kustomization",
         "resources": [rel(K8S / "overlays" / "gpu")],
         "components": [rel(K8S / "components" / c)
-                       for c in ("model-pvc", "gateway-loadbalancer", "external-redis-secret", "gateway-tls",
-                                 "cert-manager")],
+                       for c in ("model-pvc", "gateway-loadbalancer", "gateway-tls", "cert-manager")],
     }))
     return str(root)
 
@@ -146,7 +150,6 @@ class Pod:
 class Rendered:
     variant: str
     objects: tuple[dict, ...]
-    external_secrets: bool = False
     _env_cache: dict = field(default_factory=dict)
 
     def of_kind(self, kind: str) -> list[dict]:
@@ -178,7 +181,7 @@ class Rendered:
     def secret_value(self, name: str, key: str) -> str:
         secret = self.get("Secret", name)
         if secret is None:
-            assert self.external_secrets, f"{self.variant}: Secret {name} is referenced but not rendered"
+            assert name in OUT_OF_BAND_SECRETS, f"{self.variant}: Secret {name} is referenced but not rendered"
             return "provided-out-of-band"
         if key in secret.get("stringData", {}):
             return secret["stringData"][key]
@@ -245,7 +248,7 @@ def expand(text: str, env: dict[str, str]) -> str:
 
 @lru_cache(maxsize=None)
 def rendered_variant(variant: str) -> Rendered:
-    return Rendered(variant, render_path(VARIANTS[variant]()), external_secrets="components" in variant)
+    return Rendered(variant, render_path(VARIANTS[variant]()))
 
 
 @pytest.fixture(params=list(VARIANTS))
@@ -604,14 +607,57 @@ def test_ucx_uses_only_transports_that_cross_pods_on_the_policed_port_range(rend
         assert [(p["port"], p["endPort"]) for p in ucx_ports] == [(low, high)]
 
 
-def test_redis_password_is_a_placeholder_or_external(rendered):
-    secret = rendered.get("Secret", "duet-redis-auth")
-    if rendered.variant == "gpu+components":
-        assert secret is None
-        return
-    assert "replace-me" in secret["stringData"]["password"], "never commit a real password"
-    redis = rendered.pod("redis").main
-    assert "requirepass" in " ".join(redis["args"]), "Redis must require the password"
+def referenced_secrets(r: Rendered) -> set[str]:
+    """Every Secret a Duet pod reads: mounted, or through an environment variable."""
+    names = set()
+    for pod in r.pods:
+        names |= {v["secret"]["secretName"] for v in pod.spec.get("volumes", []) if "secret" in v}
+        for container in pod.containers:
+            names |= {e["valueFrom"]["secretKeyRef"]["name"] for e in container.get("env", [])
+                      if "secretKeyRef" in e.get("valueFrom", {})}
+    return names
+
+
+def test_secrets_are_never_rendered_and_redis_requires_its_password(rendered):
+    r = rendered
+    assert not r.of_kind("Secret"), "secrets are created beside the manifests, never rendered"
+    assert referenced_secrets(r) <= set(OUT_OF_BAND_SECRETS)
+    assert {"duet-redis-auth", "duet-cache-namespace-key",
+            *(f"duet-grpc-{role}" for role in DUET_ROLES)} <= referenced_secrets(r)
+    redis = r.pod("redis").main
+    assert "requirepass $REDIS_PASSWORD" in " ".join(redis["args"]), "Redis must require the password"
+    assert {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in redis["env"]
+            if "valueFrom" in e}["REDIS_PASSWORD"] == "duet-redis-auth"
+
+
+def test_k8s_secrets_makes_what_the_manifests_mount():
+    """`duet k8s-secrets` (services/launcher/k8s_secrets.py): the Redis password, the cache
+    namespace key and a certificate per role, with cert-manager's keys, in the namespace; the certificates name their roles and
+    one CA signed them all."""
+    from cryptography import x509
+
+    from services.launcher.k8s_secrets import secret_objects
+    from shared.security.identity import Identity, identity_in
+
+    objects = {o["metadata"]["name"]: o for o in secret_objects()}
+    assert set(objects) == set(OUT_OF_BAND_SECRETS) - {"duet-api-keys", "duet-gateway-tls"}
+    assert all(o["metadata"]["namespace"] == NAMESPACE for o in objects.values())
+    password = base64.b64decode(objects["duet-redis-auth"]["data"]["password"]).decode()
+    assert re.fullmatch(r"[0-9a-f]{48}", password), "URL-safe: it goes into redis://:<password>@host"
+    cache_key = base64.b64decode(objects["duet-cache-namespace-key"]["data"]["key"]).decode()
+    assert re.fullmatch(r"[0-9a-f]{64}", cache_key)
+    cas = set()
+    for role in DUET_ROLES:
+        data = {k: base64.b64decode(v) for k, v in objects[f"duet-grpc-{role}"]["data"].items()}
+        assert set(data) == {"tls.crt", "tls.key", "ca.crt"} and objects[f"duet-grpc-{role}"]["type"] == "kubernetes.io/tls"
+        cert = x509.load_pem_x509_certificate(data["tls.crt"])
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert identity_in(san.get_values_for_type(x509.UniformResourceIdentifier)) == Identity(role)
+        assert san.get_values_for_type(x509.DNSName) == Identity(role).dns_names
+        cas.add(data["ca.crt"])
+        assert cert.issuer == x509.load_pem_x509_certificate(data["ca.crt"]).subject
+    assert len(cas) == 1
+    assert set(o["metadata"]["name"] for o in secret_objects(grpc=False, cache_key=False)) == {"duet-redis-auth"}
 
 
 def test_podmonitor_scrapes_the_ports_that_serve_metrics():

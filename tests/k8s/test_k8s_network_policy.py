@@ -111,6 +111,8 @@ def test_duet_flows_are_admitted(rendered):
         (ep["gateway"], ep["router"], 50050),
         (ep["gateway"], ep["prefill"], 50060),
         (ep["gateway"], ep["decode"], 50060),
+        (ep["router"], ep["prefill"], 50060),  # its health check: proving a registry entry's identity
+        (ep["router"], ep["decode"], 50060),
         (ep["prefill"], ep["decode"], UCX_PORT),
         (ep["decode"], ep["prefill"], UCX_PORT),
         (PROMETHEUS, ep["gateway"], 9102),
@@ -139,8 +141,9 @@ def test_everything_else_is_denied(rendered):
         (CLIENT, ep["otel-collector"], 4317),
         (ep["prefill"], ep["decode"], 50060),   # prefill talks to decode through NIXL only
         (ep["decode"], ep["gateway"], 8000),
-        (ep["router"], ep["prefill"], 50060),   # the router is off the data path
-        (ep["router"], ep["decode"], 50060),
+        (ep["router"], ep["prefill"], UCX_PORT),  # the router is off the data path
+        (ep["router"], ep["decode"], 9100),
+        (ep["router"], ep["gateway"], 8000),
         (ep["gateway"], ep["decode"], UCX_PORT),
         (ep["prefill"], ep["prefill"], UCX_PORT),
         (ep["prefill"], ep["decode"], 41000),   # outside UCX_TCP_PORT_RANGE

@@ -2,8 +2,13 @@
 with Services, readiness probes and NetworkPolicies as a cluster applies them
 (tests/helpers/k8s_sim says how), and the real services answer through them.
 
+The Secrets the manifests mount and never render (the Redis password, a certificate per
+role for mutual TLS) are made as a user makes them, with `duet k8s-secrets`.
+
 Shown here: a chat completion with the official openai client through the gateway
-Service; decode scaled 1 -> 2, the new pod registering under its pod name and IP and
+Service (every gRPC link mutual TLS, the workers dialled and trusted by the names their
+role's certificate carries); gRPC without the Secrets' certificates refused, and a worker's
+certificate refused the router's methods; decode scaled 1 -> 2, the new pod registering under its pod name and IP and
 getting traffic; a decode pod deleted mid-stream (preStop, SIGTERM, drain within
 terminationGracePeriodSeconds) with its stream finished and nothing left behind; the
 NetworkPolicies dropping flows they do not list while the listed ones work; the Redis pod
@@ -25,6 +30,7 @@ from pathlib import Path
 
 import pytest
 
+from services.launcher.k8s_secrets import secret_objects
 from tests.helpers.k8s_sim import netns
 from tests.helpers.k8s_sim.cluster import Cluster
 from tests.helpers.k8s_sim.observe import connect, registry_workers, scrape
@@ -35,6 +41,7 @@ CPU_OVERLAY = str(REPO / "k8s" / "overlays" / "cpu")
 PROMETHEUS_LABELS = {"app.kubernetes.io/name": "prometheus"}
 WORKER_GRPC, WORKER_METRICS = 50060, 9100
 GATEWAY_METRICS = 9102
+NAMESPACE = "duet"
 
 
 def new_work_dir(name: str) -> Path:
@@ -45,7 +52,7 @@ def new_work_dir(name: str) -> Path:
 @pytest.fixture(scope="module")
 def cluster(request):
     work = new_work_dir("k8s-run")
-    c = Cluster(CPU_OVERLAY, work, model_dir().parent.parent)
+    c = Cluster(CPU_OVERLAY, work, model_dir().parent.parent, secrets=secret_objects(NAMESPACE))
     failed_before = request.session.testsfailed
     try:
         c.up()
@@ -175,6 +182,7 @@ def test_network_policies_drop_unlisted_flows(cluster):
         "gateway -> redis Service": (gw, redis_vip, 6379),  # the gateway reads the registry
         "decode -> redis Service": (decode, redis_vip, 6379),
         "router -> redis Service": (router, redis_vip, 6379),
+        "router -> decode gRPC": (router, decode.ip, WORKER_GRPC),  # its trust probe (health check)
         "prometheus -> decode metrics": (prom, decode.ip, WORKER_METRICS),
         "prometheus -> router metrics": (prom, router.ip, 9101),
         "prometheus -> gateway Service": (prom, gateway_vip, 8000),
@@ -183,7 +191,7 @@ def test_network_policies_drop_unlisted_flows(cluster):
     }
     blocked = {  # each port listens: the same port is reached by an allowed peer above
         "gateway -> decode metrics": (gw, decode.ip, WORKER_METRICS),
-        "router -> decode gRPC": (router, decode.ip, WORKER_GRPC),
+        "router -> decode metrics": (router, decode.ip, WORKER_METRICS),
         "decode -> gateway Service": (decode, gateway_vip, 8000),
         "decode -> router Service": (decode, router_vip, 50050),
         "prefill -> decode gRPC": (prefill, decode.ip, WORKER_GRPC),
@@ -197,6 +205,53 @@ def test_network_policies_drop_unlisted_flows(cluster):
     got_blocked = {k: connect(src.netns, ip, port, timeout=1.5) for k, (src, ip, port) in blocked.items()}
     assert got_allowed == {k: "open" for k in allowed}, got_allowed
     assert got_blocked == {k: "timeout" for k in blocked}, got_blocked  # dropped, not refused
+
+
+GRPC_CALL = """
+import sys, grpc
+from protos import duet_pb2, duet_pb2_grpc
+address, name, cert_dir = sys.argv[1:4]
+options = [("grpc.ssl_target_name_override", name)]
+if cert_dir == "-":
+    channel = grpc.insecure_channel(address)
+else:
+    read = lambda f: open(f"{cert_dir}/{f}", "rb").read()
+    channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(read("ca.crt"), read("tls.key"),
+                                                                        read("tls.crt")), options=options)
+try:
+    duet_pb2_grpc.RouterStub(channel).Route(duet_pb2.RouteRequest(prompt_tokens=0), timeout=10)
+    print("answered")
+except grpc.RpcError as exc:
+    refused = "failed to connect to all addresses" in (exc.details() or "")
+    print("refused" if refused else f"{exc.code().name}: {exc.details()}")
+"""
+
+
+def route_from_node(c: Cluster, address: str, name: str, secret: str | None) -> str:
+    """Router.Route from the node (a process in its namespace: gRPC's threads would not follow
+    this one's), with the certificate of a Secret (its files, as a pod mounts them) or none."""
+    cert_dir = "-"
+    if secret is not None:
+        cert_dir = str(c.work_dir / f"client-{secret}")
+        Path(cert_dir).mkdir(exist_ok=True)
+        for key, value in c.objects.config_items("Secret", secret).items():
+            (Path(cert_dir) / key).write_text(value)
+    out = netns.run(sys.executable, "-c", GRPC_CALL, address, name, cert_dir,
+                    ns=c.network.node_ns, check=False)
+    return out.strip().splitlines()[-1] if out.strip() else ""
+
+
+@pytest.mark.slow
+def test_grpc_needs_a_certificate_of_the_right_role(cluster):
+    """The router Service refuses a plaintext caller, serves the gateway's certificate (here its
+    refusal of an empty prompt) and gives a decode pod's certificate PERMISSION_DENIED."""
+    c = cluster
+    router = f"{c.service_ip('duet-router')}:50050"
+    assert route_from_node(c, router, "router.duet.internal", None) == "refused"
+    assert route_from_node(c, router, "router.duet.internal", "duet-grpc-gateway") == \
+        "INVALID_ARGUMENT: prompt_tokens must be positive"
+    assert route_from_node(c, router, "router.duet.internal", "duet-grpc-decode") == \
+        ("PERMISSION_DENIED: /duet.v1.Router/Route refused to role decode (decode): only gateway may call it")
 
 
 @pytest.mark.slow

@@ -1,12 +1,22 @@
-"""The security wiring of k8s/: API keys and gRPC mutual TLS on in the default (gpu)
-overlay, from Secrets with cert-manager's key names; off in the cpu overlay; HTTPS at the
-gateway and cert-manager issuers as optional components; the gateway's /metrics on its own
-port. Command lines and environments are parsed with the services' own parsers."""
+"""The security wiring of k8s/: gRPC mutual TLS on in every overlay, each Deployment with the
+certificate of its role from a Secret with cert-manager's key names (duet-grpc-<role>); API
+keys on in the default (gpu) overlay, off in the cpu one; HTTPS at the gateway and
+cert-manager issuers as optional components, the certificates naming the roles as the
+services check them; the gateway's /metrics on its own port. Command lines and environments
+are parsed with the services' own parsers."""
 from __future__ import annotations
 
 from pathlib import PurePosixPath
 
-from tests.k8s.test_k8s_manifests import Rendered, parse_duet_command, pytestmark, rendered, rendered_variant  # noqa: F401
+from shared.security.identity import Identity, server_name
+from tests.k8s.test_k8s_manifests import (  # noqa: F401
+    DUET_ROLES,
+    Rendered,
+    parse_duet_command,
+    pytestmark,
+    rendered,
+    rendered_variant,
+)
 
 CERT_MANAGER_KEYS = {"tls.crt", "tls.key", "ca.crt"}
 
@@ -35,30 +45,30 @@ def test_every_service_gets_metrics_and_api_port_apart(rendered):
     assert gateway.template["metadata"]["annotations"]["prometheus.io/port"] == str(cfg.security.metrics_port)
 
 
-def test_gpu_overlay_requires_api_keys_and_mutual_tls_from_secrets():
+def test_every_overlay_runs_mutual_tls_with_a_certificate_per_role(rendered):
+    r = rendered
+    for pod in r.duet_pods:
+        tls = grpc_tls(r, pod)
+        assert tls.mutual, f"{r.variant}/{pod.name}: gRPC is not mutual TLS"
+        assert tls.interceptors(), f"{r.variant}/{pod.name}: callers' roles are not checked"
+        files = {tls.cert_file: "tls.crt", tls.key_file: "tls.key", tls.ca_file: "ca.crt"}
+        for path, key in files.items():
+            assert mounted_secret(pod, pod.main, path) == (f"duet-grpc-{pod.role}", key), (r.variant, pod.name)
+
+
+def test_gpu_overlay_requires_api_keys_from_a_secret():
     for variant in ("gpu", "gpu+components"):
         r = rendered_variant(variant)
-        for pod in r.duet_pods:
-            tls = grpc_tls(r, pod)
-            assert tls.mutual, f"{variant}/{pod.name}: gRPC is not mutual TLS"
-            files = {tls.cert_file: "tls.crt", tls.key_file: "tls.key", tls.ca_file: "ca.crt"}
-            for path, key in files.items():
-                assert mounted_secret(pod, pod.main, path) == ("duet-grpc-tls", key)
         gateway = r.pod("gateway")
         sec = parse_duet_command(r, gateway).config.security
         assert sec.auth_enabled and not sec.api_keys, "keys come from the mounted file only"
         assert mounted_secret(gateway, gateway.main, sec.api_keys_file) == ("duet-api-keys", "keys")
-        assert r.get("Secret", "duet-api-keys") is None and r.get("Secret", "duet-grpc-tls") is None, \
-            "secrets are created out of band (or by cert-manager), never rendered"
-        # the gateway checks one name in every server's certificate (workers are dialled by IP)
-        assert sec.grpc_tls.server_name == "duet-internal"
 
 
-def test_cpu_overlay_runs_without_keys_or_tls():
+def test_cpu_overlay_runs_without_api_keys_or_https():
     r = rendered_variant("cpu")
     for pod in r.duet_pods:
-        assert grpc_tls(r, pod).describe("server") == "plaintext"
-        assert not any(v.get("secret", {}).get("secretName") in ("duet-grpc-tls", "duet-api-keys", "duet-gateway-tls")
+        assert not any(v.get("secret", {}).get("secretName") in ("duet-api-keys", "duet-gateway-tls")
                        for v in pod.spec.get("volumes", []))
     sec = parse_duet_command(r, r.pod("gateway")).config.security
     assert not sec.auth_enabled and not sec.https
@@ -76,11 +86,13 @@ def test_gateway_https_and_cert_manager_components_fit_together():
         assert probe["scheme"] == "HTTPS" and probe["path"] in ("/health", "/live"), kind
     assert r.get("Service", "duet-gateway")["spec"]["ports"][0]["appProtocol"] == "https"
     certs = {c["spec"]["secretName"]: c for c in r.of_kind("Certificate")}
-    assert set(certs) >= {"duet-grpc-tls", "duet-gateway-tls"}
-    grpc_cert = certs["duet-grpc-tls"]["spec"]
-    assert {"server auth", "client auth"} <= set(grpc_cert["usages"])
-    router_host = parse_duet_command(r, gateway).config.router_address.split(":")[0]
-    assert {sec.grpc_tls.server_name, router_host} <= set(grpc_cert["dnsNames"])
+    assert set(certs) >= {"duet-gateway-tls", *(f"duet-grpc-{role}" for role in DUET_ROLES)}
+    for role in DUET_ROLES:  # each names its role as the services check it (shared/security/identity.py)
+        spec = certs[f"duet-grpc-{role}"]["spec"]
+        assert spec["uris"] == [Identity(role).uri] and spec["dnsNames"] == Identity(role).dns_names, role
+        assert "client auth" in spec["usages"] and ("server auth" in spec["usages"]) == (role != "gateway"), role
+    # the gateway dials the router by its Service and checks the router's name, not that address
+    assert server_name("router") in certs["duet-grpc-router"]["spec"]["dnsNames"]
     assert "duet-gateway" in certs["duet-gateway-tls"]["spec"]["dnsNames"]
     issuers = {i["metadata"]["name"]: i for i in r.of_kind("Issuer")}
     for cert in certs.values():

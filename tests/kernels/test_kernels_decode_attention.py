@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from loadtest.bench.accuracy import fill_nan_, relative_error
 from kernels.decode_attention import decode_attention_reference
-from loadtest.bench.random_paged_kv import random_paged_kv
+from tests.helpers.accuracy import fill_nan_, relative_error
 from tests.helpers.kernel_dtypes import ATTENTION_TOLERANCE, case_generator, kernel_dtypes
+from tests.helpers.random_paged_kv import random_paged_kv
 
 TARGET = "kernels.decode_attention:decode_attention"
 CUDA = torch.cuda.is_available()

@@ -12,7 +12,7 @@ import torch
 from kernels.fp8 import Fp8Weight
 from kernels.fp8_decode_gemm import Fp8DecodeConfig, fp8_decode_reference
 from kernels.small_batch_linear import SmallBatchWorkspace
-from loadtest.bench.accuracy import fill_nan_, relative_error
+from tests.helpers.accuracy import fill_nan_, relative_error
 from tests.helpers.kernel_dtypes import CUDA, case_generator
 from tests.kernels.test_kernels_fp8_linear import block_weight, channel_weight, nan_padded_columns
 

@@ -13,9 +13,9 @@ from kernels.extend_attention import extend_attention_reference
 from kernels.fp8 import FP8_DTYPE
 from kernels.qk_norm_rope import KVCacheWrite, qk_norm_rope_reference
 from kernels.store_kv import store_kv_reference
-from loadtest.bench.accuracy import fill_nan_, relative_error
-from loadtest.bench.random_paged_kv import random_paged_kv
+from tests.helpers.accuracy import fill_nan_, relative_error
 from tests.helpers.kernel_dtypes import CUDA, case_generator
+from tests.helpers.random_paged_kv import random_paged_kv
 from tests.kernels.test_kernels_rotary_embedding import cos_sin_cache
 
 SCALES = [(1.0, 1.0), (0.37, 2.5)]

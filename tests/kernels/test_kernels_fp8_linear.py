@@ -6,7 +6,7 @@ scale rows restart, a shard starting inside a block), per-channel scales, bias, 
 
 On the CPU these run in Triton's interpreter, which executes FP8 loads, stores and dots (the
 dots exactly, in wider precision): what it cannot show is the FP8 tensor-core numerics and
-speed of a real GPU, which the device script (loadtest/bench/fp8_device.py) measures."""
+speed of a real GPU, which `duet bench --sections fp8` measures."""
 
 from dataclasses import replace
 
@@ -19,14 +19,14 @@ from kernels.fp8_linear import (fp8_linear_reference, gate_up_silu_fp8_reference
                                 small_batch_fp8_reference, w8a8_gemm_reference)
 from kernels.small_batch_linear import SmallBatchWorkspace
 from kernels.small_batch_linear_config import SmallBatchConfig
-from loadtest.bench.accuracy import fill_nan_, relative_error
+from tests.helpers.accuracy import fill_nan_, relative_error
 from tests.helpers.kernel_dtypes import CUDA, case_generator
 
 QUANT = "kernels.fp8_linear:per_token_group_quant"
 GEMM = "kernels.fp8_linear:w8a8_gemm"
 SMALL = "kernels.fp8_linear:small_batch_fp8_linear"
 LINEAR = "kernels.fp8_linear:fp8_linear"
-GRID = "tests.helpers.fp8_probe:fp8_grid_of"
+GRID = "tests.helpers.fp8_grid_kernel:fp8_grid_of"
 # interpreter: fp32 (exact dots); natively bf16 too (one rounding of the output)
 DTYPES = [torch.bfloat16, torch.float32] if CUDA else [torch.float32]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}

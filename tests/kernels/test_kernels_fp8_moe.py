@@ -3,8 +3,8 @@ the prefill path (triton_fp8_moe.py) and the W8A16 one-launch decode experts ker
 (triton_moe_decode.py's FP8 path), with block scales whose edge blocks are partial along
 both dimensions (gate and up each on their own block grid, as checkpoints store them), with
 per-channel scales, and with an expert map (expert parallel). Interpreter on the CPU (FP8
-values exact, products in wider precision); the FP8 tensor-core numerics and speed are the
-device script's (loadtest/bench/fp8_device.py)."""
+values exact, products in wider precision); the FP8 tensor-core numerics and speed are
+`duet bench --sections fp8`'s."""
 import pytest
 import torch
 
@@ -12,7 +12,7 @@ from kernels.fp8 import PER_CHANNEL_GROUP_K, Fp8Weight, quantize_block, quantize
 from kernels.fp8_moe import fused_moe_fp8_reference
 from kernels.fused_moe import select_experts_reference
 from kernels.moe_decode import DecodeCounters, DecodeTile
-from loadtest.bench.accuracy import fill_nan_, relative_error
+from tests.helpers.accuracy import fill_nan_, relative_error
 from tests.helpers.kernel_dtypes import CUDA, case_generator
 
 FUSED = "kernels.fp8_moe:fused_moe_fp8"

@@ -8,8 +8,8 @@ dimensions off the tile sizes, and the torch alignment path for many pairs."""
 import pytest
 import torch
 
-from loadtest.bench.accuracy import fill_nan_, relative_error
 from kernels.fused_moe import fused_moe_reference, select_experts_reference
+from tests.helpers.accuracy import fill_nan_, relative_error
 from tests.helpers.kernel_dtypes import case_generator, kernel_dtypes
 
 MOE = "kernels.fused_moe:fused_moe"

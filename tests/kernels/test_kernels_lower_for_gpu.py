@@ -19,7 +19,7 @@ triton_fp8_moe.py, triton_fused_moe.py, triton_moe_decode.py, triton_rejection_s
 triton_peer_all_reduce.py, triton_peer_read_all_reduce.py; the device-function modules
 triton_fp8.py, triton_f16_rows.py, triton_moe_topk.py and triton_pdl.py through the kernels that
 call them; and
-the tests' own probe kernel (tests/helpers/fp8_probe.py).
+the tests' own probe kernel (tests/helpers/fp8_grid_kernel.py).
 
 The last two tests show it fails where the GPU did: on the rejection kernel with its old
 `q` (a scalar in the draft loop, a tile in the vocabulary loop's `if`), and on FP8_MAX as a

@@ -5,8 +5,8 @@ experts on another rank, tiles that leave ragged edges, the arrival counters lef
 import pytest
 import torch
 
-from loadtest.bench.accuracy import fill_nan_, relative_error
 from kernels.moe_decode import DecodeCounters, DecodeTile, moe_decode_reference
+from tests.helpers.accuracy import fill_nan_, relative_error
 from tests.helpers.kernel_dtypes import case_generator, kernel_dtypes
 
 DECODE = "kernels.moe_decode:moe_decode"

@@ -4,8 +4,8 @@ and the reference vs a page-by-page loop, on a pool that is a strided view."""
 import pytest
 import torch
 
-from loadtest.bench.accuracy import fill_nan_
 from kernels.page_copy import gather_pages_reference, scatter_pages_reference
+from tests.helpers.accuracy import fill_nan_
 from tests.helpers.kernel_dtypes import kernel_dtypes
 
 CUDA = torch.cuda.is_available()

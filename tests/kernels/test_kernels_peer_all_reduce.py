@@ -2,8 +2,8 @@
 simulated peers (tests/helpers/peer_all_reduce_sim.py): the sum + add + RMSNorm against the torch
 reference, what it pushes into the other ranks' buffers and flags, the phase and epoch
 bookkeeping over consecutive calls, and the token push and its bounded wait. Interpreted
-on CPU, native on a GPU. The two-GPU run: `python -m loadtest.bench --suite tp --sections
-allreduce` (loadtest/bench/tp.py)."""
+on CPU, native on a GPU. On two GPUs `duet bench --sections tp` runs greedy tokens and decode
+steps through it."""
 
 import pytest
 import torch

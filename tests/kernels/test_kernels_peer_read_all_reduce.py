@@ -2,7 +2,7 @@
 all-reduce's "barrier" mode) as one rank among simulated peers (tests/helpers/peer_all_reduce_sim.py):
 each rank's buffer is a local tensor, so the sum + add + RMSNorm is checked against the torch
 reference (kernels/peer_all_reduce.py) without a second GPU. Interpreted on CPU, native on a
-GPU. The symmetric-memory barriers around it need real peers: loadtest/bench/tp.py runs them."""
+GPU. The symmetric-memory barriers around it need real peers (two GPUs)."""
 
 import pytest
 import torch

@@ -5,8 +5,8 @@ references; and that composition vs the model's own unfused torch layers."""
 import pytest
 import torch
 
-from loadtest.bench.accuracy import relative_error
 from kernels.qk_norm_rope import KVCacheWrite, QKNorm, qk_norm_rope_reference
+from tests.helpers.accuracy import relative_error
 from tests.helpers.kernel_dtypes import ELEMENTWISE_TOLERANCE, case_generator, kernel_dtypes
 from tests.kernels.test_kernels_rotary_embedding import cos_sin_cache
 

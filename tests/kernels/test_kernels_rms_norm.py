@@ -4,8 +4,8 @@ reference, and the reference vs a float64 formula and HF's LlamaRMSNorm."""
 import pytest
 import torch
 
-from loadtest.bench.accuracy import fill_nan_, relative_error
 from kernels.rms_norm import rms_norm_reference
+from tests.helpers.accuracy import fill_nan_, relative_error
 from tests.helpers.kernel_dtypes import ELEMENTWISE_TOLERANCE, case_generator, kernel_dtypes
 
 TARGET = "kernels.rms_norm:rms_norm"

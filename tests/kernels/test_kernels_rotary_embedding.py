@@ -5,8 +5,8 @@ formulation (GPT-J interleaved pairs)."""
 import pytest
 import torch
 
-from loadtest.bench.accuracy import relative_error
 from kernels.rotary_embedding import rotary_embedding_reference
+from tests.helpers.accuracy import relative_error
 from tests.helpers.kernel_dtypes import case_generator, kernel_dtypes
 
 TARGET = "kernels.rotary_embedding:rotary_embedding"

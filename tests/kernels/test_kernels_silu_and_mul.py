@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from loadtest.bench.accuracy import fill_nan_, relative_error
 from kernels.silu_and_mul import silu_and_mul_reference
+from tests.helpers.accuracy import fill_nan_, relative_error
 from tests.helpers.kernel_dtypes import case_generator, kernel_dtypes
 
 TARGET = "kernels.silu_and_mul:silu_and_mul"

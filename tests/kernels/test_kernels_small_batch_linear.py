@@ -5,7 +5,7 @@ math paths), bit-identical reruns, bad input, and the config table's lookups."""
 import pytest
 import torch
 
-from loadtest.bench.accuracy import fill_nan_, relative_error
+from tests.helpers.accuracy import fill_nan_, relative_error
 from kernels.small_batch_linear import (SmallBatchWorkspace, small_batch_gate_up_silu_reference,
                                         small_batch_linear_reference, small_batch_preferred,
                                         small_batch_supported)

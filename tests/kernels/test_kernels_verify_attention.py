@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from loadtest.bench.accuracy import fill_nan_, relative_error
-from loadtest.bench.random_paged_kv import random_paged_kv
 from kernels.verify_attention import verify_attention_reference
+from tests.helpers.accuracy import fill_nan_, relative_error
 from tests.helpers.kernel_dtypes import ATTENTION_TOLERANCE, case_generator, kernel_dtypes
+from tests.helpers.random_paged_kv import random_paged_kv
 
 TARGET = "kernels.verify_attention:verify_attention"
 CUDA = torch.cuda.is_available()

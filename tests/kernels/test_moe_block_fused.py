@@ -22,7 +22,7 @@ CONFIGS = {
 def fused_vs_torch(kind: str, tp_rank: int, tp_size: int, expert_parallel: bool, tokens: int) -> float:
     """Runs where the kernels run (see the runner fixture): relative error of the block's
     fused output against its torch output."""
-    from loadtest.bench.accuracy import relative_error
+    from tests.helpers.accuracy import relative_error
     from shared.engine.models.moe import MoEBlock
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -90,7 +90,7 @@ def _layer_chain(n_layers: int, pdl, ws, g):
     add+norm, qkv, q/k-norm+RoPE+store, attention, o, add+norm, gate/up+SwiGLU, down."""
     from kernels.decode_attention import decode_attention
     from kernels.qk_norm_rope import KVCacheWrite, QKNorm, qk_norm_rope
-    from loadtest.bench.random_paged_kv import random_paged_kv
+    from tests.helpers.random_paged_kv import random_paged_kv
     from kernels.rms_norm import rms_norm
     from kernels.small_batch_linear import small_batch_gate_up_silu, small_batch_linear
 

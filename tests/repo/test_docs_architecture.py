@@ -77,3 +77,25 @@ def test_every_registry_key_is_in_the_architecture():
     text = DOC.read_text()
     missing = [k for k in registry_keys() if f"`{k}`" not in text]
     assert not missing, f"add these keys to {DOC.relative_to(REPO)}, \"Registry keys and KV events\": {missing}"
+
+
+def test_every_registry_hash_field_is_in_the_architecture():
+    """The fields of a worker's registry entry (static, load and performance), by name."""
+    from shared.perf_model.step_model import StepModel
+    from shared.perf_model.transfer_model import TransferModel
+    from shared.perf_model.worker_perf import WorkerPerf
+    from shared.registry.worker_info import WorkerInfo
+
+    info = WorkerInfo(worker_id="w", role="decode", address="a:1", model="m",
+                      perf=WorkerPerf(StepModel((0.0,) * 5), TransferModel()))
+    text = DOC.read_text()
+    section = text[text.index("## 7. Registry keys"):text.index("## 8. Telemetry names")]
+    fields = set(info.to_hash())
+    assert {"load_free_pages", "perf_step", "heartbeat_seq"} <= fields
+    missing = sorted(f for f in fields if not re.search(rf"[` ]{f}[` ]", section))
+    assert not missing, f"add these registry fields to {DOC.relative_to(REPO)}, section 7: {missing}"
+    import json
+    for field, payload in (("perf_step", StepModel((0.0,) * 5).to_dict()), ("perf_transfer", TransferModel().to_dict())):
+        keys = sorted(json.loads(json.dumps(payload)))
+        absent = [k for k in keys if f'"{k}"' not in section]
+        assert not absent, f"{field}'s keys {absent} are not in section 7"

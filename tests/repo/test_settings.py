@@ -198,7 +198,7 @@ def test_worker_keeps_its_flag_and_variable_names(argv, env, check):
 
 def test_engine_gpu_knobs_still_read_the_environment_when_built_in_code(monkeypatch):
     """The benchmarks build EngineConfig in code and are tuned by these variables
-    (e.g. `DUET_PDL=off python3 -m loadtest.bench.tp_profile`)."""
+    (e.g. `DUET_PDL=off duet bench --sections decode`)."""
     monkeypatch.setenv("DUET_PDL", "off")
     monkeypatch.setenv("DUET_SMALL_BATCH_LINEAR", "all")
     monkeypatch.setenv("DUET_CUSTOM_ALLREDUCE", "barrier")

@@ -1,9 +1,6 @@
-"""Related probes (not in the checklist of loadtest/hostile/README.md): bodies that are cheap to
-send and may be dear to take.
-
-* a huge `stop` list: every streamed piece is checked against every stop string on the
-  gateway's event loop;
-* deeply nested JSON (in `messages`, in a schema): the parser must refuse it, not recurse."""
+"""Related probes (not in the checklist of loadtest/hostile/README.md): bodies cheap to send and
+maybe dear to take. A huge `stop` list (every streamed piece is checked against every stop string
+on the gateway's event loop); deeply nested JSON (`messages`, a schema): refused, not recursed."""
 from __future__ import annotations
 
 import json
@@ -48,12 +45,8 @@ async def deep_schema(ctx: ProbeContext, r: ProbeResult) -> None:
     r.details["depth"] = depth
 
 
-def judge_deep(r: ProbeResult) -> tuple[bool | None, str]:
-    return client_error_json(r)
-
-
 PROBES = [
     Probe("huge_stop_list", "extra", "400 JSON or 200; /health p50<100 ms, max<1 s", huge_stop_list, judge_stop),
-    Probe("deep_json_messages", "extra", "400 JSON", deep_messages, judge_deep, timeout_s=25.0),
-    Probe("deep_json_schema", "extra", "400 JSON", deep_schema, judge_deep, timeout_s=25.0),
+    Probe("deep_json_messages", "extra", "400 JSON", deep_messages, client_error_json, timeout_s=25.0),
+    Probe("deep_json_schema", "extra", "400 JSON", deep_schema, client_error_json, timeout_s=25.0),
 ]

@@ -1,10 +1,8 @@
-"""Checklist item 6: a client that goes away must take its work with it.
-
-Ten ~1100-token completions, each dropped shortly after it is sent (the first after 50 ms,
-each next one 50 ms later: where in the request's path a drop lands depends on the
-machine's speed, so the drops are spread over the path); then the decode workers'
-`duet_kv_cache_usage_ratio` is read every 250 ms: it must be back at 0 within a few
-seconds (the decode worker's KV was once seen held for ~40 s in split mode)."""
+"""Checklist item 6: a client that goes away must take its work with it. Ten ~1100-token
+completions, dropped 50 ms, 100 ms, ... 500 ms after sending (where a drop lands in the request's
+path depends on the machine, so they are spread over it); then the decode workers'
+`duet_kv_cache_usage_ratio`, read every 250 ms, must be back at 0 within a few seconds (once
+seen held for ~40 s in split mode)."""
 from __future__ import annotations
 
 import asyncio
@@ -21,12 +19,13 @@ KV_FREE_WITHIN_S = 3.0
 
 async def drop_after_send(ctx: ProbeContext, r: ProbeResult) -> None:
     s = ctx.sizes
-    if ctx.kv is None or not ctx.kv.addresses:
+    kv = ctx.kv if ctx.kv is not None and ctx.kv.addresses else None
+    if kv is None:
         r.details["kv"] = "no decode worker /metrics known (pass --worker-metrics or --redis-url)"
-    words = " hello" * s.disconnect_prompt_words
-    if ctx.kv is not None and ctx.kv.addresses:
+    else:
         async with httpx.AsyncClient() as http:
-            r.details["kv_before"] = await ctx.kv.usage(http)
+            r.details["kv_before"] = await kv.usage(http)
+    words = " hello" * s.disconnect_prompt_words
 
     async def one(i: int):
         body = completion_body(ctx.model, f"Request {i}:{words}", max_tokens=64, ignore_eos=True)
@@ -42,14 +41,13 @@ async def drop_after_send(ctx: ProbeContext, r: ProbeResult) -> None:
     last = s.disconnect_after_s + (s.disconnect_requests - 1) * s.disconnect_stagger_s
     r.details.update(requests=s.disconnect_requests, dropped_after_s=[s.disconnect_after_s, round(last, 3)],
                      answered=answered)
-    if ctx.kv is None or not ctx.kv.addresses:
+    if kv is None:
         return
     watch_s = max(1.0, min(s.kv_watch_s, s.probe_timeout_s - 2))
-    r.kv_trace, r.kv_zero_after_s = await ctx.kv.trace(watch_s=watch_s)
-    r.details["kv_peak"] = max((v for _, v in r.kv_trace), default=None)
-    r.details["kv_watch_s"] = watch_s
-    if ctx.kv.errors:
-        r.details["kv_errors"] = ctx.kv.errors[-3:]
+    r.kv_trace, r.kv_zero_after_s = await kv.trace(watch_s=watch_s)
+    r.details.update(kv_peak=max((v for _, v in r.kv_trace), default=None), kv_watch_s=watch_s)
+    if kv.errors:
+        r.details["kv_errors"] = kv.errors[-3:]
 
 
 def judge(r: ProbeResult) -> tuple[bool | None, str]:

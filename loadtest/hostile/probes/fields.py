@@ -65,11 +65,8 @@ def _case_probe(name: str, case: Case) -> Probe:
         r.record_reply(await ctx.server.post(path, None if raw else body, raw=raw, timeout_s=20))
         r.details["path"] = path
 
-    def judge(r: ProbeResult) -> tuple[bool | None, str]:
-        return client_error_json(r, allowed)
-
     expect = "400 JSON" + (" (or " + "/".join(map(str, allowed)) + ")" if allowed else "")
-    return Probe(f"field_{name}", "3", expect, run, judge, timeout_s=25.0)
+    return Probe(f"field_{name}", "3", expect, run, lambda r: client_error_json(r, allowed), timeout_s=25.0)
 
 
 PROBES = [_case_probe(name, case) for name, case in CASES.items()]

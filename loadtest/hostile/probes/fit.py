@@ -1,9 +1,7 @@
 """Checklist item 7: what can never fit is a 400 at once; what fits later waits or is served.
-
-* n=128 x max_tokens=2048 needs more KV than a worker has: 400 at once (not a 429 that
-  tells the client to retry what will never succeed);
-* a 1024-prompt list fits one piece at a time: 200 (or a 400 naming a documented limit),
-  not a 429 after a long wait."""
+n=128 x max_tokens=2048 needs more KV than a worker has: 400 at once (not a 429, which tells the
+client to retry what never succeeds); a 1024-prompt list fits piece by piece: 200 (or a 400
+naming a documented limit), not a 429 after a long wait."""
 from __future__ import annotations
 
 from loadtest.hostile.client import chat_body, completion_body

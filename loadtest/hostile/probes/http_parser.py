@@ -62,10 +62,7 @@ def _case_probe(name: str, make: Callable[[ProbeContext], bytes], expect: str) -
         r.record_reply(reply)
         r.details["content_type"] = (reply.headers or {}).get("content-type")
 
-    def judge(r: ProbeResult) -> tuple[bool | None, str]:
-        return client_error_json(r)
-
-    return Probe(f"http_{name}", "8", expect, run, judge, timeout_s=15.0)
+    return Probe(f"http_{name}", "8", expect, run, client_error_json, timeout_s=15.0)
 
 
 PROBES = [_case_probe(name, make, expect) for name, (make, expect) in CASES.items()]

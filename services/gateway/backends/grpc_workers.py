@@ -40,6 +40,8 @@ from services.gateway.backends.token_events import token_event
 from shared.registry.pairing import pair_problem
 from shared.registry.connection import RedisConnection
 from shared.security.grpc_tls import GrpcTlsConfig
+from shared.security.identity import server_name
+from shared.wire.cache_scope import cache_scope_fields
 from shared.wire.contract_overflow import ContractOverflow
 from shared.wire.outputs import chunk_from_proto, first_tokens_to_proto, prefill_reply_from_proto
 from shared.wire.sampling import sampling_to_proto
@@ -85,22 +87,24 @@ def rpc_error(exc: grpc.aio.AioRpcError, what: str) -> BackendError:
 
 @dataclass
 class _Channels:
-    """One channel per worker, replaced when the worker's address or instance nonce changes
-    (a restart: never reuse a channel, or anything cached, across instances)."""
+    """One channel per worker and service, replaced when the worker's address or instance nonce
+    changes (a restart: never reuse a channel, or anything cached, across instances). Under TLS
+    the worker's certificate must name it serving that service (shared/security/identity.py):
+    an address from a forged registry entry fails the handshake and gets no request."""
 
     tls: GrpcTlsConfig = field(default_factory=GrpcTlsConfig)
-    channels: dict[str, tuple[str, str, grpc.aio.Channel]] = field(default_factory=dict)
+    channels: dict[tuple[str, str], tuple[str, str, grpc.aio.Channel]] = field(default_factory=dict)
 
-    def get(self, ref: duet_pb2.WorkerRef) -> grpc.aio.Channel:
-        known = self.channels.get(ref.worker_id)
+    def get(self, ref: duet_pb2.WorkerRef, service: str) -> grpc.aio.Channel:
+        known = self.channels.get((ref.worker_id, service))
         if known is not None and known[:2] == (ref.address, ref.instance_nonce):
             return known[2]
         if known is not None:
             old = known[2]
             # Calls still running on it finish or fail on their own; close it shortly.
             asyncio.get_running_loop().call_later(30, lambda: asyncio.ensure_future(old.close()))
-        channel = self.tls.aio_channel(ref.address)
-        self.channels[ref.worker_id] = (ref.address, ref.instance_nonce, channel)
+        channel = self.tls.aio_channel(ref.address, server_name(service, ref.worker_id))
+        self.channels[(ref.worker_id, service)] = (ref.address, ref.instance_nonce, channel)
         return channel
 
     async def close(self) -> None:
@@ -129,7 +133,7 @@ class GrpcBackend:
         return self.config.max_context_len
 
     async def start(self) -> None:
-        self._router_channel = self.config.tls.aio_channel(self.config.router_address)
+        self._router_channel = self.config.tls.aio_channel(self.config.router_address, server_name("router"))
         self._router = duet_pb2_grpc.RouterStub(self._router_channel)
         if self.config.redis_url:
             from shared.registry.config import RegistryConfig
@@ -195,9 +199,11 @@ class GrpcBackend:
         try:
             route = await self._route(request, metadata)
             state.routed = True
-            decode = duet_pb2_grpc.DecodeStub(self._workers.get(route.decode))
+            decode = duet_pb2_grpc.DecodeStub(self._workers.get(route.decode, "decode"))
+            scope = cache_scope_fields(request.cache_scope)
             generate = duet_pb2.GenerateRequest(request_id=request.request_id, request_group=request.group,
-                                                prompt_token_ids=request.prompt_token_ids, sampling=sampling)
+                                                prompt_token_ids=request.prompt_token_ids, sampling=sampling,
+                                                **scope)
             if not route.colocated:
                 reply = await self._reserve_and_prefill(request, route, decode, sampling, metadata, state)
                 answer = prefill_reply_from_proto(reply, request.request_id, want_logprobs)
@@ -236,7 +242,9 @@ class GrpcBackend:
         from shared.registry.prefix_hashes import chained_page_hashes
 
         page_size = self._page_size()
-        hashes = chained_page_hashes(request.prompt_token_ids, page_size) if page_size else []
+        # seeded with the namespace: the workers publish their pages' hashes the same way
+        hashes = (chained_page_hashes(request.prompt_token_ids, page_size, seed=request.cache_scope.namespace)
+                  if page_size else [])
         try:
             return await self._router.Route(duet_pb2.RouteRequest(
                 request_id=request.request_id, model=request.model, prompt_tokens=len(request.prompt_token_ids),
@@ -247,25 +255,27 @@ class GrpcBackend:
 
     async def _reserve_and_prefill(self, request, route, decode, sampling, metadata, state) -> duet_pb2.PrefillReply:
         state.reserve_unanswered = True  # until an answer: decode may have made one we never hear of
+        scope = cache_scope_fields(request.cache_scope)
         try:
             state.reservation = await decode.Reserve(duet_pb2.ReserveRequest(
                 request_id=request.request_id, prompt_tokens=len(request.prompt_token_ids),
                 max_tokens=request.sampling.max_tokens, prefill_worker_id=route.prefill.worker_id,
                 timeout_ms=self.config.reserve_timeout_ms, n=request.sampling.n, request_group=request.group,
-                prompt_token_ids=request.prompt_token_ids),  # decode reuses what it holds of it
+                prompt_token_ids=request.prompt_token_ids,  # decode reuses what it holds of it
+                **scope),
                 metadata=metadata, timeout=self.config.rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
             if exc.code() in _REFUSED_CODES:  # decode answered: it holds nothing for us
                 state.reserve_unanswered = False
             raise rpc_error(exc, f"decode worker {route.decode.worker_id} (reserve)") from None
         state.reserve_unanswered = False
-        prefill = duet_pb2_grpc.PrefillStub(self._workers.get(route.prefill))
+        prefill = duet_pb2_grpc.PrefillStub(self._workers.get(route.prefill, "prefill"))
         state.prefill_sent = True  # from here prefill may write: decode waits for its notice
         try:
             reply = await prefill.Prefill(duet_pb2.PrefillRequest(
                 request_id=request.request_id, prompt_token_ids=request.prompt_token_ids, sampling=sampling,
-                reservation=state.reservation, request_group=request.group), metadata=metadata,
-                timeout=self.config.rpc_timeout_s)
+                reservation=state.reservation, request_group=request.group, **scope),
+                metadata=metadata, timeout=self.config.rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise rpc_error(exc, f"prefill worker {route.prefill.worker_id}") from None
         self._cleanup(self._release(request.request_id, duet_pb2.RELEASE_STAGE_PREFILL_DONE))

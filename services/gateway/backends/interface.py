@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol, runtime_checkable
 
 from services.gateway.backends.capacity import WorkerCapacity
+from shared.engine.cache_scope import DEFAULT_SCOPE, CacheScope
 from shared.engine.sampling_params import SamplingParams
 
 FINISH_STOP = "stop"      # EOS, a stop token id or a stop string
@@ -39,6 +40,8 @@ class GenerationRequest:
     group: str = ""
     # W3C trace context (traceparent / tracestate) of the gateway's span, for RPC metadata.
     trace_context: dict[str, str] = field(default_factory=dict)
+    # the prefix-cache namespace (tenant and cache_salt) and tenant (http_edge/cache_namespace.py)
+    cache_scope: CacheScope = DEFAULT_SCOPE
 
 
 @dataclass

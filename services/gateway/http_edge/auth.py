@@ -9,7 +9,8 @@ so timing says nothing about which key or how much of one matched. Keys are neve
 The check is plain ASGI middleware, in front of routing and body parsing: a request without
 a valid key is answered 401 (OpenAI's error JSON, code invalid_api_key) before anything
 reads its body, tokenizes or talks to the router or workers. A request that passes carries
-its key's digest (scope state `tenant`), by which admission shares the workers fairly."""
+its key's digest (scope state `tenant`), by which admission shares the workers fairly and
+each tenant gets a prefix cache of its own (cache_namespace.py)."""
 from __future__ import annotations
 
 import hashlib
@@ -37,6 +38,11 @@ INCORRECT = "Incorrect API key provided."
 
 def _digest(key: bytes) -> bytes:
     return hashlib.sha256(key).digest()
+
+
+def tenant_name(key: bytes) -> str:
+    """The tenant a key stands for, as admission and the cache namespaces know it: a digest."""
+    return "key-" + _digest(key).hex()[:16]
 
 
 def _valid_key(key: str) -> bool:
@@ -142,8 +148,8 @@ class ApiKeyMiddleware:
             return await self.app(scope, receive, send)
         token = bearer_token(scope.get("headers", ()))
         if token and self.store.matches(token):
-            # admission shares the workers fairly across keys: it knows a key by a digest only
-            scope.setdefault("state", {})["tenant"] = "key-" + _digest(token).hex()[:16]
+            # admission shares the workers fairly across keys, each key has a prefix cache of its own
+            scope.setdefault("state", {})["tenant"] = tenant_name(token)
             return await self.app(scope, receive, send)
         reason = "missing" if token is None else "invalid"
         if self.rejected is not None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from shared.registry.connection import RedisConnection
 from shared.security.grpc_tls import GrpcTlsConfig
+from shared.settings import parsers
 from shared.settings.spec import nested, setting
 
 
@@ -28,6 +29,16 @@ class SecurityConfig:
                                        help="the certificate's PEM private key")
     tls_client_ca_file: str | None = setting(flag="--tls-client-ca-file", env="DUET_TLS_CLIENT_CA_FILE",
                                              help="HTTPS clients must present a certificate signed by this CA")
+    # prefix-cache isolation (cache_namespace.py)
+    cache_namespace_key_file: str | None = setting(
+        flag="--cache-namespace-key-file", env="DUET_CACHE_NAMESPACE_KEY_FILE",
+        help="file with the secret (at least 16 characters) that keys each tenant's prefix-cache namespace; every "
+             "gateway replica must read the same one (unset: a random key per gateway process, so replicas share no "
+             "cached prefixes)")
+    shared_cache_salts: list[str] = setting(
+        (), flag="--shared-cache-salts", env="DUET_SHARED_CACHE_SALTS", parse=parsers.words,
+        help="cache_salt values whose prompts every tenant shares (e.g. a common system prompt), comma-separated; "
+             "any other salt, or none, keeps a tenant's prefix cache its own")
     metrics_port: int = setting(0, flag="--metrics-port", env="DUET_METRICS_PORT",
                                 help="serve /metrics on this port only (plain HTTP, for Prometheus behind a "
                                      "NetworkPolicy); 0 = on the API port")

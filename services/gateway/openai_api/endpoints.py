@@ -30,6 +30,7 @@ from services.gateway.http_edge.admission import (
     Work,
     register_admission_metrics,
 )
+from services.gateway.http_edge.cache_namespace import CacheNamespaces
 from services.gateway.http_edge.error_responses import (
     APIError,
     from_backend_error,
@@ -96,6 +97,8 @@ class GatewayContext:
     limits: GatewayLimits = field(default_factory=GatewayLimits)
     template: ChatTemplateConfig = field(default_factory=ChatTemplateConfig)
     grammar: GrammarLimits = field(default_factory=GrammarLimits)
+    # whose prompts share prefix-cache pages (main.py gives the configured key; else random)
+    cache_namespaces: CacheNamespaces = field(default_factory=CacheNamespaces.random)
 
     def __post_init__(self) -> None:
         lim = self.limits
@@ -139,6 +142,7 @@ class PreparedRequest:
     include_usage: bool
     echo: list[EchoPrompt] | None = None
     limit_param: str = "max_tokens"  # the request's name for the completion budget (in errors)
+    cache_salt: str | None = None  # with the tenant, the prefix-cache namespace (cache_namespace.py)
 
 
 class OpenAIEndpoints:
@@ -212,7 +216,7 @@ class OpenAIEndpoints:
                                   include_usage=req.include_usage, n=sampling.n, tools=self._tool_mode(tools, choice))
         limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         return PreparedRequest(request_id, [prompt_ids], sampling, formatter, bool(req.stream), req.include_usage,
-                               limit_param=limit_param)
+                               limit_param=limit_param, cache_salt=req.cache_salt)
 
     def _tool_mode(self, tools, choice, flat: bool = False) -> ToolMode | None:
         """How answers are read for tool calls (None: never)."""
@@ -237,7 +241,7 @@ class OpenAIEndpoints:
         messages, template_tools = self.ctx.tool_template.render(req.chat_messages(), tools)
         prompt_ids = await self.ctx.renderer.chat_prompt_ids(messages, None, template_tools)
         sampling = responses_sampling(req, len(prompt_ids), self.ctx.max_context_len)
-        grammar = response_format_grammar(req.format, "text.format")
+        grammar = response_format_grammar(req.format, "text.format", "text.format.schema")
         if flat:
             grammar = tool_choice_grammar(flat, choice, req.parallel_tool_calls, flat=True) or grammar
         sampling.grammar = await checked(self.ctx.grammar_guard, grammar)
@@ -250,7 +254,7 @@ class OpenAIEndpoints:
         formatter = ResponsesFormatter(request_id, self.ctx.served_model_name, int(time.time()), echo,
                                        tools=self._tool_mode(flat, choice, flat=True))
         return PreparedRequest(request_id, [prompt_ids], sampling, formatter, bool(req.stream), False,
-                               limit_param="max_output_tokens")
+                               limit_param="max_output_tokens", cache_salt=req.cache_salt)
 
     async def _prepare_completion(self, body: bytes) -> PreparedRequest:
         req = parse_completion_request(body)
@@ -274,7 +278,8 @@ class OpenAIEndpoints:
                                         self.ctx.token_strings, logprobs=req.logprobs,
                                         include_usage=req.include_usage, n=sampling.n, echo=echo,
                                         echo_only=req.echo_only)
-        return PreparedRequest(request_id, prompts, sampling, formatter, bool(req.stream), req.include_usage, echo)
+        return PreparedRequest(request_id, prompts, sampling, formatter, bool(req.stream), req.include_usage, echo,
+                               cache_salt=req.cache_salt)
 
     # --- serving --------------------------------------------------------------------------
 
@@ -288,7 +293,8 @@ class OpenAIEndpoints:
             kind=trace.SpanKind.SERVER)
         # The admission ticket is held until the outcome is recorded: the end of the answer,
         # of the stream (on_close), or of a cancelled task.
-        ticket = self.ctx.admission.ticket(request.scope.get("state", {}).get("tenant"))
+        tenant = request.scope.get("state", {}).get("tenant")  # the API key's (http_edge/auth.py)
+        ticket = self.ctx.admission.ticket(tenant)
         outcome = _Outcome(lambda status: (ticket.release(), self._finish(endpoint, status, span)))
         try:
             body = await request.body()  # first: the disconnect watch below reads receive()
@@ -308,12 +314,13 @@ class OpenAIEndpoints:
             span.set_attribute("duet.request_id", prepared.request_id)
             span.set_attribute("duet.prompt_tokens", sum(len(p) for p in prepared.prompts))
             trace_context = inject_http_headers({}, context=trace.set_span_in_context(span))
+            cache_scope = self.ctx.cache_namespaces.scope(tenant, prepared.cache_salt)
             generations = []
             for k, prompt_ids in enumerate(prepared.prompts):
                 rid = prepared.request_id if len(prepared.prompts) == 1 else f"{prepared.request_id}-{k}"
                 gen_request = GenerationRequest(rid, prompt_ids, prepared.sampling,
                                                 model=self.ctx.served_model_name, group=prepared.request_id,
-                                                trace_context=trace_context)
+                                                trace_context=trace_context, cache_scope=cache_scope)
                 metrics.prompt_tokens.labels(endpoint).inc(len(prompt_ids))
                 generations.append(Generation(self.ctx.backend, gen_request, self.ctx.prompts.tokenizer, metrics,
                                               endpoint, arrived_at=arrived_at))

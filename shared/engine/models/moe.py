@@ -167,14 +167,13 @@ class ReplicatedLinear(nn.Module):
 
 
 # token counts (decode batches) that take kernels/moe_decode.py's launches; above them the
-# router is a GEMM and the experts the grouped GEMMs. Measured on an H200, Qwen3-30B-A3B
-# shape (loadtest/bench/moe_kernel.py --decode): see loadtest/bench/GPU_NOTES.md
+# router is a GEMM and the experts the grouped GEMMs: a few launches beat seven while a layer's
+# touched experts are few, the grouped GEMMs win once most experts are read anyway
+# (docs/performance/kernels.md)
 ROUTE_FUSED_MAX_TOKENS = 64
 EXPERTS_DECODE_MAX_TOKENS = 2
-# FP8 experts: the per-pair kernel reads FP8 weights without quantizing activations (W8A16) and
-# beats the W8A8 grouped GEMMs to 4 tokens (H100, the 30B-A3B block with its router: 3 tokens
-# 66.3 vs 78.6 us, 4 80.2 vs 87.7, 6 even, 8 134.8 vs 133.3; `python3 -m loadtest.bench.moe_decode
-# --fp8 --m 1,2,3,4,6,8,12`, kernels/NOTES.md)
+# FP8 experts: the per-pair kernel reads FP8 weights without quantizing activations (W8A16), and
+# the W8A8 grouped GEMMs' extra launch for that quantization keeps them behind to 4 tokens
 EXPERTS_DECODE_MAX_TOKENS_FP8 = 4
 
 

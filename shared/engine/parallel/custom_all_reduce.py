@@ -8,8 +8,8 @@ DUET_CUSTOM_ALLREDUCE):
 - "fused" (default): one Triton launch per call that pushes this rank's rows into every
   rank's buffer, signals with per-program flags in the same memory, waits for the
   others' flags, sums in rank order and applies add+RMSNorm
-  (kernels/triton_peer_all_reduce.py). No separate barrier kernels: measured on
-  2 x H200, torch's signal-pad barriers (two per call) were most of a TP decode step.
+  (kernels/triton_peer_all_reduce.py). No separate barrier kernels: torch's signal-pad
+  barriers (two per call, each a signal round trip) would be most of a TP decode step.
 - "barrier": copy into this rank's buffer, torch symm-mem barrier, a Triton kernel that
   reads every peer's buffer and does the same sum + add + RMSNorm
   (kernels/triton_peer_read_all_reduce.py), barrier again.
@@ -33,8 +33,8 @@ log = logging.getLogger("duet.engine.custom_all_reduce")
 
 DEFAULT_MAX_BYTES = 8 << 20  # one-shot pays off for small messages (decode, short prefills)
 PROGRAMS = 32  # fixed grid of the fused kernel (every program takes part in every call)
-# above this the barrier mode is faster (2 x H200, hidden 4096 bf16: 128 tokens 13.2 vs 14.3 us,
-# 512 tokens 24 vs 44); both ranks pick by shape, so they always agree. Mixing the modes is
+# above this the barrier mode is faster (the fused kernel pushes with its fixed grid, which limits
+# bandwidth on large messages); both ranks pick by shape, so they always agree. Mixing the modes is
 # safe: a barrier call writes this rank's own phase-0 slot only after every rank finished the
 # fused calls before it, and the fused calls after it wait for the barrier call to end.
 FUSED_MAX_BYTES = 512 << 10
@@ -42,7 +42,7 @@ RING_SLOTS = 1 << 15  # token ring entries (int64)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Symmetric-memory rendezvous keeps per-process state keyed by group name: a process that
 # already did one (an earlier engine, since torn down) cannot rendezvous again with a fresh
-# peer process (seen hanging on 2 x H200). A process fact, so a module flag.
+# peer process (it hangs). A process fact, so a module flag.
 _RENDEZVOUS_DONE = False
 
 MODES = ("fused", "barrier", "oneshot")

@@ -62,7 +62,7 @@ def follower_main(rank: int, size: int, init: str, config, conn) -> None:
 
 def _leave_group(timeout: float) -> None:
     """destroy_process_group, bounded. On GPUs a follower told to stop was seen not to exit for
-    30 s (rank 0 then killed it; loadtest/bench/GPU_NOTES.md; why is not known yet). The process
+    30 s (rank 0 then killed it; why is not known yet: docs/performance/tp.md). The process
     is exiting anyway: past the bound it exits without leaving the group."""
     if not dist.is_initialized():
         return

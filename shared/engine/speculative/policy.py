@@ -4,8 +4,8 @@ A verify step computes K + 1 positions a sequence where a plain step computes on
 batch 1 the step is memory-bound (weights read once either way) and the extra positions
 are nearly free; as the batch grows the step turns compute-bound and the extra positions
 cost their share, while each sequence still gains only its accepted tokens. So:
-- above `max_batch` decoding sequences the engine decodes plainly (the measured crossover,
-  `loadtest/bench/spec_device.py`, is the default);
+- above `max_batch` decoding sequences the engine decodes plainly (the default stays inside the
+  batches where a verify step still paid, docs/performance/speculative.md);
 - a request whose recent drafts are mostly rejected (exponential average of accepted per
   drafted token below `min_acceptance`) sits out `cooldown` steps, then tries again;
 - when whole steps find no draft at all (free writing under n-gram lookup), speculation
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DEFAULT_MAX_BATCH = 32  # H100 Qwen3-8B shape: see loadtest/bench/spec_device.py for the crossover
+DEFAULT_MAX_BATCH = 32  # inside the crossover: docs/performance/speculative.md
 
 
 @dataclass

@@ -2,6 +2,9 @@
 Service routing (service_proxy.py) and NetworkPolicy rules (netpol.py) in step with the
 pods, as the endpoints controller, kube-proxy and a CNI's policy agent would.
 
+Objects created beside the manifests (the Secrets they mount and never render, made by
+`kubectl create secret` or `duet k8s-secrets`) are passed in as `secrets`.
+
 Deployments act through a ReplicaSet-like loop: the pod count follows `replicas`; a
 deleted pod is replaced at once; scaling down removes not-ready pods first, then the
 newest. A Deployment whose image has no host mapping (image.py) is not run and listed
@@ -37,9 +40,10 @@ def _bootstrap(pod_chains: bool) -> str:
 
 
 class Cluster:
-    def __init__(self, overlay: str, work_dir: Path, model_cache: Path, period_scale: float = 1.0):
+    def __init__(self, overlay: str, work_dir: Path, model_cache: Path, period_scale: float = 1.0,
+                 secrets: list[dict] = ()):
         netns.require_capabilities()
-        self.objects = Objects(render(overlay))
+        self.objects = Objects(render(overlay) + list(secrets))
         netns.reap_stale()
         cgroups.reap_stale(netns.is_stale)
         self.prefix = netns.cluster_prefix(next(_instances))

@@ -1,0 +1,116 @@
+"""The `stack` and `multiturn` sections: whole `duet up` stacks on this host's GPUs (or its CPU),
+each started fresh for a layout of --stacks (or the server at --base-url), driven by `duet
+loadtest`. Random weights of the last --models shape drawn on the device from a fixed seed (every
+worker holds the same model) and the default model's tokenizer, or --model-dir. When both
+sections run, they share each layout's stack."""
+from __future__ import annotations
+
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+from .shapes import config_only_dir
+
+LAYOUTS = {  # `duet up`'s workers (GPU placement: services/launcher/gpus.py); --worker-arg adds e.g. --tp 2
+    "colocated": ["--both", "1", "--prefill", "0", "--decode", "0"],
+    "split": ["--prefill", "1", "--decode", "1"],
+    "colocated2": ["--both", "2", "--prefill", "0", "--decode", "0"],  # two GPUs: a worker on each, as split's
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def stack(run) -> None:
+    """Per layout: the first `duet loadtest` run after ready, then closed-loop points at each
+    --concurrency, random --stack-lens requests: TTFT, TPOT, ITL, output tokens/s, failures.
+    (The engine's own step at a batch: `--sections decode --batches C --ctx <mean context>`.)"""
+    _stacks(run, ("stack", "multiturn") if "multiturn" in run.sections else ("stack",))
+
+
+def multiturn(run) -> None:
+    """Per layout and --conversations count: synthetic conversations of --chat shape, each with
+    its own system prompt, turns in lockstep, greedy: by turn, TTFT p50, the share of the prompt
+    the server had cached (turns 2+ may find their history there), the prompt, failed turns."""
+    if "stack" not in run.sections:  # else it ran with the stack section's stacks
+        _stacks(run, ("multiturn",))
+
+
+def _model(run) -> tuple[Path, list[str]]:
+    """The model folder and the workers' weight flags: --model-dir, or random weights of the last
+    --models shape with a tokenizer (the default model's ids fit every shape's vocabulary)."""
+    if run.args.model_dir:
+        return Path(run.args.model_dir), []
+    from shared.model_files.default_model import resolve_model_dir
+
+    folder = config_only_dir(run.names(run.args.models)[-1], run.root)
+    src = Path(run.args.tokenizer_from or resolve_model_dir(None))
+    for f in TOKENIZER_FILES:
+        if (src / f).is_file():
+            shutil.copy(src / f, folder / f)
+    return folder, ["--load-format", "dummy"]
+
+
+def _stacks(run, kinds) -> None:
+    from loadtest.duet_stack import DuetStack
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's SIGTERM still stops the stack
+    folder, weights = _model(run)
+    if run.args.base_url:
+        return _measure(run, kinds, run.args.base_url, folder, "server")
+    prompt, output = run.ints(run.args.stack_lens)
+    for layout in run.names(run.args.stacks):
+        argv = [*LAYOUTS[layout], "--model", str(folder), "--", *weights, "--max-model-len",
+                str(max(8192, 2 * (prompt + output))), *run.args.worker_arg]
+        t0 = time.monotonic()
+        try:
+            with DuetStack(argv, run.root / layout / "logs") as s:
+                run.add(kinds[0], f"{layout} ready_s", round(time.monotonic() - t0, 1), f"duet up {' '.join(argv)}")
+                _measure(run, kinds, s.url, folder, layout)
+        except Exception as e:  # noqa: BLE001 - the next layout still runs
+            run.add(kinds[0], f"{layout} FAILED", f"{type(e).__name__}: {str(e)[:160]}")
+
+
+def _measure(run, kinds, url: str, folder: Path, layout: str) -> None:
+    if "stack" in kinds:
+        _load(run, url, folder, layout)
+    if "multiturn" in kinds:
+        _chats(run, url, folder, layout)
+
+
+def _loadtest(argv: list[str], out: Path) -> None:
+    from loadtest.__main__ import main as loadtest_main
+
+    loadtest_main([*argv, "-o", str(out), "--no-progress", "--no-plots"])  # the rows say what failed
+
+
+def _load(run, url: str, folder: Path, layout: str) -> None:
+    from loadtest.results_io import read_results
+
+    prompt, output = run.ints(run.args.stack_lens)
+    concs = run.ints(run.args.concurrency)
+    for i, c in enumerate([concs[0], *concs]):  # the first run after ready, then the sweep (fresh prompts)
+        point = "first run" if i == 0 else f"c={c}"
+        out = run.root / layout / f"load{i}"
+        _loadtest(["--base-url", url, "--api", "completions", "--workload", "random", "--input-len", str(prompt),
+                   "--output-len", str(output), "-n", str(max(4, 3 * c)), "-c", str(c), "--seed", str(i),
+                   "--tokenizer", str(folder), "--label", f"{layout} {point}"], out)
+        s = read_results(out / "results.json").summaries()[0]
+        run.add("stack", f"{layout} {point} TTFT p50 ms", s.ttft.p50, f"p99 {s.ttft.p99}, TPOT p50 {s.tpot.p50} ms, "
+                f"ITL p99 {s.itl.p99} ms, {s.output_throughput:.0f} out tok/s, {s.failed} of {s.requests} failed")
+
+
+def _chats(run, url: str, folder: Path, layout: str) -> None:
+    from loadtest.multiturn.results_io import read_result
+
+    system, user, output, turns = run.ints(run.args.chat)
+    for c in run.ints(run.args.conversations):
+        out = run.root / layout / f"chat{c}"
+        _loadtest(["multiturn", "--base-url", url, "--tokenizer", str(folder), "--workload", "synthetic",
+                   "--conversations", str(c), "--system-len", str(system), "--user-len", str(user),
+                   "--output-len", str(output), "--max-turns", str(turns), "--mode", "lockstep", "--temperature",
+                   "0", "--ignore-eos", "on", "--max-context-tokens", "0", "--seed", str(c), "--label",
+                   f"{layout} C={c}"], out)
+        for t in read_result(out / "results.json").summary().by_turn:
+            run.add("multiturn", f"{layout} C={c} turn {t.turn + 1} TTFT p50 ms", t.ttft.p50,
+                    f"cached {t.cache.share}, prompt {t.prompt_tokens_mean} tokens, {t.failed} of {t.requests} failed")

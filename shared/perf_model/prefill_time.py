@@ -1,0 +1,49 @@
+"""How long a worker takes to prefill some tokens, chunk by chunk, by its step model: what
+the router predicts a placement's time to first token from (services/router/placement.py).
+
+Each step carries the decode rows running there plus one chunk: at most the token budget
+(`max_batched_tokens` less the rows) and, beside decode rows, at most what the worker's
+inter-token budget allows (step_budget.py, the same arithmetic its scheduler runs), so a
+prefill on a busy decode worker is predicted as the many small steps it will really take."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.perf_model.step_budget import ItlBudget
+from shared.perf_model.step_model import StepModel, StepShape, attended_pairs
+
+_MAX_SIMULATED_STEPS = 64  # past this, the rest goes at the last step's rate
+
+
+@dataclass(frozen=True)
+class PrefillSite:
+    """A worker as a place to prefill: its model, the decode rows running there, its budgets."""
+
+    model: StepModel
+    decode_rows: int = 0
+    decode_context: int = 0
+    max_batched_tokens: int = 8192
+    budget: ItlBudget | None = None  # the worker's inter-token budget (None: it runs none)
+
+    def chunk(self, tokens: int, start: int) -> int:
+        """The chunk of `tokens` (after `start` held ones) the next step would take."""
+        n = min(tokens, max(1, self.max_batched_tokens - self.decode_rows))
+        room = self.budget.begin(self.decode_rows, self.decode_context) if self.budget is not None else None
+        return max(1, min(n, room.allow(start))) if room is not None else n
+
+    def step_s(self, chunk: int = 0, start: int = 0) -> float:
+        """One step's time with these decode rows and a chunk of `chunk` tokens after `start`."""
+        return self.model.step_s(StepShape(chunk, attended_pairs(start, chunk) if chunk else 0.0,
+                                           self.decode_rows, self.decode_context))
+
+    def prefill_s(self, tokens: int, start: int = 0) -> float:
+        """Seconds to compute `tokens` prompt tokens after `start` held ones."""
+        total, done, n, step = 0.0, 0, 1, 0.0
+        for _ in range(_MAX_SIMULATED_STEPS):
+            if done >= tokens:
+                return total
+            n = self.chunk(tokens - done, start + done)
+            step = self.step_s(n, start + done)
+            total += step
+            done += n
+        return total + step * (tokens - done) / n if done < tokens else total

@@ -1,0 +1,35 @@
+"""What a worker publishes about its speed in its registry entry (shared/registry/worker_info.py):
+its step-time model, its handoff model (prefill workers) and its inter-token target.
+Rewritten with every heartbeat as the worker refits."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from shared.perf_model.step_model import StepModel
+from shared.perf_model.transfer_model import TransferModel
+
+
+@dataclass
+class WorkerPerf:
+    step: StepModel | None = None          # None: not calibrated and too few live steps yet
+    transfer: TransferModel | None = None  # prefill workers: their measured handoff tails
+    itl_target_s: float = 0.0              # the worker's inter-token target (0: none)
+    budget_floor_tokens: int = 0           # prefill tokens a step beside decode rows takes at least;
+                                           # 0: the worker runs no inter-token budget (--no-itl-budget)
+
+    def fields(self) -> dict[str, str]:
+        return {
+            "perf_step": json.dumps(self.step.to_dict()) if self.step is not None else "",
+            "perf_transfer": json.dumps(self.transfer.to_dict()) if self.transfer is not None else "",
+            "perf_itl_target_s": repr(self.itl_target_s),
+            "perf_budget_floor_tokens": str(self.budget_floor_tokens),
+        }
+
+    @classmethod
+    def from_fields(cls, h: dict[str, str]) -> "WorkerPerf":
+        step, transfer = h.get("perf_step", ""), h.get("perf_transfer", "")
+        return cls(StepModel.from_dict(json.loads(step)) if step else None,
+                   TransferModel.from_dict(json.loads(transfer)) if transfer else None,
+                   float(h.get("perf_itl_target_s", 0.0) or 0.0),
+                   int(h.get("perf_budget_floor_tokens", 0) or 0))

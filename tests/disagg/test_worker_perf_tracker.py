@@ -1,0 +1,92 @@
+"""The worker's side of the step-time model on a real engine (tiny model): calibration times
+shapes that tell the terms apart, every step is sampled, a refit reaches the registry entry
+and the scheduler's inter-token budget, a prefill worker's handoffs fit its transfer model.
+Nothing here asserts a speed: only what is measured and where it goes."""
+from __future__ import annotations
+
+import time
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from services.worker.perf_calibration import calibrate
+from services.worker_runtime.perf_tracker import PerfTracker, handoff_totals
+from shared.engine.engine import Engine
+from shared.engine.sampling_params import SamplingParams
+from shared.perf_model.config import ItlTarget, PerfModelConfig
+from shared.perf_model.worker_perf import WorkerPerf
+from shared.telemetry.metrics import DuetMetrics
+from tests.helpers.engine_models import build_model_dir, kv_bytes_for_pages, random_prompts
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    d = build_model_dir(tmp_path_factory.mktemp("perf") / "m", "llama_tied_gqa2", seed=51)
+    return Engine(model_dir=str(d), dtype="float32", device="cpu", page_size=4, max_num_batched_tokens=128,
+                  kv_cache_memory=kv_bytes_for_pages(d, 600, 4, elem_bytes=4))
+
+
+def drive(engine, tracker: PerfTracker, prompts, max_tokens: int) -> None:
+    for p in prompts:
+        engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    while engine.has_work:
+        t0 = time.perf_counter()
+        engine.step()
+        tracker.on_step(t0, time.perf_counter())
+
+
+def test_calibration_covers_every_term_and_leaves_the_engine_clean(engine):
+    samples = calibrate(engine, time_budget_s=0.0)  # the core shapes run whatever the budget
+    shapes = [s for s, _ in samples]
+    assert all(seconds > 0 for _, seconds in samples)
+    assert {s.prefill_tokens for s in shapes if not s.decode_rows} >= {16, 64}       # two chunk lengths
+    assert any(s.attended_pairs > s.prefill_tokens * 40 for s in shapes)             # a chunk over a prefix
+    assert {s.decode_rows for s in shapes if not s.prefill_tokens} >= {1, 4}          # rows ...
+    contexts = sorted(s.decode_context / s.decode_rows for s in shapes if s.decode_rows == 4)
+    assert contexts[-1] > 4 * contexts[0]                                              # ... at two contexts
+    assert engine.stats.steps == 0 and not engine.requests
+    engine.kv.check_idle()
+
+
+def test_live_steps_refit_the_model_the_budget_and_the_registry_use(engine):
+    perf = WorkerPerf()
+    registry = CollectorRegistry()
+    config = PerfModelConfig(calibrate=False, budget_floor_tokens=8, slo=ItlTarget(itl_ms=40.0))
+    tracker = PerfTracker(engine, perf, config, registry)
+    assert engine.scheduler.itl_budget is tracker.budget
+    assert (perf.itl_target_s, perf.budget_floor_tokens) == (0.040, 8)
+    drive(engine, tracker, random_prompts(1, [20], seed=52), 3)
+    tracker.refit()
+    assert perf.step is None  # uncalibrated, too few steps of each kind yet: nothing to publish
+    for k in range(5):
+        drive(engine, tracker, random_prompts(2, [9 + k, 30 - k], seed=53 + k), 4)
+    tracker.refit()
+    assert perf.step is not None and tracker.budget.model is perf.step
+    assert perf.step.samples == tracker.fit.count >= 10
+    value = registry.get_sample_value
+    assert value("duet_engine_step_seconds_count", {"phase": "prefill"}) >= 2
+    assert value("duet_engine_step_seconds_count", {"phase": "decode"}) >= 5
+    assert value("duet_engine_step_model_error_ratio") == perf.step.rel_error
+    engine.scheduler.itl_budget = None
+
+
+def test_a_prefill_worker_fits_its_handoff_tail():
+    metrics = DuetMetrics("prefill", process_metrics=False)
+
+    class Idle:  # an engine that never steps: only the handoff side is exercised
+        class scheduler:
+            num_batches, last_batch, last_allowance, itl_budget = 0, None, None, None
+        overlap, device = None, type("D", (), {"type": "cpu"})()
+
+    perf = WorkerPerf()
+    tracker = PerfTracker(Idle(), perf, PerfModelConfig(calibrate=False), metrics.registry,
+                          handoffs=handoff_totals(metrics.registry))
+    before = perf.transfer
+    for _ in range(4):
+        metrics.observe_kv_transfer("sent", 64 << 20, 0.05)
+        metrics.kv_handoff_tail_seconds.observe(0.02)
+    tracker.refit()
+    assert perf.transfer.samples == 1 and perf.transfer != before
+    assert perf.transfer.seconds(64 << 20) == pytest.approx(0.02, rel=0.05)

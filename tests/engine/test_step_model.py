@@ -1,0 +1,123 @@
+"""The worker's step-time model (shared/perf_model): fitted from timed steps, non-negative
+and monotone, refitted as the hardware's behaviour changes, through the registry intact."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from shared.perf_model.linear_fit import OnlineLinearFit
+from shared.perf_model.prefill_time import PrefillSite
+from shared.perf_model.step_budget import ItlBudget
+from shared.perf_model.step_model import StepModel, StepShape, attended_pairs
+from shared.perf_model.transfer_model import TransferModel
+from shared.perf_model.worker_perf import WorkerPerf
+from shared.registry.worker_info import WorkerInfo, WorkerLoad
+
+# a GPU-like truth: 8 ms a step, 40 us a prefill token, attention, 60 us a decode row, KV reads
+TRUTH = StepModel.from_dict({"base_s": 0.008, "prefill_token_s": 4e-5, "attended_pair_s": 2e-10,
+                             "decode_row_s": 6e-5, "context_token_s": 3e-8})
+
+
+def shapes(rng: random.Random, n: int) -> list[StepShape]:
+    out = []
+    for _ in range(n):
+        rows = rng.choice([0, 1, 8, 32, 128])
+        ctx = rows * rng.choice([100, 1000, 4000])
+        chunk, start = rng.choice([(0, 0), (64, 0), (512, 2000), (2048, 0), (8000, 500)])
+        if rows == 0 and chunk == 0:
+            chunk = 256
+        out.append(StepShape(chunk, attended_pairs(start, chunk), rows, ctx))
+    return out
+
+
+def fit(samples, prior=(0.0,) * 5) -> StepModel:
+    f = OnlineLinearFit(prior, half_life=1e9)
+    for shape, seconds in samples:
+        f.add(shape.features(), seconds)
+    coef, rel = f.solve()
+    return StepModel(coef, f.count, rel)
+
+
+def test_fits_synthetic_steps_with_noise():
+    rng = random.Random(0)
+    samples = [(s, TRUTH.step_s(s) * rng.uniform(0.95, 1.05)) for s in shapes(rng, 400)]
+    model = fit(samples)
+    got, want = model.to_dict(), TRUTH.to_dict()
+    for term in ("base_s", "prefill_token_s", "decode_row_s"):
+        assert got[term] == pytest.approx(want[term], rel=0.1), term
+    for shape in shapes(rng, 50):
+        assert model.step_s(shape) == pytest.approx(TRUTH.step_s(shape), rel=0.06)
+    assert 0 < model.rel_error < 0.05 and model.samples == 400
+
+
+def test_coefficients_stay_non_negative_and_predictions_grow_with_the_batch():
+    # decode steps whose time does not depend on context, with noise that an unconstrained
+    # fit turns into a negative context coefficient
+    rng = random.Random(1)
+    samples = [(StepShape(decode_rows=r, decode_context=r * c), 0.01 + 1e-4 * r - 1e-9 * r * c * rng.random())
+               for r in (1, 4, 16, 64) for c in (10, 5000) for _ in range(5)]
+    model = fit(samples)
+    assert all(c >= 0 for c in model.coef)
+    steps = [model.step_s(StepShape(decode_rows=r, decode_context=r * 2000)) for r in range(0, 257, 16)]
+    assert steps == sorted(steps) and steps[-1] > steps[0]
+    more_prefill = [TRUTH.step_s(StepShape(n, attended_pairs(1000, n), 32, 32000)) for n in (0, 64, 512, 4096)]
+    assert more_prefill == sorted(more_prefill)
+
+
+def test_a_refit_follows_the_hardware_and_keeps_the_prior_where_data_is_silent():
+    prior = TRUTH.coef
+    f = OnlineLinearFit(prior, half_life=200)
+    slow = StepModel(tuple(c * 2 for c in TRUTH.coef))
+    rng = random.Random(2)
+    # only decode steps, twice as slow as calibrated (a clock drop, another tenant)
+    for _ in range(2000):
+        s = StepShape(decode_rows=rng.choice([1, 16, 64]), decode_context=rng.choice([1000, 50000]))
+        f.add(s.features(), slow.step_s(s))
+    model = StepModel(*f.solve())
+    decode = StepShape(decode_rows=32, decode_context=64000)
+    assert model.step_s(decode) == pytest.approx(slow.step_s(decode), rel=0.05)
+    # prefill was never seen live: its coefficient stays the prior's
+    assert model.to_dict()["prefill_token_s"] == pytest.approx(TRUTH.to_dict()["prefill_token_s"], rel=0.05)
+
+
+def test_largest_chunk_inverts_the_chunk_cost():
+    for start in (0, 1000, 30000):
+        for seconds in (0.001, 0.01, 0.1):
+            n = TRUTH.largest_chunk(seconds, start)
+            assert TRUTH.chunk_s(start, n) <= seconds < TRUTH.chunk_s(start, n + 1)
+    assert TRUTH.largest_chunk(0.0, 0) == 0
+
+
+def test_budget_keeps_the_step_under_the_target_with_a_floor():
+    budget = ItlBudget(target_s=0.030, floor_tokens=16, model=TRUTH)
+    assert budget.begin(0, 0) is None  # no decode rows: nothing to protect
+    room = budget.begin(64, 64 * 2000)
+    first = room.allow(3000)
+    room.charge(3000, first)
+    step = TRUTH.step_s(StepShape(first, attended_pairs(3000, first), 64, 64 * 2000))
+    assert step <= 0.030 < TRUTH.step_s(StepShape(first + 1, attended_pairs(3000, first + 1), 64, 64 * 2000))
+    assert room.allow(0) == 0  # the step is full: a second chunk gets nothing
+    # a batch whose decode step alone passes the target still moves prefill by the floor
+    assert budget.begin(2000, 2000 * 8000).allow(0) == 16
+
+
+def test_prefill_time_is_many_small_steps_beside_a_busy_batch():
+    idle = PrefillSite(TRUTH, max_batched_tokens=8192, budget=ItlBudget(0.030, 16, TRUTH))
+    busy = PrefillSite(TRUTH, 128, 128 * 3000, 8192, ItlBudget(0.030, 16, TRUTH))
+    assert idle.prefill_s(300, 9000) == pytest.approx(idle.step_s(300, 9000))
+    assert busy.chunk(300, 9000) < 300
+    assert busy.prefill_s(300, 9000) > 2 * busy.step_s()
+
+
+def test_registry_entry_carries_the_models():
+    perf = WorkerPerf(TRUTH, TransferModel(0.003, 5e9, 7), 0.03, 32)
+    info = WorkerInfo(worker_id="d1", role="decode", address="x:1", model="m", perf=perf,
+                      load=WorkerLoad(running_requests=3, decode_context_tokens=9000))
+    back = WorkerInfo.from_hash({k.encode(): v.encode() for k, v in info.to_hash().items()})
+    assert back.load.decode_context_tokens == 9000
+    assert back.perf.step.step_s(StepShape(100, 5e3, 3, 9000)) == pytest.approx(TRUTH.step_s(StepShape(100, 5e3, 3, 9000)))
+    assert back.perf.transfer == TransferModel(0.003, 5e9, 7)
+    assert (back.perf.itl_target_s, back.perf.budget_floor_tokens) == (0.03, 32)
+    bare = WorkerInfo.from_hash(WorkerInfo(worker_id="p1", role="prefill", address="x:1", model="m").to_hash())
+    assert bare.perf.step is None and bare.perf.transfer is None

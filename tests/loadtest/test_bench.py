@@ -1,0 +1,70 @@
+"""`duet bench` on the CPU: each maintained section runs as a dry run on tiny random models and
+reports its figures; `--help` lists exactly the sections tested (stack and multiturn against a
+whole `duet up` stack: tests/e2e/test_loadtest_duet_up.py). The figures themselves come from
+GPUs: docs/performance/."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from loadtest.bench.suite import SECTIONS, main
+
+TESTED = {"ceilings", "equality", "decode", "prefill", "offline", "fp8", "spec", "tp", "stack", "multiturn"}
+TINY = ["--models", "qwen3-tiny", "--small-models", "qwen3-tiny", "--batches", "1,2", "--ctx", "32", "--steps", "2"]
+
+
+def bench(tmp_path, *argv: str) -> dict:
+    out = tmp_path / "bench.json"
+    assert main(["--device", "cpu", "--workdir", str(tmp_path / "work"), "--json", str(out), *argv]) == 0
+    data = json.loads(out.read_text())
+    failed = {s: rows for s, rows in data.items() if any("FAILED" in k or rows[k] == "FAILED" for k in rows)}
+    assert not failed, failed
+    return data
+
+
+def test_help_lists_exactly_the_tested_sections():
+    help_text = subprocess.run([sys.executable, "-m", "services.cli", "bench", "--help"], capture_output=True,
+                               text=True, check=True).stdout
+    listed = re.findall(r"^  (\w+) ", help_text.split("sections (run in the order")[1], re.M)
+    assert listed == list(SECTIONS)
+    assert set(listed) == TESTED
+
+
+def test_without_a_gpu_it_asks_for_one_or_a_dry_run(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this host has a GPU")
+    assert main(["--sections", "ceilings"]) == 2
+    assert "--device cpu" in capsys.readouterr().err
+
+
+def test_one_device_sections_report_their_figures(tmp_path, torch_one_thread):
+    d = bench(tmp_path, "--sections", "ceilings,equality,decode,prefill,offline,fp8,spec", *TINY,
+              "--prefill-len", "32", "--prefill-prompts", "1,2", "--offline-requests", "4")
+    assert all(d["ceilings"][k] > 0 for k in ("copy_GB_s", "bf16_matmul_TFLOPs"))
+    assert d["equality"]["qwen3-tiny float64 identical sequences"] == "4/4"
+    for b in (1, 2):
+        assert d["decode"][f"qwen3-tiny B={b} step_ms"] > 0 and d["decode"][f"qwen3-tiny B={b} step_ms overlap"] > 0
+        for variant in ("bf16", "fp8", "fp8+fp8kv"):
+            assert d["fp8"][f"qwen3-tiny {variant} B={b} step_ms overlap"] > 0
+        assert d["fp8"][f"qwen3-tiny B={b} bf16/fp8 step"] > 0
+    assert "float8" in d["fp8"]["qwen3-tiny fp8+fp8kv engine"] and "FP8" in d["fp8"]["qwen3-tiny fp8 engine"]
+    assert all(d["prefill"][f"qwen3-tiny {n}x32 tok_s"] > 0 for n in (1, 2))
+    assert all(d["fp8"][f"qwen3-tiny {n} prompts fp8/bf16 prefill"] > 0 for n in (1, 2))
+    assert d["offline"]["overlap on/off identical sequences"] == "4/4"
+    assert d["offline"]["qwen3-tiny overlap=on out_tok_s"] > 0
+    assert d["spec"]["B=1 ngram K=4 accept-all tok_s"] > 0 and d["spec"]["B=1 draft K=4 accept-all tok_s"] > 0
+    assert d["spec"]["ngram greedy == plain"] is True and d["spec"]["draft greedy == plain"] is True
+
+
+def test_tp_section_reports_equal_tokens_and_both_steps(tmp_path, torch_one_thread):
+    d = bench(tmp_path, "--sections", "tp", *TINY)["tp"]
+    assert d["qwen3-tiny TP2/EP1 == TP1 sequences"] == "6/6"
+    for b in (1, 2):
+        assert d[f"qwen3-tiny TP=1 B={b} step_ms"] > 0 and d[f"qwen3-tiny TP=2 B={b} step_ms"] > 0
+        assert d[f"qwen3-tiny B={b} TP2/TP1"] > 0
