@@ -46,11 +46,10 @@ class WorkerConfig:
                                      help="decode: a waiting reservation that does not fit yet is passed by "
                                           "later ones that fit until it has waited this many seconds; then "
                                           "nothing passes it until it fits")
-    reservation_ttl_s: float = setting(
-        120.0, flag="--reservation-ttl", env="DUET_RESERVATION_TTL",
-        help="decode: seconds a reservation's write capability lives; one nobody claims by then is "
-             "quarantined and freed once no write can land (its writer stops writing at the same "
-             "lifetime), whatever its caller asked")
+    reservation_ttl_s: float = setting(120.0, flag="--reservation-ttl", env="DUET_RESERVATION_TTL",
+                                       help="decode: seconds a reservation's write capability lives; one nobody "
+                                            "claims by then is quarantined and freed once no write can land (its "
+                                            "writer stops writing at the same lifetime), whatever its caller asked")
     reserve_queue_max: int = setting(1024, flag="--reserve-queue-max", env="DUET_RESERVE_QUEUE_MAX",
                                      help="decode: reservations that may wait at once; more are refused at "
                                           "once (429 with Retry-After)")

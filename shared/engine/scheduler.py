@@ -113,7 +113,7 @@ class Scheduler:
         room = self.itl_budget.begin(rows, sum(it.start + 1 for it in batch.items)) \
             if self.itl_budget is not None and rows else None
         self.last_allowance = room
-        # 2. prefill chunks of admitted requests, then new admissions (FIFO)
+        # 2. prefill chunks of admitted requests, then new admissions (turn order)
         for req in self.running:
             if budget <= 0:
                 break
