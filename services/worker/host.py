@@ -86,6 +86,7 @@ class WorkerHost:
                           compat_hash=ctx.compat_hash, kv_layout=self.kv_layout, instance_nonce=ctx.instance_nonce,
                           max_running_requests=self.config.engine.max_running_requests,
                           max_batched_tokens=self.engine.scheduler.max_batched_tokens, kv_pools=pools,
+                          capability_key=ctx.issuer.public_key if ctx.issuer is not None else "",
                           load=WorkerLoad(total_pages=capacity, free_pages=capacity))
 
     async def run(self) -> int:

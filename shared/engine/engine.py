@@ -275,12 +275,16 @@ class Engine:
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
                     rid: str | None = None, prefill_only: bool = False,
-                    output_prefix: list[int] | None = None, scope: CacheScope = DEFAULT_SCOPE) -> str:
+                    output_prefix: list[int] | None = None, scope: CacheScope = DEFAULT_SCOPE,
+                    request_group: str = "") -> str:
         """Queue a request. `output_prefix`: tokens already generated elsewhere (decode
         recomputing a prefill whose KV never arrived); they count as output. For n > 1 it
         holds each sequence's first token: they are forked after the prompt, unreported.
-        scope: the prefix-cache namespace it reads and fills, and its tenant (cache_scope.py)."""
+        scope: the prefix-cache namespace it reads and fills, and its tenant (cache_scope.py).
+        request_group: the client request it came from (the scheduler takes waiting requests
+        round robin across groups); "" = its own."""
         req = self._make_req(prompt_ids, params or SamplingParams(), rid, prefill_only, scope)
+        req.request_group = request_group
         if output_prefix and req.params.n > 1:
             req.forced_first = list(output_prefix)
         elif output_prefix:
@@ -303,10 +307,12 @@ class Engine:
         return self.kv.cancel_reservation(reservation_id)
 
     def add_prefilled(self, reservation_id: str, prompt_ids: list[int], first_token: int | list[int],
-                      params: SamplingParams, seed: int | None, rid: str | None = None) -> str:
+                      params: SamplingParams, seed: int | None, rid: str | None = None,
+                      request_group: str = "") -> str:
         """Decode side: join a request whose prompt KV landed in the reserved pages. For
         n > 1, first_token lists every sequence's first token (sampled by prefill): the
-        sequences fork from the transferred pages (sequence_group.py)."""
+        sequences fork from the transferred pages (sequence_group.py). request_group: as
+        add_request's."""
         if seed is not None:
             params.seed = seed
         firsts = list(first_token) if isinstance(first_token, (list, tuple)) else [first_token]
@@ -314,6 +320,7 @@ class Engine:
             raise ValueError(f"{len(firsts)} first tokens for n={params.n}")
         scope = self.kv.reserved[reservation_id].scope  # the namespace its held pages matched under
         req = self._make_req(prompt_ids, params, rid, False, scope)
+        req.request_group = request_group
         res = self.kv.take_reservation(reservation_id)
         req.page_ids = res.page_ids
         req.num_tree_pages, req.prefix_node = len(res.held_pages), res.node

@@ -104,18 +104,21 @@ class KVManager:
         live, cached, capacity = self.live_pages_by_tenant(), self.cache.device_pages_by_tenant, self.capacity
         return lambda tenant: self.quota.over_cache_share(live.get(tenant, 0), cached.get(tenant, 0), capacity)
 
-    def next_in_turn(self, waiting: Sequence[T], tenant_of: Callable[[T], int]) -> T:
-        """Which waiting item goes next: the oldest, unless its tenant's live work holds its
-        share of the pool and another tenant's item, within its share, waits: then the
-        first such (the scheduler's admissions, decode's Reserve queue)."""
-        head = waiting[0]
-        if len(waiting) == 1 or not self.quota.limits_live:
-            return head
+    def over_live_share(self) -> Callable[[int], bool] | None:
+        """Whether a tenant's live work holds its share of the pool now (None: no live quota)."""
+        if not self.quota.limits_live:
+            return None
         live, capacity = self.live_pages_by_tenant(), self.capacity
+        return lambda tenant: self.quota.over_live_share(live.get(tenant, 0), capacity)
 
-        def over(tenant: int) -> bool:
-            return self.quota.over_live_share(live.get(tenant, 0), capacity)
-        if not over(tenant_of(head)):
+    def next_in_turn(self, waiting: Sequence[T], tenant_of: Callable[[T], int]) -> T:
+        """Which waiting item goes next: the first, unless its tenant's live work holds its
+        share of the pool and another tenant's item, within its share, waits: then the
+        first such (the scheduler's admissions; decode's Reserve queue passes over the same
+        tenants with over_live_share)."""
+        head = waiting[0]
+        over = self.over_live_share() if len(waiting) > 1 else None
+        if over is None or not over(tenant_of(head)):
             return head
         return first_within_share(waiting, tenant_of, over) or head
 

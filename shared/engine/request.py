@@ -47,6 +47,7 @@ class Req:
     grammar: object = None  # GrammarState (grammar.py) of a constrained request
     index: int = 0  # sequence index within its request (n > 1)
     group: str | None = None  # the request's id when this is sequence index > 0 of it
+    request_group: str = ""  # the client request it came from (a prompt list's prompts share it): fair turns
     forked: bool = False  # n > 1: the other sequences were made (at the first sample)
     forced_first: list[int] | None = None  # n > 1 recompute: the first tokens already sampled
     prompt_lps: list | None = None  # prompt logprobs by position: (logprob, top) or None

@@ -1,16 +1,21 @@
 """Continuous batching with chunked prefill under a per-step token budget.
 
 Each step takes every decoding request (one token each), then fills what is left of the
-token budget with prefill chunks, oldest first. Admission needs free pages; when they run
-out, new work waits in the queue (back-pressure) and, if decoding requests cannot grow,
-the youngest running request is retracted (its pages freed, recomputed later). A waiting
-request whose tenant's live work already holds its share of the pages lets other tenants'
-waiting requests be admitted first (tenant_quota.py).
+token budget with prefill chunks: admitted requests first, then waiting ones, taken round
+robin across request groups (the client request a prompt came from: a prompt list's prompts
+are one group), oldest first within a group, so a one-prompt request beside a bulk one is
+admitted within about a step instead of after the bulk's queue. Admission needs free pages;
+when they run out, new work waits in the queue (back-pressure) and, if decoding requests
+cannot grow, the youngest running request is retracted (its pages freed, recomputed later,
+ahead of every group). In that order, a waiting request whose tenant's live work already
+holds its share of the pages lets other tenants' waiting requests be admitted first
+(tenant_quota.py).
 
 Beside decode rows, an optional `itl_budget` (shared/perf_model/step_budget.py) narrows the
 prefill chunks further, so the step stays under an inter-token latency target."""
 from __future__ import annotations
 
+import itertools
 from collections import deque
 
 from .batch import Batch, ScheduledReq
@@ -23,9 +28,13 @@ class Scheduler:
         self.kv = kv
         self.max_batched_tokens = max_batched_tokens
         self.max_running = max_running
-        self.waiting: deque[Req] = deque()
+        self.waiting: deque[Req] = deque()  # every waiting request, arrival order (retracted ones in front)
         self.running: list[Req] = []  # admitted, in arrival order
         self.num_retracted = 0
+        self._groups: dict[str, deque[Req]] = {}  # the waiting requests of each request group, in order
+        self._retracted: set[str] = set()  # waiting rids put back at the front: admitted before any group
+        self._served: dict[str, int] = {}  # group -> when it was last admitted from (round robin)
+        self._turns = itertools.count()
         self.num_passed_over = 0  # admissions that went ahead of a tenant over its live share
         # prefill beside decode rows within an inter-token target (the worker sets it)
         self.itl_budget = None
@@ -45,6 +54,10 @@ class Scheduler:
     def add(self, req: Req, front: bool = False) -> None:
         req.status = ReqStatus.WAITING
         (self.waiting.appendleft if front else self.waiting.append)(req)
+        group = self._groups.setdefault(_group(req), deque())
+        (group.appendleft if front else group.append)(req)
+        if front:
+            self._retracted.add(req.rid)
 
     def add_running(self, req: Req) -> None:
         """A request whose KV is already in place (decode side of a transfer)."""
@@ -55,7 +68,25 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
-            self.waiting.remove(req)
+            self._take_waiting(req)
+
+    def _take_waiting(self, req: Req) -> None:
+        self.waiting.remove(req)
+        self._retracted.discard(req.rid)
+        key = _group(req)
+        group = self._groups[key]
+        group.remove(req)
+        if not group:
+            del self._groups[key]
+
+    def _turn_order(self) -> list[Req]:
+        """Who may be admitted next, in order: the retracted requests (the queue's front), then
+        each group's head, the group admitted from longest ago first (a group never admitted
+        from first, then the oldest head). The tenant quota picks from this order."""
+        order = list(itertools.takewhile(lambda r: r.rid in self._retracted, self.waiting))
+        heads = sorted((g[0] for g in self._groups.values() if g[0].rid not in self._retracted),
+                       key=lambda r: (self._served.get(_group(r), -1), r.arrival))
+        return order + heads
 
     def schedule(self) -> Batch:
         batch = Batch()
@@ -82,7 +113,7 @@ class Scheduler:
         room = self.itl_budget.begin(rows, sum(it.start + 1 for it in batch.items)) \
             if self.itl_budget is not None and rows else None
         self.last_allowance = room
-        # 2. prefill chunks of admitted requests, then new admissions (FIFO)
+        # 2. prefill chunks of admitted requests, then new admissions (turn order)
         for req in self.running:
             if budget <= 0:
                 break
@@ -93,7 +124,8 @@ class Scheduler:
                 batch.items.append(item)
                 budget -= item.length
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
-            req = self.kv.next_in_turn(self.waiting, lambda r: r.scope.tenant)
+            turn_order = self._turn_order()
+            req = self.kv.next_in_turn(turn_order, lambda r: r.scope.tenant)
             self.kv.match_prefix(req)
             if req.host_pages_waiting and self.running:
                 # part of its prefix waits in the host tier for device room: wait for running
@@ -106,10 +138,9 @@ class Scheduler:
             if item is None:
                 self.kv.drop_prefix(req)
                 break  # back-pressure (or the step's inter-token budget is spent)
-            if req is self.waiting[0]:
-                self.waiting.popleft()
-            else:
-                self.waiting.remove(req)
+            self._take_waiting(req)
+            self._turn(_group(req))
+            if req is not turn_order[0]:
                 self.num_passed_over += 1
             req.status = ReqStatus.RUNNING
             self.running.append(req)
@@ -124,6 +155,11 @@ class Scheduler:
             self.last_batch = batch
             self.num_batches += 1
         return batch
+
+    def _turn(self, group: str) -> None:
+        self._served[group] = next(self._turns)
+        if len(self._served) > 4 * (len(self._groups) + 1024):  # forget groups long gone
+            self._served = {g: t for g, t in self._served.items() if g in self._groups}
 
     @staticmethod
     def _awaiting_result(req: Req) -> bool:
@@ -172,3 +208,8 @@ class Scheduler:
         req.num_kv_ready = 0
         self.num_retracted += 1
         self.add(req, front=True)
+
+
+def _group(req: Req) -> str:
+    """The fairness key: the client request it came from, else itself."""
+    return req.request_group or req.out_rid

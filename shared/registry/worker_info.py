@@ -61,6 +61,9 @@ class WorkerInfo:
     max_running_requests: int = 0   # decode batch cap (0 = unknown)
     max_batched_tokens: int = 0     # prompt tokens one engine step takes (chunked prefill; 0 = unknown)
     kv_pools: list[RankKvPool] = field(default_factory=list)  # one per rank (NIXL peers)
+    # decode: this instance's Ed25519 public key (hex), which verifies the write capabilities
+    # it issues with its reservations (shared/kv_transfer/capability.py); "" for other roles
+    capability_key: str = ""
     load: WorkerLoad = field(default_factory=WorkerLoad)
     perf: WorkerPerf = field(default_factory=WorkerPerf)  # step-time model etc. (shared/perf_model)
     heartbeat_seq: int = 0          # bumps each heartbeat (no wall clocks across hosts)
@@ -99,6 +102,7 @@ class WorkerInfo:
             "max_batched_tokens": str(self.max_batched_tokens),
             "nixl_agents": json.dumps(self.agent_names),
             "kv_pools": json.dumps([asdict(p) for p in self.kv_pools]),
+            "capability_key": self.capability_key,
         }
 
     def load_fields(self) -> dict[str, str]:
@@ -138,6 +142,7 @@ class WorkerInfo:
             max_running_requests=int(h.get("max_running_requests", 0)),
             max_batched_tokens=int(h.get("max_batched_tokens", 0)),
             kv_pools=pools,
+            capability_key=h.get("capability_key", ""),
             load=load,
             perf=WorkerPerf.from_fields(h),
             heartbeat_seq=int(h.get("heartbeat_seq", 0)),

@@ -49,6 +49,13 @@ class DuetMetrics:
             "Prefill side: a decode worker's connection warm-up as it joins (a probe write of the "
             "padding page), so no request pays for transport setup", ["outcome"],
             buckets=_TRANSFER_BUCKETS, registry=r)
+        self.kv_writes_refused = Counter(
+            "duet_kv_writes_refused", "Prefill side: calls refused before any write because their "
+            "reservation's write capability did not hold (missing, another writer, a bad signature, "
+            "malformed, used already)", ["reason"], registry=r)
+        self.kv_notices_refused = Counter(
+            "duet_kv_notices_refused", "Decode side: completion notices ignored: for no open reservation "
+            "(stale) or without its capability's MAC (forged)", ["reason"], registry=r)
         self.kv_cache_usage = Gauge(
             "duet_kv_cache_usage_ratio",
             "Share of KV pages held by live work (running, reserved, awaiting transfer); evictable cache excluded",

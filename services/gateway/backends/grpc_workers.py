@@ -201,7 +201,7 @@ class GrpcBackend:
             state.routed = True
             decode = duet_pb2_grpc.DecodeStub(self._workers.get(route.decode, "decode"))
             scope = cache_scope_fields(request.cache_scope)
-            generate = duet_pb2.GenerateRequest(request_id=request.request_id,
+            generate = duet_pb2.GenerateRequest(request_id=request.request_id, request_group=request.group,
                                                 prompt_token_ids=request.prompt_token_ids, sampling=sampling,
                                                 **scope)
             if not route.colocated:
@@ -260,7 +260,7 @@ class GrpcBackend:
             state.reservation = await decode.Reserve(duet_pb2.ReserveRequest(
                 request_id=request.request_id, prompt_tokens=len(request.prompt_token_ids),
                 max_tokens=request.sampling.max_tokens, prefill_worker_id=route.prefill.worker_id,
-                timeout_ms=self.config.reserve_timeout_ms, n=request.sampling.n,
+                timeout_ms=self.config.reserve_timeout_ms, n=request.sampling.n, request_group=request.group,
                 prompt_token_ids=request.prompt_token_ids,  # decode reuses what it holds of it
                 **scope),
                 metadata=metadata, timeout=self.config.rpc_timeout_s)
@@ -274,7 +274,7 @@ class GrpcBackend:
         try:
             reply = await prefill.Prefill(duet_pb2.PrefillRequest(
                 request_id=request.request_id, prompt_token_ids=request.prompt_token_ids, sampling=sampling,
-                reservation=state.reservation, **scope),
+                reservation=state.reservation, request_group=request.group, **scope),
                 metadata=metadata, timeout=self.config.rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise rpc_error(exc, f"prefill worker {route.prefill.worker_id}") from None
