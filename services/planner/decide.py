@@ -5,7 +5,9 @@ Every reading ends in one Decision: `switch` (roles change now), `hold` (another
 but the margin or the dwell time stops it) or `keep` (the current split is the best, or there
 is too little to judge by). Rules, in order:
 - a split that cannot serve (no `both` worker and no prefill + decode pair: a worker died) is
-  left at once for the best servable one, whatever the dwell (reason `unservable`);
+  left at once for the best servable one, whatever the dwell (reason `unservable`); but not
+  before the workers were first seen able to serve: while they start and join one by one the
+  planner keeps the roles they were started in (`starting`);
 - no step model published yet (`no_model`), or fewer requests in the window than
   `--planner-min-requests` (`idle`): keep;
 - the best split (lowest score; ties go to the current split, then to the fewest role changes)
@@ -23,7 +25,7 @@ from services.planner.load_window import Load
 from services.planner.predict import Corrections, Fleet, Prediction, Split, candidates, predict
 
 ACTIONS = ("switch", "scale", "hold", "keep")
-REASONS = ("unservable", "slo", "headroom", "hysteresis", "dwell", "idle", "no_model", "best", "failed")
+REASONS = ("unservable", "slo", "headroom", "hysteresis", "dwell", "idle", "no_model", "best", "starting", "failed")
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,7 @@ class Decider:
     dwell_s: float
     min_requests: int
     changed_at: float  # monotonic: the planner's start, then each change it made
+    served: bool = False  # the workers were seen able to serve at least once
 
     def dwelt(self, now: float) -> bool:
         return now - self.changed_at >= self.dwell_s
@@ -64,6 +67,9 @@ class Decider:
 
     def decide(self, now: float, current: Split, fixed: Split, load: Load, fleet: Fleet | None) -> Decision:
         options = candidates(current.workers, fixed)
+        self.served = self.served or current.servable
+        if not current.servable and not self.served:
+            return Decision("keep", "starting", current, current, load)
         if not current.servable and options:
             if fleet is None:  # no model: any servable split beats none; the one with fewest changes
                 target = min(options, key=lambda s: (moves(s, current), s))

@@ -4,13 +4,15 @@ latency and KV use, each against its target.
 
 A split is (prefill, decode, both) worker counts. With a prefill and a decode worker, requests
 go split: the prefill workers compute every request's uncached tokens and hand the KV over,
-and the decode rows spread over the decode (and `both`) workers, whose steps carry no prefill.
-With `both` workers only, each one prefills its share of the requests beside its decode rows,
-in the chunks its inter-token budget allows (the scheduler's, step_budget.py), so the prefill
-slows its decode steps: the share of its time spent on prefill chunks stretches every decode
-step by 1 / (1 - share). Queueing on a worker busy a share `rho` of the time waits
-1 / (1 - rho) longer (an M/M/1 queue); a share of 1 or more cannot keep up (an infinite
-prediction). Predictions are scaled by how far the current split's predictions were from what
+and the decode rows spread over the decode (and `both`) workers, whose steps carry no prefill;
+except prompts mostly held where they decode (multi-turn chat), which the router prefills
+there (local prefill). With `both` workers only, or for those, each worker prefills its share
+of the requests beside its decode rows, in the chunks its inter-token budget allows (the
+scheduler's, step_budget.py), so the prefill slows its decode steps: the share of its time
+spent on prefill chunks stretches every decode step by 1 / (1 - share). A side busier than 90%
+of the time is past its capacity: its predictions grow with the square of the excess (below
+that, queueing is left to the correction factors: an M/M/1 queue's 1 / (1 - busy) overstates
+what a closed loop of clients waits by several times, and would flip the comparison). Predictions are scaled by how far the current split's predictions were from what
 the gateways saw (Dynamo's planner's correction factors), the same factor for every split.
 
 The score of a split is its worst ratio to a target: TTFT / TTFT target, ITL / ITL target, KV
@@ -21,6 +23,7 @@ import math
 from dataclasses import dataclass
 
 from services.planner.load_window import Load
+from services.router.config import RoutingWeights
 from shared.perf_model.prefill_time import PrefillSite
 from shared.perf_model.step_budget import ItlBudget
 from shared.perf_model.step_model import StepModel, StepShape
@@ -29,6 +32,8 @@ from shared.registry.worker_info import WorkerInfo, kv_bytes_per_token
 
 KV_LIMIT = 0.9           # a pool fuller than this evicts and retracts: a soft ceiling
 CORRECTION = (0.25, 4.0)  # how far observed / predicted may move every prediction
+SATURATED = 0.9          # busy share past which a worker is overloaded (_overloaded)
+LOCAL = RoutingWeights()  # the router's local-prefill bounds, at their defaults
 
 
 @dataclass(frozen=True, order=True)
@@ -107,15 +112,41 @@ class Prediction:
         return ("ttft", "itl", "kv")[self.ratios.index(self.score)]
 
 
-def _queued(busy: float) -> float:
-    return 1 / (1 - busy) if busy < 1 else math.inf
+def _overloaded(busy: float) -> float:
+    """How much longer requests wait on workers busy a share `busy` of the time: not at all up to
+    SATURATED (a closed loop of clients pipelines its requests; what queueing there is, the
+    correction factors take from what the gateways saw), then with the square of the excess:
+    past its capacity a queue only grows."""
+    return 1.0 if busy <= SATURATED else (busy / SATURATED) ** 2
+
+
+def _time_shared(share: float) -> float:
+    """How much slower a worker's decode steps come when a share of its time goes to prefill
+    chunks: 1 / (1 - share), and past SATURATED as overloaded."""
+    if share <= SATURATED:
+        return 1 / (1 - share)
+    return _overloaded(share) / (1 - SATURATED)
+
+
+def _beside_decode(workers: int, rows: float, context: float, uncached: float, start: int, load: Load,
+                   fleet: Fleet) -> tuple[float, float]:
+    """(ttft_s, itl_s) when `workers` workers each prefill their share of the requests beside
+    their decode rows, in the chunks their inter-token budget allows."""
+    model = fleet.model
+    budget = ItlBudget(fleet.itl_target_s, fleet.budget_floor_tokens, model) if fleet.budget_floor_tokens else None
+    site = PrefillSite(model, rows, context, fleet.max_batched_tokens, budget)
+    # what prefilling one request adds to the steps (a step pays its base anyway while rows run)
+    extra_s = model.chunk_s(start, int(round(uncached)))
+    if not rows:
+        extra_s += model.coef[0] * max(1.0, uncached / fleet.max_batched_tokens)
+    stretch = _time_shared(load.requests_per_s / workers * extra_s)
+    return site.prefill_s(int(round(uncached)), start) * stretch, site.step_s() * stretch
 
 
 def raw_figures(split: Split, load: Load, fleet: Fleet) -> tuple[float, float, float]:
     """(ttft_s, itl_s, kv_ratio) of `split` by the models alone."""
     if not split.servable:
         return math.inf, math.inf, math.inf
-    model, rate = fleet.model, load.requests_per_s
     uncached, held = load.uncached_tokens, max(0.0, load.prompt_tokens - load.uncached_tokens)
     start = int(held)
     splitting = split.prefill > 0 and split.decode > 0
@@ -123,24 +154,18 @@ def raw_figures(split: Split, load: Load, fleet: Fleet) -> tuple[float, float, f
     rows = load.decode_streams / decoders
     context = rows * load.decode_context
     kv_ratio = load.kv_live_pages / (decoders * fleet.pages_per_worker) if fleet.pages_per_worker else 0.0
-    if splitting:
-        site = PrefillSite(model, 0, 0, fleet.max_batched_tokens, None)  # a prefill worker runs no decode rows
-        tail = min(uncached, fleet.max_batched_tokens) * fleet.kv_bytes_per_token
-        prefill_s = site.prefill_s(int(round(uncached)), start) + fleet.transfer.seconds(tail)
-        backlog_s = site.prefill_s(int(load.queued_prefill_tokens / split.prefill))
-        ttft = (prefill_s + backlog_s) * _queued(rate * prefill_s / split.prefill)
-        itl = model.step_s(StepShape(decode_rows=rows, decode_context=context))
-        return ttft, itl, kv_ratio
-    budget = ItlBudget(fleet.itl_target_s, fleet.budget_floor_tokens, model) if fleet.budget_floor_tokens else None
-    site = PrefillSite(model, rows, context, fleet.max_batched_tokens, budget)
-    # what prefilling one request adds to the steps (a step pays its base anyway while rows run)
-    extra_s = model.chunk_s(start, int(round(uncached)))
-    if not rows:
-        extra_s += model.coef[0] * max(1.0, uncached / fleet.max_batched_tokens)
-    stretch = _queued(rate / split.both * extra_s)
-    prefill_s = site.prefill_s(int(round(uncached)), start)
-    backlog_s = site.prefill_s(int(load.queued_prefill_tokens / split.both))
-    return (prefill_s + backlog_s) * stretch, site.step_s() * stretch, kv_ratio
+    # prompts mostly held where they decode (a conversation's next turn) are prefilled there: the
+    # router's local prefill, within its default bounds (services/router/placement.py)
+    local = load.uncached_share <= LOCAL.local_prefill_min_share and uncached <= LOCAL.local_prefill_max_tokens
+    if not splitting or local:
+        return (*_beside_decode(decoders, rows, context, uncached, start, load, fleet), kv_ratio)
+    model = fleet.model
+    site = PrefillSite(model, 0, 0, fleet.max_batched_tokens, None)  # a prefill worker runs no decode rows
+    tail = min(uncached, fleet.max_batched_tokens) * fleet.kv_bytes_per_token
+    prefill_s = site.prefill_s(int(round(uncached)), start) + fleet.transfer.seconds(tail)
+    ttft = prefill_s * _overloaded(load.requests_per_s * prefill_s / split.prefill)
+    itl = model.step_s(StepShape(decode_rows=rows, decode_context=context))
+    return ttft, itl, kv_ratio
 
 
 @dataclass(frozen=True)
