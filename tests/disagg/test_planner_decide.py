@@ -15,7 +15,9 @@ from services.planner.assign import assign, fixed_split
 from services.planner.decide import Decider, pool_step
 from services.planner.load_window import Load, LoadWindow, Reading
 from services.planner.predict import Corrections, Fleet, Split, candidates, predict
+from shared.registry.worker_info import WorkerInfo
 from tests.helpers.planner_fleet import CHAT, LONG, long_prompts, worker
+
 
 def fleet(*workers: WorkerInfo, ttft_s: float = 5.0) -> Fleet:
     return Fleet.of(list(workers) or [worker("w0", "prefill"), worker("w1", "decode")], ttft_s, 0.0)
