@@ -73,28 +73,25 @@ def expand(url: str) -> list[str]:
             for a in addresses]
 
 
-async def read_gateways(urls: list[str]) -> dict[str, dict[str, float]]:
-    """address -> figures, for every gateway that answered."""
-    targets = [u for url in urls for u in await asyncio.to_thread(expand, url)]
-    pages = await asyncio.gather(*(asyncio.to_thread(_fetch, u) for u in targets), return_exceptions=True)
+async def _read_all(urls: dict[str, str], figures) -> dict[str, dict[str, float]]:
+    """key -> figures(page) of every /metrics page (key -> URL) that answered."""
+    keys = list(urls)
+    pages = await asyncio.gather(*(asyncio.to_thread(_fetch, urls[k]) for k in keys), return_exceptions=True)
     out = {}
-    for url, page in zip(targets, pages):
+    for key, page in zip(keys, pages):
         if isinstance(page, BaseException):
-            log.debug("gateway metrics %s: %s", url, page)
+            log.debug("metrics %s: %s", urls[key], page)
             continue
-        out[url] = gateway_figures(page)
+        out[key] = figures(page)
     return out
+
+
+async def read_gateways(urls: list[str]) -> dict[str, dict[str, float]]:
+    """gateway URL -> figures, for every gateway that answered."""
+    targets = [u for url in urls for u in await asyncio.to_thread(expand, url)]
+    return await _read_all({u: u for u in targets}, gateway_figures)
 
 
 async def read_workers(addresses: dict[str, str]) -> dict[str, dict[str, float]]:
     """key (worker id and instance nonce) -> figures, for every worker whose /metrics answered."""
-    keys = list(addresses)
-    pages = await asyncio.gather(*(asyncio.to_thread(_fetch, f"http://{addresses[k]}/metrics") for k in keys),
-                                 return_exceptions=True)
-    out = {}
-    for key, page in zip(keys, pages):
-        if isinstance(page, BaseException):
-            log.debug("worker metrics %s: %s", key, page)
-            continue
-        out[key] = worker_figures(page)
-    return out
+    return await _read_all({k: f"http://{a}/metrics" for k, a in addresses.items()}, worker_figures)

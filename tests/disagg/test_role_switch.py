@@ -11,13 +11,11 @@ still reuses the pages the worker held before), no request fails and every greed
 the one the split stack gave before any switch. Nothing is left on either worker afterwards."""
 from __future__ import annotations
 
-import threading
-import time
-
 import grpc
 import pytest
 
 from protos import duet_pb2, duet_pb2_grpc
+from tests.helpers.client_loops import ClientLoops
 from tests.helpers.stack import ProcessStack, managed, new_log_dir, scrape, wait_until
 
 pytestmark = pytest.mark.slow
@@ -55,38 +53,6 @@ def decisions(s, kind: str) -> float:
     return scrape(f"127.0.0.1:{s.router_metrics_port}").value("duet_router_decisions_total", kind=kind)
 
 
-class Load:
-    """Clients sending the PROMPTS round and round until stopped; every answer and error kept."""
-
-    def __init__(self, s, clients: int = 2):
-        self.client = s.client()
-        self.stop = threading.Event()
-        self.answers: list[tuple[int, str]] = []
-        self.errors: list[BaseException] = []
-        self.threads = [threading.Thread(target=self._run, args=(k,), daemon=True) for k in range(clients)]
-
-    def _run(self, k: int) -> None:
-        i = k
-        while not self.stop.is_set():
-            try:
-                out = self.client.completions.create(model=MODEL, prompt=PROMPTS[i % len(PROMPTS)], max_tokens=10,
-                                                     temperature=0)
-                self.answers.append((i % len(PROMPTS), out.choices[0].text))
-            except BaseException as exc:  # noqa: BLE001 - every failure is the test's finding
-                self.errors.append(exc)
-            i += 1
-
-    def __enter__(self) -> "Load":
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(120)
-
-
 def test_roles_switch_under_load_with_no_failed_request_and_the_same_answers(stack):
     s = stack
     client = s.client()
@@ -102,8 +68,12 @@ def test_roles_switch_under_load_with_no_failed_request_and_the_same_answers(sta
     chat += [{"role": "assistant", "content": first.choices[0].message.content},
              {"role": "user", "content": "Where does it live?"}]
 
-    with Load(s) as load:
-        wait_until(lambda: len(load.answers) >= 2, 120, "the clients' first answers")
+    def ask(k: int, i: int) -> tuple[int, str]:
+        n = (k + i) % len(PROMPTS)
+        return n, client.completions.create(model=MODEL, prompt=PROMPTS[n], max_tokens=10, temperature=0).choices[0].text
+
+    with ClientLoops(ask, 2) as load:
+        wait_until(lambda: len(load.done) >= 2, 120, "the clients' first answers")
         long_stream = client.completions.create(model=MODEL, prompt=LONG, max_tokens=40, temperature=0,
                                                 stream=True, extra_body={"ignore_eos": True})
         long_text = [next(iter(long_stream)).choices[0].text]  # decoding on worker-1 now
@@ -123,12 +93,12 @@ def test_roles_switch_under_load_with_no_failed_request_and_the_same_answers(sta
         back = [set_role(s, "worker-0", "prefill"), set_role(s, "worker-1", "decode")]
         assert [(r.previous_role, r.role) for r in back] == [("both", "prefill"), ("both", "decode")]
         wait_until(lambda: decisions(s, "split") >= split + 3, 120, "split answers after switching back")
-        answered = len(load.answers)
-        wait_until(lambda: len(load.answers) >= answered + 2, 120, "more answers")
+        answered = len(load.done)
+        wait_until(lambda: len(load.done) >= answered + 2, 120, "more answers")
 
     assert not load.errors, load.errors
-    assert len(load.answers) >= 8
-    wrong = [(i, text) for i, text in load.answers if text != reference[i]]
+    assert len(load.done) >= 8
+    wrong = [(i, text) for i, text in load.done if text != reference[i]]
     assert not wrong, (wrong, reference)
     assert "".join(long_text) == long_reference
 

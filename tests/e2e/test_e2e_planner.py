@@ -12,12 +12,12 @@ answers after it. Only the planner may switch a worker: the gateway's certificat
 from __future__ import annotations
 
 import re
-import threading
 
 import grpc
 import pytest
 
 from protos import duet_pb2, duet_pb2_grpc
+from tests.helpers.client_loops import ClientLoops
 from tests.helpers.stack import DuetUp, managed, new_log_dir, scrape, wait_until
 
 pytestmark = pytest.mark.slow
@@ -57,32 +57,6 @@ def roles(s) -> dict[str, str]:
     return {w: f["role"] for w, f in s.workers().items()}
 
 
-class Clients:
-    """Threads running `work(k, i)` round after round until stopped; (request, answer) and errors kept."""
-
-    def __init__(self, work, count: int):
-        self.work, self.stop = work, threading.Event()
-        self.done: list[tuple[object, str]] = []
-        self.errors: list[BaseException] = []
-        self.threads = [threading.Thread(target=self._run, args=(k,), daemon=True) for k in range(count)]
-        for t in self.threads:
-            t.start()
-
-    def _run(self, k: int) -> None:
-        i = 0
-        while not self.stop.is_set():
-            try:
-                self.done.append(self.work(k, i))
-            except BaseException as exc:  # noqa: BLE001 - every failure is the test's finding
-                self.errors.append(exc)
-            i += 1
-
-    def finish(self) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(180)
-
-
 def test_a_shift_to_multi_turn_chat_switches_the_workers_with_no_failure_and_the_same_answers(up):
     s = up
     client = s.client()
@@ -94,7 +68,7 @@ def test_a_shift_to_multi_turn_chat_switches_the_workers_with_no_failure_and_the
         out = client.completions.create(model=MODEL, prompt=prompt, **LONG_OUT)
         return ("completion", prompt), out.choices[0].text
 
-    long_clients = Clients(single_turn, 2)
+    long_clients = ClientLoops(single_turn, 2)
     try:  # long prompts, answers streaming beside them: the split stays
         wait_until(lambda: len(long_clients.done) >= 10 or long_clients.errors, 150, "ten long prompts answered")
     finally:
@@ -116,7 +90,7 @@ def test_a_shift_to_multi_turn_chat_switches_the_workers_with_no_failure_and_the
         history[:] = messages + [{"role": "assistant", "content": answer}]
         return ("chat", tuple((m["role"], m["content"]) for m in messages)), answer
 
-    chat_clients = Clients(chat_turn, 4)
+    chat_clients = ClientLoops(chat_turn, 4)
     try:  # multi-turn chat: the planner moves both workers to `both`
         wait_until(lambda: switches(s) >= 1 or chat_clients.errors, 150, "the planner's switch")
         wait_until(lambda: roles(s) == {"worker-0": "both", "worker-1": "both"} or chat_clients.errors, 30,
