@@ -70,7 +70,7 @@ def test_a_shift_to_multi_turn_chat_switches_the_workers_with_no_failure_and_the
 
     long_clients = ClientLoops(single_turn, 2)
     try:  # long prompts, answers streaming beside them: the split stays
-        wait_until(lambda: len(long_clients.done) >= 10 or long_clients.errors, 150, "ten long prompts answered")
+        wait_until(lambda: len(long_clients.done) >= 8 or long_clients.errors, 150, "eight long prompts answered")
     finally:
         long_clients.finish()
     assert not long_clients.errors, long_clients.errors
@@ -93,6 +93,7 @@ def test_a_shift_to_multi_turn_chat_switches_the_workers_with_no_failure_and_the
     chat_clients = ClientLoops(chat_turn, 4)
     try:  # multi-turn chat: the planner moves both workers to `both`
         wait_until(lambda: switches(s) >= 1 or chat_clients.errors, 150, "the planner's switch")
+        split_turns = list(chat_clients.done)  # answered while the workers were split (or switching)
         wait_until(lambda: roles(s) == {"worker-0": "both", "worker-1": "both"} or chat_clients.errors, 30,
                    "both workers `both` in the registry")
         before = len(chat_clients.done)
@@ -109,7 +110,7 @@ def test_a_shift_to_multi_turn_chat_switches_the_workers_with_no_failure_and_the
     assert planner_metrics(s).value("duet_planner_target_workers", role="both") == 2
 
     # what was answered before the switch is answered the same after it (greedy)
-    asked = long_clients.done[::3] + chat_clients.done[:before:4]
+    asked = long_clients.done[::4] + split_turns[::max(1, len(split_turns) // 3)][:3]
     for (kind, request), answer in asked:
         if kind == "completion":
             again = client.completions.create(model=MODEL, prompt=request, **LONG_OUT)
