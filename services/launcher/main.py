@@ -82,7 +82,8 @@ class Stack:
         self.placements = place_workers(cfg.num_workers, flags, gpus, explicit_kv=cfg.kv_cache_memory,
                                         card_bytes=gpu_memory_bytes() if gpus else 0,
                                         model_bytes=weight_bytes(model_dir) if gpus else 0, tps=tps,
-                                        roles=[role for role, _ in roles],
+                                        # a switchable worker may decode: it weighs as `both`
+                                        roles=["both" if cfg.switchable else role for role, _ in roles],
                                         host_bytes=host_available_bytes() if gpus else 0)
         cores = os.cpu_count() or 1
         threads = cfg.threads or max(1, cores // max(1, cfg.num_workers))

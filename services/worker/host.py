@@ -62,8 +62,10 @@ class WorkerHost:
         served = config.served_model_name or engine.model_dir.name
         worker_id = config.worker_id or default_worker_id(config.role)
         kv_layout = model_kv_key(engine)
-        tracing = setup_tracing("both" if config.switchable else config.role)  # duet-worker: either role
-        ctx = WorkerContext(config=config, engine=engine, loop=EngineLoop(engine), metrics=DuetMetrics(config.role),
+        # a switchable worker serves both services whatever it advertises: `both` (duet-worker)
+        service = "both" if config.switchable else config.role
+        tracing = setup_tracing(service)
+        ctx = WorkerContext(config=config, engine=engine, loop=EngineLoop(engine), metrics=DuetMetrics(service),
                             worker_id=worker_id, instance_nonce=secrets.token_hex(8),
                             compat_hash=compat_hash(served, kv_layout), page_size=engine.layout.page_size,
                             tracer=tracing.tracer, watcher=WorkerWatcher(config.registry, model=served))
