@@ -68,6 +68,8 @@ class Decider:
     def decide(self, now: float, current: Split, fixed: Split, load: Load, fleet: Fleet | None) -> Decision:
         options = candidates(current.workers, fixed)
         self.served = self.served or current.servable
+        if not options:  # no worker, or none that may switch into a servable split
+            return Decision("keep", "best", current, current, load)
         if not current.servable and not self.served:
             return Decision("keep", "starting", current, current, load)
         if not current.servable and options:

@@ -29,6 +29,7 @@ from services.planner.predict import Fleet, Split
 from services.planner.report import PlannerMetrics, report, report_pool
 from services.planner.role_switcher import RoleSwitcher
 from services.planner.scrape import read_gateways, read_workers
+from shared.registry.entry_trust import EntryTrust
 from shared.registry.watcher import WorkerWatcher
 from shared.registry.worker_info import WorkerInfo
 from shared.telemetry.logs import setup_logging
@@ -46,7 +47,10 @@ class Planner:
         self.kube = kube
         self.namespace = namespace_of(config.k8s.namespace) if kube is not None else ""
         timing = config.timing
-        self.watcher = WorkerWatcher(config.registry, model=config.model or None)
+        # under mutual TLS, as the router: only entries whose worker proved who it is (their
+        # metrics are read, their roles switched)
+        self.trust = EntryTrust(config.tls) if config.tls.mutual else None
+        self.watcher = WorkerWatcher(config.registry, model=config.model or None, trust=self.trust)
         self.window = LoadWindow(timing.window_s)
         self.decider = Decider(timing.hysteresis, timing.dwell_s, timing.min_requests, time.monotonic())
         self.switcher = RoleSwitcher(config.tls)
@@ -154,6 +158,8 @@ async def serve(config: PlannerConfig) -> None:
     finally:
         await planner.switcher.close()
         await planner.watcher.stop()
+        if planner.trust is not None:
+            await planner.trust.close()
         metrics_server.stop()
         tracing.shutdown()
 

@@ -198,5 +198,7 @@ def candidates(workers: int, fixed: Split = Split()) -> list[Split]:
     """The splits of `workers` the planner weighs: every worker `both`, or p prefill and the
     rest decode (p from 1 to workers - 1); with workers that cannot switch (`fixed`), only
     splits that keep them in their roles."""
+    if workers < 1:
+        return []
     out = [Split(0, 0, workers)] + [Split(p, workers - p, 0) for p in range(1, workers)]
     return [s for s in out if s.prefill >= fixed.prefill and s.decode >= fixed.decode and s.both >= fixed.both]

@@ -83,6 +83,7 @@ def test_workers_that_cannot_serve_are_fixed_at_once_but_not_while_they_join():
     assert d.decide(2.0, P1D1, Split(), Load(), fleet()).action == "keep"
     lost = d.decide(3.0, Split(1, 0, 0), Split(), Load(), fleet())  # the decode worker died
     assert (lost.action, lost.reason, lost.target) == ("switch", "unservable", Split(0, 0, 1))
+    assert candidates(0) == [] and d.decide(4.0, Split(), Split(), Load(), None).action == "keep"  # all gone
 
 
 def test_workers_that_cannot_switch_keep_their_roles_in_every_split():
