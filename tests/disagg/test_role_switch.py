@@ -70,7 +70,8 @@ def test_roles_switch_under_load_with_no_failed_request_and_the_same_answers(sta
 
     def ask(k: int, i: int) -> tuple[int, str]:
         n = (k + i) % len(PROMPTS)
-        return n, client.completions.create(model=MODEL, prompt=PROMPTS[n], max_tokens=10, temperature=0).choices[0].text
+        out = client.completions.create(model=MODEL, prompt=PROMPTS[n], max_tokens=10, temperature=0)
+        return n, out.choices[0].text
 
     with ClientLoops(ask, 2) as load:
         wait_until(lambda: len(load.done) >= 2, 120, "the clients' first answers")
