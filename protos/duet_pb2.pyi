@@ -343,3 +343,23 @@ class SequenceStart(_message.Message):
     first_token: Token
     finish_reason: FinishReason
     def __init__(self, first_token: _Optional[_Union[Token, _Mapping]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ...) -> None: ...
+
+class SetRoleRequest(_message.Message):
+    __slots__ = ("role", "reason")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    reason: str
+    def __init__(self, role: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class SetRoleReply(_message.Message):
+    __slots__ = ("role", "previous_role", "changed", "inflight_requests")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_ROLE_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    previous_role: str
+    changed: bool
+    inflight_requests: int
+    def __init__(self, role: _Optional[str] = ..., previous_role: _Optional[str] = ..., changed: _Optional[bool] = ..., inflight_requests: _Optional[int] = ...) -> None: ...

@@ -90,7 +90,8 @@ def parser() -> argparse.ArgumentParser:
     a("--prefill-prompts", default="1,4,16")
     a("--prefill-len", type=int, default=2048)
     a("--offline-requests", type=int, default=256, help="prompt and output lengths uniform in [ctx/10, ctx]")
-    a("--stacks", default="colocated,split", help="stack, multiturn: colocated, split, colocated2 (two GPUs)")
+    a("--stacks", default="colocated,split",
+      help="stack, multiturn: colocated, split, colocated2 (two GPUs), planned (split, the planner on)")
     a("--concurrency", default="1,16,32", help="stack: closed-loop points")
     a("--stack-lens", default="1024,256", help="stack: prompt and output tokens")
     a("--rates", default="", help="stack: Poisson rates (req/s) of --stack-lens prompts, --seconds-per-rate each, "

@@ -9,27 +9,29 @@ from protos import duet_pb2_grpc
 from services.decode.reserve_queue import ReserveQueue
 from services.decode.reservations import ReservationBook
 from services.decode.service import DecodeService
-from services.worker_runtime.transfer import close_agents, open_agents
+from services.worker_runtime.transfer import open_host_agents
 from shared.kv_transfer.capability import CapabilityIssuer
 
 
 def install(host) -> None:
-    ctx, config = host.ctx, host.config
-    tp = config.engine.tp_size
     host.publish_kv_events()
-    open_agents(ctx, write_timeout_s=config.write_timeout_s, progress_thread=config.nixl_progress_thread,
-                registry=config.registry)
-    host.on_stop.append(lambda: close_agents(ctx, tp))
+    open_host_agents(host)
+    add_book(host)
+    add_service(host)
+
+
+def add_book(host) -> None:
+    """The reservations prefill workers write into, settled on the engine loop (needs the agents)."""
+    ctx, config = host.ctx, host.config
     ctx.book = ReservationBook(host.engine, ctx.agent, ctx.is_live,
                                quarantine_s=max(2 * config.write_timeout_s, config.notice_timeout_s),
-                               metrics=ctx.metrics, claim_timeout_s=config.notice_timeout_s, num_ranks=tp,
-                               ttl_s=config.reservation_ttl_s)
+                               metrics=ctx.metrics, claim_timeout_s=config.notice_timeout_s,
+                               num_ranks=config.engine.tp_size, ttl_s=config.reservation_ttl_s)
     ctx.issuer = CapabilityIssuer()  # this instance's key: its public half goes into the registry entry
     ctx.reserve_queue = ReserveQueue(ctx.book, config.engine.max_running_requests, config.reserve_aging_s)
     ctx.loop.add_tick(ctx.book.tick)
     ctx.loop.add_tick(ctx.reserve_queue.tick)  # after the book's: what it just freed is granted at once
     host.busy.append(lambda: bool(ctx.book.open))
-    add_service(host)
 
 
 def add_service(host) -> None:

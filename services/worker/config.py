@@ -23,6 +23,11 @@ ROLES = ("prefill", "decode", "both")
 class WorkerConfig:
     role: str = setting("both", flag="--role", env="DUET_ROLE", choices=ROLES,
                         help="prefill, decode, or both (whole requests, no KV transfer)")
+    switchable: bool = setting(
+        False, flag="--switchable", env="DUET_SWITCHABLE",
+        help="install every role's parts so the planner can switch this worker between prefill, decode and "
+             "both at run time (SetRole) without a restart or losing its KV cache; --role is the role it "
+             "advertises first. Under mutual TLS its certificate must name the role `worker`")
     host: str = setting("127.0.0.1", flag="--host", env="DUET_HOST", help="address the gRPC and /metrics servers bind")
     advertise_host: str = setting("", flag="--advertise-host", env="DUET_ADVERTISE_HOST",
                                   help="address other services dial (default: --host, or 127.0.0.1 if 0.0.0.0)")

@@ -28,7 +28,7 @@ async def serve(config: WorkerConfig) -> int:
     from shared.engine.engine import Engine
     from shared.engine.warmup import warm_up
 
-    if config.role == "prefill" and config.engine.speculative_method:
+    if config.role == "prefill" and config.engine.speculative_method and not config.switchable:
         # speculation lives on the decode pool: a prefill worker stops after the first token
         log.info("prefill worker: speculative decoding settings ignored")
         config.engine.speculative_method = None
@@ -46,7 +46,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(config.log_level)
     try:
         config.tls.check("server")  # a bad certificate path fails now, not after loading the model
-        config.tls.check_identity(config.role, config.worker_id or "")
+        # a switchable worker's certificate names the role `worker`: it may advertise any
+        config.tls.check_identity("worker" if config.switchable else config.role, config.worker_id or "")
         return asyncio.run(serve(config))
     except KeyboardInterrupt:
         return 0

@@ -49,7 +49,7 @@ class WorkerLoad:
 @dataclass
 class WorkerInfo:
     worker_id: str
-    role: str                       # prefill | decode | both
+    role: str                       # prefill | decode | both: what the router places on now
     address: str                    # gRPC host:port
     model: str
     metrics_address: str = ""       # HTTP host:port serving /metrics
@@ -67,6 +67,7 @@ class WorkerInfo:
     load: WorkerLoad = field(default_factory=WorkerLoad)
     perf: WorkerPerf = field(default_factory=WorkerPerf)  # step-time model etc. (shared/perf_model)
     heartbeat_seq: int = 0          # bumps each heartbeat (no wall clocks across hosts)
+    switchable: bool = False        # may change `role` at run time (the planner's SetRole)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -103,6 +104,7 @@ class WorkerInfo:
             "nixl_agents": json.dumps(self.agent_names),
             "kv_pools": json.dumps([asdict(p) for p in self.kv_pools]),
             "capability_key": self.capability_key,
+            "switchable": "1" if self.switchable else "0",
         }
 
     def load_fields(self) -> dict[str, str]:
@@ -146,7 +148,15 @@ class WorkerInfo:
             load=load,
             perf=WorkerPerf.from_fields(h),
             heartbeat_seq=int(h.get("heartbeat_seq", 0)),
+            switchable=h.get("switchable", "0") == "1",
         )
+
+
+def kv_bytes_per_token(worker: WorkerInfo) -> float:
+    """KV bytes one token takes in the worker's pool, all ranks (what a handoff moves)."""
+    if not worker.kv_pools or worker.page_size <= 0:
+        return 0.0
+    return sum(p.page_bytes for p in worker.kv_pools) / worker.page_size
 
 
 def default_worker_id(role: str) -> str:
