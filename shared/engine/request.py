@@ -49,6 +49,9 @@ class Req:
     group: str | None = None  # the request's id when this is sequence index > 0 of it
     forked: bool = False  # n > 1: the other sequences were made (at the first sample)
     forced_first: list[int] | None = None  # n > 1 recompute: the first tokens already sampled
+    # output tokens that came with the request, sampled elsewhere (a recompute, a migrated
+    # stream): the next sample is the first this worker makes
+    num_given: int = 0
     prompt_lps: list | None = None  # prompt logprobs by position: (logprob, top) or None
     spec: object = None  # speculative/state.SpecState once it decodes with speculation on
 
