@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import threading
 import time
 
 import grpc
@@ -36,28 +35,12 @@ from shared.registry.publisher import WorkerPublisher
 from shared.registry.worker_info import WorkerInfo, WorkerLoad
 from tests.helpers.openai_schema import validate
 from tests.helpers.redis_server import RedisServer
-from tests.helpers.gateway_support import UvicornThread, byte_level_tokenizer_dir, wait_until
+from tests.helpers.gateway_support import LoopThread, UvicornThread, byte_level_tokenizer_dir, wait_until
 
 MODEL = "tiny"
 CONTEXT = 256
 PAGE = 4
 MESSAGES = [{"role": "user", "content": "hi"}]
-
-
-class LoopThread:
-    """An asyncio loop in a thread, for the servers the gateway talks to."""
-
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout: float = 30):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self):
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
 
 
 class Script:

@@ -179,6 +179,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class LoopThread:
+    """An asyncio loop in a thread, for the servers the gateway talks to."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 30):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
 class UvicornThread:
     """A real uvicorn server on 127.0.0.1:<free port>, in a thread of this process."""
 

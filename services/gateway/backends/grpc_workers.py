@@ -130,11 +130,12 @@ class _Channels:
 
 
 class GrpcBackend:
-    def __init__(self, config: GrpcBackendConfig, migration_metrics: MigrationMetrics | None = None):
+    def __init__(self, config: GrpcBackendConfig, migration_metrics: MigrationMetrics | None = None,
+                 tracer: trace.Tracer | None = None):
         """migration_metrics: in the gateway's registry (a registry of its own without)."""
         self.config = config
         self.migration_metrics = migration_metrics or MigrationMetrics(CollectorRegistry())
-        self._tracer = trace.get_tracer("duet-gateway")
+        self._tracer = tracer or trace.get_tracer("duet-gateway")
         self._router_channel: grpc.aio.Channel | None = None
         self._router: duet_pb2_grpc.RouterStub | None = None
         self._workers = _Channels(config.tls)
