@@ -13,6 +13,10 @@ decode workers (separate processes, real redis-server, router, gateway, NIXL/UCX
   pages while the writer is still in the registry, frees them once it is gone, and the
   stack keeps serving.
 
+The gateway runs with failover off (--migration-limit 0): these are the rules under the error a
+client sees; with failover on, a request whose worker died goes on elsewhere
+(tests/gateway/test_gateway_failover.py, tests/e2e/test_e2e_failover.py).
+
 The tests run in order (each leaves fewer workers). After each, used pages return to zero.
 The rules and the other tests that prove them: docs/ARCHITECTURE.md, "Failure rules".
 """
@@ -44,6 +48,7 @@ WRITE_TIMEOUT_S = 3.0
 @pytest.fixture(scope="module")
 def stack(request):
     s = ProcessStack(new_log_dir("fail-workers"), registry_ttl_s=TTL_S, kv_cache_memory="320M",
+                     gateway_args=["--migration-limit", "0"],
                      worker_args=["--max-num-batched-tokens", str(CHUNK), "--notice-timeout", str(NOTICE_TIMEOUT_S),
                                   "--write-timeout", str(WRITE_TIMEOUT_S)])
     with managed(request, s.start(prefill=2, decode=2)) as s:

@@ -3,7 +3,7 @@
 workers over gRPC, KV moved by NIXL/UCX, the gateway on uvicorn, the official openai
 client).
 
-Fourteen concurrent chat streams of every kind the failover must keep right (greedy,
+Twelve concurrent chat streams of every kind the failover must keep right (greedy,
 seeded at temperature 1, JSON-schema constrained, n = 2, logprobs with alternatives) run
 once unfaulted, then again while the decode worker serving most of them is SIGKILLed mid
 stream: every stream ends with [DONE] and no error, and each one's choices (text, finish
@@ -26,7 +26,7 @@ from tests.helpers.stack import DuetUp, managed, new_log_dir, wait_until
 pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
-MAX_TOKENS = 40
+MAX_TOKENS = 28
 # a long shared system prompt: the prefill worker keeps its pages, so a moved stream's KV is
 # mostly moved from there rather than computed again
 SYSTEM = ("You are a patient tutor for a class of curious twelve-year-olds. You explain one idea at a time, "
@@ -38,8 +38,7 @@ SYSTEM = ("You are a patient tutor for a class of curious twelve-year-olds. You 
 QUESTIONS = ["Why is the sky blue?", "How do bees make honey?", "What makes a rainbow?",
              "Why do we have seasons?", "How does a compass work?", "Why does ice float?",
              "What is a shadow?", "How do plants drink water?", "Why is the sea salty?",
-             "How does a bicycle stay up?", "What is an echo?", "Why do cats purr?",
-             "How do clouds form?", "What is gravity?"]
+             "How does a bicycle stay up?", "What is an echo?", "Why do cats purr?"]
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 24},
                                            "confidence": {"type": "integer", "minimum": 0, "maximum": 10}},
           "required": ["answer", "confidence"], "additionalProperties": False}
@@ -120,6 +119,9 @@ def decode_process(stack, worker_id: str) -> psutil.Process:
 
 
 def test_a_decode_worker_killed_mid_stream_is_never_seen_by_the_client(stack):
+    # the shared system prompt into the prefill worker's cache first: the streams then compute only their
+    # questions (as a busy deployment's would)
+    stack.client().chat.completions.create(model=MODEL, max_tokens=1, messages=cases()[0]["messages"])
     unfaulted = run_all(stack)
     for s in unfaulted:
         assert s.error is None, s.error
