@@ -19,9 +19,6 @@ import itertools
 import grpc
 import openai
 import pytest
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from protos import duet_pb2, duet_pb2_grpc
 from services.gateway.backends.grpc_workers import GrpcBackend, GrpcBackendConfig
@@ -31,14 +28,9 @@ from services.gateway.http_edge.app import build_app
 from services.gateway.http_edge.metrics import GatewayMetrics
 from services.gateway.openai_api.endpoints import GatewayContext
 from services.gateway.openai_api.prompt_builder import PromptBuilder
-from services.router.config import RouterConfig
-from services.router.server import RouterServer
-from shared.registry.config import RegistryConfig
-from shared.registry.publisher import WorkerPublisher
 from shared.registry.worker_info import WorkerInfo, WorkerLoad
 from shared.wire.fault import FAULT_KEY
-from tests.helpers.gateway_support import LoopThread, UvicornThread, byte_level_tokenizer_dir
-from tests.helpers.redis_server import RedisServer
+from tests.helpers.gateway_support import RouterCluster, UvicornThread, byte_level_tokenizer_dir, in_memory_spans
 
 MODEL = "tiny"
 CONTEXT = 256
@@ -156,27 +148,16 @@ class ScriptedPrefill(duet_pb2_grpc.PrefillServicer):
                                      sequences=starts, cached_tokens=prompt, computed_tokens=given)
 
 
-class Cluster:
+class Cluster(RouterCluster):
     """Redis, the router, two scripted decode servers and two scripted prefill workers."""
 
     def __init__(self, tokenizer):
-        self.redis = RedisServer()
+        super().__init__(MODEL)
         self.script = Script(tokenizer)
-        self.loop = LoopThread()
         self.infos: dict[str, WorkerInfo] = {}
+        self.servers = []
 
-    def __enter__(self):
-        self.redis.start()
-        self.registry = RegistryConfig(redis_url=self.redis.url, ttl_s=2.0, heartbeat_interval_s=0.3,
-                                       scan_interval_s=0.3, socket_timeout_s=0.5)
-        self.loop.run(self._start())
-        return self
-
-    async def _start(self):
-        self.servers, self.publishers = [], []
-        self.router = RouterServer(RouterConfig(host="127.0.0.1", port=0, metrics_port=0, model=MODEL,
-                                                registry=self.registry))
-        await self.router.start()
+    async def _start_workers(self):
         for name, role in (("decode-a", "decode"), ("decode-b", "decode"), ("prefill-1", "prefill"),
                            ("prefill-2", "prefill")):
             server = grpc.aio.server()
@@ -187,32 +168,19 @@ class Cluster:
             port = server.add_insecure_port("127.0.0.1:0")
             await server.start()
             self.servers.append(server)
-            info = WorkerInfo(worker_id=name, role=role, address=f"127.0.0.1:{port}", model=MODEL, page_size=PAGE,
-                              compat_hash="c1", checkpoint=CHECKPOINT,
-                              load=WorkerLoad(free_pages=1000, total_pages=1000))
-            publisher = WorkerPublisher(info, self.registry)
-            await publisher.start()
-            assert await publisher.wait_registered(5)
-            self.publishers.append(publisher)
-            self.infos[name] = info
-        assert await self.router.watcher.wait_for(lambda w: len(w.workers()) == 4, 5)
+            self.infos[name] = WorkerInfo(worker_id=name, role=role, address=f"127.0.0.1:{port}", model=MODEL,
+                                          page_size=PAGE, compat_hash="c1", checkpoint=CHECKPOINT,
+                                          load=WorkerLoad(free_pages=1000, total_pages=1000))
 
-    def nonce(self, name: str) -> str:
-        return self.infos[name].instance_nonce
+    async def _stop_workers(self):
+        for server in self.servers:
+            await server.stop(0)
 
-    def __exit__(self, *exc):
-        async def stop():
-            for publisher in self.publishers:
-                await publisher.stop()
-            await self.router.stop()
-            for server in self.servers:
-                await server.stop(0)
-
-        try:
-            self.loop.run(stop())
-        finally:
-            self.loop.close()
-            self.redis.stop()
+    def __enter__(self):
+        super().__enter__()
+        for info in self.infos.values():
+            self.publish(info)
+        return self
 
 
 @pytest.fixture(scope="module")
@@ -227,23 +195,16 @@ def cluster(prompts):
 
 
 @pytest.fixture(scope="module")
-def spans():
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    return provider, exporter
-
-
-@pytest.fixture(scope="module")
-def gateway(cluster, prompts, spans):
-    metrics = GatewayMetrics()
+def gateway(cluster, prompts):
+    """The gateway (failover: 3 moves, 3 s each), its metrics, and the spans it ends."""
+    metrics, (provider, spans) = GatewayMetrics(), in_memory_spans()
+    tracer = provider.get_tracer("duet-gateway")
     backend = GrpcBackend(GrpcBackendConfig(router_address=f"127.0.0.1:{cluster.router.port}", model=MODEL,
                                             max_context_len=CONTEXT, redis_url=cluster.redis.url, rpc_timeout_s=30,
                                             migration=MigrationConfig(limit=3, deadline_s=3.0)),
-                          MigrationMetrics(metrics.registry), tracer=spans[0].get_tracer("duet-gateway"))
-    ctx = GatewayContext(backend, prompts, metrics, MODEL, CONTEXT, tracer=spans[0].get_tracer("duet-gateway"))
-    with UvicornThread(build_app(ctx)) as server:
-        server.backend, server.metrics = backend, metrics
+                          MigrationMetrics(metrics.registry), tracer=tracer)
+    with UvicornThread(build_app(GatewayContext(backend, prompts, metrics, MODEL, CONTEXT, tracer=tracer))) as server:
+        server.backend, server.metrics, server.spans = backend, metrics, spans
         yield server
 
 
@@ -274,8 +235,7 @@ def stream_chat(client, **kw) -> tuple[dict[int, str], dict[int, str], object, l
     return texts, reasons, usage, logprobs
 
 
-def test_a_stream_whose_decode_worker_dies_goes_on_elsewhere_with_every_token_once(gateway, cluster, client,
-                                                                                   spans):
+def test_a_stream_whose_decode_worker_dies_goes_on_elsewhere_with_every_token_once(gateway, cluster, client):
     script = cluster.script
     tokens = script.tokens(None, 0)
     script.generate_drops = [5]  # the first decode stream breaks after 5 chunks: 6 tokens streamed
@@ -300,7 +260,7 @@ def test_a_stream_whose_decode_worker_dies_goes_on_elsewhere_with_every_token_on
     assert counter(gateway, "duet_migration_rebuilt_tokens_total", source="moved") >= len(prompt)
     assert counter(gateway, "duet_migration_rebuilt_tokens_total", source="recomputed") >= 6
     # one trace: the migrate span and the moved attempt's RPCs are in the request's
-    finished = spans[1].get_finished_spans()
+    finished = gateway.spans.get_finished_spans()
     root = [s for s in finished if s.name == "POST /v1/chat/completions"][-1]
     migrate = [s for s in finished if s.name == "migrate"][-1]
     assert migrate.context.trace_id == root.context.trace_id and migrate.parent.span_id == root.context.span_id
