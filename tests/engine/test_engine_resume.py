@@ -3,8 +3,8 @@ failover: services/gateway/backends/migration.py): the prompt goes in with those
 `output_prefix`, prefilled (split: on a prefill engine whose KV is copied into a decode
 engine's reservation; or colocated) and continued. Sampling is keyed on (seed, position), so
 the continuation equals the unfaulted run token for token, greedy or seeded at temperature 1
-with penalties (which count the given tokens as output); max_tokens counts them once; a
-grammar goes on in the state of the tokens sent; a stop string across the seam ends the
+with penalties (which count the given tokens as output), and greedy on a speculating decode
+engine; max_tokens counts them once; a grammar goes on in the state of the tokens sent; a stop string across the seam ends the
 stream where the unfaulted one ends. Every run ends with every page free."""
 from __future__ import annotations
 
@@ -34,9 +34,9 @@ def model_dir(tmp_path_factory):
                            tokenizer_from=default_model_dir())
 
 
-def engine(d) -> Engine:
+def engine(d, **kw) -> Engine:
     return Engine(model_dir=str(d), dtype="float64", device="cpu", page_size=PAGE, max_num_batched_tokens=16,
-                  kv_cache_memory=8 << 20)
+                  kv_cache_memory=8 << 20, **kw)
 
 
 def fresh(params: SamplingParams) -> SamplingParams:
@@ -48,10 +48,10 @@ def unfaulted(d, prompt, params):
     return out
 
 
-def resumed_split(d, prompt, params, streamed: list[int]) -> tuple[list[int], str]:
+def resumed_split(d, prompt, params, streamed: list[int], dec: Engine | None = None) -> tuple[list[int], str]:
     """Prefill prompt + streamed on one engine, copy the KV into a decode engine's reservation,
     continue there: the tokens after `streamed`, and the finish reason."""
-    pre, dec = engine(d), engine(d)
+    pre, dec = engine(d), dec or engine(d)
     rid = pre.add_request(prompt, fresh(params), prefill_only=True, output_prefix=list(streamed))
     first = None
     while pre.has_work:
@@ -111,6 +111,22 @@ def test_a_resumed_stream_draws_what_the_unfaulted_run_draws(model_dir, params):
         assert tail == full.token_ids[k:] and reason == "length", k
         tail, reason, _ = resumed_colocated(model_dir, prompt, params, full.token_ids[:k])
         assert tail == full.token_ids[k:] and reason == "length", k
+
+
+def test_a_speculating_decode_worker_goes_on_as_the_unfaulted_run(model_dir):
+    """The decode engine drafts with a model of its own (here the target itself, so drafts are
+    accepted and verify steps run): its draft's KV covers the streamed tokens too. Greedy only:
+    speculation keeps a seeded stream's distribution, not its tokens (docs/ARCHITECTURE.md,
+    "Speculative decoding"), with or without a move."""
+    params = GREEDY
+    prompt = random_prompts(1, [9], seed=3)[0]
+    full = unfaulted(model_dir, prompt, params)
+    dec = engine(model_dir, speculative_method="draft", speculative_draft_model=str(model_dir),
+                 speculative_tokens=3, speculative_min_acceptance=0.0)
+    for k in (1, 7):
+        tail, reason = resumed_split(model_dir, prompt, params, full.token_ids[:k], dec=dec)
+        assert tail == full.token_ids[k:] and reason == "length", k
+    assert dec.spec.stats.verify_steps > 0
 
 
 def test_a_grammar_resumes_in_the_state_of_the_tokens_sent(model_dir):
