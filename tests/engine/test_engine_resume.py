@@ -16,7 +16,7 @@ from shared.engine.engine import Engine
 from shared.engine.grammar_spec import GrammarSpec
 from shared.engine.request import ReqStatus
 from shared.engine.sampling_params import SamplingParams
-from tests.helpers.engine_models import assert_all_pages_free, build_model_dir, random_prompts, run_engine
+from tests.helpers.engine_models import assert_all_pages_free, random_prompts, run_engine, with_real_tokenizer
 
 KIND = "llama_tied_gqa2"
 PAGE = 4
@@ -29,12 +29,11 @@ pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from tests.helpers.stack import model_dir as default_model_dir
-    return build_model_dir(tmp_path_factory.mktemp("resume") / KIND, KIND, seed=7,
-                           tokenizer_from=default_model_dir())
+    return with_real_tokenizer(tmp_path_factory, KIND, seed=7)
 
 
 def engine(d, **kw) -> Engine:
+    """A small float64 engine; kw: speculation."""
     return Engine(model_dir=str(d), dtype="float64", device="cpu", page_size=PAGE, max_num_batched_tokens=16,
                   kv_cache_memory=8 << 20, **kw)
 
