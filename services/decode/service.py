@@ -26,6 +26,7 @@ from shared.registry.prefix_hashes import chained_page_hashes
 from shared.wire.cache_scope import cache_scope_from_proto
 from shared.wire.outputs import Usage, chunk_to_proto, first_token_ids_from_proto, tokens_to_proto
 from shared.wire.reservation import KvReservation, RankPages, reservation_to_proto
+from shared.wire.resume import ResumedPrompt, resumed_from_proto
 from shared.wire.sampling import sampling_from_proto
 
 log = logging.getLogger("duet.decode")
@@ -137,10 +138,11 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
         rid = request.request_id or uuid.uuid4().hex
         try:
             params = sampling_from_proto(request.sampling)
+            resumed = resumed_from_proto(request)  # a migrated stream: the tokens it streamed
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         await compile_ahead(ctx, params, context)
-        prompt = list(request.prompt_token_ids)
+        prompt = resumed.kv_tokens
         scope = cache_scope_from_proto(request)  # colocated or recomputed: split requests keep their reservation's
         split = request.HasField("reservation")
         aloop = asyncio.get_running_loop()
@@ -148,9 +150,9 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
         with ctx.span("decode", context, request_id=rid, split=split) as span:
             spec = None  # speculative decoding: the sequences' stats, summed onto the span
             if split:
-                started = await self._join_split(request, rid, prompt, params, aloop, q, context, scope)
+                started = await self._join_split(request, rid, resumed, params, aloop, q, context, scope)
             else:
-                started = await self._start_colocated(rid, prompt, params, aloop, q, context, scope,
+                started = await self._start_colocated(rid, resumed, params, aloop, q, context, scope,
                                                       request.request_group)
             emitted = 1 if split else 0
             finished = started is not None and started.finished
@@ -198,11 +200,12 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
     def _last_chunk(out, tokens, prompt, emitted) -> duet_pb2.TokenChunk:
         return chunk_to_proto(out, prompt, tokens, Usage(len(prompt), emitted, out.num_cached_tokens))
 
-    async def _start_colocated(self, rid, prompt, params, aloop, q, context, scope, group: str = ""):
+    async def _start_colocated(self, rid, resumed: ResumedPrompt, params, aloop, q, context, scope, group: str = ""):
         ctx = self.ctx
 
         def start():
-            ctx.engine.add_request(prompt, params, rid=rid, scope=scope, request_group=group)
+            ctx.engine.add_request(resumed.prompt, params, rid=rid, scope=scope, output_prefix=resumed.streamed or None,
+                                   request_group=group)
             ctx.loop.attach(rid, aloop, q)
         try:
             await ctx.loop.acall_or_undo(start, lambda: (ctx.loop.detach(rid), ctx.engine.abort(rid)))
@@ -210,7 +213,7 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return None
 
-    async def _join_split(self, request, rid, prompt, params, aloop, q, context, scope):
+    async def _join_split(self, request, rid, resumed: ResumedPrompt, params, aloop, q, context, scope):
         """Wait for the KV (or decide to recompute) and join the running batch. Returns a
         finished StepOutput if the request ended right away, else None."""
         ctx = self.ctx
@@ -247,16 +250,16 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
             notice = res.notice
             if notice is not None and notice.kind == "done" and notice.first_token_id == first:
                 book.consume(res)
-                ctx.engine.add_prefilled(res.key, prompt, firsts, params, seed=None, rid=rid,
-                                         request_group=request.request_group)
+                ctx.engine.add_prefilled(res.key, resumed.prompt, firsts, params, seed=None, rid=rid,
+                                         output_prefix=resumed.streamed or None, request_group=request.request_group)
                 mode = "transfer"
             else:
                 if not ctx.config.recompute_on_missing_kv:
                     book.cancel(res.reservation_id, res.generation)
                     raise TimeoutError("the prefill worker's KV never arrived")
                 book.cancel(res.reservation_id, res.generation)  # freed once no write can land
-                ctx.engine.add_request(prompt, params, rid=rid, output_prefix=firsts, scope=scope,
-                                       request_group=request.request_group)
+                ctx.engine.add_request(resumed.prompt, params, rid=rid, output_prefix=resumed.streamed + firsts,
+                                       scope=scope, request_group=request.request_group)
                 mode = "recompute"
                 log.warning("request %s: KV from %s did not arrive (%s); recomputing the prompt",
                             rid, res.writer_id, notice.kind if notice else "no notice")

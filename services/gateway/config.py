@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from services.gateway.backends.migration import MigrationConfig
 from services.gateway.http_edge.limits_config import GatewayLimits
 from services.gateway.http_edge.security_config import SecurityConfig
 from services.gateway.openai_api.template_config import ChatTemplateConfig
@@ -57,6 +58,7 @@ class GatewayConfig:
     limits: GatewayLimits = nested(GatewayLimits, "limits (admission, body size, slow clients)")
     template: ChatTemplateConfig = nested(ChatTemplateConfig, "chat template (request options, render budget)")
     grammar: GrammarLimits = nested(GrammarLimits, "structured outputs (grammar size and compile budget)")
+    migration: MigrationConfig = nested(MigrationConfig, "failover (a stream whose worker failed goes on elsewhere)")
 
     def __post_init__(self) -> None:
         if self.backend is None:

@@ -90,20 +90,23 @@ class OutgoingTransfers:
     def start(self, rid: str, prompt_ids, params, stream: PageWriteStream,
               reservation_id: int, generation: int, held_pages: int = 0,
               write_nothing: bool = False, scope: CacheScope = DEFAULT_SCOPE, secret: bytes = b"",
-              deadline: float = float("inf"), request_group: str = "") -> concurrent.futures.Future:
+              deadline: float = float("inf"), request_group: str = "",
+              output_prefix: list[int] = ()) -> concurrent.futures.Future:
         """held_pages: the reservation's leading pages decode already holds; the stream's
         pages are the ones after them. write_nothing: their hashes did not match. scope: the
         prefix-cache namespace and tenant of the request on this worker. secret, deadline: the
         reservation's write capability (notice MAC key; end of its lifetime on this process's
         monotonic clock). request_group: the client request it came from (the engine's fair
-        turns)."""
-        if (held_pages + len(stream.dst_page_ids)) * self.page_size < len(prompt_ids):
+        turns). output_prefix: a migrated stream's completion tokens so far: their KV is written
+        after the prompt's."""
+        kv_tokens = len(prompt_ids) + len(output_prefix)
+        if (held_pages + len(stream.dst_page_ids)) * self.page_size < kv_tokens:
             raise ValueError(f"reservation has {held_pages} held + {len(stream.dst_page_ids)} pages; the "
-                             f"prompt needs {-(-len(prompt_ids) // self.page_size)}")
+                             f"prompt needs {-(-kv_tokens // self.page_size)}")
         self.engine.add_request(prompt_ids, params, rid=rid, prefill_only=True, scope=scope,
-                                request_group=request_group)
+                                output_prefix=list(output_prefix) or None, request_group=request_group)
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self.active[rid] = Outgoing(rid, stream, reservation_id, generation, len(prompt_ids), fut,
+        self.active[rid] = Outgoing(rid, stream, reservation_id, generation, kv_tokens, fut,
                                     trail=[(S.PREFILLING, time.monotonic())], held_pages=held_pages,
                                     write_nothing=write_nothing, pages_sent=held_pages, secret=secret,
                                     deadline=deadline)

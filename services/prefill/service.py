@@ -28,11 +28,17 @@ from shared.kv_transfer.write_stream import rank_stream
 from shared.registry.peers import PeerNotFound
 from shared.registry.prefix_hashes import chained_page_hashes
 from shared.wire.cache_scope import cache_scope_from_proto
+from shared.wire.fault import FAULT_KEY
 from shared.wire.outputs import PrefillAnswer, prefill_reply_to_proto
 from shared.wire.reservation import KvReservation, reservation_from_proto
+from shared.wire.resume import resumed_from_proto
 from shared.wire.sampling import sampling_from_proto
 
 log = logging.getLogger("duet.prefill")
+
+# on a failure that lies with the decode worker (it left the registry, its writes failed): the
+# gateway migrates the request away from that decode worker, not from this prefill worker
+DECODE_FAULT = ((FAULT_KEY, "decode"),)
 
 
 class PrefillService(duet_pb2_grpc.PrefillServicer):
@@ -66,6 +72,7 @@ class PrefillService(duet_pb2_grpc.PrefillServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "reservation has no destination pages")
             try:
                 params = sampling_from_proto(request.sampling)
+                resumed = resumed_from_proto(request)  # a migrated stream: the tokens it streamed
             except ValueError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             await compile_ahead(ctx, params, context)
@@ -80,7 +87,7 @@ class PrefillService(duet_pb2_grpc.PrefillServicer):
                 peer = await ctx.peers.get(res.decode_worker_id, res.decode_instance_nonce, res.compat_hash)
                 specs = ctx.peers.rank_specs(peer, len(ranks))
             except PeerNotFound as exc:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc), trailing_metadata=DECODE_FAULT)
             try:  # which of our ranks writes which heads into which decode rank (cached per layout pair)
                 plan = plan_head_copies([a.pool for a in ctx.rank_agents], [s.pool for s in specs])
             except PairingError as exc:
@@ -89,7 +96,7 @@ class PrefillService(duet_pb2_grpc.PrefillServicer):
                                     f"worker {res.decode_worker_id} (tp {len(ranks)}): {exc}")
             mine = {c.dst_rank for c in plan if c.src_rank == 0} | {0}
             decode_peers = {j: ctx.peers.add(specs[j]) for j in sorted(mine)}
-            prompt = list(request.prompt_token_ids)
+            prompt = resumed.kv_tokens
             scope = cache_scope_from_proto(request)  # its namespace: prefill's own prefix cache, the held hashes' seed
             held = res.held_pages
             if held < 0 or held * ctx.page_size > len(prompt):
@@ -109,10 +116,10 @@ class PrefillService(duet_pb2_grpc.PrefillServicer):
                     stream = rank_stream(ctx.agent, 0, decode_peers, plan, pages[0])
                     if ctx.config.engine.tp_size > 1:
                         stream = TpWriteStream(stream, ctx.outgoing.followers, specs, pages[0], plan)
-                    fut = ctx.outgoing.start(rid, prompt, params, stream, res.reservation_id, res.generation,
-                                             held_pages=held, write_nothing=mismatch, scope=scope,
+                    fut = ctx.outgoing.start(rid, resumed.prompt, params, stream, res.reservation_id,
+                                             res.generation, held_pages=held, write_nothing=mismatch, scope=scope,
                                              secret=res.capability.secret, deadline=handoff.deadline,
-                                             request_group=request.request_group)
+                                             request_group=request.request_group, output_prefix=resumed.streamed)
                     handoff.started = True  # from here OutgoingTransfers tells decode how it ended
                     return fut
             try:
@@ -123,7 +130,7 @@ class PrefillService(duet_pb2_grpc.PrefillServicer):
                 result = await asyncio.wrap_future(fut)  # cancelled (the caller left): _abandon stops it
             except TransferError as exc:
                 ctx.metrics.request_finished("Prefill", grpc.StatusCode.UNAVAILABLE)
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc), trailing_metadata=DECODE_FAULT)
             ctx.metrics.request_finished("Prefill", grpc.StatusCode.OK)
             return prefill_reply_to_proto(PrefillAnswer(result.firsts, result.cached_tokens, result.computed_tokens,
                                                         result.kv_bytes), prompt)

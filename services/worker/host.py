@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from protos import duet_pb2_grpc
 from services.worker.config import WorkerConfig
+from services.worker.checkpoint import checkpoint_fingerprint
 from services.worker.kv_compat import compat_hash, model_kv_key
 from services.worker.load_publisher import LoadPublisher, load_counters
 from services.worker.role_switch import RoleSwitch, WorkerAdminService
@@ -50,6 +51,7 @@ class WorkerHost:
     served_model: str
     kv_layout: str
     tracing: Tracing
+    checkpoint: str = ""  # the weights' and tokenizer's fingerprint (checkpoint.py)
     kv_events: KvEventBuffer | None = None  # publish_kv_events(): the router sees this prefix cache
     services: list = field(default_factory=list)  # start() / async stop() while serving (peer warm-up)
     busy: list[Callable[[], bool]] = field(default_factory=list)  # in-flight work a drain waits for
@@ -62,18 +64,20 @@ class WorkerHost:
         served = config.served_model_name or engine.model_dir.name
         worker_id = config.worker_id or default_worker_id(config.role)
         kv_layout = model_kv_key(engine)
+        checkpoint = checkpoint_fingerprint(engine.model_dir, config.engine.quantization)
         # a switchable worker serves both services whatever it advertises: `both` (duet-worker)
         service = "both" if config.switchable else config.role
         tracing = setup_tracing(service)
         ctx = WorkerContext(config=config, engine=engine, loop=EngineLoop(engine), metrics=DuetMetrics(service),
                             worker_id=worker_id, instance_nonce=secrets.token_hex(8),
-                            compat_hash=compat_hash(served, kv_layout), page_size=engine.layout.page_size,
+                            compat_hash=compat_hash(served, kv_layout, checkpoint), page_size=engine.layout.page_size,
                             tracer=tracing.tracer, watcher=WorkerWatcher(config.registry, model=served))
         ctx.grammar_guard = GrammarGuard.for_tokenizer_info(config.engine.grammar,
                                                             lambda: engine.grammars.info.serialize_json())
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)],
                                  interceptors=config.tls.interceptors())  # mTLS: who may call what
-        host = cls(config, engine, ctx, server, served, kv_layout, tracing, calibration=list(calibration or []))
+        host = cls(config, engine, ctx, server, served, kv_layout, tracing, checkpoint,
+                   calibration=list(calibration or []))
         host.on_stop.append(ctx.grammar_guard.close)
         return host
 
@@ -88,7 +92,8 @@ class WorkerHost:
         pools = [RankKvPool(rank=r, agent_name=a.name, **a.pool.as_dict()) for r, a in enumerate(ctx.rank_agents)]
         return WorkerInfo(worker_id=ctx.worker_id, role=self.config.role, address=address, model=self.served_model,
                           metrics_address=metrics_address, tp=self.config.engine.tp_size, page_size=ctx.page_size,
-                          compat_hash=ctx.compat_hash, kv_layout=self.kv_layout, instance_nonce=ctx.instance_nonce,
+                          compat_hash=ctx.compat_hash, kv_layout=self.kv_layout, checkpoint=self.checkpoint,
+                          instance_nonce=ctx.instance_nonce,
                           max_running_requests=self.config.engine.max_running_requests,
                           max_batched_tokens=self.engine.scheduler.max_batched_tokens, kv_pools=pools,
                           capability_key=ctx.issuer.public_key if ctx.issuer is not None else "",

@@ -247,15 +247,16 @@ class Engine:
 
     # -- requests -----------------------------------------------------------------------
     def _make_req(self, prompt_ids, params: SamplingParams, rid, prefill_only,
-                  scope: CacheScope = DEFAULT_SCOPE) -> Req:
+                  scope: CacheScope = DEFAULT_SCOPE, num_given: int = 0) -> Req:
         if not prompt_ids:
             raise ValueError("prompt is empty")
         vocab = self.model_config.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         max_new = completion_budget(params.max_tokens, None, len(prompt_ids), self.max_model_len)
-        # a prefill-only request holds the prompt alone (its sequences fork on decode)
-        demand = (kv_demand(len(prompt_ids), 1, 1, self.layout.page_size) if prefill_only
+        # a prefill-only request holds the prompt (and the outputs given with it) alone: its
+        # sequences fork on decode
+        demand = (kv_demand(len(prompt_ids) + num_given, 1, 1, self.layout.page_size) if prefill_only
                   else kv_demand(len(prompt_ids), max_new, params.n, self.layout.page_size))
         check_fits(demand, self.kv.capacity)
         if params.logit_bias and max(params.logit_bias) >= vocab:
@@ -283,17 +284,32 @@ class Engine:
         scope: the prefix-cache namespace it reads and fills, and its tenant (cache_scope.py).
         request_group: the client request it came from (the scheduler takes waiting requests
         round robin across groups); "" = its own."""
-        req = self._make_req(prompt_ids, params or SamplingParams(), rid, prefill_only, scope)
+        params = params or SamplingParams()
+        given = len(output_prefix or ()) if params.n == 1 else 0
+        req = self._make_req(prompt_ids, params, rid, prefill_only, scope, num_given=given)
         req.request_group = request_group
         if output_prefix and req.params.n > 1:
             req.forced_first = list(output_prefix)
         elif output_prefix:
-            req.token_ids.extend(output_prefix)
-            if req.grammar is not None:
-                req.grammar = self.grammars.new_state(req.params.grammar, output_prefix)
+            self._give_outputs(req, output_prefix)
         self.requests[req.rid] = req
         self.scheduler.add(req)
         return req.rid
+
+    def _give_outputs(self, req: Req, outputs: list[int]) -> None:
+        """Output tokens sampled elsewhere join req as its own: max_tokens, penalties, the
+        grammar's state and stop strings go on from them, and sampling at their positions."""
+        if len(outputs) >= req.max_new_tokens:
+            raise ValueError(f"{len(outputs)} output tokens given for max_tokens {req.max_new_tokens}")
+        vocab = self.model_config.vocab_size
+        if min(outputs) < 0 or max(outputs) >= vocab:
+            raise ValueError(f"output token ids must be in [0, {vocab})")
+        req.token_ids.extend(outputs)
+        req.num_given = len(outputs)
+        if req.grammar is not None:
+            req.grammar = self.grammars.new_state(req.params.grammar, list(outputs))
+        if req.params.stop:  # a stop string across the seam is found from here (_find_stop)
+            req.output_text = self.tokenizer.decode(req.output_ids, skip_special_tokens=req.params.skip_special_tokens)
 
     def reserve(self, reservation_id: str, num_tokens: int, prompt_ids: list[int] | None = None,
                 scope: CacheScope = DEFAULT_SCOPE):
@@ -308,26 +324,31 @@ class Engine:
 
     def add_prefilled(self, reservation_id: str, prompt_ids: list[int], first_token: int | list[int],
                       params: SamplingParams, seed: int | None, rid: str | None = None,
-                      request_group: str = "") -> str:
+                      output_prefix: list[int] | None = None, request_group: str = "") -> str:
         """Decode side: join a request whose prompt KV landed in the reserved pages. For
         n > 1, first_token lists every sequence's first token (sampled by prefill): the
-        sequences fork from the transferred pages (sequence_group.py). request_group: as
-        add_request's."""
+        sequences fork from the transferred pages (sequence_group.py). output_prefix: a
+        migrated stream's completion tokens so far (n = 1), whose KV landed after the
+        prompt's; first_token follows them. request_group: as add_request's."""
         if seed is not None:
             params.seed = seed
         firsts = list(first_token) if isinstance(first_token, (list, tuple)) else [first_token]
         if len(firsts) != params.n:
             raise ValueError(f"{len(firsts)} first tokens for n={params.n}")
         scope = self.kv.reserved[reservation_id].scope  # the namespace its held pages matched under
+        if output_prefix and params.n > 1:
+            raise ValueError("a migrated stream continues one sequence (n = 1)")
         req = self._make_req(prompt_ids, params, rid, False, scope)
         req.request_group = request_group
+        if output_prefix:
+            self._give_outputs(req, output_prefix)
         res = self.kv.take_reservation(reservation_id)
         req.page_ids = res.page_ids
         req.num_tree_pages, req.prefix_node = len(res.held_pages), res.node
         req.num_cached_tokens = len(res.held_pages) * self.layout.page_size
         req.num_host_loaded_tokens = res.host_loaded_pages * self.layout.page_size
         req.kv_load_event = res.load_event
-        req.num_computed = len(prompt_ids)
+        req.num_computed = len(req.token_ids)
         self.requests[req.rid] = req
         self.scheduler.add_running(req)
         seqs = [req]
@@ -496,7 +517,8 @@ class Engine:
 
     def _append(self, req: Req, token: int, lp, top) -> StepOutput:
         first = req.num_output == 0
-        if first:
+        first_here = req.num_output == req.num_given  # the first token this worker samples
+        if first_here:
             self.stats.cached_tokens += req.num_cached_tokens
             self.stats.host_cached_tokens += req.num_host_loaded_tokens
         req.token_ids.append(token)
@@ -511,7 +533,7 @@ class Engine:
             done = True
         else:
             done = self._check_finished(req, token)
-        if req.prefill_only and first:
+        if req.prefill_only and first_here:
             # the KV transfer still reads these pages: hold them until release_held()
             self.scheduler.remove(req)
             req.status = ReqStatus.HELD

@@ -50,6 +50,9 @@ class Req:
     request_group: str = ""  # the client request it came from (a prompt list's prompts share it): fair turns
     forked: bool = False  # n > 1: the other sequences were made (at the first sample)
     forced_first: list[int] | None = None  # n > 1 recompute: the first tokens already sampled
+    # output tokens that came with the request, sampled elsewhere (a recompute, a migrated
+    # stream): the next sample is the first this worker makes
+    num_given: int = 0
     prompt_lps: list | None = None  # prompt logprobs by position: (logprob, top) or None
     spec: object = None  # speculative/state.SpecState once it decodes with speculation on
 

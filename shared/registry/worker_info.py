@@ -57,6 +57,7 @@ class WorkerInfo:
     page_size: int = 0
     compat_hash: str = ""           # model + KV layout + dtype (not TP); pairs must match
     kv_layout: str = ""             # the same, readable: L<layers>-H<kv heads>-P<page>-D<head dim>-<dtype>
+    checkpoint: str = ""            # fingerprint of the weights and tokenizer (in compat_hash too)
     instance_nonce: str = field(default_factory=lambda: secrets.token_hex(8))
     max_running_requests: int = 0   # decode batch cap (0 = unknown)
     max_batched_tokens: int = 0     # prompt tokens one engine step takes (chunked prefill; 0 = unknown)
@@ -98,6 +99,7 @@ class WorkerInfo:
             "page_size": str(self.page_size),
             "compat_hash": self.compat_hash,
             "kv_layout": self.kv_layout,
+            "checkpoint": self.checkpoint,
             "instance_nonce": self.instance_nonce,
             "max_running_requests": str(self.max_running_requests),
             "max_batched_tokens": str(self.max_batched_tokens),
@@ -140,6 +142,7 @@ class WorkerInfo:
             page_size=int(h.get("page_size", 0)),
             compat_hash=h.get("compat_hash", ""),
             kv_layout=h.get("kv_layout", ""),
+            checkpoint=h.get("checkpoint", ""),
             instance_nonce=h["instance_nonce"],
             max_running_requests=int(h.get("max_running_requests", 0)),
             max_batched_tokens=int(h.get("max_batched_tokens", 0)),

@@ -8,6 +8,9 @@ converted, both ways; the gateway and the workers call it, protos/ holds the con
                        <-> duet_pb2.Reservation
   cache_scope.py       CacheScope (prefix-cache namespace, tenant) <-> the cache_namespace and
                        tenant fields of Reserve, Prefill and Generate requests
+  resume.py            ResumedPrompt (a migrated stream's prompt and the completion tokens
+                       already streamed) <-> prompt_token_ids + resumed_output_tokens
+  fault.py             which worker a failed RPC blames (trailing metadata `duet-fault`)
   contract_overflow.py ContractOverflow: a value the contract cannot carry, refused by name
 
 Scalars that travel as they are (request ids, prompt token ids, counts the RPCs ask for) are
