@@ -61,7 +61,7 @@ def _stacks(run, kinds) -> None:
         return _measure(run, kinds, run.args.base_url, folder, "server")
     prompt, output = run.ints(run.args.stack_lens)
     for layout in run.names(run.args.stacks):
-        argv = [*LAYOUTS[layout], "--model", str(folder), "--", *weights, "--max-model-len",
+        argv = [*LAYOUTS[layout], *run.args.up_arg, "--model", str(folder), "--", *weights, "--max-model-len",
                 str(max(8192, 2 * (prompt + output))), *run.args.worker_arg]
         t0 = time.monotonic()
         try:

@@ -107,6 +107,7 @@ def parser() -> argparse.ArgumentParser:
     a("--model-dir", help="stack, multiturn: a real model folder instead of random weights of the last --models")
     a("--tokenizer-from", help="stack, multiturn: tokenizer files for random weights (default the default model's)")
     a("--worker-arg", action="append", default=[], help="stack, multiturn: a flag for every worker (repeat)")
+    a("--up-arg", action="append", default=[], help="stack, multiturn: a flag for `duet up`, e.g. --up-arg=--slo-itl-ms=15")
     a("--json", help="write the figures here")
     a("--workdir", help="scratch folder (default a new temporary one)")
     a("--budget-s", type=float, help="seconds for the run: later sections are skipped, a hung one cut off")
