@@ -97,7 +97,8 @@ class Engine:
         self.backend = make_attention_backend(plan.attention.value, self.pool)
         self.pdl = parts.enable_decode_pdl(self.model, self.backend, plan.pdl.value)
         self.kv = KVManager(self.layout.num_pages, self.layout.page_size, config.enable_prefix_cache,
-                            host_tier=self._make_host_tier(), quota=config.tenant_quota)
+                            host_tier=self._make_host_tier(), quota=config.tenant_quota,
+                            write_back=self._write_back())
         self.scheduler = Scheduler(self.kv, plan.step_tokens.value, config.max_running_requests)
         self.runner = ModelRunner(self.model, self.pool, self.backend, self.device)
         if self._tp_workers is not None:
@@ -216,11 +217,25 @@ class Engine:
         from .kv_host_tier import HostKVTier
         tier = HostKVTier(self.pool.buffer, self.layout, pages)
         if self._tp_workers is not None:  # every rank copies the same pages of its shard
-            tier.mirror = lambda kind, src, dst: self.call_followers(
-                "shared.engine.kv_host_tier:follower_copy", kind, src, dst)
-        log.info("host KV tier: %d pages (%.2f GiB%s%s)", pages, pages * self.layout.bytes_per_page / 2**30,
-                 f" on each of {ranks} ranks" if ranks > 1 else "", ", pinned" if self.device.type == "cuda" else "")
+            tier.mirror = lambda kind, src, dst, ticket: self.call_followers(
+                "shared.engine.kv_host_tier:follower_copy", kind, src, dst, ticket)
+            tier.landed_hook = lambda after, upto: self.call_followers(
+                "shared.engine.kv_host_tier:follower_landed", after, upto)
+        writes = self.config.host_writes
+        log.info("host KV tier: %d pages (%.2f GiB%s%s), write-back %s, at most %s", pages,
+                 pages * self.layout.bytes_per_page / 2**30, f" on each of {ranks} ranks" if ranks > 1 else "",
+                 ", pinned" if self.device.type == "cuda" else "", writes.policy,
+                 f"{writes.bandwidth / 1e9:.1f} GB/s" if writes.bandwidth else "unbounded")
         return tier
+
+    def _write_back(self):
+        """What is written back to the host tier (kv_write_back.py): the settings' policy and
+        bound, and how close to running out the device pool starts writing: a sixteenth of it,
+        or two steps' worth of pages when that is more."""
+        from .kv_write_back import WriteBackConfig
+        writes, pages = self.config.host_writes, self.layout.num_pages
+        step_pages = -(-self.plan.step_tokens.value // self.layout.page_size)
+        return WriteBackConfig(writes.policy, writes.bandwidth, min(pages, max(pages // 16, 2 * step_pages)))
 
     @property
     def tokenizer(self):
@@ -319,7 +334,8 @@ class Engine:
         req.num_tree_pages, req.prefix_node = len(res.held_pages), res.node
         req.num_cached_tokens = len(res.held_pages) * self.layout.page_size
         req.num_host_loaded_tokens = res.host_loaded_pages * self.layout.page_size
-        req.kv_load_event = res.load_event
+        req.kv_load_ticket = res.load_ticket
+        req.continues = res.continues
         req.num_computed = len(prompt_ids)
         self.requests[req.rid] = req
         self.scheduler.add_running(req)
