@@ -199,6 +199,9 @@ class EngineConfig:
     # benchmarks only, no flag (never served): every draft token counts as accepted, whatever
     # the target says; gives the bound of a method's speed-up
     speculative_accept_all: bool = False
+    # no flag: False on a prefill worker (its role says so), which stops every request at its
+    # first token: no decode graphs captured, no decode steps warmed up
+    runs_decode: bool = True
     tp: TPContext = field(default_factory=_tp_context)  # this process's rank (set by the engine)
 
     def __post_init__(self):

@@ -18,11 +18,14 @@ from collections.abc import Sequence
 import torch
 
 
-def page_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(src_start, dst_start, length) runs where both page lists go up by one."""
+def page_runs(src: Sequence[int], dst: Sequence[int], split: int = 0) -> list[tuple[int, int, int]]:
+    """(src_start, dst_start, length) runs where both page lists go up by one; with `split`,
+    a run also starts at every multiple of it on either side (a host buffer page-locked in
+    chunks of that many pages: one copy never spans two registrations)."""
     runs: list[tuple[int, int, int]] = []
     for s, d in zip(src, dst):
-        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d \
+                and not (split and (s % split == 0 or d % split == 0)):
             runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
         else:
             runs.append((s, d, 1))
@@ -30,21 +33,22 @@ def page_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, in
 
 
 def copy_pages_between(src: torch.Tensor, src_pages: Sequence[int], dst: torch.Tensor,
-                       dst_pages: Sequence[int]) -> None:
-    """dst[dst_pages[i]] = src[src_pages[i]], one copy per run of consecutive pages: each
-    pinned host<->device copy pays a fixed cost, so a run of megabytes copies at several times
-    the speed of a page's quarter megabyte."""
+                       dst_pages: Sequence[int], split: int = 0) -> None:
+    """dst[dst_pages[i]] = src[src_pages[i]], one copy per run of consecutive pages (split as
+    page_runs says): each pinned host<->device copy pays a fixed cost, so a run of megabytes
+    copies at several times the speed of a page's quarter megabyte."""
     if len(src_pages) != len(dst_pages):
         raise ValueError(f"{len(src_pages)} source pages for {len(dst_pages)} destination pages")
-    for s, d, n in page_runs(src_pages, dst_pages):
+    for s, d, n in page_runs(src_pages, dst_pages, split):
         dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
 
 
 class CudaCopyLane:
     """Copies on a CUDA stream of their own; the compute stream never waits for them."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, split: int = 0):
         self.device = device
+        self.split = split  # pages per page-locked chunk of the host buffer (page_runs)
         self.stream = torch.cuda.Stream(device)
         self._events: deque[tuple[int, torch.cuda.Event]] = deque()
         self._next = 0
@@ -54,7 +58,7 @@ class CudaCopyLane:
                dst_pages: Sequence[int]) -> int:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            copy_pages_between(src, src_pages, dst, dst_pages)
+            copy_pages_between(src, src_pages, dst, dst_pages, self.split)
             event = torch.cuda.Event()
             event.record(self.stream)
         self._next += 1

@@ -16,6 +16,11 @@ steps go on meanwhile and no step waits for it. On the CPU a load is a plain cop
 pages it writes are fresh and the host pages it reads are a landed copy's, so no queued copy
 touches either).
 
+On a GPU the buffer is page-locked in the background (pinned_memory.BackgroundPinner): the
+worker registers at once and the tier grows as chunks are locked (`poll` hands their pages to
+the allocator; under TP only what every rank has locked), since a copy through pageable
+memory would make the step that queued it wait.
+
 Tensor parallelism: rank 0 decides and every other rank copies the same pages of its own
 shard (`mirror`, set by the engine). When rank 0 sees copies land it tells the followers
 (`landed_hook`), whose compute streams then wait for their own copies before any later
@@ -26,15 +31,18 @@ of its own page ids plus save/load between it and the device, and the radix tree
 page list per node as it keeps `host_pages` (radix_cache.py)."""
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 import torch
 
 from .kv_copy_lane import CudaCopyLane, DeferredCopyLane, copy_pages_between, page_runs
 from .kv_pool import KVLayout, PageAllocator
-from .pinned_memory import pinned_empty
+from .pinned_memory import BackgroundPinner
 
-__all__ = ["HostKVTier", "page_runs", "follower_copy", "follower_landed"]
+__all__ = ["HostKVTier", "page_runs", "follower_copy", "follower_landed", "follower_pinned"]
+
+PINNED_POLL_S = 0.25  # under TP, how often rank 0 asks the followers how far they have locked
 
 
 class HostKVTier:
@@ -48,9 +56,18 @@ class HostKVTier:
         self.device = device_buffer.device
         on_gpu = self.device.type == "cuda"
         shape = (num_pages,) + tuple(layout.shape[1:])
-        self.buffer = pinned_empty(shape, layout.dtype) if on_gpu else torch.empty(shape, dtype=layout.dtype)
+        self.buffer = torch.empty(shape, dtype=layout.dtype)
         self.allocator = PageAllocator(num_pages, reserve_first=False)
-        self.lane = lane if lane is not None else (CudaCopyLane(self.device) if on_gpu else DeferredCopyLane())
+        self.num_pages = num_pages
+        self.pinner = None
+        chunk_pages = 0
+        if on_gpu:  # pages join the allocator as they are locked (poll)
+            self.pinner = BackgroundPinner(self.buffer, self.device, layout.bytes_per_page)
+            chunk_pages = self.pinner.chunk_bytes // layout.bytes_per_page
+            self.allocator.allocate(num_pages)
+        self.usable_pages = 0 if on_gpu else num_pages  # the first pages, locked on every rank
+        self.lane = lane if lane is not None else (CudaCopyLane(self.device, chunk_pages) if on_gpu
+                                                   else DeferredCopyLane())
         self.loads_on_lane = on_gpu  # CPU loads are plain copies at once (module docstring)
         self.bytes_saved = 0
         self.bytes_loaded = 0
@@ -58,12 +75,15 @@ class HostKVTier:
         # own shard (set by the engine: call_followers on follower_copy / follower_landed)
         self.mirror: Callable[[str, list[int], list[int], int], None] | None = None
         self.landed_hook: Callable[[int, int], None] | None = None
+        self.followers_pinned: Callable[[], list[int]] | None = None  # TP: bytes each follower has locked
+        self._asked = 0.0
         self._told = 0  # tickets the followers were told have landed
         self._follower_tickets: dict[int, int] = {}  # on a follower: rank 0's ticket -> this lane's
 
     @property
     def capacity(self) -> int:
-        return self.allocator.capacity
+        """Pages in use by the tier: all of them once the buffer is locked, fewer before."""
+        return self.usable_pages
 
     @property
     def bytes_per_page(self) -> int:
@@ -98,7 +118,10 @@ class HostKVTier:
         return ticket
 
     def poll(self) -> int:
-        """Which copies have landed (`landed`); the followers hear of new ones first."""
+        """Which copies have landed (`landed`); the followers hear of new ones first. The
+        tier grows by what got page-locked since."""
+        if self.usable_pages < self.num_pages and self.pinner is not None:
+            self._grow()
         landed = self.lane.pump()
         if landed > self._told:
             if self.landed_hook is not None:
@@ -111,6 +134,21 @@ class HostKVTier:
         self.lane.wait_all()
         self.poll()
 
+    def _grow(self) -> None:
+        pinned = self.pinner.pinned_bytes
+        if self.followers_pinned is not None:
+            now = time.monotonic()
+            if now - self._asked < PINNED_POLL_S:
+                return
+            self._asked = now
+            pinned = min([pinned, *self.followers_pinned()])
+        ready = min(self.num_pages, pinned // self.bytes_per_page)
+        if ready > self.usable_pages:
+            self.allocator.free(range(self.usable_pages, ready))
+            self.usable_pages = ready
+        if self.pinner.done.is_set() and self.usable_pages < self.num_pages and self.followers_pinned is None:
+            self.num_pages = self.usable_pages  # locking stopped short: the rest is never used
+
 
 def follower_copy(engine, kind: str, src_pages: list[int], dst_pages: list[int], ticket: int) -> None:
     """A tensor-parallel follower's share of a save or load, on its own lane."""
@@ -121,6 +159,12 @@ def follower_copy(engine, kind: str, src_pages: list[int], dst_pages: list[int],
         tier._follower_tickets[ticket] = tier.lane.submit(tier.buffer, src_pages, tier.device_buffer, dst_pages)
     else:
         copy_pages_between(tier.buffer, src_pages, tier.device_buffer, dst_pages)
+
+
+def follower_pinned(engine) -> int:
+    """Bytes of this rank's host buffer page-locked so far."""
+    pinner = engine.kv.cache.host.pinner
+    return pinner.pinned_bytes if pinner is not None else engine.kv.cache.host.buffer.nbytes
 
 
 def follower_landed(engine, after: int, upto: int) -> None:

@@ -8,6 +8,7 @@ next turn found it) and the chat's later turns read it back from the host tier. 
 the pages' bytes, and once idle no host page is unaccounted for."""
 from __future__ import annotations
 
+import re
 import uuid
 
 import grpc
@@ -66,3 +67,12 @@ def test_write_back_keeps_the_conversation_and_says_why_in_metrics(stack):
         assert m.value("duet_kv_host_writeback_bytes_total", decision=decision, reason=reason) == pages * per_page
     assert m.value("duet_kv_host_writeback_pages_total", decision="dropped", reason="copy_in_flight") == 0
     assert m.value("duet_kv_unaccounted_pages", tier="host") == 0
+
+
+def test_the_worker_logs_its_start_up_by_phase(stack):
+    line = next(x for x in stack.procs[WORKER].log_text().splitlines() if "start-up by phase:" in x)
+    phases = re.findall(r"([a-z -]+?) (\d+\.\d)s", line.split("start-up by phase:", 1)[1].split(";")[0])
+    names = [name.strip(" ,") for name, _ in phases]
+    assert names == ["process", "model files", "device", "weights", "kv pool", "host tier", "graphs", "warm-up", "calibration",
+                     "role", "registration"], line
+    assert re.search(r"; ready \d+\.\ds after the process began$", line), line
