@@ -38,7 +38,7 @@ import torch
 
 from .kv_copy_lane import CudaCopyLane, DeferredCopyLane, copy_pages_between, page_runs
 from .kv_pool import KVLayout, PageAllocator
-from .pinned_memory import BackgroundPinner
+from .pinned_memory import CHUNK_BYTES, BackgroundPinner, aligned_empty
 
 __all__ = ["HostKVTier", "page_runs", "follower_copy", "follower_landed", "follower_pinned"]
 
@@ -48,7 +48,8 @@ PINNED_POLL_S = 0.25  # under TP, how often rank 0 asks the followers how far th
 class HostKVTier:
     """Host copies of KV pages for one rank's device pool."""
 
-    def __init__(self, device_buffer: torch.Tensor, layout: KVLayout, num_pages: int, lane=None):
+    def __init__(self, device_buffer: torch.Tensor, layout: KVLayout, num_pages: int, lane=None,
+                 pin_chunk_bytes: int = CHUNK_BYTES):
         if num_pages < 1:
             raise ValueError(f"a host KV tier needs at least one page, got {num_pages}")
         self.device_buffer = device_buffer
@@ -56,13 +57,13 @@ class HostKVTier:
         self.device = device_buffer.device
         on_gpu = self.device.type == "cuda"
         shape = (num_pages,) + tuple(layout.shape[1:])
-        self.buffer = torch.empty(shape, dtype=layout.dtype)
+        self.buffer = aligned_empty(shape, layout.dtype) if on_gpu else torch.empty(shape, dtype=layout.dtype)
         self.allocator = PageAllocator(num_pages, reserve_first=False)
         self.num_pages = num_pages
         self.pinner = None
         chunk_pages = 0
         if on_gpu:  # pages join the allocator as they are locked (poll)
-            self.pinner = BackgroundPinner(self.buffer, self.device, layout.bytes_per_page)
+            self.pinner = BackgroundPinner(self.buffer, self.device, layout.bytes_per_page, pin_chunk_bytes)
             chunk_pages = self.pinner.chunk_bytes // layout.bytes_per_page
             self.allocator.allocate(num_pages)
         self.usable_pages = 0 if on_gpu else num_pages  # the first pages, locked on every rank

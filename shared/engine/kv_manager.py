@@ -16,6 +16,7 @@ from .request import Req
 from .tenant_quota import TenantQuota, first_within_share
 
 T = TypeVar("T")
+EVICT_SHARE = 256  # eviction frees at least 1/256 of the pool when it runs
 
 
 @dataclass
@@ -95,7 +96,10 @@ class KVManager:
         if n <= 0:
             return []
         if self.allocator.num_free < n:
-            self.cache.evict(n - self.allocator.num_free, self._over_cache_share())
+            # at least EVICT_SHARE of the pool at a time: eviction walks the tree, and a full
+            # pool would otherwise walk it for every decode row that crosses a page
+            short = n - self.allocator.num_free
+            self.cache.evict(max(short, self.capacity // EVICT_SHARE), self._over_cache_share())
         if self.allocator.num_free < n:
             return None
         return self.allocator.allocate(n)

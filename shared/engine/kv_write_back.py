@@ -88,6 +88,7 @@ class HostWriter:
         self.ghosts = SequenceGhosts(cache.page_size) if config.policy == "reused" else None
         self._allowance = 0.0
         self._last = clock()
+        self._nothing_at: tuple[int, int] | None = None  # (cache version, window) of a walk that found nothing
 
     # -- what eviction asks ---------------------------------------------------------------
     def wanted(self, node) -> str | None:
@@ -107,10 +108,10 @@ class HostWriter:
         self.cache.num_host_pages -= len(pages)
         node.host_pages, node.write_batch = [], None
 
-    def left_the_cache(self, tokens: list[int], namespace: int) -> None:
-        """A finished sequence's last node left every tier: its next turn is still a conversation."""
+    def left_the_cache(self, node) -> None:
+        """A finished sequence's last node leaves every tier: its next turn is still a conversation."""
         if self.ghosts is not None:
-            self.ghosts.remember(tokens, namespace)
+            self.ghosts.remember(self.cache.path_tokens(node), node.namespace)
 
     def continued(self, tokens: list[int], namespace: int) -> bool:
         return self.ghosts is not None and self.ghosts.continued_by(tokens, namespace)
@@ -161,6 +162,9 @@ class HostWriter:
     def write_ahead(self, window: int) -> None:
         """Queue copies of the wanted nodes among the next `window` pages eviction would take
         (least recently used first), within the bandwidth and in-flight bounds."""
+        if self._nothing_at is not None and self._nothing_at[0] == self.cache.version \
+                and window <= self._nothing_at[1]:
+            return  # nothing changed since a walk as wide found nothing to copy
         allowance = self._refill()
         room = MAX_IN_FLIGHT_BYTES - self.in_flight_bytes
         if allowance <= 0 or room <= 0:
@@ -179,7 +183,10 @@ class HostWriter:
                 picks.append((node, reason))
                 planned += len(node.pages) * page_bytes
         if picks:
+            self._nothing_at = None
             self._launch(picks)
+        else:
+            self._nothing_at = (self.cache.version, window)
 
     def _launch(self, picks: list) -> None:
         free = self.cache.host_room(sum(len(n.pages) for n, _ in picks))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import threading
 import time
 import weakref
@@ -27,6 +28,17 @@ log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 30  # locked at a time; a copy run never crosses a chunk (kv_copy_lane.page_runs)
 PORTABLE = 1  # cudaHostRegisterPortable: locked for every context, whichever thread registers it
+OS_PAGE = 4096  # chunks start on OS pages: two registrations sharing a page would refuse the second
+ALIGN = 2 << 20  # the buffer starts on a huge-page boundary
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised host tensor whose first byte is ALIGN-aligned (torch's CPU allocator
+    aligns to 64 bytes only)."""
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+    start = (-raw.data_ptr()) % ALIGN
+    return raw[start:start + nbytes].view(dtype).view(shape)
 
 
 def _cudart_register():
@@ -53,7 +65,8 @@ class BackgroundPinner:
         self.tensor = tensor
         self.device = device
         self.nbytes = tensor.numel() * tensor.element_size()
-        self.chunk_bytes = max(unit, chunk_bytes // unit * unit)
+        step = math.lcm(unit, OS_PAGE)  # whole host pages, starting on OS pages
+        self.chunk_bytes = max(step, chunk_bytes // step * step)
         self.pinned_bytes = 0
         self.failed = ""
         self.done = threading.Event()

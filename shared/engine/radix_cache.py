@@ -125,6 +125,9 @@ class RadixCache:
         self.num_locked_pages = 0  # device pages of the tree on some live request's path
         self.num_host_pages = 0  # host pages owned by the tree
         self.device_pages_by_tenant: dict[int, int] = {}  # of num_cached_pages, per inserting tenant
+        # bumped by every change that can change what write-back would copy (its walk is skipped
+        # while nothing did): device pages, hits, locks released, host copies dropped
+        self.version = 0
         self.stats = TierStats()
 
     # -- lookup -------------------------------------------------------------------------
@@ -155,6 +158,7 @@ class RadixCache:
                 child = self._split(child, n)
             child.last_access = now
             child.hits += count_hit
+            self.version += count_hit
             if child.on_device:
                 pages.extend(child.pages)
                 deepest_device = child
@@ -228,6 +232,7 @@ class RadixCache:
             assert node.lock_ref >= 0, "radix lock underflow"
             if node.lock_ref == 0:
                 self.num_locked_pages -= len(node.pages)
+                self.version += 1
             node = node.parent
 
     # -- loading back from the host tier -------------------------------------------------
@@ -272,6 +277,7 @@ class RadixCache:
         pages = pages[:n_pages]
         if not self.enabled:
             return list(pages), self.root
+        self.version += 1
         node, pos, duplicates = self.root, 0, []
         now = time.monotonic()
         namespace = scope.namespace
@@ -329,7 +335,7 @@ class RadixCache:
         over) only when nothing else is left."""
         def evictable(node: RadixNode) -> bool:
             return self._device_evictable(node) and (chosen is None or chosen(node))
-        ready = [n for n in self._all_nodes() if evictable(n)]
+        ready = [n for n in self._device_nodes() if evictable(n)]
         heapq.heapify(ready)
         passed_over: list[RadixNode] = []
         freed = 0
@@ -376,8 +382,7 @@ class RadixCache:
     def eviction_order(self) -> list[RadixNode]:
         """Unlocked device nodes, least recently used first: roughly the order eviction takes
         them (a node's ancestors are touched whenever it is, so they come after it)."""
-        return sorted((x for x in self._all_nodes() if x.on_device and x.lock_ref == 0 and x is not self.root),
-                      key=lambda x: x.last_access)
+        return sorted((x for x in self._device_nodes() if x.lock_ref == 0), key=lambda x: x.last_access)
 
     def host_room(self, n: int) -> int:
         """Free host pages, after dropping LRU host copies to make room for n (fewer when the
@@ -401,8 +406,7 @@ class RadixCache:
             if self._host_leaf(parent):
                 heapq.heappush(leaves, parent)
         if freed < num_pages:  # then landed copies of pages the device still holds
-            backups = sorted((x for x in self._all_nodes() if x.on_device and x.host_ready),
-                             key=lambda x: x.last_access)
+            backups = sorted((x for x in self._device_nodes() if x.host_ready), key=lambda x: x.last_access)
             for node in backups:
                 if freed >= num_pages:
                     break
@@ -415,6 +419,7 @@ class RadixCache:
 
     def _free_host_copy(self, node: RadixNode) -> int:
         n = len(node.host_pages)
+        self.version += 1
         if node.write_batch is not None:  # in flight: its host pages are freed when it lands
             self.writer.discard(node)
         else:
@@ -432,7 +437,7 @@ class RadixCache:
         if node.host_pages:
             self._free_host_copy(node)
         if node.seq_end and self.writer is not None:
-            self.writer.left_the_cache(self.path_tokens(node), node.namespace)
+            self.writer.left_the_cache(node)
         self.stats.dropped_pages += len(node.key) // self.page_size
         self._event("removed", node)
         parent = node.parent
@@ -450,6 +455,7 @@ class RadixCache:
 
     def _device_pages_changed(self, node: RadixNode, delta: int) -> None:
         """node gained (or lost) delta device pages: the tree's counters follow."""
+        self.version += 1
         self.num_cached_pages += delta
         if node.lock_ref > 0:
             self.num_locked_pages += delta
@@ -469,6 +475,16 @@ class RadixCache:
             n = stack.pop()
             yield n
             stack.extend(n.children.values())
+
+    def _device_nodes(self):
+        """The nodes on the device (not the root), without walking the host-only subtrees
+        under them (a node off the device has every descendant off it): a host tier holds
+        several times the device's nodes, and eviction walks these every time it runs."""
+        stack = [c for c in self.root.children.values() if c.on_device]
+        while stack:
+            n = stack.pop()
+            yield n
+            stack.extend(c for c in n.children.values() if c.on_device)
 
     def reset(self) -> None:
         """Drop every unlocked cached page from every tier (tests, weight reload); waits for

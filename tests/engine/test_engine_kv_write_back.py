@@ -14,6 +14,7 @@ for as many steps as the test likes:
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -187,3 +188,77 @@ def test_steps_keep_their_pace_while_a_write_back_copy_is_held(model_dir):
     assert [a for _, a in converse(tiered, chat, 2, follow)] == answers  # the same turns, read back
     assert tiered.stats.host_cached_tokens > 0
     assert_idle_all_tiers(tiered)
+
+
+# -- on a GPU: the copy stream, page-locking in the background -------------------------------------
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="a GPU's copy stream and page-locking")
+
+
+def wait_landed(tier: HostKVTier, ticket: int) -> None:
+    """The test waits (a step never does)."""
+    deadline = time.monotonic() + 60
+    while tier.poll() < ticket:
+        assert time.monotonic() < deadline, "a copy never landed"
+        time.sleep(0.001)
+
+
+@needs_cuda
+def test_on_a_gpu_the_tier_is_locked_in_the_background_and_copies_land_whole():
+    dev = torch.device("cuda")
+    layout = KVLayout(num_pages=128, num_layers=4, num_kv_heads=2, page_size=16, head_dim=64, dtype=torch.float16)
+    pool = KVPool(layout, dev)
+    pool.buffer.copy_(torch.randn(layout.shape, device=dev).to(layout.dtype))
+    tier = HostKVTier(pool.buffer, layout, num_pages=640, pin_chunk_bytes=64 * layout.bytes_per_page)
+    assert tier.pinner is not None and tier.pinner.wait(120) and not tier.pinner.failed, tier.pinner.failed
+    assert tier.capacity <= 640  # what was locked when last polled
+    tier.poll()
+    assert tier.capacity == 640 and tier.allocator.num_free == 640
+    dev_pages, host_pages = list(range(1, 101)), list(range(30, 130))  # the runs cross two locked chunks
+    want = pool.buffer[dev_pages].clone()
+    wait_landed(tier, tier.save(dev_pages, host_pages))
+    assert torch.equal(tier.buffer[host_pages], want.cpu())
+    pool.buffer.zero_()
+    back = list(range(20, 120))
+    wait_landed(tier, tier.load(host_pages, back))
+    assert torch.equal(pool.buffer[back], want)
+
+
+@needs_cuda
+def test_on_a_gpu_chats_come_back_from_the_host_with_the_tokens_of_no_cache(model_dir):
+    from shared.engine.engine import Engine
+    from shared.engine.kv_write_policy import HostTierWrites
+    from tests.helpers.engine_models import kv_bytes_for_pages
+    per_page = kv_bytes_for_pages(model_dir, 1, PS, elem_bytes=4)
+
+    def engine(pages: int, host_pages: int = 0, **kw) -> Engine:
+        return Engine(model_dir=str(model_dir), dtype="float32", device="cuda", page_size=PS,
+                      max_num_batched_tokens=16, kv_cache_memory=pages * per_page,
+                      kv_host_memory=host_pages * per_page, **kw)
+    openers = [[(7 * c + i) % 400 + 1 for i in range(22)] for c in range(5)]
+    follow = [5, 6, 7, 8, 9]
+    ref = engine(64, enable_prefix_cache=False)
+    for policy in ("reused", "all"):
+        tiered = engine(20, 120, host_writes=HostTierWrites(policy=policy))
+        tiered.kv.cache.host.pinner.wait(60)
+        for (p_ref, a_ref), (p_got, a_got) in zip(converse(ref, openers, 3, follow),
+                                                  converse(tiered, openers, 3, follow)):
+            assert p_ref == p_got and a_ref == a_got, policy
+        assert tiered.stats.host_cached_tokens > 0, policy
+        tiered.kv.cache.writer.settle()
+        assert_idle_all_tiers(tiered)
+
+
+@needs_cuda
+def test_on_a_gpu_a_prefill_worker_captures_no_decode_graphs(model_dir):
+    from shared.engine.engine import Engine
+    from shared.engine.warmup import warm_up
+    eng = Engine(model_dir=str(model_dir), dtype="float32", device="cuda", kv_cache_memory=64 << 20, runs_decode=False)
+    assert eng.runner.graphs is None and eng.runner.prefill_graphs is not None
+    warm_up(eng)
+    rid = eng.add_request([(3 * i) % 400 + 1 for i in range(40)], SamplingParams(temperature=0.0, max_tokens=4),
+                          prefill_only=True)
+    while eng.has_work:
+        eng.step()
+    assert eng.get(rid).num_output == 1
+    eng.release_held(rid)
+    eng.check_idle()
