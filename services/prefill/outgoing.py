@@ -177,8 +177,10 @@ class OutgoingTransfers:
             out.stream.abort(self._notice(out, "abort"))
         if out.state in WRITING and out.stream.state not in (DONE, FAILED) and req is not None:
             held = req.status is ReqStatus.HELD
-            # only pages the device has finished (a launched chunk may still be running)
-            done = max(req.num_kv_ready, req.num_cached_tokens)
+            # only pages the device has finished (a launched chunk may still be running), and
+            # cached ones once their load back from the host tier has landed
+            cached = req.num_cached_tokens if self.engine.kv.copy_landed(req.kv_load_ticket) else 0
+            done = max(req.num_kv_ready, cached)
             ready = -(-out.num_prompt // self.page_size) if held else done // self.page_size
             ready = min(ready, len(req.page_ids))
             if ready > out.pages_sent and not out.write_nothing:

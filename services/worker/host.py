@@ -131,12 +131,14 @@ class WorkerHost:
             from shared.telemetry.spec_metrics import SpecMetrics
             loop.after_iteration.append(SpecMetrics(self.engine.spec.stats, ctx.metrics.registry))
         loop.start()
-        await self.server.start()
-        await ctx.watcher.start()
-        for service in self.services:
-            service.start()
-        await publisher.start()
-        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        with self.engine.startup.phase("registration"):
+            await self.server.start()
+            await ctx.watcher.start()
+            for service in self.services:
+                service.start()
+            await publisher.start()
+            await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        log.info("start-up by phase: %s", self.engine.startup.render())
         kind = f"switchable worker (now {info.role})" if config.switchable else f"{config.role} worker"
         print(f"duet {kind} {ctx.worker_id} ready: grpc {info.address} ({config.tls.describe('server')}) "
               f"metrics {info.metrics_address} model {self.served_model}", file=sys.stderr, flush=True)

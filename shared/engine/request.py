@@ -36,7 +36,8 @@ class Req:
     prefix_node: RadixNode | None = None
     num_cached_tokens: int = 0  # prefix-cache hit at first admission (every tier)
     num_host_loaded_tokens: int = 0  # of those, tokens loaded back from the host tier
-    kv_load_event: object = None  # CUDA event of that load: the first forward waits for it
+    kv_load_ticket: int | None = None  # the host tier's ticket of that load: scheduled once it landed
+    continues: bool = False  # its prompt extends a sequence the cache held (a conversation's next turn)
     host_pages_waiting: int = 0  # matched pages still in the host tier (no device room to load them)
     status: ReqStatus = ReqStatus.WAITING
     finish_reason: str | None = None  # stop | length | abort | error

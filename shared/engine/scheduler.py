@@ -12,7 +12,11 @@ holds its share of the pages lets other tenants' waiting requests be admitted fi
 (tenant_quota.py).
 
 Beside decode rows, an optional `itl_budget` (shared/perf_model/step_budget.py) narrows the
-prefill chunks further, so the step stays under an inter-token latency target."""
+prefill chunks further, so the step stays under an inter-token latency target.
+
+A request whose prefix is still being loaded back from the host tier (its load's ticket not
+yet seen landed, kv_host_tier.py) is admitted but left out of the steps until the load
+lands: the other requests' steps never wait for the copy."""
 from __future__ import annotations
 
 import itertools
@@ -45,6 +49,11 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def waiting_tokens(self) -> int:
+        """Tokens the waiting requests hold (what they will need pages for, at most)."""
+        return sum(len(r.token_ids) for r in self.waiting) if self.waiting else 0
 
     @property
     def queued_prefill_tokens(self) -> int:
@@ -89,6 +98,8 @@ class Scheduler:
         return order + heads
 
     def schedule(self) -> Batch:
+        # host-tier copies: settle what landed, write back ahead of what the queue needs (never waits)
+        self.kv.tick_tiers(self.waiting_tokens)
         batch = Batch()
         budget = self.max_batched_tokens
         # 1. decodes: each needs room for one more token. Victims of retraction are always
@@ -97,7 +108,7 @@ class Scheduler:
         for req in list(self.running):
             if req.status is not ReqStatus.RUNNING or not req.is_decoding:
                 continue
-            if self._awaiting_result(req):
+            if self._awaiting_result(req) or self._loading(req):
                 continue
             while not self.kv.grow(req, req.num_computed + 1):
                 victim = self._youngest_after(req)
@@ -117,7 +128,8 @@ class Scheduler:
         for req in self.running:
             if budget <= 0:
                 break
-            if req.status is ReqStatus.RUNNING and not req.is_decoding and not self._awaiting_result(req):
+            if req.status is ReqStatus.RUNNING and not req.is_decoding and not self._awaiting_result(req) \
+                    and not self._loading(req):
                 item = self._budgeted_chunk(req, budget, room)
                 if item is None:
                     break
@@ -134,8 +146,8 @@ class Scheduler:
                 break
             if req.num_cached_tokens == 0:
                 req.num_cached_tokens = req.num_computed
-            item = self._budgeted_chunk(req, budget, room)
-            if item is None:
+            item = None if self._loading(req) else self._budgeted_chunk(req, budget, room)
+            if item is None and req.kv_load_ticket is None:
                 self.kv.drop_prefix(req)
                 break  # back-pressure (or the step's inter-token budget is spent)
             self._take_waiting(req)
@@ -144,9 +156,10 @@ class Scheduler:
                 self.num_passed_over += 1
             req.status = ReqStatus.RUNNING
             self.running.append(req)
-            batch.items.append(item)
-            budget -= item.length
-        stuck = [r for r in self.running if not self._awaiting_result(r)]
+            if item is not None:  # else admitted with its pages locked: its chunk once the load lands
+                batch.items.append(item)
+                budget -= item.length
+        stuck = [r for r in self.running if not self._awaiting_result(r) and r.kv_load_ticket is None]
         if not batch.items and len(stuck) > 1:
             # admitted prefills hold all the pages between them: free the youngest so the
             # oldest can finish (otherwise none ever would)
@@ -160,6 +173,12 @@ class Scheduler:
         self._served[group] = next(self._turns)
         if len(self._served) > 4 * (len(self._groups) + 1024):  # forget groups long gone
             self._served = {g: t for g, t in self._served.items() if g in self._groups}
+
+    def _loading(self, req: Req) -> bool:
+        """Its prefix's load back from the host tier has not been seen landed yet."""
+        if req.kv_load_ticket is not None and self.kv.copy_landed(req.kv_load_ticket):
+            req.kv_load_ticket = None
+        return req.kv_load_ticket is not None
 
     @staticmethod
     def _awaiting_result(req: Req) -> bool:

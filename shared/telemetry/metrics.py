@@ -85,7 +85,17 @@ class DuetMetrics:
             ["tier"], registry=r)
         self.kv_tier_copy_bytes = Counter(
             "duet_kv_tier_copy_bytes", "KV bytes copied between the device and the host tier "
-            "(offload: written back on eviction; load: brought back for reuse)", ["direction"], registry=r)
+            "(offload: written back, copies given up included; load: brought back for reuse)", ["direction"],
+            registry=r)
+        # the host tier's write policy (shared/engine/kv_write_policy.py): pages leaving the device
+        # with a copy (written: its reason to be kept) or without (dropped: why not)
+        self.kv_host_writeback_pages = Counter(
+            "duet_kv_host_writeback_pages", "KV pages written back to the host tier (decision written: the "
+            "policy's reason) or leaving the device without a copy (dropped: not wanted, or its copy unfinished)",
+            ["decision", "reason"], registry=r)
+        self.kv_host_writeback_bytes = Counter(
+            "duet_kv_host_writeback_bytes", "The bytes of duet_kv_host_writeback_pages (one rank's share under TP)",
+            ["decision", "reason"], registry=r)
         self.kv_evicted_pages = Counter(
             "duet_kv_evicted_pages", "KV pages evicted, by the tier they left (device pages go to the "
             "host tier when there is one; host pages leave the worker)", ["tier"], registry=r)
