@@ -121,13 +121,15 @@ class WorkerRef(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., instance_nonce: _Optional[str] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("request_id", "model", "prompt_tokens", "max_tokens", "page_hashes", "n", "lora_adapter")
+    __slots__ = ("request_id", "model", "prompt_tokens", "max_tokens", "page_hashes", "n", "exclude_instances", "checkpoint", "lora_adapter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PAGE_HASHES_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDE_INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
@@ -135,11 +137,13 @@ class RouteRequest(_message.Message):
     max_tokens: int
     page_hashes: _containers.RepeatedScalarFieldContainer[int]
     n: int
+    exclude_instances: _containers.RepeatedScalarFieldContainer[str]
+    checkpoint: str
     lora_adapter: str
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., page_hashes: _Optional[_Iterable[int]] = ..., n: _Optional[int] = ..., lora_adapter: _Optional[str] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., page_hashes: _Optional[_Iterable[int]] = ..., n: _Optional[int] = ..., exclude_instances: _Optional[_Iterable[str]] = ..., checkpoint: _Optional[str] = ..., lora_adapter: _Optional[str] = ...) -> None: ...
 
 class RouteReply(_message.Message):
-    __slots__ = ("request_id", "prefill", "decode", "colocated", "cached_tokens", "reason", "decode_cached_tokens", "local_prefill")
+    __slots__ = ("request_id", "prefill", "decode", "colocated", "cached_tokens", "reason", "decode_cached_tokens", "local_prefill", "checkpoint")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +152,7 @@ class RouteReply(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     DECODE_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prefill: WorkerRef
     decode: WorkerRef
@@ -156,7 +161,8 @@ class RouteReply(_message.Message):
     reason: str
     decode_cached_tokens: int
     local_prefill: bool
-    def __init__(self, request_id: _Optional[str] = ..., prefill: _Optional[_Union[WorkerRef, _Mapping]] = ..., decode: _Optional[_Union[WorkerRef, _Mapping]] = ..., colocated: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., reason: _Optional[str] = ..., decode_cached_tokens: _Optional[int] = ..., local_prefill: _Optional[bool] = ...) -> None: ...
+    checkpoint: str
+    def __init__(self, request_id: _Optional[str] = ..., prefill: _Optional[_Union[WorkerRef, _Mapping]] = ..., decode: _Optional[_Union[WorkerRef, _Mapping]] = ..., colocated: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., reason: _Optional[str] = ..., decode_cached_tokens: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., checkpoint: _Optional[str] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id", "stage")
@@ -173,7 +179,7 @@ class ReleaseReply(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_tokens", "max_tokens", "prefill_worker_id", "timeout_ms", "n", "prompt_token_ids", "cache_namespace", "tenant", "lora_adapter")
+    __slots__ = ("request_id", "prompt_tokens", "max_tokens", "prefill_worker_id", "timeout_ms", "n", "prompt_token_ids", "cache_namespace", "tenant", "lora_adapter", "request_group")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +190,7 @@ class ReserveRequest(_message.Message):
     CACHE_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_GROUP_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_tokens: int
     max_tokens: int
@@ -194,7 +201,8 @@ class ReserveRequest(_message.Message):
     cache_namespace: int
     tenant: int
     lora_adapter: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., prefill_worker_id: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., n: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_namespace: _Optional[int] = ..., tenant: _Optional[int] = ..., lora_adapter: _Optional[str] = ...) -> None: ...
+    request_group: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., prefill_worker_id: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., n: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_namespace: _Optional[int] = ..., tenant: _Optional[int] = ..., lora_adapter: _Optional[str] = ..., request_group: _Optional[str] = ...) -> None: ...
 
 class RankPages(_message.Message):
     __slots__ = ("rank", "agent_name", "page_ids")
@@ -207,7 +215,7 @@ class RankPages(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., agent_name: _Optional[str] = ..., page_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Reservation(_message.Message):
-    __slots__ = ("reservation_id", "generation", "decode_worker_id", "decode_instance_nonce", "page_size", "num_layers", "kv_dtype", "compat_hash", "ranks", "held_pages", "held_page_hashes")
+    __slots__ = ("reservation_id", "generation", "decode_worker_id", "decode_instance_nonce", "page_size", "num_layers", "kv_dtype", "compat_hash", "ranks", "held_pages", "held_page_hashes", "capability")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -219,6 +227,7 @@ class Reservation(_message.Message):
     RANKS_FIELD_NUMBER: _ClassVar[int]
     HELD_PAGES_FIELD_NUMBER: _ClassVar[int]
     HELD_PAGE_HASHES_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     reservation_id: int
     generation: int
     decode_worker_id: str
@@ -230,7 +239,20 @@ class Reservation(_message.Message):
     ranks: _containers.RepeatedCompositeFieldContainer[RankPages]
     held_pages: int
     held_page_hashes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, reservation_id: _Optional[int] = ..., generation: _Optional[int] = ..., decode_worker_id: _Optional[str] = ..., decode_instance_nonce: _Optional[str] = ..., page_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., compat_hash: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankPages, _Mapping]]] = ..., held_pages: _Optional[int] = ..., held_page_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+    capability: WriteCapability
+    def __init__(self, reservation_id: _Optional[int] = ..., generation: _Optional[int] = ..., decode_worker_id: _Optional[str] = ..., decode_instance_nonce: _Optional[str] = ..., page_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., compat_hash: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankPages, _Mapping]]] = ..., held_pages: _Optional[int] = ..., held_page_hashes: _Optional[_Iterable[int]] = ..., capability: _Optional[_Union[WriteCapability, _Mapping]] = ...) -> None: ...
+
+class WriteCapability(_message.Message):
+    __slots__ = ("writer_id", "lifetime_ms", "secret", "signature")
+    WRITER_ID_FIELD_NUMBER: _ClassVar[int]
+    LIFETIME_MS_FIELD_NUMBER: _ClassVar[int]
+    SECRET_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    writer_id: str
+    lifetime_ms: int
+    secret: bytes
+    signature: bytes
+    def __init__(self, writer_id: _Optional[str] = ..., lifetime_ms: _Optional[int] = ..., secret: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("reservation_id", "generation", "prefill_not_sent", "request_id")
@@ -251,7 +273,7 @@ class CancelReply(_message.Message):
     def __init__(self, cancelled: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "reservation", "prefill_worker_id", "first_token", "first_tokens", "cache_namespace", "tenant", "lora_adapter")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "reservation", "prefill_worker_id", "first_token", "first_tokens", "cache_namespace", "tenant", "request_group", "resumed_output_tokens", "lora_adapter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -261,6 +283,8 @@ class GenerateRequest(_message.Message):
     FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHE_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_GROUP_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -271,8 +295,10 @@ class GenerateRequest(_message.Message):
     first_tokens: _containers.RepeatedCompositeFieldContainer[Token]
     cache_namespace: int
     tenant: int
+    request_group: str
+    resumed_output_tokens: int
     lora_adapter: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reservation: _Optional[_Union[Reservation, _Mapping]] = ..., prefill_worker_id: _Optional[str] = ..., first_token: _Optional[_Union[Token, _Mapping]] = ..., first_tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., cache_namespace: _Optional[int] = ..., tenant: _Optional[int] = ..., lora_adapter: _Optional[str] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reservation: _Optional[_Union[Reservation, _Mapping]] = ..., prefill_worker_id: _Optional[str] = ..., first_token: _Optional[_Union[Token, _Mapping]] = ..., first_tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., cache_namespace: _Optional[int] = ..., tenant: _Optional[int] = ..., request_group: _Optional[str] = ..., resumed_output_tokens: _Optional[int] = ..., lora_adapter: _Optional[str] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("tokens", "finish_reason", "usage", "index", "prompt_logprobs")
@@ -289,13 +315,15 @@ class TokenChunk(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., index: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[Token, _Mapping]]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "reservation", "cache_namespace", "tenant", "lora_adapter")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "reservation", "cache_namespace", "tenant", "request_group", "resumed_output_tokens", "lora_adapter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_FIELD_NUMBER: _ClassVar[int]
     CACHE_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_GROUP_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -303,8 +331,10 @@ class PrefillRequest(_message.Message):
     reservation: Reservation
     cache_namespace: int
     tenant: int
+    request_group: str
+    resumed_output_tokens: int
     lora_adapter: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reservation: _Optional[_Union[Reservation, _Mapping]] = ..., cache_namespace: _Optional[int] = ..., tenant: _Optional[int] = ..., lora_adapter: _Optional[str] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reservation: _Optional[_Union[Reservation, _Mapping]] = ..., cache_namespace: _Optional[int] = ..., tenant: _Optional[int] = ..., request_group: _Optional[str] = ..., resumed_output_tokens: _Optional[int] = ..., lora_adapter: _Optional[str] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
     __slots__ = ("first_token", "cached_tokens", "computed_tokens", "kv_bytes_sent", "finish_reason", "sequences", "prompt_logprobs")
@@ -351,3 +381,23 @@ class LoraAdapterReply(_message.Message):
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     adapters: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SetRoleRequest(_message.Message):
+    __slots__ = ("role", "reason")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    reason: str
+    def __init__(self, role: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class SetRoleReply(_message.Message):
+    __slots__ = ("role", "previous_role", "changed", "inflight_requests")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_ROLE_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    previous_role: str
+    changed: bool
+    inflight_requests: int
+    def __init__(self, role: _Optional[str] = ..., previous_role: _Optional[str] = ..., changed: _Optional[bool] = ..., inflight_requests: _Optional[int] = ...) -> None: ...

@@ -554,3 +554,88 @@ class Adapters:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class WorkerAdminStub:
+    """---------------------------------------------------------------------------
+    WorkerAdmin: served by every worker; only the planner may call it (mutual TLS)
+    ---------------------------------------------------------------------------
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.SetRole = channel.unary_unary(
+                '/duet.v1.WorkerAdmin/SetRole',
+                request_serializer=protos_dot_duet__pb2.SetRoleRequest.SerializeToString,
+                response_deserializer=protos_dot_duet__pb2.SetRoleReply.FromString,
+                _registered_method=True)
+
+
+class WorkerAdminServicer:
+    """---------------------------------------------------------------------------
+    WorkerAdmin: served by every worker; only the planner may call it (mutual TLS)
+    ---------------------------------------------------------------------------
+    """
+
+    def SetRole(self, request, context):
+        """Change the role a switchable worker advertises in the registry (what the router places
+        on), without a restart: its engine and KV cache stay, in-flight work of the old role
+        finishes, and work of the old role routed before the registry showed the change is still
+        served. FAILED_PRECONDITION from a worker started with a fixed role.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_WorkerAdminServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'SetRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetRole,
+                    request_deserializer=protos_dot_duet__pb2.SetRoleRequest.FromString,
+                    response_serializer=protos_dot_duet__pb2.SetRoleReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'duet.v1.WorkerAdmin', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('duet.v1.WorkerAdmin', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class WorkerAdmin:
+    """---------------------------------------------------------------------------
+    WorkerAdmin: served by every worker; only the planner may call it (mutual TLS)
+    ---------------------------------------------------------------------------
+    """
+
+    @staticmethod
+    def SetRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/duet.v1.WorkerAdmin/SetRole',
+            protos_dot_duet__pb2.SetRoleRequest.SerializeToString,
+            protos_dot_duet__pb2.SetRoleReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -40,6 +40,8 @@ COMMANDS: tuple[Command, ...] = (
     Command("chat", "services.offline.chat:main", "interactive multi-turn chat with a model, offline"),
     Command("gateway", "services.gateway.main:main", "run the OpenAI-compatible HTTP gateway"),
     Command("router", "services.router.main:main", "run the router (gRPC) that picks prefill/decode pairs"),
+    Command("planner", "services.planner.main:main",
+            "run the planner that sets the prefill/decode split (role switches, k8s pool sizes) to the SLOs"),
     Command("prefill", "services.worker.main:main", "run a prefill worker (= worker --role prefill)", ("--role", "prefill")),
     Command("decode", "services.worker.main:main", "run a decode worker (= worker --role decode)", ("--role", "decode")),
     Command("worker", "services.worker.main:main", "run a worker with an explicit --role"),

@@ -18,12 +18,14 @@ from collections.abc import Sequence
 
 from services.gateway.config import GatewayConfig
 from services.launcher.config import UpConfig
+from services.planner.config import PlannerConfig
 from services.router.config import RouterConfig
 from services.worker.config import WorkerConfig
 from shared.settings import catalog
 from shared.settings.process_vars import VARIABLES
 
-COMMANDS = (("worker", WorkerConfig), ("gateway", GatewayConfig), ("router", RouterConfig), ("up", UpConfig))
+COMMANDS = (("worker", WorkerConfig), ("gateway", GatewayConfig), ("router", RouterConfig),
+            ("planner", PlannerConfig), ("up", UpConfig))
 # read through another command's declaration: `duet up` places workers on GPUs by the
 # workers' own DUET_TP and DUET_DEVICE (services/launcher/gpus.py)
 ALSO_READ = {"DUET_TP": ("up",), "DUET_DEVICE": ("up",)}

@@ -14,9 +14,10 @@ from pathlib import Path
 from .shapes import config_only_dir
 
 LAYOUTS = {  # `duet up`'s workers (GPU placement: services/launcher/gpus.py); --worker-arg adds e.g. --tp 2
-    "colocated": ["--both", "1", "--prefill", "0", "--decode", "0"],
-    "split": ["--prefill", "1", "--decode", "1"],
-    "colocated2": ["--both", "2", "--prefill", "0", "--decode", "0"],  # two GPUs: a worker on each, as split's
+    "colocated": ["--planner", "off", "--both", "1", "--prefill", "0", "--decode", "0"],
+    "split": ["--planner", "off", "--prefill", "1", "--decode", "1"],
+    "colocated2": ["--planner", "off", "--both", "2", "--prefill", "0", "--decode", "0"],  # as split's two GPUs
+    "planned": ["--prefill", "1", "--decode", "1"],  # split's two workers, their roles switched by the planner
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
@@ -60,7 +61,7 @@ def _stacks(run, kinds) -> None:
         return _measure(run, kinds, run.args.base_url, folder, "server")
     prompt, output = run.ints(run.args.stack_lens)
     for layout in run.names(run.args.stacks):
-        argv = [*LAYOUTS[layout], "--model", str(folder), "--", *weights, "--max-model-len",
+        argv = [*LAYOUTS[layout], *run.args.up_arg, "--model", str(folder), "--", *weights, "--max-model-len",
                 str(max(8192, 2 * (prompt + output))), *run.args.worker_arg]
         t0 = time.monotonic()
         try:

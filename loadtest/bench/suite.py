@@ -90,7 +90,8 @@ def parser() -> argparse.ArgumentParser:
     a("--prefill-prompts", default="1,4,16")
     a("--prefill-len", type=int, default=2048)
     a("--offline-requests", type=int, default=256, help="prompt and output lengths uniform in [ctx/10, ctx]")
-    a("--stacks", default="colocated,split", help="stack, multiturn: colocated, split, colocated2 (two GPUs)")
+    a("--stacks", default="colocated,split",
+      help="stack, multiturn: colocated, split, colocated2 (two GPUs), planned (split, the planner on)")
     a("--concurrency", default="1,16,32", help="stack: closed-loop points")
     a("--stack-lens", default="1024,256", help="stack: prompt and output tokens")
     a("--rates", default="", help="stack: Poisson rates (req/s) of --stack-lens prompts, --seconds-per-rate each, "
@@ -106,6 +107,7 @@ def parser() -> argparse.ArgumentParser:
     a("--model-dir", help="stack, multiturn: a real model folder instead of random weights of the last --models")
     a("--tokenizer-from", help="stack, multiturn: tokenizer files for random weights (default the default model's)")
     a("--worker-arg", action="append", default=[], help="stack, multiturn: a flag for every worker (repeat)")
+    a("--up-arg", action="append", default=[], help="stack, multiturn: a flag for `duet up`, e.g. --up-arg=--slo-itl-ms=15")
     a("--json", help="write the figures here")
     a("--workdir", help="scratch folder (default a new temporary one)")
     a("--budget-s", type=float, help="seconds for the run: later sections are skipped, a hung one cut off")

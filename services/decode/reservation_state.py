@@ -6,7 +6,7 @@ the registry's view of the writer and its own deadlines into the events below, a
 the pages on the one move into FREED. The received pages have no lifecycle of their own:
 once CONSUMED they are a running request's (Engine.add_prefilled).
 
-    RESERVED     a write may land; nobody waits for it yet
+    RESERVED     a write may land; nobody waits for it yet (its capability's deadline)
     CLAIMED      a Generate waits for the notice (the writer may still be writing)
     WRITTEN      every rank's done notice arrived; nobody claims it yet (claim deadline)
     DECLINED     the writer wrote nothing but answered (its held-prefix check failed): the
@@ -14,8 +14,9 @@ once CONSUMED they are a running request's (Engine.add_prefilled).
     ORPHANED     its writer left the registry before any notice: no write can land; nobody
                  claims it (claim deadline)
     NOTICED      claimed with the notice in hand: the Generate joins (done) or recomputes
-    QUARANTINED  cancelled while a write may still land: freed by a notice, the writer's
-                 leave, an unsent cancel or the quarantine deadline
+    QUARANTINED  cancelled, or unclaimed past its capability's lifetime, while a write may
+                 still land: freed by a notice, the writer's leave, an unsent cancel or the
+                 quarantine deadline
     CONSUMED     the pages belong to a running request
     FREED        the pages are back in the pool
 
@@ -68,6 +69,9 @@ MISSING_NOTICE = WORKERS + "test_missing_notice_makes_decode_recompute_the_prefi
 UNCLAIMED = WORKERS + "test_unclaimed_reservation_is_freed_after_the_claim_timeout"
 HELD_PREFIX = WORKERS + "test_a_held_prefix_that_is_not_the_prompts_makes_decode_recompute"
 PREFILL_KILLED = WORKERS + "test_prefill_killed_after_reservation"
+EXPIRES = UNIT + "test_an_unclaimed_reservation_is_quarantined_at_its_capabilitys_deadline"
+EXPIRES_E2E = ("tests/disagg/test_reservation_capability.py::"
+               "test_an_unclaimed_reservation_is_freed_by_its_deadline_whatever_the_caller_asked")
 EARLY_ENDS = "tests/e2e/test_e2e_edge.py::test_every_early_end_frees_the_reservation_at_once"
 GATEWAY_KILLED = "tests/disagg/test_failures_pair.py::test_gateway_killed_mid_request_leaves_no_work_on_the_pods"
 GREEDY = "tests/e2e/test_e2e_duet_up.py::test_greedy_answers_equal_the_offline_engine"
@@ -88,6 +92,8 @@ RESERVATION = StateTable("reservation", S.RESERVED, [
     *_moves(S.RESERVED, "unclaimed-freed", (), writer_gone=S.ORPHANED),
     *_moves(S.RESERVED, "no-reuse-while-writing", (PREFILL_KILLED,), cancel=S.QUARANTINED),
     *_moves(S.RESERVED, "unsent-freed-at-once", (EARLY_ENDS,), cancel_unsent=S.FREED),
+    # nobody claimed it within its capability's lifetime: its writer stops then too
+    *_moves(S.RESERVED, "unclaimed-expires", (EXPIRES, EXPIRES_E2E), deadline=S.QUARANTINED),
 
     *_moves(S.CLAIMED, "decode-after-notice", (), notice_done=S.NOTICED),
     *_moves(S.CLAIMED, "recompute-on-missing-notice", (), notice_declined=S.NOTICED, notice_abort=S.NOTICED),

@@ -15,8 +15,11 @@ can write into pages nobody was told about), as does a cancel by request id for 
 whose answer never reached its caller (and a later Reserve for that request is refused).
 One nobody cancels or claims (its gateway died) is freed once no write can land: at once
 after an abort notice, `claim_timeout_s` after a done or declined notice or after its
-writer left the registry. Each rule and the test that proves it: docs/ARCHITECTURE.md,
-"Failure rules"."""
+writer left the registry. One nobody claims within its lifetime (`ttl_s`, whatever its
+caller asked) is quarantined: its writer stops at the same lifetime and says so (abort
+notice), else the quarantine deadline frees it. A notice counts only if it carries the MAC of
+the reservation's capability secret (shared/kv_transfer/capability.py); others are ignored
+and counted. Each rule and the test that proves it: docs/ARCHITECTURE.md, "Failure rules"."""
 from __future__ import annotations
 
 import asyncio
@@ -37,6 +40,7 @@ from services.decode.reservation_state import (
     ReservationState,
 )
 from shared.engine.cache_scope import DEFAULT_SCOPE, CacheScope
+from shared.kv_transfer.capability import new_secret
 from shared.kv_transfer.notice import TransferNotice
 
 log = logging.getLogger("duet.decode")
@@ -59,6 +63,9 @@ class Reservation:
     prompt_tokens: int
     trail: list[tuple[ReservationState, float]]  # every state entered, with its clock time; the last is now's
     held_pages: int = 0  # leading prompt pages this worker already held (the writer skips them)
+    group: str = ""  # the client request it came from (fair turns: reserve_queue.py)
+    secret: bytes = b""  # its capability's secret: the key of every notice's MAC
+    expires: float | None = None  # the end of its capability's lifetime (RESERVED's deadline)
     deadline: float | None = None  # when the current state expires (a DEADLINE move); None: never
     notice: TransferNotice | None = None  # every rank's notice, combined (WRITTEN, DECLINED, NOTICED)
     rank_notices: dict[int, TransferNotice] = field(default_factory=dict)
@@ -86,19 +93,29 @@ class Reservation:
         return next((t for s, t in reversed(self.trail) if s is state), None)
 
 
+@dataclass(frozen=True)
+class Room:
+    """What a decode worker can still take on: batch slots and pages past the headroom kept
+    for the running decodes."""
+    slots: int
+    spare_pages: int
+
+
 class ReservationBook:
     def __init__(self, engine, agent, is_live: Callable[[str], bool], quarantine_s: float = 60.0,
                  metrics=None, claim_timeout_s: float = 30.0, num_ranks: int = 1,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, ttl_s: float = 120.0):
         """num_ranks: notices a reservation waits for when a notice does not say (its
         num_ranks): every rank of the prefill worker writes its heads and sends its own
         notice here, and a reservation is written (or aborted) only when all of them have.
-        clock: this process's monotonic clock (deadlines never cross hosts)."""
+        clock: this process's monotonic clock (deadlines never cross hosts). ttl_s: the
+        lifetime of a reservation's write capability."""
         self.engine = engine
         self.agent = agent
         self.is_live = is_live
         self.quarantine_s = quarantine_s
         self.claim_timeout_s = claim_timeout_s
+        self.ttl_s = ttl_s
         self.metrics = metrics
         self.num_ranks = num_ranks
         self.clock = clock
@@ -111,25 +128,20 @@ class ReservationBook:
     # -- admission --------------------------------------------------------------------------
     def try_reserve(self, request_id: str, prompt_tokens: int, max_tokens: int, writer_id: str,
                     max_running: int, n: int = 1, prompt_ids: list[int] | None = None,
-                    scope: CacheScope = DEFAULT_SCOPE) -> Reservation | None:
+                    scope: CacheScope = DEFAULT_SCOPE, group: str = "") -> Reservation | None:
         """n > 1: the request forks into n sequences sharing the prompt's pages. prompt_ids:
         the leading pages of it this worker holds (under scope's namespace) are reused
         (page_ids then lists only the pages the writer fills, from `held_pages` on)."""
         if request_id in self.dropped_requests:
             return None  # its caller gave up before an answer (cancel_request): never again
         eng = self.engine
-        running = len(eng.scheduler.running) + len(self.open)
-        if running + n - 1 >= max_running:
+        if not self.fits(self.room(max_running), prompt_tokens, n):
             return None
-        need = eng.kv.pages_for(prompt_tokens)  # at most: held pages need none
-        # leave one page per running request for its next decode step, plus this one's
-        # first (one per sequence: each copies the prompt's last page and grows on its own)
-        headroom = sum(1 for r in eng.scheduler.running if r.is_decoding) + n
-        if eng.kv.available - need < headroom:
-            return None
-        rid = next(self._ids)
+        rid, now = next(self._ids), self.clock()
         res = Reservation(rid, self.generation, request_id, [], writer_id, prompt_tokens,
-                          trail=[(S.RESERVED, self.clock())])
+                          trail=[(S.RESERVED, now)], group=group or request_id, secret=new_secret(),
+                          expires=now + self.ttl_s)
+        res.deadline = res.expires
         kv = eng.reserve(res.key, prompt_tokens, prompt_ids, scope)
         if kv is None:
             return None
@@ -139,6 +151,29 @@ class ReservationBook:
         res.ready_event = eng.launched_work_event()
         self.open[rid] = res
         return res
+
+    def room(self, max_running: int) -> Room:
+        eng = self.engine
+        running = len(eng.scheduler.running) + len(self.open)
+        # one page per running decode for its next step stays free
+        decoding = sum(1 for r in eng.scheduler.running if r.is_decoding)
+        return Room(max_running - running, eng.kv.available - decoding)
+
+    def fits(self, room: Room, prompt_tokens: int, n: int) -> bool:
+        """Whether a reservation of prompt_tokens for n sequences fits `room`: a batch slot
+        per sequence, and pages for the prompt (at most: held pages need none) plus each
+        sequence's first (each copies the prompt's last page and grows on its own)."""
+        return n <= room.slots and self.engine.kv.pages_for(prompt_tokens) + n <= room.spare_pages
+
+    def pages_by_group(self) -> dict[str, int]:
+        """Pages each request group holds here: its running requests' and its reservations'."""
+        held: dict[str, int] = {}
+        for req in self.engine.scheduler.running:
+            group = req.request_group or req.out_rid
+            held[group] = held.get(group, 0) + len(req.page_ids)
+        for res in self.open.values():
+            held[res.group] = held.get(res.group, 0) + len(res.page_ids) + res.held_pages
+        return held
 
     def get(self, reservation_id: int, generation: int) -> Reservation | None:
         res = self.open.get(reservation_id)
@@ -193,7 +228,15 @@ class ReservationBook:
 
     def _on_rank_notice(self, notice: TransferNotice) -> None:
         res = self.get(notice.reservation_id, notice.generation)
-        if res is None or res.notice is not None:
+        if res is None or not notice.signed_by(res.secret):
+            # unknown (late, for a reservation gone) or not from its capability's holder
+            reason = "stale" if res is None else "forged"
+            log.log(logging.DEBUG if res is None else logging.WARNING, "%s notice for reservation %s/%s "
+                    "(request %s) ignored", reason, notice.reservation_id, notice.generation, notice.request_id)
+            if self.metrics is not None:
+                self.metrics.kv_notices_refused.labels(reason=reason).inc()
+            return
+        if res.notice is not None:
             log.debug("late notice for reservation %s/%s ignored", notice.reservation_id, notice.generation)
             return
         res.rank_notices[notice.rank] = notice
@@ -217,7 +260,11 @@ class ReservationBook:
         if event is not None:
             self._move(res, event, now)
         if res.deadline is not None and now >= res.deadline:
-            if res.state is not S.QUARANTINED:
+            if res.state is S.RESERVED:
+                log.warning("reservation %d (request %s): its write capability expired unclaimed; its %d pages "
+                            "are quarantined until no write can land", res.reservation_id, res.request_id,
+                            len(res.page_ids))
+            elif res.state is not S.QUARANTINED:
                 log.warning("reservation %d (request %s) was never claimed; freeing its %d pages",
                             res.reservation_id, res.request_id, len(res.page_ids))
             self._move(res, E.DEADLINE, now)
@@ -239,12 +286,16 @@ class ReservationBook:
             self.engine.cancel_reservation(res.key)
 
     def _deadline(self, res: Reservation, new: ReservationState, now: float) -> float | None:
-        """When `new` expires. QUARANTINED: the writer's last in-flight write has had its time
-        (longer than prefill's write timeout; its RPC was cancelled too). Unclaimed with no
+        """When `new` expires. RESERVED: its capability's lifetime (nobody claimed it in time:
+        quarantined, its writer may still be writing). QUARANTINED: the writer's last in-flight
+        write has had its time (longer than prefill's write timeout; its RPC was cancelled
+        too, and a writer stops at its capability's lifetime). Unclaimed with no
         write to come: a gateway that died never claims it; the clock runs from when no
         write could land any more (a notice after its writer left keeps it)."""
         if new is S.QUARANTINED:
             return now + self.quarantine_s
+        if new is S.RESERVED:  # its writer is back: the capability's lifetime still runs
+            return res.expires
         if new in (S.WRITTEN, S.DECLINED, S.ORPHANED):
             return res.deadline if res.state is S.ORPHANED else now + self.claim_timeout_s
         return None

@@ -11,12 +11,12 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass
 
 import grpc
 
 from protos import duet_pb2, duet_pb2_grpc
 from services.decode.reservation_state import ReservationState
+from services.decode.reserve_queue import ReserveWait
 from services.decode.reservations import ReservationGone, waiter_for
 from services.worker_runtime.context import WorkerContext
 from services.worker_runtime.grammar_check import compile_ahead
@@ -26,26 +26,15 @@ from shared.registry.prefix_hashes import chained_page_hashes
 from shared.wire.cache_scope import cache_scope_from_proto
 from shared.wire.outputs import Usage, chunk_to_proto, first_token_ids_from_proto, tokens_to_proto
 from shared.wire.reservation import KvReservation, RankPages, reservation_to_proto
+from shared.wire.resume import ResumedPrompt, resumed_from_proto
 from shared.wire.sampling import sampling_from_proto
 
 log = logging.getLogger("duet.decode")
 
 
-@dataclass(eq=False)
-class _QueuedReserve:
-    """A Reserve call waiting for room."""
-
-    tenant: int
-    turn: bool = False  # the engine loop chose it ahead of the queue's head (tenant quotas)
-
-
 class DecodeService(duet_pb2_grpc.DecodeServicer):
     def __init__(self, ctx: WorkerContext):
         self.ctx = ctx
-        # Reserve calls waiting for room, oldest first (a burst waits its turn instead of
-        # being refused; what can never fit was refused before it queued); a tenant over its
-        # live share lets other tenants' calls go first (_try_reserve)
-        self.reserve_queue: list[_QueuedReserve] = []
 
     # -- admission ------------------------------------------------------------------------
     async def Reserve(self, request: duet_pb2.ReserveRequest, context):
@@ -70,62 +59,61 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
         if prompt_ids is not None and len(prompt_ids) != request.prompt_tokens:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"prompt_token_ids has {len(prompt_ids)} ids for prompt_tokens {request.prompt_tokens}")
-        wait_s = (request.timeout_ms / 1000.0) if request.timeout_ms else ctx.config.reserve_timeout_s
-        deadline = time.monotonic() + wait_s
-        queue = self.reserve_queue
+        # the caller may ask for a shorter wait, never a longer one than this worker allows
+        wait_s = ctx.config.reserve_timeout_s
+        if request.timeout_ms:
+            wait_s = min(wait_s, request.timeout_ms / 1000.0)
+        queue = ctx.reserve_queue
         if len(queue) >= ctx.config.reserve_queue_max:
             ctx.metrics.request_finished("Reserve", grpc.StatusCode.RESOURCE_EXHAUSTED)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"decode worker {ctx.worker_id} has {len(queue)} reservations waiting")
         with ctx.span("reserve", context, request_id=request.request_id) as span:
-            ticket = _QueuedReserve(scope.tenant)
-            queue.append(ticket)  # first come, first served: only the head (or the one chosen) tries
-            try:
-                while True:
-                    res = None
-                    if queue[0] is ticket or ticket.turn:
-                        try:  # a LoRA adapter unloaded meanwhile, or whose folder no longer reads
-                            res = await ctx.loop.acall(lambda: self._try_reserve(ticket, request, n, prompt_ids, scope))
-                        except ValueError as exc:
-                            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-                    if res is not None:
-                        break
-                    if time.monotonic() >= deadline:
-                        ctx.metrics.request_finished("Reserve", grpc.StatusCode.RESOURCE_EXHAUSTED)
-                        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                            f"decode worker {ctx.worker_id} has no room after {wait_s:.1f}s")
-                    await asyncio.sleep(0.01)
-            finally:
-                queue.remove(ticket)
+            res = await self._wait_for_room(ReserveWait(
+                request.request_id, request.prompt_tokens, request.max_tokens, request.prefill_worker_id, n,
+                prompt_ids, on_grant=None, group=request.request_group or request.request_id, scope=scope),
+                wait_s, context)
             span.set_attribute("duet.held_tokens", res.held_pages * ctx.page_size)
             await self._until_ready(res)
         # the writer checks the held pages' hashes against its prompt before skipping them
         held_hashes = chained_page_hashes(prompt_ids[:res.held_pages * ctx.page_size], ctx.page_size,
                                           seed=scope.cache_key) if res.held_pages else []
-        return reservation_to_proto(KvReservation(
+        answer = KvReservation(
             reservation_id=res.reservation_id, generation=res.generation, decode_worker_id=ctx.worker_id,
             decode_instance_nonce=ctx.instance_nonce, page_size=ctx.page_size,
             num_layers=eng.layout.num_layers, kv_dtype=str(eng.kv_dtype).removeprefix("torch."),
             compat_hash=ctx.compat_hash, held_pages=res.held_pages, held_page_hashes=held_hashes,
             # TP ranks mirror rank 0's page table
-            ranks=[RankPages(rank, agent.name, list(res.page_ids)) for rank, agent in enumerate(ctx.rank_agents)]))
+            ranks=[RankPages(rank, agent.name, list(res.page_ids)) for rank, agent in enumerate(ctx.rank_agents)])
+        # only the writer the caller named may write these pages, for the reservation's lifetime
+        answer.capability = ctx.issuer.issue(answer, res.writer_id, int(ctx.book.ttl_s * 1000), res.secret)
+        return reservation_to_proto(answer)
 
-    def _try_reserve(self, ticket: _QueuedReserve, request, n, prompt_ids, scope):
-        """On the engine loop: reserve if it is ticket's turn, else mark whose turn it is (the
-        oldest call, unless its tenant's live work holds its share and another tenant waits)."""
+    async def _wait_for_room(self, wait: ReserveWait, wait_s: float, context):
+        """Queue the call (ReserveQueue: granted on the engine loop as soon as it fits) until
+        it is granted or wait_s passes (RESOURCE_EXHAUSTED). A grant it will not take (the
+        caller left, or it came as the wait ended) is withdrawn: freed at once."""
         ctx = self.ctx
-        queue = list(self.reserve_queue)
-        if ticket not in queue:  # its handler left while this waited for the loop
-            return None
-        turn = ctx.engine.kv.next_in_turn(queue, lambda t: t.tenant)
-        if turn is not ticket:
-            ticket.turn, turn.turn = False, True
-            return None
-        res = ctx.book.try_reserve(request.request_id, request.prompt_tokens, request.max_tokens,
-                                   request.prefill_worker_id, ctx.config.engine.max_running_requests, n,
-                                   prompt_ids, scope)
-        if res is not None and queue[0] is not ticket:
-            ctx.book.num_passed_over += 1
+        aloop = asyncio.get_running_loop()
+        granted: asyncio.Future = aloop.create_future()
+        wait.on_grant = lambda res: aloop.call_soon_threadsafe(_settle_future, granted, res)
+        await ctx.loop.acall_or_undo(lambda: ctx.reserve_queue.add(wait), lambda: ctx.reserve_queue.withdraw(wait))
+        try:
+            res = await asyncio.wait_for(asyncio.shield(granted), wait_s)
+        except asyncio.TimeoutError:
+            ctx.loop.call(lambda: ctx.reserve_queue.withdraw(wait))
+            ctx.metrics.request_finished("Reserve", grpc.StatusCode.RESOURCE_EXHAUSTED)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"decode worker {ctx.worker_id} has no room after {wait_s:.1f}s")
+        except BaseException:  # the caller left
+            ctx.loop.call(lambda: ctx.reserve_queue.withdraw(wait))
+            raise
+        if res is None and wait.refusal:  # its LoRA adapter was unloaded meanwhile, or its folder no longer reads
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, wait.refusal)
+        if res is None:  # a refusal like no room: decode holds nothing for it
+            ctx.metrics.request_finished("Reserve", grpc.StatusCode.RESOURCE_EXHAUSTED)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"request {wait.request_id} was cancelled "
+                                                                    "before its reservation was made")
         return res
 
     async def _until_ready(self, res) -> None:
@@ -155,10 +143,11 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
         rid = request.request_id or uuid.uuid4().hex
         try:
             params = sampling_from_proto(request.sampling)
+            resumed = resumed_from_proto(request)  # a migrated stream: the tokens it streamed
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         await compile_ahead(ctx, params, context)
-        prompt = list(request.prompt_token_ids)
+        prompt = resumed.kv_tokens
         scope = cache_scope_from_proto(request)  # colocated or recomputed: split requests keep their reservation's
         split = request.HasField("reservation")
         aloop = asyncio.get_running_loop()
@@ -166,9 +155,10 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
         with ctx.span("decode", context, request_id=rid, split=split) as span:
             spec = None  # speculative decoding: the sequences' stats, summed onto the span
             if split:
-                started = await self._join_split(request, rid, prompt, params, aloop, q, context, scope)
+                started = await self._join_split(request, rid, resumed, params, aloop, q, context, scope)
             else:
-                started = await self._start_colocated(rid, prompt, params, aloop, q, context, scope)
+                started = await self._start_colocated(rid, resumed, params, aloop, q, context, scope,
+                                                      request.request_group)
             emitted = 1 if split else 0
             finished = started is not None and started.finished
             try:
@@ -215,11 +205,12 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
     def _last_chunk(out, tokens, prompt, emitted) -> duet_pb2.TokenChunk:
         return chunk_to_proto(out, prompt, tokens, Usage(len(prompt), emitted, out.num_cached_tokens))
 
-    async def _start_colocated(self, rid, prompt, params, aloop, q, context, scope):
+    async def _start_colocated(self, rid, resumed: ResumedPrompt, params, aloop, q, context, scope, group: str = ""):
         ctx = self.ctx
 
         def start():
-            ctx.engine.add_request(prompt, params, rid=rid, scope=scope)
+            ctx.engine.add_request(resumed.prompt, params, rid=rid, scope=scope, output_prefix=resumed.streamed or None,
+                                   request_group=group)
             ctx.loop.attach(rid, aloop, q)
         try:
             await ctx.loop.acall_or_undo(start, lambda: (ctx.loop.detach(rid), ctx.engine.abort(rid)))
@@ -227,7 +218,7 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return None
 
-    async def _join_split(self, request, rid, prompt, params, aloop, q, context, scope):
+    async def _join_split(self, request, rid, resumed: ResumedPrompt, params, aloop, q, context, scope):
         """Wait for the KV (or decide to recompute) and join the running batch. Returns a
         finished StepOutput if the request ended right away, else None."""
         ctx = self.ctx
@@ -264,14 +255,16 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
             notice = res.notice
             if notice is not None and notice.kind == "done" and notice.first_token_id == first:
                 book.consume(res)
-                ctx.engine.add_prefilled(res.key, prompt, firsts, params, seed=None, rid=rid)
+                ctx.engine.add_prefilled(res.key, resumed.prompt, firsts, params, seed=None, rid=rid,
+                                         output_prefix=resumed.streamed or None, request_group=request.request_group)
                 mode = "transfer"
             else:
                 if not ctx.config.recompute_on_missing_kv:
                     book.cancel(res.reservation_id, res.generation)
                     raise TimeoutError("the prefill worker's KV never arrived")
                 book.cancel(res.reservation_id, res.generation)  # freed once no write can land
-                ctx.engine.add_request(prompt, params, rid=rid, output_prefix=firsts, scope=scope)
+                ctx.engine.add_request(resumed.prompt, params, rid=rid, output_prefix=resumed.streamed + firsts,
+                                       scope=scope, request_group=request.request_group)
                 mode = "recompute"
                 log.warning("request %s: KV from %s did not arrive (%s); recomputing the prompt",
                             rid, res.writer_id, notice.kind if notice else "no notice")
@@ -291,6 +284,11 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+
+def _settle_future(fut: asyncio.Future, value) -> None:
+    if not fut.done():
+        fut.set_result(value)
 
 
 def spec_totals(total, stats):

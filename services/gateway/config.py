@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from services.gateway.backends.migration import MigrationConfig
 from services.gateway.http_edge.limits_config import GatewayLimits
 from services.gateway.http_edge.security_config import SecurityConfig
 from services.gateway.openai_api.template_config import ChatTemplateConfig
@@ -66,6 +67,7 @@ class GatewayConfig:
     grammar: GrammarLimits = nested(GrammarLimits, "structured outputs (grammar size and compile budget)")
     # the in-process engine's adapters; with --backend grpc the workers' own --lora count
     lora: LoraConfig = nested(LoraConfig, "LoRA adapters (--backend local; workers take their own)")
+    migration: MigrationConfig = nested(MigrationConfig, "failover (a stream whose worker failed goes on elsewhere)")
 
     def __post_init__(self) -> None:
         if self.backend is None:

@@ -48,7 +48,8 @@ def context_length(config: GatewayConfig, model_dir: Path) -> int:
     return min(limits)
 
 
-def build_backend(config: GatewayConfig, model_dir: Path, served_name: str, max_context: int) -> GenerationBackend:
+def build_backend(config: GatewayConfig, model_dir: Path, served_name: str, max_context: int,
+                  metrics: GatewayMetrics) -> GenerationBackend:
     if config.backend == "local":
         from services.gateway.backends.local_engine import LocalBackend
 
@@ -59,12 +60,13 @@ def build_backend(config: GatewayConfig, model_dir: Path, served_name: str, max_
 
         return LocalBackend(load_engine, name=served_name, expected_context_len=max_context)
     from services.gateway.backends.grpc_workers import GrpcBackend, GrpcBackendConfig
+    from services.gateway.backends.migration_metrics import MigrationMetrics
 
     return GrpcBackend(GrpcBackendConfig(
         router_address=config.router_address, redis_url=config.redis_url, model=served_name,
         max_context_len=max_context, reserve_timeout_ms=config.reserve_timeout_ms,
         rpc_timeout_s=config.rpc_timeout_s, route_timeout_s=config.route_timeout_s, tls=config.security.grpc_tls,
-        redis=config.security.redis))
+        redis=config.security.redis, migration=config.migration), MigrationMetrics(metrics.registry))
 
 
 def build_context(config: GatewayConfig) -> GatewayContext:
@@ -74,10 +76,11 @@ def build_context(config: GatewayConfig) -> GatewayContext:
     served_name = config.served_model_name or model_dir.name
     max_context = context_length(config, model_dir)
     prompts = PromptBuilder.from_model_dir(model_dir)
-    backend = build_backend(config, model_dir, served_name, max_context)
+    metrics = GatewayMetrics()
+    backend = build_backend(config, model_dir, served_name, max_context, metrics)
     namespaces = CacheNamespaces.configured(config.security.cache_namespace_key_file,
                                             config.security.shared_cache_salts)
-    return GatewayContext(backend, prompts, GatewayMetrics(), served_name, max_context,
+    return GatewayContext(backend, prompts, metrics, served_name, max_context,
                           tool_call_parser=config.tool_call_parser, limits=config.limits,
                           template=config.template, grammar=config.grammar, cache_namespaces=namespaces,
                           lora_loading=config.enable_lora_loading)

@@ -25,6 +25,14 @@ def _security_lines(stack) -> tuple[str, str]:
                         f"may call only what its role needs")
 
 
+def _planner_line(stack) -> str:
+    cfg = stack.cfg
+    if not cfg.switchable:
+        return "  planner off: every worker keeps its role\n"
+    return (f"  planner on: switches the workers' roles as the load asks (metrics {cfg.host}:"
+            f"{stack.planner_metrics_port}, log planner.log)\n")
+
+
 def print_banner(stack, model_dir: str, base: str) -> None:
     """What `duet up` says once the gateway is healthy (stack: main.Stack)."""
     cfg = stack.cfg
@@ -39,6 +47,7 @@ def print_banner(stack, model_dir: str, base: str) -> None:
           f"  model   {model_dir}\n"
           f"  router  {cfg.host}:{stack.router_port}\n"
           f"  workers {', '.join(workers)}\n"
+          f"{_planner_line(stack)}"
           f"  redis   {redact_url(stack.redis_url)}{redis_auth}\n"
           f"  auth    {'API key required' if cfg.api_keys or cfg.api_keys_file else 'none (open)'}\n"
           f"  gRPC    {grpc_line}\n"

@@ -17,7 +17,7 @@ class Child:
     name: str
     argv: list[str]
     log_path: Path
-    kind: str  # "worker", "gateway", "router" or "redis": the drain order (shutdown.py)
+    kind: str  # "worker", "gateway", "router", "planner" or "redis": the drain order (shutdown.py)
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen | None = None
     started_at: float = 0.0  # time.monotonic() of the last start

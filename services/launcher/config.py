@@ -7,20 +7,29 @@ import argparse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from shared.perf_model.config import ItlTarget, TtftTarget
 from shared.settings import parsers
 from shared.settings.drain import drain_grace
 from shared.settings.flags import add_flags, from_args
-from shared.settings.spec import setting
+from shared.settings.spec import nested, setting
 
 
 @dataclass
 class UpConfig:
     host: str = setting("127.0.0.1", flag="--host", env="DUET_HOST", help="address every service binds")
     port: int = setting(8000, flag="--port", env="DUET_PORT", help="gateway HTTP port")
-    prefill: int = setting(1, flag="--prefill", help="prefill workers")
-    decode: int = setting(1, flag="--decode", help="decode workers")
+    prefill: int = setting(1, flag="--prefill", help="prefill workers (with the planner on: to start with)")
+    decode: int = setting(1, flag="--decode", help="decode workers (with the planner on: to start with)")
     both: int = setting(0, flag="--both",
                         help="colocated workers serving whole requests (e.g. --both 1 --prefill 0 --decode 0)")
+    planner: str = setting(
+        "on", flag="--planner", env="DUET_PLANNER", choices=("on", "off"),
+        help="on: every worker is started switchable (worker-0, worker-1, ...) in the roles the counts above "
+             "give, and `duet planner` switches their roles as the load asks (TTFT and ITL against "
+             "--slo-ttft-ms / --slo-itl-ms); off: the workers keep the roles they started with (prefill-0, "
+             "decode-0, ...)")
+    ttft: TtftTarget = nested(TtftTarget)
+    slo: ItlTarget = nested(ItlTarget)
     redis_url: str | None = setting(flag="--redis-url", env="DUET_REDIS_URL",
                                     help="use this Redis instead of starting one")
     model: str | None = setting(flag="--model", env="DUET_MODEL", help="HF model folder (default: embedded SmolLM2-135M)")
@@ -107,11 +116,20 @@ class UpConfig:
         cfg.worker_args = [x for x in a.worker_args if x != "--"]
         return cfg
 
+    @property
+    def switchable(self) -> bool:
+        """Workers started able to take any role (the planner moves them)."""
+        return self.planner == "on"
+
     def worker_names(self) -> list[tuple[str, str]]:
-        """(role, name) of every worker duet up starts: prefill-0.., decode-0.., both-0..; the
-        name is its registry id."""
-        return [(role, f"{role}-{i}") for role, count in (("prefill", self.prefill), ("decode", self.decode),
-                                                           ("both", self.both)) for i in range(count)]
+        """(role, name) of every worker duet up starts: prefill-0.., decode-0.., both-0..; with
+        the planner on, worker-0.. in those roles (its role changes, its name stays); the name is
+        its registry id."""
+        roles = [role for role, count in (("prefill", self.prefill), ("decode", self.decode), ("both", self.both))
+                 for _ in range(count)]
+        if self.switchable:
+            return [(role, f"worker-{i}") for i, role in enumerate(roles)]
+        return [(role, f"{role}-{roles[:i].count(role)}") for i, role in enumerate(roles)]
 
     def role_tp(self, role: str, default: int) -> int:
         return {"prefill": self.prefill_tp, "decode": self.decode_tp}.get(role) or default

@@ -19,7 +19,9 @@ import yaml
 from services.launcher.throwaway_pki import ThrowawayCA
 from shared.security.identity import Identity
 
-K8S_ROLES = ("gateway", "router", "prefill", "decode")  # one Deployment each
+# one Deployment each; `worker`: the switchable workers of both pools (components/planner),
+# `planner`: the only caller of their SetRole
+K8S_ROLES = ("gateway", "router", "prefill", "decode", "worker", "planner")
 
 
 def _secret(name: str, namespace: str, data: dict[str, bytes], kind: str = "Opaque") -> dict:

@@ -82,16 +82,18 @@ class Stack:
         self.placements = place_workers(cfg.num_workers, flags, gpus, explicit_kv=cfg.kv_cache_memory,
                                         card_bytes=gpu_memory_bytes() if gpus else 0,
                                         model_bytes=weight_bytes(model_dir) if gpus else 0, tps=tps,
-                                        roles=[role for role, _ in roles],
+                                        # a switchable worker may decode: it weighs as `both`
+                                        roles=["both" if cfg.switchable else role for role, _ in roles],
                                         host_bytes=host_available_bytes() if gpus else 0)
         cores = os.cpu_count() or 1
         threads = cfg.threads or max(1, cores // max(1, cfg.num_workers))
         self.router_port = free_port(host)
         common = ["--redis-url", self.redis_url]
+        itl = ["--slo-itl-ms", f"{cfg.slo.itl_ms:g}"] if cfg.slo.itl_ms else []  # router, workers, planner
         secure, secure_env = self.secure, self.secure.child_env()
         self.children.append(Child("router", duet_command(
             "router", "--host", host, "--port", str(self.router_port), "--metrics-port", str(free_port(host)),
-            *common, *secure.grpc_args("router")), self.log_dir / "router.log", kind="router",
+            *common, *itl, *secure.grpc_args("router")), self.log_dir / "router.log", kind="router",
             env={**thread_env(1), **secure_env}))
         for (role, name), place, tp in zip(roles, self.placements, tps):
             kv = ["--kv-cache-memory", place.kv_cache_memory] if place.kv_cache_memory else []
@@ -101,11 +103,14 @@ class Stack:
             argv = duet_command("worker", "--role", role, "--worker-id", name, "--host", host,
                                 "--port", str(free_port(host)),  # metrics: bound on any free port, published
                                 "--model", model_dir, *kv, "--threads", str(threads),
-                                "--drain-grace", str(self.drain.worker_grace_s), *common,
+                                "--drain-grace", str(self.drain.worker_grace_s), *common, *itl,
+                                *(["--switchable"] if cfg.switchable else []),
                                 *secure.grpc_args(name), *cfg.worker_args, *role_tp)
             self.children.append(Child(name, argv, self.log_dir / f"{name}.log", kind="worker",
                                        env={**thread_env(threads), **place.env(), **secure_env}))
         gw_args, gw_env = gateway_security(cfg, self.secrets)
+        if cfg.switchable:
+            gw_args += self.add_planner(common, itl)
         helpers = cfg.chat_template_processes or template_helpers(cores)
         self.children.append(Child("gateway", duet_command(
             "gateway", "--host", host, "--port", str(cfg.port), "--router-address", f"{host}:{self.router_port}",
@@ -114,6 +119,26 @@ class Stack:
             *(["--enable-lora-loading"] if cfg.enable_lora_loading else [])),
             self.log_dir / "gateway.log", kind="gateway", env={**thread_env(1), **gw_env, **secure_env}))
         self.threads = threads
+
+    def add_planner(self, common: list[str], itl: list[str]) -> list[str]:
+        """The planner child, reading the gateway's /metrics: on its API port, or, when that port
+        serves HTTPS, on a plain port of its own (the extra gateway flags returned)."""
+        cfg, host = self.cfg, self.cfg.host
+        dial = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+        gw_args: list[str] = []
+        if cfg.tls_cert_file:
+            metrics_port = free_port(host)
+            gw_args = ["--metrics-port", str(metrics_port)]
+            gateway_metrics = f"http://{dial}:{metrics_port}/metrics"
+        else:
+            gateway_metrics = f"http://{dial}:{cfg.port}/metrics"
+        ttft = ["--slo-ttft-ms", f"{cfg.ttft.ttft_ms:g}"] if cfg.ttft.ttft_ms else []
+        self.planner_metrics_port = free_port(host)
+        self.children.append(Child("planner", duet_command(
+            "planner", "--host", host, "--metrics-port", str(self.planner_metrics_port),
+            "--gateway-metrics", gateway_metrics, *common, *itl, *ttft, *self.secure.grpc_args("planner")),
+            self.log_dir / "planner.log", kind="planner", env={**thread_env(1), **self.secure.child_env()}))
+        return gw_args
 
     def start(self) -> None:
         for child in self.children:
@@ -191,8 +216,9 @@ def _serve(stack: Stack, model_dir: str, stopping: dict) -> int:
     supervisor = Supervisor(stack.children, RestartPolicy(cfg.restart_limit, cfg.restart_backoff_s,
                                                           cfg.restart_reset_s), say)
     base = f"{cfg.scheme}://{cfg.host}:{cfg.port}"
-    log.info("starting %d workers (%d prefill, %d decode, %d both; %d threads each), logs in %s",
-             cfg.num_workers, cfg.prefill, cfg.decode, cfg.both, stack.threads, stack.log_dir)
+    log.info("starting %d %sworkers (%d prefill, %d decode, %d both%s; %d threads each), logs in %s",
+             cfg.num_workers, "switchable " if cfg.switchable else "", cfg.prefill, cfg.decode, cfg.both,
+             " to start with; the planner moves them" if cfg.switchable else "", stack.threads, stack.log_dir)
     deadline = time.monotonic() + cfg.health_timeout_s
     probe_ssl = health_ssl_context(cfg)
     while not _healthy(base + "/health", probe_ssl):

@@ -113,8 +113,11 @@ def make_secure(cfg: UpConfig, vault: SecretsDir, *, own_redis: bool) -> SecureS
     """A throwaway CA and a certificate for each child, and (for the Redis that duet up starts)
     a random password."""
     from services.launcher.throwaway_pki import make_certificates
+    # a switchable worker's certificate names the role `worker`: it may advertise any worker role
     identities = {"router": Identity("router"), "gateway": Identity("gateway"),
-                  **{name: Identity(role, name) for role, name in cfg.worker_names()}}
+                  **{name: Identity("worker" if cfg.switchable else role, name) for role, name in cfg.worker_names()}}
+    if cfg.switchable:
+        identities["planner"] = Identity("planner")  # the only caller of the workers' SetRole
     certs = make_certificates(vault.folder(), identities)
     if not own_redis:
         return SecureStack(certs)

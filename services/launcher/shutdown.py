@@ -5,8 +5,9 @@ accepting and lets open streams run for the whole grace; a worker leaves the reg
 finishes in-flight work for a shorter grace, then ends what is left. Ending it fails those
 streams at the gateway, which sends each an error event; so by the end of the grace every
 stream has ended with [DONE] or an error event, and none is cut by uvicorn's own timeout.
-The router stops once the gateway is gone (only the gateway asks it anything), Redis once
-the workers and router are (workers deregister through it). What still runs KILL_AFTER_S
+The planner stops with them (no role switch during a drain). The router stops once the
+gateway is gone (only the gateway asks it anything), Redis once the workers, planner and
+router are (workers deregister through it). What still runs KILL_AFTER_S
 after the grace is killed, and said so."""
 from __future__ import annotations
 
@@ -50,8 +51,8 @@ def stop_children(children: Sequence[Child], plan: DrainPlan, say: Callable[[str
     def of(*kinds: str) -> list[Child]:
         return [c for c in children if c.kind in kinds]
 
-    stages = [(of("gateway", "worker"), []), (of("router"), of("gateway")),
-              (of("redis"), of("gateway", "worker", "router"))]
+    stages = [(of("planner", "gateway", "worker"), []), (of("router"), of("gateway")),
+              (of("redis"), of("planner", "gateway", "worker", "router"))]
     signalled: list[Child] = []
     deadline = clock() + plan.kill_after_s
     while any(c.running for c in children) and clock() < deadline:

@@ -8,7 +8,9 @@ checked by hash) are skipped; if its hashes do not match the prompt, nothing is 
 the notice says declined, so decode recomputes: a bad hint costs work, never a wrong token.
 When every write has landed the request's pages are released into the prefix cache and the
 RPC gets its answer. A failed write or a cancel releases the pages and tells decode (abort
-notice) once nothing is in flight. Each handoff is in one state of the lifecycle in
+notice) once nothing is in flight; so does the end of the write capability's lifetime while
+pages are still to write (decode has quarantined the reservation by then). Every notice is
+MACed with the capability's secret. Each handoff is in one state of the lifecycle in
 outgoing_state.py; every change goes through `_move`, which refuses what the table forbids.
 
 `lock` is held while a stream is touched (the loop's tick and hooks, start, cancel), not
@@ -53,6 +55,8 @@ class Outgoing:
     result: concurrent.futures.Future
     trail: list[tuple[OutgoingState, float]]  # every state entered, with its monotonic time; the last is now's
     held_pages: int = 0  # leading prompt pages decode holds: never written
+    secret: bytes = b""  # the write capability's secret: every notice's MAC key
+    deadline: float = float("inf")  # monotonic end of the capability's lifetime: no page is posted after it
     write_nothing: bool = False  # the held prefix did not match the prompt: decode recomputes
     pages_sent: int = 0  # prompt pages written (or skipped as held), from the first
     first: StepOutput | None = None  # the first token (TAIL on)
@@ -85,18 +89,27 @@ class OutgoingTransfers:
 
     def start(self, rid: str, prompt_ids, params, stream: PageWriteStream,
               reservation_id: int, generation: int, held_pages: int = 0,
-              write_nothing: bool = False, scope: CacheScope = DEFAULT_SCOPE) -> concurrent.futures.Future:
+              write_nothing: bool = False, scope: CacheScope = DEFAULT_SCOPE, secret: bytes = b"",
+              deadline: float = float("inf"), request_group: str = "",
+              output_prefix: list[int] = ()) -> concurrent.futures.Future:
         """held_pages: the reservation's leading pages decode already holds; the stream's
         pages are the ones after them. write_nothing: their hashes did not match. scope: the
-        prefix-cache namespace and tenant of the request on this worker."""
-        if (held_pages + len(stream.dst_page_ids)) * self.page_size < len(prompt_ids):
+        prefix-cache namespace and tenant of the request on this worker. secret, deadline: the
+        reservation's write capability (notice MAC key; end of its lifetime on this process's
+        monotonic clock). request_group: the client request it came from (the engine's fair
+        turns). output_prefix: a migrated stream's completion tokens so far: their KV is written
+        after the prompt's."""
+        kv_tokens = len(prompt_ids) + len(output_prefix)
+        if (held_pages + len(stream.dst_page_ids)) * self.page_size < kv_tokens:
             raise ValueError(f"reservation has {held_pages} held + {len(stream.dst_page_ids)} pages; the "
-                             f"prompt needs {-(-len(prompt_ids) // self.page_size)}")
-        self.engine.add_request(prompt_ids, params, rid=rid, prefill_only=True, scope=scope)
+                             f"prompt needs {-(-kv_tokens // self.page_size)}")
+        self.engine.add_request(prompt_ids, params, rid=rid, prefill_only=True, scope=scope,
+                                output_prefix=list(output_prefix) or None, request_group=request_group)
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self.active[rid] = Outgoing(rid, stream, reservation_id, generation, len(prompt_ids), fut,
+        self.active[rid] = Outgoing(rid, stream, reservation_id, generation, kv_tokens, fut,
                                     trail=[(S.PREFILLING, time.monotonic())], held_pages=held_pages,
-                                    write_nothing=write_nothing, pages_sent=held_pages)
+                                    write_nothing=write_nothing, pages_sent=held_pages, secret=secret,
+                                    deadline=deadline)
         return fut
 
     def cancel(self, rid: str) -> None:
@@ -135,7 +148,8 @@ class OutgoingTransfers:
     def _notice(self, out: Outgoing, kind: str) -> TransferNotice:
         token = out.first.token_ids[0] if out.first else -1
         return TransferNotice(reservation_id=out.reservation_id, generation=out.generation, rank=0,
-                              request_id=out.rid, kind=kind, first_token_id=token, num_tokens=out.num_prompt)
+                              request_id=out.rid, kind=kind, first_token_id=token, num_tokens=out.num_prompt,
+                              key=out.secret)
 
     def tick(self) -> bool:
         with self.lock:
@@ -156,10 +170,17 @@ class OutgoingTransfers:
             out.error = "the request ended before its first token"
             self._move(out, E.ENDED)
             out.stream.abort(self._notice(out, "abort"))
+        if out.state in WRITING and time.monotonic() >= out.deadline:
+            out.error = "the reservation's write capability expired before its pages were written"
+            self._move(out, E.EXPIRE)
+            self.engine.abort(out.rid)
+            out.stream.abort(self._notice(out, "abort"))
         if out.state in WRITING and out.stream.state not in (DONE, FAILED) and req is not None:
             held = req.status is ReqStatus.HELD
-            # only pages the device has finished (a launched chunk may still be running)
-            done = max(req.num_kv_ready, req.num_cached_tokens)
+            # only pages the device has finished (a launched chunk may still be running), and
+            # cached ones once their load back from the host tier has landed
+            cached = req.num_cached_tokens if self.engine.kv.copy_landed(req.kv_load_ticket) else 0
+            done = max(req.num_kv_ready, cached)
             ready = -(-out.num_prompt // self.page_size) if held else done // self.page_size
             ready = min(ready, len(req.page_ids))
             if ready > out.pages_sent and not out.write_nothing:

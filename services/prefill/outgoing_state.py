@@ -11,8 +11,9 @@ notice went out, FAILED when a write or the notice failed.
     FINISHING   every page posted; the done notice waits behind the last writes
     DECLINING   the held prefix is not the prompt's: nothing written, a declined notice
                 queued (decode recomputes; the first token still answers the RPC)
-    CANCELLING  given up (the caller left, or the engine ended the request before its first
-                token): nothing more is written, an abort notice waits behind the writes in flight
+    CANCELLING  given up (the caller left, the engine ended the request before its first
+                token, or the write capability's lifetime passed): nothing more is written, an
+                abort notice waits behind the writes in flight
     DONE        notice sent; the pages go into the prefix cache and the RPC gets its answer
     FAILED      a write or the notice failed; the pages are freed and the RPC fails
     CANCELLED   the abort notice went out (or could not); the pages are freed and the RPC fails
@@ -43,6 +44,7 @@ class OutgoingEvent(Enum):
     DECLINE = auto()  # held prefix mismatch: queue the declined notice, write nothing
     CANCEL = auto()  # the RPC gave up (stop_writing, cancel)
     ENDED = auto()  # the engine ended the request before its first token
+    EXPIRE = auto()  # the reservation's write capability expired while pages were still to write
     STREAM_DONE = auto()  # nothing in flight and the queued notice went out
     STREAM_FAILED = auto()  # a write (or the notice) failed
 
@@ -67,6 +69,7 @@ DISCONNECT = ("tests/disagg/test_failures_pair.py::"
               "test_disconnect_during_prefill_stops_prefill_and_frees_the_reservation")
 EARLY_ENDS = "tests/e2e/test_e2e_edge.py::test_every_early_end_frees_the_reservation_at_once"
 GREEDY = "tests/e2e/test_e2e_duet_up.py::test_greedy_answers_equal_the_offline_engine"
+EXPIRES = _unit("test_a_handoff_past_its_capabilitys_lifetime_stops_writing_and_aborts")
 
 M = Move
 OUTGOING = StateTable("outgoing", S.PREFILLING, [
@@ -74,11 +77,13 @@ OUTGOING = StateTable("outgoing", S.PREFILLING, [
     M(S.PREFILLING, E.CANCEL, S.CANCELLING, "disconnect-cancels", (CANCEL, DISCONNECT, EARLY_ENDS)),
     M(S.PREFILLING, E.ENDED, S.CANCELLING, "aborts-free-all", (ENDED,)),
     M(S.PREFILLING, E.STREAM_FAILED, S.FAILED, "dead-decode-fails-writes", (WRITE_FAILS, DECODE_KILLED)),
+    M(S.PREFILLING, E.EXPIRE, S.CANCELLING, "unclaimed-expires", (EXPIRES,)),
 
     M(S.TAIL, E.FINISH, S.FINISHING, "decode-after-notice", (HAPPY, GREEDY)),
     M(S.TAIL, E.DECLINE, S.DECLINING, "held-prefix-checked", (DECLINE, HELD_PREFIX)),
     M(S.TAIL, E.CANCEL, S.CANCELLING, "disconnect-cancels", (CANCEL,)),
     M(S.TAIL, E.STREAM_FAILED, S.FAILED, "dead-decode-fails-writes", (WRITE_FAILS,)),
+    M(S.TAIL, E.EXPIRE, S.CANCELLING, "unclaimed-expires", (EXPIRES,)),
 
     M(S.FINISHING, E.STREAM_DONE, S.DONE, "decode-after-notice", (HAPPY, GREEDY)),
     M(S.FINISHING, E.STREAM_FAILED, S.FAILED, "dead-decode-fails-writes", (WRITE_FAILS,)),

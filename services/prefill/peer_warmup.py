@@ -60,6 +60,8 @@ class PeerWarmup:
         for w in ctx.watcher.workers("decode"):
             if self.warmed.get(w.worker_id) == w.instance_nonce or w.compat_hash != ctx.compat_hash:
                 continue
+            if w.worker_id == ctx.worker_id:  # a switchable worker advertising decode: never its own peer
+                continue
             outcome = "refused"
             try:
                 ok, self.seconds[w.worker_id] = await self._probe(w)

@@ -7,22 +7,25 @@ from protos import duet_pb2_grpc
 from services.prefill.outgoing import OutgoingTransfers
 from services.prefill.peer_warmup import PeerWarmup
 from services.prefill.service import PrefillService
-from services.worker_runtime.transfer import close_agents, open_agents
+from services.worker_runtime.transfer import open_host_agents
 from shared.kv_transfer.tp_write_stream import FollowerStreams
 
 
 def install(host) -> None:
-    ctx, config, engine = host.ctx, host.config, host.engine
-    tp = config.engine.tp_size
     host.publish_kv_events()
-    open_agents(ctx, write_timeout_s=config.write_timeout_s, progress_thread=config.nixl_progress_thread,
-                registry=config.registry)
-    host.on_stop.append(lambda: close_agents(ctx, tp))
+    open_host_agents(host)
+    add_outgoing(host)
+    add_service(host)
+
+
+def add_outgoing(host) -> None:
+    """The KV writes into decode reservations, on the engine loop (needs the agents), and the
+    warm-up of decode peers as they join."""
+    ctx, engine, tp = host.ctx, host.engine, host.config.engine.tp_size
     ctx.outgoing = OutgoingTransfers(engine, ctx.metrics, followers=FollowerStreams(engine, tp - 1) if tp > 1 else None)
     ctx.loop.add_tick(ctx.outgoing.tick)
     ctx.loop.on_step.append(ctx.outgoing.on_step)
     host.busy.append(lambda: bool(ctx.outgoing.active))
-    add_service(host)
     host.services.append(PeerWarmup(ctx))  # connect to decode workers as they join, not on their first request
 
 

@@ -1,18 +1,26 @@
 """The Prefill gRPC service: compute a prompt, write its KV into a decode reservation,
-return the first token."""
+return the first token.
+
+Nothing is written, and no notice sent, unless the reservation's write capability verifies
+(shared/kv_transfer/capability.py): signed by the decode worker instance it names (the key in
+its registry entry), for this prefill worker, not taken before. Otherwise the call is refused
+with PERMISSION_DENIED and the reason; the pages it names are never touched."""
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 
 import grpc
 
 from protos import duet_pb2, duet_pb2_grpc
+from services.prefill.capability_uses import CapabilityUses
 from services.worker_runtime.context import WorkerContext
 from services.worker_runtime.grammar_check import compile_ahead
 from shared.kv_transfer.agent import TransferError
+from shared.kv_transfer.capability import refusal
 from shared.kv_transfer.head_plan import PairingError, plan_head_copies
 from shared.kv_transfer.notice import TransferNotice
 from shared.kv_transfer.tp_write_stream import TpWriteStream
@@ -20,17 +28,24 @@ from shared.kv_transfer.write_stream import rank_stream
 from shared.registry.peers import PeerNotFound
 from shared.registry.prefix_hashes import chained_page_hashes
 from shared.wire.cache_scope import cache_scope_from_proto
+from shared.wire.fault import FAULT_KEY
 from shared.wire.outputs import PrefillAnswer, prefill_reply_to_proto
 from shared.wire.reservation import KvReservation, reservation_from_proto
+from shared.wire.resume import resumed_from_proto
 from shared.wire.sampling import sampling_from_proto
 
 log = logging.getLogger("duet.prefill")
+
+# on a failure that lies with the decode worker (it left the registry, its writes failed): the
+# gateway migrates the request away from that decode worker, not from this prefill worker
+DECODE_FAULT = ((FAULT_KEY, "decode"),)
 
 
 class PrefillService(duet_pb2_grpc.PrefillServicer):
     def __init__(self, ctx: WorkerContext):
         self.ctx = ctx
         self._notices: set[asyncio.Task] = set()  # abort notices on their way
+        self._uses = CapabilityUses()
 
     async def Prefill(self, request: duet_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         handoff = _Handoff(request.request_id or uuid.uuid4().hex)
@@ -48,6 +63,7 @@ class PrefillService(duet_pb2_grpc.PrefillServicer):
         ctx = self.ctx
         rid = handoff.rid
         with ctx.span("prefill", context, request_id=rid, prompt_tokens=len(request.prompt_token_ids)):
+            await self._authorize(res, context, handoff)
             if res.compat_hash != ctx.compat_hash or res.page_size != ctx.page_size:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                     f"reservation layout {res.compat_hash}/{res.page_size} does not match "
@@ -56,6 +72,7 @@ class PrefillService(duet_pb2_grpc.PrefillServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "reservation has no destination pages")
             try:
                 params = sampling_from_proto(request.sampling)
+                resumed = resumed_from_proto(request)  # a migrated stream: the tokens it streamed
             except ValueError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             await compile_ahead(ctx, params, context)
@@ -70,7 +87,7 @@ class PrefillService(duet_pb2_grpc.PrefillServicer):
                 peer = await ctx.peers.get(res.decode_worker_id, res.decode_instance_nonce, res.compat_hash)
                 specs = ctx.peers.rank_specs(peer, len(ranks))
             except PeerNotFound as exc:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc), trailing_metadata=DECODE_FAULT)
             try:  # which of our ranks writes which heads into which decode rank (cached per layout pair)
                 plan = plan_head_copies([a.pool for a in ctx.rank_agents], [s.pool for s in specs])
             except PairingError as exc:
@@ -79,7 +96,7 @@ class PrefillService(duet_pb2_grpc.PrefillServicer):
                                     f"worker {res.decode_worker_id} (tp {len(ranks)}): {exc}")
             mine = {c.dst_rank for c in plan if c.src_rank == 0} | {0}
             decode_peers = {j: ctx.peers.add(specs[j]) for j in sorted(mine)}
-            prompt = list(request.prompt_token_ids)
+            prompt = resumed.kv_tokens
             scope = cache_scope_from_proto(request)  # its namespace: prefill's own prefix cache, the held hashes' seed
             held = res.held_pages
             if held < 0 or held * ctx.page_size > len(prompt):
@@ -99,8 +116,10 @@ class PrefillService(duet_pb2_grpc.PrefillServicer):
                     stream = rank_stream(ctx.agent, 0, decode_peers, plan, pages[0])
                     if ctx.config.engine.tp_size > 1:
                         stream = TpWriteStream(stream, ctx.outgoing.followers, specs, pages[0], plan)
-                    fut = ctx.outgoing.start(rid, prompt, params, stream, res.reservation_id, res.generation,
-                                             held_pages=held, write_nothing=mismatch, scope=scope)
+                    fut = ctx.outgoing.start(rid, resumed.prompt, params, stream, res.reservation_id,
+                                             res.generation, held_pages=held, write_nothing=mismatch, scope=scope,
+                                             secret=res.capability.secret, deadline=handoff.deadline,
+                                             request_group=request.request_group, output_prefix=resumed.streamed)
                     handoff.started = True  # from here OutgoingTransfers tells decode how it ended
                     return fut
             try:
@@ -111,10 +130,34 @@ class PrefillService(duet_pb2_grpc.PrefillServicer):
                 result = await asyncio.wrap_future(fut)  # cancelled (the caller left): _abandon stops it
             except TransferError as exc:
                 ctx.metrics.request_finished("Prefill", grpc.StatusCode.UNAVAILABLE)
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc), trailing_metadata=DECODE_FAULT)
             ctx.metrics.request_finished("Prefill", grpc.StatusCode.OK)
             return prefill_reply_to_proto(PrefillAnswer(result.firsts, result.cached_tokens, result.computed_tokens,
                                                         result.kv_bytes), prompt)
+
+    async def _authorize(self, res: KvReservation, context, handoff: "_Handoff") -> None:
+        """Refuse (PERMISSION_DENIED, nothing written, no notice) unless res's write capability
+        verifies with its decode instance's key, names this worker and was not taken before.
+        Its lifetime counts from now (later than decode's count: decode's deadline comes first)."""
+        ctx = self.ctx
+        if ctx.peers is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"a {ctx.config.role} worker writes no KV")
+        try:
+            key = await ctx.peers.capability_key(res.decode_worker_id, res.decode_instance_nonce)
+        except PeerNotFound as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        reason, why = refusal(res, ctx.worker_id, key)
+        if not reason and not self._uses.take(res.decode_worker_id, res.decode_instance_nonce,
+                                              res.reservation_id, res.generation):
+            reason, why = "reused", "this reservation's write capability was used already"
+        if reason:
+            log.warning("refused a Prefill for reservation %s/%s of %s: %s", res.reservation_id, res.generation,
+                        res.decode_worker_id, why)
+            ctx.metrics.kv_writes_refused.labels(reason=reason).inc()
+            ctx.metrics.request_finished("Prefill", grpc.StatusCode.PERMISSION_DENIED)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
+        handoff.secret = res.capability.secret
+        handoff.deadline = time.monotonic() + res.capability.lifetime_ms / 1000.0
 
     # -- a request that ends unanswered ----------------------------------------------------------
     def _abandon(self, res: KvReservation, handoff: "_Handoff") -> None:
@@ -129,15 +172,15 @@ class PrefillService(duet_pb2_grpc.PrefillServicer):
         if started:
             ctx.outgoing.stop_writing(rid)
             ctx.loop.call(lambda: ctx.outgoing.cancel(rid))  # a no-op once it ended
-        elif res.reservation_id:
-            task = asyncio.ensure_future(self._send_abort_notice(res, rid))
+        elif handoff.secret:  # only the capability's holder speaks for the reservation
+            task = asyncio.ensure_future(self._send_abort_notice(res, rid, handoff.secret))
             self._notices.add(task)
             task.add_done_callback(self._notices.discard)
 
-    async def _send_abort_notice(self, res: KvReservation, rid: str) -> None:
+    async def _send_abort_notice(self, res: KvReservation, rid: str, secret: bytes) -> None:
         ctx = self.ctx
         notice = TransferNotice(reservation_id=res.reservation_id, generation=res.generation, rank=0,
-                                request_id=rid, kind="abort", num_ranks=1)
+                                request_id=rid, kind="abort", num_ranks=1, key=secret)
         try:
             peer = await ctx.peers.get(res.decode_worker_id, res.decode_instance_nonce, res.compat_hash)
             ctx.agent.send_notif(peer, notice.encode())
@@ -150,8 +193,10 @@ class PrefillService(duet_pb2_grpc.PrefillServicer):
 class _Handoff:
     """Whether OutgoingTransfers took a request over, and whether its RPC gave up; both set
     under ctx.outgoing.lock, so a start() still queued on the loop and a caller that left
-    agree on who tells decode."""
+    agree on who tells decode (and only once its capability verified: `secret`)."""
 
     rid: str
     started: bool = False
     gone: bool = False
+    secret: bytes = b""  # set once the write capability verified: its notices' MAC key
+    deadline: float = float("inf")  # monotonic end of the capability's lifetime here

@@ -62,7 +62,10 @@ class RouterConfig:
     tls: GrpcTlsConfig = nested(GrpcTlsConfig, "gRPC TLS (between gateway, router and workers)")
     weights: RoutingWeights = nested(RoutingWeights)
     slo: ItlTarget = nested(ItlTarget)
-    inflight_ttl_s: float = 900.0       # forget a routed request never released (gateway died)
+    inflight_ttl_s: float = setting(
+        60.0, flag="--inflight-ttl", env="DUET_ROUTER_INFLIGHT_TTL",
+        help="seconds a routed request counts in the router's own load account unless released first (a "
+             "gateway that died, a Route nobody followed up); workers' heartbeats report real load")
     prefix_lookup_timeout_s: float = 0.2  # budget for the Redis page-hash lookup per route
     grace_s: float = 5.0                # drain time for in-flight RPCs on shutdown
     log_level: str = setting("info", flag="--log-level", env="DUET_LOG_LEVEL", help="stderr log level")

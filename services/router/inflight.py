@@ -3,7 +3,11 @@
 Workers report their load only once per heartbeat; between beats a burst would all
 go to the same "least loaded" worker. So the router adds what it has just sent.
 Entries leave on Release (PREFILL_DONE drops the prefill share, DONE everything), when
-their worker leaves the registry, or after a TTL (a gateway that died never releases).
+their worker leaves the registry, or after a TTL (`--inflight-ttl`): a gateway that died
+never releases, and a Route nobody follows up (a client of the router's gRPC that only
+routes) must not pin load. The account only bridges the heartbeats: a request that really
+runs is in its worker's reported load long before its entry expires, and loads are the
+larger of the two, so a short TTL forgets nothing that is real.
 
 The other way round, a heartbeat may still count a request that ended since: the report
 the router holds was written at most a heartbeat plus a registry scan ago, so the tracker
@@ -45,7 +49,9 @@ class InflightTracker:
         self._released: deque[tuple[float, str]] = deque()  # (time.monotonic(), decode worker) of DONE releases
 
     def __len__(self) -> int:
-        return len(self._requests)
+        """Entries not yet past the TTL (expire() drops them at the next Route)."""
+        now = time.monotonic()
+        return sum(1 for req in self._requests.values() if now - req.created <= self.ttl_s)
 
     def add(self, req: RoutedRequest) -> None:
         self._requests[req.request_id] = req

@@ -31,7 +31,7 @@ from services.router.policy import DecodeChoice, PrefillChoice, local_prefill_re
 from shared.perf_model.prefill_time import PrefillSite
 from shared.perf_model.step_budget import ItlBudget
 from shared.perf_model.transfer_model import TransferModel
-from shared.registry.worker_info import WorkerInfo
+from shared.registry.worker_info import WorkerInfo, kv_bytes_per_token
 
 _NO_LOAD = WorkerInflight()
 KINDS = ("local_prefill", "colocated", "split")  # preference on equal predictions: no transfer first
@@ -95,12 +95,6 @@ def predict_here(kind: str, worker: WorkerInfo, cached: int, prompt_tokens: int,
     allowed = site.decode_rows == 0 or step <= target_s
     return Option(kind, worker.worker_id, ttft, step, step - base if site.decode_rows else 0.0, allowed,
                   site.model.rel_error)
-
-
-def kv_bytes_per_token(worker: WorkerInfo) -> float:
-    if not worker.kv_pools or worker.page_size <= 0:
-        return 0.0
-    return sum(p.page_bytes for p in worker.kv_pools) / worker.page_size
 
 
 def predict_split(prefill: PrefillChoice, decode: DecodeChoice, prompt_tokens: int,

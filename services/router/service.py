@@ -32,6 +32,15 @@ def worker_ref(info: WorkerInfo) -> duet_pb2.WorkerRef:
     return duet_pb2.WorkerRef(worker_id=info.worker_id, address=info.address, instance_nonce=info.instance_nonce)
 
 
+def eligible(info: WorkerInfo, model: str, request: duet_pb2.RouteRequest) -> bool:
+    """Whether a live worker may serve this request: its model, the request's LoRA adapter
+    (workers publish the adapters they serve), never an instance the request lost (a migrating
+    stream), and, when the request names one, the checkpoint it began on."""
+    return ((not model or info.model == model) and info.instance_nonce not in request.exclude_instances
+            and (not request.lora_adapter or request.lora_adapter in info.adapters.served)
+            and (not request.checkpoint or info.checkpoint == request.checkpoint))
+
+
 class RouterService(duet_pb2_grpc.RouterServicer):
     def __init__(self, config: RouterConfig, watcher: WorkerWatcher, metrics: DuetMetrics,
                  tracer: trace.Tracer | None = None):
@@ -51,6 +60,9 @@ class RouterService(duet_pb2_grpc.RouterServicer):
             request_id = request.request_id or uuid.uuid4().hex
             model = request.model or self.config.model
             span.set_attribute("duet.request_id", request_id)
+            if request.exclude_instances or request.checkpoint:  # a migrating stream
+                span.set_attribute("duet.excluded_instances", len(request.exclude_instances))
+                span.set_attribute("duet.checkpoint", request.checkpoint)
             if request.prompt_tokens <= 0:
                 await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "prompt_tokens must be positive")
             reply, placement = await self._route(request, request_id, model)
@@ -121,9 +133,8 @@ class RouterService(duet_pb2_grpc.RouterServicer):
                      model: str) -> tuple[duet_pb2.RouteReply | str | None, Placement | None]:
         """The decision and how it was placed; a string says why live workers could not be
         paired, None: none live."""
-        adapter = request.lora_adapter  # only workers serving it (they publish their adapters)
-        live = [w for w in self.watcher.workers() if (not model or w.model == model)
-                and (not adapter or adapter in w.adapters.served)]
+        adapter = request.lora_adapter
+        live = [w for w in self.watcher.workers() if eligible(w, model, request)]
         self.inflight.expire({w.worker_id for w in self.watcher.workers()})
         by_role: dict[str, list[WorkerInfo]] = defaultdict(list)
         for worker in live:
@@ -162,7 +173,7 @@ class RouterService(duet_pb2_grpc.RouterServicer):
                 return duet_pb2.RouteReply(request_id=request_id, decode=worker_ref(decode.worker), colocated=True,
                                            local_prefill=True, cached_tokens=decode.cached_tokens,
                                            decode_cached_tokens=decode.cached_tokens,
-                                           reason=placement.detail), placement
+                                           reason=placement.detail, checkpoint=decode.worker.checkpoint), placement
             if placement.kind == "colocated":
                 return self._colocated_reply(request_id, *both, placement.detail), placement
             self.inflight.add(RoutedRequest(request_id, prefill.worker.worker_id, prefill.uncached_tokens,
@@ -170,7 +181,7 @@ class RouterService(duet_pb2_grpc.RouterServicer):
             return duet_pb2.RouteReply(request_id=request_id, prefill=worker_ref(prefill.worker),
                                        decode=worker_ref(decode.worker), colocated=False,
                                        cached_tokens=prefill.cached_tokens, decode_cached_tokens=decode.cached_tokens,
-                                       reason=placement.detail), placement
+                                       reason=placement.detail, checkpoint=decode.worker.checkpoint), placement
 
         if not boths:
             if by_role["prefill"] and by_role["decode"]:  # workers there, but none can pair: say why
@@ -192,7 +203,7 @@ class RouterService(duet_pb2_grpc.RouterServicer):
                                         worker.worker_id, decode.pages, time.monotonic()))
         return duet_pb2.RouteReply(request_id=request_id, decode=worker_ref(worker), colocated=True,
                                    cached_tokens=prefill.cached_tokens, decode_cached_tokens=prefill.cached_tokens,
-                                   reason=reason)
+                                   reason=reason, checkpoint=worker.checkpoint)
 
     async def _cached_pages(self, workers: list[WorkerInfo], page_hashes: list[int]) -> dict[str, int]:
         """Leading prompt pages each worker holds; {} when unknown (no hashes, Redis slow or down)."""

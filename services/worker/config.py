@@ -23,6 +23,11 @@ ROLES = ("prefill", "decode", "both")
 class WorkerConfig:
     role: str = setting("both", flag="--role", env="DUET_ROLE", choices=ROLES,
                         help="prefill, decode, or both (whole requests, no KV transfer)")
+    switchable: bool = setting(
+        False, flag="--switchable", env="DUET_SWITCHABLE",
+        help="install every role's parts so the planner can switch this worker between prefill, decode and "
+             "both at run time (SetRole) without a restart or losing its KV cache; --role is the role it "
+             "advertises first. Under mutual TLS its certificate must name the role `worker`")
     host: str = setting("127.0.0.1", flag="--host", env="DUET_HOST", help="address the gRPC and /metrics servers bind")
     advertise_host: str = setting("", flag="--advertise-host", env="DUET_ADVERTISE_HOST",
                                   help="address other services dial (default: --host, or 127.0.0.1 if 0.0.0.0)")
@@ -36,10 +41,20 @@ class WorkerConfig:
     warmup: bool = setting(True, flag="--warmup", env="DUET_WARMUP",
                            help="before registering, push requests of every shape bucket through the engine (compiles, "
                                 "graph pools, allocator) so the first real request is as fast as later ones")
-    # a burst of long prompts is not an overload: reservations queue (first come, first
-    # served) until room frees, bounded by this deadline and the queue's length
+    # a burst of long prompts is not an overload: reservations queue until room frees (each
+    # granted as soon as it fits, services/decode/reserve_queue.py), bounded by this deadline
+    # (a caller may ask for less, never more) and the queue's length
     reserve_timeout_s: float = setting(60.0, flag="--reserve-timeout", env="DUET_RESERVE_TIMEOUT",
-                                       help="decode: seconds a reservation may wait in the queue for KV room")
+                                       help="decode: seconds a reservation may wait in the queue for KV room "
+                                            "(a caller's Reserve timeout is capped by it)")
+    reserve_aging_s: float = setting(10.0, flag="--reserve-aging", env="DUET_RESERVE_AGING",
+                                     help="decode: a waiting reservation that does not fit yet is passed by "
+                                          "later ones that fit until it has waited this many seconds; then "
+                                          "nothing passes it until it fits")
+    reservation_ttl_s: float = setting(120.0, flag="--reservation-ttl", env="DUET_RESERVATION_TTL",
+                                       help="decode: seconds a reservation's write capability lives; one nobody "
+                                            "claims by then is quarantined and freed once no write can land (its "
+                                            "writer stops writing at the same lifetime), whatever its caller asked")
     reserve_queue_max: int = setting(1024, flag="--reserve-queue-max", env="DUET_RESERVE_QUEUE_MAX",
                                      help="decode: reservations that may wait at once; more are refused at "
                                           "once (429 with Retry-After)")

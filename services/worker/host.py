@@ -23,8 +23,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from protos import duet_pb2_grpc
 from services.worker.config import WorkerConfig
+from services.worker.checkpoint import checkpoint_fingerprint
 from services.worker.kv_compat import compat_hash, model_kv_key
 from services.worker.load_publisher import LoadPublisher, load_counters
+from services.worker.role_switch import RoleSwitch, WorkerAdminService
 from services.worker_runtime.adapters import AdaptersService, load_recorded_adapters
 from services.worker_runtime.context import WorkerContext
 from services.worker_runtime.engine_loop import EngineLoop
@@ -50,27 +52,33 @@ class WorkerHost:
     served_model: str
     kv_layout: str
     tracing: Tracing
+    checkpoint: str = ""  # the weights' and tokenizer's fingerprint (checkpoint.py)
     kv_events: KvEventBuffer | None = None  # publish_kv_events(): the router sees this prefix cache
     services: list = field(default_factory=list)  # start() / async stop() while serving (peer warm-up)
     busy: list[Callable[[], bool]] = field(default_factory=list)  # in-flight work a drain waits for
     on_stop: list[Callable[[], None]] = field(default_factory=list)  # after the engine loop stopped
     calibration: list = field(default_factory=list)  # timed start-up steps (perf_calibration.py)
+    role_switch: RoleSwitch | None = None  # what it advertises; SetRole (role_switch.py), set by run()
 
     @classmethod
     def create(cls, config: WorkerConfig, engine, calibration: list | None = None) -> "WorkerHost":
         served = config.served_model_name or engine.model_dir.name
         worker_id = config.worker_id or default_worker_id(config.role)
         kv_layout = model_kv_key(engine)
-        tracing = setup_tracing(config.role)
-        ctx = WorkerContext(config=config, engine=engine, loop=EngineLoop(engine), metrics=DuetMetrics(config.role),
+        checkpoint = checkpoint_fingerprint(engine.model_dir, config.engine.quantization)
+        # a switchable worker serves both services whatever it advertises: `both` (duet-worker)
+        service = "both" if config.switchable else config.role
+        tracing = setup_tracing(service)
+        ctx = WorkerContext(config=config, engine=engine, loop=EngineLoop(engine), metrics=DuetMetrics(service),
                             worker_id=worker_id, instance_nonce=secrets.token_hex(8),
-                            compat_hash=compat_hash(served, kv_layout), page_size=engine.layout.page_size,
+                            compat_hash=compat_hash(served, kv_layout, checkpoint), page_size=engine.layout.page_size,
                             tracer=tracing.tracer, watcher=WorkerWatcher(config.registry, model=served))
         ctx.grammar_guard = GrammarGuard.for_tokenizer_info(config.engine.grammar,
                                                             lambda: engine.grammars.info.serialize_json())
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)],
                                  interceptors=config.tls.interceptors())  # mTLS: who may call what
-        host = cls(config, engine, ctx, server, served, kv_layout, tracing, calibration=list(calibration or []))
+        host = cls(config, engine, ctx, server, served, kv_layout, tracing, checkpoint,
+                   calibration=list(calibration or []))
         duet_pb2_grpc.add_AdaptersServicer_to_server(AdaptersService(ctx), server)  # every role: LoRA at run time
         host.on_stop.append(ctx.grammar_guard.close)
         return host
@@ -86,12 +94,15 @@ class WorkerHost:
         pools = [RankKvPool(rank=r, agent_name=a.name, **a.pool.as_dict()) for r, a in enumerate(ctx.rank_agents)]
         return WorkerInfo(worker_id=ctx.worker_id, role=self.config.role, address=address, model=self.served_model,
                           metrics_address=metrics_address, tp=self.config.engine.tp_size, page_size=ctx.page_size,
-                          compat_hash=ctx.compat_hash, kv_layout=self.kv_layout, instance_nonce=ctx.instance_nonce,
+                          compat_hash=ctx.compat_hash, kv_layout=self.kv_layout, checkpoint=self.checkpoint,
+                          instance_nonce=ctx.instance_nonce,
                           max_running_requests=self.config.engine.max_running_requests,
                           max_batched_tokens=self.engine.scheduler.max_batched_tokens, kv_pools=pools,
+                          capability_key=ctx.issuer.public_key if ctx.issuer is not None else "",
                           load=WorkerLoad(total_pages=capacity, free_pages=capacity),
                           adapters=WorkerAdapters(self.engine.lora.names, self.engine.lora.resident)
-                          if self.engine.lora is not None else WorkerAdapters())
+                          if self.engine.lora is not None else WorkerAdapters(),
+                          switchable=self.config.switchable)
 
     async def run(self) -> int:
         """Serve until SIGINT/SIGTERM or the engine loop dies, then drain. The exit status."""
@@ -107,11 +118,14 @@ class WorkerHost:
         publisher = WorkerPublisher(info, config.registry,
                                     nixl_metadata={r: a.metadata for r, a in enumerate(ctx.rank_agents)} or None,
                                     load_fn=lambda: info.load, kv_events=self.kv_events)
+        self.role_switch = RoleSwitch(info, config.switchable, ctx.metrics.registry, publisher)
+        duet_pb2_grpc.add_WorkerAdminServicer_to_server(WorkerAdminService(self.role_switch, ctx), self.server)
         loop.after_iteration.append(LoadPublisher(ctx, info, *load_counters(ctx.metrics)))
         # the step-time model: refitted from every step, published with the load, drives the
         # prefill budget beside decode rows
+        writes = config.role == "prefill" or config.switchable  # it hands KV over: fit its handoff tail
         tracker = PerfTracker(self.engine, info.perf, config.perf, ctx.metrics.registry, calibration=self.calibration,
-                              handoffs=handoff_totals(ctx.metrics.registry) if config.role == "prefill" else None)
+                              handoffs=handoff_totals(ctx.metrics.registry) if writes else None)
         loop.step_timers.append(tracker.on_step)
         loop.after_iteration.append(tracker)
         if info.perf.step is not None:
@@ -121,14 +135,17 @@ class WorkerHost:
             from shared.telemetry.spec_metrics import SpecMetrics
             loop.after_iteration.append(SpecMetrics(self.engine.spec.stats, ctx.metrics.registry))
         loop.start()
-        await self.server.start()
-        await ctx.watcher.start()
-        await load_recorded_adapters(ctx, ctx.watcher.keys, self.served_model)  # loaded at run time before we came
-        for service in self.services:
-            service.start()
-        await publisher.start()
-        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-        print(f"duet {config.role} worker {ctx.worker_id} ready: grpc {info.address} ({config.tls.describe('server')}) "
+        with self.engine.startup.phase("registration"):
+            await self.server.start()
+            await ctx.watcher.start()
+            await load_recorded_adapters(ctx, ctx.watcher.keys, self.served_model)  # loaded at run time before we came
+            for service in self.services:
+                service.start()
+            await publisher.start()
+            await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        log.info("start-up by phase: %s", self.engine.startup.render())
+        kind = f"switchable worker (now {info.role})" if config.switchable else f"{config.role} worker"
+        print(f"duet {kind} {ctx.worker_id} ready: grpc {info.address} ({config.tls.describe('server')}) "
               f"metrics {info.metrics_address} model {self.served_model}", file=sys.stderr, flush=True)
 
         stop = asyncio.Event()

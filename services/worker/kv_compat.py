@@ -1,14 +1,16 @@
-"""Which workers can pair: a hash of the served model and the whole model's KV layout, which
-every worker publishes and the router and both sides of a transfer compare."""
+"""Which workers can pair: a hash of the served model, its checkpoint (weights and tokenizer:
+services/worker/checkpoint.py) and the whole model's KV layout, which every worker publishes
+and the router and both sides of a transfer compare."""
 from __future__ import annotations
 
 import hashlib
 
 
-def compat_hash(served_model: str, kv_key: str) -> str:
-    """Model + KV layout of the whole model (not per rank): workers at any TP sizes whose
-    hashes match can pair, the writer re-sharding heads on the way (kv_transfer/head_plan.py)."""
-    return hashlib.sha256(f"{served_model}|{kv_key}".encode()).hexdigest()[:16]
+def compat_hash(served_model: str, kv_key: str, checkpoint: str = "") -> str:
+    """Model + checkpoint + KV layout of the whole model (not per rank): workers at any TP
+    sizes whose hashes match can pair, the writer re-sharding heads on the way
+    (kv_transfer/head_plan.py); two checkpoints served under one name never do."""
+    return hashlib.sha256(f"{served_model}|{checkpoint}|{kv_key}".encode()).hexdigest()[:16]
 
 
 def model_kv_key(engine) -> str:

@@ -87,8 +87,8 @@ class LoadPublisher:
             "hit:device": (m.kv_cache_hit_tokens.labels(tier="device"),
                            eng.stats.cached_tokens - eng.stats.host_cached_tokens),
             "hit:host": (m.kv_cache_hit_tokens.labels(tier="host"), eng.stats.host_cached_tokens),
-            "copy:offload": (m.kv_tier_copy_bytes.labels(direction="offload"), st.offloaded_pages * page_bytes),
-            "copy:load": (m.kv_tier_copy_bytes.labels(direction="load"), st.loaded_pages * page_bytes),
+            "copy:offload": (m.kv_tier_copy_bytes.labels(direction="offload"), host.bytes_saved if host else 0),
+            "copy:load": (m.kv_tier_copy_bytes.labels(direction="load"), host.bytes_loaded if host else 0),
             "evict:device": (m.kv_evicted_pages.labels(tier="device"), st.device_evicted_pages),
             "evict:host": (m.kv_evicted_pages.labels(tier="host"), st.host_evicted_pages),
             "evict:quota": (m.kv_tenant_evicted_pages, st.quota_evicted_pages),
@@ -96,6 +96,12 @@ class LoadPublisher:
             "passed:reserve": (m.kv_tenant_passed_over.labels(stage="reserve"),
                                self.ctx.book.num_passed_over if self.ctx.book is not None else 0),
         }
+        writer = kv.cache.writer
+        for (decision, reason), pages in (writer.stats.pages.items() if writer is not None else ()):
+            labels = {"decision": decision, "reason": reason}
+            series[f"writeback:{decision}:{reason}"] = (m.kv_host_writeback_pages.labels(**labels), pages)
+            series[f"writeback-bytes:{decision}:{reason}"] = (m.kv_host_writeback_bytes.labels(**labels),
+                                                              pages * page_bytes)
         for key, (counter, total) in series.items():
             if total != self._tiers.get(key, 0):
                 counter.inc(total - self._tiers.get(key, 0))
@@ -107,6 +113,6 @@ class LoadPublisher:
         if idle:  # every page must be free or cached now
             m.kv_unaccounted_pages.labels(tier="device").set(
                 kv.capacity - kv.allocator.num_free - kv.cache.num_cached_pages)
-            if host is not None:
+            if host is not None:  # copies given up wait for their copy to land: not a leak
                 m.kv_unaccounted_pages.labels(tier="host").set(
-                    host.capacity - host.allocator.num_free - kv.cache.num_host_pages)
+                    host.capacity - host.allocator.num_free - kv.cache.num_host_pages - writer.orphan_pages)

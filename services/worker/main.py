@@ -26,18 +26,27 @@ async def serve(config: WorkerConfig) -> int:
     from services.worker.perf_calibration import calibrate
     from services.worker.roles import install_role
     from shared.engine.engine import Engine
+    from shared.engine.startup_phases import process_age_s
     from shared.engine.warmup import warm_up
 
-    if config.role == "prefill" and config.engine.speculative_method:
-        # speculation lives on the decode pool: a prefill worker stops after the first token
-        log.info("prefill worker: speculative decoding settings ignored")
-        config.engine.speculative_method = None
+    if config.role == "prefill" and not config.switchable:  # it stops every request after its first token
+        config.engine.runs_decode = False  # no decode graphs, no decode warm-up
+        if config.engine.speculative_method:  # speculation lives on the decode pool
+            log.info("prefill worker: speculative decoding settings ignored")
+            config.engine.speculative_method = None
+    before_engine = process_age_s()  # the interpreter, imports, flags
     engine = Engine(config.engine)
+    phases = engine.startup  # logged phase by phase once registered (WorkerHost.run)
+    if before_engine is not None:
+        phases.phases.insert(0, ("process", before_engine))
     if config.warmup:
-        warm_up(engine)  # before anything can route work here
-    calibration = calibrate(engine) if config.perf.calibrate else []
-    host = WorkerHost.create(config, engine, calibration)
-    install_role(host)
+        with phases.phase("warm-up"):
+            warm_up(engine)  # before anything can route work here
+    with phases.phase("calibration"):
+        calibration = calibrate(engine) if config.perf.calibrate else []
+    with phases.phase("role"):  # gRPC services, NIXL agents over the KV pool
+        host = WorkerHost.create(config, engine, calibration)
+        install_role(host)
     return await host.run()
 
 
@@ -46,7 +55,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(config.log_level)
     try:
         config.tls.check("server")  # a bad certificate path fails now, not after loading the model
-        config.tls.check_identity(config.role, config.worker_id or "")
+        # a switchable worker's certificate names the role `worker`: it may advertise any
+        config.tls.check_identity("worker" if config.switchable else config.role, config.worker_id or "")
         return asyncio.run(serve(config))
     except KeyboardInterrupt:
         return 0

@@ -32,6 +32,8 @@ class WorkerContext:
     peers: object | None = None  # PeerResolver
     outgoing: object | None = None  # OutgoingTransfers (prefill)
     book: object | None = None  # ReservationBook (decode)
+    reserve_queue: object | None = None  # ReserveQueue: Reserve calls waiting for room (decode)
+    issuer: object | None = None  # CapabilityIssuer: signs each reservation's write capability (decode)
     watcher: object | None = None  # WorkerWatcher
     grammar_guard: object | None = None  # GrammarGuard: checks a grammar within the limits before compiling it
     recomputes: int = 0

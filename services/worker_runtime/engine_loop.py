@@ -27,7 +27,7 @@ class EngineLoop:
         # rid -> (its handler's event loop, its queue); a step's outputs reach each event
         # loop in one call (one wake-up per loop per step, not one per request)
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._ticks: list[Callable[[], bool]] = []
+        self._ticks: list[Callable[[], bool]] = [self._idle_tiers]
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.on_step: list[Callable[[list[StepOutput]], None]] = []
@@ -74,6 +74,11 @@ class EngineLoop:
         """fn() runs every iteration on the loop thread; it returns True while it has
         something pending (so the loop keeps polling instead of sleeping)."""
         self._ticks.append(fn)
+
+    def _idle_tiers(self) -> bool:
+        """An idle engine still moves its host-tier copies on (each step does it otherwise): write-back
+        done between requests leaves the next burst pages it can evict at once."""
+        return not self.engine.has_work and self.engine.kv.tick_tiers()
 
     def attach(self, rid: str, aloop: asyncio.AbstractEventLoop, q: asyncio.Queue) -> None:
         """Deliver rid's outputs into q (on aloop). Call on the loop thread (inside call())."""

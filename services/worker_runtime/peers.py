@@ -34,6 +34,17 @@ class PeerResolver:
         self._records[worker_id] = record
         return self.agent.add_peer(worker_id, record.instance_nonce, record.nixl_metadata[self.rank], pool)
 
+    async def capability_key(self, worker_id: str, instance_nonce: str) -> str:
+        """The public key (hex) that verifies the write capabilities of worker_id's instance
+        instance_nonce, from its registry entry (read once per instance)."""
+        record = self._records.get(worker_id)
+        if record is None or record.instance_nonce != instance_nonce:
+            record = await fetch_peer(self.redis, self.keys, worker_id)
+            if record.instance_nonce != instance_nonce:
+                raise PeerNotFound(f"worker {worker_id} restarted since the reservation was made")
+            self._records[worker_id] = record
+        return record.info.capability_key
+
     def rank_specs(self, peer: Peer, tp: int) -> list[PeerSpec]:
         """Every rank of an already resolved peer (get() first), for tensor-parallel followers."""
         record = self._records.get(peer.worker_id)

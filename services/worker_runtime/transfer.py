@@ -1,6 +1,6 @@
-"""The KV transfer agents of a split worker (prefill or decode): one NIXL agent per TP rank over
-its shard of the KV pool, and the resolver of peers by registry id. A colocated (`both`)
-worker transfers nothing and opens none."""
+"""The KV transfer agents of a split worker (prefill, decode, or a switchable worker, which may be
+either): one NIXL agent per TP rank over its shard of the KV pool, and the resolver of peers by
+registry id. A colocated (`both`) worker transfers nothing and opens none."""
 from __future__ import annotations
 
 import logging
@@ -25,6 +25,14 @@ def open_agents(ctx, *, write_timeout_s: float, progress_thread: bool, registry)
         RankAgent(agent_name.format(rank=r), md, pool) for r, (md, pool) in enumerate(engine.call_followers(
             "shared.kv_transfer.rank_transfers:open_agent", agent_name, write_timeout_s), start=1)]
     ctx.peers = PeerResolver(ctx.agent, connect_async(registry), RegistryKeys(registry.prefix))
+
+
+def open_host_agents(host) -> None:
+    """Open the agents of a worker host (services/worker/host.py) and close them when it stops."""
+    ctx, config = host.ctx, host.config
+    open_agents(ctx, write_timeout_s=config.write_timeout_s, progress_thread=config.nixl_progress_thread,
+                registry=config.registry)
+    host.on_stop.append(lambda: close_agents(ctx, config.engine.tp_size))
 
 
 def close_agents(ctx, tp: int) -> None:

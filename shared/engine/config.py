@@ -16,6 +16,7 @@ from shared.settings import parsers
 from shared.settings.spec import check_values, nested, setting
 
 from .grammar_limits import GrammarLimits
+from .kv_write_policy import HostTierWrites
 from .lora.config import LoraConfig
 from .tenant_quota import TenantQuota
 
@@ -140,6 +141,8 @@ class EngineConfig:
     grammar: GrammarLimits = nested(GrammarLimits)
     # per-tenant KV quotas: cached pages evicted first, live pages admitted last (tenant_quota.py)
     tenant_quota: TenantQuota = nested(TenantQuota, "tenant KV quotas")
+    # what is written back to the host KV tier, how fast (kv_write_policy.py, kv_write_back.py)
+    host_writes: HostTierWrites = nested(HostTierWrites, "host KV tier write-back")
     load_format: str = setting(
         "auto", flag="--load-format", env="DUET_LOAD_FORMAT", choices=("auto", "dummy"),
         help="dummy: random weights drawn on the device from a fixed seed instead of the folder's safetensors "
@@ -199,6 +202,9 @@ class EngineConfig:
     # benchmarks only, no flag (never served): every draft token counts as accepted, whatever
     # the target says; gives the bound of a method's speed-up
     speculative_accept_all: bool = False
+    # no flag: False on a prefill worker (its role says so), which stops every request at its
+    # first token: no decode graphs captured, no decode steps warmed up
+    runs_decode: bool = True
     tp: TPContext = field(default_factory=_tp_context)  # this process's rank (set by the engine)
 
     def __post_init__(self):

@@ -39,6 +39,7 @@ from .sampler import SampleRow, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence_group import SequenceGroups
+from .startup_phases import StartupPhases
 
 log = logging.getLogger("duet.engine")
 
@@ -58,19 +59,25 @@ class Engine:
         """Build the engine from its plan (plan.py): every start-time choice is resolved once
         from the settings, the device and the model's config, then each part is made from it."""
         self.config = config = (config or EngineConfig()).with_options(**overrides)
+        # where start-up time goes (startup_phases.py): a worker adds its own and logs them
+        self.startup = startup = StartupPhases()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         from shared.model_files.default_model import resolve_model_dir
-        self.model_dir = resolve_model_dir(config.model_dir)
-        self.model_config = mc = ModelConfig.from_dir(self.model_dir, quantization=config.quantization)
-        self.plan = plan = resolve_plan(config, mc, probe_device(config.resolve_device()))
+        with startup.phase("model files"):  # (the embedded default model is converted once)
+            self.model_dir = resolve_model_dir(config.model_dir)
+            self.model_config = mc = ModelConfig.from_dir(self.model_dir, quantization=config.quantization)
+        with startup.phase("device"):
+            facts = probe_device(config.resolve_device())
+        self.plan = plan = resolve_plan(config, mc, facts)
         # per-rank services a worker attaches (e.g. a follower's KV transfer agent, see
         # shared/kv_transfer/rank_transfers.py); the follower loop gives them idle ticks
         self.rank_services: dict[str, object] = {}
         self._tp_workers = None
         if config.tp_size > 1 and config.tp.size == 1:  # this process becomes rank 0 of tp_size
             from .parallel.launcher import launch
-            config.tp, self._tp_workers = launch(config, config.tp_size, config.resolve_device())
+            with startup.phase("tp ranks"):
+                config.tp, self._tp_workers = launch(config, config.tp_size, config.resolve_device())
             weakref.finalize(self, self._tp_workers.shutdown)
         self.tp = config.tp
         self.device = torch.device(plan.device.value)
@@ -78,28 +85,36 @@ class Engine:
         self.max_model_len = plan.max_model_len.value
         t0 = time.monotonic()
         if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        self.model = load_model(mc, self.tp, self.dtype, self.device, self.max_model_len, fused=plan.kernels.value,
-                                load_format=config.load_format, expert_parallel=config.ep_size > 1)
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        self.fp8_layers = sum(1 for m in self.model.modules() if getattr(m, "fp8", None))
-        self.small_batch_workspace = parts.route_linears(self.model, plan, self.device)
-        # LoRA slots before the KV is sized: on a GPU their memory comes out of its budget
-        self.lora = parts.lora_manager(self.model, mc, config, plan, self.dtype, self.device)
+            with startup.phase("device"):
+                torch.cuda.set_device(self.device)
+        with startup.phase("weights"):
+            self.model = load_model(mc, self.tp, self.dtype, self.device, self.max_model_len,
+                                    fused=plan.kernels.value, load_format=config.load_format,
+                                    expert_parallel=config.ep_size > 1)
+            self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            self.fp8_layers = sum(1 for m in self.model.modules() if getattr(m, "fp8", None))
+            self.small_batch_workspace = parts.route_linears(self.model, plan, self.device)
+        with startup.phase("lora"):  # LoRA slots before the KV is sized: on a GPU their memory comes out of its budget
+            self.lora = parts.lora_manager(self.model, mc, config, plan, self.dtype, self.device)
         if plan.custom_all_reduce.value is not None:
-            failed = parts.attach_custom_all_reduce(self.tp, self.device, plan.custom_all_reduce.value)
+            with startup.phase("all-reduce"):
+                failed = parts.attach_custom_all_reduce(self.tp, self.device, plan.custom_all_reduce.value)
             if failed:  # NCCL instead, and the graph and overlap choices that depend on it
                 self.plan = plan = resolve_plan(config, mc, plan.facts, custom_all_reduce_failed=failed)
         self.spec = None  # speculative decoding (speculative/speculator.py): rank 0 drafts, every rank verifies
         if plan.speculative.value is not None:
             from .speculative.speculator import Speculator
-            self.spec = Speculator(self, config)
-        self.layout = self._size_kv()
-        self.pool = KVPool(self.layout, self.device, self._kv_scales())
-        self.backend = make_attention_backend(plan.attention.value, self.pool)
-        self.pdl = parts.enable_decode_pdl(self.model, self.backend, plan.pdl.value)
+            with startup.phase("draft model"):
+                self.spec = Speculator(self, config)
+        with startup.phase("kv pool"):
+            self.layout = self._size_kv()
+            self.pool = KVPool(self.layout, self.device, self._kv_scales())
+            self.backend = make_attention_backend(plan.attention.value, self.pool)
+            self.pdl = parts.enable_decode_pdl(self.model, self.backend, plan.pdl.value)
+        with startup.phase("host tier"):
+            host_tier = self._make_host_tier()
         self.kv = KVManager(self.layout.num_pages, self.layout.page_size, config.enable_prefix_cache,
-                            host_tier=self._make_host_tier(), quota=config.tenant_quota)
+                            host_tier=host_tier, quota=config.tenant_quota, write_back=self._write_back())
         self.scheduler = Scheduler(self.kv, plan.step_tokens.value, config.max_running_requests, self.lora)
         self.runner = ModelRunner(self.model, self.pool, self.backend, self.device)
         if self._tp_workers is not None:
@@ -110,7 +125,8 @@ class Engine:
                 self.lora.mirror = lambda name, path, slot: self.call_followers(
                     "shared.engine.lora.manager:follower_write_slot", name, path, slot)
             self.lora.step.forced = True  # graphs captured from here on carry the LoRA launches
-        self._make_graphs()
+        with startup.phase("graphs"):
+            self._make_graphs()
         self.requests: dict[str, Req] = {}
         self.kv.live_requests = self.requests.values  # their pages count against their tenants
         # launched steps whose prefill-only KV a transfer may not read yet: (event, [(req, end)])
@@ -129,7 +145,8 @@ class Engine:
         if self.lora is not None:
             self.lora.step.forced = False
         if self._tp_workers is not None:
-            self._tp_workers.wait_ready()
+            with startup.phase("tp ranks"):
+                self._tp_workers.wait_ready()
         log.info("engine ready in %.1fs: %s, weights %.2f GiB (%s), KV %d pages x %d tokens (%.2f GiB)",
                  time.monotonic() - t0, mc.architecture, self.weight_bytes / 2**30, self.weights_description,
                  self.layout.num_pages, self.layout.page_size,
@@ -139,10 +156,10 @@ class Engine:
     def _make_graphs(self) -> None:
         """Decode graphs (or their padded eager runner) and small-prefill graphs, as planned."""
         graphs = self.plan.decode_graphs.value
-        if graphs is None:
-            return
         max_pages = -(-self.max_model_len // self.layout.page_size)
-        self.runner.graphs = parts.decode_graphs(self.model, self.backend, self.pool, self.device, graphs, max_pages)
+        if graphs is not None:
+            self.runner.graphs = parts.decode_graphs(self.model, self.backend, self.pool, self.device, graphs,
+                                                     max_pages)
         if self.plan.prefill_graphs.value:  # small prefill steps are as launch-bound
             self.runner.prefill_graphs, failed = parts.prefill_graphs(
                 self.model, self.backend, self.device, self.plan.prefill_graphs.value, max_pages)
@@ -226,11 +243,30 @@ class Engine:
         from .kv_host_tier import HostKVTier
         tier = HostKVTier(self.pool.buffer, self.layout, pages)
         if self._tp_workers is not None:  # every rank copies the same pages of its shard
-            tier.mirror = lambda kind, src, dst: self.call_followers(
-                "shared.engine.kv_host_tier:follower_copy", kind, src, dst)
-        log.info("host KV tier: %d pages (%.2f GiB%s%s)", pages, pages * self.layout.bytes_per_page / 2**30,
-                 f" on each of {ranks} ranks" if ranks > 1 else "", ", pinned" if self.device.type == "cuda" else "")
+            tier.mirror = lambda kind, src, dst, ticket: self.call_followers(
+                "shared.engine.kv_host_tier:follower_copy", kind, src, dst, ticket)
+            tier.landed_hook = lambda after, upto: self.call_followers(
+                "shared.engine.kv_host_tier:follower_landed", after, upto)
+            if tier.pinner is not None:  # pages are used once every rank has locked them
+                tier.followers_pinned = lambda: self.call_followers("shared.engine.kv_host_tier:follower_pinned")
+        writes = self.config.host_writes
+        gib = pages * self.layout.bytes_per_page / 2**30
+        if tier.pinner is not None:
+            self.startup.note("host tier", f"{gib:.1f} GiB page-locked in the background")
+        log.info("host KV tier: %d pages (%.2f GiB%s%s), write-back %s, at most %s", pages, gib,
+                 f" on each of {ranks} ranks" if ranks > 1 else "",
+                 ", page-locking in the background" if tier.pinner is not None else "", writes.policy,
+                 f"{writes.bandwidth / 1e9:.1f} GB/s" if writes.bandwidth else "unbounded")
         return tier
+
+    def _write_back(self):
+        """What is written back to the host tier (kv_write_back.py): the settings' policy and
+        bound, and how close to running out the device pool starts writing: a sixteenth of it,
+        or two steps' worth of pages when that is more."""
+        from .kv_write_back import WriteBackConfig
+        writes, pages = self.config.host_writes, self.layout.num_pages
+        step_pages = -(-self.plan.step_tokens.value // self.layout.page_size)
+        return WriteBackConfig(writes.policy, writes.bandwidth, min(pages, max(pages // 16, 2 * step_pages)))
 
     @property
     def tokenizer(self):
@@ -257,15 +293,16 @@ class Engine:
 
     # -- requests -----------------------------------------------------------------------
     def _make_req(self, prompt_ids, params: SamplingParams, rid, prefill_only,
-                  scope: CacheScope = DEFAULT_SCOPE) -> Req:
+                  scope: CacheScope = DEFAULT_SCOPE, num_given: int = 0) -> Req:
         if not prompt_ids:
             raise ValueError("prompt is empty")
         vocab = self.model_config.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         max_new = completion_budget(params.max_tokens, None, len(prompt_ids), self.max_model_len)
-        # a prefill-only request holds the prompt alone (its sequences fork on decode)
-        demand = (kv_demand(len(prompt_ids), 1, 1, self.layout.page_size) if prefill_only
+        # a prefill-only request holds the prompt (and the outputs given with it) alone: its
+        # sequences fork on decode
+        demand = (kv_demand(len(prompt_ids) + num_given, 1, 1, self.layout.page_size) if prefill_only
                   else kv_demand(len(prompt_ids), max_new, params.n, self.layout.page_size))
         check_fits(demand, self.kv.capacity)
         if params.logit_bias and max(params.logit_bias) >= vocab:
@@ -288,21 +325,40 @@ class Engine:
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
                     rid: str | None = None, prefill_only: bool = False,
-                    output_prefix: list[int] | None = None, scope: CacheScope = DEFAULT_SCOPE) -> str:
+                    output_prefix: list[int] | None = None, scope: CacheScope = DEFAULT_SCOPE,
+                    request_group: str = "") -> str:
         """Queue a request. `output_prefix`: tokens already generated elsewhere (decode
         recomputing a prefill whose KV never arrived); they count as output. For n > 1 it
         holds each sequence's first token: they are forked after the prompt, unreported.
-        scope: the prefix-cache namespace it reads and fills, and its tenant (cache_scope.py)."""
-        req = self._make_req(prompt_ids, params or SamplingParams(), rid, prefill_only, scope)
+        scope: the prefix-cache namespace it reads and fills, and its tenant (cache_scope.py).
+        request_group: the client request it came from (the scheduler takes waiting requests
+        round robin across groups); "" = its own."""
+        params = params or SamplingParams()
+        given = len(output_prefix or ()) if params.n == 1 else 0
+        req = self._make_req(prompt_ids, params, rid, prefill_only, scope, num_given=given)
+        req.request_group = request_group
         if output_prefix and req.params.n > 1:
             req.forced_first = list(output_prefix)
         elif output_prefix:
-            req.token_ids.extend(output_prefix)
-            if req.grammar is not None:
-                req.grammar = self.grammars.new_state(req.params.grammar, output_prefix)
+            self._give_outputs(req, output_prefix)
         self.requests[req.rid] = req
         self.scheduler.add(req)
         return req.rid
+
+    def _give_outputs(self, req: Req, outputs: list[int]) -> None:
+        """Output tokens sampled elsewhere join req as its own: max_tokens, penalties, the
+        grammar's state and stop strings go on from them, and sampling at their positions."""
+        if len(outputs) >= req.max_new_tokens:
+            raise ValueError(f"{len(outputs)} output tokens given for max_tokens {req.max_new_tokens}")
+        vocab = self.model_config.vocab_size
+        if min(outputs) < 0 or max(outputs) >= vocab:
+            raise ValueError(f"output token ids must be in [0, {vocab})")
+        req.token_ids.extend(outputs)
+        req.num_given = len(outputs)
+        if req.grammar is not None:
+            req.grammar = self.grammars.new_state(req.params.grammar, list(outputs))
+        if req.params.stop:  # a stop string across the seam is found from here (_find_stop)
+            req.output_text = self.tokenizer.decode(req.output_ids, skip_special_tokens=req.params.skip_special_tokens)
 
     def reserve(self, reservation_id: str, num_tokens: int, prompt_ids: list[int] | None = None,
                 scope: CacheScope = DEFAULT_SCOPE):
@@ -329,17 +385,25 @@ class Engine:
         return self.kv.cancel_reservation(reservation_id)
 
     def add_prefilled(self, reservation_id: str, prompt_ids: list[int], first_token: int | list[int],
-                      params: SamplingParams, seed: int | None, rid: str | None = None) -> str:
+                      params: SamplingParams, seed: int | None, rid: str | None = None,
+                      output_prefix: list[int] | None = None, request_group: str = "") -> str:
         """Decode side: join a request whose prompt KV landed in the reserved pages. For
         n > 1, first_token lists every sequence's first token (sampled by prefill): the
-        sequences fork from the transferred pages (sequence_group.py)."""
+        sequences fork from the transferred pages (sequence_group.py). output_prefix: a
+        migrated stream's completion tokens so far (n = 1), whose KV landed after the
+        prompt's; first_token follows them. request_group: as add_request's."""
         if seed is not None:
             params.seed = seed
         firsts = list(first_token) if isinstance(first_token, (list, tuple)) else [first_token]
         if len(firsts) != params.n:
             raise ValueError(f"{len(firsts)} first tokens for n={params.n}")
         scope = self.kv.reserved[reservation_id].scope  # the namespace its held pages matched under
+        if output_prefix and params.n > 1:
+            raise ValueError("a migrated stream continues one sequence (n = 1)")
         req = self._make_req(prompt_ids, params, rid, False, scope)
+        req.request_group = request_group
+        if output_prefix:
+            self._give_outputs(req, output_prefix)
         res = self.kv.take_reservation(reservation_id)
         if self.lora is not None:
             req.lora_slot = self.lora.transfer(("reservation", reservation_id), req.rid)
@@ -347,8 +411,9 @@ class Engine:
         req.num_tree_pages, req.prefix_node = len(res.held_pages), res.node
         req.num_cached_tokens = len(res.held_pages) * self.layout.page_size
         req.num_host_loaded_tokens = res.host_loaded_pages * self.layout.page_size
-        req.kv_load_event = res.load_event
-        req.num_computed = len(prompt_ids)
+        req.kv_load_ticket = res.load_ticket
+        req.continues = res.continues
+        req.num_computed = len(req.token_ids)
         self.requests[req.rid] = req
         self.scheduler.add_running(req)
         seqs = [req]
@@ -536,7 +601,8 @@ class Engine:
 
     def _append(self, req: Req, token: int, lp, top) -> StepOutput:
         first = req.num_output == 0
-        if first:
+        first_here = req.num_output == req.num_given  # the first token this worker samples
+        if first_here:
             self.stats.cached_tokens += req.num_cached_tokens
             self.stats.host_cached_tokens += req.num_host_loaded_tokens
         req.token_ids.append(token)
@@ -551,7 +617,7 @@ class Engine:
             done = True
         else:
             done = self._check_finished(req, token)
-        if req.prefill_only and first:
+        if req.prefill_only and first_here:
             # the KV transfer still reads these pages: hold them until release_held()
             self.scheduler.remove(req)
             self.release_adapter(req)

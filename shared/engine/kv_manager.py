@@ -10,11 +10,13 @@ from typing import TypeVar
 
 from .cache_scope import DEFAULT_SCOPE, CacheScope
 from .kv_pool import PageAllocator
+from .kv_write_back import WriteBackConfig
 from .radix_cache import PrefixMatch, RadixCache, RadixNode
 from .request import Req
 from .tenant_quota import TenantQuota, first_within_share
 
 T = TypeVar("T")
+EVICT_SHARE = 256  # eviction frees at least 1/256 of the pool when it runs
 
 
 @dataclass
@@ -26,8 +28,9 @@ class KVReservation:
     fresh_pages: list[int]
     node: RadixNode | None
     host_loaded_pages: int = 0  # of held_pages, the ones loaded back from the host tier
-    load_event: object = None  # CUDA event of that load (None: nothing in flight)
+    load_ticket: int | None = None  # the host tier's ticket of that load (None: nothing in flight)
     scope: CacheScope = field(default=DEFAULT_SCOPE)  # the request's: held pages matched under it
+    continues: bool = False  # the prompt extends a sequence this worker held (a conversation)
 
     @property
     def page_ids(self) -> list[int]:
@@ -36,12 +39,13 @@ class KVReservation:
 
 class KVManager:
     def __init__(self, num_pages: int, page_size: int, enable_prefix_cache: bool, kv_events=None,
-                 host_tier=None, quota: TenantQuota | None = None):
-        """host_tier: kv_host_tier.HostKVTier under the device pool, or None."""
+                 host_tier=None, quota: TenantQuota | None = None, write_back: WriteBackConfig | None = None):
+        """host_tier: kv_host_tier.HostKVTier under the device pool, or None; write_back: what
+        is written to it, how fast, how far ahead (kv_write_back.py)."""
         self.page_size = page_size
         self.allocator = PageAllocator(num_pages)
         self.cache = RadixCache(self.allocator, page_size, enabled=enable_prefix_cache, events=kv_events,
-                                host=host_tier)
+                                host=host_tier, write_back=write_back)
         self.reserved: dict[str, KVReservation] = {}  # reservation id -> its pages (decode side)
         self.quota = quota if quota is not None else TenantQuota()
         # the live requests, whose own pages count against their tenants (the engine sets it)
@@ -73,11 +77,29 @@ class KVManager:
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
+    # -- the host tier's copies ---------------------------------------------------------------
+    def tick_tiers(self, waiting_tokens: int = 0) -> bool:
+        """Each step: settle the copies that landed and write back ahead of need (never
+        waits); waiting_tokens: what the queued requests will need pages for. True while
+        copies are in flight (an idle loop keeps polling)."""
+        writer = self.cache.writer
+        if writer is None:
+            return False
+        writer.tick(self.allocator.num_free, self.pages_for(waiting_tokens))
+        return writer.busy
+
+    def copy_landed(self, ticket: int | None) -> bool:
+        """Whether a load's ticket has landed (None: nothing was in flight)."""
+        return ticket is None or ticket <= self.cache.host.landed
+
     def allocate(self, n: int) -> list[int] | None:
         if n <= 0:
             return []
         if self.allocator.num_free < n:
-            self.cache.evict(n - self.allocator.num_free, self._over_cache_share())
+            # at least EVICT_SHARE of the pool at a time: eviction walks the tree, and a full
+            # pool would otherwise walk it for every decode row that crosses a page
+            short = n - self.allocator.num_free
+            self.cache.evict(max(short, self.capacity // EVICT_SHARE), self._over_cache_share())
         if self.allocator.num_free < n:
             return None
         return self.allocator.allocate(n)
@@ -104,63 +126,59 @@ class KVManager:
         live, cached, capacity = self.live_pages_by_tenant(), self.cache.device_pages_by_tenant, self.capacity
         return lambda tenant: self.quota.over_cache_share(live.get(tenant, 0), cached.get(tenant, 0), capacity)
 
-    def next_in_turn(self, waiting: Sequence[T], tenant_of: Callable[[T], int]) -> T:
-        """Which waiting item goes next: the oldest, unless its tenant's live work holds its
-        share of the pool and another tenant's item, within its share, waits: then the
-        first such (the scheduler's admissions, decode's Reserve queue)."""
-        head = waiting[0]
-        if len(waiting) == 1 or not self.quota.limits_live:
-            return head
+    def over_live_share(self) -> Callable[[int], bool] | None:
+        """Whether a tenant's live work holds its share of the pool now (None: no live quota)."""
+        if not self.quota.limits_live:
+            return None
         live, capacity = self.live_pages_by_tenant(), self.capacity
+        return lambda tenant: self.quota.over_live_share(live.get(tenant, 0), capacity)
 
-        def over(tenant: int) -> bool:
-            return self.quota.over_live_share(live.get(tenant, 0), capacity)
-        if not over(tenant_of(head)):
+    def next_in_turn(self, waiting: Sequence[T], tenant_of: Callable[[T], int]) -> T:
+        """Which waiting item goes next: the first, unless its tenant's live work holds its
+        share of the pool and another tenant's item, within its share, waits: then the
+        first such (the scheduler's admissions; decode's Reserve queue passes over the same
+        tenants with over_live_share)."""
+        head = waiting[0]
+        over = self.over_live_share() if len(waiting) > 1 else None
+        if over is None or not over(tenant_of(head)):
             return head
         return first_within_share(waiting, tenant_of, over) or head
 
     # -- prefix matching ------------------------------------------------------------------
-    def match_and_lock(self, tokens: list[int], namespace: int = 0) -> tuple[PrefixMatch, object]:
-        """The longest prefix of `tokens` held in any tier under `namespace`, brought onto the
-        device (host pages are loaded back as far as device pages can be had) and locked:
-        returns the match (its pages, its deepest locked node) and the load's event (None: no
-        copy in flight, or on the CPU)."""
-        m = self.cache.match(tokens, namespace)
+    def match_and_lock(self, tokens: list[int], namespace: int = 0) -> PrefixMatch:
+        """A request's longest prefix of `tokens` held in any tier under `namespace`, brought
+        onto the device (host pages are loaded back as far as device pages can be had) and
+        locked: the match (its pages, its deepest locked node, `load_ticket` of the load in
+        flight, whether the tokens continue a sequence held here or one that left)."""
+        m = self.cache.match(tokens, namespace, count_hit=True)
+        writer = self.cache.writer
+        m.continues = m.continues or (writer is not None and writer.continued(tokens, namespace))
         stats = self.cache.stats
         stats.device_hit_pages += len(m.pages)
-        event = None
         if m.host_nodes and self.cache.host is not None:
             self.cache.lock(m.deepest)  # nothing on the path may be evicted while we allocate
             wanted, before = m.deepest, stats.loaded_pages
             self.cache.load_back(m, self.allocate)
             stats.host_hit_pages += stats.loaded_pages - before
-            if stats.loaded_pages > before and self.cache.host.stream is not None:
-                event = self._last_load_event()
             self.cache.lock(m.node)
             self.cache.unlock(wanted)
         else:
             self.cache.lock(m.node)
-        return m, event
-
-    def _last_load_event(self):
-        """An event after every load queued so far on the host tier's stream."""
-        import torch
-        event = torch.cuda.Event()
-        event.record(self.cache.host.stream)
-        return event
+        return m
 
     def match_prefix(self, req: Req) -> None:
         """Attach the longest cached prefix (leaving at least one token to compute)."""
         if req.page_ids or req.params.prompt_logprobs is not None:
             return  # prompt logprobs need every prompt position computed (as vLLM does)
         before = self.cache.stats.loaded_pages
-        m, event = self.match_and_lock(req.token_ids[: len(req.token_ids) - 1], req.scope.cache_key)
+        m = self.match_and_lock(req.token_ids[: len(req.token_ids) - 1], req.scope.cache_key)
         req.prefix_node = m.node
         req.page_ids = list(m.pages)
         req.num_tree_pages = len(m.pages)
         req.num_computed = len(m.pages) * self.page_size
         req.num_host_loaded_tokens = (self.cache.stats.loaded_pages - before) * self.page_size
-        req.kv_load_event = event
+        req.kv_load_ticket = m.load_ticket
+        req.continues = m.continues
         req.host_pages_waiting = m.num_host_pages  # what load_back could not bring over now
 
     def drop_prefix(self, req: Req) -> None:
@@ -189,7 +207,8 @@ class KVManager:
         own = req.page_ids[req.num_tree_pages:]
         if cache and self.cache.enabled and req.num_computed >= self.page_size:
             full = req.num_computed // self.page_size
-            dup, node = self.cache.insert(req.token_ids[: full * self.page_size], req.page_ids[:full], req.scope)
+            dup, node = self.cache.insert(req.token_ids[: full * self.page_size], req.page_ids[:full], req.scope,
+                                          conversation=req.continues, seq_end=True)
             tail = req.page_ids[full:]
             to_free = dup + tail
             # the new path is owned by the tree now; nothing of it stays locked for us
@@ -208,19 +227,19 @@ class KVManager:
         token ids, the leading full pages this worker holds (any tier, under scope's
         namespace) are reused and locked: only the rest is fresh. None when the pages cannot
         be had now."""
-        held, node, loaded, event = [], None, 0, None
+        held, node, loaded, ticket, continues = [], None, 0, None, False
         if prompt_ids is not None and self.cache.enabled:
             full = (min(len(prompt_ids), num_tokens) // self.page_size) * self.page_size
             before = self.cache.stats.loaded_pages
-            m, event = self.match_and_lock(list(prompt_ids[:full]), scope.cache_key)
-            held, node = list(m.pages), m.node
+            m = self.match_and_lock(list(prompt_ids[:full]), scope.cache_key)
+            held, node, ticket, continues = list(m.pages), m.node, m.load_ticket, m.continues
             loaded = self.cache.stats.loaded_pages - before
         fresh = self.allocate(self.pages_for(num_tokens) - len(held))
         if fresh is None:
             if node is not None:
                 self.cache.unlock(node)
             return None
-        res = KVReservation(held, fresh, node, loaded, event, scope)
+        res = KVReservation(held, fresh, node, loaded, ticket, scope, continues)
         self.reserved[reservation_id] = res
         return res
 
@@ -248,6 +267,6 @@ class KVManager:
             f"cached pages per tenant {by_tenant} do not add up to {self.cache.num_cached_pages}"
         assert not self.live_pages_by_tenant(), f"pages still held per tenant: {self.live_pages_by_tenant()}"
         host = self.cache.host
-        if host is not None:
-            total = host.allocator.num_free + self.cache.num_host_pages
+        if host is not None:  # free, the tree's copies (landed or in flight), given-up copies in flight
+            total = host.allocator.num_free + self.cache.num_host_pages + self.cache.writer.orphan_pages
             assert total == host.capacity, f"host page leak: {host.capacity - total} pages unaccounted"

@@ -81,11 +81,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: Batch) -> torch.Tensor | None:
         """Logits [n_sampling_rows, vocab] (None when no sequence samples this step)."""
-        plan = plan_batch(batch, self.page_size, self.lora is not None)
-        for item in batch.items:  # KV loaded back from the host tier must have landed
-            if item.req.kv_load_event is not None:
-                torch.cuda.current_stream(self.device).wait_event(item.req.kv_load_event)
-                item.req.kv_load_event = None
+        plan = plan_batch(batch, self.page_size, self.lora is not None)  # (KV loaded back from the host tier has landed: scheduler)
         if self.plan_sink is not None:
             self.plan_sink(plan)
         return self.forward_plan(plan)

@@ -42,7 +42,7 @@ def resolve_plan(config: EngineConfig, mc: ModelConfig, facts: DeviceFacts,
         linears=_linears(config, mc, facts, dtype.value, kernels.value, weights.value),
         fp8_decode_gemm=_fp8_decode_gemm(config, facts, weights.value),
         pdl=_pdl(config, mc, facts, kernels.value, weights.value),
-        custom_all_reduce=car, decode_graphs=decode_graphs,
+        custom_all_reduce=car, decode_graphs=_for_the_role(config, decode_graphs),
         prefill_graphs=_prefill_graphs(config, decode_graphs.value, step_tokens.value, max_model_len.value),
         overlap=_overlap(config, facts, car.value), host_tier=_host_tier(config, facts),
         speculative=_speculative(config), lora=_lora(config, kernels.value, facts), max_model_len=max_model_len,
@@ -299,6 +299,14 @@ def _decode_graphs(config: EngineConfig, facts: DeviceFacts, attention: str,
                         "tensor parallel without the custom all-reduce: NCCL inside decode graphs hung")
     return Decision(DecodeGraphs(sizes, True), ladder,
                     f"decode steps pad up to {len(sizes)} captured batch sizes (--cuda-graph-max-bs)")
+
+
+def _for_the_role(config: EngineConfig, graphs: Decision[DecodeGraphs | None]) -> Decision[DecodeGraphs | None]:
+    """A prefill worker stops every request at its first token: it never runs a decode step,
+    so it captures no decode graphs (its small prefill steps still replay theirs)."""
+    if config.runs_decode or graphs.value is None:
+        return graphs
+    return Decision(None, "none", "a prefill worker runs no decode step")
 
 
 def _prefill_graphs(config: EngineConfig, graphs: DecodeGraphs | None, step_tokens: int,

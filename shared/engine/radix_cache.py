@@ -10,9 +10,14 @@ ancestor on the device, and a node held anywhere has every ancestor held somewhe
 
 Nodes on a live request's path are locked (lock_ref > 0): never evicted from any tier.
 Eviction walks device -> host -> gone, least recently used first: an unlocked device leaf
-(no child on the device) keeps its KV in the host tier (copied there now, unless a copy is
-there already) and leaves the device; host-only leaves leave the tree when the host tier
-needs room. A match that runs into host-only nodes can load them back (`load_back`).
+(no child on the device) whose host copy has landed leaves the device at once and stays in
+the host tier; one the write policy does not want leaves the tree; one it wants whose copy
+has not landed is passed over while anything else can be freed, and dropped (its copy given
+up) only when nothing else is left (kv_write_back.py writes the wanted pages ahead, so that
+seldom happens). No eviction ever waits for a copy. Host-only leaves leave the tree when the
+host tier needs room. A match that runs into host-only nodes can load them back (`load_back`).
+Each node counts the requests whose match found it (`hits`) and knows whether a request that
+continued an earlier sequence inserted it (`conversation`): what the write policy reads.
 Every step publishes a KV event when an event sink is set: stored (entered the tree),
 offloaded (device -> host), loaded (host -> device), removed (gone from every tier).
 
@@ -32,6 +37,7 @@ from dataclasses import dataclass, field
 
 from .cache_scope import DEFAULT_SCOPE, CacheScope
 from .kv_pool import PageAllocator
+from .kv_write_back import HostWriter, WriteBackConfig
 
 
 @dataclass(eq=False)
@@ -46,6 +52,12 @@ class RadixNode:
     host_pages: list[int] = field(default_factory=list)  # lower-tier copy ([] when none)
     namespace: int = 0  # the cache key it was inserted under (CacheScope.cache_key; its whole path shares it)
     tenant: int = 0  # who inserted it: its device pages count against that tenant
+    hits: int = 0  # requests whose match found it (the one that inserted it is not one)
+    conversation: bool = False  # inserted by a request that continued a sequence held here
+    seq_end: bool = False  # the last node a finished sequence inserted (its next turn extends it)
+    write_batch: object = None  # kv_write_back.WriteBatch while its host copy is in flight
+    write_reason: str = ""  # why the write policy wanted its host copy
+    load_ticket: int | None = None  # host tier's ticket of the load writing its device pages, until seen landed
 
     def __lt__(self, other: "RadixNode") -> bool:
         return self.last_access < other.last_access
@@ -53,6 +65,11 @@ class RadixNode:
     @property
     def on_device(self) -> bool:
         return bool(self.pages)
+
+    @property
+    def host_ready(self) -> bool:
+        """It has a host copy that has landed (one in flight is not yet a copy)."""
+        return bool(self.host_pages) and self.write_batch is None
 
 
 @dataclass
@@ -62,6 +79,8 @@ class PrefixMatch:
     pages: list[int]  # device pages of the leading, device-resident part
     node: RadixNode  # deepest device-resident node (the root when none)
     host_nodes: list[RadixNode]  # host-only nodes after `node`, in path order
+    continues: bool = False  # the tokens extend a finished sequence held here (a conversation's next turn)
+    load_ticket: int | None = None  # the host tier's ticket of the last load_back copy (None: none)
 
     @property
     def num_host_pages(self) -> int:
@@ -78,7 +97,7 @@ class TierStats:
 
     device_hit_pages: int = 0  # pages a match found on the device
     host_hit_pages: int = 0  # pages a match found in the host tier only (then loaded back)
-    offloaded_pages: int = 0  # device -> host copies (write-back on eviction)
+    offloaded_pages: int = 0  # pages that left the device kept by their landed host copy
     loaded_pages: int = 0  # host -> device copies
     device_evicted_pages: int = 0  # pages that left the device (kept on host or dropped)
     host_evicted_pages: int = 0  # host copies dropped to make room
@@ -88,22 +107,28 @@ class TierStats:
 
 class RadixCache:
     def __init__(self, allocator: PageAllocator, page_size: int, enabled: bool = True, events=None,
-                 host=None):
+                 host=None, write_back: WriteBackConfig | None = None):
         """events: optional sink with stored / offloaded / loaded / removed(hashes) (KV events
         that tell routers which prompt pages this worker holds). host: optional lower tier
-        (kv_host_tier.HostKVTier): its `allocator`, `save(device_pages, host_pages)` and
-        `load(host_pages, device_pages)`."""
+        (kv_host_tier.HostKVTier): its `allocator`, `save(device_pages, host_pages)`,
+        `load(host_pages, device_pages)` and `poll()`; write_back: what is written to it, how
+        fast, how far ahead (kv_write_back.py; default: the `reused` policy, unbounded)."""
         self.events = events
         self.allocator = allocator
         self.page_size = page_size
         self.enabled = enabled
         self.host = host if enabled else None
+        # with a host tier: what is written back to it, and when (kv_write_back.py)
+        self.writer = HostWriter(self, self.host, write_back or WriteBackConfig()) if self.host is not None else None
         self.root = RadixNode()
         self.root.lock_ref = 1  # never evicted
         self.num_cached_pages = 0  # device pages owned by the tree
         self.num_locked_pages = 0  # device pages of the tree on some live request's path
         self.num_host_pages = 0  # host pages owned by the tree
         self.device_pages_by_tenant: dict[int, int] = {}  # of num_cached_pages, per inserting tenant
+        # bumped by every change that can change what write-back would copy (its walk is skipped
+        # while nothing did): device pages, hits, locks released, host copies dropped
+        self.version = 0
         self.stats = TierStats()
 
     # -- lookup -------------------------------------------------------------------------
@@ -115,10 +140,11 @@ class RadixCache:
     def _slot_of(self, node: RadixNode) -> tuple:
         return self._slot(node.parent, node.namespace, node.key[:self.page_size])
 
-    def match(self, tokens: list[int], namespace: int = 0) -> PrefixMatch:
+    def match(self, tokens: list[int], namespace: int = 0, count_hit: bool = False) -> PrefixMatch:
         """Longest held prefix of `tokens` in whole pages, on the device and below it, among
-        the pages inserted under `namespace`."""
-        node, pages, pos, host_nodes = self.root, [], 0, []
+        the pages inserted under `namespace`. count_hit: a request's match (not the tree's own
+        bookkeeping): every node found counts a hit."""
+        node, pages, pos, host_nodes, load_ticket = self.root, [], 0, [], None
         if not self.enabled:
             return PrefixMatch(pages, node, host_nodes)
         now = time.monotonic()
@@ -132,14 +158,35 @@ class RadixCache:
             if n < len(child.key) // ps:
                 child = self._split(child, n)
             child.last_access = now
+            child.hits += count_hit
+            self.version += count_hit
             if child.on_device:
                 pages.extend(child.pages)
                 deepest_device = child
+                if self._loading(child):  # whoever reads these pages waits for the load to land
+                    load_ticket = max(load_ticket or 0, child.load_ticket)
             else:
                 host_nodes.append(child)
             pos += len(child.key)
             node = child
-        return PrefixMatch(pages, deepest_device, host_nodes)
+        return PrefixMatch(pages, deepest_device, host_nodes, continues=self._extends_a_sequence(node),
+                           load_ticket=load_ticket)
+
+    def _loading(self, node: RadixNode) -> bool:
+        """A load into its device pages is queued and not yet seen landed."""
+        if node.load_ticket is not None and node.load_ticket <= self.host.landed:
+            node.load_ticket = None
+        return node.load_ticket is not None
+
+    def _extends_a_sequence(self, node: RadixNode) -> bool:
+        """The match ends where a finished sequence ended, or within its last page (the
+        next turn's tokenization may differ there): the tokens continue it."""
+        if node is self.root:
+            return False
+        if node.seq_end:
+            return True
+        rest = list(node.children.values())
+        return len(rest) == 1 and rest[0].seq_end and not rest[0].children and len(rest[0].key) <= self.page_size
 
     def match_prefix(self, tokens: list[int], namespace: int = 0) -> tuple[list[int], RadixNode]:
         """Longest prefix of `tokens` on the device, in whole pages: (pages, deepest node)."""
@@ -160,7 +207,11 @@ class RadixCache:
         upper = RadixNode(key=node.key[:cut], pages=node.pages[:n_pages], parent=node.parent,
                           lock_ref=node.lock_ref, last_access=node.last_access,
                           hashes=node.hashes[:n_pages], host_pages=node.host_pages[:n_pages],
-                          namespace=node.namespace, tenant=node.tenant)
+                          namespace=node.namespace, tenant=node.tenant, hits=node.hits,
+                          conversation=node.conversation, write_batch=node.write_batch,
+                          write_reason=node.write_reason, load_ticket=node.load_ticket)
+        if node.write_batch is not None:  # the copy in flight writes both halves
+            node.write_batch.nodes.append(upper)
         node.hashes = node.hashes[n_pages:]
         node.parent.children[self._slot_of(upper)] = upper
         node.key, node.pages, node.host_pages = node.key[cut:], node.pages[n_pages:], node.host_pages[n_pages:]
@@ -182,6 +233,7 @@ class RadixCache:
             assert node.lock_ref >= 0, "radix lock underflow"
             if node.lock_ref == 0:
                 self.num_locked_pages -= len(node.pages)
+                self.version += 1
             node = node.parent
 
     # -- loading back from the host tier -------------------------------------------------
@@ -195,7 +247,9 @@ class RadixCache:
             dev = allocate(len(node.host_pages))
             if dev is None:
                 break
-            self.host.load(node.host_pages, dev)
+            ticket = self.host.load(node.host_pages, dev)
+            if ticket is not None:
+                match.load_ticket = node.load_ticket = ticket
             node.pages = dev
             self._device_pages_changed(node, len(dev))
             self.stats.loaded_pages += len(dev)
@@ -208,9 +262,11 @@ class RadixCache:
 
     # -- insert -------------------------------------------------------------------------
     def insert(self, tokens: list[int], pages: list[int], scope: CacheScope = DEFAULT_SCOPE,
-               ) -> tuple[list[int], RadixNode]:
+               conversation: bool = False, seq_end: bool = False) -> tuple[list[int], RadixNode]:
         """Give the tree ownership of `pages` (KV of tokens[:len(pages)*page_size]), under
-        scope's namespace; new nodes count against scope's tenant.
+        scope's namespace; new nodes count against scope's tenant. conversation: the inserting
+        request continued a sequence held here (the write policy keeps its pages); seq_end: a
+        finished sequence, whose last node a next turn may extend.
 
         Returns (pages the caller must free because the tree already held that prefix on
         the device, deepest node). Pages that are already the tree's own (a matched prefix)
@@ -222,6 +278,7 @@ class RadixCache:
         pages = pages[:n_pages]
         if not self.enabled:
             return list(pages), self.root
+        self.version += 1
         node, pos, duplicates = self.root, 0, []
         now = time.monotonic()
         namespace = scope.cache_key
@@ -229,7 +286,8 @@ class RadixCache:
             child = node.children.get(self._slot(node, namespace, tokens[pos:pos + ps]))
             if child is None:
                 new = RadixNode(key=tuple(tokens[pos:]), pages=list(pages[pos // ps:]),
-                                parent=node, last_access=now, namespace=namespace, tenant=scope.tenant)
+                                parent=node, last_access=now, namespace=namespace, tenant=scope.tenant,
+                                conversation=conversation, seq_end=seq_end)
                 node.children[self._slot_of(new)] = new
                 self._device_pages_changed(new, len(new.pages))
                 if self.events is not None:
@@ -248,8 +306,10 @@ class RadixCache:
                 self._device_pages_changed(child, len(mine))
                 self._event("loaded", child)
             child.last_access = now
+            child.conversation = child.conversation or conversation
             pos += len(child.key)
             node = child
+        node.seq_end = node.seq_end or (seq_end and node is not self.root)
         return duplicates, node
 
     # -- eviction -----------------------------------------------------------------------
@@ -259,8 +319,10 @@ class RadixCache:
 
     def evict(self, num_pages: int, over_share: Callable[[int], bool] | None = None) -> int:
         """Free at least num_pages unlocked device pages (LRU device leaves first); returns
-        pages freed. With a host tier each keeps its KV there. over_share(tenant): while it
+        pages freed, never waiting for a copy (module docstring). over_share(tenant): while it
         says a tenant is over its share, that tenant's pages go first (LRU among them)."""
+        if self.writer is not None:  # copies that landed since the step began go at once
+            self.writer.poll()
         freed = 0
         if over_share is not None:
             freed = self._evict_leaves(num_pages, lambda node: over_share(node.tenant))
@@ -270,51 +332,66 @@ class RadixCache:
         return freed
 
     def _evict_leaves(self, num_pages: int, chosen: Callable[[RadixNode], bool] | None = None) -> int:
+        """LRU leaves that can go at once first; leaves waiting for their host copy (passed
+        over) only when nothing else is left."""
         def evictable(node: RadixNode) -> bool:
             return self._device_evictable(node) and (chosen is None or chosen(node))
-        leaves = [n for n in self._all_nodes() if evictable(n)]
-        heapq.heapify(leaves)
+        ready = [n for n in self._device_nodes() if evictable(n)]
+        heapq.heapify(ready)
+        passed_over: list[RadixNode] = []
         freed = 0
-        while freed < num_pages and leaves:
-            leaf = heapq.heappop(leaves)
+        while freed < num_pages and (ready or passed_over):
+            heap = ready if ready else passed_over
+            leaf = heapq.heappop(heap)
             if not evictable(leaf):  # changed since it was queued
                 continue
             parent = leaf.parent
-            freed += self._evict_from_device(leaf)
+            n = self._evict_from_device(leaf, force=heap is passed_over)
+            if n == 0:
+                heapq.heappush(passed_over, leaf)
+                continue
+            freed += n
             if evictable(parent):
-                heapq.heappush(leaves, parent)
+                heapq.heappush(ready, parent)
         return freed
 
     def _device_evictable(self, node: RadixNode) -> bool:
         return (node is not self.root and node.on_device and node.lock_ref == 0
-                and not any(c.on_device for c in node.children.values()))
+                and not any(c.on_device for c in node.children.values()) and not self._loading(node))
 
-    def _evict_from_device(self, node: RadixNode) -> int:
+    def _evict_from_device(self, node: RadixNode, force: bool = True) -> int:
+        """Take an unlocked device leaf off the device: kept in the host tier if its copy has
+        landed, else dropped. Returns the pages freed; 0 (not force) when the write policy
+        wants it and its copy has not landed yet."""
         n = len(node.pages)
-        if self.host is not None and not node.host_pages:
-            host_pages = self._host_allocate(n)
-            if host_pages is not None:
-                self.host.save(node.pages, host_pages)
-                node.host_pages = host_pages
-                self.num_host_pages += n
-                self.stats.offloaded_pages += n
+        if self.writer is not None and not node.host_ready:
+            wanted = self.writer.wanted(node)
+            if wanted is not None and not force:
+                return 0
+            self.writer.dropped(node, wanted)
         self.allocator.free(node.pages)
         self._device_pages_changed(node, -n)
         node.pages = []
         self.stats.device_evicted_pages += n
         if node.host_pages:
+            self.stats.offloaded_pages += n
             self._event("offloaded", node)
         else:
             self._drop(node)
         return n
 
-    def _host_allocate(self, n: int) -> list[int] | None:
-        """n free host pages, dropping LRU host copies to make room: first host-only leaves
-        (they leave the tree), then backups of nodes the device still holds."""
+    def eviction_order(self) -> list[RadixNode]:
+        """Unlocked device nodes, least recently used first: roughly the order eviction takes
+        them (a node's ancestors are touched whenever it is, so they come after it)."""
+        return sorted((x for x in self._device_nodes() if x.lock_ref == 0), key=lambda x: x.last_access)
+
+    def host_room(self, n: int) -> int:
+        """Free host pages, after dropping LRU host copies to make room for n (fewer when the
+        rest is locked or in flight)."""
         alloc = self.host.allocator
         if alloc.num_free < n:
             self._evict_host(n - alloc.num_free)
-        return alloc.allocate(n) if alloc.num_free >= n else None
+        return alloc.num_free
 
     def _evict_host(self, num_pages: int) -> int:
         freed = 0
@@ -329,8 +406,8 @@ class RadixCache:
             self._drop(leaf)
             if self._host_leaf(parent):
                 heapq.heappush(leaves, parent)
-        if freed < num_pages:  # then copies of pages the device still holds
-            backups = sorted((x for x in self._all_nodes() if x.on_device and x.host_pages), key=lambda x: x.last_access)
+        if freed < num_pages:  # then landed copies of pages the device still holds
+            backups = sorted((x for x in self._device_nodes() if x.host_ready), key=lambda x: x.last_access)
             for node in backups:
                 if freed >= num_pages:
                     break
@@ -343,9 +420,13 @@ class RadixCache:
 
     def _free_host_copy(self, node: RadixNode) -> int:
         n = len(node.host_pages)
-        self.host.allocator.free(node.host_pages)
-        node.host_pages = []
-        self.num_host_pages -= n
+        self.version += 1
+        if node.write_batch is not None:  # in flight: its host pages are freed when it lands
+            self.writer.discard(node)
+        else:
+            self.host.allocator.free(node.host_pages)
+            node.host_pages = []
+            self.num_host_pages -= n
         self.stats.host_evicted_pages += n
         return n
 
@@ -356,6 +437,8 @@ class RadixCache:
             self._drop(child)
         if node.host_pages:
             self._free_host_copy(node)
+        if node.seq_end and self.writer is not None:
+            self.writer.left_the_cache(node)
         self.stats.dropped_pages += len(node.key) // self.page_size
         self._event("removed", node)
         parent = node.parent
@@ -363,8 +446,17 @@ class RadixCache:
             del parent.children[self._slot_of(node)]
         node.parent = None
 
+    def path_tokens(self, node: RadixNode) -> list[int]:
+        """Every token from the root down to the end of `node`."""
+        keys = []
+        while node is not None and node is not self.root:
+            keys.append(node.key)
+            node = node.parent
+        return [t for key in reversed(keys) for t in key]
+
     def _device_pages_changed(self, node: RadixNode, delta: int) -> None:
         """node gained (or lost) delta device pages: the tree's counters follow."""
+        self.version += 1
         self.num_cached_pages += delta
         if node.lock_ref > 0:
             self.num_locked_pages += delta
@@ -385,8 +477,20 @@ class RadixCache:
             yield n
             stack.extend(n.children.values())
 
+    def _device_nodes(self):
+        """The nodes on the device (not the root), without walking the host-only subtrees
+        under them (a node off the device has every descendant off it): a host tier holds
+        several times the device's nodes, and eviction walks these every time it runs."""
+        stack = [c for c in self.root.children.values() if c.on_device]
+        while stack:
+            n = stack.pop()
+            yield n
+            stack.extend(c for c in n.children.values() if c.on_device)
+
     def reset(self) -> None:
-        """Drop every unlocked cached page from every tier (tests, weight reload)."""
+        """Drop every unlocked cached page from every tier (tests, weight reload); waits for
+        the copies in flight."""
         self.evict(self.num_cached_pages)
         if self.host is not None:
             self._evict_host(self.num_host_pages)
+            self.writer.settle()

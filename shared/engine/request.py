@@ -37,7 +37,8 @@ class Req:
     prefix_node: RadixNode | None = None
     num_cached_tokens: int = 0  # prefix-cache hit at first admission (every tier)
     num_host_loaded_tokens: int = 0  # of those, tokens loaded back from the host tier
-    kv_load_event: object = None  # CUDA event of that load: the first forward waits for it
+    kv_load_ticket: int | None = None  # the host tier's ticket of that load: scheduled once it landed
+    continues: bool = False  # its prompt extends a sequence the cache held (a conversation's next turn)
     host_pages_waiting: int = 0  # matched pages still in the host tier (no device room to load them)
     status: ReqStatus = ReqStatus.WAITING
     finish_reason: str | None = None  # stop | length | abort | error
@@ -48,8 +49,12 @@ class Req:
     grammar: object = None  # GrammarState (grammar.py) of a constrained request
     index: int = 0  # sequence index within its request (n > 1)
     group: str | None = None  # the request's id when this is sequence index > 0 of it
+    request_group: str = ""  # the client request it came from (a prompt list's prompts share it): fair turns
     forked: bool = False  # n > 1: the other sequences were made (at the first sample)
     forced_first: list[int] | None = None  # n > 1 recompute: the first tokens already sampled
+    # output tokens that came with the request, sampled elsewhere (a recompute, a migrated
+    # stream): the next sample is the first this worker makes
+    num_given: int = 0
     prompt_lps: list | None = None  # prompt logprobs by position: (logprob, top) or None
     spec: object = None  # speculative/state.SpecState once it decodes with speculation on
 

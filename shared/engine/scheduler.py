@@ -1,16 +1,25 @@
 """Continuous batching with chunked prefill under a per-step token budget.
 
 Each step takes every decoding request (one token each), then fills what is left of the
-token budget with prefill chunks, oldest first. Admission needs free pages; when they run
-out, new work waits in the queue (back-pressure) and, if decoding requests cannot grow,
-the youngest running request is retracted (its pages freed, recomputed later). A waiting
-request whose tenant's live work already holds its share of the pages lets other tenants'
-waiting requests be admitted first (tenant_quota.py).
+token budget with prefill chunks: admitted requests first, then waiting ones, taken round
+robin across request groups (the client request a prompt came from: a prompt list's prompts
+are one group), oldest first within a group, so a one-prompt request beside a bulk one is
+admitted within about a step instead of after the bulk's queue. Admission needs free pages;
+when they run out, new work waits in the queue (back-pressure) and, if decoding requests
+cannot grow, the youngest running request is retracted (its pages freed, recomputed later,
+ahead of every group). In that order, a waiting request whose tenant's live work already
+holds its share of the pages lets other tenants' waiting requests be admitted first
+(tenant_quota.py).
 
 Beside decode rows, an optional `itl_budget` (shared/perf_model/step_budget.py) narrows the
-prefill chunks further, so the step stays under an inter-token latency target."""
+prefill chunks further, so the step stays under an inter-token latency target.
+
+A request whose prefix is still being loaded back from the host tier (its load's ticket not
+yet seen landed, kv_host_tier.py) is admitted but left out of the steps until the load
+lands: the other requests' steps never wait for the copy."""
 from __future__ import annotations
 
+import itertools
 from collections import deque
 
 from .batch import Batch, ScheduledReq
@@ -27,9 +36,13 @@ class Scheduler:
         self.failed: list[tuple[Req, str]] = []  # taken out of the queue: their adapter could not load
         self.max_batched_tokens = max_batched_tokens
         self.max_running = max_running
-        self.waiting: deque[Req] = deque()
+        self.waiting: deque[Req] = deque()  # every waiting request, arrival order (retracted ones in front)
         self.running: list[Req] = []  # admitted, in arrival order
         self.num_retracted = 0
+        self._groups: dict[str, deque[Req]] = {}  # the waiting requests of each request group, in order
+        self._retracted: set[str] = set()  # waiting rids put back at the front: admitted before any group
+        self._served: dict[str, int] = {}  # group -> when it was last admitted from (round robin)
+        self._turns = itertools.count()
         self.num_passed_over = 0  # admissions that went ahead of a tenant over its live share
         # prefill beside decode rows within an inter-token target (the worker sets it)
         self.itl_budget = None
@@ -42,6 +55,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     @property
+    def waiting_tokens(self) -> int:
+        """Tokens the waiting requests hold (what they will need pages for, at most)."""
+        return sum(len(r.token_ids) for r in self.waiting) if self.waiting else 0
+
+    @property
     def queued_prefill_tokens(self) -> int:
         return sum(r.remaining for r in self.waiting) + sum(
             r.remaining for r in self.running if not r.is_decoding)
@@ -49,6 +67,10 @@ class Scheduler:
     def add(self, req: Req, front: bool = False) -> None:
         req.status = ReqStatus.WAITING
         (self.waiting.appendleft if front else self.waiting.append)(req)
+        group = self._groups.setdefault(_group(req), deque())
+        (group.appendleft if front else group.append)(req)
+        if front:
+            self._retracted.add(req.rid)
 
     def add_running(self, req: Req) -> None:
         """A request whose KV is already in place (decode side of a transfer)."""
@@ -59,9 +81,29 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
-            self.waiting.remove(req)
+            self._take_waiting(req)
+
+    def _take_waiting(self, req: Req) -> None:
+        self.waiting.remove(req)
+        self._retracted.discard(req.rid)
+        key = _group(req)
+        group = self._groups[key]
+        group.remove(req)
+        if not group:
+            del self._groups[key]
+
+    def _turn_order(self) -> list[Req]:
+        """Who may be admitted next, in order: the retracted requests (the queue's front), then
+        each group's head, the group admitted from longest ago first (a group never admitted
+        from first, then the oldest head). The tenant quota picks from this order."""
+        order = list(itertools.takewhile(lambda r: r.rid in self._retracted, self.waiting))
+        heads = sorted((g[0] for g in self._groups.values() if g[0].rid not in self._retracted),
+                       key=lambda r: (self._served.get(_group(r), -1), r.arrival))
+        return order + heads
 
     def schedule(self) -> Batch:
+        # host-tier copies: settle what landed, write back ahead of what the queue needs (never waits)
+        self.kv.tick_tiers(self.waiting_tokens)
         batch = Batch()
         budget = self.max_batched_tokens
         # 1. decodes: each needs room for one more token. Victims of retraction are always
@@ -70,7 +112,7 @@ class Scheduler:
         for req in list(self.running):
             if req.status is not ReqStatus.RUNNING or not req.is_decoding:
                 continue
-            if self._awaiting_result(req):
+            if self._awaiting_result(req) or self._loading(req):
                 continue
             while not self.kv.grow(req, req.num_computed + 1):
                 victim = self._youngest_after(req)
@@ -86,18 +128,20 @@ class Scheduler:
         room = self.itl_budget.begin(rows, sum(it.start + 1 for it in batch.items)) \
             if self.itl_budget is not None and rows else None
         self.last_allowance = room
-        # 2. prefill chunks of admitted requests, then new admissions (FIFO)
+        # 2. prefill chunks of admitted requests, then new admissions (turn order)
         for req in self.running:
             if budget <= 0:
                 break
-            if req.status is ReqStatus.RUNNING and not req.is_decoding and not self._awaiting_result(req):
+            if req.status is ReqStatus.RUNNING and not req.is_decoding and not self._awaiting_result(req) \
+                    and not self._loading(req):
                 item = self._budgeted_chunk(req, budget, room)
                 if item is None:
                     break
                 batch.items.append(item)
                 budget -= item.length
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
-            req = self.kv.next_in_turn(self.waiting, lambda r: r.scope.tenant)
+            turn_order = self._turn_order()
+            req = self.kv.next_in_turn(turn_order, lambda r: r.scope.tenant)
             taken = self._take_adapter(req)
             if taken is None:  # its adapter could not be loaded: the engine ends it
                 continue
@@ -112,21 +156,21 @@ class Scheduler:
                 break
             if req.num_cached_tokens == 0:
                 req.num_cached_tokens = req.num_computed
-            item = self._budgeted_chunk(req, budget, room)
-            if item is None:
+            item = None if self._loading(req) else self._budgeted_chunk(req, budget, room)
+            if item is None and req.kv_load_ticket is None:
                 self.kv.drop_prefix(req)
                 self._drop_adapter(req)
                 break  # back-pressure (or the step's inter-token budget is spent)
-            if req is self.waiting[0]:
-                self.waiting.popleft()
-            else:
-                self.waiting.remove(req)
+            self._take_waiting(req)
+            self._turn(_group(req))
+            if req is not turn_order[0]:
                 self.num_passed_over += 1
             req.status = ReqStatus.RUNNING
             self.running.append(req)
-            batch.items.append(item)
-            budget -= item.length
-        stuck = [r for r in self.running if not self._awaiting_result(r)]
+            if item is not None:  # else admitted with its pages locked: its chunk once the load lands
+                batch.items.append(item)
+                budget -= item.length
+        stuck = [r for r in self.running if not self._awaiting_result(r) and r.kv_load_ticket is None]
         if not batch.items and len(stuck) > 1:
             # admitted prefills hold all the pages between them: free the youngest so the
             # oldest can finish (otherwise none ever would)
@@ -135,6 +179,17 @@ class Scheduler:
             self.last_batch = batch
             self.num_batches += 1
         return batch
+
+    def _turn(self, group: str) -> None:
+        self._served[group] = next(self._turns)
+        if len(self._served) > 4 * (len(self._groups) + 1024):  # forget groups long gone
+            self._served = {g: t for g, t in self._served.items() if g in self._groups}
+
+    def _loading(self, req: Req) -> bool:
+        """Its prefix's load back from the host tier has not been seen landed yet."""
+        if req.kv_load_ticket is not None and self.kv.copy_landed(req.kv_load_ticket):
+            req.kv_load_ticket = None
+        return req.kv_load_ticket is not None
 
     @staticmethod
     def _awaiting_result(req: Req) -> bool:
@@ -175,7 +230,7 @@ class Scheduler:
         try:
             slot = self.lora.acquire(req.scope.adapter, req.rid)
         except (LoraAdapterError, OSError) as exc:
-            self.waiting.remove(req)
+            self._take_waiting(req)
             self.failed.append((req, str(exc)))
             return None
         if slot is None:
@@ -206,3 +261,8 @@ class Scheduler:
         req.num_kv_ready = 0
         self.num_retracted += 1
         self.add(req, front=True)
+
+
+def _group(req: Req) -> str:
+    """The fairness key: the client request it came from, else itself."""
+    return req.request_group or req.out_rid

@@ -6,8 +6,9 @@ compile), cuBLAS heuristics and allocator growth; the first load-test run after 
 4x slower than the next. Warm-up pushes requests through the engine's own
 step loop: prefill chunks at every token-count bucket up to the step budget, an extend
 over a cached prefix, decode steps at the graph batch sizes, and the host sampling path
-(penalties, logprobs, top-p). Then it drops what it cached and zeroes the counters, so
-metrics and the prefix cache start empty. On CPU nothing compiles: one short request
+(penalties, logprobs, top-p); a prefill worker, which stops every request at its first
+token, runs no decode step (engine.config.runs_decode). Then it drops what it cached and
+zeroes the counters, so metrics and the prefix cache start empty. On CPU nothing compiles: one short request
 checks the path."""
 from __future__ import annotations
 
@@ -54,12 +55,14 @@ def warm_up(engine, full: bool | None = None) -> float:
 
 
 def _warm_every_shape(engine, vocab: int, room: int) -> None:
-    """Every prefill bucket, an extend, several prompts a step, mixed steps, the decode batches."""
+    """Every prefill bucket, an extend, several prompts a step, mixed steps, the decode batches
+    (a prefill worker, which stops every request at its first token, runs no decode step)."""
     from .sampling_params import SamplingParams
 
     budget = engine.scheduler.max_batched_tokens
     lengths = sorted({min(n, budget, room) for n in PREFILL_BUCKETS})
-    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    decodes = engine.config.runs_decode  # a prefill worker stops every request at its first token
+    greedy = SamplingParams(temperature=0, max_tokens=3 if decodes else 1, ignore_eos=True)
     for n in lengths:  # one prompt per bucket: its chunks run alone
         _run(engine, [[_tok(n + i, vocab) for i in range(n)]], greedy)
     base = [_tok(i, vocab) for i in range(min(256, room // 2))]
@@ -67,17 +70,21 @@ def _warm_every_shape(engine, vocab: int, room: int) -> None:
     _run(engine, [base + [_tok(7 * i, vocab) for i in range(32)]], greedy)  # extend over a cached prefix
     for b in MULTI_PREFILL:  # several prompts in one step: logits rows, multi-sequence attention
         _run(engine, [[_tok(97 * j + i, vocab) for i in range(min(40 + 13 * j, room))] for j in range(b)], greedy)
-    _run_mixed(engine, vocab, room)
-    graphs = engine.runner.graphs
-    cap = graphs.max_bs if graphs is not None else 32
-    host = [SamplingParams(temperature=0.7, top_p=0.9, seed=1, max_tokens=4, ignore_eos=True),
-            SamplingParams(temperature=0, max_tokens=4, logprobs=2, repetition_penalty=1.1, ignore_eos=True)]
-    # speculative decoding: every decode step drafts, so its verify shapes compile too
-    with engine.spec.warming() if engine.spec is not None else contextlib.nullcontext():
-        for b in (x for x in DECODE_BATCHES if x <= cap):
-            prompts = [[_tok(31 * j + i, vocab) for i in range(24)] for j in range(b)]
-            params = [greedy] * b if b > 2 else host[:b]
-            _run(engine, prompts, params)
+    host = [SamplingParams(temperature=0.7, top_p=0.9, seed=1, max_tokens=4 if decodes else 1, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=4 if decodes else 1, logprobs=2, repetition_penalty=1.1,
+                           ignore_eos=True)]
+    if not decodes:  # the host sampling path of first tokens; no decode step to warm
+        _run(engine, [[_tok(31 * j + i, vocab) for i in range(24)] for j in range(2)], host)
+    else:
+        _run_mixed(engine, vocab, room)
+        graphs = engine.runner.graphs
+        cap = graphs.max_bs if graphs is not None else 32
+        # speculative decoding: every decode step drafts, so its verify shapes compile too
+        with engine.spec.warming() if engine.spec is not None else contextlib.nullcontext():
+            for b in (x for x in DECODE_BATCHES if x <= cap):
+                prompts = [[_tok(31 * j + i, vocab) for i in range(24)] for j in range(b)]
+                params = [greedy] * b if b > 2 else host[:b]
+                _run(engine, prompts, params)
 
 
 def _tok(i: int, vocab: int) -> int:

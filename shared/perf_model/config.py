@@ -30,6 +30,25 @@ def default_itl_s(device_type: str) -> float:
     return GPU_DEFAULT_ITL_S if device_type == "cuda" else CPU_DEFAULT_ITL_S
 
 
+# a chat product's first token: within a second on a GPU (the reader is waiting for the answer
+# to start); a CPU prefill of the default model runs ~100 times slower per token
+GPU_DEFAULT_TTFT_S = 1.0
+CPU_DEFAULT_TTFT_S = 5.0
+
+
+@dataclass
+class TtftTarget:
+    ttft_ms: float = setting(
+        0.0, flag="--slo-ttft-ms", env="DUET_SLO_TTFT_MS",
+        help="time-to-first-token target in ms the planner keeps the worker split to (with --slo-itl-ms); "
+             "0 = 1000 ms on GPU workers, 5000 ms on CPU ones")
+
+    def target_s(self, on_gpu: bool) -> float:
+        if self.ttft_ms > 0:
+            return self.ttft_ms / 1000
+        return GPU_DEFAULT_TTFT_S if on_gpu else CPU_DEFAULT_TTFT_S
+
+
 @dataclass
 class PerfModelConfig:
     """A worker's step-time model and its prefill budget beside decode rows."""

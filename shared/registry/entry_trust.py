@@ -36,7 +36,9 @@ def probe_name(info: WorkerInfo) -> str:
 
 
 def entry_key(info: WorkerInfo) -> tuple[str, str, str, str]:
-    return info.worker_id, info.role, info.address, info.instance_nonce
+    """What was proven: a role switch between decode and `both` asks the same name and needs
+    no new probe; one to or from prefill does (a worker's certificate may serve one of them)."""
+    return info.worker_id, probe_name(info), info.address, info.instance_nonce
 
 
 @dataclass

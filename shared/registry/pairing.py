@@ -1,6 +1,7 @@
 """Which prefill and decode workers can hand KV to each other, and why a pair cannot.
 
-Two workers pair when they serve the same model with the same KV layout (compat_hash:
+Two workers pair when they serve the same model, from the same checkpoint (a fingerprint of
+the weights and tokenizer, not only the name), with the same KV layout (compat_hash:
 layers, KV heads, page size, head dim, KV dtype, the order inside a page and an FP8 cache's
 scales; not the TP size) and every KV head a decode
 rank holds is held by some prefill rank (kv_transfer/head_plan.py), which is true for any
@@ -54,7 +55,9 @@ def layout_difference(prefill_layout: str, decode_layout: str) -> str:
 
 @functools.lru_cache(maxsize=4096)
 def _problem(prefill_key: tuple, decode_key: tuple, prefill_heads: tuple, decode_heads: tuple) -> str:
-    (p_hash, p_layout, p_tp), (d_hash, d_layout, d_tp) = prefill_key, decode_key
+    (p_hash, p_layout, p_tp, p_ckpt), (d_hash, d_layout, d_tp, d_ckpt) = prefill_key, decode_key
+    if p_ckpt and d_ckpt and p_ckpt != d_ckpt:
+        return f"checkpoints differ: prefill {p_ckpt}, decode {d_ckpt} (weights or tokenizer)"
     if p_hash != d_hash:
         diff = layout_difference(p_layout, d_layout) if p_layout and d_layout else ""
         return (f"KV layouts differ: prefill {p_layout or p_hash} (tp {p_tp}), "
@@ -68,5 +71,5 @@ def _problem(prefill_key: tuple, decode_key: tuple, prefill_heads: tuple, decode
 def pair_problem(prefill: WorkerInfo, decode: WorkerInfo) -> str:
     """"" when prefill can write its KV into decode, else the reason it cannot. The answer
     depends on the two layouts only, so it is cached by them."""
-    key = lambda w: (w.compat_hash, w.kv_layout, w.tp)  # noqa: E731
+    key = lambda w: (w.compat_hash, w.kv_layout, w.tp, w.checkpoint)  # noqa: E731
     return _problem(key(prefill), key(decode), _heads(prefill), _heads(decode))

@@ -144,6 +144,15 @@ class WorkerPublisher:
             self.kv_events.restore(*changes)
             raise
 
+    async def announce_role(self, role: str) -> None:
+        """Advertise `role` now (a switchable worker's role switch): the entry is rewritten in one
+        transaction and a `role` event makes watchers read it at once instead of at their next
+        scan. The next heartbeat rewrites it anyway, should this fail."""
+        self.info.role = role
+        await self.heartbeat_once()
+        await self.client.publish(self.keys.events_channel, self._event("role"))
+        log.info("worker %s now advertises role %s", self.info.worker_id, role)
+
     async def deregister(self) -> None:
         wid = self.info.worker_id
         pipe = self.client.pipeline(transaction=True)

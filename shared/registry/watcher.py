@@ -247,7 +247,7 @@ class WorkerWatcher:
             worker_id = event["worker_id"]
         except (TypeError, ValueError, KeyError):
             return
-        if event.get("event") == "join":
+        if event.get("event") in ("join", "role"):  # a role switch is seen at once, as a join
             await self.refresh_one(worker_id)
         elif event.get("event") == "leave" and worker_id in self._workers:
             current = self._workers[worker_id]

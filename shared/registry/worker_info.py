@@ -67,7 +67,7 @@ class WorkerAdapters:
 @dataclass
 class WorkerInfo:
     worker_id: str
-    role: str                       # prefill | decode | both
+    role: str                       # prefill | decode | both: what the router places on now
     address: str                    # gRPC host:port
     model: str
     metrics_address: str = ""       # HTTP host:port serving /metrics
@@ -75,14 +75,19 @@ class WorkerInfo:
     page_size: int = 0
     compat_hash: str = ""           # model + KV layout + dtype (not TP); pairs must match
     kv_layout: str = ""             # the same, readable: L<layers>-H<kv heads>-P<page>-D<head dim>-<dtype>
+    checkpoint: str = ""            # fingerprint of the weights and tokenizer (in compat_hash too)
     instance_nonce: str = field(default_factory=lambda: secrets.token_hex(8))
     max_running_requests: int = 0   # decode batch cap (0 = unknown)
     max_batched_tokens: int = 0     # prompt tokens one engine step takes (chunked prefill; 0 = unknown)
     kv_pools: list[RankKvPool] = field(default_factory=list)  # one per rank (NIXL peers)
+    # decode: this instance's Ed25519 public key (hex), which verifies the write capabilities
+    # it issues with its reservations (shared/kv_transfer/capability.py); "" for other roles
+    capability_key: str = ""
     load: WorkerLoad = field(default_factory=WorkerLoad)
     perf: WorkerPerf = field(default_factory=WorkerPerf)  # step-time model etc. (shared/perf_model)
     adapters: WorkerAdapters = field(default_factory=WorkerAdapters)  # LoRA adapters it serves
     heartbeat_seq: int = 0          # bumps each heartbeat (no wall clocks across hosts)
+    switchable: bool = False        # may change `role` at run time (the planner's SetRole)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -113,11 +118,14 @@ class WorkerInfo:
             "page_size": str(self.page_size),
             "compat_hash": self.compat_hash,
             "kv_layout": self.kv_layout,
+            "checkpoint": self.checkpoint,
             "instance_nonce": self.instance_nonce,
             "max_running_requests": str(self.max_running_requests),
             "max_batched_tokens": str(self.max_batched_tokens),
             "nixl_agents": json.dumps(self.agent_names),
             "kv_pools": json.dumps([asdict(p) for p in self.kv_pools]),
+            "capability_key": self.capability_key,
+            "switchable": "1" if self.switchable else "0",
         }
 
     def load_fields(self) -> dict[str, str]:
@@ -154,15 +162,25 @@ class WorkerInfo:
             page_size=int(h.get("page_size", 0)),
             compat_hash=h.get("compat_hash", ""),
             kv_layout=h.get("kv_layout", ""),
+            checkpoint=h.get("checkpoint", ""),
             instance_nonce=h["instance_nonce"],
             max_running_requests=int(h.get("max_running_requests", 0)),
             max_batched_tokens=int(h.get("max_batched_tokens", 0)),
             kv_pools=pools,
+            capability_key=h.get("capability_key", ""),
             load=load,
             perf=WorkerPerf.from_fields(h),
             adapters=WorkerAdapters.from_fields(h),
             heartbeat_seq=int(h.get("heartbeat_seq", 0)),
+            switchable=h.get("switchable", "0") == "1",
         )
+
+
+def kv_bytes_per_token(worker: WorkerInfo) -> float:
+    """KV bytes one token takes in the worker's pool, all ranks (what a handoff moves)."""
+    if not worker.kv_pools or worker.page_size <= 0:
+        return 0.0
+    return sum(p.page_bytes for p in worker.kv_pools) / worker.page_size
 
 
 def default_worker_id(role: str) -> str:

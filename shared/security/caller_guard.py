@@ -2,7 +2,8 @@
 verified certificate (mutual TLS) and refuses, with PERMISSION_DENIED naming the method and
 the caller's role, every call its role does not need.
 
-The gateway is the only caller of the serving methods; the router calls the workers' health
+The gateway is the only caller of the serving methods; the planner is the only caller of a
+worker's SetRole (a role switch, services/planner/); the router calls the workers' health
 check to prove a registry entry is the worker it names (shared/registry/entry_trust.py), and
 any certified caller may ask for health. Nothing else calls a Duet gRPC server: a worker's
 certificate cannot route, reserve, prefill or generate (docs/ARCHITECTURE.md §2, the RPC table).
@@ -27,6 +28,7 @@ METHOD_ROLES: Mapping[str, frozenset[str]] = {
     "/duet.v1.Prefill/Prefill": frozenset({"gateway"}),
     "/duet.v1.Adapters/LoadLoraAdapter": frozenset({"gateway"}),
     "/duet.v1.Adapters/UnloadLoraAdapter": frozenset({"gateway"}),
+    "/duet.v1.WorkerAdmin/SetRole": frozenset({"planner"}),
     "/grpc.health.v1.Health/Check": ANY_ROLE,
     "/grpc.health.v1.Health/Watch": ANY_ROLE,
 }

@@ -7,7 +7,10 @@ Every certificate names one role and, when the certificate is the worker's own, 
             <id>.<service>.duet.internal    gRPC's target-name override): the gRPC service the
                                             server serves and, for a worker, its registry id
 
-A worker serves the service of its role (prefill, decode); a `both` worker serves both. A
+A worker serves the service of its role (prefill, decode); a `both` worker serves both, and so
+does a `worker`: a switchable worker (`duet worker --switchable`), which may advertise any worker
+role in the registry and change it at run time (services/worker/role_switch.py). The `planner`
+serves nothing; it alone may ask a worker to switch (caller_guard.py). A
 role-wide certificate (Kubernetes: one Secret per Deployment, since pod names are not known
 before the pods exist) carries spiffe://duet/<role> and the wildcard *.<service>.duet.internal:
 it proves the role, not which pod. `duet up` issues each child a certificate of its own.
@@ -17,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-ROLES = ("gateway", "router", "prefill", "decode", "both")
+ROLES = ("gateway", "router", "planner", "prefill", "decode", "both", "worker")
 SPIFFE_PREFIX = "spiffe://duet/"
 DNS_SUFFIX = "duet.internal"
 ANY_WORKER = "*"  # the worker id of a role-wide certificate's DNS names
@@ -26,7 +29,7 @@ ANY_WORKER = "*"  # the worker id of a role-wide certificate's DNS names
 def served_services(role: str) -> tuple[str, ...]:
     """The gRPC services a role serves (a gateway serves none: it only calls)."""
     return {"router": ("router",), "prefill": ("prefill",), "decode": ("decode",),
-            "both": ("decode", "prefill")}.get(role, ())
+            "both": ("decode", "prefill"), "worker": ("decode", "prefill")}.get(role, ())
 
 
 def server_name(service: str, worker_id: str = "") -> str:
@@ -52,7 +55,7 @@ class Identity:
 
     @property
     def dns_names(self) -> list[str]:
-        if self.role in ("gateway", "router"):
+        if self.role in ("gateway", "router", "planner"):
             return [server_name(self.role)]
         return [server_name(s, self.worker_id or ANY_WORKER) for s in served_services(self.role)]
 

@@ -49,6 +49,13 @@ class DuetMetrics:
             "Prefill side: a decode worker's connection warm-up as it joins (a probe write of the "
             "padding page), so no request pays for transport setup", ["outcome"],
             buckets=_TRANSFER_BUCKETS, registry=r)
+        self.kv_writes_refused = Counter(
+            "duet_kv_writes_refused", "Prefill side: calls refused before any write because their "
+            "reservation's write capability did not hold (missing, another writer, a bad signature, "
+            "malformed, used already)", ["reason"], registry=r)
+        self.kv_notices_refused = Counter(
+            "duet_kv_notices_refused", "Decode side: completion notices ignored: for no open reservation "
+            "(stale) or without its capability's MAC (forged)", ["reason"], registry=r)
         self.kv_cache_usage = Gauge(
             "duet_kv_cache_usage_ratio",
             "Share of KV pages held by live work (running, reserved, awaiting transfer); evictable cache excluded",
@@ -78,7 +85,17 @@ class DuetMetrics:
             ["tier"], registry=r)
         self.kv_tier_copy_bytes = Counter(
             "duet_kv_tier_copy_bytes", "KV bytes copied between the device and the host tier "
-            "(offload: written back on eviction; load: brought back for reuse)", ["direction"], registry=r)
+            "(offload: written back, copies given up included; load: brought back for reuse)", ["direction"],
+            registry=r)
+        # the host tier's write policy (shared/engine/kv_write_policy.py): pages leaving the device
+        # with a copy (written: its reason to be kept) or without (dropped: why not)
+        self.kv_host_writeback_pages = Counter(
+            "duet_kv_host_writeback_pages", "KV pages written back to the host tier (decision written: the "
+            "policy's reason) or leaving the device without a copy (dropped: not wanted, or its copy unfinished)",
+            ["decision", "reason"], registry=r)
+        self.kv_host_writeback_bytes = Counter(
+            "duet_kv_host_writeback_bytes", "The bytes of duet_kv_host_writeback_pages (one rank's share under TP)",
+            ["decision", "reason"], registry=r)
         self.kv_evicted_pages = Counter(
             "duet_kv_evicted_pages", "KV pages evicted, by the tier they left (device pages go to the "
             "host tier when there is one; host pages leave the worker)", ["tier"], registry=r)

@@ -1,12 +1,15 @@
 """A decode reservation as it travels (Decode.Reserve's answer, handed by the gateway to
 Prefill and back to Decode.Generate) <-> duet_pb2.Reservation. Decode sends it; prefill
 decodes it to know where to write; the gateway relays the message untouched and cancels it
-by (reservation_id, generation)."""
+by (reservation_id, generation). Its write capability (shared/kv_transfer/capability.py)
+travels with it: the signature covers the reservation's fields as decoded here, so prefill
+verifies exactly what it will write."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from protos import duet_pb2
+from shared.kv_transfer.capability import WriteCapability
 
 
 @dataclass
@@ -30,6 +33,7 @@ class KvReservation:
     ranks: list[RankPages] = field(default_factory=list)
     held_pages: int = 0  # leading prompt pages decode already holds: the writer skips them
     held_page_hashes: list[int] = field(default_factory=list)  # their chained hashes, checked by the writer
+    capability: WriteCapability | None = None  # what lets its writer write these pages (None: nothing may)
 
 
 def reservation_to_proto(res: KvReservation) -> duet_pb2.Reservation:
@@ -40,6 +44,10 @@ def reservation_to_proto(res: KvReservation) -> duet_pb2.Reservation:
         held_page_hashes=res.held_page_hashes)
     for r in res.ranks:
         msg.ranks.add(rank=r.rank, agent_name=r.agent_name, page_ids=r.page_ids)
+    cap = res.capability
+    if cap is not None:
+        msg.capability.CopyFrom(duet_pb2.WriteCapability(writer_id=cap.writer_id, lifetime_ms=cap.lifetime_ms,
+                                                         secret=cap.secret, signature=cap.signature))
     return msg
 
 
@@ -49,4 +57,6 @@ def reservation_from_proto(msg: duet_pb2.Reservation) -> KvReservation:
         decode_instance_nonce=msg.decode_instance_nonce, page_size=msg.page_size, num_layers=msg.num_layers,
         kv_dtype=msg.kv_dtype, compat_hash=msg.compat_hash,
         ranks=[RankPages(r.rank, r.agent_name, list(r.page_ids)) for r in msg.ranks],
-        held_pages=msg.held_pages, held_page_hashes=list(msg.held_page_hashes))
+        held_pages=msg.held_pages, held_page_hashes=list(msg.held_page_hashes),
+        capability=WriteCapability(msg.capability.writer_id, msg.capability.lifetime_ms, msg.capability.secret,
+                                   msg.capability.signature) if msg.HasField("capability") else None)

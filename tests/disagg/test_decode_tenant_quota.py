@@ -1,10 +1,11 @@
 """Decode's Reserve queue and the live-page quota, on real decode worker processes over gRPC.
 
 Tenant B holds a reservation of over half the pool and waits for a second one that does not
-fit; tenant A then asks for one that fits. With `--kv-tenant-max-share 0.5` A's call goes
-ahead of B's waiting one at once (and the worker counts it in
-`duet_kv_tenant_passed_over_total{stage="reserve"}`); with 1.0 (off) the queue is first come,
-first served and A waits behind B until its deadline (429's RESOURCE_EXHAUSTED). B's waiting
+fit; tenant A then asks for one that fits. Both workers run `--reserve-aging 0`: a call that
+does not fit holds up every call after it at once (a small one no longer passes it). With
+`--kv-tenant-max-share 0.5` B's waiting call is passed over all the same and A's goes ahead
+of it at once (the worker counts it in `duet_kv_tenant_passed_over_total{stage="reserve"}`);
+with 1.0 (off) A waits behind B until its deadline (429's RESOURCE_EXHAUSTED). B's waiting
 call is served once B's first reservation is cancelled, and every page comes back."""
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def stack(request):
     with managed(request, s):
         s.start_redis()
         for worker, share in WORKERS.items():
-            s.add_worker("decode", worker, extra=["--kv-tenant-max-share", share])
+            s.add_worker("decode", worker, extra=["--kv-tenant-max-share", share, "--reserve-aging", "0"])
         s.wait_registered(list(WORKERS))
         yield s
 
@@ -58,7 +59,7 @@ def test_a_tenant_over_its_live_share_lets_another_tenant_reserve_first(stack, w
                        10, "the passed-over counter")
         else:
             with pytest.raises(grpc.RpcError) as info:
-                a.result()  # first come, first served: A waits behind B's call, past its deadline
+                a.result()  # B's aged call holds up A's, past A's deadline
             assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert stack.metrics(worker).value("duet_kv_tenant_passed_over_total", stage="reserve") == 0
         cancel(stub, first_b)

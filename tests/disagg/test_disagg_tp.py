@@ -106,15 +106,16 @@ def test_tp2_prefill_and_decode_match_offline_tp1(stack, tp_model):
 
 
 def test_a_prefill_worker_of_another_kv_layout_refuses_the_reservation(stack, tp_model):
+    stack.add_worker("prefill", "prefill-tp1", extra=["--tp", "1", "--page-size", "16"])
+    stack.wait_registered(["prefill-tp1"])
     entries = stack.workers()
     with grpc.insecure_channel(entries["decode-0"]["address"]) as dch:
+        # the reservation names the mismatched worker as its writer: its capability holds, the layout not
         res = duet_pb2_grpc.DecodeStub(dch).Reserve(duet_pb2.ReserveRequest(
-            request_id="tp-mismatch", prompt_tokens=8, max_tokens=2, prefill_worker_id="prefill-0"), timeout=30)
+            request_id="tp-mismatch", prompt_tokens=8, max_tokens=2, prefill_worker_id="prefill-tp1"), timeout=30)
         assert [r.rank for r in res.ranks] == [0, 1]
         assert list(res.ranks[0].page_ids) == list(res.ranks[1].page_ids)
-        stack.add_worker("prefill", "prefill-tp1", extra=["--tp", "1", "--page-size", "16"])
-        stack.wait_registered(["prefill-tp1"])
-        with grpc.insecure_channel(stack.workers()["prefill-tp1"]["address"]) as pch:
+        with grpc.insecure_channel(entries["prefill-tp1"]["address"]) as pch:
             with pytest.raises(grpc.RpcError) as err:
                 duet_pb2_grpc.PrefillStub(pch).Prefill(duet_pb2.PrefillRequest(
                     request_id="tp-mismatch", prompt_token_ids=list(range(20, 28)), reservation=res,
@@ -123,4 +124,4 @@ def test_a_prefill_worker_of_another_kv_layout_refuses_the_reservation(stack, tp
         assert "does not match" in err.value.details()
         duet_pb2_grpc.DecodeStub(dch).Cancel(duet_pb2.CancelRequest(
             reservation_id=res.reservation_id, generation=res.generation), timeout=10)
-    stack.wait_idle(["decode-0", "prefill-0", "prefill-tp1"], timeout=30)  # freed after the quarantine
+    stack.wait_idle(["decode-0", "prefill-0", "prefill-tp1"], timeout=30)  # freed by its writer's abort notice

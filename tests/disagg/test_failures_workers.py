@@ -13,15 +13,16 @@ decode workers (separate processes, real redis-server, router, gateway, NIXL/UCX
   pages while the writer is still in the registry, frees them once it is gone, and the
   stack keeps serving.
 
+The gateway runs with failover off (--migration-limit 0): these are the rules under the error a
+client sees; with failover on, a request whose worker died goes on elsewhere
+(tests/gateway/test_gateway_failover.py, tests/e2e/test_e2e_failover.py).
+
 The tests run in order (each leaves fewer workers). After each, used pages return to zero.
 The rules and the other tests that prove them: docs/ARCHITECTURE.md, "Failure rules".
 """
 from __future__ import annotations
 
-import contextlib
 import math
-import signal
-import threading
 import time
 
 import grpc
@@ -29,13 +30,10 @@ import openai
 import pytest
 
 from protos import duet_pb2, duet_pb2_grpc
+from tests.helpers.failure_probes import CHUNK, frozen_mid_prefill, holder, long_request
 from tests.helpers.openai_schema import validate
 from tests.helpers.stack import ProcessStack, managed, model_dir, new_log_dir, offline_llm, offline_outputs, wait_until
 
-# ~2600 tokens: at 16 tokens a step, prefill takes ~165 steps, time enough to stop it mid-way
-# even on a fast machine (frozen_mid_prefill checks that it was)
-LONG_PROMPT = " ".join(f"item {i} is a small grey pebble;" for i in range(320))
-CHUNK = 16
 TTL_S = 4.0
 NOTICE_TIMEOUT_S = 3.0
 WRITE_TIMEOUT_S = 3.0
@@ -44,6 +42,7 @@ WRITE_TIMEOUT_S = 3.0
 @pytest.fixture(scope="module")
 def stack(request):
     s = ProcessStack(new_log_dir("fail-workers"), registry_ttl_s=TTL_S, kv_cache_memory="320M",
+                     gateway_args=["--migration-limit", "0"],
                      worker_args=["--max-num-batched-tokens", str(CHUNK), "--notice-timeout", str(NOTICE_TIMEOUT_S),
                                   "--write-timeout", str(WRITE_TIMEOUT_S)])
     with managed(request, s.start(prefill=2, decode=2)) as s:
@@ -65,65 +64,6 @@ def ready(stack, tokenizer):
 @pytest.fixture(scope="module")
 def model(ready):
     return ready.client().models.list().data[0].id
-
-
-class Background:
-    """One request in a thread: its result or its exception."""
-
-    def __init__(self, fn):
-        self.result = self.error = None
-        self.first_chunk = threading.Event()  # set by fn when the first token arrives
-        self.thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
-        self.thread.start()
-
-    def _run(self, fn):
-        try:
-            self.result = fn()
-        except Exception as exc:
-            self.error = exc
-
-    def join(self, timeout: float):
-        self.thread.join(timeout)
-        assert not self.thread.is_alive(), "the request hung"
-        return self
-
-
-def long_request(stack, model):
-    def run():
-        stream = stack.client().completions.create(model=model, prompt=LONG_PROMPT, max_tokens=4, temperature=0,
-                                                   stream=True)
-        text = ""
-        for c in stream:
-            if c.choices:
-                bg.first_chunk.set()
-                text += c.choices[0].text
-        return text
-    bg = Background(run)
-    return bg
-
-
-@contextlib.contextmanager
-def frozen_mid_prefill(stack, writer: str, request: Background):
-    """SIGSTOP the prefill worker and make sure it had not finished the prompt (its first
-    token never reached the client); SIGCONT on exit. What the body does (kill a peer)
-    then happens while prefill still has writes to make, however fast the machine is."""
-    stack.procs[writer].signal(signal.SIGSTOP)
-    try:
-        time.sleep(0.5)  # a first token already on its way reaches the client by now
-        assert not request.first_chunk.is_set(), "prefill finished the long prompt before it could be stopped"
-        yield
-    finally:
-        stack.procs[writer].signal(signal.SIGCONT)
-
-
-def holder(stack, worker_ids, what: str, timeout: float = 60) -> str:
-    """The worker among worker_ids that holds KV or a running request for the long prompt."""
-    def busy():
-        for w in worker_ids:
-            if stack.kv_usage(w) > 0 or stack.running(w) > 0:
-                return w
-        return None
-    return wait_until(busy, timeout, what, interval=0.05)
 
 
 def assert_clean_error(exc):

@@ -45,7 +45,8 @@ def pki(tmp_path_factory) -> dict[str, CertFiles]:
     ca, other = TestCA(root / "ca"), TestCA(root / "other", name="not-duet-ca")
     identities = {"router": Identity("router"), "gateway": Identity("gateway"), "w": Identity("both", "w"),
                   "decode-0": Identity("decode", "decode-0"), "prefill-0": Identity("prefill", "prefill-0"),
-                  "decode-pool": Identity("decode")}  # a role-wide certificate, as the k8s Secrets carry
+                  "decode-pool": Identity("decode"),  # a role-wide certificate, as the k8s Secrets carry
+                  "worker-3": Identity("worker", "worker-3"), "prefill-1": Identity("prefill", "prefill-1")}
     return {**{name: ca.issue_identity(name, i) for name, i in identities.items()},
             "stranger": other.issue_identity("stranger", Identity("gateway")),
             "stranger-decode-9": other.issue_identity("stranger-decode-9", Identity("decode", "decode-9")),
@@ -239,6 +240,46 @@ def test_router_routes_only_to_entries_whose_worker_proved_its_identity(pki, red
     assert picks == {"ok: w"}
     assert fake_asked == {"decode-9": [], "decode-8": [], "decode-7": []}  # not one call got through
     assert real_asked and set(real_asked) == {"/grpc.health.v1.Health/Check"}  # the router's probe
+
+
+def test_a_switchable_worker_is_trusted_in_every_role_it_switches_to_and_a_prefill_certificate_never_as_decode(
+        pki, redis_server):
+    """A `worker` certificate (a switchable worker: shared/security/identity.py) answers the
+    router's probe as a prefill and as a decode worker; its role switches reach the router by
+    the registry's `role` event (the router's scans are 30 s apart here), and one between decode
+    and `both` keeps what was proven (no new probe). A genuine prefill certificate behind an
+    entry that advertises decode is never trusted."""
+    url = redis_server.url
+    slow_scans = RegistryConfig(redis_url=url, ttl_s=60.0, heartbeat_interval_s=30.0, scan_interval_s=30.0)
+
+    async def run():
+        async with contextlib.AsyncExitStack() as stack:
+            port, asked = await stack.enter_async_context(stand_in_worker(tls(pki["worker-3"])))
+            fake_port, fake_asked = await stack.enter_async_context(stand_in_worker(tls(pki["prefill-1"])))
+            switching = WorkerPublisher(WorkerInfo(worker_id="worker-3", role="prefill", address=f"127.0.0.1:{port}",
+                                                   model="m", page_size=16, switchable=True), slow_scans)
+            lying = WorkerPublisher(WorkerInfo(worker_id="prefill-1", role="decode", address=f"127.0.0.1:{fake_port}",
+                                               model="m", page_size=16), slow_scans)
+            for pub in (switching, lying):
+                await pub.start()
+                stack.push_async_callback(pub.stop)
+            router = RouterServer(RouterConfig(host="127.0.0.1", port=0, metrics_port=0, model="m",
+                                               registry=slow_scans, tls=tls(pki["router"])))
+            await router.start()
+            stack.push_async_callback(router.stop)
+            seen = []
+            for role in ("prefill", "decode", "both"):
+                if role != "prefill":
+                    await switching.announce_role(role)
+                ok = await router.watcher.wait_for(
+                    lambda w: [x.role for x in w.workers()] == [role] and not w.trust.pending, 5)
+                seen.append((role, ok, len(asked)))
+            return seen, router.watcher.get("prefill-1"), fake_asked
+    seen, lying_entry, fake_asked = asyncio.run(run())
+    assert [(role, ok) for role, ok, _ in seen] == [("prefill", True), ("decode", True), ("both", True)]
+    probes = [n for _, _, n in seen]
+    assert probes[1] == probes[0] + 1 and probes[2] == probes[1]  # decode -> both: what was proven stands
+    assert lying_entry is None and fake_asked == []
 
 
 def test_config_flags_env_and_bad_files(pki, tmp_path):

@@ -170,3 +170,24 @@ def test_tp_rank_writes_own_rank_and_notifies_decode_rank0():
     finally:
         for agent in (src, dec0, dec1):
             agent.close()
+
+
+def test_a_notice_round_trips_with_its_mac_and_malformed_ones_are_dropped():
+    """What arrives over NIXL is checked before the reservation book reads it: a notice is
+    MACed by its capability's secret (never sent), and a message of the wrong shape or types
+    is not a notice at all (None), so nothing a peer sends can raise in the engine loop."""
+    secret = bytes(range(16))
+    notice = TransferNotice(reservation_id=3, generation=1, rank=0, request_id="r", kind="done", first_token_id=9,
+                            num_tokens=20, kv_bytes=640, num_ranks=1, key=secret)
+    raw = notice.encode()
+    assert secret not in raw and secret.hex() not in raw.decode()
+    got = TransferNotice.decode(raw)
+    assert got == TransferNotice(**{**notice.__dict__, "mac": got.mac}) and got.signed_by(secret)
+    assert not got.signed_by(bytes(16)) and not got.signed_by(b"")
+    tampered = TransferNotice.decode(raw.replace(b'"first_token_id":9', b'"first_token_id":8'))
+    assert tampered is not None and not tampered.signed_by(secret)
+    for bad in (b'duet1:{"reservation_id":"3","generation":1,"rank":0}', b'duet1:{"reservation_id":3,"generation":1,'
+                b'"rank":[0]}', b'duet1:{"reservation_id":3,"generation":1,"rank":0,"mac":5}', b"duet1:[3,1,0]",
+                b'duet1:{"reservation_id":true,"generation":1,"rank":0}', b'duet1:{"reservation_id":3,"x":1}',
+                b"duet1:not json", b"hello"):
+        assert TransferNotice.decode(bad) is None, bad

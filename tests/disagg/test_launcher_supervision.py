@@ -224,7 +224,8 @@ def mutual_handshake(server: CertFiles, client: CertFiles, hostname: str) -> Non
 def test_make_secure_issues_each_child_its_identity_and_a_redis_password_in_private_files():
     vault = SecretsDir()
     try:
-        made = make_secure(UpConfig.from_argv(["--prefill", "1", "--decode", "2"], {}), vault, own_redis=True)
+        made = make_secure(UpConfig.from_argv(["--prefill", "1", "--decode", "2", "--planner", "off"], {}), vault,
+                           own_redis=True)
         certs = made.certs
         assert set(certs) == {"router", "gateway", "prefill-0", "decode-0", "decode-1"}
         files = [made.redis_password_file, made.redis_config_file,
@@ -260,6 +261,30 @@ def test_make_secure_issues_each_child_its_identity_and_a_redis_password_in_priv
     finally:
         vault.close()
     assert not files[0].exists()
+
+
+def test_with_the_planner_every_worker_is_certified_to_take_any_role_and_the_planner_to_switch_it():
+    from shared.security.identity import certificate_identity
+    cfg = UpConfig.from_argv(["--prefill", "1", "--decode", "2"], {})  # the planner is on by default
+    assert cfg.switchable and cfg.worker_names() == [("prefill", "worker-0"), ("decode", "worker-1"),
+                                                     ("decode", "worker-2")]
+    assert UpConfig.from_argv(["--planner", "off", "--both", "2", "--prefill", "0", "--decode", "0"],
+                              {}).worker_names() == [("both", "both-0"), ("both", "both-1")]
+    vault = SecretsDir()
+    try:
+        certs = make_secure(cfg, vault, own_redis=False).certs
+        assert set(certs) == {"router", "gateway", "planner", "worker-0", "worker-1", "worker-2"}
+        who = {name: certificate_identity(files.cert.read_bytes()) for name, files in certs.items()}
+        assert {(i.role, i.worker_id) for n, i in who.items() if n.startswith("worker-")} == \
+            {("worker", "worker-0"), ("worker", "worker-1"), ("worker", "worker-2")}
+        assert (who["planner"].role, who["planner"].worker_id) == ("planner", "")
+        # a switchable worker answers as a prefill and as a decode worker, by its own name only
+        for service in ("prefill", "decode"):
+            mutual_handshake(certs["worker-1"], certs["gateway"], server_name(service, "worker-1"))
+        with pytest.raises(ssl.SSLError):
+            mutual_handshake(certs["worker-1"], certs["gateway"], server_name("decode", "worker-2"))
+    finally:
+        vault.close()
 
 
 def test_the_banner_names_the_registry_with_its_password_file_and_the_certificates(tmp_path):

@@ -30,6 +30,7 @@ S, E = OutgoingState, OutgoingEvent
 PAGE = 4
 PROMPT = random_prompts(1, [30], seed=9)[0]  # 8 pages, the last one partial; 4 chunks of 8
 DST_PAGES = list(range(20, 28))
+SECRET = bytes(range(16))  # the reservation's capability secret: every notice is MACed with it
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -72,7 +73,7 @@ class Handoff:
         self.transfers = OutgoingTransfers(engine)
         self.rid = rid
         self.fut = self.transfers.start(rid, PROMPT, SamplingParams(max_tokens=4, temperature=0), self.stream,
-                                        reservation_id=5, generation=2, write_nothing=write_nothing)
+                                        reservation_id=5, generation=2, write_nothing=write_nothing, secret=SECRET)
         self.out = self.transfers.active[rid]
         self.pages: list[int] = []  # the request's pages, seen before they are released
 
@@ -131,6 +132,7 @@ def test_a_handoff_writes_every_page_then_its_done_notice(engine, agents):
     [notice] = h.notices()
     assert (notice.kind, notice.reservation_id, notice.generation, notice.first_token_id) == \
         ("done", 5, 2, result.first.token_ids[0])
+    assert notice.signed_by(SECRET)
     src, dst = engine.pool.buffer, h.decode.pool
     assert torch.equal(dst[DST_PAGES], src[h.pages[:len(DST_PAGES)]])  # every page landed
     assert_all_pages_free(engine)
@@ -213,6 +215,28 @@ def test_a_request_the_engine_ends_before_its_first_token_aborts(engine, agents)
     with pytest.raises(TransferError, match="ended before its first token"):
         h.fut.result()
     assert [n.kind for n in h.notices()] == ["abort"]
+    assert_all_pages_free(engine)
+
+
+@pytest.mark.parametrize("state", [S.PREFILLING, S.TAIL], ids=lambda s: s.name)
+def test_a_handoff_past_its_capabilitys_lifetime_stops_writing_and_aborts(engine, agents, state):
+    """The reservation's write capability runs out while pages are still to write: nothing
+    more is posted, decode gets an abort notice (MACed with the capability's secret) once the
+    writes in flight settled, the RPC fails saying why, and the pages are freed."""
+    h = Handoff(engine, agents, f"expire-{state.name}")
+    _hold_in(h, state)
+    sent = h.out.pages_sent
+    h.out.deadline = time.monotonic()  # the lifetime ends now
+    h.transfers.tick()  # the loop's next tick, before any engine step: nothing more is posted
+    assert h.state in (S.CANCELLING, S.CANCELLED)
+    h.run_to_end()
+    assert h.trail()[-3:] == [state, S.CANCELLING, S.CANCELLED]
+    assert_legal(h.trail())
+    assert h.out.pages_sent == sent  # no page posted after the deadline
+    with pytest.raises(TransferError, match="write capability expired"):
+        h.fut.result()
+    [notice] = h.notices()
+    assert notice.kind == "abort" and notice.signed_by(SECRET) and not notice.signed_by(bytes(16))
     assert_all_pages_free(engine)
 
 

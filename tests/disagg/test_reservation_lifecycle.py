@@ -21,11 +21,12 @@ from shared.engine.sampling_params import SamplingParams
 from shared.kv_transfer.agent import KvTransferAgent
 from shared.kv_transfer.notice import TransferNotice
 from shared.state_table import IllegalMove
+from shared.telemetry.metrics import DuetMetrics
 from tests.helpers.engine_models import assert_all_pages_free, build_model_dir, random_prompts
 
 S, E = ReservationState, ReservationEvent
 WRITER = "prefill-0"
-QUARANTINE_S, CLAIM_TIMEOUT_S = 60.0, 30.0
+QUARANTINE_S, CLAIM_TIMEOUT_S, TTL_S = 60.0, 30.0, 120.0
 PROMPT = random_prompts(1, [10], seed=5)[0]  # three pages of 4
 FIRST = 77  # the first token "prefill sampled"
 
@@ -67,8 +68,10 @@ class World:
         self.decode.get_notices()  # nothing left from an earlier test
         self.clock = Clock()
         self.live = {WRITER}
+        self.metrics = DuetMetrics("decode", process_metrics=False)
         self.book = ReservationBook(engine, self.decode, self.live.__contains__, quarantine_s=QUARANTINE_S,
-                                    claim_timeout_s=CLAIM_TIMEOUT_S, num_ranks=num_ranks, clock=self.clock)
+                                    claim_timeout_s=CLAIM_TIMEOUT_S, num_ranks=num_ranks, clock=self.clock,
+                                    ttl_s=TTL_S, metrics=self.metrics)
         self.wakes = 0
         self.free_before = engine.kv.allocator.num_free
 
@@ -80,10 +83,13 @@ class World:
     def wake(self):
         self.wakes += 1
 
-    def send(self, res, kind: str, rank: int = 0, num_ranks: int = 0, first: int = FIRST) -> None:
+    def send(self, res, kind: str, rank: int = 0, num_ranks: int = 0, first: int = FIRST,
+             key: bytes | None = None) -> None:
+        """A notice from the writer, MACed with the capability's secret (or with `key`)."""
         notice = TransferNotice(reservation_id=res.reservation_id, generation=res.generation, rank=rank,
                                 request_id=res.request_id, kind=kind, first_token_id=first,
-                                num_tokens=len(PROMPT), kv_bytes=100, num_ranks=num_ranks)
+                                num_tokens=len(PROMPT), kv_bytes=100, num_ranks=num_ranks,
+                                key=res.secret if key is None else key)
         self.prefill.send_notif(self.peer, notice.encode())
 
     def tick_until(self, what, timeout_s: float = 10.0) -> None:
@@ -254,7 +260,7 @@ def test_a_notice_after_the_writer_left_keeps_the_claim_clock(engine, agents):
     w.drive(res, E.WRITER_GONE)
     assert res.state is S.ORPHANED and res.deadline == w.clock.now + CLAIM_TIMEOUT_S
     w.drive(res, E.WRITER_BACK)
-    assert res.state is S.RESERVED and res.deadline is None
+    assert res.state is S.RESERVED and res.deadline == res.expires == 1000.0 + TTL_S  # the capability's lifetime
     w.drive(res, E.WRITER_GONE)
     gone_deadline = res.deadline
     w.clock.now += 10
@@ -311,4 +317,50 @@ def test_the_trail_records_each_state_once_per_entry(engine, agents):
         w.clock.now += 1
     assert [(s, t - 1000.0) for s, t in res.trail] == [(S.RESERVED, 0.0), (S.CLAIMED, 0.0), (S.QUARANTINED, 1.0),
                                                        (S.FREED, 3.0)]
+    assert_all_pages_free(engine)
+
+
+def test_an_unclaimed_reservation_is_quarantined_at_its_capabilitys_deadline(engine, agents):
+    """Nobody claims it and its writer stays live and silent: at the end of its capability's
+    lifetime it is quarantined (its writer may still be writing: it stops at the same
+    lifetime), then freed by the writer's abort notice or by the quarantine deadline."""
+    w = World(engine, agents)
+    res = w.reserve("expires")
+    assert res.deadline == w.clock.now + TTL_S
+    w.clock.now += TTL_S - 1
+    w.book.tick()
+    assert res.state is S.RESERVED and w.held(res)
+    w.clock.now += 1
+    w.book.tick()
+    assert res.state is S.QUARANTINED and w.held(res) and res.deadline == w.clock.now + QUARANTINE_S
+    assert w.book.claim(res.reservation_id, res.generation, w.wake) is None  # too late for a Generate
+    w.notice(res, "abort")  # the writer stopped at the same lifetime
+    assert res.state is S.FREED
+
+    res = w.reserve("expires-silently")  # a writer that never heard of it: the quarantine frees it
+    w.clock.now += TTL_S
+    w.book.tick()
+    w.clock.now += QUARANTINE_S
+    w.book.tick()
+    assert [s for s, _ in res.trail] == [S.RESERVED, S.QUARANTINED, S.FREED]
+    assert_all_pages_free(engine)
+
+
+def test_a_notice_without_the_capabilitys_mac_is_ignored_and_counted(engine, agents):
+    """Only the holder of the reservation's capability speaks for it: a notice MACed with
+    another secret, or with none, moves nothing (counted as forged); one for a reservation
+    that is gone is counted as stale. The right one still works after them."""
+    w = World(engine, agents)
+    res = w.reserve("forged")
+    other = w.reserve("other")
+    for key in (b"", other.secret, bytes(16)):
+        w.send(res, "abort", key=key)
+    w.tick_until(lambda: w.metrics.kv_notices_refused.labels(reason="forged")._value.get() == 3)
+    assert res.state is S.RESERVED and res.reservation_id in w.book.open and res.notice is None
+    w.drive(other, E.CANCEL_UNSENT)
+    w.send(other, "done")
+    w.tick_until(lambda: w.metrics.kv_notices_refused.labels(reason="stale")._value.get() == 1)
+    w.notice(res, "done")
+    assert res.state is S.WRITTEN and res.notice.kind == "done"
+    w.drive(res, E.CANCEL_UNSENT)
     assert_all_pages_free(engine)

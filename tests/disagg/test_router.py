@@ -211,6 +211,39 @@ def test_fallback_to_both_and_compat_pairing(redis_server):
     asyncio.run(scenario())
 
 
+def test_a_migrating_request_never_gets_a_lost_instance_or_another_checkpoint(redis_server):
+    """A moved stream's Route names the instances it lost and the checkpoint it began on: the
+    router chooses neither a lost instance nor a worker of another checkpoint (a rolling
+    upgrade serving two under one name: their compat hashes differ too, so they never pair)."""
+    def ckpt(worker_id: str, role: str, checkpoint: str) -> WorkerInfo:
+        info = worker(worker_id, role, compat=f"c-{checkpoint}")
+        info.checkpoint = checkpoint
+        return info
+
+    async def scenario():
+        async with Cluster(redis_server.url) as c:
+            for info in (ckpt("p-old", "prefill", "old"), ckpt("d-old", "decode", "old"),
+                         ckpt("p-new", "prefill", "new"), ckpt("d-new1", "decode", "new"),
+                         ckpt("d-new2", "decode", "new")):
+                await c.add(info)
+            await c.wait_live("p-old", "d-old", "p-new", "d-new1", "d-new2")
+            first = await c.route()
+            pairs = {(first.prefill.worker_id, first.decode.worker_id)}
+            assert pairs <= {("p-old", "d-old"), ("p-new", "d-new1"), ("p-new", "d-new2")}
+            lost = c.publishers["d-new1"].info.instance_nonce
+            for _ in range(6):
+                reply = await c.stub.Route(duet_pb2.RouteRequest(prompt_tokens=100, max_tokens=50,
+                                                                 exclude_instances=[lost], checkpoint="new"))
+                assert (reply.prefill.worker_id, reply.decode.worker_id, reply.checkpoint) == ("p-new", "d-new2", "new")
+            with pytest.raises(grpc.aio.AioRpcError) as err:  # nothing of that checkpoint left
+                await c.stub.Route(duet_pb2.RouteRequest(
+                    prompt_tokens=100, max_tokens=50, checkpoint="new",
+                    exclude_instances=[lost, c.publishers["d-new2"].info.instance_nonce]))
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+    asyncio.run(scenario())
+
+
 def test_routing_survives_redis_outage(redis_server):
     async def scenario():
         async with Cluster(redis_server.url) as c:

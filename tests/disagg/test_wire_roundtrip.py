@@ -1,7 +1,7 @@
 """The wire module (shared/wire/) both ways: every engine object that crosses the gRPC
 contract comes back equal after a trip through the message's bytes (sampling parameters,
 step outputs with logprobs, finish reasons, prompt logprobs, usage, prefill's first tokens,
-a reservation's pages), what the contract does not keep comes back as documented, and a
+a reservation's pages and write capability, a request's cache scope), what the contract does not keep comes back as documented, and a
 value the contract cannot carry is refused by its name, up to the gateway's backend."""
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from shared.wire.cache_scope import cache_scope_fields, cache_scope_from_proto
 from shared.wire.contract_overflow import ContractOverflow
 from shared.wire.outputs import (PrefillAnswer, Usage, chunk_from_proto, chunk_to_proto, first_token_ids_from_proto,
                                  first_tokens_to_proto, prefill_reply_from_proto, prefill_reply_to_proto)
+from shared.kv_transfer.capability import CapabilityIssuer, new_secret, refusal
 from shared.wire.reservation import KvReservation, RankPages, reservation_from_proto, reservation_to_proto
 from shared.wire.sampling import sampling_from_proto, sampling_to_proto
 
@@ -206,6 +207,24 @@ def test_a_reservation_comes_back_equal():
     assert reservation_from_proto(through_bytes(reservation_to_proto(res))) == res
     bare = KvReservation(1, 1, "d", "n", 4, 2, "float32", "h", ranks=[RankPages(0, "a", [0])])
     assert reservation_from_proto(through_bytes(reservation_to_proto(bare))) == bare
+
+
+def test_a_write_capability_comes_back_and_still_verifies():
+    """The signature covers the reservation as the wire module decodes it: what prefill reads
+    verifies with the issuer's key; a page changed on the way, or another writer, does not."""
+    issuer = CapabilityIssuer()
+    res = KvReservation(reservation_id=9, generation=1, decode_worker_id="decode-0", decode_instance_nonce="n1",
+                        page_size=16, num_layers=28, kv_dtype="bfloat16", compat_hash="abc",
+                        ranks=[RankPages(0, "decode-0-r0", [3, 4, 9]), RankPages(1, "decode-0-r1", [3, 4, 9])],
+                        held_pages=1, held_page_hashes=[2**64 - 2])
+    res.capability = issuer.issue(res, "prefill-0", 120_000, new_secret())
+    back = reservation_from_proto(through_bytes(reservation_to_proto(res)))
+    assert back == res
+    assert refusal(back, "prefill-0", issuer.public_key) == ("", "")
+    assert refusal(back, "prefill-1", issuer.public_key)[0] == "writer"
+    assert refusal(back, "prefill-0", CapabilityIssuer().public_key)[0] == "signature"  # another instance's key
+    back.ranks[1].page_ids[2] = 10
+    assert refusal(back, "prefill-0", issuer.public_key)[0] == "signature"
 
 
 # --- a request's cache namespace, tenant and LoRA adapter ---------------------------------

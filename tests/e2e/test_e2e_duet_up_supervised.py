@@ -2,8 +2,9 @@
 thread each; secure, as by default: tests/e2e/test_e2e_security.py), its children killed one
 after another, then stopped.
 
-- kill -9 of the decode worker: the stream it was serving ends with an error event, duet up
-  says it restarted it, the stack serves again within 60 s (the router trusts the new instance
+- kill -9 of the decode worker, with failover off (--migration-limit 0, DUET_MIGRATION_LIMIT here;
+  with it on the stream goes on elsewhere: tests/e2e/test_e2e_failover.py): the stream it was
+  serving ends with an error event, duet up says it restarted it, the stack serves again within 60 s (the router trusts the new instance
   once it proved its identity); the worker keeps its id and has a new instance nonce;
 - kill -9 of Redis: the stream in flight ends with [DONE], new requests are served within
   60 s, Redis is back (empty, with its password), both workers registered again and prefill
@@ -44,7 +45,8 @@ LONG_PROMPT = ("A careful geographer describes the spice markets of Zanzibar in 
 
 @pytest.fixture(scope="module")
 def stack(request):
-    up = DuetUp(new_log_dir("up-heal"), "--restart-backoff", "0.5", env={"DUET_DRAIN_GRACE": str(GRACE_S)})
+    up = DuetUp(new_log_dir("up-heal"), "--restart-backoff", "0.5",
+                env={"DUET_DRAIN_GRACE": str(GRACE_S), "DUET_MIGRATION_LIMIT": "0"})
     with managed(request, up.start()) as s:
         s.wait_ready()
         assert s.redis_password  # read by the helper where the children read it

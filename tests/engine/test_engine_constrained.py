@@ -15,8 +15,8 @@ from shared.engine.grammar import GrammarError
 from shared.engine.grammar_spec import GrammarSpec
 from shared.engine.request import ReqStatus
 from shared.engine.sampling_params import SamplingParams
-from tests.helpers.engine_models import (assert_all_pages_free, build_model_dir, hf_logits, load_hf,
-                                 random_prompts, run_engine)
+from tests.helpers.engine_models import (assert_all_pages_free, hf_logits, load_hf, random_prompts, run_engine,
+                                         with_real_tokenizer)
 
 KIND = "llama_tied_gqa2"
 PAGE = 4
@@ -32,9 +32,7 @@ pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from tests.helpers.stack import model_dir as default_model_dir
-    return build_model_dir(tmp_path_factory.mktemp("constrained") / KIND, KIND, seed=5,
-                           tokenizer_from=default_model_dir())
+    return with_real_tokenizer(tmp_path_factory, KIND, seed=5)
 
 
 def engine(d, **kw) -> Engine:

@@ -10,6 +10,8 @@ import torch
 from shared.engine.engine import Engine
 from shared.engine.kv_host_tier import HostKVTier, page_runs
 from shared.engine.kv_pool import KVLayout, KVPool, PageAllocator
+from shared.engine.kv_write_back import WriteBackConfig
+from shared.engine.kv_write_policy import HostTierWrites
 from shared.engine.radix_cache import RadixCache
 from shared.engine.sampling_params import SamplingParams
 from tests.helpers.engine_models import assert_all_pages_free, build_model_dir, hf_greedy, kv_bytes_for_pages, load_hf
@@ -62,19 +64,22 @@ def test_pages_written_back_on_eviction_come_back_with_their_bytes():
     pool.buffer.copy_(torch.randn(layout.shape))
     host = HostKVTier(pool.buffer, layout, num_pages=4)
     alloc = PageAllocator(layout.num_pages)
-    cache = RadixCache(alloc, PS, host=host)
+    cache = RadixCache(alloc, PS, host=host, write_back=WriteBackConfig(policy="all"))
     a, b = list(range(100, 108)), list(range(200, 212))  # 2 and 3 pages
     pa, pb = alloc.allocate(2), alloc.allocate(3)
     want = {tuple(a): pool.buffer[pa].clone(), tuple(b): pool.buffer[pb].clone()}
     cache.insert(a, pa)
     cache.insert(b, pb)
     check_tree(cache)
-    assert cache.evict(5) == 5 and alloc.num_free == 5  # both left the device; the host tier
-    # (4 pages) cannot hold both copies, so the older one made room for the newer or was dropped
+    cache.writer.write_ahead(5)  # the older one's copy is queued; the host tier (4 pages) has no room for both
+    assert cache.num_host_pages == 2 and cache.writer.busy
+    assert cache.evict(5) == 5 and alloc.num_free == 5  # both left the device: a with its landed copy,
+    # b without one (it was never copied: dropped, and counted so)
     check_tree(cache)
-    assert cache.num_cached_pages == 0 and cache.num_host_pages + cache.stats.dropped_pages >= 2
+    assert cache.num_cached_pages == 0 and cache.num_host_pages == 2
+    assert cache.writer.stats.pages == {("written", "all"): 2, ("dropped", "not_copied"): 3}
     kept = [t for t in (a, b) if cache.match(t).host_nodes]
-    assert kept, "nothing kept in the host tier"
+    assert kept == [a]
     pool.buffer.zero_()
     for tokens in kept:
         m = cache.match(tokens)
@@ -90,11 +95,12 @@ def test_host_tier_drops_least_recently_used_leaves_for_room():
     pool = KVPool(layout, torch.device("cpu"))
     host = HostKVTier(pool.buffer, layout, num_pages=4)
     alloc = PageAllocator(layout.num_pages)
-    cache = RadixCache(alloc, PS, host=host)
+    cache = RadixCache(alloc, PS, host=host, write_back=WriteBackConfig(policy="all"))
     seqs = [[k * 10 + i for i in range(2 * PS)] for k in range(4)]  # 2 pages each
     for s in seqs:
         cache.insert(s, alloc.allocate(2))
-        cache.evict(2)  # the newest goes to the host at once; the host holds two of them
+        cache.writer.write_ahead(2)  # the newest is copied to the host; the host holds two of them
+        cache.evict(2)
         check_tree(cache)
     assert cache.num_host_pages == 4 and cache.num_cached_pages == 0
     assert [bool(cache.match(s).host_nodes) for s in seqs] == [False, False, True, True]
@@ -126,10 +132,12 @@ def converse(engine: Engine, openers: list[list[int]], turns: int, follow: list[
 
 
 def test_conversations_larger_than_the_device_pool_come_back_from_the_host(model_dir):
+    """Write-back of every page (`all`): whatever the device gave up comes back."""
     openers = [[(7 * c + i) % 400 + 1 for i in range(22)] for c in range(5)]
     follow = [5, 6, 7, 8, 9]
     ref = make_engine(model_dir, pages=64, enable_prefix_cache=False)
-    tiered = make_engine(model_dir, pages=20, host_pages=120)  # 5 chats x ~10 pages: not on the device
+    # 5 chats x ~10 pages: not on the device
+    tiered = make_engine(model_dir, pages=20, host_pages=120, host_writes=HostTierWrites(policy="all"))
     roomy = make_engine(model_dir, pages=200)  # the same chats all on the device
     assert tiered.kv.cache.host is not None and ref.kv.cache.host is None
     for (p_ref, a_ref), (p_got, a_got), _ in zip(converse(ref, openers, 3, follow), converse(tiered, openers, 3, follow),
@@ -145,6 +153,35 @@ def test_conversations_larger_than_the_device_pool_come_back_from_the_host(model
     assert st.offloaded_pages > 0 and st.loaded_pages > 0 and st.host_hit_pages > 0
     assert tiered.stats.host_cached_tokens > 0
     assert tiered.stats.cached_tokens > tiered.stats.host_cached_tokens
+    assert set(tiered.kv.cache.writer.stats.pages) == {("written", "all")}, "a page was dropped"
+
+
+def test_the_reused_policy_drops_first_turns_and_keeps_conversations(model_dir):
+    """The default policy: a chat's first turn was never read again when the device needs its
+    pages, so it leaves without a copy (`not_reused`); the next turn extends it (recognised
+    though its pages are gone), so what that turn inserts is kept (`conversation`) and turn 3
+    reads it back from the host tier. Single prompts nobody sends again are never copied."""
+    openers = [[(7 * c + i) % 400 + 1 for i in range(22)] for c in range(5)]
+    follow = [5, 6, 7, 8, 9]
+    ref = make_engine(model_dir, pages=64, enable_prefix_cache=False)
+    tiered = make_engine(model_dir, pages=20, host_pages=120)
+    assert tiered.kv.cache.writer.policy == "reused"
+    host_hits = []
+    for turn, ((p_ref, a_ref), (p_got, a_got)) in enumerate(zip(converse(ref, openers, 3, follow),
+                                                                converse(tiered, openers, 3, follow))):
+        assert p_ref == p_got and a_ref == a_got
+        host_hits.append(tiered.stats.host_cached_tokens)
+    assert host_hits[0] == host_hits[1] == 0 and host_hits[2] > 0, host_hits
+    pages = tiered.kv.cache.writer.stats.pages
+    assert pages.get(("dropped", "not_reused"), 0) > 0 and pages.get(("written", "conversation"), 0) > 0
+    assert not any(reason in ("copy_in_flight", "not_copied") for _, reason in pages), pages
+
+    single = make_engine(model_dir, pages=20, host_pages=120)  # one-off prompts, more than the pool holds
+    prompts = [[(13 * c + 5 * i) % 400 + 1 for i in range(30)] for c in range(8)]
+    for _ in converse(single, prompts, 1, []):
+        pass
+    assert single.kv.cache.stats.device_evicted_pages > 0
+    assert single.kv.cache.writer.stats.total("written") == 0 and single.kv.cache.host.bytes_saved == 0
 
 
 def _host_tier(engine) -> tuple[int, int]:
@@ -211,7 +248,7 @@ def test_split_turns_move_only_what_decode_lacks(model_dir, dec_pages, host_page
     """Turn 2+ of a chat: decode holds the last turn's prompt and answer, so the writer
     fills only the new tail; with a small device pool the held pages come from the host."""
     pre = make_engine(model_dir, pages=64)
-    dec = make_engine(model_dir, pages=dec_pages, host_pages=host_pages)
+    dec = make_engine(model_dir, pages=dec_pages, host_pages=host_pages, host_writes=HostTierWrites(policy="all"))
     hf = load_hf(model_dir, torch.float64)
     prompt = [(11 * i) % 300 + 3 for i in range(30)]
     moved = []
@@ -223,7 +260,8 @@ def test_split_turns_move_only_what_decode_lacks(model_dir, dec_pages, host_page
             assert held >= (len(prompt) - 12) // PS - 1, "decode kept the last turn"
         assert_idle_all_tiers(pre)
         assert_idle_all_tiers(dec)
-        if host_pages:  # push this conversation off the device between turns
+        if host_pages:  # push this conversation off the device between turns, written back first
+            dec.kv.cache.writer.write_ahead(dec.kv.cache.num_cached_pages)
             dec.kv.cache.evict(dec.kv.cache.num_cached_pages)
         prompt = prompt + toks + [7, 8, 9, 10, 11]
     assert moved[0] == 1.0 and max(moved[1:]) < 0.4
@@ -248,11 +286,13 @@ def test_kv_events_follow_pages_through_the_tiers():
     pool = KVPool(layout, torch.device("cpu"))
     alloc = PageAllocator(layout.num_pages)
     events = KvEventBuffer()
-    cache = RadixCache(alloc, PS, events=events, host=HostKVTier(pool.buffer, layout, num_pages=2))
+    cache = RadixCache(alloc, PS, events=events, host=HostKVTier(pool.buffer, layout, num_pages=2),
+                       write_back=WriteBackConfig(policy="all"))
     tokens = list(range(2 * PS))
     cache.insert(tokens, alloc.allocate(2))
     held = events.snapshot()
     assert len(held) == 2 and events.num_host_only == 0
+    cache.writer.write_ahead(2)
     cache.evict(2)  # device -> host: still held, now host-only
     assert sorted(events.snapshot()) == sorted(held) and events.num_host_only == 2
     m = cache.match(tokens)

@@ -91,6 +91,10 @@ def test_a_gpu_plan(tmp_path):
     assert off.decode_graphs.why.startswith("--disable-cuda-graph")
     older = resolve_plan(EngineConfig(), mc, A100)
     assert older.pdl.value is None and "sm90" in older.pdl.why
+    # a prefill worker never runs a decode step: no decode graphs, its small prefill steps keep theirs
+    prefill = resolve_plan(EngineConfig(runs_decode=False), mc, H100)
+    assert prefill.decode_graphs.value is None and prefill.decode_graphs.why == "a prefill worker runs no decode step"
+    assert prefill.prefill_graphs.value == 512
 
 
 def test_fp8_weights_take_the_decode_gemm_on_hopper_only(tmp_path):

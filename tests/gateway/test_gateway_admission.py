@@ -37,11 +37,11 @@ def test_units_weigh_sequences_and_tokens_against_the_budget():
         b = asyncio.create_task(q.ticket().acquire(Work(4, 100)))  # 6 + 4 > 8 sequences: waits
         await asyncio.sleep(0.01)
         assert not b.done() and (q.queued, q.running.sequences, q.waiting_sequences) == (1, 6, 4)
-        c = asyncio.create_task(q.ticket().acquire(Work(2, 100)))  # would fit, but b is first in line
+        c = asyncio.create_task(q.ticket().acquire(Work(2, 100)))  # fits: it passes b, which does not yet
         await asyncio.sleep(0.01)
-        assert not b.done() and not c.done()
-        a.release()  # 4 + 2 fit now: both go, in order
-        await asyncio.wait_for(asyncio.gather(b, c), 1)
+        assert not b.done() and c.done()
+        a.release()  # 2 + 4 fit now
+        await asyncio.wait_for(b, 1)
         assert (q.running.sequences, q.running.tokens) == (6, 200)
         tokens = AdmissionQueue(10, 10, 5.0, budget=lambda: Budget(sequences=100, tokens=300))
         x = await tokens.ticket().acquire(Work(1, 250))
@@ -56,18 +56,98 @@ def test_units_weigh_sequences_and_tokens_against_the_budget():
     asyncio.run(fair_line())
 
 
+def test_a_unit_that_fits_passes_a_bigger_one_until_that_one_has_aged():
+    """A long prompt waiting for the prefill budget does not hold up a short one behind it;
+    once it has waited `aging_s`, nobody passes it and the budget drains for it."""
+    async def go():
+        clock = [0.0]
+        q = AdmissionQueue(10, 10, 0, budget=lambda: Budget(sequences=100, prefill_tokens=100), aging_s=5.0,
+                           clock=lambda: clock[0])
+        running = await q.ticket().acquire(Work(1, 60, 60))
+        big = asyncio.create_task(q.ticket().acquire(Work(1, 500, 500)))  # 60 + 500 > 100: waits
+        await asyncio.sleep(0.01)
+        small = await asyncio.wait_for(q.ticket().acquire(Work(1, 20, 20)), 1)  # fits: passes the big one
+        assert not big.done() and q.running.prefill_tokens == 80
+        small.prefilled()
+        clock[0] = 5.0  # the big one has waited its aging time
+        later = asyncio.create_task(q.ticket().acquire(Work(1, 20, 20)))  # would fit, but may not pass now
+        await asyncio.sleep(0.01)
+        assert not later.done() and not big.done()
+        running.prefilled()  # nothing prefilling: the big prompt runs (a unit alone always does); the
+        await asyncio.wait_for(asyncio.gather(big, later), 1)  # small one then gets its share of the budget
+        assert q.running.prefill_tokens == 520
+        for grant in (running, small, big.result(), later.result()):
+            grant.release()
+        assert (q.running.sequences, q.running.prefill_tokens) == (0, 0)
+    asyncio.run(go())
+
+
+def test_a_full_prefill_budget_still_lets_each_tenant_its_share():
+    """A prompt list fills the prefill budget; another client's short prompt is owed its
+    share of it (the budget over the tenants with work) and goes at once; the list's next
+    prompt and a newcomer's prompt longer than its share wait for room."""
+    async def go():
+        q = AdmissionQueue(10, 10, 0, budget=lambda: Budget(sequences=100, prefill_tokens=100))
+        bulk = q.ticket("bulk")
+        grants = [await bulk.acquire(Work(1, 12, 10))]
+        grants += [await bulk.acquire_more(Work(1, 12, 10)) for _ in range(9)]
+        assert q.running.prefill_tokens == 100
+        more = asyncio.create_task(bulk.acquire_more(Work(1, 12, 10)))
+        await asyncio.sleep(0.01)
+        assert not more.done()
+        victim = await asyncio.wait_for(q.ticket("victim").acquire(Work(1, 11, 10)), 1)  # its share: 50
+        assert q.running.prefill_tokens == 110
+        long = asyncio.create_task(q.ticket("long").acquire(Work(1, 50, 40)))  # its share: 33
+        await asyncio.sleep(0.01)
+        assert not long.done() and not more.done()
+        for g in grants:  # the list's prompts reach their first token: room for both
+            g.prefilled()
+        await asyncio.wait_for(asyncio.gather(long, more), 1)
+        for g in grants + [victim, long.result(), more.result()]:
+            g.release()
+        bulk.release()
+        assert (q.running.sequences, q.running.prefill_tokens, q._tenants) == (0, 0, {})
+    asyncio.run(go())
+
+
+def test_two_prompt_lists_leave_a_newcomer_a_place_in_the_batch():
+    """The last sixteenth of the sequence budget is for tenants below their share counting
+    one more: two lists stop at 30 of 32 sequences, and a third client's request runs at once
+    instead of waiting for a list's sequence to finish."""
+    async def go():
+        q = AdmissionQueue(10, 10, 0, budget=lambda: Budget(sequences=32))
+        lists, waiting = [q.ticket(k) for k in ("list-a", "list-b")], []
+        for t in lists:
+            await t.acquire(Work(1, 10))
+        for _ in range(40):  # both lists' other prompts, sent together: they take turns
+            waiting += [asyncio.create_task(t.acquire_more(Work(1, 10))) for t in lists]
+        await asyncio.sleep(0.01)
+        assert q.running.sequences == 30 and sum(w.done() for w in waiting) == 28
+        victim = await asyncio.wait_for(q.ticket("victim").acquire(Work(1, 10)), 1)
+        assert q.running.sequences == 31
+        victim.release()
+        for t in lists:
+            t.release()
+        for w in waiting:
+            w.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+        assert (q.running.sequences, q._tenants) == (0, {})
+    asyncio.run(go())
+
+
 def test_prompt_tokens_count_until_their_first_token():
     """The prefill budget: a unit's prompt counts from its grant to its first token, so the
     prefill workers' queue stays a couple of steps long and the order is decided here."""
     async def go():
         q = AdmissionQueue(10, 10, 5.0, budget=lambda: Budget(sequences=100, prefill_tokens=100))
         a = await q.ticket().acquire(Work(1, 90, 80))
-        b = asyncio.create_task(q.ticket().acquire(Work(1, 60, 50)))  # 80 + 50 > 100 prompt tokens
+        # 80 + 60 > 100 prompt tokens, and 60 is more than b's half of the budget
+        b = asyncio.create_task(q.ticket().acquire(Work(1, 70, 60)))
         await asyncio.sleep(0.01)
         assert not b.done() and q.running.prefill_tokens == 80
         a.prefilled()  # a's first token: its prompt is done, its sequence still runs
         b_grant = await asyncio.wait_for(b, 1)
-        assert (q.running.sequences, q.running.prefill_tokens) == (2, 50)
+        assert (q.running.sequences, q.running.prefill_tokens) == (2, 60)
         a.prefilled()  # idempotent
         a.release()
         b_grant.release()  # never prefilled (it failed first): its prompt tokens go back too

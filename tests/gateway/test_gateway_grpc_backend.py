@@ -14,14 +14,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import threading
 import time
 
 import grpc
 import httpx
 import openai
 import pytest
-from opentelemetry.sdk.trace import TracerProvider
 
 from protos import duet_pb2, duet_pb2_grpc
 from services.gateway.backends.grpc_workers import GrpcBackend, GrpcBackendConfig
@@ -29,35 +27,15 @@ from services.gateway.http_edge.app import build_app
 from services.gateway.http_edge.metrics import GatewayMetrics
 from services.gateway.openai_api.endpoints import GatewayContext
 from services.gateway.openai_api.prompt_builder import PromptBuilder
-from services.router.config import RouterConfig
-from services.router.server import RouterServer
-from shared.registry.config import RegistryConfig
-from shared.registry.publisher import WorkerPublisher
 from shared.registry.worker_info import WorkerInfo, WorkerLoad
 from tests.helpers.openai_schema import validate
-from tests.helpers.redis_server import RedisServer
-from tests.helpers.gateway_support import UvicornThread, byte_level_tokenizer_dir, wait_until
+from tests.helpers.gateway_support import (LoopThread, RouterCluster, UvicornThread, byte_level_tokenizer_dir,
+                                           in_memory_spans, wait_until)
 
 MODEL = "tiny"
 CONTEXT = 256
 PAGE = 4
 MESSAGES = [{"role": "user", "content": "hi"}]
-
-
-class LoopThread:
-    """An asyncio loop in a thread, for the servers the gateway talks to."""
-
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout: float = 30):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self):
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
 
 
 class Script:
@@ -152,45 +130,26 @@ class StandInPrefill(duet_pb2_grpc.PrefillServicer):
                                      finish_reason=finish)
 
 
-class Cluster:
+class Cluster(RouterCluster):
     """Redis + router + stand-in workers (registered in the registry) on one loop thread."""
 
     def __init__(self, eos: int):
-        self.redis = RedisServer()
+        super().__init__(MODEL)
         self.script = Script(eos)
-        self.loop = LoopThread()
-        self.registry = None
 
-    def __enter__(self):
-        self.redis.start()
-        self.registry = RegistryConfig(redis_url=self.redis.url, ttl_s=2.0, heartbeat_interval_s=0.3,
-                                       scan_interval_s=0.3, socket_timeout_s=0.5)
-        self.loop.run(self._start())
-        return self
-
-    async def _start(self):
+    async def _start_workers(self):
         self.workers = grpc.aio.server()
         duet_pb2_grpc.add_DecodeServicer_to_server(StandInDecode(self.script), self.workers)
         duet_pb2_grpc.add_PrefillServicer_to_server(StandInPrefill(self.script), self.workers)
         self.worker_port = self.workers.add_insecure_port("127.0.0.1:0")
         await self.workers.start()
-        self.router = RouterServer(RouterConfig(host="127.0.0.1", port=0, metrics_port=0, model=MODEL,
-                                                registry=self.registry))
-        await self.router.start()
-        self.publishers = {}
+
+    async def _stop_workers(self):
+        await self.workers.stop(0)
 
     def add_worker(self, worker_id: str, role: str):
-        info = WorkerInfo(worker_id=worker_id, role=role, address=f"127.0.0.1:{self.worker_port}", model=MODEL,
-                          page_size=PAGE, compat_hash="c1", load=WorkerLoad(free_pages=1000, total_pages=1000))
-
-        async def add():
-            publisher = WorkerPublisher(info, self.registry)
-            await publisher.start()
-            assert await publisher.wait_registered(5)
-            self.publishers[worker_id] = publisher
-            assert await self.router.watcher.wait_for(lambda w: w.is_live(worker_id), 5)
-
-        self.loop.run(add())
+        self.publish(WorkerInfo(worker_id=worker_id, role=role, address=f"127.0.0.1:{self.worker_port}", model=MODEL,
+                                page_size=PAGE, compat_hash="c1", load=WorkerLoad(free_pages=1000, total_pages=1000)))
 
     def remove_worker(self, worker_id: str):
         async def remove():
@@ -201,19 +160,6 @@ class Cluster:
 
     def router_inflight(self) -> dict:
         return self.loop.run(_call(self.router.service.inflight.per_worker))
-
-    def __exit__(self, *exc):
-        async def stop():
-            for publisher in self.publishers.values():
-                await publisher.stop()
-            await self.router.stop()
-            await self.workers.stop(0)
-
-        try:
-            self.loop.run(stop())
-        finally:
-            self.loop.close()
-            self.redis.stop()
 
 
 async def _call(fn):
@@ -233,13 +179,7 @@ def cluster(prompts):
 
 @pytest.fixture(scope="module")
 def spans():
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    return provider, exporter
+    return in_memory_spans()
 
 
 @pytest.fixture(scope="module")

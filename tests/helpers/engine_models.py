@@ -87,6 +87,13 @@ def build_model_dir(path: Path, kind: str, seed: int = 0, max_shard_size: str | 
     return path
 
 
+def with_real_tokenizer(tmp_path_factory, kind: str, seed: int) -> Path:
+    """A random-weight model of `kind` in a fresh folder, with the embedded default model's
+    tokenizer (grammars, stop strings and chat need real text)."""
+    from tests.helpers.stack import model_dir as default_model_dir
+    return build_model_dir(tmp_path_factory.mktemp(kind) / kind, kind, seed=seed, tokenizer_from=default_model_dir())
+
+
 def copy_tokenizer(src: Path, dst: Path) -> None:
     """A real tokenizer for a random model (ids below the small vocab decode to real text)."""
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):

@@ -179,6 +179,94 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def in_memory_spans():
+    """(TracerProvider, InMemorySpanExporter): a tracer provider whose spans a test reads back."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider, exporter
+
+
+class LoopThread:
+    """An asyncio loop in a thread, for the servers the gateway talks to."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 30):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+class RouterCluster:
+    """A real redis-server, the real Router over it and worker registry entries, on a loop
+    thread: what a gateway's gRPC backend dials. Subclasses start their (scripted) worker
+    servers in `_start_workers` and stop them in `_stop_workers`."""
+
+    def __init__(self, model: str):
+        from tests.helpers.redis_server import RedisServer
+
+        self.model = model
+        self.redis = RedisServer()
+        self.loop = LoopThread()
+        self.publishers: dict = {}
+
+    def __enter__(self):
+        from services.router.config import RouterConfig
+        from services.router.server import RouterServer
+        from shared.registry.config import RegistryConfig
+
+        self.redis.start()
+        self.registry = RegistryConfig(redis_url=self.redis.url, ttl_s=2.0, heartbeat_interval_s=0.3,
+                                       scan_interval_s=0.3, socket_timeout_s=0.5)
+        self.router = RouterServer(RouterConfig(host="127.0.0.1", port=0, metrics_port=0, model=self.model,
+                                                registry=self.registry))
+        self.loop.run(self.router.start())
+        self.loop.run(self._start_workers())
+        return self
+
+    async def _start_workers(self) -> None:
+        pass
+
+    async def _stop_workers(self) -> None:
+        pass
+
+    def publish(self, info) -> None:
+        """Register a worker entry, as the worker would; returns once the router sees it."""
+        from shared.registry.publisher import WorkerPublisher
+
+        async def add():
+            publisher = WorkerPublisher(info, self.registry)
+            await publisher.start()
+            assert await publisher.wait_registered(5)
+            self.publishers[info.worker_id] = publisher
+            assert await self.router.watcher.wait_for(lambda w: w.is_live(info.worker_id), 5)
+
+        self.loop.run(add())
+
+    def __exit__(self, *exc):
+        async def stop():
+            for publisher in self.publishers.values():
+                await publisher.stop()
+            await self.router.stop()
+            await self._stop_workers()
+
+        try:
+            self.loop.run(stop())
+        finally:
+            self.loop.close()
+            self.redis.stop()
+
+
 class UvicornThread:
     """A real uvicorn server on 127.0.0.1:<free port>, in a thread of this process."""
 

@@ -281,17 +281,21 @@ class _StackBase:
 
 
 class DuetUp(_StackBase):
-    """`duet up` as one subprocess."""
+    """`duet up` as one subprocess. With `planner=False` (the default here) it runs
+    `--planner off`: the workers keep the roles the test starts them in (prefill-0, decode-0, ...),
+    which is what most tests are about; tests of the planner and of switchable workers pass
+    planner=True (duet up's own default: worker-0, worker-1, ... and `duet planner`)."""
 
     def __init__(self, log_dir: Path, *args: str, kv_cache_memory: str = "64M",
-                 worker_args: Sequence[str] = (), env: dict[str, str] | None = None):
+                 worker_args: Sequence[str] = (), env: dict[str, str] | None = None, planner: bool = False):
         super().__init__()
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
         argv = duet_argv("up", "--port", str(self.port), "--threads", "1", "--log-dir", str(self.log_dir),
-                         "--kv-cache-memory", kv_cache_memory, "--health-timeout", "280", *args)
+                         "--kv-cache-memory", kv_cache_memory, "--health-timeout", "280",
+                         "--planner", "on" if planner else "off", *args)
         if worker_args:
             argv += ["--", *worker_args]
         self.proc = Process("duet-up", argv, self.log_dir / "duet-up.out", env=child_env(env))

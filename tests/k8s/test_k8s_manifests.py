@@ -17,7 +17,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from urllib.parse import urlsplit
 
 import pytest
@@ -32,8 +32,10 @@ WORKER_ROLES = ("prefill", "decode")
 # Secrets the manifests mount and never render (so `kubectl apply -k` cannot overwrite them):
 # `duet k8s-secrets` makes the first six (components/cert-manager can issue the certificates),
 # components/api-keys and components/gateway-tls read the last two
+# (and, for components/planner, the switchable workers' and the planner's certificates)
 OUT_OF_BAND_SECRETS = ("duet-redis-auth", "duet-cache-namespace-key", "duet-grpc-gateway", "duet-grpc-router",
-                       "duet-grpc-prefill", "duet-grpc-decode", "duet-api-keys", "duet-gateway-tls")
+                       "duet-grpc-prefill", "duet-grpc-decode", "duet-grpc-worker", "duet-grpc-planner",
+                       "duet-api-keys", "duet-gateway-tls")
 
 pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (with kustomize) is not installed")
 
@@ -49,7 +51,7 @@ def render_path(path: str) -> tuple[dict, ...]:
 
 @lru_cache(maxsize=None)
 def components_overlay_dir() -> str:
-    """A throwaway overlay: the gpu overlay plus every optional component."""
+    """A throwaway overlay: the default (gpu-planner) overlay plus every optional component."""
     import tempfile
 
     root = Path(tempfile.mkdtemp(prefix="duet-k8s-"))
@@ -57,7 +59,7 @@ def components_overlay_dir() -> str:
     (root / "kustomization.yaml").write_text(yaml.safe_dump({
         "apiVersion": "kustomize.config.k8s.io/v1beta1",
         "kind": "Kustomization",
-        "resources": [rel(K8S / "overlays" / "gpu")],
+        "resources": [rel(K8S / "overlays" / "gpu-planner")],
         "components": [rel(K8S / "components" / c)
                        for c in ("model-pvc", "gateway-loadbalancer", "gateway-tls", "cert-manager")],
     }))
@@ -66,6 +68,7 @@ def components_overlay_dir() -> str:
 
 VARIANTS = {
     "gpu": lambda: str(K8S / "overlays" / "gpu"),
+    "gpu-planner": lambda: str(K8S / "overlays" / "gpu-planner"),
     "cpu": lambda: str(K8S / "overlays" / "cpu"),
     "gpu+components": components_overlay_dir,
 }
@@ -173,6 +176,15 @@ class Rendered:
     def duet_pods(self) -> list[Pod]:
         return [p for p in self.pods if p.role in DUET_ROLES]
 
+    @property
+    def planned(self) -> bool:
+        """The planner runs (components/planner): switchable workers, no HPAs."""
+        return any(p.role == "planner" for p in self.pods)
+
+    def grpc_secret(self, role: str) -> str:
+        """The Secret with the certificate a Duet pod of this role mounts."""
+        return "duet-grpc-worker" if self.planned and role in WORKER_ROLES else f"duet-grpc-{role}"
+
     def configmap(self, name: str) -> dict:
         cm = self.get("ConfigMap", name)
         assert cm is not None, f"{self.variant}: ConfigMap {name} is referenced but not rendered"
@@ -267,6 +279,7 @@ class ParsedCommand:
 def parse_duet_command(r: Rendered, pod: Pod) -> ParsedCommand:
     from services.cli import COMMANDS_BY_NAME
     from services.gateway.config import GatewayConfig
+    from services.planner.config import PlannerConfig
     from services.router.config import RouterConfig
     from services.worker.config import WorkerConfig
 
@@ -277,7 +290,7 @@ def parse_duet_command(r: Rendered, pod: Pod) -> ParsedCommand:
     command = COMMANDS_BY_NAME.get(argv[1])
     assert command is not None, f"{pod.name}: {argv[1]!r} is not a duet subcommand"
     parsers = {"services.gateway.main": GatewayConfig.from_argv, "services.router.main": RouterConfig.from_argv,
-               "services.worker.main": WorkerConfig.from_argv}
+               "services.worker.main": WorkerConfig.from_argv, "services.planner.main": PlannerConfig.from_argv}
     assert command.module in parsers, f"{pod.name}: subcommand {command.name} does not run a service"
     errors = io.StringIO()
     try:
@@ -305,8 +318,8 @@ def service_for(r: Rendered, host: str, port: int) -> tuple[dict, list[Pod], int
 
 # --- tests ------------------------------------------------------------------------------------
 
-def test_top_level_kustomization_is_the_gpu_overlay():
-    assert render_path(str(K8S)) == render_path(str(K8S / "overlays" / "gpu"))
+def test_top_level_kustomization_is_the_gpu_overlay_with_the_planner():
+    assert render_path(str(K8S)) == render_path(str(K8S / "overlays" / "gpu-planner"))
 
 
 def test_every_service_runs_a_real_subcommand_with_accepted_flags(rendered):
@@ -326,6 +339,7 @@ def test_worker_command_lines_bind_advertise_and_register_correctly(rendered):
         pod = r.pod(role)
         cfg = parse_duet_command(r, pod).config
         assert cfg.role == role
+        assert cfg.switchable == r.planned, "with the planner every worker takes any role, else none"
         assert cfg.host == "0.0.0.0", "workers must listen on the pod IP, not loopback"
         assert cfg.port == pod.port("grpc") and cfg.metrics_port == pod.port("metrics")
         assert cfg.worker_id == pod.fake_pod_name, "registry id should be the pod name (downward API)"
@@ -538,6 +552,9 @@ def test_autoscalers_scale_worker_pools_on_exported_gauges(rendered):
     if r.variant == "cpu":
         assert hpas == [], "the laptop overlay has no prometheus-adapter to feed autoscalers"
         return
+    if r.planned:
+        assert hpas == [], "the planner owns the pools' replicas: an HPA would fight it"
+        return
     gauges = exported_gauges()
     assert {"duet_queued_prefill_tokens", "duet_kv_cache_usage_ratio", "duet_running_requests"} <= gauges
     patterns = adapter_rule_patterns()
@@ -622,8 +639,8 @@ def test_secrets_are_never_rendered_and_redis_requires_its_password(rendered):
     r = rendered
     assert not r.of_kind("Secret"), "secrets are created beside the manifests, never rendered"
     assert referenced_secrets(r) <= set(OUT_OF_BAND_SECRETS)
-    assert {"duet-redis-auth", "duet-cache-namespace-key",
-            *(f"duet-grpc-{role}" for role in DUET_ROLES)} <= referenced_secrets(r)
+    grpc = {r.grpc_secret(role) for role in DUET_ROLES} | ({"duet-grpc-planner"} if r.planned else set())
+    assert {"duet-redis-auth", "duet-cache-namespace-key", *grpc} <= referenced_secrets(r)
     redis = r.pod("redis").main
     assert "requirepass $REDIS_PASSWORD" in " ".join(redis["args"]), "Redis must require the password"
     assert {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in redis["env"]
@@ -647,7 +664,7 @@ def test_k8s_secrets_makes_what_the_manifests_mount():
     cache_key = base64.b64decode(objects["duet-cache-namespace-key"]["data"]["key"]).decode()
     assert re.fullmatch(r"[0-9a-f]{64}", cache_key)
     cas = set()
-    for role in DUET_ROLES:
+    for role in (*DUET_ROLES, "worker", "planner"):
         data = {k: base64.b64decode(v) for k, v in objects[f"duet-grpc-{role}"]["data"].items()}
         assert set(data) == {"tls.crt", "tls.key", "ca.crt"} and objects[f"duet-grpc-{role}"]["type"] == "kubernetes.io/tls"
         cert = x509.load_pem_x509_certificate(data["tls.crt"])
@@ -698,3 +715,64 @@ def test_image_bakes_the_default_model_the_manifests_serve():
     for package in packages:
         assert re.search(rf"^COPY {package} \./{package}$", dockerfile, re.M), f"{package} not copied"
         assert f"!{package}/" in ignore
+
+
+def test_the_planner_scales_only_the_worker_pools_with_its_own_token_and_certificate():
+    """components/planner: `duet planner` with its flags parsed by its own parser, reading every
+    gateway replica through a headless Service, scaling the two pools it names through a Role
+    that allows exactly that, with a bound token mounted where the code reads it, and calling
+    the workers as the role its certificate names."""
+    from services.planner.kube_scale import SERVICE_ACCOUNT
+
+    for variant in ("gpu-planner", "gpu+components"):
+        r = rendered_variant(variant)
+        pod = r.pod("planner")
+        parsed = parse_duet_command(r, pod)
+        cfg = parsed.config
+        assert parsed.subcommand == "planner" and pod.workload["spec"]["replicas"] == 1
+        assert cfg.k8s.enabled and cfg.k8s.namespace == NAMESPACE
+        pools = {cfg.k8s.prefill_deployment: "prefill", cfg.k8s.decode_deployment: "decode"}
+        assert {name: Pod(r.get("Deployment", name)).role for name in pools} == pools
+        assert cfg.k8s.prefill_min >= 1 and cfg.k8s.decode_min >= 1
+        assert cfg.metrics_port == pod.port("metrics")
+        assert pod.template["metadata"]["annotations"]["prometheus.io/port"] == str(cfg.metrics_port)
+        (url,) = [urlsplit(u) for u in cfg.gateway_metrics]
+        service, pods, port = service_for(r, url.hostname, url.port)
+        assert service["spec"].get("clusterIP") == "None", "one address per gateway replica"
+        assert {p.role for p in pods} == {"gateway"} and port == r.pod("gateway").port("metrics")
+        redis = urlsplit(cfg.registry.redis_url)
+        assert redis.password == r.secret_value("duet-redis-auth", "password")
+        assert {p.role for p in service_for(r, redis.hostname, redis.port)[1]} == {"redis"}
+        assert cfg.tls.mutual
+        volumes = {v["name"]: v for v in pod.spec["volumes"]}
+        mounts = {m["mountPath"]: m["name"] for m in pod.main["volumeMounts"]}
+        assert volumes[mounts[str(PurePosixPath(cfg.tls.cert_file).parent)]]["secret"]["secretName"] == \
+            "duet-grpc-planner"
+        # the API: a Role on its ServiceAccount, exactly get and patch of the two pools' scale
+        account = pod.spec["serviceAccountName"]
+        bindings = [b for b in r.of_kind("RoleBinding") if any(s["name"] == account for s in b["subjects"])]
+        assert len(bindings) == 1 and not r.of_kind("ClusterRole") and not r.of_kind("ClusterRoleBinding")
+        role = r.get("Role", bindings[0]["roleRef"]["name"])
+        assert role["rules"] == [{"apiGroups": ["apps"], "resources": ["deployments/scale"],
+                                  "resourceNames": sorted(pools, key=list(pools).index), "verbs": ["get", "patch"]}]
+        paths = set()
+        for source in volumes[mounts[str(SERVICE_ACCOUNT)]]["projected"]["sources"]:
+            if "serviceAccountToken" in source:
+                paths.add(source["serviceAccountToken"]["path"])
+            for kind in ("configMap", "downwardAPI"):
+                paths |= {item["path"] for item in source.get(kind, {}).get("items", [])}
+        assert paths == {"token", "ca.crt", "namespace"}, "what KubeApi.in_cluster reads"
+        assert all(p.spec.get("serviceAccountName", "default") == "duet" for p in r.duet_pods)
+
+
+def test_components_planner_leaves_the_fixed_gpu_overlay_as_it_was():
+    """components/planner only adds to k8s/overlays/gpu: the fixed overlay keeps its HPAs and
+    fixed roles (the fallback with the planner off)."""
+    fixed, planned = rendered_variant("gpu"), rendered_variant("gpu-planner")
+    assert not fixed.planned and planned.planned
+    assert {h["metadata"]["name"] for h in fixed.of_kind("HorizontalPodAutoscaler")} == {"duet-prefill", "duet-decode"}
+    assert "DUET_SWITCHABLE" not in fixed.configmap("duet-worker-config")
+    assert planned.configmap("duet-worker-config")["DUET_SWITCHABLE"] == "true"
+    assert {(o["kind"], o["metadata"]["name"]) for o in fixed.objects} < \
+        {(o["kind"], o["metadata"]["name"]) for o in planned.objects} | {("HorizontalPodAutoscaler", "duet-prefill"),
+                                                                         ("HorizontalPodAutoscaler", "duet-decode")}

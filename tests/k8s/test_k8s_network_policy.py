@@ -84,7 +84,7 @@ def allowed(r: Rendered, src: Endpoint, dst: Endpoint, port: int, protocol: str 
             and direction_allows(r, "Ingress", dst, src, port, protocol))
 
 
-@pytest.fixture(params=["gpu", "cpu"])
+@pytest.fixture(params=["gpu", "gpu-planner", "cpu"])
 def rendered(request) -> Rendered:
     return rendered_variant(request.param)
 
@@ -122,6 +122,15 @@ def test_duet_flows_are_admitted(rendered):
     ]
     for role in ("gateway", "router", "prefill", "decode"):
         required += [(ep[role], ep["redis"], 6379), (ep[role], ep["otel-collector"], 4317)]
+    if r.planned:  # components/planner: it reads metrics, switches roles, reads the registry
+        planner = pod_endpoint(r, "planner")
+        required += [(planner, ep["gateway"], 9102), (planner, ep["redis"], 6379),
+                     (planner, ep["otel-collector"], 4317), (PROMETHEUS, planner, 9103),
+                     (planner, CLIENT, 443),  # the Kubernetes API server: the pools' scale
+                     # a switched pod writes KV into, or is written by, one of its own pool
+                     (ep["prefill"], ep["prefill"], UCX_PORT), (ep["decode"], ep["decode"], UCX_PORT)]
+        required += [(planner, ep[w], port) for w in ("prefill", "decode") for port in (50060, 9100)]
+        ep["planner"] = planner
     for src, dst, port in required:
         assert allowed(r, src, dst, port), f"{src.name} -> {dst.name}:{port} is blocked"
     for role in ep:
@@ -145,7 +154,6 @@ def test_everything_else_is_denied(rendered):
         (ep["router"], ep["decode"], 9100),
         (ep["router"], ep["gateway"], 8000),
         (ep["gateway"], ep["decode"], UCX_PORT),
-        (ep["prefill"], ep["prefill"], UCX_PORT),
         (ep["prefill"], ep["decode"], 41000),   # outside UCX_TCP_PORT_RANGE
         (ep["redis"], ep["gateway"], 8000),     # Redis initiates nothing
         (ep["otel-collector"], ep["redis"], 6379),
@@ -156,5 +164,19 @@ def test_everything_else_is_denied(rendered):
         (ep["router"], CLIENT, 443),
         (ep["gateway"], CLIENT, 443),
     ]
+    if r.planned:
+        planner = pod_endpoint(r, "planner")
+        forbidden += [
+            (CLIENT, planner, 9103),
+            (ep["gateway"], planner, 9103),         # nothing calls the planner
+            (ep["prefill"], planner, 9103),
+            (planner, ep["gateway"], 8000),         # it reads metrics only, never the API
+            (planner, ep["router"], 50050),
+            (planner, ep["decode"], UCX_PORT),
+            (planner, CLIENT, 80),
+            (ep["prefill"], ep["decode"], 41000),
+        ]
+    else:  # fixed roles: KV moves between the pools only
+        forbidden += [(ep["prefill"], ep["prefill"], UCX_PORT), (ep["decode"], ep["decode"], UCX_PORT)]
     for src, dst, port in forbidden:
         assert not allowed(r, src, dst, port), f"{src.name} -> {dst.name}:{port} should be blocked"

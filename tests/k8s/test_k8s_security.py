@@ -53,7 +53,7 @@ def test_every_overlay_runs_mutual_tls_with_a_certificate_per_role(rendered):
         assert tls.interceptors(), f"{r.variant}/{pod.name}: callers' roles are not checked"
         files = {tls.cert_file: "tls.crt", tls.key_file: "tls.key", tls.ca_file: "ca.crt"}
         for path, key in files.items():
-            assert mounted_secret(pod, pod.main, path) == (f"duet-grpc-{pod.role}", key), (r.variant, pod.name)
+            assert mounted_secret(pod, pod.main, path) == (r.grpc_secret(pod.role), key), (r.variant, pod.name)
 
 
 def test_gpu_overlay_requires_api_keys_from_a_secret():
@@ -86,11 +86,13 @@ def test_gateway_https_and_cert_manager_components_fit_together():
         assert probe["scheme"] == "HTTPS" and probe["path"] in ("/health", "/live"), kind
     assert r.get("Service", "duet-gateway")["spec"]["ports"][0]["appProtocol"] == "https"
     certs = {c["spec"]["secretName"]: c for c in r.of_kind("Certificate")}
-    assert set(certs) >= {"duet-gateway-tls", *(f"duet-grpc-{role}" for role in DUET_ROLES)}
-    for role in DUET_ROLES:  # each names its role as the services check it (shared/security/identity.py)
+    roles = (*DUET_ROLES, "worker", "planner")  # the planner's and its switchable workers' too
+    assert set(certs) >= {"duet-gateway-tls", *(f"duet-grpc-{role}" for role in roles)}
+    for role in roles:  # each names its role as the services check it (shared/security/identity.py)
         spec = certs[f"duet-grpc-{role}"]["spec"]
         assert spec["uris"] == [Identity(role).uri] and spec["dnsNames"] == Identity(role).dns_names, role
-        assert "client auth" in spec["usages"] and ("server auth" in spec["usages"]) == (role != "gateway"), role
+        serves = role not in ("gateway", "planner")  # those two only call
+        assert "client auth" in spec["usages"] and ("server auth" in spec["usages"]) == serves, role
     # the gateway dials the router by its Service and checks the router's name, not that address
     assert server_name("router") in certs["duet-grpc-router"]["spec"]["dnsNames"]
     assert "duet-gateway" in certs["duet-gateway-tls"]["spec"]["dnsNames"]

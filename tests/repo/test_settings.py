@@ -222,7 +222,8 @@ def test_shared_variables_are_one_entry_naming_every_reader():
     t = table()
     assert {r.command for r in t["DUET_HOST"].readers} == {"worker", "gateway", "up"}
     assert t["DUET_HOST"].default_for("gateway") == "0.0.0.0" and t["DUET_HOST"].default_for("worker") == "127.0.0.1"
-    assert {r.command for r in t["DUET_SERVED_MODEL_NAME"].readers} == {"worker", "gateway", "router"}
+    assert {r.command for r in t["DUET_SERVED_MODEL_NAME"].readers} == {"worker", "gateway", "router", "planner"}
+    assert {r.command for r in t["DUET_SLO_ITL_MS"].readers} == {"worker", "router", "planner", "up"}
     assert {"worker", "gateway", "router", "duet"} <= {r.command for r in t["DUET_LOG_LEVEL"].readers}
     assert t["DUET_TP_KEY"].internal and t["DUET_TP_ADDR"].internal
     assert "up" in {r.command for r in t["DUET_TP"].readers}
@@ -252,7 +253,7 @@ def _help_settings(command: str) -> dict[str, str]:
     return found
 
 
-@pytest.mark.parametrize("command", ["worker", "gateway", "router"])
+@pytest.mark.parametrize("command", ["worker", "gateway", "router", "planner"])
 def test_help_flags_and_the_variable_table_agree(command):
     shown = _help_settings(command)
     listed = {v.name: v for v in table().values()

@@ -21,10 +21,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 import grpc
+from opentelemetry import trace
+
+from prometheus_client import CollectorRegistry
 
 from protos import duet_pb2, duet_pb2_grpc
 from services.gateway.backends.capacity import WorkerCapacity
@@ -36,13 +41,18 @@ from services.gateway.backends.interface import (
     GenerationRequest,
     TokenEvent,
 )
+from services.gateway.backends.migration import Attempt, MigrationConfig, RebuiltTokens, SequenceStreams, WorkerLost
+from services.gateway.backends.migration_metrics import MigrationMetrics
+from services.gateway.backends.stream_merge import merged
 from services.gateway.backends.token_events import token_event
 from shared.registry.pairing import pair_problem
 from shared.registry.connection import RedisConnection
 from shared.security.grpc_tls import GrpcTlsConfig
 from shared.security.identity import server_name
 from shared.wire.cache_scope import cache_scope_fields
+from shared.telemetry.propagation import extract_http_context, inject_grpc_metadata
 from shared.wire.contract_overflow import ContractOverflow
+from shared.wire.fault import fault_of
 from shared.wire.outputs import chunk_from_proto, first_tokens_to_proto, prefill_reply_from_proto
 from shared.wire.sampling import sampling_to_proto
 
@@ -52,6 +62,11 @@ _BUSY_CODES = {grpc.StatusCode.RESOURCE_EXHAUSTED}
 _UNAVAILABLE_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED,
                       grpc.StatusCode.CANCELLED, grpc.StatusCode.NOT_FOUND}
 _BAD_REQUEST_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE}
+# a worker went away or dropped the call: another worker can make it good (migration.py); a
+# restarted decode worker knows no reservation of its old instance (NOT_FOUND)
+_LOST_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED,
+               grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNKNOWN}
+_NO_WORKER_RETRY_S = 0.5  # a moved attempt finding no live worker asks the router again after this
 # Reserve's own refusals: decode made no reservation
 _REFUSED_CODES = {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT,
                   grpc.StatusCode.FAILED_PRECONDITION}
@@ -70,6 +85,7 @@ class GrpcBackendConfig:
     cleanup_timeout_s: float = 5.0  # bound on Cancel / Release
     tls: GrpcTlsConfig = field(default_factory=GrpcTlsConfig)  # to router and workers
     redis: RedisConnection = field(default_factory=RedisConnection)  # registry password, TLS
+    migration: MigrationConfig = field(default_factory=MigrationConfig)  # failover (migration.py)
 
 
 def rpc_error(exc: grpc.aio.AioRpcError, what: str) -> BackendError:
@@ -114,8 +130,12 @@ class _Channels:
 
 
 class GrpcBackend:
-    def __init__(self, config: GrpcBackendConfig):
+    def __init__(self, config: GrpcBackendConfig, migration_metrics: MigrationMetrics | None = None,
+                 tracer: trace.Tracer | None = None):
+        """migration_metrics: in the gateway's registry (a registry of its own without)."""
         self.config = config
+        self.migration_metrics = migration_metrics or MigrationMetrics(CollectorRegistry())
+        self._tracer = tracer or trace.get_tracer("duet-gateway")
         self._router_channel: grpc.aio.Channel | None = None
         self._router: duet_pb2_grpc.RouterStub | None = None
         self._workers = _Channels(config.tls)
@@ -207,44 +227,134 @@ class GrpcBackend:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         if self._router is None:
             raise BackendUnavailable("the gateway backend is not started")
-        metadata = tuple((k.lower(), v) for k, v in request.trace_context.items())
         try:
-            sampling = sampling_to_proto(request.sampling)
+            sampling_to_proto(request.sampling)  # what the contract cannot carry: a 400 before anything
         except ContractOverflow as exc:
             raise BackendBadRequest(str(exc), exc.field) from None
-        want_logprobs = request.sampling.logprobs is not None
-        state = _RequestState(request.request_id)
+        metadata = tuple((k.lower(), v) for k, v in request.trace_context.items())
+        async with aclosing(self._serve(request, Attempt.first(request), metadata)) as events:
+            async for event in events:
+                yield event
+
+    async def _serve(self, request: GenerationRequest, attempt: Attempt, metadata,
+                     record: "_AttemptRecord | None" = None) -> AsyncIterator[TokenEvent]:
+        """One attempt's events; when a worker of it is lost, its open sequences go on
+        elsewhere from the tokens the client has (migration.py)."""
+        record = record or _AttemptRecord()
+        streams = SequenceStreams()
+        try:
+            async with aclosing(self._attempt(request, attempt, metadata, record)) as events:
+                async for event in events:
+                    streams.add(event.index, event.token_ids, event.finish_reason is not None)
+                    yield event
+            return
+        except WorkerLost as exc:
+            lost = exc
+        limit = self.config.migration.limit
+        if attempt.moves >= limit:
+            self.migration_metrics.given_up.labels(reason="limit").inc()
+            if limit:
+                log.warning("request %s: %s; moved %d times already, giving up", request.request_id, lost,
+                            attempt.moves)
+            raise lost
+        nexts = attempt.next_attempts(request, streams, lost, record.checkpoint)
+        log.warning("request %s: %s; continuing %s elsewhere", request.request_id, lost,
+                    ", ".join(f"sequence {a.indices[0] if len(a.indices) == 1 else 'all'} after "
+                              f"{len(a.prompt.streamed)} tokens" for a in nexts))
+        failed_at = time.monotonic()
+        lanes = [self._continue(request, nxt, lost, failed_at) for nxt in nexts]
+        async with aclosing(lanes[0] if len(lanes) == 1 else merged(lanes)) as events:
+            async for event in events:
+                yield event
+
+    async def _continue(self, request: GenerationRequest, attempt: Attempt, lost: WorkerLost,
+                        failed_at: float) -> AsyncIterator[TokenEvent]:
+        """A moved attempt under a `migrate` span of the request's trace: its first token
+        within the deadline counted from the failure, then the rest."""
+        self.migration_metrics.migrations.labels(cause=lost.cause).inc()
+        parent = extract_http_context(request.trace_context)
+        span = self._tracer.start_span("migrate", context=parent, attributes={
+            "duet.request_id": request.request_id, "duet.attempt_id": attempt.request_id,
+            "duet.migration.cause": lost.cause, "duet.migration.lost_worker": lost.worker_id,
+            "duet.migration.move": attempt.moves, "duet.migration.streamed_tokens": len(attempt.prompt.streamed),
+            "duet.migration.sequences": list(attempt.indices)})
+        span.add_event("worker_lost", {"duet.worker_id": lost.worker_id, "duet.error": str(lost)})
+        metadata = tuple(inject_grpc_metadata(trace.set_span_in_context(span)))
+        record = _AttemptRecord(span=span)
+        deadline = self.config.migration.deadline_s
+        async with aclosing(self._serve(request, attempt, metadata, record)) as events:
+            try:
+                first = await asyncio.wait_for(anext(events), max(0.0, failed_at + deadline - time.monotonic()))
+            except StopAsyncIteration:
+                span.end()
+                return
+            except asyncio.TimeoutError:
+                self.migration_metrics.given_up.labels(reason="deadline").inc()
+                span.set_attribute("duet.migration.outcome", "deadline")
+                span.end()
+                raise BackendUnavailable(f"{lost}; no worker took the stream over within {deadline:g} s") from None
+            except BaseException as exc:  # failed for good, or the client left
+                span.set_attribute("duet.migration.outcome", type(exc).__name__)
+                span.end()
+                raise
+            span.set_attribute("duet.migration.outcome", "resumed")
+            span.set_attribute("duet.decode_worker", record.decode_worker)
+            span.end()
+            yield first
+            async for event in events:
+                yield event
+
+    async def _attempt(self, request: GenerationRequest, attempt: Attempt, metadata,
+                       record: "_AttemptRecord") -> AsyncIterator[TokenEvent]:
+        """One pass through router and workers: Route, then Reserve + Prefill + Generate
+        (split) or one Generate (colocated). Events carry the request's sequence indices. A
+        failure another worker can make good is a WorkerLost."""
+        sampling = sampling_to_proto(attempt.sampling)
+        want_logprobs = attempt.sampling.logprobs is not None
+        state = _RequestState(attempt.request_id)
+        prompt = attempt.prompt
+        first_events = not attempt.prompt.streamed  # usage's cached tokens come from the first attempt
         decode = None
         try:
-            route = await self._route(request, metadata)
+            route = await self._route_attempt(request, attempt, metadata)
             state.routed = True
+            record.checkpoint, record.decode_worker = route.checkpoint, route.decode.worker_id
             decode = duet_pb2_grpc.DecodeStub(self._workers.get(route.decode, "decode"))
             scope = cache_scope_fields(request.cache_scope)
-            generate = duet_pb2.GenerateRequest(request_id=request.request_id,
-                                                prompt_token_ids=request.prompt_token_ids, sampling=sampling,
+            generate = duet_pb2.GenerateRequest(request_id=attempt.request_id, request_group=request.group,
+                                                sampling=sampling, **prompt.fields(),
                                                 **scope)
             if not route.colocated:
-                reply = await self._reserve_and_prefill(request, route, decode, sampling, metadata, state)
-                answer = prefill_reply_from_proto(reply, request.request_id, want_logprobs)
+                reply = await self._reserve_and_prefill(request, attempt, route, decode, sampling, metadata, state)
+                answer = prefill_reply_from_proto(reply, attempt.request_id, want_logprobs)
                 if any(out.finish_reason == "abort" for out in answer.firsts):
-                    raise BackendUnavailable("the prefill worker aborted the request")
+                    raise WorkerLost("the prefill worker aborted the request", "prefill", route.prefill.worker_id,
+                                     route.prefill.instance_nonce)
+                if attempt.resumed:
+                    res = state.reservation
+                    self._rebuilt(record, RebuiltTokens.of_split(len(prompt.kv_tokens), res.held_pages * res.page_size,
+                                                                 answer.computed_tokens))
                 # TTFT is prefill time: the first tokens go out before decode starts. When they
                 # already end the request (EOS, stop token, max_tokens=1) decode never runs
                 # and the `finally` below cancels the reservation.
                 open_seqs = {out.index for out in answer.firsts if not out.finished}
                 for out in answer.firsts:
-                    yield token_event(out, request.prompt_token_ids, want_logprobs,
-                                      cached_tokens=answer.cached_tokens, computed_tokens=answer.computed_tokens)
+                    event = token_event(out, request.prompt_token_ids, want_logprobs,
+                                        cached_tokens=answer.cached_tokens if first_events else None,
+                                        computed_tokens=answer.computed_tokens if first_events else None)
+                    event.index = attempt.indices[out.index]
+                    yield event
                 if not open_seqs:
                     return
                 generate.reservation.CopyFrom(state.reservation)  # relayed as decode sent it
                 generate.prefill_worker_id = route.prefill.worker_id
                 first_tokens_to_proto(generate, answer.firsts)
             else:
-                open_seqs = set(range(request.sampling.n))
+                open_seqs = set(range(attempt.sampling.n))
             # Split: prefill's cached count is the one that matters (decode computed no prompt).
-            async for event in self._decode_stream(decode, generate, metadata, want_logprobs, state,
-                                                   report_cached=route.colocated, open_seqs=open_seqs):
+            async for event in self._decode_stream(decode, route, generate, metadata, want_logprobs, state,
+                                                   attempt, record, open_seqs=open_seqs,
+                                                   report_cached=route.colocated and first_events):
                 yield event
         finally:
             # Runs on success, failure, early close (stop string) and cancellation (client left).
@@ -255,76 +365,114 @@ class GrpcBackend:
             if state.stream is not None and not state.stream_done:
                 state.stream.cancel()  # decode drops the request and frees its pages
             if state.routed:
-                self._cleanup(self._release(request.request_id, duet_pb2.RELEASE_STAGE_DONE))
+                self._cleanup(self._release(attempt.request_id, duet_pb2.RELEASE_STAGE_DONE))
 
-    async def _route(self, request: GenerationRequest, metadata) -> duet_pb2.RouteReply:
+    def _rebuilt(self, record: "_AttemptRecord", tokens: RebuiltTokens) -> None:
+        """Where a moved attempt's KV came from: the metric, and its migrate span."""
+        self.migration_metrics.rebuilt(tokens)
+        if record.span is not None and record.span.is_recording():
+            for source, count in tokens.by_source().items():
+                record.span.set_attribute(f"duet.migration.rebuilt_{source}_tokens", count)
+
+    async def _route_attempt(self, request: GenerationRequest, attempt: Attempt, metadata) -> duet_pb2.RouteReply:
+        """Route; a moved attempt waits for a worker (its deadline bounds it) while none is live."""
+        while True:
+            try:
+                return await self._route(request, attempt, metadata)
+            except BackendUnavailable:
+                if not attempt.resumed:
+                    raise
+            await asyncio.sleep(_NO_WORKER_RETRY_S)
+
+    async def _route(self, request: GenerationRequest, attempt: Attempt, metadata) -> duet_pb2.RouteReply:
         from shared.registry.prefix_hashes import chained_page_hashes
 
         page_size = self._page_size()
+        prompt = attempt.prompt.kv_tokens
         # seeded with the namespace: the workers publish their pages' hashes the same way
-        hashes = (chained_page_hashes(request.prompt_token_ids, page_size, seed=request.cache_scope.cache_key)
-                  if page_size else [])
+        hashes = (chained_page_hashes(prompt, page_size, seed=request.cache_scope.cache_key) if page_size else [])
         try:
             return await self._router.Route(duet_pb2.RouteRequest(
-                request_id=request.request_id, model=request.model, prompt_tokens=len(request.prompt_token_ids),
-                max_tokens=request.sampling.max_tokens, page_hashes=hashes, n=request.sampling.n,
+                request_id=attempt.request_id, model=request.model, prompt_tokens=len(prompt),
+                max_tokens=attempt.remaining_tokens, page_hashes=hashes, n=attempt.sampling.n,
+                exclude_instances=attempt.exclude, checkpoint=attempt.checkpoint,
                 lora_adapter=request.cache_scope.adapter),
                 metadata=metadata, timeout=self.config.route_timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise rpc_error(exc, "router") from None
 
-    async def _reserve_and_prefill(self, request, route, decode, sampling, metadata, state) -> duet_pb2.PrefillReply:
+    async def _reserve_and_prefill(self, request, attempt: Attempt, route, decode, sampling, metadata,
+                                   state) -> duet_pb2.PrefillReply:
         state.reserve_unanswered = True  # until an answer: decode may have made one we never hear of
         scope = cache_scope_fields(request.cache_scope)
+        prompt = attempt.prompt.kv_tokens
         try:
             state.reservation = await decode.Reserve(duet_pb2.ReserveRequest(
-                request_id=request.request_id, prompt_tokens=len(request.prompt_token_ids),
-                max_tokens=request.sampling.max_tokens, prefill_worker_id=route.prefill.worker_id,
-                timeout_ms=self.config.reserve_timeout_ms, n=request.sampling.n,
-                prompt_token_ids=request.prompt_token_ids,  # decode reuses what it holds of it
+                request_id=attempt.request_id, prompt_tokens=len(prompt),
+                max_tokens=attempt.remaining_tokens, prefill_worker_id=route.prefill.worker_id,
+                timeout_ms=self.config.reserve_timeout_ms, n=attempt.sampling.n, request_group=request.group,
+                prompt_token_ids=prompt,  # decode reuses what it holds of it
                 **scope),
                 metadata=metadata, timeout=self.config.rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
             if exc.code() in _REFUSED_CODES:  # decode answered: it holds nothing for us
                 state.reserve_unanswered = False
-            raise rpc_error(exc, f"decode worker {route.decode.worker_id} (reserve)") from None
+            what = f"decode worker {route.decode.worker_id} (reserve)"
+            if exc.code() in _LOST_CODES:
+                raise _lost(exc, what, "decode_reserve", route.decode) from None
+            raise rpc_error(exc, what) from None
         state.reserve_unanswered = False
         prefill = duet_pb2_grpc.PrefillStub(self._workers.get(route.prefill, "prefill"))
         state.prefill_sent = True  # from here prefill may write: decode waits for its notice
         try:
             reply = await prefill.Prefill(duet_pb2.PrefillRequest(
-                request_id=request.request_id, prompt_token_ids=request.prompt_token_ids, sampling=sampling,
-                reservation=state.reservation, **scope),
+                request_id=attempt.request_id, sampling=sampling, reservation=state.reservation,
+                request_group=request.group, **attempt.prompt.fields(), **scope),
                 metadata=metadata, timeout=self.config.rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
-            raise rpc_error(exc, f"prefill worker {route.prefill.worker_id}") from None
-        self._cleanup(self._release(request.request_id, duet_pb2.RELEASE_STAGE_PREFILL_DONE))
+            what = f"prefill worker {route.prefill.worker_id}"
+            if exc.code() in _LOST_CODES:
+                if fault_of(exc.trailing_metadata()) == "decode":  # its writes into decode failed
+                    raise _lost(exc, what, "kv_handoff", route.decode) from None
+                raise _lost(exc, what, "prefill", route.prefill) from None
+            raise rpc_error(exc, what) from None
+        self._cleanup(self._release(attempt.request_id, duet_pb2.RELEASE_STAGE_PREFILL_DONE))
         return reply
 
-    async def _decode_stream(self, decode, generate, metadata, want_logprobs, state,
-                             report_cached: bool, open_seqs: set[int]) -> AsyncIterator[TokenEvent]:
+    async def _decode_stream(self, decode, route, generate, metadata, want_logprobs, state, attempt: Attempt,
+                             record: "_AttemptRecord", report_cached: bool,
+                             open_seqs: set[int]) -> AsyncIterator[TokenEvent]:
         state.stream = decode.Generate(generate, metadata=metadata)
+        lost = lambda message: WorkerLost(message, "decode_stream", route.decode.worker_id,  # noqa: E731
+                                          route.decode.instance_nonce)
         try:
             async for chunk in state.stream:
                 out, usage = chunk_from_proto(chunk, generate.request_id, want_logprobs)
                 if out.finish_reason == "abort":
                     state.stream_done = True
-                    raise BackendUnavailable("the decode worker aborted the request")
+                    raise lost("the decode worker aborted the request")
                 if out.finished:
                     open_seqs.discard(out.index)
                 done = not open_seqs or out.request_finished  # usage comes with the last chunk
                 if done:
                     state.stream_done = state.completed = True
+                    if attempt.resumed and route.colocated and usage is not None:
+                        self._rebuilt(record, RebuiltTokens.of_local(len(generate.prompt_token_ids),
+                                                                     usage.cached_tokens))
                 if out.token_ids or out.finished or out.prompt_logprobs is not None:
                     cached = usage.cached_tokens if report_cached and usage is not None else None
-                    yield token_event(out, generate.prompt_token_ids, want_logprobs, cached_tokens=cached)
+                    event = token_event(out, request_prompt(generate), want_logprobs, cached_tokens=cached)
+                    event.index = attempt.indices[out.index]
+                    yield event
                 if done:
                     return
         except grpc.aio.AioRpcError as exc:
             state.stream_done = True
+            if exc.code() in _LOST_CODES:
+                raise _lost(exc, "decode worker (generate)", "decode_stream", route.decode) from None
             raise rpc_error(exc, "decode worker (generate)") from None
         state.stream_done = True
-        raise BackendUnavailable("the decode stream ended without a finish reason")
+        raise lost("the decode stream ended without a finish reason")
 
     # --- cleanup ------------------------------------------------------------------------
 
@@ -357,6 +505,24 @@ class GrpcBackend:
                                        timeout=self.config.cleanup_timeout_s)
         except Exception as exc:  # best effort: the router forgets unreleased requests by TTL
             log.debug("request %s: router release failed: %s", request_id, exc)
+
+
+@dataclass
+class _AttemptRecord:
+    """What an attempt learnt on the way, for the one that may follow it."""
+    checkpoint: str = ""     # the router's choice's checkpoint fingerprint: a move stays on it
+    decode_worker: str = ""
+    span: object = None      # a moved attempt's `migrate` span
+
+
+def _lost(exc: grpc.aio.AioRpcError, what: str, cause: str, worker: duet_pb2.WorkerRef) -> WorkerLost:
+    return WorkerLost(f"{what}: {exc.details() or exc.code().name}", cause, worker.worker_id, worker.instance_nonce)
+
+
+def request_prompt(generate: duet_pb2.GenerateRequest) -> list[int]:
+    """The prompt of a Generate request, without a moved stream's tokens (prompt logprobs index it)."""
+    ids = generate.prompt_token_ids
+    return list(ids[:len(ids) - generate.resumed_output_tokens])
 
 
 @dataclass

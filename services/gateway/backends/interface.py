@@ -35,6 +35,9 @@ class GenerationRequest:
     prompt_token_ids: list[int]
     sampling: SamplingParams  # the engine's own type (no torch): one from the gateway to the engine
     model: str = ""
+    # the client request it came from (a prompt list's prompts share it; "" = its own): the
+    # workers' engines take waiting requests round robin across groups
+    group: str = ""
     # W3C trace context (traceparent / tracestate) of the gateway's span, for RPC metadata.
     trace_context: dict[str, str] = field(default_factory=dict)
     # the prefix-cache namespace (tenant and cache_salt), tenant (http_edge/cache_namespace.py) and

@@ -129,7 +129,8 @@ class LocalBackend:
         rid = request.request_id
 
         def add() -> None:
-            engine.add_request(list(request.prompt_token_ids), params, rid, scope=request.cache_scope)
+            engine.add_request(list(request.prompt_token_ids), params, rid, scope=request.cache_scope,
+                               request_group=request.group)
             loop.attach(rid, aloop, outputs)
 
         if params.grammar is not None:  # compile off the engine thread (a bad one: 400)

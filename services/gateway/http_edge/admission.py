@@ -5,16 +5,24 @@ weighing `n` sequences, the KV tokens they can fill (prompt + n x max_tokens) an
 tokens. Units run while the running ones fit the budget: at most `sequences` sequences (by
 default the live workers' batch capacity), when set `tokens` KV tokens, and `prefill_tokens`
 prompt tokens not yet prefilled (by default a couple of the prefill workers' steps: a unit
-counts there from its grant to its first token). So the workers' own first-come queues stay
-short and the order in which work reaches them is decided here, fairly. A unit alone always
-runs (what can never fit a worker was refused with a 400 before).
+counts there from its grant to its first token). So the workers' own queues stay short and
+the order in which work reaches them is decided here, fairly. A unit alone always runs (what
+can never fit a worker was refused with a 400 before). The prefill budget is shared: when it
+is full, a tenant holding less than its share of it (the budget over the tenants with work
+running or waiting) still gets a unit through, so a newcomer's prompt reaches the workers at
+once (their engines take turns by request) instead of after a prompt list's prompts drain.
+Likewise the last sixteenth of the sequence budget is kept for tenants holding less than
+their share of it counting one tenant more: prompt lists that fill the batch between them
+leave a newcomer a place in it, which they could otherwise hold for minutes.
 
 Fairness: waiting units are served by tenant (an API key, else the request itself), the
 tenant with the smallest dominant share of the running work first (its sequences or tokens
 over the budget, whichever is larger); within a tenant, the request with the fewest running
 sequences first (one key's small request is not queued behind the same key's prompt list);
-within a request, in order. A unit that does not fit the budget stops the line, so a big
-unit is never overtaken forever. One
+within a request, in order. A unit that does not fit the budget yet is passed by the next
+ones in that order that do fit (a long prompt waiting for the prefill budget does not hold up
+a short one), until it has waited `aging_s`: from then on nobody passes it, so the room freed
+meanwhile is its and a big unit is never starved. One
 request runs at most `max_request_share` of the sequence budget at once (its other prompts
 wait behind its own), so a newcomer finds room at once; and a prompt list of 1024 cannot
 fill the workers ahead of another user's one-token request: when room frees, the user with
@@ -36,8 +44,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+
+NEWCOMER_ROOM = 16  # 1/16 of the sequence budget is kept for tenants with little running
 
 
 class AdmissionRefused(Exception):
@@ -79,7 +91,7 @@ class AdmissionStats:
 class _Share:
     sequences: int = 0
     tokens: int = 0
-    prefill_tokens: int = 0  # the gateway-wide total only
+    prefill_tokens: int = 0
 
 
 @dataclass(eq=False)
@@ -88,14 +100,18 @@ class _Waiter:
     work: Work
     first: bool  # the request's first unit (counts as a queued request; has a deadline)
     order: int
+    since: float  # when it started waiting (the queue's clock): aging
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
 class AdmissionQueue:
     def __init__(self, max_concurrent: int, max_queued: int, queue_timeout_s: float, retry_after_s: float = 1.0,
-                 *, budget: Callable[[], Budget] | None = None, max_request_share: float = 1.0):
-        if min(max_concurrent, max_queued, queue_timeout_s) < 0 or not 0 < max_request_share <= 1:
+                 *, budget: Callable[[], Budget] | None = None, max_request_share: float = 1.0,
+                 aging_s: float = 10.0, clock: Callable[[], float] = time.monotonic):
+        if min(max_concurrent, max_queued, queue_timeout_s, aging_s) < 0 or not 0 < max_request_share <= 1:
             raise ValueError("admission limits must be >= 0, the request share in (0, 1]")
+        self.aging_s = aging_s  # a unit that does not fit is passed until it has waited this long
+        self.clock = clock
         self.max_concurrent = max_concurrent  # requests admitted at once; 0 = unbounded (no queue either)
         self.max_queued = max_queued
         self.queue_timeout_s = queue_timeout_s  # 0 = wait without a deadline
@@ -139,16 +155,30 @@ class AdmissionQueue:
         toks = mine.tokens / budget.tokens if budget.tokens else 0.0
         return max(seqs, toks)
 
-    def _fits_budget(self, work: Work, budget: Budget) -> bool:
+    def _fits_budget(self, work: Work, budget: Budget, tenant: str, tenants: int) -> bool:
+        """tenants: how many have work running or waiting (the fair shares)."""
         run = self.running
         if run.sequences == 0:
             return True  # alone, a unit always runs
-        if budget.sequences and run.sequences + work.sequences > budget.sequences:
-            return False
+        mine = self._tenants.get(tenant) or _Share()
+        if budget.sequences:
+            total = run.sequences + work.sequences
+            if total > budget.sequences:
+                return False
+            # the last sixteenth of the batch is kept for tenants below their share counting one
+            # more (a newcomer): two prompt lists cannot fill the batch ahead of a third client
+            if total > budget.sequences - budget.sequences // NEWCOMER_ROOM \
+                    and mine.sequences + work.sequences > budget.sequences / (tenants + 1):
+                return False
         if budget.tokens and run.tokens + work.tokens > budget.tokens:
             return False
-        return not (budget.prefill_tokens and run.prefill_tokens
-                    and run.prefill_tokens + work.prompt_tokens > budget.prefill_tokens)
+        if not budget.prefill_tokens or not run.prefill_tokens \
+                or run.prefill_tokens + work.prompt_tokens <= budget.prefill_tokens:
+            return True
+        # the budget is full, but each tenant is owed its share of it: a newcomer's prompt goes to
+        # the workers now (their engines take turns by request) instead of after the bulk's
+        # prompts drain; what this lets through stays below another prefill budget in all
+        return mine.prefill_tokens + work.prompt_tokens <= budget.prefill_tokens / max(tenants, 1)
 
     def request_bound(self, budget: Budget) -> int:
         """Sequences one request may run at once (0: no bound beyond the budget)."""
@@ -163,24 +193,33 @@ class AdmissionQueue:
         return bool(bound and held and held + w.work.sequences > bound)
 
     def _dispatch(self) -> None:
-        """Grant waiting units, fairest tenant first, while they fit."""
+        """Grant waiting units, fairest tenant first, while some fit: one that does not fit
+        yet is passed by the next that do, unless it has waited `aging_s` (then it waits for
+        room and nobody passes it)."""
         self._waiters = [w for w in self._waiters if not w.future.done()]
         while self._waiters:
             budget = self.budget()
-            bound = self.request_bound(budget)
-            heads: dict[int, _Waiter] = {}
-            for w in self._waiters:  # each request's oldest unit that the request's bound lets run
-                if id(w.ticket) not in heads and not self._blocked_by_request(w, bound):
-                    heads[id(w.ticket)] = w
-            if not heads:
+            w = self._next_grant(budget, self.request_bound(budget))
+            if w is None:
                 return
-            w = min(heads.values(), key=lambda h: (self._share(h.ticket.tenant, budget),
-                                                   h.ticket.running_sequences, h.order))
-            if not self._fits_budget(w.work, budget):
-                return  # the fairest unit waits for room; nobody overtakes it
             self._waiters.remove(w)
             self._take(w.ticket, w.work, w.first)
             w.future.set_result(None)
+
+    def _next_grant(self, budget: Budget, bound: int) -> _Waiter | None:
+        heads: dict[int, _Waiter] = {}
+        for w in self._waiters:  # each request's oldest unit that the request's bound lets run
+            if id(w.ticket) not in heads and not self._blocked_by_request(w, bound):
+                heads[id(w.ticket)] = w
+        now = self.clock()
+        tenants = len(set(self._tenants) | {w.ticket.tenant for w in self._waiters})
+        for w in sorted(heads.values(), key=lambda h: (self._share(h.ticket.tenant, budget),
+                                                       h.ticket.running_sequences, h.order)):
+            if self._fits_budget(w.work, budget, w.ticket.tenant, tenants):
+                return w
+            if now - w.since >= self.aging_s:
+                return None  # it has waited long enough: the room freed from now on is its
+        return None
 
     def _take(self, ticket: "Ticket", work: Work, first: bool) -> None:
         if first:
@@ -192,27 +231,29 @@ class AdmissionQueue:
         share = self._tenants.setdefault(ticket.tenant, _Share())
         share.sequences += work.sequences
         share.tokens += work.tokens
+        share.prefill_tokens += work.prompt_tokens
         ticket.running_sequences += work.sequences
 
-    def _prefilled(self, work: Work) -> None:
+    def _prefilled(self, ticket: "Ticket", work: Work) -> None:
         self.running.prefill_tokens -= work.prompt_tokens
+        self._tenants[ticket.tenant].prefill_tokens -= work.prompt_tokens
         assert self.running.prefill_tokens >= 0, "prefill tokens released twice"
 
     def _give_back(self, ticket: "Ticket", work: Work, prefilling: bool = True) -> None:
         if prefilling:
-            self._prefilled(work)
+            self._prefilled(ticket, work)
         self.running.sequences -= work.sequences
         self.running.tokens -= work.tokens
         assert self.running.sequences >= 0 and self.running.tokens >= 0, "admitted work released twice"
         share = self._tenants[ticket.tenant]
         share.sequences -= work.sequences
         share.tokens -= work.tokens
-        if share.sequences == 0 and share.tokens == 0:
+        if share.sequences == 0 and share.tokens == 0 and share.prefill_tokens == 0:
             del self._tenants[ticket.tenant]
         ticket.running_sequences -= work.sequences
 
     async def _wait(self, ticket: "Ticket", work: Work, first: bool) -> None:
-        waiter = _Waiter(ticket, work, first, next(self._order))
+        waiter = _Waiter(ticket, work, first, next(self._order), self.clock())
         self._waiters.append(waiter)
         self._dispatch()
         if waiter.future.done():
@@ -252,7 +293,7 @@ class Grant:
         if self.held and self.prefilling:
             self.prefilling = False
             queue = self._ticket._queue
-            queue._prefilled(self.work)
+            queue._prefilled(self._ticket, self.work)
             queue._dispatch()
 
     def release(self) -> None:

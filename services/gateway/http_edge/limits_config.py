@@ -40,6 +40,10 @@ class GatewayLimits:
         0.5, flag="--max-request-share", env="DUET_MAX_REQUEST_SHARE",
         help="share of --max-running-sequences one request runs at once (its other prompts wait behind "
              "them), so another client finds room at once; 1 = the whole budget")
+    admission_aging_s: float = setting(
+        10.0, flag="--admission-aging", env="DUET_ADMISSION_AGING",
+        help="a waiting prompt that does not fit the budget yet is passed by later ones that fit until it "
+             "has waited this many seconds; then nothing passes it until it fits")
     retry_after_s: float = setting(1.0, flag="--retry-after", env="DUET_RETRY_AFTER",
                                    help="Retry-After seconds on a 429")
     # Request bodies: larger ones get 413; a body not fully sent within body_timeout_s gets 408.

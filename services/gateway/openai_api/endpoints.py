@@ -105,7 +105,8 @@ class GatewayContext:
     def __post_init__(self) -> None:
         lim = self.limits
         self.admission = AdmissionQueue(lim.max_concurrent, lim.max_queued, lim.queue_timeout_s, lim.retry_after_s,
-                                        budget=self.admission_budget, max_request_share=lim.max_request_share)
+                                        budget=self.admission_budget, max_request_share=lim.max_request_share,
+                                        aging_s=lim.admission_aging_s)
         register_admission_metrics(self.metrics.registry, self.admission)
         self.token_strings = TokenStrings(self.prompts.tokenizer)
         parser = "auto" if self.tool_call_parser == "none" else self.tool_call_parser
@@ -338,8 +339,8 @@ class OpenAIEndpoints:
             for k, prompt_ids in enumerate(prepared.prompts):
                 rid = prepared.request_id if len(prepared.prompts) == 1 else f"{prepared.request_id}-{k}"
                 gen_request = GenerationRequest(rid, prompt_ids, prepared.sampling,
-                                                model=self.ctx.served_model_name, trace_context=trace_context,
-                                                cache_scope=cache_scope)
+                                                model=self.ctx.served_model_name, group=prepared.request_id,
+                                                trace_context=trace_context, cache_scope=cache_scope)
                 metrics.prompt_tokens.labels(endpoint).inc(len(prompt_ids))
                 generations.append(Generation(self.ctx.backend, gen_request, self.ctx.prompts.tokenizer, metrics,
                                               endpoint, arrived_at=arrived_at))

@@ -47,7 +47,6 @@ class DraftSeq:
     num_computed: int = 0  # positions whose draft KV is valid
     params: SamplingParams = field(default_factory=lambda: _NO_LOGPROBS)
     num_prompt: int = 0
-    kv_load_event: object = None
     # set by a proposal: the request's length when it drafted, and how far the draft's KV
     # then reached (positions up to tentative - 1 hold its own drafts)
     base: int = 0

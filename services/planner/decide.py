@@ -1,0 +1,138 @@
+"""The planner's decision: keep the current split of the workers, or move to the split predicted
+best (predict.py), with hysteresis and a minimum dwell time so it does not flap.
+
+Every reading ends in one Decision: `switch` (roles change now), `hold` (another split is better
+but the margin or the dwell time stops it) or `keep` (the current split is the best, or there
+is too little to judge by). Rules, in order:
+- a split that cannot serve (no `both` worker and no prefill + decode pair: a worker died) is
+  left at once for the best servable one, whatever the dwell (reason `unservable`); but not
+  before the workers were first seen able to serve: while they start and join one by one the
+  planner keeps the roles they were started in (`starting`);
+- no step model published yet (`no_model`), or fewer requests in the window than
+  `--planner-min-requests` (`idle`): keep;
+- the best split (lowest score; ties go to the current split, then to the fewest role changes)
+  replaces the current one only if the current one's score is higher by more than the
+  hysteresis (`--planner-hysteresis`) and the current split has stood `--planner-dwell` seconds
+  (from the planner's start, and from its last change); the reason is `slo` when the current
+  split is predicted past a target, else `headroom`.
+Kubernetes pool sizes change by the same rules, one pod at a time (`pool_step`)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from services.planner.load_window import Load
+from services.planner.predict import Corrections, Fleet, Prediction, Split, candidates, predict
+
+ACTIONS = ("switch", "scale", "hold", "keep")
+REASONS = ("unservable", "slo", "headroom", "hysteresis", "dwell", "idle", "no_model", "best", "starting", "failed")
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: str               # switch | hold | keep (scale: pool_step's)
+    reason: str
+    current: Split
+    target: Split             # the split wanted now (the current one when keeping)
+    load: Load
+    predictions: dict = field(default_factory=dict)  # Split -> Prediction
+    corrections: Corrections = Corrections()
+
+    def prediction(self, split: Split) -> Prediction | None:
+        return self.predictions.get(split)
+
+
+def moves(a: Split, b: Split) -> int:
+    """Workers whose role differs between two splits of as many workers."""
+    return (abs(a.prefill - b.prefill) + abs(a.decode - b.decode) + abs(a.both - b.both)) // 2
+
+
+def best_of(preds: dict, current: Split) -> Prediction:
+    return min(preds.values(), key=lambda p: (p.score, p.split != current, moves(p.split, current), p.split))
+
+
+@dataclass
+class Decider:
+    hysteresis: float
+    dwell_s: float
+    min_requests: int
+    changed_at: float  # monotonic: the planner's start, then each change it made
+    served: bool = False  # the workers were seen able to serve at least once
+
+    def dwelt(self, now: float) -> bool:
+        return now - self.changed_at >= self.dwell_s
+
+    def changed(self, now: float) -> None:
+        self.changed_at = now
+
+    def decide(self, now: float, current: Split, fixed: Split, load: Load, fleet: Fleet | None) -> Decision:
+        options = candidates(current.workers, fixed)
+        self.served = self.served or current.servable
+        if not options:  # no worker, or none that may switch into a servable split
+            return Decision("keep", "best", current, current, load)
+        if not current.servable and not self.served:
+            return Decision("keep", "starting", current, current, load)
+        if not current.servable and options:
+            if fleet is None:  # no model: any servable split beats none; the one with fewest changes
+                target = min(options, key=lambda s: (moves(s, current), s))
+                return Decision("switch", "unservable", current, target, load)
+            corr = Corrections()
+            preds = {s: predict(s, load, fleet, corr) for s in options}
+            return Decision("switch", "unservable", current, best_of(preds, current).split, load, preds, corr)
+        if fleet is None:
+            return Decision("keep", "no_model", current, current, load)
+        corr = Corrections.of(current, load, fleet)
+        preds = {s: predict(s, load, fleet, corr) for s in {*options, current}}
+        if load.requests < self.min_requests:
+            return Decision("keep", "idle", current, current, load, preds, corr)
+        best = best_of({s: p for s, p in preds.items() if s in options}, current)
+        if best.split == current:
+            return Decision("keep", "best", current, current, load, preds, corr)
+        now_score = preds[current].score
+        if not now_score > best.score * (1 + self.hysteresis):
+            return Decision("hold", "hysteresis", current, best.split, load, preds, corr)
+        if not self.dwelt(now):
+            return Decision("hold", "dwell", current, best.split, load, preds, corr)
+        return Decision("switch", "slo" if now_score > 1 else "headroom", current, best.split, load, preds, corr)
+
+
+@dataclass(frozen=True)
+class PoolStep:
+    pool: str      # prefill | decode
+    delta: int     # +1 or -1
+    reason: str    # slo (a target missed at the best split) | headroom (fewer pods still meet them)
+    prediction: Prediction  # the best split after the step
+
+
+def pool_step(live: int, load: Load, fleet: Fleet, corrections: Corrections, hysteresis: float,
+              room: dict[str, tuple[int, int, int]]) -> PoolStep | None:
+    """One pod more or fewer in a pool, or None. `room`: pool -> (replicas, min, max). A pod is
+    added where the best split of one more worker puts it, when even the best split of the
+    workers there are misses a target; one is removed where the best split of one fewer worker
+    takes it, when that split still meets every target with the hysteresis to spare."""
+    def best(n: int) -> Prediction | None:
+        if n < 1:
+            return None
+        preds = {s: predict(s, load, fleet, corrections) for s in candidates(n)}
+        return min(preds.values(), key=lambda p: (p.score, p.split))
+
+    now = best(live)
+    if now is None:
+        return None
+    if now.score > 1:
+        more = best(live + 1)
+        if more is not None and more.score < now.score:
+            first = "prefill" if more.split.prefill > now.split.prefill else "decode"
+            for pool in (first, "decode" if first == "prefill" else "prefill"):
+                replicas, _, most = room[pool]
+                if replicas < most:
+                    return PoolStep(pool, +1, "slo", more)
+        return None
+    fewer = best(live - 1)
+    if fewer is not None and math.isfinite(fewer.score) and fewer.score * (1 + hysteresis) <= 1:
+        first = "prefill" if fewer.split.prefill < now.split.prefill else "decode"
+        for pool in (first, "decode" if first == "prefill" else "prefill"):
+            replicas, least, _ = room[pool]
+            if replicas > least:
+                return PoolStep(pool, -1, "headroom", fewer)
+    return None

@@ -1,0 +1,110 @@
+"""What the load was over the last window: rates of requests and tokens, the uncached share of
+the prompts, the decode streams and their context, KV use and the prefill queue, and the TTFT
+and ITL clients saw, from the planner's readings (scrape.py and the registry).
+
+A counter is read as its growth between the window's first and last reading, per process
+(gateway URL, worker id and instance nonce): a process that restarted or joined counts from its
+first reading in the window. The window restarts when the split changes, so a decision weighs
+only what the current split served."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from shared.registry.worker_info import WorkerInfo
+
+
+@dataclass(frozen=True)
+class Reading:
+    at: float                                  # monotonic seconds
+    gateways: dict[str, dict[str, float]]      # gateway URL -> scrape.gateway_figures
+    workers: dict[str, dict[str, float]]       # worker key -> scrape.worker_figures
+    fleet: tuple[WorkerInfo, ...]              # the registry's live workers
+
+
+@dataclass(frozen=True)
+class Load:
+    seconds: float = 0.0            # the window's span
+    requests: float = 0.0           # requests that got their first token in it
+    requests_per_s: float = 0.0
+    prompt_tokens_per_s: float = 0.0
+    computed_prompt_tokens_per_s: float = 0.0  # what the workers computed: the uncached part
+    output_tokens_per_s: float = 0.0
+    decode_streams: float = 0.0     # mean decode rows running (decode and `both` workers)
+    decode_context: float = 0.0     # mean positions a decode row attends to
+    kv_live_pages: float = 0.0      # mean pages held by live work, all workers
+    queued_prefill_tokens: float = 0.0  # now, all workers
+    ttft_s: float | None = None     # mean time to first token the gateways saw
+    itl_s: float | None = None      # mean inter-token latency the gateways saw
+
+    @property
+    def prompt_tokens(self) -> float:
+        """Mean prompt tokens a request."""
+        return self.prompt_tokens_per_s / self.requests_per_s if self.requests_per_s else 0.0
+
+    @property
+    def uncached_tokens(self) -> float:
+        """Mean prompt tokens a request computed (not found in a prefix cache)."""
+        if not self.requests_per_s:
+            return 0.0
+        return min(self.prompt_tokens, self.computed_prompt_tokens_per_s / self.requests_per_s)
+
+    @property
+    def uncached_share(self) -> float:
+        return self.uncached_tokens / self.prompt_tokens if self.prompt_tokens else 1.0
+
+    @property
+    def output_tokens(self) -> float:
+        return self.output_tokens_per_s / self.requests_per_s if self.requests_per_s else 0.0
+
+
+def _growth(first: dict[str, dict[str, float]], last: dict[str, dict[str, float]], key: str) -> float:
+    """Summed growth of one counter over the processes in the last reading (a process absent
+    from the first, or whose counter went back, restarted: its whole value counts)."""
+    total = 0.0
+    for proc, figures in last.items():
+        now = figures.get(key, 0.0)
+        before = first.get(proc, {}).get(key, 0.0)
+        total += now - before if now >= before else now
+    return total
+
+
+@dataclass
+class LoadWindow:
+    seconds: float
+    readings: deque = field(default_factory=deque)
+
+    def add(self, reading: Reading) -> None:
+        self.readings.append(reading)
+        while len(self.readings) > 2 and reading.at - self.readings[1].at >= self.seconds:
+            self.readings.popleft()
+
+    def reset(self) -> None:
+        """Keep only the last reading: the next window starts from it."""
+        while len(self.readings) > 1:
+            self.readings.popleft()
+
+    def load(self) -> Load:
+        if len(self.readings) < 2:
+            return Load()
+        first, last = self.readings[0], self.readings[-1]
+        span = max(last.at - first.at, 1e-9)
+        g = lambda key: _growth(first.gateways, last.gateways, key)  # noqa: E731
+        requests, itl_count = g("ttft_count"), g("itl_count")
+        rows = context = pages = 0.0
+        for r in self.readings:
+            for w in r.fleet:
+                pages += w.load.kv_usage * w.load.total_pages
+                if w.role != "prefill":
+                    rows += w.load.running_requests
+                    context += w.load.decode_context_tokens
+        n = len(self.readings)
+        return Load(
+            seconds=span, requests=requests, requests_per_s=requests / span,
+            prompt_tokens_per_s=g("prompt_tokens") / span,
+            computed_prompt_tokens_per_s=_growth(first.workers, last.workers, "prefill_tokens") / span,
+            output_tokens_per_s=g("output_tokens") / span,
+            decode_streams=rows / n, decode_context=context / rows if rows else 0.0, kv_live_pages=pages / n,
+            queued_prefill_tokens=float(sum(w.load.queued_prefill_tokens for w in last.fleet)),
+            ttft_s=g("ttft_sum") / requests if requests else None,
+            itl_s=g("itl_sum") / itl_count if itl_count else None)

@@ -1,0 +1,98 @@
+"""The role a worker advertises, and the SetRole RPC that changes it at run time.
+
+A switchable worker (`--switchable`, roles.py: install_switchable) holds every role's parts, so
+a switch is only what it advertises: its registry entry's `role`, which is what the router
+places on. SetRole rewrites the entry at once and publishes a `role` event (watchers read it at
+once, not at their next scan; shared/registry/publisher.py: announce_role), so the router sends
+no new work of the old role from its next Route on. Work already under way (a prefill, a
+reservation, a decoding stream) finishes here, and work of the old role that a router placed
+before it saw the change is still served: nothing is refused for a role, so no request fails
+across a switch. The engine and its KV cache stay, so a decode worker turned `both` keeps the
+conversations it holds (SGLang's runtime prefill<->decode switch rebuilds its role structures
+instead; here they are all built at start). Only the planner may call SetRole
+(shared/security/caller_guard.py); a worker started with a fixed role refuses it."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from prometheus_client import Counter, Gauge
+
+from protos import duet_pb2, duet_pb2_grpc
+from shared.registry.worker_info import ROLES
+
+log = logging.getLogger("duet.worker.role")
+
+
+@dataclass
+class RoleSwitch:
+    """What the worker advertises and how to change it. `info` is the WorkerInfo the publisher
+    sends; `publisher` is set once the host serves (before that a switch only sets the field)."""
+
+    info: object             # WorkerInfo
+    switchable: bool
+    registry: object         # the metrics' CollectorRegistry
+    publisher: object | None = None   # WorkerPublisher
+    since: float = field(default_factory=time.monotonic)
+    switches: int = 0
+
+    def __post_init__(self) -> None:
+        self.role_gauge = Gauge("duet_worker_role", "1 for the role this worker advertises now, 0 for the others",
+                                ["role"], registry=self.registry)
+        self.switch_counter = Counter("duet_worker_role_switches", "Role switches of this worker (SetRole)",
+                                      ["from_role", "to_role"], registry=self.registry)
+        self._show()
+
+    @property
+    def role(self) -> str:
+        return self.info.role
+
+    def _show(self) -> None:
+        for role in ROLES:
+            self.role_gauge.labels(role=role).set(1 if role == self.info.role else 0)
+
+    async def switch(self, role: str, reason: str, inflight: int) -> str:
+        """Advertise `role` now; the role advertised before."""
+        before = self.info.role
+        if self.publisher is not None:
+            await self.publisher.announce_role(role)
+        else:
+            self.info.role = role
+        self.switches += 1
+        self.since = time.monotonic()
+        self.switch_counter.labels(from_role=before, to_role=role).inc()
+        self._show()
+        log.info("role switch: %s -> %s (%s); %d request(s) under way finish here",
+                 before, role, reason or "no reason given", inflight)
+        return before
+
+
+class WorkerAdminService(duet_pb2_grpc.WorkerAdminServicer):
+    def __init__(self, switch: RoleSwitch, ctx):
+        self.switch = switch
+        self.ctx = ctx  # WorkerContext: the engine loop, book, outgoing
+
+    async def SetRole(self, request: duet_pb2.SetRoleRequest, context: grpc.aio.ServicerContext):
+        switch = self.switch
+        if not switch.switchable:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"worker {self.ctx.worker_id} was started with the fixed role {switch.role} "
+                                f"(start it with --switchable to change roles at run time)")
+        if request.role not in ROLES:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"role must be one of {', '.join(ROLES)}, got {request.role!r}")
+        inflight = await self.ctx.loop.acall(self._inflight)
+        if request.role == switch.role:
+            return duet_pb2.SetRoleReply(role=switch.role, previous_role=switch.role, changed=False,
+                                         inflight_requests=inflight)
+        before = await switch.switch(request.role, request.reason, inflight)
+        return duet_pb2.SetRoleReply(role=request.role, previous_role=before, changed=True,
+                                     inflight_requests=inflight)
+
+    def _inflight(self) -> int:
+        """On the engine loop: requests in the engine (prefills writing out among them) plus
+        reservations waiting for their KV."""
+        ctx = self.ctx
+        return len(ctx.engine.requests) + (len(ctx.book.open) if ctx.book is not None else 0)

@@ -1,0 +1,121 @@
+"""Which device pages are worth a copy in the host tier when the device gives them up: chosen
+by expected reuse, one setting (`--host-tier-write-policy`).
+
+- `reused` (the default): a node is written back when something says it will be read again:
+  a request's match found it (`hit`: a prefix several requests share, or a turn the next one
+  extended), it was inserted by a request that continued a sequence this worker held (a
+  conversation still alive: `conversation`), or a descendant already has a host copy that
+  would be useless without it (`prefix`). Everything else leaves the device without a copy
+  (`not_reused`): single-turn prompts nobody repeats cost no copy bandwidth and no host room.
+- `all`: every page leaving the device is worth a copy (the tier as it was first built).
+- `off`: nothing is written (the tier stays allocated; for comparing with and without).
+
+SGLang's HiCache writes a node when its hit count reaches a threshold (`write_through` at the
+first insert, `write_through_selective` at the second hit; `write_back` copies every page at
+eviction and waits for it); vLLM's CPU offloading and LMCache store every computed block. The
+hit rule here is SGLang's selective one at one hit; what it adds is the conversation: a chat's
+newest turn has never been hit when the device needs its pages, yet it is the most likely to
+be read next, so a request that extends a sequence this worker held marks what it inserts.
+
+A conversation's turn may come back after its previous turn left the cache altogether (not
+written back, or the host tier dropped it). `SequenceGhosts` remembers the chained hashes of
+sequences that left (a bounded set, newest kept), so that turn is still recognised as a
+continuation and its own pages are kept: a conversation loses at most the one turn."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from shared.settings import parsers
+from shared.settings.spec import setting
+
+POLICIES = ("reused", "all", "off")
+
+# why a page was written back
+KEEP_HIT, KEEP_CONVERSATION, KEEP_PREFIX, KEEP_ALL = "hit", "conversation", "prefix", "all"
+# why a page left the device without a copy
+DROP_NOT_REUSED = "not_reused"  # the policy saw no sign of reuse
+DROP_OFF = "off"  # --host-tier-write-policy off
+DROP_COPY_IN_FLIGHT = "copy_in_flight"  # its copy had not landed when the device needed the page
+DROP_NOT_COPIED = "not_copied"  # worth a copy, but write-back (its window, its bandwidth) had not reached it
+DROP_REASONS = (DROP_NOT_REUSED, DROP_OFF, DROP_COPY_IN_FLIGHT, DROP_NOT_COPIED)
+KEEP_REASONS = (KEEP_HIT, KEEP_CONVERSATION, KEEP_PREFIX, KEEP_ALL)
+
+
+def keep_reason(policy: str, node) -> str | None:
+    """Why `node` (radix_cache.RadixNode) is worth a host copy under `policy`, or None."""
+    if policy == "all":
+        return KEEP_ALL
+    if policy == "off":
+        return None
+    if node.hits:
+        return KEEP_HIT
+    if node.conversation:
+        return KEEP_CONVERSATION
+    if any(child.host_pages for child in node.children.values()):
+        return KEEP_PREFIX
+    return None
+
+
+def drop_reason(policy: str, wanted: str | None, copy_in_flight: bool) -> str:
+    """Why a node leaves the device without a copy: `wanted` is its keep_reason."""
+    if wanted is None:
+        return DROP_OFF if policy == "off" else DROP_NOT_REUSED
+    return DROP_COPY_IN_FLIGHT if copy_in_flight else DROP_NOT_COPIED
+
+
+def rolling_page_hashes(tokens: Sequence[int], page_size: int, namespace: int) -> list[int]:
+    """A hash per full page covering every token up to it (process-local: Python's tuple hash
+    of ints is the same for the process's life; cheap next to the registry's blake2b chain)."""
+    out, h = [], hash(("ns", namespace))
+    for start in range(0, len(tokens) - page_size + 1, page_size):
+        h = hash((h, tuple(tokens[start:start + page_size])))
+        out.append(h)
+    return out
+
+
+class SequenceGhosts:
+    """The ends of sequences that left the cache, newest kept, at most `capacity`."""
+
+    def __init__(self, page_size: int, capacity: int = 1 << 14):
+        self.page_size = page_size
+        self.capacity = capacity
+        self._ends: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._ends)
+
+    def remember(self, tokens: Sequence[int], namespace: int) -> None:
+        """A sequence (its tokens from the first page on, whole pages) left the cache."""
+        hashes = rolling_page_hashes(tokens, self.page_size, namespace)
+        if not hashes:
+            return
+        self._ends[hashes[-1]] = None
+        self._ends.move_to_end(hashes[-1])
+        while len(self._ends) > self.capacity:
+            self._ends.popitem(last=False)
+
+    def continued_by(self, tokens: Sequence[int], namespace: int) -> bool:
+        """Whether `tokens` extend a sequence that left (all of it, to its last whole page)."""
+        if not self._ends:
+            return False
+        ends = self._ends
+        return any(h in ends for h in rolling_page_hashes(tokens, self.page_size, namespace))
+
+
+@dataclass
+class HostTierWrites:
+    """The write-back settings (one policy, one bound); no heavy imports: `--help` reads this."""
+
+    policy: str = setting(
+        "reused", flag="--kv-host-write-policy", env="DUET_KV_HOST_WRITE_POLICY", choices=POLICIES,
+        help="which pages leaving the device are copied to the host KV tier: reused (pages a request's match "
+             "found, and a continued conversation's), all, or off")
+    bandwidth: int = setting(
+        16 << 30, flag="--kv-host-write-bandwidth", env="DUET_KV_HOST_WRITE_BANDWIDTH", parse=parsers.size,
+        help="bytes a second the write-back to the host KV tier may copy, per rank, e.g. 16G; 0 = unbounded")
+
+    def __post_init__(self) -> None:
+        if self.bandwidth < 0:
+            raise ValueError(f"--kv-host-write-bandwidth must be >= 0, got {self.bandwidth}")

@@ -1,0 +1,172 @@
+"""The planner's decision model (services/planner/): the load a window of readings shows, the
+splits predicted by the workers' step models, and the decision with hysteresis and a minimum
+dwell time; which workers switch, in what order; one pod more or fewer in a Kubernetes pool.
+
+The workers and the two loads (long single-turn prompts with answers streaming beside them,
+then multi-turn chat whose turns are mostly cached where the conversation lives, as in
+tests/e2e/test_e2e_planner.py) are tests/helpers/planner_fleet.py's."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from services.planner.assign import assign, fixed_split
+from services.planner.decide import Decider, pool_step
+from services.planner.load_window import Load, LoadWindow, Reading
+from services.planner.predict import Corrections, Fleet, Split, candidates, predict
+from shared.registry.worker_info import WorkerInfo
+from tests.helpers.planner_fleet import CHAT, LONG, long_prompts, worker
+
+
+def fleet(*workers: WorkerInfo, ttft_s: float = 5.0) -> Fleet:
+    return Fleet.of(list(workers) or [worker("w0", "prefill"), worker("w1", "decode")], ttft_s, 0.0)
+
+
+def decider(**kw) -> Decider:
+    return Decider(**{"hysteresis": 0.2, "dwell_s": 60.0, "min_requests": 20, "changed_at": 0.0, **kw})
+
+
+P1D1, B2 = Split(1, 1, 0), Split(0, 0, 2)
+
+
+def test_long_prompts_keep_the_split_and_multi_turn_chat_moves_every_worker_to_both():
+    d, f = decider(), fleet()
+    long = d.decide(100.0, P1D1, Split(), LONG, f)
+    assert (long.action, long.reason, long.target) == ("keep", "best", P1D1)
+    # the split keeps prefill out of the decode steps: both the ITL and the TTFT are lower
+    split, both = long.prediction(P1D1), long.prediction(B2)
+    assert split.itl_s < both.itl_s and split.ttft_s < both.ttft_s
+    chat = d.decide(100.0, P1D1, Split(), CHAT, f)
+    assert (chat.action, chat.target) == ("switch", B2) and chat.reason in ("slo", "headroom")
+    # one worker carried every stream and its prefills; two share them
+    assert chat.prediction(B2).itl_s * 1.2 < chat.prediction(P1D1).itl_s
+    assert chat.prediction(B2).score * 1.2 < chat.prediction(P1D1).score
+
+
+def test_a_split_changes_only_past_the_hysteresis():
+    f = fleet()
+    # fewer long prompts, fewer streams: the split is better than two `both` workers, by less than 20%
+    light = Load(**{**LONG.__dict__, "requests_per_s": 0.2, "prompt_tokens_per_s": 50,
+                    "computed_prompt_tokens_per_s": 50, "decode_streams": 0.5})
+    back = decider().decide(100.0, B2, Split(), light, f)
+    assert back.target == P1D1 and back.prediction(B2).score / back.prediction(P1D1).score < 1.2
+    assert (back.action, back.reason) == ("hold", "hysteresis")
+    eager = decider(hysteresis=0.1).decide(100.0, B2, Split(), light, f)
+    assert (eager.action, eager.target) == ("switch", P1D1)
+    assert decider().decide(100.0, B2, Split(), LONG, f).action == "switch"  # the full load: by more
+
+
+def test_a_split_stands_its_dwell_time_from_the_start_and_from_each_change():
+    d, f = decider(), fleet()
+    assert (d.decide(30.0, P1D1, Split(), CHAT, f).action, d.decide(30.0, P1D1, Split(), CHAT, f).reason) == \
+        ("hold", "dwell")
+    assert d.decide(60.0, P1D1, Split(), CHAT, f).action == "switch"
+    d.changed(100.0)
+    held = d.decide(159.0, P1D1, Split(), CHAT, f)
+    assert (held.action, held.reason, held.target) == ("hold", "dwell", B2)
+    assert d.decide(160.0, P1D1, Split(), CHAT, f).action == "switch"
+
+
+def test_too_little_load_or_no_model_keeps_the_split():
+    d = decider()
+    few = Load(**{**CHAT.__dict__, "requests": 19})
+    assert (d.decide(100.0, P1D1, Split(), few, fleet()).reason) == "idle"
+    assert Fleet.of([worker("w0", "prefill", model=None), worker("w1", "decode", model=None)], 5.0, 0.0) is None
+    assert d.decide(100.0, P1D1, Split(), CHAT, None).reason == "no_model"
+
+
+def test_workers_that_cannot_serve_are_fixed_at_once_but_not_while_they_join():
+    d = decider()
+    starting = d.decide(1.0, Split(1, 0, 0), Split(), Load(), fleet())
+    assert (starting.action, starting.reason) == ("keep", "starting")  # the decode worker is still loading
+    assert d.decide(2.0, P1D1, Split(), Load(), fleet()).action == "keep"
+    lost = d.decide(3.0, Split(1, 0, 0), Split(), Load(), fleet())  # the decode worker died
+    assert (lost.action, lost.reason, lost.target) == ("switch", "unservable", Split(0, 0, 1))
+    assert candidates(0) == [] and d.decide(4.0, Split(), Split(), Load(), None).action == "keep"  # all gone
+
+
+def test_workers_that_cannot_switch_keep_their_roles_in_every_split():
+    assert candidates(3) == [Split(0, 0, 3), Split(1, 2, 0), Split(2, 1, 0)]
+    assert candidates(3, Split(0, 1, 0)) == [Split(1, 2, 0), Split(2, 1, 0)]
+    workers = [worker("a", "prefill"), worker("b", "decode", switchable=False), worker("c", "decode")]
+    assert fixed_split(workers) == Split(0, 1, 0)
+    decision = decider().decide(100.0, Split(1, 2, 0), fixed_split(workers), CHAT, fleet(*workers))
+    assert Split(0, 0, 3) not in decision.predictions and decision.target.decode >= 1
+    fixed, free = worker("f", "prefill", switchable=False), worker("s", "decode")
+    assert [(w.worker_id, role) for w, role in assign([fixed, free], B2)] == [("s", "both")]
+
+
+def test_the_least_loaded_workers_switch_in_an_order_that_always_serves():
+    workers = [worker("w0", "prefill", running=1), worker("w1", "decode", running=5), worker("w2", "decode", running=2)]
+    moves = assign(workers, Split(0, 0, 3))
+    assert [(w.worker_id, role) for w, role in moves] == [("w0", "both"), ("w2", "both"), ("w1", "both")]
+    moves = assign(workers, Split(2, 1, 0))  # the busier decode worker keeps its streams
+    assert [(w.worker_id, role) for w, role in moves] == [("w2", "prefill")]
+    both = [worker("w0", "both", running=3), worker("w1", "both", running=1)]
+    moves = assign(both, P1D1)  # the prefill worker first: its pair stays `both` until then
+    assert [(w.worker_id, role) for w, role in moves] == [("w1", "prefill"), ("w0", "decode")]
+    roles = {w.worker_id: w.role for w in both}
+    for w, role in moves:
+        roles[w.worker_id] = role
+        assert Split.of(roles.values()).servable
+
+
+def test_the_window_reads_counters_as_their_growth_and_a_restart_from_zero():
+    def reading(at, ttft_count, ttft_sum, prompt, computed, running=2, nonce="n1"):
+        gateway = {"ttft_count": ttft_count, "ttft_sum": ttft_sum, "itl_count": 10 * ttft_count,
+                   "itl_sum": ttft_count * 1.0, "prompt_tokens": prompt, "output_tokens": 10 * ttft_count}
+        return Reading(at, {"g": gateway}, {f"w1/{nonce}": {"prefill_tokens": computed, "decode_tokens": 0.0}},
+                       (worker("w1", "decode", running=running, kv=0.25),))
+
+    window = LoadWindow(seconds=10.0)
+    window.add(reading(0.0, 100, 50.0, 30000, 9000))
+    assert window.load() == Load()  # one reading: no rate yet
+    window.add(reading(5.0, 110, 60.0, 33000, 9300))
+    load = window.load()
+    assert load.requests == 10 and load.requests_per_s == pytest.approx(2.0)
+    assert load.prompt_tokens == pytest.approx(300) and load.uncached_tokens == pytest.approx(30)
+    assert load.ttft_s == pytest.approx(1.0) and load.itl_s == pytest.approx(0.1)
+    assert load.decode_streams == 2 and load.kv_live_pages == pytest.approx(100)
+    window.add(reading(10.0, 120, 70.0, 36000, 250, nonce="n2"))  # the worker restarted: counts from 0
+    assert window.load().computed_prompt_tokens_per_s == pytest.approx(250 / 10)
+    window.add(reading(16.0, 130, 80.0, 39000, 500, nonce="n2"))  # older than 10 s: dropped
+    assert window.load().seconds == pytest.approx(11.0)
+    window.reset()
+    assert window.load() == Load()
+
+
+def test_predictions_are_corrected_by_what_the_gateways_saw():
+    f = fleet()
+    seen = Load(**{**CHAT.__dict__, "ttft_s": 10.0, "itl_s": 0.05})
+    corr = Corrections.of(P1D1, seen, f)
+    plain = predict(P1D1, seen, f)
+    assert corr.ttft == 4.0  # clamped: at most 4x
+    assert corr.itl == pytest.approx(max(0.25, 0.05 / plain.itl_s))
+    assert predict(B2, seen, f, corr).ttft_s == pytest.approx(predict(B2, seen, f).ttft_s * corr.ttft)
+    assert math.isinf(predict(Split(1, 0, 0), seen, f).score)  # a prefill worker alone serves nothing
+
+
+def test_a_pool_grows_where_a_target_is_missed_and_shrinks_with_headroom_to_spare():
+    f, room = fleet(ttft_s=5.0), {"prefill": (1, 1, 4), "decode": (1, 1, 4)}
+    prompts = pool_step(2, long_prompts(1.2, 2.0), f, Corrections(), 0.2, room)  # prefill past its capacity
+    assert (prompts.pool, prompts.delta, prompts.reason, prompts.prediction.split) == ("prefill", 1, "slo", Split(2, 1))
+    streams = pool_step(2, long_prompts(0.6, 6.0), f, Corrections(), 0.2, room)  # six streams on one decode worker
+    assert (streams.pool, streams.delta, streams.prediction.split) == ("decode", 1, Split(1, 2))
+    full = {"prefill": (4, 1, 4), "decode": (1, 1, 4)}  # the prefill pool at its bound: the other one grows
+    assert pool_step(2, long_prompts(1.2, 2.0), f, Corrections(), 0.2, full).pool == "decode"
+    assert pool_step(2, long_prompts(0.4, 1.0), f, Corrections(), 0.2, room) is None  # within the targets
+    light = long_prompts(0.05, 0.3)
+    fewer = pool_step(3, light, f, Corrections(), 0.2, {"prefill": (1, 1, 4), "decode": (2, 1, 4)})
+    assert (fewer.pool, fewer.delta, fewer.reason) == ("decode", -1, "headroom")
+    assert pool_step(3, light, f, Corrections(), 0.2, {"prefill": (1, 1, 4), "decode": (2, 2, 4)}) is None  # bounds
+    other = pool_step(3, light, f, Corrections(), 0.2, {"prefill": (2, 1, 4), "decode": (1, 1, 4)})
+    assert (other.pool, other.delta) == ("prefill", -1)
+
+
+def test_the_ttft_target_defaults_by_device_and_the_itl_target_to_the_workers():
+    from shared.perf_model.config import TtftTarget
+    assert TtftTarget().target_s(on_gpu=True) == 1.0 and TtftTarget().target_s(on_gpu=False) == 5.0
+    assert TtftTarget(250.0).target_s(on_gpu=True) == 0.25
+    f = Fleet.of([worker("w0", "decode")], 1.0, 0.0)
+    assert f.itl_target_s == 0.25 and Fleet.of([worker("w0", "decode")], 1.0, 0.05).itl_target_s == 0.05

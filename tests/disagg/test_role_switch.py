@@ -1,0 +1,121 @@
+"""Switchable workers change role under load, through real processes: redis, the router, two
+`duet worker --switchable` processes (gRPC, KV over NIXL), the gateway and the official openai
+client.
+
+The workers start as a prefill and a decode worker (split). While clients keep sending requests,
+and while a long answer streams from the decode worker, both switch to `both` (SetRole, as the
+planner calls it), then back. The registry shows each new role at once, the router places on it
+(colocated answers after the first switch, split ones after the second), the switch's log line
+and metric are there, the worker keeps its KV cache (a conversation's next turn after the switch
+still reuses the pages the worker held before), no request fails and every greedy answer equals
+the one the split stack gave before any switch. Nothing is left on either worker afterwards."""
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from protos import duet_pb2, duet_pb2_grpc
+from tests.helpers.client_loops import ClientLoops
+from tests.helpers.stack import ProcessStack, managed, new_log_dir, scrape, wait_until
+
+pytestmark = pytest.mark.slow
+MODEL = "SmolLM2-135M-Instruct"
+PROMPTS = ["The capital of France is", "Water boils at a temperature of", "The three primary colors are",
+           "A haiku about the sea:", "To bake bread you need", "The largest planet in the solar system is"]
+LONG = "Write a long story about a lighthouse keeper and his cat."
+
+
+@pytest.fixture(scope="module")
+def stack(request):
+    s = ProcessStack(new_log_dir("role-switch"), registry_ttl_s=3.0, kv_cache_memory="96M")
+    with managed(request, s):
+        s.start_redis()
+        s.start_router()
+        s.add_worker("prefill", "worker-0", ["--switchable"])
+        s.add_worker("decode", "worker-1", ["--switchable"])
+        s.start_gateway()
+        s.wait_ready()
+        yield s
+
+
+def set_role(s, worker_id: str, role: str) -> duet_pb2.SetRoleReply:
+    address = s.workers()[worker_id]["address"]
+    with grpc.insecure_channel(address) as channel:
+        return duet_pb2_grpc.WorkerAdminStub(channel).SetRole(
+            duet_pb2.SetRoleRequest(role=role, reason="test"), timeout=10)
+
+
+def roles(s) -> dict[str, str]:
+    return {w: f["role"] for w, f in s.workers().items()}
+
+
+def decisions(s, kind: str) -> float:
+    return scrape(f"127.0.0.1:{s.router_metrics_port}").value("duet_router_decisions_total", kind=kind)
+
+
+def test_roles_switch_under_load_with_no_failed_request_and_the_same_answers(stack):
+    s = stack
+    client = s.client()
+    assert roles(s) == {"worker-0": "prefill", "worker-1": "decode"}
+    assert s.workers()["worker-0"]["switchable"] == "1"
+    reference = {i: client.completions.create(model=MODEL, prompt=p, max_tokens=10, temperature=0).choices[0].text
+                 for i, p in enumerate(PROMPTS)}
+    long_reference = client.completions.create(model=MODEL, prompt=LONG, max_tokens=40, temperature=0,
+                                               extra_body={"ignore_eos": True}).choices[0].text
+    # a conversation whose pages the decode worker holds before the switch
+    chat = [{"role": "user", "content": "Name a bird that cannot fly."}]
+    first = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=12, temperature=0)
+    chat += [{"role": "assistant", "content": first.choices[0].message.content},
+             {"role": "user", "content": "Where does it live?"}]
+
+    def ask(k: int, i: int) -> tuple[int, str]:
+        n = (k + i) % len(PROMPTS)
+        out = client.completions.create(model=MODEL, prompt=PROMPTS[n], max_tokens=10, temperature=0)
+        return n, out.choices[0].text
+
+    with ClientLoops(ask, 2) as load:
+        wait_until(lambda: len(load.done) >= 2, 120, "the clients' first answers")
+        long_stream = client.completions.create(model=MODEL, prompt=LONG, max_tokens=40, temperature=0,
+                                                stream=True, extra_body={"ignore_eos": True})
+        long_text = [next(iter(long_stream)).choices[0].text]  # decoding on worker-1 now
+        colocated = decisions(s, "colocated")
+        to_both = [set_role(s, "worker-0", "both"), set_role(s, "worker-1", "both")]
+        assert [(r.previous_role, r.role, r.changed) for r in to_both] == [("prefill", "both", True),
+                                                                            ("decode", "both", True)]
+        assert to_both[1].inflight_requests >= 1  # the long answer still streams from worker-1
+        assert roles(s) == {"worker-0": "both", "worker-1": "both"}  # in the registry at once
+        wait_until(lambda: decisions(s, "colocated") >= colocated + 3, 120, "colocated answers after the switch")
+        long_text += [chunk.choices[0].text for chunk in long_stream]
+        # the conversation's next turn on a `both` worker reuses what its worker held before the switch
+        second = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=12, temperature=0)
+        assert second.usage.prompt_tokens_details.cached_tokens >= 16
+
+        split = decisions(s, "split")
+        back = [set_role(s, "worker-0", "prefill"), set_role(s, "worker-1", "decode")]
+        assert [(r.previous_role, r.role) for r in back] == [("both", "prefill"), ("both", "decode")]
+        wait_until(lambda: decisions(s, "split") >= split + 3, 120, "split answers after switching back")
+        answered = len(load.done)
+        wait_until(lambda: len(load.done) >= answered + 2, 120, "more answers")
+
+    assert not load.errors, load.errors
+    assert len(load.done) >= 8
+    wrong = [(i, text) for i, text in load.done if text != reference[i]]
+    assert not wrong, (wrong, reference)
+    assert "".join(long_text) == long_reference
+
+    for worker_id, role in (("worker-0", "prefill"), ("worker-1", "decode")):
+        m = s.metrics(worker_id)
+        assert m.value("duet_worker_role_switches_total", from_role=role, to_role="both") == 1
+        assert m.value("duet_worker_role_switches_total", from_role="both", to_role=role) == 1
+        assert m.value("duet_worker_role", role=role) == 1 and m.value("duet_worker_role", role="both") == 0
+        assert f"role switch: {role} -> both (test)" in s.procs[worker_id].log_text()
+    s.wait_idle(["worker-0", "worker-1"], timeout=60)
+
+
+def test_set_role_refuses_an_unknown_role_and_keeps_the_same_one(stack):
+    s = stack
+    with pytest.raises(grpc.RpcError) as refused:
+        set_role(s, "worker-0", "router")
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    same = set_role(s, "worker-0", s.workers()["worker-0"]["role"])
+    assert not same.changed and same.role == same.previous_role
