@@ -92,7 +92,7 @@ def decode_step_totals(log_dir: Path | None) -> tuple[float, float]:
 
     total = [0.0, 0.0]
     logs = sorted(log_dir.glob("*.log")) if log_dir else []
-    addresses = {m for f in logs for m in re.findall(r" worker \S+ ready: .* metrics (\S+) ", f.read_text(errors="replace"))}
+    addresses = {m for f in logs for m in re.findall(r" ready: grpc .* metrics (\S+) ", f.read_text(errors="replace"))}
     for address in addresses:
         try:
             text = httpx.get(f"http://{address}/metrics", timeout=5).text
