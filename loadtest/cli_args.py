@@ -61,6 +61,8 @@ def run_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("workload")
     g.add_argument("--workload", choices=WORKLOADS, default="sharegpt")
+    g.add_argument("--lora-mix", type=parse_mix, default={}, metavar="NAME:WEIGHT,...",
+                   help="send each request to one of these models or LoRA adapters, by weight; report each apart")
     g.add_argument("--num-requests", "-n", type=int,
                    help="requests per run (default 200; with --duration, the pool it cycles, and a bound only if given)")
     g.add_argument("--seed", type=int, default=0)
@@ -104,6 +106,17 @@ def run_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_mix(text: str) -> dict[str, float]:
+    """'base:2,sql:1' -> {'base': 2.0, 'sql': 1.0}."""
+    try:
+        mix = {n.strip(): float(w) for n, _, w in (item.rpartition(":") for item in text.split(",")) if n.strip()}
+    except ValueError:
+        mix = {}
+    if not mix or min(mix.values()) < 0 or not sum(mix.values()):
+        raise argparse.ArgumentTypeError(f"expected NAME:WEIGHT,... with weights >= 0, got {text!r}")
+    return mix
+
+
 def endpoint_from(args: argparse.Namespace) -> EndpointConfig:
     headers = {}
     for h in args.header:
@@ -124,4 +137,6 @@ def config_from(args: argparse.Namespace) -> RunConfig:
     load = LoadConfig(args.request_rate, args.burstiness, args.max_concurrency, args.duration, limit,
                       args.warmup_requests, args.drain_timeout, args.sweep_pause)
     output = OutputConfig(args.output_dir, args.save_text, args.plots, args.progress, args.label)
-    return RunConfig(endpoint_from(args), workload, load, slo_from(args), output, args.tokenizer)
+    endpoint = endpoint_from(args)
+    endpoint.lora_mix = args.lora_mix
+    return RunConfig(endpoint, workload, load, slo_from(args), output, args.tokenizer)

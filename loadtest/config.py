@@ -32,6 +32,7 @@ class EndpointConfig:
     # model's. auto: send it, and drop it if the server rejects the field.
     ignore_eos: str = "auto"  # auto | on | off
     extra_body: dict = field(default_factory=dict)
+    lora_mix: dict[str, float] = field(default_factory=dict)  # model or LoRA adapter -> share of requests
 
     @property
     def http_headers(self) -> dict[str, str]:

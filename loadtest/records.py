@@ -27,6 +27,7 @@ class RequestRecord:
     output_tokens_tokenizer: int | None = None  # re-count of the output text, for the usage check
     finish_reason: str | None = None
     output_text: str | None = None  # kept only when asked (--save-text)
+    model: str | None = None  # the model or LoRA adapter it named, with --lora-mix
 
     @property
     def ttft(self) -> float | None:

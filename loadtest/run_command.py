@@ -119,6 +119,10 @@ def run_command(cfg: RunConfig) -> int:
     counter = TokenCounter(load_tokenizer(cfg.tokenizer))
     specs = build_workload(cfg.workload, counter)
     prepared = prepare(specs, cfg, model, counter)
+    mix = cfg.endpoint.lora_mix  # each request to a model or adapter drawn by weight
+    for p, name in zip(prepared, random.Random(cfg.workload.seed).choices(list(mix), list(mix.values()),
+                                                                          k=len(prepared)) if mix else []):
+        p.body["model"] = name
     say(f"{len(prepared)} {cfg.workload.name} requests ready; sending to {base}{cfg.endpoint.path}")
 
     session = asyncio.run(_run_all(cfg, base + cfg.endpoint.path, prepared, specs))
@@ -133,6 +137,10 @@ def run_command(cfg: RunConfig) -> int:
 
     title = title_of(cfg, base, model, len(prepared))
     table = render_table(summaries, title, cfg.slo)
+    if mix:  # the same rows per model or adapter
+        per = [summarize(f"{r.label} {name}", r.request_rate, [x for x in r.records if x.model == name], cfg.slo)
+               for r in runs for name in mix]
+        table += "\n" + render_table(per, f"{title}, per model", cfg.slo)
     print(table)
     out_dir = cfg.output.folder(cfg.workload.name)
     meta = {"label": cfg.output.label, "title": title, "base_url": base, "model": model,

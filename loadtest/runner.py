@@ -82,7 +82,8 @@ async def run_paced(run: RateRun) -> PacedOutcome:
                         gate.release()
                     break
                 prep = run.prepared[i % len(run.prepared)]
-                rec = RequestRecord(index=i, scheduled_at=at, prompt_len=prep.prompt_len, max_tokens=prep.max_tokens)
+                rec = RequestRecord(index=i, scheduled_at=at, prompt_len=prep.prompt_len, max_tokens=prep.max_tokens,
+                                    model=prep.body.get("model"))
                 records.append(rec)
                 tasks.append(asyncio.create_task(one(rec, prep)))
 

@@ -121,7 +121,7 @@ class WorkerRef(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., instance_nonce: _Optional[str] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("request_id", "model", "prompt_tokens", "max_tokens", "page_hashes", "n", "exclude_instances", "checkpoint")
+    __slots__ = ("request_id", "model", "prompt_tokens", "max_tokens", "page_hashes", "n", "exclude_instances", "checkpoint", "lora_adapter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +130,7 @@ class RouteRequest(_message.Message):
     N_FIELD_NUMBER: _ClassVar[int]
     EXCLUDE_INSTANCES_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     prompt_tokens: int
@@ -138,7 +139,8 @@ class RouteRequest(_message.Message):
     n: int
     exclude_instances: _containers.RepeatedScalarFieldContainer[str]
     checkpoint: str
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., page_hashes: _Optional[_Iterable[int]] = ..., n: _Optional[int] = ..., exclude_instances: _Optional[_Iterable[str]] = ..., checkpoint: _Optional[str] = ...) -> None: ...
+    lora_adapter: str
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., page_hashes: _Optional[_Iterable[int]] = ..., n: _Optional[int] = ..., exclude_instances: _Optional[_Iterable[str]] = ..., checkpoint: _Optional[str] = ..., lora_adapter: _Optional[str] = ...) -> None: ...
 
 class RouteReply(_message.Message):
     __slots__ = ("request_id", "prefill", "decode", "colocated", "cached_tokens", "reason", "decode_cached_tokens", "local_prefill", "checkpoint")
@@ -177,7 +179,7 @@ class ReleaseReply(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_tokens", "max_tokens", "prefill_worker_id", "timeout_ms", "n", "prompt_token_ids", "cache_namespace", "tenant", "request_group")
+    __slots__ = ("request_id", "prompt_tokens", "max_tokens", "prefill_worker_id", "timeout_ms", "n", "prompt_token_ids", "cache_namespace", "tenant", "lora_adapter", "request_group")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +189,7 @@ class ReserveRequest(_message.Message):
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     REQUEST_GROUP_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_tokens: int
@@ -197,8 +200,9 @@ class ReserveRequest(_message.Message):
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     cache_namespace: int
     tenant: int
+    lora_adapter: str
     request_group: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., prefill_worker_id: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., n: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_namespace: _Optional[int] = ..., tenant: _Optional[int] = ..., request_group: _Optional[str] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., prefill_worker_id: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., n: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_namespace: _Optional[int] = ..., tenant: _Optional[int] = ..., lora_adapter: _Optional[str] = ..., request_group: _Optional[str] = ...) -> None: ...
 
 class RankPages(_message.Message):
     __slots__ = ("rank", "agent_name", "page_ids")
@@ -269,7 +273,7 @@ class CancelReply(_message.Message):
     def __init__(self, cancelled: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "reservation", "prefill_worker_id", "first_token", "first_tokens", "cache_namespace", "tenant", "request_group", "resumed_output_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "reservation", "prefill_worker_id", "first_token", "first_tokens", "cache_namespace", "tenant", "request_group", "resumed_output_tokens", "lora_adapter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -281,6 +285,7 @@ class GenerateRequest(_message.Message):
     TENANT_FIELD_NUMBER: _ClassVar[int]
     REQUEST_GROUP_FIELD_NUMBER: _ClassVar[int]
     RESUMED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -292,7 +297,8 @@ class GenerateRequest(_message.Message):
     tenant: int
     request_group: str
     resumed_output_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reservation: _Optional[_Union[Reservation, _Mapping]] = ..., prefill_worker_id: _Optional[str] = ..., first_token: _Optional[_Union[Token, _Mapping]] = ..., first_tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., cache_namespace: _Optional[int] = ..., tenant: _Optional[int] = ..., request_group: _Optional[str] = ..., resumed_output_tokens: _Optional[int] = ...) -> None: ...
+    lora_adapter: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reservation: _Optional[_Union[Reservation, _Mapping]] = ..., prefill_worker_id: _Optional[str] = ..., first_token: _Optional[_Union[Token, _Mapping]] = ..., first_tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., cache_namespace: _Optional[int] = ..., tenant: _Optional[int] = ..., request_group: _Optional[str] = ..., resumed_output_tokens: _Optional[int] = ..., lora_adapter: _Optional[str] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("tokens", "finish_reason", "usage", "index", "prompt_logprobs")
@@ -309,7 +315,7 @@ class TokenChunk(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., index: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[Token, _Mapping]]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "reservation", "cache_namespace", "tenant", "request_group", "resumed_output_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "reservation", "cache_namespace", "tenant", "request_group", "resumed_output_tokens", "lora_adapter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -318,6 +324,7 @@ class PrefillRequest(_message.Message):
     TENANT_FIELD_NUMBER: _ClassVar[int]
     REQUEST_GROUP_FIELD_NUMBER: _ClassVar[int]
     RESUMED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -326,7 +333,8 @@ class PrefillRequest(_message.Message):
     tenant: int
     request_group: str
     resumed_output_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reservation: _Optional[_Union[Reservation, _Mapping]] = ..., cache_namespace: _Optional[int] = ..., tenant: _Optional[int] = ..., request_group: _Optional[str] = ..., resumed_output_tokens: _Optional[int] = ...) -> None: ...
+    lora_adapter: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reservation: _Optional[_Union[Reservation, _Mapping]] = ..., cache_namespace: _Optional[int] = ..., tenant: _Optional[int] = ..., request_group: _Optional[str] = ..., resumed_output_tokens: _Optional[int] = ..., lora_adapter: _Optional[str] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
     __slots__ = ("first_token", "cached_tokens", "computed_tokens", "kv_bytes_sent", "finish_reason", "sequences", "prompt_logprobs")
@@ -353,6 +361,26 @@ class SequenceStart(_message.Message):
     first_token: Token
     finish_reason: FinishReason
     def __init__(self, first_token: _Optional[_Union[Token, _Mapping]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ...) -> None: ...
+
+class LoadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class UnloadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class LoraAdapterReply(_message.Message):
+    __slots__ = ("adapters",)
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, adapters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SetRoleRequest(_message.Message):
     __slots__ = ("role", "reason")

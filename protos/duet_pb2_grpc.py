@@ -422,6 +422,140 @@ class Prefill:
             _registered_method=True)
 
 
+class AdaptersStub:
+    """---------------------------------------------------------------------------
+    Adapters: LoRA adapters a worker serves, loaded and unloaded at run time by the gateway
+    (vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter). Every role serves it.
+    ---------------------------------------------------------------------------
+
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/duet.v1.Adapters/LoadLoraAdapter',
+                request_serializer=protos_dot_duet__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_duet__pb2.LoraAdapterReply.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/duet.v1.Adapters/UnloadLoraAdapter',
+                request_serializer=protos_dot_duet__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_duet__pb2.LoraAdapterReply.FromString,
+                _registered_method=True)
+
+
+class AdaptersServicer:
+    """---------------------------------------------------------------------------
+    Adapters: LoRA adapters a worker serves, loaded and unloaded at run time by the gateway
+    (vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter). Every role serves it.
+    ---------------------------------------------------------------------------
+
+    """
+
+    def LoadLoraAdapter(self, request, context):
+        """Serve an adapter from a PEFT folder on the worker's file system. INVALID_ARGUMENT for a
+        folder it cannot serve, ALREADY_EXISTS for a name it serves, FAILED_PRECONDITION when
+        the worker runs without LoRA slots (--max-loras).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Stop serving an adapter (requests running with it finish). NOT_FOUND for a name it does not serve.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_AdaptersServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=protos_dot_duet__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=protos_dot_duet__pb2.LoraAdapterReply.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=protos_dot_duet__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=protos_dot_duet__pb2.LoraAdapterReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'duet.v1.Adapters', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('duet.v1.Adapters', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Adapters:
+    """---------------------------------------------------------------------------
+    Adapters: LoRA adapters a worker serves, loaded and unloaded at run time by the gateway
+    (vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter). Every role serves it.
+    ---------------------------------------------------------------------------
+
+    """
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/duet.v1.Adapters/LoadLoraAdapter',
+            protos_dot_duet__pb2.LoadLoraAdapterRequest.SerializeToString,
+            protos_dot_duet__pb2.LoraAdapterReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/duet.v1.Adapters/UnloadLoraAdapter',
+            protos_dot_duet__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            protos_dot_duet__pb2.LoraAdapterReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class WorkerAdminStub:
     """---------------------------------------------------------------------------
     WorkerAdmin: served by every worker; only the planner may call it (mutual TLS)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from services.decode.reservations import Reservation, ReservationBook
 from shared.engine.cache_scope import DEFAULT_SCOPE, CacheScope
+from shared.engine.lora.adapter_files import LoraAdapterError
 
 NEWCOMER_ROOM = 16  # 1/16 of the pool is kept for groups holding little of it
 
@@ -45,6 +46,7 @@ class ReserveWait:
     group: str = ""  # the client request it came from: calls take turns by group
     scope: CacheScope = DEFAULT_SCOPE  # its prefix-cache namespace and tenant (the tenant's live share)
     since: float = 0.0  # when it started waiting (the queue's clock)
+    refusal: str = ""  # why it was refused outright (its LoRA adapter could not be loaded)
     granted: Reservation | None = field(default=None, repr=False)
 
 
@@ -104,8 +106,14 @@ class ReserveQueue:
             need = book.engine.kv.pages_for(wait.prompt_tokens) + wait.n
             fits = book.fits(room, wait.prompt_tokens, wait.n)
             if fits and self._room_left(room, need, held.get(wait.group, 0), share):
-                res = book.try_reserve(wait.request_id, wait.prompt_tokens, wait.max_tokens, wait.writer_id,
-                                       self.max_running, wait.n, wait.prompt_ids, wait.scope, wait.group)
+                try:  # a LoRA adapter is loaded into a device slot here, before the answer
+                    res = book.try_reserve(wait.request_id, wait.prompt_tokens, wait.max_tokens, wait.writer_id,
+                                           self.max_running, wait.n, wait.prompt_ids, wait.scope, wait.group)
+                except (LoraAdapterError, OSError) as exc:  # unloaded meanwhile, or its folder no longer reads
+                    self.waiting.remove(wait)
+                    wait.refusal = str(exc)
+                    wait.on_grant(None)
+                    continue
                 if res is not None:
                     if i > first_passed:
                         book.num_passed_over += 1  # granted ahead of a tenant over its live share

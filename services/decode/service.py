@@ -53,6 +53,9 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         prompt_ids = list(request.prompt_token_ids) or None
         scope = cache_scope_from_proto(request)
+        if scope.adapter and (eng.lora is None or not eng.lora.knows(scope.adapter)):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"decode worker {ctx.worker_id} does not serve LoRA adapter {scope.adapter!r}")
         if prompt_ids is not None and len(prompt_ids) != request.prompt_tokens:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"prompt_token_ids has {len(prompt_ids)} ids for prompt_tokens {request.prompt_tokens}")
@@ -74,7 +77,7 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
             await self._until_ready(res)
         # the writer checks the held pages' hashes against its prompt before skipping them
         held_hashes = chained_page_hashes(prompt_ids[:res.held_pages * ctx.page_size], ctx.page_size,
-                                          seed=scope.namespace) if res.held_pages else []
+                                          seed=scope.cache_key) if res.held_pages else []
         answer = KvReservation(
             reservation_id=res.reservation_id, generation=res.generation, decode_worker_id=ctx.worker_id,
             decode_instance_nonce=ctx.instance_nonce, page_size=ctx.page_size,
@@ -105,6 +108,8 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
         except BaseException:  # the caller left
             ctx.loop.call(lambda: ctx.reserve_queue.withdraw(wait))
             raise
+        if res is None and wait.refusal:  # its LoRA adapter was unloaded meanwhile, or its folder no longer reads
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, wait.refusal)
         if res is None:  # a refusal like no room: decode holds nothing for it
             ctx.metrics.request_finished("Reserve", grpc.StatusCode.RESOURCE_EXHAUSTED)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"request {wait.request_id} was cancelled "

@@ -11,6 +11,7 @@ from services.gateway.http_edge.limits_config import GatewayLimits
 from services.gateway.http_edge.security_config import SecurityConfig
 from services.gateway.openai_api.template_config import ChatTemplateConfig
 from shared.engine.grammar_limits import GrammarLimits
+from shared.engine.lora.config import LoraConfig
 from shared.settings import parsers
 from shared.settings.drain import drain_grace
 from shared.settings.flags import build_parser, from_args
@@ -52,12 +53,20 @@ class GatewayConfig:
     tool_call_parser: str = setting("auto", flag="--tool-call-parser", env="DUET_TOOL_CALL_PARSER",
                                     choices=TOOL_CALL_PARSERS,
                                     help="format of tool calls in answers; auto: from the chat template")
+    # vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (lora_admin.py): every worker
+    # (or the local engine) reads the folder it is given, so they are off unless asked for
+    enable_lora_loading: bool = setting(
+        False, flag="--enable-lora-loading", env="DUET_ENABLE_LORA_LOADING",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's bodies: lora_name, lora_path); "
+             "they load a folder of the workers' file system, so give the gateway API keys too")
     log_level: str = setting("info", flag="--log-level", env="DUET_LOG_LEVEL", help="stderr log level")
     drain_grace_s: float = drain_grace()  # uvicorn's graceful shutdown of open streams
     security: SecurityConfig = nested(SecurityConfig, "security")  # API keys, HTTPS, TLS, metrics port
     limits: GatewayLimits = nested(GatewayLimits, "limits (admission, body size, slow clients)")
     template: ChatTemplateConfig = nested(ChatTemplateConfig, "chat template (request options, render budget)")
     grammar: GrammarLimits = nested(GrammarLimits, "structured outputs (grammar size and compile budget)")
+    # the in-process engine's adapters; with --backend grpc the workers' own --lora count
+    lora: LoraConfig = nested(LoraConfig, "LoRA adapters (--backend local; workers take their own)")
     migration: MigrationConfig = nested(MigrationConfig, "failover (a stream whose worker failed goes on elsewhere)")
 
     def __post_init__(self) -> None:

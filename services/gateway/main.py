@@ -56,7 +56,7 @@ def build_backend(config: GatewayConfig, model_dir: Path, served_name: str, max_
         def load_engine():
             from shared.engine import Engine, EngineConfig
 
-            return Engine(EngineConfig(model_dir=str(model_dir), max_model_len=config.max_model_len))
+            return Engine(EngineConfig(model_dir=str(model_dir), max_model_len=config.max_model_len, lora=config.lora))
 
         return LocalBackend(load_engine, name=served_name, expected_context_len=max_context)
     from services.gateway.backends.grpc_workers import GrpcBackend, GrpcBackendConfig
@@ -82,7 +82,8 @@ def build_context(config: GatewayConfig) -> GatewayContext:
                                             config.security.shared_cache_salts)
     return GatewayContext(backend, prompts, metrics, served_name, max_context,
                           tool_call_parser=config.tool_call_parser, limits=config.limits,
-                          template=config.template, grammar=config.grammar, cache_namespaces=namespaces)
+                          template=config.template, grammar=config.grammar, cache_namespaces=namespaces,
+                          lora_loading=config.enable_lora_loading)
 
 
 def main(argv: list[str] | None = None) -> int:

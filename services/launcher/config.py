@@ -82,6 +82,11 @@ class UpConfig:
         help="tensor-parallel size of the prefill workers (default: --tp after --, else 1); may differ from "
              "--decode-tp: KV is re-sharded by heads on the way")
     decode_tp: int | None = setting(flag="--decode-tp", parse=int, help="tensor-parallel size of the decode workers")
+    # LoRA: the workers take --lora / --max-loras after `--`; the gateway's run-time endpoints are this
+    enable_lora_loading: bool = setting(
+        False, flag="--enable-lora-loading", env="DUET_ENABLE_LORA_LOADING",
+        help="the gateway serves POST /v1/load_lora_adapter and /v1/unload_lora_adapter (the workers read the "
+             "folder; give them slots with `-- --max-loras N`)")
 
     @property
     def num_workers(self) -> int:

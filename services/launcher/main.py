@@ -115,7 +115,8 @@ class Stack:
         self.children.append(Child("gateway", duet_command(
             "gateway", "--host", host, "--port", str(cfg.port), "--router-address", f"{host}:{self.router_port}",
             "--model", model_dir, "--drain-grace", str(self.drain.gateway_grace_s),
-            "--chat-template-processes", str(helpers), *common, *secure.grpc_args("gateway"), *gw_args),
+            "--chat-template-processes", str(helpers), *common, *secure.grpc_args("gateway"), *gw_args,
+            *(["--enable-lora-loading"] if cfg.enable_lora_loading else [])),
             self.log_dir / "gateway.log", kind="gateway", env={**thread_env(1), **gw_env, **secure_env}))
         self.threads = threads
 

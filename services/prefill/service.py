@@ -104,7 +104,7 @@ class PrefillService(duet_pb2_grpc.PrefillServicer):
                                     f"reservation holds {held} pages of a {len(prompt)}-token prompt")
             # never trust a hint for correctness: skip the held pages only if they are this prompt's
             mismatch = held > 0 and chained_page_hashes(prompt[:held * ctx.page_size], ctx.page_size,
-                                                        seed=scope.namespace) != res.held_page_hashes
+                                                        seed=scope.cache_key) != res.held_page_hashes
             if mismatch:
                 log.warning("request %s: decode %s holds %d pages that are not this prompt's; it will recompute",
                             rid, res.decode_worker_id, held)

@@ -31,6 +31,10 @@ class RoutingWeights:
         1024, flag="--decode-transfer-min-tokens", env="DUET_ROUTER_DECODE_TRANSFER_MIN_TOKENS",
         help="the transfer share is counted against at least this many tokens, so a short prompt's "
              "transfer (a chat template's shared head) weighs next to nothing and load decides")
+    lora_load_tokens: int = setting(
+        256, flag="--lora-load-tokens", env="DUET_ROUTER_LORA_LOAD_TOKENS",
+        help="a worker that serves the request's LoRA adapter but must first load it into a device slot counts "
+             "this many more prompt tokens to compute (prefill) or not held (decode)")
     # conditional disaggregation: placement.py (predicted), policy.local_prefill_reason (threshold)
     placement: str = setting(
         "predicted", flag="--placement", env="DUET_PLACEMENT", choices=("predicted", "threshold"),

@@ -24,6 +24,11 @@ Local prefill (conditional disaggregation): when the chosen decode worker holds 
 `local_prefill_min_share` of the prompt and the rest is at most `local_prefill_max_tokens`,
 it prefills the rest itself: no prefill worker, no transfer.
 
+LoRA: only workers serving the request's adapter are candidates (the service filters); one that
+must first load it into a device slot counts `lora_load_tokens` more prompt tokens to compute
+(prefill) or not held (decode), so requests of an adapter go where it sits already unless load
+says otherwise.
+
 Ties go to the worker with fewer requests routed here, then rotate, so equal workers
 share a burst evenly.
 """
@@ -68,6 +73,12 @@ def pages_needed(prompt_tokens: int, max_tokens: int, page_size: int, n: int = 1
     return kv_demand(max(0, prompt_tokens), max(0, max_tokens), max(1, n), page_size).pages
 
 
+def lora_load_tokens(worker: WorkerInfo, adapter: str, weights: RoutingWeights) -> int:
+    """What loading the request's LoRA adapter on `worker` counts as, in prompt tokens (0: none
+    needed, or it holds the adapter in a device slot)."""
+    return 0 if not adapter or adapter in worker.adapters.resident else weights.lora_load_tokens
+
+
 def _rotate(items: Sequence, offset: int) -> list:
     if not items:
         return []
@@ -83,6 +94,7 @@ def choose_prefill(
     inflight: dict[str, WorkerInflight],
     weights: RoutingWeights,
     rotation: int = 0,
+    adapter: str = "",
 ) -> PrefillChoice | None:
     best: PrefillChoice | None = None
     best_key = None
@@ -91,7 +103,7 @@ def choose_prefill(
         queued = max(worker.load.queued_prefill_tokens, local.prefill_tokens)
         cached = cached_tokens_for(cached_pages.get(worker.worker_id, 0), worker.page_size, prompt_tokens)
         uncached = prompt_tokens - cached
-        cost = weights.prefill_queue_weight * queued + uncached
+        cost = weights.prefill_queue_weight * queued + uncached + lora_load_tokens(worker, adapter, weights)
         key = (cost, local.prefill_requests)
         if best_key is None or key < best_key:
             best, best_key = PrefillChoice(worker, cached, uncached, cost), key
@@ -108,6 +120,7 @@ def choose_decode(
     rotation: int = 0,
     cached_pages: dict[str, int] | None = None,
     n: int = 1,
+    adapter: str = "",
 ) -> DecodeChoice | None:
     best: DecodeChoice | None = None
     best_key = None
@@ -125,7 +138,8 @@ def choose_decode(
         running = max(worker.load.running_requests + worker.load.waiting_requests, local.decode_requests)
         batch_cap = worker.max_running_requests or weights.nominal_decode_batch
         # a short prompt's transfer costs next to nothing: count it against a floor
-        missing = (prompt_tokens - cached) / max(prompt_tokens, weights.decode_transfer_min_tokens, 1)
+        missing = (prompt_tokens - cached + lora_load_tokens(worker, adapter, weights)) / max(
+            prompt_tokens, weights.decode_transfer_min_tokens, 1)
         cost = (usage_after + weights.decode_batch_weight * running / batch_cap
                 + weights.decode_transfer_weight * missing)
         key = (not fits, cost, local.decode_requests)
@@ -156,15 +170,16 @@ def choose_colocated(
     weights: RoutingWeights,
     rotation: int = 0,
     n: int = 1,
+    adapter: str = "",
 ) -> tuple[PrefillChoice, DecodeChoice] | None:
     """A `both` worker runs prefill and decode: order by prefill cost (prefix cache, queue),
     then by decode cost."""
     best, best_key = None, None
     for worker in _rotate(workers, rotation):
         prefill = choose_prefill([worker], prompt_tokens=prompt_tokens, cached_pages=cached_pages,
-                                 inflight=inflight, weights=weights)
+                                 inflight=inflight, weights=weights, adapter=adapter)
         decode = choose_decode([worker], prompt_tokens=prompt_tokens, max_tokens=max_tokens,
-                               inflight=inflight, weights=weights, n=n)
+                               inflight=inflight, weights=weights, n=n, adapter=adapter)
         key = (prefill.cost, decode.cost)
         if best_key is None or key < best_key:
             best, best_key = (prefill, decode), key

@@ -33,9 +33,11 @@ def worker_ref(info: WorkerInfo) -> duet_pb2.WorkerRef:
 
 
 def eligible(info: WorkerInfo, model: str, request: duet_pb2.RouteRequest) -> bool:
-    """Whether a live worker may serve this request: its model, never an instance the request
-    lost (a migrating stream), and, when the request names one, the checkpoint it began on."""
+    """Whether a live worker may serve this request: its model, the request's LoRA adapter
+    (workers publish the adapters they serve), never an instance the request lost (a migrating
+    stream), and, when the request names one, the checkpoint it began on."""
     return ((not model or info.model == model) and info.instance_nonce not in request.exclude_instances
+            and (not request.lora_adapter or request.lora_adapter in info.adapters.served)
             and (not request.checkpoint or info.checkpoint == request.checkpoint))
 
 
@@ -64,6 +66,11 @@ class RouterService(duet_pb2_grpc.RouterServicer):
             if request.prompt_tokens <= 0:
                 await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "prompt_tokens must be positive")
             reply, placement = await self._route(request, request_id, model)
+            if reply is None and request.lora_adapter:
+                # an adapter loaded at run time: the gateway saw the workers' entries say so,
+                # our periodic scan may not have yet
+                await self.watcher.refresh()
+                reply, placement = await self._route(request, request_id, model)
             trust = self.watcher.trust
             if (reply is None or isinstance(reply, str)) and trust is not None and trust.pending:
                 # workers that just joined are being asked who they are: wait for that, not 503
@@ -78,6 +85,8 @@ class RouterService(duet_pb2_grpc.RouterServicer):
                 self.metrics.route_decisions.labels(kind="unavailable", reason="no_worker").inc()
                 span.set_attribute("duet.route", "unavailable")
                 detail = (f"no live worker can serve model {model!r}" if model else "no live worker")
+                if request.lora_adapter:
+                    detail += f" with LoRA adapter {request.lora_adapter!r}"
                 if not self.watcher.redis_ok:
                     detail += " (registry unreachable; using the last known worker set)"
                 await self._refuse(context, grpc.StatusCode.UNAVAILABLE, detail)
@@ -124,6 +133,7 @@ class RouterService(duet_pb2_grpc.RouterServicer):
                      model: str) -> tuple[duet_pb2.RouteReply | str | None, Placement | None]:
         """The decision and how it was placed; a string says why live workers could not be
         paired, None: none live."""
+        adapter = request.lora_adapter
         live = [w for w in self.watcher.workers() if eligible(w, model, request)]
         self.inflight.expire({w.worker_id for w in self.watcher.workers()})
         by_role: dict[str, list[WorkerInfo]] = defaultdict(list)
@@ -146,11 +156,14 @@ class RouterService(duet_pb2_grpc.RouterServicer):
             candidates.update((w.worker_id, w) for w in extra)
             cached = await self._cached_pages(list(candidates.values()), list(request.page_hashes))
             decode = choose_decode(decodes, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
-                                   inflight=loads, weights=weights, rotation=rotation, cached_pages=cached, n=n)
+                                   inflight=loads, weights=weights, rotation=rotation, cached_pages=cached, n=n,
+                                   adapter=adapter)
             prefill = choose_prefill(pairable[decode.worker.worker_id], prompt_tokens=prompt_tokens,
-                                     cached_pages=cached, inflight=loads, weights=weights, rotation=rotation)
+                                     cached_pages=cached, inflight=loads, weights=weights, rotation=rotation,
+                                     adapter=adapter)
             both = choose_colocated(extra, prompt_tokens=prompt_tokens, max_tokens=max_tokens, cached_pages=cached,
-                                    inflight=loads, weights=weights, rotation=rotation, n=n) if extra else None
+                                    inflight=loads, weights=weights, rotation=rotation, n=n,
+                                    adapter=adapter) if extra else None
             placement = place(decode, prefill, prompt_tokens, inflight=loads, weights=weights,
                               target_s=self.config.slo.itl_ms / 1000, colocated=both[0] if both else None)
             if placement.kind == "local_prefill":  # it holds most of the prompt: no prefill worker, no transfer
@@ -179,7 +192,7 @@ class RouterService(duet_pb2_grpc.RouterServicer):
         cached = await self._cached_pages(boths, list(request.page_hashes))
         prefill, decode = choose_colocated(boths, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
                                            cached_pages=cached, inflight=loads, weights=weights,
-                                           rotation=rotation, n=n)
+                                           rotation=rotation, n=n, adapter=adapter)
         reason = f"colocated: {prefill.worker.worker_id} holds {prefill.cached_tokens} of {prompt_tokens} prompt tokens"
         return self._colocated_reply(request_id, prefill, decode, reason), None
 

@@ -27,6 +27,7 @@ from services.worker.checkpoint import checkpoint_fingerprint
 from services.worker.kv_compat import compat_hash, model_kv_key
 from services.worker.load_publisher import LoadPublisher, load_counters
 from services.worker.role_switch import RoleSwitch, WorkerAdminService
+from services.worker_runtime.adapters import AdaptersService, load_recorded_adapters
 from services.worker_runtime.context import WorkerContext
 from services.worker_runtime.engine_loop import EngineLoop
 from services.worker_runtime.exit_watchdog import EXIT_AFTER_GRACE_S, ExitWatchdog
@@ -35,7 +36,7 @@ from shared.engine.grammar_guard import GrammarGuard
 from shared.registry.kv_events import KvEventBuffer
 from shared.registry.publisher import WorkerPublisher
 from shared.registry.watcher import WorkerWatcher
-from shared.registry.worker_info import RankKvPool, WorkerInfo, WorkerLoad, default_worker_id
+from shared.registry.worker_info import RankKvPool, WorkerAdapters, WorkerInfo, WorkerLoad, default_worker_id
 from shared.telemetry.metrics import DuetMetrics, start_metrics_server
 from shared.telemetry.tracing import Tracing, setup_tracing
 
@@ -78,6 +79,7 @@ class WorkerHost:
                                  interceptors=config.tls.interceptors())  # mTLS: who may call what
         host = cls(config, engine, ctx, server, served, kv_layout, tracing, checkpoint,
                    calibration=list(calibration or []))
+        duet_pb2_grpc.add_AdaptersServicer_to_server(AdaptersService(ctx), server)  # every role: LoRA at run time
         host.on_stop.append(ctx.grammar_guard.close)
         return host
 
@@ -98,6 +100,8 @@ class WorkerHost:
                           max_batched_tokens=self.engine.scheduler.max_batched_tokens, kv_pools=pools,
                           capability_key=ctx.issuer.public_key if ctx.issuer is not None else "",
                           load=WorkerLoad(total_pages=capacity, free_pages=capacity),
+                          adapters=WorkerAdapters(self.engine.lora.names, self.engine.lora.resident)
+                          if self.engine.lora is not None else WorkerAdapters(),
                           switchable=self.config.switchable)
 
     async def run(self) -> int:
@@ -134,6 +138,7 @@ class WorkerHost:
         with self.engine.startup.phase("registration"):
             await self.server.start()
             await ctx.watcher.start()
+            await load_recorded_adapters(ctx, ctx.watcher.keys, self.served_model)  # loaded at run time before we came
             for service in self.services:
                 service.start()
             await publisher.start()

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import Counter
 
-from shared.registry.worker_info import WorkerLoad
+from shared.registry.worker_info import WorkerAdapters, WorkerLoad
 
 
 def load_counters(metrics) -> tuple[Counter, Counter]:
@@ -69,6 +69,11 @@ class LoadPublisher:
             self.recomputed.inc(self.ctx.recomputes - self._recomputes)
             self._recomputes = self.ctx.recomputes
         self._publish_tiers()
+        lora = self.ctx.engine.lora
+        if lora is not None:  # what the router picks by: the adapters served, those in a slot
+            adapters = WorkerAdapters(lora.names, lora.resident)
+            if adapters != self.info.adapters:
+                self.info.adapters = adapters
 
     def _publish_tiers(self) -> None:
         """Per-tier reuse, copies and evictions from the radix cache's counters, and what the

@@ -17,6 +17,7 @@ from shared.settings.spec import check_values, nested, setting
 
 from .grammar_limits import GrammarLimits
 from .kv_write_policy import HostTierWrites
+from .lora.config import LoraConfig
 from .tenant_quota import TenantQuota
 
 if TYPE_CHECKING:
@@ -196,6 +197,8 @@ class EngineConfig:
     speculative_min_acceptance: float = setting(
         0.2, flag="--speculative-min-acceptance", env="DUET_SPECULATIVE_MIN_ACCEPTANCE",
         help="a request whose recent drafts are accepted below this share sits speculation out for a while")
+    # LoRA adapters served beside the base model (shared/engine/lora/)
+    lora: LoraConfig = nested(LoraConfig, "LoRA adapters")
     # benchmarks only, no flag (never served): every draft token counts as accepted, whatever
     # the target says; gives the bound of a method's speed-up
     speculative_accept_all: bool = False

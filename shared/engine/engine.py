@@ -94,6 +94,8 @@ class Engine:
             self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
             self.fp8_layers = sum(1 for m in self.model.modules() if getattr(m, "fp8", None))
             self.small_batch_workspace = parts.route_linears(self.model, plan, self.device)
+        with startup.phase("lora"):  # LoRA slots before the KV is sized: on a GPU their memory comes out of its budget
+            self.lora = parts.lora_manager(self.model, mc, config, plan, self.dtype, self.device)
         if plan.custom_all_reduce.value is not None:
             with startup.phase("all-reduce"):
                 failed = parts.attach_custom_all_reduce(self.tp, self.device, plan.custom_all_reduce.value)
@@ -113,10 +115,16 @@ class Engine:
             host_tier = self._make_host_tier()
         self.kv = KVManager(self.layout.num_pages, self.layout.page_size, config.enable_prefix_cache,
                             host_tier=host_tier, quota=config.tenant_quota, write_back=self._write_back())
-        self.scheduler = Scheduler(self.kv, plan.step_tokens.value, config.max_running_requests)
+        self.scheduler = Scheduler(self.kv, plan.step_tokens.value, config.max_running_requests, self.lora)
         self.runner = ModelRunner(self.model, self.pool, self.backend, self.device)
         if self._tp_workers is not None:
             self.runner.plan_sink = self._tp_workers.send_plan
+        if self.lora is not None:
+            self.runner.lora = self.lora.step
+            if self._tp_workers is not None:  # followers write the slot rank 0 chose, each its shard
+                self.lora.mirror = lambda name, path, slot: self.call_followers(
+                    "shared.engine.lora.manager:follower_write_slot", name, path, slot)
+            self.lora.step.forced = True  # graphs captured from here on carry the LoRA launches
         with startup.phase("graphs"):
             self._make_graphs()
         self.requests: dict[str, Req] = {}
@@ -134,6 +142,8 @@ class Engine:
             self.overlap = OverlapScheduler(self)
         if self.spec is not None:
             self.spec.attach()
+        if self.lora is not None:
+            self.lora.step.forced = False
         if self._tp_workers is not None:
             with startup.phase("tp ranks"):
                 self._tp_workers.wait_ready()
@@ -301,6 +311,9 @@ class Engine:
         rid = rid or uuid.uuid4().hex
         if rid in self.requests:
             raise ValueError(f"duplicate request id {rid}")
+        if scope.adapter and (self.lora is None or not self.lora.knows(scope.adapter)):
+            from .lora.manager import UnknownAdapterError
+            raise UnknownAdapterError(f"LoRA adapter {scope.adapter!r} is not loaded here")
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
         req = Req(rid=rid, prompt_ids=list(prompt_ids), params=params, max_new_tokens=max_new,
                   seed=seed, prefill_only=prefill_only, scope=scope)
@@ -352,10 +365,23 @@ class Engine:
         """Decode side: set pages aside for a prompt whose KV another worker will write.
         With the prompt's token ids, the leading pages this worker already holds (any tier,
         under scope's namespace) are reused; the writer fills only the rest. Returns a
-        kv_manager.KVReservation (None: no room now)."""
-        return self.kv.reserve(reservation_id, num_tokens, prompt_ids, scope)
+        kv_manager.KVReservation (None: no room now). A request of a LoRA adapter also pins a
+        device slot with the adapter in it (loading it now, before any KV lands), or waits for one."""
+        owner = ("reservation", reservation_id)
+        if scope.adapter:
+            if self.lora is None or not self.lora.knows(scope.adapter):
+                from .lora.manager import UnknownAdapterError
+                raise UnknownAdapterError(f"LoRA adapter {scope.adapter!r} is not loaded here")
+            if self.lora.acquire(scope.adapter, owner) is None:
+                return None
+        res = self.kv.reserve(reservation_id, num_tokens, prompt_ids, scope)
+        if res is None and self.lora is not None:
+            self.lora.release(owner)
+        return res
 
     def cancel_reservation(self, reservation_id: str) -> bool:
+        if self.lora is not None:
+            self.lora.release(("reservation", reservation_id))
         return self.kv.cancel_reservation(reservation_id)
 
     def add_prefilled(self, reservation_id: str, prompt_ids: list[int], first_token: int | list[int],
@@ -379,6 +405,8 @@ class Engine:
         if output_prefix:
             self._give_outputs(req, output_prefix)
         res = self.kv.take_reservation(reservation_id)
+        if self.lora is not None:
+            req.lora_slot = self.lora.transfer(("reservation", reservation_id), req.rid)
         req.page_ids = res.page_ids
         req.num_tree_pages, req.prefix_node = len(res.held_pages), res.node
         req.num_cached_tokens = len(res.held_pages) * self.layout.page_size
@@ -406,6 +434,7 @@ class Engine:
         req = self.requests.pop(rid, None)
         if req is not None and req.status is ReqStatus.HELD:
             self.kv.release(req, cache=True)
+            self.release_adapter(req)
             req.status = ReqStatus.FINISHED
             self.stats.requests_finished += 1
 
@@ -441,6 +470,12 @@ class Engine:
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        outs = self._step()
+        if self.scheduler.failed:
+            outs += self._end_failed()
+        return outs
+
+    def _step(self) -> list[StepOutput]:
         if self.spec is not None and self.spec.wants_step():
             return self.spec.step()
         if self.overlap is not None:
@@ -449,6 +484,18 @@ class Engine:
         if not batch.items:
             return []
         return self._run_batch(batch)
+
+    def _end_failed(self) -> list[StepOutput]:
+        """End the requests the scheduler took out of its queue (their LoRA adapter did not load)."""
+        outs = []
+        for req, why in self.scheduler.failed:
+            log.error("request %s: %s", req.rid, why)
+            req.finish_reason, req.error = "error", why
+            done = self._finish(req)
+            outs.append(StepOutput(req.out_rid, [], finished=True, finish_reason="error", error=why, index=req.index,
+                                   request_finished=done))
+        self.scheduler.failed.clear()
+        return outs
 
     def _run_batch(self, batch) -> list[StepOutput]:
         """Run one scheduled batch on the host-synchronous path."""
@@ -573,6 +620,7 @@ class Engine:
         if req.prefill_only and first_here:
             # the KV transfer still reads these pages: hold them until release_held()
             self.scheduler.remove(req)
+            self.release_adapter(req)
             req.status = ReqStatus.HELD
             out.prefill_done = True
             if done:
@@ -614,9 +662,16 @@ class Engine:
             return True
         return False
 
+    def release_adapter(self, req: Req) -> None:
+        """req no longer runs a forward: its LoRA slot may go to another adapter."""
+        if self.lora is not None:
+            self.lora.release(req.rid)
+            req.lora_slot = -1
+
     def _finish(self, req: Req) -> bool:
         """Release a finished sequence; True when it was the last of its request."""
         self.kv.release(req, cache=True)
+        self.release_adapter(req)
         if self.spec is not None:
             self.spec.release(req)
         req.status = ReqStatus.FINISHED
@@ -632,6 +687,8 @@ class Engine:
     def check_idle(self) -> None:
         assert not self.scheduler.has_work and not self.requests, "engine still has requests"
         assert not self.groups.live, f"sequence groups still open: {list(self.groups.live)}"
+        if self.lora is not None:
+            assert not self.lora.pinned, f"LoRA slots still pinned: {self.lora.owner_slot}"
         self.kv.check_idle()
 
 

@@ -74,3 +74,21 @@ def prefill_graphs(model, backend, device: torch.device, max_tokens: int, max_pa
     except (RuntimeError, ValueError) as exc:
         torch.cuda.synchronize(device)
         return None, f"capture failed: {exc}"
+
+
+def lora_manager(model, mc, config, plan: EnginePlan, dtype: torch.dtype, device: torch.device):
+    """The LoRA slots hooked into the model and the --lora adapters loaded (shared/engine/lora/),
+    or None when the plan serves no adapters."""
+    lora = plan.lora.value
+    if lora is None:
+        return None
+    from .lora.manager import LoraManager
+    # rows a step may hold: the token budget, verify steps' drafts, the graphs' padded sizes
+    rows = plan.step_tokens.value + config.max_running_requests * (config.speculative_tokens + 1)
+    rows = max(rows, config.cuda_graph_max_bs, config.prefill_graph_max_tokens)
+    manager = LoraManager(model, mc, config.lora, dtype, device, triton=lora.triton, max_rows=rows)
+    for name, path in config.lora.named().items():
+        manager.load(name, path)
+    log.info("LoRA: %d slots of rank %d (%.1f MiB on %s), adapters: %s", lora.slots, lora.rank,
+             manager.device_bytes / 2**20, device, ", ".join(manager.names) or "none yet")
+    return manager

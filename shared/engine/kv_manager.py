@@ -171,7 +171,7 @@ class KVManager:
         if req.page_ids or req.params.prompt_logprobs is not None:
             return  # prompt logprobs need every prompt position computed (as vLLM does)
         before = self.cache.stats.loaded_pages
-        m = self.match_and_lock(req.token_ids[: len(req.token_ids) - 1], req.scope.namespace)
+        m = self.match_and_lock(req.token_ids[: len(req.token_ids) - 1], req.scope.cache_key)
         req.prefix_node = m.node
         req.page_ids = list(m.pages)
         req.num_tree_pages = len(m.pages)
@@ -231,7 +231,7 @@ class KVManager:
         if prompt_ids is not None and self.cache.enabled:
             full = (min(len(prompt_ids), num_tokens) // self.page_size) * self.page_size
             before = self.cache.stats.loaded_pages
-            m = self.match_and_lock(list(prompt_ids[:full]), scope.namespace)
+            m = self.match_and_lock(list(prompt_ids[:full]), scope.cache_key)
             held, node, ticket, continues = list(m.pages), m.node, m.load_ticket, m.continues
             loaded = self.cache.stats.loaded_pages - before
         fresh = self.allocate(self.pages_for(num_tokens) - len(held))

@@ -39,9 +39,12 @@ class ModelRunner:
         self.extend_graphs = None
         # CUDA graphs of small prefill steps (prefill_graph.py), set by the engine on GPU
         self.prefill_graphs = None
+        # LoRA (shared/engine/lora/layer.py LoraStep): each step's rows' adapter slots, set by an
+        # engine that serves adapters; the step plan then carries them
+        self.lora = None
 
     def build(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        plan = plan_batch(batch, self.page_size)
+        plan = plan_batch(batch, self.page_size, self.lora is not None)
         input_ids, positions, meta, rows = self.tensors(plan)
         return input_ids, positions, meta, rows.tolist()
 
@@ -69,6 +72,8 @@ class ModelRunner:
             seq_lens_host=seq_lens_host, extend_lens_host=ext_host,
             num_pages_host=[-(-s // ps) for s in seq_lens_host], uniform_q=uniform_extend(ext_host))
         input_ids = view("ids")
+        if self.lora is not None:
+            self.lora.set_rows(view("lora"), bool((plan.host("lora") >= 0).any()))
         if self.future_tokens is not None and plan.has_placeholders:
             input_ids = resolve_placeholders(input_ids, self.future_tokens)
         return input_ids, view("positions"), meta, view("sample_rows")
@@ -76,7 +81,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: Batch) -> torch.Tensor | None:
         """Logits [n_sampling_rows, vocab] (None when no sequence samples this step)."""
-        plan = plan_batch(batch, self.page_size)  # (KV loaded back from the host tier has landed: scheduler)
+        plan = plan_batch(batch, self.page_size, self.lora is not None)  # (KV loaded back from the host tier has landed: scheduler)
         if self.plan_sink is not None:
             self.plan_sink(plan)
         return self.forward_plan(plan)

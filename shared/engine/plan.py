@@ -72,6 +72,13 @@ class HostTier:
 
 
 @dataclass(frozen=True)
+class LoraPlan:
+    slots: int    # adapters one step mixes (device slots)
+    rank: int     # every slot's rank (smaller adapters zero-padded)
+    triton: bool  # the Triton kernels (kernels/lora.py), else the torch references
+
+
+@dataclass(frozen=True)
 class EnginePlan:
     device: Decision[str]                    # torch device string, "cuda:1" / "cpu"
     tp: Decision[int]                        # tensor-parallel size
@@ -89,6 +96,7 @@ class EnginePlan:
     overlap: Decision[bool]
     host_tier: Decision[HostTier | None]
     speculative: Decision[str | None]        # method on this rank, None: off
+    lora: Decision[LoraPlan | None]          # LoRA adapter slots (shared/engine/lora/), None: off
     max_model_len: Decision[int]
     step_tokens: Decision[int]               # per-step token budget (chunked prefill)
     facts: DeviceFacts | None = None         # what the device looked like when resolved

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from .config import EngineConfig
 from .model_config import ModelConfig
-from .plan import Decision, DecodeGraphs, DeviceFacts, EnginePlan, HostTier, PdlPlan
+from .plan import Decision, DecodeGraphs, DeviceFacts, EnginePlan, HostTier, LoraPlan, PdlPlan
 
 if TYPE_CHECKING:
     import torch
@@ -45,7 +45,8 @@ def resolve_plan(config: EngineConfig, mc: ModelConfig, facts: DeviceFacts,
         custom_all_reduce=car, decode_graphs=_for_the_role(config, decode_graphs),
         prefill_graphs=_prefill_graphs(config, decode_graphs.value, step_tokens.value, max_model_len.value),
         overlap=_overlap(config, facts, car.value), host_tier=_host_tier(config, facts),
-        speculative=_speculative(config), max_model_len=max_model_len, step_tokens=step_tokens, facts=facts)
+        speculative=_speculative(config), lora=_lora(config, kernels.value, facts), max_model_len=max_model_len,
+        step_tokens=step_tokens, facts=facts)
 
 
 def plan_for(config: EngineConfig) -> EnginePlan:
@@ -352,6 +353,17 @@ def _speculative(config: EngineConfig) -> Decision[str | None]:
         return Decision(None, "off", f"rank {config.tp.rank}: rank 0 drafts, every rank verifies")
     k = config.speculative_tokens
     return Decision(method, f"{method}(k={k})", f"--speculative-method {method}, {k} draft tokens a step")
+
+
+def _lora(config: EngineConfig, fused: bool, facts: DeviceFacts) -> Decision[LoraPlan | None]:
+    lora = config.lora
+    if not lora.slots:
+        return Decision(None, "off", "no --lora and no --max-loras")
+    if facts.type == "cuda" and not fused:  # the references read the slots on the host: no graphs
+        raise ValueError("LoRA on a GPU needs the Triton kernels (triton is not importable here)")
+    how = "Triton kernels" if fused else "torch references"
+    return Decision(LoraPlan(lora.slots, lora.max_lora_rank, fused), f"{lora.slots}x{lora.max_lora_rank}",
+                    f"{lora.slots} adapter slots of rank {lora.max_lora_rank} ({how})")
 
 
 def _max_model_len(config: EngineConfig, mc: ModelConfig) -> Decision[int]:

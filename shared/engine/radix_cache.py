@@ -21,10 +21,11 @@ continued an earlier sequence inserted it (`conversation`): what the write polic
 Every step publishes a KV event when an event sink is set: stored (entered the tree),
 offloaded (device -> host), loaded (host -> device), removed (gone from every tier).
 
-The tree is partitioned by cache namespace (cache_scope.py): a top-level node's key in the
-root's children starts with its namespace (SGLang's `extra_key`), so a request matches only
-pages inserted under its own namespace, and the page hashes a node publishes are seeded with
-it. Each node remembers the tenant that inserted it: `device_pages_by_tenant` counts the
+The tree is partitioned by cache key (cache_scope.py: the cache namespace, mixed with the LoRA
+adapter's name when a request runs one): a top-level node's key in the root's children starts
+with it (SGLang's `extra_key`), so a request matches only pages inserted under its own key (no
+tenant another's, no adapter the base model's), and the page hashes a node publishes are seeded
+with it. Each node remembers the tenant that inserted it: `device_pages_by_tenant` counts the
 device pages each tenant's nodes hold, and eviction can take from chosen tenants first
 (`evict(over_share=...)`, tenant_quota.py)."""
 from __future__ import annotations
@@ -49,7 +50,7 @@ class RadixNode:
     last_access: float = 0.0
     hashes: list[int] = field(default_factory=list)  # chained page hashes, when published
     host_pages: list[int] = field(default_factory=list)  # lower-tier copy ([] when none)
-    namespace: int = 0  # the cache namespace it was inserted under (its whole path shares it)
+    namespace: int = 0  # the cache key it was inserted under (CacheScope.cache_key; its whole path shares it)
     tenant: int = 0  # who inserted it: its device pages count against that tenant
     hits: int = 0  # requests whose match found it (the one that inserted it is not one)
     conversation: bool = False  # inserted by a request that continued a sequence held here
@@ -280,7 +281,7 @@ class RadixCache:
         self.version += 1
         node, pos, duplicates = self.root, 0, []
         now = time.monotonic()
-        namespace = scope.namespace
+        namespace = scope.cache_key
         while pos < len(tokens):
             child = node.children.get(self._slot(node, namespace, tokens[pos:pos + ps]))
             if child is None:

@@ -25,7 +25,8 @@ class Req:
     max_new_tokens: int
     seed: int
     prefill_only: bool = False  # disaggregated prefill: stop after the first token, hold pages
-    scope: CacheScope = DEFAULT_SCOPE  # the prefix-cache namespace it reads and fills, its tenant
+    scope: CacheScope = DEFAULT_SCOPE  # the prefix-cache namespace it reads and fills, its tenant, its LoRA adapter
+    lora_slot: int = -1  # the device slot of its LoRA adapter while it runs (-1: the base model)
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     page_ids: list[int] = field(default_factory=list)  # page i holds tokens [i*ps, (i+1)*ps)
     num_computed: int = 0  # tokens whose KV is in the cache (cached_len), as of the launched steps

@@ -28,8 +28,12 @@ from .request import Req, ReqStatus
 
 
 class Scheduler:
-    def __init__(self, kv: KVManager, max_batched_tokens: int, max_running: int):
+    def __init__(self, kv: KVManager, max_batched_tokens: int, max_running: int, lora=None):
+        """lora: the engine's LoraManager (shared/engine/lora/manager.py), None without adapters. A
+        request of an adapter is admitted only with a device slot holding it, as only with pages."""
         self.kv = kv
+        self.lora = lora
+        self.failed: list[tuple[Req, str]] = []  # taken out of the queue: their adapter could not load
         self.max_batched_tokens = max_batched_tokens
         self.max_running = max_running
         self.waiting: deque[Req] = deque()  # every waiting request, arrival order (retracted ones in front)
@@ -138,17 +142,24 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             turn_order = self._turn_order()
             req = self.kv.next_in_turn(turn_order, lambda r: r.scope.tenant)
+            taken = self._take_adapter(req)
+            if taken is None:  # its adapter could not be loaded: the engine ends it
+                continue
+            if not taken:
+                break  # every LoRA slot is pinned by other adapters' work: wait, as for pages
             self.kv.match_prefix(req)
             if req.host_pages_waiting and self.running:
                 # part of its prefix waits in the host tier for device room: wait for running
                 # requests to free it rather than recompute what is held (alone, go ahead)
                 self.kv.drop_prefix(req)
+                self._drop_adapter(req)
                 break
             if req.num_cached_tokens == 0:
                 req.num_cached_tokens = req.num_computed
             item = None if self._loading(req) else self._budgeted_chunk(req, budget, room)
             if item is None and req.kv_load_ticket is None:
                 self.kv.drop_prefix(req)
+                self._drop_adapter(req)
                 break  # back-pressure (or the step's inter-token budget is spent)
             self._take_waiting(req)
             self._turn(_group(req))
@@ -210,6 +221,28 @@ class Scheduler:
             return None
         return ScheduledReq(req, req.num_computed, length)
 
+    def _take_adapter(self, req: Req) -> bool | None:
+        """Pin a device slot with req's LoRA adapter (True; also for the base model); False: no
+        slot is free now; None: the adapter could not be loaded (req left the queue for `failed`)."""
+        if not req.scope.adapter or self.lora is None:
+            return True
+        from .lora.adapter_files import LoraAdapterError
+        try:
+            slot = self.lora.acquire(req.scope.adapter, req.rid)
+        except (LoraAdapterError, OSError) as exc:
+            self._take_waiting(req)
+            self.failed.append((req, str(exc)))
+            return None
+        if slot is None:
+            return False
+        req.lora_slot = slot
+        return True
+
+    def _drop_adapter(self, req: Req) -> None:
+        if self.lora is not None:
+            self.lora.release(req.rid)
+            req.lora_slot = -1
+
     def _youngest_after(self, req: Req) -> Req | None:
         """The youngest running request admitted after `req`, if any."""
         idx = self.running.index(req)
@@ -223,6 +256,7 @@ class Scheduler:
         far are kept and recomputed (sampling is keyed on position, so nothing changes)."""
         self.running.remove(req)
         self.kv.release(req, cache=False)
+        self._drop_adapter(req)
         req.num_computed = 0
         req.num_kv_ready = 0
         self.num_retracted += 1

@@ -86,6 +86,8 @@ class SequenceGroups:
             dst += own
             kid.num_computed = L
             kid.num_cached_tokens = parent.num_cached_tokens
+            if e.lora is not None:  # it runs with its parent's LoRA slot
+                kid.lora_slot = e.lora.share(parent.rid, kid.rid)
             e.scheduler.add_running(kid)
         copy_pages(e, src, dst)
         e.call_followers("shared.engine.sequence_group:copy_pages", src, dst)
@@ -98,7 +100,7 @@ class SequenceGroups:
             return [], None
         tokens = parent.prompt_ids[:full * kv.page_size]
         dups, _ = kv.cache.insert(tokens, parent.page_ids[:full], parent.scope)
-        pages, node = kv.cache.match_prefix(tokens, parent.scope.namespace)
+        pages, node = kv.cache.match_prefix(tokens, parent.scope.cache_key)
         kv.cache.lock(node)
         if parent.prefix_node is not None:
             kv.cache.unlock(parent.prefix_node)

@@ -5,9 +5,11 @@ tensors. Packing them into one array gives one host-to-device copy per step (pin
 non-blocking, so the CPU can run ahead of the GPU), and one message for tensor-parallel
 rank 0 to send to the other ranks, which rebuild the same tensors from it.
 
-Layout: header [is_decode, T, B, W, S], then ids[T] positions[T] slots[T] seq_lens[B]
-extend_lens[B] qo_indptr[B+1] page_table[B*W] sample_rows[S]. Token ids < 0 are
-placeholders for tokens still being sampled on the device (overlap scheduling)."""
+Layout: header [is_decode, T, B, W, S, L], then ids[T] positions[T] slots[T] seq_lens[B]
+extend_lens[B] qo_indptr[B+1] page_table[B*W] sample_rows[S] lora[L]. Token ids < 0 are
+placeholders for tokens still being sampled on the device (overlap scheduling). `lora` is each
+row's LoRA slot (-1: the base model; shared/engine/lora/), L = T on an engine that serves
+adapters, else 0."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,7 +19,7 @@ import numpy as np
 from .batch import Batch
 from .kv_pool import PADDING_PAGE
 
-HEADER = 5
+HEADER = 6
 
 
 @dataclass
@@ -44,12 +46,17 @@ class StepPlan:
     def num_sample(self) -> int:
         return int(self.data[4])
 
+    @property
+    def num_lora_rows(self) -> int:
+        return int(self.data[5])
+
     def sections(self) -> dict[str, tuple[int, int]]:
         """name -> (start, end) offsets into data."""
         t, b, w, s = self.num_tokens, self.batch_size, self.width, self.num_sample
         out, pos = {}, HEADER
         for name, n in (("ids", t), ("positions", t), ("slots", t), ("seq_lens", b), ("extend_lens", b),
-                        ("qo_indptr", b + 1), ("page_table", b * w), ("sample_rows", s)):
+                        ("qo_indptr", b + 1), ("page_table", b * w), ("sample_rows", s),
+                        ("lora", self.num_lora_rows)):
             out[name] = (pos, pos + n)
             pos += n
         return out
@@ -63,7 +70,8 @@ class StepPlan:
         return self.num_tokens > 0 and int(self.host("ids").min()) < 0
 
 
-def plan_batch(batch: Batch, page_size: int) -> StepPlan:
+def plan_batch(batch: Batch, page_size: int, lora: bool = False) -> StepPlan:
+    """lora: the engine serves adapters; each row carries its request's slot (Req.lora_slot)."""
     ps = page_size
     ids: list[int] = []
     pos: list[int] = []
@@ -99,7 +107,10 @@ def plan_batch(batch: Batch, page_size: int) -> StepPlan:
         table[i, :n] = it.req.page_ids[:n]
     qo = np.zeros(b + 1, dtype=np.int64)
     np.cumsum(ext_lens, out=qo[1:])
-    header = [int(batch.is_decode), len(ids), b, w, len(sample_rows)]
+    lora_rows = np.repeat(np.asarray([it.req.lora_slot for it in batch.items], dtype=np.int32),
+                          ext_lens) if lora else np.zeros(0, dtype=np.int32)
+    header = [int(batch.is_decode), len(ids), b, w, len(sample_rows), len(lora_rows)]
     data = np.concatenate([np.asarray(header + ids + pos + slots + seq_lens + ext_lens, dtype=np.int32),
-                           qo.astype(np.int32), table.reshape(-1), np.asarray(sample_rows, dtype=np.int32)])
+                           qo.astype(np.int32), table.reshape(-1), np.asarray(sample_rows, dtype=np.int32),
+                           lora_rows])
     return StepPlan(data)

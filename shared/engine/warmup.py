@@ -40,32 +40,9 @@ def warm_up(engine, full: bool | None = None) -> float:
     if not (engine.device.type == "cuda" if full is None else full):
         _run(engine, [[_tok(i, vocab) for i in range(8)]], SamplingParams(temperature=0, max_tokens=2))
     else:
-        budget = engine.scheduler.max_batched_tokens
-        lengths = sorted({min(n, budget, room) for n in PREFILL_BUCKETS})
-        decodes = engine.config.runs_decode  # a prefill worker stops every request at its first token
-        greedy = SamplingParams(temperature=0, max_tokens=3 if decodes else 1, ignore_eos=True)
-        for n in lengths:  # one prompt per bucket: its chunks run alone
-            _run(engine, [[_tok(n + i, vocab) for i in range(n)]], greedy)
-        base = [_tok(i, vocab) for i in range(min(256, room // 2))]
-        _run(engine, [base], greedy)
-        _run(engine, [base + [_tok(7 * i, vocab) for i in range(32)]], greedy)  # extend over a cached prefix
-        for b in MULTI_PREFILL:  # several prompts in one step: logits rows, multi-sequence attention
-            _run(engine, [[_tok(97 * j + i, vocab) for i in range(min(40 + 13 * j, room))] for j in range(b)], greedy)
-        host = [SamplingParams(temperature=0.7, top_p=0.9, seed=1, max_tokens=4 if decodes else 1, ignore_eos=True),
-                SamplingParams(temperature=0, max_tokens=4 if decodes else 1, logprobs=2, repetition_penalty=1.1,
-                               ignore_eos=True)]
-        if not decodes:  # the host sampling path of first tokens; no decode step to warm
-            _run(engine, [[_tok(31 * j + i, vocab) for i in range(24)] for j in range(2)], host)
-        else:
-            _run_mixed(engine, vocab, room)
-            graphs = engine.runner.graphs
-            cap = graphs.max_bs if graphs is not None else 32
-            # speculative decoding: every decode step drafts, so its verify shapes compile too
-            with engine.spec.warming() if engine.spec is not None else contextlib.nullcontext():
-                for b in (x for x in DECODE_BATCHES if x <= cap):
-                    prompts = [[_tok(31 * j + i, vocab) for i in range(24)] for j in range(b)]
-                    params = [greedy] * b if b > 2 else host[:b]
-                    _run(engine, prompts, params)
+        # LoRA: the adapters' kernels launch at every shape too (on base rows they write nothing)
+        with engine.lora.step.forcing() if engine.lora is not None else contextlib.nullcontext():
+            _warm_every_shape(engine, vocab, room)
     engine.kv.cache.reset()
     engine.stats = EngineStats()
     if engine.spec is not None:
@@ -75,6 +52,39 @@ def warm_up(engine, full: bool | None = None) -> float:
     seconds = time.monotonic() - t0
     log.info("warm-up done in %.1fs", seconds)
     return seconds
+
+
+def _warm_every_shape(engine, vocab: int, room: int) -> None:
+    """Every prefill bucket, an extend, several prompts a step, mixed steps, the decode batches
+    (a prefill worker, which stops every request at its first token, runs no decode step)."""
+    from .sampling_params import SamplingParams
+
+    budget = engine.scheduler.max_batched_tokens
+    lengths = sorted({min(n, budget, room) for n in PREFILL_BUCKETS})
+    decodes = engine.config.runs_decode  # a prefill worker stops every request at its first token
+    greedy = SamplingParams(temperature=0, max_tokens=3 if decodes else 1, ignore_eos=True)
+    for n in lengths:  # one prompt per bucket: its chunks run alone
+        _run(engine, [[_tok(n + i, vocab) for i in range(n)]], greedy)
+    base = [_tok(i, vocab) for i in range(min(256, room // 2))]
+    _run(engine, [base], greedy)
+    _run(engine, [base + [_tok(7 * i, vocab) for i in range(32)]], greedy)  # extend over a cached prefix
+    for b in MULTI_PREFILL:  # several prompts in one step: logits rows, multi-sequence attention
+        _run(engine, [[_tok(97 * j + i, vocab) for i in range(min(40 + 13 * j, room))] for j in range(b)], greedy)
+    host = [SamplingParams(temperature=0.7, top_p=0.9, seed=1, max_tokens=4 if decodes else 1, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=4 if decodes else 1, logprobs=2, repetition_penalty=1.1,
+                           ignore_eos=True)]
+    if not decodes:  # the host sampling path of first tokens; no decode step to warm
+        _run(engine, [[_tok(31 * j + i, vocab) for i in range(24)] for j in range(2)], host)
+    else:
+        _run_mixed(engine, vocab, room)
+        graphs = engine.runner.graphs
+        cap = graphs.max_bs if graphs is not None else 32
+        # speculative decoding: every decode step drafts, so its verify shapes compile too
+        with engine.spec.warming() if engine.spec is not None else contextlib.nullcontext():
+            for b in (x for x in DECODE_BATCHES if x <= cap):
+                prompts = [[_tok(31 * j + i, vocab) for i in range(24)] for j in range(b)]
+                params = [greedy] * b if b > 2 else host[:b]
+                _run(engine, prompts, params)
 
 
 def _tok(i: int, vocab: int) -> int:

@@ -5,6 +5,7 @@
   <p>:worker:<id>:pages   set    page hashes (decimal) the worker's prefix cache holds (any tier); same TTL
   <p>:worker:<id>:pages:host  set  of those, the ones held in its host tier only; same TTL
   <p>:workers:events      pubsub JSON {"event": "join"|"leave", "worker_id", "instance_nonce"}
+  <p>:model:<m>:lora      hash   LoRA adapter name -> folder, loaded at run time for served model <m>
 
 Who writes and reads each, and the KV events: docs/ARCHITECTURE.md, "Registry keys and KV events".
 """
@@ -28,6 +29,11 @@ class RegistryKeys:
 
     def host_pages(self, worker_id: str) -> str:
         return f"{self.prefix}:worker:{worker_id}:pages:host"
+
+    def lora_adapters(self, model: str) -> str:
+        """The adapters the gateway loaded at run time for `model` (no TTL: a worker that starts
+        later loads them too; unloading removes them)."""
+        return f"{self.prefix}:model:{model}:lora"
 
     @property
     def events_channel(self) -> str:

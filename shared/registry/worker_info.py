@@ -47,6 +47,24 @@ class WorkerLoad:
 
 
 @dataclass
+class WorkerAdapters:
+    """The LoRA adapters a worker serves, rewritten with every heartbeat (they load and unload
+    at run time): the gateway lists them, the router picks among the workers that serve one,
+    preferring those that hold it in a device slot already."""
+
+    served: list[str] = field(default_factory=list)    # every adapter it can run (names)
+    resident: list[str] = field(default_factory=list)  # of those, the ones in its device slots now
+
+    def fields(self) -> dict[str, str]:
+        return {"lora_adapters": json.dumps(self.served), "lora_resident": json.dumps(self.resident)}
+
+    @classmethod
+    def from_fields(cls, h: dict[str, str]) -> "WorkerAdapters":
+        return cls(served=json.loads(h.get("lora_adapters") or "[]"),
+                   resident=json.loads(h.get("lora_resident") or "[]"))
+
+
+@dataclass
 class WorkerInfo:
     worker_id: str
     role: str                       # prefill | decode | both: what the router places on now
@@ -67,6 +85,7 @@ class WorkerInfo:
     capability_key: str = ""
     load: WorkerLoad = field(default_factory=WorkerLoad)
     perf: WorkerPerf = field(default_factory=WorkerPerf)  # step-time model etc. (shared/perf_model)
+    adapters: WorkerAdapters = field(default_factory=WorkerAdapters)  # LoRA adapters it serves
     heartbeat_seq: int = 0          # bumps each heartbeat (no wall clocks across hosts)
     switchable: bool = False        # may change `role` at run time (the planner's SetRole)
 
@@ -113,6 +132,7 @@ class WorkerInfo:
         fields = {f"load_{k}": str(v) for k, v in asdict(self.load).items()}
         fields["heartbeat_seq"] = str(self.heartbeat_seq)
         fields.update(self.perf.fields())  # refitted while serving: rewritten with the load
+        fields.update(self.adapters.fields())  # loaded and unloaded while serving
         return fields
 
     def to_hash(self) -> dict[str, str]:
@@ -150,6 +170,7 @@ class WorkerInfo:
             capability_key=h.get("capability_key", ""),
             load=load,
             perf=WorkerPerf.from_fields(h),
+            adapters=WorkerAdapters.from_fields(h),
             heartbeat_seq=int(h.get("heartbeat_seq", 0)),
             switchable=h.get("switchable", "0") == "1",
         )

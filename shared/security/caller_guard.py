@@ -26,6 +26,8 @@ METHOD_ROLES: Mapping[str, frozenset[str]] = {
     "/duet.v1.Decode/Cancel": frozenset({"gateway"}),
     "/duet.v1.Decode/Generate": frozenset({"gateway"}),
     "/duet.v1.Prefill/Prefill": frozenset({"gateway"}),
+    "/duet.v1.Adapters/LoadLoraAdapter": frozenset({"gateway"}),
+    "/duet.v1.Adapters/UnloadLoraAdapter": frozenset({"gateway"}),
     "/duet.v1.WorkerAdmin/SetRole": frozenset({"planner"}),
     "/grpc.health.v1.Health/Check": ANY_ROLE,
     "/grpc.health.v1.Health/Watch": ANY_ROLE,

@@ -325,3 +325,39 @@ def test_decode_pairing_weighs_held_tokens_not_just_share():
     assert pick(40, 32 // PAGE) == "d2"
     # 6000-token conversation, d1 holds all but the last turn: the held KV decides
     assert pick(6000, 5800 // PAGE) == "d1"
+
+
+def test_lora_requests_go_to_workers_serving_the_adapter_preferring_those_holding_it(redis_server):
+    """Only workers publishing the adapter are candidates (others are never chosen, and an
+    adapter nobody serves is UNAVAILABLE naming it); among them the one holding it in a device
+    slot wins over an equally loaded one that would have to load it first."""
+    from shared.registry.worker_info import WorkerAdapters
+
+    def with_adapters(info: WorkerInfo, served=(), resident=()) -> WorkerInfo:
+        info.adapters = WorkerAdapters(list(served), list(resident))
+        return info
+
+    async def route(c, adapter: str):
+        return await c.stub.Route(duet_pb2.RouteRequest(prompt_tokens=100, max_tokens=50, lora_adapter=adapter))
+
+    async def scenario():
+        async with Cluster(redis_server.url) as c:
+            await c.add(with_adapters(worker("p1", "prefill"), ["x", "y"], ["y"]))
+            await c.add(with_adapters(worker("p2", "prefill"), ["x", "y"], ["x"]))
+            await c.add(with_adapters(worker("d1", "decode"), ["x"], []))
+            await c.add(with_adapters(worker("d2", "decode"), ["x", "y"], ["x"]))
+            await c.add(worker("d3", "decode"))
+            await c.wait_live("p1", "p2", "d1", "d2", "d3")
+            for _ in range(4):  # released at once: each routes against the same loads
+                x = await route(c, "x")
+                assert (x.prefill.worker_id, x.decode.worker_id) == ("p2", "d2")
+                await c.stub.Release(duet_pb2.ReleaseRequest(request_id=x.request_id))
+            y = await route(c, "y")
+            assert y.decode.worker_id == "d2" and y.prefill.worker_id == "p1"
+            base = {(await route(c, "")).decode.worker_id for _ in range(9)}
+            assert "d3" in base  # the base model goes anywhere
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await route(c, "nobody-has-it")
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "'nobody-has-it'" in info.value.details()
+
+    asyncio.run(scenario())

@@ -227,9 +227,9 @@ def test_a_write_capability_comes_back_and_still_verifies():
     assert refusal(back, "prefill-0", issuer.public_key)[0] == "signature"
 
 
-# --- a request's cache namespace and tenant ------------------------------------------------
+# --- a request's cache namespace, tenant and LoRA adapter ---------------------------------
 
 @pytest.mark.parametrize("message", [duet_pb2.ReserveRequest, duet_pb2.PrefillRequest, duet_pb2.GenerateRequest])
-@pytest.mark.parametrize("scope", [CacheScope(2**64 - 1, 3), DEFAULT_SCOPE])
+@pytest.mark.parametrize("scope", [CacheScope(2**64 - 1, 3), CacheScope(5, 6, "org/adapter-1"), DEFAULT_SCOPE])
 def test_a_cache_scope_comes_back_equal_on_every_request_that_carries_it(message, scope):
     assert cache_scope_from_proto(through_bytes(message(**cache_scope_fields(scope)))) == scope

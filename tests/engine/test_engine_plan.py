@@ -50,7 +50,7 @@ def test_the_default_model_on_the_cpu():
     _names_every_choice(plan)
     assert plan.render() == ("device=cpu tp=1 dtype=float32 weights=float32 kernels=torch attention=torch "
                              "kv_dtype=float32 linears=off fp8_decode_gemm=off pdl=off custom_all_reduce=none "
-                             "decode_graphs=none prefill_graphs=off overlap=on host_tier=off speculative=off "
+                             "decode_graphs=none prefill_graphs=off overlap=on host_tier=off speculative=off lora=off "
                              "max_model_len=8192 step_tokens=1024")
     assert plan.host_tier.why == "auto on the CPU: its pool is host memory already"
     with pytest.raises(dataclasses.FrozenInstanceError):

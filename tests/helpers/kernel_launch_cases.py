@@ -363,6 +363,25 @@ def peer_read_all_reduce():
                 run_read_reduce(rank, partials, _e(5, 2 * hidden, dtype=dt)[:, :hidden], _e(hidden, dtype=dt), 1e-6)
 
 
+def lora():
+    from kernels.lora import lora_expand, lora_shrink
+    i32 = torch.int32
+    # decode rows, a prefill chunk; Qwen3-8B's q/k/v (4096 -> 4096 + 1024 + 1024), gate/up, down; ranks 8..64
+    for dt in DTYPES:
+        for rows in (1, 8, 256):
+            for k, parts, rank in ((4096, (4096, 1024, 1024), 16), (4096, (12288, 12288), 64), (12288, (4096,), 8)):
+                slots = 4
+                x = _e(rows, k, dtype=dt)
+                a = _e(slots, len(parts), rank, k, dtype=dt)
+                b = _e(slots, sum(parts), rank, dtype=dt)
+                row_slots = torch.full((rows,), -1, dtype=i32)
+                shrunk = lora_shrink(x, a, row_slots)
+                starts = [0]
+                for n in parts:
+                    starts.append(starts[-1] + n)
+                lora_expand(shrunk, b, _e(rows, sum(parts), dtype=dt), row_slots, _e(slots), starts)
+
+
 def fp8_probe():
     from tests.helpers.fp8_grid_kernel import fp8_grid_of
     fp8_grid_of(_e(5000))
@@ -388,5 +407,6 @@ GROUPS = {
     "triton_fp8_moe": fp8_moe,
     "triton_peer_all_reduce": peer_all_reduce,
     "triton_peer_read_all_reduce": peer_read_all_reduce,
+    "triton_lora": lora,
     "fp8_probe": fp8_probe,
 }

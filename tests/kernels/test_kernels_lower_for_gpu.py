@@ -15,7 +15,7 @@ PDL launches, the tiles a GPU picks at Qwen3-8B / Qwen3-30B-A3B shapes and the C
 kernels/triton_decode_attention.py, triton_extend_attention.py, triton_verify_attention.py,
 triton_store_kv.py, triton_page_copy.py, triton_qk_norm_rope.py, triton_rotary_embedding.py,
 triton_rms_norm.py, triton_silu_and_mul.py, triton_small_batch_linear.py, triton_fp8_gemm.py, triton_fp8_decode_gemm.py,
-triton_fp8_moe.py, triton_fused_moe.py, triton_moe_decode.py, triton_rejection_sample.py,
+triton_fp8_moe.py, triton_fused_moe.py, triton_moe_decode.py, triton_rejection_sample.py, triton_lora.py,
 triton_peer_all_reduce.py, triton_peer_read_all_reduce.py; the device-function modules
 triton_fp8.py, triton_f16_rows.py, triton_moe_topk.py and triton_pdl.py through the kernels that
 call them; and

@@ -359,3 +359,26 @@ def test_ctrl_c_stops_sending_and_still_reports_what_finished(serve, tmp_path):
     assert s["completed"] >= 2 and set(s["errors"]) <= {"interrupted"}
     assert s["completed"] + s["errors"].get("interrupted", 0) == len(records)
     assert (out / "report.txt").exists() and (out / "latency_cdf.png").exists()
+
+
+def test_lora_mix_sends_each_model_by_weight_and_reports_each(serve, tmp_path, capsys):
+    """--lora-mix: every request names one of the models or adapters (by weight, from the seed);
+    a second table repeats the rows per model, its request counts what the server saw of each."""
+    script, url = serve(ttft_s=0.02, itl_s=0.01)
+    out = tmp_path / "mix"
+    assert loadtest_main([
+        "--base-url", url, "--tokenizer", _tok_dir(), "--workload", "random", "--input-len", "12", "--output-len", "3",
+        "-n", "24", "--lora-mix", "scripted-model:1,sql:2", "--warmup-requests", "0", "-o", str(out),
+        "--no-progress", "--no-plots"]) == 0
+    table = capsys.readouterr().out
+    sent = [b["model"] for b in script.bodies[1:]]  # after the ignore_eos probe
+    assert len(sent) == 24 and set(sent) == {"scripted-model", "sql"}
+    assert sent.count("sql") > sent.count("scripted-model")
+    per_model = table[table.index(", per model"):]
+    row = next(line for line in per_model.splitlines() if line.startswith("Requests ok / failed"))
+    assert row.split()[-6:] == [str(sent.count("scripted-model")), "/", "0", str(sent.count("sql")), "/", "0"]
+    assert "unpaced scripted-model" in per_model and "unpaced sql" in per_model
+    records = _results(out)["runs"][0]["records"]
+    assert {r["model"] for r in records} == {"scripted-model", "sql"}
+    with pytest.raises(SystemExit):
+        loadtest_main(["--base-url", url, "--lora-mix", "sql:-1"])

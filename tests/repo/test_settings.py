@@ -173,7 +173,8 @@ def _non_default(spec):
         return next(c for c in spec.choices if c != spec.default)
     if spec.parse in (parsers.optional_size, parsers.size):
         return 3 << 30
-    sample = {int: 3, float: 0.25, str: "x", parsers.optional_int: 3, parsers.name_counts: {"o_proj": 3}}
+    sample = {int: 3, float: 0.25, str: "x", parsers.optional_int: 3, parsers.name_counts: {"o_proj": 3},
+              parsers.words: ["x=/y"]}
     return sample[spec.parse] if spec.default != sample[spec.parse] else sample[spec.parse] * 2
 
 

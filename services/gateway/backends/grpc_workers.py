@@ -197,6 +197,25 @@ class GrpcBackend:
         return [WorkerCapacity(w.role, w.load.total_pages, w.page_size, w.max_running_requests, w.max_batched_tokens)
                 for w in self._watcher.workers()]
 
+    # --- LoRA adapters (grpc_adapters.py) --------------------------------------------------
+
+    def adapters(self) -> list[str]:
+        from services.gateway.backends.grpc_adapters import served_adapters
+        return served_adapters(self._watcher.workers()) if self._watcher is not None else []
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        from services.gateway.backends.grpc_adapters import load_everywhere
+        await load_everywhere(self._registry_view(), self._workers, name, path, self.config.rpc_timeout_s)
+
+    async def unload_adapter(self, name: str) -> None:
+        from services.gateway.backends.grpc_adapters import unload_everywhere
+        await unload_everywhere(self._registry_view(), self._workers, name, self.config.rpc_timeout_s)
+
+    def _registry_view(self):
+        if self._watcher is None:
+            raise BackendUnavailable("LoRA adapters at run time need the registry (--redis-url)")
+        return self._watcher
+
     def _page_size(self) -> int:
         if self._watcher is None:
             return 0
@@ -371,12 +390,13 @@ class GrpcBackend:
         page_size = self._page_size()
         prompt = attempt.prompt.kv_tokens
         # seeded with the namespace: the workers publish their pages' hashes the same way
-        hashes = (chained_page_hashes(prompt, page_size, seed=request.cache_scope.namespace) if page_size else [])
+        hashes = (chained_page_hashes(prompt, page_size, seed=request.cache_scope.cache_key) if page_size else [])
         try:
             return await self._router.Route(duet_pb2.RouteRequest(
                 request_id=attempt.request_id, model=request.model, prompt_tokens=len(prompt),
                 max_tokens=attempt.remaining_tokens, page_hashes=hashes, n=attempt.sampling.n,
-                exclude_instances=attempt.exclude, checkpoint=attempt.checkpoint),
+                exclude_instances=attempt.exclude, checkpoint=attempt.checkpoint,
+                lora_adapter=request.cache_scope.adapter),
                 metadata=metadata, timeout=self.config.route_timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise rpc_error(exc, "router") from None

@@ -40,7 +40,8 @@ class GenerationRequest:
     group: str = ""
     # W3C trace context (traceparent / tracestate) of the gateway's span, for RPC metadata.
     trace_context: dict[str, str] = field(default_factory=dict)
-    # the prefix-cache namespace (tenant and cache_salt) and tenant (http_edge/cache_namespace.py)
+    # the prefix-cache namespace (tenant and cache_salt), tenant (http_edge/cache_namespace.py) and
+    # the LoRA adapter the request runs with ("" = the base model; workers serving it are chosen)
     cache_scope: CacheScope = DEFAULT_SCOPE
 
 
@@ -80,6 +81,10 @@ class BackendUnavailable(BackendError):
     """No worker can serve now (none registered, worker died, stream broke): HTTP 503."""
 
 
+class AdapterNotFound(BackendError):
+    """No worker serves the LoRA adapter named: HTTP 404."""
+
+
 class BackendBadRequest(BackendError):
     """A worker rejected the request's content (e.g. too long for its KV): HTTP 400."""
 
@@ -107,6 +112,16 @@ class GenerationBackend(Protocol):
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         """Stream the completion's tokens (see the module docstring for the contract)."""
+
+    def adapters(self) -> list[str]:
+        """The LoRA adapters clients may name as `model` now (sorted)."""
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Serve LoRA adapter `name` from folder `path` (BackendBadRequest: a folder it cannot serve,
+        or LoRA off; BackendUnavailable: no worker to load it on)."""
+
+    async def unload_adapter(self, name: str) -> None:
+        """Stop serving LoRA adapter `name` (AdapterNotFound: nobody serves it)."""
 
     async def start(self) -> None:
         """Start background work (engine loop, registry watch); called once by the app."""

@@ -19,6 +19,7 @@ from typing import Any, AsyncIterator, Callable
 from services.gateway.backends.capacity import WorkerCapacity
 from services.gateway.backends.interface import (
     FINISH_REASONS,
+    AdapterNotFound,
     BackendBadRequest,
     BackendUnavailable,
     GenerationRequest,
@@ -46,6 +47,7 @@ class LocalBackend:
         self._lock = threading.Lock()  # start of the loop vs close()
         self._closed = False
         self._loaded = threading.Event()
+        self._adapters: list[str] = []  # the engine's LoRA adapters, as of the last change (this thread's copy)
         self._loader = threading.Thread(target=self._load, name="gateway-engine-load", daemon=True)
 
     # --- GenerationBackend ---------------------------------------------------------------
@@ -68,6 +70,33 @@ class LocalBackend:
             return []
         return [WorkerCapacity("both", engine.kv.capacity, engine.layout.page_size,
                                engine.config.max_running_requests, engine.scheduler.max_batched_tokens)]
+
+    # --- LoRA adapters: the engine's, changed on its thread ------------------------------------
+
+    def adapters(self) -> list[str]:
+        return list(self._adapters)
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        from shared.engine.lora.adapter_files import LoraAdapterError
+        lora = self._lora()
+        try:
+            await self._loop.acall(lambda: lora.load(name, path))
+        except LoraAdapterError as exc:
+            raise BackendBadRequest(str(exc), "lora_path") from None
+        self._adapters = await self._loop.acall(lambda: lora.names)
+
+    async def unload_adapter(self, name: str) -> None:
+        lora = self._lora()
+        if not await self._loop.acall(lambda: lora.unload(name)):
+            raise AdapterNotFound(f"The lora adapter '{name}' cannot be found.")
+        self._adapters = await self._loop.acall(lambda: lora.names)
+
+    def _lora(self):
+        if not self.ready():
+            raise BackendUnavailable(self._unavailable_reason())
+        if self.engine.lora is None:
+            raise BackendBadRequest("this engine runs without LoRA slots (start it with --max-loras N)")
+        return self.engine.lora
 
     async def start(self) -> None:
         self._loader.start()
@@ -156,6 +185,7 @@ class LocalBackend:
         with self._lock:
             if not self._closed:
                 self.engine = engine
+                self._adapters = engine.lora.names if engine.lora is not None else []
                 self._loop = EngineLoop(engine, idle_wait_s=self.idle_wait_s)
                 self._loop.start()
         self._loaded.set()

@@ -12,6 +12,7 @@ from services.gateway.http_edge.error_responses import APIError, invalid_request
 from services.gateway.http_edge.openapi import install_openapi
 from services.gateway.http_edge.request_guard import RequestLimitsMiddleware
 from services.gateway.openai_api.endpoints import GatewayContext, OpenAIEndpoints
+from services.gateway.openai_api.lora_admin import LoraAdmin
 
 
 def build_app(ctx: GatewayContext, manage_backend: bool = True, metrics_route: bool = True) -> FastAPI:
@@ -40,6 +41,9 @@ def build_app(ctx: GatewayContext, manage_backend: bool = True, metrics_route: b
     app.add_api_route("/v1/responses", endpoints.responses, methods=["POST"])
     app.add_api_route("/v1/models", endpoints.list_models, methods=["GET"])
     app.add_api_route("/v1/models/{model:path}", endpoints.get_model, methods=["GET"])
+    lora = LoraAdmin(ctx)  # 404 unless --enable-lora-loading
+    app.add_api_route("/v1/load_lora_adapter", lora.load, methods=["POST"])
+    app.add_api_route("/v1/unload_lora_adapter", lora.unload, methods=["POST"])
     app.add_api_route("/health", endpoints.health, methods=["GET"])
     # Liveness: the process answers HTTP (no API key, nothing about other pods).
     app.add_api_route("/live", lambda: {"status": "alive"}, methods=["GET"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -99,6 +100,7 @@ class GatewayContext:
     grammar: GrammarLimits = field(default_factory=GrammarLimits)
     # whose prompts share prefix-cache pages (main.py gives the configured key; else random)
     cache_namespaces: CacheNamespaces = field(default_factory=CacheNamespaces.random)
+    lora_loading: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (lora_admin.py)
 
     def __post_init__(self) -> None:
         lim = self.limits
@@ -118,6 +120,20 @@ class GatewayContext:
         """Stop the helper processes (a later request starts them again)."""
         self.renderer.pool.stop()
         self.grammar_guard.pool.stop()
+
+    def adapters(self) -> list[str]:
+        """The LoRA adapters a request may name as `model` (the backend's; optional for stand-ins)."""
+        adapters = getattr(self.backend, "adapters", None)
+        return adapters() if adapters is not None else []
+
+    def resolve_model(self, model: str | None) -> str:
+        """The LoRA adapter a request's `model` names: "" for the base model (also when it names
+        none, as vLLM does); a name nobody serves is a 404 model_not_found."""
+        if model is None or model == self.served_model_name:
+            return ""
+        if model in self.adapters():
+            return model
+        raise model_not_found(model)
 
     def live_capacity(self) -> list[WorkerCapacity]:
         capacity = getattr(self.backend, "live_capacity", None)  # optional for stand-in backends
@@ -143,6 +159,7 @@ class PreparedRequest:
     echo: list[EchoPrompt] | None = None
     limit_param: str = "max_tokens"  # the request's name for the completion budget (in errors)
     cache_salt: str | None = None  # with the tenant, the prefix-cache namespace (cache_namespace.py)
+    adapter: str = ""  # the LoRA adapter `model` named ("" = the base model): part of the cache scope
 
 
 class OpenAIEndpoints:
@@ -161,12 +178,15 @@ class OpenAIEndpoints:
         return await self._serve(request, ENDPOINT_RESPONSES, self._prepare_responses)
 
     async def list_models(self) -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
+        cards = [self._model_card()] + [self._model_card(name) for name in self.ctx.adapters()]
+        return JSONResponse({"object": "list", "data": cards})
 
     async def get_model(self, model: str) -> Response:
-        if model != self.ctx.served_model_name:
-            return model_not_found(model).response()
-        return JSONResponse(self._model_card())
+        try:
+            adapter = self.ctx.resolve_model(model)
+        except APIError as exc:
+            return exc.response()
+        return JSONResponse(self._model_card(adapter))
 
     async def health(self) -> Response:
         if not self.ctx.backend.ready():
@@ -186,20 +206,17 @@ class OpenAIEndpoints:
     async def prometheus(self) -> Response:
         return Response(self.ctx.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
-    def _model_card(self) -> dict:
-        return {"id": self.ctx.served_model_name, "object": "model", "created": self.ctx.created,
-                "owned_by": "duet", "max_model_len": self.ctx.max_context_len}
+    def _model_card(self, adapter: str = "") -> dict:
+        """The base model's card, or a LoRA adapter's with the base model as its `parent` (as vLLM)."""
+        base = self.ctx.served_model_name
+        return {"id": adapter or base, "object": "model", "created": self.ctx.created, "owned_by": "duet",
+                "root": adapter or base, "parent": base if adapter else None, "max_model_len": self.ctx.max_context_len}
 
     # --- request preparation -----------------------------------------------------------
 
-    def _check_model(self, model: str | None) -> None:
-        # A missing model means the one we serve (as vLLM does); a wrong one is a 404.
-        if model is not None and model != self.ctx.served_model_name:
-            raise model_not_found(model)
-
     async def _prepare_chat(self, body: bytes) -> PreparedRequest:
         req = parse_chat_request(body)
-        self._check_model(req.model)
+        adapter = self.ctx.resolve_model(req.model)
         choice = req.effective_tool_choice
         tools = req.tools if choice != "none" else None
         template_kwargs = checked_template_kwargs(req.chat_template_kwargs, self.ctx.template.kwargs_allowed)
@@ -211,12 +228,13 @@ class OpenAIEndpoints:
             grammar = tool_choice_grammar(tools, choice, req.parallel_tool_calls) or grammar
         sampling.grammar = await checked(self.ctx.grammar_guard, grammar)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        formatter = ChatFormatter(request_id, self.ctx.served_model_name, int(time.time()), self.ctx.token_strings,
+        formatter = ChatFormatter(request_id, adapter or self.ctx.served_model_name, int(time.time()),
+                                  self.ctx.token_strings,
                                   logprobs=sampling.logprobs is not None, top_logprobs=sampling.logprobs or 0,
                                   include_usage=req.include_usage, n=sampling.n, tools=self._tool_mode(tools, choice))
         limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         return PreparedRequest(request_id, [prompt_ids], sampling, formatter, bool(req.stream), req.include_usage,
-                               limit_param=limit_param, cache_salt=req.cache_salt)
+                               limit_param=limit_param, cache_salt=req.cache_salt, adapter=adapter)
 
     def _tool_mode(self, tools, choice, flat: bool = False) -> ToolMode | None:
         """How answers are read for tool calls (None: never)."""
@@ -233,7 +251,7 @@ class OpenAIEndpoints:
 
     async def _prepare_responses(self, body: bytes) -> PreparedRequest:
         req = parse_responses_request(body)
-        self._check_model(req.model)
+        adapter = self.ctx.resolve_model(req.model)
         choice = req.effective_tool_choice
         flat = req.tools if choice != "none" else None
         tools = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
@@ -251,14 +269,14 @@ class OpenAIEndpoints:
                 "tool_choice": req.tool_choice or "auto", "parallel_tool_calls": req.parallel_tool_calls is not False,
                 "metadata": req.metadata or {}, "text": {"format": (req.text.format if req.text and req.text.format
                                                                     else {"type": "text"})}}
-        formatter = ResponsesFormatter(request_id, self.ctx.served_model_name, int(time.time()), echo,
+        formatter = ResponsesFormatter(request_id, adapter or self.ctx.served_model_name, int(time.time()), echo,
                                        tools=self._tool_mode(flat, choice, flat=True))
         return PreparedRequest(request_id, [prompt_ids], sampling, formatter, bool(req.stream), False,
-                               limit_param="max_output_tokens", cache_salt=req.cache_salt)
+                               limit_param="max_output_tokens", cache_salt=req.cache_salt, adapter=adapter)
 
     async def _prepare_completion(self, body: bytes) -> PreparedRequest:
         req = parse_completion_request(body)
-        self._check_model(req.model)
+        adapter = self.ctx.resolve_model(req.model)
         prompts = []
         for prompt in req.prompts():
             if isinstance(prompt, str):
@@ -274,12 +292,12 @@ class OpenAIEndpoints:
         if req.echo:
             texts = [p if isinstance(p, str) else self.ctx.prompts.tokenizer.decode(p) for p in req.prompts()]
             echo = [EchoPrompt(text, ids) for text, ids in zip(texts, prompts)]
-        formatter = CompletionFormatter(request_id, self.ctx.served_model_name, int(time.time()),
+        formatter = CompletionFormatter(request_id, adapter or self.ctx.served_model_name, int(time.time()),
                                         self.ctx.token_strings, logprobs=req.logprobs,
                                         include_usage=req.include_usage, n=sampling.n, echo=echo,
                                         echo_only=req.echo_only)
         return PreparedRequest(request_id, prompts, sampling, formatter, bool(req.stream), req.include_usage, echo,
-                               cache_salt=req.cache_salt)
+                               cache_salt=req.cache_salt, adapter=adapter)
 
     # --- serving --------------------------------------------------------------------------
 
@@ -314,7 +332,9 @@ class OpenAIEndpoints:
             span.set_attribute("duet.request_id", prepared.request_id)
             span.set_attribute("duet.prompt_tokens", sum(len(p) for p in prepared.prompts))
             trace_context = inject_http_headers({}, context=trace.set_span_in_context(span))
-            cache_scope = self.ctx.cache_namespaces.scope(tenant, prepared.cache_salt)
+            # its namespace, tenant and LoRA adapter: base and adapter never share a page
+            cache_scope = dataclasses.replace(self.ctx.cache_namespaces.scope(tenant, prepared.cache_salt),
+                                              adapter=prepared.adapter)
             generations = []
             for k, prompt_ids in enumerate(prepared.prompts):
                 rid = prepared.request_id if len(prepared.prompts) == 1 else f"{prepared.request_id}-{k}"

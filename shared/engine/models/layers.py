@@ -88,9 +88,11 @@ class ColumnParallelLinear(nn.Module):
         self.small_batch = None  # SmallBatchWorkspace when the engine routes decode sizes to Triton
         self.pdl = None  # kernels.pdl.Pdl for the small-batch kernel (set by the engine)
         self.fp8 = None  # {"weight": Fp8Layout} once the weight is FP8
+        self.lora = None  # LoraLinear (shared/engine/lora/layer.py) when the engine serves adapters
 
     def forward(self, x, x_fp8=None):
-        return _linear(self, x, self.weight, self.bias, x_fp8)
+        y = _linear(self, x, self.weight, self.bias, x_fp8)
+        return y if self.lora is None else self.lora.add(x, y)
 
     def fp8_rows_group(self, x: torch.Tensor, gate_up: bool = False) -> int | None:
         """The group by which the norm before this layer should also write x in FP8 for it
@@ -119,7 +121,7 @@ class ColumnParallelLinear(nn.Module):
             b = None if self.bias is None else self.bias[start:start + n]
             outs.append(F.linear(x, self.weight[start:start + n], b))
             start += n
-        return outs
+        return outs if self.lora is None else self.lora.add_parts(x, outs)
 
     def load_full(self, tensor: torch.Tensor, part: int = 0, is_bias: bool = False) -> None:
         n = self.parts[part]
@@ -142,9 +144,12 @@ class RowParallelLinear(nn.Module):
         self.small_batch = None
         self.pdl = None
         self.fp8 = None
+        self.lora = None  # LoraLinear: its update is a partial sum too, reduced with the output
 
     def forward(self, x):
         y = _linear(self, x, self.weight)
+        if self.lora is not None:
+            y = self.lora.add(x, y)
         return self.tp.all_reduce(y) if self.reduce else y
 
     def fp8_layouts(self, grid) -> dict[str, Fp8Layout]:
@@ -181,13 +186,15 @@ class SwiGLU(nn.Module):
     def forward(self, h, h_fp8=None):
         """h_fp8: h's rows already in FP8 (kernels/fp8.py Fp8Rows), for an FP8 gate/up."""
         ws = self.gate_up_proj.small_batch
-        if self.gate_up_proj.fp8:
+        lora = self.gate_up_proj.lora
+        fused_ok = lora is None or not lora.step.active  # the fused gate/up + SwiGLU kernels add no LoRA update
+        if fused_ok and self.gate_up_proj.fp8:
             from kernels.fp8_linear import fp8_gate_up_silu
             out = fp8_gate_up_silu(h, fp8_weight(self.gate_up_proj), workspace=ws, pdl=self.gate_up_proj.pdl,
                                    x_fp8=h_fp8)
             if out is not None:
                 return self.down_proj(out)
-        elif ws is not None and h.dim() == 2:
+        elif fused_ok and ws is not None and h.dim() == 2:
             from kernels.small_batch_linear import small_batch_gate_up_silu, small_batch_preferred, small_batch_tuned
             w = self.gate_up_proj.weight
             if small_batch_preferred(h.shape[0], w.shape[0], w.shape[1], h.dtype) and (
