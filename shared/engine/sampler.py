@@ -55,7 +55,11 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
         if p.repetition_penalty != 1.0:
             ids = torch.tensor(sorted(set(r.prompt_ids) | set(r.output_ids)), device=logits.device)
             vals = logits[i, ids]
-            logits[i, ids] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            # a penalty below float32's smallest normal divides by zero: keep the logits finite,
+            # or softmax turns the row into NaN and the sampler picks token 0 whatever a grammar allows
+            big = torch.finfo(logits.dtype).max
+            logits[i, ids] = torch.where(vals > 0, vals / p.repetition_penalty,
+                                         vals * p.repetition_penalty).clamp(-big, big)
         if (p.frequency_penalty or p.presence_penalty) and r.output_ids:
             ids = torch.tensor(r.output_ids, device=logits.device)
             counts = torch.zeros(logits.shape[1], device=logits.device).index_add_(

@@ -73,6 +73,6 @@ def test_the_worker_logs_its_start_up_by_phase(stack):
     line = next(x for x in stack.procs[WORKER].log_text().splitlines() if "start-up by phase:" in x)
     phases = re.findall(r"([a-z -]+?) (\d+\.\d)s", line.split("start-up by phase:", 1)[1].split(";")[0])
     names = [name.strip(" ,") for name, _ in phases]
-    assert names == ["process", "model files", "device", "weights", "kv pool", "host tier", "graphs", "warm-up", "calibration",
-                     "role", "registration"], line
+    assert names == ["process", "model files", "device", "weights", "lora", "kv pool", "host tier", "graphs", "warm-up",
+                     "calibration", "role", "registration"], line
     assert re.search(r"; ready \d+\.\ds after the process began$", line), line

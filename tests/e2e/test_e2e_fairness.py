@@ -2,7 +2,7 @@
 docs/ARCHITECTURE.md section 4), through `duet up` in both modes: split (1 prefill + 1
 decode over gRPC) and colocated (1 `both` worker).
 
-Two /v1/completions requests each carry a list of 512 prompts; another client's one-token
+Two /v1/completions requests each carry a list of 256 prompts; another client's one-token
 request sent while they run is answered before the lists are half done: the gateway admits
 by tenant share and keeps a newcomer a place in the batch and its share of the prefill
 budget, decode's Reserve queue and every engine take waiting work round robin across client
@@ -21,7 +21,7 @@ from tests.helpers.stack import DuetUp, managed, new_log_dir
 pytestmark = pytest.mark.slow
 
 MODES = {"split": ("--prefill", "1", "--decode", "1"), "colocated": ("--both", "1", "--prefill", "0", "--decode", "0")}
-LIST = 512
+LIST = 256  # prompts a list: enough to keep the lists running for many engine steps on this CPU
 COMPLETIONS = "/v1/completions"
 VICTIM = {"prompt": "The capital of France is", "max_tokens": 1, "temperature": 0}
 

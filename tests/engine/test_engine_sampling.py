@@ -213,6 +213,20 @@ def test_repetition_penalty_equals_hf(eng64, hf):
     assert sum(map(_repeats, (r.token_ids for r in strong))) < sum(map(_repeats, (r.token_ids for r in base)))
 
 
+
+def test_a_vanishing_repetition_penalty_keeps_the_logits_finite():
+    """5e-324 is a valid float above 0 but 0 in float32: dividing by it must not leave inf
+    (softmax would turn the row into NaN and the sampler would pick token 0 whatever a grammar
+    allows: a fuzzed json_object request got 503 'token 0 does not fit the grammar')."""
+    from shared.engine.sampler import SampleRow, apply_penalties
+
+    logits = torch.tensor([[3.0, -2.0, 0.5, 7.0]])
+    row = SampleRow(params=SamplingParams(repetition_penalty=5e-324), seed=0, position=0, prompt_ids=[0, 1],
+                    output_ids=[3], suppress_ids=[])
+    apply_penalties(logits, [row])
+    assert torch.isfinite(logits).all() and logits.softmax(-1).isfinite().all()
+    assert int(logits.argmax()) in (0, 3) and logits[0, 2] == 0.5  # a penalized token wins; the rest untouched
+
 # -- logprobs ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_logprobs_match_hf_log_softmax(eng64, hf, temperature):
