@@ -101,6 +101,18 @@ class Scheduler:
                        key=lambda r: (self._served.get(_group(r), -1), r.arrival))
         return order + heads
 
+    def _after_turn(self, order: list[Req], req: Req) -> list[Req]:
+        """The turn order once req was admitted, without sorting again (what _turn_order would
+        give): req leaves; its group, served last now, goes to the end with its next head (the
+        one key that changed); the retracted front and the other heads keep their places."""
+        group = _group(req)
+        front = sum(1 for _ in itertools.takewhile(lambda r: r is req or r.rid in self._retracted, order))
+        heads = [r for r in order[front:] if r is not req]  # its group had no other head here
+        nxt = self._groups.get(group)
+        if nxt and nxt[0].rid not in self._retracted:
+            heads.append(nxt[0])
+        return [r for r in order[:front] if r is not req] + heads
+
     def schedule(self) -> Batch:
         # host-tier copies: settle what landed, write back ahead of what the queue needs (never waits)
         self.kv.tick_tiers(self.waiting_tokens)
@@ -139,11 +151,12 @@ class Scheduler:
                     break
                 batch.items.append(item)
                 budget -= item.length
+        turn_order = self._turn_order() if self.waiting else []  # sorted once a step, then kept
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
-            turn_order = self._turn_order()
             req = self.kv.next_in_turn(turn_order, lambda r: r.scope.tenant)
             taken = self._take_adapter(req)
             if taken is None:  # its adapter could not be loaded: the engine ends it
+                turn_order = self._turn_order()
                 continue
             if not taken:
                 break  # every LoRA slot is pinned by other adapters' work: wait, as for pages
@@ -165,6 +178,7 @@ class Scheduler:
             self._turn(_group(req))
             if req is not turn_order[0]:
                 self.num_passed_over += 1
+            turn_order = self._after_turn(turn_order, req)
             req.status = ReqStatus.RUNNING
             self.running.append(req)
             if item is not None:  # else admitted with its pages locked: its chunk once the load lands

@@ -51,3 +51,31 @@ def test_a_one_prompt_request_is_admitted_at_the_next_step_beside_two_prompt_lis
     assert all(a != b for a, b in zip(lists_order, lists_order[1:])), lists_order  # the lists take turns
     assert {r.rsplit("-", 1)[0] for r in got} == {"list-a", "list-b", "victim"}
     assert_all_pages_free(engine)
+
+
+def test_the_turn_order_kept_through_a_step_is_the_one_sorted_afresh(engine):
+    """schedule() sorts the turn order once a step and updates it after each admission
+    (Scheduler._after_turn): after every admission, whoever was picked (the head or one passed
+    over), with retracted requests at the front, it equals a fresh _turn_order()."""
+    import random
+
+    s, params = engine.scheduler, SamplingParams(temperature=0.0, max_tokens=1)
+    groups = ["a", "a", "b", "c", "c", "c", "", "", "d", "b", "a", ""]
+    rids = [engine.add_request(p, params, rid=f"order-{i}", request_group=g)
+            for i, (g, p) in enumerate(zip(groups, random_prompts(len(groups), [8], seed=7)))]
+    for rid in ("order-4", "order-9"):  # put back at the front, as a retraction does
+        req = next(r for r in s.waiting if r.rid == rid)
+        s._take_waiting(req)
+        s.add(req, front=True)
+    pick = random.Random(3)
+    order = s._turn_order()
+    while order:
+        req = order[pick.randrange(min(3, len(order)))]
+        s._take_waiting(req)
+        s._turn(req.request_group or req.out_rid)
+        order = s._after_turn(order, req)
+        assert [r.rid for r in order] == [r.rid for r in s._turn_order()]
+        engine.requests.pop(req.rid, None)
+    assert not s.waiting
+    for rid in rids:
+        engine.requests.pop(rid, None)
