@@ -61,7 +61,7 @@ def words(text: str) -> list[str]:
     return text.replace(",", " ").split()
 
 
-@labelled("path")
+@labelled("text")
 def one_item(text: str) -> list[str]:
     """A repeatable setting's variable holding one item (a path may hold commas or spaces)."""
     return [text.strip()]
