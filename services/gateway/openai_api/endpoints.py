@@ -108,13 +108,13 @@ class GatewayContext:
                                         budget=self.admission_budget, max_request_share=lim.max_request_share,
                                         aging_s=lim.admission_aging_s)
         register_admission_metrics(self.metrics.registry, self.admission)
-        default = ServedModel(ModelFiles(self.served_model_name, self.prompts, self.max_context_len),
-                              self.template, self.grammar, self.tool_call_parser)
+        default = ServedModel(self.served_model_name, self.prompts, self.max_context_len, self.template,
+                              self.grammar, self.tool_call_parser)
         self.models: dict[str, ServedModel] = {default.name: default}
         for files in self.extra_models:
             if files.name in self.models:
                 raise ValueError(f"two models are served under the name {files.name!r}")
-            self.models[files.name] = ServedModel(files, self.template, self.grammar, self.tool_call_parser)
+            self.models[files.name] = ServedModel.of(files, self.template, self.grammar, self.tool_call_parser)
         self.default_model = default
         # the default model's (tests and helpers that know one model read these)
         self.token_strings, self.tool_template = default.token_strings, default.tool_template

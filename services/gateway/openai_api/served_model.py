@@ -31,7 +31,9 @@ class ModelFiles:
 
 @dataclass
 class ServedModel:
-    files: ModelFiles
+    name: str
+    prompts: PromptBuilder
+    max_context_len: int
     template: ChatTemplateConfig = field(default_factory=ChatTemplateConfig)
     grammar: GrammarLimits = field(default_factory=GrammarLimits)
     tool_call_parser: str = "auto"  # auto | hermes | llama3_json | none (GatewayConfig)
@@ -45,17 +47,10 @@ class ServedModel:
         self.renderer = ChatRenderer(self.prompts, self.template)
         self.grammar_guard = GrammarGuard.for_tokenizer(self.grammar, self.prompts.tokenizer)
 
-    @property
-    def name(self) -> str:
-        return self.files.name
-
-    @property
-    def prompts(self) -> PromptBuilder:
-        return self.files.prompts
-
-    @property
-    def max_context_len(self) -> int:
-        return self.files.max_context_len
+    @classmethod
+    def of(cls, files: ModelFiles, template: ChatTemplateConfig, grammar: GrammarLimits,
+           tool_call_parser: str) -> "ServedModel":
+        return cls(files.name, files.prompts, files.max_context_len, template, grammar, tool_call_parser)
 
     def stop_helpers(self) -> None:
         """Stop the helper processes (a later request starts them again)."""
