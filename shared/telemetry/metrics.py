@@ -77,8 +77,8 @@ class DuetMetrics:
             buckets=_E2E_BUCKETS, registry=r)
         self.requests = requests_counter(r)  # the label scheme every process shares (requests.py)
         self.route_decisions = Counter(
-            "duet_router_decisions", "Router answers by kind and the reason for it (services/router/placement.py)",
-            ["kind", "reason"], registry=r)
+            "duet_router_decisions", "Router answers by kind and the reason for it (services/router/placement.py), "
+            "and the model routed for", ["kind", "reason", "model"], registry=r)
         # KV that outlives the request: reuse and movement per tier (device, host)
         self.kv_cache_hit_tokens = Counter(
             "duet_kv_cache_hit_tokens", "Prompt tokens whose KV was reused, by the tier it was found in",
