@@ -26,7 +26,8 @@ def add_book(host) -> None:
     ctx.book = ReservationBook(host.engine, ctx.agent, ctx.is_live,
                                quarantine_s=max(2 * config.write_timeout_s, config.notice_timeout_s),
                                metrics=ctx.metrics, claim_timeout_s=config.notice_timeout_s,
-                               num_ranks=config.engine.tp_size, ttl_s=config.reservation_ttl_s)
+                               num_ranks=config.engine.tp_size, ttl_s=config.reservation_ttl_s,
+                               lease_s=config.lease_ttl_s)
     ctx.issuer = CapabilityIssuer()  # this instance's key: its public half goes into the registry entry
     ctx.reserve_queue = ReserveQueue(ctx.book, config.engine.max_running_requests, config.reserve_aging_s)
     ctx.loop.add_tick(ctx.book.tick)

@@ -22,7 +22,8 @@ def add_outgoing(host) -> None:
     """The KV writes into decode reservations, on the engine loop (needs the agents), and the
     warm-up of decode peers as they join."""
     ctx, engine, tp = host.ctx, host.engine, host.config.engine.tp_size
-    ctx.outgoing = OutgoingTransfers(engine, ctx.metrics, followers=FollowerStreams(engine, tp - 1) if tp > 1 else None)
+    ctx.outgoing = OutgoingTransfers(engine, ctx.metrics, followers=FollowerStreams(engine, tp - 1) if tp > 1 else None,
+                                     is_live=ctx.is_live, lease_s=host.config.lease_ttl_s)
     ctx.loop.add_tick(ctx.outgoing.tick)
     ctx.loop.on_step.append(ctx.outgoing.on_step)
     host.busy.append(lambda: bool(ctx.outgoing.active))

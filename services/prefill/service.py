@@ -119,7 +119,8 @@ class PrefillService(duet_pb2_grpc.PrefillServicer):
                     fut = ctx.outgoing.start(rid, resumed.prompt, params, stream, res.reservation_id,
                                              res.generation, held_pages=held, write_nothing=mismatch, scope=scope,
                                              secret=res.capability.secret, deadline=handoff.deadline,
-                                             request_group=request.request_group, output_prefix=resumed.streamed)
+                                             request_group=request.request_group, output_prefix=resumed.streamed,
+                                             decode=(res.decode_worker_id, res.decode_instance_nonce))
                     handoff.started = True  # from here OutgoingTransfers tells decode how it ended
                     return fut
             try:

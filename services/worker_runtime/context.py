@@ -38,9 +38,10 @@ class WorkerContext:
     grammar_guard: object | None = None  # GrammarGuard: checks a grammar within the limits before compiling it
     recomputes: int = 0
 
-    def is_live(self, worker_id: str) -> bool:
-        """Whether a peer is in the last known registry set (a Redis outage keeps it)."""
-        return True if self.watcher is None else self.watcher.is_live(worker_id)
+    def is_live(self, worker_id: str, instance_nonce: str | None = None) -> bool:
+        """Whether a peer (this instance of it, if given) is in the last known registry set (a
+        Redis outage keeps it)."""
+        return True if self.watcher is None else self.watcher.is_live(worker_id, instance_nonce)
 
     @contextmanager
     def span(self, name: str, grpc_context, **attrs):
