@@ -78,7 +78,7 @@ EXPIRES_E2E = ("tests/disagg/test_reservation_capability.py::"
                "test_an_unclaimed_reservation_is_freed_by_its_deadline_whatever_the_caller_asked")
 LEASE_UNIT = UNIT + "test_a_lapsed_lease_quarantines_or_frees_like_an_expired_capability"
 LEASES = "tests/disagg/test_leases.py::"
-LEASE_RAW = LEASES + "test_a_reservation_nobody_renews_is_quarantined_and_a_late_write_lands_only_there"
+LEASE_RAW = LEASES + "test_a_reservation_nobody_renews_comes_back_within_its_lease_and_its_writer_refuses_it"
 LEASE_GATEWAY = LEASES + "test_a_stopped_gateway_strands_no_decode_pages"
 LEASE_WRITTEN = LEASES + "test_a_written_reservation_nobody_claims_is_freed_when_its_lease_lapses"
 EARLY_ENDS = "tests/e2e/test_e2e_edge.py::test_every_early_end_frees_the_reservation_at_once"

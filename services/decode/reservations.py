@@ -20,16 +20,19 @@ caller asked) is quarantined: its writer stops at the same lifetime and says so 
 notice), else the quarantine deadline frees it. Until a Generate claims it, a reservation also
 holds a short lease (`lease_s`) its holder renews (`renew`, the RenewLease RPC the gateway sends
 every third of it): one whose lease lapses (its gateway died, stopped or lost the network) is
-handled like an expired capability, sooner: quarantined while a write may land (until its
-writer's notice or leave, or the end of its capability's lifetime and the quarantine: the
-writer, whose RPC may still be live, stops posting only then), freed at once when none can
-(written, declined, orphaned), and counted. A notice counts only if it carries the MAC of
+handled like an expired capability, sooner: quarantined while a write may land and revoked at
+its writer (`revoke`, services/decode/revoker.py), whose abort notice (MACed, or echoing the
+revoke's token when it never had the secret) ends the quarantine; else its writer's leave or
+the end of its capability's lifetime and the quarantine (the writer, whose RPC may still be
+live, stops posting then at the latest). Freed at once when no write can land (written,
+declined, orphaned). Each lapse is counted. A notice counts only if it carries the MAC of
 the reservation's capability secret (shared/kv_transfer/capability.py); others are ignored
 and counted. Each rule and the test that proves it: docs/ARCHITECTURE.md, "Failure rules"."""
 from __future__ import annotations
 
 import asyncio
 import itertools
+import secrets
 import logging
 import time
 from collections import OrderedDict
@@ -77,6 +80,7 @@ class Reservation:
     lease_until: float | None = None  # unclaimed past this without a renewal: LEASE_LAPSED; None: no lease
     notice: TransferNotice | None = None  # every rank's notice, combined (WRITTEN, DECLINED, NOTICED)
     rank_notices: dict[int, TransferNotice] = field(default_factory=dict)
+    revoke_token: str = ""  # sent with the revoke after its lease lapsed: the writer's abort echoes it
     waiter: Callable[[], None] | None = None  # wakes the Generate that claimed it (CLAIMED, NOTICED)
     ready_event: object = None  # CUDA event: launched GPU work that may touch the pages has run
 
@@ -112,13 +116,17 @@ class Room:
 class ReservationBook:
     def __init__(self, engine, agent, is_live: Callable[[str], bool], quarantine_s: float = 60.0,
                  metrics=None, claim_timeout_s: float = 30.0, num_ranks: int = 1,
-                 clock: Callable[[], float] = time.monotonic, ttl_s: float = 120.0, lease_s: float = 0.0):
+                 clock: Callable[[], float] = time.monotonic, ttl_s: float = 120.0, lease_s: float = 0.0,
+                 revoke: Callable[[Reservation], None] | None = None):
         """num_ranks: notices a reservation waits for when a notice does not say (its
         num_ranks): every rank of the prefill worker writes its heads and sends its own
         notice here, and a reservation is written (or aborted) only when all of them have.
         clock: this process's monotonic clock (deadlines never cross hosts). ttl_s: the
         lifetime of a reservation's write capability. lease_s: how long an unclaimed
-        reservation lives without its holder's renewal (0: no lease)."""
+        reservation lives without its holder's renewal (0: no lease). revoke(res): tells the
+        writer of a reservation whose lease lapsed to stop (services/decode/revoker.py); it
+        answers with an abort notice, which frees it.
+        agent: what gives the completion notices (a KvTransferAgent, or a NoticeInbox view)."""
         self.engine = engine
         self.agent = agent
         self.is_live = is_live
@@ -126,6 +134,7 @@ class ReservationBook:
         self.claim_timeout_s = claim_timeout_s
         self.ttl_s = ttl_s
         self.lease_s = lease_s
+        self.revoke = revoke
         self._last_tick: float | None = None
         self.metrics = metrics
         self.num_ranks = num_ranks
@@ -264,7 +273,7 @@ class ReservationBook:
 
     def _on_rank_notice(self, notice: TransferNotice) -> None:
         res = self.get(notice.reservation_id, notice.generation)
-        if res is None or not notice.signed_by(res.secret):
+        if res is None or not (notice.signed_by(res.secret) or _answers_revoke(res, notice)):
             # unknown (late, for a reservation gone) or not from its capability's holder
             reason = "stale" if res is None else "forged"
             log.log(logging.DEBUG if res is None else logging.WARNING, "%s notice for reservation %s/%s "
@@ -321,6 +330,9 @@ class ReservationBook:
             # capability's lifetime, so the quarantine outlasts that unless a notice or the
             # writer's leave says sooner that no write can land
             res.deadline = max(res.deadline, res.expires + self.quarantine_s)
+            if self.revoke is not None:  # ask it to stop: its abort notice ends the quarantine
+                res.revoke_token = secrets.token_hex(8)
+                self.revoke(res)
 
     def _move(self, res: Reservation, event: ReservationEvent, now: float | None = None) -> None:
         """Every state change goes through here; the one move into FREED frees the pages."""
@@ -352,6 +364,12 @@ class ReservationBook:
         if new in (S.WRITTEN, S.DECLINED, S.ORPHANED):
             return res.deadline if res.state is S.ORPHANED else now + self.claim_timeout_s
         return None
+
+
+def _answers_revoke(res: Reservation, notice: TransferNotice) -> bool:
+    """An abort from a writer that held no transfer for a revoked reservation (it may never have
+    had the capability's secret): it echoes the revoke's token instead of a MAC."""
+    return bool(res.revoke_token) and notice.kind == "abort" and notice.ack == res.revoke_token
 
 
 def waiter_for(aloop: asyncio.AbstractEventLoop, event: asyncio.Event) -> Callable[[], None]:

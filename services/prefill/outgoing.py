@@ -14,7 +14,9 @@ the transfer's lease: renewed while the decode instance it writes to is in the r
 write landed since the last tick, it lapses `lease_s` after decode left and went silent (a
 dead or partitioned decode worker), and the transfer is cancelled the same way (counted).
 The pages are released only once no write is in flight (each lands, fails, or passes the write
-timeout). Every notice is
+timeout). Decode revokes a reservation whose own lease lapsed (services/decode/revoker.py): a
+transfer into it is cancelled the same way; with none, the reservation is refused from then on
+(`start` raises) and decode gets its abort at once, echoing the revoke's token. Every notice is
 MACed with the capability's secret. Each handoff is in one state of the lifecycle in
 outgoing_state.py; every change goes through `_move`, which refuses what the table forbids.
 
@@ -27,6 +29,7 @@ import concurrent.futures
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -39,6 +42,8 @@ from shared.kv_transfer.notice import TransferNotice
 from shared.kv_transfer.write_stream import PageWriteStream
 
 log = logging.getLogger("duet.prefill")
+
+REVOKED_KEPT = 4096  # revoked reservations a later start() is refused for
 
 
 @dataclass
@@ -87,14 +92,18 @@ class OutgoingTransfers:
     """Owned by the engine-loop thread (every method runs there but stop_writing)."""
 
     def __init__(self, engine, metrics=None, followers=None, is_live: Callable[[str, str], bool] | None = None,
-                 lease_s: float = 0.0):
+                 lease_s: float = 0.0, revocations=None, agent=None):
         """followers: FollowerStreams of a tensor-parallel worker (its streams are
         TpWriteStreams); one flush per tick sends the followers their share. is_live(worker
         id, nonce): the decode instance is in the registry; lease_s: how long a transfer goes on
-        while it is not and no write lands (0, or no is_live: no lease)."""
+        while it is not and no write lands (0, or no is_live: no lease). revocations: what gives
+        decode's revoke notices (a NoticeInbox view); agent: where the answers go out from."""
         self.engine = engine
         self.is_live = is_live
         self.lease_s = lease_s
+        self.revocations = revocations
+        self.agent = agent
+        self.revoked: OrderedDict[tuple[str, int, int], None] = OrderedDict()  # (decode id, reservation, generation)
         self.metrics = metrics
         self.followers = followers
         self.page_size = engine.layout.page_size
@@ -114,6 +123,9 @@ class OutgoingTransfers:
         turns). output_prefix: a migrated stream's completion tokens so far: their KV is written
         after the prompt's. decode: the (worker id, instance nonce) written to, whose liveness
         renews the transfer's lease."""
+        if (decode[0], reservation_id, generation) in self.revoked:
+            raise TransferError(f"decode worker {decode[0]} revoked reservation {reservation_id}/{generation} "
+                                "(its lease lapsed)")
         kv_tokens = len(prompt_ids) + len(output_prefix)
         if (held_pages + len(stream.dst_page_ids)) * self.page_size < kv_tokens:
             raise ValueError(f"reservation has {held_pages} held + {len(stream.dst_page_ids)} pages; the "
@@ -173,6 +185,9 @@ class OutgoingTransfers:
 
     def _tick(self) -> bool:
         self.engine.poll_kv_ready()
+        if self.revocations is not None:
+            for notice in self.revocations.get_notices():
+                self._on_revoke(notice)
         for rid in list(self.active):
             self._advance(self.active[rid])
         if self.followers is not None and self.followers.flush():
@@ -223,6 +238,38 @@ class OutgoingTransfers:
                     self._move(out, E.FINISH)
                     out.stream.finish(self._notice(out, "done"))
         self._settle(out)
+
+    def _on_revoke(self, notice: TransferNotice) -> None:
+        """Decode's revoke (its reservation's lease lapsed): cancel a transfer into it; with
+        none, refuse it from now on and answer with an abort echoing the revoke's token."""
+        key = (notice.reply_to, notice.reservation_id, notice.generation)
+        out = next((o for o in self.active.values()
+                    if (o.decode[0], o.reservation_id, o.generation) == key), None)
+        if out is not None:
+            if not notice.signed_by(out.secret):
+                log.warning("ignored a revoke of reservation %d/%d without its capability's MAC",
+                            notice.reservation_id, notice.generation)
+            elif out.state in LEASED:
+                out.error = f"decode worker {notice.reply_to} revoked the reservation (its lease lapsed)"
+                log.warning("request %s: %s; cancelling the transfer", out.rid, out.error)
+                self._move(out, E.LEASE_LAPSED)
+                self.engine.abort(out.rid)
+                out.stream.abort(self._notice(out, "abort"))
+            return
+        self.revoked[key] = None
+        while len(self.revoked) > REVOKED_KEPT:
+            self.revoked.popitem(last=False)
+        peer = self.agent.peer(notice.reply_to) if self.agent is not None else None
+        if peer is None:
+            log.info("revoke of reservation %d/%d from %s: no transfer, and no peer to answer", notice.reservation_id,
+                     notice.generation, notice.reply_to)
+            return
+        answer = TransferNotice(reservation_id=notice.reservation_id, generation=notice.generation, rank=0,
+                                request_id=notice.request_id, kind="abort", num_ranks=1, ack=notice.ack)
+        try:
+            self.agent.send_notif(peer, answer.encode())
+        except TransferError as exc:
+            log.info("could not answer decode %s's revoke: %s", notice.reply_to, exc)
 
     def _lease_lapsed(self, out: Outgoing) -> bool:
         """Renew out's lease while its decode instance is live or a write landed since the

@@ -127,6 +127,9 @@ class PrefillService(duet_pb2_grpc.PrefillServicer):
                 fut = await ctx.loop.acall(start)
             except ValueError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except TransferError as exc:  # decode revoked the reservation: another decode worker may serve it
+                ctx.metrics.request_finished("Prefill", grpc.StatusCode.UNAVAILABLE)
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc), trailing_metadata=DECODE_FAULT)
             try:
                 result = await asyncio.wrap_future(fut)  # cancelled (the caller left): _abandon stops it
             except TransferError as exc:

@@ -30,6 +30,7 @@ class WorkerContext:
     agent: object | None = None  # KvTransferAgent (prefill/decode roles), rank 0's
     rank_agents: list["RankAgent"] = field(default_factory=list)  # one per TP rank, rank 0 first
     peers: object | None = None  # PeerResolver
+    inbox: object | None = None  # NoticeInbox: rank 0's agent's notices, sorted by their reader
     outgoing: object | None = None  # OutgoingTransfers (prefill)
     book: object | None = None  # ReservationBook (decode)
     reserve_queue: object | None = None  # ReserveQueue: Reserve calls waiting for room (decode)

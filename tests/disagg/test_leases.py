@@ -3,12 +3,13 @@ on 1 prefill + 1 decode worker (separate processes, real redis-server, router, g
 NIXL/UCX):
 
 * a reservation nobody renews (a client playing the gateway that simply stops) is quarantined
-  when its lease lapses: a write that comes late lands there, never in reused pages, and its
-  notice frees them; one written by prefill that nobody claims is freed at once when its lease
-  lapses;
+  when its lease lapses and revoked at its writer, which refuses it and says so: the pages come
+  back within the lease, long before the capability's lifetime; one written by prefill that
+  nobody claims is freed at once when its lease lapses;
 * a holder that renews keeps its reservation past several leases, and it still serves;
-* a gateway SIGSTOPped while prefill writes strands no decode pages: its reservation's lease
-  lapses, the pages are quarantined and freed once prefill's last write landed;
+* a gateway SIGSTOPped while prefill writes strands no pages: its reservation's lease lapses,
+  decode quarantines and revokes it, prefill cancels the transfer, and both free their pages
+  once the writes in flight settled;
 * a transfer into a decode worker that is stopped (gone from the registry, taking no write) is
   cancelled on both sides when its lease lapses: prefill stops and frees its pages once the
   writes in flight settled, decode frees the reservation, nothing leaks.
@@ -18,6 +19,7 @@ or its transfer ends with a clean error instead of moving on. Each lapse is coun
 `duet_lease_expiries_total{kind}`."""
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 
@@ -34,28 +36,24 @@ NOTICE_TIMEOUT_S = 8.0
 WRITE_TIMEOUT_S = 10.0
 QUARANTINE_S = max(2 * WRITE_TIMEOUT_S, NOTICE_TIMEOUT_S)
 DECODE, PREFILL = "decode-0", "prefill-0"
+SAMPLING = duet_pb2.SamplingParams(temperature=0, max_tokens=4)
 
 
 @pytest.fixture(scope="module")
-def stack(request):
+def ready(request):
+    """The stack, up and serving."""
     s = ProcessStack(new_log_dir("leases"), registry_ttl_s=REGISTRY_TTL_S, kv_cache_memory="320M",
                      gateway_args=["--migration-limit", "0"],
                      worker_args=["--max-num-batched-tokens", str(CHUNK), "--lease-ttl", str(LEASE_S),
                                   "--notice-timeout", str(NOTICE_TIMEOUT_S), "--write-timeout", str(WRITE_TIMEOUT_S)])
     with managed(request, s.start(prefill=1, decode=1)) as s:
-        yield s
+        yield s.wait_ready()
 
 
 @pytest.fixture(scope="module")
-def tokenizer(stack):
+def tokenizer(ready):
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(str(model_dir()))
-
-
-@pytest.fixture(scope="module")
-def ready(stack, tokenizer):
-    stack.wait_ready()
-    return stack
 
 
 @pytest.fixture(scope="module")
@@ -72,42 +70,53 @@ def reserve(stub, rid: str, prompt: list[int]) -> duet_pb2.Reservation:
                                                 prefill_worker_id=PREFILL), timeout=30)
 
 
+@contextlib.contextmanager
+def stubs(stack):
+    """A client playing the gateway: the decode and the prefill worker's stubs."""
+    entries = stack.workers()
+    with grpc.insecure_channel(entries[DECODE]["address"]) as dch, \
+            grpc.insecure_channel(entries[PREFILL]["address"]) as pch:
+        yield duet_pb2_grpc.DecodeStub(dch), duet_pb2_grpc.PrefillStub(pch)
+
+
+def prefill(stub, rid: str, prompt: list[int], res: duet_pb2.Reservation) -> duet_pb2.PrefillReply:
+    return stub.Prefill(duet_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, reservation=res,
+                                                sampling=SAMPLING), timeout=60)
+
+
 def key_of(res: duet_pb2.Reservation) -> duet_pb2.ReservationKey:
     return duet_pb2.ReservationKey(reservation_id=res.reservation_id, generation=res.generation)
 
 
-def test_a_reservation_nobody_renews_is_quarantined_and_a_late_write_lands_only_there(ready, tokenizer):
-    """Its holder reserves and goes silent: the lease lapses and the pages are quarantined, not
-    reused (its writer may not know: it holds a capability valid for 120 s). A Generate comes
-    too late (NOT_FOUND) and renewing is refused; the writer's late write lands in the
-    quarantined pages and its done notice frees them, long before the capability's end."""
+def test_a_reservation_nobody_renews_comes_back_within_its_lease_and_its_writer_refuses_it(ready, tokenizer):
+    """Its holder reserves and goes silent, never giving it to the writer: the lease lapses,
+    decode quarantines the pages and revokes the reservation at its writer, which holds no
+    transfer for it, refuses it from now on and says so at once, so the pages come back long
+    before the capability's 120 s (or the quarantine's end). A Generate comes too late
+    (NOT_FOUND), renewing is refused, and a late Prefill writes nothing."""
     stack = ready
     prompt = tokenizer.encode("A reservation whose holder goes quiet right after reserving it.")
     before = lapses(stack, DECODE, "reservation")
-    entries = stack.workers()
-    with grpc.insecure_channel(entries[DECODE]["address"]) as dch, \
-            grpc.insecure_channel(entries[PREFILL]["address"]) as pch:
-        stub = duet_pb2_grpc.DecodeStub(dch)
+    with stubs(stack) as (stub, pstub):
         res = reserve(stub, "unrenewed", prompt)
         reserved = time.monotonic()
         assert res.lease_ttl_ms == int(LEASE_S * 1000) and res.capability.lifetime_ms == 120_000
+        assert stack.kv_usage(DECODE) > 0
         wait_until(lambda: lapses(stack, DECODE, "reservation") - before == 1, LEASE_S + 10, "the lease to lapse")
         assert time.monotonic() - reserved >= LEASE_S - 0.2  # not before its lease ran out
+        stack.wait_idle([DECODE], timeout=QUARANTINE_S - 5)  # the writer's answer freed it, not the quarantine
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Generate(duet_pb2.GenerateRequest(
                 request_id="unrenewed", prompt_token_ids=prompt, reservation=res, prefill_worker_id=PREFILL,
-                sampling=duet_pb2.SamplingParams(temperature=0, max_tokens=4), first_token=duet_pb2.Token(id=1)),
+                sampling=SAMPLING, first_token=duet_pb2.Token(id=1)),
                 timeout=30))
         assert info.value.code() == grpc.StatusCode.NOT_FOUND
         assert list(stub.RenewLease(duet_pb2.RenewLeaseRequest(reservations=[key_of(res)]), timeout=10).lost) == \
             [key_of(res)]
-        time.sleep(1.0)
-        assert stack.kv_usage(DECODE) > 0  # quarantined: its writer may still write
-        reply = duet_pb2_grpc.PrefillStub(pch).Prefill(duet_pb2.PrefillRequest(
-            request_id="unrenewed", prompt_token_ids=prompt, reservation=res,
-            sampling=duet_pb2.SamplingParams(temperature=0, max_tokens=4)), timeout=60)
-        assert reply.kv_bytes_sent > 0  # the late writer wrote into the quarantined pages
-    stack.wait_idle([DECODE, PREFILL], timeout=30)  # its done notice freed them
+        with pytest.raises(grpc.RpcError) as info:
+            prefill(pstub, "unrenewed", prompt, res)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "revoked" in info.value.details()
+    stack.wait_idle([DECODE, PREFILL], timeout=30)
     assert "stopped renewing its lease (RESERVED" in stack.procs[DECODE].log_text()
 
 
@@ -117,13 +126,8 @@ def test_a_written_reservation_nobody_claims_is_freed_when_its_lease_lapses(read
     stack = ready
     prompt = tokenizer.encode("A reservation written by prefill that its holder then forgets.")
     before = lapses(stack, DECODE, "reservation")
-    entries = stack.workers()
-    with grpc.insecure_channel(entries[DECODE]["address"]) as dch, \
-            grpc.insecure_channel(entries[PREFILL]["address"]) as pch:
-        res = reserve(duet_pb2_grpc.DecodeStub(dch), "written-unrenewed", prompt)
-        reply = duet_pb2_grpc.PrefillStub(pch).Prefill(duet_pb2.PrefillRequest(
-            request_id="written-unrenewed", prompt_token_ids=prompt, reservation=res,
-            sampling=duet_pb2.SamplingParams(temperature=0, max_tokens=4)), timeout=60)
+    with stubs(stack) as (dstub, pstub):
+        reply = prefill(pstub, "written-unrenewed", prompt, reserve(dstub, "written-unrenewed", prompt))
     assert reply.kv_bytes_sent > 0
     stack.wait_idle([DECODE, PREFILL], timeout=NOTICE_TIMEOUT_S + 10)
     assert lapses(stack, DECODE, "reservation") - before == 1
@@ -136,23 +140,18 @@ def test_a_renewing_holder_keeps_its_reservation_past_several_leases(ready, toke
     prompt = tokenizer.encode("The capital of France is")
     ref = offline_outputs(offline_llm(model_dir()), [prompt], 4)[0]
     before = lapses(stack, DECODE, "reservation")
-    entries = stack.workers()
-    sampling = duet_pb2.SamplingParams(temperature=0, max_tokens=4)
-    with grpc.insecure_channel(entries[DECODE]["address"]) as dch, \
-            grpc.insecure_channel(entries[PREFILL]["address"]) as pch:
-        dstub = duet_pb2_grpc.DecodeStub(dch)
+    with stubs(stack) as (dstub, pstub):
         res = reserve(dstub, "renewed", prompt)
         renew = duet_pb2.RenewLeaseRequest(reservations=[key_of(res)])
         end = time.monotonic() + 4 * LEASE_S
         while time.monotonic() < end:  # as the gateway does: every third of the lease
             assert list(dstub.RenewLease(renew, timeout=10).lost) == []
             time.sleep(LEASE_S / 3)
-        reply = duet_pb2_grpc.PrefillStub(pch).Prefill(duet_pb2.PrefillRequest(
-            request_id="renewed", prompt_token_ids=prompt, reservation=res, sampling=sampling), timeout=60)
+        reply = prefill(pstub, "renewed", prompt, res)
         assert list(dstub.RenewLease(renew, timeout=10).lost) == []
         tokens = [reply.first_token.id]
         for chunk in dstub.Generate(duet_pb2.GenerateRequest(
-                request_id="renewed", prompt_token_ids=prompt, sampling=sampling, reservation=res,
+                request_id="renewed", prompt_token_ids=prompt, sampling=SAMPLING, reservation=res,
                 prefill_worker_id=PREFILL, first_token=reply.first_token), timeout=60):
             tokens += [t.id for t in chunk.tokens]
     assert tokens == ref.token_ids
@@ -162,9 +161,10 @@ def test_a_renewing_holder_keeps_its_reservation_past_several_leases(ready, toke
 
 def test_a_stopped_gateway_strands_no_decode_pages(ready, model):
     """The gateway is SIGSTOPped while prefill computes the long prompt: it renews nothing, its
-    reservation's lease lapses on decode (quarantined: prefill may still write), and once
-    prefill's last write and done notice land the pages are freed, all while the gateway is
-    still stopped."""
+    reservation's lease lapses on decode, which quarantines the pages (prefill may still write)
+    and revokes the reservation; prefill cancels the transfer (stops computing and writing) and
+    its abort notice, once the writes in flight settled, frees decode's pages: all while the
+    gateway is still stopped."""
     stack = ready
     before = lapses(stack, DECODE, "reservation")
     request = long_request(stack, model)
@@ -174,8 +174,9 @@ def test_a_stopped_gateway_strands_no_decode_pages(ready, model):
             stack.procs["gateway"].signal(signal.SIGSTOP)
             wait_until(lambda: lapses(stack, DECODE, "reservation") - before == 1, LEASE_S + 2,
                        "the stopped gateway's lease to lapse", interval=0.05)
-        stack.wait_idle([DECODE, PREFILL], timeout=240)  # prefill finished into the quarantined pages
+        stack.wait_idle([DECODE, PREFILL], timeout=QUARANTINE_S - 5)  # freed by the revoke, not the quarantine
         assert "stopped renewing its lease (RESERVED" in stack.procs[DECODE].log_text()
+        assert "revoked the reservation" in stack.procs[PREFILL].log_text()
     finally:
         stack.procs["gateway"].signal(signal.SIGCONT)
     request.join(timeout=60)  # the request lost its reservation: a clean error (failover off)

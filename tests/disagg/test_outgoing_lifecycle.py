@@ -10,6 +10,7 @@ between posting a notice and its landing, a stream can be held: its poll reports
 until the test lets it go (as a slow transport would)."""
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
@@ -278,6 +279,57 @@ def test_a_handoff_whose_decode_left_and_went_silent_is_cancelled_when_its_lease
     [notice] = h.notices()
     assert notice.kind == "abort" and notice.signed_by(SECRET)
     assert metrics.lease_expiries.labels(kind="transfer")._value.get() == 1
+    assert_all_pages_free(engine)
+
+
+def test_a_revoke_from_decode_cancels_the_transfer_or_refuses_the_reservation(engine, agents, caplog):
+    """Decode revokes a reservation whose lease lapsed (services/decode/revoker.py): a transfer
+    into it is cancelled (abort notice once the writes in flight settled); one that comes with
+    another secret's MAC changes nothing. For a reservation with no transfer here, the answer is
+    an abort echoing the revoke's token at once, and a later start() for it is refused."""
+    from shared.kv_transfer.notice import REVOCATIONS
+    from shared.kv_transfer.notice_inbox import NoticeInbox
+    prefill, decode = agents
+    inbox = NoticeInbox(prefill)
+    transfers = OutgoingTransfers(engine, revocations=inbox.view(REVOCATIONS), agent=prefill)
+    h = Handoff(engine, agents, "revoked", transfers=transfers)
+    to_prefill = decode.add_peer("prefill-0", "nonce-p", prefill.metadata(), prefill.pool_info)
+
+    def revoke(reservation_id: int, generation: int, key: bytes, ack: str = "t0k") -> None:
+        decode.send_notif(to_prefill, TransferNotice(
+            reservation_id=reservation_id, generation=generation, rank=0, kind="revoke", num_ranks=1,
+            reply_to="decode-0", ack=ack, key=key).encode())
+
+    h.run(lambda: h.out.pages_sent > 0)
+    h.stream.held = True
+    revoke(5, 2, key=bytes(16))  # not the capability's holder: ignored (and logged)
+    revoke(5, 2, key=SECRET)
+    with caplog.at_level(logging.WARNING, logger="duet.prefill"):
+        while h.state is S.PREFILLING:  # the loop's ticks, no engine step
+            h.transfers.tick()
+            time.sleep(0.005)
+    assert "ignored a revoke of reservation 5/2 without its capability's MAC" in caplog.text
+    h.stream.held = False
+    h.run_to_end()
+    assert h.trail() == [S.PREFILLING, S.CANCELLING, S.CANCELLED]
+    with pytest.raises(TransferError, match="revoked the reservation"):
+        h.fut.result()
+    assert [n.kind for n in h.notices()] == ["abort"]
+
+    revoke(9, 1, key=b"", ack="echo-me")  # nothing here for reservation 9: refused, answered at once
+    end = time.monotonic() + 5
+    while ("decode-0", 9, 1) not in transfers.revoked:
+        assert time.monotonic() < end, "the revoke never arrived"
+        transfers.tick()
+        time.sleep(0.01)
+    [answer] = h.notices()
+    assert (answer.kind, answer.reservation_id, answer.generation, answer.ack, answer.num_ranks) == \
+        ("abort", 9, 1, "echo-me", 1)
+    stream = PageWriteStream(prefill, h.peer, DST_PAGES)
+    with pytest.raises(TransferError, match="revoked"):
+        transfers.start("late", PROMPT, SamplingParams(max_tokens=4, temperature=0), stream, reservation_id=9,
+                        generation=1, secret=SECRET, decode=("decode-0", "nonce-1"))
+    assert "late" not in transfers.active and engine.get("late") is None
     assert_all_pages_free(engine)
 
 

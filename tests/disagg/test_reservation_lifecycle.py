@@ -69,9 +69,10 @@ class World:
         self.clock = Clock()
         self.live = {WRITER}
         self.metrics = DuetMetrics("decode", process_metrics=False)
+        self.revoked = []  # reservations the book asked their writer to stop writing
         self.book = ReservationBook(engine, self.decode, self.live.__contains__, quarantine_s=QUARANTINE_S,
                                     claim_timeout_s=CLAIM_TIMEOUT_S, num_ranks=num_ranks, clock=self.clock,
-                                    ttl_s=TTL_S, metrics=self.metrics, lease_s=lease_s)
+                                    ttl_s=TTL_S, metrics=self.metrics, lease_s=lease_s, revoke=self.revoked.append)
         self.wakes = 0
         self.free_before = engine.kv.allocator.num_free
 
@@ -84,11 +85,11 @@ class World:
         self.wakes += 1
 
     def send(self, res, kind: str, rank: int = 0, num_ranks: int = 0, first: int = FIRST,
-             key: bytes | None = None) -> None:
+             key: bytes | None = None, ack: str = "") -> None:
         """A notice from the writer, MACed with the capability's secret (or with `key`)."""
         notice = TransferNotice(reservation_id=res.reservation_id, generation=res.generation, rank=rank,
                                 request_id=res.request_id, kind=kind, first_token_id=first,
-                                num_tokens=len(PROMPT), kv_bytes=100, num_ranks=num_ranks,
+                                num_tokens=len(PROMPT), kv_bytes=100, num_ranks=num_ranks, ack=ack,
                                 key=res.secret if key is None else key)
         self.prefill.send_notif(self.peer, notice.encode())
 
@@ -378,8 +379,9 @@ def test_a_notice_without_the_capabilitys_mac_is_ignored_and_counted(engine, age
 def test_a_lapsed_lease_quarantines_or_frees_like_an_expired_capability(engine, agents):
     """An unclaimed reservation lives `lease_s` past its holder's last renewal. Renewed, it
     outlives many leases; unrenewed while a write may land it is quarantined (past its
-    capability's lifetime, or until the writer's notice), and freed at once when none can
-    (written, declined, orphaned). A
+    capability's lifetime) and revoked at its writer, whose abort echoing the revoke's token
+    frees it (a wrong token is forged), and freed at once when no write can land (written,
+    declined, orphaned). A
     claim ends the lease: the Generate's stream is the holder's liveness then. A pause of the
     book itself (no tick for longer than a third of the lease) is not held against the holder.
     Each lapse is counted."""
@@ -404,7 +406,13 @@ def test_a_lapsed_lease_quarantines_or_frees_like_an_expired_capability(engine, 
     assert kept.state is S.QUARANTINED and w.held(kept)
     assert w.book.renew([key]) == [key]  # too late: quarantined
     assert w.book.claim(*key, w.wake) is None
-    w.notice(kept, "done")  # the writer's last write landed: freed
+    assert w.revoked == [kept] and kept.revoke_token  # its writer is told to stop
+    # a writer that never had the capability's secret answers with the revoke's token, not a MAC
+    w.send(kept, "abort", key=b"", ack="not-the-token")
+    w.tick_until(lambda: w.metrics.kv_notices_refused.labels(reason="forged")._value.get() == 1)
+    assert kept.state is S.QUARANTINED
+    w.send(kept, "abort", key=b"", ack=kept.revoke_token)
+    w.tick_until(lambda: kept.state is not S.QUARANTINED)
     assert kept.state is S.FREED
 
     for path in ([E.NOTICE_DONE], [E.NOTICE_DECLINED], [E.WRITER_GONE]):
@@ -413,7 +421,7 @@ def test_a_lapsed_lease_quarantines_or_frees_like_an_expired_capability(engine, 
         w.ticks_until(w.clock.now + LEASE_S)
         assert [s for s, _ in res.trail][-2:] == [res.trail[-2][0], S.FREED] and res.trail[-2][0] is not S.RESERVED
         w.live.add(WRITER)
-    assert lapsed() == 4
+    assert lapsed() == 4 and w.revoked == [kept]  # no write could land: nothing to revoke
 
     claimed = w.reserve("claimed")
     assert w.book.claim(claimed.reservation_id, claimed.generation, w.wake) is claimed
