@@ -6,7 +6,8 @@ NIXL/UCX):
   when its lease lapses and revoked at its writer, which refuses it and says so: the pages come
   back within the lease, long before the capability's lifetime; one written by prefill that
   nobody claims is freed at once when its lease lapses;
-* a holder that renews keeps its reservation past several leases, and it still serves;
+* a holder that renews keeps its reservation past several leases, and it still serves; the
+  gateway renews its reservations while prefill computes;
 * a gateway SIGSTOPped while prefill writes strands no pages: its reservation's lease lapses,
   decode quarantines and revokes it, prefill cancels the transfer, and both free their pages
   once the writes in flight settled;
@@ -157,6 +158,22 @@ def test_a_renewing_holder_keeps_its_reservation_past_several_leases(ready, toke
     assert tokens == ref.token_ids
     assert lapses(stack, DECODE, "reservation") == before
     stack.wait_idle([DECODE, PREFILL], timeout=30)
+
+
+def test_the_gateway_renews_its_reservation_while_prefill_computes(ready, model):
+    """Prefill is held (SIGSTOP) for two leases, short of the registry TTL, while the gateway
+    waits for it: the gateway's renewals keep the reservation, and the request completes."""
+    stack = ready
+    before = lapses(stack, DECODE, "reservation")
+    request = long_request(stack, model)
+    holder(stack, [DECODE], "the decode reservation for the long prompt")
+    with frozen_mid_prefill(stack, PREFILL, request):
+        time.sleep(2 * LEASE_S)
+        assert lapses(stack, DECODE, "reservation") == before
+    request.join(timeout=600)
+    assert request.error is None and request.result
+    assert lapses(stack, DECODE, "reservation") == before
+    stack.wait_idle(timeout=30)
 
 
 def test_a_stopped_gateway_strands_no_decode_pages(ready, model):

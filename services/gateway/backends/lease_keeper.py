@@ -66,16 +66,18 @@ class LeaseKeeper:
 
     async def _renew_while_held(self) -> None:
         while self._held:
-            shortest = min(ttl for h in self._held.values() for ttl in h.ttl_s.values())
-            await asyncio.sleep(shortest / 3)
-            await asyncio.gather(*(self._renew(instance, held) for instance, held in list(self._held.items())))
+            period = min(ttl for h in self._held.values() for ttl in h.ttl_s.values()) / 3
+            await asyncio.sleep(period)
+            # each call bounded by the period: a stopped decode worker delays no other one's round
+            await asyncio.gather(*(self._renew(instance, held, min(self.rpc_timeout_s, period))
+                                   for instance, held in list(self._held.items())))
 
-    async def _renew(self, instance: Instance, held: _Held) -> None:
+    async def _renew(self, instance: Instance, held: _Held, timeout_s: float) -> None:
         keys = list(held.ttl_s)
         if not keys:
             return
         try:
-            reply = await held.stub.RenewLease(renew_request_to_proto(keys), timeout=self.rpc_timeout_s)
+            reply = await held.stub.RenewLease(renew_request_to_proto(keys), timeout=timeout_s)
         except Exception as exc:  # decode unreachable: its leases lapse there; the requests find out
             log.info("renewing %d reservation leases on decode worker %s failed: %s", len(keys), instance[0], exc)
             return
