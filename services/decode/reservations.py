@@ -330,7 +330,7 @@ class ReservationBook:
             # capability's lifetime, so the quarantine outlasts that unless a notice or the
             # writer's leave says sooner that no write can land
             res.deadline = max(res.deadline, res.expires + self.quarantine_s)
-            if self.revoke is not None:  # ask it to stop: its abort notice ends the quarantine
+            if self.revoke is not None and self.is_live(res.writer_id):  # ask it to stop: its abort ends it
                 res.revoke_token = secrets.token_hex(8)
                 self.revoke(res)
 

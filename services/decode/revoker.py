@@ -36,7 +36,8 @@ class Revoker:
         """Send res's writer a revoke (res: a Reservation whose lease lapsed, with its token)."""
         notice = TransferNotice(reservation_id=res.reservation_id, generation=res.generation, rank=0,
                                 request_id=res.request_id, kind="revoke", num_ranks=1,
-                                reply_to=self.ctx.worker_id, ack=res.revoke_token, key=res.secret)
+                                reply_to=self.ctx.worker_id, reply_nonce=self.ctx.instance_nonce,
+                                ack=res.revoke_token, key=res.secret)
         peer = self.ctx.agent.peer(res.writer_id)
         if peer is not None:
             self._send(peer, notice, res.writer_id)

@@ -103,7 +103,8 @@ class OutgoingTransfers:
         self.lease_s = lease_s
         self.revocations = revocations
         self.agent = agent
-        self.revoked: OrderedDict[tuple[str, int, int], None] = OrderedDict()  # (decode id, reservation, generation)
+        # (decode id, instance nonce, reservation id, generation) of revoked reservations
+        self.revoked: OrderedDict[tuple[str, str, int, int], None] = OrderedDict()
         self.metrics = metrics
         self.followers = followers
         self.page_size = engine.layout.page_size
@@ -123,7 +124,7 @@ class OutgoingTransfers:
         turns). output_prefix: a migrated stream's completion tokens so far: their KV is written
         after the prompt's. decode: the (worker id, instance nonce) written to, whose liveness
         renews the transfer's lease."""
-        if (decode[0], reservation_id, generation) in self.revoked:
+        if (*decode, reservation_id, generation) in self.revoked:
             raise TransferError(f"decode worker {decode[0]} revoked reservation {reservation_id}/{generation} "
                                 "(its lease lapsed)")
         kv_tokens = len(prompt_ids) + len(output_prefix)
@@ -242,9 +243,8 @@ class OutgoingTransfers:
     def _on_revoke(self, notice: TransferNotice) -> None:
         """Decode's revoke (its reservation's lease lapsed): cancel a transfer into it; with
         none, refuse it from now on and answer with an abort echoing the revoke's token."""
-        key = (notice.reply_to, notice.reservation_id, notice.generation)
-        out = next((o for o in self.active.values()
-                    if (o.decode[0], o.reservation_id, o.generation) == key), None)
+        key = (notice.reply_to, notice.reply_nonce, notice.reservation_id, notice.generation)
+        out = next((o for o in self.active.values() if (*o.decode, o.reservation_id, o.generation) == key), None)
         if out is not None:
             if not notice.signed_by(out.secret):
                 log.warning("ignored a revoke of reservation %d/%d without its capability's MAC",

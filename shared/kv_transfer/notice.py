@@ -43,6 +43,7 @@ class TransferNotice:
     kv_bytes: int = 0           # bytes this rank wrote for the reservation
     num_ranks: int = 0          # the writer's TP ranks, each sending a notice (0: the reader's own)
     reply_to: str = ""          # a revoke: the decode worker that sends it (where the answer goes)
+    reply_nonce: str = ""       # ... and its instance nonce (reservation ids start over on a restart)
     ack: str = ""               # a revoke: a token its answering abort echoes; that abort: the echo
     mac: str = ""               # hex HMAC-SHA256 (truncated) of the fields above, by the capability secret
     key: bytes = field(default=b"", repr=False, compare=False)  # the secret the sender signs with (not sent)

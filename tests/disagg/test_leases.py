@@ -160,17 +160,21 @@ def test_a_renewing_holder_keeps_its_reservation_past_several_leases(ready, toke
     stack.wait_idle([DECODE, PREFILL], timeout=30)
 
 
-def test_the_gateway_renews_its_reservation_while_prefill_computes(ready, model):
+def test_the_gateway_renews_its_reservation_while_prefill_is_slow(ready, model):
     """Prefill is held (SIGSTOP) for two leases, short of the registry TTL, while the gateway
-    waits for it: the gateway's renewals keep the reservation, and the request completes."""
+    waits for its answer: the gateway's renewals keep the reservation, and the request, once
+    prefill goes on, completes."""
     stack = ready
     before = lapses(stack, DECODE, "reservation")
-    request = long_request(stack, model)
-    holder(stack, [DECODE], "the decode reservation for the long prompt")
-    with frozen_mid_prefill(stack, PREFILL, request):
+    stack.procs[PREFILL].signal(signal.SIGSTOP)
+    try:
+        request = long_request(stack, model, prompt="A short prompt that prefill is too slow to answer at once:")
+        holder(stack, [DECODE], "the decode reservation")
         time.sleep(2 * LEASE_S)
-        assert lapses(stack, DECODE, "reservation") == before
-    request.join(timeout=600)
+        assert lapses(stack, DECODE, "reservation") == before and stack.kv_usage(DECODE) > 0
+    finally:
+        stack.procs[PREFILL].signal(signal.SIGCONT)
+    request.join(timeout=120)
     assert request.error is None and request.result
     assert lapses(stack, DECODE, "reservation") == before
     stack.wait_idle(timeout=30)
@@ -187,10 +191,10 @@ def test_a_stopped_gateway_strands_no_decode_pages(ready, model):
     request = long_request(stack, model)
     holder(stack, [DECODE], "the decode reservation for the long prompt")
     try:
-        with frozen_mid_prefill(stack, PREFILL, request):  # short of the registry TTL: prefill stays live
+        with frozen_mid_prefill(stack, PREFILL, request):  # prefill has pages left to write when it goes on
             stack.procs["gateway"].signal(signal.SIGSTOP)
-            wait_until(lambda: lapses(stack, DECODE, "reservation") - before == 1, LEASE_S + 2,
-                       "the stopped gateway's lease to lapse", interval=0.05)
+        wait_until(lambda: lapses(stack, DECODE, "reservation") - before == 1, LEASE_S + 5,
+                   "the stopped gateway's lease to lapse", interval=0.05)
         stack.wait_idle([DECODE, PREFILL], timeout=QUARANTINE_S - 5)  # freed by the revoke, not the quarantine
         assert "stopped renewing its lease (RESERVED" in stack.procs[DECODE].log_text()
         assert "revoked the reservation" in stack.procs[PREFILL].log_text()

@@ -298,7 +298,7 @@ def test_a_revoke_from_decode_cancels_the_transfer_or_refuses_the_reservation(en
     def revoke(reservation_id: int, generation: int, key: bytes, ack: str = "t0k") -> None:
         decode.send_notif(to_prefill, TransferNotice(
             reservation_id=reservation_id, generation=generation, rank=0, kind="revoke", num_ranks=1,
-            reply_to="decode-0", ack=ack, key=key).encode())
+            reply_to="decode-0", reply_nonce="nonce-1", ack=ack, key=key).encode())
 
     h.run(lambda: h.out.pages_sent > 0)
     h.stream.held = True
@@ -318,7 +318,7 @@ def test_a_revoke_from_decode_cancels_the_transfer_or_refuses_the_reservation(en
 
     revoke(9, 1, key=b"", ack="echo-me")  # nothing here for reservation 9: refused, answered at once
     end = time.monotonic() + 5
-    while ("decode-0", 9, 1) not in transfers.revoked:
+    while ("decode-0", "nonce-1", 9, 1) not in transfers.revoked:
         assert time.monotonic() < end, "the revoke never arrived"
         transfers.tick()
         time.sleep(0.01)
@@ -330,6 +330,13 @@ def test_a_revoke_from_decode_cancels_the_transfer_or_refuses_the_reservation(en
         transfers.start("late", PROMPT, SamplingParams(max_tokens=4, temperature=0), stream, reservation_id=9,
                         generation=1, secret=SECRET, decode=("decode-0", "nonce-1"))
     assert "late" not in transfers.active and engine.get("late") is None
+    stream = PageWriteStream(prefill, h.peer, DST_PAGES)  # the same ids of a restarted decode instance
+    fut = transfers.start("restarted", PROMPT, SamplingParams(max_tokens=4, temperature=0), stream,
+                          reservation_id=9, generation=1, secret=SECRET, decode=("decode-0", "nonce-2"))
+    transfers.cancel("restarted")
+    while not fut.done():
+        transfers.tick()
+        time.sleep(0.005)
     assert_all_pages_free(engine)
 
 
