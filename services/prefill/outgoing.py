@@ -203,20 +203,12 @@ class OutgoingTransfers:
             self._move(out, E.ENDED)
             out.stream.abort(self._notice(out, "abort"))
         if out.state in LEASED and self._lease_lapsed(out):
-            out.error = (f"decode worker {out.decode[0]} left the registry and took no write for "
-                         f"{self.lease_s:g}s: the transfer's lease lapsed")
-            log.warning("request %s: %s; cancelling the transfer (an abort notice follows the writes in flight)",
-                        out.rid, out.error)
             if self.metrics is not None:
                 self.metrics.lease_expiries.labels(kind="transfer").inc()
-            self._move(out, E.LEASE_LAPSED)
-            self.engine.abort(out.rid)
-            out.stream.abort(self._notice(out, "abort"))
+            self._give_up(out, E.LEASE_LAPSED, f"decode worker {out.decode[0]} left the registry and took no "
+                                               f"write for {self.lease_s:g}s: the transfer's lease lapsed")
         if out.state in WRITING and time.monotonic() >= out.deadline:
-            out.error = "the reservation's write capability expired before its pages were written"
-            self._move(out, E.EXPIRE)
-            self.engine.abort(out.rid)
-            out.stream.abort(self._notice(out, "abort"))
+            self._give_up(out, E.EXPIRE, "the reservation's write capability expired before its pages were written")
         if out.state in WRITING and out.stream.state not in (DONE, FAILED) and req is not None:
             held = req.status is ReqStatus.HELD
             # only pages the device has finished (a launched chunk may still be running), and
@@ -250,11 +242,8 @@ class OutgoingTransfers:
                 log.warning("ignored a revoke of reservation %d/%d without its capability's MAC",
                             notice.reservation_id, notice.generation)
             elif out.state in LEASED:
-                out.error = f"decode worker {notice.reply_to} revoked the reservation (its lease lapsed)"
-                log.warning("request %s: %s; cancelling the transfer", out.rid, out.error)
-                self._move(out, E.LEASE_LAPSED)
-                self.engine.abort(out.rid)
-                out.stream.abort(self._notice(out, "abort"))
+                self._give_up(out, E.LEASE_LAPSED,
+                              f"decode worker {notice.reply_to} revoked the reservation (its lease lapsed)")
             return
         self.revoked[key] = None
         while len(self.revoked) > REVOKED_KEPT:
@@ -270,6 +259,15 @@ class OutgoingTransfers:
             self.agent.send_notif(peer, answer.encode())
         except TransferError as exc:
             log.info("could not answer decode %s's revoke: %s", notice.reply_to, exc)
+
+    def _give_up(self, out: Outgoing, event: OutgoingEvent, why: str) -> None:
+        """Stop computing and posting pages; the abort notice follows the writes in flight."""
+        out.error = why
+        if event is E.LEASE_LAPSED:
+            log.warning("request %s: %s; cancelling the transfer", out.rid, why)
+        self._move(out, event)
+        self.engine.abort(out.rid)
+        out.stream.abort(self._notice(out, "abort"))
 
     def _lease_lapsed(self, out: Outgoing) -> bool:
         """Renew out's lease while its decode instance is live or a write landed since the
