@@ -41,6 +41,7 @@ from services.gateway.backends.interface import (
     GenerationRequest,
     TokenEvent,
 )
+from services.gateway.backends.lease_keeper import LeaseKeeper
 from services.gateway.backends.migration import Attempt, MigrationConfig, RebuiltTokens, SequenceStreams, WorkerLost
 from services.gateway.backends.migration_metrics import MigrationMetrics
 from services.gateway.backends.stream_merge import merged
@@ -142,6 +143,7 @@ class GrpcBackend:
         self._workers = _Channels(config.tls)
         self._watcher = None
         self._cleanups: set[asyncio.Task] = set()
+        self.leases = LeaseKeeper(config.cleanup_timeout_s)  # our reservations live on decode while renewed
 
     # --- lifecycle --------------------------------------------------------------------
 
@@ -175,6 +177,7 @@ class GrpcBackend:
     async def close(self) -> None:
         if self._cleanups:
             await asyncio.wait(set(self._cleanups), timeout=self.config.cleanup_timeout_s)
+        await self.leases.close()
         if self._watcher is not None:
             await self._watcher.stop()
         await self._workers.close()
@@ -391,6 +394,7 @@ class GrpcBackend:
                 yield event
         finally:
             # Runs on success, failure, early close (stop string) and cancellation (client left).
+            state.drop_lease(self.leases)
             if state.reservation is not None and not state.completed:
                 self._cleanup(self._cancel_reservation(decode, state))  # idempotent on decode
             elif state.reserve_unanswered:
@@ -455,6 +459,8 @@ class GrpcBackend:
                 raise _lost(exc, what, "decode_reserve", route.decode) from None
             raise rpc_error(exc, what) from None
         state.reserve_unanswered = False
+        state.lease_on = route.decode
+        self.leases.hold(decode, route.decode, state.reservation)  # until decode has our Generate
         prefill = duet_pb2_grpc.PrefillStub(self._workers.get(route.prefill, "prefill"))
         state.prefill_sent = True  # from here prefill may write: decode waits for its notice
         try:
@@ -480,6 +486,7 @@ class GrpcBackend:
                                           route.decode.instance_nonce)
         try:
             async for chunk in state.stream:
+                state.drop_lease(self.leases)  # decode claimed the reservation: the stream keeps it
                 out, usage = chunk_from_proto(chunk, generate.request_id, want_logprobs)
                 if out.finish_reason == "abort":
                     state.stream_done = True
@@ -587,3 +594,9 @@ class _RequestState:
     stream: object | None = None  # the Decode.Generate call
     stream_done: bool = False     # the call ended (finish, error): nothing to cancel
     completed: bool = False       # decode finished the request: its reservation is used up
+    lease_on: duet_pb2.WorkerRef | None = None  # the decode worker we renew the reservation's lease on
+
+    def drop_lease(self, leases: LeaseKeeper) -> None:
+        if self.lease_on is not None:
+            leases.drop(self.lease_on, self.reservation)
+            self.lease_on = None
