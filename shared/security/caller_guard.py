@@ -24,6 +24,7 @@ METHOD_ROLES: Mapping[str, frozenset[str]] = {
     "/duet.v1.Router/Release": frozenset({"gateway"}),
     "/duet.v1.Decode/Reserve": frozenset({"gateway"}),
     "/duet.v1.Decode/Cancel": frozenset({"gateway"}),
+    "/duet.v1.Decode/RenewLease": frozenset({"gateway"}),  # the gateway holds the reservations' leases
     "/duet.v1.Decode/Generate": frozenset({"gateway"}),
     "/duet.v1.Prefill/Prefill": frozenset({"gateway"}),
     "/duet.v1.Adapters/LoadLoraAdapter": frozenset({"gateway"}),

@@ -309,3 +309,15 @@ def test_config_flags_env_and_bad_files(pki, tmp_path):
                                         (pki["no-role"], "gateway", "", "names no Duet role")):
         with pytest.raises(ValueError, match=why):
             tls(files).check_identity(role, worker_id)
+
+
+def test_every_rpc_of_the_contract_names_who_may_call_it():
+    """A method missing from the caller table is refused to everyone under mutual TLS (`duet up`'s
+    default): the leases' RenewLease once was, so every reservation lapsed 10 s after its grant."""
+    from shared.security.caller_guard import METHOD_ROLES
+
+    methods = {f"/{service.full_name}/{m.name}" for service in duet_pb2.DESCRIPTOR.services_by_name.values()
+               for m in service.methods}
+    assert methods, "duet.proto names no service"
+    unnamed = sorted(m for m in methods if not METHOD_ROLES.get(m))
+    assert not unnamed, f"no role may call {unnamed} (shared/security/caller_guard.py)"

@@ -133,8 +133,8 @@ def test_router_flips_as_the_decode_worker_reports_its_batch(redis_server):
             assert not busy.colocated and busy.prefill.worker_id == "p1", busy.reason
             assert "over the target" in busy.reason
             value = c.server.metrics.registry.get_sample_value
-            assert value("duet_router_decisions_total", {"kind": "local_prefill", "reason": "lowest_ttft"}) == 1
-            assert value("duet_router_decisions_total", {"kind": "split", "reason": "lowest_ttft"}) == 1
+            assert value("duet_router_decisions_total", {"kind": "local_prefill", "reason": "lowest_ttft", "model": "tiny"}) == 1
+            assert value("duet_router_decisions_total", {"kind": "split", "reason": "lowest_ttft", "model": "tiny"}) == 1
             assert value("duet_router_predicted_ttft_seconds_count", {"kind": "split"}) == 1
 
     asyncio.run(scenario())
