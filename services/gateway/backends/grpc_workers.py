@@ -67,6 +67,10 @@ _BAD_REQUEST_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_R
 _LOST_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED,
                grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNKNOWN}
 _NO_WORKER_RETRY_S = 0.5  # a moved attempt finding no live worker asks the router again after this
+# A router restarted (duet up's supervisor, a k8s pod) is dialled again within about a second, not
+# after gRPC's default backoff (1 s growing to 120 s); Route waits for it (wait_for_ready).
+_ROUTER_CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                           ("grpc.max_reconnect_backoff_ms", 1000))
 # Reserve's own refusals: decode made no reservation
 _REFUSED_CODES = {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT,
                   grpc.StatusCode.FAILED_PRECONDITION}
@@ -153,7 +157,8 @@ class GrpcBackend:
         return self.config.max_context_len
 
     async def start(self) -> None:
-        self._router_channel = self.config.tls.aio_channel(self.config.router_address, server_name("router"))
+        self._router_channel = self.config.tls.aio_channel(self.config.router_address, server_name("router"),
+                                                           options=_ROUTER_CHANNEL_OPTIONS)
         self._router = duet_pb2_grpc.RouterStub(self._router_channel)
         if self.config.redis_url:
             from shared.registry.config import RegistryConfig
@@ -397,7 +402,8 @@ class GrpcBackend:
                 max_tokens=attempt.remaining_tokens, page_hashes=hashes, n=attempt.sampling.n,
                 exclude_instances=attempt.exclude, checkpoint=attempt.checkpoint,
                 lora_adapter=request.cache_scope.adapter),
-                metadata=metadata, timeout=self.config.route_timeout_s)
+                # a router being restarted is waited for (within the route timeout), not a 503
+                metadata=metadata, timeout=self.config.route_timeout_s, wait_for_ready=True)
         except grpc.aio.AioRpcError as exc:
             raise rpc_error(exc, "router") from None
 
