@@ -3,11 +3,12 @@
 workers over gRPC, KV moved by NIXL/UCX, the gateway on uvicorn, the official openai
 client).
 
-Twelve concurrent chat streams of every kind the failover must keep right (greedy,
-seeded at temperature 1, JSON-schema constrained, n = 2, logprobs with alternatives) run
+Thirteen concurrent chat streams of every kind the failover must keep right (greedy,
+seeded at temperature 1, JSON-schema constrained, n = 2, logprobs with alternatives, a forced
+tool call streamed as tool-call deltas) run
 once unfaulted, then again while the decode worker serving most of them is SIGKILLed mid
-stream: every stream ends with [DONE] and no error, and each one's choices (text, finish
-reason, token logprobs) and usage equal the unfaulted run's. The gateway's metrics say the
+stream: every stream ends with [DONE] and no error, and each one's choices (text, tool calls,
+finish reason, token logprobs) and usage equal the unfaulted run's. The gateway's metrics say the
 streams moved, and that the KV rebuilt for them was mostly moved from the prefill worker's
 cache or held by the new decode worker, not recomputed. Afterwards no worker holds a page
 or a request."""
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 import psutil
 import pytest
 
+from tests.helpers.openai_features import TOOLS
 from tests.helpers.stack import DuetUp, managed, new_log_dir, wait_until
 
 pytestmark = pytest.mark.slow
@@ -59,6 +61,11 @@ def cases() -> list[dict]:
             kw["extra_body"] = {"ignore_eos": True}  # every stream runs its whole length
         out.append(dict(messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
                         max_tokens=MAX_TOKENS, **kw))
+    # a forced tool call: the grammar ends it, its arguments stream as tool-call deltas
+    out.append(dict(messages=[{"role": "system", "content": SYSTEM},
+                              {"role": "user", "content": "What is the weather in Paris?"}],
+                    max_tokens=2 * MAX_TOKENS, temperature=0, tools=TOOLS,
+                    tool_choice={"type": "function", "function": {"name": "get_weather"}}))
     return out
 
 
@@ -67,6 +74,7 @@ class Stream:
     """One streamed chat completion: what the client saw."""
 
     texts: dict[int, str] = field(default_factory=dict)
+    tool_calls: dict[tuple[int, int], list[str]] = field(default_factory=dict)  # (choice, call) -> [name, arguments]
     reasons: dict[int, str] = field(default_factory=dict)
     logprobs: list[tuple[str, float, list[str]]] = field(default_factory=list)
     usage: object = None
@@ -81,6 +89,10 @@ class Stream:
                 for choice in chunk.choices:
                     self.chunks += 1
                     self.texts[choice.index] = self.texts.get(choice.index, "") + (choice.delta.content or "")
+                    for call in choice.delta.tool_calls or []:
+                        seen = self.tool_calls.setdefault((choice.index, call.index), ["", ""])
+                        seen[0] += (call.function.name or "") if call.function else ""
+                        seen[1] += (call.function.arguments or "") if call.function else ""
                     if choice.finish_reason:
                         self.reasons[choice.index] = choice.finish_reason
                     for lp in (choice.logprobs.content or []) if choice.logprobs else []:
@@ -127,6 +139,9 @@ def test_a_decode_worker_killed_mid_stream_is_never_seen_by_the_client(stack):
         assert s.error is None, s.error
     n2 = [s for s, case in zip(unfaulted, cases()) if case.get("n") == 2]
     assert n2 and all(len(s.texts) == 2 for s in n2)
+    tooled = [s for s, case in zip(unfaulted, cases()) if "tools" in case]
+    assert tooled and all(s.reasons == {0: "tool_calls"} and [call[0] for call in s.tool_calls.values()]
+                          == ["get_weather"] and json.loads(s.tool_calls[0, 0][1]) for s in tooled), tooled
     schema_done = [s.texts[0] for s, case in zip(unfaulted, cases()) if "response_format" in case
                    and s.reasons[0] == "stop"]
     assert schema_done and all(set(json.loads(t)) == {"answer", "confidence"} for t in schema_done)
@@ -147,6 +162,7 @@ def test_a_decode_worker_killed_mid_stream_is_never_seen_by_the_client(stack):
     for i, (want, got) in enumerate(zip(unfaulted, faulted)):
         assert got.error is None, (i, got.error)
         assert got.texts == want.texts and got.reasons == want.reasons, (i, killed)
+        assert got.tool_calls == want.tool_calls, (i, killed)
         assert got.usage.completion_tokens == want.usage.completion_tokens, i
         assert got.usage.prompt_tokens == want.usage.prompt_tokens, i
         assert [t for t, _, _ in got.logprobs] == [t for t, _, _ in want.logprobs], i

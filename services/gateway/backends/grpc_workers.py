@@ -33,6 +33,7 @@ from prometheus_client import CollectorRegistry
 
 from protos import duet_pb2, duet_pb2_grpc
 from services.gateway.backends.capacity import WorkerCapacity
+from services.gateway.backends.grpc_adapters import RuntimeAdapters
 from services.gateway.backends.interface import (
     BackendBadRequest,
     BackendBusy,
@@ -66,6 +67,7 @@ _BAD_REQUEST_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_R
 # restarted decode worker knows no reservation of its old instance (NOT_FOUND)
 _LOST_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED,
                grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNKNOWN}
+_ADAPTER_RECORD_CHECK_S = 2.0  # how often the run-time LoRA record is checked for a Redis that lost it
 _NO_WORKER_RETRY_S = 0.5  # a moved attempt finding no live worker asks the router again after this
 # A router restarted (duet up's supervisor, a k8s pod) is dialled again within about a second, not
 # after gRPC's default backoff (1 s growing to 120 s); Route waits for it (wait_for_ready).
@@ -145,6 +147,8 @@ class GrpcBackend:
         self._workers = _Channels(config.tls)
         self._watcher = None
         self._cleanups: set[asyncio.Task] = set()
+        self.runtime_adapters = RuntimeAdapters()  # loaded at run time: kept in the registry (grpc_adapters.py)
+        self._record_task: asyncio.Task | None = None
 
     # --- lifecycle --------------------------------------------------------------------
 
@@ -168,10 +172,14 @@ class GrpcBackend:
                                       connection=self.config.redis)
             self._watcher = WorkerWatcher(registry, model=self.config.model or None)
             await self._watcher.start()
+            self._record_task = asyncio.create_task(self._keep_adapter_record(), name="lora-record")
 
     async def close(self) -> None:
         if self._cleanups:
             await asyncio.wait(set(self._cleanups), timeout=self.config.cleanup_timeout_s)
+        if self._record_task is not None:
+            self._record_task.cancel()
+            await asyncio.gather(self._record_task, return_exceptions=True)
         if self._watcher is not None:
             await self._watcher.stop()
         await self._workers.close()
@@ -211,10 +219,19 @@ class GrpcBackend:
     async def load_adapter(self, name: str, path: str) -> None:
         from services.gateway.backends.grpc_adapters import load_everywhere
         await load_everywhere(self._registry_view(), self._workers, name, path, self.config.rpc_timeout_s)
+        self.runtime_adapters.paths[name] = path
 
     async def unload_adapter(self, name: str) -> None:
         from services.gateway.backends.grpc_adapters import unload_everywhere
+        self.runtime_adapters.paths.pop(name, None)
         await unload_everywhere(self._registry_view(), self._workers, name, self.config.rpc_timeout_s)
+
+    async def _keep_adapter_record(self) -> None:
+        """Write back what a Redis restarted empty lost of the run-time adapter record."""
+        while True:
+            await asyncio.sleep(_ADAPTER_RECORD_CHECK_S)
+            if self.runtime_adapters.paths:
+                await self.runtime_adapters.restore(self._watcher)
 
     def _registry_view(self):
         if self._watcher is None:
