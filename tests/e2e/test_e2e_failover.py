@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 import psutil
 import pytest
 
-from tests.helpers.openai_features import TOOLS
 from tests.helpers.stack import DuetUp, managed, new_log_dir, wait_until
 
 pytestmark = pytest.mark.slow
@@ -46,6 +45,16 @@ SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLeng
           "required": ["answer", "confidence"], "additionalProperties": False}
 
 
+# several arguments, so the call still streams when the others are a few tokens in (plain strings:
+# a length bound would make the grammar slow to compile)
+NOTE_TOOL = {"type": "function", "function": {
+    "name": "write_note", "description": "Write a short note for the class.",
+    "parameters": {"type": "object", "properties": {k: {"type": "string"} for k in ("title", "topic", "fact", "example",
+                                                                                   "question")},
+                   "required": ["title", "topic", "fact", "example", "question"], "additionalProperties": False}}}
+TOOL_CASE = len(QUESTIONS)  # its index in cases()
+
+
 def cases() -> list[dict]:
     """Per stream, the request's arguments: three of each kind, two with logprobs."""
     kinds = [dict(temperature=0),
@@ -61,11 +70,11 @@ def cases() -> list[dict]:
             kw["extra_body"] = {"ignore_eos": True}  # every stream runs its whole length
         out.append(dict(messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
                         max_tokens=MAX_TOKENS, **kw))
-    # a forced tool call: the grammar ends it, its arguments stream as tool-call deltas
+    # a forced tool call (the grammar ends it), its arguments streamed as tool-call deltas
     out.append(dict(messages=[{"role": "system", "content": SYSTEM},
-                              {"role": "user", "content": "What is the weather in Paris?"}],
-                    max_tokens=2 * MAX_TOKENS, temperature=0, tools=TOOLS,
-                    tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+                              {"role": "user", "content": "Write a note for the class about the moon."}],
+                    max_tokens=3 * MAX_TOKENS, temperature=0, tools=[NOTE_TOOL],
+                    tool_choice={"type": "function", "function": {"name": "write_note"}}))
     return out
 
 
@@ -78,6 +87,7 @@ class Stream:
     reasons: dict[int, str] = field(default_factory=dict)
     logprobs: list[tuple[str, float, list[str]]] = field(default_factory=list)
     usage: object = None
+    id: str = ""  # the completion's id: the gateway's request id
     chunks: int = 0
     error: BaseException | None = None
 
@@ -86,6 +96,7 @@ class Stream:
             for chunk in client.chat.completions.create(model=MODEL, stream=True,
                                                         stream_options={"include_usage": True}, **case):
                 self.usage = chunk.usage or self.usage
+                self.id = chunk.id
                 for choice in chunk.choices:
                     self.chunks += 1
                     self.texts[choice.index] = self.texts.get(choice.index, "") + (choice.delta.content or "")
@@ -101,12 +112,18 @@ class Stream:
             self.error = exc
 
 
-def run_all(stack, while_running=None) -> list[Stream]:
+def run_all(stack, while_running=None, tool_placed=None) -> list[Stream]:
+    """Every case at once; with tool_placed, the tool-call stream first and alone, and
+    tool_placed(stream) called while it runs (to learn which decode worker runs it)."""
     streams = [Stream() for _ in cases()]
     client = stack.client(timeout=180)
     threads = [threading.Thread(target=s.run, args=(client, case), daemon=True) for s, case in zip(streams, cases())]
+    if tool_placed is not None:
+        threads[TOOL_CASE].start()
+        tool_placed(streams[TOOL_CASE])
     for t in threads:
-        t.start()
+        if not t.is_alive() and t.ident is None:
+            t.start()
     if while_running is not None:
         while_running(streams)
     for t in threads:
@@ -139,25 +156,36 @@ def test_a_decode_worker_killed_mid_stream_is_never_seen_by_the_client(stack):
         assert s.error is None, s.error
     n2 = [s for s, case in zip(unfaulted, cases()) if case.get("n") == 2]
     assert n2 and all(len(s.texts) == 2 for s in n2)
-    tooled = [s for s, case in zip(unfaulted, cases()) if "tools" in case]
-    assert tooled and all(s.reasons == {0: "tool_calls"} and [call[0] for call in s.tool_calls.values()]
-                          == ["get_weather"] and json.loads(s.tool_calls[0, 0][1]) for s in tooled), tooled
+    tool = unfaulted[TOOL_CASE]
+    assert tool.reasons == {0: "tool_calls"} and [name for name, _ in tool.tool_calls.values()] == ["write_note"]
+    assert set(json.loads(tool.tool_calls[0, 0][1])) == {"title", "topic", "fact", "example", "question"}
     schema_done = [s.texts[0] for s, case in zip(unfaulted, cases()) if "response_format" in case
                    and s.reasons[0] == "stop"]
     assert schema_done and all(set(json.loads(t)) == {"answer", "confidence"} for t in schema_done)
     before = stack.gateway_metrics()
     killed = {}
 
+    def tool_placed(stream):
+        # alone on the stack, the tool-call stream is the one request a decode worker runs
+        def holder():
+            if stream.reasons or stream.error:
+                raise AssertionError(f"the tool-call stream ended before it was placed: {stream}")
+            running = {w: stack.running(w) for w in ("decode-0", "decode-1")}
+            return next((w for w, n in running.items() if n == 1), None) if sum(running.values()) == 1 else None
+        killed["worker"] = wait_until(holder, 60, "the tool-call stream on a decode worker", interval=0.02)
+
     def kill_mid_stream(streams):
-        # every stream under way (a few chunks in), then the decode worker running the most
+        # every stream under way (a few chunks in), then the decode worker running the tool-call stream
         wait_until(lambda: all(s.chunks >= 3 or s.error or s.reasons for s in streams), 120,
                    "every stream to be under way", interval=0.05)
         running = {w: stack.running(w) for w in ("decode-0", "decode-1")}
-        victim = max(running, key=running.get)
-        killed.update(worker=victim, running=running, at=[s.chunks for s in streams])
+        victim = killed["worker"]
+        killed.update(running=running, at=[s.chunks for s in streams])
+        assert not streams[TOOL_CASE].reasons, "the tool-call stream ended before the kill"
         decode_process(stack, victim).kill()
 
-    faulted = run_all(stack, kill_mid_stream)
+    wait_until(lambda: all(stack.running(w) == 0 for w in ("decode-0", "decode-1")), 30, "no request running")
+    faulted = run_all(stack, kill_mid_stream, tool_placed)
     assert killed["running"][killed["worker"]] >= 4, killed  # it served a good share of the streams
     for i, (want, got) in enumerate(zip(unfaulted, faulted)):
         assert got.error is None, (i, got.error)
@@ -179,6 +207,8 @@ def test_a_decode_worker_killed_mid_stream_is_never_seen_by_the_client(stack):
     print(f"failover: killed {killed['worker']} running {killed['running']}, {moves:.0f} moves, "
           f"KV rebuilt by source {rebuilt}")
     assert rebuilt["held"] + rebuilt["moved"] > 2 * rebuilt["recomputed"] > 0, rebuilt
+    gateway_log = (stack.log_dir / "gateway.log").read_text()
+    assert f"request {faulted[TOOL_CASE].id}: " in gateway_log, "the tool-call stream never moved"
     survivor = "decode-1" if killed["worker"] == "decode-0" else "decode-0"
     stack.wait_idle(["prefill-0", survivor], timeout=30)
     assert "restarted " + killed["worker"] in stack.proc.log_text() or wait_until(

@@ -48,7 +48,9 @@ def stack(request):
     # ~29 device pages of 16 tokens per worker: two conversations push each other's pages to the host tier
     up = DuetUp(new_log_dir("up-rebuild"), "--restart-backoff", "0.5", kv_cache_memory="22M",
                 env={"DUET_PLACEMENT": "threshold", "DUET_KV_HOST_MEMORY": "256M",
-                     "DUET_KV_HOST_WRITE_POLICY": "all"})
+                     "DUET_KV_HOST_WRITE_POLICY": "all",
+                     # a loaded 2-core machine starts the new router in up to ~10 s (15 s by default)
+                     "DUET_ROUTE_TIMEOUT": "60"})
     with managed(request, up.start()) as s:
         s.wait_ready()
         yield s
@@ -160,3 +162,28 @@ def test_router_killed_rebuilds_and_routes_prefix_aware(stack, chats):
     wait_until(lambda: stack.router_metrics().value("duet_router_inflight_requests") == 0, 30,
                "the new router's load account back to zero")
     stack.wait_idle(list(WORKERS))
+
+
+def test_redis_and_router_killed_in_turn_under_streams_lose_nothing(stack):
+    """A small chaos run: Redis, then the router, SIGKILLed while four streams run and a chat goes
+    on; every stream and turn ends well, and afterwards no worker holds a page or a request and
+    the router's load account is back to zero."""
+    streams = [start_stream(stack, max_tokens=40) for _ in range(4)]
+    chat = Chat(stack.client(), "Eastwind Tea")
+    chat.turn(QUESTIONS[0])
+    child_process(stack, "redis-server").kill()
+    chat.turn(QUESTIONS[1])  # on the last known set
+    stack._redis = None
+    wait_until(lambda: reachable(lambda: set(stack.workers())) == set(WORKERS), DEADLINE_S,
+               "both workers registered in the restarted Redis", interval=0.1)
+    child_process(stack, "services.cli router ").kill()
+    chat.turn(QUESTIONS[2])  # waits for the new router
+    for thread, result in streams:
+        thread.join(120)
+        assert result["end"] == "done", result
+    stack.wait_idle(list(WORKERS))
+    for w in WORKERS:
+        for tier in ("device", "host"):
+            assert stack.metrics(w).value("duet_kv_unaccounted_pages", tier=tier) == 0, (w, tier)
+    wait_until(lambda: stack.router_metrics().value("duet_router_inflight_requests") == 0, 30,
+               "the router's load account back to zero")
