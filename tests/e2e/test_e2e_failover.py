@@ -45,13 +45,18 @@ SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLeng
           "required": ["answer", "confidence"], "additionalProperties": False}
 
 
-# several arguments, so the call still streams when the others are a few tokens in (plain strings:
-# a length bound would make the grammar slow to compile)
+# several arguments of long fixed phrases, so the call still streams when the others are a few
+# tokens in and always ends well within max_tokens (enums compile fast; a length bound would not)
+NOTE_FIELDS = {
+    "subject": ["astronomy for curious students", "biology for curious students"],
+    "topic": ["the phases of the moon and why they change", "how the moon makes the tides rise and fall"],
+    "level": ["twelve year old students in their first year", "fourteen year old students in their third year"],
+    "format": ["a short paragraph with one everyday example", "three sentences and one check question"],
+}
 NOTE_TOOL = {"type": "function", "function": {
     "name": "write_note", "description": "Write a short note for the class.",
-    "parameters": {"type": "object", "properties": {k: {"type": "string"} for k in ("title", "topic", "fact", "example",
-                                                                                   "question")},
-                   "required": ["title", "topic", "fact", "example", "question"], "additionalProperties": False}}}
+    "parameters": {"type": "object", "properties": {k: {"enum": v} for k, v in NOTE_FIELDS.items()},
+                   "required": list(NOTE_FIELDS), "additionalProperties": False}}}
 TOOL_CASE = len(QUESTIONS)  # its index in cases()
 
 
@@ -73,7 +78,7 @@ def cases() -> list[dict]:
     # a forced tool call (the grammar ends it), its arguments streamed as tool-call deltas
     out.append(dict(messages=[{"role": "system", "content": SYSTEM},
                               {"role": "user", "content": "Write a note for the class about the moon."}],
-                    max_tokens=3 * MAX_TOKENS, temperature=0, tools=[NOTE_TOOL],
+                    max_tokens=4 * MAX_TOKENS, temperature=0, tools=[NOTE_TOOL],
                     tool_choice={"type": "function", "function": {"name": "write_note"}}))
     return out
 
@@ -158,7 +163,7 @@ def test_a_decode_worker_killed_mid_stream_is_never_seen_by_the_client(stack):
     assert n2 and all(len(s.texts) == 2 for s in n2)
     tool = unfaulted[TOOL_CASE]
     assert tool.reasons == {0: "tool_calls"} and [name for name, _ in tool.tool_calls.values()] == ["write_note"]
-    assert set(json.loads(tool.tool_calls[0, 0][1])) == {"title", "topic", "fact", "example", "question"}
+    assert set(json.loads(tool.tool_calls[0, 0][1])) == set(NOTE_FIELDS)
     schema_done = [s.texts[0] for s, case in zip(unfaulted, cases()) if "response_format" in case
                    and s.reasons[0] == "stop"]
     assert schema_done and all(set(json.loads(t)) == {"answer", "confidence"} for t in schema_done)

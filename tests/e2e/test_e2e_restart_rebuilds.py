@@ -11,7 +11,9 @@ threshold, so a turn routed to the decode worker that holds most of its prompt i
   tests/gateway/test_gateway_lora.py);
 - the router killed (SIGKILL): the stream in flight finishes, a request sent while it is down
   waits for the new one and is served, and the new router routes the conversation's next turn
-  prefix-aware.
+  prefix-aware;
+- a small chaos run: Redis, then the router, killed while streams run and a chat goes on: every
+  request ends well, and no page, request or routed load is left behind.
 
 The seconds each rebuild took are printed (pytest -s), not asserted beyond a generous deadline."""
 from __future__ import annotations
