@@ -191,7 +191,8 @@ def test_a_decode_worker_killed_mid_stream_is_never_seen_by_the_client(stack):
 
     wait_until(lambda: all(stack.running(w) == 0 for w in ("decode-0", "decode-1")), 30, "no request running")
     faulted = run_all(stack, kill_mid_stream, tool_placed)
-    assert killed["running"][killed["worker"]] >= 4, killed  # it served a good share of the streams
+    # it ran the tool-call stream and more (the router spreads the others by load: not always half)
+    assert killed["running"][killed["worker"]] >= 2, killed
     for i, (want, got) in enumerate(zip(unfaulted, faulted)):
         assert got.error is None, (i, got.error)
         assert got.texts == want.texts and got.reasons == want.reasons, (i, killed)

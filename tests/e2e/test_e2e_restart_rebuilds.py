@@ -8,7 +8,7 @@ threshold, so a turn routed to the decode worker that holds most of its prompt i
 - Redis killed and restarted empty (no persistence): within a few seconds every worker's entry
   and both of its page sets are back as they were, and a conversation's next turn is routed
   prefix-aware again (the LoRA adapters loaded at run time come back too:
-  tests/gateway/test_gateway_lora.py);
+  tests/gateway/test_gateway_lora_record.py);
 - the router killed (SIGKILL): the stream in flight finishes, a request sent while it is down
   waits for the new one and is served, and the new router routes the conversation's next turn
   prefix-aware;
