@@ -45,13 +45,22 @@ SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLeng
           "required": ["answer", "confidence"], "additionalProperties": False}
 
 
-# several arguments of long fixed phrases, so the call still streams when the others are a few
-# tokens in and always ends well within max_tokens (enums compile fast; a length bound would not)
+# several arguments of long fixed phrases (about 250 tokens in all), so the call still streams when
+# the others are a few tokens in, and always ends within max_tokens (enums compile fast; a
+# length bound would not)
+_MOON = ("the moon does not shine by itself but reflects the light of the sun, and as it travels around the earth "
+         "once in about four weeks we see different parts of its sunlit half, which is why it seems to grow from a "
+         "thin crescent to a full round disc and then shrink again")
+_TIDES = ("the pull of the moon's gravity lifts the water of the oceans a little on the side of the earth that faces "
+          "it and on the far side too, so as the earth turns every coast passes through two bulges of water each day "
+          "and the sea rises and falls twice")
+_CHECK = ("if the moon were twice as far away from the earth as it is now, do you think the tides on the beach would "
+          "be bigger, smaller or just the same, and can you explain why in one sentence of your own words")
 NOTE_FIELDS = {
-    "subject": ["astronomy for curious students", "biology for curious students"],
-    "topic": ["the phases of the moon and why they change", "how the moon makes the tides rise and fall"],
-    "level": ["twelve year old students in their first year", "fourteen year old students in their third year"],
-    "format": ["a short paragraph with one everyday example", "three sentences and one check question"],
+    "explanation": [_MOON, _TIDES],
+    "example": [_TIDES, _MOON],
+    "summary": [_MOON + ", while " + _TIDES, _TIDES + ", while " + _MOON],
+    "question": [_CHECK, _CHECK.replace("twice as far away from", "half as far away from")],
 }
 NOTE_TOOL = {"type": "function", "function": {
     "name": "write_note", "description": "Write a short note for the class.",
@@ -78,7 +87,7 @@ def cases() -> list[dict]:
     # a forced tool call (the grammar ends it), its arguments streamed as tool-call deltas
     out.append(dict(messages=[{"role": "system", "content": SYSTEM},
                               {"role": "user", "content": "Write a note for the class about the moon."}],
-                    max_tokens=4 * MAX_TOKENS, temperature=0, tools=[NOTE_TOOL],
+                    max_tokens=12 * MAX_TOKENS, temperature=0, tools=[NOTE_TOOL],
                     tool_choice={"type": "function", "function": {"name": "write_note"}}))
     return out
 
