@@ -2,8 +2,9 @@
 y[t] += scale[s] * (x[t] A[s]^T) B[s]^T with s = row_slots[t] (-1: the base model, nothing added).
 
 Two launches a linear (Punica's and S-LoRA's split): shrink, x [T, K] times each stacked part's
-A [R, K] of the row's slot into [T, P, R]; expand, that times the part's B [N_p, R] added into
-the part's columns of y. The adapters live in fixed device buffers (`a` [S, P, R, K], `b`
+A [R, K] of the row's slot into float32 partial sums [S_K, T, P, R] over splits of K (a decode
+step's few rows need K split to fill the GPU; their sum is x A^T); expand sums them and adds
+that times the part's B [N_p, R] into the part's columns of y. The adapters live in fixed device buffers (`a` [S, P, R, K], `b`
 [S, N, R]: S slots, P stacked parts such as q/k/v, R the largest rank, smaller ranks zero-padded),
 and the only per-step input is `row_slots` [T]: the grid depends on T, S and the shapes alone,
 nothing is read on the host, so a CUDA graph captures the launches and replays them with new
@@ -28,7 +29,7 @@ def _check(x: torch.Tensor, a: torch.Tensor, row_slots: torch.Tensor) -> None:
 
 
 def _check_expand(shrunk: torch.Tensor, b: torch.Tensor, y: torch.Tensor, part_starts: list[int]) -> None:
-    t, parts, rank = shrunk.shape
+    t, parts, rank = shrunk.shape[-3:]
     if b.dim() != 3 or b.shape[2] != rank:
         raise ValueError(f"b must be [slots, out, {rank}], got {tuple(b.shape)}")
     if len(part_starts) != parts + 1 or part_starts[0] != 0 or part_starts[-1] != b.shape[1]:
@@ -65,17 +66,18 @@ def lora_expand_reference(shrunk: torch.Tensor, b: torch.Tensor, y: torch.Tensor
     return y
 
 
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, row_slots: torch.Tensor,
-                out: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton; [T, P, R]. Rows of the base model (slot -1) are left unwritten: the expand skips them."""
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, row_slots: torch.Tensor) -> torch.Tensor:
+    """Triton; float32 partial sums [S_K, T, P, R] whose sum over the first dimension is the
+    reference's [T, P, R]. Rows of the base model (slot -1) are left unwritten: the expand skips them."""
     _check(x, a, row_slots)
     from kernels.triton_lora import launch_lora_shrink
-    return launch_lora_shrink(x, a, row_slots, out)
+    return launch_lora_shrink(x, a, row_slots)
 
 
 def lora_expand(shrunk: torch.Tensor, b: torch.Tensor, y: torch.Tensor, row_slots: torch.Tensor,
                 scales: torch.Tensor, part_starts: list[int]) -> torch.Tensor:
-    """Triton; adds each adapter row's update into y (in place) and returns y."""
+    """Triton; adds each adapter row's update into y (in place) and returns y. `shrunk`: the
+    reference's [T, P, R] or lora_shrink's partial sums [S_K, T, P, R]."""
     _check_expand(shrunk, b, y, part_starts)
     from kernels.triton_lora import launch_lora_expand
     return launch_lora_expand(shrunk, b, y, row_slots, scales, part_starts)

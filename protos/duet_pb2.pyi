@@ -215,7 +215,7 @@ class RankPages(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., agent_name: _Optional[str] = ..., page_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Reservation(_message.Message):
-    __slots__ = ("reservation_id", "generation", "decode_worker_id", "decode_instance_nonce", "page_size", "num_layers", "kv_dtype", "compat_hash", "ranks", "held_pages", "held_page_hashes", "capability")
+    __slots__ = ("reservation_id", "generation", "decode_worker_id", "decode_instance_nonce", "page_size", "num_layers", "kv_dtype", "compat_hash", "ranks", "held_pages", "held_page_hashes", "capability", "lease_ttl_ms")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -228,6 +228,7 @@ class Reservation(_message.Message):
     HELD_PAGES_FIELD_NUMBER: _ClassVar[int]
     HELD_PAGE_HASHES_FIELD_NUMBER: _ClassVar[int]
     CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     reservation_id: int
     generation: int
     decode_worker_id: str
@@ -240,7 +241,8 @@ class Reservation(_message.Message):
     held_pages: int
     held_page_hashes: _containers.RepeatedScalarFieldContainer[int]
     capability: WriteCapability
-    def __init__(self, reservation_id: _Optional[int] = ..., generation: _Optional[int] = ..., decode_worker_id: _Optional[str] = ..., decode_instance_nonce: _Optional[str] = ..., page_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., compat_hash: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankPages, _Mapping]]] = ..., held_pages: _Optional[int] = ..., held_page_hashes: _Optional[_Iterable[int]] = ..., capability: _Optional[_Union[WriteCapability, _Mapping]] = ...) -> None: ...
+    lease_ttl_ms: int
+    def __init__(self, reservation_id: _Optional[int] = ..., generation: _Optional[int] = ..., decode_worker_id: _Optional[str] = ..., decode_instance_nonce: _Optional[str] = ..., page_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., compat_hash: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankPages, _Mapping]]] = ..., held_pages: _Optional[int] = ..., held_page_hashes: _Optional[_Iterable[int]] = ..., capability: _Optional[_Union[WriteCapability, _Mapping]] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
 
 class WriteCapability(_message.Message):
     __slots__ = ("writer_id", "lifetime_ms", "secret", "signature")
@@ -271,6 +273,26 @@ class CancelReply(_message.Message):
     CANCELLED_FIELD_NUMBER: _ClassVar[int]
     cancelled: bool
     def __init__(self, cancelled: _Optional[bool] = ...) -> None: ...
+
+class ReservationKey(_message.Message):
+    __slots__ = ("reservation_id", "generation")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: int
+    generation: int
+    def __init__(self, reservation_id: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class RenewLeaseRequest(_message.Message):
+    __slots__ = ("reservations",)
+    RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    reservations: _containers.RepeatedCompositeFieldContainer[ReservationKey]
+    def __init__(self, reservations: _Optional[_Iterable[_Union[ReservationKey, _Mapping]]] = ...) -> None: ...
+
+class RenewLeaseReply(_message.Message):
+    __slots__ = ("lost",)
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    lost: _containers.RepeatedCompositeFieldContainer[ReservationKey]
+    def __init__(self, lost: _Optional[_Iterable[_Union[ReservationKey, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "reservation", "prefill_worker_id", "first_token", "first_tokens", "cache_namespace", "tenant", "request_group", "resumed_output_tokens", "lora_adapter")

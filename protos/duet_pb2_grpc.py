@@ -184,6 +184,11 @@ class DecodeStub:
                 request_serializer=protos_dot_duet__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=protos_dot_duet__pb2.TokenChunk.FromString,
                 _registered_method=True)
+        self.RenewLease = channel.unary_unary(
+                '/duet.v1.Decode/RenewLease',
+                request_serializer=protos_dot_duet__pb2.RenewLeaseRequest.SerializeToString,
+                response_deserializer=protos_dot_duet__pb2.RenewLeaseReply.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
@@ -220,6 +225,17 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RenewLease(self, request, context):
+        """Keep the caller's unclaimed reservations on this worker: each holds a lease of
+        `lease_ttl_ms` (its Reservation says) that lapses unless renewed; a lapsed one is
+        quarantined like an expired capability and freed once no write can land. One call
+        renews every reservation a caller holds here (the gateway sends it every third of the
+        lease). A Generate's claim ends the lease: the stream is the holder's liveness then.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -237,6 +253,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=protos_dot_duet__pb2.GenerateRequest.FromString,
                     response_serializer=protos_dot_duet__pb2.TokenChunk.SerializeToString,
+            ),
+            'RenewLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewLease,
+                    request_deserializer=protos_dot_duet__pb2.RenewLeaseRequest.FromString,
+                    response_serializer=protos_dot_duet__pb2.RenewLeaseReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -324,6 +345,33 @@ class Decode:
             '/duet.v1.Decode/Generate',
             protos_dot_duet__pb2.GenerateRequest.SerializeToString,
             protos_dot_duet__pb2.TokenChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/duet.v1.Decode/RenewLease',
+            protos_dot_duet__pb2.RenewLeaseRequest.SerializeToString,
+            protos_dot_duet__pb2.RenewLeaseReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -15,6 +15,7 @@ import os
 import sys
 from dataclasses import dataclass
 
+from shared.process_exit import FastExit
 from shared.settings.process_vars import CLI_LOG_LEVEL, LOG_LEVELS
 
 
@@ -24,6 +25,9 @@ class Command:
     target: str  # "package.module:function"
     help: str
     prepend: tuple[str, ...] = ()  # arguments injected before the user's
+    # a long-running service: once it returns its exit status the process ends without the
+    # interpreter's teardown (shared/process_exit.py)
+    service: bool = False
 
     @property
     def module(self) -> str:
@@ -35,16 +39,21 @@ class Command:
 
 
 COMMANDS: tuple[Command, ...] = (
-    Command("up", "services.launcher.main:main", "start the whole stack locally (gateway, router, prefill, decode, redis)"),
+    Command("up", "services.launcher.main:main",
+            "start the whole stack locally (gateway, router, prefill, decode, redis)", service=True),
     Command("generate", "services.offline.generate:main", "complete one raw prompt offline and print the completion"),
     Command("chat", "services.offline.chat:main", "interactive multi-turn chat with a model, offline"),
-    Command("gateway", "services.gateway.main:main", "run the OpenAI-compatible HTTP gateway"),
-    Command("router", "services.router.main:main", "run the router (gRPC) that picks prefill/decode pairs"),
+    Command("gateway", "services.gateway.main:main", "run the OpenAI-compatible HTTP gateway", service=True),
+    Command("router", "services.router.main:main", "run the router (gRPC) that picks prefill/decode pairs",
+            service=True),
     Command("planner", "services.planner.main:main",
-            "run the planner that sets the prefill/decode split (role switches, k8s pool sizes) to the SLOs"),
-    Command("prefill", "services.worker.main:main", "run a prefill worker (= worker --role prefill)", ("--role", "prefill")),
-    Command("decode", "services.worker.main:main", "run a decode worker (= worker --role decode)", ("--role", "decode")),
-    Command("worker", "services.worker.main:main", "run a worker with an explicit --role"),
+            "run the planner that sets the prefill/decode split (role switches, k8s pool sizes) to the SLOs",
+            service=True),
+    Command("prefill", "services.worker.main:main", "run a prefill worker (= worker --role prefill)",
+            ("--role", "prefill"), service=True),
+    Command("decode", "services.worker.main:main", "run a decode worker (= worker --role decode)",
+            ("--role", "decode"), service=True),
+    Command("worker", "services.worker.main:main", "run a worker with an explicit --role", service=True),
     Command("loadtest", "loadtest.__main__:main", "drive load against a gateway and report TTFT, ITL, goodput"),
     Command("bench", "loadtest.bench:main", "run the benchmark suite and write its report"),
     Command("convert-default-model", "shared.model_files.default_model:main",
@@ -108,7 +117,8 @@ def _load(command: Command):
     return function
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, fast_exit: FastExit | None = None) -> int:
+    """Run one command; its exit status. `fast_exit` (run()'s): set for a service's status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -131,8 +141,17 @@ def main(argv: list[str] | None = None) -> int:
         code = function(list(command.prepend) + list(args.args))
     except KeyboardInterrupt:
         return 130
+    if command.service and fast_exit is not None:
+        fast_exit.code = int(code or 0)
     return int(code or 0)
 
 
+def run() -> None:
+    """The process entry point (the `duet` script, `python -m services.cli`): main(), and a
+    service that returned its status exits without the interpreter's teardown."""
+    fast_exit = FastExit.install()
+    sys.exit(main(fast_exit=fast_exit))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -41,18 +41,25 @@ def random_prompts(vocab: int, lengths, seed: int = 0) -> list[list[int]]:
     return [rng.integers(10, vocab - 10, size=int(n)).tolist() for n in lengths]
 
 
-def generate(engine, prompts, new_tokens) -> list[list[int]]:
-    """Greedy tokens of each prompt, ignoring EOS (new_tokens: one count, or one a prompt)."""
+def generate(engine, prompts, new_tokens, adapters: tuple[str, ...] = ()) -> list[list[int]]:
+    """Greedy tokens of each prompt, ignoring EOS (new_tokens: one count, or one a prompt; the
+    prompts spread over the LoRA `adapters` round robin)."""
     from shared.engine import SamplingParams
 
     counts = new_tokens if isinstance(new_tokens, list) else [new_tokens] * len(prompts)
-    rids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-            for p, n in zip(prompts, counts)]
+    rids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+                               scope=_scope(adapters, i)) for i, (p, n) in enumerate(zip(prompts, counts))]
     got: dict[str, list[int]] = {r: [] for r in rids}
     while engine.has_work:
         for out in engine.step():
             got[out.rid] += out.token_ids
     return [got[r] for r in rids]
+
+
+def _scope(adapters: tuple[str, ...], i: int):
+    from shared.engine.cache_scope import DEFAULT_SCOPE, CacheScope
+
+    return CacheScope(adapter=adapters[i % len(adapters)]) if adapters else DEFAULT_SCOPE
 
 
 def _outputs(engine, rids) -> int:
@@ -75,9 +82,9 @@ def _set_overlap(engine, on: bool) -> None:
 
 
 def decode_step_ms(engine, batch: int, ctx: int, steps: int, warm: int = 8, *, graphs: bool = True,
-                   overlap: bool = False) -> float:
-    """Mean ms of `steps` engine steps of `batch` sequences at context ~ctx, once every one
-    decodes and `warm` steps later."""
+                   overlap: bool = False, adapters: tuple[str, ...] = ()) -> float:
+    """Mean ms of `steps` engine steps of `batch` sequences at context ~ctx (spread over the LoRA
+    `adapters` round robin), once every one decodes and `warm` steps later."""
     from shared.engine import SamplingParams
 
     g = engine.runner.graphs
@@ -88,7 +95,8 @@ def decode_step_ms(engine, batch: int, ctx: int, steps: int, warm: int = 8, *, g
     # many steps early, and must not reach max_tokens inside the timed window
     stagger = -(-batch * ctx // engine.scheduler.max_batched_tokens)
     params = SamplingParams(temperature=0, max_tokens=warm + steps + 8 + stagger, ignore_eos=True)
-    rids = [engine.add_request(p, params) for p in random_prompts(engine.model_config.vocab_size, [ctx] * batch)]
+    rids = [engine.add_request(p, params, scope=_scope(adapters, i))
+            for i, p in enumerate(random_prompts(engine.model_config.vocab_size, [ctx] * batch))]
     try:
         while any(engine.get(r) is not None and engine.get(r).num_output < 2 for r in rids):
             engine.step()
@@ -125,12 +133,12 @@ def decode_floor_ms(engine, batch: int, ctx: int, copy_gb_s: float) -> tuple[flo
     return gb / copy_gb_s * 1e3, gb
 
 
-def prefill_rate(engine, num_prompts: int, length: int, seed: int = 1) -> dict:
-    """From queueing num_prompts prompts of `length` tokens to their first tokens."""
+def prefill_rate(engine, num_prompts: int, length: int, seed: int = 1, adapters: tuple[str, ...] = ()) -> dict:
+    """From queueing num_prompts prompts of `length` tokens (over the LoRA `adapters`) to their first tokens."""
     prompts = random_prompts(engine.model_config.vocab_size, [length] * num_prompts, seed)
     sync(engine.device)
     t0 = time.perf_counter()
-    generate(engine, prompts, 1)
+    generate(engine, prompts, 1, adapters)
     sync(engine.device)
     sec = time.perf_counter() - t0
     flops = prefill_flops(engine.model_config, length, num_prompts)

@@ -31,6 +31,7 @@ SECTIONS = {  # name: (module:function, what it measures)
     "offline": ("sections:offline", "random requests queued at once: output tokens/s, overlap off and on"),
     "fp8": ("sections:fp8", "FP8 weights, and FP8 weights + FP8 KV, against bf16: decode and prefill"),
     "spec": ("sections:spec", "speculative decoding at batch 1: the accept-all ceiling, greedy tokens equal"),
+    "lora": ("lora:lora", "LoRA adapters in the batch (0, 1, 8 distinct): decode steps and prefill against no LoRA"),
     "tp": ("tp:tp", "TP=2 against TP=1: greedy tokens (MoE: EP=2 too), decode steps (two GPUs)"),
     "stack": ("stacks:stack", "`duet up` stacks under `duet loadtest`: TTFT, TPOT, ITL, tokens/s, the first run"),
     "multiturn": ("stacks:multiturn", "`duet up` stacks under `duet loadtest multiturn`: TTFT by turn, cache"),
@@ -89,6 +90,7 @@ def parser() -> argparse.ArgumentParser:
     a("--steps", type=int, default=32, help="timed decode steps a point")
     a("--prefill-prompts", default="1,4,16")
     a("--prefill-len", type=int, default=2048)
+    a("--lora-rank", type=int, default=16, help="lora: the adapters' rank (every linear adapted)")
     a("--offline-requests", type=int, default=256, help="prompt and output lengths uniform in [ctx/10, ctx]")
     a("--stacks", default="colocated,split",
       help="stack, multiturn: colocated, split, colocated2 (two GPUs), planned (split, the planner on)")

@@ -14,8 +14,8 @@ once CONSUMED they are a running request's (Engine.add_prefilled).
     ORPHANED     its writer left the registry before any notice: no write can land; nobody
                  claims it (claim deadline)
     NOTICED      claimed with the notice in hand: the Generate joins (done) or recomputes
-    QUARANTINED  cancelled, or unclaimed past its capability's lifetime, while a write may
-                 still land: freed by a notice, the writer's leave, an unsent cancel or the
+    QUARANTINED  cancelled, or unclaimed past its capability's lifetime or its lease (its holder
+                 stopped renewing it), while a write may still land: freed by a notice, the writer's leave, an unsent cancel or the
                  quarantine deadline
     CONSUMED     the pages belong to a running request
     FREED        the pages are back in the pool
@@ -51,6 +51,7 @@ class ReservationEvent(Enum):
     CANCEL = "cancel"  # its caller gives up; a write may be in flight
     CANCEL_UNSENT = "cancel_unsent"  # its caller gives up and never gave it to a writer
     DEADLINE = "deadline"  # the state's deadline passed (Reservation.deadline)
+    LEASE_LAPSED = "lease_lapsed"  # unclaimed, and its holder stopped renewing it (Reservation.lease_until)
     CONSUME = "consume"  # the Generate joins the running batch in these pages
 
 
@@ -61,6 +62,9 @@ NOTICE_EVENTS = {"done": E.NOTICE_DONE, "declined": E.NOTICE_DECLINED, "abort": 
 WRITER_WATCH = {(S.RESERVED, False): E.WRITER_GONE, (S.ORPHANED, True): E.WRITER_BACK,
                 (S.QUARANTINED, False): E.WRITER_GONE}
 WATCHED = frozenset(state for state, _ in WRITER_WATCH)
+# unclaimed states: their holder (the gateway) renews a lease on them until a Generate claims
+# them; one it stops renewing is handled like an expired capability
+LEASED = frozenset({S.RESERVED, S.WRITTEN, S.DECLINED, S.ORPHANED})
 
 UNIT = "tests/disagg/test_reservation_lifecycle.py::"
 EVERY_MOVE = UNIT + "test_every_move_leads_where_the_table_says"
@@ -72,6 +76,11 @@ PREFILL_KILLED = WORKERS + "test_prefill_killed_after_reservation"
 EXPIRES = UNIT + "test_an_unclaimed_reservation_is_quarantined_at_its_capabilitys_deadline"
 EXPIRES_E2E = ("tests/disagg/test_reservation_capability.py::"
                "test_an_unclaimed_reservation_is_freed_by_its_deadline_whatever_the_caller_asked")
+LEASE_UNIT = UNIT + "test_a_lapsed_lease_quarantines_or_frees_like_an_expired_capability"
+LEASES = "tests/disagg/test_leases.py::"
+LEASE_RAW = LEASES + "test_a_reservation_nobody_renews_comes_back_within_its_lease_and_its_writer_refuses_it"
+LEASE_GATEWAY = LEASES + "test_a_stopped_gateway_strands_no_decode_pages"
+LEASE_WRITTEN = LEASES + "test_a_written_reservation_nobody_claims_is_freed_when_its_lease_lapses"
 EARLY_ENDS = "tests/e2e/test_e2e_edge.py::test_every_early_end_frees_the_reservation_at_once"
 GATEWAY_KILLED = "tests/disagg/test_failures_pair.py::test_gateway_killed_mid_request_leaves_no_work_on_the_pods"
 GREEDY = "tests/e2e/test_e2e_duet_up.py::test_greedy_answers_equal_the_offline_engine"
@@ -94,6 +103,8 @@ RESERVATION = StateTable("reservation", S.RESERVED, [
     *_moves(S.RESERVED, "unsent-freed-at-once", (EARLY_ENDS,), cancel_unsent=S.FREED),
     # nobody claimed it within its capability's lifetime: its writer stops then too
     *_moves(S.RESERVED, "unclaimed-expires", (EXPIRES, EXPIRES_E2E), deadline=S.QUARANTINED),
+    # its holder stopped renewing it (a gateway that died or stopped): the same, sooner
+    *_moves(S.RESERVED, "lease-lapses-freed", (LEASE_UNIT, LEASE_RAW, LEASE_GATEWAY), lease_lapsed=S.QUARANTINED),
 
     *_moves(S.CLAIMED, "decode-after-notice", (), notice_done=S.NOTICED),
     *_moves(S.CLAIMED, "recompute-on-missing-notice", (), notice_declined=S.NOTICED, notice_abort=S.NOTICED),
@@ -104,15 +115,19 @@ RESERVATION = StateTable("reservation", S.RESERVED, [
     *_moves(S.WRITTEN, "first-token-ends", (FIRST_TOKEN_ENDS,), cancel=S.FREED),
     *_moves(S.WRITTEN, "unsent-freed-at-once", (), cancel_unsent=S.FREED),
     *_moves(S.WRITTEN, "unclaimed-freed", (UNCLAIMED,), deadline=S.FREED),
+    # its holder stopped renewing it and no write can land any more: freed at once
+    *_moves(S.WRITTEN, "lease-lapses-freed", (LEASE_UNIT, LEASE_WRITTEN), lease_lapsed=S.FREED),
 
     *_moves(S.DECLINED, "held-prefix-checked", (HELD_PREFIX,), claim=S.NOTICED),
     *_moves(S.DECLINED, "unclaimed-freed", (), cancel=S.FREED, cancel_unsent=S.FREED, deadline=S.FREED),
+    *_moves(S.DECLINED, "lease-lapses-freed", (LEASE_UNIT,), lease_lapsed=S.FREED),
 
     *_moves(S.ORPHANED, "recompute-on-missing-notice", (), claim=S.CLAIMED),
     *_moves(S.ORPHANED, "no-reuse-while-writing", (), writer_back=S.RESERVED, notice_done=S.WRITTEN,
             notice_declined=S.DECLINED),
     *_moves(S.ORPHANED, "unclaimed-freed", (), notice_abort=S.FREED, cancel=S.FREED, cancel_unsent=S.FREED,
             deadline=S.FREED),
+    *_moves(S.ORPHANED, "lease-lapses-freed", (LEASE_UNIT,), lease_lapsed=S.FREED),
 
     *_moves(S.NOTICED, "decode-after-notice", (GREEDY,), consume=S.CONSUMED),
     # a notice that is not a usable done (aborted, declined, another first token): recompute

@@ -17,13 +17,22 @@ One nobody cancels or claims (its gateway died) is freed once no write can land:
 after an abort notice, `claim_timeout_s` after a done or declined notice or after its
 writer left the registry. One nobody claims within its lifetime (`ttl_s`, whatever its
 caller asked) is quarantined: its writer stops at the same lifetime and says so (abort
-notice), else the quarantine deadline frees it. A notice counts only if it carries the MAC of
+notice), else the quarantine deadline frees it. Until a Generate claims it, a reservation also
+holds a short lease (`lease_s`) its holder renews (`renew`, the RenewLease RPC the gateway sends
+every third of it): one whose lease lapses (its gateway died, stopped or lost the network) is
+handled like an expired capability, sooner: quarantined while a write may land and revoked at
+its writer (`revoke`, services/decode/revoker.py), whose abort notice (MACed, or echoing the
+revoke's token when it never had the secret) ends the quarantine; else its writer's leave or
+the end of its capability's lifetime and the quarantine (the writer, whose RPC may still be
+live, stops posting then at the latest). Freed at once when no write can land (written,
+declined, orphaned). Each lapse is counted. A notice counts only if it carries the MAC of
 the reservation's capability secret (shared/kv_transfer/capability.py); others are ignored
 and counted. Each rule and the test that proves it: docs/ARCHITECTURE.md, "Failure rules"."""
 from __future__ import annotations
 
 import asyncio
 import itertools
+import secrets
 import logging
 import time
 from collections import OrderedDict
@@ -32,6 +41,7 @@ from dataclasses import dataclass, field
 
 from services.decode.reservation_state import (
     CLAIMED_STATES,
+    LEASED,
     NOTICE_EVENTS,
     RESERVATION,
     WATCHED,
@@ -67,8 +77,10 @@ class Reservation:
     secret: bytes = b""  # its capability's secret: the key of every notice's MAC
     expires: float | None = None  # the end of its capability's lifetime (RESERVED's deadline)
     deadline: float | None = None  # when the current state expires (a DEADLINE move); None: never
+    lease_until: float | None = None  # unclaimed past this without a renewal: LEASE_LAPSED; None: no lease
     notice: TransferNotice | None = None  # every rank's notice, combined (WRITTEN, DECLINED, NOTICED)
     rank_notices: dict[int, TransferNotice] = field(default_factory=dict)
+    revoke_token: str = ""  # sent with the revoke after its lease lapsed: the writer's abort echoes it
     waiter: Callable[[], None] | None = None  # wakes the Generate that claimed it (CLAIMED, NOTICED)
     ready_event: object = None  # CUDA event: launched GPU work that may touch the pages has run
 
@@ -104,18 +116,26 @@ class Room:
 class ReservationBook:
     def __init__(self, engine, agent, is_live: Callable[[str], bool], quarantine_s: float = 60.0,
                  metrics=None, claim_timeout_s: float = 30.0, num_ranks: int = 1,
-                 clock: Callable[[], float] = time.monotonic, ttl_s: float = 120.0):
+                 clock: Callable[[], float] = time.monotonic, ttl_s: float = 120.0, lease_s: float = 0.0,
+                 revoke: Callable[[Reservation], None] | None = None):
         """num_ranks: notices a reservation waits for when a notice does not say (its
         num_ranks): every rank of the prefill worker writes its heads and sends its own
         notice here, and a reservation is written (or aborted) only when all of them have.
         clock: this process's monotonic clock (deadlines never cross hosts). ttl_s: the
-        lifetime of a reservation's write capability."""
+        lifetime of a reservation's write capability. lease_s: how long an unclaimed
+        reservation lives without its holder's renewal (0: no lease). revoke(res): tells the
+        writer of a reservation whose lease lapsed to stop (services/decode/revoker.py); it
+        answers with an abort notice, which frees it.
+        agent: what gives the completion notices (a KvTransferAgent, or a NoticeInbox view)."""
         self.engine = engine
         self.agent = agent
         self.is_live = is_live
         self.quarantine_s = quarantine_s
         self.claim_timeout_s = claim_timeout_s
         self.ttl_s = ttl_s
+        self.lease_s = lease_s
+        self.revoke = revoke
+        self._last_tick: float | None = None
         self.metrics = metrics
         self.num_ranks = num_ranks
         self.clock = clock
@@ -142,6 +162,7 @@ class ReservationBook:
                           trail=[(S.RESERVED, now)], group=group or request_id, secret=new_secret(),
                           expires=now + self.ttl_s)
         res.deadline = res.expires
+        res.lease_until = now + self.lease_s if self.lease_s > 0 else None
         kv = eng.reserve(res.key, prompt_tokens, prompt_ids, scope)
         if kv is None:
             return None
@@ -190,6 +211,18 @@ class ReservationBook:
         self._move(res, E.CLAIM)
         return res
 
+    def renew(self, keys: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Its holder keeps these reservations another `lease_s`. Returns the ones it no
+        longer holds a lease on (unknown, freed, claimed, quarantined): it stops renewing them."""
+        now, lost = self.clock(), []
+        for key in keys:
+            res = self.get(*key)
+            if res is None or res.lease_until is None or res.state not in LEASED:
+                lost.append(key)
+            else:
+                res.lease_until = now + self.lease_s
+        return lost
+
     def consume(self, res: Reservation) -> None:
         """The reservation's pages now belong to a running request (engine.add_prefilled);
         only a claimed one with its notice in hand (NOTICED)."""
@@ -222,13 +255,25 @@ class ReservationBook:
         for notice in self.agent.get_notices():
             self._on_rank_notice(notice)
         now = self.clock()
+        self._credit_pause(now)
         for res in list(self.open.values()):
             self._settle(res, now)
         return bool(self.open)
 
+    def _credit_pause(self, now: float) -> None:
+        """A gap between ticks longer than a third of the lease is this process's pause (a
+        stopped process, a long step), not the holders' silence: renewals sent meanwhile are
+        still on their way, so every lease is moved on by the gap."""
+        last, self._last_tick = self._last_tick, now
+        if self.lease_s <= 0 or last is None or now - last <= self.lease_s / 3:
+            return
+        for res in self.open.values():
+            if res.lease_until is not None:
+                res.lease_until += now - last
+
     def _on_rank_notice(self, notice: TransferNotice) -> None:
         res = self.get(notice.reservation_id, notice.generation)
-        if res is None or not notice.signed_by(res.secret):
+        if res is None or not (notice.signed_by(res.secret) or _answers_revoke(res, notice)):
             # unknown (late, for a reservation gone) or not from its capability's holder
             reason = "stale" if res is None else "forged"
             log.log(logging.DEBUG if res is None else logging.WARNING, "%s notice for reservation %s/%s "
@@ -259,6 +304,9 @@ class ReservationBook:
         event = WRITER_WATCH.get((res.state, self.is_live(res.writer_id))) if res.state in WATCHED else None
         if event is not None:
             self._move(res, event, now)
+        if res.lease_until is not None and now >= res.lease_until and res.state in LEASED:
+            self._lease_lapsed(res, now)
+            return
         if res.deadline is not None and now >= res.deadline:
             if res.state is S.RESERVED:
                 log.warning("reservation %d (request %s): its write capability expired unclaimed; its %d pages "
@@ -268,6 +316,23 @@ class ReservationBook:
                 log.warning("reservation %d (request %s) was never claimed; freeing its %d pages",
                             res.reservation_id, res.request_id, len(res.page_ids))
             self._move(res, E.DEADLINE, now)
+
+    def _lease_lapsed(self, res: Reservation, now: float) -> None:
+        held = "quarantined until no write can land" if res.state is S.RESERVED else "freed"
+        log.warning("reservation %d (request %s): its holder stopped renewing its lease (%s, last renewed %.1fs "
+                    "ago); its %d pages are %s", res.reservation_id, res.request_id, res.state.name,
+                    now - res.lease_until + self.lease_s, len(res.page_ids), held)
+        if self.metrics is not None:
+            self.metrics.lease_expiries.labels(kind="reservation").inc()
+        self._move(res, E.LEASE_LAPSED, now)
+        if res.state is S.QUARANTINED and res.expires is not None:
+            # its writer may not know (its RPC may be live): it stops posting only at its
+            # capability's lifetime, so the quarantine outlasts that unless a notice or the
+            # writer's leave says sooner that no write can land
+            res.deadline = max(res.deadline, res.expires + self.quarantine_s)
+            if self.revoke is not None and self.is_live(res.writer_id):  # ask it to stop: its abort ends it
+                res.revoke_token = secrets.token_hex(8)
+                self.revoke(res)
 
     def _move(self, res: Reservation, event: ReservationEvent, now: float | None = None) -> None:
         """Every state change goes through here; the one move into FREED frees the pages."""
@@ -299,6 +364,12 @@ class ReservationBook:
         if new in (S.WRITTEN, S.DECLINED, S.ORPHANED):
             return res.deadline if res.state is S.ORPHANED else now + self.claim_timeout_s
         return None
+
+
+def _answers_revoke(res: Reservation, notice: TransferNotice) -> bool:
+    """An abort from a writer that held no transfer for a revoked reservation (it may never have
+    had the capability's secret): it echoes the revoke's token instead of a MAC."""
+    return bool(res.revoke_token) and notice.kind == "abort" and notice.ack == res.revoke_token
 
 
 def waiter_for(aloop: asyncio.AbstractEventLoop, event: asyncio.Event) -> Callable[[], None]:

@@ -8,9 +8,11 @@ from __future__ import annotations
 from protos import duet_pb2_grpc
 from services.decode.reserve_queue import ReserveQueue
 from services.decode.reservations import ReservationBook
+from services.decode.revoker import Revoker
 from services.decode.service import DecodeService
 from services.worker_runtime.transfer import open_host_agents
 from shared.kv_transfer.capability import CapabilityIssuer
+from shared.kv_transfer.notice import COMPLETIONS
 
 
 def install(host) -> None:
@@ -23,10 +25,13 @@ def install(host) -> None:
 def add_book(host) -> None:
     """The reservations prefill workers write into, settled on the engine loop (needs the agents)."""
     ctx, config = host.ctx, host.config
-    ctx.book = ReservationBook(host.engine, ctx.agent, ctx.is_live,
+    revoker = Revoker(ctx)  # tells a lapsed reservation's writer to stop
+    host.services.append(revoker)
+    ctx.book = ReservationBook(host.engine, ctx.inbox.view(COMPLETIONS), ctx.is_live,
                                quarantine_s=max(2 * config.write_timeout_s, config.notice_timeout_s),
                                metrics=ctx.metrics, claim_timeout_s=config.notice_timeout_s,
-                               num_ranks=config.engine.tp_size, ttl_s=config.reservation_ttl_s)
+                               num_ranks=config.engine.tp_size, ttl_s=config.reservation_ttl_s,
+                               lease_s=config.lease_ttl_s, revoke=revoker)
     ctx.issuer = CapabilityIssuer()  # this instance's key: its public half goes into the registry entry
     ctx.reserve_queue = ReserveQueue(ctx.book, config.engine.max_running_requests, config.reserve_aging_s)
     ctx.loop.add_tick(ctx.book.tick)

@@ -24,6 +24,7 @@ from shared.admission.context_rule import completion_budget
 from shared.admission.kv_demand import check_fits, kv_demand
 from shared.registry.prefix_hashes import chained_page_hashes
 from shared.wire.cache_scope import cache_scope_from_proto
+from shared.wire.lease import renew_reply_to_proto, renew_request_from_proto
 from shared.wire.outputs import Usage, chunk_to_proto, first_token_ids_from_proto, tokens_to_proto
 from shared.wire.reservation import KvReservation, RankPages, reservation_to_proto
 from shared.wire.resume import ResumedPrompt, resumed_from_proto
@@ -84,7 +85,8 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
             num_layers=eng.layout.num_layers, kv_dtype=str(eng.kv_dtype).removeprefix("torch."),
             compat_hash=ctx.compat_hash, held_pages=res.held_pages, held_page_hashes=held_hashes,
             # TP ranks mirror rank 0's page table
-            ranks=[RankPages(rank, agent.name, list(res.page_ids)) for rank, agent in enumerate(ctx.rank_agents)])
+            ranks=[RankPages(rank, agent.name, list(res.page_ids)) for rank, agent in enumerate(ctx.rank_agents)],
+            lease_ttl_ms=int(ctx.book.lease_s * 1000))  # its holder renews it within this (RenewLease)
         # only the writer the caller named may write these pages, for the reservation's lifetime
         answer.capability = ctx.issuer.issue(answer, res.writer_id, int(ctx.book.ttl_s * 1000), res.secret)
         return reservation_to_proto(answer)
@@ -136,6 +138,15 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
             ok = await self.ctx.loop.acall(lambda: book.cancel(request.reservation_id, request.generation,
                                                                unsent=request.prefill_not_sent))
         return duet_pb2.CancelReply(cancelled=ok)
+
+    async def RenewLease(self, request: duet_pb2.RenewLeaseRequest, context):
+        """The caller keeps its unclaimed reservations here another lease; the reply names the
+        ones it no longer holds."""
+        book = self.ctx.book
+        keys = renew_request_from_proto(request)
+        if book is None:
+            return renew_reply_to_proto(keys)
+        return renew_reply_to_proto(await self.ctx.loop.acall(lambda: book.renew(keys)))
 
     # -- streaming ------------------------------------------------------------------------
     async def Generate(self, request: duet_pb2.GenerateRequest, context):

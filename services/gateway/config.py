@@ -39,6 +39,13 @@ class GatewayConfig:
                                 help="served model folder (HF layout); default: the embedded default model")
     served_model_name: str | None = setting(flag="--served-model-name", env="DUET_SERVED_MODEL_NAME",
                                             help="model name clients use; default: the model folder's name")
+    # several base models behind one router (served_model.py): each its own tokenizer, chat
+    # template and context length, read from its folder; requests go to its workers by name
+    extra_models: list[str] = setting(
+        flag="--extra-model", env="DUET_EXTRA_MODELS", repeat=True,
+        help="another base model this gateway serves beside --model, as PATH (served under the folder's name) "
+             "or NAME=PATH, NAME as its workers register it; repeatable. A request names it as `model`; one "
+             "that names none gets --model's. Needs --backend grpc")
     max_model_len: int | None = setting(flag="--max-model-len", env="DUET_MAX_MODEL_LEN", parse=parsers.optional_int,
                                         help="context length; default: the model's config.json")
     reserve_timeout_ms: int = setting(0, flag="--reserve-timeout-ms", env="DUET_RESERVE_TIMEOUT_MS",
@@ -79,8 +86,18 @@ class GatewayConfig:
             raise ValueError("the grpc backend needs --router-address (env DUET_ROUTER_ADDRESS)")
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}")
+        if self.extra_models and self.backend != "grpc":
+            raise ValueError("--extra-model needs --backend grpc (the local engine serves one model)")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
+
+    def extra_model_specs(self) -> list[tuple[str, str]]:
+        """(served name or "" for the folder's name, folder) of each --extra-model."""
+        out = []
+        for item in self.extra_models:
+            name, sep, path = item.partition("=")
+            out.append((name, path) if sep and name and "/" not in name else ("", item))
+        return out
 
     @classmethod
     def parser(cls, env: Mapping[str, str] | None = None):

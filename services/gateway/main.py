@@ -21,6 +21,7 @@ from services.gateway.http_edge.cache_namespace import CacheNamespaces
 from services.gateway.http_edge.metrics import GatewayMetrics
 from services.gateway.openai_api.endpoints import GatewayContext
 from services.gateway.openai_api.prompt_builder import PromptBuilder
+from services.gateway.openai_api.served_model import ModelFiles
 from shared.telemetry.logs import setup_logging
 
 log = logging.getLogger("duet.gateway")
@@ -49,7 +50,7 @@ def context_length(config: GatewayConfig, model_dir: Path) -> int:
 
 
 def build_backend(config: GatewayConfig, model_dir: Path, served_name: str, max_context: int,
-                  metrics: GatewayMetrics) -> GenerationBackend:
+                  metrics: GatewayMetrics, extra_models: list[str] | None = None) -> GenerationBackend:
     if config.backend == "local":
         from services.gateway.backends.local_engine import LocalBackend
 
@@ -64,9 +65,21 @@ def build_backend(config: GatewayConfig, model_dir: Path, served_name: str, max_
 
     return GrpcBackend(GrpcBackendConfig(
         router_address=config.router_address, redis_url=config.redis_url, model=served_name,
-        max_context_len=max_context, reserve_timeout_ms=config.reserve_timeout_ms,
+        extra_models=list(extra_models or []), max_context_len=max_context, reserve_timeout_ms=config.reserve_timeout_ms,
         rpc_timeout_s=config.rpc_timeout_s, route_timeout_s=config.route_timeout_s, tls=config.security.grpc_tls,
         redis=config.security.redis, migration=config.migration), MigrationMetrics(metrics.registry))
+
+
+def extra_model_files(config: GatewayConfig) -> list[ModelFiles]:
+    """Each --extra-model's name, tokenizer and context length, read from its folder."""
+    out = []
+    for name, path in config.extra_model_specs():
+        model_dir = Path(path)
+        if not (model_dir / "config.json").is_file():
+            raise ValueError(f"--extra-model {path}: no config.json there (an HF model folder)")
+        out.append(ModelFiles(name or model_dir.name, PromptBuilder.from_model_dir(model_dir),
+                              context_length(config, model_dir)))
+    return out
 
 
 def build_context(config: GatewayConfig) -> GatewayContext:
@@ -76,14 +89,15 @@ def build_context(config: GatewayConfig) -> GatewayContext:
     served_name = config.served_model_name or model_dir.name
     max_context = context_length(config, model_dir)
     prompts = PromptBuilder.from_model_dir(model_dir)
+    extras = extra_model_files(config)
     metrics = GatewayMetrics()
-    backend = build_backend(config, model_dir, served_name, max_context, metrics)
+    backend = build_backend(config, model_dir, served_name, max_context, metrics, [m.name for m in extras])
     namespaces = CacheNamespaces.configured(config.security.cache_namespace_key_file,
                                             config.security.shared_cache_salts)
     return GatewayContext(backend, prompts, metrics, served_name, max_context,
                           tool_call_parser=config.tool_call_parser, limits=config.limits,
                           template=config.template, grammar=config.grammar, cache_namespaces=namespaces,
-                          lora_loading=config.enable_lora_loading)
+                          lora_loading=config.enable_lora_loading, extra_models=extras)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     metrics_server = (start_metrics_server(ctx.metrics.registry, security.metrics_port, config.host)
                       if security.metrics_port else None)
     log.info("serving %s (context %d tokens) on %s://%s:%d with the %s backend; %s; gRPC %s; metrics on %s",
-             ctx.served_model_name, ctx.max_context_len, "https" if security.https else "http", config.host,
+             ", ".join(ctx.models), ctx.max_context_len, "https" if security.https else "http", config.host,
              config.port, config.backend, f"{keys.count} API keys" if keys else "no API keys (open)",
              security.grpc_tls.describe("client"), f"port {security.metrics_port}" if metrics_server else "the API port")
     try:

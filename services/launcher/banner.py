@@ -25,15 +25,22 @@ def _security_lines(stack) -> tuple[str, str]:
                         f"may call only what its role needs")
 
 
+def _models_line(model_dirs: list[str]) -> str:
+    if len(model_dirs) == 1:
+        return f"  model   {model_dirs[0]}\n"
+    return f"  models  {model_dirs[0]} (default), {', '.join(model_dirs[1:])}\n"
+
+
 def _planner_line(stack) -> str:
     cfg = stack.cfg
     if not cfg.switchable:
         return "  planner off: every worker keeps its role\n"
     return (f"  planner on: switches the workers' roles as the load asks (metrics {cfg.host}:"
-            f"{stack.planner_metrics_port}, log planner.log)\n")
+            f"{stack.planner_metrics_port}, log planner.log" + (", one per model" if len(cfg.models) > 1 else "")
+            + ")\n")
 
 
-def print_banner(stack, model_dir: str, base: str) -> None:
+def print_banner(stack, model_dirs: list[str], base: str) -> None:
     """What `duet up` says once the gateway is healthy (stack: main.Stack)."""
     cfg = stack.cfg
     workers = [c.name + (f" (GPU {c.env['CUDA_VISIBLE_DEVICES']})" if "CUDA_VISIBLE_DEVICES" in c.env else "")
@@ -44,7 +51,7 @@ def print_banner(stack, model_dir: str, base: str) -> None:
     warning = f"{INSECURE_WARNING}.\n" if cfg.insecure else ""
     print(f"\nDuet is up. OpenAI API: {base}/v1   (health {base}/health, metrics {base}/metrics)\n"
           f"{warning}"
-          f"  model   {model_dir}\n"
+          f"{_models_line(model_dirs)}"
           f"  router  {cfg.host}:{stack.router_port}\n"
           f"  workers {', '.join(workers)}\n"
           f"{_planner_line(stack)}"

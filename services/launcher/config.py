@@ -32,7 +32,13 @@ class UpConfig:
     slo: ItlTarget = nested(ItlTarget)
     redis_url: str | None = setting(flag="--redis-url", env="DUET_REDIS_URL",
                                     help="use this Redis instead of starting one")
-    model: str | None = setting(flag="--model", env="DUET_MODEL", help="HF model folder (default: embedded SmolLM2-135M)")
+    # several models: one pool each (the counts above apply per model) behind one router and gateway
+    models: list[str] = setting(
+        flag="--model", env="DUET_MODEL", repeat=True, parse=parsers.one_item,
+        help="HF model folder (default: embedded SmolLM2-135M); repeatable: each model gets its own workers "
+             "(--prefill/--decode/--both apply per model, and with the planner on a planner of its own), all "
+             "behind one router and gateway, served under the folder's name; the first is the default model. "
+             "DUET_MODEL counts as the first --model")
     # per worker, as given (passed on); default 512M on CPU, planned on GPU (gpus.py)
     kv_cache_memory: str | None = setting(
         flag="--kv-cache-memory", env="DUET_KV_CACHE_MEMORY", parse=parsers.size_text,
@@ -89,8 +95,12 @@ class UpConfig:
              "folder; give them slots with `-- --max-loras N`)")
 
     @property
-    def num_workers(self) -> int:
+    def workers_per_model(self) -> int:
         return self.prefill + self.decode + self.both
+
+    @property
+    def num_workers(self) -> int:
+        return self.workers_per_model * max(1, len(self.models))
 
     @classmethod
     def from_argv(cls, argv: Sequence[str] | None, env: Mapping[str, str] | None = None) -> "UpConfig":
@@ -114,6 +124,9 @@ class UpConfig:
         if cfg.restart_limit < 0 or cfg.restart_backoff_s < 0 or cfg.restart_reset_s < 0 or cfg.drain_grace_s < 0:
             p.error("--restart-limit, --restart-backoff, --restart-reset and --drain-grace must be >= 0")
         cfg.worker_args = [x for x in a.worker_args if x != "--"]
+        if len(cfg.models) > 1 and any(x == "--served-model-name" or x.startswith("--served-model-name=")
+                                       for x in cfg.worker_args):
+            p.error("with several --model, each is served under its folder's name: drop --served-model-name")
         return cfg
 
     @property
@@ -121,15 +134,16 @@ class UpConfig:
         """Workers started able to take any role (the planner moves them)."""
         return self.planner == "on"
 
-    def worker_names(self) -> list[tuple[str, str]]:
-        """(role, name) of every worker duet up starts: prefill-0.., decode-0.., both-0..; with
-        the planner on, worker-0.. in those roles (its role changes, its name stays); the name is
-        its registry id."""
+    def worker_names(self, model_index: int = 0) -> list[tuple[str, str]]:
+        """(role, name) of every worker duet up starts for one model: prefill-0.., decode-0..,
+        both-0..; with the planner on, worker-0.. in those roles (its role changes, its name
+        stays); the name is its registry id. The second model's names start `m1-`, and so on."""
         roles = [role for role, count in (("prefill", self.prefill), ("decode", self.decode), ("both", self.both))
                  for _ in range(count)]
+        prefix = f"m{model_index}-" if model_index else ""
         if self.switchable:
-            return [(role, f"worker-{i}") for i, role in enumerate(roles)]
-        return [(role, f"{role}-{roles[:i].count(role)}") for i, role in enumerate(roles)]
+            return [(role, f"{prefix}worker-{i}") for i, role in enumerate(roles)]
+        return [(role, f"{prefix}{role}-{roles[:i].count(role)}") for i, role in enumerate(roles)]
 
     def role_tp(self, role: str, default: int) -> int:
         return {"prefill": self.prefill_tp, "decode": self.decode_tp}.get(role) or default

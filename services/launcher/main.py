@@ -73,20 +73,25 @@ class Stack:
         child.start()
         self.redis_url = wait_ready(child, host, port)
 
-    def plan(self, model_dir: str) -> None:
+    def plan(self, model_dirs: list[str]) -> None:
+        """Every child's command line: one pool of workers per model (model_dirs, the default
+        model first), one router and one gateway for all, and with the planner on a planner per
+        model (each switches roles within its own model's pool only)."""
         cfg, host = self.cfg, self.cfg.host
         flags = WorkerFlags.parse(cfg.worker_args)
         gpus = [] if flags.device.startswith("cpu") else visible_gpus()
-        roles = cfg.worker_names()
+        pools = [(model_dir, role, name) for i, model_dir in enumerate(model_dirs)
+                 for role, name in cfg.worker_names(i)]
+        roles = [(role, name) for _, role, name in pools]
         tps = [cfg.role_tp(role, flags.tp) for role, _ in roles]
-        self.placements = place_workers(cfg.num_workers, flags, gpus, explicit_kv=cfg.kv_cache_memory,
+        self.placements = place_workers(len(pools), flags, gpus, explicit_kv=cfg.kv_cache_memory,
                                         card_bytes=gpu_memory_bytes() if gpus else 0,
-                                        model_bytes=weight_bytes(model_dir) if gpus else 0, tps=tps,
+                                        model_bytes=max(map(weight_bytes, model_dirs)) if gpus else 0, tps=tps,
                                         # a switchable worker may decode: it weighs as `both`
                                         roles=["both" if cfg.switchable else role for role, _ in roles],
                                         host_bytes=host_available_bytes() if gpus else 0)
         cores = os.cpu_count() or 1
-        threads = cfg.threads or max(1, cores // max(1, cfg.num_workers))
+        threads = cfg.threads or max(1, cores // max(1, len(pools)))
         self.router_port = free_port(host)
         common = ["--redis-url", self.redis_url]
         itl = ["--slo-itl-ms", f"{cfg.slo.itl_ms:g}"] if cfg.slo.itl_ms else []  # router, workers, planner
@@ -95,7 +100,7 @@ class Stack:
             "router", "--host", host, "--port", str(self.router_port), "--metrics-port", str(free_port(host)),
             *common, *itl, *secure.grpc_args("router")), self.log_dir / "router.log", kind="router",
             env={**thread_env(1), **secure_env}))
-        for (role, name), place, tp in zip(roles, self.placements, tps):
+        for (model_dir, role, name), place, tp in zip(pools, self.placements, tps):
             kv = ["--kv-cache-memory", place.kv_cache_memory] if place.kv_cache_memory else []
             if place.kv_host_memory:
                 kv += ["--kv-host-memory", place.kv_host_memory]
@@ -110,19 +115,22 @@ class Stack:
                                        env={**thread_env(threads), **place.env(), **secure_env}))
         gw_args, gw_env = gateway_security(cfg, self.secrets)
         if cfg.switchable:
-            gw_args += self.add_planner(common, itl)
+            gw_args += self.add_planners(common, itl, [Path(d).name for d in model_dirs])
         helpers = cfg.chat_template_processes or template_helpers(cores)
+        extra_models = [arg for d in model_dirs[1:] for arg in ("--extra-model", d)]
         self.children.append(Child("gateway", duet_command(
             "gateway", "--host", host, "--port", str(cfg.port), "--router-address", f"{host}:{self.router_port}",
-            "--model", model_dir, "--drain-grace", str(self.drain.gateway_grace_s),
+            "--model", model_dirs[0], *extra_models, "--drain-grace", str(self.drain.gateway_grace_s),
             "--chat-template-processes", str(helpers), *common, *secure.grpc_args("gateway"), *gw_args,
             *(["--enable-lora-loading"] if cfg.enable_lora_loading else [])),
             self.log_dir / "gateway.log", kind="gateway", env={**thread_env(1), **gw_env, **secure_env}))
         self.threads = threads
 
-    def add_planner(self, common: list[str], itl: list[str]) -> list[str]:
+    def add_planners(self, common: list[str], itl: list[str], names: list[str]) -> list[str]:
         """The planner child, reading the gateway's /metrics: on its API port, or, when that port
-        serves HTTPS, on a plain port of its own (the extra gateway flags returned)."""
+        serves HTTPS, on a plain port of its own (the extra gateway flags returned). Several
+        models: a planner each (`planner`, `planner-m1`, ...), each given its model's name, so it
+        reads that model's workers and gateway figures and switches roles within that pool only."""
         cfg, host = self.cfg, self.cfg.host
         dial = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
         gw_args: list[str] = []
@@ -133,11 +141,16 @@ class Stack:
         else:
             gateway_metrics = f"http://{dial}:{cfg.port}/metrics"
         ttft = ["--slo-ttft-ms", f"{cfg.ttft.ttft_ms:g}"] if cfg.ttft.ttft_ms else []
-        self.planner_metrics_port = free_port(host)
-        self.children.append(Child("planner", duet_command(
-            "planner", "--host", host, "--metrics-port", str(self.planner_metrics_port),
-            "--gateway-metrics", gateway_metrics, *common, *itl, *ttft, *self.secure.grpc_args("planner")),
-            self.log_dir / "planner.log", kind="planner", env={**thread_env(1), **self.secure.child_env()}))
+        for i, name in enumerate(names):
+            child = f"planner-m{i}" if i else "planner"
+            port = free_port(host)
+            if not i:
+                self.planner_metrics_port = port
+            model = ["--model", name] if len(names) > 1 else []  # one model: every worker is its
+            self.children.append(Child(child, duet_command(
+                "planner", "--host", host, "--metrics-port", str(port), *model,
+                "--gateway-metrics", gateway_metrics, *common, *itl, *ttft, *self.secure.grpc_args("planner")),
+                self.log_dir / f"{child}.log", kind="planner", env={**thread_env(1), **self.secure.child_env()}))
         return gw_args
 
     def start(self) -> None:
@@ -161,9 +174,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from shared.model_files.default_model import resolve_model_dir
     try:
-        model_dir = str(resolve_model_dir(cfg.model))  # converts the default model once, with progress
+        # converts the default model once, with progress
+        model_dirs = [str(resolve_model_dir(m)) for m in cfg.models or [None]]
     except (FileNotFoundError, ValueError) as exc:
         say(str(exc))
+        return 2
+    names = [Path(d).name for d in model_dirs]
+    if len(set(names)) < len(names):
+        say(f"two --model folders have the same name ({', '.join(names)}): each model is served under its "
+            "folder's name, so give them folders of different names")
         return 2
     log_dir = Path(cfg.log_dir) if cfg.log_dir else Path(tempfile.mkdtemp(prefix="duet-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -175,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Restored on return: `duet up` called in-process (tests, scripts) must not leave its handlers behind.
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return _serve(stack, model_dir, stopping)
+        return _serve(stack, model_dirs, stopping)
     finally:
         try:
             started = time.monotonic()
@@ -190,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 signal.signal(sig, handler)
 
 
-def _serve(stack: Stack, model_dir: str, stopping: dict) -> int:
+def _serve(stack: Stack, model_dirs: list[str], stopping: dict) -> int:
     try:
         if stack.cfg.insecure:
             say(INSECURE_WARNING)
@@ -198,7 +217,7 @@ def _serve(stack: Stack, model_dir: str, stopping: dict) -> int:
             stack.make_secure()
         if stack.redis_url is None:
             stack.start_redis()
-        stack.plan(model_dir)
+        stack.plan(model_dirs)
     except FileNotFoundError as exc:  # no redis-server on PATH
         say(str(exc))
         return 2
@@ -216,7 +235,7 @@ def _serve(stack: Stack, model_dir: str, stopping: dict) -> int:
     supervisor = Supervisor(stack.children, RestartPolicy(cfg.restart_limit, cfg.restart_backoff_s,
                                                           cfg.restart_reset_s), say)
     base = f"{cfg.scheme}://{cfg.host}:{cfg.port}"
-    log.info("starting %d %sworkers (%d prefill, %d decode, %d both%s; %d threads each), logs in %s",
+    log.info("starting %d %sworkers (%d prefill, %d decode, %d both per model%s; %d threads each), logs in %s",
              cfg.num_workers, "switchable " if cfg.switchable else "", cfg.prefill, cfg.decode, cfg.both,
              " to start with; the planner moves them" if cfg.switchable else "", stack.threads, stack.log_dir)
     deadline = time.monotonic() + cfg.health_timeout_s
@@ -230,7 +249,7 @@ def _serve(stack: Stack, model_dir: str, stopping: dict) -> int:
             say(f"the gateway did not become healthy in {cfg.health_timeout_s:.0f}s; logs in {stack.log_dir}")
             return 1
         time.sleep(0.25)
-    print_banner(stack, model_dir, base)
+    print_banner(stack, model_dirs, base)
     while stopping["sig"] is None:
         if supervisor.tick() is not None:
             return _gave_up()

@@ -115,7 +115,8 @@ def make_secure(cfg: UpConfig, vault: SecretsDir, *, own_redis: bool) -> SecureS
     from services.launcher.throwaway_pki import make_certificates
     # a switchable worker's certificate names the role `worker`: it may advertise any worker role
     identities = {"router": Identity("router"), "gateway": Identity("gateway"),
-                  **{name: Identity("worker" if cfg.switchable else role, name) for role, name in cfg.worker_names()}}
+                  **{name: Identity("worker" if cfg.switchable else role, name)
+                     for i in range(max(1, len(cfg.models))) for role, name in cfg.worker_names(i)}}
     if cfg.switchable:
         identities["planner"] = Identity("planner")  # the only caller of the workers' SetRole
     certs = make_certificates(vault.folder(), identities)

@@ -21,8 +21,8 @@ from services.launcher.children import Child
 # grace): its gRPC server takes up to 1 s to cancel them, the gateway then writes an error
 # event to each stream
 WORKER_HEAD_START_S = 3.0
-# after its drain a process still has to exit: a worker spends seconds in interpreter teardown
-# (torch and friends) on a busy 2-core machine
+# after its drain a process still has to exit: its exit handlers (a TP worker waits for its
+# ranks), and the interpreter's teardown when a command does not skip it (shared/process_exit.py)
 KILL_AFTER_S = 10.0
 
 

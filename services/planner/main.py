@@ -61,7 +61,7 @@ class Planner:
 
     async def read(self, workers: list[WorkerInfo]) -> Reading:
         gateways, figures = await asyncio.gather(
-            read_gateways(self.config.gateway_metrics),
+            read_gateways(self.config.gateway_metrics, self.config.model),
             read_workers({f"{w.worker_id}/{w.instance_nonce}": w.metrics_address for w in workers
                           if w.metrics_address}))
         return Reading(time.monotonic(), gateways, figures, tuple(workers))

@@ -34,11 +34,13 @@ def parse_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
     return out
 
 
-def gateway_figures(text: str) -> dict[str, float]:
+def gateway_figures(text: str, model: str = "") -> dict[str, float]:
+    """The gateway's figures, of one base model's requests when `model` is given (the series'
+    `model` label: a gateway may serve several models, each with a pool of its own)."""
     totals = dict.fromkeys(GATEWAY_SERIES.values(), 0.0)
-    for name, _, value in parse_samples(text):
+    for name, labels, value in parse_samples(text):
         key = GATEWAY_SERIES.get(name)
-        if key is not None:
+        if key is not None and (not model or labels.get("model", model) == model):
             totals[key] += value
     return totals
 
@@ -86,10 +88,10 @@ async def _read_all(urls: dict[str, str], figures) -> dict[str, dict[str, float]
     return out
 
 
-async def read_gateways(urls: list[str]) -> dict[str, dict[str, float]]:
-    """gateway URL -> figures, for every gateway that answered."""
+async def read_gateways(urls: list[str], model: str = "") -> dict[str, dict[str, float]]:
+    """gateway URL -> figures (of `model`'s requests when given), for every gateway that answered."""
     targets = [u for url in urls for u in await asyncio.to_thread(expand, url)]
-    return await _read_all({u: u for u in targets}, gateway_figures)
+    return await _read_all({u: u for u in targets}, lambda page: gateway_figures(page, model))
 
 
 async def read_workers(addresses: dict[str, str]) -> dict[str, dict[str, float]]:

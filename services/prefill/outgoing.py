@@ -9,7 +9,14 @@ the notice says declined, so decode recomputes: a bad hint costs work, never a w
 When every write has landed the request's pages are released into the prefix cache and the
 RPC gets its answer. A failed write or a cancel releases the pages and tells decode (abort
 notice) once nothing is in flight; so does the end of the write capability's lifetime while
-pages are still to write (decode has quarantined the reservation by then). Every notice is
+pages are still to write (decode has quarantined the reservation by then), and the end of
+the transfer's lease: renewed while the decode instance it writes to is in the registry or a
+write landed since the last tick, it lapses `lease_s` after decode left and went silent (a
+dead or partitioned decode worker), and the transfer is cancelled the same way (counted).
+The pages are released only once no write is in flight (each lands, fails, or passes the write
+timeout). Decode revokes a reservation whose own lease lapsed (services/decode/revoker.py): a
+transfer into it is cancelled the same way; with none, the reservation is refused from then on
+(`start` raises) and decode gets its abort at once, echoing the revoke's token. Every notice is
 MACed with the capability's secret. Each handoff is in one state of the lifecycle in
 outgoing_state.py; every change goes through `_move`, which refuses what the table forbids.
 
@@ -22,9 +29,11 @@ import concurrent.futures
 import logging
 import threading
 import time
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.prefill.outgoing_state import OUTGOING, WRITING, OutgoingEvent, OutgoingState
+from services.prefill.outgoing_state import LEASED, OUTGOING, WRITING, OutgoingEvent, OutgoingState
 from shared.engine.cache_scope import DEFAULT_SCOPE, CacheScope
 from shared.engine.outputs import StepOutput
 from shared.engine.request import ReqStatus
@@ -33,6 +42,8 @@ from shared.kv_transfer.notice import TransferNotice
 from shared.kv_transfer.write_stream import PageWriteStream
 
 log = logging.getLogger("duet.prefill")
+
+REVOKED_KEPT = 4096  # revoked reservations a later start() is refused for
 
 
 @dataclass
@@ -57,6 +68,9 @@ class Outgoing:
     held_pages: int = 0  # leading prompt pages decode holds: never written
     secret: bytes = b""  # the write capability's secret: every notice's MAC key
     deadline: float = float("inf")  # monotonic end of the capability's lifetime: no page is posted after it
+    decode: tuple[str, str] = ("", "")  # the decode instance written to: (registry id, instance nonce)
+    lease_until: float = float("inf")  # renewed while decode is live or writes land (OutgoingTransfers)
+    bytes_seen: int = 0  # bytes landed at the last renewal
     write_nothing: bool = False  # the held prefix did not match the prompt: decode recomputes
     pages_sent: int = 0  # prompt pages written (or skipped as held), from the first
     first: StepOutput | None = None  # the first token (TAIL on)
@@ -77,10 +91,20 @@ S, E = OutgoingState, OutgoingEvent
 class OutgoingTransfers:
     """Owned by the engine-loop thread (every method runs there but stop_writing)."""
 
-    def __init__(self, engine, metrics=None, followers=None):
+    def __init__(self, engine, metrics=None, followers=None, is_live: Callable[[str, str], bool] | None = None,
+                 lease_s: float = 0.0, revocations=None, agent=None):
         """followers: FollowerStreams of a tensor-parallel worker (its streams are
-        TpWriteStreams); one flush per tick sends the followers their share."""
+        TpWriteStreams); one flush per tick sends the followers their share. is_live(worker
+        id, nonce): the decode instance is in the registry; lease_s: how long a transfer goes on
+        while it is not and no write lands (0, or no is_live: no lease). revocations: what gives
+        decode's revoke notices (a NoticeInbox view); agent: where the answers go out from."""
         self.engine = engine
+        self.is_live = is_live
+        self.lease_s = lease_s
+        self.revocations = revocations
+        self.agent = agent
+        # (decode id, instance nonce, reservation id, generation) of revoked reservations
+        self.revoked: OrderedDict[tuple[str, str, int, int], None] = OrderedDict()
         self.metrics = metrics
         self.followers = followers
         self.page_size = engine.layout.page_size
@@ -91,14 +115,18 @@ class OutgoingTransfers:
               reservation_id: int, generation: int, held_pages: int = 0,
               write_nothing: bool = False, scope: CacheScope = DEFAULT_SCOPE, secret: bytes = b"",
               deadline: float = float("inf"), request_group: str = "",
-              output_prefix: list[int] = ()) -> concurrent.futures.Future:
+              output_prefix: list[int] = (), decode: tuple[str, str] = ("", "")) -> concurrent.futures.Future:
         """held_pages: the reservation's leading pages decode already holds; the stream's
         pages are the ones after them. write_nothing: their hashes did not match. scope: the
         prefix-cache namespace and tenant of the request on this worker. secret, deadline: the
         reservation's write capability (notice MAC key; end of its lifetime on this process's
         monotonic clock). request_group: the client request it came from (the engine's fair
         turns). output_prefix: a migrated stream's completion tokens so far: their KV is written
-        after the prompt's."""
+        after the prompt's. decode: the (worker id, instance nonce) written to, whose liveness
+        renews the transfer's lease."""
+        if (*decode, reservation_id, generation) in self.revoked:
+            raise TransferError(f"decode worker {decode[0]} revoked reservation {reservation_id}/{generation} "
+                                "(its lease lapsed)")
         kv_tokens = len(prompt_ids) + len(output_prefix)
         if (held_pages + len(stream.dst_page_ids)) * self.page_size < kv_tokens:
             raise ValueError(f"reservation has {held_pages} held + {len(stream.dst_page_ids)} pages; the "
@@ -106,10 +134,11 @@ class OutgoingTransfers:
         self.engine.add_request(prompt_ids, params, rid=rid, prefill_only=True, scope=scope,
                                 output_prefix=list(output_prefix) or None, request_group=request_group)
         fut: concurrent.futures.Future = concurrent.futures.Future()
+        now = time.monotonic()
         self.active[rid] = Outgoing(rid, stream, reservation_id, generation, kv_tokens, fut,
-                                    trail=[(S.PREFILLING, time.monotonic())], held_pages=held_pages,
+                                    trail=[(S.PREFILLING, now)], held_pages=held_pages,
                                     write_nothing=write_nothing, pages_sent=held_pages, secret=secret,
-                                    deadline=deadline)
+                                    deadline=deadline, decode=decode, lease_until=now + self.lease_s)
         return fut
 
     def cancel(self, rid: str) -> None:
@@ -157,6 +186,9 @@ class OutgoingTransfers:
 
     def _tick(self) -> bool:
         self.engine.poll_kv_ready()
+        if self.revocations is not None:
+            for notice in self.revocations.get_notices():
+                self._on_revoke(notice)
         for rid in list(self.active):
             self._advance(self.active[rid])
         if self.followers is not None and self.followers.flush():
@@ -170,11 +202,13 @@ class OutgoingTransfers:
             out.error = "the request ended before its first token"
             self._move(out, E.ENDED)
             out.stream.abort(self._notice(out, "abort"))
+        if out.state in LEASED and self._lease_lapsed(out):
+            if self.metrics is not None:
+                self.metrics.lease_expiries.labels(kind="transfer").inc()
+            self._give_up(out, E.LEASE_LAPSED, f"decode worker {out.decode[0]} left the registry and took no "
+                                               f"write for {self.lease_s:g}s: the transfer's lease lapsed")
         if out.state in WRITING and time.monotonic() >= out.deadline:
-            out.error = "the reservation's write capability expired before its pages were written"
-            self._move(out, E.EXPIRE)
-            self.engine.abort(out.rid)
-            out.stream.abort(self._notice(out, "abort"))
+            self._give_up(out, E.EXPIRE, "the reservation's write capability expired before its pages were written")
         if out.state in WRITING and out.stream.state not in (DONE, FAILED) and req is not None:
             held = req.status is ReqStatus.HELD
             # only pages the device has finished (a launched chunk may still be running), and
@@ -197,6 +231,54 @@ class OutgoingTransfers:
                     self._move(out, E.FINISH)
                     out.stream.finish(self._notice(out, "done"))
         self._settle(out)
+
+    def _on_revoke(self, notice: TransferNotice) -> None:
+        """Decode's revoke (its reservation's lease lapsed): cancel a transfer into it; with
+        none, refuse it from now on and answer with an abort echoing the revoke's token."""
+        key = (notice.reply_to, notice.reply_nonce, notice.reservation_id, notice.generation)
+        out = next((o for o in self.active.values() if (*o.decode, o.reservation_id, o.generation) == key), None)
+        if out is not None:
+            if not notice.signed_by(out.secret):
+                log.warning("ignored a revoke of reservation %d/%d without its capability's MAC",
+                            notice.reservation_id, notice.generation)
+            elif out.state in LEASED:
+                self._give_up(out, E.LEASE_LAPSED,
+                              f"decode worker {notice.reply_to} revoked the reservation (its lease lapsed)")
+            return
+        self.revoked[key] = None
+        while len(self.revoked) > REVOKED_KEPT:
+            self.revoked.popitem(last=False)
+        peer = self.agent.peer(notice.reply_to) if self.agent is not None else None
+        if peer is None:
+            log.info("revoke of reservation %d/%d from %s: no transfer, and no peer to answer", notice.reservation_id,
+                     notice.generation, notice.reply_to)
+            return
+        answer = TransferNotice(reservation_id=notice.reservation_id, generation=notice.generation, rank=0,
+                                request_id=notice.request_id, kind="abort", num_ranks=1, ack=notice.ack)
+        try:
+            self.agent.send_notif(peer, answer.encode())
+        except TransferError as exc:
+            log.info("could not answer decode %s's revoke: %s", notice.reply_to, exc)
+
+    def _give_up(self, out: Outgoing, event: OutgoingEvent, why: str) -> None:
+        """Stop computing and posting pages; the abort notice follows the writes in flight."""
+        out.error = why
+        if event is E.LEASE_LAPSED:
+            log.warning("request %s: %s; cancelling the transfer", out.rid, why)
+        self._move(out, event)
+        self.engine.abort(out.rid)
+        out.stream.abort(self._notice(out, "abort"))
+
+    def _lease_lapsed(self, out: Outgoing) -> bool:
+        """Renew out's lease while its decode instance is live or a write landed since the
+        last look; True once it lapsed."""
+        if self.is_live is None or self.lease_s <= 0:
+            return False
+        now, landed = time.monotonic(), out.stream.bytes_sent
+        if landed > out.bytes_seen or self.is_live(*out.decode):
+            out.lease_until, out.bytes_seen = now + self.lease_s, landed
+            return False
+        return now >= out.lease_until
 
     def _settle(self, out: Outgoing) -> None:
         state = out.stream.poll()

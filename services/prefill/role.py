@@ -8,6 +8,7 @@ from services.prefill.outgoing import OutgoingTransfers
 from services.prefill.peer_warmup import PeerWarmup
 from services.prefill.service import PrefillService
 from services.worker_runtime.transfer import open_host_agents
+from shared.kv_transfer.notice import REVOCATIONS
 from shared.kv_transfer.tp_write_stream import FollowerStreams
 
 
@@ -22,7 +23,9 @@ def add_outgoing(host) -> None:
     """The KV writes into decode reservations, on the engine loop (needs the agents), and the
     warm-up of decode peers as they join."""
     ctx, engine, tp = host.ctx, host.engine, host.config.engine.tp_size
-    ctx.outgoing = OutgoingTransfers(engine, ctx.metrics, followers=FollowerStreams(engine, tp - 1) if tp > 1 else None)
+    ctx.outgoing = OutgoingTransfers(engine, ctx.metrics, followers=FollowerStreams(engine, tp - 1) if tp > 1 else None,
+                                     is_live=ctx.is_live, lease_s=host.config.lease_ttl_s,
+                                     revocations=ctx.inbox.view(REVOCATIONS), agent=ctx.agent)
     ctx.loop.add_tick(ctx.outgoing.tick)
     ctx.loop.on_step.append(ctx.outgoing.on_step)
     host.busy.append(lambda: bool(ctx.outgoing.active))

@@ -119,13 +119,17 @@ class PrefillService(duet_pb2_grpc.PrefillServicer):
                     fut = ctx.outgoing.start(rid, resumed.prompt, params, stream, res.reservation_id,
                                              res.generation, held_pages=held, write_nothing=mismatch, scope=scope,
                                              secret=res.capability.secret, deadline=handoff.deadline,
-                                             request_group=request.request_group, output_prefix=resumed.streamed)
+                                             request_group=request.request_group, output_prefix=resumed.streamed,
+                                             decode=(res.decode_worker_id, res.decode_instance_nonce))
                     handoff.started = True  # from here OutgoingTransfers tells decode how it ended
                     return fut
             try:
                 fut = await ctx.loop.acall(start)
             except ValueError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except TransferError as exc:  # decode revoked the reservation: another decode worker may serve it
+                ctx.metrics.request_finished("Prefill", grpc.StatusCode.UNAVAILABLE)
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc), trailing_metadata=DECODE_FAULT)
             try:
                 result = await asyncio.wrap_future(fut)  # cancelled (the caller left): _abandon stops it
             except TransferError as exc:

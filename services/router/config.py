@@ -57,7 +57,8 @@ class RouterConfig:
     port: int = setting(50050, flag="--port", env="DUET_ROUTER_PORT", help="gRPC port")
     metrics_port: int = setting(9101, flag="--metrics-port", env="DUET_METRICS_PORT", help="HTTP /metrics port, 0 = off")
     model: str = setting("", flag="--model", env="DUET_SERVED_MODEL_NAME",
-                         help="served model name (as workers register it) for requests that name none; empty = any")
+                         help="served model name (as workers register it) for requests that name none; empty = any. "
+                              "Requests that name a model go to that model's workers only")
     registry: RegistryConfig = nested(RegistryConfig)
     tls: GrpcTlsConfig = nested(GrpcTlsConfig, "gRPC TLS (between gateway, router and workers)")
     weights: RoutingWeights = nested(RoutingWeights)

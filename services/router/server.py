@@ -26,7 +26,9 @@ class RouterServer:
         self.metrics = metrics or DuetMetrics("router")
         # mutual TLS: route only to entries whose worker proved its identity (entry_trust.py)
         self.trust = EntryTrust(config.tls) if config.tls.mutual else None
-        self.watcher = WorkerWatcher(config.registry, model=config.model or None, trust=self.trust)
+        # every model's workers: each Route names its model (service.eligible filters by it), so
+        # one router serves several models' pools; --model is only the default for one naming none
+        self.watcher = WorkerWatcher(config.registry, trust=self.trust)
         self.service = RouterService(config, self.watcher, self.metrics,
                                      tracer=tracing.tracer if tracing is not None else None)
         self._grpc: grpc.aio.Server | None = None

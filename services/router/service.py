@@ -63,6 +63,7 @@ class RouterService(duet_pb2_grpc.RouterServicer):
             request_id = request.request_id or uuid.uuid4().hex
             model = request.model or self.config.model
             span.set_attribute("duet.request_id", request_id)
+            span.set_attribute("duet.model", model)
             if request.exclude_instances or request.checkpoint:  # a migrating stream
                 span.set_attribute("duet.excluded_instances", len(request.exclude_instances))
                 span.set_attribute("duet.checkpoint", request.checkpoint)
@@ -80,12 +81,12 @@ class RouterService(duet_pb2_grpc.RouterServicer):
                 await trust.settle(trust.probe_timeout_s)
                 reply, placement = await self._route(request, request_id, model)
             if isinstance(reply, str):
-                self.metrics.route_decisions.labels(kind="unavailable", reason="unpaired").inc()
+                self.metrics.route_decisions.labels(kind="unavailable", reason="unpaired", model=model).inc()
                 span.set_attribute("duet.route", "unpaired")
                 log.warning("route %s: %s", request_id, reply)
                 await context.abort(grpc.StatusCode.UNAVAILABLE, reply)
             if reply is None:
-                self.metrics.route_decisions.labels(kind="unavailable", reason="no_worker").inc()
+                self.metrics.route_decisions.labels(kind="unavailable", reason="no_worker", model=model).inc()
                 span.set_attribute("duet.route", "unavailable")
                 detail = (f"no live worker can serve model {model!r}" if model else "no live worker")
                 if request.lora_adapter:
@@ -95,7 +96,7 @@ class RouterService(duet_pb2_grpc.RouterServicer):
                 await self._refuse(context, grpc.StatusCode.UNAVAILABLE, detail)
             kind = "local_prefill" if reply.local_prefill else "colocated" if reply.colocated else "split"
             code = placement.code if placement is not None else "only_colocated"
-            self.metrics.route_decisions.labels(kind=kind, reason=code).inc()
+            self.metrics.route_decisions.labels(kind=kind, reason=code, model=model).inc()
             log.debug("route %s: %s (%s)", request_id, reply.reason, code)
             span.set_attribute("duet.route", kind)
             span.set_attribute("duet.route_reason", reply.reason)

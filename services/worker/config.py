@@ -55,6 +55,13 @@ class WorkerConfig:
                                        help="decode: seconds a reservation's write capability lives; one nobody "
                                             "claims by then is quarantined and freed once no write can land (its "
                                             "writer stops writing at the same lifetime), whatever its caller asked")
+    # a reservation's holder (the gateway) renews it every third of this; a prefill transfer
+    # holds one renewed while its decode worker is in the registry or its writes land
+    lease_ttl_s: float = setting(10.0, flag="--lease-ttl", env="DUET_LEASE_TTL",
+                                 help="decode: seconds an unclaimed reservation lives unless its holder renews "
+                                      "it (RenewLease), then it is quarantined and freed once no write can land; "
+                                      "prefill: seconds a transfer goes on while its decode worker is gone from "
+                                      "the registry and no write lands, then it is cancelled (0: no leases)")
     reserve_queue_max: int = setting(1024, flag="--reserve-queue-max", env="DUET_RESERVE_QUEUE_MAX",
                                      help="decode: reservations that may wait at once; more are refused at "
                                           "once (429 with Retry-After)")

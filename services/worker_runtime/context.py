@@ -30,6 +30,7 @@ class WorkerContext:
     agent: object | None = None  # KvTransferAgent (prefill/decode roles), rank 0's
     rank_agents: list["RankAgent"] = field(default_factory=list)  # one per TP rank, rank 0 first
     peers: object | None = None  # PeerResolver
+    inbox: object | None = None  # NoticeInbox: rank 0's agent's notices, sorted by their reader
     outgoing: object | None = None  # OutgoingTransfers (prefill)
     book: object | None = None  # ReservationBook (decode)
     reserve_queue: object | None = None  # ReserveQueue: Reserve calls waiting for room (decode)
@@ -38,9 +39,10 @@ class WorkerContext:
     grammar_guard: object | None = None  # GrammarGuard: checks a grammar within the limits before compiling it
     recomputes: int = 0
 
-    def is_live(self, worker_id: str) -> bool:
-        """Whether a peer is in the last known registry set (a Redis outage keeps it)."""
-        return True if self.watcher is None else self.watcher.is_live(worker_id)
+    def is_live(self, worker_id: str, instance_nonce: str | None = None) -> bool:
+        """Whether a peer (this instance of it, if given) is in the last known registry set (a
+        Redis outage keeps it)."""
+        return True if self.watcher is None else self.watcher.is_live(worker_id, instance_nonce)
 
     @contextmanager
     def span(self, name: str, grpc_context, **attrs):

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 log = logging.getLogger("duet.worker")
 
 # after its drain grace a worker still stops its gRPC server (1 s), joins the engine thread
-# (up to 10 s), closes its transfer agents and tears the interpreter down (seconds of torch
-# on a busy 2-core machine)
+# (up to 10 s), closes its transfer agents and runs its exit handlers (a TP worker waits for its
+# ranks); the interpreter's teardown is skipped (shared/process_exit.py)
 EXIT_AFTER_GRACE_S = 20.0
 
 

@@ -8,6 +8,7 @@ import logging
 from services.worker_runtime.context import RankAgent
 from services.worker_runtime.peers import PeerResolver
 from shared.kv_transfer.agent import KvTransferAgent
+from shared.kv_transfer.notice_inbox import NoticeInbox
 from shared.registry.keys import RegistryKeys
 from shared.registry.publisher import connect_async
 
@@ -15,7 +16,8 @@ log = logging.getLogger("duet.worker")
 
 
 def open_agents(ctx, *, write_timeout_s: float, progress_thread: bool, registry) -> None:
-    """Sets ctx.agent (rank 0's), ctx.rank_agents (every rank's, rank 0 first) and ctx.peers."""
+    """Sets ctx.agent (rank 0's), ctx.rank_agents (every rank's, rank 0 first), ctx.inbox
+    (rank 0's notices) and ctx.peers."""
     engine = ctx.engine
     agent_name = f"{ctx.worker_id}-r{{rank}}-{ctx.instance_nonce}"
     ctx.agent = KvTransferAgent(agent_name.format(rank=0), engine.pool.buffer, write_timeout_s=write_timeout_s,
@@ -24,6 +26,7 @@ def open_agents(ctx, *, write_timeout_s: float, progress_thread: bool, registry)
     ctx.rank_agents = [RankAgent(ctx.agent.name, ctx.agent.metadata(), ctx.agent.pool_info)] + [
         RankAgent(agent_name.format(rank=r), md, pool) for r, (md, pool) in enumerate(engine.call_followers(
             "shared.kv_transfer.rank_transfers:open_agent", agent_name, write_timeout_s), start=1)]
+    ctx.inbox = NoticeInbox(ctx.agent)
     ctx.peers = PeerResolver(ctx.agent, connect_async(registry), RegistryKeys(registry.prefix))
 
 

@@ -6,6 +6,12 @@ by rank r; the first token is T". `abort` notices tell decode the writer gave up
 `declined` ones that it wrote nothing on purpose (the reservation's held prefix is not its
 prompt's) but its answer stands, so the Generate that follows recomputes the prompt.
 
+The other way, decode sends the writer a `revoke` when a reservation's lease lapsed (its
+holder stopped renewing it): the writer stops (an abort notice once its writes in flight
+settled) and refuses the capability from then on. A writer that holds no transfer for it
+answers at once with an abort echoing the revoke's `ack` token: it may not know the
+capability's secret (no Prefill call reached it), so decode takes that echo instead of a MAC.
+
 Every notice carries a MAC keyed by the reservation's capability secret (capability.py):
 `key` is that secret on the sending side (never sent), `mac` what arrives, and decode takes a
 notice only when `signed_by(the reservation's secret)`.
@@ -18,6 +24,9 @@ import json
 from dataclasses import dataclass, field, fields
 
 MAGIC = b"duet1:"
+COMPLETIONS = ("done", "declined", "abort")  # prefill -> decode: how a reservation's writing ended
+REVOCATIONS = ("revoke",)  # decode -> prefill: stop writing this reservation
+KINDS = COMPLETIONS + REVOCATIONS
 MAC_BYTES = 16
 _TYPES = {"int": int, "str": str}  # what each field sent must be (the annotations, as strings)
 
@@ -28,11 +37,14 @@ class TransferNotice:
     generation: int
     rank: int
     request_id: str = ""
-    kind: str = "done"          # "done" | "declined" | "abort"
+    kind: str = "done"          # "done" | "declined" | "abort" | "revoke"
     first_token_id: int = -1    # the token prefill sampled (decode's next input)
     num_tokens: int = 0         # prompt tokens whose KV was written
     kv_bytes: int = 0           # bytes this rank wrote for the reservation
     num_ranks: int = 0          # the writer's TP ranks, each sending a notice (0: the reader's own)
+    reply_to: str = ""          # a revoke: the decode worker that sends it (where the answer goes)
+    reply_nonce: str = ""       # ... and its instance nonce (reservation ids start over on a restart)
+    ack: str = ""               # a revoke: a token its answering abort echoes; that abort: the echo
     mac: str = ""               # hex HMAC-SHA256 (truncated) of the fields above, by the capability secret
     key: bytes = field(default=b"", repr=False, compare=False)  # the secret the sender signs with (not sent)
 
@@ -68,6 +80,6 @@ class TransferNotice:
             value = getattr(notice, f.name)
             if f.name != "key" and (not isinstance(value, _TYPES[f.type]) or isinstance(value, bool)):
                 return None
-        if notice.kind not in ("done", "declined", "abort"):
+        if notice.kind not in KINDS:
             return None
         return notice

@@ -61,6 +61,12 @@ def words(text: str) -> list[str]:
     return text.replace(",", " ").split()
 
 
+@labelled("text")
+def one_item(text: str) -> list[str]:
+    """A repeatable setting's variable holding one item (a path may hold commas or spaces)."""
+    return [text.strip()]
+
+
 @labelled("name=int,...")
 def name_counts(text: str) -> dict[str, int]:
     """'o_proj=8, qkv_proj=2' -> {'o_proj': 8, 'qkv_proj': 2}: counts by name, each >= 0."""

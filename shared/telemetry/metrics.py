@@ -56,6 +56,10 @@ class DuetMetrics:
         self.kv_notices_refused = Counter(
             "duet_kv_notices_refused", "Decode side: completion notices ignored: for no open reservation "
             "(stale) or without its capability's MAC (forged)", ["reason"], registry=r)
+        self.lease_expiries = Counter(
+            "duet_lease_expiries", "Leases that lapsed because their holder stopped renewing them: a decode "
+            "reservation its gateway no longer renews (reservation), a prefill transfer whose decode worker "
+            "left the registry and stopped taking writes (transfer)", ["kind"], registry=r)
         self.kv_cache_usage = Gauge(
             "duet_kv_cache_usage_ratio",
             "Share of KV pages held by live work (running, reserved, awaiting transfer); evictable cache excluded",
@@ -77,8 +81,8 @@ class DuetMetrics:
             buckets=_E2E_BUCKETS, registry=r)
         self.requests = requests_counter(r)  # the label scheme every process shares (requests.py)
         self.route_decisions = Counter(
-            "duet_router_decisions", "Router answers by kind and the reason for it (services/router/placement.py)",
-            ["kind", "reason"], registry=r)
+            "duet_router_decisions", "Router answers by kind and the reason for it (services/router/placement.py), "
+            "and the model routed for", ["kind", "reason", "model"], registry=r)
         # KV that outlives the request: reuse and movement per tier (device, host)
         self.kv_cache_hit_tokens = Counter(
             "duet_kv_cache_hit_tokens", "Prompt tokens whose KV was reused, by the tier it was found in",

@@ -6,6 +6,8 @@ converted, both ways; the gateway and the workers call it, protos/ holds the con
                        <-> Token, TokenChunk, PrefillReply
   reservation.py       KvReservation (the destination pages per rank, the write capability)
                        <-> duet_pb2.Reservation
+  lease.py             the reservations a holder renews on a decode worker, and those it lost
+                       <-> RenewLeaseRequest, RenewLeaseReply
   cache_scope.py       CacheScope (prefix-cache namespace, tenant) <-> the cache_namespace and
                        tenant fields of Reserve, Prefill and Generate requests
   resume.py            ResumedPrompt (a migrated stream's prompt and the completion tokens

@@ -34,6 +34,7 @@ class KvReservation:
     held_pages: int = 0  # leading prompt pages decode already holds: the writer skips them
     held_page_hashes: list[int] = field(default_factory=list)  # their chained hashes, checked by the writer
     capability: WriteCapability | None = None  # what lets its writer write these pages (None: nothing may)
+    lease_ttl_ms: int = 0  # its holder renews it within this (Decode.RenewLease); 0: no lease
 
 
 def reservation_to_proto(res: KvReservation) -> duet_pb2.Reservation:
@@ -41,7 +42,7 @@ def reservation_to_proto(res: KvReservation) -> duet_pb2.Reservation:
         reservation_id=res.reservation_id, generation=res.generation, decode_worker_id=res.decode_worker_id,
         decode_instance_nonce=res.decode_instance_nonce, page_size=res.page_size, num_layers=res.num_layers,
         kv_dtype=res.kv_dtype, compat_hash=res.compat_hash, held_pages=res.held_pages,
-        held_page_hashes=res.held_page_hashes)
+        held_page_hashes=res.held_page_hashes, lease_ttl_ms=res.lease_ttl_ms)
     for r in res.ranks:
         msg.ranks.add(rank=r.rank, agent_name=r.agent_name, page_ids=r.page_ids)
     cap = res.capability
@@ -59,4 +60,5 @@ def reservation_from_proto(msg: duet_pb2.Reservation) -> KvReservation:
         ranks=[RankPages(r.rank, r.agent_name, list(r.page_ids)) for r in msg.ranks],
         held_pages=msg.held_pages, held_page_hashes=list(msg.held_page_hashes),
         capability=WriteCapability(msg.capability.writer_id, msg.capability.lifetime_ms, msg.capability.secret,
-                                   msg.capability.signature) if msg.HasField("capability") else None)
+                                   msg.capability.signature) if msg.HasField("capability") else None,
+        lease_ttl_ms=msg.lease_ttl_ms)

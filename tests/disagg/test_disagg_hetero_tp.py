@@ -36,6 +36,22 @@ def models(tmp_path_factory):
             for kv in (1, 2)}
 
 
+@pytest.fixture(scope="module")
+def references(models):
+    """kv_heads -> (tokenizer, prompts' ids, the offline TP=1 engine's greedy tokens), made once
+    for the cases that share a model."""
+    made = {}
+
+    def get(kv_heads: int):
+        if kv_heads not in made:
+            from transformers import AutoTokenizer
+            tok = AutoTokenizer.from_pretrained(str(models[kv_heads]))
+            prompts = [tok.encode(p) for p in PROMPTS]
+            made[kv_heads] = tok, prompts, offline(models[kv_heads], prompts)
+        return made[kv_heads]
+    return get
+
+
 def offline(model, prompts: list[list[int]]) -> list[list[int]]:
     import torch
 
@@ -47,12 +63,10 @@ def offline(model, prompts: list[list[int]]) -> list[list[int]]:
 
 @pytest.mark.parametrize("prefill_tp,decode_tp,kv_heads", [(1, 2, 2), (2, 1, 2), (2, 2, 1)],
                          ids=["1to2", "2to1", "2to2-kv1"])
-def test_prefill_and_decode_at_different_tp_match_offline_tp1(request, models, prefill_tp, decode_tp, kv_heads):
-    from transformers import AutoTokenizer
+def test_prefill_and_decode_at_different_tp_match_offline_tp1(request, models, references, prefill_tp, decode_tp,
+                                                              kv_heads):
     model = models[kv_heads]
-    tok = AutoTokenizer.from_pretrained(str(model))
-    prompts = [tok.encode(p) for p in PROMPTS]
-    want = offline(model, prompts)
+    tok, prompts, want = references(kv_heads)
     up = DuetUp(new_log_dir(f"hetero-{prefill_tp}{decode_tp}-kv{kv_heads}"), "--model", str(model),
                 "--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp), kv_cache_memory="8M",
                 worker_args=["--dtype", "float32", "--max-num-batched-tokens", "32", "--page-size", str(PAGE)],

@@ -19,7 +19,7 @@ def _gateway_helpers(tmp_path: Path, argv: list[str], env: dict[str, str]) -> in
     cfg = UpConfig.from_argv(["--redis-url", "redis://127.0.0.1:1", *argv, "--", "--device", "cpu"], env=env)
     stack = Stack(cfg, tmp_path)
     try:
-        stack.plan(str(tmp_path))
+        stack.plan([str(tmp_path)])
         gateway = next(c for c in stack.children if c.name == "gateway")
         return int(gateway.argv[gateway.argv.index("--chat-template-processes") + 1])
     finally:

@@ -10,6 +10,7 @@ between posting a notice and its landing, a stream can be held: its poll reports
 until the test lets it go (as a slow transport would)."""
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
@@ -63,17 +64,19 @@ class HeldStream(PageWriteStream):
 class Handoff:
     """One request through OutgoingTransfers, and the decode agent's view of it."""
 
-    def __init__(self, engine, agents, rid: str, write_nothing: bool = False, peer_id: str = "decode-0"):
+    def __init__(self, engine, agents, rid: str, write_nothing: bool = False, peer_id: str = "decode-0",
+                 transfers: OutgoingTransfers | None = None):
         self.engine = engine
         self.prefill, self.decode = agents
         self.decode.get_notices()
         self.decode.pool.zero_()
         self.peer = self.prefill.add_peer(peer_id, "nonce-1", self.decode.metadata(), self.decode.pool_info)
         self.stream = HeldStream(self.prefill, self.peer, DST_PAGES)
-        self.transfers = OutgoingTransfers(engine)
+        self.transfers = transfers or OutgoingTransfers(engine)
         self.rid = rid
         self.fut = self.transfers.start(rid, PROMPT, SamplingParams(max_tokens=4, temperature=0), self.stream,
-                                        reservation_id=5, generation=2, write_nothing=write_nothing, secret=SECRET)
+                                        reservation_id=5, generation=2, write_nothing=write_nothing, secret=SECRET,
+                                        decode=(peer_id, "nonce-1"))
         self.out = self.transfers.active[rid]
         self.pages: list[int] = []  # the request's pages, seen before they are released
 
@@ -237,6 +240,103 @@ def test_a_handoff_past_its_capabilitys_lifetime_stops_writing_and_aborts(engine
         h.fut.result()
     [notice] = h.notices()
     assert notice.kind == "abort" and notice.signed_by(SECRET) and not notice.signed_by(bytes(16))
+    assert_all_pages_free(engine)
+
+
+@pytest.mark.parametrize("state", [S.PREFILLING, S.TAIL, S.FINISHING, S.DECLINING], ids=lambda s: s.name)
+def test_a_handoff_whose_decode_left_and_went_silent_is_cancelled_when_its_lease_lapses(engine, agents, state):
+    """The transfer's lease holds while its decode instance is in the registry or a write
+    lands. Decode leaves the registry (here: a set of live instances the test controls) with a
+    write or the notice still in flight: the lease lapses `lease_s` later, nothing more is
+    posted, the abort notice goes out once the writes in flight settle, the RPC fails saying
+    why, the pages are freed, and the lapse is counted."""
+    from shared.telemetry.metrics import DuetMetrics
+    metrics = DuetMetrics("prefill", process_metrics=False)
+    live = {("decode-0", "nonce-1")}
+    lease_s = 0.2
+    transfers = OutgoingTransfers(engine, metrics, is_live=lambda wid, nonce: (wid, nonce) in live, lease_s=lease_s)
+    h = Handoff(engine, agents, f"lease-{state.name}", write_nothing=state is S.DECLINING, transfers=transfers)
+    _hold_in(h, state)
+    h.stream.held = True  # its writes (or notice) stay in flight: no progress renews the lease
+    live.clear()  # decode left the registry
+    left, renewed = time.monotonic(), h.out.lease_until - lease_s
+    if state is S.TAIL:  # TAIL lasts one tick (its next posts the rest): the lease ran out before it
+        h.out.lease_until = renewed = left - lease_s
+    while h.state is state:  # the loop's ticks (no engine step: the state moves only by the lease)
+        assert time.monotonic() - left < 10, "the lease never lapsed"
+        h.transfers.tick()
+        time.sleep(0.005)
+    assert h.state is S.CANCELLING
+    assert h.out.entered(S.CANCELLING) - renewed >= lease_s  # not before the lease ran out
+    sent = h.out.pages_sent
+    h.stream.held = False  # the writes in flight settle
+    h.run_to_end()
+    assert h.trail()[-3:] == [state, S.CANCELLING, S.CANCELLED]
+    assert_legal(h.trail())
+    assert h.out.pages_sent == sent
+    with pytest.raises(TransferError, match="lease lapsed"):
+        h.fut.result()
+    [notice] = h.notices()
+    assert notice.kind == "abort" and notice.signed_by(SECRET)
+    assert metrics.lease_expiries.labels(kind="transfer")._value.get() == 1
+    assert_all_pages_free(engine)
+
+
+def test_a_revoke_from_decode_cancels_the_transfer_or_refuses_the_reservation(engine, agents, caplog):
+    """Decode revokes a reservation whose lease lapsed (services/decode/revoker.py): a transfer
+    into it is cancelled (abort notice once the writes in flight settled); one that comes with
+    another secret's MAC changes nothing. For a reservation with no transfer here, the answer is
+    an abort echoing the revoke's token at once, and a later start() for it is refused."""
+    from shared.kv_transfer.notice import REVOCATIONS
+    from shared.kv_transfer.notice_inbox import NoticeInbox
+    prefill, decode = agents
+    inbox = NoticeInbox(prefill)
+    transfers = OutgoingTransfers(engine, revocations=inbox.view(REVOCATIONS), agent=prefill)
+    h = Handoff(engine, agents, "revoked", transfers=transfers)
+    to_prefill = decode.add_peer("prefill-0", "nonce-p", prefill.metadata(), prefill.pool_info)
+
+    def revoke(reservation_id: int, generation: int, key: bytes, ack: str = "t0k") -> None:
+        decode.send_notif(to_prefill, TransferNotice(
+            reservation_id=reservation_id, generation=generation, rank=0, kind="revoke", num_ranks=1,
+            reply_to="decode-0", reply_nonce="nonce-1", ack=ack, key=key).encode())
+
+    h.run(lambda: h.out.pages_sent > 0)
+    h.stream.held = True
+    revoke(5, 2, key=bytes(16))  # not the capability's holder: ignored (and logged)
+    revoke(5, 2, key=SECRET)
+    with caplog.at_level(logging.WARNING, logger="duet.prefill"):
+        while h.state is S.PREFILLING:  # the loop's ticks, no engine step
+            h.transfers.tick()
+            time.sleep(0.005)
+    assert "ignored a revoke of reservation 5/2 without its capability's MAC" in caplog.text
+    h.stream.held = False
+    h.run_to_end()
+    assert h.trail() == [S.PREFILLING, S.CANCELLING, S.CANCELLED]
+    with pytest.raises(TransferError, match="revoked the reservation"):
+        h.fut.result()
+    assert [n.kind for n in h.notices()] == ["abort"]
+
+    revoke(9, 1, key=b"", ack="echo-me")  # nothing here for reservation 9: refused, answered at once
+    end = time.monotonic() + 5
+    while ("decode-0", "nonce-1", 9, 1) not in transfers.revoked:
+        assert time.monotonic() < end, "the revoke never arrived"
+        transfers.tick()
+        time.sleep(0.01)
+    [answer] = h.notices()
+    assert (answer.kind, answer.reservation_id, answer.generation, answer.ack, answer.num_ranks) == \
+        ("abort", 9, 1, "echo-me", 1)
+    stream = PageWriteStream(prefill, h.peer, DST_PAGES)
+    with pytest.raises(TransferError, match="revoked"):
+        transfers.start("late", PROMPT, SamplingParams(max_tokens=4, temperature=0), stream, reservation_id=9,
+                        generation=1, secret=SECRET, decode=("decode-0", "nonce-1"))
+    assert "late" not in transfers.active and engine.get("late") is None
+    stream = PageWriteStream(prefill, h.peer, DST_PAGES)  # the same ids of a restarted decode instance
+    fut = transfers.start("restarted", PROMPT, SamplingParams(max_tokens=4, temperature=0), stream,
+                          reservation_id=9, generation=1, secret=SECRET, decode=("decode-0", "nonce-2"))
+    transfers.cancel("restarted")
+    while not fut.done():
+        transfers.tick()
+        time.sleep(0.005)
     assert_all_pages_free(engine)
 
 

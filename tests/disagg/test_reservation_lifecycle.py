@@ -26,7 +26,7 @@ from tests.helpers.engine_models import assert_all_pages_free, build_model_dir, 
 
 S, E = ReservationState, ReservationEvent
 WRITER = "prefill-0"
-QUARANTINE_S, CLAIM_TIMEOUT_S, TTL_S = 60.0, 30.0, 120.0
+QUARANTINE_S, CLAIM_TIMEOUT_S, TTL_S, LEASE_S = 60.0, 30.0, 120.0, 5.0
 PROMPT = random_prompts(1, [10], seed=5)[0]  # three pages of 4
 FIRST = 77  # the first token "prefill sampled"
 
@@ -62,16 +62,17 @@ class World:
     """A book over the real engine and agents, and what the test controls: the clock, which
     writers the registry holds, and the notices the writer sends."""
 
-    def __init__(self, engine, agents, num_ranks: int = 1):
+    def __init__(self, engine, agents, num_ranks: int = 1, lease_s: float = 0.0):
         self.engine = engine
         self.decode, self.prefill, self.peer = agents
         self.decode.get_notices()  # nothing left from an earlier test
         self.clock = Clock()
         self.live = {WRITER}
         self.metrics = DuetMetrics("decode", process_metrics=False)
+        self.revoked = []  # reservations the book asked their writer to stop writing
         self.book = ReservationBook(engine, self.decode, self.live.__contains__, quarantine_s=QUARANTINE_S,
                                     claim_timeout_s=CLAIM_TIMEOUT_S, num_ranks=num_ranks, clock=self.clock,
-                                    ttl_s=TTL_S, metrics=self.metrics)
+                                    ttl_s=TTL_S, metrics=self.metrics, lease_s=lease_s, revoke=self.revoked.append)
         self.wakes = 0
         self.free_before = engine.kv.allocator.num_free
 
@@ -84,11 +85,11 @@ class World:
         self.wakes += 1
 
     def send(self, res, kind: str, rank: int = 0, num_ranks: int = 0, first: int = FIRST,
-             key: bytes | None = None) -> None:
+             key: bytes | None = None, ack: str = "") -> None:
         """A notice from the writer, MACed with the capability's secret (or with `key`)."""
         notice = TransferNotice(reservation_id=res.reservation_id, generation=res.generation, rank=rank,
                                 request_id=res.request_id, kind=kind, first_token_id=first,
-                                num_tokens=len(PROMPT), kv_bytes=100, num_ranks=num_ranks,
+                                num_tokens=len(PROMPT), kv_bytes=100, num_ranks=num_ranks, ack=ack,
                                 key=res.secret if key is None else key)
         self.prefill.send_notif(self.peer, notice.encode())
 
@@ -130,11 +131,20 @@ class World:
             assert res.deadline is not None
             self.clock.now = res.deadline
             book.tick()
+        elif event is E.LEASE_LAPSED:  # its holder stopped renewing; the book ticks on meanwhile
+            assert res.lease_until is not None
+            self.ticks_until(res.lease_until)
         elif event is E.CONSUME:
             book.consume(res)
             self.engine.add_prefilled(res.key, PROMPT, FIRST, SamplingParams(max_tokens=3, temperature=0), seed=None)
         else:
             raise AssertionError(event)
+
+    def ticks_until(self, until: float) -> None:
+        """The book's ticks, a tenth of a lease apart, until the clock reads `until`."""
+        while self.clock.now < until:
+            self.clock.now = min(until, self.clock.now + self.book.lease_s / 10)
+            self.book.tick()
 
     def held(self, res) -> bool:
         """res's pages are still set aside (or, CONSUMED, a running request's)."""
@@ -170,7 +180,7 @@ def test_paths_reach_their_states_and_every_open_state_has_one():
 @pytest.mark.parametrize("move", list(RESERVATION.moves.values()),
                          ids=lambda m: f"{m.src.name}-{m.event.name}")
 def test_every_move_leads_where_the_table_says(engine, agents, move):
-    w = World(engine, agents)
+    w = World(engine, agents, lease_s=LEASE_S if move.event is E.LEASE_LAPSED else 0.0)
     res = w.reserve(f"{move.src.name}-{move.event.name}")
     for event in PATHS[move.src]:
         w.drive(res, event)
@@ -363,4 +373,67 @@ def test_a_notice_without_the_capabilitys_mac_is_ignored_and_counted(engine, age
     w.notice(res, "done")
     assert res.state is S.WRITTEN and res.notice.kind == "done"
     w.drive(res, E.CANCEL_UNSENT)
+    assert_all_pages_free(engine)
+
+
+def test_a_lapsed_lease_quarantines_or_frees_like_an_expired_capability(engine, agents):
+    """An unclaimed reservation lives `lease_s` past its holder's last renewal. Renewed, it
+    outlives many leases; unrenewed while a write may land it is quarantined (past its
+    capability's lifetime) and revoked at its writer, whose abort echoing the revoke's token
+    frees it (a wrong token is forged), and freed at once when no write can land (written,
+    declined, orphaned). A
+    claim ends the lease: the Generate's stream is the holder's liveness then. A pause of the
+    book itself (no tick for longer than a third of the lease) is not held against the holder.
+    Each lapse is counted."""
+    w = World(engine, agents, lease_s=LEASE_S)
+    lapsed = lambda: w.metrics.lease_expiries.labels(kind="reservation")._value.get()  # noqa: E731
+    kept = w.reserve("renewed")
+    key = (kept.reservation_id, kept.generation)
+    for _ in range(10):  # ten leases long, renewed every third of one
+        w.clock.now += LEASE_S / 3
+        assert w.book.renew([key]) == []
+        w.book.tick()
+    assert kept.state is S.RESERVED and w.held(kept) and lapsed() == 0
+    assert w.book.renew([(kept.reservation_id, kept.generation + 1), (999, 1)]) == \
+        [(kept.reservation_id, kept.generation + 1), (999, 1)]  # not ours: the holder stops renewing them
+    w.ticks_until(w.clock.now + LEASE_S - 0.1)
+    assert kept.state is S.RESERVED
+    w.ticks_until(w.clock.now + 0.1)
+    assert kept.state is S.QUARANTINED and w.held(kept) and lapsed() == 1
+    # its writer may not have heard (its RPC may be live): it stops posting at its capability's end
+    assert kept.deadline == kept.expires + QUARANTINE_S
+    w.ticks_until(kept.expires)
+    assert kept.state is S.QUARANTINED and w.held(kept)
+    assert w.book.renew([key]) == [key]  # too late: quarantined
+    assert w.book.claim(*key, w.wake) is None
+    assert w.revoked == [kept] and kept.revoke_token  # its writer is told to stop
+    # a writer that never had the capability's secret answers with the revoke's token, not a MAC
+    w.send(kept, "abort", key=b"", ack="not-the-token")
+    w.tick_until(lambda: w.metrics.kv_notices_refused.labels(reason="forged")._value.get() == 1)
+    assert kept.state is S.QUARANTINED
+    w.send(kept, "abort", key=b"", ack=kept.revoke_token)
+    w.tick_until(lambda: kept.state is not S.QUARANTINED)
+    assert kept.state is S.FREED
+
+    for path in ([E.NOTICE_DONE], [E.NOTICE_DECLINED], [E.WRITER_GONE]):
+        res = w.reserve(f"lapses-{path[0].name}")
+        w.drive(res, path[0])
+        w.ticks_until(w.clock.now + LEASE_S)
+        assert [s for s, _ in res.trail][-2:] == [res.trail[-2][0], S.FREED] and res.trail[-2][0] is not S.RESERVED
+        w.live.add(WRITER)
+    assert lapsed() == 4 and w.revoked == [kept]  # no write could land: nothing to revoke
+
+    claimed = w.reserve("claimed")
+    assert w.book.claim(claimed.reservation_id, claimed.generation, w.wake) is claimed
+    w.ticks_until(w.clock.now + 3 * LEASE_S)
+    assert claimed.state is S.CLAIMED and lapsed() == 4  # the claim ended its lease
+    w.drive(claimed, E.CANCEL_UNSENT)
+
+    paused = w.reserve("paused")
+    w.clock.now += 2 * LEASE_S  # the book itself did not tick: its process was stopped
+    w.book.tick()
+    assert paused.state is S.RESERVED and lapsed() == 4
+    w.ticks_until(w.clock.now + LEASE_S)  # ticking again, and its holder silent: a lease later it lapses
+    assert paused.state is S.QUARANTINED and lapsed() == 5
+    w.drive(paused, E.CANCEL_UNSENT)
     assert_all_pages_free(engine)

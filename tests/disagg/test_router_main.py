@@ -61,7 +61,7 @@ def test_router_process_serves_and_exits_on_sigterm(redis_server):
         reply = asyncio.run(scenario())
         assert reply.colocated and reply.decode.worker_id == "b"
         body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
-        assert 'duet_router_decisions_total{kind="colocated",reason="only_colocated"}' in body
+        assert 'duet_router_decisions_total{kind="colocated",model="m",reason="only_colocated"}' in body
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
     finally:

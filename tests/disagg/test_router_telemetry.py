@@ -57,7 +57,7 @@ def test_route_span_joins_caller_trace_and_metrics_are_served(redis_server):
         assert route[0].attributes["duet.route"] == "split"
         assert route[0].attributes["duet.placement_reason"] == "bounds"  # 10 tokens, none held: no local prefill
         body = urllib.request.urlopen(f"http://127.0.0.1:{http.port}/metrics", timeout=5).read().decode()
-        assert 'duet_router_decisions_total{kind="split",reason="bounds"} 1.0' in body
+        assert 'duet_router_decisions_total{kind="split",model="",reason="bounds"} 1.0' in body
         assert 'duet_requests_total{endpoint="Route",outcome="ok",service="router",status="OK"} 1.0' in body
         for name in ("duet_kv_transfer_bytes_total", "duet_time_to_first_token_seconds_bucket",
                      "duet_kv_cache_usage_ratio", "duet_queued_prefill_tokens", "duet_running_requests",

@@ -24,6 +24,12 @@ from shared.wire.contract_overflow import ContractOverflow
 from shared.wire.outputs import (PrefillAnswer, Usage, chunk_from_proto, chunk_to_proto, first_token_ids_from_proto,
                                  first_tokens_to_proto, prefill_reply_from_proto, prefill_reply_to_proto)
 from shared.kv_transfer.capability import CapabilityIssuer, new_secret, refusal
+from shared.wire.lease import (
+    renew_reply_from_proto,
+    renew_reply_to_proto,
+    renew_request_from_proto,
+    renew_request_to_proto,
+)
 from shared.wire.reservation import KvReservation, RankPages, reservation_from_proto, reservation_to_proto
 from shared.wire.sampling import sampling_from_proto, sampling_to_proto
 
@@ -203,10 +209,17 @@ def test_a_reservation_comes_back_equal():
                         decode_instance_nonce="n1", page_size=16, num_layers=28, kv_dtype="bfloat16",
                         compat_hash="abc", ranks=[RankPages(0, "decode-0-r0", [3, 4, 9]),
                                                   RankPages(1, "decode-0-r1", [3, 4, 9])],
-                        held_pages=2, held_page_hashes=[2**64 - 2, 5])
+                        held_pages=2, held_page_hashes=[2**64 - 2, 5], lease_ttl_ms=10_000)
     assert reservation_from_proto(through_bytes(reservation_to_proto(res))) == res
     bare = KvReservation(1, 1, "d", "n", 4, 2, "float32", "h", ranks=[RankPages(0, "a", [0])])
     assert reservation_from_proto(through_bytes(reservation_to_proto(bare))) == bare
+
+
+def test_the_leases_a_holder_renews_and_those_it_lost_come_back_in_order():
+    keys = [(2**64 - 1, 7), (1, 1), (5, 2**32 - 1)]
+    assert renew_request_from_proto(through_bytes(renew_request_to_proto(keys))) == keys
+    assert renew_reply_from_proto(through_bytes(renew_reply_to_proto(keys[1:]))) == keys[1:]
+    assert renew_reply_from_proto(through_bytes(renew_reply_to_proto([]))) == []
 
 
 def test_a_write_capability_comes_back_and_still_verifies():

@@ -2,7 +2,9 @@
 processes: one whose interpreter teardown waits on a thread that never ends exits with status
 1 at the bound and says which step it was in, with the stuck thread's stack; one that exits in
 time says nothing. And a real worker stopped with SIGTERM logs its drain steps at its default
-level (info), so a slow exit can be read from its log."""
+level (info), so a slow exit can be read from its log. And a service that returned its exit
+status ends without the interpreter's teardown (shared/process_exit.py), its exit handlers and
+buffered output kept."""
 from __future__ import annotations
 
 import signal
@@ -64,3 +66,35 @@ def test_a_worker_logs_its_drain_steps_at_its_default_level(request):
         at = [log.find(f"stopping: {step}") for step in steps]
         assert -1 not in at and at == sorted(at), log[-3000:]
         assert "stuck in" not in log
+
+
+FAST_EXIT_PROGRAM = textwrap.dedent("""
+    import atexit, sys
+    from shared.process_exit import FastExit
+    fast_exit = FastExit.install()
+
+    class Teardown:
+        def __del__(self):
+            print("module teardown ran", flush=True)
+    kept = Teardown()  # a module global: only the interpreter's teardown deletes it
+    atexit.register(lambda: print("exit handler ran", flush=True))
+    sys.stdout.write("unflushed output; ")  # left in the buffer
+    if sys.argv[1] == "status":
+        fast_exit.code = 3  # what a service command returned (services/cli.py: run)
+    sys.exit(3)
+""")
+
+
+def test_a_service_that_returned_its_status_runs_its_exit_handlers_and_skips_the_teardown():
+    """shared/process_exit.py: the status kept, buffered output and exit handlers not lost, the
+    interpreter's teardown skipped; with no status (an exception, a command that is no service)
+    the ordinary exit, teardown included."""
+    fast = subprocess.run([sys.executable, "-c", FAST_EXIT_PROGRAM, "status"], capture_output=True, text=True,
+                          timeout=60)
+    assert fast.returncode == 3, fast
+    assert "unflushed output; " in fast.stdout and "exit handler ran" in fast.stdout, fast
+    assert "module teardown ran" not in fast.stdout, fast
+    ordinary = subprocess.run([sys.executable, "-c", FAST_EXIT_PROGRAM, "none"], capture_output=True, text=True,
+                              timeout=60)
+    assert ordinary.returncode == 3, ordinary
+    assert "exit handler ran" in ordinary.stdout and "module teardown ran" in ordinary.stdout, ordinary

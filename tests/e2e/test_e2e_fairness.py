@@ -2,8 +2,10 @@
 docs/ARCHITECTURE.md section 4), through `duet up` in both modes: split (1 prefill + 1
 decode over gRPC) and colocated (1 `both` worker).
 
-Two /v1/completions requests each carry a list of 256 prompts; another client's one-token
-request sent while they run is answered before the lists are half done: the gateway admits
+Two /v1/completions requests each carry a list of 64 prompts, together twice the batch (each
+worker runs --max-running-requests 64, and the gateway's sequence budget follows it: the scale of
+the default 256 with a quarter of the work); another client's one-token request sent while they
+run is answered before the lists are half done: the gateway admits
 by tenant share and keeps a newcomer a place in the batch and its share of the prefill
 budget, decode's Reserve queue and every engine take waiting work round robin across client
 requests, so it waits about an engine step or two, never the lists' turn. How long a step takes is this machine's business: the test compares with the
@@ -21,14 +23,16 @@ from tests.helpers.stack import DuetUp, managed, new_log_dir
 pytestmark = pytest.mark.slow
 
 MODES = {"split": ("--prefill", "1", "--decode", "1"), "colocated": ("--both", "1", "--prefill", "0", "--decode", "0")}
-LIST = 256  # prompts a list: enough to keep the lists running for many engine steps on this CPU
+BATCH = 64  # each worker's --max-running-requests
+LIST = BATCH  # prompts a list: the two lists fill the batch twice over, so half of them queue
 COMPLETIONS = "/v1/completions"
 VICTIM = {"prompt": "The capital of France is", "max_tokens": 1, "temperature": 0}
 
 
 @pytest.fixture(scope="module", params=list(MODES))
 def stack(request):
-    s = DuetUp(new_log_dir(f"fairness-{request.param}"), *MODES[request.param], kv_cache_memory="256M")
+    s = DuetUp(new_log_dir(f"fairness-{request.param}"), *MODES[request.param], kv_cache_memory="256M",
+               worker_args=["--max-running-requests", str(BATCH)])
     with managed(request, s.start()) as s:
         s.wait_ready()
         s.mode = request.param

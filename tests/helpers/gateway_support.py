@@ -111,7 +111,7 @@ class ScriptedBackend:
     def ready(self) -> bool:
         return self.is_ready
 
-    def live_capacity(self) -> list:
+    def live_capacity(self, model: str | None = None) -> list:
         return list(self.capacity)
 
     async def start(self) -> None:

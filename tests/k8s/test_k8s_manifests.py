@@ -776,3 +776,34 @@ def test_components_planner_leaves_the_fixed_gpu_overlay_as_it_was():
     assert {(o["kind"], o["metadata"]["name"]) for o in fixed.objects} < \
         {(o["kind"], o["metadata"]["name"]) for o in planned.objects} | {("HorizontalPodAutoscaler", "duet-prefill"),
                                                                          ("HorizontalPodAutoscaler", "duet-decode")}
+
+
+def test_two_models_overlay_adds_a_second_pool_behind_the_same_gateway_and_router():
+    """k8s/overlays/two-models: each model's prefill and decode pool serves its own folder under
+    its own name, each Deployment selects its own pool's pods only, the gateway serves both
+    (--model and --extra-model, the folder on a volume it mounts) and the one router routes
+    for both (its --model only the default)."""
+    r = Rendered("two-models", render_path(str(K8S / "overlays" / "two-models")))
+    workers = [p for p in r.pods if p.role in WORKER_ROLES]
+    pools: dict[tuple[str, str], set[str]] = {}
+    for pod in workers:
+        cfg = parse_duet_command(r, pod).config
+        assert cfg.role == pod.role and cfg.worker_id == pod.fake_pod_name
+        pools.setdefault((cfg.engine.model_dir, cfg.served_model_name), set()).add(pod.role)
+        others = [p for p in workers if p is not pod]
+        assert selects(pod.workload["spec"]["selector"], pod.labels)
+        assert not any(selects(pod.workload["spec"]["selector"], p.labels) for p in others), \
+            f"{pod.name} selects another Deployment's pods"
+        assert r.grpc_secret(pod.role) in {v.get("secret", {}).get("secretName") for v in pod.spec["volumes"]}
+    assert len(pools) == 2 and all(roles == {"prefill", "decode"} for roles in pools.values()), pools
+
+    gateway = r.pod("gateway")
+    gcfg = parse_duet_command(r, gateway).config
+    served = {(gcfg.model, gcfg.served_model_name)}
+    served |= {(path, name or Path(path).name) for name, path in gcfg.extra_model_specs()}
+    assert served == set(pools), "the gateway serves exactly the pools' models, each under its workers' name"
+    mounts = [m["mountPath"] for m in gateway.main.get("volumeMounts", [])]
+    assert all(any(path.startswith(m + "/") for m in mounts) for _, path in gcfg.extra_model_specs()), \
+        "the gateway reads the extra model's tokenizer from a volume it mounts"
+    rcfg = parse_duet_command(r, r.pod("router")).config
+    assert rcfg.model == gcfg.served_model_name, "the router's --model is only the default model"

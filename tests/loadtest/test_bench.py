@@ -13,7 +13,7 @@ import pytest
 
 from loadtest.bench.suite import SECTIONS, main
 
-TESTED = {"ceilings", "equality", "decode", "prefill", "offline", "fp8", "spec", "tp", "stack", "multiturn"}
+TESTED = {"ceilings", "equality", "decode", "prefill", "offline", "fp8", "spec", "lora", "tp", "stack", "multiturn"}
 TINY = ["--models", "qwen3-tiny", "--small-models", "qwen3-tiny", "--batches", "1,2", "--ctx", "32", "--steps", "2"]
 
 
@@ -44,7 +44,7 @@ def test_without_a_gpu_it_asks_for_one_or_a_dry_run(capsys):
 
 
 def test_one_device_sections_report_their_figures(tmp_path, torch_one_thread):
-    d = bench(tmp_path, "--sections", "ceilings,equality,decode,prefill,offline,fp8,spec", *TINY,
+    d = bench(tmp_path, "--sections", "ceilings,equality,decode,prefill,offline,fp8,spec,lora", *TINY,
               "--prefill-len", "32", "--prefill-prompts", "1,2", "--offline-requests", "4")
     assert all(d["ceilings"][k] > 0 for k in ("copy_GB_s", "bf16_matmul_TFLOPs"))
     assert d["equality"]["qwen3-tiny float64 identical sequences"] == "4/4"
@@ -59,6 +59,10 @@ def test_one_device_sections_report_their_figures(tmp_path, torch_one_thread):
     assert d["offline"]["overlap on/off identical sequences"] == "4/4"
     assert d["offline"]["qwen3-tiny overlap=on out_tok_s"] > 0
     assert d["spec"]["B=1 ngram K=4 accept-all tok_s"] > 0 and d["spec"]["B=1 draft K=4 accept-all tok_s"] > 0
+    for count in (0, 1, 8):  # distinct LoRA adapters in the batch, beside the same steps without LoRA
+        assert all(d["lora"][f"qwen3-tiny {count} adapters B={b} step_ms"] > 0 for b in (1, 2))
+        assert d["lora"][f"qwen3-tiny {count} adapters prefill tok_s"] > 0
+    assert d["lora"]["qwen3-tiny no LoRA B=1 step_ms"] > 0
     assert d["spec"]["ngram greedy == plain"] is True and d["spec"]["draft greedy == plain"] is True
 
 

@@ -42,6 +42,7 @@ from services.gateway.backends.interface import (
     GenerationRequest,
     TokenEvent,
 )
+from services.gateway.backends.lease_keeper import LeaseKeeper
 from services.gateway.backends.migration import Attempt, MigrationConfig, RebuiltTokens, SequenceStreams, WorkerLost
 from services.gateway.backends.migration_metrics import MigrationMetrics
 from services.gateway.backends.stream_merge import merged
@@ -81,7 +82,8 @@ _REFUSED_CODES = {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_AR
 @dataclass
 class GrpcBackendConfig:
     router_address: str
-    model: str = ""                 # served model name, sent to the router
+    model: str = ""                 # served model name, sent to the router (the default model)
+    extra_models: list[str] = field(default_factory=list)  # the other base models served (names)
     max_context_len: int = 0
     redis_url: str | None = None    # optional: page size for prefix hashes, readiness by live workers
     registry_prefix: str = "duet"
@@ -149,12 +151,18 @@ class GrpcBackend:
         self._cleanups: set[asyncio.Task] = set()
         self.runtime_adapters = RuntimeAdapters()  # loaded at run time: kept in the registry (grpc_adapters.py)
         self._record_task: asyncio.Task | None = None
+        self.leases = LeaseKeeper(config.cleanup_timeout_s)  # our reservations live on decode while renewed
 
     # --- lifecycle --------------------------------------------------------------------
 
     @property
     def model_name(self) -> str:
         return self.config.model
+
+    @property
+    def models(self) -> list[str]:
+        """Every base model this gateway serves, the default first."""
+        return [self.config.model, *self.config.extra_models]
 
     @property
     def max_context_len(self) -> int:
@@ -170,7 +178,9 @@ class GrpcBackend:
 
             registry = RegistryConfig(redis_url=self.config.redis_url, prefix=self.config.registry_prefix,
                                       connection=self.config.redis)
-            self._watcher = WorkerWatcher(registry, model=self.config.model or None)
+            # one model: only its entries; several: all, each read by the model it serves
+            one = self.config.model if not self.config.extra_models else None
+            self._watcher = WorkerWatcher(registry, model=one or None)
             await self._watcher.start()
             self._record_task = asyncio.create_task(self._keep_adapter_record(), name="lora-record")
 
@@ -180,6 +190,7 @@ class GrpcBackend:
         if self._record_task is not None:
             self._record_task.cancel()
             await asyncio.gather(self._record_task, return_exceptions=True)
+        await self.leases.close()
         if self._watcher is not None:
             await self._watcher.stop()
         await self._workers.close()
@@ -187,8 +198,8 @@ class GrpcBackend:
             await self._router_channel.close()
 
     def ready(self) -> bool:
-        """The router is reachable and, when we watch the registry, a usable set for our
-        model is live: a `both` worker, or a prefill and a decode worker that can pair
+        """The router is reachable and, when we watch the registry, a usable set for each
+        of our models is live: a `both` worker, or a prefill and a decode worker that can pair
         (same KV layout, heads coverable at their TP sizes; a decode worker alone cannot
         serve a split request)."""
         if self._router_channel is None:
@@ -196,25 +207,49 @@ class GrpcBackend:
         state = self._router_channel.get_state(try_to_connect=True)
         if state != grpc.ChannelConnectivity.READY:
             return False
-        if self._watcher is not None:
-            if self._watcher.workers("both"):
-                return True
-            decodes = self._watcher.workers("decode")
-            return any(not pair_problem(p, d) for p in self._watcher.workers("prefill") for d in decodes)
-        return True
+        return self._watcher is None or not self.models_without_workers()
 
-    def live_capacity(self) -> list[WorkerCapacity]:
-        """From the registry (each worker publishes its pool and batch cap); [] without it."""
+    def models_without_workers(self) -> list[str]:
+        """Our models with no usable set of live workers (all of them without the registry)."""
+        if self._watcher is None:
+            return self.models
+        missing = []
+        for model in self.models:
+            if self._workers_of(model, "both"):
+                continue
+            decodes = self._workers_of(model, "decode")
+            if not any(not pair_problem(p, d) for p in self._workers_of(model, "prefill") for d in decodes):
+                missing.append(model)
+        return missing
+
+    def _workers_of(self, model: str | None = None, role: str | None = None):
+        """Live workers of `model` (of any of ours when None), of `role` when given."""
         if self._watcher is None:
             return []
+        workers = self._watcher.workers(role)
+        if not self.config.extra_models:
+            return workers  # the watcher keeps our one model's entries only
+        names = set(self.models) if model is None else {model}
+        return [w for w in workers if w.model in names]
+
+    def live_capacity(self, model: str | None = None) -> list[WorkerCapacity]:
+        """From the registry (each worker publishes its pool and batch cap), the workers of
+        `model` when given; [] without it."""
         return [WorkerCapacity(w.role, w.load.total_pages, w.page_size, w.max_running_requests, w.max_batched_tokens)
-                for w in self._watcher.workers()]
+                for w in self._workers_of(model)]
 
     # --- LoRA adapters (grpc_adapters.py) --------------------------------------------------
 
     def adapters(self) -> list[str]:
+        return sorted(self.adapter_parents())
+
+    def adapter_parents(self) -> dict[str, str]:
+        """Each adapter some live worker serves -> the base model those workers serve."""
         from services.gateway.backends.grpc_adapters import served_adapters
-        return served_adapters(self._watcher.workers()) if self._watcher is not None else []
+        parents: dict[str, str] = {}
+        for model in self.models:
+            parents.update((name, model) for name in served_adapters(self._workers_of(model)))
+        return parents
 
     async def load_adapter(self, name: str, path: str) -> None:
         from services.gateway.backends.grpc_adapters import load_everywhere
@@ -234,14 +269,15 @@ class GrpcBackend:
                 await self.runtime_adapters.restore(self._watcher)
 
     def _registry_view(self):
+        """The workers a run-time adapter goes to: the default model's (vLLM's load body names
+        no base model, and an adapter fits one model's shapes only)."""
         if self._watcher is None:
             raise BackendUnavailable("LoRA adapters at run time need the registry (--redis-url)")
-        return self._watcher
+        return _OneModel(self._watcher, self.config.model) if self.config.extra_models else self._watcher
 
-    def _page_size(self) -> int:
-        if self._watcher is None:
-            return 0
-        sizes = {w.page_size for w in self._watcher.workers() if w.page_size > 0}
+    def _page_size(self, model: str) -> int:
+        """The page size of `model`'s live workers (each model's pool has its own)."""
+        sizes = {w.page_size for w in self._workers_of(model or None) if w.page_size > 0}
         return sizes.pop() if len(sizes) == 1 else 0  # mixed sizes: the hashes would not match
 
     # --- the request -------------------------------------------------------------------
@@ -380,6 +416,7 @@ class GrpcBackend:
                 yield event
         finally:
             # Runs on success, failure, early close (stop string) and cancellation (client left).
+            state.drop_lease(self.leases)
             if state.reservation is not None and not state.completed:
                 self._cleanup(self._cancel_reservation(decode, state))  # idempotent on decode
             elif state.reserve_unanswered:
@@ -409,7 +446,7 @@ class GrpcBackend:
     async def _route(self, request: GenerationRequest, attempt: Attempt, metadata) -> duet_pb2.RouteReply:
         from shared.registry.prefix_hashes import chained_page_hashes
 
-        page_size = self._page_size()
+        page_size = self._page_size(request.model)
         prompt = attempt.prompt.kv_tokens
         # seeded with the namespace: the workers publish their pages' hashes the same way
         hashes = (chained_page_hashes(prompt, page_size, seed=request.cache_scope.cache_key) if page_size else [])
@@ -445,6 +482,8 @@ class GrpcBackend:
                 raise _lost(exc, what, "decode_reserve", route.decode) from None
             raise rpc_error(exc, what) from None
         state.reserve_unanswered = False
+        state.lease_on = route.decode
+        self.leases.hold(decode, route.decode, state.reservation)  # until decode has our Generate
         prefill = duet_pb2_grpc.PrefillStub(self._workers.get(route.prefill, "prefill"))
         state.prefill_sent = True  # from here prefill may write: decode waits for its notice
         try:
@@ -470,6 +509,7 @@ class GrpcBackend:
                                           route.decode.instance_nonce)
         try:
             async for chunk in state.stream:
+                state.drop_lease(self.leases)  # decode claimed the reservation: the stream keeps it
                 out, usage = chunk_from_proto(chunk, generate.request_id, want_logprobs)
                 if out.finish_reason == "abort":
                     state.stream_done = True
@@ -531,6 +571,25 @@ class GrpcBackend:
 
 
 @dataclass
+class _OneModel:
+    """A registry watcher seen through one model's entries (grpc_adapters.py reads `workers`,
+    `model`, `client` and `keys`)."""
+    watcher: object
+    model: str
+
+    def workers(self, role: str | None = None) -> list:
+        return [w for w in self.watcher.workers(role) if w.model == self.model]
+
+    @property
+    def client(self):
+        return self.watcher.client
+
+    @property
+    def keys(self):
+        return self.watcher.keys
+
+
+@dataclass
 class _AttemptRecord:
     """What an attempt learnt on the way, for the one that may follow it."""
     checkpoint: str = ""     # the router's choice's checkpoint fingerprint: a move stays on it
@@ -558,3 +617,9 @@ class _RequestState:
     stream: object | None = None  # the Decode.Generate call
     stream_done: bool = False     # the call ended (finish, error): nothing to cancel
     completed: bool = False       # decode finished the request: its reservation is used up
+    lease_on: duet_pb2.WorkerRef | None = None  # the decode worker we renew the reservation's lease on
+
+    def drop_lease(self, leases: LeaseKeeper) -> None:
+        if self.lease_on is not None:
+            leases.drop(self.lease_on, self.reservation)
+            self.lease_on = None

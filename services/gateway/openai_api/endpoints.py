@@ -50,21 +50,18 @@ from services.gateway.http_edge.sse import (
     sse_event,
 )
 from services.gateway.openai_api.chat_objects import ChatFormatter
-from services.gateway.openai_api.chat_renderer import ChatRenderer
 from services.gateway.openai_api.completion_objects import CompletionFormatter, EchoPrompt
 from services.gateway.openai_api.generation import Generation, OutputDelta
 from services.gateway.openai_api.generation_set import GenerationSet
 from services.gateway.openai_api.prompt_builder import PromptBuilder
 from services.gateway.openai_api.request_sampling import chat_sampling, completion_sampling, responses_sampling
 from services.gateway.openai_api.responses_objects import ResponsesFormatter
+from services.gateway.openai_api.served_model import ModelFiles, ServedModel
 from services.gateway.openai_api.structured_outputs import checked, response_format_grammar, tool_choice_grammar
 from services.gateway.openai_api.template_config import ChatTemplateConfig
 from services.gateway.openai_api.template_kwargs import checked_template_kwargs
-from services.gateway.openai_api.token_strings import TokenStrings
 from services.gateway.openai_api.tool_call_parsing import ToolMode
-from services.gateway.openai_api.tool_prompt import ToolTemplate
 from shared.admission.kv_demand import kv_demand
-from shared.engine.grammar_guard import GrammarGuard
 from shared.engine.grammar_limits import GrammarLimits
 from shared.engine.sampling_params import SamplingParams
 from shared.openai_protocol.errors import InvalidRequest
@@ -85,7 +82,9 @@ STATUS_CANCELLED = HTTP_CLIENT_CLOSED
 
 @dataclass
 class GatewayContext:
-    """Everything a request needs, built once at start (no module globals)."""
+    """Everything a request needs, built once at start (no module globals). The positional
+    fields describe the default model (the one a request that names none gets); extra_models
+    are the other base models served behind the same router (served_model.py)."""
 
     backend: GenerationBackend
     prompts: PromptBuilder
@@ -101,6 +100,7 @@ class GatewayContext:
     # whose prompts share prefix-cache pages (main.py gives the configured key; else random)
     cache_namespaces: CacheNamespaces = field(default_factory=CacheNamespaces.random)
     lora_loading: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (lora_admin.py)
+    extra_models: list[ModelFiles] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         lim = self.limits
@@ -108,36 +108,55 @@ class GatewayContext:
                                         budget=self.admission_budget, max_request_share=lim.max_request_share,
                                         aging_s=lim.admission_aging_s)
         register_admission_metrics(self.metrics.registry, self.admission)
-        self.token_strings = TokenStrings(self.prompts.tokenizer)
-        parser = "auto" if self.tool_call_parser == "none" else self.tool_call_parser
-        self.tool_template = ToolTemplate.detect(self.prompts.chat_template, parser)
-        # helper processes (started on first use): chat templates and grammar compiles run
-        # there with a time budget, never on this event loop
-        self.renderer = ChatRenderer(self.prompts, self.template)
-        self.grammar_guard = GrammarGuard.for_tokenizer(self.grammar, self.prompts.tokenizer)
+        default = ServedModel(self.served_model_name, self.prompts, self.max_context_len, self.template,
+                              self.grammar, self.tool_call_parser)
+        self.models: dict[str, ServedModel] = {default.name: default}
+        for files in self.extra_models:
+            if files.name in self.models:
+                raise ValueError(f"two models are served under the name {files.name!r}")
+            self.models[files.name] = ServedModel.of(files, self.template, self.grammar, self.tool_call_parser)
+        self.default_model = default
+        # the default model's (tests and helpers that know one model read these)
+        self.token_strings, self.tool_template = default.token_strings, default.tool_template
+        self.renderer, self.grammar_guard = default.renderer, default.grammar_guard
 
     def stop_helpers(self) -> None:
-        """Stop the helper processes (a later request starts them again)."""
-        self.renderer.pool.stop()
-        self.grammar_guard.pool.stop()
+        """Stop every model's helper processes (a later request starts them again)."""
+        for model in self.models.values():
+            model.stop_helpers()
 
     def adapters(self) -> list[str]:
         """The LoRA adapters a request may name as `model` (the backend's; optional for stand-ins)."""
-        adapters = getattr(self.backend, "adapters", None)
-        return adapters() if adapters is not None else []
+        return sorted(self.adapter_parents())
 
-    def resolve_model(self, model: str | None) -> str:
-        """The LoRA adapter a request's `model` names: "" for the base model (also when it names
-        none, as vLLM does); a name nobody serves is a 404 model_not_found."""
-        if model is None or model == self.served_model_name:
-            return ""
-        if model in self.adapters():
-            return model
+    def adapter_parents(self) -> dict[str, str]:
+        """Each LoRA adapter and the base model it runs on (the model its workers serve); a
+        backend that does not say (one model) runs them all on the default model."""
+        parents = getattr(self.backend, "adapter_parents", None)
+        if parents is not None:
+            return {name: base for name, base in parents().items() if base in self.models}
+        adapters = getattr(self.backend, "adapters", None)
+        return {name: self.served_model_name for name in (adapters() if adapters is not None else [])}
+
+    def resolve_model(self, model: str | None) -> tuple[ServedModel, str]:
+        """The base model and LoRA adapter a request's `model` names ("" for a base model; a
+        request that names none gets the default model, as vLLM's); a name nobody serves is a
+        404 model_not_found."""
+        if model is None:
+            return self.default_model, ""
+        if model in self.models:
+            return self.models[model], ""
+        parent = self.adapter_parents().get(model)
+        if parent is not None:
+            return self.models[parent], model
         raise model_not_found(model)
 
-    def live_capacity(self) -> list[WorkerCapacity]:
+    def live_capacity(self, model: str | None = None) -> list[WorkerCapacity]:
+        """What the live workers (of `model`, when given) can hold."""
         capacity = getattr(self.backend, "live_capacity", None)  # optional for stand-in backends
-        return capacity() if capacity is not None else []
+        if capacity is None:
+            return []
+        return capacity(model) if model is not None and len(self.models) > 1 else capacity()
 
     def admission_budget(self) -> Budget:
         """The limits' budget; sequences and prefill tokens default to the live workers'."""
@@ -160,6 +179,7 @@ class PreparedRequest:
     limit_param: str = "max_tokens"  # the request's name for the completion budget (in errors)
     cache_salt: str | None = None  # with the tenant, the prefix-cache namespace (cache_namespace.py)
     adapter: str = ""  # the LoRA adapter `model` named ("" = the base model): part of the cache scope
+    model: ServedModel | None = None  # the base model `model` named (its tokenizer made `prompts`)
 
 
 class OpenAIEndpoints:
@@ -178,65 +198,71 @@ class OpenAIEndpoints:
         return await self._serve(request, ENDPOINT_RESPONSES, self._prepare_responses)
 
     async def list_models(self) -> JSONResponse:
-        cards = [self._model_card()] + [self._model_card(name) for name in self.ctx.adapters()]
+        cards = [self._model_card(model) for model in self.ctx.models.values()]
+        cards += [self._model_card(self.ctx.models[parent], name)
+                  for name, parent in sorted(self.ctx.adapter_parents().items())]
         return JSONResponse({"object": "list", "data": cards})
 
     async def get_model(self, model: str) -> Response:
         try:
-            adapter = self.ctx.resolve_model(model)
+            base, adapter = self.ctx.resolve_model(model)
         except APIError as exc:
             return exc.response()
-        return JSONResponse(self._model_card(adapter))
+        return JSONResponse(self._model_card(base, adapter))
 
     async def health(self) -> Response:
         if not self.ctx.backend.ready():
             return APIError(503, "the backend is not ready to serve yet", "server_error", None,
                             "not_ready").response()
-        # Ready once a chat-template helper is up too (started with the app): on a busy node its
-        # interpreter and tokenizer imports take seconds the first chat request must not wait for.
-        pool = self.ctx.renderer.pool
-        if not pool.ready:
-            pool.ensure_starting()
-            why = (f"could not start ({pool.start_error}); trying again" if pool.start_error
-                   else "is still starting")
-            return APIError(503, f"the chat template helper process {why}", "server_error", None,
-                            "not_ready").response()
+        # Ready once a chat-template helper of every model is up too (started with the app): on a
+        # busy node its interpreter and tokenizer imports take seconds the first chat request
+        # must not wait for.
+        for model in self.ctx.models.values():
+            pool = model.renderer.pool
+            if not pool.ready:
+                pool.ensure_starting()
+                why = (f"could not start ({pool.start_error}); trying again" if pool.start_error
+                       else "is still starting")
+                of = f" of {model.name}" if len(self.ctx.models) > 1 else ""
+                return APIError(503, f"the chat template helper process{of} {why}", "server_error", None,
+                                "not_ready").response()
         return JSONResponse({"status": "ok"})
 
     async def prometheus(self) -> Response:
         return Response(self.ctx.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
-    def _model_card(self, adapter: str = "") -> dict:
-        """The base model's card, or a LoRA adapter's with the base model as its `parent` (as vLLM)."""
-        base = self.ctx.served_model_name
+    def _model_card(self, model: ServedModel, adapter: str = "") -> dict:
+        """A base model's card, or a LoRA adapter's with its base model as `parent` (as vLLM)."""
+        base = model.name
         return {"id": adapter or base, "object": "model", "created": self.ctx.created, "owned_by": "duet",
-                "root": adapter or base, "parent": base if adapter else None, "max_model_len": self.ctx.max_context_len}
+                "root": adapter or base, "parent": base if adapter else None, "max_model_len": model.max_context_len}
 
     # --- request preparation -----------------------------------------------------------
 
     async def _prepare_chat(self, body: bytes) -> PreparedRequest:
         req = parse_chat_request(body)
-        adapter = self.ctx.resolve_model(req.model)
+        model, adapter = self.ctx.resolve_model(req.model)
         choice = req.effective_tool_choice
         tools = req.tools if choice != "none" else None
         template_kwargs = checked_template_kwargs(req.chat_template_kwargs, self.ctx.template.kwargs_allowed)
-        messages, template_tools = self.ctx.tool_template.render(req.template_messages(), tools)
-        prompt_ids = await self.ctx.renderer.chat_prompt_ids(messages, template_kwargs, template_tools)
-        sampling = chat_sampling(req, len(prompt_ids), self.ctx.max_context_len)
+        messages, template_tools = model.tool_template.render(req.template_messages(), tools)
+        prompt_ids = await model.renderer.chat_prompt_ids(messages, template_kwargs, template_tools)
+        sampling = chat_sampling(req, len(prompt_ids), model.max_context_len)
         grammar = response_format_grammar(req.response_format)
         if tools:
             grammar = tool_choice_grammar(tools, choice, req.parallel_tool_calls) or grammar
-        sampling.grammar = await checked(self.ctx.grammar_guard, grammar)
+        sampling.grammar = await checked(model.grammar_guard, grammar)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        formatter = ChatFormatter(request_id, adapter or self.ctx.served_model_name, int(time.time()),
-                                  self.ctx.token_strings,
+        formatter = ChatFormatter(request_id, adapter or model.name, int(time.time()),
+                                  model.token_strings,
                                   logprobs=sampling.logprobs is not None, top_logprobs=sampling.logprobs or 0,
-                                  include_usage=req.include_usage, n=sampling.n, tools=self._tool_mode(tools, choice))
+                                  include_usage=req.include_usage, n=sampling.n,
+                                  tools=self._tool_mode(model, tools, choice))
         limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         return PreparedRequest(request_id, [prompt_ids], sampling, formatter, bool(req.stream), req.include_usage,
-                               limit_param=limit_param, cache_salt=req.cache_salt, adapter=adapter)
+                               limit_param=limit_param, cache_salt=req.cache_salt, adapter=adapter, model=model)
 
-    def _tool_mode(self, tools, choice, flat: bool = False) -> ToolMode | None:
+    def _tool_mode(self, model: ServedModel, tools, choice, flat: bool = False) -> ToolMode | None:
         """How answers are read for tool calls (None: never)."""
         if not tools:
             return None
@@ -247,57 +273,58 @@ class OpenAIEndpoints:
             return ToolMode("required")
         if self.ctx.tool_call_parser == "none":
             return None
-        return ToolMode(self.ctx.tool_template.parser)
+        return ToolMode(model.tool_template.parser)
 
     async def _prepare_responses(self, body: bytes) -> PreparedRequest:
         req = parse_responses_request(body)
-        adapter = self.ctx.resolve_model(req.model)
+        model, adapter = self.ctx.resolve_model(req.model)
         choice = req.effective_tool_choice
         flat = req.tools if choice != "none" else None
         tools = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
                  for t in flat or []] or None
-        messages, template_tools = self.ctx.tool_template.render(req.chat_messages(), tools)
-        prompt_ids = await self.ctx.renderer.chat_prompt_ids(messages, None, template_tools)
-        sampling = responses_sampling(req, len(prompt_ids), self.ctx.max_context_len)
+        messages, template_tools = model.tool_template.render(req.chat_messages(), tools)
+        prompt_ids = await model.renderer.chat_prompt_ids(messages, None, template_tools)
+        sampling = responses_sampling(req, len(prompt_ids), model.max_context_len)
         grammar = response_format_grammar(req.format, "text.format", "text.format.schema")
         if flat:
             grammar = tool_choice_grammar(flat, choice, req.parallel_tool_calls, flat=True) or grammar
-        sampling.grammar = await checked(self.ctx.grammar_guard, grammar)
+        sampling.grammar = await checked(model.grammar_guard, grammar)
         request_id = _response_id()
         echo = {"instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
                 "temperature": sampling.temperature, "top_p": sampling.top_p, "tools": [_function_tool(t) for t in req.tools or []],
                 "tool_choice": req.tool_choice or "auto", "parallel_tool_calls": req.parallel_tool_calls is not False,
                 "metadata": req.metadata or {}, "text": {"format": (req.text.format if req.text and req.text.format
                                                                     else {"type": "text"})}}
-        formatter = ResponsesFormatter(request_id, adapter or self.ctx.served_model_name, int(time.time()), echo,
-                                       tools=self._tool_mode(flat, choice, flat=True))
+        formatter = ResponsesFormatter(request_id, adapter or model.name, int(time.time()), echo,
+                                       tools=self._tool_mode(model, flat, choice, flat=True))
         return PreparedRequest(request_id, [prompt_ids], sampling, formatter, bool(req.stream), False,
-                               limit_param="max_output_tokens", cache_salt=req.cache_salt, adapter=adapter)
+                               limit_param="max_output_tokens", cache_salt=req.cache_salt, adapter=adapter,
+                               model=model)
 
     async def _prepare_completion(self, body: bytes) -> PreparedRequest:
         req = parse_completion_request(body)
-        adapter = self.ctx.resolve_model(req.model)
+        model, adapter = self.ctx.resolve_model(req.model)
         prompts = []
         for prompt in req.prompts():
             if isinstance(prompt, str):
-                prompts.append(await asyncio.to_thread(self.ctx.prompts.text_prompt_ids, prompt))
+                prompts.append(await asyncio.to_thread(model.prompts.text_prompt_ids, prompt))
             else:
-                prompts.append(self.ctx.prompts.check_token_ids(prompt))
+                prompts.append(model.prompts.check_token_ids(prompt))
         # every prompt must fit (each is checked); one budget for all: the asked one, or the
         # default capped by the longest prompt's room
-        options = [completion_sampling(req, len(ids), self.ctx.max_context_len) for ids in prompts]
+        options = [completion_sampling(req, len(ids), model.max_context_len) for ids in prompts]
         sampling = min(options, key=lambda o: o.max_tokens)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         echo = None
         if req.echo:
-            texts = [p if isinstance(p, str) else self.ctx.prompts.tokenizer.decode(p) for p in req.prompts()]
+            texts = [p if isinstance(p, str) else model.prompts.tokenizer.decode(p) for p in req.prompts()]
             echo = [EchoPrompt(text, ids) for text, ids in zip(texts, prompts)]
-        formatter = CompletionFormatter(request_id, adapter or self.ctx.served_model_name, int(time.time()),
-                                        self.ctx.token_strings, logprobs=req.logprobs,
+        formatter = CompletionFormatter(request_id, adapter or model.name, int(time.time()),
+                                        model.token_strings, logprobs=req.logprobs,
                                         include_usage=req.include_usage, n=sampling.n, echo=echo,
                                         echo_only=req.echo_only)
         return PreparedRequest(request_id, prompts, sampling, formatter, bool(req.stream), req.include_usage, echo,
-                               cache_salt=req.cache_salt, adapter=adapter)
+                               cache_salt=req.cache_salt, adapter=adapter, model=model)
 
     # --- serving --------------------------------------------------------------------------
 
@@ -329,7 +356,9 @@ class OpenAIEndpoints:
                 first = await run_until_disconnect(request.receive, ticket.acquire(works[0]))
             except AdmissionRefused as exc:
                 raise server_busy(str(exc), exc.retry_after_s) from None
+            model = prepared.model or self.ctx.default_model
             span.set_attribute("duet.request_id", prepared.request_id)
+            span.set_attribute("duet.model", model.name)
             span.set_attribute("duet.prompt_tokens", sum(len(p) for p in prepared.prompts))
             trace_context = inject_http_headers({}, context=trace.set_span_in_context(span))
             # its namespace, tenant and LoRA adapter: base and adapter never share a page
@@ -339,10 +368,10 @@ class OpenAIEndpoints:
             for k, prompt_ids in enumerate(prepared.prompts):
                 rid = prepared.request_id if len(prepared.prompts) == 1 else f"{prepared.request_id}-{k}"
                 gen_request = GenerationRequest(rid, prompt_ids, prepared.sampling,
-                                                model=self.ctx.served_model_name, group=prepared.request_id,
+                                                model=model.name, group=prepared.request_id,
                                                 trace_context=trace_context, cache_scope=cache_scope)
-                metrics.prompt_tokens.labels(endpoint).inc(len(prompt_ids))
-                generations.append(Generation(self.ctx.backend, gen_request, self.ctx.prompts.tokenizer, metrics,
+                metrics.prompt_tokens.labels(endpoint, model.name).inc(len(prompt_ids))
+                generations.append(Generation(self.ctx.backend, gen_request, model.prompts.tokenizer, metrics,
                                               endpoint, arrived_at=arrived_at))
                 if prepared.echo is not None:
                     prepared.echo[k].stats = generations[-1].stats
@@ -376,7 +405,7 @@ class OpenAIEndpoints:
     def _work(self, prepared: PreparedRequest) -> list[Work]:
         """Each prompt's admission weight; InvalidRequest when one could never fit a live worker
         (every prompt of a list is checked before any is sent)."""
-        capacity = self.ctx.live_capacity()
+        capacity = self.ctx.live_capacity(prepared.model.name if prepared.model is not None else None)
         n, max_tokens = prepared.sampling.n, prepared.sampling.max_tokens
         works = []
         for prompt_ids in prepared.prompts:

@@ -103,7 +103,8 @@ class Generation:
         self.stats.finish_reason = reason
         self.stats.finish_reasons[delta.index] = reason
         if len(self.stats.finish_reasons) == self.request.sampling.n and self.stats.first_token_at is not None:
-            self.metrics.e2e_latency.labels(self.endpoint).observe(self.stats.last_token_at - self.arrived_at)
+            self.metrics.e2e_latency.labels(self.endpoint, self.request.model).observe(
+                self.stats.last_token_at - self.arrived_at)
         return delta
 
     def _observe(self, token_ids: list[int], cached_tokens: int | None) -> None:
@@ -115,7 +116,7 @@ class Generation:
             return
         if self.stats.first_token_at is None:
             self.stats.first_token_at = now
-            self.metrics.time_to_first_token.labels(self.endpoint).observe(now - self.arrived_at)
+            self.metrics.time_to_first_token.labels(self.endpoint, self.request.model).observe(now - self.arrived_at)
             count_itl = count - 1
         else:
             count_itl = count
@@ -123,7 +124,7 @@ class Generation:
             # Several tokens in one event share the gap evenly.
             gap = (now - self.stats.last_token_at) / count_itl
             for _ in range(count_itl):
-                self.metrics.inter_token_latency.labels(self.endpoint).observe(gap)
+                self.metrics.inter_token_latency.labels(self.endpoint, self.request.model).observe(gap)
         self.stats.last_token_at = now
         self.stats.completion_tokens += count
-        self.metrics.generation_tokens.labels(self.endpoint).inc(count)
+        self.metrics.generation_tokens.labels(self.endpoint, self.request.model).inc(count)

@@ -88,7 +88,7 @@ class LoraLinear:
         shrunk = self._shrink(x, rows)
         for p, out in enumerate(outs):
             lo, hi = self.part_starts[p], self.part_starts[p + 1]
-            self._expand(shrunk[:, p:p + 1], self.b[:, lo:hi], out, rows, [0, hi - lo])
+            self._expand(shrunk[..., p:p + 1, :], self.b[:, lo:hi], out, rows, [0, hi - lo])
         return outs
 
     def _shrink(self, x, rows):

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from shared.process_exit import FastExit
 from shared.settings.process_vars import TP_ADDR, TP_KEY
 
 from ..step_plan import StepPlan
@@ -26,12 +27,15 @@ IDLE_TICK_S = 0.002  # while rank 0 sends nothing: how often rank services (KV t
 LEAVE_GROUP_S = 10.0  # how long leaving the process group may take before the follower just exits
 
 
-def follower_entry() -> None:
-    """Run in a follower interpreter: connect to rank 0, then follower_main."""
+def follower_entry(fast_exit: FastExit) -> None:
+    """Run in a follower interpreter: connect to rank 0, then follower_main; once told to stop,
+    exit without the interpreter's teardown (rank 0 waits for this process to end).
+    fast_exit: installed by FOLLOWER_BOOT before torch was imported (shared/process_exit.py)."""
     host, port = os.environ[TP_ADDR.name].rsplit(":", 1)
     conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ[TP_KEY.name]))
     rank, size, init, config = conn.recv()
     follower_main(rank, size, init, config, conn)
+    fast_exit.code = 0
 
 
 def follower_main(rank: int, size: int, init: str, config, conn) -> None:

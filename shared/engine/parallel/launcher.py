@@ -37,7 +37,9 @@ log = logging.getLogger("duet.engine.tp")
 
 # Run by each follower interpreter (a string: importing the follower here would import the
 # engine, which imports this module).
-FOLLOWER_BOOT = "from shared.engine.parallel.follower import follower_entry; follower_entry()"
+# the fast exit first: its exit handler must be registered before torch's (shared/process_exit.py)
+FOLLOWER_BOOT = ("from shared.process_exit import FastExit; fast_exit = FastExit.install(); "
+                 "from shared.engine.parallel.follower import follower_entry; follower_entry(fast_exit)")
 
 
 def check_divisible(model_config, tp_size: int, expert_parallel: bool = False) -> None:

@@ -1,0 +1,73 @@
+"""`duet up --model A --model B` (services/launcher/main.py, Stack.plan): a pool of workers per
+model (the counts apply per model, the second model's workers named m1-...), each started on its
+own folder; one router; one gateway given the first as --model and the others as --extra-model;
+with the planner on, a planner per model given that model's name, so each switches roles within
+its own pool only. Planned only: nothing is started."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.launcher.config import UpConfig
+from services.launcher.main import Stack
+from services.launcher.main import main as duet_up
+from services.planner.scrape import gateway_figures
+
+
+def planned(tmp_path: Path, *argv: str) -> dict[str, list[str]]:
+    a, b = tmp_path / "model-a", tmp_path / "model-b"
+    cfg = UpConfig.from_argv(["--redis-url", "redis://127.0.0.1:1", "--model", str(a), "--model", str(b),
+                              "--insecure", *argv, "--", "--device", "cpu"], env={})
+    stack = Stack(cfg, tmp_path)
+    try:
+        stack.plan([str(a), str(b)])
+        return {c.name: c.argv for c in stack.children}
+    finally:
+        stack.secrets.close()
+
+
+def flag(argv: list[str], name: str) -> list[str]:
+    return [argv[i + 1] for i, x in enumerate(argv) if x == name]
+
+
+def test_a_pool_per_model_behind_one_router_and_gateway(tmp_path):
+    children = planned(tmp_path, "--planner", "off", "--prefill", "1", "--decode", "2")
+    workers = {name: argv for name, argv in children.items() if "worker" in argv}
+    assert {name: flag(argv, "--model")[0].rsplit("/", 1)[1] for name, argv in workers.items()} == {
+        "prefill-0": "model-a", "decode-0": "model-a", "decode-1": "model-a",
+        "m1-prefill-0": "model-b", "m1-decode-0": "model-b", "m1-decode-1": "model-b"}
+    assert sum("router" in argv for argv in children.values()) == 1
+    gateway = children["gateway"]
+    assert (flag(gateway, "--model"), flag(gateway, "--extra-model")) == (
+        [str(tmp_path / "model-a")], [str(tmp_path / "model-b")])
+    assert not any("planner" in argv for argv in children.values())
+
+
+def test_with_the_planner_each_model_gets_its_own(tmp_path):
+    children = planned(tmp_path)  # the planner on: duet up's default
+    planners = {name: argv for name, argv in children.items() if "planner" in argv}
+    assert {name: flag(argv, "--model") for name, argv in planners.items()} == {
+        "planner": ["model-a"], "planner-m1": ["model-b"]}
+    assert {name for name, argv in children.items() if "--switchable" in argv} == {
+        "worker-0", "worker-1", "m1-worker-0", "m1-worker-1"}
+
+
+def test_the_planner_of_one_model_reads_that_models_figures():
+    page = ("duet_time_to_first_token_seconds_count{endpoint=\"chat_completions\",model=\"a\"} 3.0\n"
+            "duet_time_to_first_token_seconds_count{endpoint=\"chat_completions\",model=\"b\"} 5.0\n")
+    assert (gateway_figures(page)["ttft_count"], gateway_figures(page, "a")["ttft_count"],
+            gateway_figures(page, "b")["ttft_count"]) == (8.0, 3.0, 5.0)
+
+
+def test_two_folders_of_one_name_are_refused(tmp_path, capsys):
+    for side in ("x", "y"):
+        (tmp_path / side / "m").mkdir(parents=True)
+        (tmp_path / side / "m" / "config.json").write_text("{}")
+    assert duet_up(["--port", "1", "--model", str(tmp_path / "x" / "m"), "--model", str(tmp_path / "y" / "m")]) == 2
+    assert "same name" in capsys.readouterr().err
+
+
+def test_several_models_refuse_one_served_name():
+    with pytest.raises(SystemExit):
+        UpConfig.from_argv(["--model", "/a", "--model", "/b", "--", "--served-model-name", "x"], env={})

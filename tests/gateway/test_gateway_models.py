@@ -1,0 +1,87 @@
+"""Several base models behind one gateway (services/gateway/openai_api/served_model.py): each
+request is tokenized with the tokenizer of the model it names and sent to the backend under that
+model's name; /v1/models lists every model; a request naming none gets the default model; an
+unknown name is OpenAI's 404 model_not_found; the token metrics carry the model.
+
+Two real tokenizers that split text differently (a byte-level BPE and a sentencepiece-style
+one), a real uvicorn server, the official openai client; the backend is a ScriptedBackend,
+which records what reached it."""
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from services.gateway.http_edge.app import build_app
+from services.gateway.http_edge.metrics import GatewayMetrics
+from services.gateway.openai_api.endpoints import GatewayContext
+from services.gateway.openai_api.prompt_builder import PromptBuilder
+from services.gateway.openai_api.served_model import ModelFiles
+from tests.helpers.gateway_support import (
+    ScriptedBackend,
+    UvicornThread,
+    byte_level_tokenizer_dir,
+    sentencepiece_tokenizer_dir,
+)
+
+PROMPT = "hello world, the quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    a = PromptBuilder.from_model_dir(byte_level_tokenizer_dir(tmp_path_factory.mktemp("a"), 256))
+    b = PromptBuilder.from_model_dir(sentencepiece_tokenizer_dir(tmp_path_factory.mktemp("b")))
+    return a, b
+
+
+@pytest.fixture(scope="module")
+def served(models):
+    a, b = models
+    backend = ScriptedBackend(script=[], eos_token_id=a.tokenizer.eos_token_id)
+    ctx = GatewayContext(backend, a, GatewayMetrics(), "model-a", 256, extra_models=[ModelFiles("model-b", b, 128)])
+    with UvicornThread(build_app(ctx)) as server:
+        yield server, backend, ctx
+
+
+def test_each_request_is_tokenized_and_routed_as_the_model_it_names(served, models):
+    server, backend, _ = served
+    a, b = models
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x")
+    cards = {m.id: m.model_dump() for m in client.models.list().data}
+    assert set(cards) == {"model-a", "model-b"}
+    assert (cards["model-a"]["max_model_len"], cards["model-b"]["max_model_len"]) == (256, 128)
+    assert a.text_prompt_ids(PROMPT) != b.text_prompt_ids(PROMPT)  # the two tokenizers differ
+
+    for name, builder in (("model-b", b), ("model-a", a), (None, a)):
+        backend.requests.clear()
+        args = {"model": name} if name else {}
+        out = httpx.post(server.base_url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, **args},
+                         timeout=30).json()
+        assert out["model"] == (name or "model-a")
+        [request] = backend.requests
+        assert request.model == (name or "model-a")
+        assert request.prompt_token_ids == builder.text_prompt_ids(PROMPT)
+        assert out["usage"]["prompt_tokens"] == len(builder.text_prompt_ids(PROMPT))
+
+    metrics = httpx.get(server.base_url + "/metrics", timeout=10).text
+    assert 'duet_prompt_tokens_total{endpoint="completions",model="model-b"}' in metrics
+
+
+def test_context_length_and_unknown_names_are_per_model(served):
+    server, _, _ = served
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x")
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="model-c", prompt=PROMPT, max_tokens=2)
+    assert err.value.status_code == 404 and err.value.body["code"] == "model_not_found"
+    assert httpx.get(server.base_url + "/v1/models/model-b", timeout=10).json()["max_model_len"] == 128
+    # 200 tokens fit model-a's 256 but not model-b's 128
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="model-b", prompt=PROMPT, max_tokens=200)
+    client.completions.create(model="model-a", prompt=PROMPT, max_tokens=200)
+
+
+def test_two_models_may_not_share_a_name(models):
+    a, b = models
+    with pytest.raises(ValueError, match="model-a"):
+        GatewayContext(ScriptedBackend(script=[], eos_token_id=0), a, GatewayMetrics(), "model-a", 256,
+                       extra_models=[ModelFiles("model-a", b, 128)])
