@@ -53,8 +53,9 @@ class GatewayConfig:
     rpc_timeout_s: float = setting(600.0, flag="--rpc-timeout", env="DUET_RPC_TIMEOUT",
                                    help="seconds bounding each unary RPC to a worker (reserve, prefill)")
     route_timeout_s: float = setting(15.0, flag="--route-timeout", env="DUET_ROUTE_TIMEOUT",
-                                     help="seconds bounding the router's answer (it answers at once; a router "
-                                          "that does not is down: 503)")
+                                     help="seconds bounding the router's answer, including the wait for a router being "
+                                          "restarted to accept the call again (it answers at once; a router that "
+                                          "does not within this is down: 503)")
     # How tool calls are read out of answers: auto = from the chat template (hermes or
     # llama3_json); none = never (tool_choice "auto" then returns text only)
     tool_call_parser: str = setting("auto", flag="--tool-call-parser", env="DUET_TOOL_CALL_PARSER",

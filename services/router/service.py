@@ -27,6 +27,8 @@ from shared.telemetry.propagation import extract_grpc_context
 
 log = logging.getLogger(__name__)
 
+PROBE_S = 0.25  # while the registry is down, how often a route tries the prefix lookup anyway
+
 
 def worker_ref(info: WorkerInfo) -> duet_pb2.WorkerRef:
     return duet_pb2.WorkerRef(worker_id=info.worker_id, address=info.address, instance_nonce=info.instance_nonce)
@@ -53,6 +55,7 @@ class RouterService(duet_pb2_grpc.RouterServicer):
                                         config.registry.heartbeat_interval_s + config.registry.scan_interval_s)
         self._rotation = itertools.count()
         self.placement_metrics = PlacementMetrics(metrics.registry)
+        self._lookup_probe_at = 0.0  # monotonic: while the registry is down, the next prefix lookup tried
 
     async def Route(self, request: duet_pb2.RouteRequest, context: grpc.aio.ServicerContext) -> duet_pb2.RouteReply:
         parent = extract_grpc_context(context.invocation_metadata())
@@ -207,14 +210,26 @@ class RouterService(duet_pb2_grpc.RouterServicer):
                                    reason=reason, checkpoint=worker.checkpoint)
 
     async def _cached_pages(self, workers: list[WorkerInfo], page_hashes: list[int]) -> dict[str, int]:
-        """Leading prompt pages each worker holds; {} when unknown (no hashes, Redis slow or down)."""
-        if not page_hashes or not self.watcher.redis_ok:
+        """Leading prompt pages each worker holds; {} when unknown (no hashes, Redis slow or down).
+
+        While the watcher says Redis is down, a lookup is still tried every PROBE_S: a Redis
+        restarted (empty) answers, and holds the page sets the workers published again, up to a
+        scan interval before the watcher's next scan says so; routing on load alone meanwhile
+        would scatter conversations."""
+        if not page_hashes:
+            return {}
+        now = time.monotonic()
+        if not self.watcher.redis_ok and now < self._lookup_probe_at:
             return {}
         keys = {w.worker_id: self.keys.pages(w.worker_id) for w in workers}
         try:
-            return await asyncio.wait_for(cached_prefix_pages(self.watcher.client, keys, page_hashes),
-                                          timeout=self.config.prefix_lookup_timeout_s)
+            found = await asyncio.wait_for(cached_prefix_pages(self.watcher.client, keys, page_hashes),
+                                           timeout=self.config.prefix_lookup_timeout_s)
         except Exception as exc:  # routing without prefix information beats not routing
-            log.warning("prefix lookup failed, routing on load only: %s", exc)
+            if self.watcher.redis_ok:
+                log.warning("prefix lookup failed, routing on load only: %s", exc)
+            self._lookup_probe_at = now + PROBE_S
             return {}
-
+        if not self.watcher.redis_ok:
+            self.watcher.rescan_soon()  # it answers again: the live set too
+        return found

@@ -122,6 +122,10 @@ class WorkerWatcher:
         self._replace(fresh)
         return True
 
+    def rescan_soon(self) -> None:
+        """Scan now rather than at the next interval (a reader just found Redis answering again)."""
+        self._wake.set()
+
     async def refresh_one(self, worker_id: str) -> WorkerInfo | None:
         """Read one worker now (after a join announcement)."""
         try:
@@ -224,6 +228,8 @@ class WorkerWatcher:
             try:
                 await pubsub.subscribe(self.keys.events_channel)
                 backoff = 0.1
+                if self._outage:  # Redis answers again: read the set now, not at the next interval
+                    self._wake.set()
                 while not self._stopping:
                     message = await pubsub.get_message(timeout=1.0)
                     if message is not None:

@@ -8,9 +8,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 
 import grpc
 import pytest
+import redis.asyncio
 
 from protos import duet_pb2, duet_pb2_grpc
 from services.router.config import RouterConfig
@@ -38,8 +40,9 @@ def worker(worker_id: str, role: str, compat: str = "c1", model: str = "tiny", *
 class Cluster:
     """Router server + client + publishers in one event loop."""
 
-    def __init__(self, url: str, model: str = "tiny"):
-        self.config = RouterConfig(host="127.0.0.1", port=0, metrics_port=0, model=model, registry=registry(url))
+    def __init__(self, url: str, model: str = "tiny", registry_config: RegistryConfig | None = None):
+        self.config = RouterConfig(host="127.0.0.1", port=0, metrics_port=0, model=model,
+                                   registry=registry_config or registry(url))
         self.server = RouterServer(self.config)
         self.publishers: dict[str, WorkerPublisher] = {}
 
@@ -258,6 +261,36 @@ def test_routing_survives_redis_outage(redis_server):
             redis_server.start()
             ok = await c.server.watcher.wait_for(lambda w: w.redis_ok and w.is_live("p1") and w.is_live("d1"), 5)
             assert ok
+
+    asyncio.run(scenario())
+
+
+def test_a_redis_restarted_empty_gives_prefix_routing_back_before_the_next_scan(redis_server):
+    """Redis restarted empty: the workers publish their entries and page sets again at their next
+    heartbeat, and routes find those pages at once, not only once the router's registry scan
+    (30 s here) has noticed that Redis answers again."""
+    async def scenario():
+        prompt = list(range(2000, 2000 + 10 * PAGE))
+        hashes = chained_page_hashes(prompt, PAGE)
+        slow_scan = dataclasses.replace(registry(redis_server.url), scan_interval_s=30.0)
+        async with Cluster(redis_server.url, registry_config=slow_scan) as c:
+            await c.add(worker("p1", "prefill"), hashes=hashes)
+            await c.add(worker("p2", "prefill"))
+            await c.add(worker("d1", "decode"))
+            await c.wait_live("p1", "p2", "d1")
+            redis_server.stop()
+            assert not await c.server.watcher.refresh()  # the scan that finds it down
+            redis_server.start()
+            client = redis.asyncio.Redis.from_url(redis_server.url)
+            try:
+                for _ in range(50):  # the heartbeat (0.2 s) that finds its entry gone re-registers in full
+                    if await client.exists("duet:worker:p1:pages"):
+                        break
+                    await asyncio.sleep(0.1)
+            finally:
+                await client.aclose()
+            reply = await c.route(prompt_tokens=len(prompt), page_hashes=hashes)
+            assert reply.prefill.worker_id == "p1" and reply.cached_tokens == len(prompt) - 1
 
     asyncio.run(scenario())
 

@@ -18,20 +18,18 @@ And a `duet up` whose workers die at start every time gives up after --restart-l
 with exit code 1."""
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
-import threading
 import time
 
-import httpx
 import psutil
 import pytest
 import redis
 
 from services.launcher.shutdown import KILL_AFTER_S
-from tests.helpers.stack import DuetUp, managed, new_log_dir, wait_until
+from tests.helpers.stack import DuetUp, child_process, managed, new_log_dir, wait_until
+from tests.helpers.stream_ends import start_stream
 
 pytestmark = pytest.mark.slow
 
@@ -54,17 +52,6 @@ def stack(request):
         yield s
 
 
-def child_process(stack: DuetUp, marker: str) -> psutil.Process:
-    """The live child of duet up whose command line contains `marker`."""
-    for child in psutil.Process(stack.proc.pid).children(recursive=True):
-        try:
-            if marker in " ".join(child.cmdline()) and child.status() != psutil.STATUS_ZOMBIE:
-                return child
-        except psutil.NoSuchProcess:
-            continue
-    raise LookupError(f"duet up has no live child with {marker!r}")
-
-
 def session_processes(leader_pid: int) -> list[int]:
     """Live processes of the session duet up leads (tests/helpers/stack.py starts it in its own)."""
     out = []
@@ -79,40 +66,6 @@ def session_processes(leader_pid: int) -> list[int]:
 
 def model(stack) -> str:
     return stack.client().models.list().data[0].id
-
-
-def stream_end(stack, started: threading.Event, max_tokens: int, result: dict) -> None:
-    """Stream a completion; result["end"]: "done" ([DONE]), "error" (an error event) or
-    "cut" (the body ended with neither)."""
-    body = {"model": "SmolLM2-135M-Instruct", "prompt": "Tell me a long story about the sea.",
-            "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
-    last = None
-    try:
-        with httpx.stream("POST", stack.base_url + "/completions", json=body, timeout=120) as r:
-            result["status"] = r.status_code
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    started.set()
-                    last = line[len("data: "):]
-    except httpx.HTTPError as exc:
-        result["exception"] = repr(exc)
-    finally:
-        started.set()
-    if last == "[DONE]":
-        result["end"] = "done"
-    elif last is not None and "error" in json.loads(last):
-        result["end"] = "error"
-    else:
-        result["end"] = "cut"
-    result["last"] = last
-
-
-def start_stream(stack, max_tokens: int) -> tuple[threading.Thread, dict]:
-    started, result = threading.Event(), {}
-    thread = threading.Thread(target=stream_end, args=(stack, started, max_tokens, result), daemon=True)
-    thread.start()
-    assert started.wait(120), "the stream never started"
-    return thread, result
 
 
 def served(stack) -> bool:

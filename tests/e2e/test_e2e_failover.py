@@ -3,11 +3,12 @@
 workers over gRPC, KV moved by NIXL/UCX, the gateway on uvicorn, the official openai
 client).
 
-Twelve concurrent chat streams of every kind the failover must keep right (greedy,
-seeded at temperature 1, JSON-schema constrained, n = 2, logprobs with alternatives) run
+Thirteen concurrent chat streams of every kind the failover must keep right (greedy,
+seeded at temperature 1, JSON-schema constrained, n = 2, logprobs with alternatives, a forced
+tool call streamed as tool-call deltas) run
 once unfaulted, then again while the decode worker serving most of them is SIGKILLed mid
-stream: every stream ends with [DONE] and no error, and each one's choices (text, finish
-reason, token logprobs) and usage equal the unfaulted run's. The gateway's metrics say the
+stream: every stream ends with [DONE] and no error, and each one's choices (text, tool calls,
+finish reason, token logprobs) and usage equal the unfaulted run's. The gateway's metrics say the
 streams moved, and that the KV rebuilt for them was mostly moved from the prefill worker's
 cache or held by the new decode worker, not recomputed. Afterwards no worker holds a page
 or a request."""
@@ -44,6 +45,30 @@ SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLeng
           "required": ["answer", "confidence"], "additionalProperties": False}
 
 
+# several arguments of long fixed phrases (about 250 tokens in all), so the call still streams when
+# the others are a few tokens in, and always ends within max_tokens (enums compile fast; a
+# length bound would not)
+_MOON = ("the moon does not shine by itself but reflects the light of the sun, and as it travels around the earth "
+         "once in about four weeks we see different parts of its sunlit half, which is why it seems to grow from a "
+         "thin crescent to a full round disc and then shrink again")
+_TIDES = ("the pull of the moon's gravity lifts the water of the oceans a little on the side of the earth that faces "
+          "it and on the far side too, so as the earth turns every coast passes through two bulges of water each day "
+          "and the sea rises and falls twice")
+_CHECK = ("if the moon were twice as far away from the earth as it is now, do you think the tides on the beach would "
+          "be bigger, smaller or just the same, and can you explain why in one sentence of your own words")
+NOTE_FIELDS = {
+    "explanation": [_MOON, _TIDES],
+    "example": [_TIDES, _MOON],
+    "summary": [_MOON + ", while " + _TIDES, _TIDES + ", while " + _MOON],
+    "question": [_CHECK, _CHECK.replace("twice as far away from", "half as far away from")],
+}
+NOTE_TOOL = {"type": "function", "function": {
+    "name": "write_note", "description": "Write a short note for the class.",
+    "parameters": {"type": "object", "properties": {k: {"enum": v} for k, v in NOTE_FIELDS.items()},
+                   "required": list(NOTE_FIELDS), "additionalProperties": False}}}
+TOOL_CASE = len(QUESTIONS)  # its index in cases()
+
+
 def cases() -> list[dict]:
     """Per stream, the request's arguments: three of each kind, two with logprobs."""
     kinds = [dict(temperature=0),
@@ -59,6 +84,11 @@ def cases() -> list[dict]:
             kw["extra_body"] = {"ignore_eos": True}  # every stream runs its whole length
         out.append(dict(messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
                         max_tokens=MAX_TOKENS, **kw))
+    # a forced tool call (the grammar ends it), its arguments streamed as tool-call deltas
+    out.append(dict(messages=[{"role": "system", "content": SYSTEM},
+                              {"role": "user", "content": "Write a note for the class about the moon."}],
+                    max_tokens=12 * MAX_TOKENS, temperature=0, tools=[NOTE_TOOL],
+                    tool_choice={"type": "function", "function": {"name": "write_note"}}))
     return out
 
 
@@ -67,9 +97,11 @@ class Stream:
     """One streamed chat completion: what the client saw."""
 
     texts: dict[int, str] = field(default_factory=dict)
+    tool_calls: dict[tuple[int, int], list[str]] = field(default_factory=dict)  # (choice, call) -> [name, arguments]
     reasons: dict[int, str] = field(default_factory=dict)
     logprobs: list[tuple[str, float, list[str]]] = field(default_factory=list)
     usage: object = None
+    id: str = ""  # the completion's id: the gateway's request id
     chunks: int = 0
     error: BaseException | None = None
 
@@ -78,9 +110,14 @@ class Stream:
             for chunk in client.chat.completions.create(model=MODEL, stream=True,
                                                         stream_options={"include_usage": True}, **case):
                 self.usage = chunk.usage or self.usage
+                self.id = chunk.id
                 for choice in chunk.choices:
                     self.chunks += 1
                     self.texts[choice.index] = self.texts.get(choice.index, "") + (choice.delta.content or "")
+                    for call in choice.delta.tool_calls or []:
+                        seen = self.tool_calls.setdefault((choice.index, call.index), ["", ""])
+                        seen[0] += (call.function.name or "") if call.function else ""
+                        seen[1] += (call.function.arguments or "") if call.function else ""
                     if choice.finish_reason:
                         self.reasons[choice.index] = choice.finish_reason
                     for lp in (choice.logprobs.content or []) if choice.logprobs else []:
@@ -89,12 +126,18 @@ class Stream:
             self.error = exc
 
 
-def run_all(stack, while_running=None) -> list[Stream]:
+def run_all(stack, while_running=None, tool_placed=None) -> list[Stream]:
+    """Every case at once; with tool_placed, the tool-call stream first and alone, and
+    tool_placed(stream) called while it runs (to learn which decode worker runs it)."""
     streams = [Stream() for _ in cases()]
     client = stack.client(timeout=180)
     threads = [threading.Thread(target=s.run, args=(client, case), daemon=True) for s, case in zip(streams, cases())]
+    if tool_placed is not None:
+        threads[TOOL_CASE].start()
+        tool_placed(streams[TOOL_CASE])
     for t in threads:
-        t.start()
+        if not t.is_alive() and t.ident is None:
+            t.start()
     if while_running is not None:
         while_running(streams)
     for t in threads:
@@ -127,26 +170,42 @@ def test_a_decode_worker_killed_mid_stream_is_never_seen_by_the_client(stack):
         assert s.error is None, s.error
     n2 = [s for s, case in zip(unfaulted, cases()) if case.get("n") == 2]
     assert n2 and all(len(s.texts) == 2 for s in n2)
+    tool = unfaulted[TOOL_CASE]
+    assert tool.reasons == {0: "tool_calls"} and [name for name, _ in tool.tool_calls.values()] == ["write_note"]
+    assert set(json.loads(tool.tool_calls[0, 0][1])) == set(NOTE_FIELDS)
     schema_done = [s.texts[0] for s, case in zip(unfaulted, cases()) if "response_format" in case
                    and s.reasons[0] == "stop"]
     assert schema_done and all(set(json.loads(t)) == {"answer", "confidence"} for t in schema_done)
     before = stack.gateway_metrics()
     killed = {}
 
+    def tool_placed(stream):
+        # alone on the stack, the tool-call stream is the one request a decode worker runs
+        def holder():
+            if stream.reasons or stream.error:
+                raise AssertionError(f"the tool-call stream ended before it was placed: {stream}")
+            running = {w: stack.running(w) for w in ("decode-0", "decode-1")}
+            return next((w for w, n in running.items() if n == 1), None) if sum(running.values()) == 1 else None
+        killed["worker"] = wait_until(holder, 60, "the tool-call stream on a decode worker", interval=0.02)
+
     def kill_mid_stream(streams):
-        # every stream under way (a few chunks in), then the decode worker running the most
+        # every stream under way (a few chunks in), then the decode worker running the tool-call stream
         wait_until(lambda: all(s.chunks >= 3 or s.error or s.reasons for s in streams), 120,
                    "every stream to be under way", interval=0.05)
         running = {w: stack.running(w) for w in ("decode-0", "decode-1")}
-        victim = max(running, key=running.get)
-        killed.update(worker=victim, running=running, at=[s.chunks for s in streams])
+        victim = killed["worker"]
+        killed.update(running=running, at=[s.chunks for s in streams])
+        assert not streams[TOOL_CASE].reasons, "the tool-call stream ended before the kill"
         decode_process(stack, victim).kill()
 
-    faulted = run_all(stack, kill_mid_stream)
-    assert killed["running"][killed["worker"]] >= 4, killed  # it served a good share of the streams
+    wait_until(lambda: all(stack.running(w) == 0 for w in ("decode-0", "decode-1")), 30, "no request running")
+    faulted = run_all(stack, kill_mid_stream, tool_placed)
+    # it ran the tool-call stream and more (the router spreads the others by load: not always half)
+    assert killed["running"][killed["worker"]] >= 2, killed
     for i, (want, got) in enumerate(zip(unfaulted, faulted)):
         assert got.error is None, (i, got.error)
         assert got.texts == want.texts and got.reasons == want.reasons, (i, killed)
+        assert got.tool_calls == want.tool_calls, (i, killed)
         assert got.usage.completion_tokens == want.usage.completion_tokens, i
         assert got.usage.prompt_tokens == want.usage.prompt_tokens, i
         assert [t for t, _, _ in got.logprobs] == [t for t, _, _ in want.logprobs], i
@@ -163,6 +222,8 @@ def test_a_decode_worker_killed_mid_stream_is_never_seen_by_the_client(stack):
     print(f"failover: killed {killed['worker']} running {killed['running']}, {moves:.0f} moves, "
           f"KV rebuilt by source {rebuilt}")
     assert rebuilt["held"] + rebuilt["moved"] > 2 * rebuilt["recomputed"] > 0, rebuilt
+    gateway_log = (stack.log_dir / "gateway.log").read_text()
+    assert f"request {faulted[TOOL_CASE].id}: " in gateway_log, "the tool-call stream never moved"
     survivor = "decode-1" if killed["worker"] == "decode-0" else "decode-0"
     stack.wait_idle(["prefill-0", survivor], timeout=30)
     assert "restarted " + killed["worker"] in stack.proc.log_text() or wait_until(

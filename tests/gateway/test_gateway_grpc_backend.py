@@ -12,8 +12,10 @@ load released on every path.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
+import threading
 import time
 
 import grpc
@@ -364,3 +366,36 @@ def test_a_router_that_never_answers_is_a_503_within_the_route_timeout(prompts):
     finally:
         loop.run(server.stop(0))
         loop.close()
+
+
+def test_a_request_while_the_router_restarts_waits_for_it(client, cluster, reply):
+    """The router killed and started again on its port (duet up's supervisor): a request that
+    arrives meanwhile waits for it (within --route-timeout) and is served, not a 503."""
+    from services.router.server import RouterServer
+
+    cluster.add_worker("both-r", "both")
+    try:
+        reply("after the restart")
+        old = cluster.router
+        cluster.loop.run(old.stop())
+        result, errors = {}, []
+
+        def ask():
+            try:
+                result["r"] = client.chat.completions.create(model=MODEL, messages=MESSAGES)
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        thread = threading.Thread(target=ask, daemon=True)
+        thread.start()
+        thread.join(1.0)
+        assert thread.is_alive() and not errors, errors  # waiting for the router, not refused
+        config = dataclasses.replace(old.config, port=old.port)
+        cluster.router = RouterServer(config)
+        cluster.loop.run(cluster.router.start())
+        thread.join(30)
+        assert not errors, errors
+        assert result["r"].choices[0].message.content == "after the restart"
+        assert wait_until(lambda: cluster.router_inflight() == {}, timeout=5)  # released to the new router
+    finally:
+        cluster.remove_worker("both-r")

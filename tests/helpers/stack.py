@@ -377,6 +377,19 @@ class DuetUp(_StackBase):
             self._redis.close()
 
 
+def child_process(stack: "DuetUp", marker: str):
+    """The live child (a psutil.Process) of duet up whose command line contains `marker`."""
+    import psutil
+
+    for child in psutil.Process(stack.proc.pid).children(recursive=True):
+        try:
+            if marker in " ".join(child.cmdline()) and child.status() != psutil.STATUS_ZOMBIE:
+                return child
+        except psutil.NoSuchProcess:
+            continue
+    raise LookupError(f"duet up has no live child with {marker!r}")
+
+
 class ProcessStack(_StackBase):
     """redis + router + workers + gateway, each its own subprocess."""
 

@@ -4,12 +4,15 @@ their registry entries say so, so that when /v1/load_lora_adapter answers, /v1/m
 adapter and the router routes to it. A load that some worker refuses is undone on the others
 (nobody serves half an adapter). What is loaded is kept in the registry (`<prefix>:model:<m>:lora`,
 name -> folder) so that a worker that starts later, or again, loads it too
-(services/worker_runtime/adapters.py)."""
+(services/worker_runtime/adapters.py). That record has no TTL and no worker writes it, so a Redis
+restarted empty would lose it: the gateway keeps what it loaded (`RuntimeAdapters`) and writes
+back, every few seconds, the entries of it that a live worker still serves and the record lacks."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -34,6 +37,37 @@ def _ref(w: WorkerInfo) -> duet_pb2.WorkerRef:
 def _stub(channels, w: WorkerInfo) -> duet_pb2_grpc.AdaptersStub:
     # a worker's certificate names the services of its role; a `both` worker's includes decode
     return duet_pb2_grpc.AdaptersStub(channels.get(_ref(w), "prefill" if w.role == "prefill" else "decode"))
+
+
+@dataclass
+class RuntimeAdapters:
+    """The adapters this gateway loaded at run time: name -> folder."""
+
+    paths: dict[str, str] = field(default_factory=dict)
+
+    async def restore(self, watcher) -> list[str]:
+        """Write back the record's entries a live worker serves and the registry lost (a Redis
+        restarted empty); an adapter unloaded since (by any gateway: no worker serves it) stays
+        out. The names written; [] while Redis is down."""
+        served = set(served_adapters(watcher.workers()))
+        wanted = {name: path for name, path in self.paths.items() if name in served}
+        if not wanted:
+            return []
+        written = []
+        try:
+            for model in _models(watcher):
+                key = watcher.keys.lora_adapters(model)
+                known = {k.decode() if isinstance(k, bytes) else k for k in await watcher.client.hkeys(key)}
+                missing = {name: path for name, path in wanted.items() if name not in known}
+                if missing:
+                    await watcher.client.hset(key, mapping=missing)
+                    written += sorted(missing)
+        except Exception as exc:  # noqa: BLE001 - Redis down: the next pass tries again
+            log.debug("could not restore the LoRA record: %s", exc)
+            return []
+        if written:
+            log.info("the registry had lost LoRA adapters loaded at run time; recorded again: %s", written)
+        return written
 
 
 async def load_everywhere(watcher, channels, name: str, path: str, timeout_s: float) -> None:
@@ -74,12 +108,15 @@ async def unload_everywhere(watcher, channels, name: str, timeout_s: float) -> N
 async def _remember(watcher, change) -> None:
     """Apply change(client, key) to the registry's record of run-time adapters (a worker that
     starts later reads it); a Redis outage leaves the live workers as they are told."""
-    models = {watcher.model} if watcher.model else {w.model for w in watcher.workers()}
     try:
-        for model in models:
+        for model in _models(watcher):
             await change(watcher.client, watcher.keys.lora_adapters(model))
     except Exception as exc:  # noqa: BLE001 - the workers have it; only later ones would miss it
         log.warning("could not record the LoRA change in the registry: %s", exc)
+
+
+def _models(watcher) -> set[str]:
+    return {watcher.model} if watcher.model else {w.model for w in watcher.workers()}
 
 
 async def _unload(channels, workers: list[WorkerInfo], name: str, timeout_s: float) -> None:

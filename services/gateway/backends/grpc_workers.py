@@ -33,6 +33,7 @@ from prometheus_client import CollectorRegistry
 
 from protos import duet_pb2, duet_pb2_grpc
 from services.gateway.backends.capacity import WorkerCapacity
+from services.gateway.backends.grpc_adapters import RuntimeAdapters
 from services.gateway.backends.interface import (
     BackendBadRequest,
     BackendBusy,
@@ -67,7 +68,12 @@ _BAD_REQUEST_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_R
 # restarted decode worker knows no reservation of its old instance (NOT_FOUND)
 _LOST_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED,
                grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNKNOWN}
+_ADAPTER_RECORD_CHECK_S = 2.0  # how often the run-time LoRA record is checked for a Redis that lost it
 _NO_WORKER_RETRY_S = 0.5  # a moved attempt finding no live worker asks the router again after this
+# A router restarted (duet up's supervisor, a k8s pod) is dialled again within about a second, not
+# after gRPC's default backoff (1 s growing to 120 s); Route waits for it (wait_for_ready).
+_ROUTER_CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                           ("grpc.max_reconnect_backoff_ms", 1000))
 # Reserve's own refusals: decode made no reservation
 _REFUSED_CODES = {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT,
                   grpc.StatusCode.FAILED_PRECONDITION}
@@ -143,6 +149,8 @@ class GrpcBackend:
         self._workers = _Channels(config.tls)
         self._watcher = None
         self._cleanups: set[asyncio.Task] = set()
+        self.runtime_adapters = RuntimeAdapters()  # loaded at run time: kept in the registry (grpc_adapters.py)
+        self._record_task: asyncio.Task | None = None
         self.leases = LeaseKeeper(config.cleanup_timeout_s)  # our reservations live on decode while renewed
 
     # --- lifecycle --------------------------------------------------------------------
@@ -161,7 +169,8 @@ class GrpcBackend:
         return self.config.max_context_len
 
     async def start(self) -> None:
-        self._router_channel = self.config.tls.aio_channel(self.config.router_address, server_name("router"))
+        self._router_channel = self.config.tls.aio_channel(self.config.router_address, server_name("router"),
+                                                           options=_ROUTER_CHANNEL_OPTIONS)
         self._router = duet_pb2_grpc.RouterStub(self._router_channel)
         if self.config.redis_url:
             from shared.registry.config import RegistryConfig
@@ -173,10 +182,14 @@ class GrpcBackend:
             one = self.config.model if not self.config.extra_models else None
             self._watcher = WorkerWatcher(registry, model=one or None)
             await self._watcher.start()
+            self._record_task = asyncio.create_task(self._keep_adapter_record(), name="lora-record")
 
     async def close(self) -> None:
         if self._cleanups:
             await asyncio.wait(set(self._cleanups), timeout=self.config.cleanup_timeout_s)
+        if self._record_task is not None:
+            self._record_task.cancel()
+            await asyncio.gather(self._record_task, return_exceptions=True)
         await self.leases.close()
         if self._watcher is not None:
             await self._watcher.stop()
@@ -241,10 +254,19 @@ class GrpcBackend:
     async def load_adapter(self, name: str, path: str) -> None:
         from services.gateway.backends.grpc_adapters import load_everywhere
         await load_everywhere(self._registry_view(), self._workers, name, path, self.config.rpc_timeout_s)
+        self.runtime_adapters.paths[name] = path
 
     async def unload_adapter(self, name: str) -> None:
         from services.gateway.backends.grpc_adapters import unload_everywhere
+        self.runtime_adapters.paths.pop(name, None)
         await unload_everywhere(self._registry_view(), self._workers, name, self.config.rpc_timeout_s)
+
+    async def _keep_adapter_record(self) -> None:
+        """Write back what a Redis restarted empty lost of the run-time adapter record."""
+        while True:
+            await asyncio.sleep(_ADAPTER_RECORD_CHECK_S)
+            if self.runtime_adapters.paths:
+                await self.runtime_adapters.restore(self._watcher)
 
     def _registry_view(self):
         """The workers a run-time adapter goes to: the default model's (vLLM's load body names
@@ -434,7 +456,8 @@ class GrpcBackend:
                 max_tokens=attempt.remaining_tokens, page_hashes=hashes, n=attempt.sampling.n,
                 exclude_instances=attempt.exclude, checkpoint=attempt.checkpoint,
                 lora_adapter=request.cache_scope.adapter),
-                metadata=metadata, timeout=self.config.route_timeout_s)
+                # a router being restarted is waited for (within the route timeout), not a 503
+                metadata=metadata, timeout=self.config.route_timeout_s, wait_for_ready=True)
         except grpc.aio.AioRpcError as exc:
             raise rpc_error(exc, "router") from None
 

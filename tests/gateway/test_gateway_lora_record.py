@@ -1,0 +1,46 @@
+"""The registry's record of the LoRA adapters loaded at run time (`<prefix>:model:<m>:lora`, read
+by workers that start later) survives a Redis restarted empty: the gateway writes back what it
+loaded and a live worker still serves (services/gateway/backends/grpc_adapters.py,
+RuntimeAdapters), never an adapter no worker serves any more. Real redis-server, the real
+publisher and watcher."""
+from __future__ import annotations
+
+import asyncio
+
+from services.gateway.backends.grpc_adapters import RuntimeAdapters
+from shared.registry.config import RegistryConfig
+from shared.registry.publisher import WorkerPublisher
+from shared.registry.watcher import WorkerWatcher
+from shared.registry.worker_info import WorkerAdapters, WorkerInfo
+from tests.helpers.redis_server import redis_server  # noqa: F401  (fixture)
+
+MODEL = "tiny"
+KEY = f"duet:model:{MODEL}:lora"
+
+
+def test_a_redis_restarted_empty_gets_the_run_time_adapters_back(redis_server):
+    async def scenario():
+        config = RegistryConfig(redis_url=redis_server.url, ttl_s=2.0, heartbeat_interval_s=0.2, scan_interval_s=0.2,
+                                socket_timeout_s=0.5)
+        info = WorkerInfo(worker_id="d1", role="decode", address="d1.svc:7000", model=MODEL, page_size=16,
+                          compat_hash="c1", adapters=WorkerAdapters(served=["sql", "chat"]))
+        publisher = WorkerPublisher(info, config)
+        watcher = WorkerWatcher(config, model=MODEL)
+        record = RuntimeAdapters({"sql": "/adapters/sql", "chat": "/adapters/chat", "gone": "/adapters/gone"})
+        await publisher.start()
+        await watcher.start()
+        try:
+            assert await publisher.wait_registered(5)
+            assert await watcher.wait_for(lambda w: w.is_live("d1"), 5)
+            await watcher.client.hset(KEY, mapping={"sql": "/adapters/sql", "chat": "/adapters/chat"})
+            assert await record.restore(watcher) == []  # nothing lost
+            await watcher.client.flushall()  # as a Redis restarted without persistence
+            assert sorted(await record.restore(watcher)) == ["chat", "sql"]  # "gone": no worker serves it
+            held = await watcher.client.hgetall(KEY)
+            assert {k.decode(): v.decode() for k, v in held.items()} == {"sql": "/adapters/sql",
+                                                                        "chat": "/adapters/chat"}
+        finally:
+            await watcher.stop()
+            await publisher.stop()
+
+    asyncio.run(scenario())
