@@ -17,28 +17,18 @@ from __future__ import annotations
 
 import json
 import secrets
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-if TYPE_CHECKING:
-    from shared.wire.reservation import KvReservation
+from shared.kv_transfer.write_capability import WriteCapability
+from shared.wire.reservation import KvReservation
 
 SECRET_BYTES = 16  # 128 bits: the notice MAC's key
 DOMAIN = "duet-write-capability/1"  # what the signature is over, so it signs nothing else
 
 
-@dataclass(frozen=True)
-class WriteCapability:
-    writer_id: str  # the prefill worker that may write (registry id)
-    lifetime_ms: int  # how long it may write, from when it receives the reservation
-    secret: bytes  # the completion notices' MAC key
-    signature: bytes = b""  # Ed25519 over signed_bytes(reservation)
-
-
-def signed_bytes(res: "KvReservation", cap: WriteCapability) -> bytes:
+def signed_bytes(res: KvReservation, cap: WriteCapability) -> bytes:
     """The canonical bytes a capability's signature covers: every field of the reservation
     that says where or what is written, and the capability's writer and lifetime."""
     ranks = [[r.rank, r.agent_name, [int(p) for p in r.page_ids]] for r in sorted(res.ranks, key=lambda r: r.rank)]
@@ -55,7 +45,7 @@ class CapabilityIssuer:
         self._key = key or Ed25519PrivateKey.generate()
         self.public_key = self._key.public_key().public_bytes_raw().hex()  # published in the registry
 
-    def issue(self, res: "KvReservation", writer_id: str, lifetime_ms: int, secret: bytes) -> WriteCapability:
+    def issue(self, res: KvReservation, writer_id: str, lifetime_ms: int, secret: bytes) -> WriteCapability:
         unsigned = WriteCapability(writer_id, lifetime_ms, secret)
         return WriteCapability(writer_id, lifetime_ms, secret, self._key.sign(signed_bytes(res, unsigned)))
 
@@ -64,7 +54,7 @@ def new_secret() -> bytes:
     return secrets.token_bytes(SECRET_BYTES)
 
 
-def refusal(res: "KvReservation", writer_id: str, public_key: str) -> tuple[str, str]:
+def refusal(res: KvReservation, writer_id: str, public_key: str) -> tuple[str, str]:
     """Why `writer_id` may not write into res's pages, as (a short reason, the message);
     ("", "") when it may. public_key: the decode worker's `capability_key` from its registry
     entry (the instance res names)."""

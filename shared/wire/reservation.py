@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from protos import duet_pb2
-from shared.kv_transfer.capability import WriteCapability
+from shared.kv_transfer.write_capability import WriteCapability
 
 
 @dataclass

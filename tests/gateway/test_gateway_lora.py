@@ -90,6 +90,10 @@ def test_models_list_and_resolve_adapters(server):
         _complete(client, "sql")
     assert err.value.status_code == 404 and err.value.body["code"] == "model_not_found"
     assert err.value.body["message"] == "The model `sql` does not exist."
+    # the gateway's series carry the adapter beside its base model
+    metrics = httpx.get(server.base_url + "/metrics").text
+    assert f'duet_prompt_tokens_total{{adapter="tone",endpoint="completions",model="{MODEL}"}}' in metrics
+    assert f'duet_time_to_first_token_seconds_count{{adapter="",endpoint="completions",model="{MODEL}"}}' in metrics
 
 
 def test_load_and_unload_at_run_time(server, adapters):

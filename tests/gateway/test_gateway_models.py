@@ -64,7 +64,7 @@ def test_each_request_is_tokenized_and_routed_as_the_model_it_names(served, mode
         assert out["usage"]["prompt_tokens"] == len(builder.text_prompt_ids(PROMPT))
 
     metrics = httpx.get(server.base_url + "/metrics", timeout=10).text
-    assert 'duet_prompt_tokens_total{endpoint="completions",model="model-b"}' in metrics
+    assert 'duet_prompt_tokens_total{adapter="",endpoint="completions",model="model-b"}' in metrics
 
 
 def test_context_length_and_unknown_names_are_per_model(served):

@@ -24,18 +24,18 @@ class GatewayMetrics:
         r = self.registry
         self.time_to_first_token = Histogram(
             "duet_time_to_first_token_seconds", "Request arrival to first token, seconds",
-            ["endpoint", "model"], buckets=TTFT_BUCKETS, registry=r)
+            ["endpoint", "model", "adapter"], buckets=TTFT_BUCKETS, registry=r)
         self.inter_token_latency = Histogram(
             "duet_inter_token_latency_seconds", "Time between consecutive output tokens, seconds",
-            ["endpoint", "model"], buckets=ITL_BUCKETS, registry=r)
+            ["endpoint", "model", "adapter"], buckets=ITL_BUCKETS, registry=r)
         self.e2e_latency = Histogram(
             "duet_e2e_request_latency_seconds", "Request arrival to last token, seconds",
-            ["endpoint", "model"], buckets=E2E_BUCKETS, registry=r)
+            ["endpoint", "model", "adapter"], buckets=E2E_BUCKETS, registry=r)
         self.requests = requests_counter(r)  # the label scheme every process shares
         self.prompt_tokens = Counter(
-            "duet_prompt_tokens_total", "Prompt tokens of admitted requests", ["endpoint", "model"], registry=r)
+            "duet_prompt_tokens_total", "Prompt tokens of admitted requests", ["endpoint", "model", "adapter"], registry=r)
         self.generation_tokens = Counter(
-            "duet_generation_tokens_total", "Generated tokens", ["endpoint", "model"], registry=r)
+            "duet_generation_tokens_total", "Generated tokens", ["endpoint", "model", "adapter"], registry=r)
         self.cached_prompt_tokens = Counter(
             "duet_cached_prompt_tokens_total", "Prompt tokens served from a prefix cache", ["endpoint"], registry=r)
         self.inflight = Gauge(

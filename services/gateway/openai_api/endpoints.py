@@ -359,6 +359,7 @@ class OpenAIEndpoints:
             model = prepared.model or self.ctx.default_model
             span.set_attribute("duet.request_id", prepared.request_id)
             span.set_attribute("duet.model", model.name)
+            span.set_attribute("duet.lora_adapter", prepared.adapter or "")
             span.set_attribute("duet.prompt_tokens", sum(len(p) for p in prepared.prompts))
             trace_context = inject_http_headers({}, context=trace.set_span_in_context(span))
             # its namespace, tenant and LoRA adapter: base and adapter never share a page
@@ -370,7 +371,7 @@ class OpenAIEndpoints:
                 gen_request = GenerationRequest(rid, prompt_ids, prepared.sampling,
                                                 model=model.name, group=prepared.request_id,
                                                 trace_context=trace_context, cache_scope=cache_scope)
-                metrics.prompt_tokens.labels(endpoint, model.name).inc(len(prompt_ids))
+                metrics.prompt_tokens.labels(endpoint, model.name, prepared.adapter or "").inc(len(prompt_ids))
                 generations.append(Generation(self.ctx.backend, gen_request, model.prompts.tokenizer, metrics,
                                               endpoint, arrived_at=arrived_at))
                 if prepared.echo is not None:

@@ -58,6 +58,11 @@ class Generation:
     endpoint: str
     arrived_at: float = field(default_factory=time.monotonic)  # monotonic clock
 
+    @property
+    def labels(self) -> tuple[str, str, str]:
+        """The gateway series' labels: endpoint, model, LoRA adapter ("" for the base model)."""
+        return self.endpoint, self.request.model, self.request.cache_scope.adapter
+
     def __post_init__(self) -> None:
         self.stats = GenerationStats(prompt_tokens=len(self.request.prompt_token_ids))
 
@@ -103,7 +108,7 @@ class Generation:
         self.stats.finish_reason = reason
         self.stats.finish_reasons[delta.index] = reason
         if len(self.stats.finish_reasons) == self.request.sampling.n and self.stats.first_token_at is not None:
-            self.metrics.e2e_latency.labels(self.endpoint, self.request.model).observe(
+            self.metrics.e2e_latency.labels(*self.labels).observe(
                 self.stats.last_token_at - self.arrived_at)
         return delta
 
@@ -116,7 +121,7 @@ class Generation:
             return
         if self.stats.first_token_at is None:
             self.stats.first_token_at = now
-            self.metrics.time_to_first_token.labels(self.endpoint, self.request.model).observe(now - self.arrived_at)
+            self.metrics.time_to_first_token.labels(*self.labels).observe(now - self.arrived_at)
             count_itl = count - 1
         else:
             count_itl = count
@@ -124,7 +129,7 @@ class Generation:
             # Several tokens in one event share the gap evenly.
             gap = (now - self.stats.last_token_at) / count_itl
             for _ in range(count_itl):
-                self.metrics.inter_token_latency.labels(self.endpoint, self.request.model).observe(gap)
+                self.metrics.inter_token_latency.labels(*self.labels).observe(gap)
         self.stats.last_token_at = now
         self.stats.completion_tokens += count
-        self.metrics.generation_tokens.labels(self.endpoint, self.request.model).inc(count)
+        self.metrics.generation_tokens.labels(*self.labels).inc(count)
