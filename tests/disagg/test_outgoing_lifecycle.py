@@ -258,6 +258,7 @@ def test_a_handoff_whose_decode_left_and_went_silent_is_cancelled_when_its_lease
     h = Handoff(engine, agents, f"lease-{state.name}", write_nothing=state is S.DECLINING, transfers=transfers)
     _hold_in(h, state)
     h.stream.held = True  # its writes (or notice) stay in flight: no progress renews the lease
+    h.out.bytes_seen = h.stream.bytes_sent  # writes that landed before the hold renewed it already
     live.clear()  # decode left the registry
     left, renewed = time.monotonic(), h.out.lease_until - lease_s
     if state is S.TAIL:  # TAIL lasts one tick (its next posts the rest): the lease ran out before it
