@@ -61,6 +61,15 @@ from shared.wire.sampling import sampling_to_proto
 log = logging.getLogger("duet.gateway.grpc")
 
 _BUSY_CODES = {grpc.StatusCode.RESOURCE_EXHAUSTED}
+_ROUTER_RETRY_S = 0.2
+# what gRPC says when a connection went away under a call (the peer's process died), not a server's answer
+_TRANSPORT_LOSS = ("Stream removed", "Socket closed", "Connection reset", "connection reset")
+
+
+def _connection_lost(exc: grpc.aio.AioRpcError) -> bool:
+    return exc.code() is grpc.StatusCode.UNAVAILABLE and any(t in (exc.details() or "") for t in _TRANSPORT_LOSS)
+
+
 _UNAVAILABLE_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED,
                       grpc.StatusCode.CANCELLED, grpc.StatusCode.NOT_FOUND}
 _BAD_REQUEST_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE}
@@ -450,16 +459,22 @@ class GrpcBackend:
         prompt = attempt.prompt.kv_tokens
         # seeded with the namespace: the workers publish their pages' hashes the same way
         hashes = (chained_page_hashes(prompt, page_size, seed=request.cache_scope.cache_key) if page_size else [])
-        try:
-            return await self._router.Route(duet_pb2.RouteRequest(
-                request_id=attempt.request_id, model=request.model, prompt_tokens=len(prompt),
-                max_tokens=attempt.remaining_tokens, page_hashes=hashes, n=attempt.sampling.n,
-                exclude_instances=attempt.exclude, checkpoint=attempt.checkpoint,
-                lora_adapter=request.cache_scope.adapter),
-                # a router being restarted is waited for (within the route timeout), not a 503
-                metadata=metadata, timeout=self.config.route_timeout_s, wait_for_ready=True)
-        except grpc.aio.AioRpcError as exc:
-            raise rpc_error(exc, "router") from None
+        route = duet_pb2.RouteRequest(
+            request_id=attempt.request_id, model=request.model, prompt_tokens=len(prompt),
+            max_tokens=attempt.remaining_tokens, page_hashes=hashes, n=attempt.sampling.n,
+            exclude_instances=attempt.exclude, checkpoint=attempt.checkpoint,
+            lora_adapter=request.cache_scope.adapter)
+        deadline = time.monotonic() + self.config.route_timeout_s
+        while True:
+            try:  # a router being restarted is waited for (within the route timeout), not a 503
+                return await self._router.Route(route, metadata=metadata, wait_for_ready=True,
+                                                timeout=max(0.1, deadline - time.monotonic()))
+            except grpc.aio.AioRpcError as exc:
+                # the router died with the call on its connection (no answer came back): ask the
+                # restarted one; the router's own UNAVAILABLE ("no worker") is an answer, not retried
+                if not (_connection_lost(exc) and time.monotonic() < deadline - _ROUTER_RETRY_S):
+                    raise rpc_error(exc, "router") from None
+            await asyncio.sleep(_ROUTER_RETRY_S)
 
     async def _reserve_and_prefill(self, request, attempt: Attempt, route, decode, sampling, metadata,
                                    state) -> duet_pb2.PrefillReply:
