@@ -61,11 +61,12 @@ class WorkerHost:
     role_switch: RoleSwitch | None = None  # what it advertises; SetRole (role_switch.py), set by run()
 
     @classmethod
-    def create(cls, config: WorkerConfig, engine, calibration: list | None = None) -> "WorkerHost":
+    def create(cls, config: WorkerConfig, engine, checkpoint: str | None = None,
+               calibration: list | None = None) -> "WorkerHost":
         served = config.served_model_name or engine.model_dir.name
         worker_id = config.worker_id or default_worker_id(config.role)
         kv_layout = model_kv_key(engine)
-        checkpoint = checkpoint_fingerprint(engine.model_dir, config.engine.quantization)
+        checkpoint = checkpoint or checkpoint_fingerprint(engine.model_dir, config.engine.quantization)
         # a switchable worker serves both services whatever it advertises: `both` (duet-worker)
         service = "both" if config.switchable else config.role
         tracing = setup_tracing(service)

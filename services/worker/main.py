@@ -23,7 +23,8 @@ async def serve(config: WorkerConfig) -> int:
     # torch, NIXL, gRPC and the role services load here, once the flags parsed: `duet worker
     # --help` and a bad flag answer at once
     from services.worker.host import WorkerHost
-    from services.worker.perf_calibration import calibrate
+    from services.worker.checkpoint import checkpoint_fingerprint
+    from services.worker.perf_calibration import calibrate_once
     from services.worker.roles import install_role
     from shared.engine.engine import Engine
     from shared.engine.startup_phases import process_age_s
@@ -42,10 +43,11 @@ async def serve(config: WorkerConfig) -> int:
     if config.warmup:
         with phases.phase("warm-up"):
             warm_up(engine)  # before anything can route work here
+    checkpoint = checkpoint_fingerprint(engine.model_dir, config.engine.quantization)
     with phases.phase("calibration"):
-        calibration = calibrate(engine) if config.perf.calibrate else []
+        calibration = calibrate_once(engine, config.perf, checkpoint) if config.perf.calibrate else []
     with phases.phase("role"):  # gRPC services, NIXL agents over the KV pool
-        host = WorkerHost.create(config, engine, calibration)
+        host = WorkerHost.create(config, engine, checkpoint, calibration)
         install_role(host)
     return await host.run()
 

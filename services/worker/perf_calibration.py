@@ -7,11 +7,13 @@ few rows at a short and a long context (the long one's rows share the cached pre
 them up costs little), always; then, while the time budget lasts, many rows, decode rows with a
 prompt arriving (mixed steps) and a whole step of prefill. Each step is timed to completion (a
 GPU is synchronised after it); every step with a batch is one sample. Then the prefix cache and counters are reset, as after
-warm-up (shared/engine/warmup.py)."""
+warm-up (shared/engine/warmup.py). calibrate_once() keeps the samples for the next start
+(calibration_store.py)."""
 from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 from services.worker_runtime.step_sampler import StepSampler
 from shared.perf_model.step_model import StepShape
@@ -96,4 +98,23 @@ def calibrate(engine, time_budget_s: float | None = None) -> list[tuple[StepShap
     engine.scheduler.num_retracted = 0
     engine.kv.check_idle()
     log.info("perf calibration: %d steps timed in %.2fs", len(samples), time.monotonic() - t_start)
+    return samples
+
+
+def calibrate_once(engine, perf, checkpoint: str) -> list[tuple[StepShape, float]]:
+    """The samples a worker with this checkpoint, device and plan timed before (calibration_store.py),
+    else calibrate() and keep them. perf: the worker's PerfModelConfig."""
+    from services.worker.calibration_store import CalibrationStore, calibration_key
+    from shared.model_files.default_model import default_cache_dir
+
+    where = perf.calibration_cache
+    store = CalibrationStore(None if where == "off" else Path(where) if where else default_cache_dir() / "calibration")
+    key = calibration_key(engine, checkpoint)
+    samples = store.load(key)
+    if samples:
+        log.info("perf calibration: %d steps timed by an earlier start of this checkpoint, device and plan (%s)",
+                 len(samples), store.root / f"{key}.json")
+        return samples
+    samples = calibrate(engine)
+    store.save(key, samples)
     return samples

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 from .moe_config import UNSUPPORTED_MOE, MoEConfig, moe_config_for
 from .quantization.config import Fp8Scheme, QuantizationError, quant_scheme
@@ -44,7 +45,7 @@ class ModelConfig:
     eos_token_ids: list[int]
     bos_token_id: int | None
     torch_dtype: str | None
-    hf_config: object  # transformers PretrainedConfig, for rope parameters
+    hf_config: object  # rope parameters: transformers' PretrainedConfig, or config.json's plain fields
     moe: MoEConfig | None = None  # mixture-of-experts layers (None: a dense model)
     quant: Fp8Scheme | None = None  # FP8 weights (checkpoint or --quantization fp8); None: as stored
 
@@ -79,9 +80,14 @@ class ModelConfig:
             quant = quant_scheme(raw, quantization)
         except QuantizationError as exc:
             raise ModelLoadError(f"{model_dir}: {exc}") from None
-        from transformers import AutoConfig  # heavy; only here
-        hf = AutoConfig.from_pretrained(model_dir)
         family = SUPPORTED_ARCHITECTURES[arch]
+        # config.json alone where it states every field we read (the common case): importing
+        # transformers' config classes costs a worker 2-6 s of CPU at start; otherwise
+        # transformers fills in its per-family defaults
+        hf = _plain_config(raw, family)
+        if hf is None:
+            from transformers import AutoConfig  # heavy; only here
+            hf = AutoConfig.from_pretrained(model_dir)
         heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
         eos = _eos_ids(model_dir, raw)
@@ -100,6 +106,32 @@ class ModelConfig:
 
 
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
+
+# what the engine reads from a dense model's config; a config.json missing any of them goes
+# through transformers, whose defaults differ by family (Qwen2's num_key_value_heads is 32,
+# Qwen3's head_dim 128, Llama's derived from the heads)
+_PLAIN_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "vocab_size", "rms_norm_eps", "max_position_embeddings")
+
+
+def _plain_config(raw: dict, family: str) -> SimpleNamespace | None:
+    """The config as config.json states it, when that is enough: a dense family, every key the
+    engine reads present, head_dim given where the family's default is not hidden / heads, and
+    plain rotary positions (a scaled rope needs transformers' own init functions). None
+    otherwise: the caller asks transformers."""
+    if family in MOE_FAMILIES or any(raw.get(k) is None for k in _PLAIN_KEYS):
+        return None
+    if family == "qwen3" and raw.get("head_dim") is None:
+        return None
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if not isinstance(rope, dict) or rope.get("rope_type", rope.get("type", "default")) != "default":
+        return None
+    theta = rope.get("rope_theta", raw.get("rope_theta"))
+    if theta is None:  # the family's default base: transformers knows it
+        return None
+    fields = {k: raw[k] for k in _PLAIN_KEYS}
+    return SimpleNamespace(**fields, head_dim=raw.get("head_dim"),
+                           rope_parameters={"rope_type": "default", "rope_theta": theta})
 
 
 def _attention_bias(raw: dict, family: str) -> bool:

@@ -58,6 +58,11 @@ class PerfModelConfig:
         help="time a few engine steps of different shapes at start (after warm-up, before registering) to fit "
              "the step-time model the router and the prefill budget use; off: the model comes from live steps "
              "only, and until it has enough the router places by threshold and steps carry the full token budget")
+    calibration_cache: str = setting(
+        "", flag="--perf-calibration-cache", env="DUET_PERF_CALIBRATION_CACHE",
+        help="folder where start-up calibrations are kept, one per checkpoint, device, engine plan and step "
+             "limits: a worker started again with the same ones reuses its timed steps instead of timing them "
+             "(live steps still correct the model); '' = <cache dir>/calibration, 'off' = time every start")
     itl_budget: bool = setting(
         True, flag="--itl-budget", env="DUET_ITL_BUDGET",
         help="limit the prefill chunks a step carries beside decode rows so the step stays under the "

@@ -9,7 +9,8 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
-from services.worker.perf_calibration import calibrate
+from services.worker.calibration_store import calibration_key
+from services.worker.perf_calibration import calibrate, calibrate_once
 from services.worker_runtime.perf_tracker import PerfTracker, handoff_totals
 from shared.engine.engine import Engine
 from shared.engine.sampling_params import SamplingParams
@@ -48,6 +49,21 @@ def test_calibration_covers_every_term_and_leaves_the_engine_clean(engine):
     assert contexts[-1] > 4 * contexts[0]                                              # ... at two contexts
     assert engine.stats.steps == 0 and not engine.requests
     engine.kv.check_idle()
+
+
+def test_a_second_start_reuses_the_calibration_its_checkpoint_device_and_plan_timed(engine, tmp_path):
+    perf = PerfModelConfig(calibration_cache=str(tmp_path))
+    first = calibrate_once(engine, perf, checkpoint="aaaa")
+    files = list(tmp_path.glob("*.json"))
+    assert len(files) == 1 and first
+    # read back, not timed again (timings never repeat to the last bit)
+    assert calibrate_once(engine, perf, checkpoint="aaaa") == first
+    assert calibration_key(engine, "bbbb") != calibration_key(engine, "aaaa")  # other weights: timed again
+    files[0].write_text("{not json")  # a torn or foreign file is ignored and rewritten
+    again = calibrate_once(engine, perf, checkpoint="aaaa")
+    assert again and again != first and len(list(tmp_path.glob("*.json"))) == 1
+    off = PerfModelConfig(calibration_cache="off")
+    assert calibrate_once(engine, off, checkpoint="cccc") and len(list(tmp_path.glob("*.json"))) == 1
 
 
 def test_live_steps_refit_the_model_the_budget_and_the_registry_use(engine):
