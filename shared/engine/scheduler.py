@@ -12,7 +12,8 @@ holds its share of the pages lets other tenants' waiting requests be admitted fi
 (tenant_quota.py).
 
 Beside decode rows, an optional `itl_budget` (shared/perf_model/step_budget.py) narrows the
-prefill chunks further, so the step stays under an inter-token latency target.
+prefill chunks further, so the step stays under an inter-token latency target, unless the
+prefill queued here (prefill_queue below) needs wider chunks to meet its first-token target.
 
 A request whose prefix is still being loaded back from the host tier (its load's ticket not
 yet seen landed, kv_host_tier.py) is admitted but left out of the steps until the load
@@ -20,11 +21,18 @@ lands: the other requests' steps never wait for the copy."""
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
+
+from shared.perf_model.ttft_pressure import QueuedPrefill
 
 from .batch import Batch, ScheduledReq
 from .kv_manager import KVManager
 from .request import Req, ReqStatus
+
+# the queue the step budget weighs: its first requests (past these, the deadlines are later and
+# the tokens ahead already ask for the whole token budget)
+MAX_WEIGHED_QUEUE = 512
 
 
 class Scheduler:
@@ -47,6 +55,8 @@ class Scheduler:
         # prefill beside decode rows within an inter-token target (the worker sets it)
         self.itl_budget = None
         self.last_allowance = None  # the last step's StepAllowance (None: no decode rows or no budget)
+        self.budget_steps = {"itl": 0, "ttft": 0}  # batches beside decode rows, by which target set their room
+        self.clock = time.monotonic  # what the queue's waits are read against (Req.arrival's clock)
         self.last_batch: Batch | None = None
         self.num_batches = 0  # batches handed out; with last_batch, what the step timer reads
 
@@ -137,8 +147,10 @@ class Scheduler:
             batch.items.append(ScheduledReq(req, req.num_computed, 1))
             budget -= 1
         rows = len(batch.items)
-        room = self.itl_budget.begin(rows, sum(it.start + 1 for it in batch.items)) \
-            if self.itl_budget is not None and rows else None
+        room = None
+        if self.itl_budget is not None and rows:
+            queue = self.prefill_queue() if self.itl_budget.weighs_queue else ()
+            room = self.itl_budget.begin(rows, sum(it.start + 1 for it in batch.items), queue, budget)
         self.last_allowance = room
         # 2. prefill chunks of admitted requests, then new admissions (turn order)
         for req in self.running:
@@ -192,7 +204,18 @@ class Scheduler:
         if batch.items:
             self.last_batch = batch
             self.num_batches += 1
+            if room is not None:
+                self.budget_steps[room.slo] += 1
         return batch
+
+    def prefill_queue(self) -> list[QueuedPrefill]:
+        """The prefill work here in about the order it is served (admitted prompts, then the
+        waiting ones, retracted first, then by arrival), with how long each has waited: what the
+        step budget weighs against the first-token target."""
+        now = self.clock()
+        reqs = (r for r in itertools.chain(self.running, self.waiting) if not r.is_decoding and r.remaining > 0)
+        return [QueuedPrefill(r.remaining, max(0.0, now - r.arrival), r.num_output == 0)
+                for r in itertools.islice(reqs, MAX_WEIGHED_QUEUE)]
 
     def _turn(self, group: str) -> None:
         self._served[group] = next(self._turns)
