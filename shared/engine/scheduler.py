@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
+from collections.abc import Iterator
 
 from shared.perf_model.ttft_pressure import QueuedPrefill
 
@@ -30,9 +31,10 @@ from .batch import Batch, ScheduledReq
 from .kv_manager import KVManager
 from .request import Req, ReqStatus
 
-# the queue the step budget weighs: its first requests (past these, the deadlines are later and
-# the tokens ahead already ask for the whole token budget)
-MAX_WEIGHED_QUEUE = 512
+# the queue the step budget weighs: its first requests, read every step (a few microseconds each);
+# a queue of long prompts asks for the whole token budget within a few, and one of many short
+# ones is weighed by its head
+MAX_WEIGHED_QUEUE = 256
 
 
 class Scheduler:
@@ -208,14 +210,16 @@ class Scheduler:
                 self.budget_steps[room.slo] += 1
         return batch
 
-    def prefill_queue(self) -> list[QueuedPrefill]:
+    def prefill_queue(self) -> Iterator[QueuedPrefill]:
         """The prefill work here in about the order it is served (admitted prompts, then the
         waiting ones, retracted first, then by arrival), with how long each has waited: what the
-        step budget weighs against the first-token target."""
+        step budget weighs against the first-token target (lazily: it reads as far as it needs)."""
         now = self.clock()
-        reqs = (r for r in itertools.chain(self.running, self.waiting) if not r.is_decoding and r.remaining > 0)
-        return [QueuedPrefill(r.remaining, max(0.0, now - r.arrival), r.num_output == 0)
-                for r in itertools.islice(reqs, MAX_WEIGHED_QUEUE)]
+        admitted = (r for r in self.running if not r.is_decoding)  # a waiting request never decodes
+        for r in itertools.islice(itertools.chain(admitted, self.waiting), MAX_WEIGHED_QUEUE):
+            tokens = len(r.token_ids) - r.num_computed  # Req.remaining, inlined: read every step
+            if tokens > 0:
+                yield QueuedPrefill(tokens, max(0.0, now - r.arrival), len(r.token_ids) == len(r.prompt_ids))
 
     def _turn(self, group: str) -> None:
         self._served[group] = next(self._turns)

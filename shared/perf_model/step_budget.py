@@ -23,7 +23,8 @@ simulate the same budget to predict a local prefill's time (prefill_time.py), wi
 queue's ages they do not see, so without the widening."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from shared.perf_model.step_model import StepModel, StepShape
@@ -72,19 +73,22 @@ class ItlBudget:
         """Whether begin() looks at the queue (the scheduler builds it only then)."""
         return self.ttft_s > 0
 
-    def begin(self, decode_rows: int, decode_context: int, queue: Sequence[QueuedPrefill] = (),
+    def begin(self, decode_rows: int, decode_context: int, queue: Iterable[QueuedPrefill] = (),
               token_budget: int | None = None) -> StepAllowance | None:
         """The room of a step with these decode rows and this prefill queue (in the order the
-        scheduler serves it); None when nothing limits it (no rows, no model yet, no target).
-        token_budget: the prefill tokens the step can carry at most (what widening stops at)."""
+        scheduler serves it, read lazily); None when nothing limits it (no rows, no model yet,
+        no target). token_budget: the prefill tokens the step can carry at most (what widening
+        stops at)."""
         if decode_rows <= 0 or self.model is None or self.target_s <= 0:
             return None
         base = self.model.step_s(StepShape(decode_rows=decode_rows, decode_context=decode_context))
         room = StepAllowance(self.model, self.target_s - base, self.floor_tokens)
-        if self.ttft_s > 0 and queue:
+        if self.ttft_s > 0:
             itl_room = max(self.model.largest_chunk(room.time_left_s, 0), self.floor_tokens)
-            cap = token_budget if token_budget is not None else 1 << 30
-            need = tokens_for_rate(self.model, base, needed_rate(queue, self.ttft_s), max(cap, itl_room))
+            cap = max(token_budget if token_budget is not None else 1 << 30, itl_room)
+            widest_s = base + self.model.chunk_s(0, cap)
+            most = cap / widest_s if widest_s > 0 else math.inf  # prompt tokens a second at the token budget
+            need = tokens_for_rate(self.model, base, needed_rate(queue, self.ttft_s, most), cap)
             if need > itl_room:
                 room.need_tokens, room.slo = need, "ttft"
         return room

@@ -13,7 +13,8 @@ whose first token came already (one retracted and recomputed, a migrated stream)
 deadline, though its tokens still go ahead of those behind it."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from shared.perf_model.step_model import StepModel
@@ -21,24 +22,29 @@ from shared.perf_model.step_model import StepModel
 MIN_HORIZON = 0.25  # share of the TTFT target a request near or past it is still given
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class QueuedPrefill:
-    """One request's prefill still to run on this worker."""
+    """One request's prefill still to run on this worker (made for every queued request each
+    step: slots, not frozen, keep that cheap)."""
 
     tokens: int                  # prompt tokens not yet computed
     waited_s: float              # since it reached this worker
     first_token_due: bool = True  # False: its first token came already (no TTFT deadline)
 
 
-def needed_rate(queue: Sequence[QueuedPrefill], ttft_s: float) -> float:
+def needed_rate(queue: Iterable[QueuedPrefill], ttft_s: float, enough: float = math.inf) -> float:
     """Prompt tokens a second the worker must compute for every request of the queue (served in
-    order) to get its first token within `ttft_s` of reaching the worker."""
+    order) to get its first token within `ttft_s` of reaching the worker. Read no further than
+    a need of `enough` (what the step can give at most: more changes nothing), so a long queue
+    is read only as far as it matters."""
     need, ahead = 0.0, 0
     floor = MIN_HORIZON * ttft_s
     for q in queue:
         ahead += q.tokens
         if q.first_token_due and q.tokens > 0:
             need = max(need, ahead / max(ttft_s - q.waited_s, floor))
+            if need >= enough:
+                break
     return need
 
 
