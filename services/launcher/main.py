@@ -95,6 +95,7 @@ class Stack:
         self.router_port = free_port(host)
         common = ["--redis-url", self.redis_url]
         itl = ["--slo-itl-ms", f"{cfg.slo.itl_ms:g}"] if cfg.slo.itl_ms else []  # router, workers, planner
+        ttft = ["--slo-ttft-ms", f"{cfg.ttft.ttft_ms:g}"] if cfg.ttft.ttft_ms else []  # workers, planner
         secure, secure_env = self.secure, self.secure.child_env()
         self.children.append(Child("router", duet_command(
             "router", "--host", host, "--port", str(self.router_port), "--metrics-port", str(free_port(host)),
@@ -108,14 +109,14 @@ class Stack:
             argv = duet_command("worker", "--role", role, "--worker-id", name, "--host", host,
                                 "--port", str(free_port(host)),  # metrics: bound on any free port, published
                                 "--model", model_dir, *kv, "--threads", str(threads),
-                                "--drain-grace", str(self.drain.worker_grace_s), *common, *itl,
+                                "--drain-grace", str(self.drain.worker_grace_s), *common, *itl, *ttft,
                                 *(["--switchable"] if cfg.switchable else []),
                                 *secure.grpc_args(name), *cfg.worker_args, *role_tp)
             self.children.append(Child(name, argv, self.log_dir / f"{name}.log", kind="worker",
                                        env={**thread_env(threads), **place.env(), **secure_env}))
         gw_args, gw_env = gateway_security(cfg, self.secrets)
         if cfg.switchable:
-            gw_args += self.add_planners(common, itl, [Path(d).name for d in model_dirs])
+            gw_args += self.add_planners(common, itl + ttft, [Path(d).name for d in model_dirs])
         helpers = cfg.chat_template_processes or template_helpers(cores)
         extra_models = [arg for d in model_dirs[1:] for arg in ("--extra-model", d)]
         self.children.append(Child("gateway", duet_command(
@@ -126,7 +127,7 @@ class Stack:
             self.log_dir / "gateway.log", kind="gateway", env={**thread_env(1), **gw_env, **secure_env}))
         self.threads = threads
 
-    def add_planners(self, common: list[str], itl: list[str], names: list[str]) -> list[str]:
+    def add_planners(self, common: list[str], slos: list[str], names: list[str]) -> list[str]:
         """The planner child, reading the gateway's /metrics: on its API port, or, when that port
         serves HTTPS, on a plain port of its own (the extra gateway flags returned). Several
         models: a planner each (`planner`, `planner-m1`, ...), each given its model's name, so it
@@ -140,7 +141,6 @@ class Stack:
             gateway_metrics = f"http://{dial}:{metrics_port}/metrics"
         else:
             gateway_metrics = f"http://{dial}:{cfg.port}/metrics"
-        ttft = ["--slo-ttft-ms", f"{cfg.ttft.ttft_ms:g}"] if cfg.ttft.ttft_ms else []
         for i, name in enumerate(names):
             child = f"planner-m{i}" if i else "planner"
             port = free_port(host)
@@ -149,7 +149,7 @@ class Stack:
             model = ["--model", name] if len(names) > 1 else []  # one model: every worker is its
             self.children.append(Child(child, duet_command(
                 "planner", "--host", host, "--metrics-port", str(port), *model,
-                "--gateway-metrics", gateway_metrics, *common, *itl, *ttft, *self.secure.grpc_args("planner")),
+                "--gateway-metrics", gateway_metrics, *common, *slos, *self.secure.grpc_args("planner")),
                 self.log_dir / f"{child}.log", kind="planner", env={**thread_env(1), **self.secure.child_env()}))
         return gw_args
 

@@ -2,6 +2,13 @@
 the prompts, the decode streams and their context, KV use and the prefill queue, and the TTFT
 and ITL clients saw, from the planner's readings (scrape.py and the registry).
 
+The request rate the predictions load the workers with is the offered one: the requests that
+reached the gateways (finished in the window plus the growth of those in flight), or those that
+got a first token where more did (a prompt list is one request, several first tokens). Under
+overload first tokens come only as fast as the workers manage, so counting them alone would
+never show a split past its capacity. The per-request sizes (prompt, uncached and output
+tokens) stay those of the requests served.
+
 A counter is read as its growth between the window's first and last reading, per process
 (gateway URL, worker id and instance nonce): a process that restarted or joined counts from its
 first reading in the window. The window restarts when the split changes, so a decision weighs
@@ -25,8 +32,9 @@ class Reading:
 @dataclass(frozen=True)
 class Load:
     seconds: float = 0.0            # the window's span
-    requests: float = 0.0           # requests that got their first token in it
+    requests: float = 0.0           # requests that got their first token in it (served)
     requests_per_s: float = 0.0
+    arrivals_per_s: float = 0.0     # requests that reached the gateways (0: they did not tell)
     prompt_tokens_per_s: float = 0.0
     computed_prompt_tokens_per_s: float = 0.0  # what the workers computed: the uncached part
     output_tokens_per_s: float = 0.0
@@ -36,6 +44,11 @@ class Load:
     queued_prefill_tokens: float = 0.0  # now, all workers
     ttft_s: float | None = None     # mean time to first token the gateways saw
     itl_s: float | None = None      # mean inter-token latency the gateways saw
+
+    @property
+    def offered_per_s(self) -> float:
+        """The request rate the workers are asked to serve (what the predictions load them with)."""
+        return max(self.requests_per_s, self.arrivals_per_s)
 
     @property
     def prompt_tokens(self) -> float:
@@ -67,6 +80,22 @@ def _growth(first: dict[str, dict[str, float]], last: dict[str, dict[str, float]
         before = first.get(proc, {}).get(key, 0.0)
         total += now - before if now >= before else now
     return total
+
+
+def _arrivals(first: dict[str, dict[str, float]], last: dict[str, dict[str, float]]) -> float:
+    """Requests that reached the gateways in the window: per gateway, the growth of its finished
+    requests plus that of its requests in flight (a gauge); one that joined or restarted counts
+    everything it holds. 0 where no gateway tells (scrape.py: a planner of one model of several)."""
+    total = 0.0
+    for proc, figures in last.items():
+        if "finished" not in figures:
+            continue
+        before = first.get(proc, {})
+        if "finished" in before and figures["finished"] >= before["finished"]:
+            total += figures["finished"] - before["finished"] + figures["inflight"] - before["inflight"]
+        else:
+            total += figures["finished"] + figures["inflight"]
+    return max(total, 0.0)
 
 
 @dataclass
@@ -101,6 +130,7 @@ class LoadWindow:
         n = len(self.readings)
         return Load(
             seconds=span, requests=requests, requests_per_s=requests / span,
+            arrivals_per_s=_arrivals(first.gateways, last.gateways) / span,
             prompt_tokens_per_s=g("prompt_tokens") / span,
             computed_prompt_tokens_per_s=_growth(first.workers, last.workers, "prefill_tokens") / span,
             output_tokens_per_s=g("output_tokens") / span,

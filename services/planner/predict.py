@@ -140,7 +140,7 @@ def _beside_decode(workers: int, rows: float, context: float, uncached: float, s
     extra_s = model.chunk_s(start, int(round(uncached)))
     if not rows:
         extra_s += model.coef[0] * max(1.0, uncached / fleet.max_batched_tokens)
-    stretch = _time_shared(load.requests_per_s / workers * extra_s)
+    stretch = _time_shared(load.offered_per_s / workers * extra_s)
     return site.prefill_s(int(round(uncached)), start) * stretch, site.step_s() * stretch
 
 
@@ -164,7 +164,7 @@ def raw_figures(split: Split, load: Load, fleet: Fleet) -> tuple[float, float, f
     site = PrefillSite(model, 0, 0, fleet.max_batched_tokens, None)  # a prefill worker runs no decode rows
     tail = min(uncached, fleet.max_batched_tokens) * fleet.kv_bytes_per_token
     prefill_s = site.prefill_s(int(round(uncached)), start) + fleet.transfer.seconds(tail)
-    ttft = prefill_s * _overloaded(load.requests_per_s * prefill_s / split.prefill)
+    ttft = prefill_s * _overloaded(load.offered_per_s * prefill_s / split.prefill)
     itl = model.step_s(StepShape(decode_rows=rows, decode_context=context))
     return ttft, itl, kv_ratio
 

@@ -42,7 +42,7 @@ def figures(decision: Decision, fleet: Fleet | None) -> dict[str, object]:
         "action": decision.action, "reason": decision.reason,
         "current": str(decision.current), "target": str(decision.target),
         "load.window_s": round(load.seconds, 1), "load.requests": round(load.requests, 1),
-        "load.requests_per_s": round(load.requests_per_s, 3),
+        "load.requests_per_s": round(load.requests_per_s, 3), "load.arrivals_per_s": round(load.arrivals_per_s, 3),
         "load.prompt_tokens": round(load.prompt_tokens, 1), "load.uncached_share": round(load.uncached_share, 3),
         "load.output_tokens": round(load.output_tokens, 1), "load.decode_streams": round(load.decode_streams, 2),
         "load.kv_live_pages": round(load.kv_live_pages, 1), "load.queued_prefill_tokens": load.queued_prefill_tokens,
@@ -74,10 +74,11 @@ def report(decision: Decision, fleet: Fleet | None, metrics: PlannerMetrics, spa
     seen = (f"; observed ttft {load.ttft_s:.3f}s" if load.ttft_s is not None else "") + \
         (f" itl {load.itl_s * 1000:.0f}ms" if load.itl_s is not None else "")
     targets = f"; targets ttft {fleet.ttft_target_s:.3f}s itl {fleet.itl_target_s * 1000:.0f}ms" if fleet else ""
-    log.info("planner %s (%s): %s -> %s; now %s; target %s; load %.1f requests in %.0fs, %.0f prompt tokens "
-             "(%.0f%% uncached), %.0f out, %.1f decode streams%s%s", decision.action, decision.reason,
-             decision.current, decision.target, _pred(decision.prediction(decision.current)),
-             _pred(decision.prediction(decision.target)), load.requests, load.seconds, load.prompt_tokens,
+    log.info("planner %s (%s): %s -> %s; now %s; target %s; load %.1f requests in %.0fs (%.2f/s offered), "
+             "%.0f prompt tokens (%.0f%% uncached), %.0f out, %.1f decode streams%s%s", decision.action,
+             decision.reason, decision.current, decision.target, _pred(decision.prediction(decision.current)),
+             _pred(decision.prediction(decision.target)), load.requests, load.seconds, load.offered_per_s,
+             load.prompt_tokens,
              100 * load.uncached_share, load.output_tokens, load.decode_streams, seen, targets)
 
 

@@ -1,7 +1,9 @@
 """Reading the figures a decision needs from the processes' Prometheus /metrics pages: the
 gateways' (time to first token, inter-token latency, prompt and generated tokens: what clients
-see) and each worker's (the prompt tokens it computed: the uncached ones). A gateway URL whose
-host has several addresses (a Kubernetes headless Service) is every replica, summed."""
+see; and the requests that reached them, finished and in flight: the load offered, which under
+overload is more than what got a first token) and each worker's (the prompt tokens it computed:
+the uncached ones). A gateway URL whose host has several addresses (a Kubernetes headless
+Service) is every replica, summed."""
 from __future__ import annotations
 
 import asyncio
@@ -34,15 +36,35 @@ def parse_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
     return out
 
 
+# the requests that reached the gateway: duet_requests_total{service="gateway"} (finished) and
+# duet_gateway_inflight_requests (not yet); neither has a `model` label, so a planner of one model
+# among several reads no arrivals (load_window.py then counts first tokens alone)
+FINISHED, INFLIGHT = "duet_requests_total", "duet_gateway_inflight_requests"
+# a client error other than these was the request's own fault (a bad body, a key refused): no load
+OFFERED_CLIENT_STATUSES = ("408", "429", "499")
+
+
 def gateway_figures(text: str, model: str = "") -> dict[str, float]:
     """The gateway's figures, of one base model's requests when `model` is given (the series'
-    `model` label: a gateway may serve several models, each with a pool of its own)."""
+    `model` label: a gateway may serve several models, each with a pool of its own); without
+    `model`, also `finished` and `inflight`, the requests that reached it."""
     totals = dict.fromkeys(GATEWAY_SERIES.values(), 0.0)
+    if not model:
+        totals.update(finished=0.0, inflight=0.0)
     for name, labels, value in parse_samples(text):
         key = GATEWAY_SERIES.get(name)
         if key is not None and (not model or labels.get("model", model) == model):
             totals[key] += value
+        elif not model and name == FINISHED and labels.get("service") == "gateway" and _offered(labels):
+            totals["finished"] += value
+        elif not model and name == INFLIGHT:
+            totals["inflight"] += value
     return totals
+
+
+def _offered(labels: dict[str, str]) -> bool:
+    status = labels.get("status", "")
+    return not status.startswith("4") or status in OFFERED_CLIENT_STATUSES
 
 
 def worker_figures(text: str) -> dict[str, float]:

@@ -72,6 +72,8 @@ def _site(worker: WorkerInfo, inflight: WorkerInflight) -> PrefillSite | None:
     context = worker.load.decode_context_tokens * reported // counted if counted else 0
     if reported and rows > reported:  # routed here since the last heartbeat: at the mean context
         context += (rows - reported) * context // reported
+    # the worker's inter-token room without its TTFT widening (step_budget.py): the queue's waits,
+    # which the widening weighs, are not in the registry entry; prefill_time.py says what that skews
     budget = ItlBudget(worker.perf.itl_target_s, worker.perf.budget_floor_tokens, model) \
         if worker.perf.budget_floor_tokens > 0 else None
     return PrefillSite(model, rows, context, worker.max_batched_tokens or 8192, budget)

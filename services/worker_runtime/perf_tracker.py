@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from prometheus_client import Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from services.worker_runtime.step_sampler import StepSampler
 from shared.perf_model.config import PerfModelConfig, default_itl_s
@@ -54,7 +54,9 @@ class PerfTracker:
             self._add(shape, seconds)
         self.calibrated = bool(calibration)
         target = config.slo.itl_ms / 1000 if config.slo.itl_ms > 0 else default_itl_s(engine.device.type)
-        self.budget = ItlBudget(target, max(1, config.budget_floor_tokens))
+        # the queue's first-token target, weighed only where the inter-token budget runs
+        ttft = config.ttft.target_s(engine.device.type == "cuda") if config.budget_ttft else 0.0
+        self.budget = ItlBudget(target, max(1, config.budget_floor_tokens), ttft_s=ttft)
         if config.itl_budget:
             engine.scheduler.itl_budget = self.budget
         perf.itl_target_s = target
@@ -69,6 +71,12 @@ class PerfTracker:
                                       registry=registry)
         self.budget_tokens = Gauge("duet_engine_prefill_budget_tokens", "Prefill tokens the last step beside "
                                    "decode rows could take under the inter-token target", registry=registry)
+        self.budget_steps = Counter("duet_engine_prefill_budget_steps", "Steps beside decode rows, by the "
+                                    "target that set their prefill room: itl (the inter-token target), ttft "
+                                    "(widened for the queue's time to first token)", ["slo"], registry=registry)
+        self._budget_steps_seen = dict(engine.scheduler.budget_steps)
+        for slo in self._budget_steps_seen:
+            self.budget_steps.labels(slo=slo)  # both series from the start, at 0
         self.model_error = Gauge("duet_engine_step_model_error_ratio", "Relative RMS error of the step-time model "
                                  "over the steps it was fitted to", registry=registry)
         self._last_refit = float("-inf")
@@ -91,6 +99,10 @@ class PerfTracker:
         room = self.engine.scheduler.last_allowance
         if room is not None and room.first is not None:
             self.budget_tokens.set(room.first)
+        for slo, n in self.engine.scheduler.budget_steps.items():
+            if n > self._budget_steps_seen[slo]:
+                self.budget_steps.labels(slo=slo).inc(n - self._budget_steps_seen[slo])
+                self._budget_steps_seen[slo] = n
 
     def __call__(self) -> None:
         """after_iteration: refit at most every REFIT_S."""

@@ -12,7 +12,8 @@ holds its share of the pages lets other tenants' waiting requests be admitted fi
 (tenant_quota.py).
 
 Beside decode rows, an optional `itl_budget` (shared/perf_model/step_budget.py) narrows the
-prefill chunks further, so the step stays under an inter-token latency target.
+prefill chunks further, so the step stays under an inter-token latency target, unless the
+prefill queued here (prefill_queue below) needs wider chunks to meet its first-token target.
 
 A request whose prefix is still being loaded back from the host tier (its load's ticket not
 yet seen landed, kv_host_tier.py) is admitted but left out of the steps until the load
@@ -20,11 +21,20 @@ lands: the other requests' steps never wait for the copy."""
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
+from collections.abc import Iterator
+
+from shared.perf_model.ttft_pressure import QueuedPrefill
 
 from .batch import Batch, ScheduledReq
 from .kv_manager import KVManager
 from .request import Req, ReqStatus
+
+# the queue the step budget weighs: its first requests, read every step (a few microseconds each);
+# a queue of long prompts asks for the whole token budget within a few, and one of many short
+# ones is weighed by its head
+MAX_WEIGHED_QUEUE = 256
 
 
 class Scheduler:
@@ -47,6 +57,8 @@ class Scheduler:
         # prefill beside decode rows within an inter-token target (the worker sets it)
         self.itl_budget = None
         self.last_allowance = None  # the last step's StepAllowance (None: no decode rows or no budget)
+        self.budget_steps = {"itl": 0, "ttft": 0}  # batches beside decode rows, by which target set their room
+        self.clock = time.monotonic  # what the queue's waits are read against (Req.arrival's clock)
         self.last_batch: Batch | None = None
         self.num_batches = 0  # batches handed out; with last_batch, what the step timer reads
 
@@ -137,8 +149,10 @@ class Scheduler:
             batch.items.append(ScheduledReq(req, req.num_computed, 1))
             budget -= 1
         rows = len(batch.items)
-        room = self.itl_budget.begin(rows, sum(it.start + 1 for it in batch.items)) \
-            if self.itl_budget is not None and rows else None
+        room = None
+        if self.itl_budget is not None and rows:
+            queue = self.prefill_queue() if self.itl_budget.weighs_queue else ()
+            room = self.itl_budget.begin(rows, sum(it.start + 1 for it in batch.items), queue, budget)
         self.last_allowance = room
         # 2. prefill chunks of admitted requests, then new admissions (turn order)
         for req in self.running:
@@ -192,7 +206,20 @@ class Scheduler:
         if batch.items:
             self.last_batch = batch
             self.num_batches += 1
+            if room is not None:
+                self.budget_steps[room.slo] += 1
         return batch
+
+    def prefill_queue(self) -> Iterator[QueuedPrefill]:
+        """The prefill work here in about the order it is served (admitted prompts, then the
+        waiting ones, retracted first, then by arrival), with how long each has waited: what the
+        step budget weighs against the first-token target (lazily: it reads as far as it needs)."""
+        now = self.clock()
+        admitted = (r for r in self.running if not r.is_decoding)  # a waiting request never decodes
+        for r in itertools.islice(itertools.chain(admitted, self.waiting), MAX_WEIGHED_QUEUE):
+            tokens = len(r.token_ids) - r.num_computed  # Req.remaining, inlined: read every step
+            if tokens > 0:
+                yield QueuedPrefill(tokens, max(0.0, now - r.arrival), len(r.token_ids) == len(r.prompt_ids))
 
     def _turn(self, group: str) -> None:
         self._served[group] = next(self._turns)

@@ -1,9 +1,11 @@
-"""Settings of the performance model and the inter-token latency target (shared/settings).
+"""Settings of the performance model and the latency targets (shared/settings).
 
 `ItlTarget` is nested by the router and by every worker, so one `--slo-itl-ms` /
 `DUET_SLO_ITL_MS` sets the target on both sides of the decision: the router keeps a decode
 worker's predicted step under it when it places a prefill there, and the worker's scheduler
-keeps its steps under it when it mixes prefill chunks into decode steps."""
+keeps its steps under it when it mixes prefill chunks into decode steps. `TtftTarget` is nested by
+the planner and by every worker: the planner weighs splits against it, and a worker's step budget
+widens its prefill chunks when its queue would miss it (step_budget.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -40,8 +42,10 @@ CPU_DEFAULT_TTFT_S = 5.0
 class TtftTarget:
     ttft_ms: float = setting(
         0.0, flag="--slo-ttft-ms", env="DUET_SLO_TTFT_MS",
-        help="time-to-first-token target in ms the planner keeps the worker split to (with --slo-itl-ms); "
-             "0 = 1000 ms on GPU workers, 5000 ms on CPU ones")
+        help="time-to-first-token target in ms: the planner keeps the worker split to it (with --slo-itl-ms), "
+             "and a worker whose queued prefills would miss it at the inter-token budget's room takes wider "
+             "prefill chunks beside its decode rows (--itl-budget-ttft); 0 = 1000 ms on GPU workers, 5000 ms "
+             "on CPU ones")
 
     def target_s(self, on_gpu: bool) -> float:
         if self.ttft_ms > 0:
@@ -67,8 +71,15 @@ class PerfModelConfig:
         True, flag="--itl-budget", env="DUET_ITL_BUDGET",
         help="limit the prefill chunks a step carries beside decode rows so the step stays under the "
              "inter-token latency target (off: the token budget alone, --max-num-batched-tokens)")
+    budget_ttft: bool = setting(
+        True, flag="--itl-budget-ttft", env="DUET_ITL_BUDGET_TTFT",
+        help="weigh the prefill queued on the worker in the inter-token budget: when the queue cannot meet "
+             "the time-to-first-token target (--slo-ttft-ms) at the room the inter-token target leaves, a step "
+             "beside decode rows takes as many prefill tokens as the step model says the queue needs, up to "
+             "the token budget (off: the inter-token target alone sets the room)")
     budget_floor_tokens: int = setting(
         32, flag="--itl-budget-floor", env="DUET_ITL_BUDGET_FLOOR",
         help="prefill tokens a step beside decode rows carries at least, whatever the target says, so a "
              "prefill on a busy decode worker still progresses")
     slo: ItlTarget = nested(ItlTarget)
+    ttft: TtftTarget = nested(TtftTarget)

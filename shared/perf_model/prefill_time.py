@@ -4,7 +4,12 @@ the router predicts a placement's time to first token from (services/router/plac
 Each step carries the decode rows running there plus one chunk: at most the token budget
 (`max_batched_tokens` less the rows) and, beside decode rows, at most what the worker's
 inter-token budget allows (step_budget.py, the same arithmetic its scheduler runs), so a
-prefill on a busy decode worker is predicted as the many small steps it will really take."""
+prefill on a busy decode worker is predicted as the many small steps it will really take.
+
+The worker's budget also widens those chunks when its own queue would miss the first-token
+target (ttft_pressure.py); that needs each queued request's wait, which the registry does not
+carry, so the simulation leaves the widening out: under such pressure it predicts a local
+prefill slower, and its steps shorter, than the worker will run them."""
 from __future__ import annotations
 
 from dataclasses import dataclass

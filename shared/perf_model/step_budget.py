@@ -1,33 +1,52 @@
-"""Prefill on a decode worker within an inter-token budget (stall-free batching).
+"""Prefill on a decode worker within an inter-token budget that also weighs the queue's first
+tokens (stall-free batching, with both SLOs in view).
 
 A step carries every decode row first; prefill chunks then ride along only as far as the
 worker's step model (step_model.py) predicts the step stays under the inter-token latency
-target, so a burst of prefills on a decode worker can never push its running streams past
-the target (Sarathi-Serve's token budget, derived per step from the target and the rows
-running now instead of profiled once). At least `floor_tokens` go each step, so prefill always
-progresses. The scheduler (shared/engine/scheduler.py) asks `begin()` once per step with
-decode rows, then `allow()` before and `charge()` after each chunk; the router simulates
-the same budget to predict a local prefill's time (services/router/placement.py)."""
+target, so a burst of prefills on a decode worker does not push its running streams past the
+target (Sarathi-Serve's token budget, derived per step from the target and the rows running
+now instead of profiled once). At least `floor_tokens` go each step, so prefill always
+progresses.
+
+That room alone starves a queue of long prompts on a busy worker: its steps clear a few hundred
+prompt tokens each while the queue grows without bound and every request misses its first-token
+target. So the budget also weighs the prefill queued on this worker (ttft_pressure.py): when the
+queue, served in order at the ITL room, cannot meet its time-to-first-token target, the step
+takes as many prefill tokens as the step model says it must for the queue to meet it (at most
+the step's token budget) -- DistServe's view that a request counts only if it meets both
+targets, so letting the queue's TTFT go to keep the ITL is no gain. Each step's allowance says
+which target set it (`slo`: itl or ttft). With no TTFT pressure the ITL room is the rule.
+
+The scheduler (shared/engine/scheduler.py) asks `begin()` once per step with decode rows and its
+queue, then `allow()` before and `charge()` after each chunk; the router and the planner
+simulate the same budget to predict a local prefill's time (prefill_time.py), without the
+queue's ages they do not see, so without the widening."""
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from shared.perf_model.step_model import StepModel, StepShape
+from shared.perf_model.ttft_pressure import QueuedPrefill, needed_rate, tokens_for_rate
 
 
 @dataclass
 class StepAllowance:
-    """One step's prefill room: the time left under the target after its decode rows."""
+    """One step's prefill room: the time left under the target after its decode rows, and the
+    prefill tokens the queue's first-token target asks of the step (0: none beyond that room)."""
 
     model: StepModel
     time_left_s: float
     floor_tokens: int
+    need_tokens: int = 0
+    slo: str = "itl"            # which target set the room: itl, or ttft where the queue widened it
     granted: int = 0
     first: int | None = None   # the step's budget as the first chunk saw it (the gauge)
 
     def allow(self, start: int) -> int:
         """Tokens the next chunk (after `start` held tokens) may have."""
-        n = self.model.largest_chunk(self.time_left_s, start)
+        n = max(self.model.largest_chunk(self.time_left_s, start), self.need_tokens - self.granted)
         if self.granted == 0:
             n = max(n, self.floor_tokens)
         if self.first is None:
@@ -41,16 +60,35 @@ class StepAllowance:
 
 @dataclass
 class ItlBudget:
-    """The worker's budget: its current model (swapped at each refit) and the target."""
+    """The worker's budget: its current model (swapped at each refit), the inter-token target
+    and the time-to-first-token target its queue is weighed against (0: not weighed)."""
 
     target_s: float
     floor_tokens: int = 32
     model: StepModel | None = None
+    ttft_s: float = 0.0
 
-    def begin(self, decode_rows: int, decode_context: int) -> StepAllowance | None:
-        """The room of a step with these decode rows; None when nothing limits it (no rows,
-        no model yet, no target)."""
+    @property
+    def weighs_queue(self) -> bool:
+        """Whether begin() looks at the queue (the scheduler builds it only then)."""
+        return self.ttft_s > 0
+
+    def begin(self, decode_rows: int, decode_context: int, queue: Iterable[QueuedPrefill] = (),
+              token_budget: int | None = None) -> StepAllowance | None:
+        """The room of a step with these decode rows and this prefill queue (in the order the
+        scheduler serves it, read lazily); None when nothing limits it (no rows, no model yet,
+        no target). token_budget: the prefill tokens the step can carry at most (what widening
+        stops at)."""
         if decode_rows <= 0 or self.model is None or self.target_s <= 0:
             return None
         base = self.model.step_s(StepShape(decode_rows=decode_rows, decode_context=decode_context))
-        return StepAllowance(self.model, self.target_s - base, self.floor_tokens)
+        room = StepAllowance(self.model, self.target_s - base, self.floor_tokens)
+        if self.ttft_s > 0:
+            itl_room = max(self.model.largest_chunk(room.time_left_s, 0), self.floor_tokens)
+            cap = max(token_budget if token_budget is not None else 1 << 30, itl_room)
+            widest_s = base + self.model.chunk_s(0, cap)
+            most = cap / widest_s if widest_s > 0 else math.inf  # prompt tokens a second at the token budget
+            need = tokens_for_rate(self.model, base, needed_rate(queue, self.ttft_s, most), cap)
+            if need > itl_room:
+                room.need_tokens, room.slo = need, "ttft"
+        return room

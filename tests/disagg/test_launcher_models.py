@@ -2,7 +2,7 @@
 model (the counts apply per model, the second model's workers named m1-...), each started on its
 own folder; one router; one gateway given the first as --model and the others as --extra-model;
 with the planner on, a planner per model given that model's name, so each switches roles within
-its own pool only. Planned only: nothing is started."""
+its own pool only; the latency targets each process is given. Planned only: nothing is started."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -51,6 +51,16 @@ def test_with_the_planner_each_model_gets_its_own(tmp_path):
         "planner": ["model-a"], "planner-m1": ["model-b"]}
     assert {name for name, argv in children.items() if "--switchable" in argv} == {
         "worker-0", "worker-1", "m1-worker-0", "m1-worker-1"}
+
+
+def test_both_targets_reach_every_worker_and_planner_and_the_itl_one_the_router(tmp_path):
+    """The workers' step budget weighs both (shared/perf_model/step_budget.py)."""
+    children = planned(tmp_path, "--slo-ttft-ms", "800", "--slo-itl-ms", "15")
+    for name, argv in children.items():
+        if "worker" in argv or "planner" in argv:
+            assert (flag(argv, "--slo-ttft-ms"), flag(argv, "--slo-itl-ms")) == (["800"], ["15"]), name
+    router = next(argv for argv in children.values() if "router" in argv)
+    assert (flag(router, "--slo-ttft-ms"), flag(router, "--slo-itl-ms")) == ([], ["15"])
 
 
 def test_the_planner_of_one_model_reads_that_models_figures():

@@ -11,10 +11,12 @@ import math
 
 import pytest
 
+from services.gateway.http_edge.metrics import GatewayMetrics
 from services.planner.assign import assign, fixed_split
 from services.planner.decide import Decider, pool_step
 from services.planner.load_window import Load, LoadWindow, Reading
 from services.planner.predict import Corrections, Fleet, Split, candidates, predict
+from services.planner.scrape import gateway_figures
 from shared.registry.worker_info import WorkerInfo
 from tests.helpers.planner_fleet import CHAT, LONG, long_prompts, worker
 
@@ -134,6 +136,40 @@ def test_the_window_reads_counters_as_their_growth_and_a_restart_from_zero():
     assert window.load().seconds == pytest.approx(11.0)
     window.reset()
     assert window.load() == Load()
+
+
+def test_under_overload_the_load_is_the_requests_that_reached_the_gateway_not_the_first_tokens():
+    """A gateway's real /metrics page over 10 s: 4 requests got their first token and finished, 4
+    more were turned away busy (429), 4 wait in flight and 2 were malformed (400, no load): 12
+    requests reached it, three times the 4 served. One prefill worker takes ~2 s a 250-token
+    prompt: 0.4 a second keep it 80% busy, 1.2 a second are past its capacity."""
+    gateway = GatewayMetrics()
+    before = gateway_figures(gateway.exposition().decode())
+    labels = ("chat_completions", "m", "")
+    for _ in range(4):
+        gateway.time_to_first_token.labels(*labels).observe(2.5)
+        gateway.inter_token_latency.labels(*labels).observe(0.2)
+        gateway.prompt_tokens.labels(*labels).inc(250)
+        gateway.generation_tokens.labels(*labels).inc(16)
+        gateway.request_finished("chat_completions", 200)
+        gateway.request_finished("chat_completions", 429)
+        gateway.inflight.labels("chat_completions").inc()
+    for _ in range(2):
+        gateway.request_finished("chat_completions", 400)
+    after = gateway_figures(gateway.exposition().decode())
+    fleet_now = (worker("w0", "prefill"), worker("w1", "decode", running=2))
+    window = LoadWindow(seconds=60.0)
+    window.add(Reading(0.0, {"g": before}, {"w0/n": {"prefill_tokens": 0.0, "decode_tokens": 0.0}}, fleet_now))
+    window.add(Reading(10.0, {"g": after}, {"w0/n": {"prefill_tokens": 1000.0, "decode_tokens": 0.0}}, fleet_now))
+    load = window.load()
+    assert load.requests_per_s == pytest.approx(0.4) and load.arrivals_per_s == pytest.approx(1.2)
+    assert load.offered_per_s == pytest.approx(1.2) and load.prompt_tokens == pytest.approx(250)
+    # by the first tokens alone the split looks within its TTFT target; by the arrivals it is past it
+    served_only = Load(**{**load.__dict__, "arrivals_per_s": 0.0})
+    f = fleet()
+    assert predict(P1D1, served_only, f).ratios[0] < 1 < predict(P1D1, load, f).ratios[0]
+    # a gateway's request counters carry no model: a planner of one model among several reads none
+    assert "finished" not in gateway_figures(gateway.exposition().decode(), model="m")
 
 
 def test_predictions_are_corrected_by_what_the_gateways_saw():

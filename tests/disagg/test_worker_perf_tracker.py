@@ -14,7 +14,8 @@ from services.worker.perf_calibration import calibrate, calibrate_once
 from services.worker_runtime.perf_tracker import PerfTracker, handoff_totals
 from shared.engine.engine import Engine
 from shared.engine.sampling_params import SamplingParams
-from shared.perf_model.config import ItlTarget, PerfModelConfig
+from shared.perf_model.config import ItlTarget, PerfModelConfig, TtftTarget
+from shared.perf_model.step_model import StepModel
 from shared.perf_model.worker_perf import WorkerPerf
 from shared.telemetry.metrics import DuetMetrics
 from tests.helpers.engine_models import build_model_dir, kv_bytes_for_pages, random_prompts
@@ -88,12 +89,47 @@ def test_live_steps_refit_the_model_the_budget_and_the_registry_use(engine):
     engine.scheduler.itl_budget = None
 
 
+def test_the_first_token_target_reaches_the_budget_and_the_steps_it_widened_are_counted(engine):
+    off = PerfModelConfig(calibrate=False, budget_ttft=False, ttft=TtftTarget(ttft_ms=550.0))
+    assert PerfTracker(engine, WorkerPerf(), off, CollectorRegistry()).budget.ttft_s == 0.0
+    assert PerfTracker(engine, WorkerPerf(), PerfModelConfig(calibrate=False), CollectorRegistry()).budget.ttft_s \
+        == 5.0  # a CPU worker's default
+    registry = CollectorRegistry()
+    config = PerfModelConfig(calibrate=False, budget_floor_tokens=8, slo=ItlTarget(itl_ms=26.2),
+                             ttft=TtftTarget(ttft_ms=550.0))
+    tracker = PerfTracker(engine, WorkerPerf(), config, registry)
+    assert engine.scheduler.itl_budget is tracker.budget and tracker.budget.ttft_s == 0.55
+    before = dict(engine.scheduler.budget_steps)  # the engine served the tests above
+    # a model (not fitted: this machine's speed must not matter) whose room beside 4 rows is 24
+    # prompt tokens a step, too few for four 200-token prompts within 0.55 s (tests/engine/
+    # test_engine_itl_budget.py has the arithmetic); every request has waited 0 s by the clock
+    tracker.budget.model = StepModel.from_dict({"base_s": 0.010, "prefill_token_s": 0.0005, "attended_pair_s": 0.0,
+                                                "decode_row_s": 0.001, "context_token_s": 0.0})
+    started = time.monotonic()
+    engine.scheduler.clock = lambda: started
+    try:
+        for p in random_prompts(4, [6, 9, 5, 7], seed=60):
+            engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+        for _ in range(2):  # the rows' prompts, then their first decode step
+            t0 = time.perf_counter()
+            engine.step()
+            tracker.on_step(t0, time.perf_counter())
+        drive(engine, tracker, random_prompts(4, [200] * 4, seed=61), 2)
+    finally:
+        engine.scheduler.itl_budget, engine.scheduler.clock = None, time.monotonic
+    value = registry.get_sample_value
+    steps = {slo: n - before[slo] for slo, n in engine.scheduler.budget_steps.items()}
+    assert steps["ttft"] > 0 and steps["itl"] > 0, steps
+    assert {slo: value("duet_engine_prefill_budget_steps_total", {"slo": slo}) for slo in steps} == steps
+
+
 def test_a_prefill_worker_fits_its_handoff_tail():
     metrics = DuetMetrics("prefill", process_metrics=False)
 
     class Idle:  # an engine that never steps: only the handoff side is exercised
         class scheduler:
             num_batches, last_batch, last_allowance, itl_budget = 0, None, None, None
+            budget_steps = {"itl": 0, "ttft": 0}
         overlap, device = None, type("D", (), {"type": "cpu"})()
 
     perf = WorkerPerf()

@@ -9,6 +9,7 @@ import pytest
 from shared.perf_model.linear_fit import OnlineLinearFit
 from shared.perf_model.prefill_time import PrefillSite
 from shared.perf_model.step_budget import ItlBudget
+from shared.perf_model.ttft_pressure import QueuedPrefill, needed_rate
 from shared.perf_model.step_model import StepModel, StepShape, attended_pairs
 from shared.perf_model.transfer_model import TransferModel
 from shared.perf_model.worker_perf import WorkerPerf
@@ -100,6 +101,36 @@ def test_budget_keeps_the_step_under_the_target_with_a_floor():
     assert room.allow(0) == 0  # the step is full: a second chunk gets nothing
     # a batch whose decode step alone passes the target still moves prefill by the floor
     assert budget.begin(2000, 2000 * 8000).allow(0) == 16
+
+
+def test_the_queue_asks_for_the_rate_its_tightest_first_token_needs():
+    # served in order: 200 tokens in 1 s, 600 in 1.5 s, 700 in 2 s: the second is the tightest
+    queue = [QueuedPrefill(200, 1.0), QueuedPrefill(400, 0.5), QueuedPrefill(100, 0.0)]
+    assert needed_rate(queue, 2.0) == pytest.approx(400.0)
+    # past its target a request is still given a quarter of it; one whose first token came sets
+    # no deadline, though its tokens go ahead of the rest
+    assert needed_rate([QueuedPrefill(100, 9.0)], 2.0) == pytest.approx(200.0)
+    assert needed_rate([QueuedPrefill(500, 9.0, first_token_due=False), QueuedPrefill(100, 0.0)], 2.0) == \
+        pytest.approx(300.0)
+    assert needed_rate([], 2.0) == 0.0
+
+
+def test_a_queue_past_the_itl_room_gets_the_tokens_its_rate_needs_up_to_the_token_budget():
+    budget = ItlBudget(target_s=0.030, floor_tokens=16, model=TRUTH, ttft_s=1.0)
+    itl = budget.begin(64, 64 * 2000)
+    assert (itl.slo, itl.need_tokens) == ("itl", 0)  # no queue: the target's room
+    short = budget.begin(64, 64 * 2000, [QueuedPrefill(10, 0.0)], 8000)
+    assert (short.slo, short.allow(0)) == ("itl", itl.allow(0))
+    wide = budget.begin(64, 64 * 2000, [QueuedPrefill(20000, 0.0)], 8000)
+    base = TRUTH.step_s(StepShape(decode_rows=64, decode_context=64 * 2000))
+    n = wide.allow(0)
+    assert wide.slo == "ttft" and n == wide.need_tokens > itl.allow(0)
+    # the fewest tokens a step that compute 20000 a second
+    assert n >= 20000 * (base + TRUTH.chunk_s(0, n)) and n - 1 < 20000 * (base + TRUTH.chunk_s(0, n - 1))
+    wide.charge(0, 100)
+    assert wide.allow(100) == n - 100  # later chunks share what the queue asked of the step
+    # more than the token budget can give: the token budget
+    assert budget.begin(64, 64 * 2000, [QueuedPrefill(10**7, 0.0)], 8000).need_tokens == 8000
 
 
 def test_prefill_time_is_many_small_steps_beside_a_busy_batch():
