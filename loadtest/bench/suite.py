@@ -88,7 +88,8 @@ def parser() -> argparse.ArgumentParser:
     a("--models", default="qwen3-0.6b,qwen3-8b", help="shapes (shapes.py) for decode, prefill, fp8; "
       "offline and hetero_tp take the first, spec the last as its target and the first as its draft, tp, tp_fp8 "
       "and stack the last")
-    a("--small-models", default="qwen3-small,llama-small,qwen3-moe-small", help="random checkpoints: equality, tp, tp_fp8")
+    a("--small-models", default="qwen3-small,llama-small,qwen3-moe-small",
+      help="random checkpoints: equality, tp, tp_fp8")
     a("--batches", default="1,8,32,128")
     a("--ctx", type=int, default=1024, help="context of the timed decode steps")
     a("--steps", type=int, default=32, help="timed decode steps a point")

@@ -35,19 +35,23 @@ def tp_fp8(run) -> None:
         ckpt = str(random_checkpoint_dir(name, run.root, run.dev))
         prompts = equality_prompts(hf_config(name).vocab_size, 6)
         host_rounds, host_options = host_tier_case(name, dtype)
-        cases = (("fp8 KV", [prompts], 48, dict(kv_cache_dtype="fp8_e4m3")),
-                 ("fp8 weights", [[p] for p in prompts], 48, FP8_WEIGHTS),
-                 ("host tier", host_rounds, 16, host_options))
-        for label, rounds, new_tokens, options in cases:
+        cases = (("fp8 KV", [prompts], 48, dict(kv_cache_dtype="fp8_e4m3"), ""),
+                 ("fp8 weights", [[p] for p in prompts], 48, FP8_WEIGHTS,
+                  ", W8A16 (--fp8-decode-gemm off, steps of <= 4 tokens, one prompt at a time)"),
+                 ("host tier", host_rounds, 16, host_options, ", write-back policy all"))
+        for label, rounds, new_tokens, options, how in cases:
             (ref, info1), (got, info2) = (_call(dev, rounds_tokens, dev, ckpt, dtype, t, rounds, new_tokens, options)
                                           for t in (1, 2))
             same, share = equal_share(ref, got)
-            run.add("tp_fp8", f"{name} {label} TP2 == TP1 sequences", same, f"{share}; {dtype} compute, {info2.text}")
+            run.add("tp_fp8", f"{name} {label} TP2 == TP1 sequences", same,
+                    f"{share}; {dtype} compute, {info2.text}{how}")
             if label == "host tier":
                 run.add("tp_fp8", f"{name} host tier TP1 / TP2 host-hit tokens", f"{info1.host} / {info2.host}",
                         f"of {info1.cached} / {info2.cached} cached prompt tokens; prefixes of round 1 evicted "
                         "by round 2, sent again in round 3")
     name, batches = run.names(args.models)[-1], run.ints(args.batches)
+    if not batches:  # --batches "": the tokens alone (--small-models "": the steps alone)
+        return
     folder = str(config_only_dir(name, run.root))
     for tag, options in STEP_VARIANTS:
         steps = {t: _call(dev, decode_steps, dev, folder, t, batches, args.ctx, args.steps, c.copy_gb_s, options)
