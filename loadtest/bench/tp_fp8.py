@@ -37,7 +37,7 @@ def tp_fp8(run) -> None:
         host_rounds, host_options = host_tier_case(name, dtype)
         cases = (("fp8 KV", [prompts], 48, dict(kv_cache_dtype="fp8_e4m3"), ""),
                  ("fp8 weights", [[p] for p in prompts], 48, FP8_WEIGHTS,
-                  ", W8A16 (--fp8-decode-gemm off, steps of <= 4 tokens, one prompt at a time)"),
+                  ", W8A16 (--fp8-decode-gemm off, steps of <= 4 tokens, one prompt at a time)" * (dev == "cuda")),
                  ("host tier", host_rounds, 16, host_options, ", write-back policy all"))
         for label, rounds, new_tokens, options, how in cases:
             (ref, info1), (got, info2) = (_call(dev, rounds_tokens, dev, ckpt, dtype, t, rounds, new_tokens, options)
