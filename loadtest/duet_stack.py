@@ -24,6 +24,7 @@ class DuetStack:
     log_dir: pathlib.Path
     port: int = 0
     proc: subprocess.Popen | None = None
+    env: dict[str, str] | None = None  # more environment for `duet up` and its children
 
     @property
     def url(self) -> str:
@@ -32,7 +33,8 @@ class DuetStack:
     def start(self, health_timeout_s: float = 600.0) -> "DuetStack":
         self.port = self.port or free_port()
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+        path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, **(self.env or {}), "PYTHONPATH": path}
         with open(self.log_dir / "up.log", "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "services.cli", "up", "--port", str(self.port), "--log-dir", str(self.log_dir),

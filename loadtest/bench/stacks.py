@@ -42,14 +42,18 @@ def _model(run) -> tuple[Path, list[str]]:
     --models shape with a tokenizer (the default model's ids fit every shape's vocabulary)."""
     if run.args.model_dir:
         return Path(run.args.model_dir), []
+    return copy_tokenizer(run, config_only_dir(run.names(run.args.models)[-1], run.root)), ["--load-format", "dummy"]
+
+
+def copy_tokenizer(run, folder: Path) -> Path:
+    """--tokenizer-from's tokenizer files (default: the default model's) into a random-weight model folder."""
     from shared.model_files.default_model import resolve_model_dir
 
-    folder = config_only_dir(run.names(run.args.models)[-1], run.root)
     src = Path(run.args.tokenizer_from or resolve_model_dir(None))
     for f in TOKENIZER_FILES:
         if (src / f).is_file():
             shutil.copy(src / f, folder / f)
-    return folder, ["--load-format", "dummy"]
+    return folder
 
 
 def _stacks(run, kinds) -> None:

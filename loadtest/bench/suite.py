@@ -2,7 +2,7 @@
 
     duet bench                                         # ceilings, equality, decode, prefill, offline
     duet bench --sections ceilings,fp8 --budget-s 400  # one GPU
-    duet bench --sections tp                           # a host with two GPUs
+    duet bench --sections tp,tp_fp8,hetero_tp          # a host with two GPUs
     duet bench --sections stack,multiturn --stacks split,colocated
     duet bench --device cpu --models qwen3-small --small-models qwen3-small --ctx 64   # a dry run
 
@@ -33,6 +33,9 @@ SECTIONS = {  # name: (module:function, what it measures)
     "spec": ("sections:spec", "speculative decoding at batch 1: the accept-all ceiling, greedy tokens equal"),
     "lora": ("lora:lora", "LoRA adapters in the batch (0, 1, 8 distinct): decode steps and prefill against no LoRA"),
     "tp": ("tp:tp", "TP=2 against TP=1: greedy tokens (MoE: EP=2 too), decode steps (two GPUs)"),
+    "tp_fp8": ("tp_fp8:tp_fp8", "FP8 weights, FP8 KV, the host tier at TP=2: greedy tokens against TP=1, decode steps"),
+    "hetero_tp": ("hetero_tp:hetero_tp", "`duet up --prefill-tp 2 --decode-tp 1` against 1 -> 1: the KV handoff "
+                  "tail by prompt length, greedy tokens"),
     "stack": ("stacks:stack", "`duet up` stacks under `duet loadtest`: TTFT, TPOT, ITL, tokens/s, the first run"),
     "multiturn": ("stacks:multiturn", "`duet up` stacks under `duet loadtest multiturn`: TTFT by turn, cache"),
 }
@@ -83,8 +86,10 @@ def parser() -> argparse.ArgumentParser:
     a("--sections", default=DEFAULT_SECTIONS, help=f"comma list (default {DEFAULT_SECTIONS})")
     a("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a dry run of the sections")
     a("--models", default="qwen3-0.6b,qwen3-8b", help="shapes (shapes.py) for decode, prefill, fp8; "
-      "offline takes the first, spec the last as its target and the first as its draft, tp and stack the last")
-    a("--small-models", default="qwen3-small,llama-small,qwen3-moe-small", help="random checkpoints: equality, tp")
+      "offline and hetero_tp take the first, spec the last as its target and the first as its draft, tp, tp_fp8 "
+      "and stack the last")
+    a("--small-models", default="qwen3-small,llama-small,qwen3-moe-small",
+      help="random checkpoints: equality, tp, tp_fp8")
     a("--batches", default="1,8,32,128")
     a("--ctx", type=int, default=1024, help="context of the timed decode steps")
     a("--steps", type=int, default=32, help="timed decode steps a point")
@@ -110,6 +115,10 @@ def parser() -> argparse.ArgumentParser:
     a("--tokenizer-from", help="stack, multiturn: tokenizer files for random weights (default the default model's)")
     a("--worker-arg", action="append", default=[], help="stack, multiturn: a flag for every worker (repeat)")
     a("--up-arg", action="append", default=[], help="stack, multiturn: a flag for `duet up`, e.g. --up-arg=--slo-itl-ms=15")
+    a("--hetero-lens", default="", help="hetero_tp: prompt lengths (default 4096,16384 on GPUs, 96,320 on the CPU)")
+    a("--hetero-layouts", default="2->1,1->1", help="hetero_tp: prefill->decode TP sizes")
+    a("--hetero-trials", type=int, default=2, help="hetero_tp: measured prompts a length")
+    a("--hetero-dtype", default="float32", help="hetero_tp: the workers' and the offline engine's dtype")
     a("--json", help="write the figures here")
     a("--workdir", help="scratch folder (default a new temporary one)")
     a("--budget-s", type=float, help="seconds for the run: later sections are skipped, a hung one cut off")

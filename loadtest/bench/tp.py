@@ -55,10 +55,10 @@ def greedy_tokens(device: str, ckpt: str, dtype: str, tp_size: int, ep: int, pro
 
 
 def decode_steps(device: str, folder: str, tp_size: int, batches, ctx: int, steps: int,
-                 copy_gb_s: float) -> dict[int, tuple[float, float]]:
-    """{batch: (step ms with overlap, per-rank floor ms)}."""
+                 copy_gb_s: float, options: dict | None = None) -> dict[int, tuple[float, float]]:
+    """{batch: (step ms with overlap, per-rank floor ms)}; options: more engine options (e.g. FP8)."""
     eng = make_engine(torch.device(device), folder, load_format="dummy", tp_size=tp_size,
-                      max_model_len=max(4096, 2 * ctx), cuda_graph_max_bs=max(batches))
+                      max_model_len=max(4096, 2 * ctx), cuda_graph_max_bs=max(batches), **(options or {}))
     try:
         return {b: (decode_step_ms(eng, b, ctx, steps, overlap=True), decode_floor_ms(eng, b, ctx, copy_gb_s)[0])
                 for b in batches}

@@ -1,6 +1,6 @@
 """`duet bench` on the CPU: each maintained section runs as a dry run on tiny random models and
 reports its figures; `--help` lists exactly the sections tested (stack and multiturn against a
-whole `duet up` stack: tests/e2e/test_loadtest_duet_up.py). The figures themselves come from
+whole `duet up` stack: tests/e2e/test_loadtest_duet_up.py; hetero_tp starts its own). The figures themselves come from
 GPUs: docs/performance/."""
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import pytest
 
 from loadtest.bench.suite import SECTIONS, main
 
-TESTED = {"ceilings", "equality", "decode", "prefill", "offline", "fp8", "spec", "lora", "tp", "stack", "multiturn"}
+TESTED = {"ceilings", "equality", "decode", "prefill", "offline", "fp8", "spec", "lora", "tp", "tp_fp8", "hetero_tp",
+          "stack", "multiturn"}
 TINY = ["--models", "qwen3-tiny", "--small-models", "qwen3-tiny", "--batches", "1,2", "--ctx", "32", "--steps", "2"]
 
 
@@ -72,3 +73,26 @@ def test_tp_section_reports_equal_tokens_and_both_steps(tmp_path, torch_one_thre
     for b in (1, 2):
         assert d[f"qwen3-tiny TP=1 B={b} step_ms"] > 0 and d[f"qwen3-tiny TP=2 B={b} step_ms"] > 0
         assert d[f"qwen3-tiny B={b} TP2/TP1"] > 0
+
+
+def test_tp_fp8_section_reports_equal_tokens_host_hits_and_both_steps(tmp_path, torch_one_thread):
+    d = bench(tmp_path, "--sections", "tp_fp8", *TINY[:2], "--small-models", "qwen3-tiny", "--batches", "1",
+              "--ctx", "32", "--steps", "2")["tp_fp8"]
+    for case in ("fp8 KV", "fp8 weights"):  # float64 on the CPU: the split sums round too little to move a token
+        assert d[f"qwen3-tiny {case} TP2 == TP1 sequences"] == "6/6"
+    assert d["qwen3-tiny host tier TP2 == TP1 sequences"] == "12/12"
+    tp1, tp2 = (int(x) for x in d["qwen3-tiny host tier TP1 / TP2 host-hit tokens"].split(" / "))
+    assert tp1 == tp2 == 4 * 6 * 16, "round 3's four 6-page prefixes came back from the host tier at both sizes"
+    for variant in ("fp8", "fp8+fp8kv"):
+        assert d[f"qwen3-tiny {variant} TP=1 B=1 step_ms"] > 0 and d[f"qwen3-tiny {variant} TP=2 B=1 step_ms"] > 0
+
+
+@pytest.mark.slow
+def test_hetero_tp_section_hands_kv_from_prefill_tp2_to_decode_tp1(tmp_path, torch_one_thread):
+    """Two `duet up` stacks on the CPU (prefill TP=2 over gloo, then 1 -> 1): the stack's greedy
+    text equals the offline engine's, and every prompt's handoff was seen at the prefill worker."""
+    d = bench(tmp_path, "--sections", "hetero_tp", "--models", "qwen3-tiny", "--hetero-lens", "64,160",
+              "--hetero-trials", "1")["hetero_tp"]
+    for layout in ("2->1", "1->1"):
+        assert d[f"{layout} greedy == offline TP1"] == "2/2"
+        assert all(d[f"{layout} {n} tokens handoff tail ms"] > 0 for n in (64, 160))
