@@ -5,15 +5,20 @@ model; live steps correct it from the first request on (shared/perf_model/worker
 so a stale file costs a few steps of worse placement, never a wrong answer.
 
 One JSON file a key, written whole under a temporary name and renamed, so workers starting
-side by side never read half a file; a file that does not parse is ignored and rewritten."""
+side by side never read half a file; a file that does not parse is ignored and rewritten. Workers
+that start together with the same key take turns (claim): the first times the steps, the others
+read them."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import platform
 import tempfile
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -23,6 +28,8 @@ log = logging.getLogger("duet.worker.perf")
 
 # bump when perf_calibration.py's shapes change: older files then stop matching
 SHAPES_VERSION = 1
+# a worker waits this long for another one calibrating the same key, then times its own steps
+CLAIM_WAIT_S = 60.0
 
 
 def calibration_key(engine, checkpoint: str) -> str:
@@ -48,6 +55,34 @@ class CalibrationStore:
 
     def __init__(self, root: Path | None):
         self.root = root
+
+    @contextlib.contextmanager
+    def claim(self, key: str):
+        """Hold the key while calibrating, so workers of one host that start together time the
+        steps once: the others wait (at most CLAIM_WAIT_S: a stuck one never holds them) and then
+        find the file. The lock is the kernel's (flock): it goes with the process that held it."""
+        if self.root is None:
+            yield
+            return
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            lock = open(self.root / f".{key}.lock", "w")
+        except OSError:
+            yield
+            return
+        with lock:
+            deadline = time.monotonic() + CLAIM_WAIT_S
+            while True:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        log.warning("perf calibration: another worker has held %s for %.0fs; timing my own",
+                                    key, CLAIM_WAIT_S)
+                        break
+                    time.sleep(0.1)
+            yield
 
     def load(self, key: str) -> list[tuple[StepShape, float]] | None:
         if self.root is None:

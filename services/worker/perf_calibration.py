@@ -110,11 +110,12 @@ def calibrate_once(engine, perf, checkpoint: str) -> list[tuple[StepShape, float
     where = perf.calibration_cache
     store = CalibrationStore(None if where == "off" else Path(where) if where else default_cache_dir() / "calibration")
     key = calibration_key(engine, checkpoint)
-    samples = store.load(key)
-    if samples:
-        log.info("perf calibration: %d steps timed by an earlier start of this checkpoint, device and plan (%s)",
-                 len(samples), store.root / f"{key}.json")
-        return samples
-    samples = calibrate(engine)
-    store.save(key, samples)
+    with store.claim(key):  # workers starting side by side: one times the steps, the rest read them
+        samples = store.load(key)
+        if samples:
+            log.info("perf calibration: %d steps timed by an earlier start of this checkpoint, device and plan (%s)",
+                     len(samples), store.root / f"{key}.json")
+            return samples
+        samples = calibrate(engine)
+        store.save(key, samples)
     return samples
