@@ -93,7 +93,7 @@ class CalibrationStore:
             return [(StepShape(**shape), float(seconds)) for shape, seconds in rows]
         except FileNotFoundError:
             return None
-        except (ValueError, TypeError) as exc:
+        except (OSError, ValueError, TypeError) as exc:  # unreadable (a read-only or foreign cache) or torn
             log.warning("perf calibration: ignoring %s (%s)", path, exc)
             return None
 

@@ -40,3 +40,15 @@ def test_other_keys_and_a_store_that_is_off_never_wait(tmp_path):
         assert store.load("a") is None
     with CalibrationStore(None).claim("a"):
         assert CalibrationStore(None).load("a") is None
+
+
+def test_an_unreadable_cache_costs_a_calibration_never_the_start(tmp_path):
+    store = CalibrationStore(tmp_path)
+    (tmp_path / "k2.json").mkdir()  # reading it fails with an OSError, as a file we may not read does
+    assert store.load("k2") is None
+    store.save("k2", SAMPLES)  # cannot replace a folder: warned and dropped, no raise
+    (tmp_path / "plain").write_text("a file, where the store wants a folder")
+    blocked = CalibrationStore(tmp_path / "plain" / "calibration")
+    with blocked.claim("k3"):  # no lock to take: the start goes on
+        assert blocked.load("k3") is None
+    blocked.save("k3", SAMPLES)
