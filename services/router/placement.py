@@ -72,10 +72,10 @@ def _site(worker: WorkerInfo, inflight: WorkerInflight) -> PrefillSite | None:
     context = worker.load.decode_context_tokens * reported // counted if counted else 0
     if reported and rows > reported:  # routed here since the last heartbeat: at the mean context
         context += (rows - reported) * context // reported
-    # the worker's inter-token room without its TTFT widening (step_budget.py): the queue's waits,
-    # which the widening weighs, are not in the registry entry; prefill_time.py says what that skews
-    budget = ItlBudget(worker.perf.itl_target_s, worker.perf.budget_floor_tokens, model) \
-        if worker.perf.budget_floor_tokens > 0 else None
+    # the worker's budget as it runs it (step_budget.py), its first-token target included; the
+    # queued requests' own waits are not in the registry entry: prefill_time.py says what that skews
+    budget = ItlBudget(worker.perf.itl_target_s, worker.perf.budget_floor_tokens, model,
+                       ttft_s=worker.perf.ttft_target_s) if worker.perf.budget_floor_tokens > 0 else None
     return PrefillSite(model, rows, context, worker.max_batched_tokens or 8192, budget)
 
 
@@ -91,9 +91,10 @@ def predict_here(kind: str, worker: WorkerInfo, cached: int, prompt_tokens: int,
     if site is None:
         return None
     rest = prompt_tokens - cached
-    ttft = site.prefill_s(_queued(worker, local)) + site.prefill_s(rest, cached)
+    ahead = site.prefill_s(_queued(worker, local))
+    ttft = ahead + site.prefill_s(rest, cached, waited_s=ahead)
     base = site.step_s()
-    step = site.step_s(site.chunk(rest, cached), cached)
+    step = site.step_s(site.chunk(rest, cached, ahead), cached)
     allowed = site.decode_rows == 0 or step <= target_s
     return Option(kind, worker.worker_id, ttft, step, step - base if site.decode_rows else 0.0, allowed,
                   site.model.rel_error)

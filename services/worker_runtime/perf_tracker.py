@@ -61,6 +61,7 @@ class PerfTracker:
             engine.scheduler.itl_budget = self.budget
         perf.itl_target_s = target
         perf.budget_floor_tokens = max(1, config.budget_floor_tokens) if config.itl_budget else 0
+        perf.ttft_target_s = ttft if config.itl_budget else 0.0
         self.handoffs = handoffs
         self._handoff_seen = (0.0, 0.0, 0.0)
         self.transfer_fit = OnlineLinearFit(TransferModel().coef(), HALF_LIFE_HANDOFFS) if handoffs else None

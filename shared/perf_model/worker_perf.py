@@ -1,5 +1,6 @@
 """What a worker publishes about its speed in its registry entry (shared/registry/worker_info.py):
-its step-time model, its handoff model (prefill workers) and its inter-token target.
+its step-time model, its handoff model (prefill workers), its inter-token target and the
+first-token target its budget weighs its queue against.
 Rewritten with every heartbeat as the worker refits."""
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ class WorkerPerf:
     itl_target_s: float = 0.0              # the worker's inter-token target (0: none)
     budget_floor_tokens: int = 0           # prefill tokens a step beside decode rows takes at least;
                                            # 0: the worker runs no inter-token budget (--no-itl-budget)
+    ttft_target_s: float = 0.0             # the first-token target its budget weighs its queue against
+                                           # (0: not weighed, --no-itl-budget-ttft)
 
     def fields(self) -> dict[str, str]:
         return {
@@ -24,6 +27,7 @@ class WorkerPerf:
             "perf_transfer": json.dumps(self.transfer.to_dict()) if self.transfer is not None else "",
             "perf_itl_target_s": repr(self.itl_target_s),
             "perf_budget_floor_tokens": str(self.budget_floor_tokens),
+            "perf_ttft_target_s": repr(self.ttft_target_s),
         }
 
     @classmethod
@@ -32,4 +36,5 @@ class WorkerPerf:
         return cls(StepModel.from_dict(json.loads(step)) if step else None,
                    TransferModel.from_dict(json.loads(transfer)) if transfer else None,
                    float(h.get("perf_itl_target_s", 0.0) or 0.0),
-                   int(h.get("perf_budget_floor_tokens", 0) or 0))
+                   int(h.get("perf_budget_floor_tokens", 0) or 0),
+                   float(h.get("perf_ttft_target_s", 0.0) or 0.0))

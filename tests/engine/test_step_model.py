@@ -141,14 +141,41 @@ def test_prefill_time_is_many_small_steps_beside_a_busy_batch():
     assert busy.prefill_s(300, 9000) > 2 * busy.step_s()
 
 
+def test_the_simulated_prefill_widens_as_the_workers_budget_does_for_its_first_token_target():
+    """A long prompt beside a busy batch: the ITL room alone takes ~70 steps; a worker that weighs
+    its 2 s first-token target takes chunks wide enough to finish near it, and the simulation says
+    so chunk by chunk (each step's chunk is what the worker's own budget grants a request that has
+    waited the simulated time so far)."""
+    itl_only = PrefillSite(TRUTH, 128, 128 * 3000, 8192, ItlBudget(0.030, 16, TRUTH))
+    weighed = PrefillSite(TRUTH, 128, 128 * 3000, 8192, ItlBudget(0.030, 16, TRUTH, ttft_s=2.0))
+    tokens = 12000
+    slow, fast = itl_only.prefill_s(tokens), weighed.prefill_s(tokens)
+    assert slow > 5.0 and fast < 0.5 * slow
+    # near its target (the widening prices a chunk's attention as a prompt's first, so a long
+    # prompt's later chunks run a little past what it asked for)
+    assert fast < 1.3 * 2.0
+    # step by step the chunk is the worker's own allowance for that wait
+    done, waited = 0, 0.0
+    budget = ItlBudget(0.030, 16, TRUTH, ttft_s=2.0)
+    while done < tokens:
+        n = weighed.chunk(tokens - done, done, waited)
+        room = budget.begin(128, 128 * 3000, [QueuedPrefill(tokens - done, waited)], 8192 - 128)
+        assert n == min(tokens - done, room.allow(done))
+        waited += weighed.step_s(n, done)
+        done += n
+    assert waited == pytest.approx(fast, rel=0.02)  # past 64 steps the simulation goes on at the last rate
+    # a short prompt within the ITL room: both simulations agree
+    assert weighed.prefill_s(40, 9000) == itl_only.prefill_s(40, 9000)
+
+
 def test_registry_entry_carries_the_models():
-    perf = WorkerPerf(TRUTH, TransferModel(0.003, 5e9, 7), 0.03, 32)
+    perf = WorkerPerf(TRUTH, TransferModel(0.003, 5e9, 7), 0.03, 32, 2.0)
     info = WorkerInfo(worker_id="d1", role="decode", address="x:1", model="m", perf=perf,
                       load=WorkerLoad(running_requests=3, decode_context_tokens=9000))
     back = WorkerInfo.from_hash({k.encode(): v.encode() for k, v in info.to_hash().items()})
     assert back.load.decode_context_tokens == 9000
     assert back.perf.step.step_s(StepShape(100, 5e3, 3, 9000)) == pytest.approx(TRUTH.step_s(StepShape(100, 5e3, 3, 9000)))
     assert back.perf.transfer == TransferModel(0.003, 5e9, 7)
-    assert (back.perf.itl_target_s, back.perf.budget_floor_tokens) == (0.03, 32)
+    assert (back.perf.itl_target_s, back.perf.budget_floor_tokens, back.perf.ttft_target_s) == (0.03, 32, 2.0)
     bare = WorkerInfo.from_hash(WorkerInfo(worker_id="p1", role="prefill", address="x:1", model="m").to_hash())
     assert bare.perf.step is None and bare.perf.transfer is None
