@@ -31,6 +31,7 @@ from services.gateway.openai_api.prompt_builder import PromptBuilder
 from shared.registry.worker_info import WorkerInfo, WorkerLoad
 from shared.wire.fault import FAULT_KEY
 from tests.helpers.gateway_support import RouterCluster, UvicornThread, byte_level_tokenizer_dir, in_memory_spans
+from tests.helpers.stack import wait_until
 
 MODEL = "tiny"
 CONTEXT = 256
@@ -260,6 +261,9 @@ def test_a_stream_whose_decode_worker_dies_goes_on_elsewhere_with_every_token_on
     assert counter(gateway, "duet_migration_rebuilt_tokens_total", source="moved") >= len(prompt)
     assert counter(gateway, "duet_migration_rebuilt_tokens_total", source="recomputed") >= 6
     # one trace: the migrate span and the moved attempt's RPCs are in the request's
+    # the server's span ends once the response is done: the client may have read the last chunk first
+    wait_until(lambda: any(s.name == "POST /v1/chat/completions" for s in gateway.spans.get_finished_spans()),
+               5, "the request's root span to end")
     finished = gateway.spans.get_finished_spans()
     root = [s for s in finished if s.name == "POST /v1/chat/completions"][-1]
     migrate = [s for s in finished if s.name == "migrate"][-1]
