@@ -23,7 +23,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from protos import duet_pb2_grpc
 from services.worker.config import WorkerConfig
-from services.worker.checkpoint import checkpoint_fingerprint
 from services.worker.kv_compat import compat_hash, model_kv_key
 from services.worker.load_publisher import LoadPublisher, load_counters
 from services.worker.role_switch import RoleSwitch, WorkerAdminService
@@ -61,12 +60,13 @@ class WorkerHost:
     role_switch: RoleSwitch | None = None  # what it advertises; SetRole (role_switch.py), set by run()
 
     @classmethod
-    def create(cls, config: WorkerConfig, engine, checkpoint: str | None = None,
+    def create(cls, config: WorkerConfig, engine, checkpoint: str,
                calibration: list | None = None) -> "WorkerHost":
+        """checkpoint: the served weights' fingerprint (services/worker/checkpoint.py), computed once
+        at start: the calibration file is keyed by it too."""
         served = config.served_model_name or engine.model_dir.name
         worker_id = config.worker_id or default_worker_id(config.role)
         kv_layout = model_kv_key(engine)
-        checkpoint = checkpoint or checkpoint_fingerprint(engine.model_dir, config.engine.quantization)
         # a switchable worker serves both services whatever it advertises: `both` (duet-worker)
         service = "both" if config.switchable else config.role
         tracing = setup_tracing(service)
