@@ -197,21 +197,30 @@ def grammar_requests(pattern: str) -> list[tuple[str, dict, str]]:
 
 
 class HealthWatch:
-    """GET /health every 100 ms from a thread; the slowest answer."""
+    """GET /health every 100 ms from a thread; each probe's (start, end) on the monotonic clock."""
 
     def __init__(self, stack):
-        self.url, self.slowest, self._stop = stack.health_url, 0.0, threading.Event()
+        self.url, self.probes, self._stop = stack.health_url, [], threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self):
         while not self._stop.is_set():
             started = time.monotonic()
             try:
-                httpx.get(self.url, timeout=30)
+                ok = httpx.get(self.url, timeout=30).status_code == 200
             except httpx.HTTPError:
-                pass  # counted by its wait
-            self.slowest = max(self.slowest, time.monotonic() - started)
+                ok = False
+            if ok:
+                self.probes.append((started, time.monotonic()))
             self._stop.wait(0.1)
+
+    def answered_within(self, start: float, end: float) -> int:
+        """Probes asked and answered 200 inside [start, end]: none if the gateway's loop was held."""
+        return sum(1 for a, b in self.probes if start <= a and b <= end)
+
+    def median_s(self) -> float:
+        took = sorted(b - a for a, b in self.probes)
+        return took[len(took) // 2]
 
     def __enter__(self):
         self._thread.start()
@@ -234,11 +243,17 @@ def test_expensive_grammars_are_400_within_the_budget_and_health_stays_fast(stac
                 assert_error(post(stack, path, body), 400, param, "repeats a pattern element 15000 times")
                 assert time.monotonic() - started < 2
             slow = [grammar_requests(SLOW_PATTERN + "x" * (i + 1))[i] for i in range(3)]  # none cached
+            windows = []
             for path, body, param in slow if name == "split" else ():
                 started = time.monotonic()
                 assert_error(post(stack, path, body), 400, param, "takes longer than this server allows (2s)")
-                assert time.monotonic() - started < 20  # the budget, plus a helper's restart
-        assert health.slowest < 1.0, health.slowest
+                windows.append((started, time.monotonic()))
+                assert windows[-1][1] - started < 20  # the budget, plus a helper's restart
+        # Health is answered while a compile runs (a held event loop would answer none of the
+        # ~20 probes of a 2 s compile; a busy 2-core machine delays some, so the count is low).
+        for start, end in windows:
+            assert health.answered_within(start, end) >= 3, (end - start, health.probes)
+        assert health.median_s() < 0.5, health.probes
         stack.wait_idle()
 
 
