@@ -45,22 +45,18 @@ SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLeng
           "required": ["answer", "confidence"], "additionalProperties": False}
 
 
-# several arguments of long fixed phrases (about 250 tokens in all), so the call still streams when
-# the others are a few tokens in, and always ends within max_tokens (enums compile fast; a
-# length bound would not)
-_MOON = ("the moon does not shine by itself but reflects the light of the sun, and as it travels around the earth "
-         "once in about four weeks we see different parts of its sunlit half, which is why it seems to grow from a "
-         "thin crescent to a full round disc and then shrink again")
-_TIDES = ("the pull of the moon's gravity lifts the water of the oceans a little on the side of the earth that faces "
-          "it and on the far side too, so as the earth turns every coast passes through two bulges of water each day "
-          "and the sea rises and falls twice")
-_CHECK = ("if the moon were twice as far away from the earth as it is now, do you think the tides on the beach would "
-          "be bigger, smaller or just the same, and can you explain why in one sentence of your own words")
+# several arguments of fixed phrases (about 140 tokens in all), so the call still streams when the
+# others are a few tokens in (it is placed first and alone; at the kill it is ~5 tokens in), and
+# always ends within max_tokens (enums compile fast; a length bound would not)
+_MOON = ("the moon reflects the light of the sun, so we see more or less of its sunlit half as it goes "
+         "around the earth")
+_TIDES = "the pull of the moon lifts the oceans a little, so every coast passes two bulges of water each day"
+_CHECK = "if the moon were twice as far away, would the tides be bigger or smaller, and why"
 NOTE_FIELDS = {
     "explanation": [_MOON, _TIDES],
     "example": [_TIDES, _MOON],
     "summary": [_MOON + ", while " + _TIDES, _TIDES + ", while " + _MOON],
-    "question": [_CHECK, _CHECK.replace("twice as far away from", "half as far away from")],
+    "question": [_CHECK, _CHECK.replace("twice as far away", "half as far away")],
 }
 NOTE_TOOL = {"type": "function", "function": {
     "name": "write_note", "description": "Write a short note for the class.",
@@ -87,7 +83,7 @@ def cases() -> list[dict]:
     # a forced tool call (the grammar ends it), its arguments streamed as tool-call deltas
     out.append(dict(messages=[{"role": "system", "content": SYSTEM},
                               {"role": "user", "content": "Write a note for the class about the moon."}],
-                    max_tokens=12 * MAX_TOKENS, temperature=0, tools=[NOTE_TOOL],
+                    max_tokens=8 * MAX_TOKENS, temperature=0, tools=[NOTE_TOOL],
                     tool_choice={"type": "function", "function": {"name": "write_note"}}))
     return out
 
