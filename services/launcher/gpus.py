@@ -56,9 +56,16 @@ class Placement:
         return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, self.gpus))} if self.gpus else {}
 
 
+# Present wherever a CUDA (or ROCm) device can be: the driver's proc entry and device nodes (a
+# container gets /dev/nvidiactl from the device plugin).
+_GPU_DRIVER_PATHS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/kfd")
+
+
 def visible_gpus() -> list[str]:
     """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them (indices or
     UUIDs), so a worker's narrower list stays inside what `duet up` was given."""
+    if not any(os.path.exists(p) for p in _GPU_DRIVER_PATHS):
+        return []  # no GPU driver on this host: importing torch to say so costs a second of CPU
     try:
         import torch
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -4,11 +4,22 @@ worker, host memory on a CPU host or with --device cpu. (The placement is pure l
 GPU host `duet up` passes it to each worker as CUDA_VISIBLE_DEVICES and --kv-cache-memory.)"""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from services.launcher.gpus import HOST_TIER_FRACTION, SHARED_FRACTION, Placement, WorkerFlags, plan, visible_gpus
 
 GIB = 1 << 30
+
+
+def test_a_host_without_a_gpu_driver_is_answered_without_importing_torch():
+    # `duet up` asks at every start; torch's import is a second of CPU for the same answer
+    code = ("import sys; from services.launcher.gpus import visible_gpus; "
+            "assert visible_gpus() == []; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
 
 
 def test_cpu_host_gives_every_worker_the_cpu_budget():
