@@ -150,7 +150,10 @@ def tiered_stack(request):
     s = ProcessStack(new_log_dir("multiturn-tiers"), registry_ttl_s=3.0, kv_cache_memory="96M")
     with managed(request, s):
         s.start_redis()
-        s.start_router()
+        # the threshold rule: a later turn always prefills on decode, the subject here is the
+        # host tier it loads back from (the predicted choice, from step models timed on a busy
+        # 2-core machine, is tests/e2e/test_e2e_placement.py's)
+        s.start_router(extra=["--placement", "threshold"])
         s.add_worker("prefill", "prefill-0")
         # ~29 pages of 16 tokens on the device: one chat at a time; 512 MiB of host tier. The
         # 40 conversations queue for room (a burst, not an overload): a long reserve deadline

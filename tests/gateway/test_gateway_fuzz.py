@@ -9,7 +9,7 @@ sending after ~90 s.
 
 Prints the counts (cases, 2xx, 4xx, 5xx). Rerun alone:
     PYTHONPATH=$PWD python -m pytest -q -s tests/gateway/test_gateway_fuzz.py
-DUET_FUZZ_EXAMPLES sets the examples per endpoint and mode (default 100); DUET_FUZZ_STACK=split
+DUET_FUZZ_EXAMPLES sets the examples per endpoint and mode (default 60); DUET_FUZZ_STACK=split
 fuzzes `duet up` (1 prefill + 1 decode over gRPC) instead of the in-process engine."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from tests.helpers.gateway_support import free_port
 
 pytestmark = pytest.mark.slow
 
-EXAMPLES = int(os.environ.get("DUET_FUZZ_EXAMPLES", "100"))
+EXAMPLES = int(os.environ.get("DUET_FUZZ_EXAMPLES", "60"))
 BUDGET_S = float(os.environ.get("DUET_FUZZ_BUDGET_S", "90"))
 OPERATIONS = ["/v1/chat/completions", "/v1/completions"]
 MAX_TOKENS = 3
