@@ -41,8 +41,8 @@ class PerfTracker:
                  calibration: Samples = (), handoffs: HandoffTotals | None = None):
         self.engine = engine
         self.perf = perf
-        self.sampler = StepSampler(engine.scheduler,
-                                   lagged=engine.overlap is not None and engine.device.type == "cuda")
+        lagged = engine.overlap is not None and engine.device.type == "cuda"
+        self.sampler = StepSampler(engine.scheduler, lagged=lagged, overlap=engine.overlap if lagged else None)
         n = len(StepShape().features())
         seed = OnlineLinearFit([0.0] * n, HALF_LIFE_STEPS, RIDGE)  # the calibration alone: the prior
         for shape, seconds in calibration:
@@ -96,7 +96,8 @@ class PerfTracker:
             shape, seconds = sampled
             self._add(shape, seconds)
             self._new = True
-            self.step_seconds.labels(phase=shape.phase).observe(seconds)
+            if shape.steps == 1:  # a window of several batches is no one step's time
+                self.step_seconds.labels(phase=shape.phase).observe(seconds)
         room = self.engine.scheduler.last_allowance
         if room is not None and room.first is not None:
             self.budget_tokens.set(room.first)

@@ -24,6 +24,7 @@ launches its forward, then takes the previous step's tokens and builds the mask 
 host while the device computes, and samples on the device (SGLang's order)."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,7 @@ class InFlight:
     entries: list[_Entry]
     host_tokens: torch.Tensor  # [n] int64, filled by a queued device-to-host copy
     done: torch.cuda.Event | None
+    batch_no: int = 0  # the scheduler's number of the batch it samples for
 
 
 class OverlapScheduler:
@@ -63,6 +65,11 @@ class OverlapScheduler:
         self.cursor = 0
         self.pending: InFlight | None = None
         self.num_sync_steps = 0  # steps that had to sample on the host
+        # The newest batch the host has seen finished on the device, and when (perf_counter): a
+        # step timer can only measure up to such a point (step_sampler.py); a launch that samples
+        # nothing (a chunk mid-prompt) returns without waiting for anything.
+        self.settled_batch = 0
+        self.settled_at = 0.0
 
     @property
     def has_pending_work(self) -> bool:
@@ -148,7 +155,7 @@ class OverlapScheduler:
                 entry.placeholder = -(start + i + 1)
                 req.token_ids.append(entry.placeholder)
             entries.append(entry)
-        return InFlight(entries, host, done), early
+        return InFlight(entries, host, done, e.scheduler.num_batches), early
 
     def _sample_now(self, logits, sampling):
         """Host-dependent sampling: settle the previous step first, then sample as the
@@ -163,7 +170,13 @@ class OverlapScheduler:
         if not live:
             return outs
         reqs = [sampling[i].req for i in live]
-        return outs + e._sample_and_append(logits[live] if len(live) < len(sampling) else logits, reqs)
+        outs += e._sample_and_append(logits[live] if len(live) < len(sampling) else logits, reqs)
+        self._settle(e.scheduler.num_batches)  # its tokens were read on the host: the batch is done
+        return outs
+
+    def _settle(self, batch_no: int) -> None:
+        if batch_no > self.settled_batch:  # the device runs batches in order: all before it are done too
+            self.settled_batch, self.settled_at = batch_no, time.perf_counter()
 
     # -- results -------------------------------------------------------------------------
     def _resolve(self, flight: InFlight):
@@ -171,6 +184,7 @@ class OverlapScheduler:
         if flight.done is not None:
             flight.done.synchronize()
         tokens = flight.host_tokens.tolist()
+        self._settle(flight.batch_no)
         outs = []
         for entry, tok in zip(flight.entries, tokens):
             req = entry.req

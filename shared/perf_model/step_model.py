@@ -40,6 +40,7 @@ class StepShape:
     attended_pairs: float = 0.0   # sum of attended_pairs() over the chunks
     decode_rows: int = 0          # sequences adding one token
     decode_context: int = 0       # positions the decode rows attend to, summed
+    steps: int = 1                # batches it sums (a timed window can cover several: step_sampler.py)
 
     @classmethod
     def of_batch(cls, items) -> "StepShape":
@@ -63,8 +64,14 @@ class StepShape:
             return "mixed"
         return "decode" if self.decode_rows else "prefill"
 
+    def __add__(self, other: "StepShape") -> "StepShape":
+        """Two batches timed as one window: every feature, the fixed cost included, adds up."""
+        return StepShape(self.prefill_tokens + other.prefill_tokens, self.attended_pairs + other.attended_pairs,
+                         self.decode_rows + other.decode_rows, self.decode_context + other.decode_context,
+                         self.steps + other.steps)
+
     def features(self) -> tuple[float, ...]:
-        return (1.0, self.prefill_tokens / _TOKENS, self.attended_pairs / _PAIRS, float(self.decode_rows),
+        return (float(self.steps), self.prefill_tokens / _TOKENS, self.attended_pairs / _PAIRS, float(self.decode_rows),
                 self.decode_context / _CONTEXT)
 
 
