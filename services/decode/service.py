@@ -15,6 +15,7 @@ import uuid
 import grpc
 
 from protos import duet_pb2, duet_pb2_grpc
+from services.decode.generate_timing import GenerateTiming
 from services.decode.reservation_state import ReservationState
 from services.decode.reserve_queue import ReserveWait
 from services.decode.reservations import ReservationGone, waiter_for
@@ -152,6 +153,7 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
     async def Generate(self, request: duet_pb2.GenerateRequest, context):
         ctx = self.ctx
         rid = request.request_id or uuid.uuid4().hex
+        timing = GenerateTiming.start(ctx.metrics, split=request.HasField("reservation"))
         try:
             params = sampling_from_proto(request.sampling)
             resumed = resumed_from_proto(request)  # a migrated stream: the tokens it streamed
@@ -166,10 +168,10 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
         with ctx.span("decode", context, request_id=rid, split=split) as span:
             spec = None  # speculative decoding: the sequences' stats, summed onto the span
             if split:
-                started = await self._join_split(request, rid, resumed, params, aloop, q, context, scope)
+                started = await self._join_split(request, rid, resumed, params, aloop, q, context, scope, timing)
             else:
                 started = await self._start_colocated(rid, resumed, params, aloop, q, context, scope,
-                                                      request.request_group)
+                                                      request.request_group, timing)
             emitted = 1 if split else 0
             finished = started is not None and started.finished
             try:
@@ -183,7 +185,9 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
                         finished = True  # the engine ended it (counted once, as an error, not also cancelled)
                         ctx.metrics.request_finished("Generate", grpc.StatusCode.INTERNAL)
                         await context.abort(grpc.StatusCode.INTERNAL, out.error)
+                    sent_before = emitted
                     emitted += len(out.token_ids)
+                    timing.output(out)
                     tokens = tokens_to_proto(out)
                     # later outputs of the same sequence already queued go in this message: a
                     # stream that fell a few steps behind catches up in one write
@@ -193,14 +197,18 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
                             pending = nxt
                             break
                         emitted += len(nxt.token_ids)
+                        timing.output(nxt)
                         tokens += tokens_to_proto(nxt)
                         out = nxt
                     if out.spec is not None:
                         spec = spec_totals(spec, out.spec)
+                    timing.sent(emitted - sent_before)
                     if out.request_finished:
                         finished = True
                         ctx.metrics.request_finished("Generate", grpc.StatusCode.OK if out.finish_reason != "abort"
                                                     else grpc.StatusCode.CANCELLED)
+                        if out.finish_reason != "abort":
+                            timing.finished()
                         yield self._last_chunk(out, tokens, prompt, emitted)
                         return
                     yield chunk_to_proto(out, prompt, tokens)
@@ -211,17 +219,20 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
                 if spec is not None:
                     for k, v in spec.span_attributes().items():
                         span.set_attribute(f"duet.{k}", v)
+                timing.spans(ctx.tracer, span, rid)
 
     @staticmethod
     def _last_chunk(out, tokens, prompt, emitted) -> duet_pb2.TokenChunk:
         return chunk_to_proto(out, prompt, tokens, Usage(len(prompt), emitted, out.num_cached_tokens))
 
-    async def _start_colocated(self, rid, resumed: ResumedPrompt, params, aloop, q, context, scope, group: str = ""):
+    async def _start_colocated(self, rid, resumed: ResumedPrompt, params, aloop, q, context, scope, group: str,
+                               timing: GenerateTiming):
         ctx = self.ctx
 
         def start():
             ctx.engine.add_request(resumed.prompt, params, rid=rid, scope=scope, output_prefix=resumed.streamed or None,
                                    request_group=group)
+            timing.req = ctx.engine.get(rid)
             ctx.loop.attach(rid, aloop, q)
         try:
             await ctx.loop.acall_or_undo(start, lambda: (ctx.loop.detach(rid), ctx.engine.abort(rid)))
@@ -229,7 +240,8 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return None
 
-    async def _join_split(self, request, rid, resumed: ResumedPrompt, params, aloop, q, context, scope):
+    async def _join_split(self, request, rid, resumed: ResumedPrompt, params, aloop, q, context, scope,
+                          timing: GenerateTiming):
         """Wait for the KV (or decide to recompute) and join the running batch. Returns a
         finished StepOutput if the request ended right away, else None."""
         ctx = self.ctx
@@ -246,7 +258,7 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"reservation {msg.reservation_id}/{msg.generation} "
                                                            "is unknown, was cancelled or is claimed already")
         deadline = time.monotonic() + ctx.config.notice_timeout_s
-        with ctx.span("kv_transfer_wait", context, request_id=rid):
+        with ctx.span("kv_transfer_wait", None, request_id=rid):  # inside `decode`, the current span
             try:  # until the notice (NOTICED), a cancel by its caller, the deadline or the writer's leave
                 while res.state is ReservationState.CLAIMED and time.monotonic() < deadline \
                         and ctx.is_live(res.writer_id):
@@ -280,6 +292,7 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
                 log.warning("request %s: KV from %s did not arrive (%s); recomputing the prompt",
                             rid, res.writer_id, notice.kind if notice else "no notice")
             ctx.recomputes += mode == "recompute"
+            timing.req, timing.recomputed = ctx.engine.get(rid), mode == "recompute"
             if not ctx.engine.is_live(rid):  # the first token(s) already ended it
                 from shared.engine.outputs import StepOutput
                 return StepOutput(rid, [], finished=True, finish_reason="stop")

@@ -34,9 +34,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.prefill.outgoing_state import LEASED, OUTGOING, WRITING, OutgoingEvent, OutgoingState
+from services.worker_runtime.phase_spans import PhaseTimes
 from shared.engine.cache_scope import DEFAULT_SCOPE, CacheScope
 from shared.engine.outputs import StepOutput
-from shared.engine.request import ReqStatus
+from shared.engine.request import Req, ReqStatus
 from shared.kv_transfer.agent import DONE, FAILED, TransferError
 from shared.kv_transfer.notice import TransferNotice
 from shared.kv_transfer.write_stream import PageWriteStream
@@ -47,6 +48,17 @@ REVOKED_KEPT = 4096  # revoked reservations a later start() is refused for
 
 
 @dataclass
+class HandoffTimes:
+    """Where a handed-off prompt's time went here: its queue and compute (to the first token
+    sampled) and its KV send, in monotonic seconds (the spans: services/prefill/service.py)."""
+
+    phase: PhaseTimes
+    send_started: float  # its first page posted (with none to write: its notice queued)
+    send_ended: float  # every write landed and the notice went out
+    pages: int  # pages written (held ones skipped)
+
+
+@dataclass
 class PrefillResult:
     first: StepOutput
     firsts: list[StepOutput]  # every sequence's first token (n > 1), index order
@@ -54,6 +66,7 @@ class PrefillResult:
     seconds: float
     computed_tokens: int
     cached_tokens: int
+    times: HandoffTimes
 
 
 @dataclass
@@ -76,6 +89,8 @@ class Outgoing:
     first: StepOutput | None = None  # the first token (TAIL on)
     firsts: dict[int, StepOutput] = field(default_factory=dict)  # by sequence index
     error: str = ""  # why it failed, when the stream does not say
+    req: Req | None = None  # the engine's request: when it was scheduled, its chunks
+    first_post_at: float | None = None  # monotonic time its first page write was posted
 
     @property
     def state(self) -> OutgoingState:
@@ -138,7 +153,8 @@ class OutgoingTransfers:
         self.active[rid] = Outgoing(rid, stream, reservation_id, generation, kv_tokens, fut,
                                     trail=[(S.PREFILLING, now)], held_pages=held_pages,
                                     write_nothing=write_nothing, pages_sent=held_pages, secret=secret,
-                                    deadline=deadline, decode=decode, lease_until=now + self.lease_s)
+                                    deadline=deadline, decode=decode, lease_until=now + self.lease_s,
+                                    req=self.engine.get(rid))
         return fut
 
     def cancel(self, rid: str) -> None:
@@ -219,6 +235,8 @@ class OutgoingTransfers:
             ready = min(ready, len(req.page_ids))
             if ready > out.pages_sent and not out.write_nothing:
                 try:
+                    if out.first_post_at is None:
+                        out.first_post_at = time.monotonic()
                     out.stream.write(out.pages_sent - out.held_pages, req.page_ids[out.pages_sent:ready])
                     out.pages_sent = ready
                 except TransferError as exc:
@@ -313,7 +331,15 @@ class OutgoingTransfers:
             firsts = [out.firsts[i] for i in sorted(out.firsts)]
             out.result.set_result(PrefillResult(out.first, firsts, sent, seconds,
                                                 computed_tokens=out.num_prompt - req_cached,
-                                                cached_tokens=req_cached))
+                                                cached_tokens=req_cached, times=self._times(out, now)))
         else:
             reason = out.error or out.stream.error or ("cancelled" if out.state is S.CANCELLED else "write failed")
             out.result.set_exception(TransferError(f"KV transfer to the decode worker failed: {reason}"))
+
+    def _times(self, out: Outgoing, now: float) -> HandoffTimes:
+        """A finished handoff's times (its notice queued after the first token: FINISHING or DECLINING)."""
+        queued = out.entered(S.FINISHING) or out.entered(S.DECLINING) or now
+        first = out.entered(S.TAIL)
+        phase = PhaseTimes.of(out.req, first) if out.req is not None else PhaseTimes(out.trail[0][1], None, first)
+        return HandoffTimes(phase, send_started=out.first_post_at if out.first_post_at is not None else queued,
+                            send_ended=out.entered(S.DONE) or now, pages=out.pages_sent - out.held_pages)

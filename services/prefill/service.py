@@ -14,11 +14,14 @@ import uuid
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry import trace
 
 from protos import duet_pb2, duet_pb2_grpc
 from services.prefill.capability_uses import CapabilityUses
+from services.prefill.outgoing import PrefillResult
 from services.worker_runtime.context import WorkerContext
 from services.worker_runtime.grammar_check import compile_ahead
+from services.worker_runtime.phase_spans import EpochClock, queue_and_compute
 from shared.kv_transfer.agent import TransferError
 from shared.kv_transfer.capability import refusal
 from shared.kv_transfer.head_plan import PairingError, plan_head_copies
@@ -48,7 +51,7 @@ class PrefillService(duet_pb2_grpc.PrefillServicer):
         self._uses = CapabilityUses()
 
     async def Prefill(self, request: duet_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
-        handoff = _Handoff(request.request_id or uuid.uuid4().hex)
+        handoff = _Handoff(request.request_id or uuid.uuid4().hex, arrived=time.monotonic())
         res = reservation_from_proto(request.reservation)
         answered = False
         try:
@@ -62,7 +65,7 @@ class PrefillService(duet_pb2_grpc.PrefillServicer):
     async def _prefill(self, request: duet_pb2.PrefillRequest, res: KvReservation, context, handoff: "_Handoff"):
         ctx = self.ctx
         rid = handoff.rid
-        with ctx.span("prefill", context, request_id=rid, prompt_tokens=len(request.prompt_token_ids)):
+        with ctx.span("prefill", context, request_id=rid, prompt_tokens=len(request.prompt_token_ids)) as span:
             await self._authorize(res, context, handoff)
             if res.compat_hash != ctx.compat_hash or res.page_size != ctx.page_size:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
@@ -136,8 +139,26 @@ class PrefillService(duet_pb2_grpc.PrefillServicer):
                 ctx.metrics.request_finished("Prefill", grpc.StatusCode.UNAVAILABLE)
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc), trailing_metadata=DECODE_FAULT)
             ctx.metrics.request_finished("Prefill", grpc.StatusCode.OK)
+            self._observe(handoff.arrived, result, span, rid)
             return prefill_reply_to_proto(PrefillAnswer(result.firsts, result.cached_tokens, result.computed_tokens,
                                                         result.kv_bytes), prompt)
+
+    def _observe(self, arrived: float, result: PrefillResult, span, rid: str) -> None:
+        """A handed-off prompt's latencies (first token sampled; the answer, the handoff
+        included) and its queue, compute and kv_send spans under the request's span."""
+        ctx, times = self.ctx, result.times
+        series = ctx.metrics.latency("prefill")
+        series.ttft.observe(times.phase.computed - arrived)
+        series.e2e.observe(time.monotonic() - arrived)
+        clock = EpochClock()
+        attributes = {"duet.request_id": rid, "duet.prompt_tokens": result.computed_tokens + result.cached_tokens,
+                      "duet.cached_tokens": result.cached_tokens, "duet.computed_tokens": result.computed_tokens}
+        queue_and_compute(ctx.tracer, span, times.phase, clock, attributes)
+        send = ctx.tracer.start_span("kv_send", context=trace.set_span_in_context(span),
+                                     start_time=clock.ns(times.send_started),
+                                     attributes={"duet.request_id": rid, "duet.kv_bytes": result.kv_bytes,
+                                                 "duet.kv_pages": times.pages})
+        send.end(end_time=clock.ns(max(times.send_ended, times.send_started)))
 
     async def _authorize(self, res: KvReservation, context, handoff: "_Handoff") -> None:
         """Refuse (PERMISSION_DENIED, nothing written, no notice) unless res's write capability
@@ -200,6 +221,7 @@ class _Handoff:
     agree on who tells decode (and only once its capability verified: `secret`)."""
 
     rid: str
+    arrived: float  # monotonic time the call came in
     started: bool = False
     gone: bool = False
     secret: bytes = b""  # set once the write capability verified: its notices' MAC key

@@ -46,6 +46,8 @@ class WorkerContext:
 
     @contextmanager
     def span(self, name: str, grpc_context, **attrs):
+        """A span under the caller's (from grpc_context's metadata), or with grpc_context None
+        under the current span (a phase inside the request's span)."""
         parent = extract_grpc_context(grpc_context.invocation_metadata()) if grpc_context else None
         with self.tracer.start_as_current_span(name, context=parent) as span:
             span.set_attribute("duet.worker_id", self.worker_id)

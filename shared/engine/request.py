@@ -45,6 +45,10 @@ class Req:
     stop_reason: str | int | None = None
     error: str | None = None
     arrival: float = field(default_factory=time.monotonic)
+    # when a step first computed for it (the scheduler's clock, Req.arrival's), and the prefill
+    # chunks scheduled (retracted work computed again included): a worker's queue and compute spans
+    scheduled_at: float | None = None
+    prefill_chunks: int = 0
     output_text: str = ""  # kept only when stop strings need it
     grammar: object = None  # GrammarState (grammar.py) of a constrained request
     index: int = 0  # sequence index within its request (n > 1)

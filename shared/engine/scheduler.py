@@ -146,6 +146,8 @@ class Scheduler:
                 self._retract(victim)
             if req.status is not ReqStatus.RUNNING:
                 continue
+            if req.scheduled_at is None:  # joined running with its KV in place (a handoff, a fork)
+                req.scheduled_at = self.clock()
             batch.items.append(ScheduledReq(req, req.num_computed, 1))
             budget -= 1
         rows = len(batch.items)
@@ -260,6 +262,9 @@ class Scheduler:
             return None
         if not self.kv.grow(req, req.num_computed + length):
             return None
+        if req.scheduled_at is None:
+            req.scheduled_at = self.clock()
+        req.prefill_chunks += 1
         return ScheduledReq(req, req.num_computed, length)
 
     def _take_adapter(self, req: Req) -> bool | None:

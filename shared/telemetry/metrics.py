@@ -1,7 +1,9 @@
 """The duet_* Prometheus metrics, in a registry owned by the process (no global registry).
 
-Every service creates one DuetMetrics and serves it with start_metrics_server. The
-gauges are set by their owners (workers); the histograms/counters are observed
+The router and every worker create one DuetMetrics and serve it with start_metrics_server;
+each registers only the families it sets (a router no worker gauges nor token latencies, a
+worker no routing decisions), so no series on a /metrics page stays empty for want of an
+owner. The gauges are set by their owners (workers); the histograms/counters are observed
 where the event happens. Every name, its labels and who sets it: docs/ARCHITECTURE.md,
 "Telemetry names" (the HPAs read the worker gauges through prometheus-adapter).
 """
@@ -14,6 +16,7 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, Pla
                                ProcessCollector, start_http_server)
 
 from shared.telemetry.requests import requests_counter, status_label
+from shared.telemetry.token_latency import LatencySeries
 
 # latency buckets: 5 ms .. 60 s (TTFT of a long prompt on CPU is seconds)
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -22,17 +25,35 @@ _TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
+ROUTER = "router"
+# the part of a request a worker served, the label of its token latencies: a Prefill call
+# (the prompt and its first token), a Generate after a KV handoff (the tokens after the
+# first), a Generate whose prompt was computed here too (colocated, or prefilled locally)
+PHASES = ("prefill", "decode", "both")
+
+
 class DuetMetrics:
-    """All Duet metrics, registered in `self.registry` (a fresh CollectorRegistry by default)."""
+    """The router's or a worker's metrics, registered in `self.registry` (a fresh
+    CollectorRegistry by default): duet_requests_total in both, the routing families in the
+    router's, everything else in a worker's."""
 
     def __init__(self, service: str, registry: CollectorRegistry | None = None, *, process_metrics: bool = True):
-        """service: gateway | router | prefill | decode | both (a label on duet_requests_total)."""
+        """service: router | prefill | decode | both (a label on duet_requests_total)."""
         self.service = service
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         if process_metrics:
             ProcessCollector(registry=r)
             PlatformCollector(registry=r)
+        self.requests = requests_counter(r)  # the label scheme every process shares (requests.py)
+        if service == ROUTER:
+            self.route_decisions = Counter(
+                "duet_router_decisions", "Router answers by kind and the reason for it (services/router/placement.py), "
+                "and the model routed for", ["kind", "reason", "model"], registry=r)
+        else:
+            self._worker_families(r)
+
+    def _worker_families(self, r: CollectorRegistry) -> None:
         self.kv_transfer_bytes = Counter(
             "duet_kv_transfer_bytes", "KV cache bytes moved between workers", ["direction"], registry=r)
         self.kv_transfer_seconds = Histogram(
@@ -70,19 +91,20 @@ class DuetMetrics:
             "duet_running_requests", "Requests in the running batch", registry=r)
         self.waiting_requests = Gauge(
             "duet_waiting_requests", "Requests admitted but not yet running", registry=r)
+        # a worker's own view of the tokens it serves (shared/telemetry/token_latency.py; observed in
+        # services/prefill/service.py and services/decode/generate_timing.py)
         self.time_to_first_token = Histogram(
-            "duet_time_to_first_token_seconds", "Time from request arrival to the first token",
-            buckets=_TTFT_BUCKETS, registry=r)
+            "duet_time_to_first_token_seconds", "This worker's view: from a request's call arriving here to "
+            "the first token it gave (phase prefill: the token it sampled; decode: its first token sent after a "
+            "KV handoff, the wait for the KV included; both: the first token of a prompt computed here)",
+            ["phase"], buckets=_TTFT_BUCKETS, registry=r)
         self.inter_token_latency = Histogram(
-            "duet_inter_token_latency_seconds", "Time between consecutive output tokens of a request",
-            buckets=_ITL_BUCKETS, registry=r)
+            "duet_inter_token_latency_seconds", "Time between consecutive tokens this worker sent for a request "
+            "(tokens sent together share the gap)", ["phase"], buckets=_ITL_BUCKETS, registry=r)
         self.request_latency = Histogram(
-            "duet_e2e_request_latency_seconds", "Time from request arrival to its last token",
-            buckets=_E2E_BUCKETS, registry=r)
-        self.requests = requests_counter(r)  # the label scheme every process shares (requests.py)
-        self.route_decisions = Counter(
-            "duet_router_decisions", "Router answers by kind and the reason for it (services/router/placement.py), "
-            "and the model routed for", ["kind", "reason", "model"], registry=r)
+            "duet_e2e_request_latency_seconds", "From a request's call arriving here to its last token sent "
+            "(phase prefill: to its answer, the KV handoff included)", ["phase"], buckets=_E2E_BUCKETS, registry=r)
+        self._latency: dict[str, LatencySeries] = {}
         # KV that outlives the request: reuse and movement per tier (device, host)
         self.kv_cache_hit_tokens = Counter(
             "duet_kv_cache_hit_tokens", "Prompt tokens whose KV was reused, by the tier it was found in",
@@ -117,6 +139,16 @@ class DuetMetrics:
             "idle (no request, reservation or transfer): anything but 0 is a leak", ["tier"], registry=r)
 
     # --- helpers used across services -----------------------------------------
+
+    def latency(self, phase: str) -> LatencySeries:
+        """A worker's three token-latency histograms for `phase` (one of PHASES); a phase no
+        request took shows no series."""
+        series = self._latency.get(phase)
+        if series is None:
+            series = self._latency[phase] = LatencySeries(self.time_to_first_token.labels(phase),
+                                                          self.inter_token_latency.labels(phase),
+                                                          self.request_latency.labels(phase))
+        return series
 
     def observe_kv_transfer(self, direction: str, num_bytes: int, seconds: float | None = None) -> None:
         """direction: "sent" (prefill side) or "received" (decode side)."""

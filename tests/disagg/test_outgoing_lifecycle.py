@@ -139,6 +139,12 @@ def test_a_handoff_writes_every_page_then_its_done_notice(engine, agents):
     src, dst = engine.pool.buffer, h.decode.pool
     assert torch.equal(dst[DST_PAGES], src[h.pages[:len(DST_PAGES)]])  # every page landed
     assert_all_pages_free(engine)
+    # what the request's queue, compute and kv_send spans are made of: the send began while the
+    # prompt was computed (4 chunks of 8) and ended after its first token
+    t = result.times
+    assert t.phase.arrived <= t.phase.scheduled <= t.send_started < t.phase.computed <= t.send_ended
+    assert t.phase.computed == h.out.entered(S.TAIL) and t.send_ended == h.out.entered(S.DONE)
+    assert (t.phase.chunks, t.pages) == (4, len(DST_PAGES))
 
 
 def test_a_held_prefix_that_is_not_the_prompts_writes_nothing_and_declines(engine, agents):
@@ -148,6 +154,8 @@ def test_a_held_prefix_that_is_not_the_prompts_writes_nothing_and_declines(engin
     assert h.fut.result().first.token_ids  # the answer stands
     assert h.stream.bytes_sent == 0 and int(torch.count_nonzero(h.decode.pool)) == 0
     assert [n.kind for n in h.notices()] == ["declined"]
+    times = h.fut.result().times  # no page sent: the kv_send span is the notice's way
+    assert times.pages == 0 and times.send_started == h.out.entered(S.DECLINING) <= times.send_ended
     assert_all_pages_free(engine)
 
 

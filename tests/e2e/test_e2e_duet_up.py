@@ -12,6 +12,7 @@ import json
 import math
 import os
 import signal
+import time
 
 import httpx
 import openai
@@ -19,6 +20,7 @@ import pytest
 
 from protos import duet_pb2, duet_pb2_grpc
 from tests.helpers.openai_schema import validate
+from tests.helpers.otlp_receiver import GrpcReceiver
 from tests.helpers.stack import (
     DuetUp,
     http_status,
@@ -63,8 +65,17 @@ def prompts(tokenizer):
 
 
 @pytest.fixture(scope="module")
-def split_stack(request):
-    with managed(request, DuetUp(new_log_dir("up-split")).start()) as stack:
+def traces():
+    """Every process of the split stack exports its spans here, set by the standard OTEL_* variables."""
+    with GrpcReceiver() as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="module")
+def split_stack(request, traces):
+    env = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+           "OTEL_EXPORTER_OTLP_ENDPOINT": traces.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200"}
+    with managed(request, DuetUp(new_log_dir("up-split"), env=env).start()) as stack:
         yield stack
 
 
@@ -173,11 +184,47 @@ def test_greedy_answers_equal_the_offline_engine(stack, references, prompts, str
     stack.wait_idle()
 
 
-def test_kv_bytes_and_computed_tokens_match_the_prompt(stack, tokenizer):
+def complete_once(client, model: str, prompt: str, stream: bool):
+    """(answer id, text, usage) of one greedy completion of 8 tokens, streamed or not."""
+    args = dict(model=model, prompt=prompt, max_tokens=8, temperature=0)
+    if not stream:
+        result = client.completions.create(**args)
+        return result.id, result.choices[0].text, result.usage
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **args))
+    return chunks[0].id, "".join(c.choices[0].text for c in chunks if c.choices), chunks[-1].usage
+
+
+def request_trace(traces, answer_id: str, wanted: set[tuple[str, str]], timeout: float = 20.0) -> dict:
+    """The spans of one request's trace, found by its gateway root's duet.request_id, once every
+    (service name, span name) in `wanted` arrived: (service, name) -> span."""
+    [root] = traces.wait_for(lambda s: not s.parent_span_id and s.attributes.get("duet.request_id") == answer_id,
+                             timeout)
+    deadline = time.monotonic() + timeout
+    while True:
+        found = {(s.resource["service.name"], s.name): s for s in traces.wait_for(
+            lambda s: s.trace_id == root.trace_id, timeout)}
+        if wanted <= set(found) or time.monotonic() > deadline:
+            return found
+        time.sleep(0.1)
+
+
+def assert_child(child, parent) -> None:
+    """child is parent's, within its time (the phase spans' times are the engine's monotonic
+    stamps put on the wall clock: a few ms of slack)."""
+    slack = 5_000_000
+    assert child.parent_span_id == parent.span_id, (child.name, parent.name)
+    assert parent.start_ns - slack <= child.start_ns <= child.end_ns <= parent.end_ns + slack, (child, parent)
+
+
+def test_kv_bytes_and_computed_tokens_match_the_prompt(stack, tokenizer, traces):
     """Prefill computes the prompt and sends its pages; decode receives exactly those bytes
     and computes only the new tokens. Asked again: the decode worker holds the prompt's full
     pages now (it kept what it decoded, and its KV events say so), so the router has it
-    prefill the rest itself: nothing moves, decode computes only the last partial page."""
+    prefill the rest itself: nothing moves, decode computes only the last partial page.
+    Each worker times the tokens it served (one TTFT per request, labelled by the phase it
+    served), the gateway counts the cached tokens its answers report, and the traces show
+    where the time went: queue, compute and the KV send on prefill, the KV wait, queue and
+    compute on decode, the stream on the gateway (the second answer streams)."""
     prefill, decode = stack.worker_ids("prefill")[0], stack.worker_ids("decode")[0]
     entry = stack.workers()[prefill]
     per_page = page_bytes(model_dir(), PAGE_SIZE)
@@ -192,14 +239,15 @@ def test_kv_bytes_and_computed_tokens_match_the_prompt(stack, tokenizer):
     texts = []
     for attempt in range(2):
         before = {w: stack.metrics(w) for w in (prefill, decode)}
+        gateway_before = stack.gateway_metrics()
         pages_before = stack.redis().smembers(f"duet:worker:{decode}:pages")
-        result = stack.client().completions.create(model=served_model(stack), prompt=prompt, max_tokens=8,
-                                                   temperature=0)
-        texts.append(result.choices[0].text)
-        assert result.usage.prompt_tokens == len(ids)
-        cached = result.usage.prompt_tokens_details.cached_tokens or 0
+        answer_id, text, usage = complete_once(stack.client(), served_model(stack), prompt, stream=attempt == 1)
+        texts.append(text)
+        assert usage.prompt_tokens == len(ids)
+        cached = usage.prompt_tokens_details.cached_tokens or 0
         assert cached == (0 if attempt == 0 else full), cached
-        completion = result.usage.completion_tokens
+        completion = usage.completion_tokens
+        assert completion > 2
 
         def delta(worker, name, **labels):
             return stack.metrics(worker).value(name, **labels) - before[worker].value(name, **labels)
@@ -210,6 +258,10 @@ def test_kv_bytes_and_computed_tokens_match_the_prompt(stack, tokenizer):
         sent = delta(prefill, "duet_kv_transfer_bytes_total", direction="sent")
         received = delta(decode, "duet_kv_transfer_bytes_total", direction="received")
         assert delta(decode, "duet_kv_recomputes_total") == 0
+        assert stack.gateway_metrics().value("duet_cached_prompt_tokens_total", endpoint="completions") - \
+            gateway_before.value("duet_cached_prompt_tokens_total", endpoint="completions") == cached
+        generated = delta(decode, "duet_requests_total", endpoint="Generate", outcome="ok")
+        assert generated == 1
         if attempt == 0:  # split: prefill computes and writes every page
             assert sent == received == pages * per_page, (sent, received, pages, per_page)
             assert delta(prefill, "duet_kv_transfer_seconds_count") == 1
@@ -223,17 +275,69 @@ def test_kv_bytes_and_computed_tokens_match_the_prompt(stack, tokenizer):
             assert delta(decode, "duet_engine_tokens_computed_total", phase="prefill") == 0
             # the first token came from prefill; decode ran one step per later token
             assert delta(decode, "duet_engine_tokens_computed_total", phase="decode") == completion - 1
+            # each worker's own view: prefill's first token (its answer, the handoff included,
+            # comes later); decode sends the other tokens, its first after the KV came
+            prefilled = delta(prefill, "duet_requests_total", endpoint="Prefill", outcome="ok")
+            assert prefilled == 1
+            assert delta(prefill, "duet_time_to_first_token_seconds_count", phase="prefill") == prefilled
+            assert delta(prefill, "duet_e2e_request_latency_seconds_count", phase="prefill") == prefilled
+            assert 0 < delta(prefill, "duet_time_to_first_token_seconds_sum", phase="prefill") < \
+                delta(prefill, "duet_e2e_request_latency_seconds_sum", phase="prefill")
+            assert delta(decode, "duet_time_to_first_token_seconds_count", phase="decode") == generated
+            assert delta(decode, "duet_inter_token_latency_seconds_count", phase="decode") == completion - 2
+            assert delta(decode, "duet_e2e_request_latency_seconds_count", phase="decode") == generated
             # before asking again, the router must see that decode holds the prompt's pages
             # (the hashes are seeded with the gateway's keyed cache namespace, which the test
             # cannot make: count them instead, at least the prompt's full pages)
             wait_until(lambda: len(stack.redis().smembers(f"duet:worker:{decode}:pages") - pages_before)
                        >= full // PAGE_SIZE, 10, "decode's KV events in the registry")
+            spans = request_trace(traces, answer_id, {("duet-prefill", n) for n in ("queue", "compute", "kv_send")}
+                                  | {("duet-decode", n) for n in ("kv_transfer_wait", "queue", "compute")})
+            on_prefill = {n: spans[("duet-prefill", n)] for n in ("prefill", "queue", "compute", "kv_send")}
+            for name in ("queue", "compute", "kv_send"):
+                assert_child(on_prefill[name], on_prefill["prefill"])
+            assert on_prefill["queue"].end_ns == on_prefill["compute"].start_ns
+            assert on_prefill["compute"].end_ns <= on_prefill["kv_send"].end_ns  # pages land after the token
+            compute = on_prefill["compute"].attributes
+            assert (compute["duet.prompt_tokens"], compute["duet.cached_tokens"]) == (len(ids), 0)
+            assert compute["duet.chunks"] >= 1
+            assert on_prefill["kv_send"].attributes["duet.kv_bytes"] == sent
+            assert on_prefill["kv_send"].attributes["duet.kv_pages"] == pages
+            on_decode = {n: spans[("duet-decode", n)] for n in ("decode", "kv_transfer_wait", "queue", "compute")}
+            for name in ("kv_transfer_wait", "queue", "compute"):
+                assert_child(on_decode[name], on_decode["decode"])
+            assert on_decode["kv_transfer_wait"].end_ns <= on_decode["queue"].start_ns + 5_000_000
+            assert on_decode["queue"].end_ns == on_decode["compute"].start_ns
+            compute = on_decode["compute"].attributes
+            assert compute["duet.output_tokens"] == compute["duet.steps"] == completion - 1
+            assert compute["duet.recomputed"] is False
+            assert ("duet-gateway", "stream") not in spans  # a JSON answer
         else:  # local prefill on decode: no prefill worker, no transfer
             assert sent == received == 0, (sent, received)
             assert delta(prefill, "duet_engine_tokens_computed_total", phase="prefill") == 0
             assert delta(decode, "duet_engine_tokens_computed_total", phase="prefill") == len(ids) - full
             assert delta(decode, "duet_engine_tokens_computed_total", phase="decode") == completion - 1
             assert delta(decode, "duet_kv_cache_hit_tokens_total", tier="device") == full
+            assert delta(prefill, "duet_time_to_first_token_seconds_count") == 0
+            # the whole request on decode: every token timed there
+            assert delta(decode, "duet_time_to_first_token_seconds_count", phase="both") == generated
+            assert delta(decode, "duet_inter_token_latency_seconds_count", phase="both") == completion - 1
+            assert delta(decode, "duet_e2e_request_latency_seconds_count", phase="both") == generated
+            spans = request_trace(traces, answer_id, {("duet-decode", "queue"), ("duet-decode", "compute"),
+                                                      ("duet-gateway", "stream")})
+            assert not any(service == "duet-prefill" for service, _ in spans)
+            on_decode = {n: spans[("duet-decode", n)] for n in ("decode", "queue", "compute")}
+            for name in ("queue", "compute"):
+                assert_child(on_decode[name], on_decode["decode"])
+            compute = on_decode["compute"].attributes
+            assert (compute["duet.prompt_tokens"], compute["duet.cached_tokens"]) == (len(ids), full)
+            assert compute["duet.output_tokens"] == compute["duet.steps"] == completion
+            assert compute["duet.chunks"] >= 1
+            root = next(s for s in spans.values() if not s.parent_span_id)
+            stream = spans[("duet-gateway", "stream")]
+            assert_child(stream, root)
+            assert stream.attributes["duet.completion_tokens"] == completion
+            assert stream.attributes["duet.cached_tokens"] == full
     assert texts[0] == texts[1]
     gateway = stack.gateway_metrics()
     for name in ("duet_time_to_first_token_seconds_count", "duet_inter_token_latency_seconds_count",

@@ -43,6 +43,8 @@ def split_run(pre: Engine, dec: Engine, prompts, params: SamplingParams) -> list
     for i, (rid, p) in enumerate(zip(rids, prompts)):
         held = pre.get(rid)
         assert held.status is ReqStatus.HELD and held.num_computed == len(p)
+        # a prefill's queue and compute spans: when a step first computed for it, in how many chunks
+        assert held.arrival <= held.scheduled_at and held.prefill_chunks >= -(-len(p) // 8)
         n = pre.kv.pages_for(len(p))
         dst = dec.reserve(f"res-{i}", len(p)).page_ids
         assert len(dst) == n
@@ -53,10 +55,13 @@ def split_run(pre: Engine, dec: Engine, prompts, params: SamplingParams) -> list
                                           seed=held.seed))
     assert_all_pages_free(pre)
     got = {rid: [first[r]] for rid, r in zip(dec_rids, rids)}
+    joined = [dec.get(r) for r in dec_rids]
+    assert all(r.scheduled_at is None for r in joined)  # joined with its KV in place: no step yet
     while dec.has_work:
         for out in dec.step():
             got[out.rid].extend(out.token_ids)
     assert_all_pages_free(dec)
+    assert all(r.arrival <= r.scheduled_at and r.prefill_chunks == 0 for r in joined)  # its first decode step
     return [got[r] for r in dec_rids]
 
 

@@ -31,6 +31,7 @@ from services.gateway.openai_api.endpoints import GatewayContext
 from services.gateway.openai_api.prompt_builder import PromptBuilder
 from shared.registry.worker_info import WorkerInfo, WorkerLoad
 from tests.helpers.openai_schema import validate
+from tests.helpers.stack import Metrics
 from tests.helpers.gateway_support import (LoopThread, RouterCluster, UvicornThread, byte_level_tokenizer_dir,
                                            in_memory_spans, wait_until)
 
@@ -222,10 +223,12 @@ def test_health_waits_for_a_decode_worker_then_split_path(gateway, cluster, clie
 
     reply("Hello from two pools")
     cluster.script.reset()
+    cached_before = cached_prompt_tokens(gateway)
     result = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=50)
     assert result.choices[0].message.content == "Hello from two pools"
     assert result.choices[0].finish_reason == "stop"
     assert result.usage.prompt_tokens_details.cached_tokens == 4
+    assert cached_prompt_tokens(gateway) - cached_before == 4  # what the answer's usage said
     s = cluster.script
     assert s.names() == ["Reserve", "Prefill", "Generate"]
     reserve, prefill, generate = (request for _, request in s.calls)
@@ -241,14 +244,21 @@ def test_health_waits_for_a_decode_worker_then_split_path(gateway, cluster, clie
     assert len(trace_ids) == 1 and f"{gateway_spans[-1].context.trace_id:032x}" in trace_ids
 
 
-def test_split_stream_schema_and_logprobs(gateway, cluster, reply):
+def cached_prompt_tokens(gateway) -> float:
+    page = Metrics.parse(httpx.get(gateway.base_url + "/metrics").text)
+    return page.value("duet_cached_prompt_tokens_total", endpoint="chat_completions")
+
+
+def test_split_stream_schema_and_logprobs(gateway, cluster, reply, spans):
     reply("你好 😀 ok")
+    cached_before = cached_prompt_tokens(gateway)
     with httpx.Client(base_url=gateway.base_url, timeout=30) as http:
         with http.stream("POST", "/v1/chat/completions", json={
                 "model": MODEL, "messages": MESSAGES, "stream": True, "logprobs": True,
                 "stream_options": {"include_usage": True}}) as response:
             assert response.status_code == 200
             lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+            request_id = response.headers["x-request-id"]
     events = [json.loads(line[6:]) for line in lines[:-1]]
     assert lines[-1] == "data: [DONE]"
     for e in events:
@@ -257,6 +267,20 @@ def test_split_stream_schema_and_logprobs(gateway, cluster, reply):
     assert text == "你好 😀 ok"
     logprobs = [lp for e in events for c in e["choices"] if c["logprobs"] for lp in c["logprobs"]["content"]]
     assert len(logprobs) == events[-1]["usage"]["completion_tokens"]
+    # the stream's usage counted, and its span: first event to [DONE], under the request's root
+    usage = events[-1]["usage"]
+    assert cached_prompt_tokens(gateway) - cached_before == usage["prompt_tokens_details"]["cached_tokens"] == 4
+    def request_spans():  # the root ends as the stream closes, maybe after the client read [DONE]
+        return [sp for sp in spans[1].get_finished_spans() if sp.attributes.get("duet.request_id") == request_id]
+    assert wait_until(lambda: any(sp.parent is None for sp in request_spans()), timeout=5)
+    finished = request_spans()
+    [root] = [sp for sp in finished if sp.parent is None]
+    [stream] = [sp for sp in finished if sp.name == "stream"]
+    assert stream.parent.span_id == root.context.span_id
+    assert root.start_time < stream.start_time < stream.end_time <= root.end_time
+    assert stream.attributes["duet.stream.events"] == len(lines)
+    assert stream.attributes["duet.completion_tokens"] == events[-1]["usage"]["completion_tokens"]
+    assert stream.attributes["duet.cached_tokens"] == 4 and stream.attributes["duet.stream.disconnected"] is False
 
 
 def test_first_token_ends_request_cancels_reservation(client, cluster, reply):

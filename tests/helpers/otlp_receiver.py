@@ -35,6 +35,8 @@ class ReceivedSpan:
     kind: int
     attributes: dict
     resource: dict
+    start_ns: int = 0  # epoch nanoseconds
+    end_ns: int = 0
 
 
 @dataclass
@@ -50,7 +52,8 @@ class _Store:
             for ss in rs.scope_spans:
                 for s in ss.spans:
                     got.append(ReceivedSpan(s.name, s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(),
-                                            s.kind, {a.key: _value(a.value) for a in s.attributes}, resource))
+                                            s.kind, {a.key: _value(a.value) for a in s.attributes}, resource,
+                                            s.start_time_unix_nano, s.end_time_unix_nano))
         with self.lock:
             self.requests += 1
             self.spans.extend(got)

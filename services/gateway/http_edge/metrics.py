@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from shared.telemetry.requests import requests_counter, status_label
+from shared.telemetry.token_latency import LatencySeries
 
 # Seconds; TTFT spans queueing and prefill, ITL one decode step.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -37,9 +38,16 @@ class GatewayMetrics:
         self.generation_tokens = Counter(
             "duet_generation_tokens_total", "Generated tokens", ["endpoint", "model", "adapter"], registry=r)
         self.cached_prompt_tokens = Counter(
-            "duet_cached_prompt_tokens_total", "Prompt tokens served from a prefix cache", ["endpoint"], registry=r)
+            "duet_cached_prompt_tokens_total", "Prompt tokens served from a prefix cache: each answer's "
+            "usage cached_tokens", ["endpoint"], registry=r)
         self.inflight = Gauge(
             "duet_gateway_inflight_requests", "Requests being served by this gateway", ["endpoint"], registry=r)
+
+    def latency(self, endpoint: str, model: str, adapter: str) -> LatencySeries:
+        """The three token-latency histograms of one request's labels."""
+        labels = (endpoint, model, adapter)
+        return LatencySeries(self.time_to_first_token.labels(*labels), self.inter_token_latency.labels(*labels),
+                             self.e2e_latency.labels(*labels))
 
     def request_finished(self, endpoint: str, status: int) -> None:
         """status: the HTTP status the client got (499 when it left first)."""

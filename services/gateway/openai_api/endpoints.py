@@ -56,6 +56,7 @@ from services.gateway.openai_api.generation_set import GenerationSet
 from services.gateway.openai_api.prompt_builder import PromptBuilder
 from services.gateway.openai_api.request_sampling import chat_sampling, completion_sampling, responses_sampling
 from services.gateway.openai_api.responses_objects import ResponsesFormatter
+from services.gateway.openai_api.stream_span import StreamTimes
 from services.gateway.openai_api.served_model import ModelFiles, ServedModel
 from services.gateway.openai_api.structured_outputs import checked, response_format_grammar, tool_choice_grammar
 from services.gateway.openai_api.template_config import ChatTemplateConfig
@@ -379,10 +380,11 @@ class OpenAIEndpoints:
             generation = GenerationSet(generations, prepared.sampling.n, admit=_Units(ticket, works, first).enter)
             headers = {"X-Request-Id": prepared.request_id}
             if prepared.stream:
-                response = await self._stream(request, generation, prepared, outcome, headers)
+                response = await self._stream(request, generation, prepared, outcome, headers, endpoint, span)
                 outcome.handed_off = True  # the stream records its own outcome when it ends
                 return response
             body = await run_until_disconnect(request.receive, self._collect(generation, prepared))
+            self._count_cached(endpoint, generation)
             outcome.record(200)
             return JSONResponse(body, headers=headers)
         except APIError as exc:
@@ -420,6 +422,10 @@ class OpenAIEndpoints:
         span.set_attribute("http.status_code", status)
         span.end()
 
+    def _count_cached(self, endpoint: str, generation: GenerationSet) -> None:
+        """An answer's cached prompt tokens, as its usage reports them."""
+        self.ctx.metrics.cached_prompt_tokens.labels(endpoint).inc(generation.stats.cached_tokens)
+
     async def _collect(self, generation: GenerationSet, prepared: PreparedRequest) -> dict:
         deltas: list[OutputDelta] = []
         async for delta in generation.deltas():
@@ -427,7 +433,7 @@ class OpenAIEndpoints:
         return prepared.formatter.response(deltas, generation.stats)
 
     async def _stream(self, request: Request, generation: GenerationSet, prepared: PreparedRequest,
-                      outcome: "_Outcome", headers: dict[str, str]) -> Response:
+                      outcome: "_Outcome", headers: dict[str, str], endpoint: str, span) -> Response:
         deltas = generation.deltas()
         # Wait for the first delta before answering 200, so that a refusal (no KV room,
         # no workers) is still a proper HTTP status rather than an in-stream error.
@@ -438,32 +444,39 @@ class OpenAIEndpoints:
             raise
         formatter = prepared.formatter
         status: dict[str, Any] = {"value": 200}
+        times = StreamTimes()
 
         async def events():
             try:
                 named = formatter.named_events
                 for chunk in formatter.opening_chunks():
-                    yield sse_event(chunk, named)
+                    yield times.sent(sse_event(chunk, named))
                 delta = first
                 while delta is not None:
                     for chunk in formatter.chunks_for(delta):
-                        yield sse_event(chunk, named)
+                        yield times.sent(sse_event(chunk, named))
                     delta = await anext(deltas, None)
+                self._count_cached(endpoint, generation)
                 for chunk in formatter.closing_chunks(generation.stats):
-                    yield sse_event(chunk, named)
+                    yield times.sent(sse_event(chunk, named))
                 if formatter.done_marker:
-                    yield DONE_EVENT
+                    yield times.sent(DONE_EVENT)
             except BackendError as exc:
                 error = from_backend_error(exc)
                 status["value"] = error.status
-                yield error.sse_event()
+                yield times.sent(error.sse_event())
             except Exception:
                 log.exception("stream failed")
                 status["value"] = 500
-                yield internal_error().sse_event()
+                yield times.sent(internal_error().sse_event())
 
         async def on_close(disconnected: bool) -> None:
             await deltas.aclose()  # aborts the backend's work if it is still running
+            stats = generation.stats
+            times.record(self.ctx.tracer, span, {"duet.request_id": prepared.request_id,
+                                                 "duet.completion_tokens": stats.completion_tokens,
+                                                 "duet.cached_tokens": stats.cached_tokens,
+                                                 "duet.stream.disconnected": disconnected})
             outcome.record(STATUS_CANCELLED if disconnected else status["value"])
 
         return EventStreamResponse(events(), on_close, headers)

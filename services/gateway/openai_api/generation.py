@@ -22,6 +22,7 @@ from services.gateway.backends.interface import (
 from services.gateway.http_edge.metrics import GatewayMetrics
 from services.gateway.openai_api.stop_strings import StopStringMatcher
 from shared.detokenizer import IncrementalDetokenizer
+from shared.telemetry.token_latency import TokenLatency
 
 
 @dataclass
@@ -65,6 +66,7 @@ class Generation:
 
     def __post_init__(self) -> None:
         self.stats = GenerationStats(prompt_tokens=len(self.request.prompt_token_ids))
+        self.latency = TokenLatency(self.metrics.latency(*self.labels), self.arrived_at)
 
     async def deltas(self) -> AsyncIterator[OutputDelta]:
         """Text deltas until the request finishes; the last one has finish_reason.
@@ -107,29 +109,17 @@ class Generation:
         delta.finish_reason = reason
         self.stats.finish_reason = reason
         self.stats.finish_reasons[delta.index] = reason
-        if len(self.stats.finish_reasons) == self.request.sampling.n and self.stats.first_token_at is not None:
-            self.metrics.e2e_latency.labels(*self.labels).observe(
-                self.stats.last_token_at - self.arrived_at)
+        if len(self.stats.finish_reasons) == self.request.sampling.n:
+            self.latency.finish()
         return delta
 
     def _observe(self, token_ids: list[int], cached_tokens: int | None) -> None:
-        now = time.monotonic()
         count = len(token_ids)
         if cached_tokens is not None:
             self.stats.cached_tokens = cached_tokens
         if count == 0:
             return
-        if self.stats.first_token_at is None:
-            self.stats.first_token_at = now
-            self.metrics.time_to_first_token.labels(*self.labels).observe(now - self.arrived_at)
-            count_itl = count - 1
-        else:
-            count_itl = count
-        if count_itl > 0 and self.stats.last_token_at is not None:
-            # Several tokens in one event share the gap evenly.
-            gap = (now - self.stats.last_token_at) / count_itl
-            for _ in range(count_itl):
-                self.metrics.inter_token_latency.labels(*self.labels).observe(gap)
-        self.stats.last_token_at = now
+        self.latency.observe(count)  # TTFT, then the gap to each later token (shared evenly within an event)
+        self.stats.first_token_at, self.stats.last_token_at = self.latency.first_at, self.latency.last_at
         self.stats.completion_tokens += count
         self.metrics.generation_tokens.labels(*self.labels).inc(count)
