@@ -262,7 +262,7 @@ def test_a_decode_worker_killed_mid_stream_is_never_seen_by_the_client(stack):
 
 # --- chaos: a worker killed at a time under steady load ------------------------------------------
 
-CHAOS_KILLS = 5
+CHAOS_KILLS = 4
 CHAOS_SEED = 42
 CHAOS_CLIENTS = 6
 CHAOS_MAX_TOKENS = 8
