@@ -79,6 +79,7 @@ class Fleet:
     ttft_target_s: float
     itl_target_s: float
     budget_ttft_s: float = 0.0  # the first-token target the workers' budgets weigh their queues against
+    budget_graph_rows: int = -1  # decode rows beside which the budgets still slice (step_budget.py)
 
     @classmethod
     def of(cls, workers: list[WorkerInfo], ttft_target_s: float, itl_target_s: float) -> "Fleet | None":
@@ -93,7 +94,7 @@ class Fleet:
                    sum(w.load.total_pages for w in workers) / len(workers),
                    max(transfers, key=lambda t: t.samples) if transfers else TransferModel(),
                    kv_bytes_per_token(ref), ttft_target_s, itl_target_s or ref.perf.itl_target_s,
-                   ref.perf.ttft_target_s)
+                   ref.perf.ttft_target_s, ref.perf.budget_graph_rows)
 
 
 @dataclass(frozen=True)
@@ -136,8 +137,8 @@ def _beside_decode(workers: int, rows: float, context: float, uncached: float, s
     """(ttft_s, itl_s) when `workers` workers each prefill their share of the requests beside
     their decode rows, in the chunks their inter-token budget allows."""
     model = fleet.model
-    budget = ItlBudget(fleet.itl_target_s, fleet.budget_floor_tokens, model, ttft_s=fleet.budget_ttft_s) \
-        if fleet.budget_floor_tokens else None
+    budget = ItlBudget(fleet.itl_target_s, fleet.budget_floor_tokens, model, ttft_s=fleet.budget_ttft_s,
+                       graph_rows=fleet.budget_graph_rows) if fleet.budget_floor_tokens else None
     site = PrefillSite(model, rows, context, fleet.max_batched_tokens, budget)
     # what prefilling one request adds to the steps (a step pays its base anyway while rows run)
     extra_s = model.chunk_s(start, int(round(uncached)))

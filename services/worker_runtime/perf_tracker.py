@@ -56,12 +56,14 @@ class PerfTracker:
         target = config.slo.itl_ms / 1000 if config.slo.itl_ms > 0 else default_itl_s(engine.device.type)
         # the queue's first-token target, weighed only where the inter-token budget runs
         ttft = config.ttft.target_s(engine.device.type == "cuda") if config.budget_ttft else 0.0
-        self.budget = ItlBudget(target, max(1, config.budget_floor_tokens), ttft_s=ttft)
+        self.budget = ItlBudget(target, max(1, config.budget_floor_tokens), ttft_s=ttft,
+                                graph_rows=budget_graph_rows(engine))
         if config.itl_budget:
             engine.scheduler.itl_budget = self.budget
         perf.itl_target_s = target
         perf.budget_floor_tokens = max(1, config.budget_floor_tokens) if config.itl_budget else 0
         perf.ttft_target_s = ttft if config.itl_budget else 0.0
+        perf.budget_graph_rows = self.budget.graph_rows
         self.handoffs = handoffs
         self._handoff_seen = (0.0, 0.0, 0.0)
         self.transfer_fit = OnlineLinearFit(TransferModel().coef(), HALF_LIFE_HANDOFFS) if handoffs else None
@@ -136,6 +138,16 @@ class PerfTracker:
         self.transfer_fit.add((1.0, sent / count / 1e9), tail / count)
         coef, _ = self.transfer_fit.solve()
         self.perf.transfer = TransferModel.from_coef(coef, self.transfer_fit.count)
+
+
+def budget_graph_rows(engine) -> int:
+    """Decode rows beside which a step with a prefill chunk still replays a CUDA graph (the
+    prefill graphs' sequences, less the chunk's own): past them the budget does not slice
+    (step_budget.py). -1 without graphs: every step is eager alike."""
+    runner = engine.runner
+    if runner.graphs is None:
+        return -1
+    return runner.prefill_graphs.max_seqs - 1 if runner.prefill_graphs is not None else 0
 
 
 def handoff_totals(registry) -> HandoffTotals:

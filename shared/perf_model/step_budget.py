@@ -17,6 +17,18 @@ the step's token budget) -- DistServe's view that a request counts only if it me
 targets, so letting the queue's TTFT go to keep the ITL is no gain. Each step's allowance says
 which target set it (`slo`: itl or ttft). With no TTFT pressure the ITL room is the rule.
 
+Slicing pays only where the slices are cheap. On a GPU a step replays a CUDA graph when it is
+decode rows alone or a small prefill step of a few sequences (shared/engine/prefill_graph.py);
+a step carrying a chunk beside more rows than that runs eagerly, and an eager step of a large
+model costs its kernel launches from Python (several times a graph's decode step) whatever the
+chunk's size. There, slicing a prompt into the room the target leaves turns every step into an
+eager one: the streams' steps run several times the target and prefill crawls (two colocated 8B
+workers served a quarter of what they did without the budget, docs/performance/serving.md).
+So beside more than `graph_rows` decode rows the budget does not slice: the token budget
+rules, one eager step takes as much of the prompt as it can, and the steps after it replay
+graphs again. Without graphs (a CPU worker, `graph_rows` -1) every step is eager alike and
+the budget slices at any row count.
+
 The scheduler (shared/engine/scheduler.py) asks `begin()` once per step with decode rows and its
 queue, then `allow()` before and `charge()` after each chunk; the router and the planner
 simulate the same budget to predict a local prefill's time (prefill_time.py), without the
@@ -67,6 +79,7 @@ class ItlBudget:
     floor_tokens: int = 32
     model: StepModel | None = None
     ttft_s: float = 0.0
+    graph_rows: int = -1  # beside more decode rows a step with prefill runs eagerly: not sliced (-1: no limit)
 
     @property
     def weighs_queue(self) -> bool:
@@ -81,6 +94,8 @@ class ItlBudget:
         stops at)."""
         if decode_rows <= 0 or self.model is None or self.target_s <= 0:
             return None
+        if 0 <= self.graph_rows < decode_rows:
+            return None  # the step runs eagerly anyway: one wide chunk, not many eager steps
         base = self.model.step_s(StepShape(decode_rows=decode_rows, decode_context=decode_context))
         room = StepAllowance(self.model, self.target_s - base, self.floor_tokens)
         if self.ttft_s > 0:

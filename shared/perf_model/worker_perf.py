@@ -20,6 +20,8 @@ class WorkerPerf:
                                            # 0: the worker runs no inter-token budget (--no-itl-budget)
     ttft_target_s: float = 0.0             # the first-token target its budget weighs its queue against
                                            # (0: not weighed, --no-itl-budget-ttft)
+    budget_graph_rows: int = -1            # decode rows beside which its budget still slices prefill
+                                           # (a mixed step replays a graph); -1: any (no graphs)
 
     def fields(self) -> dict[str, str]:
         return {
@@ -28,6 +30,7 @@ class WorkerPerf:
             "perf_itl_target_s": repr(self.itl_target_s),
             "perf_budget_floor_tokens": str(self.budget_floor_tokens),
             "perf_ttft_target_s": repr(self.ttft_target_s),
+            "perf_budget_graph_rows": str(self.budget_graph_rows),
         }
 
     @classmethod
@@ -37,4 +40,5 @@ class WorkerPerf:
                    TransferModel.from_dict(json.loads(transfer)) if transfer else None,
                    float(h.get("perf_itl_target_s", 0.0) or 0.0),
                    int(h.get("perf_budget_floor_tokens", 0) or 0),
-                   float(h.get("perf_ttft_target_s", 0.0) or 0.0))
+                   float(h.get("perf_ttft_target_s", 0.0) or 0.0),
+                   int(h.get("perf_budget_graph_rows", -1) or -1))

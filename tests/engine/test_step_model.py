@@ -133,6 +133,21 @@ def test_a_queue_past_the_itl_room_gets_the_tokens_its_rate_needs_up_to_the_toke
     assert budget.begin(64, 64 * 2000, [QueuedPrefill(10**7, 0.0)], 8000).need_tokens == 8000
 
 
+def test_beside_more_rows_than_a_graph_holds_the_budget_does_not_slice():
+    """A step with a chunk beside more decode rows than the prefill graphs hold runs eagerly,
+    whatever the chunk's size: the budget then leaves the chunk to the token budget (one wide
+    eager step), and slices only where the mixed step still replays a graph."""
+    budget = ItlBudget(0.030, 16, TRUTH, graph_rows=7)
+    assert budget.begin(7, 7 * 3000) is not None      # 7 rows + the chunk: a graph's 8 sequences
+    assert budget.begin(8, 8 * 3000) is None          # eager anyway: not sliced
+    assert budget.begin(2000, 2000 * 8000) is None    # the floor no longer makes every step eager
+    assert ItlBudget(0.030, 16, TRUTH).begin(2000, 2000 * 8000).allow(0) == 16  # no graphs (-1): sliced
+    # the router's simulation of such a worker: the prompt goes in one step, not the floor's many
+    busy = PrefillSite(TRUTH, 128, 128 * 3000, 8192, ItlBudget(0.030, 16, TRUTH, graph_rows=7))
+    assert busy.chunk(3000, 0) == 3000
+    assert busy.prefill_s(3000) == pytest.approx(busy.step_s(3000))
+
+
 def test_prefill_time_is_many_small_steps_beside_a_busy_batch():
     idle = PrefillSite(TRUTH, max_batched_tokens=8192, budget=ItlBudget(0.030, 16, TRUTH))
     busy = PrefillSite(TRUTH, 128, 128 * 3000, 8192, ItlBudget(0.030, 16, TRUTH))
@@ -169,13 +184,14 @@ def test_the_simulated_prefill_widens_as_the_workers_budget_does_for_its_first_t
 
 
 def test_registry_entry_carries_the_models():
-    perf = WorkerPerf(TRUTH, TransferModel(0.003, 5e9, 7), 0.03, 32, 2.0)
+    perf = WorkerPerf(TRUTH, TransferModel(0.003, 5e9, 7), 0.03, 32, 2.0, 7)
     info = WorkerInfo(worker_id="d1", role="decode", address="x:1", model="m", perf=perf,
                       load=WorkerLoad(running_requests=3, decode_context_tokens=9000))
     back = WorkerInfo.from_hash({k.encode(): v.encode() for k, v in info.to_hash().items()})
     assert back.load.decode_context_tokens == 9000
     assert back.perf.step.step_s(StepShape(100, 5e3, 3, 9000)) == pytest.approx(TRUTH.step_s(StepShape(100, 5e3, 3, 9000)))
     assert back.perf.transfer == TransferModel(0.003, 5e9, 7)
-    assert (back.perf.itl_target_s, back.perf.budget_floor_tokens, back.perf.ttft_target_s) == (0.03, 32, 2.0)
+    assert (back.perf.itl_target_s, back.perf.budget_floor_tokens, back.perf.ttft_target_s,
+            back.perf.budget_graph_rows) == (0.03, 32, 2.0, 7)
     bare = WorkerInfo.from_hash(WorkerInfo(worker_id="p1", role="prefill", address="x:1", model="m").to_hash())
-    assert bare.perf.step is None and bare.perf.transfer is None
+    assert bare.perf.step is None and bare.perf.transfer is None and bare.perf.budget_graph_rows == -1
