@@ -107,8 +107,9 @@ def test_a_prefill_call_without_a_valid_capability_writes_nothing(stack):
 
 
 def test_an_unclaimed_reservation_is_freed_by_its_deadline_whatever_the_caller_asked(stack):
-    # lifetime 2 s; quarantine max(2 x write timeout, notice timeout) = 2 s; waits of at most 2 s
-    stack.add_worker("decode", "decode-ttl", extra=["--reservation-ttl", "2", "--write-timeout", "1",
+    # lifetime 4 s (a scrape right after the reply must still see the pages on a loaded machine);
+    # quarantine max(2 x write timeout, notice timeout) = 2 s; waits of at most 2 s
+    stack.add_worker("decode", "decode-ttl", extra=["--reservation-ttl", "4", "--write-timeout", "1",
                                                     "--notice-timeout", "1", "--reserve-timeout", "2"])
     stack.wait_registered(["decode-ttl"])
     entry = stack.workers()["decode-ttl"]
@@ -116,7 +117,7 @@ def test_an_unclaimed_reservation_is_freed_by_its_deadline_whatever_the_caller_a
     with grpc.insecure_channel(entry["address"]) as channel:
         stub = duet_pb2_grpc.DecodeStub(channel)
         res = reserve(stub, "nobody-claims", 4 * PAGE, timeout_ms=600_000)
-        assert res.capability.lifetime_ms == 2000
+        assert res.capability.lifetime_ms == 4000
         assert stack.kv_usage("decode-ttl") > 0
         stack.wait_idle(["decode-ttl"], timeout=30)
         # a wait the worker caps: the pages held by one reservation leave no room for a second
