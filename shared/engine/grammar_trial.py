@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import pickle
 import time
+from dataclasses import dataclass
 
 from shared.openai_protocol.json_schema_support import schema_problem
 
@@ -21,28 +22,43 @@ from .grammar_spec import GrammarError, GrammarSpec
 SHIP_AFTER_S = 0.2  # a compile this slow is sent back rather than done twice
 
 
-def setup_from_tokenizer(tokenizer_pickle: bytes):
+@dataclass
+class Compilers:
+    """A helper's state: the vocabulary, and the compiler over it made on first use. The setup
+    runs in the pool's zygote, which forks every helper: a compiler made there could leave a
+    thread of its own behind a lock the helper then waits on forever (seen after a compile)."""
+
+    info: object  # xgrammar.TokenizerInfo
+    _compiler: object = None
+
+    @property
+    def compiler(self):
+        if self._compiler is None:
+            import xgrammar as xgr
+            self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+        return self._compiler
+
+
+def setup_from_tokenizer(tokenizer_pickle: bytes) -> Compilers:
     """The gateway's helper: a compiler over a (pickled) Hugging Face tokenizer's vocabulary."""
     import xgrammar as xgr
     tokenizer = pickle.loads(tokenizer_pickle)
-    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))
-    return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    return Compilers(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer)))
 
 
-def setup_from_info(tokenizer_info_json: str):
+def setup_from_info(tokenizer_info_json: str) -> Compilers:
     """A worker's helper: a compiler over the worker's own xgrammar TokenizerInfo."""
     import xgrammar as xgr
-    info = xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)
-    return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    return Compilers(xgr.TokenizerInfo.deserialize_json(tokenizer_info_json))
 
 
-def trial_compile(compiler, kind: str, text: str, budget_s: float, ship: bool) -> str | None:
+def trial_compile(state: Compilers, kind: str, text: str, budget_s: float, ship: bool) -> str | None:
     """None, or (ship) the compiled grammar as xgrammar's JSON when it was slow to make.
     GrammarError, which goes back to the caller, when it is bad or took past budget_s."""
     started = time.monotonic()
     if kind == "json_schema":
-        trial_schema(compiler, text)
-    compiled = compile_spec(compiler, GrammarSpec(kind, text))
+        trial_schema(state, text)
+    compiled = compile_spec(state.compiler, GrammarSpec(kind, text))
     check_can_start(compiled, kind)
     took = time.monotonic() - started
     if took > budget_s:  # the caller's hard limit is longer when it wants the result shipped
@@ -50,7 +66,7 @@ def trial_compile(compiler, kind: str, text: str, budget_s: float, ship: bool) -
     return compiled.serialize_json() if ship and took >= SHIP_AFTER_S else None
 
 
-def trial_schema(compiler, text: str) -> None:
+def trial_schema(state: Compilers, text: str) -> None:
     """GrammarError naming the first keyword of the JSON schema `text` that the grammar engine
     would not enforce (the compiler is not needed: the pool hands every call its setup)."""
     try:

@@ -1,8 +1,8 @@
-"""A pool's helper process: reads (kind, "module:function", args) frames on stdin, answers
-each on stdout. "setup" runs once and its return value is the helper's state; every "call"
-gets that state as its first argument. What the function raises goes back to the caller.
-
-    python -m shared.process_pool.child PARENT_PID"""
+"""A pool's helper: reads (kind, "module:function", args) frames, answers each. "setup" runs
+once and its return value is the helper's state; every "call" gets that state as its first
+argument. What the function raises goes back to the caller. A pool's helpers are forked from
+its zygote (zygote.py), which ran the setup; `python -m shared.process_pool.child PARENT_PID`
+runs one on its own (stdin, stdout)."""
 from __future__ import annotations
 
 import importlib
@@ -46,17 +46,8 @@ def exit_with_parent(parent_pid: int, every_s: float = 1.0) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def main() -> int:
-    # Ctrl-C in a terminal reaches the whole process group: the parent decides when we stop
-    # (it closes our stdin while it drains), so no KeyboardInterrupt trace lands in its log
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if len(sys.argv) > 1:
-        exit_with_parent(int(sys.argv[1]))
-    replies = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)  # a library's print() must not corrupt the frames: it goes to stderr
-    sys.stdout = sys.stderr
-    requests = sys.stdin.buffer
-    state = None
+def serve(requests, replies, state: Any) -> int:
+    """Answer frames from `requests` on `replies` until the parent closes `requests`."""
     while True:
         try:
             kind, target, args = read_frame(requests)
@@ -64,6 +55,24 @@ def main() -> int:
             return 0
         reply, state = answer(kind, target, args, state)
         write_frame(replies, reply)
+
+
+def quiet_stdout():
+    """(the real stdout for replies, now a dup): a library's print() must not corrupt the
+    frames, so what it prints goes to stderr."""
+    replies = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return replies
+
+
+def main() -> int:
+    # Ctrl-C in a terminal reaches the whole process group: the parent decides when we stop
+    # (it closes our stdin while it drains), so no KeyboardInterrupt trace lands in its log
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if len(sys.argv) > 1:
+        exit_with_parent(int(sys.argv[1]))
+    return serve(sys.stdin.buffer, quiet_stdout(), None)
 
 
 if __name__ == "__main__":

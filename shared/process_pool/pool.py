@@ -1,10 +1,11 @@
 """A few helper processes (child.py) and a hard time budget on each call.
 
-Each helper runs a setup function once (its state: a tokenizer, a grammar compiler), then
-answers calls one at a time. A call that outlives its budget kills its helper (SIGKILL: a
-thread cannot be stopped, and C++ code may hold the GIL) and raises CallTimeout; the next
-call starts a fresh helper. Helpers start on first use (or prestart()), outside any call's
-budget.
+A zygote process (zygote.py) runs a setup function once (its state: a tokenizer, a grammar
+vocabulary); each helper is forked from it with that state and answers calls one at a time.
+A call that outlives its budget kills its helper (SIGKILL: a thread cannot be stopped, and
+C++ code may hold the GIL) and raises CallTimeout; its replacement is forked at once (a few
+milliseconds, not a new interpreter's imports and setup). Helpers start on first use (or
+prestart()), outside any call's budget.
 
 Calls run on a thread pool with one thread per helper, so from asyncio they never block the
 event loop, and calls beyond the helpers' number wait their turn in order."""
@@ -14,14 +15,17 @@ import asyncio
 import logging
 import os
 import queue
+import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from shared.process_pool.frames import FrameTimeout, encode, read_frame_before
 
@@ -47,28 +51,39 @@ class CallFailed(RuntimeError):
 
 @dataclass
 class PoolStats:
-    started: int = 0   # helpers started
+    started: int = 0   # helpers started (forked from the zygote)
+    setups: int = 0    # zygotes started: the setup's runs
     timeouts: int = 0  # calls killed at their budget
 
 
 class _Helper:
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], generation: int = 0):
+    """A helper forked by the pool's zygote: its pid and the pool's ends of its two pipes."""
+
+    def __init__(self, name: str, pid: int, requests: BinaryIO, replies: BinaryIO, generation: int = 0):
         self.name = name
+        self.pid = pid
+        self.requests, self.replies = requests, replies
         self.generation = generation  # the pool's stop() count when it started
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
-                                     close_fds=True)
+        self._dead = False
 
     @property
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        # the zygote reaps its helpers (SIGCHLD ignored), so a dead one's pid is gone at once
+        if self._dead:
+            return False
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            self._dead = True
+        return not self._dead
 
     def exchange(self, message: tuple, timeout_s: float) -> Any:
         """Send one request, return the function's result or raise what it raised."""
         deadline = time.monotonic() + timeout_s
         try:
-            self.proc.stdin.write(encode(message))
-            self.proc.stdin.flush()
-            status, value = read_frame_before(self.proc.stdout.fileno(), deadline)
+            self.requests.write(encode(message))
+            self.requests.flush()
+            status, value = read_frame_before(self.replies.fileno(), deadline)
         except FrameTimeout:
             self.kill()
             raise CallTimeout(f"{self.name}: no answer within {timeout_s:g}s") from None
@@ -80,12 +95,71 @@ class _Helper:
         return value
 
     def kill(self) -> None:
+        if not self._dead:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self._dead = True
+        for pipe in (self.requests, self.replies):
+            try:
+                pipe.close()
+            except OSError:
+                pass
+
+
+class _Zygote:
+    """The process the pool's helpers are forked from (zygote.py): it ran the setup once."""
+
+    def __init__(self, name: str, setup: str, args: tuple, generation: int, timeout_s: float):
+        self.name, self.generation = name, generation
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        env = {**os.environ, **CHILD_ENV,
+               "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "shared.process_pool.zygote", str(os.getpid()), str(theirs.fileno())],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, close_fds=True, pass_fds=(theirs.fileno(),))
+        finally:
+            theirs.close()
+        self.sock = ours
+        self._lock = threading.Lock()  # one fork at a time: its reply and its descriptors go together
+        self._ask(("setup", setup, tuple(args)), timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def _ask(self, message: tuple, timeout_s: float) -> Any:
+        try:
+            self.proc.stdin.write(encode(message))
+            self.proc.stdin.flush()
+            status, value = read_frame_before(self.proc.stdout.fileno(), time.monotonic() + timeout_s)
+        except (FrameTimeout, OSError, EOFError, ValueError) as exc:
+            self.kill()
+            raise CallFailed(f"{self.name}: the helpers' zygote failed: {type(exc).__name__}: {exc}") from None
+        if status == "raise":
+            self.kill()
+            raise value
+        return value
+
+    def fork(self, timeout_s: float) -> _Helper:
+        with self._lock:
+            pid = self._ask(("fork", None, ()), timeout_s)
+            _, fds, _, _ = socket.recv_fds(self.sock, 16, 2)
+        if len(fds) != 2:
+            for fd in fds:
+                os.close(fd)
+            raise CallFailed(f"{self.name}: the zygote sent {len(fds)} descriptors for a helper")
+        return _Helper(self.name, pid, os.fdopen(fds[0], "wb"), os.fdopen(fds[1], "rb"), self.generation)
+
+    def kill(self) -> None:
         if self.alive:
             self.proc.kill()
         self.proc.wait()
-        for pipe in (self.proc.stdin, self.proc.stdout):
+        for f in (self.proc.stdin, self.proc.stdout, self.sock):
             try:
-                pipe.close()
+                f.close()
             except OSError:
                 pass
 
@@ -113,6 +187,8 @@ class ProcessPool:
         self._ever_started = False
         self._starting = 0  # helpers starting now
         self.start_error: str | None = None  # why the last start failed (None after a success)
+        self._zygote_proc: _Zygote | None = None
+        self._zygote_lock = threading.Lock()
 
     @property
     def ready(self) -> bool:
@@ -154,6 +230,10 @@ class ProcessPool:
             if helper is not None:
                 helper.kill()
             self._slots.put(None)
+        with self._zygote_lock:  # the next helper comes from a fresh setup
+            if self._zygote_proc is not None:
+                self._zygote_proc.kill()
+                self._zygote_proc = None
 
     def close(self) -> None:
         """stop(), and no calls any more."""
@@ -224,22 +304,28 @@ class ProcessPool:
     def _start(self) -> _Helper:
         if self._closed:
             raise CallFailed(f"{self.name}: the pool is closed", during_setup=True)
-        args = self.setup_args() if callable(self.setup_args) else self.setup_args
-        env = {**os.environ, **CHILD_ENV,
-               "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
         self._starting += 1
         try:
-            helper = _Helper(self.name, [sys.executable, "-m", "shared.process_pool.child", str(os.getpid())], env,
-                             self._generation)
+            helper = self._zygote().fork(self.start_timeout_s)
             self.stats.started += 1
-            try:
-                helper.exchange(("setup", self.setup, tuple(args)), self.start_timeout_s)
-            except Exception as exc:
-                helper.kill()
-                self.start_error = f"{type(exc).__name__}: {exc}"
-                raise CallFailed(f"{self.name}: a helper process could not start: {self.start_error}",
-                                 during_setup=True) from None
+        except Exception as exc:
+            self.start_error = f"{type(exc).__name__}: {exc}"
+            raise CallFailed(f"{self.name}: a helper process could not start: {self.start_error}",
+                             during_setup=True) from None
         finally:
             self._starting -= 1
         self._ever_started, self.start_error = True, None
         return helper
+
+    def _zygote(self) -> _Zygote:
+        """The live zygote of this generation, started (and set up) if there is none."""
+        with self._zygote_lock:
+            z = self._zygote_proc
+            if z is None or not z.alive or z.generation != self._generation:
+                if z is not None:
+                    z.kill()
+                self._zygote_proc = None
+                args = self.setup_args() if callable(self.setup_args) else self.setup_args
+                self._zygote_proc = _Zygote(self.name, self.setup, args, self._generation, self.start_timeout_s)
+                self.stats.setups += 1
+            return self._zygote_proc

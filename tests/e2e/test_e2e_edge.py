@@ -248,7 +248,8 @@ def test_expensive_grammars_are_400_within_the_budget_and_health_stays_fast(stac
                 started = time.monotonic()
                 assert_error(post(stack, path, body), 400, param, "takes longer than this server allows (2s)")
                 windows.append((started, time.monotonic()))
-                assert windows[-1][1] - started < 20  # the budget, plus a helper's restart
+                # the budget, and no restart's wait: the killed helper's replacement is a fork
+                assert windows[-1][1] - started < 10
         # Health is answered while a compile runs (a held event loop would answer none of the
         # ~20 probes of a 2 s compile; a busy 2-core machine delays some, so the count is low).
         for start, end in windows:

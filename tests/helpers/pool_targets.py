@@ -6,7 +6,12 @@ import time
 
 
 def setup(tag: str) -> dict:
-    return {"tag": tag, "calls": 0}
+    return {"tag": tag, "calls": 0, "setup_pid": os.getpid()}
+
+
+def origin(state: dict) -> tuple[int, int]:
+    """(the process that ran the setup, this helper's)."""
+    return state["setup_pid"], os.getpid()
 
 
 def echo(state: dict, value):
