@@ -539,7 +539,10 @@ class GrpcBackend:
                                                                      usage.cached_tokens))
                 if out.token_ids or out.finished or out.prompt_logprobs is not None:
                     cached = usage.cached_tokens if report_cached and usage is not None else None
-                    event = token_event(out, request_prompt(generate), want_logprobs, cached_tokens=cached)
+                    # the prompt (copied out of the message) only for prompt logprobs: a copy per
+                    # token cost ~0.1 ms at a 4k prompt
+                    prompt = request_prompt(generate) if out.prompt_logprobs is not None else []
+                    event = token_event(out, prompt, want_logprobs, cached_tokens=cached)
                     event.index = attempt.indices[out.index]
                     yield event
                 if done:
