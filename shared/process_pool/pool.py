@@ -56,6 +56,20 @@ class PoolStats:
     timeouts: int = 0  # calls killed at their budget
 
 
+def _gone(pid: int) -> bool:
+    """The process exited. The zygote reaps its helpers (SIGCHLD ignored), so a dead one's pid is
+    gone at once; one outliving its zygote is reaped by whoever adopted it (a zombie until then)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except (OSError, IndexError):
+        return False
+
+
 class _Helper:
     """A helper forked by the pool's zygote: its pid and the pool's ends of its two pipes."""
 
@@ -68,13 +82,7 @@ class _Helper:
 
     @property
     def alive(self) -> bool:
-        # the zygote reaps its helpers (SIGCHLD ignored), so a dead one's pid is gone at once
-        if self._dead:
-            return False
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            self._dead = True
+        self._dead = self._dead or _gone(self.pid)
         return not self._dead
 
     def exchange(self, message: tuple, timeout_s: float) -> Any:
@@ -94,12 +102,16 @@ class _Helper:
             raise value
         return value
 
-    def kill(self) -> None:
+    def kill(self, wait_s: float = 5.0) -> None:
+        """SIGKILL, then wait (up to wait_s) until it is gone, as a child's wait() would."""
         if not self._dead:
             try:
                 os.kill(self.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+            deadline = time.monotonic() + wait_s
+            while not _gone(self.pid) and time.monotonic() < deadline:
+                time.sleep(0.005)
             self._dead = True
         for pipe in (self.requests, self.replies):
             try:
