@@ -112,7 +112,9 @@ def test_a_shift_to_multi_turn_chat_switches_the_workers_with_no_failure_and_the
     for worker_id, was in (("worker-0", "prefill"), ("worker-1", "decode")):
         assert s.metrics(worker_id).value("duet_worker_role_switches_total", from_role=was, to_role="both") == 1
         assert f"role switch: {was} -> both (planner: 1p1d -> 2b" in (s.log_dir / f"{worker_id}.log").read_text()
-    assert planner_metrics(s).value("duet_planner_target_workers", role="both") == 2
+    # one switch, no flap back (which split it prefers once the chat stops is close again: a
+    # hold by hysteresis sets its target gauge, so the gauge is not asserted)
+    assert switches(s) == 1 and roles(s) == {"worker-0": "both", "worker-1": "both"}
 
     # what was answered before the switch is answered the same after it (greedy)
     asked = long_clients.done[::4] + split_turns[::max(1, len(split_turns) // 3)][:3]
