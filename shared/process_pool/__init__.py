@@ -3,6 +3,7 @@
 its budget kills the process (a thread cannot be stopped).
 
   pool.py    ProcessPool: call("module:function", *args, timeout_s=...) from asyncio or a thread
-  child.py   the helper's main loop (python -m shared.process_pool.child)
+  child.py   a helper's loop (serve) and what it shares with the zygote
+  zygote.py  runs the setup once and forks the helpers (python -m shared.process_pool.zygote)
   frames.py  length-prefixed pickles over the helper's pipes
 """

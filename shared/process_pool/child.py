@@ -1,14 +1,12 @@
 """A pool's helper: reads (kind, "module:function", args) frames, answers each. "setup" runs
 once and its return value is the helper's state; every "call" gets that state as its first
 argument. What the function raises goes back to the caller. A pool's helpers are forked from
-its zygote (zygote.py), which ran the setup; `python -m shared.process_pool.child PARENT_PID`
-runs one on its own (stdin, stdout)."""
+its zygote (zygote.py), which ran the setup, and serve here."""
 from __future__ import annotations
 
 import importlib
 import os
 import pickle
-import signal
 import sys
 import threading
 import time
@@ -64,16 +62,3 @@ def quiet_stdout():
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     return replies
-
-
-def main() -> int:
-    # Ctrl-C in a terminal reaches the whole process group: the parent decides when we stop
-    # (it closes our stdin while it drains), so no KeyboardInterrupt trace lands in its log
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if len(sys.argv) > 1:
-        exit_with_parent(int(sys.argv[1]))
-    return serve(sys.stdin.buffer, quiet_stdout(), None)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
