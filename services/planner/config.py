@@ -28,6 +28,12 @@ class PlannerTiming:
         0.2, flag="--planner-hysteresis", env="DUET_PLANNER_HYSTERESIS",
         help="a split replaces the current one only if its predicted worst SLO ratio is lower by more than "
              "this share (0.2: by a fifth), and scaling down waits until that much headroom is left")
+    headroom_above: float = setting(
+        0.75, flag="--planner-headroom-above", env="DUET_PLANNER_HEADROOM_ABOVE",
+        help="while the current split meets every target, it is left for one predicted better only when its "
+             "worst SLO ratio is above this (a switch drains the requests under way on their old roles and "
+             "moves prefill away from the pages it left; with room to spare that costs more than it wins); "
+             "0: switch for any margin past the hysteresis")
     min_requests: int = setting(
         20, flag="--planner-min-requests", env="DUET_PLANNER_MIN_REQUESTS",
         help="requests the window must hold before the planner judges a split (less: it keeps the current one)")

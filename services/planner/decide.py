@@ -14,7 +14,11 @@ is too little to judge by). Rules, in order:
   replaces the current one only if the current one's score is higher by more than the
   hysteresis (`--planner-hysteresis`) and the current split has stood `--planner-dwell` seconds
   (from the planner's start, and from its last change); the reason is `slo` when the current
-  split is predicted past a target, else `headroom`.
+  split is predicted past a target, else `headroom`;
+- a current split that meets every target with room to spare (its worst ratio at most
+  `--planner-headroom-above`) is held (reason `meets_targets`): a switch drains the requests
+  under way on their old roles and moves prefill away from the pages it left, which a
+  predicted margin the targets do not need does not pay for.
 Kubernetes pool sizes change by the same rules, one pod at a time (`pool_step`)."""
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ from services.planner.load_window import Load
 from services.planner.predict import Corrections, Fleet, Prediction, Split, candidates, predict
 
 ACTIONS = ("switch", "scale", "hold", "keep")
-REASONS = ("unservable", "slo", "headroom", "hysteresis", "dwell", "idle", "no_model", "best", "starting", "failed")
+REASONS = ("unservable", "slo", "headroom", "hysteresis", "meets_targets", "dwell", "idle", "no_model", "best", "starting", "failed")
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,7 @@ class Decider:
     min_requests: int
     changed_at: float  # monotonic: the planner's start, then each change it made
     served: bool = False  # the workers were seen able to serve at least once
+    headroom_above: float = 0.0  # a split meeting every target with its worst ratio at most this is held
 
     def dwelt(self, now: float) -> bool:
         return now - self.changed_at >= self.dwell_s
@@ -91,6 +96,8 @@ class Decider:
         now_score = preds[current].score
         if not now_score > best.score * (1 + self.hysteresis):
             return Decision("hold", "hysteresis", current, best.split, load, preds, corr)
+        if now_score <= self.headroom_above:
+            return Decision("hold", "meets_targets", current, best.split, load, preds, corr)
         if not self.dwelt(now):
             return Decision("hold", "dwell", current, best.split, load, preds, corr)
         return Decision("switch", "slo" if now_score > 1 else "headroom", current, best.split, load, preds, corr)

@@ -52,7 +52,8 @@ class Planner:
         self.trust = EntryTrust(config.tls) if config.tls.mutual else None
         self.watcher = WorkerWatcher(config.registry, model=config.model or None, trust=self.trust)
         self.window = LoadWindow(timing.window_s)
-        self.decider = Decider(timing.hysteresis, timing.dwell_s, timing.min_requests, time.monotonic())
+        self.decider = Decider(timing.hysteresis, timing.dwell_s, timing.min_requests, time.monotonic(),
+                               headroom_above=timing.headroom_above)
         self.switcher = RoleSwitcher(config.tls)
 
     def fleet(self, workers: list[WorkerInfo]) -> Fleet | None:

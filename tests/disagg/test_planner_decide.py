@@ -59,6 +59,25 @@ def test_a_split_changes_only_past_the_hysteresis():
     assert decider().decide(100.0, B2, Split(), LONG, f).action == "switch"  # the full load: by more
 
 
+def test_a_split_that_meets_every_target_with_room_to_spare_is_not_left_for_a_better_one():
+    from services.planner.config import PlannerTiming
+
+    default = PlannerTiming().headroom_above
+    # the chat load with loose targets (TTFT 10 s, ITL 0.8 s): the split meets both at 0.61 of
+    # the worst, two `both` workers are predicted at 0.39 (better by more than the hysteresis)
+    loose = Fleet.of([worker("w0", "prefill"), worker("w1", "decode")], 10.0, 0.8)
+    held = decider(headroom_above=default).decide(100.0, P1D1, Split(), CHAT, loose)
+    assert held.prediction(P1D1).score <= default and held.prediction(B2).score * 1.2 < held.prediction(P1D1).score
+    assert (held.action, held.reason, held.target) == ("hold", "meets_targets", B2)
+    assert decider(headroom_above=0.0).decide(100.0, P1D1, Split(), CHAT, loose).reason == "headroom"
+    # tighter (ITL 0.6 s): the split's worst ratio is past the level, so the better split is taken
+    tighter = Fleet.of([worker("w0", "prefill"), worker("w1", "decode")], 10.0, 0.6)
+    switch = decider(headroom_above=default).decide(100.0, P1D1, Split(), CHAT, tighter)
+    assert switch.prediction(P1D1).score > default and (switch.action, switch.reason) == ("switch", "headroom")
+    # past a target the level does not apply
+    assert decider(headroom_above=default).decide(100.0, P1D1, Split(), CHAT, fleet()).reason == "slo"
+
+
 def test_a_split_stands_its_dwell_time_from_the_start_and_from_each_change():
     d, f = decider(), fleet()
     assert (d.decide(30.0, P1D1, Split(), CHAT, f).action, d.decide(30.0, P1D1, Split(), CHAT, f).reason) == \
