@@ -69,3 +69,17 @@ class DuetStack:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def live_child(pid: int, marker: str):
+    """The live descendant (a psutil.Process) of process `pid` whose command line contains
+    `marker` (e.g. `--worker-id decode-0 ` for that worker of a `duet up`)."""
+    import psutil
+
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            if marker in " ".join(child.cmdline()) and child.status() != psutil.STATUS_ZOMBIE:
+                return child
+        except psutil.NoSuchProcess:
+            continue
+    raise LookupError(f"process {pid} has no live child with {marker!r}")

@@ -28,6 +28,7 @@ class RequestRecord:
     finish_reason: str | None = None
     output_text: str | None = None  # kept only when asked (--save-text)
     model: str | None = None  # the model or LoRA adapter it named, with --lora-mix
+    response_id: str | None = None  # the id the server gave the completion (its chunks' "id"): its log's name for it
 
     @property
     def ttft(self) -> float | None:

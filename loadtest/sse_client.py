@@ -23,7 +23,7 @@ class PreparedRequest:
     max_tokens: int
 
 
-def build_body(endpoint: EndpointConfig, model: str, messages: list[dict] | None, prompt: str | None,
+def build_body(endpoint: EndpointConfig, model: str, messages: list[dict] | None, prompt: str | list[int] | None,
                max_tokens: int) -> dict:
     body: dict = {"model": model, "max_tokens": max_tokens, "temperature": endpoint.temperature, "stream": True,
                   "stream_options": {"include_usage": True}}
@@ -68,6 +68,7 @@ async def send_streaming(
                 obj = json.loads(payload)
                 if obj.get("error"):
                     return _fail(record, "stream_error", json.dumps(obj["error"])[:500], clock)
+                record.response_id = record.response_id or obj.get("id")
                 for choice in obj.get("choices") or []:
                     text = _chunk_text(choice, endpoint.api)
                     if text:

@@ -12,7 +12,6 @@ prefill worker (the router's local prefill off): TTFT at the client and, from th
 TTFT), the whole transfer (first write posted -> last landed, overlapping prefill) and its bytes."""
 from __future__ import annotations
 
-import re
 import time
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import torch
 
 from .measure import generate, make_engine, random_prompts
 from .shapes import random_checkpoint_dir
+from .stack_metrics import worker_metrics_address
 from .stacks import copy_tokenizer
 from .tp import _call
 
@@ -76,7 +76,7 @@ def _measure(run, stack, layout: str, tok, prompts, want, lengths, vocab: int, m
             f"{run.args.hetero_dtype}, the text of {EQUALITY_NEW_TOKENS} tokens after {len(prompts[0])} and "
             f"{len(prompts[1])} prompt tokens" + ("" if vocab == model_vocab else
                                                  f"; ids past the tokenizer's {vocab} decode to nothing"))
-    metrics = prefill_metrics_address(stack.log_dir)
+    metrics = worker_metrics_address(stack.log_dir, "prefill-0")
     trials = run.args.hetero_trials
     for length in lengths:
         seed = 1000 * length + 10 * int(layout[0]) + int(layout[-1])
@@ -116,20 +116,6 @@ def scrape(address: str) -> dict[str, float]:
             if s.name in wanted or (s.name == SENT and s.labels.get("direction") == "sent"):
                 found[s.name] = s.value
     return found
-
-
-def prefill_metrics_address(log_dir: Path, timeout_s: float = 60.0) -> str:
-    """The prefill worker's metrics address, from the ready line in its log."""
-    deadline = time.monotonic() + timeout_s
-    while not (m := re.search(r" ready: grpc .* metrics (\S+) ", _read(log_dir / "prefill-0.log"))):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"no ready line in {log_dir / 'prefill-0.log'}")
-        time.sleep(0.5)
-    return m.group(1)
-
-
-def _read(path: Path) -> str:
-    return path.read_text(errors="replace") if path.is_file() else ""
 
 
 def _vocab(folder: Path) -> int:

@@ -63,10 +63,8 @@ def _stacks(run, kinds) -> None:
     folder, weights = _model(run)
     if run.args.base_url:
         return _measure(run, kinds, run.args.base_url, folder, "server")
-    prompt, output = run.ints(run.args.stack_lens)
     for layout in run.names(run.args.stacks):
-        argv = [*LAYOUTS[layout], *run.args.up_arg, "--model", str(folder), "--", *weights, "--max-model-len",
-                str(max(8192, 2 * (prompt + output))), *run.args.worker_arg]
+        argv = up_argv(run, LAYOUTS[layout], folder, weights)
         t0 = time.monotonic()
         try:
             with DuetStack(argv, run.root / layout / "logs") as s:
@@ -74,6 +72,14 @@ def _stacks(run, kinds) -> None:
                 _measure(run, kinds, s.url, folder, layout, s.log_dir)
         except Exception as e:  # noqa: BLE001 - the next layout still runs
             run.add(kinds[0], f"{layout} FAILED", f"{type(e).__name__}: {str(e)[:160]}")
+
+
+def up_argv(run, layout: list[str], folder: Path, weights: list[str], worker: tuple[str, ...] = ()) -> list[str]:
+    """`duet up`'s arguments for a layout: --up-arg, the model, and after `--` every worker's flags
+    (the weights', a context room for two --stack-lens requests, --worker-arg, `worker`)."""
+    prompt, output = run.ints(run.args.stack_lens)
+    return [*layout, *run.args.up_arg, "--model", str(folder), "--", *weights, "--max-model-len",
+            str(max(8192, 2 * (prompt + output))), *run.args.worker_arg, *worker]
 
 
 def _measure(run, kinds, url: str, folder: Path, layout: str, log_dir: Path | None = None) -> None:
@@ -89,14 +95,13 @@ def decode_step_totals(log_dir: Path | None) -> tuple[float, float]:
     """(seconds, steps) of decode-only engine steps summed over the stack's workers, from each
     worker's /metrics (its address from the ready line in its log): the step the client's TPOT
     should match."""
-    import re
-
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
+    from .stack_metrics import ready_addresses
+
     total = [0.0, 0.0]
-    logs = sorted(log_dir.glob("*.log")) if log_dir else []
-    addresses = {m for f in logs for m in re.findall(r" ready: grpc .* metrics (\S+) ", f.read_text(errors="replace"))}
+    addresses = {a for f in (sorted(log_dir.glob("*.log")) if log_dir else []) for a in ready_addresses(f)}
     for address in addresses:
         try:
             text = httpx.get(f"http://{address}/metrics", timeout=5).text

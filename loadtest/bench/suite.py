@@ -4,6 +4,7 @@
     duet bench --sections ceilings,fp8 --budget-s 400  # one GPU
     duet bench --sections tp,tp_fp8,hetero_tp          # a host with two GPUs
     duet bench --sections stack,multiturn --stacks split,colocated
+    duet bench --sections failover --models qwen3-8b --stack-lens 2048,256   # two GPUs
     duet bench --device cpu --models qwen3-small --small-models qwen3-small --ctx 64   # a dry run
 
 Every figure is printed as it is measured and a table comes last (--json keeps them). The
@@ -38,6 +39,8 @@ SECTIONS = {  # name: (module:function, what it measures)
                   "tail by prompt length, greedy tokens"),
     "stack": ("stacks:stack", "`duet up` stacks under `duet loadtest`: TTFT, TPOT, ITL, tokens/s, the first run"),
     "multiturn": ("stacks:multiturn", "`duet up` stacks under `duet loadtest multiturn`: TTFT by turn, cache"),
+    "failover": ("failover:failover", "`duet up` with two decode workers, one SIGKILLed under streams: the moved "
+                 "streams' longest gap, KV rebuilt moved against recomputed, tokens against unfaulted"),
 }
 DEFAULT_SECTIONS = "ceilings,equality,decode,prefill,offline"
 
@@ -86,8 +89,8 @@ def parser() -> argparse.ArgumentParser:
     a("--sections", default=DEFAULT_SECTIONS, help=f"comma list (default {DEFAULT_SECTIONS})")
     a("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a dry run of the sections")
     a("--models", default="qwen3-0.6b,qwen3-8b", help="shapes (shapes.py) for decode, prefill, fp8; "
-      "offline and hetero_tp take the first, spec the last as its target and the first as its draft, tp, tp_fp8 "
-      "and stack the last")
+      "offline and hetero_tp take the first, spec the last as its target and the first as its draft, tp, tp_fp8, "
+      "stack and failover the last")
     a("--small-models", default="qwen3-small,llama-small,qwen3-moe-small",
       help="random checkpoints: equality, tp, tp_fp8")
     a("--batches", default="1,8,32,128")
@@ -100,7 +103,7 @@ def parser() -> argparse.ArgumentParser:
     a("--stacks", default="colocated,split",
       help="stack, multiturn: colocated, split, colocated2 (two GPUs), planned (split, the planner on)")
     a("--concurrency", default="1,16,32", help="stack: closed-loop points")
-    a("--stack-lens", default="1024,256", help="stack: prompt and output tokens")
+    a("--stack-lens", default="1024,256", help="stack, failover: prompt and output tokens")
     a("--rates", default="", help="stack: Poisson rates (req/s) of --stack-lens prompts, --seconds-per-rate each, "
       "goodput under --slo")
     a("--sharegpt-rates", default="", help="stack: the same with ShareGPT's single turns")
@@ -111,10 +114,14 @@ def parser() -> argparse.ArgumentParser:
     a("--agentic-rates", default="", help="multiturn: agentic sessions started per second, --seconds-per-rate each")
     a("--chat", default="5900,64,48,4", help="multiturn: system, user, output tokens, turns (lockstep)")
     a("--base-url", help="stack, multiturn: measure this running server instead of starting --stacks")
-    a("--model-dir", help="stack, multiturn: a real model folder instead of random weights of the last --models")
-    a("--tokenizer-from", help="stack, multiturn: tokenizer files for random weights (default the default model's)")
-    a("--worker-arg", action="append", default=[], help="stack, multiturn: a flag for every worker (repeat)")
-    a("--up-arg", action="append", default=[], help="stack, multiturn: a flag for `duet up`, e.g. --up-arg=--slo-itl-ms=15")
+    a("--model-dir", help="stack, multiturn, failover: a real model folder instead of random weights of the last --models")
+    a("--tokenizer-from", help="stack, multiturn, failover: tokenizer files for random weights (default the default model's)")
+    a("--worker-arg", action="append", default=[], help="stack, multiturn, failover: a flag for every worker (repeat)")
+    a("--up-arg", action="append", default=[], help="stack, multiturn, failover: a flag for `duet up`, e.g. --up-arg=--slo-itl-ms=15")
+    a("--failover-modes", default="moved,recomputed", help="failover: moved (the workers as configured), "
+      "recomputed (every worker --disable-prefix-cache: a moved stream's KV computed again from scratch)")
+    a("--failover-streams", type=int, default=64, help="failover: concurrent streams of --stack-lens")
+    a("--failover-after", type=int, default=32, help="failover: the kill once every stream has this many tokens")
     a("--hetero-lens", default="", help="hetero_tp: prompt lengths (default 4096,16384 on GPUs, 96,320 on the CPU)")
     a("--hetero-layouts", default="2->1,1->1", help="hetero_tp: prefill->decode TP sizes")
     a("--hetero-trials", type=int, default=2, help="hetero_tp: measured prompts a length")

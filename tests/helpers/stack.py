@@ -379,15 +379,9 @@ class DuetUp(_StackBase):
 
 def child_process(stack: "DuetUp", marker: str):
     """The live child (a psutil.Process) of duet up whose command line contains `marker`."""
-    import psutil
+    from loadtest.duet_stack import live_child
 
-    for child in psutil.Process(stack.proc.pid).children(recursive=True):
-        try:
-            if marker in " ".join(child.cmdline()) and child.status() != psutil.STATUS_ZOMBIE:
-                return child
-        except psutil.NoSuchProcess:
-            continue
-    raise LookupError(f"duet up has no live child with {marker!r}")
+    return live_child(stack.proc.pid, marker)
 
 
 class ProcessStack(_StackBase):

@@ -1,7 +1,7 @@
 """`duet bench` on the CPU: each maintained section runs as a dry run on tiny random models and
 reports its figures; `--help` lists exactly the sections tested (stack and multiturn against a
-whole `duet up` stack: tests/e2e/test_loadtest_duet_up.py; hetero_tp starts its own). The figures themselves come from
-GPUs: docs/performance/."""
+whole `duet up` stack: tests/e2e/test_loadtest_duet_up.py; hetero_tp and failover start their own). The figures
+themselves come from GPUs: docs/performance/."""
 from __future__ import annotations
 
 import json
@@ -14,7 +14,7 @@ import pytest
 from loadtest.bench.suite import SECTIONS, main
 
 TESTED = {"ceilings", "equality", "decode", "prefill", "offline", "fp8", "spec", "lora", "tp", "tp_fp8", "hetero_tp",
-          "stack", "multiturn"}
+          "stack", "multiturn", "failover"}
 TINY = ["--models", "qwen3-tiny", "--small-models", "qwen3-tiny", "--batches", "1,2", "--ctx", "32", "--steps", "2"]
 
 
@@ -96,3 +96,36 @@ def test_hetero_tp_section_hands_kv_from_prefill_tp2_to_decode_tp1(tmp_path, tor
               "--hetero-trials", "1", "--hetero-layouts", "2->1")["hetero_tp"]
     assert d["2->1 greedy == offline TP1"] == "2/2"
     assert all(d[f"2->1 {n} tokens handoff tail ms"] > 0 for n in (64, 160))
+
+
+def test_failover_gaps_split_moved_streams_from_bystanders():
+    from loadtest.bench.failover_gaps import StreamTimes, failover_gaps, longest_gap, ms
+
+    killed_at = 0.25
+    streams = [StreamTimes([0.0, 0.1, 0.2, 1.2, 1.3], moved=True),  # 1 s without a token across the kill
+               StreamTimes([0.0, 0.1, 0.2, 0.9], moved=True),
+               StreamTimes([0.0, 0.1, 0.2, 0.5, 0.6], moved=False),  # a bystander: streamed through the kill
+               StreamTimes([0.0, 0.1, 0.15], moved=False),  # ended before the kill: neither
+               StreamTimes([0.3], moved=False)]  # one chunk: no gap at all
+    g = failover_gaps(streams, killed_at)
+    assert g.moved == pytest.approx([1.0, 0.7]) and g.bystanders == pytest.approx([0.3])
+    assert g.before_kill == pytest.approx([0.1] * 7 + [0.05])
+    assert (ms(g.moved, 50), ms(g.moved, 100), ms(g.bystanders, 50), ms([], 50)) == (850.0, 1000.0, 300.0, None)
+    assert longest_gap([1.0]) is None and longest_gap([]) is None
+
+
+@pytest.mark.slow
+def test_failover_section_moves_the_killed_workers_streams(tmp_path, torch_one_thread):
+    """`duet up` with one prefill and two decode workers on the default model, on the CPU: the decode
+    worker running the most streams is SIGKILLed mid-stream, its streams move to the other one and
+    end as the unfaulted run does, and the KV they got back is counted."""
+    from shared.model_files.default_model import ensure_default_model
+
+    d = bench(tmp_path, "--sections", "failover", "--model-dir", str(ensure_default_model()), "--failover-modes",
+              "moved", "--failover-streams", "8", "--stack-lens", "64,24", "--failover-after", "4")["failover"]
+    assert d["moved killed worker's streams"] >= 1
+    assert d["moved streams moved"] >= 1 and d["moved streams failed"] == 0
+    assert d["moved == unfaulted sequences"] == "8/8"
+    held, moved, recomputed = (int(x) for x in d["moved KV rebuilt tokens held/moved/recomputed"].split("/"))
+    assert held + moved > 0 and recomputed > 0  # the prompts' pages from prefill's cache, the streamed tokens again
+    assert d["moved moved longest gap p50 ms"] > 0 and d["moved ITL p50 ms before the kill"] > 0

@@ -1,0 +1,38 @@
+"""What a bench section reads off a running `duet up` stack: each worker's metrics address, from
+the ready lines in its log (one a start: a restarted worker appends another), and metric
+samples from any /metrics (a worker's, or the gateway's on its HTTP port)."""
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+READY = re.compile(r" ready: grpc .* metrics (\S+) ")
+
+
+def ready_addresses(log: Path) -> list[str]:
+    """The metrics address of each start the log records, oldest first."""
+    return READY.findall(log.read_text(errors="replace")) if log.is_file() else []
+
+
+def worker_metrics_address(log_dir: Path, worker: str, timeout_s: float = 60.0) -> str:
+    """The metrics address of the worker's latest start (e.g. worker "prefill-0")."""
+    deadline = time.monotonic() + timeout_s
+    while not (found := ready_addresses(log_dir / f"{worker}.log")):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no ready line in {log_dir / f'{worker}.log'}")
+        time.sleep(0.5)
+    return found[-1]
+
+
+def metric_sum(address: str, name: str, **labels: str) -> float:
+    """The sum of the samples called `name` whose labels include `labels` (0 when none)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for family in text_string_to_metric_families(httpx.get(f"http://{address}/metrics", timeout=5).text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
