@@ -26,13 +26,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# locked at a time; a copy run never crosses a chunk (kv_copy_lane.page_runs). Small, because
-# each registration holds the driver while it faults its pages in (~0.6 s a GiB): at 1 GiB the
-# worker's CUDA-graph capture beside it waited on every chunk and ended only with the pinning
-# (8B worker, 62 GiB tier: graph capture 26-48 s, each time ending just after the pinning did);
-# 64 MiB runs still copy at the
-# pinned floor's rate (2 MiB pieces reach it)
-CHUNK_BYTES = 64 << 20
+CHUNK_BYTES = 1 << 30  # locked at a time; a copy run never crosses a chunk (kv_copy_lane.page_runs)
 PORTABLE = 1  # cudaHostRegisterPortable: locked for every context, whichever thread registers it
 OS_PAGE = 4096  # chunks start on OS pages: two registrations sharing a page would refuse the second
 ALIGN = 2 << 20  # the buffer starts on a huge-page boundary
