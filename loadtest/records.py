@@ -14,7 +14,7 @@ class RequestRecord:
     max_tokens: int
     sent_at: float = 0.0
     first_token_at: float | None = None  # first chunk that carried output text
-    chunk_times: list[float] = field(default_factory=list)  # arrival of every chunk carrying text
+    chunk_times: list[float] = field(default_factory=list)  # arrival of every chunk carrying text (or tokens, by logprobs)
     done_at: float | None = None
     ok: bool = False
     error_kind: str | None = None  # e.g. http_429, timeout, connect, stream_error

@@ -41,6 +41,13 @@ def _chunk_text(choice: dict, api: str) -> str:
     return choice.get("text") or ""
 
 
+def _chunk_tokens(choice: dict) -> int:
+    """Tokens a chunk carries by its logprobs (asked for: each token has an entry, also one
+    whose text is empty, e.g. a random-weight model's id past its tokenizer's pieces)."""
+    logprobs = choice.get("logprobs") or {}
+    return len(logprobs.get("tokens") or logprobs.get("content") or [])
+
+
 async def send_streaming(
     client: httpx.AsyncClient,
     url: str,
@@ -71,7 +78,7 @@ async def send_streaming(
                 record.response_id = record.response_id or obj.get("id")
                 for choice in obj.get("choices") or []:
                     text = _chunk_text(choice, endpoint.api)
-                    if text:
+                    if text or _chunk_tokens(choice):
                         if record.first_token_at is None:
                             record.first_token_at = now
                         record.chunk_times.append(now)

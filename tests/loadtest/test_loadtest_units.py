@@ -195,3 +195,36 @@ def test_record_falls_back_to_tokenizer_then_chunks_without_usage():
     r.output_tokens_tokenizer = None
     assert r.output_tokens == 5
     assert RequestRecord.from_json(r.to_json()) == r
+
+
+def test_a_streamed_token_without_text_still_counts_when_its_logprobs_come_with_it():
+    # a random-weight model samples ids past its tokenizer's pieces: with logprobs asked for, the
+    # gateway sends such a token as a chunk with empty text and its logprobs entry; the client
+    # times it as a token (the failover section's gaps and its kill trigger count on this)
+    import asyncio
+
+    import httpx
+
+    from loadtest.config import EndpointConfig
+    from loadtest.sse_client import PreparedRequest, send_streaming
+
+    def chunk(text, tokens):
+        choice = {"index": 0, "text": text, "finish_reason": None,
+                  "logprobs": {"tokens": tokens, "token_logprobs": [-1.0] * len(tokens)} if tokens is not None else None}
+        return "data: " + json.dumps({"id": "cmpl-1", "object": "text_completion", "choices": [choice]}) + "\n\n"
+
+    body = "".join([chunk("a", ["a"]), chunk("", [""]), chunk("", [""]), chunk("b", ["b"]), chunk("", None),
+                    "data: [DONE]\n\n"])
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, text=body,
+                                                                   headers={"content-type": "text/event-stream"}))
+    endpoint = EndpointConfig("http://server", api="completions", model="m", extra_body={"logprobs": 0})
+    record = RequestRecord(0, 0.0, 3, 4)
+    clock = iter(range(100)).__next__
+
+    async def go():
+        async with httpx.AsyncClient(transport=transport) as client:
+            await send_streaming(client, "http://server/v1/completions", endpoint,
+                                 PreparedRequest({"prompt": [1, 2, 3]}, 3, 4), record, lambda: float(clock()))
+    asyncio.run(go())
+    assert record.ok and record.response_id == "cmpl-1" and record.output_text == "ab"
+    assert len(record.chunk_times) == 4  # two tokens with text, two without; the empty chunk with no token is not one
