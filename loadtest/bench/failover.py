@@ -12,10 +12,9 @@ decode-0 has GPU 1, services/launcher/gpus.py):
 A few warm-up requests, then --failover-streams concurrent greedy streams (ignore_eos) of
 distinct random prompts of --stack-lens tokens (token ids as the prompt). Once every stream has
 --failover-after tokens, the decode worker running the most of them is SIGKILLed (`duet up`
-restarts it); every stream runs to its end. Once the worker is back, the same prompts run again
-unfaulted (on the workers there are, if it is not back within RESTART_DEADLINE_S: the row says
-so, with its last error): a moved stream should equal its unfaulted run. Streams moved are those the gateway's
-log names ("request <id>: ...; continuing ... elsewhere"); the gaps: failover_gaps.py."""
+restarts it); every stream runs to its end. Once the worker is back (or RESTART_DEADLINE_S passed:
+the row says so), the same prompts run again unfaulted: a moved stream should equal its unfaulted
+run. Streams moved: those the gateway's log names ("request <id>: ...; continuing ... elsewhere")."""
 from __future__ import annotations
 
 import asyncio
@@ -127,8 +126,7 @@ def _streams(url: str, model: str, prompts: list[list[int]], max_tokens: int, ki
     from loadtest.records import RequestRecord
     from loadtest.sse_client import PreparedRequest, build_body, make_client, send_streaming
 
-    # logprobs: every token comes as a chunk with its entry, also one with no text (a random-weight
-    # model draws ids past the tokenizer's pieces), so chunk times are token times
+    # logprobs: a token with no text (random weights draw ids past the tokenizer) still comes as a chunk
     endpoint = EndpointConfig(url, api="completions", model=model, temperature=0.0, ignore_eos="on",
                               timeout_s=DEADLINE_S, extra_body={"logprobs": 0})
     records = [RequestRecord(i, 0.0, len(p), max_tokens) for i, p in enumerate(prompts)]
