@@ -58,13 +58,18 @@ class UpConfig:
     restart_limit: int = setting(
         5, flag="--restart-limit", env="DUET_RESTART_LIMIT",
         help="restarts in a row of one child (worker, gateway, router, redis) before duet up gives up and "
-             "stops with exit code 1; 0: never restart")
+             "stops with exit code 1 (a worker of a stack that has served, while another worker runs: left "
+             "down and tried again every --restart-retry); 0: never restart")
     restart_backoff_s: float = setting(
         1.0, flag="--restart-backoff", env="DUET_RESTART_BACKOFF",
         help="seconds before a dead child's first restart; doubles with each death in a row, up to 30")
     restart_reset_s: float = setting(
         60.0, flag="--restart-reset", env="DUET_RESTART_RESET",
         help="seconds a child must run for its earlier deaths to be forgiven (a new row starts)")
+    restart_retry_s: float = setting(
+        300.0, flag="--restart-retry", env="DUET_RESTART_RETRY",
+        help="seconds between tries of a worker that died --restart-limit times in a row once the stack has "
+             "served, while another worker runs (it is left down, not the stack stopped)")
     drain_grace_s: float = drain_grace()  # shared with the worker and gateway it passes it to
     # security (services/launcher/security.py): API keys for the gateway, HTTPS, gRPC TLS
     api_keys: list[str] = setting(
@@ -121,8 +126,9 @@ class UpConfig:
             p.error("--prefill-tp and --decode-tp must be >= 1")
         if bool(cfg.tls_cert_file) != bool(cfg.tls_key_file):
             p.error("--tls-cert-file and --tls-key-file go together")
-        if cfg.restart_limit < 0 or cfg.restart_backoff_s < 0 or cfg.restart_reset_s < 0 or cfg.drain_grace_s < 0:
-            p.error("--restart-limit, --restart-backoff, --restart-reset and --drain-grace must be >= 0")
+        if (cfg.restart_limit < 0 or cfg.restart_backoff_s < 0 or cfg.restart_reset_s < 0 or cfg.drain_grace_s < 0
+                or cfg.restart_retry_s < 0):
+            p.error("--restart-limit, --restart-backoff, --restart-reset, --restart-retry and --drain-grace must be >= 0")
         cfg.worker_args = [x for x in a.worker_args if x != "--"]
         if len(cfg.models) > 1 and any(x == "--served-model-name" or x.startswith("--served-model-name=")
                                        for x in cfg.worker_args):

@@ -3,7 +3,8 @@
 Starts redis-server (unless --redis-url), the router, the prefill/decode (or both)
 workers and the gateway; waits until the gateway's /health says it can serve; prints
 where everything is; supervises every child (supervisor.py: a child that dies is started
-again with backoff, and duet up gives up with exit code 1 when one keeps dying); Ctrl-C or
+again with backoff, and duet up gives up with exit code 1 when one keeps dying, except a worker
+of a stack that has served while others run: left down, tried again later); Ctrl-C or
 SIGTERM drains the whole stack within one grace period (shutdown.py)."""
 from __future__ import annotations
 
@@ -233,7 +234,7 @@ def _serve(stack: Stack, model_dirs: list[str], stopping: dict) -> int:
     cfg = stack.cfg
     stack.start()
     supervisor = Supervisor(stack.children, RestartPolicy(cfg.restart_limit, cfg.restart_backoff_s,
-                                                          cfg.restart_reset_s), say)
+                                                          cfg.restart_reset_s, cfg.restart_retry_s), say)
     base = f"{cfg.scheme}://{cfg.host}:{cfg.port}"
     log.info("starting %d %sworkers (%d prefill, %d decode, %d both per model%s; %d threads each), logs in %s",
              cfg.num_workers, "switchable " if cfg.switchable else "", cfg.prefill, cfg.decode, cfg.both,
@@ -250,6 +251,7 @@ def _serve(stack: Stack, model_dirs: list[str], stopping: dict) -> int:
             return 1
         time.sleep(0.25)
     print_banner(stack, model_dirs, base)
+    supervisor.serving = True
     while stopping["sig"] is None:
         if supervisor.tick() is not None:
             return _gave_up()

@@ -11,9 +11,12 @@ What process managers do, kept small:
 Here: a child that dies is started again after a delay that doubles on each death in a row
 (backoff, 2x backoff, 4x, ... up to MAX_BACKOFF_S); a child that ran for `reset_after_s`
 before dying starts a new row (its earlier deaths are forgiven); after `limit` restarts in a
-row, the next death gives up (the caller then stops the stack with a non-zero exit). Every
-death counts the same, whatever its exit code: a child of `duet up` should never exit on its
-own."""
+row, the next death gives up (the caller then stops the stack with a non-zero exit), except for
+a worker of a stack that has served while another worker still runs: that one is left down and
+tried again every `retry_s` (Kubernetes' crash-loop back-off stops growing at five minutes and
+never stops the other pods), so one worker that cannot come back (its GPU's memory still held,
+say) is not an outage of the rest. Every death counts the same, whatever its exit code: a
+child of `duet up` should never exit on its own."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,6 +29,7 @@ class RestartPolicy:
     limit: int = 5              # restarts in a row; 0: the first death gives up
     backoff_s: float = 1.0      # delay before the first restart of a row
     reset_after_s: float = 60.0  # a run at least this long forgives the earlier deaths
+    retry_s: float = 300.0      # a worker past the limit while others serve: tried again this often
 
     def delay(self, restarts_in_a_row: int) -> float:
         """Seconds to wait before restart number `restarts_in_a_row` (1-based) of a row."""

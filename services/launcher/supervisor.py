@@ -2,7 +2,9 @@
 policy says (restart_policy.py), says so in its output, and names the child it gave up on.
 
 The caller calls tick() every fraction of a second while the stack runs, and stops calling it
-once it is stopping the stack (nothing is restarted during a drain)."""
+once it is stopping the stack (nothing is restarted during a drain); it sets `serving` once the
+stack first answered, after which a worker past the restart limit is left down and tried again
+every `policy.retry_s` while another worker runs (restart_policy.py), instead of given up on."""
 from __future__ import annotations
 
 import time
@@ -23,6 +25,7 @@ class Supervisor:
     say: Callable[[str], None]  # one message for the operator (duet up's stderr)
     clock: Callable[[], float] = time.monotonic
     restarts: int = 0
+    serving: bool = False  # the stack has answered: a worker that keeps dying no longer stops it
     _counters: dict[str, RestartCounter] = field(default_factory=dict)
     _due: dict[str, float] = field(default_factory=dict)  # child name -> when to start it again
 
@@ -42,6 +45,13 @@ class Supervisor:
             counter = self._counters.setdefault(child.name, RestartCounter(self.policy))
             ran_s = now - child.started_at
             verdict = counter.died(ran_s)
+            if not verdict.restart and self._others_serve(child):
+                self._due[child.name] = now + self.policy.retry_s
+                self.say(f"{child.name} exited with {describe_exit(code)} after {ran_s:.1f}s; leaving it down: "
+                         f"{self._why(verdict.attempt)}; the other workers serve; trying it again in "
+                         f"{self.policy.retry_s:.0f}s (--restart-retry). Last lines of {child.log_path}:\n"
+                         f"{child.tail(GIVE_UP_TAIL_LINES)}")
+                continue
             if not verdict.restart:
                 self.say(f"{child.name} exited with {describe_exit(code)} after {ran_s:.1f}s; giving up on it: "
                          f"{self._why(verdict.attempt)}. Last lines of {child.log_path}:\n"
@@ -62,6 +72,11 @@ class Supervisor:
         self.restarts += 1
         self.say(f"restarted {child.name} (pid {child.pid})")
         return True
+
+    def _others_serve(self, child: Child) -> bool:
+        """A worker of a stack that has served, with another worker still running."""
+        return self.serving and child.kind == "worker" and any(
+            c is not child and c.kind == "worker" and c.running for c in self.children)
 
     def _why(self, deaths: int) -> str:
         if self.policy.limit == 0:

@@ -54,6 +54,11 @@ class FakeChild:
     starts: list[float] = field(default_factory=list)
     clock: list[float] = field(default_factory=lambda: [0.0])
     pid: int = 1
+    kind: str = "worker"
+
+    @property
+    def running(self) -> bool:
+        return self.code is None
 
     @property
     def exit_code(self) -> int | None:
@@ -98,6 +103,54 @@ def test_supervisor_restarts_with_backoff_and_names_the_child_it_gives_up_on():
     assert sup.tick() is worker
     assert "giving up on it: it died 3 times in a row, each within 30s of its start (--restart-limit 2)" in said[-1]
     assert router.starts == [] and sup.restarts == 2
+
+
+def test_once_the_stack_served_a_worker_that_keeps_dying_is_left_down_and_tried_again_while_others_serve():
+    now = [0.0]
+    w0, w1, router = FakeChild("decode-0", clock=now), FakeChild("decode-1", clock=now), \
+        FakeChild("router", clock=now, kind="router")
+    said: list[str] = []
+    sup = Supervisor([w0, w1, router], RestartPolicy(limit=1, backoff_s=1.0, reset_after_s=30, retry_s=100),
+                     said.append, clock=lambda: now[0])
+    sup.serving = True
+
+    def die(child, at):
+        now[0] = at
+        child.code = -9
+        return sup.tick()
+    assert die(w0, 5.0) is None and "restart 1 of at most 1" in said[-1]
+    now[0] = 6.0
+    sup.tick()
+    assert w0.starts == [6.0]
+    # past the limit: decode-1 still runs, so decode-0 is left down, not the stack stopped
+    assert die(w0, 7.0) is None
+    assert "leaving it down: it died 2 times in a row" in said[-1] and "trying it again in 100s" in said[-1]
+    now[0] = 50.0
+    assert sup.tick() is None and w0.starts == [6.0]  # not before the retry
+    now[0] = 107.0
+    assert sup.tick() is None and w0.starts == [6.0, 107.0]
+    assert die(w0, 108.0) is None and "leaving it down" in said[-1]  # dies again: left down again
+    # the last worker that keeps dying, with no other worker running, stops the stack as before
+    w1.code = -9
+    now[0] = 109.0
+    sup.tick()  # restart 1 of decode-1
+    now[0] = 111.0
+    sup.tick()
+    assert die(w1, 112.0) is w1 and "giving up on it" in said[-1]
+    # and a non-worker is given up on whatever the workers do
+    sup2 = Supervisor([FakeChild("router", clock=now, kind="router"), FakeChild("decode-0", clock=now)],
+                      RestartPolicy(limit=0), said.append, clock=lambda: now[0])
+    sup2.serving = True
+    sup2.children[0].code = 1
+    assert sup2.tick() is sup2.children[0]
+
+
+def test_before_the_stack_served_a_worker_that_keeps_dying_stops_it():
+    now = [0.0]
+    w0, w1 = FakeChild("decode-0", clock=now), FakeChild("decode-1", clock=now)
+    sup = Supervisor([w0, w1], RestartPolicy(limit=0), [].append, clock=lambda: now[0])
+    w0.code = 2
+    assert sup.tick() is w0  # a bad flag, say: every worker would die the same way
 
 
 def test_supervisor_forgives_a_child_that_ran_long():
