@@ -26,7 +26,14 @@ import torch
 
 log = logging.getLogger(__name__)
 
-CHUNK_BYTES = 1 << 30  # locked at a time; a copy run never crosses a chunk (kv_copy_lane.page_runs)
+# locked at a time; a copy run never crosses a chunk (kv_copy_lane.page_runs). Between chunks the
+# thread sleeps a moment: a registration holds a lock of the driver's, and a thread released and
+# taking it again at once starves the others. On two H200s an 8B worker's graph capture (a few
+# seconds of work) ended just after the locking of a 25-62 GiB tier every time, 26-62 s, with 1
+# GiB and with 64 MiB chunks alike (docs/performance/serving.md, "Start-up beside the host
+# tier"); small chunks bound each wait, the pause lets the waiter in (not yet measured)
+CHUNK_BYTES = 64 << 20
+YIELD_S = 0.002  # between chunks: ~2 s over 62 GiB
 PORTABLE = 1  # cudaHostRegisterPortable: locked for every context, whichever thread registers it
 OS_PAGE = 4096  # chunks start on OS pages: two registrations sharing a page would refuse the second
 ALIGN = 2 << 20  # the buffer starts on a huge-page boundary
@@ -88,6 +95,7 @@ class BackgroundPinner:
                     break
                 weakref.finalize(self.tensor, unregister, base + self.pinned_bytes)
                 self.pinned_bytes += size
+                time.sleep(YIELD_S)
         except Exception as exc:  # noqa: BLE001 - the tier keeps what got locked; the log says why
             self.failed = f"{type(exc).__name__}: {exc}"
         finally:
