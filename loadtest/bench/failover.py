@@ -36,7 +36,7 @@ DECODE = ("decode-0", "decode-1")
 MODES = {"moved": (), "recomputed": ("--disable-prefix-cache",)}  # the workers' extra flags
 WARM_UP, WARM_UP_TOKENS = 4, 8  # concurrent requests before the measured run: both decode workers serve some
 DEADLINE_S = 900.0  # for every stream of one run to end
-RESTART_DEADLINE_S = 180.0  # for `duet up` to bring the killed worker back (else the unfaulted run goes on without it)
+RESTART_DEADLINE_S = 90.0  # for `duet up` to bring the killed worker back (else the unfaulted run goes on without it)
 MOVED_LINE = re.compile(r"request (\S+): .*; continuing ")
 REBUILT = ("held", "moved", "recomputed")
 
