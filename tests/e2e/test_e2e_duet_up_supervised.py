@@ -9,6 +9,9 @@ after another, then stopped.
 - kill -9 of Redis: the stream in flight ends with [DONE], new requests are served within
   60 s, Redis is back (empty, with its password), both workers registered again and prefill
   published the page hashes it holds again;
+- a worker killed twice in a row (past --restart-limit 1) once the stack served: duet up leaves
+  it down while the other worker runs (not the stack stopped), tries it again after
+  --restart-retry, and the stack serves again;
 - Ctrl-C: every child drains within the grace (DUET_DRAIN_GRACE=6 here): a short stream ends
   with [DONE], a long one with an error event, none is cut; duet up exits 0 and leaves no child
   (SIGTERM, which stops the children in order: tests/disagg/test_launcher_supervision.py, and
@@ -37,13 +40,16 @@ pytestmark = pytest.mark.slow
 # busy 2-core machine: shutdown.py)
 GRACE_S = 6.0
 HEAL_S = 60.0
+RETRY_S = 3.0
 LONG_PROMPT = ("A careful geographer describes the spice markets of Zanzibar in exactly forty-one words, "
                "naming three spices, the months of the harvest and the ships that carry them north.")
 
 
 @pytest.fixture(scope="module")
 def stack(request):
-    up = DuetUp(new_log_dir("up-heal"), "--restart-backoff", "0.5",
+    # one restart in a row, then a worker is left down and tried again after RETRY_S (the others serve)
+    up = DuetUp(new_log_dir("up-heal"), "--restart-backoff", "0.5", "--restart-limit", "1",
+                "--restart-retry", str(RETRY_S),
                 env={"DUET_DRAIN_GRACE": str(GRACE_S), "DUET_MIGRATION_LIMIT": "0"})
     with managed(request, up.start()) as s:
         s.wait_ready()
@@ -115,6 +121,20 @@ def test_killed_redis_is_restarted_and_streams_in_flight_finish(stack):
     with pytest.raises(redis.AuthenticationError):  # restarted with its password
         redis.Redis.from_url(stack.plain_redis_url, socket_timeout=5).ping()
     assert stack.proc.alive
+
+
+def test_a_worker_that_keeps_dying_once_the_stack_served_is_left_down_and_tried_again(stack):
+    child_process(stack, "--worker-id prefill-0 ").kill()
+    wait_until(lambda: "restarted prefill-0" in stack.proc.log_text(), HEAL_S, "prefill-0's restart")
+    child_process(stack, "--worker-id prefill-0 ").kill()  # its second death in a row: past --restart-limit 1
+    wait_until(lambda: "leaving it down" in stack.proc.log_text(), 30, "duet up to leave prefill-0 down")
+    out = stack.proc.log_text()
+    assert re.search(r"prefill-0 exited with code -9 \(SIGKILL\) after [\d.]+s; leaving it down: it died 2 "
+                     r"times in a row", out), out[-2000:]
+    assert stack.proc.alive and "stopping the stack" not in out
+    # tried again after --restart-retry; the stack serves again
+    wait_until(lambda: stack.proc.log_text().count("restarted prefill-0") == 2, RETRY_S + 30, "the retry")
+    wait_until(lambda: served(stack), HEAL_S, "the stack to serve with prefill-0 back", interval=1.0)
 
 
 def test_ctrl_c_drains_every_child_within_the_grace(stack):
