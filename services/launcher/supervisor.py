@@ -74,8 +74,9 @@ class Supervisor:
         return True
 
     def _others_serve(self, child: Child) -> bool:
-        """A worker of a stack that has served, with another worker still running."""
-        return self.serving and child.kind == "worker" and any(
+        """A worker of a stack that has served, with another worker still running (restarts on:
+        --restart-limit 0 means never)."""
+        return self.serving and self.policy.limit > 0 and child.kind == "worker" and any(
             c is not child and c.kind == "worker" and c.running for c in self.children)
 
     def _why(self, deaths: int) -> str:

@@ -143,6 +143,12 @@ def test_once_the_stack_served_a_worker_that_keeps_dying_is_left_down_and_tried_
     sup2.serving = True
     sup2.children[0].code = 1
     assert sup2.tick() is sup2.children[0]
+    # restarts off (--restart-limit 0) means never, for a worker too
+    off = Supervisor([FakeChild("decode-0", clock=now), FakeChild("decode-1", clock=now)], RestartPolicy(limit=0),
+                     said.append, clock=lambda: now[0])
+    off.serving = True
+    off.children[0].code = -9
+    assert off.tick() is off.children[0] and "restarts are off" in said[-1]
 
 
 def test_before_the_stack_served_a_worker_that_keeps_dying_stops_it():
