@@ -29,7 +29,8 @@ from services.planner.load_window import Load
 from services.planner.predict import Corrections, Fleet, Prediction, Split, candidates, predict
 
 ACTIONS = ("switch", "scale", "hold", "keep")
-REASONS = ("unservable", "slo", "headroom", "hysteresis", "meets_targets", "dwell", "idle", "no_model", "best", "starting", "failed")
+REASONS = ("unservable", "slo", "headroom", "hysteresis", "meets_targets", "dwell", "idle", "no_model", "best",
+           "starting", "failed")
 
 
 @dataclass(frozen=True)
