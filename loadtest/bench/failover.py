@@ -79,8 +79,7 @@ def _prompt_vocab(folder: Path) -> int:
 
 @dataclass
 class Kill:
-    """The decode worker running the most streams, SIGKILLed once every stream is `after`
-    tokens in (or ended)."""
+    """The decode worker running the most streams, SIGKILLed once every stream is `after` in."""
 
     up_pid: int
     log_dir: Path
@@ -107,8 +106,7 @@ class Kill:
         self.at = time.perf_counter()
 
     def wait_restarted(self) -> tuple[float | None, str]:
-        """(seconds from the kill to the worker's next ready line, ""), or (None, the last error
-        its log shows) when it is not back within RESTART_DEADLINE_S."""
+        """(seconds from the kill to its next ready line, ""), or (None, its log's last error)."""
         log = self.log_dir / f"{self.worker}.log"
         while len(ready_addresses(log)) <= self.starts:
             if time.perf_counter() - self.at > RESTART_DEADLINE_S:
@@ -119,8 +117,7 @@ class Kill:
 
 
 def _streams(url: str, model: str, prompts: list[list[int]], max_tokens: int, kill: Kill | None = None) -> list:
-    """Every prompt streamed at once (greedy, ignore_eos): one RequestRecord each, chunk times
-    on time.perf_counter()'s clock; a stream still open at DEADLINE_S fails as `deadline`."""
+    """Every prompt streamed at once (greedy, ignore_eos), a RequestRecord each (perf_counter times)."""
     from loadtest.config import EndpointConfig
     from loadtest.endpoint import api_base
     from loadtest.records import RequestRecord
@@ -168,7 +165,7 @@ class Outcome:
     faulted_s: float
     unfaulted_s: float
     restart_s: float | None  # the kill to the worker's next ready line (None: not back)
-    restart_error: str = ""  # the worker's last logged error when it did not come back
+    restart_error: str = ""  # then, its last logged error
 
 
 def _measure(run, stack, mode: str, prompts, warm, output: int) -> None:

@@ -88,12 +88,14 @@ class HealthSampler:
         self._open: dict[int, float] = {}  # sample number -> sent at
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._first_sent = threading.Event()
         self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), name="hostile-health",
                                         daemon=True)
         self.stats = HealthStats()
 
     def __enter__(self) -> "HealthSampler":
         self._thread.start()
+        self._first_sent.wait(10)  # a probe answered at once still gets a sample (a slow start when loaded)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -109,6 +111,7 @@ class HealthSampler:
         sent = time.monotonic()
         with self._lock:
             self._open[k] = sent
+        self._first_sent.set()
         try:
             r = await http.get("/health")
             ok = r.status_code == 200
