@@ -202,6 +202,8 @@ def test_a_streamed_token_without_text_still_counts_when_its_logprobs_come_with_
     # gateway sends such a token as a chunk with empty text and its logprobs entry; the client
     # times it as a token (the failover section's gaps and its kill trigger count on this)
     import asyncio
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     import httpx
 
@@ -215,16 +217,32 @@ def test_a_streamed_token_without_text_still_counts_when_its_logprobs_come_with_
 
     body = "".join([chunk("a", ["a"]), chunk("", [""]), chunk("", [""]), chunk("b", ["b"]), chunk("", None),
                     "data: [DONE]\n\n"])
-    transport = httpx.MockTransport(lambda request: httpx.Response(200, text=body,
-                                                                   headers={"content-type": "text/event-stream"}))
-    endpoint = EndpointConfig("http://server", api="completions", model="m", extra_body={"logprobs": 0})
+
+    class Stream(BaseHTTPRequestHandler):  # a real HTTP server answering the stream, chunk by chunk
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Stream)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    endpoint = EndpointConfig(url, api="completions", model="m", extra_body={"logprobs": 0})
     record = RequestRecord(0, 0.0, 3, 4)
     clock = iter(range(100)).__next__
 
     async def go():
-        async with httpx.AsyncClient(transport=transport) as client:
-            await send_streaming(client, "http://server/v1/completions", endpoint,
+        async with httpx.AsyncClient() as client:
+            await send_streaming(client, url + "/v1/completions", endpoint,
                                  PreparedRequest({"prompt": [1, 2, 3]}, 3, 4), record, lambda: float(clock()))
-    asyncio.run(go())
+    try:
+        asyncio.run(go())
+    finally:
+        server.shutdown()
     assert record.ok and record.response_id == "cmpl-1" and record.output_text == "ab"
     assert len(record.chunk_times) == 4  # two tokens with text, two without; the empty chunk with no token is not one
