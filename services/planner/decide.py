@@ -18,7 +18,12 @@ is too little to judge by). Rules, in order:
 - a current split that meets every target with room to spare (its worst ratio at most
   `--planner-headroom-above`) is held (reason `meets_targets`): a switch drains the requests
   under way on their old roles and moves prefill away from the pages it left, which a
-  predicted margin the targets do not need does not pay for.
+  predicted margin the targets do not need does not pay for;
+- a switch straight back to the split the last switch left (a load that comes back in a cycle:
+  lockstep chat turns, a burst of new conversations) waits a dwell doubled for each such round
+  trip made within the last ten dwells, up to eight dwells (reason `flapping` once the plain dwell
+  has passed): each round trip drains the work under way twice and moves prefill off the pages it
+  left twice, which a split that stays pays once. A switch to any other split waits the plain dwell.
 Kubernetes pool sizes change by the same rules, one pod at a time (`pool_step`)."""
 from __future__ import annotations
 
@@ -29,8 +34,10 @@ from services.planner.load_window import Load
 from services.planner.predict import Corrections, Fleet, Prediction, Split, candidates, predict
 
 ACTIONS = ("switch", "scale", "hold", "keep")
-REASONS = ("unservable", "slo", "headroom", "hysteresis", "meets_targets", "dwell", "idle", "no_model", "best",
-           "starting", "failed")
+REASONS = ("unservable", "slo", "headroom", "hysteresis", "meets_targets", "dwell", "flapping", "idle", "no_model",
+           "best", "starting", "failed")
+FLAP_MEMORY_DWELLS = 10  # round trips older than this many dwells are forgotten
+FLAP_MAX_DWELLS = 8      # the longest a return leg waits, in dwells
 
 
 @dataclass(frozen=True)
@@ -64,12 +71,28 @@ class Decider:
     changed_at: float  # monotonic: the planner's start, then each change it made
     served: bool = False  # the workers were seen able to serve at least once
     headroom_above: float = 0.0  # a split meeting every target with its worst ratio at most this is held
+    switches: list[tuple[float, Split, Split]] = field(default_factory=list)  # (at, from, to), oldest first
 
     def dwelt(self, now: float) -> bool:
         return now - self.changed_at >= self.dwell_s
 
-    def changed(self, now: float) -> None:
+    def changed(self, now: float, current: Split | None = None, target: Split | None = None) -> None:
+        """A change was made at `now` (a switch from `current` to `target`, or a pool step)."""
         self.changed_at = now
+        if current is not None and target is not None:
+            self.switches = [*self.switches[-(2 * FLAP_MAX_DWELLS):], (now, current, target)]
+
+    def round_trips(self, now: float) -> int:
+        """Switches straight back to the split the one before left, within the memory."""
+        recent = [(at, a, b) for at, a, b in self.switches if now - at <= FLAP_MEMORY_DWELLS * self.dwell_s]
+        return sum(1 for (_, a0, b0), (_, a1, b1) in zip(recent, recent[1:]) if (a1, b1) == (b0, a0))
+
+    def dwell_for(self, now: float, current: Split, target: Split) -> float:
+        """How long `current` must stand before a switch to `target`: the dwell, doubled per
+        recent round trip when `target` is the split the last switch left."""
+        if not self.switches or self.switches[-1][1:] != (target, current):
+            return self.dwell_s
+        return self.dwell_s * min(FLAP_MAX_DWELLS, 2 ** self.round_trips(now))
 
     def decide(self, now: float, current: Split, fixed: Split, load: Load, fleet: Fleet | None) -> Decision:
         options = candidates(current.workers, fixed)
@@ -99,8 +122,9 @@ class Decider:
             return Decision("hold", "hysteresis", current, best.split, load, preds, corr)
         if now_score <= self.headroom_above:
             return Decision("hold", "meets_targets", current, best.split, load, preds, corr)
-        if not self.dwelt(now):
-            return Decision("hold", "dwell", current, best.split, load, preds, corr)
+        if now - self.changed_at < self.dwell_for(now, current, best.split):
+            reason = "dwell" if not self.dwelt(now) else "flapping"
+            return Decision("hold", reason, current, best.split, load, preds, corr)
         return Decision("switch", "slo" if now_score > 1 else "headroom", current, best.split, load, preds, corr)
 
 

@@ -89,6 +89,33 @@ def test_a_split_stands_its_dwell_time_from_the_start_and_from_each_change():
     assert d.decide(160.0, P1D1, Split(), CHAT, f).action == "switch"
 
 
+def test_each_round_trip_between_two_splits_doubles_the_wait_of_the_next_return():
+    """Chat and long prompts in turn (a load that comes back in a cycle): the first return costs the
+    plain dwell, each later one twice the one before (`flapping` once the plain dwell passed), up to
+    eight dwells; a switch to a third split waits the plain dwell; round trips older than ten
+    dwells are forgotten."""
+    d, f = decider(), fleet()  # dwell 60 s
+    assert d.decide(60.0, P1D1, Split(), CHAT, f).target == B2
+    d.changed(60.0, P1D1, B2)
+    back = d.decide(120.0, B2, Split(), LONG, f)
+    assert (back.action, back.target) == ("switch", P1D1)
+    d.changed(120.0, B2, P1D1)  # one round trip
+    assert d.decide(150.0, P1D1, Split(), CHAT, f).reason == "dwell"
+    again = d.decide(239.0, P1D1, Split(), CHAT, f)
+    assert (again.action, again.reason, again.target) == ("hold", "flapping", B2)
+    assert d.decide(240.0, P1D1, Split(), CHAT, f).action == "switch"
+    d.changed(240.0, P1D1, B2)  # two: the next return waits four dwells
+    assert d.decide(479.0, B2, Split(), LONG, f).reason == "flapping"
+    assert d.decide(480.0, B2, Split(), LONG, f).action == "switch"
+    d.changed(480.0, B2, P1D1)  # three: eight dwells, the most
+    assert d.dwell_for(481.0, P1D1, B2) == 8 * 60.0
+    assert d.dwell_for(481.0, P1D1, Split(0, 1, 1)) == 60.0  # not the split it left
+    assert d.dwell_for(700.0, P1D1, B2) == 4 * 60.0  # the first round trip has left the memory
+    assert d.dwell_for(1100.0, P1D1, B2) == 60.0
+    d.changed(1100.0)  # a pool step: no switch, nothing to remember
+    assert d.dwell_for(1101.0, P1D1, B2) == 60.0
+
+
 def test_too_little_load_or_no_model_keeps_the_split():
     d = decider()
     few = Load(**{**CHAT.__dict__, "requests": 19})
