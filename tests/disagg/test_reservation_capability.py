@@ -25,7 +25,7 @@ import grpc
 import pytest
 
 from protos import duet_pb2, duet_pb2_grpc
-from tests.helpers.stack import ProcessStack, managed, new_log_dir
+from tests.helpers.stack import ProcessStack, managed, new_log_dir, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -118,7 +118,9 @@ def test_an_unclaimed_reservation_is_freed_by_its_deadline_whatever_the_caller_a
         stub = duet_pb2_grpc.DecodeStub(channel)
         res = reserve(stub, "nobody-claims", 4 * PAGE, timeout_ms=600_000)
         assert res.capability.lifetime_ms == 4000
-        assert stack.kv_usage("decode-ttl") > 0
+        # the gauge follows the engine loop's next publish, a moment after the reply on a loaded machine
+        wait_until(lambda: stack.kv_usage("decode-ttl") > 0, 3, "the reserved pages in decode-ttl's KV gauge",
+                   interval=0.05)
         stack.wait_idle(["decode-ttl"], timeout=30)
         # a wait the worker caps: the pages held by one reservation leave no room for a second
         big = reserve(stub, "most-pages", (pages - 8) * PAGE, timeout_ms=600_000)
