@@ -9,7 +9,9 @@ into FREED. In short: a reservation is freed once no write can land and nobody w
 it. A cancel quarantines it until its notice (done, declined or abort) arrives, its writer
 has left the registry, or `quarantine_s` passed (longer than prefill's own write timeout;
 the writer's RPC is cancelled with it). Prefill sends an abort notice for every request it
-gives up on (cancelled or refused at any point), so the quarantine is the last resort. A
+gives up on (cancelled or refused at any point); one whose call was cancelled before its
+handler ran knows nothing to give up, so the cancel also revokes the reservation at its live
+writer (as a lapsed lease does, below), and the quarantine is the last resort. A
 cancel that says the reservation never reached a prefill worker frees it at once (nobody
 can write into pages nobody was told about), as does a cancel by request id for a Reserve
 whose answer never reached its caller (and a later Reserve for that request is refused).
@@ -80,7 +82,7 @@ class Reservation:
     lease_until: float | None = None  # unclaimed past this without a renewal: LEASE_LAPSED; None: no lease
     notice: TransferNotice | None = None  # every rank's notice, combined (WRITTEN, DECLINED, NOTICED)
     rank_notices: dict[int, TransferNotice] = field(default_factory=dict)
-    revoke_token: str = ""  # sent with the revoke after its lease lapsed: the writer's abort echoes it
+    revoke_token: str = ""  # sent with the revoke (cancelled or lease lapsed): the writer's abort echoes it
     waiter: Callable[[], None] | None = None  # wakes the Generate that claimed it (CLAIMED, NOTICED)
     ready_event: object = None  # CUDA event: launched GPU work that may touch the pages has run
 
@@ -237,6 +239,10 @@ class ReservationBook:
         self._move(res, E.CANCEL_UNSENT if unsent else E.CANCEL)
         if res.state is not S.FREED:
             self._settle(res, self.clock())  # no write can land already (its writer is gone): freed now
+        if res.state is S.QUARANTINED:
+            # a Prefill call cancelled before its handler ran sends no abort notice: without the
+            # writer's word the pages would wait out the whole quarantine (2 x write timeout)
+            self._ask_writer_to_stop(res)
         return True
 
     def cancel_request(self, request_id: str) -> bool:
@@ -330,9 +336,16 @@ class ReservationBook:
             # capability's lifetime, so the quarantine outlasts that unless a notice or the
             # writer's leave says sooner that no write can land
             res.deadline = max(res.deadline, res.expires + self.quarantine_s)
-            if self.revoke is not None and self.is_live(res.writer_id):  # ask it to stop: its abort ends it
-                res.revoke_token = secrets.token_hex(8)
-                self.revoke(res)
+            self._ask_writer_to_stop(res)
+
+    def _ask_writer_to_stop(self, res: Reservation) -> None:
+        """Revoke a quarantined reservation at its live writer (once): a writer that is writing
+        cancels and sends its abort when its writes in flight settle, one that holds no
+        transfer refuses the capability from now on and answers at once; either abort frees
+        the pages (revoker.py)."""
+        if self.revoke is not None and not res.revoke_token and self.is_live(res.writer_id):
+            res.revoke_token = secrets.token_hex(8)
+            self.revoke(res)
 
     def _move(self, res: Reservation, event: ReservationEvent, now: float | None = None) -> None:
         """Every state change goes through here; the one move into FREED frees the pages."""

@@ -1,8 +1,10 @@
-"""Decode's side of a lapsed lease: tell the reservation's writer to stop.
+"""Decode's side of a lapsed lease or a cancel: tell the reservation's writer to stop.
 
-A reservation whose holder stopped renewing it is quarantined while a write may land
-(reservations.py); its writer may not know (the gateway that stopped renewing may be stopped
-itself, its Prefill call still live, or it never sent one). So decode sends the writer a
+A reservation whose holder stopped renewing it, or which its holder cancelled after sending it
+to prefill, is quarantined while a write may land (reservations.py); its writer may not know
+(the gateway that stopped renewing may be stopped itself, its Prefill call still live, or it
+never sent one; a Prefill call cancelled before its handler ran leaves the writer nothing to
+answer). So decode sends the writer a
 `revoke` notice over NIXL (shared/kv_transfer/notice.py), MACed with the capability's secret
 and carrying a token: a writer that is writing cancels the transfer and sends its abort notice
 once its writes in flight settled; one that holds none refuses the capability from now on and
@@ -33,7 +35,7 @@ class Revoker:
         self._aloop = None
 
     def __call__(self, res) -> None:
-        """Send res's writer a revoke (res: a Reservation whose lease lapsed, with its token)."""
+        """Send res's writer a revoke (res: a quarantined Reservation, with its token)."""
         notice = TransferNotice(reservation_id=res.reservation_id, generation=res.generation, rank=0,
                                 request_id=res.request_id, kind="revoke", num_ranks=1,
                                 reply_to=self.ctx.worker_id, reply_nonce=self.ctx.instance_nonce,

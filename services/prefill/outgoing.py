@@ -251,8 +251,9 @@ class OutgoingTransfers:
         self._settle(out)
 
     def _on_revoke(self, notice: TransferNotice) -> None:
-        """Decode's revoke (its reservation's lease lapsed): cancel a transfer into it; with
-        none, refuse it from now on and answer with an abort echoing the revoke's token."""
+        """Decode's revoke (its reservation was cancelled while a write might land, or its
+        lease lapsed): cancel a transfer into it; with none, refuse it from now on and answer
+        with an abort echoing the revoke's token."""
         key = (notice.reply_to, notice.reply_nonce, notice.reservation_id, notice.generation)
         out = next((o for o in self.active.values() if (*o.decode, o.reservation_id, o.generation) == key), None)
         if out is not None:
@@ -261,7 +262,8 @@ class OutgoingTransfers:
                             notice.reservation_id, notice.generation)
             elif out.state in LEASED:
                 self._give_up(out, E.LEASE_LAPSED,
-                              f"decode worker {notice.reply_to} revoked the reservation (its lease lapsed)")
+                              f"decode worker {notice.reply_to} revoked the reservation (cancelled, or its "
+                              "lease lapsed)")
             return
         self.revoked[key] = None
         while len(self.revoked) > REVOKED_KEPT:

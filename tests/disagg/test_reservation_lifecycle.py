@@ -245,21 +245,37 @@ def test_moves_the_table_lacks_are_refused_and_logged(engine, agents, caplog):
 
 
 def test_a_quarantine_keeps_the_pages_until_no_write_can_land(engine, agents):
-    """Cancelled while its writer is live and silent: the pages stay set aside until the
-    quarantine deadline, which later cancels do not move."""
+    """Cancelled while its writer is live: the reservation is revoked at the writer once (a
+    Prefill call cancelled before its handler ran sends no abort of its own), and the pages
+    stay set aside until the writer's abort or the quarantine deadline, which later cancels
+    do not move."""
     w = World(engine, agents)
     res = w.reserve()
     w.clock.now += 5
     assert w.book.cancel(res.reservation_id, res.generation)
     assert res.state is S.QUARANTINED and res.deadline == w.clock.now + QUARANTINE_S
+    assert w.revoked == [res] and res.revoke_token
     w.clock.now += QUARANTINE_S - 1
     assert w.book.cancel(res.reservation_id, res.generation)  # a repeat changes nothing
     w.book.tick()
     assert res.state is S.QUARANTINED and w.held(res) and res.entered(S.QUARANTINED) == 1005.0
+    assert w.revoked == [res]  # revoked once
     w.clock.now += 1
     w.book.tick()
     assert res.state is S.FREED
     assert_all_pages_free(engine)
+    # the writer that holds no transfer answers the revoke at once (echoing its token): freed then
+    answered = w.reserve("answered")
+    assert w.book.cancel(answered.reservation_id, answered.generation) and w.revoked[-1] is answered
+    w.send(answered, "abort", key=b"", ack=answered.revoke_token)
+    w.tick_until(lambda: answered.state is not S.QUARANTINED)
+    assert answered.state is S.FREED
+    assert_all_pages_free(engine)
+    # a writer gone from the registry is not asked: its leave frees the pages
+    w.live.discard(WRITER)
+    gone = w.reserve("writer-gone")
+    assert w.book.cancel(gone.reservation_id, gone.generation)
+    assert gone.state is S.FREED and w.revoked[-1] is answered
 
 
 def test_a_notice_after_the_writer_left_keeps_the_claim_clock(engine, agents):
