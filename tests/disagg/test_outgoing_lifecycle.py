@@ -169,6 +169,9 @@ def _hold_in(h: Handoff, state: OutgoingState) -> None:
         h.run_to(state)
     elif state is S.CANCELLING:
         h.run(lambda: h.out.pages_sent > 0)
+        # its writes held in flight: on a loaded machine the first one may have landed already,
+        # and the abort notice would then go out at once, before the test's next move
+        h.stream.held = True
         h.transfers.stop_writing(h.rid)  # the RPC's thread; cancel() follows on the loop
     else:
         h.run_to(state)
