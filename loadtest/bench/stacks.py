@@ -91,26 +91,27 @@ def _measure(run, kinds, url: str, folder: Path, layout: str, log_dir: Path | No
             _rates(run, url, folder, layout, log_dir, run.names(run.args.filled_rates), "random", " filled")
 
 
+def planner_switches(log_dir: Path | None) -> int | None:
+    """Switches the stack's planner made so far (its log's decision lines); None without a planner."""
+    log = log_dir / "planner.log" if log_dir else None
+    return log.read_text(errors="replace").count("planner switch (") if log and log.is_file() else None
+
+
 def decode_step_totals(log_dir: Path | None) -> tuple[float, float]:
     """(seconds, steps) of decode-only engine steps summed over the stack's workers, from each
     worker's /metrics (its address from the ready line in its log): the step the client's TPOT
     should match."""
     import httpx
-    from prometheus_client.parser import text_string_to_metric_families
 
-    from .stack_metrics import ready_addresses
+    from .stack_metrics import metric_sum, ready_addresses
 
     total = [0.0, 0.0]
-    addresses = {a for f in (sorted(log_dir.glob("*.log")) if log_dir else []) for a in ready_addresses(f)}
-    for address in addresses:
+    for address in {a for f in (sorted(log_dir.glob("*.log")) if log_dir else []) for a in ready_addresses(f)}:
         try:
-            text = httpx.get(f"http://{address}/metrics", timeout=5).text
+            found = [metric_sum(address, f"duet_engine_step_seconds_{k}", phase="decode") for k in ("sum", "count")]
         except httpx.HTTPError:
             continue  # a worker that restarted: its last address
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples if family.name == "duet_engine_step_seconds" else ():
-                if sample.labels.get("phase") == "decode" and sample.name.endswith(("_sum", "_count")):
-                    total[sample.name.endswith("_count")] += sample.value
+        total = [a + b for a, b in zip(total, found)]
     return total[0], total[1]
 
 
@@ -149,15 +150,20 @@ def _rates(run, url: str, folder: Path, layout: str, log_dir: Path | None, rates
         out = run.root / layout / f"{workload}{rate}{tag}"
         shape = (["--workload", "sharegpt"] if workload == "sharegpt" else
                  ["--workload", "random", "--input-len", str(prompt), "--output-len", str(output)])
-        before = decode_step_totals(log_dir)
-        _loadtest(["--base-url", url, "--api", "completions", *shape, "--request-rate", rate, "--duration",
-                   str(run.args.seconds_per_rate), "-n", str(int(float(rate) * run.args.seconds_per_rate) + 8),
-                   "--seed", str(int(float(rate) * 100) + len(tag)), "--slo-ttft-ms", ttft_ms, "--slo-tpot-ms", tpot_ms, "--tokenizer", str(folder),
-                   "--label", f"{layout} {rate}/s"], out)
+        load = lambda s, seed, label: ["--base-url", url, "--api", "completions", *shape, "--request-rate", rate,  # noqa: E731
+                                       "--duration", str(s), "-n", str(int(float(rate) * s) + 8), "--seed", str(seed),
+                                       "--slo-ttft-ms", ttft_ms, "--slo-tpot-ms", tpot_ms, "--tokenizer", str(folder),
+                                       "--label", f"{layout} {rate}/s{label}"]
+        seed = int(float(rate) * 100) + len(tag)
+        if run.args.settle_seconds > 0:  # the same load first, unmeasured: a planner picks its split for it
+            _loadtest(load(run.args.settle_seconds, seed + 1, " settling"), out.with_name(out.name + "-settle"))
+        before, switched = decode_step_totals(log_dir), planner_switches(log_dir)
+        _loadtest(load(run.args.seconds_per_rate, seed, ""), out)
         s = read_results(out / "results.json").summaries()[0]
+        switches = "" if switched is None else f", {planner_switches(log_dir) - switched} planner switches"
         run.add("stack", f"{layout} {workload} {rate}/s{tag} goodput %", round(100 * (s.goodput.share or 0), 1),
                 f"TTFT p50/p90 {s.ttft.p50}/{s.ttft.p90}, TPOT p50/p90 {s.tpot.p50}/{s.tpot.p90} ms, ITL p99 "
-                f"{s.itl.p99} ms, {s.request_throughput:.2f} req/s, {s.failed} of {s.requests} failed")
+                f"{s.itl.p99} ms, {s.request_throughput:.2f} req/s, {s.failed} of {s.requests} failed{switches}")
         seconds, steps = (a - b for a, b in zip(decode_step_totals(log_dir), before))
         if steps > 0:  # the workers' own decode step over the same window, beside the client's TPOT
             run.add("stack", f"{layout} {workload} {rate}/s{tag} decode step ms", round(1000 * seconds / steps, 2),

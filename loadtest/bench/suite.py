@@ -109,6 +109,8 @@ def parser() -> argparse.ArgumentParser:
     a("--sharegpt-rates", default="", help="stack: the same with ShareGPT's single turns")
     a("--filled-rates", default="", help="stack with multiturn: rates run again after the chats filled the caches")
     a("--seconds-per-rate", type=float, default=20.0)
+    a("--settle-seconds", type=float, default=0.0, help="stack: before each rate point, the same load this long "
+      "unmeasured (a planned stack's planner switches for it first: give it its window plus its dwell)")
     a("--slo", default="2000,15", help="stack, multiturn: TTFT and TPOT targets, ms")
     a("--conversations", default="8,48", help="multiturn: conversations a run")
     a("--agentic-rates", default="", help="multiturn: agentic sessions started per second, --seconds-per-rate each")

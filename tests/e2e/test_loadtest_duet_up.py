@@ -97,7 +97,7 @@ def test_bench_stack_sections_measure_this_stack(duet_stack, tmp_path, torch_one
                        str(model_dir), "--concurrency", "1", "--stack-lens", "32,8", "--conversations", "2",
                        "--chat", "48,8,4,2", "--steps", "2", "--workdir", str(tmp_path / "work"),
                        "--rates", "2", "--filled-rates", "2", "--seconds-per-rate", "2", "--slo", "60000,5000", "--agentic-rates", "1",
-                       "--json", str(out)]) == 0
+                       "--settle-seconds", "1", "--json", str(out)]) == 0
     d = json.loads(out.read_text())
     assert d["stack"]["server first run TTFT p50 ms"] > 0 and d["stack"]["server c=1 TTFT p50 ms"] > 0
     assert d["multiturn"]["server C=2 turn 1 TTFT p50 ms"] > 0 and d["multiturn"]["server C=2 turn 2 TTFT p50 ms"] > 0
@@ -111,6 +111,10 @@ def test_bench_stack_sections_measure_this_stack(duet_stack, tmp_path, torch_one
     assert steps > 0 and seconds > 0
     # open loop: every request of the rate point met the loose SLO; the agentic sessions all finished
     assert d["stack"]["server random 2/s goodput %"] == d["stack"]["server random 2/s filled goodput %"] == 100.0
+    # each rate point ran its load unmeasured first (--settle-seconds), into a folder of its own
+    from loadtest.results_io import read_results
+    settled = read_results(tmp_path / "work" / "server" / "random2-settle" / "results.json").summaries()[0]
+    assert settled.requests >= 1 and settled.failed == 0
     agentic = [line for line in printed if line.startswith("[multiturn] server agentic 1/s")]
     assert len(agentic) == 1 and " 0 of " in agentic[0], agentic
     turns = [line for line in printed if line.startswith("[multiturn] server C=2 turn")]

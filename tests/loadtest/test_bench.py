@@ -98,6 +98,16 @@ def test_hetero_tp_section_hands_kv_from_prefill_tp2_to_decode_tp1(tmp_path, tor
     assert all(d[f"2->1 {n} tokens handoff tail ms"] > 0 for n in (64, 160))
 
 
+def test_planner_switches_are_counted_from_the_planners_log(tmp_path):
+    from loadtest.bench.stacks import planner_switches
+
+    assert planner_switches(None) is None and planner_switches(tmp_path) is None  # no planner: no count
+    line = "2026-11-28 07:27:12,252 INFO duet.planner: planner {} ({}): 1p1d -> 2b; now score 1.16\n"
+    (tmp_path / "planner.log").write_text(line.format("switch", "slo") + line.format("hold", "flapping") +
+                                          line.format("switch", "headroom"))
+    assert planner_switches(tmp_path) == 2
+
+
 def test_failover_gaps_split_moved_streams_from_bystanders():
     from loadtest.bench.failover_gaps import StreamTimes, failover_gaps, longest_gap, ms
 
