@@ -27,7 +27,7 @@ from pathlib import Path
 
 from .failover_gaps import StreamTimes, failover_gaps, ms
 from .measure import random_prompts
-from .stack_metrics import metric_sum, ready_addresses, worker_metrics_address
+from .stack_metrics import metric_sum, ready_addresses, sample_sum, scrape, worker_metrics_address
 from .stacks import _model, up_argv
 
 SECTION = "failover"
@@ -151,8 +151,9 @@ def _streams(url: str, model: str, prompts: list[list[int]], max_tokens: int, ki
 
 def _counts(gateway: str) -> dict[str, float]:
     """The gateway's failover counters: moves, and KV rebuilt by source."""
-    found = {src: metric_sum(gateway, "duet_migration_rebuilt_tokens_total", source=src) for src in REBUILT}
-    return {**found, "migrations": metric_sum(gateway, "duet_migrations_total")}
+    samples = scrape(gateway)
+    found = {src: sample_sum(samples, "duet_migration_rebuilt_tokens_total", source=src) for src in REBUILT}
+    return {**found, "migrations": sample_sum(samples, "duet_migrations_total")}
 
 
 @dataclass

@@ -25,14 +25,19 @@ def worker_metrics_address(log_dir: Path, worker: str, timeout_s: float = 60.0) 
     return found[-1]
 
 
-def metric_sum(address: str, name: str, **labels: str) -> float:
-    """The sum of the samples called `name` whose labels include `labels` (0 when none)."""
+def scrape(address: str) -> list:
+    """Every sample of the /metrics at address (one GET; httpx.HTTPError when it cannot be read)."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    total = 0.0
-    for family in text_string_to_metric_families(httpx.get(f"http://{address}/metrics", timeout=5).text):
-        for s in family.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                total += s.value
-    return total
+    text = httpx.get(f"http://{address}/metrics", timeout=5).text
+    return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def sample_sum(samples: list, name: str, **labels: str) -> float:
+    """The sum of the samples called `name` whose labels include `labels` (0 when none)."""
+    return sum(s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def metric_sum(address: str, name: str, **labels: str) -> float:
+    return sample_sum(scrape(address), name, **labels)

@@ -103,15 +103,16 @@ def decode_step_totals(log_dir: Path | None) -> tuple[float, float]:
     should match."""
     import httpx
 
-    from .stack_metrics import metric_sum, ready_addresses
+    from .stack_metrics import ready_addresses, sample_sum, scrape
 
     total = [0.0, 0.0]
     for address in {a for f in (sorted(log_dir.glob("*.log")) if log_dir else []) for a in ready_addresses(f)}:
         try:
-            found = [metric_sum(address, f"duet_engine_step_seconds_{k}", phase="decode") for k in ("sum", "count")]
+            samples = scrape(address)
         except httpx.HTTPError:
             continue  # a worker that restarted: its last address
-        total = [a + b for a, b in zip(total, found)]
+        total = [t + sample_sum(samples, f"duet_engine_step_seconds_{k}", phase="decode")
+                 for t, k in zip(total, ("sum", "count"))]
     return total[0], total[1]
 
 
@@ -150,10 +151,11 @@ def _rates(run, url: str, folder: Path, layout: str, log_dir: Path | None, rates
         out = run.root / layout / f"{workload}{rate}{tag}"
         shape = (["--workload", "sharegpt"] if workload == "sharegpt" else
                  ["--workload", "random", "--input-len", str(prompt), "--output-len", str(output)])
-        load = lambda s, seed, label: ["--base-url", url, "--api", "completions", *shape, "--request-rate", rate,  # noqa: E731
-                                       "--duration", str(s), "-n", str(int(float(rate) * s) + 8), "--seed", str(seed),
-                                       "--slo-ttft-ms", ttft_ms, "--slo-tpot-ms", tpot_ms, "--tokenizer", str(folder),
-                                       "--label", f"{layout} {rate}/s{label}"]
+
+        def load(seconds: float, seed: int, label: str) -> list[str]:
+            return ["--base-url", url, "--api", "completions", *shape, "--request-rate", rate, "--duration",
+                    str(seconds), "-n", str(int(float(rate) * seconds) + 8), "--seed", str(seed), "--slo-ttft-ms",
+                    ttft_ms, "--slo-tpot-ms", tpot_ms, "--tokenizer", str(folder), "--label", f"{layout} {rate}/s{label}"]
         seed = int(float(rate) * 100) + len(tag)
         if run.args.settle_seconds > 0:  # the same load first, unmeasured: a planner picks its split for it
             _loadtest(load(run.args.settle_seconds, seed + 1, " settling"), out.with_name(out.name + "-settle"))

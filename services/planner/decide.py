@@ -80,11 +80,14 @@ class Decider:
         """A change was made at `now` (a switch from `current` to `target`, or a pool step)."""
         self.changed_at = now
         if current is not None and target is not None:
-            self.switches = [*self.switches[-(2 * FLAP_MAX_DWELLS):], (now, current, target)]
+            self.switches = [*self._remembered(now), (now, current, target)]
+
+    def _remembered(self, now: float) -> list[tuple[float, Split, Split]]:
+        return [sw for sw in self.switches if now - sw[0] <= FLAP_MEMORY_DWELLS * self.dwell_s]
 
     def round_trips(self, now: float) -> int:
         """Switches straight back to the split the one before left, within the memory."""
-        recent = [(at, a, b) for at, a, b in self.switches if now - at <= FLAP_MEMORY_DWELLS * self.dwell_s]
+        recent = self._remembered(now)
         return sum(1 for (_, a0, b0), (_, a1, b1) in zip(recent, recent[1:]) if (a1, b1) == (b0, a0))
 
     def dwell_for(self, now: float, current: Split, target: Split) -> float:
