@@ -40,7 +40,10 @@ def capture_graph(device, pool_handle, run):
             run()
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool_handle):
+    # thread_local: only this thread's unsafe calls break the capture. The host tier's pinning
+    # thread registers memory (cudaHostRegister) meanwhile, which under the default global mode
+    # invalidated the capture and failed the registration (error 900) on 2 x H200
+    with torch.cuda.graph(graph, pool=pool_handle, capture_error_mode="thread_local"):
         out = run()
     return graph, out
 

@@ -31,7 +31,9 @@ log = logging.getLogger(__name__)
 # taking it again at once starves the others. On two H200s an 8B worker's graph capture (a few
 # seconds of work) ended just after the locking of a 25-62 GiB tier every time, 26-62 s, with 1
 # GiB and with 64 MiB chunks alike (docs/performance/serving.md, "Start-up beside the host
-# tier"); small chunks bound each wait, the pause lets the waiter in (not yet measured)
+# tier"); small chunks bound each wait, the pause lets the waiter in: since then an 8B decode
+# worker's graphs took 6.7 s. A registration during a graph capture is safe only because the
+# capture runs in thread_local mode (cuda_graph.capture_graph)
 CHUNK_BYTES = 64 << 20
 YIELD_S = 0.002  # between chunks: ~2 s over 62 GiB
 PORTABLE = 1  # cudaHostRegisterPortable: locked for every context, whichever thread registers it
