@@ -7,6 +7,7 @@ from protos import duet_pb2_grpc
 from services.prefill.outgoing import OutgoingTransfers
 from services.prefill.peer_warmup import PeerWarmup
 from services.prefill.service import PrefillService
+from services.worker_runtime.peer_memory_exit import PeerMemoryExit, ipc_domain
 from services.worker_runtime.transfer import open_host_agents
 from shared.kv_transfer.notice import REVOCATIONS
 from shared.kv_transfer.tp_write_stream import FollowerStreams
@@ -30,6 +31,9 @@ def add_outgoing(host) -> None:
     ctx.loop.on_step.append(ctx.outgoing.on_step)
     host.busy.append(lambda: bool(ctx.outgoing.active))
     host.services.append(PeerWarmup(ctx))  # connect to decode workers as they join, not on their first request
+    host.services.append(PeerMemoryExit(  # a same-host GPU peer written into holds its memory until we exit
+        written=ctx.agent.written_peers, workers=ctx.watcher.workers, drain=host.request_drain,
+        mode=host.config.exit_for_peer_memory, mine=ipc_domain(), mine_on_gpu=ctx.agent.pool_info.mem_type == "VRAM"))
 
 
 def add_service(host) -> None:

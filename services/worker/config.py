@@ -76,6 +76,12 @@ class WorkerConfig:
         False, flag="--nixl-progress-thread", env="DUET_NIXL_PROGRESS_THREAD",
         help="run NIXL's UCX progress thread (it busy-spins a core; off: the engine loop progresses "
              "transfers while any is in flight)")
+    exit_for_peer_memory: str = setting(
+        "auto", flag="--exit-for-peer-memory", env="DUET_EXIT_FOR_PEER_MEMORY", choices=("auto", "on", "off"),
+        help="a worker that wrote KV into a peer that then left (died, drained) drains and exits, for its "
+             "supervisor to start it again: UCX's cuda_ipc keeps a same-host GPU peer's memory it mapped "
+             "allocated until the writer's process exits, so the peer could not start again. auto: when "
+             "both pools are GPU memory in one host and PID namespace; on: after any such peer; off: never")
     log_level: str = setting("info", flag="--log-level", env="DUET_LOG_LEVEL", help="stderr log level")
     drain_grace_s: float = drain_grace()
     engine: EngineConfig = nested(EngineConfig, "engine (model, KV cache, batching, kernels)")

@@ -30,6 +30,7 @@ from services.worker_runtime.adapters import AdaptersService, load_recorded_adap
 from services.worker_runtime.context import WorkerContext
 from services.worker_runtime.engine_loop import EngineLoop
 from services.worker_runtime.exit_watchdog import EXIT_AFTER_GRACE_S, ExitWatchdog
+from services.worker_runtime.peer_memory_exit import ipc_domain
 from services.worker_runtime.perf_tracker import PerfTracker, handoff_totals
 from shared.engine.grammar_guard import GrammarGuard
 from shared.registry.kv_events import KvEventBuffer
@@ -58,6 +59,7 @@ class WorkerHost:
     on_stop: list[Callable[[], None]] = field(default_factory=list)  # after the engine loop stopped
     calibration: list = field(default_factory=list)  # timed start-up steps (perf_calibration.py)
     role_switch: RoleSwitch | None = None  # what it advertises; SetRole (role_switch.py), set by run()
+    stop_requested: asyncio.Event = field(default_factory=asyncio.Event)  # SIGTERM, or request_drain()
 
     @classmethod
     def create(cls, config: WorkerConfig, engine, checkpoint: str,
@@ -103,7 +105,12 @@ class WorkerHost:
                           load=WorkerLoad(total_pages=capacity, free_pages=capacity),
                           adapters=WorkerAdapters(self.engine.lora.names, self.engine.lora.resident)
                           if self.engine.lora is not None else WorkerAdapters(),
-                          switchable=self.config.switchable)
+                          switchable=self.config.switchable, ipc_domain=ipc_domain())
+
+    def request_drain(self, reason: str) -> None:
+        """Drain and exit as on SIGTERM (the supervisor starts the worker again)."""
+        log.warning("draining and exiting: %s", reason)
+        self.stop_requested.set()
 
     async def run(self) -> int:
         """Serve until SIGINT/SIGTERM or the engine loop dies, then drain. The exit status."""
@@ -149,7 +156,7 @@ class WorkerHost:
         print(f"duet {kind} {ctx.worker_id} ready: grpc {info.address} ({config.tls.describe('server')}) "
               f"metrics {info.metrics_address} model {self.served_model}", file=sys.stderr, flush=True)
 
-        stop = asyncio.Event()
+        stop = self.stop_requested
         aloop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             aloop.add_signal_handler(sig, stop.set)

@@ -107,6 +107,9 @@ class KvTransferAgent:
         self.writes_done = 0
         self.writes_failed = 0
         self.descriptors_posted = 0
+        # (worker id, instance nonce) of every peer written into: between GPUs of one host
+        # their memory stays mapped here until exit (services/worker_runtime/peer_memory_exit.py)
+        self._written: set[tuple[str, str]] = set()
         self._closed = False
 
     # --- metadata and peers ----------------------------------------------------
@@ -137,6 +140,11 @@ class KvTransferAgent:
                         rank=rank)
             self._peers[peer.key] = peer
             return peer
+
+    def written_peers(self) -> set[tuple[str, str]]:
+        """(worker id, instance nonce) of every peer a write was posted to."""
+        with self._lock:
+            return set(self._written)
 
     def peer(self, worker_id: str, rank: int = 0) -> Peer | None:
         return self._peers.get((worker_id, rank))
@@ -210,6 +218,7 @@ class KvTransferAgent:
                 self.writes_failed += 1
                 raise TransferError(f"write to {peer.worker_id} failed at post")
             self._inflight.append(handle)
+            self._written.add((peer.worker_id, peer.instance_nonce))
             self._update(handle)
         return handle
 

@@ -88,6 +88,9 @@ class WorkerInfo:
     adapters: WorkerAdapters = field(default_factory=WorkerAdapters)  # LoRA adapters it serves
     heartbeat_seq: int = 0          # bumps each heartbeat (no wall clocks across hosts)
     switchable: bool = False        # may change `role` at run time (the planner's SetRole)
+    # this process's host boot and PID namespace (ipc_domain.py): workers that share it may map
+    # each other's GPU memory over CUDA IPC; "" = unknown (never assumed shared)
+    ipc_domain: str = ""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -126,6 +129,7 @@ class WorkerInfo:
             "kv_pools": json.dumps([asdict(p) for p in self.kv_pools]),
             "capability_key": self.capability_key,
             "switchable": "1" if self.switchable else "0",
+            "ipc_domain": self.ipc_domain,
         }
 
     def load_fields(self) -> dict[str, str]:
@@ -173,6 +177,7 @@ class WorkerInfo:
             adapters=WorkerAdapters.from_fields(h),
             heartbeat_seq=int(h.get("heartbeat_seq", 0)),
             switchable=h.get("switchable", "0") == "1",
+            ipc_domain=h.get("ipc_domain", ""),
         )
 
 
