@@ -188,6 +188,8 @@ class RouterService(duet_pb2_grpc.RouterServicer):
                                        reason=placement.detail, checkpoint=decode.worker.checkpoint), placement
 
         if not boths:
+            if by_role["decode"] and not by_role["prefill"]:
+                return await self._decode_alone(request, request_id, by_role["decode"], loads, rotation), None
             if by_role["prefill"] and by_role["decode"]:  # workers there, but none can pair: say why
                 p, d = by_role["prefill"][0], by_role["decode"][0]
                 return (f"no prefill worker can hand its KV to a decode worker; e.g. {p.worker_id} -> "
@@ -199,6 +201,28 @@ class RouterService(duet_pb2_grpc.RouterServicer):
                                            rotation=rotation, n=n, adapter=adapter)
         reason = f"colocated: {prefill.worker.worker_id} holds {prefill.cached_tokens} of {prompt_tokens} prompt tokens"
         return self._colocated_reply(request_id, prefill, decode, reason), None
+
+    async def _decode_alone(self, request, request_id: str, decodes: list[WorkerInfo], loads,
+                            rotation: int) -> duet_pb2.RouteReply | None:
+        """No prefill worker is live (all restarting, as after a same-host decode worker died:
+        services/worker_runtime/peer_memory_exit.py; or scaled to zero): a decode worker
+        prefills the whole prompt itself, as it does the rest of a cached one, rather than the
+        request failing."""
+        prompt_tokens = request.prompt_tokens
+        cached = await self._cached_pages(decodes, list(request.page_hashes))
+        decode = choose_decode(decodes, prompt_tokens=prompt_tokens, max_tokens=max(0, request.max_tokens),
+                               inflight=loads, weights=self.config.weights, rotation=rotation, cached_pages=cached,
+                               n=max(1, request.n), adapter=request.lora_adapter)
+        if decode is None:
+            return None
+        self.inflight.add(RoutedRequest(request_id, decode.worker.worker_id, prompt_tokens - decode.cached_tokens,
+                                        decode.worker.worker_id, decode.pages, time.monotonic()))
+        return duet_pb2.RouteReply(request_id=request_id, decode=worker_ref(decode.worker), colocated=True,
+                                   local_prefill=True, cached_tokens=decode.cached_tokens,
+                                   decode_cached_tokens=decode.cached_tokens,
+                                   reason=f"no prefill worker live: {decode.worker.worker_id} prefills all "
+                                          f"{prompt_tokens - decode.cached_tokens} uncached prompt tokens itself",
+                                   checkpoint=decode.worker.checkpoint)
 
     def _colocated_reply(self, request_id: str, prefill: PrefillChoice, decode: DecodeChoice,
                          reason: str) -> duet_pb2.RouteReply:

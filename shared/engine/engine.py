@@ -43,6 +43,8 @@ from .startup_phases import StartupPhases
 
 log = logging.getLogger("duet.engine")
 
+PIN_IDLE_S = 0.05  # no step launched for this long: the host tier's locking may take a chunk
+
 
 @dataclass
 class EngineStats:
@@ -111,6 +113,7 @@ class Engine:
             self.pool = KVPool(self.layout, self.device, self._kv_scales())
             self.backend = make_attention_backend(plan.attention.value, self.pool)
             self.pdl = parts.enable_decode_pdl(self.model, self.backend, plan.pdl.value)
+        self._pinning_open = False  # until the graphs are captured (_may_pin)
         with startup.phase("host tier"):
             host_tier = self._make_host_tier()
         self.kv = KVManager(self.layout.num_pages, self.layout.page_size, config.enable_prefix_cache,
@@ -147,6 +150,7 @@ class Engine:
         if self._tp_workers is not None:
             with startup.phase("tp ranks"):
                 self._tp_workers.wait_ready()
+        self._pinning_open = True
         log.info("engine ready in %.1fs: %s, weights %.2f GiB (%s), KV %d pages x %d tokens (%.2f GiB)",
                  time.monotonic() - t0, mc.architecture, self.weight_bytes / 2**30, self.weights_description,
                  self.layout.num_pages, self.layout.page_size,
@@ -241,7 +245,7 @@ class Engine:
         if pages < 1:
             return None
         from .kv_host_tier import HostKVTier
-        tier = HostKVTier(self.pool.buffer, self.layout, pages)
+        tier = HostKVTier(self.pool.buffer, self.layout, pages, may_pin=self._may_pin)
         if self._tp_workers is not None:  # every rank copies the same pages of its shard
             tier.mirror = lambda kind, src, dst, ticket: self.call_followers(
                 "shared.engine.kv_host_tier:follower_copy", kind, src, dst, ticket)
@@ -258,6 +262,11 @@ class Engine:
                  ", page-locking in the background" if tier.pinner is not None else "", writes.policy,
                  f"{writes.bandwidth / 1e9:.1f} GB/s" if writes.bandwidth else "unbounded")
         return tier
+
+    def _may_pin(self) -> bool:
+        """The host tier's background locking may take the next chunk (pinned_memory.py): once
+        start-up has captured the graphs, and while no step has been launched for PIN_IDLE_S."""
+        return self._pinning_open and time.monotonic() - self.runner.last_forward_at > PIN_IDLE_S
 
     def _write_back(self):
         """What is written back to the host tier (kv_write_back.py): the settings' policy and

@@ -49,7 +49,7 @@ class HostKVTier:
     """Host copies of KV pages for one rank's device pool."""
 
     def __init__(self, device_buffer: torch.Tensor, layout: KVLayout, num_pages: int, lane=None,
-                 pin_chunk_bytes: int = CHUNK_BYTES):
+                 pin_chunk_bytes: int = CHUNK_BYTES, may_pin=None):
         if num_pages < 1:
             raise ValueError(f"a host KV tier needs at least one page, got {num_pages}")
         self.device_buffer = device_buffer
@@ -63,7 +63,8 @@ class HostKVTier:
         self.pinner = None
         chunk_pages = 0
         if on_gpu:  # pages join the allocator as they are locked (poll)
-            self.pinner = BackgroundPinner(self.buffer, self.device, layout.bytes_per_page, pin_chunk_bytes)
+            self.pinner = BackgroundPinner(self.buffer, self.device, layout.bytes_per_page, pin_chunk_bytes,
+                                           may_pin=may_pin)
             chunk_pages = self.pinner.chunk_bytes // layout.bytes_per_page
             self.allocator.allocate(num_pages)
         self.usable_pages = 0 if on_gpu else num_pages  # the first pages, locked on every rank

@@ -6,6 +6,8 @@ device tensors with one copy. With tensor parallelism, rank 0 sends each plan to
 other ranks (`plan_sink`) before running it, and every rank runs the same forward."""
 from __future__ import annotations
 
+import time
+
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +44,7 @@ class ModelRunner:
         # LoRA (shared/engine/lora/layer.py LoraStep): each step's rows' adapter slots, set by an
         # engine that serves adapters; the step plan then carries them
         self.lora = None
+        self.last_forward_at = 0.0  # time.monotonic() of the last step's launch (the host tier pins while idle)
 
     def build(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         plan = plan_batch(batch, self.page_size, self.lora is not None)
@@ -88,6 +91,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_plan(self, plan: StepPlan) -> torch.Tensor | None:
+        self.last_forward_at = time.monotonic()
         input_ids, positions, meta, rows = self.tensors(plan)
         if self.graphs is not None and self.graphs.can_run(None, meta):
             hidden = self.graphs.run(input_ids, positions, meta)

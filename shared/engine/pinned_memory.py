@@ -8,10 +8,16 @@ the tensor is ordinary host memory, registered with CUDA (cudaHostRegister, as S
 KV pool does) at its own size, and unregistered when the tensor is collected.
 
 Locking touches every page of it (a minute for a few hundred GiB), so `BackgroundPinner`
-registers it chunk by chunk on a thread of its own while the worker warms up and serves:
-`pinned_bytes` grows as it goes, and the host tier hands out only pages already locked (a
-copy through pageable memory would make the step that queued it wait). The registration is
-called through ctypes into the CUDA runtime torch loaded, which releases the GIL, so the
+registers it chunk by chunk on a thread of its own, only while its engine says it may: after
+the engine's graphs are captured and while no step has run for a moment (Engine._may_pin). A
+registration holds a driver lock that every kernel launch and graph capture of the process
+waits on: on 2 x H200 an 8B worker's graph capture (5 s alone) took 25-58 s beside the
+locking of a 25-50 GiB tier, ending just after it every time, with 1 GiB or 64 MiB chunks and a
+2 ms pause between them. `pinned_bytes` grows as it goes, and the host tier hands out only
+pages already locked (a copy through pageable memory would make the step that queued it
+wait); under load from the first second the tier grows in the gaps between steps, and by one
+chunk every MAX_HOLD_S at least. The
+registration is called through ctypes into the CUDA runtime torch loaded, which releases the GIL, so the
 engine thread runs meanwhile; torch's own binding (which holds it) is the fallback."""
 from __future__ import annotations
 
@@ -21,21 +27,19 @@ import math
 import threading
 import time
 import weakref
+from collections.abc import Callable
 
 import torch
 
 log = logging.getLogger(__name__)
 
-# locked at a time; a copy run never crosses a chunk (kv_copy_lane.page_runs). Between chunks the
-# thread sleeps a moment: a registration holds a lock of the driver's, and a thread released and
-# taking it again at once starves the others. On two H200s an 8B worker's graph capture (a few
-# seconds of work) ended just after the locking of a 25-62 GiB tier every time, 26-62 s, with 1
-# GiB and with 64 MiB chunks alike (docs/performance/serving.md, "Start-up beside the host
-# tier"); small chunks bound each wait, the pause lets the waiter in: since then an 8B decode
-# worker's graphs took 6.7 s. A registration during a graph capture is safe only because the
-# capture runs in thread_local mode (cuda_graph.capture_graph)
-CHUNK_BYTES = 64 << 20
-YIELD_S = 0.002  # between chunks: ~2 s over 62 GiB
+# locked at a time; a copy run never crosses a chunk (kv_copy_lane.page_runs). A step that starts
+# while a chunk is being locked waits for it (the driver's lock), so chunks are small: 16 MiB is
+# ~15 ms of locking; copy runs of 2 MiB already reach ~51 GB/s on these machines
+CHUNK_BYTES = 16 << 20
+YIELD_S = 0.002  # between chunks
+WAIT_S = 0.01  # how often a pinner held back asks again
+MAX_HOLD_S = 0.5  # serving without a pause: a chunk every half second anyway (~15 ms of a step's time)
 PORTABLE = 1  # cudaHostRegisterPortable: locked for every context, whichever thread registers it
 OS_PAGE = 4096  # chunks start on OS pages: two registrations sharing a page would refuse the second
 ALIGN = 2 << 20  # the buffer starts on a huge-page boundary
@@ -70,7 +74,10 @@ class BackgroundPinner:
     a host page's bytes). `pinned_bytes` only grows; `done` is set when it stops, `failed`
     then says why it stopped short (a memlock limit: the rest stays out of use)."""
 
-    def __init__(self, tensor: torch.Tensor, device: torch.device, unit: int, chunk_bytes: int = CHUNK_BYTES):
+    def __init__(self, tensor: torch.Tensor, device: torch.device, unit: int, chunk_bytes: int = CHUNK_BYTES,
+                 may_pin: Callable[[], bool] | None = None):
+        """may_pin(): whether the next chunk may be locked now (None: always)."""
+        self.may_pin = may_pin
         self.tensor = tensor
         self.device = device
         self.nbytes = tensor.numel() * tensor.element_size()
@@ -90,6 +97,10 @@ class BackgroundPinner:
             register, unregister = _cudart_register()
             base = self.tensor.data_ptr()
             while self.pinned_bytes < self.nbytes:
+                held_since = time.monotonic()  # busy for long: one chunk anyway, so the tier still grows
+                while (self.may_pin is not None and not self.may_pin()
+                       and time.monotonic() - held_since < (MAX_HOLD_S if self.pinned_bytes else float("inf"))):
+                    time.sleep(WAIT_S)
                 size = min(self.chunk_bytes, self.nbytes - self.pinned_bytes)
                 err = register(base + self.pinned_bytes, size, PORTABLE)
                 if int(err) != 0:

@@ -208,9 +208,9 @@ class GrpcBackend:
 
     def ready(self) -> bool:
         """The router is reachable and, when we watch the registry, a usable set for each
-        of our models is live: a `both` worker, or a prefill and a decode worker that can pair
-        (same KV layout, heads coverable at their TP sizes; a decode worker alone cannot
-        serve a split request)."""
+        of our models is live: a `both` worker, a prefill and a decode worker that can pair
+        (same KV layout, heads coverable at their TP sizes), or decode workers with no prefill
+        worker live (each prefills its requests itself, as the router places them then)."""
         if self._router_channel is None:
             return False
         state = self._router_channel.get_state(try_to_connect=True)
@@ -226,8 +226,10 @@ class GrpcBackend:
         for model in self.models:
             if self._workers_of(model, "both"):
                 continue
-            decodes = self._workers_of(model, "decode")
-            if not any(not pair_problem(p, d) for p in self._workers_of(model, "prefill") for d in decodes):
+            decodes, prefills = self._workers_of(model, "decode"), self._workers_of(model, "prefill")
+            if decodes and not prefills:
+                continue
+            if not any(not pair_problem(p, d) for p in prefills for d in decodes):
                 missing.append(model)
         return missing
 
