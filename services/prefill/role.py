@@ -33,7 +33,8 @@ def add_outgoing(host) -> None:
     host.services.append(PeerWarmup(ctx))  # connect to decode workers as they join, not on their first request
     host.services.append(PeerMemoryExit(  # a same-host GPU peer written into holds its memory until we exit
         written=ctx.agent.written_peers, workers=ctx.watcher.workers, drain=host.request_drain,
-        mode=host.config.exit_for_peer_memory, mine=ipc_domain(), mine_on_gpu=ctx.agent.pool_info.mem_type == "VRAM"))
+        mode=host.config.exit_for_peer_memory, mine=ipc_domain(), mine_on_gpu=ctx.agent.pool_info.mem_type == "VRAM",
+        me=ctx.worker_id))
 
 
 def add_service(host) -> None:

@@ -54,7 +54,8 @@ def maps_peer_memory(mode: str, mine: str, mine_on_gpu: bool, peer) -> bool:
 class PeerMemoryExit:
     """A service of the worker host (start / async stop while serving). written(): the
     (worker id, instance nonce) pairs this process's agents have written into; workers(): the
-    registry's live workers; drain(reason): stop as on SIGTERM."""
+    registry's live workers; drain(reason): stop as on SIGTERM. A peer counts as gone when it is
+missing from the view while this worker is in it, and again after_leave_s later."""
 
     written: Callable[[], set[tuple[str, str]]]
     workers: Callable[[], list]
@@ -62,6 +63,7 @@ class PeerMemoryExit:
     mode: str
     mine: str
     mine_on_gpu: bool
+    me: str = ""  # this worker's id
     interval_s: float = 1.0
     after_leave_s: float = AFTER_LEAVE_S
     mapped: dict[tuple[str, str], bool] = field(default_factory=dict)  # (id, nonce) -> maps_peer_memory
@@ -79,21 +81,28 @@ class PeerMemoryExit:
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
-            if (gone := self.check()) is not None:
-                log.warning("worker %s left after this process wrote into its GPU memory, which stays allocated "
-                            "until this process exits (UCX cuda_ipc keeps the mapping): draining and exiting in "
-                            "%.0fs so that it can start again; the supervisor restarts this worker", gone,
-                            self.after_leave_s)
-                await asyncio.sleep(self.after_leave_s)
+            if (gone := self.check()) is None:
+                continue
+            log.warning("worker %s left after this process wrote into its GPU memory, which stays allocated until "
+                        "this process exits (UCX cuda_ipc keeps the mapping): draining and exiting in %.0fs unless "
+                        "it is back, so that it can start again; the supervisor restarts this worker", gone,
+                        self.after_leave_s)
+            await asyncio.sleep(self.after_leave_s)
+            if self.check() == gone:  # still gone (a Redis restarted empty looks like a leave for a heartbeat)
                 self.drain(f"peer {gone} left holding memory this process mapped")
                 return
+            log.info("worker %s is back: not exiting", gone)
 
     def check(self) -> str | None:
-        """The id of a peer written into, whose memory stays mapped here, that is no longer live."""
+        """The id of a peer written into, whose memory stays mapped here, that is no longer live;
+        None too while this worker itself is missing from the view (the registry is not whole:
+        Redis restarted, every worker registering again)."""
         live = {(w.worker_id, w.instance_nonce): w for w in self.workers()}
+        if self.me and not any(wid == self.me for wid, _ in live):
+            return None
         for key, w in live.items():
             if key not in self.mapped:
                 self.mapped[key] = maps_peer_memory(self.mode, self.mine, self.mine_on_gpu, w)
         written = self.written()
-        return next((wid for (wid, nonce), maps in self.mapped.items()
+        return next((wid for (wid, nonce), maps in sorted(self.mapped.items())
                      if maps and (wid, nonce) in written and (wid, nonce) not in live), None)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import redis
 import torch
 
 from services.worker_runtime.peer_memory_exit import PeerMemoryExit, ipc_domain, maps_peer_memory
@@ -21,6 +22,7 @@ from shared.registry.worker_info import RankKvPool, WorkerInfo
 from tests.helpers.redis_server import redis_server  # noqa: F401  (fixture)
 
 TTL_S = 1.0
+AFTER_LEAVE_S = 1.0  # past a heartbeat (0.2 s) and a scan (0.2 s): a worker that registers again is back by then
 POOL_SHAPE = (8, 2, 2, 2, 4, 8)
 
 
@@ -52,34 +54,43 @@ def test_the_ipc_domain_is_the_hosts_boot_and_the_pid_namespace():
     assert child.stdout.strip() == here  # a worker started beside this one shares it
 
 
-def test_a_written_peer_that_dies_makes_the_writer_drain_once_and_no_other_does(redis_server):
+def test_a_written_peer_that_dies_makes_the_writer_drain_once_and_nothing_else_does(redis_server):
+    """A peer never written into leaving, and Redis emptied (every entry gone until the next
+    heartbeats write them again), drain nothing; the written peer's death drains once."""
     config = RegistryConfig(redis_url=redis_server.url, ttl_s=TTL_S, heartbeat_interval_s=0.2,
                             scan_interval_s=0.2, socket_timeout_s=0.5)
     writer = KvTransferAgent("writer-r0", torch.randn(POOL_SHAPE), write_timeout_s=10)
     target = KvTransferAgent("target-r0", torch.zeros(POOL_SHAPE), write_timeout_s=10)
     written, bystander = info("decode-w", mem_type="DRAM", domain=""), info("decode-b", mem_type="DRAM", domain="")
+    me = WorkerInfo(worker_id="prefill-me", role="prefill", address="127.0.0.1:2", model="m", page_size=4,
+                    compat_hash="c")
     drains: list[tuple[float, str]] = []
 
     async def scenario():
         async with WorkerWatcher(config, model="m") as watcher:
-            pubs = {w.worker_id: WorkerPublisher(w, config) for w in (written, bystander)}
+            pubs = {w.worker_id: WorkerPublisher(w, config) for w in (written, bystander, me)}
             for pub in pubs.values():
                 await pub.start()
-            assert await watcher.wait_for(lambda w: w.is_live("decode-w") and w.is_live("decode-b"), timeout=5)
+            assert await watcher.wait_for(lambda w: all(w.is_live(i) for i in pubs), timeout=5)
             peer = writer.add_peer("decode-w", written.instance_nonce, target.metadata(), target.pool_info)
             assert writer.wait(writer.write_pages(peer, [1, 2], [3, 4]), 10) == DONE
             assert torch.equal(target.pool[3:5], writer.pool[1:3])
             assert writer.written_peers() == {("decode-w", written.instance_nonce)}
             service = PeerMemoryExit(written=writer.written_peers, workers=watcher.workers,
                                      drain=lambda why: drains.append((time.monotonic(), why)), mode="on",
-                                     mine="", mine_on_gpu=False, interval_s=0.1, after_leave_s=0.2)
+                                     mine="", mine_on_gpu=False, me="prefill-me", interval_s=0.1,
+                                     after_leave_s=AFTER_LEAVE_S)
             service.start()
             await pubs["decode-b"].stop(deregister=True)  # never written into: nothing of it is mapped
             await asyncio.sleep(TTL_S + 0.6)
+            redis.Redis.from_url(redis_server.url).flushall()  # a Redis restarted empty
+            assert await watcher.wait_for(lambda w: not w.is_live("decode-w"), timeout=5)
+            assert await watcher.wait_for(lambda w: w.is_live("decode-w") and w.is_live("prefill-me"), timeout=5)
+            await asyncio.sleep(AFTER_LEAVE_S + 0.3)
             assert drains == []
             await pubs["decode-w"].stop(deregister=False)  # SIGKILL: heartbeats stop, only the TTL removes it
             died = time.monotonic()
-            deadline = died + TTL_S + 3.0
+            deadline = died + TTL_S + AFTER_LEAVE_S + 3.0
             while not drains and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             await asyncio.sleep(0.5)  # a second notice would land by now
@@ -87,7 +98,7 @@ def test_a_written_peer_that_dies_makes_the_writer_drain_once_and_no_other_does(
             assert len(drains) == 1, drains
             at, why = drains[0]
             assert "decode-w" in why
-            assert at - died >= 0.2  # it waited after noticing (the dead peer's streams move meanwhile)
+            assert at - died >= AFTER_LEAVE_S  # it waited after noticing (the dead peer's streams move meanwhile)
 
     try:
         asyncio.run(scenario())
