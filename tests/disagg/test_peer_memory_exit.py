@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
+from dataclasses import replace
 import sys
 import time
 
@@ -21,8 +22,8 @@ from shared.registry.watcher import WorkerWatcher
 from shared.registry.worker_info import RankKvPool, WorkerInfo
 from tests.helpers.redis_server import redis_server  # noqa: F401  (fixture)
 
-TTL_S = 1.0
-AFTER_LEAVE_S = 1.0  # past a heartbeat (0.2 s) and a scan (0.2 s): a worker that registers again is back by then
+TTL_S = 2.0
+AFTER_LEAVE_S = 1.5  # past a heartbeat (0.9 s) and a scan (0.1 s): a worker that registers again is back by then
 POOL_SHAPE = (8, 2, 2, 2, 4, 8)
 
 
@@ -57,8 +58,11 @@ def test_the_ipc_domain_is_the_hosts_boot_and_the_pid_namespace():
 def test_a_written_peer_that_dies_makes_the_writer_drain_once_and_nothing_else_does(redis_server):
     """A peer never written into leaving, and Redis emptied (every entry gone until the next
     heartbeats write them again), drain nothing; the written peer's death drains once."""
-    config = RegistryConfig(redis_url=redis_server.url, ttl_s=TTL_S, heartbeat_interval_s=0.2,
-                            scan_interval_s=0.2, socket_timeout_s=0.5)
+    config = RegistryConfig(redis_url=redis_server.url, ttl_s=TTL_S, heartbeat_interval_s=0.1,
+                            scan_interval_s=0.1, socket_timeout_s=0.5)
+    # the decode workers beat slower than this worker: emptied, the registry holds this worker
+    # again some time before the written peer, which is the view a leave would show
+    slow_beat = replace(config, heartbeat_interval_s=0.9)
     writer = KvTransferAgent("writer-r0", torch.randn(POOL_SHAPE), write_timeout_s=10)
     target = KvTransferAgent("target-r0", torch.zeros(POOL_SHAPE), write_timeout_s=10)
     written, bystander = info("decode-w", mem_type="DRAM", domain=""), info("decode-b", mem_type="DRAM", domain="")
@@ -68,7 +72,7 @@ def test_a_written_peer_that_dies_makes_the_writer_drain_once_and_nothing_else_d
 
     async def scenario():
         async with WorkerWatcher(config, model="m") as watcher:
-            pubs = {w.worker_id: WorkerPublisher(w, config) for w in (written, bystander, me)}
+            pubs = {w.worker_id: WorkerPublisher(w, config if w is me else slow_beat) for w in (written, bystander, me)}
             for pub in pubs.values():
                 await pub.start()
             assert await watcher.wait_for(lambda w: all(w.is_live(i) for i in pubs), timeout=5)
@@ -83,8 +87,13 @@ def test_a_written_peer_that_dies_makes_the_writer_drain_once_and_nothing_else_d
             service.start()
             await pubs["decode-b"].stop(deregister=True)  # never written into: nothing of it is mapped
             await asyncio.sleep(TTL_S + 0.6)
-            redis.Redis.from_url(redis_server.url).flushall()  # a Redis restarted empty
-            assert await watcher.wait_for(lambda w: not w.is_live("decode-w"), timeout=5)
+            seen_gone = False
+            for _ in range(10):  # a Redis restarted empty, until the watcher's scan lands in the gap
+                redis.Redis.from_url(redis_server.url).flushall()
+                if seen_gone := await watcher.wait_for(
+                        lambda w: w.is_live("prefill-me") and not w.is_live("decode-w"), timeout=1.0):
+                    break
+            assert seen_gone, "the watcher never showed the written peer gone while this worker was back"
             assert await watcher.wait_for(lambda w: w.is_live("decode-w") and w.is_live("prefill-me"), timeout=5)
             await asyncio.sleep(AFTER_LEAVE_S + 0.3)
             assert drains == []
