@@ -171,13 +171,7 @@ class RouterService(duet_pb2_grpc.RouterServicer):
             placement = place(decode, prefill, prompt_tokens, inflight=loads, weights=weights,
                               target_s=self.config.slo.itl_ms / 1000, colocated=both[0] if both else None)
             if placement.kind == "local_prefill":  # it holds most of the prompt: no prefill worker, no transfer
-                self.inflight.add(RoutedRequest(request_id, decode.worker.worker_id,
-                                                prompt_tokens - decode.cached_tokens, decode.worker.worker_id,
-                                                decode.pages, now))
-                return duet_pb2.RouteReply(request_id=request_id, decode=worker_ref(decode.worker), colocated=True,
-                                           local_prefill=True, cached_tokens=decode.cached_tokens,
-                                           decode_cached_tokens=decode.cached_tokens,
-                                           reason=placement.detail, checkpoint=decode.worker.checkpoint), placement
+                return self._local_prefill_reply(request_id, decode, prompt_tokens, placement.detail, now), placement
             if placement.kind == "colocated":
                 return self._colocated_reply(request_id, *both, placement.detail), placement
             self.inflight.add(RoutedRequest(request_id, prefill.worker.worker_id, prefill.uncached_tokens,
@@ -215,13 +209,18 @@ class RouterService(duet_pb2_grpc.RouterServicer):
                                n=max(1, request.n), adapter=request.lora_adapter)
         if decode is None:
             return None
+        return self._local_prefill_reply(
+            request_id, decode, prompt_tokens, f"no prefill worker live: {decode.worker.worker_id} prefills all "
+            f"{prompt_tokens - decode.cached_tokens} uncached prompt tokens itself", time.monotonic())
+
+    def _local_prefill_reply(self, request_id: str, decode: DecodeChoice, prompt_tokens: int, reason: str,
+                             now: float) -> duet_pb2.RouteReply:
+        """The decode worker prefills what it does not hold itself: no prefill worker, no transfer."""
         self.inflight.add(RoutedRequest(request_id, decode.worker.worker_id, prompt_tokens - decode.cached_tokens,
-                                        decode.worker.worker_id, decode.pages, time.monotonic()))
+                                        decode.worker.worker_id, decode.pages, now))
         return duet_pb2.RouteReply(request_id=request_id, decode=worker_ref(decode.worker), colocated=True,
                                    local_prefill=True, cached_tokens=decode.cached_tokens,
-                                   decode_cached_tokens=decode.cached_tokens,
-                                   reason=f"no prefill worker live: {decode.worker.worker_id} prefills all "
-                                          f"{prompt_tokens - decode.cached_tokens} uncached prompt tokens itself",
+                                   decode_cached_tokens=decode.cached_tokens, reason=reason,
                                    checkpoint=decode.worker.checkpoint)
 
     def _colocated_reply(self, request_id: str, prefill: PrefillChoice, decode: DecodeChoice,

@@ -16,9 +16,9 @@ locking of a 25-50 GiB tier, ending just after it every time, with 1 GiB or 64 M
 2 ms pause between them. `pinned_bytes` grows as it goes, and the host tier hands out only
 pages already locked (a copy through pageable memory would make the step that queued it
 wait); under load from the first second the tier grows in the gaps between steps, and by one
-chunk every MAX_HOLD_S at least. The
-registration is called through ctypes into the CUDA runtime torch loaded, which releases the GIL, so the
-engine thread runs meanwhile; torch's own binding (which holds it) is the fallback."""
+chunk every MAX_HOLD_S at least. The registration is called through ctypes into the CUDA
+runtime torch loaded, which releases the GIL, so the engine thread runs meanwhile; torch's own
+binding (which holds it) is the fallback."""
 from __future__ import annotations
 
 import ctypes
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 # while a chunk is being locked waits for it (the driver's lock), so chunks are small: 16 MiB is
 # ~15 ms of locking; copy runs of 2 MiB already reach ~51 GB/s on these machines
 CHUNK_BYTES = 16 << 20
-YIELD_S = 0.002  # between chunks
+YIELD_S = 0.002  # between chunks: a launch waiting on the driver's lock gets in
 WAIT_S = 0.01  # how often a pinner held back asks again
 MAX_HOLD_S = 0.5  # serving without a pause: a chunk every half second anyway (~15 ms of a step's time)
 PORTABLE = 1  # cudaHostRegisterPortable: locked for every context, whichever thread registers it
@@ -97,10 +97,7 @@ class BackgroundPinner:
             register, unregister = _cudart_register()
             base = self.tensor.data_ptr()
             while self.pinned_bytes < self.nbytes:
-                held_since = time.monotonic()  # busy for long: one chunk anyway, so the tier still grows
-                while (self.may_pin is not None and not self.may_pin()
-                       and time.monotonic() - held_since < (MAX_HOLD_S if self.pinned_bytes else float("inf"))):
-                    time.sleep(WAIT_S)
+                self._wait_turn()
                 size = min(self.chunk_bytes, self.nbytes - self.pinned_bytes)
                 err = register(base + self.pinned_bytes, size, PORTABLE)
                 if int(err) != 0:
@@ -121,6 +118,15 @@ class BackgroundPinner:
                 log.info("host KV tier: %.2f GiB page-locked in the background in %.1fs", self.nbytes / 2**30,
                          self.seconds)
             self.done.set()
+
+    def _wait_turn(self) -> None:
+        """Until may_pin() allows the next chunk; once the first is locked, at most MAX_HOLD_S
+        (busy for long: one chunk anyway, so the tier still grows)."""
+        if self.may_pin is None:
+            return
+        until = time.monotonic() + (MAX_HOLD_S if self.pinned_bytes else float("inf"))
+        while not self.may_pin() and time.monotonic() < until:
+            time.sleep(WAIT_S)
 
     def wait(self, timeout: float | None = None) -> bool:
         return self.done.wait(timeout)
