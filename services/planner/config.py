@@ -23,8 +23,8 @@ class PlannerTiming:
     dwell_s: float = setting(
         60.0, flag="--planner-dwell", env="DUET_PLANNER_DWELL",
         help="seconds a split stays at least (from the planner's start and from its last change) before it "
-             "changes again; a switch straight back to the split the last switch left waits this doubled per "
-             "round trip made within the last ten dwells, up to eight times this")
+             "changes again; also the longest backlog (a burst of queued prompts) the current split is left "
+             "to work off before a switch is weighed")
     hysteresis: float = setting(
         0.2, flag="--planner-hysteresis", env="DUET_PLANNER_HYSTERESIS",
         help="a split replaces the current one only if its predicted worst SLO ratio is lower by more than "

@@ -19,11 +19,16 @@ is too little to judge by). Rules, in order:
   `--planner-headroom-above`) is held (reason `meets_targets`): a switch drains the requests
   under way on their old roles and moves prefill away from the pages it left, which a
   predicted margin the targets do not need does not pay for;
-- a switch straight back to the split the last switch left (a load that comes back in a cycle:
-  lockstep chat turns, a burst of new conversations) waits a dwell doubled for each such round
-  trip made within the last ten dwells, up to eight dwells (reason `flapping` once the plain dwell
-  has passed): each round trip drains the work under way twice and moves prefill off the pages it
-  left twice, which a split that stays pays once. A switch to any other split waits the plain dwell.
+- a current split working off a backlog (the window's peak of queued prompt tokens: a burst of
+  new conversations, the first turns of a lockstep chat) that it clears within the dwell, at an
+  offered rate its prefill keeps up with (at most SATURATED of its time), and long enough to
+  weigh (at least half the first-token target), is held (reason `backlog`): the queued requests
+  stay on the workers they were placed on whatever the roles become, so a switch helps none of
+  them; it only moves the load that comes after the burst, on readings the burst distorts
+  (its first-token wait, and the inter-token latency of steps that carried its chunks). The hold
+  lasts while the burst is in the window; the decision after it weighs the load that stays.
+  (Measured before this rule on two H200s: lockstep chats switched two `both` workers to the
+  split under each burst of first turns, and their cached turns then ran on the split.)
 Kubernetes pool sizes change by the same rules, one pod at a time (`pool_step`)."""
 from __future__ import annotations
 
@@ -31,13 +36,11 @@ import math
 from dataclasses import dataclass, field
 
 from services.planner.load_window import Load
-from services.planner.predict import Corrections, Fleet, Prediction, Split, candidates, predict
+from services.planner.predict import SATURATED, Corrections, Fleet, Prediction, Split, backlog, candidates, predict
 
 ACTIONS = ("switch", "scale", "hold", "keep")
-REASONS = ("unservable", "slo", "headroom", "hysteresis", "meets_targets", "dwell", "flapping", "idle", "no_model",
+REASONS = ("unservable", "slo", "headroom", "hysteresis", "meets_targets", "backlog", "dwell", "idle", "no_model",
            "best", "starting", "failed")
-FLAP_MEMORY_DWELLS = 10  # round trips older than this many dwells are forgotten
-FLAP_MAX_DWELLS = 8      # the longest a return leg waits, in dwells
 
 
 @dataclass(frozen=True)
@@ -71,31 +74,18 @@ class Decider:
     changed_at: float  # monotonic: the planner's start, then each change it made
     served: bool = False  # the workers were seen able to serve at least once
     headroom_above: float = 0.0  # a split meeting every target with its worst ratio at most this is held
-    switches: list[tuple[float, Split, Split]] = field(default_factory=list)  # (at, from, to), oldest first
 
     def dwelt(self, now: float) -> bool:
         return now - self.changed_at >= self.dwell_s
 
-    def changed(self, now: float, current: Split | None = None, target: Split | None = None) -> None:
-        """A change was made at `now` (a switch from `current` to `target`, or a pool step)."""
+    def changed(self, now: float) -> None:
+        """A change was made at `now` (a switch, or a pool step)."""
         self.changed_at = now
-        if current is not None and target is not None:
-            self.switches = [*self._remembered(now), (now, current, target)]
 
-    def _remembered(self, now: float) -> list[tuple[float, Split, Split]]:
-        return [sw for sw in self.switches if now - sw[0] <= FLAP_MEMORY_DWELLS * self.dwell_s]
-
-    def round_trips(self, now: float) -> int:
-        """Switches straight back to the split the one before left, within the memory."""
-        recent = self._remembered(now)
-        return sum(1 for (_, a0, b0), (_, a1, b1) in zip(recent, recent[1:]) if (a1, b1) == (b0, a0))
-
-    def dwell_for(self, now: float, current: Split, target: Split) -> float:
-        """How long `current` must stand before a switch to `target`: the dwell, doubled per
-        recent round trip when `target` is the split the last switch left."""
-        if not self.switches or self.switches[-1][1:] != (target, current):
-            return self.dwell_s
-        return self.dwell_s * min(FLAP_MAX_DWELLS, 2 ** self.round_trips(now))
+    def clearing_backlog(self, current: Split, load: Load, fleet: Fleet) -> bool:
+        """The current split is working off a burst it clears within the dwell (the module's rule)."""
+        b = backlog(current, load, fleet)
+        return fleet.ttft_target_s / 2 <= b.clear_s <= self.dwell_s and b.busy <= SATURATED
 
     def decide(self, now: float, current: Split, fixed: Split, load: Load, fleet: Fleet | None) -> Decision:
         options = candidates(current.workers, fixed)
@@ -125,9 +115,10 @@ class Decider:
             return Decision("hold", "hysteresis", current, best.split, load, preds, corr)
         if now_score <= self.headroom_above:
             return Decision("hold", "meets_targets", current, best.split, load, preds, corr)
-        if now - self.changed_at < self.dwell_for(now, current, best.split):
-            reason = "dwell" if not self.dwelt(now) else "flapping"
-            return Decision("hold", reason, current, best.split, load, preds, corr)
+        if self.clearing_backlog(current, load, fleet):
+            return Decision("hold", "backlog", current, best.split, load, preds, corr)
+        if not self.dwelt(now):
+            return Decision("hold", "dwell", current, best.split, load, preds, corr)
         return Decision("switch", "slo" if now_score > 1 else "headroom", current, best.split, load, preds, corr)
 
 

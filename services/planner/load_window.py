@@ -41,7 +41,8 @@ class Load:
     decode_streams: float = 0.0     # mean decode rows running (decode and `both` workers)
     decode_context: float = 0.0     # mean positions a decode row attends to
     kv_live_pages: float = 0.0      # mean pages held by live work, all workers
-    queued_prefill_tokens: float = 0.0  # now, all workers
+    queued_prefill_tokens: float = 0.0  # mean over the window's readings, all workers
+    backlog_tokens: float = 0.0         # the most queued in one reading of the window (a burst's peak)
     ttft_s: float | None = None     # mean time to first token the gateways saw
     itl_s: float | None = None      # mean inter-token latency the gateways saw
 
@@ -120,8 +121,10 @@ class LoadWindow:
         span = max(last.at - first.at, 1e-9)
         g = lambda key: _growth(first.gateways, last.gateways, key)  # noqa: E731
         requests, itl_count = g("ttft_count"), g("itl_count")
-        rows = context = pages = 0.0
+        rows = context = pages = queued = peak = 0.0
         for r in self.readings:
+            queued_now = float(sum(w.load.queued_prefill_tokens for w in r.fleet))
+            queued, peak = queued + queued_now, max(peak, queued_now)
             for w in r.fleet:
                 pages += w.load.kv_usage * w.load.total_pages
                 if w.role != "prefill":
@@ -135,6 +138,6 @@ class LoadWindow:
             computed_prompt_tokens_per_s=_growth(first.workers, last.workers, "prefill_tokens") / span,
             output_tokens_per_s=g("output_tokens") / span,
             decode_streams=rows / n, decode_context=context / rows if rows else 0.0, kv_live_pages=pages / n,
-            queued_prefill_tokens=float(sum(w.load.queued_prefill_tokens for w in last.fleet)),
+            queued_prefill_tokens=queued / n, backlog_tokens=peak,
             ttft_s=g("ttft_sum") / requests if requests else None,
             itl_s=g("itl_sum") / itl_count if itl_count else None)

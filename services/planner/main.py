@@ -96,7 +96,7 @@ class Planner:
                 continue
             log.info("planner: %s %s -> %s (%d request(s) under way finish there)", worker.worker_id,
                      reply.previous_role, reply.role, reply.inflight_requests)
-        self.decider.changed(time.monotonic(), decision.current, decision.target)
+        self.decider.changed(time.monotonic())
         self.window.reset()
 
     async def scale(self, workers: list[WorkerInfo], decision: Decision, fleet: Fleet, span) -> None:

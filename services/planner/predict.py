@@ -174,6 +174,38 @@ def raw_figures(split: Split, load: Load, fleet: Fleet) -> tuple[float, float, f
 
 
 @dataclass(frozen=True)
+class Backlog:
+    """The window's peak of queued prompt tokens, as the split's prefill would work it off."""
+
+    tokens: float   # the peak (a burst of new conversations, or a rate past capacity)
+    clear_s: float  # seconds its prefill takes to compute them, in full chunks
+    busy: float     # share of its prefill time the offered rate takes, the backlog aside
+
+
+def backlog(split: Split, load: Load, fleet: Fleet) -> Backlog:
+    """How `split` works off the window's backlog: in full chunks (a backlog widens a `both`
+    worker's chunks past its inter-token budget, ttft_pressure.py) over the requests' held
+    context, on the workers that prefill (the prefill workers; the decoders beside their rows
+    where they prefill, as in raw_figures)."""
+    if not split.servable:
+        return Backlog(load.backlog_tokens, math.inf, math.inf)
+    uncached, start = load.uncached_tokens, int(max(0.0, load.prompt_tokens - load.uncached_tokens))
+    splitting = split.prefill > 0 and split.decode > 0
+    local = load.uncached_share <= LOCAL.local_prefill_min_share and uncached <= LOCAL.local_prefill_max_tokens
+    if splitting and not local:
+        workers, rows, context = split.prefill, 0.0, 0.0
+    else:
+        workers = split.decode + split.both if splitting else split.both
+        rows = load.decode_streams / workers
+        context = rows * load.decode_context
+    site = PrefillSite(fleet.model, int(round(rows)), int(round(context)), fleet.max_batched_tokens, None)
+    chunk = max(1, fleet.max_batched_tokens - int(round(rows)))
+    tokens_per_s = workers * chunk / site.step_s(chunk, start)
+    return Backlog(load.backlog_tokens, load.backlog_tokens / tokens_per_s,
+                   load.offered_per_s * uncached / tokens_per_s)
+
+
+@dataclass(frozen=True)
 class Corrections:
     """observed / predicted for the current split (1 where nothing was observed)."""
 

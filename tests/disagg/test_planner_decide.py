@@ -15,7 +15,7 @@ from services.gateway.http_edge.metrics import GatewayMetrics
 from services.planner.assign import assign, fixed_split
 from services.planner.decide import Decider, pool_step
 from services.planner.load_window import Load, LoadWindow, Reading
-from services.planner.predict import Corrections, Fleet, Split, candidates, predict
+from services.planner.predict import Corrections, Fleet, Split, backlog, candidates, predict
 from services.planner.scrape import gateway_figures
 from shared.registry.worker_info import WorkerInfo
 from tests.helpers.planner_fleet import CHAT, LONG, long_prompts, worker
@@ -89,31 +89,29 @@ def test_a_split_stands_its_dwell_time_from_the_start_and_from_each_change():
     assert d.decide(160.0, P1D1, Split(), CHAT, f).action == "switch"
 
 
-def test_each_round_trip_between_two_splits_doubles_the_wait_of_the_next_return():
-    """Chat and long prompts in turn (a load that comes back in a cycle): the first return costs the
-    plain dwell, each later one twice the one before (`flapping` once the plain dwell passed), up to
-    eight dwells; a switch to a third split waits the plain dwell; round trips older than ten
-    dwells are forgotten."""
-    d, f = decider(), fleet()  # dwell 60 s
-    assert d.decide(60.0, P1D1, Split(), CHAT, f).target == B2
-    d.changed(60.0, P1D1, B2)
-    back = d.decide(120.0, B2, Split(), LONG, f)
-    assert (back.action, back.target) == ("switch", P1D1)
-    d.changed(120.0, B2, P1D1)  # one round trip
-    assert d.decide(150.0, P1D1, Split(), CHAT, f).reason == "dwell"
-    again = d.decide(239.0, P1D1, Split(), CHAT, f)
-    assert (again.action, again.reason, again.target) == ("hold", "flapping", B2)
-    assert d.decide(240.0, P1D1, Split(), CHAT, f).action == "switch"
-    d.changed(240.0, P1D1, B2)  # two: the next return waits four dwells
-    assert d.decide(479.0, B2, Split(), LONG, f).reason == "flapping"
-    assert d.decide(480.0, B2, Split(), LONG, f).action == "switch"
-    d.changed(480.0, B2, P1D1)  # three: eight dwells, the most
-    assert d.dwell_for(481.0, P1D1, B2) == 8 * 60.0
-    assert d.dwell_for(481.0, P1D1, Split(0, 1, 1)) == 60.0  # not the split it left
-    assert d.dwell_for(700.0, P1D1, B2) == 4 * 60.0  # the first round trip has left the memory
-    assert d.dwell_for(1100.0, P1D1, B2) == 60.0
-    d.changed(1100.0)  # a pool step: no switch, nothing to remember
-    assert d.dwell_for(1101.0, P1D1, B2) == 60.0
+def test_a_burst_the_split_clears_within_the_dwell_holds_it_and_the_load_after_decides():
+    """Two `both` workers under long prompts, which the split serves better (a switch), while a
+    burst of queued prompts is in the window: the queued requests stay where they were placed
+    whatever the roles become, so the planner holds (`backlog`) as long as the split clears the
+    burst within the dwell at a rate its prefill keeps up with. A backlog it would take longer
+    than the dwell to clear, or one it cannot work off at that rate, is no reason to wait."""
+    d, f = decider(), fleet()  # dwell 60 s, TTFT target 5 s
+    assert d.decide(100.0, B2, Split(), LONG, f).action == "switch"
+    burst = Load(**{**LONG.__dict__, "backlog_tokens": 2000.0})
+    b = backlog(B2, burst, f)
+    assert f.ttft_target_s / 2 < b.clear_s < d.dwell_s and b.busy < 0.9
+    held = d.decide(100.0, B2, Split(), burst, f)
+    assert (held.action, held.reason, held.target) == ("hold", "backlog", P1D1)
+    # the same burst on one prefill worker takes twice as long: each split clears at its own rate
+    assert backlog(P1D1, burst, f).clear_s == pytest.approx(2 * b.clear_s, rel=0.05)
+    small = Load(**{**LONG.__dict__, "backlog_tokens": 200.0})  # a few steps' worth: no burst to wait for
+    assert d.decide(100.0, B2, Split(), small, f).action == "switch"
+    flood = Load(**{**LONG.__dict__, "backlog_tokens": 30000.0})  # past the dwell
+    assert backlog(B2, flood, f).clear_s > d.dwell_s and d.decide(100.0, B2, Split(), flood, f).action == "switch"
+    # long prompts past what two `both` workers prefill: the backlog only grows, the split can help
+    past = Load(**{**long_prompts(1.5, 2.0).__dict__, "backlog_tokens": 2000.0})
+    assert backlog(B2, past, f).busy > 0.9
+    assert d.decide(100.0, B2, Split(), past, f).action == "switch"
 
 
 def test_too_little_load_or_no_model_keeps_the_split():
@@ -161,17 +159,18 @@ def test_the_least_loaded_workers_switch_in_an_order_that_always_serves():
 
 
 def test_the_window_reads_counters_as_their_growth_and_a_restart_from_zero():
-    def reading(at, ttft_count, ttft_sum, prompt, computed, running=2, nonce="n1"):
+    def reading(at, ttft_count, ttft_sum, prompt, computed, running=2, nonce="n1", queued=0):
         gateway = {"ttft_count": ttft_count, "ttft_sum": ttft_sum, "itl_count": 10 * ttft_count,
                    "itl_sum": ttft_count * 1.0, "prompt_tokens": prompt, "output_tokens": 10 * ttft_count}
         return Reading(at, {"g": gateway}, {f"w1/{nonce}": {"prefill_tokens": computed, "decode_tokens": 0.0}},
-                       (worker("w1", "decode", running=running, kv=0.25),))
+                       (worker("w1", "decode", running=running, kv=0.25, queued=queued),))
 
     window = LoadWindow(seconds=10.0)
     window.add(reading(0.0, 100, 50.0, 30000, 9000))
     assert window.load() == Load()  # one reading: no rate yet
-    window.add(reading(5.0, 110, 60.0, 33000, 9300))
+    window.add(reading(5.0, 110, 60.0, 33000, 9300, queued=6000))
     load = window.load()
+    assert (load.queued_prefill_tokens, load.backlog_tokens) == (3000, 6000)  # the mean and the peak
     assert load.requests == 10 and load.requests_per_s == pytest.approx(2.0)
     assert load.prompt_tokens == pytest.approx(300) and load.uncached_tokens == pytest.approx(30)
     assert load.ttft_s == pytest.approx(1.0) and load.itl_s == pytest.approx(0.1)

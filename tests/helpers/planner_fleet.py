@@ -20,12 +20,13 @@ CHAT = Load(seconds=10, requests=40, requests_per_s=0.8, prompt_tokens_per_s=264
 
 
 def worker(worker_id: str, role: str, *, switchable: bool = True, running: int = 0, kv: float = 0.0,
-           model: StepModel | None = MODEL, mem: str = "DRAM") -> WorkerInfo:
+           model: StepModel | None = MODEL, mem: str = "DRAM", queued: int = 0) -> WorkerInfo:
     pool = RankKvPool(rank=0, agent_name=f"{worker_id}-r0", base_addr=0, page_bytes=36864 * 16, num_pages=400,
                       mem_type=mem)
     return WorkerInfo(worker_id=worker_id, role=role, address="127.0.0.1:1", model="m", page_size=16,
                       max_batched_tokens=1024, kv_pools=[pool], switchable=switchable,
-                      load=WorkerLoad(total_pages=400, free_pages=400, running_requests=running, kv_usage=kv),
+                      load=WorkerLoad(total_pages=400, free_pages=400, running_requests=running, kv_usage=kv,
+                                        queued_prefill_tokens=queued),
                       perf=WorkerPerf(step=model, itl_target_s=0.25, budget_floor_tokens=32))
 
 

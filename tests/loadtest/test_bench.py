@@ -103,7 +103,7 @@ def test_planner_switches_are_counted_from_the_planners_log(tmp_path):
 
     assert planner_switches(None) is None and planner_switches(tmp_path) is None  # no planner: no count
     line = "2026-11-28 07:27:12,252 INFO duet.planner: planner {} ({}): 1p1d -> 2b; now score 1.16\n"
-    (tmp_path / "planner.log").write_text(line.format("switch", "slo") + line.format("hold", "flapping") +
+    (tmp_path / "planner.log").write_text(line.format("switch", "slo") + line.format("hold", "backlog") +
                                           line.format("switch", "headroom"))
     assert planner_switches(tmp_path) == 2
 
