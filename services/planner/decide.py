@@ -36,7 +36,8 @@ import math
 from dataclasses import dataclass, field
 
 from services.planner.load_window import Load
-from services.planner.predict import SATURATED, Corrections, Fleet, Prediction, Split, backlog, candidates, predict
+from services.planner.predict import (SATURATED, Backlog, Corrections, Fleet, Prediction, Split, backlog, candidates,
+                                      predict)
 
 ACTIONS = ("switch", "scale", "hold", "keep")
 REASONS = ("unservable", "slo", "headroom", "hysteresis", "meets_targets", "backlog", "dwell", "idle", "no_model",
@@ -52,6 +53,7 @@ class Decision:
     load: Load
     predictions: dict = field(default_factory=dict)  # Split -> Prediction
     corrections: Corrections = Corrections()
+    backlog: Backlog | None = None  # the current split's, where one was weighed
 
     def prediction(self, split: Split) -> Prediction | None:
         return self.predictions.get(split)
@@ -82,9 +84,8 @@ class Decider:
         """A change was made at `now` (a switch, or a pool step)."""
         self.changed_at = now
 
-    def clearing_backlog(self, current: Split, load: Load, fleet: Fleet) -> bool:
+    def clears_within_dwell(self, b: Backlog, fleet: Fleet) -> bool:
         """The current split is working off a burst it clears within the dwell (the module's rule)."""
-        b = backlog(current, load, fleet)
         return fleet.ttft_target_s / 2 <= b.clear_s <= self.dwell_s and b.busy <= SATURATED
 
     def decide(self, now: float, current: Split, fixed: Split, load: Load, fleet: Fleet | None) -> Decision:
@@ -115,11 +116,13 @@ class Decider:
             return Decision("hold", "hysteresis", current, best.split, load, preds, corr)
         if now_score <= self.headroom_above:
             return Decision("hold", "meets_targets", current, best.split, load, preds, corr)
-        if self.clearing_backlog(current, load, fleet):
-            return Decision("hold", "backlog", current, best.split, load, preds, corr)
+        queued = backlog(current, load, fleet)
+        if self.clears_within_dwell(queued, fleet):
+            return Decision("hold", "backlog", current, best.split, load, preds, corr, queued)
         if not self.dwelt(now):
-            return Decision("hold", "dwell", current, best.split, load, preds, corr)
-        return Decision("switch", "slo" if now_score > 1 else "headroom", current, best.split, load, preds, corr)
+            return Decision("hold", "dwell", current, best.split, load, preds, corr, queued)
+        return Decision("switch", "slo" if now_score > 1 else "headroom", current, best.split, load, preds, corr,
+                        queued)
 
 
 @dataclass(frozen=True)

@@ -46,8 +46,12 @@ def figures(decision: Decision, fleet: Fleet | None) -> dict[str, object]:
         "load.prompt_tokens": round(load.prompt_tokens, 1), "load.uncached_share": round(load.uncached_share, 3),
         "load.output_tokens": round(load.output_tokens, 1), "load.decode_streams": round(load.decode_streams, 2),
         "load.kv_live_pages": round(load.kv_live_pages, 1), "load.queued_prefill_tokens": load.queued_prefill_tokens,
+        "load.backlog_tokens": load.backlog_tokens,
         "correction.ttft": round(c.ttft, 3), "correction.itl": round(c.itl, 3),
     }
+    if decision.backlog is not None:
+        out["backlog.clear_s"] = round(decision.backlog.clear_s, 3)
+        out["backlog.busy"] = round(decision.backlog.busy, 3)
     if load.ttft_s is not None:
         out["observed.ttft_s"] = round(load.ttft_s, 4)
     if load.itl_s is not None:
@@ -73,13 +77,16 @@ def report(decision: Decision, fleet: Fleet | None, metrics: PlannerMetrics, spa
     load = decision.load
     seen = (f"; observed ttft {load.ttft_s:.3f}s" if load.ttft_s is not None else "") + \
         (f" itl {load.itl_s * 1000:.0f}ms" if load.itl_s is not None else "")
+    b = decision.backlog
+    queued = (f"; backlog {b.tokens:.0f} tokens, cleared in {b.clear_s:.1f}s at prefill busy {b.busy:.2f}"
+              if b is not None and b.tokens > 0 else "")
     targets = f"; targets ttft {fleet.ttft_target_s:.3f}s itl {fleet.itl_target_s * 1000:.0f}ms" if fleet else ""
     log.info("planner %s (%s): %s -> %s; now %s; target %s; load %.1f requests in %.0fs (%.2f/s offered), "
-             "%.0f prompt tokens (%.0f%% uncached), %.0f out, %.1f decode streams%s%s", decision.action,
+             "%.0f prompt tokens (%.0f%% uncached), %.0f out, %.1f decode streams%s%s%s", decision.action,
              decision.reason, decision.current, decision.target, _pred(decision.prediction(decision.current)),
              _pred(decision.prediction(decision.target)), load.requests, load.seconds, load.offered_per_s,
              load.prompt_tokens,
-             100 * load.uncached_share, load.output_tokens, load.decode_streams, seen, targets)
+             100 * load.uncached_share, load.output_tokens, load.decode_streams, queued, seen, targets)
 
 
 def report_pool(step: PoolStep, pool: str, replicas: int, metrics: PlannerMetrics, span) -> None:

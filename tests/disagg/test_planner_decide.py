@@ -16,6 +16,7 @@ from services.planner.assign import assign, fixed_split
 from services.planner.decide import Decider, pool_step
 from services.planner.load_window import Load, LoadWindow, Reading
 from services.planner.predict import Corrections, Fleet, Split, backlog, candidates, predict
+from services.planner.report import figures
 from services.planner.scrape import gateway_figures
 from shared.registry.worker_info import WorkerInfo
 from tests.helpers.planner_fleet import CHAT, LONG, long_prompts, worker
@@ -102,6 +103,8 @@ def test_a_burst_the_split_clears_within_the_dwell_holds_it_and_the_load_after_d
     assert f.ttft_target_s / 2 < b.clear_s < d.dwell_s and b.busy < 0.9
     held = d.decide(100.0, B2, Split(), burst, f)
     assert (held.action, held.reason, held.target) == ("hold", "backlog", P1D1)
+    shown = figures(held, f)  # the span event's attributes and the log line's figures
+    assert (shown["load.backlog_tokens"], shown["backlog.clear_s"]) == (2000.0, round(b.clear_s, 3))
     # the same burst on one prefill worker takes twice as long: each split clears at its own rate
     assert backlog(P1D1, burst, f).clear_s == pytest.approx(2 * b.clear_s, rel=0.05)
     small = Load(**{**LONG.__dict__, "backlog_tokens": 200.0})  # a few steps' worth: no burst to wait for
