@@ -13,6 +13,7 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
+    FINISH_REASON_MOVED: _ClassVar[FinishReason]
 
 class ReleaseStage(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -23,6 +24,7 @@ FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
+FINISH_REASON_MOVED: FinishReason
 RELEASE_STAGE_UNSPECIFIED: ReleaseStage
 RELEASE_STAGE_PREFILL_DONE: ReleaseStage
 RELEASE_STAGE_DONE: ReleaseStage
@@ -405,21 +407,25 @@ class LoraAdapterReply(_message.Message):
     def __init__(self, adapters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SetRoleRequest(_message.Message):
-    __slots__ = ("role", "reason")
+    __slots__ = ("role", "reason", "hand_over")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    HAND_OVER_FIELD_NUMBER: _ClassVar[int]
     role: str
     reason: str
-    def __init__(self, role: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    hand_over: int
+    def __init__(self, role: _Optional[str] = ..., reason: _Optional[str] = ..., hand_over: _Optional[int] = ...) -> None: ...
 
 class SetRoleReply(_message.Message):
-    __slots__ = ("role", "previous_role", "changed", "inflight_requests")
+    __slots__ = ("role", "previous_role", "changed", "inflight_requests", "handed_over")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_ROLE_FIELD_NUMBER: _ClassVar[int]
     CHANGED_FIELD_NUMBER: _ClassVar[int]
     INFLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    HANDED_OVER_FIELD_NUMBER: _ClassVar[int]
     role: str
     previous_role: str
     changed: bool
     inflight_requests: int
-    def __init__(self, role: _Optional[str] = ..., previous_role: _Optional[str] = ..., changed: _Optional[bool] = ..., inflight_requests: _Optional[int] = ...) -> None: ...
+    handed_over: int
+    def __init__(self, role: _Optional[str] = ..., previous_role: _Optional[str] = ..., changed: _Optional[bool] = ..., inflight_requests: _Optional[int] = ..., handed_over: _Optional[int] = ...) -> None: ...

@@ -205,9 +205,10 @@ class DecodeService(duet_pb2_grpc.DecodeServicer):
                     timing.sent(emitted - sent_before)
                     if out.request_finished:
                         finished = True
-                        ctx.metrics.request_finished("Generate", grpc.StatusCode.OK if out.finish_reason != "abort"
-                                                    else grpc.StatusCode.CANCELLED)
-                        if out.finish_reason != "abort":
+                        ended = out.finish_reason in ("abort", "moved")  # moved: handed over (SetRole)
+                        ctx.metrics.request_finished("Generate", grpc.StatusCode.CANCELLED if ended
+                                                     else grpc.StatusCode.OK)
+                        if not ended:
                             timing.finished()
                         yield self._last_chunk(out, tokens, prompt, emitted)
                         return

@@ -14,7 +14,8 @@ from shared.settings.spec import nested, setting
 
 @dataclass
 class PlannerTiming:
-    """How often the planner looks, over how much history, and what keeps it from flapping."""
+    """How often the planner looks, over how much history, what keeps it from flapping, and how a
+    switch spreads the running batch."""
 
     interval_s: float = setting(10.0, flag="--planner-interval", env="DUET_PLANNER_INTERVAL",
                                 help="seconds between the planner's readings and decisions")
@@ -35,6 +36,12 @@ class PlannerTiming:
              "worst SLO ratio is above this (a switch drains the requests under way on their old roles and "
              "moves prefill away from the pages it left; with room to spare that costs more than it wins); "
              "0: switch for any margin past the hysteresis")
+    hand_over_min: int = setting(
+        8, flag="--planner-hand-over-min", env="DUET_PLANNER_HAND_OVER_MIN",
+        help="after a switch, a switching worker holding at least this many decoding streams more than its share "
+             "of the new split's decoders (all of them when it turns prefill) hands that surplus over: their "
+             "gateways continue them on the other workers, token for token, so the running batch spreads over "
+             "the new split; 0: every stream finishes where it is")
     min_requests: int = setting(
         20, flag="--planner-min-requests", env="DUET_PLANNER_MIN_REQUESTS",
         help="requests the window must hold before the planner judges a split (less: it keeps the current one)")

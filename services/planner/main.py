@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import grpc
 
-from services.planner.assign import assign, fixed_split
+from services.planner.assign import assign, fixed_split, hand_overs
 from services.planner.config import PlannerConfig
 from services.planner.decide import Decider, Decision, pool_step
 from services.planner.kube_scale import KubeApi, KubeError, namespace_of
@@ -86,16 +86,18 @@ class Planner:
 
     async def switch(self, workers: list[WorkerInfo], decision: Decision) -> None:
         why = f"planner: {decision.current} -> {decision.target} ({decision.reason})"
-        for worker, role in assign(workers, decision.target):
+        moves = assign(workers, decision.target)
+        handing = hand_overs(workers, moves, self.config.timing.hand_over_min)
+        for worker, role in moves:
             try:
-                reply = await self.switcher.set_role(worker, role, why)
+                reply = await self.switcher.set_role(worker, role, why, handing.get(worker.worker_id, 0))
             except grpc.aio.AioRpcError as exc:
                 self.metrics.decisions.labels(action="switch", reason="failed").inc()
                 log.error("planner: %s refused the switch to %s: %s", worker.worker_id, role,
                           exc.details() or exc.code().name)
                 continue
-            log.info("planner: %s %s -> %s (%d request(s) under way finish there)", worker.worker_id,
-                     reply.previous_role, reply.role, reply.inflight_requests)
+            log.info("planner: %s %s -> %s (%d request(s) under way; %d decoding stream(s) handed over)",
+                     worker.worker_id, reply.previous_role, reply.role, reply.inflight_requests, reply.handed_over)
         self.decider.changed(time.monotonic())
         self.window.reset()
 

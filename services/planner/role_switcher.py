@@ -26,8 +26,9 @@ class RoleSwitcher:
             channel = self._channels[key] = self.tls.aio_channel(worker.address, probe_name(worker))
         return duet_pb2_grpc.WorkerAdminStub(channel)
 
-    async def set_role(self, worker: WorkerInfo, role: str, reason: str) -> duet_pb2.SetRoleReply:
-        return await self._stub(worker).SetRole(duet_pb2.SetRoleRequest(role=role, reason=reason), timeout=TIMEOUT_S)
+    async def set_role(self, worker: WorkerInfo, role: str, reason: str, hand_over: int = 0) -> duet_pb2.SetRoleReply:
+        return await self._stub(worker).SetRole(duet_pb2.SetRoleRequest(role=role, reason=reason, hand_over=hand_over),
+                                                timeout=TIMEOUT_S)
 
     async def forget(self, live: set[tuple[str, str, str]]) -> None:
         """Close the channels of worker instances no longer live."""

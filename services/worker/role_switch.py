@@ -7,9 +7,13 @@ once, not at their next scan; shared/registry/publisher.py: announce_role), so t
 no new work of the old role from its next Route on. Work already under way (a prefill, a
 reservation, a decoding stream) finishes here, and work of the old role that a router placed
 before it saw the change is still served: nothing is refused for a role, so no request fails
-across a switch. The engine and its KV cache stay, so a decode worker turned `both` keeps the
-conversations it holds (SGLang's runtime prefill<->decode switch rebuilds its role structures
-instead; here they are all built at start). Only the planner may call SetRole
+across a switch. The planner may also ask a worker to hand some of its decoding streams over
+(`hand_over`: the busier worker after a switch, or one leaving decode, so the running batch
+spreads over the new split): those end with finish reason "moved" and their gateways continue
+them on another worker from the tokens sent, as failover does (services/gateway/backends/
+migration.py), token for token. The engine and its KV cache stay, so a decode worker turned
+`both` keeps the conversations it holds (SGLang's runtime prefill<->decode switch rebuilds its
+role structures instead; here they are all built at start). Only the planner may call SetRole
 (shared/security/caller_guard.py); a worker started with a fixed role refuses it."""
 from __future__ import annotations
 
@@ -43,6 +47,9 @@ class RoleSwitch:
                                 ["role"], registry=self.registry)
         self.switch_counter = Counter("duet_worker_role_switches", "Role switches of this worker (SetRole)",
                                       ["from_role", "to_role"], registry=self.registry)
+        self.handed_over = Counter("duet_worker_streams_handed_over",
+                                   "Decoding streams this worker ended as moved for their gateways to continue "
+                                   "elsewhere (SetRole hand_over)", registry=self.registry)
         self._show()
 
     @property
@@ -83,13 +90,26 @@ class WorkerAdminService(duet_pb2_grpc.WorkerAdminServicer):
         if request.role not in ROLES:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"role must be one of {', '.join(ROLES)}, got {request.role!r}")
+        if request.hand_over < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"hand_over must be >= 0, got {request.hand_over}")
         inflight = await self.ctx.loop.acall(self._inflight)
-        if request.role == switch.role:
-            return duet_pb2.SetRoleReply(role=switch.role, previous_role=switch.role, changed=False,
-                                         inflight_requests=inflight)
-        before = await switch.switch(request.role, request.reason, inflight)
-        return duet_pb2.SetRoleReply(role=request.role, previous_role=before, changed=True,
-                                     inflight_requests=inflight)
+        before, changed = switch.role, request.role != switch.role
+        if changed:
+            before = await switch.switch(request.role, request.reason, inflight)
+        handed = await self._hand_over(request.hand_over) if request.hand_over else 0
+        return duet_pb2.SetRoleReply(role=request.role, previous_role=before, changed=changed,
+                                     inflight_requests=inflight, handed_over=handed)
+
+    async def _hand_over(self, count: int) -> int:
+        """End up to `count` decoding streams as "moved", after the new role is announced (the
+        continuations their gateways route next must not come back here as a decode worker
+        that is leaving decode); they continue elsewhere on failover's path."""
+        loop = self.ctx.loop
+        handed = await loop.acall(lambda: loop.hand_over(count))
+        self.switch.handed_over.inc(handed)
+        log.info("handed over %d of the %d decoding stream(s) asked for: their gateways continue them on "
+                 "other workers", handed, count)
+        return handed
 
     def _inflight(self) -> int:
         """On the engine loop: requests in the engine (prefills writing out among them) plus

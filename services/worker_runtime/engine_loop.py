@@ -109,6 +109,13 @@ class EngineLoop:
     def detach(self, rid: str) -> None:
         self._sinks.pop(rid, None)
 
+    def hand_over(self, count: int) -> int:
+        """On the loop thread (inside call()): end up to `count` decoding streams as "moved"
+        (Engine.hand_over) and send each its last output, so its handler tells its caller."""
+        outs = self.engine.hand_over(count)
+        self._deliver(outs)
+        return len(outs)
+
     # -- the loop -----------------------------------------------------------------------
     def _drain(self, block: bool, timeout: float) -> None:
         try:

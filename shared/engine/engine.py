@@ -459,16 +459,28 @@ class Engine:
             return None
         return self._abort_one(req)
 
-    def _abort_one(self, req: Req) -> StepOutput | None:
+    def _abort_one(self, req: Req, reason: str = "abort") -> StepOutput | None:
         rid = req.rid
         if req.status is ReqStatus.HELD:
             self.release_held(rid)
             return None
         self.scheduler.remove(req)
-        req.finish_reason = "abort"
+        req.finish_reason = reason
         self._finish(req)
-        return StepOutput(req.out_rid, [], finished=True, finish_reason="abort", index=req.index,
+        return StepOutput(req.out_rid, [], finished=True, finish_reason=reason, index=req.index,
                           request_finished=not self.groups.is_live(req.out_rid))
+
+    def hand_over(self, count: int) -> list[StepOutput]:
+        """End up to `count` decoding streams with finish reason "moved", for their callers to
+        continue them elsewhere (a worker leaving decode, or the busier one after a role switch,
+        spreads its batch). The youngest first: the fewest output tokens to rebuild there and the
+        most still to come. Single-sequence requests only (a sequence of n > 1 shares its
+        request's stream with the others)."""
+        movable = [r for r in self.requests.values()
+                   if r.is_decoding and not r.prefill_only and r.group is None and not self.groups.is_live(r.rid)]
+        movable.sort(key=lambda r: (r.num_output, -r.arrival))
+        outs = [self._abort_one(r, "moved") for r in movable[:max(0, count)]]
+        return [o for o in outs if o is not None]
 
     @property
     def has_work(self) -> bool:

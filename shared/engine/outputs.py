@@ -12,7 +12,7 @@ class StepOutput:
     logprobs: list[float | None] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finished: bool = False
-    finish_reason: str | None = None  # stop | length | abort | error
+    finish_reason: str | None = None  # stop | length | abort | moved (Engine.hand_over) | error
     stop_reason: str | int | None = None
     prefill_done: bool = False  # prefill-only request produced its first token
     num_prompt_tokens: int = 0

@@ -41,7 +41,7 @@ class Req:
     continues: bool = False  # its prompt extends a sequence the cache held (a conversation's next turn)
     host_pages_waiting: int = 0  # matched pages still in the host tier (no device room to load them)
     status: ReqStatus = ReqStatus.WAITING
-    finish_reason: str | None = None  # stop | length | abort | error
+    finish_reason: str | None = None  # stop | length | abort | moved (hand_over) | error
     stop_reason: str | int | None = None
     error: str | None = None
     arrival: float = field(default_factory=time.monotonic)

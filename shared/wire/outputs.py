@@ -16,9 +16,9 @@ from shared.engine.outputs import StepOutput
 
 _FINISH_TO_PROTO = {None: duet_pb2.FINISH_REASON_UNSPECIFIED, "stop": duet_pb2.FINISH_REASON_STOP,
                     "length": duet_pb2.FINISH_REASON_LENGTH, "abort": duet_pb2.FINISH_REASON_ABORT,
-                    "error": duet_pb2.FINISH_REASON_ABORT}
+                    "error": duet_pb2.FINISH_REASON_ABORT, "moved": duet_pb2.FINISH_REASON_MOVED}
 _FINISH_FROM_PROTO = {duet_pb2.FINISH_REASON_STOP: "stop", duet_pb2.FINISH_REASON_LENGTH: "length",
-                      duet_pb2.FINISH_REASON_ABORT: "abort"}
+                      duet_pb2.FINISH_REASON_ABORT: "abort", duet_pb2.FINISH_REASON_MOVED: "moved"}
 
 
 @dataclass(frozen=True)

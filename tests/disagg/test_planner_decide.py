@@ -12,7 +12,7 @@ import math
 import pytest
 
 from services.gateway.http_edge.metrics import GatewayMetrics
-from services.planner.assign import assign, fixed_split
+from services.planner.assign import assign, fixed_split, hand_overs
 from services.planner.decide import Decider, pool_step
 from services.planner.load_window import Load, LoadWindow, Reading
 from services.planner.predict import Corrections, Fleet, Split, backlog, candidates, predict
@@ -159,6 +159,27 @@ def test_the_least_loaded_workers_switch_in_an_order_that_always_serves():
     for w, role in moves:
         roles[w.worker_id] = role
         assert Split.of(roles.values()).servable
+
+
+def test_a_switch_spreads_the_running_batch_over_the_new_splits_decoders():
+    """1p1d -> 2b with 40 streams on the decode worker: it hands 20 over to reach its share; the
+    prefill worker's in-flight prefills are no decode rows. A worker turning prefill hands all
+    its streams over; a surplus under the minimum, a worker that does not switch, or 0 (off)
+    hands nothing over."""
+    split = [worker("w0", "prefill", running=3), worker("w1", "decode", running=40)]
+    moves = assign(split, B2)
+    assert hand_overs(split, moves, 8) == {"w1": 20}
+    assert hand_overs(split, moves, 21) == {} and hand_overs(split, moves, 0) == {}
+    both = [worker("w0", "both", running=30), worker("w1", "both", running=10)]
+    moves = assign(both, P1D1)  # w1 (fewer streams) turns prefill: all 10 go to w0, now decode
+    assert [(w.worker_id, role) for w, role in moves] == [("w1", "prefill"), ("w0", "decode")]
+    assert hand_overs(both, moves, 8) == {"w1": 10}
+    three = [worker("w0", "prefill"), worker("w1", "decode", running=30), worker("w2", "decode", running=6)]
+    moves = assign(three, Split(0, 0, 3))  # 36 streams over three: 12 each, w1 gives 18
+    assert hand_overs(three, moves, 4) == {"w1": 18}
+    stays = [worker("w0", "prefill"), worker("w1", "decode", running=30), worker("w2", "decode", running=0)]
+    moves = assign(stays, Split(2, 1, 0))  # w2 turns prefill with nothing to give; w1 keeps its role
+    assert [(w.worker_id, role) for w, role in moves] == [("w2", "prefill")] and hand_overs(stays, moves, 1) == {}
 
 
 def test_the_window_reads_counters_as_their_growth_and_a_restart_from_zero():

@@ -8,8 +8,15 @@ planner calls it), then back. The registry shows each new role at once, the rout
 (colocated answers after the first switch, split ones after the second), the switch's log line
 and metric are there, the worker keeps its KV cache (a conversation's next turn after the switch
 still reuses the pages the worker held before), no request fails and every greedy answer equals
-the one the split stack gave before any switch. Nothing is left on either worker afterwards."""
+the one the split stack gave before any switch. Nothing is left on either worker afterwards.
+
+A switch can also spread the running batch: the decode worker turned `both` hands half of its
+decoding streams over (SetRole `hand_over`, as the planner asks after a switch), their gateway
+continues them on the other worker from the tokens sent, and every streamed answer is the
+split stack's, token for token, with no error."""
 from __future__ import annotations
+
+import threading
 
 import grpc
 import pytest
@@ -38,11 +45,11 @@ def stack(request):
         yield s
 
 
-def set_role(s, worker_id: str, role: str) -> duet_pb2.SetRoleReply:
+def set_role(s, worker_id: str, role: str, hand_over: int = 0) -> duet_pb2.SetRoleReply:
     address = s.workers()[worker_id]["address"]
     with grpc.insecure_channel(address) as channel:
         return duet_pb2_grpc.WorkerAdminStub(channel).SetRole(
-            duet_pb2.SetRoleRequest(role=role, reason="test"), timeout=10)
+            duet_pb2.SetRoleRequest(role=role, reason="test", hand_over=hand_over), timeout=10)
 
 
 def roles(s) -> dict[str, str]:
@@ -119,3 +126,43 @@ def test_set_role_refuses_an_unknown_role_and_keeps_the_same_one(stack):
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     same = set_role(s, "worker-0", s.workers()["worker-0"]["role"])
     assert not same.changed and same.role == same.previous_role
+
+
+def test_a_decode_worker_turned_both_hands_half_its_streams_over_and_every_answer_stays_the_same(stack):
+    s = stack
+    client = s.client()
+    assert roles(s) == {"worker-0": "prefill", "worker-1": "decode"}
+    ask = dict(model=MODEL, max_tokens=48, temperature=0, extra_body={"ignore_eos": True})
+    reference = [client.completions.create(prompt=p, **ask).choices[0].text for p in PROMPTS]
+    gateway = s.gateway_metrics()
+    moved_before = gateway.value("duet_migrations_total", cause="handed_over")
+    decoded_before = s.metrics("worker-0").value("duet_engine_tokens_computed_total", phase="decode")
+    streams = [client.completions.create(prompt=p, stream=True, **ask) for p in PROMPTS]
+    texts = [[next(iter(st)).choices[0].text] for st in streams]  # all six decoding on worker-1 now
+    errors: list[BaseException] = []
+
+    def drain(i: int) -> None:
+        try:
+            texts[i] += [chunk.choices[0].text for chunk in streams[i]]
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+    readers = [threading.Thread(target=drain, args=(i,)) for i in range(len(streams))]
+    for t in readers:
+        t.start()
+    try:
+        assert set_role(s, "worker-0", "both").changed  # first: the continuations need a place to land
+        reply = set_role(s, "worker-1", "both", hand_over=3)
+        assert (reply.changed, reply.handed_over) == (True, 3)
+    finally:
+        for t in readers:
+            t.join(120)
+    assert not errors, errors
+    assert ["".join(t) for t in texts] == reference
+    assert s.gateway_metrics().value("duet_migrations_total", cause="handed_over") == moved_before + 3
+    assert s.metrics("worker-1").value("duet_worker_streams_handed_over_total") == 3
+    # the other worker decoded the three it took over
+    assert s.metrics("worker-0").value("duet_engine_tokens_computed_total", phase="decode") > decoded_before
+    assert "handed over 3 of the 3 decoding stream(s)" in s.procs["worker-1"].log_text()
+    s.wait_idle(["worker-0", "worker-1"], timeout=60)
+    back = [set_role(s, "worker-0", "prefill"), set_role(s, "worker-1", "decode")]
+    assert [r.role for r in back] == ["prefill", "decode"]

@@ -320,16 +320,18 @@ class GrpcBackend:
         except WorkerLost as exc:
             lost = exc
         limit = self.config.migration.limit
-        if attempt.moves >= limit:
+        if not attempt.may_move(lost, limit):
             self.migration_metrics.given_up.labels(reason="limit").inc()
             if limit:
                 log.warning("request %s: %s; moved %d times already, giving up", request.request_id, lost,
                             attempt.moves)
             raise lost
         nexts = attempt.next_attempts(request, streams, lost, record.checkpoint)
-        log.warning("request %s: %s; continuing %s elsewhere", request.request_id, lost,
-                    ", ".join(f"sequence {a.indices[0] if len(a.indices) == 1 else 'all'} after "
-                              f"{len(a.prompt.streamed)} tokens" for a in nexts))
+        # a stream handed over is planned (a role switch spreading the batch), not a failure
+        log.log(logging.INFO if lost.cause == "handed_over" else logging.WARNING,
+                "request %s: %s; continuing %s elsewhere", request.request_id, lost,
+                ", ".join(f"sequence {a.indices[0] if len(a.indices) == 1 else 'all'} after "
+                          f"{len(a.prompt.streamed)} tokens" for a in nexts))
         failed_at = time.monotonic()
         lanes = [self._continue(request, nxt, lost, failed_at) for nxt in nexts]
         async with aclosing(lanes[0] if len(lanes) == 1 else merged(lanes)) as events:
@@ -531,6 +533,10 @@ class GrpcBackend:
                 if out.finish_reason == "abort":
                     state.stream_done = True
                     raise lost("the decode worker aborted the request")
+                if out.finish_reason == "moved":  # handed over after a role switch (SetRole)
+                    state.stream_done = True
+                    raise WorkerLost("the decode worker handed the stream over", "handed_over",
+                                     route.decode.worker_id, route.decode.instance_nonce)
                 if out.finished:
                     open_seqs.discard(out.index)
                 done = not open_seqs or out.request_finished  # usage comes with the last chunk

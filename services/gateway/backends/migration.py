@@ -31,8 +31,10 @@ from shared.wire.resume import ResumedPrompt
 CAUSES = ("decode_stream",   # the decode worker's token stream broke, ended early or aborted
           "decode_reserve",  # the decode worker did not answer Reserve
           "kv_handoff",      # prefill could not write into the decode worker (decode gone)
-          "prefill")         # the prefill worker failed or went away
+          "prefill",         # the prefill worker failed or went away
+          "handed_over")     # the decode worker handed the stream over (a role switch spreading its batch)
 REBUILT_SOURCES = ("held", "moved", "recomputed")
+MAX_HANDOVERS = 2  # hand-overs one sequence may take (each is a role switch of the worker it was on)
 
 
 @dataclass
@@ -69,6 +71,7 @@ class Attempt:
     sampling: SamplingParams
     indices: tuple[int, ...]       # the request's sequence index of each of this attempt's sequences
     moves: int = 0                 # how often this sequence moved so far
+    handovers: int = 0             # of those, moves a worker asked for (handed_over), not failures
     exclude: tuple[str, ...] = ()  # instance nonces it lost
     checkpoint: str = ""           # the checkpoint it began on ("" on the first attempt)
 
@@ -80,6 +83,14 @@ class Attempt:
     @property
     def resumed(self) -> bool:
         return self.moves > 0
+
+    def may_move(self, lost: WorkerLost, limit: int) -> bool:
+        """Whether it may move after `lost`: failures count against `--migration-limit`; a
+        hand-over (a role switch spreading a batch) is no failure, so it moves even with failover
+        off, at most MAX_HANDOVERS times a sequence."""
+        if lost.cause == "handed_over":
+            return self.handovers < MAX_HANDOVERS
+        return self.moves - self.handovers < limit
 
     @property
     def remaining_tokens(self) -> int:
@@ -94,12 +105,14 @@ class Attempt:
         return Attempt(attempt_id(request, moves, (index,)),
                        ResumedPrompt(list(request.prompt_token_ids), list(self.prompt.streamed) + list(streamed)),
                        sequence_sampling(request.sampling, index), (index,), moves,
-                       self.exclude + (lost.instance,), checkpoint or self.checkpoint)
+                       self.handovers + (lost.cause == "handed_over"), self.exclude + (lost.instance,),
+                       checkpoint or self.checkpoint)
 
     def retried(self, request: GenerationRequest, lost: WorkerLost, checkpoint: str) -> "Attempt":
         """This attempt again, elsewhere: none of its tokens reached the client."""
         moves = self.moves + 1
         return dataclasses.replace(self, request_id=attempt_id(request, moves, self.indices), moves=moves,
+                                   handovers=self.handovers + (lost.cause == "handed_over"),
                                    exclude=self.exclude + (lost.instance,), checkpoint=checkpoint or self.checkpoint)
 
     def next_attempts(self, request: GenerationRequest, streams: "SequenceStreams", lost: WorkerLost,
