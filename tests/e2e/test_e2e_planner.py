@@ -30,7 +30,10 @@ MODEL = "SmolLM2-135M-Instruct"
 # tests/disagg/test_planner_decide.py) the switch depends on the margin alone, not on the load
 PLANNER_ENV = {"DUET_PLANNER_INTERVAL": "1", "DUET_PLANNER_WINDOW": "10", "DUET_PLANNER_DWELL": "8",
                "DUET_PLANNER_MIN_REQUESTS": "3", "DUET_PLANNER_HYSTERESIS": "0.25",
-               "DUET_PLANNER_HEADROOM_ABOVE": "0"}
+               "DUET_PLANNER_HEADROOM_ABOVE": "0",
+               # a switching worker hands over any stream past its share (the default waits for 8
+               # more): the chat streams under way at the switch may move, and answer the same
+               "DUET_PLANNER_HAND_OVER_MIN": "1"}
 LONG_OUT = {"max_tokens": 16, "temperature": 0, "extra_body": {"ignore_eos": True}}
 WORDS = ("river", "stone", "lantern", "harbor", "meadow", "copper", "violin", "glacier", "orchard", "compass")
 
@@ -123,6 +126,11 @@ def test_a_shift_to_multi_turn_chat_switches_the_workers_with_no_failure_and_the
     at = [3600 * int(h) + 60 * int(m) + int(sec) + int(ms) / 1000 for h, m, sec, ms, *_ in switched]
     assert all(b - a >= float(PLANNER_ENV["DUET_PLANNER_DWELL"]) - 0.5 for a, b in zip(at, at[1:])), switched
     assert switches(s) == len(switched)
+    assert re.search(r"planner: worker-1 decode -> both \(\d+ request\(s\) under way; \d+ decoding stream\(s\) "
+                     r"handed over\)", planner_log), planner_log[-3000:]
+    # every stream a worker handed over went on elsewhere (none is a failed request: errors above)
+    handed = sum(s.metrics(w).value("duet_worker_streams_handed_over_total") for w in ("worker-0", "worker-1"))
+    assert s.gateway_metrics().value("duet_migrations_total", cause="handed_over") == handed
 
     # what was answered before the switch is answered the same after it (greedy)
     asked = long_clients.done[::4] + split_turns[::max(1, len(split_turns) // 3)][:3]
