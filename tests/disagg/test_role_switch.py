@@ -126,6 +126,10 @@ def test_set_role_refuses_an_unknown_role_and_keeps_the_same_one(stack):
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     same = set_role(s, "worker-0", s.workers()["worker-0"]["role"])
     assert not same.changed and same.role == same.previous_role
+    with pytest.raises(grpc.RpcError) as refused:
+        set_role(s, "worker-1", "both", hand_over=-1)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "hand_over" in refused.value.details()
+    assert roles(s)["worker-1"] == "decode"  # refused before anything changed
 
 
 def test_a_decode_worker_turned_both_hands_half_its_streams_over_and_every_answer_stays_the_same(stack):
