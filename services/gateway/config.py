@@ -26,6 +26,10 @@ class GatewayConfig:
     host: str = setting("0.0.0.0", flag="--host", env="DUET_HOST", help="address the HTTP server binds")
     port: int = setting(8000, flag="--port", env="DUET_PORT",
                         help="HTTP port, also serving /metrics unless --metrics-port")
+    reuse_port: bool = setting(
+        False, flag="--reuse-port", env="DUET_GATEWAY_REUSE_PORT",
+        help="bind the HTTP port with SO_REUSEPORT, so several gateway processes share it and the kernel "
+             "spreads connections over them (duet up --gateway-processes); give each its own --metrics-port")
     # Where tokens come from: "grpc" (router + prefill/decode workers) or "local" (an
     # in-process engine). None: grpc when a router address is given, else local.
     backend: str | None = setting(flag="--backend", env="DUET_GATEWAY_BACKEND", choices=BACKENDS,

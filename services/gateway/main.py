@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     from services.gateway.http_edge import auth
     from services.gateway.http_edge.app import build_app
     from services.gateway.http_edge.connection_guard import uvicorn_limits
+    from services.gateway.http_edge.shared_port import reuse_port_socket
     from shared.model_files.default_model import ModelNotFoundError
     from shared.telemetry.metrics import start_metrics_server
     from shared.telemetry.tracing import setup_tracing
@@ -140,9 +141,13 @@ def main(argv: list[str] | None = None) -> int:
              config.port, config.backend, f"{keys.count} API keys" if keys else "no API keys (open)",
              security.grpc_tls.describe("client"), f"port {security.metrics_port}" if metrics_server else "the API port")
     try:
-        uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level.lower(),
-                    timeout_graceful_shutdown=config.drain_grace_s,
-                    **ssl_options, **uvicorn_limits(config.limits))
+        server = uvicorn.Server(uvicorn.Config(
+            app, host=config.host, port=config.port, log_level=config.log_level.lower(),
+            timeout_graceful_shutdown=config.drain_grace_s, **ssl_options, **uvicorn_limits(config.limits)))
+        # several processes on one port (duet up --gateway-processes): each binds it with SO_REUSEPORT
+        server.run(sockets=[reuse_port_socket(config.host, config.port)] if config.reuse_port else None)
+        if not server.started:  # it could not listen (the port taken): as uvicorn.run, a start-up failure
+            return 3
     finally:
         ctx.stop_helpers()
         if metrics_server is not None:

@@ -49,7 +49,11 @@ def print_banner(stack, model_dirs: list[str], base: str) -> None:
     restarts = (f"A child that dies is restarted (up to {cfg.restart_limit} times in a row)" if cfg.restart_limit
                 else "A child that dies stops the stack (--restart-limit 0)")
     warning = f"{INSECURE_WARNING}.\n" if cfg.insecure else ""
-    print(f"\nDuet is up. OpenAI API: {base}/v1   (health {base}/health, metrics {base}/metrics)\n"
+    processes = cfg.gateway_processes
+    metrics = (f"metrics {base}/metrics" if processes == 1 else
+               f"{processes} gateway processes, metrics on each: "
+               + ", ".join(u.removesuffix("/metrics") for u in stack.gateway_metrics_urls()))
+    print(f"\nDuet is up. OpenAI API: {base}/v1   (health {base}/health, {metrics})\n"
           f"{warning}"
           f"{_models_line(model_dirs)}"
           f"  router  {cfg.host}:{stack.router_port}\n"

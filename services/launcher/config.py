@@ -46,6 +46,12 @@ class UpConfig:
              "--mem-fraction of a worker's own GPUs, or a share of a shared one)")
     threads: int | None = setting(flag="--threads", parse=parsers.optional_int,
                                   help="torch threads per worker (default: the machine's cores shared among workers)")
+    gateway_processes: int = setting(
+        1, flag="--gateway-processes", env="DUET_GATEWAY_PROCESSES",
+        help="gateway processes sharing the API port (SO_REUSEPORT: the kernel spreads connections over "
+             "them); one streams a few thousand tokens a second of Python, so a stack that streams more "
+             "needs more. With more than one, each serves /metrics on a port of its own (the banner lists "
+             "them; the planner reads them all)")
     chat_template_processes: int | None = setting(
         flag="--chat-template-processes", env="DUET_CHAT_TEMPLATE_PROCESSES", parse=parsers.optional_int,
         help="the gateway's chat-template helper processes (default: half the machine's cores, 2 to 8; each "
@@ -124,6 +130,8 @@ class UpConfig:
             p.error("need at least one prefill and one decode worker, or --both N")
         if any(t is not None and t < 1 for t in (cfg.prefill_tp, cfg.decode_tp)):
             p.error("--prefill-tp and --decode-tp must be >= 1")
+        if cfg.gateway_processes < 1:
+            p.error("--gateway-processes must be >= 1")
         if bool(cfg.tls_cert_file) != bool(cfg.tls_key_file):
             p.error("--tls-cert-file and --tls-key-file go together")
         if (cfg.restart_limit < 0 or cfg.restart_backoff_s < 0 or cfg.restart_reset_s < 0 or cfg.drain_grace_s < 0

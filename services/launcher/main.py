@@ -116,32 +116,47 @@ class Stack:
             self.children.append(Child(name, argv, self.log_dir / f"{name}.log", kind="worker",
                                        env={**thread_env(threads), **place.env(), **secure_env}))
         gw_args, gw_env = gateway_security(cfg, self.secrets)
+        self.gateway_metrics_ports = self.plan_gateway_metrics()
         if cfg.switchable:
-            gw_args += self.add_planners(common, itl + ttft, [Path(d).name for d in model_dirs])
-        helpers = cfg.chat_template_processes or template_helpers(cores)
+            self.add_planners(common, itl + ttft, [Path(d).name for d in model_dirs])
+        processes = cfg.gateway_processes
+        # the chat-template helpers are shared out among the gateway processes (at least one each)
+        helpers = max(1, -(-(cfg.chat_template_processes or template_helpers(cores)) // processes))
         extra_models = [arg for d in model_dirs[1:] for arg in ("--extra-model", d)]
-        self.children.append(Child("gateway", duet_command(
-            "gateway", "--host", host, "--port", str(cfg.port), "--router-address", f"{host}:{self.router_port}",
-            "--model", model_dirs[0], *extra_models, "--drain-grace", str(self.drain.gateway_grace_s),
-            "--chat-template-processes", str(helpers), *common, *secure.grpc_args("gateway"), *gw_args,
-            *(["--enable-lora-loading"] if cfg.enable_lora_loading else [])),
-            self.log_dir / "gateway.log", kind="gateway", env={**thread_env(1), **gw_env, **secure_env}))
+        for i in range(processes):
+            own = (["--metrics-port", str(self.gateway_metrics_ports[i])] if self.gateway_metrics_ports else []) + \
+                (["--reuse-port"] if processes > 1 else [])
+            name = f"gateway-{i}" if i else "gateway"
+            self.children.append(Child(name, duet_command(
+                "gateway", "--host", host, "--port", str(cfg.port), "--router-address", f"{host}:{self.router_port}",
+                "--model", model_dirs[0], *extra_models, "--drain-grace", str(self.drain.gateway_grace_s),
+                "--chat-template-processes", str(helpers), *common, *secure.grpc_args("gateway"), *gw_args, *own,
+                *(["--enable-lora-loading"] if cfg.enable_lora_loading else [])),
+                self.log_dir / f"{name}.log", kind="gateway", env={**thread_env(1), **gw_env, **secure_env}))
         self.threads = threads
 
-    def add_planners(self, common: list[str], slos: list[str], names: list[str]) -> list[str]:
-        """The planner child, reading the gateway's /metrics: on its API port, or, when that port
-        serves HTTPS, on a plain port of its own (the extra gateway flags returned). Several
-        models: a planner each (`planner`, `planner-m1`, ...), each given its model's name, so it
-        reads that model's workers and gateway figures and switches roles within that pool only."""
-        cfg, host = self.cfg, self.cfg.host
+    def plan_gateway_metrics(self) -> list[int]:
+        """The gateway processes' own /metrics ports: none for one gateway on plain HTTP (it
+        serves /metrics on the API port); one each when the API port serves HTTPS (the planner
+        reads plain HTTP) for the planner, or when several processes share the API port (a
+        scrape there reaches any one of them)."""
+        cfg = self.cfg
+        if cfg.gateway_processes == 1 and not (cfg.tls_cert_file and cfg.switchable):
+            return []
+        return [free_port(cfg.host) for _ in range(cfg.gateway_processes)]
+
+    def gateway_metrics_urls(self) -> list[str]:
+        host = self.cfg.host
         dial = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-        gw_args: list[str] = []
-        if cfg.tls_cert_file:
-            metrics_port = free_port(host)
-            gw_args = ["--metrics-port", str(metrics_port)]
-            gateway_metrics = f"http://{dial}:{metrics_port}/metrics"
-        else:
-            gateway_metrics = f"http://{dial}:{cfg.port}/metrics"
+        ports = self.gateway_metrics_ports or [self.cfg.port]
+        return [f"http://{dial}:{port}/metrics" for port in ports]
+
+    def add_planners(self, common: list[str], slos: list[str], names: list[str]) -> None:
+        """The planner child, reading every gateway process's /metrics. Several models: a planner
+        each (`planner`, `planner-m1`, ...), each given its model's name, so it reads that model's
+        workers and gateway figures and switches roles within that pool only."""
+        host = self.cfg.host
+        gateways = [arg for url in self.gateway_metrics_urls() for arg in ("--gateway-metrics", url)]
         for i, name in enumerate(names):
             child = f"planner-m{i}" if i else "planner"
             port = free_port(host)
@@ -150,9 +165,8 @@ class Stack:
             model = ["--model", name] if len(names) > 1 else []  # one model: every worker is its
             self.children.append(Child(child, duet_command(
                 "planner", "--host", host, "--metrics-port", str(port), *model,
-                "--gateway-metrics", gateway_metrics, *common, *slos, *self.secure.grpc_args("planner")),
+                *gateways, *common, *slos, *self.secure.grpc_args("planner")),
                 self.log_dir / f"{child}.log", kind="planner", env={**thread_env(1), **self.secure.child_env()}))
-        return gw_args
 
     def start(self) -> None:
         for child in self.children:
