@@ -10,13 +10,15 @@ with is taken away.
 A switch moves new work only; the streams decoding on a worker stay there. So a decode worker
 turned `both` beside a prefill worker turned `both` would carry the whole running batch while
 the other carries none (measured on two H200s: TPOT 2.5x the decode step). `hand_overs` counts
-the streams each switching worker that stays a decoder hands over (SetRole `hand_over`) so the
-batch spreads evenly over the new split's decoders: down to its share. Their gateways continue
-them elsewhere from the tokens sent (failover's path, token for token), and each moved stream
-rebuilds its KV on the worker it lands on: cheap where that worker prefilled the prompt (a prefill
-worker turned `both` holds the prompts of the streams it handed to decode), so only a surplus of
-at least `min_streams` is handed over. A worker turning prefill keeps its streams to their end:
-the decoders left hold none of their pages, and would recompute every one."""
+the streams each switching worker hands over (SetRole `hand_over`, once every worker holds its
+new role) so the batch spreads evenly over the new split's decoders: down to its share, or all
+of them for a worker turning prefill (whose long prefill steps would stretch their every token).
+Their gateways continue them elsewhere from the tokens sent (failover's path, token for token),
+and each moved stream's KV is rebuilt where it lands from what is cheapest: a worker turning
+prefill may still prefill its own streams' continuations (the router excludes it as a decoder
+only), so their pages move to the new decode worker instead of being recomputed; a worker turned
+`both` that prefilled a stream's prompt holds it. Only a surplus of at least `min_streams` is
+handed over."""
 from __future__ import annotations
 
 import math
@@ -53,8 +55,8 @@ def assign(workers: list[WorkerInfo], target: Split) -> list[tuple[WorkerInfo, s
 
 
 def hand_overs(workers: list[WorkerInfo], moves: list[tuple[WorkerInfo, str]], min_streams: int) -> dict[str, int]:
-    """worker id -> decoding streams it hands over after its switch (only workers that switch and
-    stay decoders, only a surplus of at least `min_streams`; 0 turns it off)."""
+    """worker id -> decoding streams it hands over after its switch (only workers that switch, only
+    a surplus of at least `min_streams`; 0 turns it off)."""
     if min_streams <= 0 or not moves:
         return {}
     after = {w.worker_id: w.role for w in workers} | {w.worker_id: role for w, role in moves}
@@ -65,7 +67,7 @@ def hand_overs(workers: list[WorkerInfo], moves: list[tuple[WorkerInfo, str]], m
     share = math.ceil(sum(rows.values()) / len(decoders))
     out = {}
     for w, role in moves:
-        surplus = rows[w.worker_id] - share
-        if role != "prefill" and surplus >= min_streams:
+        surplus = rows[w.worker_id] - (0 if role == "prefill" else share)
+        if surplus >= min_streams:
             out[w.worker_id] = surplus
     return out

@@ -38,10 +38,10 @@ class PlannerTiming:
              "0: switch for any margin past the hysteresis")
     hand_over_min: int = setting(
         8, flag="--planner-hand-over-min", env="DUET_PLANNER_HAND_OVER_MIN",
-        help="after a switch, a switching worker that stays a decoder and holds at least this many decoding "
-             "streams more than its share of the new split's decoders hands that surplus over: their gateways "
-             "continue them on the other workers, token for token, so the running batch spreads over the new "
-             "split; 0: every stream finishes where it is")
+        help="after a switch, a switching worker holding at least this many decoding streams more than its "
+             "share of the new split's decoders (all of them when it turns prefill) hands that surplus over: "
+             "their gateways continue them on the new split, token for token, so the running batch spreads "
+             "over it; 0: every stream finishes where it is")
     min_requests: int = setting(
         20, flag="--planner-min-requests", env="DUET_PLANNER_MIN_REQUESTS",
         help="requests the window must hold before the planner judges a split (less: it keeps the current one)")

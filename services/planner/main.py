@@ -37,6 +37,7 @@ from shared.telemetry.metrics import start_metrics_server
 from shared.telemetry.tracing import setup_tracing
 
 log = logging.getLogger("duet.planner")
+ROLES_SEEN_S = 3.0  # how long the hand-overs wait for the registry to show the new roles
 
 
 class Planner:
@@ -85,21 +86,48 @@ class Planner:
         return decision
 
     async def switch(self, workers: list[WorkerInfo], decision: Decision) -> None:
+        """Every worker to its new role, then the hand-overs (assign.hand_overs): a stream handed
+        over is routed on the new split, so it must be in place first, as the router sees it."""
         why = f"planner: {decision.current} -> {decision.target} ({decision.reason})"
         moves = assign(workers, decision.target)
-        handing = hand_overs(workers, moves, self.config.timing.hand_over_min)
+        switched = []
         for worker, role in moves:
             try:
-                reply = await self.switcher.set_role(worker, role, why, handing.get(worker.worker_id, 0))
+                reply = await self.switcher.set_role(worker, role, why)
             except grpc.aio.AioRpcError as exc:
                 self.metrics.decisions.labels(action="switch", reason="failed").inc()
                 log.error("planner: %s refused the switch to %s: %s", worker.worker_id, role,
                           exc.details() or exc.code().name)
                 continue
-            log.info("planner: %s %s -> %s (%d request(s) under way; %d decoding stream(s) handed over)",
-                     worker.worker_id, reply.previous_role, reply.role, reply.inflight_requests, reply.handed_over)
+            switched.append((worker, role))
+            log.info("planner: %s %s -> %s (%d request(s) under way)", worker.worker_id, reply.previous_role,
+                     reply.role, reply.inflight_requests)
+        handing = hand_overs(workers, switched, self.config.timing.hand_over_min) if len(switched) == len(moves) else {}
+        if handing:
+            await self._roles_seen(switched)
+        for worker, role in switched:
+            if worker.worker_id not in handing:
+                continue
+            try:
+                reply = await self.switcher.set_role(worker, role, why, handing[worker.worker_id])
+            except grpc.aio.AioRpcError as exc:
+                log.error("planner: %s refused the hand-over: %s", worker.worker_id, exc.details() or exc.code().name)
+                continue
+            log.info("planner: %s handed %d of %d decoding stream(s) over to the new split", worker.worker_id,
+                     reply.handed_over, handing[worker.worker_id])
         self.decider.changed(time.monotonic())
         self.window.reset()
+
+    async def _roles_seen(self, switched: list[tuple[WorkerInfo, str]]) -> None:
+        """Until the registry (as the router's watcher reads it too: the role events) shows every
+        switched worker in its new role, at most ROLES_SEEN_S."""
+        want = {w.worker_id: role for w, role in switched}
+        deadline = time.monotonic() + ROLES_SEEN_S
+        while time.monotonic() < deadline:
+            seen = {w.worker_id: w.role for w in self.watcher.workers()}
+            if all(seen.get(worker_id, role) == role for worker_id, role in want.items()):
+                return
+            await asyncio.sleep(0.05)
 
     async def scale(self, workers: list[WorkerInfo], decision: Decision, fleet: Fleet, span) -> None:
         """One pod more or fewer in a pool, once the pools hold what they were last set to."""

@@ -37,8 +37,11 @@ def worker_ref(info: WorkerInfo) -> duet_pb2.WorkerRef:
 def eligible(info: WorkerInfo, model: str, request: duet_pb2.RouteRequest) -> bool:
     """Whether a live worker may serve this request: its model, the request's LoRA adapter
     (workers publish the adapters they serve), never an instance the request lost (a migrating
-    stream), and, when the request names one, the checkpoint it began on."""
+    stream), and, when the request names one, the checkpoint it began on. An instance the stream
+    was handed over from (`exclude_decode_instances`) may serve it only as a prefill worker: it
+    holds the stream's pages, which its prefill then moves to the new decode worker."""
     return ((not model or info.model == model) and info.instance_nonce not in request.exclude_instances
+            and (info.role == "prefill" or info.instance_nonce not in request.exclude_decode_instances)
             and (not request.lora_adapter or request.lora_adapter in info.adapters.served)
             and (not request.checkpoint or info.checkpoint == request.checkpoint))
 
@@ -64,8 +67,9 @@ class RouterService(duet_pb2_grpc.RouterServicer):
             model = request.model or self.config.model
             span.set_attribute("duet.request_id", request_id)
             span.set_attribute("duet.model", model)
-            if request.exclude_instances or request.checkpoint:  # a migrating stream
+            if request.exclude_instances or request.exclude_decode_instances or request.checkpoint:  # a moving stream
                 span.set_attribute("duet.excluded_instances", len(request.exclude_instances))
+                span.set_attribute("duet.excluded_decode_instances", len(request.exclude_decode_instances))
                 span.set_attribute("duet.checkpoint", request.checkpoint)
             if request.prompt_tokens <= 0:
                 await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "prompt_tokens must be positive")

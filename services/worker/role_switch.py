@@ -8,8 +8,8 @@ no new work of the old role from its next Route on. Work already under way (a pr
 reservation, a decoding stream) finishes here, and work of the old role that a router placed
 before it saw the change is still served: nothing is refused for a role, so no request fails
 across a switch. The planner may also ask a worker to hand some of its decoding streams over
-(`hand_over`: the busier worker after a switch, so the running batch spreads over the new
-split): those end with finish reason "moved" and their gateways continue
+(`hand_over`: the busier worker after a switch, or one turned prefill, so the running batch
+spreads over the new split): those end with finish reason "moved" and their gateways continue
 them on another worker from the tokens sent, as failover does (services/gateway/backends/
 migration.py), token for token. The engine and its KV cache stay, so a decode worker turned
 `both` keeps the conversations it holds (SGLang's runtime prefill<->decode switch rebuilds its
@@ -103,7 +103,7 @@ class WorkerAdminService(duet_pb2_grpc.WorkerAdminServicer):
     async def _hand_over(self, count: int) -> int:
         """End up to `count` decoding streams as "moved", after the new role is announced (the
         router already places on the new split when their gateways route the continuations);
-        they continue elsewhere on failover's path, never back here."""
+        they continue elsewhere on failover's path, never decoding here again."""
         loop = self.ctx.loop
         handed = await loop.acall(lambda: loop.hand_over(count))
         self.switch.handed_over.inc(handed)

@@ -472,7 +472,8 @@ class Engine:
 
     def hand_over(self, count: int) -> list[StepOutput]:
         """End up to `count` decoding streams with finish reason "moved", for their callers to
-        continue them elsewhere (the busier worker after a role switch spreads its batch). The youngest first: the fewest output tokens to rebuild there and the
+        continue them elsewhere (the busier worker after a role switch spreads its batch, one
+        turned prefill gives its streams to the decoders). The youngest first: the fewest output tokens to rebuild there and the
         most still to come. Single-sequence requests only (a sequence of n > 1 shares its
         request's stream with the others)."""
         movable = [r for r in self.requests.values()

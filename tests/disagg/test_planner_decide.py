@@ -163,17 +163,17 @@ def test_the_least_loaded_workers_switch_in_an_order_that_always_serves():
 
 def test_a_switch_spreads_the_running_batch_over_the_new_splits_decoders():
     """1p1d -> 2b with 40 streams on the decode worker: it hands 20 over to reach its share; the
-    prefill worker's in-flight prefills are no decode rows. A worker turning prefill keeps its
-    streams (the decoders left hold none of their pages); a surplus under the minimum, a worker
-    that does not switch, or 0 (off) hands nothing over."""
+    prefill worker's in-flight prefills are no decode rows. A worker turning prefill hands all its
+    streams over (it may still prefill their continuations: their pages move); a surplus under the
+    minimum, a worker that does not switch, or 0 (off) hands nothing over."""
     split = [worker("w0", "prefill", running=3), worker("w1", "decode", running=40)]
     moves = assign(split, B2)
     assert hand_overs(split, moves, 8) == {"w1": 20}
     assert hand_overs(split, moves, 21) == {} and hand_overs(split, moves, 0) == {}
     both = [worker("w0", "both", running=30), worker("w1", "both", running=10)]
-    moves = assign(both, P1D1)  # w1 turns prefill and keeps its 10; w0 stays the one decoder
+    moves = assign(both, P1D1)  # w1 (fewer streams) turns prefill: all 10 go to w0, now decode
     assert [(w.worker_id, role) for w, role in moves] == [("w1", "prefill"), ("w0", "decode")]
-    assert hand_overs(both, moves, 1) == {}
+    assert hand_overs(both, moves, 8) == {"w1": 10} and hand_overs(both, moves, 11) == {}
     three = [worker("w0", "prefill"), worker("w1", "decode", running=30), worker("w2", "decode", running=6)]
     moves = assign(three, Split(0, 0, 3))  # 36 streams over three: 12 each, w1 gives 18
     assert hand_overs(three, moves, 4) == {"w1": 18}

@@ -170,3 +170,48 @@ def test_a_decode_worker_turned_both_hands_half_its_streams_over_and_every_answe
     s.wait_idle(["worker-0", "worker-1"], timeout=60)
     back = [set_role(s, "worker-0", "prefill"), set_role(s, "worker-1", "decode")]
     assert [r.role for r in back] == ["prefill", "decode"]
+
+
+def test_a_worker_turning_prefill_hands_its_streams_over_and_their_pages_move(stack):
+    """Both streams' worker turns prefill and hands them all over: their continuations are
+    prefilled by it (excluded as a decode worker only: it holds their pages), so their KV moves
+    to the new decode worker rather than being recomputed, and every answer is unchanged."""
+    s = stack
+    client = s.client()
+    assert roles(s) == {"worker-0": "prefill", "worker-1": "decode"}
+    prompts = [f"{p} Tell it as a long story with many details about the weather, the people and the "
+               f"places they visit on the way." for p in PROMPTS[:4]]
+    ask = dict(model=MODEL, max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+    # worker-0 serves whole requests alone (so only it holds these prompts' pages), worker-1
+    # stands by as a prefill worker
+    assert set_role(s, "worker-0", "both").changed and set_role(s, "worker-1", "prefill").changed
+    reference = [client.completions.create(prompt=p, **ask).choices[0].text for p in prompts]
+    gateway = s.gateway_metrics()
+    moved_tokens = gateway.value("duet_migration_rebuilt_tokens_total", source="moved")
+    streams = [client.completions.create(prompt=p, stream=True, **ask) for p in prompts]
+    texts = [[next(iter(st)).choices[0].text] for st in streams]  # all four decoding on worker-0
+    errors: list[BaseException] = []
+
+    def drain(i: int) -> None:
+        try:
+            texts[i] += [chunk.choices[0].text for chunk in streams[i]]
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+    readers = [threading.Thread(target=drain, args=(i,)) for i in range(len(streams))]
+    for t in readers:
+        t.start()
+    try:
+        assert set_role(s, "worker-1", "decode").changed  # the new split first, as the planner does
+        assert set_role(s, "worker-0", "prefill").changed
+        reply = set_role(s, "worker-0", "prefill", hand_over=4)  # then the hand-over, the role unchanged
+        assert (reply.changed, reply.handed_over) == (False, 4)
+    finally:
+        for t in readers:
+            t.join(120)
+    assert not errors, errors
+    assert ["".join(t) for t in texts] == reference
+    after = s.gateway_metrics()
+    assert after.value("duet_migrations_total", cause="handed_over") >= 4
+    # their pages went from worker-0's cache to worker-1 over the handoff: moved, not recomputed
+    assert after.value("duet_migration_rebuilt_tokens_total", source="moved") - moved_tokens >= 4 * 32
+    s.wait_idle(["worker-0", "worker-1"], timeout=60)

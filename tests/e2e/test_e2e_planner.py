@@ -126,8 +126,10 @@ def test_a_shift_to_multi_turn_chat_switches_the_workers_with_no_failure_and_the
     at = [3600 * int(h) + 60 * int(m) + int(sec) + int(ms) / 1000 for h, m, sec, ms, *_ in switched]
     assert all(b - a >= float(PLANNER_ENV["DUET_PLANNER_DWELL"]) - 0.5 for a, b in zip(at, at[1:])), switched
     assert switches(s) == len(switched)
-    assert re.search(r"planner: worker-1 decode -> both \(\d+ request\(s\) under way; \d+ decoding stream\(s\) "
-                     r"handed over\)", planner_log), planner_log[-3000:]
+    assert re.search(r"planner: worker-1 decode -> both \(\d+ request\(s\) under way\)", planner_log), \
+        planner_log[-3000:]
+    # then, with both workers `both`, the decode worker's streams past its share (if any were
+    # still running) handed over: "planner: worker-1 handed N of M decoding stream(s) over"
     # every stream a worker handed over went on elsewhere (none is a failed request: errors above)
     handed = sum(s.metrics(w).value("duet_worker_streams_handed_over_total") for w in ("worker-0", "worker-1"))
     assert s.gateway_metrics().value("duet_migrations_total", cause="handed_over") == handed

@@ -466,7 +466,8 @@ class GrpcBackend:
         route = duet_pb2.RouteRequest(
             request_id=attempt.request_id, model=request.model, prompt_tokens=len(prompt),
             max_tokens=attempt.remaining_tokens, page_hashes=hashes, n=attempt.sampling.n,
-            exclude_instances=attempt.exclude, checkpoint=attempt.checkpoint,
+            exclude_instances=attempt.exclude, exclude_decode_instances=attempt.exclude_decode,
+            checkpoint=attempt.checkpoint,
             lora_adapter=request.cache_scope.adapter)
         deadline = time.monotonic() + self.config.route_timeout_s
         while True:

@@ -73,6 +73,8 @@ class Attempt:
     moves: int = 0                 # how often this sequence moved so far
     handovers: int = 0             # of those, moves a worker asked for (handed_over), not failures
     exclude: tuple[str, ...] = ()  # instance nonces it lost
+    exclude_decode: tuple[str, ...] = ()  # instances that handed it over: they may prefill it (they hold
+                                          # its pages), not decode it
     checkpoint: str = ""           # the checkpoint it began on ("" on the first attempt)
 
     @classmethod
@@ -105,15 +107,23 @@ class Attempt:
         return Attempt(attempt_id(request, moves, (index,)),
                        ResumedPrompt(list(request.prompt_token_ids), list(self.prompt.streamed) + list(streamed)),
                        sequence_sampling(request.sampling, index), (index,), moves,
-                       self.handovers + (lost.cause == "handed_over"), self.exclude + (lost.instance,),
+                       self.handovers + (lost.cause == "handed_over"), *self._excluding(lost),
                        checkpoint or self.checkpoint)
 
     def retried(self, request: GenerationRequest, lost: WorkerLost, checkpoint: str) -> "Attempt":
         """This attempt again, elsewhere: none of its tokens reached the client."""
         moves = self.moves + 1
+        exclude, exclude_decode = self._excluding(lost)
         return dataclasses.replace(self, request_id=attempt_id(request, moves, self.indices), moves=moves,
-                                   handovers=self.handovers + (lost.cause == "handed_over"),
-                                   exclude=self.exclude + (lost.instance,), checkpoint=checkpoint or self.checkpoint)
+                                   handovers=self.handovers + (lost.cause == "handed_over"), exclude=exclude,
+                                   exclude_decode=exclude_decode, checkpoint=checkpoint or self.checkpoint)
+
+    def _excluding(self, lost: WorkerLost) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(exclude, exclude_decode) after `lost`: a worker that failed is never chosen again; one
+        that handed the stream over only never decodes it again."""
+        if lost.cause == "handed_over":
+            return self.exclude, self.exclude_decode + (lost.instance,)
+        return self.exclude + (lost.instance,), self.exclude_decode
 
     def next_attempts(self, request: GenerationRequest, streams: "SequenceStreams", lost: WorkerLost,
                       checkpoint: str) -> list["Attempt"]:
