@@ -247,6 +247,29 @@ def test_a_migrating_request_never_gets_a_lost_instance_or_another_checkpoint(re
     asyncio.run(scenario())
 
 
+def test_a_handed_over_stream_may_be_prefilled_by_the_worker_that_handed_it_but_not_decoded_there(redis_server):
+    """A stream handed over names its old worker in exclude_decode_instances: as a prefill
+    worker it is still chosen (it holds the stream's pages, which then move), as a decode or
+    `both` worker never."""
+    async def scenario():
+        async with Cluster(redis_server.url) as c:
+            for info in (worker("p0", "prefill"), worker("d0", "decode"), worker("d1", "decode")):
+                await c.add(info)
+            await c.wait_live("p0", "d0", "d1")
+            p0, d0 = (c.publishers[w].info.instance_nonce for w in ("p0", "d0"))
+            for _ in range(6):
+                reply = await c.stub.Route(duet_pb2.RouteRequest(prompt_tokens=100, max_tokens=50,
+                                                                 exclude_decode_instances=[p0, d0]))
+                assert (reply.prefill.worker_id, reply.decode.worker_id) == ("p0", "d1")
+            with pytest.raises(grpc.aio.AioRpcError) as err:  # no decode worker left to take it
+                await c.stub.Route(duet_pb2.RouteRequest(
+                    prompt_tokens=100, max_tokens=50,
+                    exclude_decode_instances=[d0, c.publishers["d1"].info.instance_nonce]))
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+    asyncio.run(scenario())
+
+
 def test_routing_survives_redis_outage(redis_server):
     async def scenario():
         async with Cluster(redis_server.url) as c:
