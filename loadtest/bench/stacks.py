@@ -5,10 +5,12 @@ worker holds the same model) and the default model's tokenizer, or --model-dir. 
 sections run, they share each layout's stack."""
 from __future__ import annotations
 
+import re
 import shutil
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from .shapes import config_only_dir
@@ -86,15 +88,44 @@ def _measure(run, kinds, url: str, folder: Path, layout: str, log_dir: Path | No
     if "stack" in kinds:
         _load(run, url, folder, layout, log_dir)
     if "multiturn" in kinds:
-        _chats(run, url, folder, layout)
+        _chats(run, url, folder, layout, log_dir)
         if "stack" in kinds:  # the same load once the chats filled the caches (and the host tier)
             _rates(run, url, folder, layout, log_dir, run.names(run.args.filled_rates), "random", " filled")
 
 
+@dataclass(frozen=True)
+class PlannerActivity:
+    """What the stack's planner did so far, from its log: switches, holds for a backlog (a burst
+    the current split clears within the dwell), and the decoding streams handed over after
+    switches."""
+
+    switches: int = 0
+    backlog_holds: int = 0
+    handed_over: int = 0
+
+    def since(self, before: "PlannerActivity") -> "PlannerActivity":
+        return PlannerActivity(self.switches - before.switches, self.backlog_holds - before.backlog_holds,
+                               self.handed_over - before.handed_over)
+
+    def text(self) -> str:
+        return (f"{self.switches} planner switches, {self.backlog_holds} backlog holds, "
+                f"{self.handed_over} streams handed over")
+
+
+def planner_activity(log_dir: Path | None) -> PlannerActivity | None:
+    """None without a planner."""
+    log = log_dir / "planner.log" if log_dir else None
+    if not (log and log.is_file()):
+        return None
+    text = log.read_text(errors="replace")
+    return PlannerActivity(text.count("planner switch ("), text.count("planner hold (backlog)"),
+                           sum(int(n) for n in re.findall(r"handed (\d+) of \d+ decoding stream", text)))
+
+
 def planner_switches(log_dir: Path | None) -> int | None:
     """Switches the stack's planner made so far (its log's decision lines); None without a planner."""
-    log = log_dir / "planner.log" if log_dir else None
-    return log.read_text(errors="replace").count("planner switch (") if log and log.is_file() else None
+    activity = planner_activity(log_dir)
+    return activity.switches if activity is not None else None
 
 
 def decode_step_totals(log_dir: Path | None) -> tuple[float, float]:
@@ -159,10 +190,10 @@ def _rates(run, url: str, folder: Path, layout: str, log_dir: Path | None, rates
         seed = int(float(rate) * 100) + len(tag)
         if run.args.settle_seconds > 0:  # the same load first, unmeasured: a planner picks its split for it
             _loadtest(load(run.args.settle_seconds, seed + 1, " settling"), out.with_name(out.name + "-settle"))
-        before, switched = decode_step_totals(log_dir), planner_switches(log_dir)
+        before, planned = decode_step_totals(log_dir), planner_activity(log_dir)
         _loadtest(load(run.args.seconds_per_rate, seed, ""), out)
         s = read_results(out / "results.json").summaries()[0]
-        switches = "" if switched is None else f", {planner_switches(log_dir) - switched} planner switches"
+        switches = "" if planned is None else f", {planner_activity(log_dir).since(planned).text()}"
         run.add("stack", f"{layout} {workload} {rate}/s{tag} goodput %", round(100 * (s.goodput.share or 0), 1),
                 f"TTFT p50/p90 {s.ttft.p50}/{s.ttft.p90}, TPOT p50/p90 {s.tpot.p50}/{s.tpot.p90} ms, ITL p99 "
                 f"{s.itl.p99} ms, {s.request_throughput:.2f} req/s, {s.failed} of {s.requests} failed{switches}")
@@ -172,12 +203,13 @@ def _rates(run, url: str, folder: Path, layout: str, log_dir: Path | None, rates
                     f"mean of {steps:.0f} decode-only steps; TPOT p50 / step {(s.tpot.p50 or 0) / (1000 * seconds / steps):.2f}")
 
 
-def _chats(run, url: str, folder: Path, layout: str) -> None:
+def _chats(run, url: str, folder: Path, layout: str, log_dir: Path | None = None) -> None:
     from loadtest.multiturn.results_io import read_result
 
     system, user, output, turns = run.ints(run.args.chat)
     for c in run.ints(run.args.conversations):
         out = run.root / layout / f"chat{c}"
+        planned = planner_activity(log_dir)
         _loadtest(["multiturn", "--base-url", url, "--tokenizer", str(folder), "--workload", "synthetic",
                    "--conversations", str(c), "--system-len", str(system), "--user-len", str(user),
                    "--output-len", str(output), "--max-turns", str(turns), "--mode", "lockstep", "--temperature",
@@ -187,6 +219,9 @@ def _chats(run, url: str, folder: Path, layout: str) -> None:
             run.add("multiturn", f"{layout} C={c} turn {t.turn + 1} TTFT p50 ms", t.ttft.p50,
                     f"p90 {t.ttft.p90}, TPOT p50/p90 {t.tpot.p50}/{t.tpot.p90} ms, cached {t.cache.share}, "
                     f"prompt {t.prompt_tokens_mean} tokens, {t.failed} of {t.requests} failed")
+        if planned is not None:  # what the planner did over the conversations' turns
+            did = planner_activity(log_dir).since(planned)
+            run.add("multiturn", f"{layout} C={c} planner switches", did.switches, did.text())
     for rate in run.names(run.args.agentic_rates):  # agent sessions arriving at a rate: shared prompt, tools
         out = run.root / layout / f"agentic{rate}"
         _loadtest(["multiturn", "--base-url", url, "--tokenizer", str(folder), "--workload", "agentic", "--mode",
