@@ -122,12 +122,6 @@ def planner_activity(log_dir: Path | None) -> PlannerActivity | None:
                            sum(int(n) for n in re.findall(r"handed (\d+) of \d+ decoding stream", text)))
 
 
-def planner_switches(log_dir: Path | None) -> int | None:
-    """Switches the stack's planner made so far (its log's decision lines); None without a planner."""
-    activity = planner_activity(log_dir)
-    return activity.switches if activity is not None else None
-
-
 def decode_step_totals(log_dir: Path | None) -> tuple[float, float]:
     """(seconds, steps) of decode-only engine steps summed over the stack's workers, from each
     worker's /metrics (its address from the ready line in its log): the step the client's TPOT

@@ -99,13 +99,13 @@ def test_hetero_tp_section_hands_kv_from_prefill_tp2_to_decode_tp1(tmp_path, tor
 
 
 def test_planner_switches_are_counted_from_the_planners_log(tmp_path):
-    from loadtest.bench.stacks import planner_activity, planner_switches
+    from loadtest.bench.stacks import planner_activity
 
-    assert planner_switches(None) is None and planner_switches(tmp_path) is None  # no planner: no count
+    assert planner_activity(None) is None and planner_activity(tmp_path) is None  # no planner: no count
     line = "2026-11-28 07:27:12,252 INFO duet.planner: planner {} ({}): 1p1d -> 2b; now score 1.16\n"
     (tmp_path / "planner.log").write_text(line.format("switch", "slo") + line.format("hold", "backlog") +
                                           line.format("switch", "headroom"))
-    assert planner_switches(tmp_path) == 2
+    assert planner_activity(tmp_path).switches == 2
     before = planner_activity(tmp_path)
     with (tmp_path / "planner.log").open("a") as log:
         log.write(line.format("hold", "backlog") + line.format("hold", "dwell") +
