@@ -52,6 +52,35 @@ def set_role(s, worker_id: str, role: str, hand_over: int = 0) -> duet_pb2.SetRo
             duet_pb2.SetRoleRequest(role=role, reason="test", hand_over=hand_over), timeout=10)
 
 
+class StreamsRead:
+    """Streamed completions of `prompts`, each past its first token on entry, read to their end
+    by a thread each; on exit every reader has finished (errors kept in `errors`)."""
+
+    def __init__(self, client, prompts: list[str], ask: dict):
+        self.streams = [client.completions.create(prompt=p, stream=True, **ask) for p in prompts]
+        self.texts = [[next(iter(st)).choices[0].text] for st in self.streams]
+        self.errors: list[BaseException] = []
+        self.readers = [threading.Thread(target=self._drain, args=(i,)) for i in range(len(self.streams))]
+
+    def _drain(self, i: int) -> None:
+        try:
+            self.texts[i] += [chunk.choices[0].text for chunk in self.streams[i]]
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            self.errors.append(exc)
+
+    def __enter__(self) -> "StreamsRead":
+        for t in self.readers:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for t in self.readers:
+            t.join(120)
+
+    def answers(self) -> list[str]:
+        return ["".join(t) for t in self.texts]
+
+
 def roles(s) -> dict[str, str]:
     return {w: f["role"] for w, f in s.workers().items()}
 
@@ -141,27 +170,12 @@ def test_a_decode_worker_turned_both_hands_half_its_streams_over_and_every_answe
     gateway = s.gateway_metrics()
     moved_before = gateway.value("duet_migrations_total", cause="handed_over")
     decoded_before = s.metrics("worker-0").value("duet_engine_tokens_computed_total", phase="decode")
-    streams = [client.completions.create(prompt=p, stream=True, **ask) for p in PROMPTS]
-    texts = [[next(iter(st)).choices[0].text] for st in streams]  # all six decoding on worker-1 now
-    errors: list[BaseException] = []
-
-    def drain(i: int) -> None:
-        try:
-            texts[i] += [chunk.choices[0].text for chunk in streams[i]]
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-    readers = [threading.Thread(target=drain, args=(i,)) for i in range(len(streams))]
-    for t in readers:
-        t.start()
-    try:
+    with StreamsRead(client, PROMPTS, ask) as read:  # all six decoding on worker-1 now
         assert set_role(s, "worker-0", "both").changed  # first: the continuations need a place to land
         reply = set_role(s, "worker-1", "both", hand_over=3)
         assert (reply.changed, reply.handed_over) == (True, 3)
-    finally:
-        for t in readers:
-            t.join(120)
-    assert not errors, errors
-    assert ["".join(t) for t in texts] == reference
+    assert not read.errors, read.errors
+    assert read.answers() == reference
     assert s.gateway_metrics().value("duet_migrations_total", cause="handed_over") == moved_before + 3
     assert s.metrics("worker-1").value("duet_worker_streams_handed_over_total") == 3
     # the other worker decoded the three it took over
@@ -188,28 +202,13 @@ def test_a_worker_turning_prefill_hands_its_streams_over_and_their_pages_move(st
     reference = [client.completions.create(prompt=p, **ask).choices[0].text for p in prompts]
     gateway = s.gateway_metrics()
     moved_tokens = gateway.value("duet_migration_rebuilt_tokens_total", source="moved")
-    streams = [client.completions.create(prompt=p, stream=True, **ask) for p in prompts]
-    texts = [[next(iter(st)).choices[0].text] for st in streams]  # all four decoding on worker-0
-    errors: list[BaseException] = []
-
-    def drain(i: int) -> None:
-        try:
-            texts[i] += [chunk.choices[0].text for chunk in streams[i]]
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-    readers = [threading.Thread(target=drain, args=(i,)) for i in range(len(streams))]
-    for t in readers:
-        t.start()
-    try:
+    with StreamsRead(client, prompts, ask) as read:  # all four decoding on worker-0 now
         assert set_role(s, "worker-1", "decode").changed  # the new split first, as the planner does
         assert set_role(s, "worker-0", "prefill").changed
         reply = set_role(s, "worker-0", "prefill", hand_over=4)  # then the hand-over, the role unchanged
         assert (reply.changed, reply.handed_over) == (False, 4)
-    finally:
-        for t in readers:
-            t.join(120)
-    assert not errors, errors
-    assert ["".join(t) for t in texts] == reference
+    assert not read.errors, read.errors
+    assert read.answers() == reference
     after = s.gateway_metrics()
     assert after.value("duet_migrations_total", cause="handed_over") >= 4
     # their pages went from worker-0's cache to worker-1 over the handoff: moved, not recomputed
