@@ -26,7 +26,10 @@ is too little to judge by). Rules, in order:
   stay on the workers they were placed on whatever the roles become, so a switch helps none of
   them; it only moves the load that comes after the burst, on readings the burst distorts
   (its first-token wait, and the inter-token latency of steps that carried its chunks). The hold
-  lasts while the burst is in the window; the decision after it weighs the load that stays.
+  lasts while the burst is in the window. When it leaves, the window starts again and the split
+  stands another dwell (reason `after_backlog`): the readings that followed the burst still carry
+  its tail (the inter-token latency of its chunks, its last first tokens), so the decision after
+  it weighs only the load that stays.
   (Measured before this rule on two H200s: lockstep chats switched two `both` workers to the
   split under each burst of first turns, and their cached turns then ran on the split.)
 Kubernetes pool sizes change by the same rules, one pod at a time (`pool_step`)."""
@@ -40,8 +43,9 @@ from services.planner.predict import (SATURATED, Backlog, Corrections, Fleet, Pr
                                       predict)
 
 ACTIONS = ("switch", "scale", "hold", "keep")
-REASONS = ("unservable", "slo", "headroom", "hysteresis", "meets_targets", "backlog", "dwell", "idle", "no_model",
-           "best", "starting", "failed")
+REASONS = ("unservable", "slo", "headroom", "hysteresis", "meets_targets", "backlog", "after_backlog", "dwell",
+           "idle", "no_model", "best", "starting", "failed")
+RESTARTS_WINDOW = ("after_backlog",)  # holds after which the window starts again (main.py)
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,7 @@ class Decider:
     changed_at: float  # monotonic: the planner's start, then each change it made
     served: bool = False  # the workers were seen able to serve at least once
     headroom_above: float = 0.0  # a split meeting every target with its worst ratio at most this is held
+    bursting: bool = False  # the last weighing held the split for a backlog it was working off
 
     def dwelt(self, now: float) -> bool:
         return now - self.changed_at >= self.dwell_s
@@ -110,6 +115,7 @@ class Decider:
             return Decision("keep", "idle", current, current, load, preds, corr)
         best = best_of({s: p for s, p in preds.items() if s in options}, current)
         if best.split == current:
+            self.bursting = False
             return Decision("keep", "best", current, current, load, preds, corr)
         now_score = preds[current].score
         if not now_score > best.score * (1 + self.hysteresis):
@@ -118,7 +124,12 @@ class Decider:
             return Decision("hold", "meets_targets", current, best.split, load, preds, corr)
         queued = backlog(current, load, fleet)
         if self.clears_within_dwell(queued, fleet):
+            self.bursting = True
             return Decision("hold", "backlog", current, best.split, load, preds, corr, queued)
+        if self.bursting:  # the burst just left the window: judge what stays, on readings of its own
+            self.bursting = False
+            self.changed(now)
+            return Decision("hold", "after_backlog", current, best.split, load, preds, corr, queued)
         if not self.dwelt(now):
             return Decision("hold", "dwell", current, best.split, load, preds, corr, queued)
         return Decision("switch", "slo" if now_score > 1 else "headroom", current, best.split, load, preds, corr,

@@ -41,7 +41,7 @@ class Load:
     decode_streams: float = 0.0     # mean decode rows running (decode and `both` workers)
     decode_context: float = 0.0     # mean positions a decode row attends to
     kv_live_pages: float = 0.0      # mean pages held by live work, all workers
-    queued_prefill_tokens: float = 0.0  # mean over the window's readings, all workers
+    queued_prefill_tokens: float = 0.0  # mean over the window's readings: all workers, and the gateways' held back
     backlog_tokens: float = 0.0         # the most queued in one reading of the window (a burst's peak)
     ttft_s: float | None = None     # mean time to first token the gateways saw
     itl_s: float | None = None      # mean inter-token latency the gateways saw
@@ -121,9 +121,17 @@ class LoadWindow:
         span = max(last.at - first.at, 1e-9)
         g = lambda key: _growth(first.gateways, last.gateways, key)  # noqa: E731
         requests, itl_count = g("ttft_count"), g("itl_count")
+        prompt, computed = g("prompt_tokens"), _growth(first.workers, last.workers, "prefill_tokens")
         rows = context = pages = queued = peak = 0.0
         for r in self.readings:
-            queued_now = float(sum(w.load.queued_prefill_tokens for w in r.fleet))
+            # the workers' queues, and what the gateways' admission holds back: its uncached part,
+            # by the share of the prompts admitted up to that reading that the workers computed
+            held = sum(f.get("waiting_prompt_tokens", 0.0) for f in r.gateways.values())
+            if held:
+                admitted = _growth(first.gateways, r.gateways, "prompt_tokens")
+                share = min(1.0, _growth(first.workers, r.workers, "prefill_tokens") / admitted) if admitted else 1.0
+                held *= share
+            queued_now = float(sum(w.load.queued_prefill_tokens for w in r.fleet)) + held
             queued, peak = queued + queued_now, max(peak, queued_now)
             for w in r.fleet:
                 pages += w.load.kv_usage * w.load.total_pages
@@ -134,8 +142,7 @@ class LoadWindow:
         return Load(
             seconds=span, requests=requests, requests_per_s=requests / span,
             arrivals_per_s=_arrivals(first.gateways, last.gateways) / span,
-            prompt_tokens_per_s=g("prompt_tokens") / span,
-            computed_prompt_tokens_per_s=_growth(first.workers, last.workers, "prefill_tokens") / span,
+            prompt_tokens_per_s=prompt / span, computed_prompt_tokens_per_s=computed / span,
             output_tokens_per_s=g("output_tokens") / span,
             decode_streams=rows / n, decode_context=context / rows if rows else 0.0, kv_live_pages=pages / n,
             queued_prefill_tokens=queued / n, backlog_tokens=peak,

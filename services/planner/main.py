@@ -22,7 +22,7 @@ import grpc
 
 from services.planner.assign import assign, fixed_split, hand_overs
 from services.planner.config import PlannerConfig
-from services.planner.decide import Decider, Decision, pool_step
+from services.planner.decide import RESTARTS_WINDOW, Decider, Decision, pool_step
 from services.planner.kube_scale import KubeApi, KubeError, namespace_of
 from services.planner.load_window import LoadWindow, Reading
 from services.planner.predict import Fleet, Split
@@ -80,6 +80,8 @@ class Planner:
             report(decision, fleet, self.metrics, span)
             if decision.action == "switch":
                 await self.switch(workers, decision)
+            elif decision.reason in RESTARTS_WINDOW:
+                self.window.reset()
             elif self.kube is not None and fleet is not None and self.decider.dwelt(now):
                 await self.scale(workers, decision, fleet, span)
         await self.switcher.forget({(w.worker_id, w.address, w.instance_nonce) for w in workers})

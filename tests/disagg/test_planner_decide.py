@@ -7,13 +7,16 @@ then multi-turn chat whose turns are mostly cached where the conversation lives,
 tests/e2e/test_e2e_planner.py) are tests/helpers/planner_fleet.py's."""
 from __future__ import annotations
 
+import asyncio
 import math
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
+from services.gateway.http_edge.admission import AdmissionQueue, Budget, Work, register_admission_metrics
 from services.gateway.http_edge.metrics import GatewayMetrics
 from services.planner.assign import assign, fixed_split, hand_overs
-from services.planner.decide import Decider, pool_step
+from services.planner.decide import RESTARTS_WINDOW, Decider, pool_step
 from services.planner.load_window import Load, LoadWindow, Reading
 from services.planner.predict import Corrections, Fleet, Split, backlog, candidates, predict
 from services.planner.report import figures
@@ -107,14 +110,19 @@ def test_a_burst_the_split_clears_within_the_dwell_holds_it_and_the_load_after_d
     assert (shown["load.backlog_tokens"], shown["backlog.clear_s"]) == (2000.0, round(b.clear_s, 3))
     # the same burst on one prefill worker takes twice as long: each split clears at its own rate
     assert backlog(P1D1, burst, f).clear_s == pytest.approx(2 * b.clear_s, rel=0.05)
+    # the burst leaves the window: the split stands another dwell, on a window restarted (main.py)
+    after = d.decide(103.0, B2, Split(), LONG, f)
+    assert (after.action, after.reason) == ("hold", "after_backlog") and after.reason in RESTARTS_WINDOW
+    assert d.decide(110.0, B2, Split(), LONG, f).reason == "dwell"
+    assert d.decide(163.0, B2, Split(), LONG, f).action == "switch"  # the load that stayed decides
     small = Load(**{**LONG.__dict__, "backlog_tokens": 200.0})  # a few steps' worth: no burst to wait for
-    assert d.decide(100.0, B2, Split(), small, f).action == "switch"
+    assert decider().decide(100.0, B2, Split(), small, f).action == "switch"
     flood = Load(**{**LONG.__dict__, "backlog_tokens": 30000.0})  # past the dwell
-    assert backlog(B2, flood, f).clear_s > d.dwell_s and d.decide(100.0, B2, Split(), flood, f).action == "switch"
+    assert backlog(B2, flood, f).clear_s > d.dwell_s and decider().decide(100.0, B2, Split(), flood, f).action == "switch"
     # long prompts past what two `both` workers prefill: the backlog only grows, the split can help
     past = Load(**{**long_prompts(1.5, 2.0).__dict__, "backlog_tokens": 2000.0})
     assert backlog(B2, past, f).busy > 0.9
-    assert d.decide(100.0, B2, Split(), past, f).action == "switch"
+    assert decider().decide(100.0, B2, Split(), past, f).action == "switch"
 
 
 def test_too_little_load_or_no_model_keeps_the_split():
@@ -205,6 +213,42 @@ def test_the_window_reads_counters_as_their_growth_and_a_restart_from_zero():
     assert window.load().seconds == pytest.approx(11.0)
     window.reset()
     assert window.load() == Load()
+
+
+def test_a_burst_the_gateways_admission_holds_back_counts_in_the_backlog():
+    """48 new 6k-token conversations at once: the gateway's prefill budget lets two steps' worth
+    reach the workers and holds the rest in its admission queue, so the workers' queues alone show
+    a fraction of the burst. Read through a real admission queue's /metrics page."""
+    async def held_back() -> str:
+        registry = CollectorRegistry()
+        queue = AdmissionQueue(100, 100, 0.0, budget=lambda: Budget(prefill_tokens=16384))
+        register_admission_metrics(registry, queue)
+        tasks = [asyncio.create_task(queue.ticket().acquire(Work(1, 6128, 6000))) for _ in range(48)]
+        await asyncio.sleep(0.05)
+        text = generate_latest(registry).decode()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return text
+
+    waiting = gateway_figures(asyncio.run(held_back()))["waiting_prompt_tokens"]
+    assert waiting == 46 * 6000  # two granted (12k of the 16k budget), the rest held back
+
+    def reading(at, prompt, computed, held=0.0, queued=0):
+        gateway = {"ttft_count": at, "ttft_sum": at, "prompt_tokens": prompt, "waiting_prompt_tokens": held}
+        return Reading(at, {"g": gateway}, {"w1/n": {"prefill_tokens": computed, "decode_tokens": 0.0}},
+                       (worker("w1", "both", queued=queued),))
+
+    window = LoadWindow(seconds=10.0)
+    window.add(reading(0.0, 0, 0))
+    window.add(reading(3.0, 12000, 12000, held=waiting, queued=12000))
+    assert window.load().backlog_tokens == 12000 + waiting  # all uncached: the whole burst
+    # later, cached turns held back weigh only their uncached part: of the prompts admitted up to
+    # then, the share the workers computed (here a fifth)
+    window.add(reading(6.0, 112000, 22400, held=100000))
+    load = window.load()
+    assert load.backlog_tokens == 12000 + waiting  # still the burst's reading, the peak
+    assert load.queued_prefill_tokens == pytest.approx((12000 + waiting + 100000 * 0.2) / 3)
 
 
 def test_under_overload_the_load_is_the_requests_that_reached_the_gateway_not_the_first_tokens():

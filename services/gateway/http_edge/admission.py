@@ -137,6 +137,12 @@ class AdmissionQueue:
     def waiting_sequences(self) -> int:
         return sum(w.work.sequences for w in self._waiters if not w.future.done())
 
+    @property
+    def waiting_prompt_tokens(self) -> int:
+        """Prompt tokens of the units waiting for admission: a burst the prefill budget holds
+        here rather than in the workers' queues (the planner weighs both as its backlog)."""
+        return sum(w.work.prompt_tokens for w in self._waiters if not w.future.done())
+
     def stats(self) -> AdmissionStats:
         return AdmissionStats(self.active, self.queued, self.refused, self.running.sequences, self.running.tokens,
                               self.waiting_sequences, self.running.prefill_tokens)
@@ -380,6 +386,8 @@ def register_admission_metrics(registry, queue: AdmissionQueue) -> None:
           registry=registry).set_function(lambda: queue.running.sequences)
     Gauge("duet_gateway_waiting_sequences", "Sequences waiting for admission (queued requests and the "
           "later prompts of admitted ones)", registry=registry).set_function(lambda: queue.waiting_sequences)
+    Gauge("duet_gateway_waiting_prompt_tokens", "Prompt tokens of the sequences waiting for admission",
+          registry=registry).set_function(lambda: queue.waiting_prompt_tokens)
     Gauge("duet_gateway_running_tokens", "KV tokens the running sequences can fill (prompt + n x max_tokens)",
           registry=registry).set_function(lambda: queue.running.tokens)
     Gauge("duet_gateway_prefilling_tokens", "Prompt tokens admitted and not yet past their first token",
