@@ -18,12 +18,22 @@ decode worker holding 97% of a conversation prefills the rest while its batch is
 hands it to an idle prefill worker once its batch is heavy (DistServe's and Dynamo's planner's
 latency models; Dynamo's and llm-d's deciders use fixed thresholds instead).
 
-`--local-prefill-min-share` / `--local-prefill-max-tokens` bound `local_prefill`: never beyond
-them. `--placement threshold` keeps the older rule (policy.local_prefill_reason: within those
+`--local-prefill-min-share` / `--local-prefill-max-tokens` bound `local_prefill`, with one
+exception: overflow. When the split is predicted past the first-token target (the prefill
+workers' queue: a long-prompt rate past what they prefill) and D would give the first token
+sooner, D takes the prompt whatever it holds, as long as the prefill queued on D (this prompt
+included) leaves its decode rows' mean step within the inter-token target: over the first-token
+target's span T, q seconds of prefill stretch the steps by 1 / (1 - q / T), so q may reach
+T x (1 - step / target). A single step may pass the target (a GPU worker beside more rows than
+its graphs hold takes a prompt in one eager step, step_budget.py); what a stream's time per
+output token sees is the mean. So the decode GPU's spare time serves prompts the prefill GPU
+cannot, instead of the queue growing on one side while the other has room (measured on two
+H200s: one prefill GPU saturates near 9 req/s of 4096-token prompts while decode's steps sit at
+half the target). `--placement threshold` keeps the older rule (policy.local_prefill_reason: within those
 bounds, always local), which is also the fallback while a worker has published no model."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from services.router.config import RoutingWeights
 from services.router.inflight import WorkerInflight
@@ -52,7 +62,7 @@ class Option:
 @dataclass(frozen=True)
 class Placement:
     kind: str                 # split | local_prefill | colocated
-    code: str                 # why, a label: threshold no_model bounds lowest_ttft itl_target
+    code: str                 # why, a label: threshold no_model bounds lowest_ttft itl_target overflow
     detail: str               # the route reply's reason, figures included
     chosen: Option | None = None   # None: by the threshold rule
     options: list[Option] = field(default_factory=list)
@@ -123,6 +133,23 @@ def predict_split(prefill: PrefillChoice, decode: DecodeChoice, prompt_tokens: i
     return Option("split", prefill.worker.worker_id, ttft, step, impact, True, p_site.model.rel_error)
 
 
+def overflow_allowed(local: Option, split: Option, decode: DecodeChoice, prompt_tokens: int,
+                     inflight: dict[str, WorkerInflight], target_s: float) -> bool:
+    """Local prefill beyond the bounds (the module's overflow rule): the split misses the
+    first-token target, D is faster, and D's queued prefill keeps its mean step within target_s."""
+    horizon = decode.worker.perf.ttft_target_s
+    if horizon <= 0 or split.ttft_s <= horizon or local.ttft_s >= split.ttft_s:
+        return False
+    load = inflight.get(decode.worker.worker_id, _NO_LOAD)
+    site = _site(decode.worker, load)
+    if site is None or not site.decode_rows:
+        return site is not None
+    model = site.model
+    queued_s = model.chunk_s(0, _queued(decode.worker, load)) + model.chunk_s(
+        decode.cached_tokens, prompt_tokens - decode.cached_tokens)
+    return queued_s < horizon and site.step_s() / (1 - queued_s / horizon) <= target_s
+
+
 def within_bounds(decode: DecodeChoice, prompt_tokens: int, weights: RoutingWeights) -> bool:
     return bool(local_prefill_reason(decode, prompt_tokens, weights))
 
@@ -138,10 +165,15 @@ def place(decode: DecodeChoice, prefill: PrefillChoice, prompt_tokens: int, *,
     if weights.placement == "threshold":
         return Placement("local_prefill" if threshold else "split", "threshold", threshold or split_detail)
     target = target_s or decode.worker.perf.itl_target_s
+    split = predict_split(prefill, decode, prompt_tokens, inflight)
+    local = predict_here("local_prefill", decode.worker, decode.cached_tokens, prompt_tokens, inflight, target)
+    if not threshold:  # beyond the bounds: an option only as overflow, judged by its mean step
+        fits = local is not None and split is not None and overflow_allowed(local, split, decode, prompt_tokens,
+                                                                            inflight, target)
+        local = replace(local, allowed=True) if fits else None
+    overflow = local is not None and not threshold
     options = [o for o in (
-        predict_split(prefill, decode, prompt_tokens, inflight),
-        predict_here("local_prefill", decode.worker, decode.cached_tokens, prompt_tokens, inflight, target)
-        if threshold else None,
+        split, local,
         predict_here("colocated", colocated.worker, colocated.cached_tokens, prompt_tokens, inflight,
                      target_s or colocated.worker.perf.itl_target_s) if colocated is not None else None,
     ) if o is not None]
@@ -150,13 +182,17 @@ def place(decode: DecodeChoice, prefill: PrefillChoice, prompt_tokens: int, *,
         return Placement("local_prefill", "no_model", threshold + " (no step-time model yet: by threshold)",
                          options=options, target_s=target)
     allowed = [o for o in options if o.allowed]
-    if not allowed or (not threshold and "colocated" not in kinds):
+    if not allowed or (not threshold and not overflow and "colocated" not in kinds):
         chosen = next((o for o in options if o.kind == "split"), None)
         return Placement("split", "bounds" if not threshold else "itl_target", split_detail + _figures(options, target),
                          chosen, options, target)
     chosen, fastest = _fastest(allowed), _fastest(options)
     code = "lowest_ttft" if chosen.kind == fastest.kind else "itl_target"
-    if chosen.kind == "local_prefill":
+    if chosen.kind == "local_prefill" and not threshold:
+        code = "overflow"
+        head = (f"overflow: the split misses the first-token target; decode {decode.worker.worker_id} "
+                f"prefills {prompt_tokens - decode.cached_tokens} of {prompt_tokens} prompt tokens itself")
+    elif chosen.kind == "local_prefill":
         head = threshold
     elif chosen.kind == "colocated":
         head = (f"colocated: {chosen.worker_id} holds {colocated.cached_tokens} of {prompt_tokens} "

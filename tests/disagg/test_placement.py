@@ -105,6 +105,33 @@ def test_bounds_and_missing_models():
     assert (out.kind, out.code) == ("local_prefill", "no_model")
 
 
+def test_a_prompt_the_saturated_split_would_keep_waiting_overflows_to_the_decode_worker():
+    """An uncached 4096-token prompt, beyond the local-prefill bounds. With the prefill worker's
+    queue past the first-token target (1 s) and a decode worker at 32 rows with time to spare,
+    the decode worker prefills it itself (`overflow`); not while the prefill worker keeps up,
+    not where the prefill already queued on the decode worker would stretch its rows' mean step
+    past the inter-token target, and never where the workers publish no first-token target."""
+    def overflow(prefill_queue: int, decode_queue: int = 0, ttft_target_s: float = 1.0):
+        d = worker("d1", "decode", rows=32, queued_prefill_tokens=decode_queue)
+        d.perf.ttft_target_s = ttft_target_s
+        p = worker("p1", "prefill", queued_prefill_tokens=prefill_queue)
+        inflight = {"d1": WorkerInflight(decode_requests=32)}
+        return place(DecodeChoice(d, pages=1, cost=0.0, cached_tokens=0), PrefillChoice(p, 0, 4096, 0.0), 4096,
+                     inflight=inflight, weights=RoutingWeights())
+
+    assert overflow(prefill_queue=0).code == "bounds"  # the split meets the target: today's bounds rule
+    saturated = overflow(prefill_queue=60_000)
+    assert (saturated.kind, saturated.code) == ("local_prefill", "overflow"), saturated.detail
+    by_kind = {o.kind: o for o in saturated.options}
+    assert by_kind["split"].ttft_s > 1.0 > by_kind["local_prefill"].ttft_s
+    assert saturated.detail.startswith("overflow: the split misses the first-token target; decode d1 prefills 4096")
+    # 20k tokens already queued on the decode worker: 0.96 s of prefill in the 1 s span, its rows'
+    # mean step would pass 30 ms
+    crowded = overflow(prefill_queue=60_000, decode_queue=20_000)
+    assert (crowded.kind, crowded.code) == ("split", "bounds"), crowded.detail
+    assert overflow(prefill_queue=60_000, ttft_target_s=0.0).kind == "split"
+
+
 def test_a_both_worker_is_a_third_option():
     b = worker("b1", "both")
     out, _ = decide(rows=256, colocated=PrefillChoice(b, cached_tokens=HELD, uncached_tokens=PROMPT - HELD,
