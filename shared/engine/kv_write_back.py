@@ -3,8 +3,8 @@
 device needs them they leave at no cost, and no step ever waits for a copy.
 
 Each engine step (`tick`) first sees which copies landed (kv_host_tier.HostKVTier.poll): their
-nodes' host copies become usable, and host pages given up meanwhile are freed. Then, when the
-device pool runs short (free pages under `ahead_pages`, a sixteenth of the pool or two steps'
+nodes' host copies become usable, and host pages given up meanwhile are freed. Then (spaced by
+WALK_SPACING times the last walk's time, unless the pool ran shorter since), when the device pool runs short (free pages under `ahead_pages`, a sixteenth of the pool or two steps'
 worth of pages, plus what the waiting requests will take), it walks the unlocked device nodes
 least recently used first, the order eviction takes them, over the pages the device will give
 up next (that many less the free ones), and queues one copy for the nodes among them the policy wants and that have no host
@@ -34,6 +34,12 @@ from dataclasses import dataclass, field
 from .kv_write_policy import POLICIES, SequenceGhosts, drop_reason, keep_reason
 
 MAX_IN_FLIGHT_BYTES = 256 << 20  # queued write-back at most (a load waits behind it): ~5 ms at 50 GB/s
+# the walk over the unlocked device nodes runs on the step's thread and grows with the tree (a
+# full pool of short requests' nodes: ~1 ms a thousand nodes on a small CPU, every step while
+# the pool is short), so after a walk the next waits this many times as long as it took, unless
+# the pool runs shorter than that walk looked ahead for: the walks take at most about a tenth
+# of the thread's time, and a small tree is still walked every step
+WALK_SPACING = 10
 BURST_S = 0.05  # the bandwidth bucket holds this many seconds of copies
 
 
@@ -89,6 +95,8 @@ class HostWriter:
         self._allowance = 0.0
         self._last = clock()
         self._nothing_at: tuple[int, int] | None = None  # (cache version, window) of a walk that found nothing
+        self._walked_window, self._next_walk = 0, 0.0  # the last walk's window; the next one not before (WALK_SPACING)
+        self._walk_s = 0.0  # how long the last walk over the nodes took
 
     # -- what eviction asks ---------------------------------------------------------------
     def wanted(self, node) -> str | None:
@@ -126,8 +134,14 @@ class HostWriter:
         will take (their pages displace the next ones eviction takes)."""
         self.poll()
         window = self.ahead_pages + waiting_pages - free_pages
-        if self.policy != "off" and window > 0:
-            self.write_ahead(window)
+        if self.policy == "off" or window <= 0:
+            return
+        now = time.perf_counter()
+        if now < self._next_walk and window <= self._walked_window:
+            return
+        self._walk_s = 0.0
+        self.write_ahead(window)
+        self._walked_window, self._next_walk = window, now + WALK_SPACING * self._walk_s
 
     def poll(self) -> None:
         """Settle every copy the lane has seen land."""
@@ -172,6 +186,7 @@ class HostWriter:
         page_bytes = self.tier.bytes_per_page
         budget = min(allowance, room)
         picks, seen, planned = [], 0, 0
+        t0 = time.perf_counter()
         for node in self.cache.eviction_order():
             if seen >= window or planned >= budget:
                 break
@@ -182,6 +197,7 @@ class HostWriter:
             if reason is not None:
                 picks.append((node, reason))
                 planned += len(node.pages) * page_bytes
+        self._walk_s = time.perf_counter() - t0  # the walk alone: a copy's launch is not its cost
         if picks:
             self._nothing_at = None
             self._launch(picks)

@@ -21,6 +21,7 @@ import torch
 
 from shared.engine.kv_host_tier import HostKVTier
 from shared.engine.kv_pool import KVLayout, KVPool, PageAllocator
+from shared.engine import kv_write_back as kwb
 from shared.engine.kv_write_back import WriteBackConfig
 from shared.engine.radix_cache import RadixCache
 from shared.engine.sampling_params import SamplingParams
@@ -262,3 +263,51 @@ def test_on_a_gpu_a_prefill_worker_captures_no_decode_graphs(model_dir):
     assert eng.get(rid).num_output == 1
     eng.release_held(rid)
     eng.check_idle()
+
+
+def test_the_walk_ahead_of_eviction_is_spaced_by_its_own_cost_and_runs_at_once_when_the_pool_runs_shorter():
+    """Each step asks the writer to look ahead (tick); the walk over the unlocked device nodes
+    costs time on the step's thread that grows with the tree. A tree that takes long to walk is
+    walked again only after WALK_SPACING times that long, unless the pool runs shorter than the
+    last walk looked ahead for; a small tree is walked every step."""
+    cache, pool, alloc, lane = tiny_cache(device_pages=4100, host_pages=8)
+    for i in range(4000):  # a full pool of one-page nodes, none wanted (never hit): nothing to copy
+        cache.insert([i + 1] + [0] * (PS - 1), alloc.allocate(1))
+    walks = []
+    order = cache.eviction_order
+    cache.eviction_order = lambda: walks.append(1) or order()  # counts the walks; the walk itself is real
+    writer = cache.writer
+    writer.ahead_pages = 2000
+    free = alloc.num_free
+    started = time.perf_counter()
+    writer.tick(free)
+    first = writer._walk_s
+    assert len(walks) == 1 and first > 0
+    ticks = 0
+    while time.perf_counter() - started < first * kwb.WALK_SPACING / 2:
+        m = cache.match([ticks % 4000 + 1] + [0] * (PS - 1))  # a step's change to the tree: a lock
+        cache.lock(m.deepest)                                  # taken and released
+        cache.unlock(m.deepest)
+        writer.tick(free)  # the same window, again and again within the spacing: no walk
+        ticks += 1
+    assert ticks > 1 and len(walks) == 1
+    writer.tick(free - 10)  # the pool ran shorter than that walk looked for: at once
+    assert len(walks) == 2
+    time.sleep(writer._walk_s * kwb.WALK_SPACING * 1.5)
+    cache.insert([9999] + [0] * (PS - 1), alloc.allocate(1))  # the tree changed (a walk that found
+    writer.tick(free - 10)                                     # nothing is not repeated unless it did)
+    assert len(walks) == 3  # spaced out, then walked again
+    small, _, small_alloc, small_lane = tiny_cache(device_pages=8)
+    seq = list(range(100, 108))
+    small.insert(seq, small_alloc.allocate(2))
+    small_walks = []
+    small_order = small.eviction_order
+    small.eviction_order = lambda: small_walks.append(1) or small_order()
+    small.writer.ahead_pages = 8
+    for _ in range(5):
+        small.match(seq, count_hit=True)  # each step changes the tree (a hit)
+        time.sleep(0.001)  # a step's time: far past a one-node walk's spacing
+        small.writer.tick(small_alloc.num_free)
+    assert len(small_walks) == 5
+    small_lane.open()
+    small.writer.settle()
