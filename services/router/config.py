@@ -49,6 +49,12 @@ class RoutingWeights:
         512, flag="--local-prefill-max-tokens", env="DUET_LOCAL_PREFILL_MAX_TOKENS",
         help="... and at most this many prompt tokens are left to compute (no prefill worker, no transfer); "
              "0 = always through a prefill worker")
+    overflow: bool = setting(
+        False, flag="--placement-overflow", env="DUET_PLACEMENT_OVERFLOW",
+        help="with --placement predicted: a decode worker also prefills a prompt beyond those bounds when a queue "
+             "on the prefill worker puts the split past the first-token target and the decode worker's rows keep "
+             "their mean step within the inter-token target (off by default: not yet shown to pay on GPUs, where "
+             "the gateway's admission holds the queue the router would need to see)")
 
 
 @dataclass

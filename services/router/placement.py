@@ -19,8 +19,10 @@ hands it to an idle prefill worker once its batch is heavy (DistServe's and Dyna
 latency models; Dynamo's and llm-d's deciders use fixed thresholds instead).
 
 `--local-prefill-min-share` / `--local-prefill-max-tokens` bound `local_prefill`, with one
-exception: overflow. When the split is predicted past the first-token target (the prefill
-workers' queue: a long-prompt rate past what they prefill) and D would give the first token
+exception, overflow (`--placement-overflow`, off by default: on two H200s it did not engage, the
+gateway's admission holding the queue that would trigger it). When the split is predicted past the first-token target with prefill
+queued on P (a long-prompt rate past what the prefill workers keep up with; not a prompt that
+is long alone, which D would not serve sooner either) and D would give the first token
 sooner, D takes the prompt whatever it holds, as long as the prefill queued on D (this prompt
 included) leaves its decode rows' mean step within the inter-token target: over the first-token
 target's span T, q seconds of prefill stretch the steps by 1 / (1 - q / T), so q may reach
@@ -166,11 +168,17 @@ def place(decode: DecodeChoice, prefill: PrefillChoice, prompt_tokens: int, *,
         return Placement("local_prefill" if threshold else "split", "threshold", threshold or split_detail)
     target = target_s or decode.worker.perf.itl_target_s
     split = predict_split(prefill, decode, prompt_tokens, inflight)
-    local = predict_here("local_prefill", decode.worker, decode.cached_tokens, prompt_tokens, inflight, target)
-    if not threshold:  # beyond the bounds: an option only as overflow, judged by its mean step
-        fits = local is not None and split is not None and overflow_allowed(local, split, decode, prompt_tokens,
-                                                                            inflight, target)
-        local = replace(local, allowed=True) if fits else None
+    if threshold:
+        local = predict_here("local_prefill", decode.worker, decode.cached_tokens, prompt_tokens, inflight, target)
+    else:  # beyond the bounds: an option only as overflow, while a queue on the prefill worker
+        local = None  # is what puts the split past the first-token target (not a long prompt alone)
+        queued = _queued(prefill.worker, inflight.get(prefill.worker.worker_id, _NO_LOAD))
+        if weights.overflow and split is not None and queued > 0 and \
+                0 < decode.worker.perf.ttft_target_s < split.ttft_s:
+            here = predict_here("local_prefill", decode.worker, decode.cached_tokens, prompt_tokens, inflight,
+                                target)
+            if here is not None and overflow_allowed(here, split, decode, prompt_tokens, inflight, target):
+                local = replace(here, allowed=True)
     overflow = local is not None and not threshold
     options = [o for o in (
         split, local,

@@ -110,16 +110,20 @@ def test_a_prompt_the_saturated_split_would_keep_waiting_overflows_to_the_decode
     queue past the first-token target (1 s) and a decode worker at 32 rows with time to spare,
     the decode worker prefills it itself (`overflow`); not while the prefill worker keeps up,
     not where the prefill already queued on the decode worker would stretch its rows' mean step
-    past the inter-token target, and never where the workers publish no first-token target."""
-    def overflow(prefill_queue: int, decode_queue: int = 0, ttft_target_s: float = 1.0):
+    past the inter-token target, and never where the workers publish no first-token target or the
+    router runs without --placement-overflow."""
+    def overflow(prefill_queue: int, decode_queue: int = 0, ttft_target_s: float = 1.0, on: bool = True):
         d = worker("d1", "decode", rows=32, queued_prefill_tokens=decode_queue)
         d.perf.ttft_target_s = ttft_target_s
         p = worker("p1", "prefill", queued_prefill_tokens=prefill_queue)
         inflight = {"d1": WorkerInflight(decode_requests=32)}
         return place(DecodeChoice(d, pages=1, cost=0.0, cached_tokens=0), PrefillChoice(p, 0, 4096, 0.0), 4096,
-                     inflight=inflight, weights=RoutingWeights())
+                     inflight=inflight, weights=RoutingWeights(overflow=on))
 
     assert overflow(prefill_queue=0).code == "bounds"  # the split meets the target: today's bounds rule
+    # a prompt long enough to miss a tight target on an idle prefill worker is no queue to relieve
+    alone = overflow(prefill_queue=0, ttft_target_s=0.05)
+    assert alone.code == "bounds" and alone.chosen.ttft_s > 0.05, alone.detail
     saturated = overflow(prefill_queue=60_000)
     assert (saturated.kind, saturated.code) == ("local_prefill", "overflow"), saturated.detail
     by_kind = {o.kind: o for o in saturated.options}
@@ -130,6 +134,7 @@ def test_a_prompt_the_saturated_split_would_keep_waiting_overflows_to_the_decode
     crowded = overflow(prefill_queue=60_000, decode_queue=20_000)
     assert (crowded.kind, crowded.code) == ("split", "bounds"), crowded.detail
     assert overflow(prefill_queue=60_000, ttft_target_s=0.0).kind == "split"
+    assert overflow(prefill_queue=60_000, on=False).code == "bounds"  # off by default (--placement-overflow)
 
 
 def test_a_both_worker_is_a_third_option():
