@@ -47,6 +47,10 @@ def stack(request):
                 *MODES[request.param], kv_cache_memory="128M", env={"DUET_SHARED_CACHE_SALTS": SHARED_SALT})
     with managed(request, up.start()) as s:
         s.wait_ready()
+        # `duet up` is ready once a worker serves; a turn served before the prefill worker joined
+        # leaves no pages there, which the next turn's split placement would then find missing
+        workers = 2 if request.param == "split" else 1
+        wait_until(lambda: len(s.workers()) >= workers, 120, f"{workers} worker(s) in the registry")
         yield s
 
 
