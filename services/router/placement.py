@@ -20,18 +20,18 @@ latency models; Dynamo's and llm-d's deciders use fixed thresholds instead).
 
 `--local-prefill-min-share` / `--local-prefill-max-tokens` bound `local_prefill`, with one
 exception, overflow (`--placement-overflow`, off by default: on two H200s it did not engage, the
-gateway's admission holding the queue that would trigger it). When the split is predicted past the first-token target with prefill
-queued on P (a long-prompt rate past what the prefill workers keep up with; not a prompt that
-is long alone, which D would not serve sooner either) and D would give the first token
-sooner, D takes the prompt whatever it holds, as long as the prefill queued on D (this prompt
-included) leaves its decode rows' mean step within the inter-token target: over the first-token
-target's span T, q seconds of prefill stretch the steps by 1 / (1 - q / T), so q may reach
-T x (1 - step / target). A single step may pass the target (a GPU worker beside more rows than
-its graphs hold takes a prompt in one eager step, step_budget.py); what a stream's time per
-output token sees is the mean. So the decode GPU's spare time serves prompts the prefill GPU
-cannot, instead of the queue growing on one side while the other has room (measured on two
-H200s: one prefill GPU saturates near 9 req/s of 4096-token prompts while decode's steps sit at
-half the target). `--placement threshold` keeps the older rule (policy.local_prefill_reason: within those
+gateway's admission holding back the queue that would trigger it). When prefill queued on P puts
+the split past the first-token target (a long-prompt rate past what the prefill workers keep up
+with; not a prompt that is long alone, which D would not serve sooner either) and D would give
+the first token sooner, D takes the prompt whatever it holds, as long as the prefill queued on D
+(this prompt included) leaves its decode rows' mean step within the inter-token target: over the
+first-token target's span T, q seconds of prefill stretch the steps by 1 / (1 - q / T), so q may
+reach T x (1 - step / target). A single step may pass the target (a GPU worker beside more rows
+than its graphs hold takes a prompt in one eager step, step_budget.py); what a stream's time per
+output token sees is the mean. So the decode GPU's spare time would serve prompts the prefill
+GPU cannot, instead of the queue growing on one side while the other has room (on two H200s one
+prefill GPU saturates near 9 req/s of 4096-token prompts while decode's steps sit at half the
+target). `--placement threshold` keeps the older rule (policy.local_prefill_reason: within those
 bounds, always local), which is also the fallback while a worker has published no model."""
 from __future__ import annotations
 
@@ -135,21 +135,26 @@ def predict_split(prefill: PrefillChoice, decode: DecodeChoice, prompt_tokens: i
     return Option("split", prefill.worker.worker_id, ttft, step, impact, True, p_site.model.rel_error)
 
 
-def overflow_allowed(local: Option, split: Option, decode: DecodeChoice, prompt_tokens: int,
-                     inflight: dict[str, WorkerInflight], target_s: float) -> bool:
-    """Local prefill beyond the bounds (the module's overflow rule): the split misses the
-    first-token target, D is faster, and D's queued prefill keeps its mean step within target_s."""
+def overflow_option(prefill: PrefillChoice, decode: DecodeChoice, split: Option, prompt_tokens: int,
+                    inflight: dict[str, WorkerInflight], target_s: float) -> Option | None:
+    """Local prefill beyond the bounds (the module's overflow rule), or None: prefill queued on P
+    puts the split past the first-token target, D is faster, and D's queued prefill keeps its
+    rows' mean step within target_s."""
     horizon = decode.worker.perf.ttft_target_s
-    if horizon <= 0 or split.ttft_s <= horizon or local.ttft_s >= split.ttft_s:
-        return False
+    if not 0 < horizon < split.ttft_s or _queued(prefill.worker, inflight.get(prefill.worker.worker_id,
+                                                                              _NO_LOAD)) <= 0:
+        return None
+    here = predict_here("local_prefill", decode.worker, decode.cached_tokens, prompt_tokens, inflight, target_s)
+    if here is None or here.ttft_s >= split.ttft_s:
+        return None
     load = inflight.get(decode.worker.worker_id, _NO_LOAD)
     site = _site(decode.worker, load)
-    if site is None or not site.decode_rows:
-        return site is not None
-    model = site.model
-    queued_s = model.chunk_s(0, _queued(decode.worker, load)) + model.chunk_s(
-        decode.cached_tokens, prompt_tokens - decode.cached_tokens)
-    return queued_s < horizon and site.step_s() / (1 - queued_s / horizon) <= target_s
+    if site.decode_rows:
+        queued_s = site.model.chunk_s(0, _queued(decode.worker, load)) + site.model.chunk_s(
+            decode.cached_tokens, prompt_tokens - decode.cached_tokens)
+        if queued_s >= horizon or site.step_s() / (1 - queued_s / horizon) > target_s:
+            return None
+    return replace(here, allowed=True)
 
 
 def within_bounds(decode: DecodeChoice, prompt_tokens: int, weights: RoutingWeights) -> bool:
@@ -170,15 +175,9 @@ def place(decode: DecodeChoice, prefill: PrefillChoice, prompt_tokens: int, *,
     split = predict_split(prefill, decode, prompt_tokens, inflight)
     if threshold:
         local = predict_here("local_prefill", decode.worker, decode.cached_tokens, prompt_tokens, inflight, target)
-    else:  # beyond the bounds: an option only as overflow, while a queue on the prefill worker
-        local = None  # is what puts the split past the first-token target (not a long prompt alone)
-        queued = _queued(prefill.worker, inflight.get(prefill.worker.worker_id, _NO_LOAD))
-        if weights.overflow and split is not None and queued > 0 and \
-                0 < decode.worker.perf.ttft_target_s < split.ttft_s:
-            here = predict_here("local_prefill", decode.worker, decode.cached_tokens, prompt_tokens, inflight,
-                                target)
-            if here is not None and overflow_allowed(here, split, decode, prompt_tokens, inflight, target):
-                local = replace(here, allowed=True)
+    else:  # beyond the bounds: an option only as overflow
+        local = overflow_option(prefill, decode, split, prompt_tokens, inflight, target) \
+            if weights.overflow and split is not None else None
     overflow = local is not None and not threshold
     options = [o for o in (
         split, local,

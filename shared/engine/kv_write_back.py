@@ -4,8 +4,9 @@ device needs them they leave at no cost, and no step ever waits for a copy.
 
 Each engine step (`tick`) first sees which copies landed (kv_host_tier.HostKVTier.poll): their
 nodes' host copies become usable, and host pages given up meanwhile are freed. Then (spaced by
-WALK_SPACING times the last walk's time, unless the pool ran shorter since), when the device pool runs short (free pages under `ahead_pages`, a sixteenth of the pool or two steps'
-worth of pages, plus what the waiting requests will take), it walks the unlocked device nodes
+WALK_SPACING times the last walk's time, unless the pool ran shorter since), when the device
+pool runs short (free pages under `ahead_pages`, a sixteenth of the pool or two steps' worth of
+pages, plus what the waiting requests will take), it walks the unlocked device nodes
 least recently used first, the order eviction takes them, over the pages the device will give
 up next (that many less the free ones), and queues one copy for the nodes among them the policy wants and that have no host
 copy yet: host pages are handed out in the order of the device pages, so consecutive device
