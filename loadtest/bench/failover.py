@@ -28,7 +28,7 @@ from pathlib import Path
 from .failover_gaps import StreamTimes, failover_gaps, ms
 from .measure import random_prompts
 from .stack_metrics import metric_sum, ready_addresses, sample_sum, scrape, worker_metrics_address
-from .stacks import _model, up_argv
+from .stacks import stack_model, up_argv
 
 SECTION = "failover"
 LAYOUT = ["--planner", "off", "--prefill", "1", "--decode", "2"]
@@ -48,7 +48,7 @@ def failover(run) -> None:
     from loadtest.duet_stack import DuetStack
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's SIGTERM still stops the stack
-    folder, weights = _model(run)
+    folder, weights = stack_model(run)
     prompt_len, output = run.ints(run.args.stack_lens)
     vocab = _prompt_vocab(folder)
     prompts = random_prompts(vocab, [prompt_len] * run.args.failover_streams, seed=11)

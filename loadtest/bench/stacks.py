@@ -39,7 +39,7 @@ def multiturn(run) -> None:
         _stacks(run, ("multiturn",))
 
 
-def _model(run) -> tuple[Path, list[str]]:
+def stack_model(run) -> tuple[Path, list[str]]:
     """The model folder and the workers' weight flags: --model-dir, or random weights of the last
     --models shape with a tokenizer (the default model's ids fit every shape's vocabulary)."""
     if run.args.model_dir:
@@ -62,7 +62,7 @@ def _stacks(run, kinds) -> None:
     from loadtest.duet_stack import DuetStack
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's SIGTERM still stops the stack
-    folder, weights = _model(run)
+    folder, weights = stack_model(run)
     if run.args.base_url:
         return _measure(run, kinds, run.args.base_url, folder, "server")
     for layout in run.names(run.args.stacks):
@@ -141,7 +141,7 @@ def decode_step_totals(log_dir: Path | None) -> tuple[float, float]:
     return total[0], total[1]
 
 
-def _loadtest(argv: list[str], out: Path) -> None:
+def run_loadtest(argv: list[str], out: Path) -> None:
     from loadtest.__main__ import main as loadtest_main
 
     loadtest_main([*argv, "-o", str(out), "--no-progress", "--no-plots"])  # the rows say what failed
@@ -155,7 +155,7 @@ def _load(run, url: str, folder: Path, layout: str, log_dir: Path | None) -> Non
     for i, c in enumerate([concs[0], *concs] if concs else []):  # the first run after ready, then the sweep
         point = "first run" if i == 0 else f"c={c}"
         out = run.root / layout / f"load{i}"
-        _loadtest(["--base-url", url, "--api", "completions", "--workload", "random", "--input-len", str(prompt),
+        run_loadtest(["--base-url", url, "--api", "completions", "--workload", "random", "--input-len", str(prompt),
                    "--output-len", str(output), "-n", str(max(4, 3 * c)), "-c", str(c), "--seed", str(i),
                    "--tokenizer", str(folder), "--label", f"{layout} {point}"], out)
         s = read_results(out / "results.json").summaries()[0]
@@ -183,9 +183,9 @@ def _rates(run, url: str, folder: Path, layout: str, log_dir: Path | None, rates
                     ttft_ms, "--slo-tpot-ms", tpot_ms, "--tokenizer", str(folder), "--label", f"{layout} {rate}/s{label}"]
         seed = int(float(rate) * 100) + len(tag)
         if run.args.settle_seconds > 0:  # the same load first, unmeasured: a planner picks its split for it
-            _loadtest(load(run.args.settle_seconds, seed + 1, " settling"), out.with_name(out.name + "-settle"))
+            run_loadtest(load(run.args.settle_seconds, seed + 1, " settling"), out.with_name(out.name + "-settle"))
         before, planned = decode_step_totals(log_dir), planner_activity(log_dir)
-        _loadtest(load(run.args.seconds_per_rate, seed, ""), out)
+        run_loadtest(load(run.args.seconds_per_rate, seed, ""), out)
         s = read_results(out / "results.json").summaries()[0]
         switches = "" if planned is None else f", {planner_activity(log_dir).since(planned).text()}"
         run.add("stack", f"{layout} {workload} {rate}/s{tag} goodput %", round(100 * (s.goodput.share or 0), 1),
@@ -204,7 +204,7 @@ def _chats(run, url: str, folder: Path, layout: str, log_dir: Path | None = None
     for c in run.ints(run.args.conversations):
         out = run.root / layout / f"chat{c}"
         planned = planner_activity(log_dir)
-        _loadtest(["multiturn", "--base-url", url, "--tokenizer", str(folder), "--workload", "synthetic",
+        run_loadtest(["multiturn", "--base-url", url, "--tokenizer", str(folder), "--workload", "synthetic",
                    "--conversations", str(c), "--system-len", str(system), "--user-len", str(user),
                    "--output-len", str(output), "--max-turns", str(turns), "--mode", "lockstep", "--temperature",
                    "0", "--ignore-eos", "on", "--max-context-tokens", "0", "--seed", str(c), "--label",
@@ -218,7 +218,7 @@ def _chats(run, url: str, folder: Path, layout: str, log_dir: Path | None = None
             run.add("multiturn", f"{layout} C={c} planner switches", did.switches, did.text())
     for rate in run.names(run.args.agentic_rates):  # agent sessions arriving at a rate: shared prompt, tools
         out = run.root / layout / f"agentic{rate}"
-        _loadtest(["multiturn", "--base-url", url, "--tokenizer", str(folder), "--workload", "agentic", "--mode",
+        run_loadtest(["multiturn", "--base-url", url, "--tokenizer", str(folder), "--workload", "agentic", "--mode",
                    "poisson", "--conversation-rate", rate, "--duration", str(run.args.seconds_per_rate),
                    "--conversations", str(int(float(rate) * run.args.seconds_per_rate) + 2), "--temperature", "0",
                    "--max-context-tokens", "0", "--seed", rate, "--system-len", str(system), "--max-turns", str(turns),

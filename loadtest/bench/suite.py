@@ -4,6 +4,7 @@
     duet bench --sections ceilings,fp8 --budget-s 400  # one GPU
     duet bench --sections tp,tp_fp8,hetero_tp          # a host with two GPUs
     duet bench --sections stack,multiturn --stacks split,colocated
+    duet bench --sections saturation --models qwen3-8b --stacks colocated   # one GPU
     duet bench --sections failover --models qwen3-8b --stack-lens 2048,256   # two GPUs
     duet bench --device cpu --models qwen3-small --small-models qwen3-small --ctx 64   # a dry run
 
@@ -39,6 +40,8 @@ SECTIONS = {  # name: (module:function, what it measures)
                   "tail by prompt length, greedy tokens"),
     "stack": ("stacks:stack", "`duet up` stacks under `duet loadtest`: TTFT, TPOT, ITL, tokens/s, the first run"),
     "multiturn": ("stacks:multiturn", "`duet up` stacks under `duet loadtest multiturn`: TTFT by turn, cache"),
+    "saturation": ("saturation:saturation", "ShareGPT sent all at once through `duet up` beside the engine's offline "
+                   "throughput on the same requests: output tokens/s, the ratio, engine step, CPU per token"),
     "failover": ("failover:failover", "`duet up` with two decode workers, one SIGKILLed under streams: the moved "
                  "streams' longest gap, KV rebuilt moved against recomputed, tokens against unfaulted"),
 }
@@ -101,7 +104,7 @@ def parser() -> argparse.ArgumentParser:
     a("--lora-rank", type=int, default=16, help="lora: the adapters' rank (every linear adapted)")
     a("--offline-requests", type=int, default=256, help="prompt and output lengths uniform in [ctx/10, ctx]")
     a("--stacks", default="colocated,split",
-      help="stack, multiturn: colocated, split, colocated2 (two GPUs), planned (split, the planner on)")
+      help="stack, multiturn, saturation: colocated, split, colocated2 (two GPUs), planned (split, the planner on)")
     a("--concurrency", default="1,16,32", help="stack: closed-loop points")
     a("--stack-lens", default="1024,256", help="stack, failover: prompt and output tokens")
     a("--rates", default="", help="stack: Poisson rates (req/s) of --stack-lens prompts, --seconds-per-rate each, "
@@ -111,12 +114,13 @@ def parser() -> argparse.ArgumentParser:
     a("--seconds-per-rate", type=float, default=20.0)
     a("--settle-seconds", type=float, default=0.0, help="stack: before each rate point, the same load this long "
       "unmeasured (a planned stack's planner switches for it first: give it its window plus its dwell)")
+    a("--saturation", default="1000", help="saturation: ShareGPT requests[,output tokens each] (default their own)")
     a("--slo", default="2000,15", help="stack, multiturn: TTFT and TPOT targets, ms")
     a("--conversations", default="8,48", help="multiturn: conversations a run")
     a("--agentic-rates", default="", help="multiturn: agentic sessions started per second, --seconds-per-rate each")
     a("--chat", default="5900,64,48,4", help="multiturn: system, user, output tokens, turns (lockstep)")
-    a("--base-url", help="stack, multiturn: measure this running server instead of starting --stacks")
-    a("--model-dir", help="stack, multiturn, failover: a real model folder instead of random weights of the last --models")
+    a("--base-url", help="stack, multiturn, saturation: measure this running server instead of starting --stacks")
+    a("--model-dir", help="stack, multiturn, saturation, failover: a real model folder instead of random weights of the last --models")
     a("--tokenizer-from", help="stack, multiturn, failover: tokenizer files for random weights (default the default model's)")
     a("--worker-arg", action="append", default=[], help="stack, multiturn, failover: a flag for every worker (repeat)")
     a("--up-arg", action="append", default=[], help="stack, multiturn, failover: a flag for `duet up`, e.g. --up-arg=--slo-itl-ms=15")

@@ -12,6 +12,7 @@ from shared.engine.config import EngineConfig
 from shared.perf_model.config import PerfModelConfig
 from shared.registry.config import RegistryConfig
 from shared.security.grpc_tls import GrpcTlsConfig
+from shared.settings import parsers
 from shared.settings.drain import drain_grace
 from shared.settings.flags import build_parser, from_args
 from shared.settings.spec import nested, setting
@@ -82,6 +83,10 @@ class WorkerConfig:
              "supervisor to start it again: UCX's cuda_ipc keeps a same-host GPU peer's memory it mapped "
              "allocated until the writer's process exits, so the peer could not start again. auto: when "
              "both pools are GPU memory in one host and PID namespace; on: after any such peer; off: never")
+    gil_switch_interval_ms: float | None = setting(
+        None, flag="--gil-switch-interval-ms", env="DUET_GIL_SWITCH_INTERVAL_MS", parse=parsers.optional_float,
+        help="how long the gRPC thread may hold the GIL before the engine thread takes it back, ms "
+             "(auto: 0.2 with the engine on a GPU, Python's 5 on the CPU; 0: Python's)")
     log_level: str = setting("info", flag="--log-level", env="DUET_LOG_LEVEL", help="stderr log level")
     drain_grace_s: float = drain_grace()
     engine: EngineConfig = nested(EngineConfig, "engine (model, KV cache, batching, kernels)")

@@ -26,6 +26,7 @@ async def serve(config: WorkerConfig) -> int:
     from services.worker.checkpoint import checkpoint_fingerprint
     from services.worker.perf_calibration import calibrate_once
     from services.worker.roles import install_role
+    from services.worker_runtime.gil_switch import apply_switch_interval
     from shared.engine.engine import Engine
     from shared.engine.startup_phases import process_age_s
     from shared.engine.warmup import warm_up
@@ -37,6 +38,7 @@ async def serve(config: WorkerConfig) -> int:
             config.engine.speculative_method = None
     before_engine = process_age_s()  # the interpreter, imports, flags
     engine = Engine(config.engine)
+    apply_switch_interval(config.gil_switch_interval_ms, engine.device.type)
     phases = engine.startup  # logged phase by phase once registered (WorkerHost.run)
     if before_engine is not None:
         phases.phases.insert(0, ("process", before_engine))

@@ -55,6 +55,12 @@ def optional_int(text: str) -> int | None:
     return int(text) or None
 
 
+@labelled("float|auto")
+def optional_float(text: str) -> float | None:
+    """A number, or `auto` (unset: the component picks)."""
+    return None if text.strip().lower() in ("", "auto") else float(text)
+
+
 @labelled("list")
 def words(text: str) -> list[str]:
     """Items separated by commas and/or spaces."""

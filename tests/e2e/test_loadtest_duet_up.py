@@ -1,6 +1,6 @@
 """The load generator against Duet itself: `duet up` (default model, 1 prefill + 1
 decode), checked against what the gateway counted in /metrics: requests by status,
-prompt tokens and generated tokens; and `duet bench`'s stack and multiturn sections on it.
+prompt tokens and generated tokens; and `duet bench`'s stack, multiturn and saturation sections on it.
 
 This starts the whole stack (redis, router, two workers, gateway) on CPU."""
 from __future__ import annotations
@@ -121,3 +121,24 @@ def test_bench_stack_sections_measure_this_stack(duet_stack, tmp_path, torch_one
     assert len(turns) == 2 and all("0 of 2 failed" in line for line in turns), turns
     later = float(turns[1].split("cached ")[1].split(",")[0])
     assert 0 < later <= 1  # the second turn found its history in the server's cache
+
+
+def test_bench_saturation_section_measures_this_stack_beside_the_offline_engine(duet_stack, tmp_path,
+                                                                               torch_one_thread):
+    """`duet bench --sections saturation --base-url`: the same ShareGPT requests through the engine
+    alone and through the stack, all at once; both rates, their ratio and the workers' engine steps
+    over the run (the stacks of --stacks, with their processes' CPU, on a GPU host)."""
+    from loadtest.bench.suite import main as bench_main
+
+    url, model_dir, _ = duet_stack
+    out = tmp_path / "bench.json"
+    assert bench_main(["--device", "cpu", "--sections", "saturation", "--base-url", url, "--model-dir",
+                       str(model_dir), "--saturation", "6,12", "--workdir", str(tmp_path / "work"),
+                       "--json", str(out)]) == 0
+    d = json.loads(out.read_text())["saturation"]
+    assert "FAILED" not in d, d
+    assert d["offline out tok/s"] > 0 and d["server out tok/s"] > 0
+    assert d["server / offline per GPU"] == pytest.approx(d["server out tok/s"] / d["offline out tok/s"], rel=0.02)
+    from loadtest.results_io import read_results
+    s = read_results(tmp_path / "work" / "server" / "saturation" / "results.json").summaries()[0]
+    assert (s.requests, s.failed, s.output_tokens) == (6, 0, 6 * 12)  # every request at once, each 12 tokens

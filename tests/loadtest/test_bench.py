@@ -1,5 +1,5 @@
 """`duet bench` on the CPU: each maintained section runs as a dry run on tiny random models and
-reports its figures; `--help` lists exactly the sections tested (stack and multiturn against a
+reports its figures; `--help` lists exactly the sections tested (stack, multiturn and saturation against a
 whole `duet up` stack: tests/e2e/test_loadtest_duet_up.py; hetero_tp and failover start their own). The figures
 themselves come from GPUs: docs/performance/."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 from loadtest.bench.suite import SECTIONS, main
 
 TESTED = {"ceilings", "equality", "decode", "prefill", "offline", "fp8", "spec", "lora", "tp", "tp_fp8", "hetero_tp",
-          "stack", "multiturn", "failover"}
+          "stack", "multiturn", "saturation", "failover"}
 TINY = ["--models", "qwen3-tiny", "--small-models", "qwen3-tiny", "--batches", "1,2", "--ctx", "32", "--steps", "2"]
 
 
