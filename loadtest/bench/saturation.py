@@ -10,8 +10,8 @@ from pathlib import Path
 
 from .measure import generate, with_engine
 from .shapes import sync
-from .stack_metrics import ready_addresses, sample_sum, scrape
-from .stacks import LAYOUTS, run_loadtest, stack_model, up_argv
+from .stack_metrics import ready_addresses
+from .stacks import LAYOUTS, run_loadtest, stack_model, step_totals, up_argv
 
 PROCESS_KINDS = ("gateway", "router", "worker", "planner", "redis")
 
@@ -28,21 +28,22 @@ def saturation(run) -> None:
         base = ["--base-url", url, "--api", "completions", "--workload", "sharegpt", "--seed", "1", "--tokenizer",
                 str(folder), *_output_len(run)]
         run_loadtest([*base, "-n", "32", "-c", "32", "--label", f"{label} warm-up"], run.root / label / "warm")
-        steps0, cpu0 = _step_totals(stack), _cpu_seconds(stack)
+        logs = stack.log_dir if stack else None
+        steps0, cpu0 = step_totals(logs, phase=None), _cpu_seconds(stack)
         t0 = time.monotonic()
         run_loadtest([*base, "-n", str(requests), "-c", str(requests), "--label", f"{label} saturation"],
                   run.root / label / "saturation")
         wall = time.monotonic() - t0
         s = read_results(run.root / label / "saturation" / "results.json").summaries()[0]
         per_gpu = s.output_throughput / gpus
-        run.add("saturation", f"{label} out tok/s", round(s.output_throughput),
+        run.add("saturation", f"{label} out tok/s", round(s.output_throughput, 1),
                 f"{per_gpu / offline:.2f}x offline per GPU ({gpus} GPU), TPOT p50 {s.tpot.p50 or 0:.1f} ms, TTFT p50 "
                 f"{s.ttft.p50 or 0:.0f} ms, {s.failed} of {s.requests} failed")
         run.add("saturation", f"{label} / offline per GPU", round(per_gpu / offline, 3))
-        seconds, steps = (a - b for a, b in zip(_step_totals(stack), steps0))
+        seconds, steps = (a - b for a, b in zip(step_totals(logs, phase=None), steps0))
         if steps > 0:
             run.add("saturation", f"{label} engine step ms", round(1000 * seconds / steps, 2),
-                    f"wall per step {1000 * wall * _workers(stack) / steps:.2f} ms over {steps:.0f} steps")
+                    f"wall per step {1000 * wall * _workers(logs) / steps:.2f} ms over {steps:.0f} steps")
         if stack is not None and s.output_tokens:
             used = {k: v - cpu0.get(k, 0.0) for k, v in _cpu_seconds(stack).items()}
             run.add("saturation", f"{label} CPU us per output token", round(1e6 * sum(used.values()) / s.output_tokens),
@@ -86,7 +87,7 @@ def _offline(run, prompts: list[list[int]], outputs: list[int]) -> float:
         generate(eng, prompts, outputs)
         sync(eng.device)
         sec = time.perf_counter() - t0
-        run.add("saturation", "offline out tok/s", round(sum(outputs) / sec),
+        run.add("saturation", "offline out tok/s", round(sum(outputs) / sec, 1),
                 f"{len(prompts)} ShareGPT requests, {sum(map(len, prompts))} prompt and {sum(outputs)} output tokens "
                 f"in {sec:.1f}s")
         return sum(outputs) / sec
@@ -99,21 +100,9 @@ def _gpus(layout: list[str]) -> int:
     return sum(int(layout[i + 1]) for i, a in enumerate(layout) if a in ("--both", "--prefill", "--decode")) or 1
 
 
-def _workers(stack) -> int:
-    return max(1, len(_addresses(stack))) if stack is not None else 1
-
-
-def _addresses(stack) -> set[str]:
-    return {a for f in sorted(stack.log_dir.glob("*.log")) for a in ready_addresses(f)[-1:]} if stack else set()
-
-
-def _step_totals(stack) -> tuple[float, float]:
-    """(seconds, steps) of every engine step, summed over the stack's workers (0, 0 without a stack)."""
-    total = (0.0, 0.0)
-    for address in _addresses(stack):
-        samples = scrape(address)
-        total = tuple(t + sample_sum(samples, f"duet_engine_step_seconds_{k}") for t, k in zip(total, ("sum", "count")))
-    return total
+def _workers(logs: Path | None) -> int:
+    """Workers that logged a ready line (each steps on its own GPU: wall time counts once a worker)."""
+    return max(1, sum(bool(ready_addresses(f)) for f in sorted(logs.glob("*.log")))) if logs else 1
 
 
 def _cpu_seconds(stack) -> dict[str, float]:

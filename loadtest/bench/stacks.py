@@ -122,21 +122,22 @@ def planner_activity(log_dir: Path | None) -> PlannerActivity | None:
                            sum(int(n) for n in re.findall(r"handed (\d+) of \d+ decoding stream", text)))
 
 
-def decode_step_totals(log_dir: Path | None) -> tuple[float, float]:
-    """(seconds, steps) of decode-only engine steps summed over the stack's workers, from each
-    worker's /metrics (its address from the ready line in its log): the step the client's TPOT
-    should match."""
+def step_totals(log_dir: Path | None, phase: str | None = "decode") -> tuple[float, float]:
+    """(seconds, steps) of the engine steps of `phase` (decode-only by default: the step the client's
+    TPOT should match; None: every step) summed over the stack's workers, from each worker's
+    /metrics (its address from the ready line in its log)."""
     import httpx
 
     from .stack_metrics import ready_addresses, sample_sum, scrape
 
+    labels = {"phase": phase} if phase else {}
     total = [0.0, 0.0]
     for address in {a for f in (sorted(log_dir.glob("*.log")) if log_dir else []) for a in ready_addresses(f)}:
         try:
             samples = scrape(address)
         except httpx.HTTPError:
             continue  # a worker that restarted: its last address
-        total = [t + sample_sum(samples, f"duet_engine_step_seconds_{k}", phase="decode")
+        total = [t + sample_sum(samples, f"duet_engine_step_seconds_{k}", **labels)
                  for t, k in zip(total, ("sum", "count"))]
     return total[0], total[1]
 
@@ -184,14 +185,14 @@ def _rates(run, url: str, folder: Path, layout: str, log_dir: Path | None, rates
         seed = int(float(rate) * 100) + len(tag)
         if run.args.settle_seconds > 0:  # the same load first, unmeasured: a planner picks its split for it
             run_loadtest(load(run.args.settle_seconds, seed + 1, " settling"), out.with_name(out.name + "-settle"))
-        before, planned = decode_step_totals(log_dir), planner_activity(log_dir)
+        before, planned = step_totals(log_dir), planner_activity(log_dir)
         run_loadtest(load(run.args.seconds_per_rate, seed, ""), out)
         s = read_results(out / "results.json").summaries()[0]
         switches = "" if planned is None else f", {planner_activity(log_dir).since(planned).text()}"
         run.add("stack", f"{layout} {workload} {rate}/s{tag} goodput %", round(100 * (s.goodput.share or 0), 1),
                 f"TTFT p50/p90 {s.ttft.p50}/{s.ttft.p90}, TPOT p50/p90 {s.tpot.p50}/{s.tpot.p90} ms, ITL p99 "
                 f"{s.itl.p99} ms, {s.request_throughput:.2f} req/s, {s.failed} of {s.requests} failed{switches}")
-        seconds, steps = (a - b for a, b in zip(decode_step_totals(log_dir), before))
+        seconds, steps = (a - b for a, b in zip(step_totals(log_dir), before))
         if steps > 0:  # the workers' own decode step over the same window, beside the client's TPOT
             run.add("stack", f"{layout} {workload} {rate}/s{tag} decode step ms", round(1000 * seconds / steps, 2),
                     f"mean of {steps:.0f} decode-only steps; TPOT p50 / step {(s.tpot.p50 or 0) / (1000 * seconds / steps):.2f}")

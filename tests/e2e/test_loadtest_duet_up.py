@@ -106,8 +106,8 @@ def test_bench_stack_sections_measure_this_stack(duet_stack, tmp_path, torch_one
     assert sum(line.startswith("[stack]") and "TTFT p50 ms" in line and "0 of 4 failed" in line
                for line in printed) == 2
     # the workers' own decode steps, scraped from the /metrics their ready lines name
-    from loadtest.bench.stacks import decode_step_totals
-    seconds, steps = decode_step_totals(log_dir)
+    from loadtest.bench.stacks import step_totals
+    seconds, steps = step_totals(log_dir)
     assert steps > 0 and seconds > 0
     # open loop: every request of the rate point met the loose SLO; the agentic sessions all finished
     assert d["stack"]["server random 2/s goodput %"] == d["stack"]["server random 2/s filled goodput %"] == 100.0
@@ -138,7 +138,7 @@ def test_bench_saturation_section_measures_this_stack_beside_the_offline_engine(
     d = json.loads(out.read_text())["saturation"]
     assert "FAILED" not in d, d
     assert d["offline out tok/s"] > 0 and d["server out tok/s"] > 0
-    assert d["server / offline per GPU"] == pytest.approx(d["server out tok/s"] / d["offline out tok/s"], rel=0.02)
+    assert d["server / offline per GPU"] == pytest.approx(d["server out tok/s"] / d["offline out tok/s"], rel=0.01)
     from loadtest.results_io import read_results
     s = read_results(tmp_path / "work" / "server" / "saturation" / "results.json").summaries()[0]
     assert (s.requests, s.failed, s.output_tokens) == (6, 0, 6 * 12)  # every request at once, each 12 tokens
