@@ -1,8 +1,9 @@
-"""The `saturation` section: ShareGPT single turns sent all at once, through `duet up` (each --stacks
-layout, or the server at --base-url) beside the engine's own offline throughput on the same requests
-and the same GPU, both in one run: output tokens/s and their ratio to offline per GPU, TPOT, the
-workers' mean engine step against the wall time per step (the gap is the worker's time between
-steps), and each process's CPU per output token (where the stack, not the GPU, is the limit)."""
+"""The `saturation` section: ShareGPT single turns, all queued at once (twice the running batches
+in flight), through `duet up` (each --stacks layout, or the server at --base-url) beside the
+engine's own offline throughput on the same requests and the same GPU, both in one run: output
+tokens/s and their ratio to offline per GPU, TPOT, the workers' mean engine step against the wall
+time per step (the gap is the worker's time between steps), and each process's CPU per output
+token (where the stack, not the GPU, is the limit)."""
 from __future__ import annotations
 
 import time
@@ -14,6 +15,7 @@ from .stack_metrics import ready_addresses
 from .stacks import LAYOUTS, run_loadtest, stack_model, step_totals, up_argv
 
 PROCESS_KINDS = ("gateway", "router", "worker", "planner", "redis")
+ROWS_PER_WORKER = 256  # the engine's default --max-running-requests
 
 
 def saturation(run) -> None:
@@ -31,8 +33,9 @@ def saturation(run) -> None:
         logs = stack.log_dir if stack else None
         steps0, cpu0 = step_totals(logs, phase=None), _cpu_seconds(stack)
         t0 = time.monotonic()
-        run_loadtest([*base, "-n", str(requests), "-c", str(requests), "--label", f"{label} saturation"],
-                  run.root / label / "saturation")
+        conc = min(requests, 2 * ROWS_PER_WORKER * gpus)  # the running batches full, the gateway's queue fed
+        run_loadtest([*base, "-n", str(requests), "-c", str(conc), "--label", f"{label} saturation"],
+                     run.root / label / "saturation")
         wall = time.monotonic() - t0
         s = read_results(run.root / label / "saturation" / "results.json").summaries()[0]
         per_gpu = s.output_throughput / gpus
@@ -54,8 +57,11 @@ def saturation(run) -> None:
         return measure(run.args.base_url, "server", 1)
     for layout in run.names(run.args.stacks):
         argv = up_argv(run, LAYOUTS[layout], folder, weights)
-        with DuetStack(argv, run.root / layout / "logs") as stack:
-            measure(stack.url, layout, _gpus(LAYOUTS[layout]), stack)
+        try:
+            with DuetStack(argv, run.root / layout / "logs") as stack:
+                measure(stack.url, layout, _gpus(LAYOUTS[layout]), stack)
+        except Exception as e:  # noqa: BLE001 - the next layout still runs
+            run.add("saturation", f"{layout} FAILED", f"{type(e).__name__}: {str(e)[:160]}")
 
 
 def _output_len(run) -> list[str]:
