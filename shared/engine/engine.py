@@ -43,7 +43,7 @@ from .startup_phases import StartupPhases
 
 log = logging.getLogger("duet.engine")
 
-PIN_IDLE_S = 0.05  # no step launched for this long: the host tier's locking may take a chunk
+PIN_IDLE_S = 0.05  # no step launched or running for this long: the host tier's locking may take a chunk
 
 
 @dataclass
@@ -114,6 +114,7 @@ class Engine:
             self.backend = make_attention_backend(plan.attention.value, self.pool)
             self.pdl = parts.enable_decode_pdl(self.model, self.backend, plan.pdl.value)
         self._pinning_open = False  # until the graphs are captured (_may_pin)
+        self._stepping = False  # inside step() (_may_pin: the pinning thread reads it)
         with startup.phase("host tier"):
             host_tier = self._make_host_tier()
         self.kv = KVManager(self.layout.num_pages, self.layout.page_size, config.enable_prefix_cache,
@@ -265,8 +266,14 @@ class Engine:
 
     def _may_pin(self) -> bool:
         """The host tier's background locking may take the next chunk (pinned_memory.py): once
-        start-up has captured the graphs, and while no step has been launched for PIN_IDLE_S."""
-        return self._pinning_open and time.monotonic() - self.runner.last_forward_at > PIN_IDLE_S
+        start-up has captured the graphs, while no step is being built or runs on the device (the
+        overlap scheduler's launched step not yet read back), and none was launched for PIN_IDLE_S.
+        A registration holds the driver's lock the next launch waits on: a long prefill step
+        (an 8192-token chunk of an 8B model runs ~0.2 s) is no pause, though no launch came for a
+        while (on one H200 at saturation the tier got its turns there: 62 GiB locked in 105 s)."""
+        overlap = self.overlap
+        running = self._stepping or (overlap is not None and overlap.pending is not None)
+        return self._pinning_open and not running and time.monotonic() - self.runner.last_forward_at > PIN_IDLE_S
 
     def _write_back(self):
         """What is written back to the host tier (kv_write_back.py): the settings' policy and
@@ -491,7 +498,11 @@ class Engine:
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        outs = self._step()
+        self._stepping = True
+        try:
+            outs = self._step()
+        finally:
+            self._stepping = False
         if self.scheduler.failed:
             outs += self._end_failed()
         return outs
