@@ -268,9 +268,9 @@ class Engine:
         """The host tier's background locking may take the next chunk (pinned_memory.py): once
         start-up has captured the graphs, while no step is being built or runs on the device (the
         overlap scheduler's launched step not yet read back), and none was launched for PIN_IDLE_S.
-        A registration holds the driver's lock the next launch waits on: a long prefill step
-        (an 8192-token chunk of an 8B model runs ~0.2 s) is no pause, though no launch came for a
-        while (on one H200 at saturation the tier got its turns there: 62 GiB locked in 105 s)."""
+        A registration holds the driver's lock the next launch waits on, and a step still running
+        is no pause however long ago it was launched (an 8192-token prefill chunk of an 8B model
+        runs ~0.2 s; on one H200 at saturation the tier got turns under load: 62 GiB in 105 s)."""
         overlap = self.overlap
         running = self._stepping or (overlap is not None and overlap.pending is not None)
         return self._pinning_open and not running and time.monotonic() - self.runner.last_forward_at > PIN_IDLE_S
