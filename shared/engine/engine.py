@@ -179,7 +179,10 @@ class Engine:
         return [] if self._tp_workers is None else self._tp_workers.call(target, *args)
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks (also done when the engine is collected)."""
+        """Stop the other tensor-parallel ranks (also done when the engine is collected) and the
+        host tier's background page-locking."""
+        if self.kv.cache.host is not None:
+            self.kv.cache.host.close()
         if self._tp_workers is not None:
             self._tp_workers.shutdown()
 

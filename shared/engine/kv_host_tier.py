@@ -151,6 +151,11 @@ class HostKVTier:
         if self.pinner.done.is_set() and self.usable_pages < self.num_pages and self.followers_pinned is None:
             self.num_pages = self.usable_pages  # locking stopped short: the rest is never used
 
+    def close(self) -> None:
+        """Stop the background page-locking (the engine closed)."""
+        if self.pinner is not None:
+            self.pinner.stop()
+
 
 def follower_copy(engine, kind: str, src_pages: list[int], dst_pages: list[int], ticket: int) -> None:
     """A tensor-parallel follower's share of a save or load, on its own lane."""

@@ -75,9 +75,12 @@ class BackgroundPinner:
     then says why it stopped short (a memlock limit: the rest stays out of use)."""
 
     def __init__(self, tensor: torch.Tensor, device: torch.device, unit: int, chunk_bytes: int = CHUNK_BYTES,
-                 may_pin: Callable[[], bool] | None = None):
-        """may_pin(): whether the next chunk may be locked now (None: always)."""
+                 may_pin: Callable[[], bool] | None = None, register=None):
+        """may_pin(): whether the next chunk may be locked now (None: always); register: the
+        (cudaHostRegister, cudaHostUnregister) pair (default: the CUDA runtime's, _cudart_register)."""
         self.may_pin = may_pin
+        self._register = register
+        self._stop = threading.Event()
         self.tensor = tensor
         self.device = device
         self.nbytes = tensor.numel() * tensor.element_size()
@@ -94,10 +97,13 @@ class BackgroundPinner:
         try:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
-            register, unregister = _cudart_register()
+            register, unregister = self._register or _cudart_register()
             base = self.tensor.data_ptr()
             while self.pinned_bytes < self.nbytes:
                 self._wait_turn()
+                if self._stop.is_set():
+                    self.failed = "stopped: its engine closed"
+                    break
                 size = min(self.chunk_bytes, self.nbytes - self.pinned_bytes)
                 err = register(base + self.pinned_bytes, size, PORTABLE)
                 if int(err) != 0:
@@ -110,7 +116,10 @@ class BackgroundPinner:
             self.failed = f"{type(exc).__name__}: {exc}"
         finally:
             self.seconds = time.monotonic() - t0
-            if self.failed:
+            if self._stop.is_set():
+                log.info("host KV tier: page-locking stopped at %.2f of %.2f GiB (its engine closed)",
+                         self.pinned_bytes / 2**30, self.nbytes / 2**30)
+            elif self.failed:
                 log.warning("host KV tier: page-locked %.2f of %.2f GiB in %.1fs, then %s; the rest stays unused "
                             "(a copy through pageable memory would make a step wait)", self.pinned_bytes / 2**30,
                             self.nbytes / 2**30, self.seconds, self.failed)
@@ -125,8 +134,13 @@ class BackgroundPinner:
         if self.may_pin is None:
             return
         until = time.monotonic() + (MAX_HOLD_S if self.pinned_bytes else float("inf"))
-        while not self.may_pin() and time.monotonic() < until:
+        while not self.may_pin() and time.monotonic() < until and not self._stop.is_set():
             time.sleep(WAIT_S)
+
+    def stop(self) -> None:
+        """Lock no further chunk (the engine closed: a thread left running would keep the buffer,
+        tens of GiB, alive and go on locking it). What is locked stays until the tensor is collected."""
+        self._stop.set()
 
     def wait(self, timeout: float | None = None) -> bool:
         return self.done.wait(timeout)
