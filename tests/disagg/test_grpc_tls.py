@@ -271,8 +271,11 @@ def test_a_switchable_worker_is_trusted_in_every_role_it_switches_to_and_a_prefi
             for role in ("prefill", "decode", "both"):
                 if role != "prefill":
                     await switching.announce_role(role)
+                # the first trust may need a second probe on a loaded machine, and a retry waits for
+                # the next scan (30 s here); each switch after it must land by its role event alone
                 ok = await router.watcher.wait_for(
-                    lambda w: [x.role for x in w.workers()] == [role] and not w.trust.pending, 5)
+                    lambda w: [x.role for x in w.workers()] == [role] and not w.trust.pending,
+                    40 if role == "prefill" else 5)
                 seen.append((role, ok, len(asked)))
             return seen, router.watcher.get("prefill-1"), fake_asked
     seen, lying_entry, fake_asked = asyncio.run(run())
