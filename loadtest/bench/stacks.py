@@ -157,8 +157,8 @@ def _load(run, url: str, folder: Path, layout: str, log_dir: Path | None) -> Non
         point = "first run" if i == 0 else f"c={c}"
         out = run.root / layout / f"load{i}"
         run_loadtest(["--base-url", url, "--api", "completions", "--workload", "random", "--input-len", str(prompt),
-                   "--output-len", str(output), "-n", str(max(4, 3 * c)), "-c", str(c), "--seed", str(i),
-                   "--tokenizer", str(folder), "--label", f"{layout} {point}"], out)
+                      "--output-len", str(output), "-n", str(max(4, 3 * c)), "-c", str(c), "--seed", str(i),
+                      "--tokenizer", str(folder), "--label", f"{layout} {point}"], out)
         s = read_results(out / "results.json").summaries()[0]
         run.add("stack", f"{layout} {point} TTFT p50 ms", s.ttft.p50, f"p99 {s.ttft.p99}, TPOT p50 {s.tpot.p50} ms, "
                 f"ITL p99 {s.itl.p99} ms, {s.output_throughput:.0f} out tok/s, {s.failed} of {s.requests} failed")
@@ -206,10 +206,10 @@ def _chats(run, url: str, folder: Path, layout: str, log_dir: Path | None = None
         out = run.root / layout / f"chat{c}"
         planned = planner_activity(log_dir)
         run_loadtest(["multiturn", "--base-url", url, "--tokenizer", str(folder), "--workload", "synthetic",
-                   "--conversations", str(c), "--system-len", str(system), "--user-len", str(user),
-                   "--output-len", str(output), "--max-turns", str(turns), "--mode", "lockstep", "--temperature",
-                   "0", "--ignore-eos", "on", "--max-context-tokens", "0", "--seed", str(c), "--label",
-                   f"{layout} C={c}"], out)
+                      "--conversations", str(c), "--system-len", str(system), "--user-len", str(user),
+                      "--output-len", str(output), "--max-turns", str(turns), "--mode", "lockstep", "--temperature",
+                      "0", "--ignore-eos", "on", "--max-context-tokens", "0", "--seed", str(c), "--label",
+                      f"{layout} C={c}"], out)
         for t in read_result(out / "results.json").summary().by_turn:
             run.add("multiturn", f"{layout} C={c} turn {t.turn + 1} TTFT p50 ms", t.ttft.p50,
                     f"p90 {t.ttft.p90}, TPOT p50/p90 {t.tpot.p50}/{t.tpot.p90} ms, cached {t.cache.share}, "
@@ -220,10 +220,11 @@ def _chats(run, url: str, folder: Path, layout: str, log_dir: Path | None = None
     for rate in run.names(run.args.agentic_rates):  # agent sessions arriving at a rate: shared prompt, tools
         out = run.root / layout / f"agentic{rate}"
         run_loadtest(["multiturn", "--base-url", url, "--tokenizer", str(folder), "--workload", "agentic", "--mode",
-                   "poisson", "--conversation-rate", rate, "--duration", str(run.args.seconds_per_rate),
-                   "--conversations", str(int(float(rate) * run.args.seconds_per_rate) + 2), "--temperature", "0",
-                   "--max-context-tokens", "0", "--seed", rate, "--system-len", str(system), "--max-turns", str(turns),
-                   "--output-len", str(output), "--label", f"{layout} agentic {rate}/s"], out)
+                      "poisson", "--conversation-rate", rate, "--duration", str(run.args.seconds_per_rate),
+                      "--conversations", str(int(float(rate) * run.args.seconds_per_rate) + 2), "--temperature", "0",
+                      "--max-context-tokens", "0", "--seed", rate, "--system-len", str(system),
+                      "--max-turns", str(turns), "--output-len", str(output), "--label", f"{layout} agentic {rate}/s"],
+                     out)
         s = read_result(out / "results.json").summary().all_turns
         run.add("multiturn", f"{layout} agentic {rate}/s TTFT p50 ms", s.ttft.p50,
                 f"p90 {s.ttft.p90}, TPOT p50/p90 {s.tpot.p50}/{s.tpot.p90} ms, cached {s.cache.share}, "
