@@ -182,6 +182,45 @@ class ReleaseReply(_message.Message):
     found: bool
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
+class StreamsRequest(_message.Message):
+    __slots__ = ("stream_id", "generate", "cancel", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    generate: GenerateRequest
+    cancel: bool
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, stream_id: _Optional[int] = ..., generate: _Optional[_Union[GenerateRequest, _Mapping]] = ..., cancel: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class StreamsReply(_message.Message):
+    __slots__ = ("pieces",)
+    PIECES_FIELD_NUMBER: _ClassVar[int]
+    pieces: _containers.RepeatedCompositeFieldContainer[StreamPiece]
+    def __init__(self, pieces: _Optional[_Iterable[_Union[StreamPiece, _Mapping]]] = ...) -> None: ...
+
+class StreamPiece(_message.Message):
+    __slots__ = ("stream_id", "chunk", "end", "status_code", "status_details")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_DETAILS_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    chunk: TokenChunk
+    end: bool
+    status_code: int
+    status_details: str
+    def __init__(self, stream_id: _Optional[int] = ..., chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., end: _Optional[bool] = ..., status_code: _Optional[int] = ..., status_details: _Optional[str] = ...) -> None: ...
+
 class ReserveRequest(_message.Message):
     __slots__ = ("request_id", "prompt_tokens", "max_tokens", "prefill_worker_id", "timeout_ms", "n", "prompt_token_ids", "cache_namespace", "tenant", "lora_adapter", "request_group")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

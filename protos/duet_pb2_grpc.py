@@ -189,6 +189,11 @@ class DecodeStub:
                 request_serializer=protos_dot_duet__pb2.RenewLeaseRequest.SerializeToString,
                 response_deserializer=protos_dot_duet__pb2.RenewLeaseReply.FromString,
                 _registered_method=True)
+        self.GenerateStreams = channel.stream_stream(
+                '/duet.v1.Decode/GenerateStreams',
+                request_serializer=protos_dot_duet__pb2.StreamsRequest.SerializeToString,
+                response_deserializer=protos_dot_duet__pb2.StreamsReply.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
@@ -236,6 +241,17 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GenerateStreams(self, request_iterator, context):
+        """Many Generate streams over one call (what the gateway uses: one call per decode worker).
+        Each stream opens with a StreamsRequest holding its GenerateRequest and behaves as its own
+        Generate would; the worker answers with StreamsReply batches, each holding every stream's
+        new chunk since the last one (about one message per engine step, where Generate sends one
+        per stream per step). A stream's error ends that stream alone; the call's end ends them all.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -258,6 +274,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.RenewLease,
                     request_deserializer=protos_dot_duet__pb2.RenewLeaseRequest.FromString,
                     response_serializer=protos_dot_duet__pb2.RenewLeaseReply.SerializeToString,
+            ),
+            'GenerateStreams': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateStreams,
+                    request_deserializer=protos_dot_duet__pb2.StreamsRequest.FromString,
+                    response_serializer=protos_dot_duet__pb2.StreamsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -372,6 +393,33 @@ class Decode:
             '/duet.v1.Decode/RenewLease',
             protos_dot_duet__pb2.RenewLeaseRequest.SerializeToString,
             protos_dot_duet__pb2.RenewLeaseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStreams(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/duet.v1.Decode/GenerateStreams',
+            protos_dot_duet__pb2.StreamsRequest.SerializeToString,
+            protos_dot_duet__pb2.StreamsReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -19,6 +19,7 @@ from services.decode.generate_timing import GenerateTiming
 from services.decode.reservation_state import ReservationState
 from services.decode.reserve_queue import ReserveWait
 from services.decode.reservations import ReservationGone, waiter_for
+from services.decode.stream_mux import GenerateStreamsServicer
 from services.worker_runtime.context import WorkerContext
 from services.worker_runtime.grammar_check import compile_ahead
 from shared.admission.context_rule import completion_budget
@@ -34,7 +35,7 @@ from shared.wire.sampling import sampling_from_proto
 log = logging.getLogger("duet.decode")
 
 
-class DecodeService(duet_pb2_grpc.DecodeServicer):
+class DecodeService(GenerateStreamsServicer, duet_pb2_grpc.DecodeServicer):
     def __init__(self, ctx: WorkerContext):
         self.ctx = ctx
 

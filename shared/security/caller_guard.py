@@ -26,6 +26,7 @@ METHOD_ROLES: Mapping[str, frozenset[str]] = {
     "/duet.v1.Decode/Cancel": frozenset({"gateway"}),
     "/duet.v1.Decode/RenewLease": frozenset({"gateway"}),  # the gateway holds the reservations' leases
     "/duet.v1.Decode/Generate": frozenset({"gateway"}),
+    "/duet.v1.Decode/GenerateStreams": frozenset({"gateway"}),
     "/duet.v1.Prefill/Prefill": frozenset({"gateway"}),
     "/duet.v1.Adapters/LoadLoraAdapter": frozenset({"gateway"}),
     "/duet.v1.Adapters/UnloadLoraAdapter": frozenset({"gateway"}),

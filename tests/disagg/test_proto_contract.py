@@ -14,6 +14,7 @@ import pytest
 from google.protobuf import descriptor_pb2
 
 from protos import duet_pb2, duet_pb2_grpc
+from services.decode.stream_mux import GenerateStreamsServicer
 from protos import regenerate
 
 PROTOS = Path(regenerate.__file__).resolve().parent
@@ -70,7 +71,7 @@ def test_message_semantics():
     assert duet_pb2.FinishReason.Name(0) == "FINISH_REASON_UNSPECIFIED"
 
 
-class FakeDecode(duet_pb2_grpc.DecodeServicer):
+class FakeDecode(GenerateStreamsServicer, duet_pb2_grpc.DecodeServicer):
     """A tiny servicer: exercises the generated stubs, not any Duet logic."""
 
     async def Reserve(self, request, context):

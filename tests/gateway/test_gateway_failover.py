@@ -21,6 +21,7 @@ import openai
 import pytest
 
 from protos import duet_pb2, duet_pb2_grpc
+from services.decode.stream_mux import GenerateStreamsServicer
 from services.gateway.backends.grpc_workers import GrpcBackend, GrpcBackendConfig
 from services.gateway.backends.migration import MigrationConfig
 from services.gateway.backends.migration_metrics import MigrationMetrics
@@ -83,7 +84,7 @@ def _finish(tokens: list[int], position: int, limit: int, eos: int) -> int:
     return duet_pb2.FINISH_REASON_UNSPECIFIED
 
 
-class ScriptedDecode(duet_pb2_grpc.DecodeServicer):
+class ScriptedDecode(GenerateStreamsServicer, duet_pb2_grpc.DecodeServicer):
     def __init__(self, name: str, script: Script):
         self.name, self.s = name, script
 

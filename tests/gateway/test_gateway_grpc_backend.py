@@ -24,6 +24,7 @@ import openai
 import pytest
 
 from protos import duet_pb2, duet_pb2_grpc
+from services.decode.stream_mux import GenerateStreamsServicer
 from services.gateway.backends.grpc_workers import GrpcBackend, GrpcBackendConfig
 from services.gateway.http_edge.app import build_app
 from services.gateway.http_edge.metrics import GatewayMetrics
@@ -72,7 +73,7 @@ class Script:
         self.metadata.append(dict(context.invocation_metadata() or ()))
 
 
-class StandInDecode(duet_pb2_grpc.DecodeServicer):
+class StandInDecode(GenerateStreamsServicer, duet_pb2_grpc.DecodeServicer):
     def __init__(self, script: Script):
         self.s = script
 

@@ -33,6 +33,7 @@ from prometheus_client import CollectorRegistry
 
 from protos import duet_pb2, duet_pb2_grpc
 from services.gateway.backends.capacity import WorkerCapacity
+from services.gateway.backends.generate_mux import GenerateMux
 from services.gateway.backends.grpc_adapters import RuntimeAdapters
 from services.gateway.backends.interface import (
     BackendBadRequest,
@@ -127,6 +128,7 @@ class _Channels:
 
     tls: GrpcTlsConfig = field(default_factory=GrpcTlsConfig)
     channels: dict[tuple[str, str], tuple[str, str, grpc.aio.Channel]] = field(default_factory=dict)
+    muxes: dict[str, tuple[grpc.aio.Channel, GenerateMux]] = field(default_factory=dict)  # by decode worker id
 
     def get(self, ref: duet_pb2.WorkerRef, service: str) -> grpc.aio.Channel:
         known = self.channels.get((ref.worker_id, service))
@@ -140,7 +142,18 @@ class _Channels:
         self.channels[(ref.worker_id, service)] = (ref.address, ref.instance_nonce, channel)
         return channel
 
+    def streams(self, ref: duet_pb2.WorkerRef) -> GenerateMux:
+        """The Generate streams to a decode worker: one call for all of them on its channel."""
+        channel = self.get(ref, "decode")
+        known = self.muxes.get(ref.worker_id)
+        if known is None or known[0] is not channel:  # a new instance: its old call ends with its channel
+            known = self.muxes[ref.worker_id] = (channel, GenerateMux(channel))
+        return known[1]
+
     async def close(self) -> None:
+        for _, mux in self.muxes.values():
+            await mux.close()
+        self.muxes.clear()
         for _, _, channel in self.channels.values():
             await channel.close()
         self.channels.clear()
@@ -423,7 +436,7 @@ class GrpcBackend:
             else:
                 open_seqs = set(range(attempt.sampling.n))
             # Split: prefill's cached count is the one that matters (decode computed no prompt).
-            async for event in self._decode_stream(decode, route, generate, metadata, want_logprobs, state,
+            async for event in self._decode_stream(route, generate, metadata, want_logprobs, state,
                                                    attempt, record, open_seqs=open_seqs,
                                                    report_cached=route.colocated and first_events):
                 yield event
@@ -521,10 +534,10 @@ class GrpcBackend:
         self._cleanup(self._release(attempt.request_id, duet_pb2.RELEASE_STAGE_PREFILL_DONE))
         return reply
 
-    async def _decode_stream(self, decode, route, generate, metadata, want_logprobs, state, attempt: Attempt,
+    async def _decode_stream(self, route, generate, metadata, want_logprobs, state, attempt: Attempt,
                              record: "_AttemptRecord", report_cached: bool,
                              open_seqs: set[int]) -> AsyncIterator[TokenEvent]:
-        state.stream = decode.Generate(generate, metadata=metadata)
+        state.stream = self._workers.streams(route.decode).open(generate, metadata)  # one call per decode worker
         lost = lambda message: WorkerLost(message, "decode_stream", route.decode.worker_id,  # noqa: E731
                                           route.decode.instance_nonce)
         try:
