@@ -46,7 +46,8 @@ def saturation(run) -> None:
         seconds, steps = (a - b for a, b in zip(step_totals(logs, phase=None), steps0))
         if steps > 0:
             run.add("saturation", f"{label} engine step ms", round(1000 * seconds / steps, 2),
-                    f"wall per step {1000 * wall * _workers(logs) / steps:.2f} ms over {steps:.0f} steps")
+                    f"wall per step {1000 * wall * _workers(logs) / steps:.2f} ms over {steps:.0f} steps, "
+                    f"{s.output_tokens / steps:.0f} output tokens a step")
         if stack is not None and s.output_tokens:
             used = {k: v - cpu0.get(k, 0.0) for k, v in _cpu_seconds(stack).items()}
             run.add("saturation", f"{label} CPU us per output token", round(1e6 * sum(used.values()) / s.output_tokens),
@@ -89,13 +90,14 @@ def _offline(run, prompts: list[list[int]], outputs: list[int]) -> float:
     def measure(eng) -> float:
         generate(eng, prompts[:32], 16)  # compiles and graph pools, as the stack's warm-up does
         sync(eng.device)
-        t0 = time.perf_counter()
+        t0, steps0 = time.perf_counter(), eng.scheduler.num_batches
         generate(eng, prompts, outputs)
         sync(eng.device)
-        sec = time.perf_counter() - t0
+        sec, steps = time.perf_counter() - t0, eng.scheduler.num_batches - steps0
         run.add("saturation", "offline out tok/s", round(sum(outputs) / sec, 1),
                 f"{len(prompts)} ShareGPT requests, {sum(map(len, prompts))} prompt and {sum(outputs)} output tokens "
-                f"in {sec:.1f}s")
+                f"in {sec:.1f}s, {steps} steps of {1000 * sec / max(1, steps):.2f} ms, "
+                f"{sum(outputs) / max(1, steps):.0f} output tokens a step")
         return sum(outputs) / sec
 
     return with_engine(run, model, measure)
