@@ -56,6 +56,16 @@ class GatewayConfig:
                                       help="decode admission wait per request; 0 = decode's default")
     rpc_timeout_s: float = setting(600.0, flag="--rpc-timeout", env="DUET_RPC_TIMEOUT",
                                    help="seconds bounding each unary RPC to a worker (reserve, prefill)")
+    # HTTP/2 pings on the gateway's connections to the workers: a worker that stops answering
+    # without closing its connections (a node off the network, a wedged process) is lost like one
+    # that died, instead of its streams waiting forever for a reset that never comes
+    worker_keepalive_s: float = setting(10.0, flag="--worker-keepalive", env="DUET_WORKER_KEEPALIVE",
+                                        help="seconds between pings on a worker connection with calls in flight "
+                                             "(0 = no pings)")
+    worker_keepalive_timeout_s: float = setting(
+        5.0, flag="--worker-keepalive-timeout", env="DUET_WORKER_KEEPALIVE_TIMEOUT",
+        help="seconds a worker has to answer a ping; past it the connection's calls end UNAVAILABLE and their "
+             "streams move to another worker")
     route_timeout_s: float = setting(15.0, flag="--route-timeout", env="DUET_ROUTE_TIMEOUT",
                                      help="seconds bounding the router's answer, including the wait for a router being "
                                           "restarted to accept the call again (it answers at once; a router that "
@@ -92,6 +102,9 @@ class GatewayConfig:
             raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}")
         if self.extra_models and self.backend != "grpc":
             raise ValueError("--extra-model needs --backend grpc (the local engine serves one model)")
+        if self.worker_keepalive_s < 0 or self.worker_keepalive_timeout_s <= 0:
+            raise ValueError(f"--worker-keepalive must be >= 0 and --worker-keepalive-timeout > 0, got "
+                             f"{self.worker_keepalive_s} and {self.worker_keepalive_timeout_s}")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
 

@@ -66,7 +66,9 @@ def build_backend(config: GatewayConfig, model_dir: Path, served_name: str, max_
     return GrpcBackend(GrpcBackendConfig(
         router_address=config.router_address, redis_url=config.redis_url, model=served_name,
         extra_models=list(extra_models or []), max_context_len=max_context, reserve_timeout_ms=config.reserve_timeout_ms,
-        rpc_timeout_s=config.rpc_timeout_s, route_timeout_s=config.route_timeout_s, tls=config.security.grpc_tls,
+        rpc_timeout_s=config.rpc_timeout_s, route_timeout_s=config.route_timeout_s,
+        keepalive_s=config.worker_keepalive_s, keepalive_timeout_s=config.worker_keepalive_timeout_s,
+        tls=config.security.grpc_tls,
         redis=config.security.redis, migration=config.migration), MigrationMetrics(metrics.registry))
 
 

@@ -39,6 +39,7 @@ from shared.registry.watcher import WorkerWatcher
 from shared.registry.worker_info import RankKvPool, WorkerAdapters, WorkerInfo, WorkerLoad, default_worker_id
 from shared.telemetry.metrics import DuetMetrics, start_metrics_server
 from shared.telemetry.tracing import Tracing, setup_tracing
+from shared.transport.keepalive import server_ping_policy
 
 log = logging.getLogger("duet.worker")
 
@@ -78,7 +79,7 @@ class WorkerHost:
                             tracer=tracing.tracer, watcher=WorkerWatcher(config.registry, model=served))
         ctx.grammar_guard = GrammarGuard.for_tokenizer_info(config.engine.grammar,
                                                             lambda: engine.grammars.info.serialize_json())
-        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)],
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20), *server_ping_policy()],
                                  interceptors=config.tls.interceptors())  # mTLS: who may call what
         host = cls(config, engine, ctx, server, served, kv_layout, tracing, checkpoint,
                    calibration=list(calibration or []))

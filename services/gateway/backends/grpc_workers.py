@@ -48,6 +48,7 @@ from services.gateway.backends.migration import Attempt, MigrationConfig, Rebuil
 from services.gateway.backends.migration_metrics import MigrationMetrics
 from services.gateway.backends.stream_merge import merged
 from services.gateway.backends.token_events import token_event
+from shared.transport.keepalive import keepalive_options
 from shared.registry.pairing import pair_problem
 from shared.registry.connection import RedisConnection
 from shared.security.grpc_tls import GrpcTlsConfig
@@ -101,6 +102,8 @@ class GrpcBackendConfig:
     rpc_timeout_s: float = 600.0    # bound on Reserve / Prefill
     route_timeout_s: float = 15.0   # bound on Route: the router answers at once or is down
     cleanup_timeout_s: float = 5.0  # bound on Cancel / Release
+    keepalive_s: float = 10.0       # pings on worker connections with calls in flight (0 = none)
+    keepalive_timeout_s: float = 5.0  # an unanswered ping past this ends the connection's calls
     tls: GrpcTlsConfig = field(default_factory=GrpcTlsConfig)  # to router and workers
     redis: RedisConnection = field(default_factory=RedisConnection)  # registry password, TLS
     migration: MigrationConfig = field(default_factory=MigrationConfig)  # failover (migration.py)
@@ -127,6 +130,7 @@ class _Channels:
     an address from a forged registry entry fails the handshake and gets no request."""
 
     tls: GrpcTlsConfig = field(default_factory=GrpcTlsConfig)
+    options: tuple = ()  # every channel's (keepalive_options)
     channels: dict[tuple[str, str], tuple[str, str, grpc.aio.Channel]] = field(default_factory=dict)
     muxes: dict[str, tuple[grpc.aio.Channel, GenerateMux]] = field(default_factory=dict)  # by decode worker id
 
@@ -138,7 +142,7 @@ class _Channels:
             old = known[2]
             # Calls still running on it finish or fail on their own; close it shortly.
             asyncio.get_running_loop().call_later(30, lambda: asyncio.ensure_future(old.close()))
-        channel = self.tls.aio_channel(ref.address, server_name(service, ref.worker_id))
+        channel = self.tls.aio_channel(ref.address, server_name(service, ref.worker_id), self.options)
         self.channels[(ref.worker_id, service)] = (ref.address, ref.instance_nonce, channel)
         return channel
 
@@ -168,7 +172,7 @@ class GrpcBackend:
         self._tracer = tracer or trace.get_tracer("duet-gateway")
         self._router_channel: grpc.aio.Channel | None = None
         self._router: duet_pb2_grpc.RouterStub | None = None
-        self._workers = _Channels(config.tls)
+        self._workers = _Channels(config.tls, keepalive_options(config.keepalive_s, config.keepalive_timeout_s))
         self._watcher = None
         self._cleanups: set[asyncio.Task] = set()
         self.runtime_adapters = RuntimeAdapters()  # loaded at run time: kept in the registry (grpc_adapters.py)

@@ -1,0 +1,1 @@
+"""gRPC connection settings the processes share (what both ends of a connection must agree on)."""
