@@ -57,7 +57,7 @@ class GatewayConfig:
     rpc_timeout_s: float = setting(600.0, flag="--rpc-timeout", env="DUET_RPC_TIMEOUT",
                                    help="seconds bounding each unary RPC to a worker (reserve, prefill)")
     # HTTP/2 pings on the gateway's connections to the workers: a worker that stops answering
-    # without closing its connections (a node off the network, a wedged process) is lost like one
+    # without closing its connections (a node off the network, a frozen process) is lost like one
     # that died, instead of its streams waiting forever for a reset that never comes
     worker_keepalive_s: float = setting(10.0, flag="--worker-keepalive", env="DUET_WORKER_KEEPALIVE",
                                         help="seconds between pings on a worker connection with calls in flight "

@@ -87,12 +87,21 @@ class WorkerConfig:
         None, flag="--gil-switch-interval-ms", env="DUET_GIL_SWITCH_INTERVAL_MS", parse=parsers.optional_float,
         help="how long the gRPC thread may hold the GIL before the engine thread takes it back, ms "
              "(auto: 0.2 with the engine on a GPU, Python's 5 on the CPU; 0: Python's)")
+    step_timeout_s: float = setting(
+        300.0, flag="--step-timeout", env="DUET_STEP_TIMEOUT",
+        help="seconds one engine-loop iteration (a step and what follows it) may run before the worker writes every "
+             "thread's stack and exits with status 1 for its supervisor to restart it: a GPU call or collective that "
+             "never returns otherwise leaves it registered and its streams waiting forever (0 = never)")
     log_level: str = setting("info", flag="--log-level", env="DUET_LOG_LEVEL", help="stderr log level")
     drain_grace_s: float = drain_grace()
     engine: EngineConfig = nested(EngineConfig, "engine (model, KV cache, batching, kernels)")
     perf: PerfModelConfig = nested(PerfModelConfig, "step-time model and inter-token latency target")
     registry: RegistryConfig = nested(RegistryConfig, "registry")
     tls: GrpcTlsConfig = nested(GrpcTlsConfig, "gRPC TLS (between gateway, router and workers)")
+
+    def __post_init__(self) -> None:
+        if self.step_timeout_s < 0:
+            raise ValueError(f"--step-timeout must be >= 0 (0: no watchdog), got {self.step_timeout_s}")
 
     @classmethod
     def parser(cls, env: Mapping[str, str] | None = None):

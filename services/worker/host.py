@@ -32,6 +32,7 @@ from services.worker_runtime.engine_loop import EngineLoop
 from services.worker_runtime.exit_watchdog import EXIT_AFTER_GRACE_S, ExitWatchdog
 from services.worker_runtime.peer_memory_exit import ipc_domain
 from services.worker_runtime.perf_tracker import PerfTracker, handoff_totals
+from services.worker_runtime.step_watchdog import StepWatchdog
 from shared.engine.grammar_guard import GrammarGuard
 from shared.registry.kv_events import KvEventBuffer
 from shared.registry.publisher import WorkerPublisher
@@ -169,6 +170,8 @@ class WorkerHost:
             stop.set()
 
         watcher_task = asyncio.create_task(watch_engine())
+        step_watchdog = StepWatchdog(loop, config.step_timeout_s)  # a step that never returns ends the process
+        step_watchdog.start()
         watchdog = ExitWatchdog(config.drain_grace_s + EXIT_AFTER_GRACE_S)
         try:
             await stop.wait()
@@ -187,6 +190,7 @@ class WorkerHost:
             watchdog.enter("stopping the registry watcher")
             await ctx.watcher.stop()
             watchdog.enter("stopping the engine thread")
+            step_watchdog.stop()  # the exit watchdog bounds the rest
             loop.stop()
             metrics_server.stop()
             for hook in self.on_stop:

@@ -37,6 +37,9 @@ class EngineLoop:
         # gauges read here are current as of the last change, not of the last timer tick
         self.after_iteration: list[Callable[[], None]] = []
         self.fatal: BaseException | None = None
+        # perf_counter when the running iteration began (after its wait for commands), None between
+        # iterations: what the step watchdog (step_watchdog.py) bounds
+        self.iteration_began: float | None = None
 
     # -- thread-safe API ----------------------------------------------------------------
     def start(self) -> None:
@@ -139,7 +142,9 @@ class EngineLoop:
         busy = False
         try:
             while not self._stop.is_set():
+                self.iteration_began = None
                 self._drain(block=not (engine.has_work or busy), timeout=self.idle_wait_s)
+                self.iteration_began = time.perf_counter()
                 if engine.has_work:
                     t0 = time.perf_counter()
                     outs = engine.step()

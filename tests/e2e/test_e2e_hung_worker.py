@@ -1,7 +1,7 @@
 """A worker that hangs is lost like one that died: the gateway's HTTP/2 keepalive to the workers.
 
 A worker SIGSTOPped mid stream stops answering but its sockets stay open (what a node that drops
-off the network, or a process wedged in a driver call, looks like to its peers): no connection
+off the network, or a frozen container, looks like to its peers): no connection
 reset ever comes, and the gateway's streams on it would wait forever. The gateway pings every
 worker connection with calls in flight (`--worker-keepalive`, `--worker-keepalive-timeout`); an
 unanswered ping ends the connection's calls UNAVAILABLE, and their streams move to another
