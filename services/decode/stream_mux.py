@@ -64,7 +64,9 @@ class _Outbox:
         """Everything waiting, as few replies as the size limit allows."""
         out, batch, size = [], [], 0
         for piece in self.pieces:
-            n = piece.ByteSize() if piece.chunk.prompt_logprobs else 16 * (len(piece.chunk.tokens) + 1)
+            chunk = piece.chunk  # plain tokens are a few bytes each; logprob lists are measured
+            n = piece.ByteSize() if chunk.prompt_logprobs or (chunk.tokens and chunk.tokens[0].top_logprobs) \
+                else 16 * (len(chunk.tokens) + 1)
             if batch and size + n > MAX_REPLY_BYTES:
                 out.append(duet_pb2.StreamsReply(pieces=batch))
                 batch, size = [], 0
@@ -102,6 +104,12 @@ async def serve_streams(generate: Callable[[duet_pb2.GenerateRequest, StreamCont
                                         status_details=details))
 
     async def read() -> None:
+        try:
+            await take(requests)
+        finally:  # the caller sends no more, or its side failed: the writer looks at why
+            outbox.wake.set()
+
+    async def take(requests) -> None:
         async for msg in requests:
             if msg.HasField("generate"):
                 if msg.stream_id in running:
@@ -115,7 +123,6 @@ async def serve_streams(generate: Callable[[duet_pb2.GenerateRequest, StreamCont
                 task = running.get(msg.stream_id)
                 if task is not None:  # else it ended already: its end piece is on its way
                     task.cancel()
-        outbox.wake.set()  # the caller sends no more: the call ends once its streams have
 
     reader = asyncio.ensure_future(read())
     try:

@@ -12,6 +12,7 @@ worker, and the next stream opens a new call."""
 from __future__ import annotations
 
 import asyncio
+from contextlib import asynccontextmanager
 
 import grpc
 import pytest
@@ -82,15 +83,28 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 60))
 
 
+@asynccontextmanager
+async def stepped_worker():
+    """(the scripted worker, a GenerateMux to it over a real server and channel)."""
+    port = free_port()
+    decode = SteppedDecode()
+    server = await serve(decode, port)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            mux = GenerateMux(channel)
+            try:
+                yield decode, mux
+            finally:
+                await mux.close()
+    finally:
+        await server.stop(0)
+
+
 def test_streams_get_their_own_tokens_in_order_one_message_per_step():
     streams_n, steps = 32, 12
 
     async def main():
-        port = free_port()
-        decode = SteppedDecode()
-        server = await serve(decode, port)
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            mux = GenerateMux(channel)
+        async with stepped_worker() as (decode, mux):
             streams = [mux.open(generate(f"r{i}", 1000 * i, steps), [("traceparent", f"00-{i:032x}-{1:016x}-01")])
                        for i in range(streams_n)]
             readers = asyncio.gather(*(collect(s) for s in streams))
@@ -98,8 +112,6 @@ def test_streams_get_their_own_tokens_in_order_one_message_per_step():
                 await asyncio.sleep(0.01)
             await decode.advance(steps)
             got = await readers
-            await mux.close()
-        await server.stop(0)
         return mux, decode, got
 
     mux, decode, got = run(main())
@@ -115,11 +127,7 @@ def test_streams_get_their_own_tokens_in_order_one_message_per_step():
 
 def test_a_refused_failed_or_cancelled_stream_ends_alone():
     async def main():
-        port = free_port()
-        decode = SteppedDecode()
-        server = await serve(decode, port)
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            mux = GenerateMux(channel)
+        async with stepped_worker() as (decode, mux):
             refused = mux.open(generate("refused", 666, 4))
             broken = mux.open(generate("broken", 667, 4))
             left = mux.open(generate("left", 10, 50))
@@ -140,8 +148,6 @@ def test_a_refused_failed_or_cancelled_stream_ends_alone():
             while "left" not in decode.cancelled:
                 await asyncio.sleep(0.01)
             calls = mux.calls
-            await mux.close()
-        await server.stop(0)
         return outcomes, [t.id for t in first.tokens], tokens, decode.cancelled, calls, mux.open_streams
 
     outcomes, first, tokens, cancelled, calls, still_open = run(main())
