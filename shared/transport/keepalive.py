@@ -1,7 +1,7 @@
 """HTTP/2 keepalive between the gateway and the workers.
 
 A worker that stops answering without closing its connections (its node dropped off the
-network, the process is wedged or stopped) sends no reset: a call in flight to it, such as the
+network, the process frozen or stopped) sends no reset: a call in flight to it, such as the
 one that carries every Generate stream the gateway has open there, would wait forever. The
 gateway pings each worker connection every `time_s` while calls are in flight; a ping unanswered
 for `timeout_s` ends the connection and its calls with UNAVAILABLE, which the gateway treats as
