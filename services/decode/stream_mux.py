@@ -20,6 +20,7 @@ from contextlib import aclosing
 import grpc
 
 from protos import duet_pb2
+from shared.wire.stream_end import end_piece
 
 log = logging.getLogger("duet.decode.streams")
 
@@ -100,8 +101,7 @@ async def serve_streams(generate: Callable[[duet_pb2.GenerateRequest, StreamCont
             log.exception("stream %d of a GenerateStreams call failed", stream_id)
             code, details = grpc.StatusCode.UNKNOWN, f"{type(exc).__name__}: {exc}"
         running.pop(stream_id, None)
-        outbox.put(duet_pb2.StreamPiece(stream_id=stream_id, end=True, status_code=code.value[0],
-                                        status_details=details))
+        outbox.put(end_piece(stream_id, code, details))
 
     async def read() -> None:
         try:
@@ -113,9 +113,8 @@ async def serve_streams(generate: Callable[[duet_pb2.GenerateRequest, StreamCont
         async for msg in requests:
             if msg.HasField("generate"):
                 if msg.stream_id in running:
-                    outbox.put(duet_pb2.StreamPiece(
-                        stream_id=msg.stream_id, end=True, status_code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
-                        status_details=f"stream {msg.stream_id} is already open in this call"))
+                    outbox.put(end_piece(msg.stream_id, grpc.StatusCode.INVALID_ARGUMENT,
+                                         f"stream {msg.stream_id} is already open in this call"))
                     continue
                 running[msg.stream_id] = asyncio.ensure_future(
                     pump(msg.stream_id, msg.generate, dict(msg.trace_context)))

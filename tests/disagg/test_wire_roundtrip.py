@@ -10,6 +10,7 @@ import copy
 import subprocess
 import sys
 
+import grpc
 import pytest
 
 from protos import duet_pb2
@@ -32,6 +33,7 @@ from shared.wire.lease import (
 )
 from shared.wire.reservation import KvReservation, RankPages, reservation_from_proto, reservation_to_proto
 from shared.wire.sampling import sampling_from_proto, sampling_to_proto
+from shared.wire.stream_end import end_error, end_piece
 
 RID = "req-1"
 PROMPT = [101, 102, 103, 104]
@@ -246,3 +248,17 @@ def test_a_write_capability_comes_back_and_still_verifies():
 @pytest.mark.parametrize("scope", [CacheScope(2**64 - 1, 3), CacheScope(5, 6, "org/adapter-1"), DEFAULT_SCOPE])
 def test_a_cache_scope_comes_back_equal_on_every_request_that_carries_it(message, scope):
     assert cache_scope_from_proto(through_bytes(message(**cache_scope_fields(scope)))) == scope
+
+
+@pytest.mark.parametrize("code", [c for c in grpc.StatusCode if c is not grpc.StatusCode.OK])
+def test_a_streams_end_status_comes_back_as_the_error_its_own_call_would_raise(code):
+    piece = duet_pb2.StreamPiece.FromString(end_piece(7, code, f"why {code.name}").SerializeToString())
+    assert (piece.stream_id, piece.end) == (7, True)
+    error = end_error(piece)
+    assert (error.code(), error.details()) == (code, f"why {code.name}")
+
+
+def test_a_stream_that_ended_ok_carries_no_error_and_an_unknown_code_reads_as_unknown():
+    assert end_error(end_piece(3)) is None
+    error = end_error(duet_pb2.StreamPiece(stream_id=3, end=True, status_code=999, status_details="?"))
+    assert error.code() == grpc.StatusCode.UNKNOWN

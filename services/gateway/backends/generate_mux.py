@@ -18,6 +18,7 @@ import logging
 import grpc
 
 from protos import duet_pb2, duet_pb2_grpc
+from shared.wire.stream_end import end_error, rpc_error
 
 log = logging.getLogger("duet.gateway.streams")
 
@@ -46,12 +47,13 @@ class MuxedStream:
                 raise item
             if item is _CALL_ENDED:
                 self._ended = True
-                raise _error(grpc.StatusCode.UNAVAILABLE, "the decode worker ended the streams' call")
+                raise rpc_error(grpc.StatusCode.UNAVAILABLE, "the decode worker ended the streams' call")
             if item.end:
                 self._ended = True
                 self._mux._forget(self.stream_id)
-                if item.status_code:
-                    raise _error(_CODES.get(item.status_code, grpc.StatusCode.UNKNOWN), item.status_details)
+                error = end_error(item)
+                if error is not None:
+                    raise error
             if item.HasField("chunk"):
                 return item.chunk
         raise StopAsyncIteration
@@ -119,7 +121,7 @@ class GenerateMux:
             failure = exc
         except asyncio.CancelledError:
             call.cancel()
-            failure = _error(grpc.StatusCode.CANCELLED, "the gateway closed its decode streams")
+            failure = rpc_error(grpc.StatusCode.CANCELLED, "the gateway closed its decode streams")
             raise
         finally:
             # every stream still open on this call ends with it; the next open starts a new call
@@ -136,9 +138,3 @@ class GenerateMux:
         if self._streams.pop(stream_id, None) is not None and self._outgoing is not None:
             self._outgoing.put_nowait(duet_pb2.StreamsRequest(stream_id=stream_id, cancel=True))
 
-
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
-
-
-def _error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
