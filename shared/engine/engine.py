@@ -113,8 +113,10 @@ class Engine:
             self.pool = KVPool(self.layout, self.device, self._kv_scales())
             self.backend = make_attention_backend(plan.attention.value, self.pool)
             self.pdl = parts.enable_decode_pdl(self.model, self.backend, plan.pdl.value)
-        self._pinning_open = False  # until the graphs are captured (_may_pin)
-        self._stepping = False  # inside step() (_may_pin: the pinning thread reads it)
+        # _may_pin's state: the pinning thread asks it from the moment the host tier exists
+        self._pinning_open = False  # until the graphs are captured
+        self._stepping = False  # inside step()
+        self.overlap = None  # the overlap scheduler, made after the graphs
         with startup.phase("host tier"):
             host_tier = self._make_host_tier()
         self.kv = KVManager(self.layout.num_pages, self.layout.page_size, config.enable_prefix_cache,
@@ -140,7 +142,6 @@ class Engine:
         self._tokenizer = None
         self._grammars = None
         self._grammar_lock = threading.Lock()
-        self.overlap = None
         if self.plan.overlap.value:
             from .overlap import OverlapScheduler
             self.overlap = OverlapScheduler(self)
@@ -274,9 +275,11 @@ class Engine:
         A registration holds the driver's lock the next launch waits on, and a step still running
         is no pause however long ago it was launched (an 8192-token prefill chunk of an 8B model
         runs ~0.2 s; on one H200 at saturation the tier got turns under load: 62 GiB in 105 s)."""
+        if not self._pinning_open:  # start-up: called from the host tier's making on (a raise here
+            return False  # would stop the locking for good, leaving the whole tier unused)
         overlap = self.overlap
         running = self._stepping or (overlap is not None and overlap.pending is not None)
-        return self._pinning_open and not running and time.monotonic() - self.runner.last_forward_at > PIN_IDLE_S
+        return not running and time.monotonic() - self.runner.last_forward_at > PIN_IDLE_S
 
     def _write_back(self):
         """What is written back to the host tier (kv_write_back.py): the settings' policy and

@@ -43,3 +43,24 @@ def test_the_tier_locks_only_while_no_step_is_built_or_running(engine):
     assert not engine._may_pin()  # the last launch was just now
     engine.runner.last_forward_at = long_ago
     assert engine._may_pin()  # idle again
+
+
+def test_the_gate_answers_from_the_moment_the_tier_exists(tmp_path):
+    """The pinning thread starts with the host tier, before the engine has its runner, graphs or
+    overlap scheduler, and asks the gate at once: it must say "not yet", not raise (a raise ends
+    the locking for good and leaves the whole tier unused)."""
+    asked = []
+
+    class Asking(Engine):
+        def _make_host_tier(self):
+            asked.append(self._may_pin())  # what the pinner's first _wait_turn sees
+            return super()._make_host_tier()
+
+    eng = Asking(model_dir=str(make_tiny_model(tmp_path / "qwen3", "qwen3")), device="cpu", dtype="float64",
+                 overlap_schedule=True)
+    try:
+        assert asked == [False]
+        eng.runner.last_forward_at = 0.0
+        assert eng._may_pin()  # start-up done, idle
+    finally:
+        eng.close()
