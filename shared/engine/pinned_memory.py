@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 CHUNK_BYTES = 16 << 20
 YIELD_S = 0.002  # between chunks: a launch waiting on the driver's lock gets in
 WAIT_S = 0.01  # how often a pinner held back asks again
+STOP_WAIT_S = 5.0  # stop(): a chunk's registration takes milliseconds
 MAX_HOLD_S = 0.5  # serving without a pause: a chunk every half second anyway (~15 ms of a step's time)
 PORTABLE = 1  # cudaHostRegisterPortable: locked for every context, whichever thread registers it
 OS_PAGE = 4096  # chunks start on OS pages: two registrations sharing a page would refuse the second
@@ -137,10 +138,17 @@ class BackgroundPinner:
         while not self.may_pin() and time.monotonic() < until and not self._stop.is_set():
             time.sleep(WAIT_S)
 
-    def stop(self) -> None:
+    def stop(self, wait_s: float = STOP_WAIT_S) -> bool:
         """Lock no further chunk (the engine closed: a thread left running would keep the buffer,
-        tens of GiB, alive and go on locking it). What is locked stays until the tensor is collected."""
+        tens of GiB, alive and go on locking it), and wait up to wait_s for the thread to end: until
+        it does it holds may_pin, so its engine, whose GPU memory the caller's collection right after
+        close() would otherwise miss (`duet bench`'s next engine, or a worker started beside it,
+        then found the card full). What is locked stays until the tensor is collected."""
         self._stop.set()
+        if self.done.wait(wait_s):
+            return True
+        log.warning("host KV tier: the page-locking thread did not stop within %.1fs", wait_s)
+        return False
 
     def wait(self, timeout: float | None = None) -> bool:
         return self.done.wait(timeout)

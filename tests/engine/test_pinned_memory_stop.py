@@ -5,8 +5,10 @@ process (`duet bench` runs several in turn) starts. The registration itself is C
 pinner's own loop and its stop run on the CPU."""
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 
 import torch
 
@@ -56,3 +58,28 @@ def test_a_pinner_held_back_by_its_engine_stops_too():
     time.sleep(0.05)  # waiting for its first turn, which never comes
     pinner.stop()
     assert pinner.wait(1.0) and fake.calls == [] and pinner.pinned_bytes == 0
+
+
+def test_once_stop_returns_the_thread_has_let_go_of_its_engine():
+    """The thread holds may_pin (a bound method of its engine) until it ends; Engine.close() stops
+    it and `duet bench` collects the engine and empties the CUDA cache right after. Had stop()
+    returned with the thread still in a registration, the engine's GPU memory stayed cached in
+    that process and the `duet up` worker the bench started next found no room for its KV cache."""
+
+    class Engine:  # the cycle a real one makes: engine -> tier -> pinner -> may_pin -> engine
+        def may_pin(self) -> bool:
+            return True
+
+    fake = SlowRegistration()
+    engine = Engine()
+    engine.pinner = BackgroundPinner(torch.empty(256 << 20, dtype=torch.uint8), torch.device("cpu"), 4096,
+                                     chunk_bytes=1 << 20, may_pin=engine.may_pin,
+                                     register=(fake.register, fake.unregister))
+    deadline = time.monotonic() + 5
+    while len(fake.calls) < 3 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    pinner, gone = engine.pinner, weakref.ref(engine)
+    assert pinner.stop() and pinner.done.is_set()
+    del engine, pinner
+    gc.collect()  # what `duet bench` does after close(), before emptying the CUDA cache
+    assert gone() is None, "the pinning thread still held its engine after stop()"
