@@ -107,6 +107,9 @@ class LoadPublisher:
                 counter.inc(total - self._tiers.get(key, 0))
                 self._tiers[key] = total
         m.kv_host_pages.set(kv.cache.num_host_pages)
+        if host is not None:
+            m.kv_host_tier_pages.labels(state="allocated").set(host.buffer.shape[0])
+            m.kv_host_tier_pages.labels(state="usable").set(host.usable_pages)
         ctx = self.ctx
         idle = not eng.requests and not eng.has_work and not kv.reserved and not eng.groups.live \
             and not (ctx.book and ctx.book.open) and not (ctx.outgoing and ctx.outgoing.active)

@@ -127,6 +127,11 @@ class DuetMetrics:
             "host tier when there is one; host pages leave the worker)", ["tier"], registry=r)
         self.kv_host_pages = Gauge(
             "duet_kv_host_cached_pages", "KV pages held in the host tier", registry=r)
+        # on a GPU the tier's buffer is page-locked in the background and only locked pages are
+        # used: `usable` under `allocated` is a tier still locking (or stopped short: the log says why)
+        self.kv_host_tier_pages = Gauge(
+            "duet_kv_host_tier_pages", "The host tier's pages: allocated, and usable (page-locked so far)",
+            ["state"], registry=r)
         # per-tenant quotas (shared/engine/tenant_quota.py)
         self.kv_tenant_evicted_pages = Counter(
             "duet_kv_tenant_evicted_pages", "Device KV pages evicted from tenants over their cache share, ahead "

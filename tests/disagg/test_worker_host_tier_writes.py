@@ -67,6 +67,9 @@ def test_write_back_keeps_the_conversation_and_says_why_in_metrics(stack):
         assert m.value("duet_kv_host_writeback_bytes_total", decision=decision, reason=reason) == pages * per_page
     assert m.value("duet_kv_host_writeback_pages_total", decision="dropped", reason="copy_in_flight") == 0
     assert m.value("duet_kv_unaccounted_pages", tier="host") == 0
+    # the tier's size and how much of it is in use: a CPU tier needs no page-locking, all of it at once
+    allocated = m.value("duet_kv_host_tier_pages", state="allocated")
+    assert allocated > 0 and m.value("duet_kv_host_tier_pages", state="usable") == allocated
 
 
 def test_the_worker_logs_its_start_up_by_phase(stack):
