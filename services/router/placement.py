@@ -19,11 +19,14 @@ hands it to an idle prefill worker once its batch is heavy (DistServe's and Dyna
 latency models; Dynamo's and llm-d's deciders use fixed thresholds instead).
 
 `--local-prefill-min-share` / `--local-prefill-max-tokens` bound `local_prefill`, with one
-exception, overflow (`--placement-overflow`, off by default: on two H200s it did not engage, the
-gateway's admission holding back the queue that would trigger it). When prefill queued on P puts
-the split past the first-token target (a long-prompt rate past what the prefill workers keep up
-with; not a prompt that is long alone, which D would not serve sooner either) and D would give
-the first token sooner, D takes the prompt whatever it holds, as long as the prefill queued on D
+exception, overflow (`--placement-overflow`, off by default). When prefill queued on P, with the
+prompts the gateway's admission holds back for the prefill workers (the route request's
+`admission_waiting_tokens`: the admission lets only a couple of prefill steps' worth reach the
+workers, so on two H200s P's own queue never looked past the target and overflow did not engage),
+puts the split past the first-token target (a long-prompt rate past what the prefill workers keep
+up with; not a prompt that is long alone, which D would not serve sooner either) and D would give
+the first token sooner than the split or within the target, D takes the prompt whatever it holds,
+as long as the prefill queued on D
 (this prompt included) leaves its decode rows' mean step within the inter-token target: over the
 first-token target's span T, q seconds of prefill stretch the steps by 1 / (1 - q / T), so q may
 reach T x (1 - step / target). A single step may pass the target (a GPU worker beside more rows
@@ -136,16 +139,24 @@ def predict_split(prefill: PrefillChoice, decode: DecodeChoice, prompt_tokens: i
 
 
 def overflow_option(prefill: PrefillChoice, decode: DecodeChoice, split: Option, prompt_tokens: int,
-                    inflight: dict[str, WorkerInflight], target_s: float) -> Option | None:
-    """Local prefill beyond the bounds (the module's overflow rule), or None: prefill queued on P
-    puts the split past the first-token target, D is faster, and D's queued prefill keeps its
-    rows' mean step within target_s."""
+                    inflight: dict[str, WorkerInflight], target_s: float, backlog_tokens: int = 0) -> Option | None:
+    """Local prefill beyond the bounds (the module's overflow rule), or None: prefill queued on P,
+    with the prompts waiting for it in the gateway's admission (backlog_tokens), puts the split
+    past the first-token target, D gives this prompt's first token sooner than the split or
+    within the target, and D's queued prefill keeps its rows' mean step within target_s."""
     horizon = decode.worker.perf.ttft_target_s
-    if not 0 < horizon < split.ttft_s or _queued(prefill.worker, inflight.get(prefill.worker.worker_id,
-                                                                              _NO_LOAD)) <= 0:
+    p_load = inflight.get(prefill.worker.worker_id, _NO_LOAD)
+    queued = _queued(prefill.worker, p_load)
+    if horizon <= 0 or queued + backlog_tokens <= 0:
+        return None
+    behind = split.ttft_s  # when P would clear what is queued for it, this prompt's share included
+    if backlog_tokens > 0:
+        p_site = _site(prefill.worker, p_load)
+        behind += p_site.prefill_s(queued + backlog_tokens) - p_site.prefill_s(queued)
+    if behind <= horizon:
         return None
     here = predict_here("local_prefill", decode.worker, decode.cached_tokens, prompt_tokens, inflight, target_s)
-    if here is None or here.ttft_s >= split.ttft_s:
+    if here is None or (here.ttft_s >= split.ttft_s and here.ttft_s > horizon):
         return None
     load = inflight.get(decode.worker.worker_id, _NO_LOAD)
     site = _site(decode.worker, load)
@@ -163,9 +174,10 @@ def within_bounds(decode: DecodeChoice, prompt_tokens: int, weights: RoutingWeig
 
 def place(decode: DecodeChoice, prefill: PrefillChoice, prompt_tokens: int, *,
           inflight: dict[str, WorkerInflight], weights: RoutingWeights, target_s: float = 0.0,
-          colocated: PrefillChoice | None = None) -> Placement:
+          colocated: PrefillChoice | None = None, backlog_tokens: int = 0) -> Placement:
     """Split, local prefill on `decode`, or `colocated` (the best `both` worker, with the
-    prompt tokens it holds); target_s > 0 overrides the workers' published targets."""
+    prompt tokens it holds); target_s > 0 overrides the workers' published targets;
+    backlog_tokens: prompt tokens waiting in the sending gateway's admission (overflow)."""
     threshold = local_prefill_reason(decode, prompt_tokens, weights)
     split_detail = (f"split: decode {decode.worker.worker_id} holds {decode.cached_tokens} of {prompt_tokens} "
                     f"prompt tokens, prefill {prefill.worker.worker_id} {prefill.cached_tokens}")
@@ -176,7 +188,7 @@ def place(decode: DecodeChoice, prefill: PrefillChoice, prompt_tokens: int, *,
     if threshold:
         local = predict_here("local_prefill", decode.worker, decode.cached_tokens, prompt_tokens, inflight, target)
     else:  # beyond the bounds: an option only as overflow
-        local = overflow_option(prefill, decode, split, prompt_tokens, inflight, target) \
+        local = overflow_option(prefill, decode, split, prompt_tokens, inflight, target, backlog_tokens) \
             if weights.overflow and split is not None else None
     overflow = local is not None and not threshold
     options = [o for o in (
@@ -197,7 +209,8 @@ def place(decode: DecodeChoice, prefill: PrefillChoice, prompt_tokens: int, *,
     code = "lowest_ttft" if chosen.kind == fastest.kind else "itl_target"
     if chosen.kind == "local_prefill" and not threshold:
         code = "overflow"
-        head = (f"overflow: the split misses the first-token target; decode {decode.worker.worker_id} "
+        waiting = f" ({backlog_tokens} prompt tokens waiting at the gateway)" if backlog_tokens else ""
+        head = (f"overflow: the split misses the first-token target{waiting}; decode {decode.worker.worker_id} "
                 f"prefills {prompt_tokens - decode.cached_tokens} of {prompt_tokens} prompt tokens itself")
     elif chosen.kind == "local_prefill":
         head = threshold

@@ -173,7 +173,8 @@ class RouterService(duet_pb2_grpc.RouterServicer):
                                     inflight=loads, weights=weights, rotation=rotation, n=n,
                                     adapter=adapter) if extra else None
             placement = place(decode, prefill, prompt_tokens, inflight=loads, weights=weights,
-                              target_s=self.config.slo.itl_ms / 1000, colocated=both[0] if both else None)
+                              target_s=self.config.slo.itl_ms / 1000, colocated=both[0] if both else None,
+                              backlog_tokens=max(0, request.admission_waiting_tokens))
             if placement.kind == "local_prefill":  # it holds most of the prompt: no prefill worker, no transfer
                 return self._local_prefill_reply(request_id, decode, prompt_tokens, placement.detail, now), placement
             if placement.kind == "colocated":

@@ -137,6 +137,34 @@ def test_a_prompt_the_saturated_split_would_keep_waiting_overflows_to_the_decode
     assert overflow(prefill_queue=60_000, on=False).code == "bounds"  # off by default (--placement-overflow)
 
 
+def test_prompts_held_back_at_the_gateway_count_as_the_prefill_workers_backlog():
+    """The gateway's admission lets only a couple of prefill steps' worth reach the workers, so a
+    saturated prefill worker shows a short queue while the rest waits at the gateway: the route
+    request carries those waiting prompt tokens, and with them the split is behind its target and
+    the decode worker, which gives this prompt its first token within the target, takes it."""
+    def route(backlog: int, prefill_queue: int = 4_000, ttft_target_s: float = 1.0):
+        d = worker("d1", "decode", rows=32)
+        d.perf.ttft_target_s = ttft_target_s
+        p = worker("p1", "prefill", queued_prefill_tokens=prefill_queue)
+        return place(DecodeChoice(d, pages=1, cost=0.0, cached_tokens=0), PrefillChoice(p, 0, 4096, 0.0), 4096,
+                     inflight={"d1": WorkerInflight(decode_requests=32)}, weights=RoutingWeights(overflow=True),
+                     backlog_tokens=backlog)
+
+    keeping_up = route(backlog=0)
+    assert keeping_up.code == "bounds", keeping_up.detail  # P's own queue is within the target
+    by_kind = {o.kind: o for o in keeping_up.options}
+    assert by_kind["split"].ttft_s < 1.0
+    behind = route(backlog=60_000)
+    assert (behind.kind, behind.code) == ("local_prefill", "overflow"), behind.detail
+    assert "(60000 prompt tokens waiting at the gateway)" in behind.detail
+    assert {o.kind: o for o in behind.options}["local_prefill"].ttft_s <= 1.0
+    assert route(backlog=3_000).code == "bounds"  # a backlog P clears within the target
+    # all of it at the gateway and P idle: P gives this prompt its first token sooner, so it goes
+    # there (lowest TTFT among the options, overflow one of them); the next one finds P's queue
+    idle = route(backlog=60_000, prefill_queue=0)
+    assert (idle.kind, idle.code) == ("split", "lowest_ttft") and "local_prefill" in idle.detail, idle.detail
+
+
 def test_a_both_worker_is_a_third_option():
     b = worker("b1", "both")
     out, _ = decide(rows=256, colocated=PrefillChoice(b, cached_tokens=HELD, uncached_tokens=PROMPT - HELD,
@@ -187,3 +215,35 @@ def test_predictions_within_the_models_error_are_a_tie_won_by_local_prefill():
         by_kind = {o.kind: o for o in out.options}
         assert by_kind["split"].ttft_s < by_kind["local_prefill"].ttft_s < by_kind["split"].ttft_s * 1.2
         assert out.kind == kind, out.detail
+
+
+def test_the_router_weighs_the_prompts_waiting_at_the_gateway(redis_server):
+    """Through the router's gRPC service with --placement-overflow: an uncached 4096-token prompt
+    with a short queue on the prefill worker goes split; the same with 60k prompt tokens waiting
+    in the sending gateway's admission (RouteRequest.admission_waiting_tokens) overflows to the
+    decode worker, and the decision is counted as `overflow`."""
+    async def scenario():
+        async with Cluster(redis_server.url) as c:
+            c.server.config.weights.overflow = True
+            p = worker("p1", "prefill", queued_prefill_tokens=4_000)
+            d = worker("d1", "decode", rows=32)
+            d.perf.ttft_target_s = 1.0
+            await c.add(p)
+            await c.add(d)
+            await c.wait_live("p1", "d1")
+
+            async def route(rid: str, waiting: int):
+                reply = await c.stub.Route(duet_pb2.RouteRequest(request_id=rid, prompt_tokens=4096, max_tokens=64,
+                                                                 admission_waiting_tokens=waiting))
+                await c.stub.Release(duet_pb2.ReleaseRequest(request_id=rid))
+                return reply
+            kept = await route("t-kept", 0)
+            assert not kept.colocated and kept.prefill.worker_id == "p1", kept.reason
+            moved = await route("t-moved", 60_000)
+            assert moved.local_prefill and moved.decode.worker_id == "d1", moved.reason
+            assert "60000 prompt tokens waiting at the gateway" in moved.reason
+            value = c.server.metrics.registry.get_sample_value
+            assert value("duet_router_decisions_total", {"kind": "local_prefill", "reason": "overflow",
+                                                         "model": "tiny"}) == 1
+
+    asyncio.run(scenario())

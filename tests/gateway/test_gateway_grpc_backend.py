@@ -424,3 +424,26 @@ def test_a_request_while_the_router_restarts_waits_for_it(client, cluster, reply
         assert wait_until(lambda: cluster.router_inflight() == {}, timeout=5)  # released to the new router
     finally:
         cluster.remove_worker("both-r")
+
+
+def test_each_route_carries_the_prompt_tokens_waiting_in_the_gateways_admission(prompts):
+    """What the router's overflow rule weighs as the prefill workers' backlog (placement.py):
+    the gateway's own admission queue, read when the route is sent."""
+    from services.gateway.http_edge.admission import Work
+    from services.gateway.http_edge.limits_config import GatewayLimits
+
+    backend = GrpcBackend(GrpcBackendConfig(router_address="127.0.0.1:9", model=MODEL))  # never dialled
+    ctx = GatewayContext(backend, prompts, GatewayMetrics(), MODEL, CONTEXT,
+                         limits=GatewayLimits(max_prefill_tokens=100))
+
+    async def scenario():
+        assert backend.admission_backlog() == 0
+        running = await ctx.admission.ticket("k").acquire(Work(prompt_tokens=100))  # the budget, full
+        waiting = asyncio.ensure_future(ctx.admission.ticket("k").acquire(Work(prompt_tokens=700)))
+        await asyncio.sleep(0.05)
+        assert not waiting.done() and backend.admission_backlog() == 700
+        running.release()
+        (await waiting).release()
+        assert backend.admission_backlog() == 0
+
+    asyncio.run(scenario())

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import AsyncIterator
@@ -178,6 +179,8 @@ class GrpcBackend:
         self.runtime_adapters = RuntimeAdapters()  # loaded at run time: kept in the registry (grpc_adapters.py)
         self._record_task: asyncio.Task | None = None
         self.leases = LeaseKeeper(config.cleanup_timeout_s)  # our reservations live on decode while renewed
+        # prompt tokens waiting in this gateway's admission (the app sets it): sent with each route
+        self.admission_backlog: Callable[[], int] = lambda: 0
 
     # --- lifecycle --------------------------------------------------------------------
 
@@ -485,7 +488,7 @@ class GrpcBackend:
             max_tokens=attempt.remaining_tokens, page_hashes=hashes, n=attempt.sampling.n,
             exclude_instances=attempt.exclude, exclude_decode_instances=attempt.exclude_decode,
             checkpoint=attempt.checkpoint,
-            lora_adapter=request.cache_scope.adapter)
+            lora_adapter=request.cache_scope.adapter, admission_waiting_tokens=self.admission_backlog())
         deadline = time.monotonic() + self.config.route_timeout_s
         while True:
             try:  # a router being restarted is waited for (within the route timeout), not a 503

@@ -109,6 +109,8 @@ class GatewayContext:
                                         budget=self.admission_budget, max_request_share=lim.max_request_share,
                                         aging_s=lim.admission_aging_s)
         register_admission_metrics(self.metrics.registry, self.admission)
+        if hasattr(self.backend, "admission_backlog"):  # the router's overflow rule weighs what waits here
+            self.backend.admission_backlog = lambda: self.admission.waiting_prompt_tokens
         default = ServedModel(self.served_model_name, self.prompts, self.max_context_len, self.template,
                               self.grammar, self.tool_call_parser)
         self.models: dict[str, ServedModel] = {default.name: default}
