@@ -146,4 +146,6 @@ def test_failover_section_moves_the_killed_workers_streams(tmp_path, torch_one_t
     assert d["moved == unfaulted sequences"] == "8/8"
     held, moved, recomputed = (int(x) for x in d["moved KV rebuilt tokens held/moved/recomputed"].split("/"))
     assert held + moved > 0 and recomputed > 0  # the prompts' pages from prefill's cache, the streamed tokens again
-    assert d["moved moved longest gap p50 ms"] > 0 and d["moved ITL p50 ms before the kill"] > 0
+    # chunks a busy client reads from one socket read arrive 0.0 ms apart, so the median gap
+    # before the kill may be 0 on a loaded machine (seen in a whole-suite run); it is measured
+    assert d["moved moved longest gap p50 ms"] > 0 and d["moved ITL p50 ms before the kill"] >= 0
