@@ -3,6 +3,7 @@ time is what a worker loop sees: scheduling, inputs, the forward, sampling, the 
 from __future__ import annotations
 
 import gc
+import sys
 import time
 from pathlib import Path
 
@@ -34,6 +35,10 @@ def with_engine(run, model, fn, **options):
         gc.collect()
         if run.dev.type == "cuda":
             torch.cuda.empty_cache()
+            if (held := torch.cuda.memory_allocated(run.dev)) > 1 << 30:  # say so: the next stack's worker
+                print(f"[bench] {held / 2**30:.1f} GiB of GPU memory still allocated after the engine closed "
+                      "(something still holds it); a `duet up` stack started next may find the card full",
+                      file=sys.stderr, flush=True)
 
 
 def random_prompts(vocab: int, lengths, seed: int = 0) -> list[list[int]]:
