@@ -157,6 +157,39 @@ def test_prompt_tokens_count_until_their_first_token():
     asyncio.run(go())
 
 
+def test_a_routed_prompt_keeps_only_its_uncached_tokens_on_the_prefill_budget():
+    """A later chat turn is mostly cached on the worker the router picks: once routed, only the
+    rest is prefill work, so the next prompts reach the workers at once instead of two or three
+    whole contexts at a time."""
+    async def go():
+        q = AdmissionQueue(10, 10, 5.0, budget=lambda: Budget(sequences=100, prefill_tokens=10_000))
+        turns = [q.ticket("chat") for _ in range(3)]
+        a = await turns[0].acquire(Work(1, 6200, 6000))
+        b = asyncio.create_task(turns[1].acquire(Work(1, 6200, 6000)))  # 12k > 10k: waits
+        c = asyncio.create_task(turns[2].acquire(Work(1, 6200, 6000)))
+        await asyncio.sleep(0.01)
+        assert not b.done() and not c.done() and q.running.prefill_tokens == 6000
+        a.routed(5800)  # the route: the chosen worker holds 5800 of the 6000
+        b_grant = await asyncio.wait_for(b, 1)  # 200 + 6000 fit: b goes at once
+        assert q.running.prefill_tokens == 6200 and q.cached_prompt_tokens == 5800 and not c.done()
+        b_grant.routed(5900)
+        c_grant = await asyncio.wait_for(c, 1)
+        assert q.running.prefill_tokens == 200 + 100 + 6000
+        a.routed(0)  # a moved attempt routed again, nothing cached there: the charge stays lowered
+        a.routed(6000)  # ... and only lowers: now nothing is left to prefill
+        assert q.running.prefill_tokens == 100 + 6000 and q.cached_prompt_tokens == 5800 + 5900 + 200
+        a.prefilled()
+        c_grant.prefilled()
+        c_grant.routed(6000)  # past its first token: nothing to take off
+        assert q.running.prefill_tokens == 100 and q.cached_prompt_tokens == 11_900
+        for grant, ticket in zip((a, b_grant, c_grant), turns):
+            grant.release()
+            ticket.release()
+        assert (q.running.sequences, q.running.tokens, q.running.prefill_tokens) == (0, 0, 0)
+        assert q._tenants == {}
+    asyncio.run(go())
+
+
 def test_fair_turns_across_api_keys_and_a_bound_per_request():
     async def go():
         q = AdmissionQueue(10, 10, 5.0, budget=lambda: Budget(sequences=4), max_request_share=0.75)

@@ -17,6 +17,7 @@ Contract of `generate`:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol, runtime_checkable
 
@@ -43,6 +44,9 @@ class GenerationRequest:
     # the prefix-cache namespace (tenant and cache_salt), tenant (http_edge/cache_namespace.py) and
     # the LoRA adapter the request runs with ("" = the base model; workers serving it are chosen)
     cache_scope: CacheScope = DEFAULT_SCOPE
+    # told, once routed, the prompt tokens the chosen worker is expected to hold (the admission
+    # then charges only the rest to its prefill budget: Grant.routed); None: nobody asks
+    on_routed: Callable[[int], None] | None = None
 
 
 @dataclass

@@ -5,7 +5,8 @@ weighing `n` sequences, the KV tokens they can fill (prompt + n x max_tokens) an
 tokens. Units run while the running ones fit the budget: at most `sequences` sequences (by
 default the live workers' batch capacity), when set `tokens` KV tokens, and `prefill_tokens`
 prompt tokens not yet prefilled (by default a couple of the prefill workers' steps: a unit
-counts there from its grant to its first token). So the workers' own queues stay short and
+counts there from its grant to its first token, whole until routed, then only the part the
+chosen worker does not hold: `Grant.routed`). So the workers' own queues stay short and
 the order in which work reaches them is decided here, fairly. A unit alone always runs (what
 can never fit a worker was refused with a 400 before). The prefill budget is shared: when it
 is full, a tenant holding less than its share of it (the budget over the tenants with work
@@ -46,7 +47,7 @@ import asyncio
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 NEWCOMER_ROOM = 16  # 1/16 of the sequence budget is kept for tenants with little running
@@ -121,6 +122,7 @@ class AdmissionQueue:
         self.active = 0  # requests admitted (first unit granted) and not yet ended
         self.places = 0  # requests holding a place: admitted, waiting or being prepared
         self.refused = 0
+        self.cached_prompt_tokens = 0  # taken off the prefill budget at routing (Grant.routed), since start
         self.running = _Share()
         self._tenants: dict[str, _Share] = {}
         self._waiters: list[_Waiter] = []
@@ -241,8 +243,11 @@ class AdmissionQueue:
         ticket.running_sequences += work.sequences
 
     def _prefilled(self, ticket: "Ticket", work: Work) -> None:
-        self.running.prefill_tokens -= work.prompt_tokens
-        self._tenants[ticket.tenant].prefill_tokens -= work.prompt_tokens
+        self._uncharge(ticket, work.prompt_tokens)
+
+    def _uncharge(self, ticket: "Ticket", prompt_tokens: int) -> None:
+        self.running.prefill_tokens -= prompt_tokens
+        self._tenants[ticket.tenant].prefill_tokens -= prompt_tokens
         assert self.running.prefill_tokens >= 0, "prefill tokens released twice"
 
     def _give_back(self, ticket: "Ticket", work: Work, prefilling: bool = True) -> None:
@@ -294,6 +299,22 @@ class Grant:
         self.work = work
         self.held = True
         self.prefilling = True
+
+    def routed(self, cached_tokens: int) -> None:
+        """The route's word on how many of the prompt's tokens the chosen worker already holds:
+        only the rest is prefill work, so only the rest stays on the prefill budget, and the
+        next unit may go at once. A later turn of a chat is mostly cached (96-98% of a 6k-token
+        context): charged whole, two or three of them filled a prefill worker's budget, and a
+        burst of them reached the workers that many at a time. Only lowers the charge (a moved
+        attempt routes again; what it finds cached there is no reason to hold more)."""
+        rest = max(0, self.work.prompt_tokens - max(0, cached_tokens))
+        if not (self.held and self.prefilling) or rest >= self.work.prompt_tokens:
+            return
+        queue = self._ticket._queue
+        queue._uncharge(self._ticket, self.work.prompt_tokens - rest)
+        queue.cached_prompt_tokens += self.work.prompt_tokens - rest
+        self.work = replace(self.work, prompt_tokens=rest)
+        queue._dispatch()
 
     def prefilled(self) -> None:
         if self.held and self.prefilling:
@@ -390,11 +411,26 @@ def register_admission_metrics(registry, queue: AdmissionQueue) -> None:
           registry=registry).set_function(lambda: queue.waiting_prompt_tokens)
     Gauge("duet_gateway_running_tokens", "KV tokens the running sequences can fill (prompt + n x max_tokens)",
           registry=registry).set_function(lambda: queue.running.tokens)
-    Gauge("duet_gateway_prefilling_tokens", "Prompt tokens admitted and not yet past their first token",
-          registry=registry).set_function(lambda: queue.running.prefill_tokens)
+    Gauge("duet_gateway_prefilling_tokens", "Prompt tokens admitted and not yet past their first token, less "
+          "those the route found cached", registry=registry).set_function(lambda: queue.running.prefill_tokens)
+    registry.register(_CachedPromptTokens(queue))
     Gauge("duet_gateway_prefill_budget", "Prompt tokens that may be admitted and not yet prefilled (0: no bound)",
           registry=registry).set_function(lambda: queue.budget().prefill_tokens)
     Gauge("duet_gateway_sequence_budget", "Sequences that may run at once (0: no bound)",
           registry=registry).set_function(lambda: queue.budget().sequences)
     Gauge("duet_gateway_token_budget", "KV tokens that may run at once (0: no bound)",
           registry=registry).set_function(lambda: queue.budget().tokens)
+
+
+class _CachedPromptTokens:
+    """duet_gateway_admission_cached_prompt_tokens_total, read at scrape time."""
+
+    def __init__(self, queue: AdmissionQueue):
+        self.queue = queue
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        yield CounterMetricFamily("duet_gateway_admission_cached_prompt_tokens",
+                                  "Prompt tokens the routes found cached on the chosen worker, taken off the "
+                                  "prefill budget before their first token", value=self.queue.cached_prompt_tokens)

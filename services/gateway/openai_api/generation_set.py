@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator
 
 from services.gateway.openai_api.generation import Generation, GenerationStats, OutputDelta
@@ -41,6 +41,9 @@ class GenerationSet:
         """Generation k's deltas once admitted; its grant learns of the first token (the
         prompt is prefilled) and is released at the end."""
         grant = await self.admit(k) if self.admit is not None else None
+        routed = getattr(grant, "routed", None)  # the route lowers the grant's prefill charge
+        if routed is not None:
+            self.generations[k].request = replace(self.generations[k].request, on_routed=routed)
         try:
             async with aclosing(self.generations[k].deltas()) as deltas:  # closed now, not when collected
                 async for delta in deltas:
