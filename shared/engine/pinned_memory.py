@@ -15,10 +15,19 @@ waits on: on 2 x H200 an 8B worker's graph capture (5 s alone) took 25-58 s besi
 locking of a 25-50 GiB tier, ending just after it every time, with 1 GiB or 64 MiB chunks and a
 2 ms pause between them. `pinned_bytes` grows as it goes, and the host tier hands out only
 pages already locked (a copy through pageable memory would make the step that queued it
-wait); under load from the first second the tier grows in the gaps between steps, and by one
-chunk every MAX_HOLD_S at least. The registration is called through ctypes into the CUDA
+wait); under load from the first second the tier grows in the gaps between steps, and while
+steps run without a gap by a chunk whenever that keeps the registrations' share of the time at
+BUSY_SHARE (a registration of ~15 ms: one every half second): a faster registration, a faster
+growing tier at the same cost to the steps. The registration is called through ctypes into the CUDA
 runtime torch loaded, which releases the GIL, so the engine thread runs meanwhile; torch's own
-binding (which holds it) is the fallback."""
+binding (which holds it) is the fallback.
+
+Each chunk is faulted in before its turn (`madvise(MADV_POPULATE_WRITE)`, Linux 5.14+), which
+takes no driver lock and needs no gate: the registration then pins pages that are already
+there. On a 2-core VM, locking fresh 4 KiB pages took 4.9-5.3 ms per 16 MiB, of which faulting
+them in was 5.0 and locking them once present 1.5 (mlock, the kernel's half of a registration;
+`docs/performance/serving.md`); how much of a registration's ~12 ms on a GPU host that is, is
+not measured. Where the call is missing the registration faults the pages itself, as before."""
 from __future__ import annotations
 
 import ctypes
@@ -40,10 +49,11 @@ CHUNK_BYTES = 16 << 20
 YIELD_S = 0.002  # between chunks: a launch waiting on the driver's lock gets in
 WAIT_S = 0.01  # how often a pinner held back asks again
 STOP_WAIT_S = 5.0  # stop(): a chunk's registration takes milliseconds
-MAX_HOLD_S = 0.5  # serving without a pause: a chunk every half second anyway (~15 ms of a step's time)
+BUSY_SHARE = 0.03  # serving without a pause: registrations hold the driver's lock this share of the time
 PORTABLE = 1  # cudaHostRegisterPortable: locked for every context, whichever thread registers it
 OS_PAGE = 4096  # chunks start on OS pages: two registrations sharing a page would refuse the second
 ALIGN = 2 << 20  # the buffer starts on a huge-page boundary
+MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels answer EINVAL and the registration faults pages in
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -53,6 +63,18 @@ def aligned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
     start = (-raw.data_ptr()) % ALIGN
     return raw[start:start + nbytes].view(dtype).view(shape)
+
+
+def _populate_write():
+    """madvise(MADV_POPULATE_WRITE) of libc (pages made present and writable, no lock of
+    CUDA's), or None where libc lacks madvise."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        madvise = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return lambda ptr, size: madvise(ptr, size, MADV_POPULATE_WRITE) == 0
 
 
 def _cudart_register():
@@ -68,6 +90,13 @@ def _cudart_register():
     except (OSError, IndexError, AttributeError):
         cudart = torch.cuda.cudart()
         return (lambda ptr, size, flags: int(cudart.cudaHostRegister(ptr, size, flags))), cudart.cudaHostUnregister
+
+
+def busy_hold_s(registration_s: float) -> float:
+    """How long a pinner held back by steps that never pause waits before it takes the next
+    chunk anyway: the last registration's time over BUSY_SHARE (a 15 ms one: 0.5 s), so the
+    registrations hold the driver's lock that share of the time, however long one takes."""
+    return registration_s / BUSY_SHARE
 
 
 class BackgroundPinner:
@@ -91,6 +120,7 @@ class BackgroundPinner:
         self.failed = ""
         self.done = threading.Event()
         self.seconds = 0.0
+        self.last_registration_s = 0.0
         threading.Thread(target=self._run, name="host-tier-pinning", daemon=True).start()
 
     def _run(self) -> None:
@@ -99,14 +129,19 @@ class BackgroundPinner:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
             register, unregister = self._register or _cudart_register()
+            populate = _populate_write()
             base = self.tensor.data_ptr()
             while self.pinned_bytes < self.nbytes:
+                size = min(self.chunk_bytes, self.nbytes - self.pinned_bytes)
+                if populate is not None and not populate(base + self.pinned_bytes, size):
+                    populate = None  # not this kernel (or no room): the registration faults them in
                 self._wait_turn()
                 if self._stop.is_set():
                     self.failed = "stopped: its engine closed"
                     break
-                size = min(self.chunk_bytes, self.nbytes - self.pinned_bytes)
+                began = time.monotonic()
                 err = register(base + self.pinned_bytes, size, PORTABLE)
+                self.last_registration_s = time.monotonic() - began
                 if int(err) != 0:
                     self.failed = f"cudaHostRegister: error {int(err)}"
                     break
@@ -130,11 +165,11 @@ class BackgroundPinner:
             self.done.set()
 
     def _wait_turn(self) -> None:
-        """Until may_pin() allows the next chunk; once the first is locked, at most MAX_HOLD_S
-        (busy for long: one chunk anyway, so the tier still grows)."""
+        """Until may_pin() allows the next chunk; once the first is locked, at most busy_hold_s
+        of the last registration (busy for long: one chunk anyway, so the tier still grows)."""
         if self.may_pin is None:
             return
-        until = time.monotonic() + (MAX_HOLD_S if self.pinned_bytes else float("inf"))
+        until = time.monotonic() + (busy_hold_s(self.last_registration_s) if self.pinned_bytes else float("inf"))
         while not self.may_pin() and time.monotonic() < until and not self._stop.is_set():
             time.sleep(WAIT_S)
 
