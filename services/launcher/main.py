@@ -125,7 +125,7 @@ class Stack:
         extra_models = [arg for d in model_dirs[1:] for arg in ("--extra-model", d)]
         for i in range(processes):
             own = (["--metrics-port", str(self.gateway_metrics_ports[i])] if self.gateway_metrics_ports else []) + \
-                (["--reuse-port"] if processes > 1 else [])
+                (["--reuse-port", "--gateways", str(processes)] if processes > 1 else [])
             name = f"gateway-{i}" if i else "gateway"
             self.children.append(Child(name, duet_command(
                 "gateway", "--host", host, "--port", str(cfg.port), "--router-address", f"{host}:{self.router_port}",

@@ -3,7 +3,7 @@ through real processes (Redis, router, a `both` worker, the planner) and the off
 client.
 
 Connections spread over both processes (each one's own /metrics counts some of the requests and
-together they count all), the planner reads both processes' metrics, and with one process
+together they count all), each admits half of the worker's capacity, the planner reads both processes' metrics, and with one process
 SIGKILLed the other takes every request until `duet up` has started it again on the same port."""
 from __future__ import annotations
 
@@ -58,6 +58,13 @@ def test_two_gateway_processes_share_the_port_and_one_killed_is_covered_then_bac
     after = [served(a) for a in addresses]
     spread = [b - a for a, b in zip(before, after)]
     assert sum(spread) == 16 and min(spread) >= 1, spread  # both took connections
+    # each process admits half of the worker's capacity: together they admit it once
+    worker = next(iter(s.workers().values()))
+    capacity = (int(worker["max_running_requests"]), 2 * int(worker["max_batched_tokens"]))
+    assert min(capacity) > 0, worker
+    budgets = [(scrape(a).value("duet_gateway_sequence_budget"), scrape(a).value("duet_gateway_prefill_budget"))
+               for a in addresses]
+    assert budgets == [(-(-capacity[0] // 2), -(-capacity[1] // 2))] * 2, (budgets, capacity)
     planner = (s.log_dir / "planner.log").read_text()
     assert all(f"http://{a}/metrics" in planner for a in addresses), planner[:2000]
 

@@ -332,3 +332,16 @@ def test_what_can_never_fit_a_live_worker_is_a_400_before_anything_is_sent(promp
                   "duet_gateway_sequence_budget 4.0", "duet_gateway_token_budget 0.0",
                   "duet_gateway_prefilling_tokens 0.0", "duet_gateway_prefill_budget 512.0"):
         assert gauge in metrics, gauge
+
+
+def test_several_gateways_each_admit_their_share_of_the_workers(prompts):
+    """--gateways N (duet up: its --gateway-processes): the default budgets are this gateway's
+    share of the live workers' capacity, rounded up; set limits stay as set."""
+    capacity = [WorkerCapacity("decode", 64, 16, 5), WorkerCapacity("prefill", 64, 16, 4, 300)]
+    budgets = {n: _server(prompts, GatewayLimits(gateways=n), capacity)[1].admission_budget() for n in (1, 2, 3)}
+    assert [(b.sequences, b.prefill_tokens) for b in budgets.values()] == [(5, 600), (3, 300), (2, 200)]
+    set_limits = GatewayLimits(gateways=2, max_running_sequences=7, max_prefill_tokens=100)
+    budget = _server(prompts, set_limits, capacity)[1].admission_budget()
+    assert (budget.sequences, budget.prefill_tokens) == (7, 100)
+    with pytest.raises(ValueError, match="gateways must be >= 1"):
+        GatewayLimits(gateways=0)

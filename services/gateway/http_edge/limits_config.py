@@ -36,6 +36,12 @@ class GatewayLimits:
         0, flag="--max-prefill-tokens", env="DUET_MAX_PREFILL_TOKENS",
         help="prompt tokens admitted and not yet prefilled; 0 = two steps' worth of the live prefill workers "
              "(their --max-num-batched-tokens, summed), no bound when unknown")
+    gateways: int = setting(
+        1, flag="--gateways", env="DUET_GATEWAYS",
+        help="gateways (processes or pods) in front of the same workers: each admits its share of the live "
+             "workers' capacity (the default sequence and prefill budgets over this count), so together they "
+             "admit the workers' capacity once; duet up sets it to --gateway-processes, in Kubernetes keep it "
+             "at the gateway Deployment's replicas")
     max_request_share: float = setting(
         0.5, flag="--max-request-share", env="DUET_MAX_REQUEST_SHARE",
         help="share of --max-running-sequences one request runs at once (its other prompts wait behind "
@@ -71,5 +77,7 @@ class GatewayLimits:
         for name in ("header_timeout_s", "keep_alive_s", "max_header_bytes", "max_body_bytes", "body_timeout_s"):
             if getattr(self, name) == 0:
                 raise ValueError(f"{name} must be > 0")
+        if self.gateways < 1:
+            raise ValueError(f"gateways must be >= 1, got {self.gateways}")
         if not 0 < self.max_request_share <= 1:
             raise ValueError(f"max_request_share must be in (0, 1], got {self.max_request_share}")

@@ -162,10 +162,12 @@ class GatewayContext:
         return capacity(model) if model is not None and len(self.models) > 1 else capacity()
 
     def admission_budget(self) -> Budget:
-        """The limits' budget; sequences and prefill tokens default to the live workers'."""
+        """The limits' budget; sequences and prefill tokens default to this gateway's share of the
+        live workers' (`--gateways`: several gateways in front of them admit their capacity once)."""
         lim, live = self.limits, self.live_capacity()
-        return Budget(lim.max_running_sequences or batch_capacity(live), lim.max_running_tokens,
-                      lim.max_prefill_tokens or prefill_capacity(live))
+        share = lambda capacity: -(-capacity // lim.gateways)  # noqa: E731 - rounded up: 0 stays unknown
+        return Budget(lim.max_running_sequences or share(batch_capacity(live)), lim.max_running_tokens,
+                      lim.max_prefill_tokens or share(prefill_capacity(live)))
 
 
 @dataclass
