@@ -20,7 +20,7 @@ from pathlib import Path
 
 from services.launcher.banner import INSECURE_WARNING, print_banner
 from services.launcher.children import Child, duet_command, thread_env
-from services.launcher.config import UpConfig
+from services.launcher.config import UpConfig, auto_gateway_processes
 from services.launcher.gpus import WorkerFlags, gpu_memory_bytes, host_available_bytes, visible_gpus, weight_bytes
 from services.launcher.gpus import plan as place_workers
 from services.launcher.ports import free_port, port_taken
@@ -92,6 +92,9 @@ class Stack:
                                         roles=["both" if cfg.switchable else role for role, _ in roles],
                                         host_bytes=host_available_bytes() if gpus else 0)
         cores = os.cpu_count() or 1
+        if not cfg.gateway_processes:
+            # workers sharing a GPU stream one GPU's worth between them
+            cfg.gateway_processes = auto_gateway_processes(min(len(gpus), len(pools)), cores)
         threads = cfg.threads or max(1, cores // max(1, len(pools)))
         self.router_port = free_port(host)
         common = ["--redis-url", self.redis_url]
