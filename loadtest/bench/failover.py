@@ -31,7 +31,8 @@ from .stack_metrics import metric_sum, ready_addresses, sample_sum, scrape, work
 from .stacks import stack_model, up_argv
 
 SECTION = "failover"
-LAYOUT = ["--planner", "off", "--prefill", "1", "--decode", "2"]
+# one gateway process: its counters (on the API port) and its log are the moves' record
+LAYOUT = ["--planner", "off", "--prefill", "1", "--decode", "2", "--gateway-processes", "1"]
 DECODE = ("decode-0", "decode-1")
 MODES = {"moved": (), "recomputed": ("--disable-prefix-cache",)}  # the workers' extra flags
 WARM_UP, WARM_UP_TOKENS = 4, 8  # concurrent requests before the measured run: both decode workers serve some
