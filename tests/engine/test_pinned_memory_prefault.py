@@ -38,6 +38,13 @@ class ResidencyAtRegistration:
         return 0
 
 
+def untouched(nbytes: int) -> torch.Tensor:
+    """Fresh anonymous memory, as a host tier of GiBs always is (glibc maps allocations that
+    large on their own; a small one here could come back from the heap already touched)."""
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(region, dtype=torch.uint8)
+
+
 def lock(buf: torch.Tensor) -> ResidencyAtRegistration:
     seen = ResidencyAtRegistration()
     pinner = BackgroundPinner(buf, torch.device("cpu"), PAGE, chunk_bytes=1 << 20,
@@ -47,7 +54,7 @@ def lock(buf: torch.Tensor) -> ResidencyAtRegistration:
 
 
 def test_each_chunk_is_resident_before_its_registration():
-    buf = aligned_empty((16 << 20,), torch.uint8)  # untouched: its pages are not there yet
+    buf = untouched(16 << 20)  # its pages are not there yet
     assert resident_share(buf.data_ptr(), 1 << 20) < 0.5
     seen = lock(buf)
     assert len(seen.shares) == 16 and min(seen.shares) == 1.0, seen.shares
@@ -57,7 +64,8 @@ def test_without_the_call_the_registration_gets_the_pages_as_they_are(monkeypatc
     """A kernel without MADV_POPULATE_WRITE (before 5.14): the locking goes on, the registration
     faulting the pages in itself, as it did before."""
     monkeypatch.setattr(pinned_memory, "MADV_POPULATE_WRITE", 0x7FFF)  # an advice no kernel knows: EINVAL
-    buf = aligned_empty((8 << 20,), torch.uint8)
+    buf = untouched(8 << 20)
+    assert resident_share(buf.data_ptr(), 8 << 20) < 0.5
     seen = lock(buf)
     assert len(seen.shares) == 8 and max(seen.shares) < 0.5, seen.shares
 
