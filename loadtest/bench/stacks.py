@@ -122,24 +122,42 @@ def planner_activity(log_dir: Path | None) -> PlannerActivity | None:
                            sum(int(n) for n in re.findall(r"handed (\d+) of \d+ decoding stream", text)))
 
 
-def step_totals(log_dir: Path | None, phase: str | None = "decode") -> tuple[float, float]:
-    """(seconds, steps) of the engine steps of `phase` (decode-only by default: the step the client's
-    TPOT should match; None: every step) summed over the stack's workers, from each worker's
-    /metrics (its address from the ready line in its log)."""
+def workers_sum(log_dir: Path | None, names: list[tuple[str, dict]]) -> list[float]:
+    """Each (metric, labels) summed over the stack's workers, from each worker's /metrics (its
+    address from the ready line in its log; a restarted worker's old address is skipped)."""
     import httpx
 
     from .stack_metrics import ready_addresses, sample_sum, scrape
 
-    labels = {"phase": phase} if phase else {}
-    total = [0.0, 0.0]
+    total = [0.0] * len(names)
     for address in {a for f in (sorted(log_dir.glob("*.log")) if log_dir else []) for a in ready_addresses(f)}:
         try:
             samples = scrape(address)
         except httpx.HTTPError:
             continue  # a worker that restarted: its last address
-        total = [t + sample_sum(samples, f"duet_engine_step_seconds_{k}", **labels)
-                 for t, k in zip(total, ("sum", "count"))]
-    return total[0], total[1]
+        total = [t + sample_sum(samples, name, **labels) for t, (name, labels) in zip(total, names)]
+    return total
+
+
+def step_totals(log_dir: Path | None, phase: str | None = "decode") -> tuple[float, float]:
+    """(seconds, steps) of the engine steps of `phase` (decode-only by default: the step the client's
+    TPOT should match; None: every step) summed over the stack's workers."""
+    labels = {"phase": phase} if phase else {}
+    seconds, steps = workers_sum(log_dir, [(f"duet_engine_step_seconds_{k}", labels) for k in ("sum", "count")])
+    return seconds, steps
+
+
+KV_READING = [("duet_kv_cache_hit_tokens_total", {"tier": "device"}), ("duet_kv_cache_hit_tokens_total", {"tier": "host"}),
+              ("duet_kv_host_tier_pages", {"state": "usable"}), ("duet_kv_host_tier_pages", {"state": "allocated"})]
+
+
+def kv_tiers_text(before: list[float], after: list[float]) -> str:
+    """Where the cached tokens of a run came from, and how much of the host tier was locked by its
+    end (the tier hands out locked pages only: shared/engine/pinned_memory.py)."""
+    device, host = after[0] - before[0], after[1] - before[1]
+    usable, allocated = after[2], after[3]
+    tier = f"{usable:.0f} of {allocated:.0f} host pages usable at the end" if allocated else "no host tier"
+    return f"prefix hits {device:.0f} tokens from device, {host:.0f} from host; {tier}"
 
 
 def run_loadtest(argv: list[str], out: Path) -> None:
@@ -204,7 +222,7 @@ def _chats(run, url: str, folder: Path, layout: str, log_dir: Path | None = None
     system, user, output, turns = run.ints(run.args.chat)
     for c in run.ints(run.args.conversations):
         out = run.root / layout / f"chat{c}"
-        planned = planner_activity(log_dir)
+        planned, kv = planner_activity(log_dir), workers_sum(log_dir, KV_READING)
         run_loadtest(["multiturn", "--base-url", url, "--tokenizer", str(folder), "--workload", "synthetic",
                       "--conversations", str(c), "--system-len", str(system), "--user-len", str(user),
                       "--output-len", str(output), "--max-turns", str(turns), "--mode", "lockstep", "--temperature",
@@ -214,6 +232,10 @@ def _chats(run, url: str, folder: Path, layout: str, log_dir: Path | None = None
             run.add("multiturn", f"{layout} C={c} turn {t.turn + 1} TTFT p50 ms", t.ttft.p50,
                     f"p90 {t.ttft.p90}, TPOT p50/p90 {t.tpot.p50}/{t.tpot.p90} ms, cached {t.cache.share}, "
                     f"prompt {t.prompt_tokens_mean} tokens, {t.failed} of {t.requests} failed")
+        if log_dir is not None:  # the workers' own account of the turns' cached tokens
+            kv_after = workers_sum(log_dir, KV_READING)
+            run.add("multiturn", f"{layout} C={c} KV hit tokens", kv_after[0] + kv_after[1] - kv[0] - kv[1],
+                    kv_tiers_text(kv, kv_after))
         if planned is not None:  # what the planner did over the conversations' turns
             did = planner_activity(log_dir).since(planned)
             run.add("multiturn", f"{layout} C={c} planner switches", did.switches, did.text())

@@ -106,9 +106,13 @@ def test_bench_stack_sections_measure_this_stack(duet_stack, tmp_path, torch_one
     assert sum(line.startswith("[stack]") and "TTFT p50 ms" in line and "0 of 4 failed" in line
                for line in printed) == 2
     # the workers' own decode steps, scraped from the /metrics their ready lines name
-    from loadtest.bench.stacks import step_totals
+    from loadtest.bench.stacks import KV_READING, kv_tiers_text, step_totals, workers_sum
     seconds, steps = step_totals(log_dir)
     assert steps > 0 and seconds > 0
+    # and their prefix hits by tier (a stack the section starts gets a row per conversation count)
+    kv = workers_sum(log_dir, KV_READING)
+    assert kv[0] > 0 and kv[2] == kv[3] == 0, kv  # the second turns hit the device; no host tier on CPU
+    assert kv_tiers_text([0.0] * 4, kv) == f"prefix hits {kv[0]:.0f} tokens from device, 0 from host; no host tier"
     # open loop: every request of the rate point met the loose SLO; the agentic sessions all finished
     assert d["stack"]["server random 2/s goodput %"] == d["stack"]["server random 2/s filled goodput %"] == 100.0
     # each rate point ran its load unmeasured first (--settle-seconds), into a folder of its own
