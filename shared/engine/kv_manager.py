@@ -166,6 +166,12 @@ class KVManager:
             self.cache.lock(m.node)
         return m
 
+    def held_prefix_tokens(self, tokens: list[int], namespace: int = 0) -> int:
+        """Leading tokens of `tokens` held in any tier under `namespace`, in whole pages: a look
+        (nothing locked, loaded or counted as a hit), e.g. for what a request will not prefill."""
+        m = self.cache.match(tokens, namespace)
+        return (len(m.pages) + m.num_host_pages) * self.page_size
+
     def match_prefix(self, req: Req) -> None:
         """Attach the longest cached prefix (leaving at least one token to compute)."""
         if req.page_ids or req.params.prompt_logprobs is not None:

@@ -85,6 +85,23 @@ def test_greedy_chat_stream_equals_non_stream(client, backend, model_dir):
     assert wait_until(lambda: engine_idle(backend), timeout=10)
 
 
+def test_a_repeated_prompt_keeps_only_its_uncached_tokens_on_the_prefill_budget(client, server):
+    """The in-process engine answers what the router answers for the split stack: how much of
+    the prompt its cache holds, which the admission takes off the prefill budget; the answer's
+    usage reports the same tokens cached."""
+    def held() -> float:
+        page = httpx.get(server.base_url + "/metrics", timeout=10).text
+        return float(next(line.split()[-1] for line in page.splitlines()
+                          if line.startswith("duet_gateway_admission_cached_prompt_tokens_total")))
+
+    prompt = "The quick brown fox jumps over the lazy dog. " * 12
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    before = held()
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0 and held() - before == cached, (held() - before, cached)
+
+
 def test_seeded_sampling_repeats_and_logprobs(client, server):
     kwargs = dict(model=MODEL, messages=MESSAGES, temperature=0.9, seed=7, max_tokens=4)
     a = client.chat.completions.create(**kwargs).choices[0].message.content

@@ -128,10 +128,15 @@ class LocalBackend:
         aloop = asyncio.get_running_loop()
         rid = request.request_id
 
-        def add() -> None:
-            engine.add_request(list(request.prompt_token_ids), params, rid, scope=request.cache_scope,
-                               request_group=request.group)
+        def add() -> int:
+            prompt = list(request.prompt_token_ids)
+            # the engine's cache, as the router's registry lookup is for the split stack: what this
+            # prompt will not prefill (the admission then charges only the rest)
+            held = 0 if params.prompt_logprobs is not None else \
+                engine.kv.held_prefix_tokens(prompt[:-1], request.cache_scope.cache_key)
+            engine.add_request(prompt, params, rid, scope=request.cache_scope, request_group=request.group)
             loop.attach(rid, aloop, outputs)
+            return held
 
         if params.grammar is not None:  # compile off the engine thread (a bad one: 400)
             try:
@@ -139,9 +144,11 @@ class LocalBackend:
             except ValueError as exc:
                 raise BackendBadRequest(str(exc)) from None
         try:
-            await loop.acall_or_undo(add, lambda: (loop.detach(rid), engine.abort(rid)))
+            held = await loop.acall_or_undo(add, lambda: (loop.detach(rid), engine.abort(rid)))
         except ValueError as exc:  # the engine's checks (length, vocabulary, KV capacity, grammar)
             raise BackendBadRequest(str(exc)) from None
+        if request.on_routed is not None:
+            request.on_routed(held)
         finished = False
         try:
             while True:
