@@ -123,8 +123,7 @@ def planner_activity(log_dir: Path | None) -> PlannerActivity | None:
 
 
 def workers_sum(log_dir: Path | None, names: list[tuple[str, dict]]) -> list[float]:
-    """Each (metric, labels) summed over the stack's workers, from each worker's /metrics (its
-    address from the ready line in its log; a restarted worker's old address is skipped)."""
+    """Each (metric, labels) summed over the stack's workers' /metrics (the ready lines' addresses)."""
     import httpx
 
     from .stack_metrics import ready_addresses, sample_sum, scrape
@@ -142,8 +141,8 @@ def workers_sum(log_dir: Path | None, names: list[tuple[str, dict]]) -> list[flo
 def step_totals(log_dir: Path | None, phase: str | None = "decode") -> tuple[float, float]:
     """(seconds, steps) of the engine steps of `phase` (decode-only by default: the step the client's
     TPOT should match; None: every step) summed over the stack's workers."""
-    labels = {"phase": phase} if phase else {}
-    seconds, steps = workers_sum(log_dir, [(f"duet_engine_step_seconds_{k}", labels) for k in ("sum", "count")])
+    seconds, steps = workers_sum(log_dir, [(f"duet_engine_step_seconds_{k}", {"phase": phase} if phase else {})
+                                           for k in ("sum", "count")])
     return seconds, steps
 
 
@@ -152,12 +151,9 @@ KV_READING = [("duet_kv_cache_hit_tokens_total", {"tier": "device"}), ("duet_kv_
 
 
 def kv_tiers_text(before: list[float], after: list[float]) -> str:
-    """Where the cached tokens of a run came from, and how much of the host tier was locked by its
-    end (the tier hands out locked pages only: shared/engine/pinned_memory.py)."""
-    device, host = after[0] - before[0], after[1] - before[1]
-    usable, allocated = after[2], after[3]
-    tier = f"{usable:.0f} of {allocated:.0f} host pages usable at the end" if allocated else "no host tier"
-    return f"prefix hits {device:.0f} tokens from device, {host:.0f} from host; {tier}"
+    """A run's prefix hits by tier, and the host tier's locked (usable) pages at its end."""
+    tier = f"{after[2]:.0f} of {after[3]:.0f} host pages usable at the end" if after[3] else "no host tier"
+    return f"prefix hits {after[0] - before[0]:.0f} tokens from device, {after[1] - before[1]:.0f} from host; {tier}"
 
 
 def run_loadtest(argv: list[str], out: Path) -> None:
@@ -233,9 +229,8 @@ def _chats(run, url: str, folder: Path, layout: str, log_dir: Path | None = None
                     f"p90 {t.ttft.p90}, TPOT p50/p90 {t.tpot.p50}/{t.tpot.p90} ms, cached {t.cache.share}, "
                     f"prompt {t.prompt_tokens_mean} tokens, {t.failed} of {t.requests} failed")
         if log_dir is not None:  # the workers' own account of the turns' cached tokens
-            kv_after = workers_sum(log_dir, KV_READING)
-            run.add("multiturn", f"{layout} C={c} KV hit tokens", kv_after[0] + kv_after[1] - kv[0] - kv[1],
-                    kv_tiers_text(kv, kv_after))
+            kv2 = workers_sum(log_dir, KV_READING)
+            run.add("multiturn", f"{layout} C={c} KV hit tokens", sum(kv2[:2]) - sum(kv[:2]), kv_tiers_text(kv, kv2))
         if planned is not None:  # what the planner did over the conversations' turns
             did = planner_activity(log_dir).since(planned)
             run.add("multiturn", f"{layout} C={c} planner switches", did.switches, did.text())
