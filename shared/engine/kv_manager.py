@@ -167,8 +167,9 @@ class KVManager:
         return m
 
     def held_prefix_tokens(self, tokens: list[int], namespace: int = 0) -> int:
-        """Leading tokens of `tokens` held in any tier under `namespace`, in whole pages: a look
-        (nothing locked, loaded or counted as a hit), e.g. for what a request will not prefill."""
+        """Leading tokens of `tokens` held in any tier under `namespace`, in whole pages: nothing
+        locked, loaded or counted as a hit (the path's recency is refreshed, as the request's own
+        match right after does), e.g. for what a request will not prefill."""
         m = self.cache.match(tokens, namespace)
         return (len(m.pages) + m.num_host_pages) * self.page_size
 

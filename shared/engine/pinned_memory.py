@@ -33,6 +33,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
+import mmap
 import threading
 import time
 import weakref
@@ -51,7 +52,8 @@ WAIT_S = 0.01  # how often a pinner held back asks again
 STOP_WAIT_S = 5.0  # stop(): a chunk's registration takes milliseconds
 BUSY_SHARE = 0.03  # serving without a pause: registrations hold the driver's lock this share of the time
 PORTABLE = 1  # cudaHostRegisterPortable: locked for every context, whichever thread registers it
-OS_PAGE = 4096  # chunks start on OS pages: two registrations sharing a page would refuse the second
+OS_PAGE = mmap.PAGESIZE  # chunks start on OS pages (64 KiB on some arm64 kernels): two registrations
+# sharing a page would refuse the second, and madvise wants a page-aligned start
 ALIGN = 2 << 20  # the buffer starts on a huge-page boundary
 MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels answer EINVAL and the registration faults pages in
 

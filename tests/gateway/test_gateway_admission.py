@@ -176,6 +176,7 @@ def test_a_routed_prompt_keeps_only_its_uncached_tokens_on_the_prefill_budget():
         c_grant = await asyncio.wait_for(c, 1)
         assert q.running.prefill_tokens == 200 + 100 + 6000
         a.routed(0)  # a moved attempt routed again, nothing cached there: the charge stays lowered
+        a.routed(5800)  # the same count again: of the whole prompt, so nothing more comes off
         a.routed(6000)  # ... and only lowers: now nothing is left to prefill
         assert q.running.prefill_tokens == 100 + 6000 and q.cached_prompt_tokens == 5800 + 5900 + 200
         a.prefilled()

@@ -363,6 +363,8 @@ def test_worker_command_lines_bind_advertise_and_register_correctly(rendered):
 
     gateway = r.pod("gateway")
     gcfg = parse_duet_command(r, gateway).config
+    # each replica admits its share of the workers' capacity: together, the capacity once
+    assert gcfg.limits.gateways == gateway.workload["spec"].get("replicas", 1), r.variant
     model, served, _ = models.pop()
     assert (gcfg.model, gcfg.served_model_name) == (model, served)
     assert gcfg.backend == "grpc" and gcfg.host == "0.0.0.0" and gcfg.port == gateway.port("http")

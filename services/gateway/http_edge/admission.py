@@ -297,6 +297,7 @@ class Grant:
     def __init__(self, ticket: "Ticket", work: Work):
         self._ticket = ticket
         self.work = work
+        self.prompt_tokens = work.prompt_tokens  # the whole prompt: each route's cached count is of it
         self.held = True
         self.prefilling = True
 
@@ -306,8 +307,9 @@ class Grant:
         next unit may go at once. A later turn of a chat is mostly cached (96-98% of a 6k-token
         context): charged whole, two or three of them filled a prefill worker's budget, and a
         burst of them reached the workers that many at a time. Only lowers the charge (a moved
-        attempt routes again; what it finds cached there is no reason to hold more)."""
-        rest = max(0, self.work.prompt_tokens - max(0, cached_tokens))
+        attempt routes again, to a worker that may hold less: counting that would make the
+        prefill budget wait on a charge the first route already let go)."""
+        rest = max(0, self.prompt_tokens - max(0, cached_tokens))
         if not (self.held and self.prefilling) or rest >= self.work.prompt_tokens:
             return
         queue = self._ticket._queue
