@@ -123,7 +123,7 @@ class WorkerRef(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., instance_nonce: _Optional[str] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("request_id", "model", "prompt_tokens", "max_tokens", "page_hashes", "n", "exclude_instances", "checkpoint", "lora_adapter", "exclude_decode_instances", "admission_waiting_tokens")
+    __slots__ = ("request_id", "model", "prompt_tokens", "max_tokens", "page_hashes", "n", "exclude_instances", "checkpoint", "lora_adapter", "exclude_decode_instances", "admission_waiting_tokens", "gateway_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +135,7 @@ class RouteRequest(_message.Message):
     LORA_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     EXCLUDE_DECODE_INSTANCES_FIELD_NUMBER: _ClassVar[int]
     ADMISSION_WAITING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GATEWAY_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     prompt_tokens: int
@@ -146,7 +147,8 @@ class RouteRequest(_message.Message):
     lora_adapter: str
     exclude_decode_instances: _containers.RepeatedScalarFieldContainer[str]
     admission_waiting_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., page_hashes: _Optional[_Iterable[int]] = ..., n: _Optional[int] = ..., exclude_instances: _Optional[_Iterable[str]] = ..., checkpoint: _Optional[str] = ..., lora_adapter: _Optional[str] = ..., exclude_decode_instances: _Optional[_Iterable[str]] = ..., admission_waiting_tokens: _Optional[int] = ...) -> None: ...
+    gateway_id: str
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., page_hashes: _Optional[_Iterable[int]] = ..., n: _Optional[int] = ..., exclude_instances: _Optional[_Iterable[str]] = ..., checkpoint: _Optional[str] = ..., lora_adapter: _Optional[str] = ..., exclude_decode_instances: _Optional[_Iterable[str]] = ..., admission_waiting_tokens: _Optional[int] = ..., gateway_id: _Optional[str] = ...) -> None: ...
 
 class RouteReply(_message.Message):
     __slots__ = ("request_id", "prefill", "decode", "colocated", "cached_tokens", "reason", "decode_cached_tokens", "local_prefill", "checkpoint")

@@ -13,6 +13,7 @@ from opentelemetry import trace
 
 from protos import duet_pb2, duet_pb2_grpc
 from services.router.config import RouterConfig
+from services.router.gateway_backlogs import GatewayBacklogs
 from services.router.inflight import InflightTracker, RoutedRequest
 from services.router.placement import Placement, place
 from services.router.placement_metrics import PlacementMetrics
@@ -59,6 +60,7 @@ class RouterService(duet_pb2_grpc.RouterServicer):
         self._rotation = itertools.count()
         self.placement_metrics = PlacementMetrics(metrics.registry)
         self._lookup_probe_at = 0.0  # monotonic: while the registry is down, the next prefix lookup tried
+        self.gateway_backlogs = GatewayBacklogs()  # what waits in every gateway's admission
 
     async def Route(self, request: duet_pb2.RouteRequest, context: grpc.aio.ServicerContext) -> duet_pb2.RouteReply:
         parent = extract_grpc_context(context.invocation_metadata())
@@ -174,7 +176,8 @@ class RouterService(duet_pb2_grpc.RouterServicer):
                                     adapter=adapter) if extra else None
             placement = place(decode, prefill, prompt_tokens, inflight=loads, weights=weights,
                               target_s=self.config.slo.itl_ms / 1000, colocated=both[0] if both else None,
-                              backlog_tokens=max(0, request.admission_waiting_tokens))
+                              backlog_tokens=self.gateway_backlogs.total(request.gateway_id,
+                                                                         request.admission_waiting_tokens))
             if placement.kind == "local_prefill":  # it holds most of the prompt: no prefill worker, no transfer
                 return self._local_prefill_reply(request_id, decode, prompt_tokens, placement.detail, now), placement
             if placement.kind == "colocated":

@@ -232,9 +232,9 @@ def test_the_router_weighs_the_prompts_waiting_at_the_gateway(redis_server):
             await c.add(d)
             await c.wait_live("p1", "d1")
 
-            async def route(rid: str, waiting: int):
+            async def route(rid: str, waiting: int, gateway: str = ""):
                 reply = await c.stub.Route(duet_pb2.RouteRequest(request_id=rid, prompt_tokens=4096, max_tokens=64,
-                                                                 admission_waiting_tokens=waiting))
+                                                                 admission_waiting_tokens=waiting, gateway_id=gateway))
                 await c.stub.Release(duet_pb2.ReleaseRequest(request_id=rid))
                 return reply
             kept = await route("t-kept", 0)
@@ -245,5 +245,10 @@ def test_the_router_weighs_the_prompts_waiting_at_the_gateway(redis_server):
             value = c.server.metrics.registry.get_sample_value
             assert value("duet_router_decisions_total", {"kind": "local_prefill", "reason": "overflow",
                                                          "model": "tiny"}) == 1
+            # two gateway processes, 10k waiting in each: one's figure alone keeps the split, both count
+            alone = await route("t-one-gateway", 10000, "gw-a")
+            assert not alone.colocated, alone.reason
+            both = await route("t-two-gateways", 10000, "gw-b")
+            assert both.local_prefill and "20000 prompt tokens waiting at the gateway" in both.reason, both.reason
 
     asyncio.run(scenario())

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -181,6 +182,7 @@ class GrpcBackend:
         self.leases = LeaseKeeper(config.cleanup_timeout_s)  # our reservations live on decode while renewed
         # prompt tokens waiting in this gateway's admission (the app sets it): sent with each route
         self.admission_backlog: Callable[[], int] = lambda: 0
+        self.gateway_id = uuid.uuid4().hex  # with it the router sums every gateway's backlog
 
     # --- lifecycle --------------------------------------------------------------------
 
@@ -490,7 +492,8 @@ class GrpcBackend:
             max_tokens=attempt.remaining_tokens, page_hashes=hashes, n=attempt.sampling.n,
             exclude_instances=attempt.exclude, exclude_decode_instances=attempt.exclude_decode,
             checkpoint=attempt.checkpoint,
-            lora_adapter=request.cache_scope.adapter, admission_waiting_tokens=self.admission_backlog())
+            lora_adapter=request.cache_scope.adapter, admission_waiting_tokens=self.admission_backlog(),
+            gateway_id=self.gateway_id)
         deadline = time.monotonic() + self.config.route_timeout_s
         while True:
             try:  # a router being restarted is waited for (within the route timeout), not a 503
