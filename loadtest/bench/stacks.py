@@ -146,8 +146,8 @@ def step_totals(log_dir: Path | None, phase: str | None = "decode") -> tuple[flo
     return seconds, steps
 
 
-KV_READING = [("duet_kv_cache_hit_tokens_total", {"tier": "device"}), ("duet_kv_cache_hit_tokens_total", {"tier": "host"}),
-              ("duet_kv_host_tier_pages", {"state": "usable"}), ("duet_kv_host_tier_pages", {"state": "allocated"})]
+KV_READING = [("duet_kv_cache_hit_tokens_total", {"tier": t}) for t in ("device", "host")] + \
+    [("duet_kv_host_tier_pages", {"state": s}) for s in ("usable", "allocated")]
 
 
 def kv_tiers_text(before: list[float], after: list[float]) -> str:

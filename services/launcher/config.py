@@ -50,9 +50,10 @@ class UpConfig:
         0, flag="--gateway-processes", env="DUET_GATEWAY_PROCESSES",
         help="gateway processes sharing the API port (SO_REUSEPORT: the kernel spreads connections over "
              "them); one frames about 12k streamed tokens a second (~80 us of CPU each), about what one "
-             "8B worker on an H200 makes at saturation. 0 = one per GPU in use (GPUs, at most one per worker), "
-             "at most a quarter of the cores (1 on CPU). With more than one, each serves /metrics on a port of its own (the banner "
-             "lists them; the planner reads them all) and admits its share of the workers (--gateways)")
+             "8B worker on an H200 makes at saturation. 0 = one per GPU in use (GPUs, at most one per "
+             "worker), at most a quarter of the cores (1 on CPU). With more than one, each serves /metrics "
+             "on a port of its own (the banner lists them; the planner reads them all) and admits its "
+             "share of the workers (--gateways)")
     chat_template_processes: int | None = setting(
         flag="--chat-template-processes", env="DUET_CHAT_TEMPLATE_PROCESSES", parse=parsers.optional_int,
         help="the gateway's chat-template helper processes (default: half the machine's cores, 2 to 8; each "
@@ -132,7 +133,7 @@ class UpConfig:
         if any(t is not None and t < 1 for t in (cfg.prefill_tp, cfg.decode_tp)):
             p.error("--prefill-tp and --decode-tp must be >= 1")
         if cfg.gateway_processes < 0:
-            p.error("--gateway-processes must be >= 0 (0: one per GPU worker)")
+            p.error("--gateway-processes must be >= 0 (0: one per GPU in use)")
         if bool(cfg.tls_cert_file) != bool(cfg.tls_key_file):
             p.error("--tls-cert-file and --tls-key-file go together")
         if (cfg.restart_limit < 0 or cfg.restart_backoff_s < 0 or cfg.restart_reset_s < 0 or cfg.drain_grace_s < 0
