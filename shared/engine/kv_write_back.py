@@ -12,14 +12,14 @@ up next (that many less the free ones), and queues one copy for the nodes among 
 copy yet: host pages are handed out in the order of the device pages, so consecutive device
 pages become one run of a copy (a pinned copy moves megabyte pieces at several times the rate
 of a page's quarter megabyte). Copies are bounded: at most `bandwidth` bytes a second (a token
-bucket; 0: unbounded) and `MAX_IN_FLIGHT_BYTES` queued at once, since loads share the lane
-and wait behind them.
+bucket; 0: unbounded) and a tenth of a second of that queued at once (`IN_FLIGHT_S`), since
+loads share the lane and wait behind them.
 
 Eviction (radix_cache.RadixCache.evict) frees at once what needs no copy (a landed copy, or a
 page the policy does not want) and passes over the pages the policy wants whose copy has not
-landed; only when nothing else is left does it take them, and their copy is given up: the
-page is counted dropped (`copy_in_flight` or `not_copied`) and the host pages it was copied
-into are freed only once that copy lands. A half-written copy is never read: a node's host
+landed; only when nothing else is left does it take them, those never queued first (`not_copied`),
+then those whose copy is in flight, which is given up (`copy_in_flight`): the host pages it was
+copied into are freed only once that copy lands. A half-written copy is never read: a node's host
 copy counts only from the poll that saw it land, and a node leaves the device only with a
 landed copy.
 
@@ -32,16 +32,23 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .kv_write_policy import POLICIES, SequenceGhosts, drop_reason, keep_reason
+from .kv_write_policy import POLICIES, FinishedPrompts, drop_reason, keep_reason
 
-MAX_IN_FLIGHT_BYTES = 256 << 20  # queued write-back at most (a load waits behind it): ~5 ms at 50 GB/s
+# queued write-back at most (a load waits behind it in the lane): IN_FLIGHT_S of the bandwidth
+# bound (16 GiB/s: 1.6 GiB, ~35 ms at the ~50 GB/s a pinned copy moves), at least
+# MIN_IN_FLIGHT_BYTES, UNBOUNDED_IN_FLIGHT_BYTES with no bound. One step's copies are queued once
+# a step: a 256 MiB cap let ~110 pages of an 8B model's out per step while a prefill step of
+# 8k tokens takes 512, so under a stream of long prompts most wanted pages left uncopied.
+IN_FLIGHT_S = 0.1
+MIN_IN_FLIGHT_BYTES = 256 << 20
+UNBOUNDED_IN_FLIGHT_BYTES = 1 << 30
 # the walk over the unlocked device nodes runs on the step's thread and grows with the tree (a
 # full pool of short requests' nodes: ~1 ms a thousand nodes on a small CPU, every step while
 # the pool is short), so after a walk the next waits this many times as long as it took, unless
 # the pool runs shorter than that walk looked ahead for: the walks take at most about a tenth
 # of the thread's time, and a small tree is still walked every step
 WALK_SPACING = 10
-BURST_S = 0.05  # the bandwidth bucket holds this many seconds of copies
+BURST_S = 0.25  # the bandwidth bucket holds this many seconds of copies: a long step's, as it refills once a step
 
 
 @dataclass(frozen=True)
@@ -90,9 +97,11 @@ class HostWriter:
         self.clock = clock
         self.in_flight: deque[WriteBatch] = deque()
         self.in_flight_bytes = 0
+        self.max_in_flight_bytes = max(MIN_IN_FLIGHT_BYTES, int(config.bandwidth * IN_FLIGHT_S)) \
+            if config.bandwidth else UNBOUNDED_IN_FLIGHT_BYTES
         self.orphan_pages = 0  # host pages waiting for a given-up copy to land
         self.stats = WriteBackStats()
-        self.ghosts = SequenceGhosts(cache.page_size) if config.policy == "reused" else None
+        self.prompts = FinishedPrompts(cache.page_size) if config.policy == "reused" else None
         self._allowance = 0.0
         self._last = clock()
         self._nothing_at: tuple[int, int] | None = None  # (cache version, window) of a walk that found nothing
@@ -117,13 +126,13 @@ class HostWriter:
         self.cache.num_host_pages -= len(pages)
         node.host_pages, node.write_batch = [], None
 
-    def left_the_cache(self, node) -> None:
-        """A finished sequence's last node leaves every tier: its next turn is still a conversation."""
-        if self.ghosts is not None:
-            self.ghosts.remember(self.cache.path_tokens(node), node.namespace)
+    def finished(self, prompt: list[int], namespace: int) -> None:
+        """A request of `prompt` finished: a later prompt that extends it is a conversation's turn."""
+        if self.prompts is not None:
+            self.prompts.remember(prompt, namespace)
 
     def continued(self, tokens: list[int], namespace: int) -> bool:
-        return self.ghosts is not None and self.ghosts.continued_by(tokens, namespace)
+        return self.prompts is not None and self.prompts.continued_by(tokens, namespace)
 
     # -- each step --------------------------------------------------------------------------
     @property
@@ -181,7 +190,7 @@ class HostWriter:
                 and window <= self._nothing_at[1]:
             return  # nothing changed since a walk as wide found nothing to copy
         allowance = self._refill()
-        room = MAX_IN_FLIGHT_BYTES - self.in_flight_bytes
+        room = self.max_in_flight_bytes - self.in_flight_bytes
         if allowance <= 0 or room <= 0:
             return
         page_bytes = self.tier.bytes_per_page

@@ -17,10 +17,14 @@ hit rule here is SGLang's selective one at one hit; what it adds is the conversa
 newest turn has never been hit when the device needs its pages, yet it is the most likely to
 be read next, so a request that extends a sequence this worker held marks what it inserts.
 
-A conversation's turn may come back after its previous turn left the cache altogether (not
-written back, or the host tier dropped it). `SequenceGhosts` remembers the chained hashes of
-sequences that left (a bounded set, newest kept), so that turn is still recognised as a
-continuation and its own pages are kept: a conversation loses at most the one turn."""
+A conversation's next turn is recognised by its prompt: it extends the whole prompt of a request
+that finished here. `FinishedPrompts` remembers where recent finished prompts ended (the chained
+hash of each one's last whole page, a bounded set, newest kept), whether their pages are still
+cached or already gone. Not by the end of the sequence, the answer included: the history a client
+sends back seldom holds the answer's exact tokens (text tokenized again, a reasoning section the
+chat template strips), so on those a match stops where the answer began, and on the device
+(with random weights, every turn) such a chat looked like one-off prompts and was never kept.
+A conversation loses at most its first turn (never read again before the device needed it)."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -75,10 +79,10 @@ def rolling_page_hashes(tokens: Sequence[int], page_size: int, namespace: int) -
     return out
 
 
-class SequenceGhosts:
-    """The ends of sequences that left the cache, newest kept, at most `capacity`."""
+class FinishedPrompts:
+    """Where the prompts of recently finished requests ended, newest kept, at most `capacity`."""
 
-    def __init__(self, page_size: int, capacity: int = 1 << 14):
+    def __init__(self, page_size: int, capacity: int = 1 << 16):
         self.page_size = page_size
         self.capacity = capacity
         self._ends: OrderedDict[int, None] = OrderedDict()
@@ -86,9 +90,9 @@ class SequenceGhosts:
     def __len__(self) -> int:
         return len(self._ends)
 
-    def remember(self, tokens: Sequence[int], namespace: int) -> None:
-        """A sequence (its tokens from the first page on, whole pages) left the cache."""
-        hashes = rolling_page_hashes(tokens, self.page_size, namespace)
+    def remember(self, prompt: Sequence[int], namespace: int) -> None:
+        """A request of this prompt finished (under `namespace`, the cache's key for its scope)."""
+        hashes = rolling_page_hashes(prompt, self.page_size, namespace)
         if not hashes:
             return
         self._ends[hashes[-1]] = None
@@ -97,7 +101,7 @@ class SequenceGhosts:
             self._ends.popitem(last=False)
 
     def continued_by(self, tokens: Sequence[int], namespace: int) -> bool:
-        """Whether `tokens` extend a sequence that left (all of it, to its last whole page)."""
+        """Whether `tokens` extend a finished prompt (all of it, to its last whole page)."""
         if not self._ends:
             return False
         ends = self._ends

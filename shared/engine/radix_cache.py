@@ -12,9 +12,9 @@ Nodes on a live request's path are locked (lock_ref > 0): never evicted from any
 Eviction walks device -> host -> gone, least recently used first: an unlocked device leaf
 (no child on the device) whose host copy has landed leaves the device at once and stays in
 the host tier; one the write policy does not want leaves the tree; one it wants whose copy
-has not landed is passed over while anything else can be freed, and dropped (its copy given
-up) only when nothing else is left (kv_write_back.py writes the wanted pages ahead, so that
-seldom happens). No eviction ever waits for a copy. Host-only leaves leave the tree when the
+has not landed is passed over while anything else can be freed, and dropped only when nothing
+else is left: those never queued for a copy first, then those whose copy is in flight (given up;
+kv_write_back.py writes the wanted pages ahead, so that seldom happens). No eviction ever waits for a copy. Host-only leaves leave the tree when the
 host tier needs room. A match that runs into host-only nodes can load them back (`load_back`).
 Each node counts the requests whose match found it (`hits`) and knows whether a request that
 continued an earlier sequence inserted it (`conversation`): what the write policy reads.
@@ -338,17 +338,20 @@ class RadixCache:
             return self._device_evictable(node) and (chosen is None or chosen(node))
         ready = [n for n in self._device_nodes() if evictable(n)]
         heapq.heapify(ready)
-        passed_over: list[RadixNode] = []
+        # wanted, copy not landed: when nothing else is left, those whose copy was never queued
+        # go first, so the copies in flight (the least recently used, queued for this) are not
+        # given up while the write-back catches up (least recently used first within each)
+        passed_over: list[tuple[bool, RadixNode]] = []
         freed = 0
         while freed < num_pages and (ready or passed_over):
-            heap = ready if ready else passed_over
-            leaf = heapq.heappop(heap)
+            forced = not ready
+            leaf = heapq.heappop(passed_over)[1] if forced else heapq.heappop(ready)
             if not evictable(leaf):  # changed since it was queued
                 continue
             parent = leaf.parent
-            n = self._evict_from_device(leaf, force=heap is passed_over)
+            n = self._evict_from_device(leaf, force=forced)
             if n == 0:
-                heapq.heappush(passed_over, leaf)
+                heapq.heappush(passed_over, (leaf.write_batch is not None, leaf))
                 continue
             freed += n
             if evictable(parent):
@@ -437,22 +440,12 @@ class RadixCache:
             self._drop(child)
         if node.host_pages:
             self._free_host_copy(node)
-        if node.seq_end and self.writer is not None:
-            self.writer.left_the_cache(node)
         self.stats.dropped_pages += len(node.key) // self.page_size
         self._event("removed", node)
         parent = node.parent
         if parent is not None and parent.children.get(self._slot_of(node)) is node:
             del parent.children[self._slot_of(node)]
         node.parent = None
-
-    def path_tokens(self, node: RadixNode) -> list[int]:
-        """Every token from the root down to the end of `node`."""
-        keys = []
-        while node is not None and node is not self.root:
-            keys.append(node.key)
-            node = node.parent
-        return [t for key in reversed(keys) for t in key]
 
     def _device_pages_changed(self, node: RadixNode, delta: int) -> None:
         """node gained (or lost) delta device pages: the tree's counters follow."""

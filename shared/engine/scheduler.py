@@ -72,6 +72,13 @@ class Scheduler:
         return sum(len(r.token_ids) for r in self.waiting) if self.waiting else 0
 
     @property
+    def tokens_to_place(self) -> int:
+        """Tokens that will still need pages: the waiting requests' and the rest of the admitted
+        prompts' (their pages are taken a chunk at a time)."""
+        rest = sum(r.remaining for r in self.running if not r.is_decoding)
+        return self.waiting_tokens + rest
+
+    @property
     def queued_prefill_tokens(self) -> int:
         return sum(r.remaining for r in self.waiting) + sum(
             r.remaining for r in self.running if not r.is_decoding)
@@ -127,7 +134,7 @@ class Scheduler:
 
     def schedule(self) -> Batch:
         # host-tier copies: settle what landed, write back ahead of what the queue needs (never waits)
-        self.kv.tick_tiers(self.waiting_tokens)
+        self.kv.tick_tiers(self.tokens_to_place)
         batch = Batch()
         budget = self.max_batched_tokens
         # 1. decodes: each needs room for one more token. Victims of retraction are always

@@ -113,12 +113,13 @@ def test_page_runs_merge_consecutive_pages_on_both_sides():
 
 
 # -- the engine ----------------------------------------------------------------------------------
-def converse(engine: Engine, openers: list[list[int]], turns: int, follow: list[int]):
-    """Lockstep chats: each turn's prompt is the last prompt + its answer + `follow`."""
+def converse(engine: Engine, openers: list[list[int]], turns: int, follow: list[int], history=lambda a: a):
+    """Lockstep chats: each turn's prompt is the last prompt + its answer as `history` gives it
+    back (a client's text tokenized again may differ) + `follow`."""
     prompts, answers = [list(o) for o in openers], [[] for _ in openers]
     for turn in range(turns):
         if turn:
-            prompts = [p + a + [(x + turn) % 400 for x in follow] for p, a in zip(prompts, answers)]
+            prompts = [p + history(a) + [(x + turn) % 400 for x in follow] for p, a in zip(prompts, answers)]
         rids = [engine.add_request(p, GREEDY) for p in prompts]
         got = {r: [] for r in rids}
         while engine.has_work:
@@ -182,6 +183,26 @@ def test_the_reused_policy_drops_first_turns_and_keeps_conversations(model_dir):
         pass
     assert single.kv.cache.stats.device_evicted_pages > 0
     assert single.kv.cache.writer.stats.total("written") == 0 and single.kv.cache.host.bytes_saved == 0
+
+
+def test_a_conversation_whose_history_differs_from_its_answers_tokens_is_still_kept(model_dir):
+    """The history a client sends back seldom holds the answer's exact tokens (its text tokenized
+    again, a reasoning section the template strips): each turn's prompt is the last prompt, then
+    tokens other than the answer's. Its turns still extend the last prompt whole, so the reused
+    policy keeps what they insert (`conversation`) and turn 3 reads it back from the host tier.
+    (Recognised by the end of the whole sequence, answer included, no turn ever was.)"""
+    openers = [[(7 * c + i) % 400 + 1 for i in range(22)] for c in range(5)]
+    follow = [5, 6, 7, 8, 9]
+    retold = lambda answer: [(t + 11) % 400 + 1 for t in answer]  # noqa: E731
+    ref = make_engine(model_dir, pages=64, enable_prefix_cache=False)
+    tiered = make_engine(model_dir, pages=20, host_pages=120)
+    host_hits = []
+    for (p_ref, a_ref), (p_got, a_got) in zip(converse(ref, openers, 3, follow, retold),
+                                              converse(tiered, openers, 3, follow, retold)):
+        assert p_ref == p_got and a_ref == a_got
+        host_hits.append(tiered.stats.host_cached_tokens)
+    assert host_hits[0] == host_hits[1] == 0 and host_hits[2] > 0, host_hits
+    assert tiered.kv.cache.writer.stats.pages.get(("written", "conversation"), 0) > 0
 
 
 def _host_tier(engine) -> tuple[int, int]:

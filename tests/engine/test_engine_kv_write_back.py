@@ -88,6 +88,32 @@ def test_a_page_whose_copy_is_in_flight_is_passed_over_and_its_copy_reads_back_w
     check_tree(cache)
 
 
+def test_with_nothing_else_left_eviction_takes_a_page_never_queued_before_one_whose_copy_is_in_flight():
+    """Both wanted, neither landed: the copy in flight (the older page, queued first since
+    eviction comes to it first) is not given up for the younger page that has no copy yet, so
+    the write-back's work is not thrown away while it catches up with a pool turning over."""
+    cache, pool, alloc, lane = tiny_cache()
+    older, younger = list(range(100, 108)), list(range(200, 208))
+    po, py = alloc.allocate(2), alloc.allocate(2)
+    cache.insert(older, po)
+    cache.insert(younger, py)
+    cache.match(older, count_hit=True)
+    cache.match(younger, count_hit=True)  # both wanted; `older` least recently used
+    want = pool.buffer[po].clone()
+    cache.writer.write_ahead(2)  # the window reaches the older one only
+    assert lane.submitted_pages == 2
+    assert cache.evict(2) == 2  # nothing can go at once: one of the two is dropped
+    assert cache.writer.stats.pages == {("dropped", "not_copied"): 2}
+    assert cache.match(younger).pages == [] and cache.match(older).pages == po
+    lane.open()
+    cache.writer.settle()
+    assert cache.evict(2) == 2 and cache.num_cached_pages == 0  # landed: leaves at no cost
+    pool.buffer[po] = -1.0
+    assert torch.equal(read_back(cache, alloc, pool, older), want)
+    assert cache.writer.stats.pages == {("dropped", "not_copied"): 2, ("written", "hit"): 2}
+    check_tree(cache)
+
+
 def test_a_page_reused_before_its_copy_lands_is_never_read_half_written():
     cache, pool, alloc, lane = tiny_cache(device_pages=5, host_pages=4)  # 4 usable device pages
     seq = list(range(100, 108))
