@@ -44,6 +44,7 @@ from .startup_phases import StartupPhases
 log = logging.getLogger("duet.engine")
 
 PIN_IDLE_S = 0.05  # no step launched or running for this long: the host tier's locking may take a chunk
+AHEAD_STEPS = 4  # the host tier writes back while fewer free device pages than this many steps take (_write_back)
 
 
 @dataclass
@@ -284,11 +285,12 @@ class Engine:
     def _write_back(self):
         """What is written back to the host tier (kv_write_back.py): the settings' policy and
         bound, and how close to running out the device pool starts writing: a sixteenth of it,
-        or two steps' worth of pages when that is more."""
+        or four steps' worth of pages when that is more (a copy queued at a step lands about two
+        steps later with overlap scheduling, so a lead of two steps was given up as often as kept)."""
         from .kv_write_back import WriteBackConfig
         writes, pages = self.config.host_writes, self.layout.num_pages
         step_pages = -(-self.plan.step_tokens.value // self.layout.page_size)
-        return WriteBackConfig(writes.policy, writes.bandwidth, min(pages, max(pages // 16, 2 * step_pages)))
+        return WriteBackConfig(writes.policy, writes.bandwidth, min(pages, max(pages // 16, AHEAD_STEPS * step_pages)))
 
     @property
     def tokenizer(self):

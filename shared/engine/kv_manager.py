@@ -88,18 +88,25 @@ class KVManager:
         writer.tick(self.allocator.num_free, self.pages_for(waiting_tokens))
         return writer.busy
 
+    @property
+    def writing_back(self) -> bool:
+        """Write-back copies are in flight (pages they hold free up once they land)."""
+        return self.cache.writer is not None and self.cache.writer.busy
+
     def copy_landed(self, ticket: int | None) -> bool:
         """Whether a load's ticket has landed (None: nothing was in flight)."""
         return ticket is None or ticket <= self.cache.host.landed
 
-    def allocate(self, n: int) -> list[int] | None:
+    def allocate(self, n: int, keep_copies: bool = False) -> list[int] | None:
+        """n free device pages, evicting cached ones as needed (None: not that many);
+        keep_copies: give up no write-back copy in flight for them (RadixCache.evict)."""
         if n <= 0:
             return []
         if self.allocator.num_free < n:
             # at least EVICT_SHARE of the pool at a time: eviction walks the tree, and a full
             # pool would otherwise walk it for every decode row that crosses a page
             short = n - self.allocator.num_free
-            self.cache.evict(max(short, self.capacity // EVICT_SHARE), self._over_cache_share())
+            self.cache.evict(max(short, self.capacity // EVICT_SHARE), self._over_cache_share(), keep_copies)
         if self.allocator.num_free < n:
             return None
         return self.allocator.allocate(n)
@@ -197,12 +204,12 @@ class KVManager:
         req.page_ids, req.num_tree_pages, req.num_computed = [], 0, 0
         req.host_pages_waiting = 0
 
-    def grow(self, req: Req, upto_tokens: int) -> bool:
+    def grow(self, req: Req, upto_tokens: int, keep_copies: bool = False) -> bool:
         """Make sure pages cover positions [0, upto_tokens); False if out of pages."""
         need = self.pages_for(upto_tokens) - len(req.page_ids)
         if need <= 0:
             return True
-        pages = self.allocate(need)
+        pages = self.allocate(need, keep_copies)
         if pages is None:
             return False
         req.page_ids.extend(pages)

@@ -5,14 +5,14 @@ device needs them they leave at no cost, and no step ever waits for a copy.
 Each engine step (`tick`) first sees which copies landed (kv_host_tier.HostKVTier.poll): their
 nodes' host copies become usable, and host pages given up meanwhile are freed. Then (spaced by
 WALK_SPACING times the last walk's time, unless the pool ran shorter since), when the device
-pool runs short (free pages under `ahead_pages`, a sixteenth of the pool or two steps' worth of
+pool runs short (free pages under `ahead_pages`, a sixteenth of the pool or four steps' worth of
 pages, plus what the waiting requests will take), it walks the unlocked device nodes
 least recently used first, the order eviction takes them, over the pages the device will give
 up next (that many less the free ones), and queues one copy for the nodes among them the policy wants and that have no host
 copy yet: host pages are handed out in the order of the device pages, so consecutive device
 pages become one run of a copy (a pinned copy moves megabyte pieces at several times the rate
 of a page's quarter megabyte). Copies are bounded: at most `bandwidth` bytes a second (a token
-bucket; 0: unbounded) and a tenth of a second of that queued at once (`IN_FLIGHT_S`), since
+bucket; 0: unbounded) and a quarter of a second of that queued at once (`IN_FLIGHT_S`), since
 loads share the lane and wait behind them.
 
 Eviction (radix_cache.RadixCache.evict) frees at once what needs no copy (a landed copy, or a
@@ -35,11 +35,12 @@ from dataclasses import dataclass, field
 from .kv_write_policy import POLICIES, FinishedPrompts, drop_reason, keep_reason
 
 # queued write-back at most (a load waits behind it in the lane): IN_FLIGHT_S of the bandwidth
-# bound (16 GiB/s: 1.6 GiB, ~35 ms at the ~50 GB/s a pinned copy moves), at least
-# MIN_IN_FLIGHT_BYTES, UNBOUNDED_IN_FLIGHT_BYTES with no bound. One step's copies are queued once
-# a step: a 256 MiB cap let ~110 pages of an 8B model's out per step while a prefill step of
-# 8k tokens takes 512, so under a stream of long prompts most wanted pages left uncopied.
-IN_FLIGHT_S = 0.1
+# bound (16 GiB/s: 4 GiB, ~80 ms at the ~50 GB/s a pinned copy moves), at least
+# MIN_IN_FLIGHT_BYTES, UNBOUNDED_IN_FLIGHT_BYTES with no bound. Copies are queued once a step and
+# land about two steps later (overlap scheduling), so the copies of two or three steps' evictions
+# are in flight at once: a 256 MiB cap let ~110 pages of an 8B model out a step while a prefill
+# step of 8k tokens takes 512, and most wanted pages left the device uncopied.
+IN_FLIGHT_S = 0.25
 MIN_IN_FLIGHT_BYTES = 256 << 20
 UNBOUNDED_IN_FLIGHT_BYTES = 1 << 30
 # the walk over the unlocked device nodes runs on the step's thread and grows with the tree (a

@@ -317,23 +317,26 @@ class RadixCache:
     def num_evictable_pages(self) -> int:
         return self.num_cached_pages - self.num_locked_pages
 
-    def evict(self, num_pages: int, over_share: Callable[[int], bool] | None = None) -> int:
+    def evict(self, num_pages: int, over_share: Callable[[int], bool] | None = None, keep_copies: bool = False) -> int:
         """Free at least num_pages unlocked device pages (LRU device leaves first); returns
         pages freed, never waiting for a copy (module docstring). over_share(tenant): while it
-        says a tenant is over its share, that tenant's pages go first (LRU among them)."""
+        says a tenant is over its share, that tenant's pages go first (LRU among them).
+        keep_copies: never give up a write-back copy in flight (fewer pages freed instead: a
+        prefill chunk can wait a step for it to land, a decode row cannot)."""
         if self.writer is not None:  # copies that landed since the step began go at once
             self.writer.poll()
         freed = 0
         if over_share is not None:
-            freed = self._evict_leaves(num_pages, lambda node: over_share(node.tenant))
+            freed = self._evict_leaves(num_pages, lambda node: over_share(node.tenant), keep_copies)
             self.stats.quota_evicted_pages += freed
         if freed < num_pages:
-            freed += self._evict_leaves(num_pages - freed)
+            freed += self._evict_leaves(num_pages - freed, keep_copies=keep_copies)
         return freed
 
-    def _evict_leaves(self, num_pages: int, chosen: Callable[[RadixNode], bool] | None = None) -> int:
+    def _evict_leaves(self, num_pages: int, chosen: Callable[[RadixNode], bool] | None = None,
+                      keep_copies: bool = False) -> int:
         """LRU leaves that can go at once first; leaves waiting for their host copy (passed
-        over) only when nothing else is left."""
+        over) only when nothing else is left, and with keep_copies not those whose copy is in flight."""
         def evictable(node: RadixNode) -> bool:
             return self._device_evictable(node) and (chosen is None or chosen(node))
         ready = [n for n in self._device_nodes() if evictable(n)]
@@ -345,6 +348,8 @@ class RadixCache:
         freed = 0
         while freed < num_pages and (ready or passed_over):
             forced = not ready
+            if forced and keep_copies and passed_over[0][0]:
+                break  # what is left all has a copy in flight
             leaf = heapq.heappop(passed_over)[1] if forced else heapq.heappop(ready)
             if not evictable(leaf):  # changed since it was queued
                 continue

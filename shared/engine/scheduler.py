@@ -208,9 +208,9 @@ class Scheduler:
                 batch.items.append(item)
                 budget -= item.length
         stuck = [r for r in self.running if not self._awaiting_result(r) and r.kv_load_ticket is None]
-        if not batch.items and len(stuck) > 1:
+        if not batch.items and len(stuck) > 1 and not self.kv.writing_back:
             # admitted prefills hold all the pages between them: free the youngest so the
-            # oldest can finish (otherwise none ever would)
+            # oldest can finish (otherwise none ever would); copies in flight free pages as they land
             self._retract(stuck[-1])
         if batch.items:
             self.last_batch = batch
@@ -267,8 +267,12 @@ class Scheduler:
         length = min(length, max_len)
         if length <= 0:
             return None
-        if not self.kv.grow(req, req.num_computed + length):
-            return None
+        # a chunk never takes a page whose write-back copy is in flight (that copy, of a page
+        # worth keeping, would be given up): what is free now, the rest once the copy lands
+        if not self.kv.grow(req, req.num_computed + length, keep_copies=True):
+            length = min(length, have + self.kv.allocator.num_free * self.kv.page_size)
+            if length <= 0 or not self.kv.grow(req, req.num_computed + length, keep_copies=True):
+                return None
         if req.scheduled_at is None:
             req.scheduled_at = self.clock()
         req.prefill_chunks += 1

@@ -114,6 +114,48 @@ def test_with_nothing_else_left_eviction_takes_a_page_never_queued_before_one_wh
     check_tree(cache)
 
 
+def test_a_prefill_chunk_waits_for_a_copy_in_flight_rather_than_give_it_up(model_dir):
+    """On a GPU a copy queued at a step lands about two steps later, and under a pool that
+    turns over (long prompts arriving while it is full) the pages it copies were the next ones
+    eviction took: given up the moment they were queued, a chat's turns never reached the host
+    tier. A prefill chunk now takes only what is free or can go at once, and runs the rest once
+    the copy lands; nothing is given up, the tokens are the same, and the chat reads back."""
+    chat = [[(7 * i) % 400 + 1 for i in range(22)]]
+    follow = [5, 6, 7, 8, 9]
+    prompt = [(13 * i) % 400 + 1 for i in range(60)]  # 15 pages: more than the pool has free
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    plain = make_engine(model_dir, pages=24)
+    tiered = make_engine(model_dir, pages=24, host_pages=64)
+    lane = HeldCopyLane()
+    tiered.kv.cache.host.lane = lane
+    writer = tiered.kv.cache.writer
+    for engine in (plain, tiered):
+        for _ in converse(engine, chat, 2, follow):  # turn 2 continued turn 1: worth keeping
+            pass
+    writer.write_ahead(tiered.kv.cache.num_cached_pages)
+    held = lane.submitted_pages
+    assert held > 0 and lane.pages_copied == 0
+    rescue = threading.Timer(300, lane.open)
+    rescue.start()
+    want, _ = run_until_done(plain, [plain.add_request(prompt, params)])
+    rid = tiered.add_request(prompt, params)
+    for _ in range(3):  # the prompt's chunks take what they can; the held copy's pages stay
+        tiered.step()
+    assert writer.stats.total("dropped") == writer.stats.pages.get(("dropped", "not_reused"), 0)
+    assert tiered.has_work, "the prompt ran though the pages it needed were being copied"
+    lane.open()
+    got, _ = run_until_done(tiered, [rid])
+    rescue.cancel()
+    assert got[rid] == list(want.values())[0]
+    pages = writer.stats.pages
+    assert pages.get(("dropped", "copy_in_flight"), 0) == 0 and writer.stats.total("written") == held, pages
+    ref = make_engine(model_dir, pages=64, enable_prefix_cache=False)
+    answers = [a for _, a in converse(ref, chat, 2, follow)]
+    assert [a for _, a in converse(tiered, chat, 2, follow)] == answers
+    assert tiered.stats.host_cached_tokens > 0
+    assert_idle_all_tiers(tiered)
+
+
 def test_a_page_reused_before_its_copy_lands_is_never_read_half_written():
     cache, pool, alloc, lane = tiny_cache(device_pages=5, host_pages=4)  # 4 usable device pages
     seq = list(range(100, 108))
