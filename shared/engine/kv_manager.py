@@ -152,14 +152,16 @@ class KVManager:
         return first_within_share(waiting, tenant_of, over) or head
 
     # -- prefix matching ------------------------------------------------------------------
-    def match_and_lock(self, tokens: list[int], namespace: int = 0) -> PrefixMatch:
+    def match_and_lock(self, tokens: list[int], namespace: int = 0, extends_finished: bool | None = None) -> PrefixMatch:
         """A request's longest prefix of `tokens` held in any tier under `namespace`, brought
         onto the device (host pages are loaded back as far as device pages can be had) and
         locked: the match (its pages, its deepest locked node, `load_ticket` of the load in
-        flight, whether the tokens continue a sequence held here or one that left)."""
+        flight, whether the tokens continue a sequence held here or one that left; extends_finished:
+        whether they hold a finished prompt, when the caller knows)."""
         m = self.cache.match(tokens, namespace, count_hit=True)
-        writer = self.cache.writer
-        m.continues = m.continues or (writer is not None and writer.continued(tokens, namespace))
+        if extends_finished is None:
+            extends_finished = self.extends_finished(tokens, namespace)
+        m.continues = m.continues or extends_finished
         stats = self.cache.stats
         stats.device_hit_pages += len(m.pages)
         if m.host_nodes and self.cache.host is not None:
@@ -173,6 +175,12 @@ class KVManager:
             self.cache.lock(m.node)
         return m
 
+    def extends_finished(self, tokens: list[int], namespace: int = 0) -> bool:
+        """Whether `tokens` hold the whole prompt of a request that finished here (the write
+        policy's sign of a conversation, kv_write_policy.FinishedPrompts)."""
+        writer = self.cache.writer
+        return writer is not None and writer.continued(tokens, namespace)
+
     def held_prefix_tokens(self, tokens: list[int], namespace: int = 0) -> int:
         """Leading tokens of `tokens` held in any tier under `namespace`, in whole pages: nothing
         locked, loaded or counted as a hit (the path's recency is refreshed, as the request's own
@@ -185,7 +193,10 @@ class KVManager:
         if req.page_ids or req.params.prompt_logprobs is not None:
             return  # prompt logprobs need every prompt position computed (as vLLM does)
         before = self.cache.stats.loaded_pages
-        m = self.match_and_lock(req.token_ids[: len(req.token_ids) - 1], req.scope.cache_key)
+        tokens = req.token_ids[: len(req.token_ids) - 1]
+        if req.extends_finished is None:  # asked once: a request held back is matched again each step
+            req.extends_finished = self.extends_finished(tokens, req.scope.cache_key)
+        m = self.match_and_lock(tokens, req.scope.cache_key, req.extends_finished)
         req.prefix_node = m.node
         req.page_ids = list(m.pages)
         req.num_tree_pages = len(m.pages)

@@ -17,10 +17,10 @@ hit rule here is SGLang's selective one at one hit; what it adds is the conversa
 newest turn has never been hit when the device needs its pages, yet it is the most likely to
 be read next, so a request that extends a sequence this worker held marks what it inserts.
 
-A conversation's next turn is recognised by its prompt: it extends the whole prompt of a request
-that finished here. `FinishedPrompts` remembers where recent finished prompts ended (the chained
-hash of each one's last whole page, a bounded set, newest kept), whether their pages are still
-cached or already gone. Not by the end of the sequence, the answer included: the history a client
+A conversation's next turn is recognised by its prompt: it holds the whole prompt of a request
+that finished here, from its first token. `FinishedPrompts` remembers recent finished prompts (the
+chained hash of each one's whole pages and the tokens after them, a bounded set, newest kept),
+whether their pages are still cached or already gone. Not by the end of the sequence, the answer included: the history a client
 sends back seldom holds the answer's exact tokens (text tokenized again, a reasoning section the
 chat template strips), so on those a match stops where the answer began, and on the device
 (with random weights, every turn) such a chat looked like one-off prompts and was never kept.
@@ -80,32 +80,50 @@ def rolling_page_hashes(tokens: Sequence[int], page_size: int, namespace: int) -
 
 
 class FinishedPrompts:
-    """Where the prompts of recently finished requests ended, newest kept, at most `capacity`."""
+    """The prompts of recently finished requests, newest kept, at most `capacity`: each as the
+    chained hash of its whole pages and the tokens after them, so that only a prompt holding all
+    of one counts as extending it (a short prompt's whole pages may be no more than a template
+    many requests share)."""
 
     def __init__(self, page_size: int, capacity: int = 1 << 16):
         self.page_size = page_size
         self.capacity = capacity
-        self._ends: OrderedDict[int, None] = OrderedDict()
+        self._order: OrderedDict[tuple[int, tuple[int, ...]], None] = OrderedDict()
+        self._tails: dict[int, set[tuple[int, ...]]] = {}  # whole pages' hash -> the tokens after them
 
     def __len__(self) -> int:
-        return len(self._ends)
+        return len(self._order)
 
     def remember(self, prompt: Sequence[int], namespace: int) -> None:
         """A request of this prompt finished (under `namespace`, the cache's key for its scope)."""
         hashes = rolling_page_hashes(prompt, self.page_size, namespace)
         if not hashes:
             return
-        self._ends[hashes[-1]] = None
-        self._ends.move_to_end(hashes[-1])
-        while len(self._ends) > self.capacity:
-            self._ends.popitem(last=False)
+        key = (hashes[-1], tuple(prompt[len(hashes) * self.page_size:]))
+        if key in self._order:
+            self._order.move_to_end(key)
+            return
+        self._order[key] = None
+        self._tails.setdefault(key[0], set()).add(key[1])
+        while len(self._order) > self.capacity:
+            (head, tail), _ = self._order.popitem(last=False)
+            tails = self._tails[head]
+            tails.discard(tail)
+            if not tails:
+                del self._tails[head]
 
     def continued_by(self, tokens: Sequence[int], namespace: int) -> bool:
-        """Whether `tokens` extend a finished prompt (all of it, to its last whole page)."""
-        if not self._ends:
+        """Whether `tokens` hold a finished prompt whole, from their first token."""
+        if not self._tails:
             return False
-        ends = self._ends
-        return any(h in ends for h in rolling_page_hashes(tokens, self.page_size, namespace))
+        ps, found = self.page_size, self._tails
+        for i, h in enumerate(rolling_page_hashes(tokens, ps, namespace)):
+            tails = found.get(h)
+            if tails:
+                start = (i + 1) * ps
+                if any(len(tokens) >= start + len(t) and tuple(tokens[start:start + len(t)]) == t for t in tails):
+                    return True
+        return False
 
 
 @dataclass

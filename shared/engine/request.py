@@ -39,6 +39,7 @@ class Req:
     num_host_loaded_tokens: int = 0  # of those, tokens loaded back from the host tier
     kv_load_ticket: int | None = None  # the host tier's ticket of that load: scheduled once it landed
     continues: bool = False  # its prompt extends a sequence the cache held (a conversation's next turn)
+    extends_finished: bool | None = None  # it holds a finished request's whole prompt (asked once)
     host_pages_waiting: int = 0  # matched pages still in the host tier (no device room to load them)
     status: ReqStatus = ReqStatus.WAITING
     finish_reason: str | None = None  # stop | length | abort | moved (hand_over) | error

@@ -270,7 +270,7 @@ class Scheduler:
         # a chunk never takes a page whose write-back copy is in flight (that copy, of a page
         # worth keeping, would be given up): what is free now, the rest once the copy lands
         if not self.kv.grow(req, req.num_computed + length, keep_copies=True):
-            length = min(length, have + self.kv.allocator.num_free * self.kv.page_size)
+            length = min(length, have + max(self.kv.allocator.num_free - keep, 0) * self.kv.page_size)
             if length <= 0 or not self.kv.grow(req, req.num_computed + length, keep_copies=True):
                 return None
         if req.scheduled_at is None:

@@ -23,6 +23,7 @@ from shared.engine.kv_host_tier import HostKVTier
 from shared.engine.kv_pool import KVLayout, KVPool, PageAllocator
 from shared.engine import kv_write_back as kwb
 from shared.engine.kv_write_back import WriteBackConfig
+from shared.engine.kv_write_policy import FinishedPrompts
 from shared.engine.radix_cache import RadixCache
 from shared.engine.sampling_params import SamplingParams
 from tests.engine.test_engine_kv_tiers import PS, assert_idle_all_tiers, check_tree, converse, make_engine
@@ -63,6 +64,25 @@ def read_back(cache: RadixCache, alloc: PageAllocator, pool, tokens) -> torch.Te
     out = pool.buffer[m.pages].clone()
     cache.unlock(m.deepest)
     return out
+
+
+def test_a_turn_is_a_conversations_only_when_it_holds_a_finished_prompt_whole():
+    """A short prompt's whole pages may be only a template every request shares: a later
+    prompt is a conversation's turn when it holds all of a finished one, the tokens after its
+    last whole page too, from its first token, under the same cache key."""
+    template = list(range(100, 120))  # five whole pages of PS=4
+    prompts = FinishedPrompts(PS)
+    prompts.remember(template + [1, 2, 3], namespace=7)
+    assert prompts.continued_by(template + [1, 2, 3, 9, 9], 7)
+    assert prompts.continued_by(template + [1, 2, 3], 7)  # the prompt again (a match leaves the last token out)
+    assert not prompts.continued_by(template + [4, 5, 6, 9, 9], 7), "the shared template made it a conversation"
+    assert not prompts.continued_by(template + [1, 2], 7)
+    assert not prompts.continued_by(template + [1, 2, 3, 9], 8), "another cache key's prompt"
+    assert not prompts.continued_by([0] + template + [1, 2, 3], 7)
+    few = FinishedPrompts(PS, capacity=2)
+    for tail in ([1], [2], [3]):
+        few.remember(template + tail, 7)
+    assert len(few) == 2 and not few.continued_by(template + [1, 0], 7) and few.continued_by(template + [3, 0], 7)
 
 
 def test_a_page_whose_copy_is_in_flight_is_passed_over_and_its_copy_reads_back_whole():
@@ -138,10 +158,17 @@ def test_a_prefill_chunk_waits_for_a_copy_in_flight_rather_than_give_it_up(model
     rescue = threading.Timer(300, lane.open)
     rescue.start()
     want, _ = run_until_done(plain, [plain.add_request(prompt, params)])
+    assert tiered.kv.allocator.num_free < len(prompt) // PS, "the prompt would not need the held pages"
     rid = tiered.add_request(prompt, params)
-    for _ in range(3):  # the prompt's chunks take what they can; the held copy's pages stay
+    for _ in range(20):  # the prompt's chunks take what is free...
+        if tiered.kv.allocator.num_free == 0:
+            break
         tiered.step()
-    assert writer.stats.total("dropped") == writer.stats.pages.get(("dropped", "not_reused"), 0)
+        assert ("dropped", "copy_in_flight") not in writer.stats.pages, "a chunk gave a copy in flight up"
+    assert tiered.kv.allocator.num_free == 0
+    for _ in range(3):  # ...and then wait: the held copy's pages stay, the copy is not given up
+        tiered.step()
+    assert writer.stats.total("dropped") == writer.stats.pages.get(("dropped", "not_reused"), 0), writer.stats.pages
     assert tiered.has_work, "the prompt ran though the pages it needed were being copied"
     lane.open()
     got, _ = run_until_done(tiered, [rid])
