@@ -285,8 +285,8 @@ class Engine:
     def _write_back(self):
         """What is written back to the host tier (kv_write_back.py): the settings' policy and
         bound, and how close to running out the device pool starts writing: a sixteenth of it,
-        or four steps' worth of pages when that is more (a copy queued at a step lands about two
-        steps later with overlap scheduling, so a lead of two steps was given up as often as kept)."""
+        or four steps' worth of pages when that is more (a copy lands about a step after it is
+        queued: 0.17 s at 8k-token prefill steps of an 8B model on an H200)."""
         from .kv_write_back import WriteBackConfig
         writes, pages = self.config.host_writes, self.layout.num_pages
         step_pages = -(-self.plan.step_tokens.value // self.layout.page_size)

@@ -152,7 +152,8 @@ class KVManager:
         return first_within_share(waiting, tenant_of, over) or head
 
     # -- prefix matching ------------------------------------------------------------------
-    def match_and_lock(self, tokens: list[int], namespace: int = 0, extends_finished: bool | None = None) -> PrefixMatch:
+    def match_and_lock(self, tokens: list[int], namespace: int = 0,
+                       extends_finished: bool | None = None) -> PrefixMatch:
         """A request's longest prefix of `tokens` held in any tier under `namespace`, brought
         onto the device (host pages are loaded back as far as device pages can be had) and
         locked: the match (its pages, its deepest locked node, `load_ticket` of the load in

@@ -36,10 +36,9 @@ from .kv_write_policy import POLICIES, FinishedPrompts, drop_reason, keep_reason
 
 # queued write-back at most (a load waits behind it in the lane): IN_FLIGHT_S of the bandwidth
 # bound (16 GiB/s: 4 GiB, ~80 ms at the ~50 GB/s a pinned copy moves), at least
-# MIN_IN_FLIGHT_BYTES, as much with no bound (UNBOUNDED_IN_FLIGHT_BYTES). Copies are queued once a step and
-# land about two steps later (overlap scheduling), so the copies of two or three steps' evictions
-# are in flight at once: a 256 MiB cap let ~110 pages of an 8B model out a step while a prefill
-# step of 8k tokens takes 512, and most wanted pages left the device uncopied.
+# MIN_IN_FLIGHT_BYTES, as much with no bound (UNBOUNDED_IN_FLIGHT_BYTES). Copies are queued once a
+# step and land about a step later, so a few steps' evictions are in flight at once: a 256 MiB
+# cap let ~110 pages of an 8B model out a step while a prefill step of 8k tokens takes 512.
 IN_FLIGHT_S = 0.25
 MIN_IN_FLIGHT_BYTES = 256 << 20
 UNBOUNDED_IN_FLIGHT_BYTES = 4 << 30

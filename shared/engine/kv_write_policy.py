@@ -20,10 +20,11 @@ be read next, so a request that extends a sequence this worker held marks what i
 A conversation's next turn is recognised by its prompt: it holds the whole prompt of a request
 that finished here, from its first token. `FinishedPrompts` remembers recent finished prompts (the
 chained hash of each one's whole pages and the tokens after them, a bounded set, newest kept),
-whether their pages are still cached or already gone. Not by the end of the sequence, the answer included: the history a client
-sends back seldom holds the answer's exact tokens (text tokenized again, a reasoning section the
-chat template strips), so on those a match stops where the answer began, and on the device
-(with random weights, every turn) such a chat looked like one-off prompts and was never kept.
+whether their pages are still cached or already gone. Not by the end of the sequence, the answer
+included: the history a client sends back seldom holds the answer's exact tokens (text tokenized
+again, a reasoning section the chat template strips), so on those a match stops where the answer
+began, and on the device (with random weights, every turn) such a chat looked like one-off
+prompts and was never kept.
 A conversation loses at most its first turn (never read again before the device needed it)."""
 from __future__ import annotations
 

@@ -14,8 +14,9 @@ Eviction walks device -> host -> gone, least recently used first: an unlocked de
 the host tier; one the write policy does not want leaves the tree; one it wants whose copy
 has not landed is passed over while anything else can be freed, and dropped only when nothing
 else is left: those never queued for a copy first, then those whose copy is in flight (given up;
-kv_write_back.py writes the wanted pages ahead, so that seldom happens). No eviction ever waits for a copy. Host-only leaves leave the tree when the
-host tier needs room. A match that runs into host-only nodes can load them back (`load_back`).
+kv_write_back.py writes the wanted pages ahead, and a prefill chunk takes no such page, so that
+is a decode row's need). No eviction ever waits for a copy. Host-only leaves leave the tree when
+the host tier needs room. A match that runs into host-only nodes can load them back (`load_back`).
 Each node counts the requests whose match found it (`hits`) and knows whether a request that
 continued an earlier sequence inserted it (`conversation`): what the write policy reads.
 Every step publishes a KV event when an event sink is set: stored (entered the tree),
