@@ -146,6 +146,20 @@ def step_totals(log_dir: Path | None, phase: str | None = "decode") -> tuple[flo
     return seconds, steps
 
 
+def _by_turn(run, label: str, out: Path, log_dir: Path | None, kv_before: list[float]) -> None:
+    """A multiturn run's rows by turn (TTFT, TPOT, the prompt's cached share) and the workers' own
+    account of its prefix hits by tier."""
+    from loadtest.multiturn.results_io import read_result
+
+    for t in read_result(out / "results.json").summary().by_turn:
+        run.add("multiturn", f"{label} turn {t.turn + 1} TTFT p50 ms", t.ttft.p50,
+                f"p90 {t.ttft.p90}, TPOT p50/p90 {t.tpot.p50}/{t.tpot.p90} ms, cached {t.cache.share}, "
+                f"prompt {t.prompt_tokens_mean} tokens, {t.failed} of {t.requests} failed")
+    if log_dir is not None:
+        kv = workers_sum(log_dir, KV_READING)
+        run.add("multiturn", f"{label} KV hit tokens", sum(kv[:2]) - sum(kv_before[:2]), kv_tiers_text(kv_before, kv))
+
+
 KV_READING = [("duet_kv_cache_hit_tokens_total", {"tier": t}) for t in ("device", "host")] + \
     [("duet_kv_host_tier_pages", {"state": s}) for s in ("usable", "allocated")]
 
@@ -224,16 +238,20 @@ def _chats(run, url: str, folder: Path, layout: str, log_dir: Path | None = None
                       "--output-len", str(output), "--max-turns", str(turns), "--mode", "lockstep", "--temperature",
                       "0", "--ignore-eos", "on", "--max-context-tokens", "0", "--seed", str(c), "--label",
                       f"{layout} C={c}"], out)
-        for t in read_result(out / "results.json").summary().by_turn:
-            run.add("multiturn", f"{layout} C={c} turn {t.turn + 1} TTFT p50 ms", t.ttft.p50,
-                    f"p90 {t.ttft.p90}, TPOT p50/p90 {t.tpot.p50}/{t.tpot.p90} ms, cached {t.cache.share}, "
-                    f"prompt {t.prompt_tokens_mean} tokens, {t.failed} of {t.requests} failed")
-        if log_dir is not None:  # the workers' own account of the turns' cached tokens
-            kv2 = workers_sum(log_dir, KV_READING)
-            run.add("multiturn", f"{layout} C={c} KV hit tokens", sum(kv2[:2]) - sum(kv[:2]), kv_tiers_text(kv, kv2))
+        _by_turn(run, f"{layout} C={c}", out, log_dir, kv)
         if planned is not None:  # what the planner did over the conversations' turns
             did = planner_activity(log_dir).since(planned)
             run.add("multiturn", f"{layout} C={c} planner switches", did.switches, did.text())
+    for rate in run.names(run.args.chat_rates):  # chats arriving at a rate, a user's think time between turns
+        out = run.root / layout / f"chats{rate}"
+        kv = workers_sum(log_dir, KV_READING)
+        run_loadtest(["multiturn", "--base-url", url, "--tokenizer", str(folder), "--workload", "synthetic",
+                      "--mode", "poisson", "--conversation-rate", rate, "--think-time", str(run.args.think_seconds),
+                      "--conversations", str(max(1, round(float(rate) * run.args.seconds_per_rate))),
+                      "--system-len", str(system), "--user-len", str(user), "--output-len", str(output),
+                      "--max-turns", str(turns), "--temperature", "0", "--ignore-eos", "on", "--max-context-tokens",
+                      "0", "--seed", rate, "--label", f"{layout} chats {rate}/s"], out)
+        _by_turn(run, f"{layout} chats {rate}/s", out, log_dir, kv)
     for rate in run.names(run.args.agentic_rates):  # agent sessions arriving at a rate: shared prompt, tools
         out = run.root / layout / f"agentic{rate}"
         run_loadtest(["multiturn", "--base-url", url, "--tokenizer", str(folder), "--workload", "agentic", "--mode",

@@ -118,7 +118,10 @@ def parser() -> argparse.ArgumentParser:
     a("--slo", default="2000,15", help="stack, multiturn: TTFT and TPOT targets, ms")
     a("--conversations", default="8,48", help="multiturn: conversations a run")
     a("--agentic-rates", default="", help="multiturn: agentic sessions started per second, --seconds-per-rate each")
-    a("--chat", default="5900,64,48,4", help="multiturn: system, user, output tokens, turns (lockstep)")
+    a("--chat", default="5900,64,48,4", help="multiturn: system, user, output tokens, turns (lockstep, --chat-rates)")
+    a("--chat-rates", default="", help="multiturn: --chat conversations started per second (Poisson), --seconds-per-rate "
+      "of starts each, every one to its last turn, --think-seconds between an answer and the next turn")
+    a("--think-seconds", type=float, default=10.0, help="multiturn, --chat-rates: mean think time (exponential)")
     a("--base-url", help="stack, multiturn, saturation: measure this running server instead of starting --stacks")
     a("--model-dir", help="stack, multiturn, saturation, failover: a real model folder instead of random weights of the last --models")
     a("--tokenizer-from", help="stack, multiturn, failover: tokenizer files for random weights (default the default model's)")

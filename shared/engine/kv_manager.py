@@ -236,7 +236,7 @@ class KVManager:
             dup, node = self.cache.insert(req.token_ids[: full * self.page_size], req.page_ids[:full], req.scope,
                                           conversation=req.continues, seq_end=True)
             if self.cache.writer is not None:  # its next turn, extending this prompt, is a conversation's
-                self.cache.writer.finished(req.prompt_ids, req.scope.cache_key)
+                self.cache.writer.finished(req.prompt_ids, req.scope.cache_key, req.continues)
             tail = req.page_ids[full:]
             to_free = dup + tail
             # the new path is owned by the tree now; nothing of it stays locked for us

@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .kv_write_policy import POLICIES, FinishedPrompts, drop_reason, keep_reason
+from .kv_write_policy import POLICIES, ContinuedShare, FinishedPrompts, drop_reason, keep_reason
 
 # queued write-back at most (a load waits behind it in the lane): IN_FLIGHT_S of the bandwidth
 # bound (16 GiB/s: 4 GiB, ~80 ms at the ~50 GB/s a pinned copy moves), at least
@@ -102,15 +102,16 @@ class HostWriter:
         self.orphan_pages = 0  # host pages waiting for a given-up copy to land
         self.stats = WriteBackStats()
         self.prompts = FinishedPrompts(cache.page_size) if config.policy == "reused" else None
+        self.continued_share = ContinuedShare()  # of finished requests: is the traffic chats
         self._allowance = 0.0
         self._last = clock()
-        self._nothing_at: tuple[int, int] | None = None  # (cache version, window) of a walk that found nothing
+        self._nothing_at: tuple | None = None  # ((cache version, first turns kept), window) of a walk that found nothing
         self._walked_window, self._next_walk = 0, 0.0  # the last walk's window; the next one not before (WALK_SPACING)
         self._walk_s = 0.0  # how long the last walk over the nodes took
 
     # -- what eviction asks ---------------------------------------------------------------
     def wanted(self, node) -> str | None:
-        return keep_reason(self.policy, node)
+        return keep_reason(self.policy, node, self.continued_share.keeps_first_turns)
 
     def dropped(self, node, wanted: str | None) -> None:
         """`node` leaves the device without a copy (`wanted`: the policy's reason to keep it)."""
@@ -126,10 +127,11 @@ class HostWriter:
         self.cache.num_host_pages -= len(pages)
         node.host_pages, node.write_batch = [], None
 
-    def finished(self, prompt: list[int], namespace: int) -> None:
-        """A request of `prompt` finished: a later prompt that extends it is a conversation's turn."""
-        if self.prompts is not None:
-            self.prompts.remember(prompt, namespace)
+    def finished(self, prompt: list[int], namespace: int, continued: bool = False) -> None:
+        """A request of `prompt` finished (continued: it extended an earlier one): a later prompt
+        that extends it is a conversation's turn."""
+        if self.prompts is not None and self.prompts.remember(prompt, namespace):
+            self.continued_share.count(continued)  # once a prompt: n > 1 sequences, repeats
 
     def continued(self, tokens: list[int], namespace: int) -> bool:
         return self.prompts is not None and self.prompts.continued_by(tokens, namespace)
@@ -186,7 +188,8 @@ class HostWriter:
     def write_ahead(self, window: int) -> None:
         """Queue copies of the wanted nodes among the next `window` pages eviction would take
         (least recently used first), within the bandwidth and in-flight bounds."""
-        if self._nothing_at is not None and self._nothing_at[0] == self.cache.version \
+        first_turns = self.continued_share.keeps_first_turns
+        if self._nothing_at is not None and self._nothing_at[0] == (self.cache.version, first_turns) \
                 and window <= self._nothing_at[1]:
             return  # nothing changed since a walk as wide found nothing to copy
         allowance = self._refill()
@@ -212,7 +215,7 @@ class HostWriter:
             self._nothing_at = None
             self._launch(picks)
         else:
-            self._nothing_at = (self.cache.version, window)
+            self._nothing_at = ((self.cache.version, first_turns), window)
 
     def _launch(self, picks: list) -> None:
         free = self.cache.host_room(sum(len(n.pages) for n, _ in picks))

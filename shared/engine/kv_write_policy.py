@@ -25,7 +25,14 @@ included: the history a client sends back seldom holds the answer's exact tokens
 again, a reasoning section the chat template strips), so on those a match stops where the answer
 began, and on the device (with random weights, every turn) such a chat looked like one-off
 prompts and was never kept.
-A conversation loses at most its first turn (never read again before the device needed it)."""
+A conversation loses at most its first turn (never read again before the device needed it),
+and only while its traffic is not yet known to be chats: `ContinuedShare` follows the share of
+recent finished requests that continued an earlier one (a chat of T turns: (T-1)/T; one-off
+prompts: 0). From FIRST_TURN_SHARE on, every page the device gives up is worth a copy
+(`chat_traffic`): a first turn is as likely to come back as the rest, and by the time its next
+turn arrives (a user's or a tool's think time) the device has usually moved on. Lockstep chats
+(every first turn done before any second one) show nothing to learn from; staggered ones do.
+Single-turn traffic keeps the share near 0 and its pages uncopied."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -39,17 +46,27 @@ POLICIES = ("reused", "all", "off")
 
 # why a page was written back
 KEEP_HIT, KEEP_CONVERSATION, KEEP_PREFIX, KEEP_ALL = "hit", "conversation", "prefix", "all"
+KEEP_CHAT_TRAFFIC = "chat_traffic"  # no sign on the page, but most recent requests continued an earlier one
 # why a page left the device without a copy
 DROP_NOT_REUSED = "not_reused"  # the policy saw no sign of reuse
 DROP_OFF = "off"  # --host-tier-write-policy off
 DROP_COPY_IN_FLIGHT = "copy_in_flight"  # its copy had not landed when the device needed the page
 DROP_NOT_COPIED = "not_copied"  # worth a copy, but write-back (its window, its bandwidth) had not reached it
 DROP_REASONS = (DROP_NOT_REUSED, DROP_OFF, DROP_COPY_IN_FLIGHT, DROP_NOT_COPIED)
-KEEP_REASONS = (KEEP_HIT, KEEP_CONVERSATION, KEEP_PREFIX, KEEP_ALL)
+KEEP_REASONS = (KEEP_HIT, KEEP_CONVERSATION, KEEP_PREFIX, KEEP_CHAT_TRAFFIC, KEEP_ALL)
+
+# first turns are kept once this share of the recent finished requests continued an earlier one
+# (chats of two turns or more give a half and up; a mix where a fifth of the requests are chat
+# turns stays under it and keeps only what its conversations prove), counted over about
+# SHARE_WINDOW requests, and not before SHARE_MIN_REQUESTS have finished
+FIRST_TURN_SHARE = 0.25
+SHARE_WINDOW = 256
+SHARE_MIN_REQUESTS = 32
 
 
-def keep_reason(policy: str, node) -> str | None:
-    """Why `node` (radix_cache.RadixNode) is worth a host copy under `policy`, or None."""
+def keep_reason(policy: str, node, first_turns: bool = False) -> str | None:
+    """Why `node` (radix_cache.RadixNode) is worth a host copy under `policy`, or None;
+    first_turns: the traffic is chats (ContinuedShare.keeps_first_turns)."""
     if policy == "all":
         return KEEP_ALL
     if policy == "off":
@@ -60,7 +77,7 @@ def keep_reason(policy: str, node) -> str | None:
         return KEEP_CONVERSATION
     if any(child.host_pages for child in node.children.values()):
         return KEEP_PREFIX
-    return None
+    return KEEP_CHAT_TRAFFIC if first_turns else None
 
 
 def drop_reason(policy: str, wanted: str | None, copy_in_flight: bool) -> str:
@@ -80,6 +97,30 @@ def rolling_page_hashes(tokens: Sequence[int], page_size: int, namespace: int) -
     return out
 
 
+@dataclass
+class ContinuedShare:
+    """The share of recently finished requests that continued an earlier one (a decayed count
+    over about SHARE_WINDOW requests): whether the traffic is chats, whose first turns come back."""
+
+    finished: float = 0.0
+    continued: float = 0.0
+    seen: int = 0
+
+    def count(self, continued: bool) -> None:
+        keep = 1.0 - 1.0 / SHARE_WINDOW
+        self.finished = self.finished * keep + 1.0
+        self.continued = self.continued * keep + (1.0 if continued else 0.0)
+        self.seen += 1
+
+    @property
+    def share(self) -> float:
+        return self.continued / self.finished if self.finished else 0.0
+
+    @property
+    def keeps_first_turns(self) -> bool:
+        return self.seen >= SHARE_MIN_REQUESTS and self.share >= FIRST_TURN_SHARE
+
+
 class FinishedPrompts:
     """The prompts of recently finished requests, newest kept, at most `capacity`: each as the
     chained hash of its whole pages and the tokens after them, so that only a prompt holding all
@@ -95,15 +136,16 @@ class FinishedPrompts:
     def __len__(self) -> int:
         return len(self._order)
 
-    def remember(self, prompt: Sequence[int], namespace: int) -> None:
-        """A request of this prompt finished (under `namespace`, the cache's key for its scope)."""
+    def remember(self, prompt: Sequence[int], namespace: int) -> bool:
+        """A request of this prompt finished (under `namespace`, the cache's key for its scope):
+        whether the prompt is new here (not one shorter than a page, nor one remembered)."""
         hashes = rolling_page_hashes(prompt, self.page_size, namespace)
         if not hashes:
-            return
+            return False
         key = (hashes[-1], tuple(prompt[len(hashes) * self.page_size:]))
         if key in self._order:
             self._order.move_to_end(key)
-            return
+            return False
         self._order[key] = None
         self._tails.setdefault(key[0], set()).add(key[1])
         while len(self._order) > self.capacity:
@@ -112,6 +154,7 @@ class FinishedPrompts:
             tails.discard(tail)
             if not tails:
                 del self._tails[head]
+        return True
 
     def continued_by(self, tokens: Sequence[int], namespace: int) -> bool:
         """Whether `tokens` hold a finished prompt whole, from their first token."""
@@ -134,7 +177,8 @@ class HostTierWrites:
     policy: str = setting(
         "reused", flag="--kv-host-write-policy", env="DUET_KV_HOST_WRITE_POLICY", choices=POLICIES,
         help="which pages leaving the device are copied to the host KV tier: reused (pages a request's match "
-             "found, and a continued conversation's), all, or off")
+             "found, a continued conversation's, and first turns while most requests continue earlier ones), "
+             "all, or off")
     bandwidth: int = setting(
         16 << 30, flag="--kv-host-write-bandwidth", env="DUET_KV_HOST_WRITE_BANDWIDTH", parse=parsers.size,
         help="bytes a second the write-back to the host KV tier may copy, per rank, e.g. 16G; 0 = unbounded")

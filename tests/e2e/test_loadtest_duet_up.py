@@ -97,6 +97,7 @@ def test_bench_stack_sections_measure_this_stack(duet_stack, tmp_path, torch_one
                        str(model_dir), "--concurrency", "1", "--stack-lens", "32,8", "--conversations", "2",
                        "--chat", "48,8,4,2", "--steps", "2", "--workdir", str(tmp_path / "work"),
                        "--rates", "2", "--filled-rates", "2", "--seconds-per-rate", "2", "--slo", "60000,5000", "--agentic-rates", "1",
+                       "--chat-rates", "1", "--think-seconds", "0.2",
                        "--settle-seconds", "1", "--json", str(out)]) == 0
     d = json.loads(out.read_text())
     assert d["stack"]["server first run TTFT p50 ms"] > 0 and d["stack"]["server c=1 TTFT p50 ms"] > 0
@@ -125,6 +126,10 @@ def test_bench_stack_sections_measure_this_stack(duet_stack, tmp_path, torch_one
     assert len(turns) == 2 and all("0 of 2 failed" in line for line in turns), turns
     later = float(turns[1].split("cached ")[1].split(",")[0])
     assert 0 < later <= 1  # the second turn found its history in the server's cache
+    # chats started at a rate (two in 2 s), each to its last turn after a think time
+    staggered = [line for line in printed if line.startswith("[multiturn] server chats 1/s turn")]
+    assert len(staggered) == 2 and all("0 of 2 failed" in line for line in staggered), staggered
+    assert float(staggered[1].split("cached ")[1].split(",")[0]) > 0
 
 
 def test_bench_saturation_section_measures_this_stack_beside_the_offline_engine(duet_stack, tmp_path,

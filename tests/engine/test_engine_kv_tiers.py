@@ -11,7 +11,7 @@ from shared.engine.engine import Engine
 from shared.engine.kv_host_tier import HostKVTier, page_runs
 from shared.engine.kv_pool import KVLayout, KVPool, PageAllocator
 from shared.engine.kv_write_back import WriteBackConfig
-from shared.engine.kv_write_policy import HostTierWrites
+from shared.engine.kv_write_policy import SHARE_MIN_REQUESTS, HostTierWrites
 from shared.engine.radix_cache import RadixCache
 from shared.engine.sampling_params import SamplingParams
 from tests.helpers.engine_models import assert_all_pages_free, build_model_dir, hf_greedy, kv_bytes_for_pages, load_hf
@@ -203,6 +203,47 @@ def test_a_conversation_whose_history_differs_from_its_answers_tokens_is_still_k
         host_hits.append(tiered.stats.host_cached_tokens)
     assert host_hits[0] == host_hits[1] == 0 and host_hits[2] > 0, host_hits
     assert tiered.kv.cache.writer.stats.pages.get(("written", "conversation"), 0) > 0
+
+
+def test_once_most_requests_continue_earlier_ones_first_turns_are_kept_too(model_dir):
+    """Staggered chats, as a chat product's arrive: each chat's second turn comes after two newer
+    chats' first turns have taken the device. At first a first turn leaves without a copy (no
+    sign on its pages) and its second turn recomputes it; once SHARE_MIN_REQUESTS have finished
+    and about half of them continued an earlier one, first turns are kept too (`chat_traffic`)
+    and second turns find them in the host tier. One-off prompts keep the share at 0 and nothing
+    is copied."""
+    chats, follow = 40, [5, 6, 7, 8, 9]
+    openers = [[(7 * c + 3 * i) % 400 + 1 for i in range(22)] for c in range(chats)]
+    ref = make_engine(model_dir, pages=64, enable_prefix_cache=False)
+    tiered = make_engine(model_dir, pages=20, host_pages=400)
+    writer = tiered.kv.cache.writer
+
+    def answer(engine, prompt):
+        return next(converse(engine, [prompt], 1, []))[1][0]
+
+    first: dict[int, list[int]] = {}
+    turn2_host_hits = []
+    for k in range(chats + 2):
+        if k < chats:
+            first[k] = answer(tiered, openers[k])
+            assert first[k] == answer(ref, openers[k])
+        if k >= 2:
+            prompt = openers[k - 2] + first[k - 2] + follow
+            before = tiered.stats.host_cached_tokens
+            assert answer(tiered, prompt) == answer(ref, prompt)
+            turn2_host_hits.append(tiered.stats.host_cached_tokens - before)
+    assert tiered.kv.cache.stats.device_evicted_pages > 0
+    assert turn2_host_hits[:8] == [0] * 8, turn2_host_hits  # the share not yet known: not kept
+    assert all(h > 0 for h in turn2_host_hits[-12:]), turn2_host_hits
+    assert writer.stats.pages.get(("written", "chat_traffic"), 0) > 0, writer.stats.pages
+    assert 0.4 < writer.continued_share.share < 0.6 and writer.continued_share.keeps_first_turns
+
+    single = make_engine(model_dir, pages=20, host_pages=400)
+    for c in range(2 * SHARE_MIN_REQUESTS):
+        answer(single, [(13 * c + 5 * i) % 400 + 1 for i in range(30)])
+    assert single.kv.cache.stats.device_evicted_pages > 0
+    assert single.kv.cache.writer.continued_share.share == 0.0
+    assert single.kv.cache.writer.stats.total("written") == 0 and single.kv.cache.host.bytes_saved == 0
 
 
 def _host_tier(engine) -> tuple[int, int]:
