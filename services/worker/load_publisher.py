@@ -107,7 +107,7 @@ class LoadPublisher:
                 counter.inc(total - self._tiers.get(key, 0))
                 self._tiers[key] = total
         m.kv_host_pages.set(kv.cache.num_host_pages)
-        if writer is not None:
+        if writer is not None and writer.prompts is not None:  # counted under `reused` only
             m.kv_host_continued_share.set(writer.continued_share.share)
         if host is not None:
             m.kv_host_tier_pages.labels(state="allocated").set(host.buffer.shape[0])

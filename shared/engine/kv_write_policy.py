@@ -5,7 +5,8 @@ by expected reuse, one setting (`--host-tier-write-policy`).
   a request's match found it (`hit`: a prefix several requests share, or a turn the next one
   extended), it was inserted by a request that continued a sequence this worker held (a
   conversation still alive: `conversation`), or a descendant already has a host copy that
-  would be useless without it (`prefix`). Everything else leaves the device without a copy
+  would be useless without it (`prefix`); and once the traffic is chats, every page (`chat_traffic`,
+  below). Everything else leaves the device without a copy
   (`not_reused`): single-turn prompts nobody repeats cost no copy bandwidth and no host room.
 - `all`: every page leaving the device is worth a copy (the tier as it was first built).
 - `off`: nothing is written (the tier stays allocated; for comparing with and without).
@@ -46,7 +47,7 @@ POLICIES = ("reused", "all", "off")
 
 # why a page was written back
 KEEP_HIT, KEEP_CONVERSATION, KEEP_PREFIX, KEEP_ALL = "hit", "conversation", "prefix", "all"
-KEEP_CHAT_TRAFFIC = "chat_traffic"  # no sign on the page, but most recent requests continued an earlier one
+KEEP_CHAT_TRAFFIC = "chat_traffic"  # no sign on the page, but many recent requests continued an earlier one
 # why a page left the device without a copy
 DROP_NOT_REUSED = "not_reused"  # the policy saw no sign of reuse
 DROP_OFF = "off"  # --host-tier-write-policy off
@@ -57,9 +58,12 @@ KEEP_REASONS = (KEEP_HIT, KEEP_CONVERSATION, KEEP_PREFIX, KEEP_CHAT_TRAFFIC, KEE
 
 # first turns are kept once this share of the recent finished requests continued an earlier one
 # (chats of two turns or more give a half and up; a mix where a fifth of the requests are chat
-# turns stays under it and keeps only what its conversations prove), counted over about
-# SHARE_WINDOW requests, and not before SHARE_MIN_REQUESTS have finished
+# turns stays under it and keeps only what its conversations prove), and until it falls under
+# FIRST_TURN_SHARE_OFF (a band, so traffic near the line does not flip the rule each request);
+# counted over about SHARE_WINDOW requests (distinct prompts of a page or more), and not before
+# SHARE_MIN_REQUESTS have finished
 FIRST_TURN_SHARE = 0.25
+FIRST_TURN_SHARE_OFF = 0.2
 SHARE_WINDOW = 256
 SHARE_MIN_REQUESTS = 32
 
@@ -105,20 +109,20 @@ class ContinuedShare:
     finished: float = 0.0
     continued: float = 0.0
     seen: int = 0
+    keeps_first_turns: bool = False
 
     def count(self, continued: bool) -> None:
         keep = 1.0 - 1.0 / SHARE_WINDOW
         self.finished = self.finished * keep + 1.0
         self.continued = self.continued * keep + (1.0 if continued else 0.0)
         self.seen += 1
+        if self.seen >= SHARE_MIN_REQUESTS:
+            line = FIRST_TURN_SHARE_OFF if self.keeps_first_turns else FIRST_TURN_SHARE
+            self.keeps_first_turns = self.share >= line
 
     @property
     def share(self) -> float:
         return self.continued / self.finished if self.finished else 0.0
-
-    @property
-    def keeps_first_turns(self) -> bool:
-        return self.seen >= SHARE_MIN_REQUESTS and self.share >= FIRST_TURN_SHARE
 
 
 class FinishedPrompts:
@@ -177,7 +181,8 @@ class HostTierWrites:
     policy: str = setting(
         "reused", flag="--kv-host-write-policy", env="DUET_KV_HOST_WRITE_POLICY", choices=POLICIES,
         help="which pages leaving the device are copied to the host KV tier: reused (pages a request's match "
-             "found, a continued conversation's, and first turns while most requests continue earlier ones), "
+             "found, a continued conversation's, and first turns while a quarter or more of the requests continue "
+             "earlier ones), "
              "all, or off")
     bandwidth: int = setting(
         16 << 30, flag="--kv-host-write-bandwidth", env="DUET_KV_HOST_WRITE_BANDWIDTH", parse=parsers.size,

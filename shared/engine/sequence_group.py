@@ -49,6 +49,7 @@ class SequenceGroups:
                       max_new_tokens=parent.max_new_tokens, seed=p.child_seed(base, i),
                       prefill_only=parent.prefill_only, scope=parent.scope, index=i, group=parent.rid)
             kid.token_ids = list(parent.token_ids[:parent.num_prompt])
+            kid.continues, kid.extends_finished = parent.continues, parent.extends_finished  # its prompt's
             if p.grammar is not None:
                 kid.grammar = e.grammars.new_state(p.grammar)
             kids.append(kid)

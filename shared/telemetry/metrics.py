@@ -123,8 +123,9 @@ class DuetMetrics:
             "duet_kv_host_writeback_bytes", "The bytes of duet_kv_host_writeback_pages (one rank's share under TP)",
             ["decision", "reason"], registry=r)
         self.kv_host_continued_share = Gauge(
-            "duet_kv_host_continued_share", "Share of the recently finished requests that continued an earlier "
-            "one; from 0.25 the write policy `reused` keeps first turns too (reason chat_traffic)", registry=r)
+            "duet_kv_host_continued_share", "Share of the recently finished requests (distinct prompts) that "
+            "continued an earlier one, under the write policy `reused`: from 0.25 (until under 0.2) it keeps first "
+            "turns too (reason chat_traffic)", registry=r)
         self.kv_evicted_pages = Counter(
             "duet_kv_evicted_pages", "KV pages evicted, by the tier they left (device pages go to the "
             "host tier when there is one; host pages leave the worker)", ["tier"], registry=r)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shared.engine import kv_write_back
 from shared.engine.engine import Engine
 from shared.engine.kv_host_tier import HostKVTier, page_runs
 from shared.engine.kv_pool import KVLayout, KVPool, PageAllocator
@@ -157,11 +158,12 @@ def test_conversations_larger_than_the_device_pool_come_back_from_the_host(model
     assert set(tiered.kv.cache.writer.stats.pages) == {("written", "all")}, "a page was dropped"
 
 
-def test_the_reused_policy_drops_first_turns_and_keeps_conversations(model_dir):
+def test_the_reused_policy_drops_first_turns_and_keeps_conversations(model_dir, monkeypatch):
     """The default policy: a chat's first turn was never read again when the device needs its
     pages, so it leaves without a copy (`not_reused`); the next turn extends it (recognised
     though its pages are gone), so what that turn inserts is kept (`conversation`) and turn 3
     reads it back from the host tier. Single prompts nobody sends again are never copied."""
+    monkeypatch.setattr(kv_write_back, "WALK_SPACING", 0)  # every step walks (wall-clock spacing)
     openers = [[(7 * c + i) % 400 + 1 for i in range(22)] for c in range(5)]
     follow = [5, 6, 7, 8, 9]
     ref = make_engine(model_dir, pages=64, enable_prefix_cache=False)
@@ -205,13 +207,16 @@ def test_a_conversation_whose_history_differs_from_its_answers_tokens_is_still_k
     assert tiered.kv.cache.writer.stats.pages.get(("written", "conversation"), 0) > 0
 
 
-def test_once_most_requests_continue_earlier_ones_first_turns_are_kept_too(model_dir):
+def test_once_most_requests_continue_earlier_ones_first_turns_are_kept_too(model_dir, monkeypatch):
     """Staggered chats, as a chat product's arrive: each chat's second turn comes after two newer
     chats' first turns have taken the device. At first a first turn leaves without a copy (no
     sign on its pages) and its second turn recomputes it; once SHARE_MIN_REQUESTS have finished
     and about half of them continued an earlier one, first turns are kept too (`chat_traffic`)
     and second turns find them in the host tier. One-off prompts keep the share at 0 and nothing
     is copied."""
+    # every step walks for copies: the walk's spacing is wall-clock time, which a busy machine
+    # stretches until pages leave uncopied (not_copied), not what this test is about
+    monkeypatch.setattr(kv_write_back, "WALK_SPACING", 0)
     chats, follow = 40, [5, 6, 7, 8, 9]
     openers = [[(7 * c + 3 * i) % 400 + 1 for i in range(22)] for c in range(chats)]
     ref = make_engine(model_dir, pages=64, enable_prefix_cache=False)

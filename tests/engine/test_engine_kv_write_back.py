@@ -23,7 +23,8 @@ from shared.engine.kv_host_tier import HostKVTier
 from shared.engine.kv_pool import KVLayout, KVPool, PageAllocator
 from shared.engine import kv_write_back as kwb
 from shared.engine.kv_write_back import WriteBackConfig
-from shared.engine.kv_write_policy import FinishedPrompts
+from shared.engine import kv_write_policy as kwp
+from shared.engine.kv_write_policy import ContinuedShare, FinishedPrompts
 from shared.engine.radix_cache import RadixCache
 from shared.engine.sampling_params import SamplingParams
 from tests.engine.test_engine_kv_tiers import PS, assert_idle_all_tiers, check_tree, converse, make_engine
@@ -64,6 +65,45 @@ def read_back(cache: RadixCache, alloc: PageAllocator, pool, tokens) -> torch.Te
     out = pool.buffer[m.pages].clone()
     cache.unlock(m.deepest)
     return out
+
+
+def test_first_turns_are_kept_from_a_quarter_of_continued_requests_until_under_a_fifth():
+    """The traffic counts as chats only once enough requests finished, and a share near the line
+    does not flip the rule back and forth: on at FIRST_TURN_SHARE, off only under
+    FIRST_TURN_SHARE_OFF."""
+    share = ContinuedShare()
+    for i in range(kwp.SHARE_MIN_REQUESTS - 1):
+        share.count(continued=i % 2 == 0)  # half continued, but too few requests yet
+        assert not share.keeps_first_turns
+    share.count(continued=True)
+    assert share.share > 0.5 and share.keeps_first_turns
+    while share.share >= kwp.FIRST_TURN_SHARE_OFF:  # one-off prompts now: the share decays
+        assert share.keeps_first_turns
+        share.count(continued=False)
+    assert not share.keeps_first_turns
+    while share.share < kwp.FIRST_TURN_SHARE:  # chats again: back on only at the higher line
+        assert not share.keeps_first_turns
+        share.count(continued=True)
+    assert share.keeps_first_turns
+
+
+def test_every_sequence_of_a_turn_with_n_answers_is_the_conversations(model_dir):
+    """A chat's next turn asking n = 2 answers: both sequences continue the conversation, so what
+    each inserts is the conversation's (kept by `reused`), not only the first sequence's."""
+    engine = make_engine(model_dir, pages=64, host_pages=64)
+    chat = [[(7 * i) % 400 + 1 for i in range(22)]]
+    (_, answers), = list(converse(engine, chat, 1, []))
+    rid = engine.add_request(chat[0] + answers[0] + [5, 6, 7, 8, 9],
+                             SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=9, ignore_eos=True))
+    run_until_done(engine, [rid])
+    leaves, stack = [], [engine.kv.cache.root]
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children.values())
+        if not node.children and node is not engine.kv.cache.root:
+            leaves.append(node)
+    assert len(leaves) == 2, "the two answers did not part"
+    assert all(leaf.conversation for leaf in leaves), [leaf.conversation for leaf in leaves]
 
 
 def test_a_turn_is_a_conversations_only_when_it_holds_a_finished_prompt_whole():
