@@ -133,6 +133,13 @@ class HostWriter:
         if self.prompts is not None and self.prompts.remember(prompt, namespace):
             self.continued_share.count(continued)  # once a prompt: n > 1 sequences, repeats
 
+    def forget(self) -> None:
+        """No finished prompt is remembered, and the continued share starts again (a reset cache:
+        warm-up's and calibration's requests are not the traffic)."""
+        if self.prompts is not None:
+            self.prompts = FinishedPrompts(self.cache.page_size)
+        self.continued_share = ContinuedShare()
+
     def continued(self, tokens: list[int], namespace: int) -> bool:
         return self.prompts is not None and self.prompts.continued_by(tokens, namespace)
 

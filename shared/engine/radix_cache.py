@@ -487,9 +487,11 @@ class RadixCache:
             stack.extend(c for c in n.children.values() if c.on_device)
 
     def reset(self) -> None:
-        """Drop every unlocked cached page from every tier (tests, weight reload); waits for
-        the copies in flight."""
+        """Drop every unlocked cached page from every tier (warm-up, calibration, weight reload,
+        tests); waits for the copies in flight. The write policy's account of finished prompts
+        starts again too: a start-up's own requests say nothing of the traffic."""
         self.evict(self.num_cached_pages)
         if self.host is not None:
             self._evict_host(self.num_host_pages)
             self.writer.settle()
+            self.writer.forget()

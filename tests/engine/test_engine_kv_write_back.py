@@ -87,6 +87,21 @@ def test_first_turns_are_kept_from_a_quarter_of_continued_requests_until_under_a
     assert share.keeps_first_turns
 
 
+def test_a_reset_cache_forgets_the_finished_prompts_and_the_continued_share(model_dir):
+    """Warm-up and calibration run requests of their own, then reset the cache: what they
+    finished is not the traffic (calibration continues its own prompts on purpose)."""
+    engine = make_engine(model_dir, pages=64, host_pages=64)
+    chat = [[(7 * i) % 400 + 1 for i in range(22)]]
+    for _ in converse(engine, chat, 2, [5, 6, 7, 8, 9]):
+        pass
+    writer = engine.kv.cache.writer
+    assert writer.continued_share.seen == 2 and 0.49 < writer.continued_share.share < 0.51  # decayed counts
+    assert writer.continued(chat[0] + [1, 2, 3], 0)
+    engine.kv.cache.reset()
+    assert writer.continued_share.seen == 0 and writer.continued_share.share == 0.0
+    assert not writer.continued(chat[0] + [1, 2, 3], 0) and len(writer.prompts) == 0
+
+
 def test_every_sequence_of_a_turn_with_n_answers_is_the_conversations(model_dir):
     """A chat's next turn asking n = 2 answers: both sequences continue the conversation, so what
     each inserts is the conversation's (kept by `reused`), not only the first sequence's."""
