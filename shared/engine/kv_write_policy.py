@@ -182,8 +182,7 @@ class HostTierWrites:
         "reused", flag="--kv-host-write-policy", env="DUET_KV_HOST_WRITE_POLICY", choices=POLICIES,
         help="which pages leaving the device are copied to the host KV tier: reused (pages a request's match "
              "found, a continued conversation's, and first turns while a quarter or more of the requests continue "
-             "earlier ones), "
-             "all, or off")
+             "earlier ones), all, or off")
     bandwidth: int = setting(
         16 << 30, flag="--kv-host-write-bandwidth", env="DUET_KV_HOST_WRITE_BANDWIDTH", parse=parsers.size,
         help="bytes a second the write-back to the host KV tier may copy, per rank, e.g. 16G; 0 = unbounded")

@@ -259,18 +259,18 @@ class Scheduler:
     def _chunk(self, req: Req, budget: int) -> ScheduledReq | None:
         """The next prefill chunk that fits both the budget and free pages (keeping one
         page per decoding request in hand so admissions do not starve decodes)."""
-        length = min(req.remaining, budget)
         keep = sum(1 for r in self.running if r.is_decoding)
-        spare = self.kv.available - keep
         have = len(req.page_ids) * self.kv.page_size - req.num_computed
-        max_len = have + max(spare, 0) * self.kv.page_size
-        length = min(length, max_len)
+
+        def fits(pages: int) -> int:  # tokens a chunk can take: its own pages' room and `pages` less the reserve
+            return have + max(pages - keep, 0) * self.kv.page_size
+        length = min(req.remaining, budget, fits(self.kv.available))
         if length <= 0:
             return None
         # a chunk never takes a page whose write-back copy is in flight (that copy, of a page
         # worth keeping, would be given up): what is free now, the rest once the copy lands
         if not self.kv.grow(req, req.num_computed + length, keep_copies=True):
-            length = min(length, have + max(self.kv.allocator.num_free - keep, 0) * self.kv.page_size)
+            length = min(length, fits(self.kv.allocator.num_free))
             if length <= 0 or not self.kv.grow(req, req.num_computed + length, keep_copies=True):
                 return None
         if req.scheduled_at is None:
