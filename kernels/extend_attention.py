@@ -53,15 +53,40 @@ def extend_attention_reference(q, k_cache, v_cache, page_table, qo_indptr, seq_l
 def extend_attention(
     q, k_cache, v_cache, page_table, qo_indptr, seq_lens, sm_scale,
     max_extend_len: Optional[int] = None, out: Optional[torch.Tensor] = None,
-    k_scale: float = 1.0, v_scale: float = 1.0,
+    k_scale: float = 1.0, v_scale: float = 1.0, work: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Triton. max_extend_len (the longest extend in the batch) sizes the grid;
     the engine knows it on the host, and without it this reads qo_indptr back
-    (one device sync)."""
+    (one device sync). work (extend_work_items, with this q's block_m) sizes it
+    instead: no host value at all, as a CUDA graph needs."""
     _check(q, k_cache, v_cache, page_table, qo_indptr, seq_lens)
     from kernels.triton_extend_attention import launch_extend_attention
 
-    if max_extend_len is None:
+    if max_extend_len is None and work is None:
         max_extend_len = int((qo_indptr[1:] - qo_indptr[:-1]).max().item()) if seq_lens.numel() else 0
-    return launch_extend_attention(q, k_cache, v_cache, page_table, qo_indptr, seq_lens, sm_scale, max_extend_len, out,
-                                   k_scale=k_scale, v_scale=v_scale)
+    return launch_extend_attention(q, k_cache, v_cache, page_table, qo_indptr, seq_lens, sm_scale, max_extend_len or 0,
+                                   out, k_scale=k_scale, v_scale=v_scale, work=work)
+
+
+def work_block_m(head_dim: int, dtype: torch.dtype, device: torch.device) -> int:
+    """The query rows one program of the kernel holds, for q of this head size and dtype (a
+    work list must be cut in the same blocks)."""
+    from kernels.triton_extend_attention import default_extend_config
+
+    return default_extend_config(head_dim, dtype, device).block_m
+
+
+def extend_work_items(qo_indptr: torch.Tensor, block_m: int, items: int) -> torch.Tensor:
+    """int32 [items, 2]: (sequence, query block) for each block of block_m new tokens, each
+    sequence's last block first, then (-1, 0) past the last. Device ops only, so a CUDA graph
+    captures it with the step (its sequences' extends vary from replay to replay).
+    `items` must cover the blocks: at most cdiv(tokens, block_m) + the sequences extended."""
+    ext = qo_indptr[1:] - qo_indptr[:-1]
+    blocks = (ext + (block_m - 1)) // block_m
+    ends = torch.cumsum(blocks, 0, dtype=torch.int32)
+    i = torch.arange(items, dtype=torch.int32, device=qo_indptr.device)
+    seq = torch.searchsorted(ends, i, right=True)
+    listed = seq < ends.shape[0]
+    safe = seq.clamp(max=ends.shape[0] - 1)
+    m_block = ends[safe] - 1 - i  # the sequence's blocks end at ends[seq]: its last block first
+    return torch.stack((torch.where(listed, safe, -1), torch.where(listed, m_block, 0)), 1).to(torch.int32)

@@ -4,6 +4,13 @@ Grid (query blocks, H_q, B). A program holds BLOCK_M queries of one sequence
 and one head and streams that sequence's paged KV in BLOCK_N steps with an
 online softmax: first the kv positions every query of the block may see (no
 mask), then the diagonal steps under the causal mask.
+
+With a work list (kernels.extend_attention.extend_work_items: one (sequence, query
+block) per item, -1 past the last) the grid is (items, H_q) instead. A CUDA graph
+captures its grid once for every step of its token bucket; sized by (longest extend,
+sequences) that grid would be mostly idle programs for a step of many one-token rows
+beside a prompt, sized by items it is at most one block per sequence over the
+blocks the tokens fill.
 """
 
 from dataclasses import dataclass
@@ -20,24 +27,30 @@ _LOG2E = 1.4426950408889634
 
 # index arrays and the page-table width vary by batch: no specialisation on them (no recompiles)
 @triton.jit(do_not_specialize=["stride_pt_b"],
-            do_not_specialize_on_alignment=["page_table", "qo_indptr", "seq_lens"])
+            do_not_specialize_on_alignment=["page_table", "qo_indptr", "seq_lens", "work"])
 def _extend_kernel(
-    q, k_cache, v_cache, page_table, qo_indptr, seq_lens, o, qk_scale_log2, v_scale,
+    q, k_cache, v_cache, page_table, qo_indptr, seq_lens, work, o, qk_scale_log2, v_scale,
     stride_q_t, stride_q_h,
     stride_k_page, stride_k_head, stride_k_off,
     stride_v_page, stride_v_head, stride_v_off,
     stride_pt_b, stride_o_t, stride_o_h,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_WORK: tl.constexpr,
 ):
-    # heaviest (last) query blocks first, so the causal tail does not straggle
-    m_block = tl.num_programs(0) - 1 - tl.program_id(0)
     head = tl.program_id(1)
-    b = tl.program_id(2)
+    if USE_WORK:  # the list orders each sequence's heaviest (last) blocks first
+        item = tl.program_id(0)
+        listed = tl.load(work + 2 * item)
+        m_block = tl.load(work + 2 * item + 1)
+        b = tl.maximum(listed, 0)
+    else:  # heaviest (last) query blocks first, so the causal tail does not straggle
+        m_block = tl.num_programs(0) - 1 - tl.program_id(0)
+        b = tl.program_id(2)
+        listed = b
     q_start = tl.load(qo_indptr + b)
     ext_len = tl.load(qo_indptr + b + 1) - q_start
-    if m_block * BLOCK_M < ext_len:
+    if (listed >= 0) & (m_block * BLOCK_M < ext_len):
         seq_len = tl.load(seq_lens + b)
         prefix_len = seq_len - ext_len
         kv_head = head // GROUP
@@ -124,27 +137,32 @@ def default_extend_config(head_dim: int, dtype: torch.dtype, device: torch.devic
 
 
 def launch_extend_attention(q, k_cache, v_cache, page_table, qo_indptr, seq_lens, sm_scale, max_extend_len: int, out=None,
-                            config: Optional[ExtendConfig] = None, k_scale: float = 1.0, v_scale: float = 1.0):
+                            config: Optional[ExtendConfig] = None, k_scale: float = 1.0, v_scale: float = 1.0,
+                            work: Optional[torch.Tensor] = None):
     num_tokens, num_q_heads, head_dim = q.shape
     batch = seq_lens.shape[0]
     num_kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
     if q.stride(-1) != 1:
         q = q.contiguous()
     o = torch.empty_like(q) if out is None else out
-    if num_tokens == 0 or batch == 0 or max_extend_len == 0:
+    if num_tokens == 0 or batch == 0 or (work is None and max_extend_len == 0):
         return o
     cfg = config or default_extend_config(head_dim, q.dtype, q.device)
     block_m = cfg.block_m
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    grid = (triton.cdiv(max_extend_len, block_m), num_q_heads, batch)
+    if work is not None:
+        grid = (work.shape[0], num_q_heads, 1)
+    else:
+        grid = (triton.cdiv(max_extend_len, block_m), num_q_heads, batch)
     _extend_kernel[grid](
-        q, k_cache, v_cache, page_table, qo_indptr, seq_lens, o, sm_scale * _LOG2E * k_scale, v_scale,
+        q, k_cache, v_cache, page_table, qo_indptr, seq_lens, qo_indptr if work is None else work, o,
+        sm_scale * _LOG2E * k_scale, v_scale,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         page_table.stride(0), o.stride(0), o.stride(1),
         GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, PAGE_SIZE=page_size, DOT_PRECISION=precision,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        USE_WORK=work is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return o

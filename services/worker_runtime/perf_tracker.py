@@ -142,7 +142,8 @@ class PerfTracker:
 
 def budget_graph_rows(engine) -> int:
     """Decode rows beside which a step with a prefill chunk still replays a CUDA graph (the
-    prefill graphs' sequences, less the chunk's own): past them the budget does not slice
+    prefill graphs' sequences, the decode graphs' batch and a few prompts, less the chunk's
+    own): past them the budget does not slice
     (step_budget.py). -1 without graphs: every step is eager alike."""
     runner = engine.runner
     if runner.graphs is None:

@@ -79,8 +79,9 @@ class EngineConfig:
         help="largest decode batch captured as a CUDA graph; larger batches run eagerly")
     prefill_graph_max_tokens: int = setting(
         512, flag="--prefill-graph-max-tokens", env="DUET_PREFILL_GRAPH_MAX_TOKENS",
-        help="prefill steps of up to this many tokens (and 8 sequences) replay CUDA graphs captured per "
-             "token bucket (a conversation's next turn, a short prompt); 0 = eager")
+        help="steps with prefill of up to this many tokens in all (a conversation's next turn, a short "
+             "prompt, a prompt's chunk beside the running streams' decode rows) replay CUDA graphs "
+             "captured per token bucket; 0 = eager")
     # CPU prepares step N+1 while the device runs step N (overlap.py). None: on, except with
     # TP on GPUs without the custom all-reduce (the tokens would need an NCCL broadcast a step);
     # with it rank 0 pushes the tokens on the device and overlap pays as on one GPU

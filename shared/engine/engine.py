@@ -161,15 +161,17 @@ class Engine:
         log.info("engine plan: %s", self.plan.render())
 
     def _make_graphs(self) -> None:
-        """Decode graphs (or their padded eager runner) and small-prefill graphs, as planned."""
+        """Decode graphs (or their padded eager runner) and the graphs of small prefill and mixed
+        steps, as planned."""
         graphs = self.plan.decode_graphs.value
         max_pages = -(-self.max_model_len // self.layout.page_size)
         if graphs is not None:
             self.runner.graphs = parts.decode_graphs(self.model, self.backend, self.pool, self.device, graphs,
                                                      max_pages)
-        if self.plan.prefill_graphs.value:  # small prefill steps are as launch-bound
+        if self.plan.prefill_graphs.value:  # small prefill and mixed steps are as launch-bound
             self.runner.prefill_graphs, failed = parts.prefill_graphs(
-                self.model, self.backend, self.device, self.plan.prefill_graphs.value, max_pages)
+                self.model, self.backend, self.device, self.plan.prefill_graphs.value, max_pages,
+                graphs.sizes[-1] if graphs is not None else 0)
             if failed:  # a model whose prefill path cannot be captured
                 log.warning("prefill CUDA graphs off (%s); prefill steps run eagerly", failed)
                 self.plan = replace(self.plan, prefill_graphs=Decision(0, "off", failed))

@@ -65,12 +65,14 @@ def decode_graphs(model, backend, pool, device: torch.device, graphs: DecodeGrap
                            sizes=list(graphs.sizes), capture=graphs.capture)
 
 
-def prefill_graphs(model, backend, device: torch.device, max_tokens: int, max_pages: int):
-    """(PrefillGraphs, "") for small prefill steps (prefill_graph.py), or (None, why) where the
-    model's prefill path cannot be captured."""
-    from .prefill_graph import PrefillGraphs
+def prefill_graphs(model, backend, device: torch.device, max_tokens: int, max_pages: int, decode_rows: int):
+    """(PrefillGraphs, "") for small prefill steps and for steps that carry a prompt beside up
+    to `decode_rows` decode rows (prefill_graph.py), or (None, why) where the model's prefill
+    path cannot be captured."""
+    from .prefill_graph import PrefillGraphs, graph_seqs
     try:
-        return PrefillGraphs(model, backend, device, max_tokens=max_tokens, max_pages=max_pages), ""
+        return PrefillGraphs(model, backend, device, max_tokens=max_tokens, max_pages=max_pages,
+                             max_seqs=graph_seqs(max_tokens, decode_rows)), ""
     except (RuntimeError, ValueError) as exc:
         torch.cuda.synchronize(device)
         return None, f"capture failed: {exc}"

@@ -316,8 +316,8 @@ def _prefill_graphs(config: EngineConfig, graphs: DecodeGraphs | None, step_toke
     if config.prefill_graph_max_tokens <= 0:
         return Decision(0, "off", "--prefill-graph-max-tokens 0")
     tokens = min(config.prefill_graph_max_tokens, step_tokens, max_model_len)
-    return Decision(tokens, f"<={tokens}", "small prefill steps (and up to 8 sequences) replay graphs per "
-                    "token bucket")
+    return Decision(tokens, f"<={tokens}", "small prefill steps, and prompts' chunks beside the decode rows, "
+                    "replay graphs per token bucket")
 
 
 def _overlap(config: EngineConfig, facts: DeviceFacts, custom_all_reduce: str | None) -> Decision[bool]:

@@ -1,18 +1,23 @@
-"""CUDA graphs for small prefill steps: a conversation's next turn, a short prompt.
+"""CUDA graphs for small prefill steps and mixed steps: a conversation's next turn, a short
+prompt, a prompt's chunk beside the running streams' decode rows.
 
-A prefill step of ~100 tokens is as host-bound as a decode step: 36 layers of kernels
-launched one by one from Python take several times what reading the weights does, and a
-follow-up turn's first token is mostly that step (docs/performance/multiturn.md). So, as
-decode graphs do (cuda_graph.py), steps of up to MAX_SEQS sequences and
-a few hundred tokens replay a graph captured for the next token bucket up.
+A step of a few hundred tokens is as host-bound as a decode step: 36 layers of kernels
+launched one by one from Python take several times what reading the weights does. A
+follow-up turn's first token is mostly that step (docs/performance/multiturn.md), and on a
+colocated or decode worker every step that admits a prompt beside the running streams was
+such an eager step (two to four times a decode step on an 8B model: the streams' TPOT over
+their decode step, docs/performance/serving.md). So, as decode graphs do (cuda_graph.py),
+steps of up to `max_seqs` sequences (the decode graphs' rows and a few prompts) and
+`max_tokens` tokens replay a graph captured for the next token bucket up.
 
-Every graph has the same MAX_SEQS + 1 sequences over static buffers; a step fills the first
-n, gives the unused ones no tokens (their extend-attention programs exit at once), and the
-last one, the padding sequence, takes the bucket's remaining tokens: positions from 0 over
-the padding page (zeros, never written), slot -1 (nothing stored). The attention grid is
-sized by the bucket, so the captured launches fit any step of it. Its rows are computed
-and dropped; the real rows' numbers are those of an eager step of the same token count
-(capture=False runs these padded shapes eagerly)."""
+Every graph has the same max_seqs + 1 sequences over static buffers; a step fills the first
+n, gives the unused ones no tokens, and the last one, the padding sequence, takes the
+bucket's remaining tokens: positions from 0 over the padding page (zeros, never written),
+slot -1 (nothing stored). The extend attention runs over a work list computed inside the
+graph from the step's offsets (one program per sequence's block of queries, so unused
+sequences cost nothing and a decode row one block), so the captured launches fit any step
+of the bucket. The padding rows are computed and dropped; the real rows' numbers are those
+of an eager step of the same token count (capture=False runs these padded shapes eagerly)."""
 from __future__ import annotations
 
 import logging
@@ -20,22 +25,37 @@ import time
 
 import torch
 
+from kernels.extend_attention import extend_work_items, work_block_m
+
 from .attention.metadata import AttentionMetadata
 from .cuda_graph import capture_ladder
 from .kv_pool import PADDING_PAGE
 
 log = logging.getLogger("duet.engine.prefill_graph")
 
-MAX_SEQS = 8  # sequences a captured prefill step holds (then eager)
+MAX_SEQS = 8  # prompts (sequences beyond the decode rows) a captured step holds
+
+
+def graph_seqs(max_tokens: int, decode_rows: int) -> int:
+    """Sequences a captured step holds: the decode graphs' largest batch and MAX_SEQS prompts
+    beside them, at most one a token."""
+    return max(1, min(max_tokens, decode_rows + MAX_SEQS))
 
 
 def token_buckets(max_tokens: int) -> list[int]:
-    """64, 128, 256, ... up to max_tokens (itself the last)."""
+    """Powers of two from 64, then every eighth of the largest power of two up to max_tokens
+    (itself the last): 64, 128, 192, ... 512 for 512. A step pads to its bucket and a padded
+    token costs what a real one does (a step of a few hundred rows is compute-bound on a large
+    model), so the buckets stay fine where mixed steps are (decode rows and a prompt or two)."""
+    if max_tokens <= 0:
+        return []
+    step = max(64, (1 << (max_tokens.bit_length() - 1)) // 8)
     out, t = [], 64
-    while t < max_tokens:
+    while t < step and t < max_tokens:
         out.append(t)
         t *= 2
-    return out + [max_tokens] if max_tokens > 0 else []
+    out += list(range(step, max_tokens, step))
+    return out + [max_tokens]
 
 
 class PrefillGraphs:
@@ -48,6 +68,8 @@ class PrefillGraphs:
         self.max_tokens = self.buckets[-1]
         self.max_seqs = max_seqs
         self.max_pages = max_pages
+        # the attention's query blocks, as the kernel cuts them for this model's q (head size, dtype)
+        self._block_m = work_block_m(model.cfg.head_dim, model.embed_tokens.weight.dtype, device)
         page = backend.pool.layout.page_size
         if -(-self.max_tokens // page) > max_pages:
             raise ValueError(f"{self.max_tokens} padding tokens need more than the {max_pages} pages a row holds")
@@ -69,8 +91,8 @@ class PrefillGraphs:
         t0 = time.monotonic()
         self.graphs, self.outputs = capture_ladder(device, self.buckets, self._run_model,
                                                    before=lambda b: self._fill_padding(0, 0, b))
-        log.info("captured %d prefill CUDA graphs (%d..%d tokens, up to %d sequences) in %.1fs", len(self.buckets),
-                 self.buckets[0], self.max_tokens, max_seqs, time.monotonic() - t0)
+        log.info("captured %d prefill and mixed-step CUDA graphs (%d..%d tokens, up to %d sequences) in %.1fs",
+                 len(self.buckets), self.buckets[0], self.max_tokens, max_seqs, time.monotonic() - t0)
 
     def _meta(self, bucket: int) -> AttentionMetadata:
         s = self.max_seqs + 1
@@ -80,9 +102,15 @@ class PrefillGraphs:
             slot_mapping=self.slots[:bucket], seq_lens_host=[1] * s, extend_lens_host=[bucket] * s,
             num_pages_host=[1] * s)  # extend_lens_host: its max sizes the attention grid (the bucket)
 
+    def work_items(self, bucket: int) -> int:
+        """Work-list length for a bucket: each sequence's blocks, at most one partial block a
+        sequence (and the padding sequence) beyond the bucket's full ones."""
+        return -(-bucket // self._block_m) + min(bucket, self.max_seqs + 1)
+
     def _run_model(self, bucket: int):
-        return self.model(self.input_ids[:bucket], self.positions[:bucket],
-                          self._forward_batch(self.backend, self._meta(bucket)))
+        meta = self._meta(bucket)
+        meta.work = extend_work_items(self.qo_indptr, self._block_m, self.work_items(bucket))
+        return self.model(self.input_ids[:bucket], self.positions[:bucket], self._forward_batch(self.backend, meta))
 
     def bucket_for(self, tokens: int) -> int | None:
         return next((b for b in self.buckets if b >= tokens), None)

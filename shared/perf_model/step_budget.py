@@ -18,15 +18,15 @@ targets, so letting the queue's TTFT go to keep the ITL is no gain. Each step's 
 which target set it (`slo`: itl or ttft). With no TTFT pressure the ITL room is the rule.
 
 Slicing pays only where the slices are cheap. On a GPU a step replays a CUDA graph when it is
-decode rows alone or a small prefill step of a few sequences (shared/engine/prefill_graph.py);
-a step carrying a chunk beside more rows than that runs eagerly, and an eager step of a large
-model costs its kernel launches from Python (several times a graph's decode step) whatever the
-chunk's size. There, slicing a prompt into the room the target leaves turns every step into an
-eager one: the streams' steps run several times the target and prefill crawls (two colocated 8B
-workers served a quarter of what they did without the budget, docs/performance/serving.md).
-So beside more than `graph_rows` decode rows the budget does not slice: the token budget
-rules, one eager step takes as much of the prompt as it can, and the steps after it replay
-graphs again. Without graphs (a CPU worker, `graph_rows` -1) every step is eager alike and
+decode rows alone, or a prefill or mixed step of up to the decode graphs' rows and a few
+prompts (shared/engine/prefill_graph.py); a step carrying a chunk beside more rows than that
+runs eagerly, and an eager step of a large model costs its kernel launches from Python
+(several times a graph's decode step) whatever the chunk's size. There, slicing a prompt into
+the room the target leaves turns every step into an eager one: the streams' steps run several
+times the target and prefill crawls (two colocated 8B workers served a quarter of what they did
+without the budget when mixed steps held 8 sequences, docs/performance/serving.md). So beside
+more than `graph_rows` decode rows the budget does not slice: the token budget rules, one
+eager step takes as much of the prompt as it can, and the steps after it replay graphs again. Without graphs (a CPU worker, `graph_rows` -1) every step is eager alike and
 the budget slices at any row count.
 
 The scheduler (shared/engine/scheduler.py) asks `begin()` once per step with decode rows and its

@@ -145,6 +145,7 @@ def decode_attention():
 
 def extend_attention():
     from kernels.extend_attention import extend_attention as run
+    from kernels.extend_attention import extend_work_items
     from kernels.triton_extend_attention import default_extend_config, launch_extend_attention
     for dt in DTYPES:
         for h_q, h_kv, d, page in ((32, 8, 128, 16), (4, 4, 64, 1), (16, 2, 64, 64)):
@@ -157,6 +158,10 @@ def extend_attention():
                 run(q, kc, vc, table, qo, lens, 0.125, **scales)
                 launch_extend_attention(q, kc, vc, table, qo, lens, 0.125, 33,
                                         config=default_extend_config(d, dt, CUDA), **scales)
+                # a captured mixed step's launch: the grid over a work list
+                cfg = default_extend_config(d, dt, CUDA)
+                launch_extend_attention(q, kc, vc, table, qo, lens, 0.125, 0, config=cfg,
+                                        work=extend_work_items(qo, cfg.block_m, 8), **scales)
 
 
 def verify_attention():

@@ -111,3 +111,44 @@ def test_extend_of_one_token_equals_decode(runner):
     dec = runner("kernels.decode_attention:decode_attention", q, kv.k_cache, kv.v_cache,
                  kv.page_table, kv.seq_lens, 0.125)
     assert relative_error(ext, dec) < 1e-4
+
+
+def extend_with_work(q, k_cache, v_cache, page_table, qo_indptr, seq_lens, sm_scale, spare_items, out=None):
+    """extend_attention over a work list cut where it runs (the kernel's own query blocks), with
+    `spare_items` unused items past the last (-1: their programs exit)."""
+    from kernels.extend_attention import extend_attention, extend_work_items, work_block_m
+
+    block_m = work_block_m(q.shape[-1], q.dtype, q.device)
+    ext = (qo_indptr[1:] - qo_indptr[:-1]).tolist()
+    items = sum(-(-e // block_m) for e in ext) + spare_items
+    work = extend_work_items(qo_indptr, block_m, items)
+    return extend_attention(q, k_cache, v_cache, page_table, qo_indptr, seq_lens, sm_scale, out=out, work=work)
+
+
+# a mixed step: one-token decode rows beside two prompts (one over several query blocks), a
+# sequence with nothing to extend; GQA 4
+MIXED = ([1, 1, 70, 0, 1, 5, 1], [40, 7, 20, 3, 99, 0, 300], 8, 2, 64, 16)
+
+
+@pytest.mark.parametrize("spare", [0, 9])
+def test_a_work_list_gives_the_grid_launchs_numbers(runner, spare):
+    """The work-list launch (what a captured mixed step runs) computes each block as the grid
+    launch does: equal outputs, every row written, the reference's numbers."""
+    kv, q, qo_indptr = _build(MIXED, torch.float32, runner.device)
+    args = (q, kv.k_cache, kv.v_cache, kv.page_table, qo_indptr, kv.seq_lens, 0.125)
+    listed = fill_nan_(torch.empty_like(q))
+    runner(f"{__name__}:extend_with_work", *args, spare, out=listed)
+    assert torch.isfinite(listed).all(), "some output elements were not written"
+    assert torch.equal(listed, runner(TARGET, *args))
+    assert relative_error(listed, extend_attention_reference(*args)) < 1e-3
+
+
+def test_the_work_list_names_each_sequences_blocks_last_first_then_nothing():
+    from kernels.extend_attention import extend_work_items
+
+    # extends 3, 0, 67, 1, 129 in blocks of 64: 1, 0, 2, 1, 3 blocks
+    qo_indptr = torch.tensor([0, 3, 3, 70, 71, 200], dtype=torch.int32)
+    assert extend_work_items(qo_indptr, 64, 10).tolist() == [
+        [0, 0], [2, 1], [2, 0], [3, 0], [4, 2], [4, 1], [4, 0], [-1, 0], [-1, 0], [-1, 0]]
+    nothing = torch.zeros(4, dtype=torch.int32)
+    assert extend_work_items(nothing, 64, 2).tolist() == [[-1, 0], [-1, 0]]

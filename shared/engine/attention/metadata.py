@@ -23,6 +23,9 @@ class AttentionMetadata:
     num_pages_host: list[int]
     # every sequence extends by this many tokens (a speculative verify step, 2..16); 0: not so
     uniform_q: int = 0
+    # int32 [items, 2]: the extend kernel's (sequence, query block) list, in place of a grid sized
+    # from the host lists (a captured graph's step: kernels.extend_attention.extend_work_items)
+    work: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

@@ -4,11 +4,12 @@ Each layer: store_kv writes this step's K/V at their slots (unless the model's f
 prologue already did: kv_stored), then flash-decoding (decode
 steps) or the paged extend kernel (prefill chunks with a cached prefix) reads the pool.
 
-CUDA graphs (decode only): init_graph_state makes static metadata buffers sized for the
+CUDA graphs of decode steps: init_graph_state makes static metadata buffers sized for the
 largest captured batch; a graph of batch size bs is captured over the first bs rows, and
 replay_metadata copies a step's metadata into them. Padded rows (beyond the real batch)
 get seq_len 1 over the padding page and slot -1, which store_kv skips: they read a page
-that is never written and write nothing."""
+that is never written and write nothing. (Prefill and mixed steps' graphs keep their own
+buffers: shared/engine/prefill_graph.py.)"""
 from __future__ import annotations
 
 import torch
@@ -43,7 +44,8 @@ class TritonAttentionBackend(AttentionBackend):
             from kernels.verify_attention import verify_attention
             return verify_attention(q, kc, vc, meta.page_table, meta.seq_lens, scale, meta.uniform_q)
         return extend_attention(q, kc, vc, meta.page_table, meta.qo_indptr, meta.seq_lens, scale,
-                                max_extend_len=max(meta.extend_lens_host), k_scale=k_scale, v_scale=v_scale)
+                                max_extend_len=max(meta.extend_lens_host), k_scale=k_scale, v_scale=v_scale,
+                                work=meta.work)
 
     # -- CUDA graph hooks -----------------------------------------------------------------
     def init_graph_state(self, max_bs: int, max_pages: int) -> None:
