@@ -90,7 +90,8 @@ def _site(worker: WorkerInfo, inflight: WorkerInflight) -> PrefillSite | None:
     # the worker's budget as it runs it (step_budget.py), its first-token target included; the
     # queued requests' own waits are not in the registry entry: prefill_time.py says what that skews
     budget = ItlBudget(worker.perf.itl_target_s, worker.perf.budget_floor_tokens, model,
-                       ttft_s=worker.perf.ttft_target_s, graph_rows=worker.perf.budget_graph_rows) \
+                       ttft_s=worker.perf.ttft_target_s, graph_rows=worker.perf.budget_graph_rows,
+                       graph_tokens=worker.perf.budget_graph_tokens) \
         if worker.perf.budget_floor_tokens > 0 else None
     return PrefillSite(model, rows, context, worker.max_batched_tokens or 8192, budget)
 

@@ -57,13 +57,14 @@ class PerfTracker:
         # the queue's first-token target, weighed only where the inter-token budget runs
         ttft = config.ttft.target_s(engine.device.type == "cuda") if config.budget_ttft else 0.0
         self.budget = ItlBudget(target, max(1, config.budget_floor_tokens), ttft_s=ttft,
-                                graph_rows=budget_graph_rows(engine))
+                                graph_rows=budget_graph_rows(engine), graph_tokens=budget_graph_tokens(engine))
         if config.itl_budget:
             engine.scheduler.itl_budget = self.budget
         perf.itl_target_s = target
         perf.budget_floor_tokens = max(1, config.budget_floor_tokens) if config.itl_budget else 0
         perf.ttft_target_s = ttft if config.itl_budget else 0.0
         perf.budget_graph_rows = self.budget.graph_rows
+        perf.budget_graph_tokens = self.budget.graph_tokens
         self.handoffs = handoffs
         self._handoff_seen = (0.0, 0.0, 0.0)
         self.transfer_fit = OnlineLinearFit(TransferModel().coef(), HALF_LIFE_HANDOFFS) if handoffs else None
@@ -149,6 +150,13 @@ def budget_graph_rows(engine) -> int:
     if runner.graphs is None:
         return -1
     return runner.prefill_graphs.max_seqs - 1 if runner.prefill_graphs is not None else 0
+
+
+def budget_graph_tokens(engine) -> int:
+    """Tokens a step with a prefill chunk holds and still replays a CUDA graph (its decode rows
+    and the chunk): the budget's slices stay within them. 0 without prefill graphs."""
+    graphs = engine.runner.prefill_graphs
+    return graphs.max_tokens if engine.runner.graphs is not None and graphs is not None else 0
 
 
 def handoff_totals(registry) -> HandoffTotals:

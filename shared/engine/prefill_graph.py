@@ -100,7 +100,7 @@ class PrefillGraphs:
             is_decode=False, page_size=self.backend.pool.layout.page_size, seq_lens=self.seq_lens,
             extend_lens=self.extend_lens, qo_indptr=self.qo_indptr, page_table=self.page_table,
             slot_mapping=self.slots[:bucket], seq_lens_host=[1] * s, extend_lens_host=[bucket] * s,
-            num_pages_host=[1] * s)  # extend_lens_host: its max sizes the attention grid (the bucket)
+            num_pages_host=[1] * s)  # the host lists are not read: the work list sizes the attention grid
 
     def work_items(self, bucket: int) -> int:
         """Work-list length for a bucket: each sequence's blocks, at most one partial block a

@@ -26,8 +26,11 @@ the room the target leaves turns every step into an eager one: the streams' step
 times the target and prefill crawls (two colocated 8B workers served a quarter of what they did
 without the budget when mixed steps held 8 sequences, docs/performance/serving.md). So beside
 more than `graph_rows` decode rows the budget does not slice: the token budget rules, one
-eager step takes as much of the prompt as it can, and the steps after it replay graphs again. Without graphs (a CPU worker, `graph_rows` -1) every step is eager alike and
-the budget slices at any row count.
+eager step takes as much of the prompt as it can, and the steps after it replay graphs again.
+Beside fewer, a slice stays within the tokens the graphs hold (`graph_tokens`, less the decode
+rows), so the slices it cuts are the graph steps its model prices; only the queue's
+first-token target widens a step past that. Without graphs (a CPU worker, `graph_rows` -1,
+`graph_tokens` 0) every step is eager alike and the budget slices at any row count.
 
 The scheduler (shared/engine/scheduler.py) asks `begin()` once per step with decode rows and its
 queue, then `allow()` before and `charge()` after each chunk; the router and the planner
@@ -55,10 +58,14 @@ class StepAllowance:
     slo: str = "itl"            # which target set the room: itl, or ttft where the queue widened it
     granted: int = 0
     first: int | None = None   # the step's budget as the first chunk saw it (the gauge)
+    graph_room: int = 0        # prefill tokens the step holds and still replays a graph (0: no such limit)
 
     def allow(self, start: int) -> int:
         """Tokens the next chunk (after `start` held tokens) may have."""
-        n = max(self.model.largest_chunk(self.time_left_s, start), self.need_tokens - self.granted)
+        n = self.model.largest_chunk(self.time_left_s, start)
+        if self.graph_room > 0:
+            n = min(n, self.graph_room - self.granted)
+        n = max(n, self.need_tokens - self.granted)
         if self.granted == 0:
             n = max(n, self.floor_tokens)
         if self.first is None:
@@ -80,6 +87,7 @@ class ItlBudget:
     model: StepModel | None = None
     ttft_s: float = 0.0
     graph_rows: int = -1  # beside more decode rows a step with prefill runs eagerly: not sliced (-1: no limit)
+    graph_tokens: int = 0  # tokens (decode rows and prefill) a step holds and still replays a graph (0: any)
 
     @property
     def weighs_queue(self) -> bool:
@@ -97,7 +105,8 @@ class ItlBudget:
         if 0 <= self.graph_rows < decode_rows:
             return None  # the step runs eagerly anyway: one wide chunk, not many eager steps
         base = self.model.step_s(StepShape(decode_rows=decode_rows, decode_context=decode_context))
-        room = StepAllowance(self.model, self.target_s - base, self.floor_tokens)
+        room = StepAllowance(self.model, self.target_s - base, self.floor_tokens,
+                             graph_room=max(self.graph_tokens - decode_rows, 1) if self.graph_tokens > 0 else 0)
         if self.ttft_s > 0:
             itl_room = max(self.model.largest_chunk(room.time_left_s, 0), self.floor_tokens)
             cap = max(token_budget if token_budget is not None else 1 << 30, itl_room)

@@ -22,6 +22,8 @@ class WorkerPerf:
                                            # (0: not weighed, --no-itl-budget-ttft)
     budget_graph_rows: int = -1            # decode rows beside which its budget still slices prefill
                                            # (a mixed step replays a graph); -1: any (no graphs)
+    budget_graph_tokens: int = 0           # tokens a mixed step holds and still replays a graph (its budget's
+                                           # slices stay within them); 0: any (no graphs)
 
     def fields(self) -> dict[str, str]:
         return {
@@ -31,6 +33,7 @@ class WorkerPerf:
             "perf_budget_floor_tokens": str(self.budget_floor_tokens),
             "perf_ttft_target_s": repr(self.ttft_target_s),
             "perf_budget_graph_rows": str(self.budget_graph_rows),
+            "perf_budget_graph_tokens": str(self.budget_graph_tokens),
         }
 
     @classmethod
@@ -41,4 +44,5 @@ class WorkerPerf:
                    float(h.get("perf_itl_target_s", 0.0) or 0.0),
                    int(h.get("perf_budget_floor_tokens", 0) or 0),
                    float(h.get("perf_ttft_target_s", 0.0) or 0.0),
-                   int(h.get("perf_budget_graph_rows", -1) or -1))
+                   int(h.get("perf_budget_graph_rows", -1) or -1),
+                   int(h.get("perf_budget_graph_tokens", 0) or 0))

@@ -183,8 +183,31 @@ def test_the_simulated_prefill_widens_as_the_workers_budget_does_for_its_first_t
     assert weighed.prefill_s(40, 9000) == itl_only.prefill_s(40, 9000)
 
 
+def test_beside_fewer_rows_the_budget_slices_within_the_tokens_a_graph_holds():
+    """A mixed step replays a graph only up to the graphs' tokens (decode rows and chunk): the
+    ITL room's slice stays within them, the first-token target's widening may pass them (one
+    wide eager step, as asked), and the floor still goes."""
+    free = ItlBudget(0.200, 16, TRUTH, graph_rows=263)
+    capped = ItlBudget(0.200, 16, TRUTH, graph_rows=263, graph_tokens=512)
+    wide = free.begin(100, 100 * 1000).allow(0)
+    assert wide > 412  # a 200 ms target leaves room for far more than the graph holds
+    room = capped.begin(100, 100 * 1000)
+    assert room.allow(0) == 412  # 512 less the 100 decode rows
+    room.charge(0, 300)
+    assert room.allow(300) == 112  # the step's later chunks share what is left
+    full = ItlBudget(0.200, 16, TRUTH, graph_rows=263, graph_tokens=256)
+    assert full.begin(260, 260 * 1000).allow(0) == 16  # no room left in the graph: the floor
+    # the queue's first-token target asks more than the graph holds: widened past it
+    pressed = ItlBudget(0.200, 16, TRUTH, ttft_s=0.5, graph_rows=263, graph_tokens=512)
+    asked = pressed.begin(100, 100 * 1000, [QueuedPrefill(40000, 0.0)], 8192)
+    assert asked.slo == "ttft" and asked.allow(0) > 412
+    # the router's simulation of such a worker cuts the same slices
+    site = PrefillSite(TRUTH, 100, 100 * 1000, 8192, capped)
+    assert site.chunk(3000, 0) == 412
+
+
 def test_registry_entry_carries_the_models():
-    perf = WorkerPerf(TRUTH, TransferModel(0.003, 5e9, 7), 0.03, 32, 2.0, 7)
+    perf = WorkerPerf(TRUTH, TransferModel(0.003, 5e9, 7), 0.03, 32, 2.0, 7, 512)
     info = WorkerInfo(worker_id="d1", role="decode", address="x:1", model="m", perf=perf,
                       load=WorkerLoad(running_requests=3, decode_context_tokens=9000))
     back = WorkerInfo.from_hash({k.encode(): v.encode() for k, v in info.to_hash().items()})
@@ -192,6 +215,7 @@ def test_registry_entry_carries_the_models():
     assert back.perf.step.step_s(StepShape(100, 5e3, 3, 9000)) == pytest.approx(TRUTH.step_s(StepShape(100, 5e3, 3, 9000)))
     assert back.perf.transfer == TransferModel(0.003, 5e9, 7)
     assert (back.perf.itl_target_s, back.perf.budget_floor_tokens, back.perf.ttft_target_s,
-            back.perf.budget_graph_rows) == (0.03, 32, 2.0, 7)
+            back.perf.budget_graph_rows, back.perf.budget_graph_tokens) == (0.03, 32, 2.0, 7, 512)
     bare = WorkerInfo.from_hash(WorkerInfo(worker_id="p1", role="prefill", address="x:1", model="m").to_hash())
     assert bare.perf.step is None and bare.perf.transfer is None and bare.perf.budget_graph_rows == -1
+    assert bare.perf.budget_graph_tokens == 0

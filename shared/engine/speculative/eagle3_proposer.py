@@ -56,8 +56,10 @@ class Eagle3Proposer(DraftModelProposer):
         self.max_batch = max_batch
         cfg = engine.config
         fused = engine.plan.kernels.value
-        # the static feature buffers cover the target's decode graphs and every verify step
-        rows = max(min(cfg.cuda_graph_max_bs, cfg.max_running_requests), max(1, max_batch) * (k + 1), 64)
+        # the static feature buffers cover the target's decode graphs, every verify step and the
+        # prefill and mixed steps' graphs (a replay writes the buffer captured, never a new one)
+        rows = max(min(cfg.cuda_graph_max_bs, cfg.max_running_requests), max(1, max_batch) * (k + 1), 64,
+                   engine.plan.prefill_graphs.value or 0)
         self.raw, self.model = load_head(head_dir, engine.model, engine.dtype, engine.device,
                                          engine.max_model_len + k + 2, fused, rows,
                                          dummy=cfg.load_format == "dummy")
