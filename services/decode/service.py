@@ -172,7 +172,7 @@ class DecodeService(GenerateStreamsServicer, duet_pb2_grpc.DecodeServicer):
                 started = await self._join_split(request, rid, resumed, params, aloop, q, context, scope, timing)
             else:
                 started = await self._start_colocated(rid, resumed, params, aloop, q, context, scope,
-                                                      request.request_group, timing, request.queued_ms / 1000)
+                                                      request.request_group, timing)
             emitted = 1 if split else 0
             finished = started is not None and started.finished
             try:
@@ -228,12 +228,12 @@ class DecodeService(GenerateStreamsServicer, duet_pb2_grpc.DecodeServicer):
         return chunk_to_proto(out, prompt, tokens, Usage(len(prompt), emitted, out.num_cached_tokens))
 
     async def _start_colocated(self, rid, resumed: ResumedPrompt, params, aloop, q, context, scope, group: str,
-                               timing: GenerateTiming, waited_s: float = 0.0):
+                               timing: GenerateTiming):
         ctx = self.ctx
 
         def start():
             ctx.engine.add_request(resumed.prompt, params, rid=rid, scope=scope, output_prefix=resumed.streamed or None,
-                                   request_group=group, waited_s=waited_s)
+                                   request_group=group)
             timing.req = ctx.engine.get(rid)
             ctx.loop.attach(rid, aloop, q)
         try:

@@ -130,14 +130,13 @@ class OutgoingTransfers:
               reservation_id: int, generation: int, held_pages: int = 0,
               write_nothing: bool = False, scope: CacheScope = DEFAULT_SCOPE, secret: bytes = b"",
               deadline: float = float("inf"), request_group: str = "",
-              output_prefix: list[int] = (), decode: tuple[str, str] = ("", ""),
-              waited_s: float = 0.0) -> concurrent.futures.Future:
+              output_prefix: list[int] = (), decode: tuple[str, str] = ("", "")) -> concurrent.futures.Future:
         """held_pages: the reservation's leading pages decode already holds; the stream's
         pages are the ones after them. write_nothing: their hashes did not match. scope: the
         prefix-cache namespace and tenant of the request on this worker. secret, deadline: the
         reservation's write capability (notice MAC key; end of its lifetime on this process's
         monotonic clock). request_group: the client request it came from (the engine's fair
-        turns). waited_s: its wait at the gateway (its first-token deadline counts it). output_prefix: a migrated stream's completion tokens so far: their KV is written
+        turns). output_prefix: a migrated stream's completion tokens so far: their KV is written
         after the prompt's. decode: the (worker id, instance nonce) written to, whose liveness
         renews the transfer's lease."""
         if (*decode, reservation_id, generation) in self.revoked:
@@ -148,8 +147,7 @@ class OutgoingTransfers:
             raise ValueError(f"reservation has {held_pages} held + {len(stream.dst_page_ids)} pages; the "
                              f"prompt needs {-(-kv_tokens // self.page_size)}")
         self.engine.add_request(prompt_ids, params, rid=rid, prefill_only=True, scope=scope,
-                                output_prefix=list(output_prefix) or None, request_group=request_group,
-                                waited_s=waited_s)
+                                output_prefix=list(output_prefix) or None, request_group=request_group)
         fut: concurrent.futures.Future = concurrent.futures.Future()
         now = time.monotonic()
         self.active[rid] = Outgoing(rid, stream, reservation_id, generation, kv_tokens, fut,

@@ -123,8 +123,7 @@ class PrefillService(duet_pb2_grpc.PrefillServicer):
                                              res.generation, held_pages=held, write_nothing=mismatch, scope=scope,
                                              secret=res.capability.secret, deadline=handoff.deadline,
                                              request_group=request.request_group, output_prefix=resumed.streamed,
-                                             decode=(res.decode_worker_id, res.decode_instance_nonce),
-                                             waited_s=request.queued_ms / 1000)
+                                             decode=(res.decode_worker_id, res.decode_instance_nonce))
                     handoff.started = True  # from here OutgoingTransfers tells decode how it ended
                     return fut
             try:

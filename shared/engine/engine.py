@@ -352,19 +352,17 @@ class Engine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
                     rid: str | None = None, prefill_only: bool = False,
                     output_prefix: list[int] | None = None, scope: CacheScope = DEFAULT_SCOPE,
-                    request_group: str = "", waited_s: float = 0.0) -> str:
+                    request_group: str = "") -> str:
         """Queue a request. `output_prefix`: tokens already generated elsewhere (decode
         recomputing a prefill whose KV never arrived); they count as output. For n > 1 it
         holds each sequence's first token: they are forked after the prompt, unreported.
         scope: the prefix-cache namespace it reads and fills, and its tenant (cache_scope.py).
         request_group: the client request it came from (the scheduler takes waiting requests
-        round robin across groups); "" = its own. waited_s: how long it waited before it got
-        here (at the gateway), which its first-token deadline counts too."""
+        round robin across groups); "" = its own."""
         params = params or SamplingParams()
         given = len(output_prefix or ()) if params.n == 1 else 0
         req = self._make_req(prompt_ids, params, rid, prefill_only, scope, num_given=given)
         req.request_group = request_group
-        req.waited_before_s = max(0.0, waited_s)
         if output_prefix and req.params.n > 1:
             req.forced_first = list(output_prefix)
         elif output_prefix:

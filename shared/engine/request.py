@@ -46,9 +46,6 @@ class Req:
     stop_reason: str | int | None = None
     error: str | None = None
     arrival: float = field(default_factory=time.monotonic)
-    # how long it waited before it reached this engine (at the gateway): its first-token
-    # deadline counts from the client's arrival (the step budget's queue, ttft_pressure.py)
-    waited_before_s: float = 0.0
     # when a step first computed for it (the scheduler's clock, Req.arrival's), and the prefill
     # chunks scheduled (retracted work computed again included): a worker's queue and compute spans
     scheduled_at: float | None = None

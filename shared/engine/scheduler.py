@@ -228,8 +228,7 @@ class Scheduler:
         for r in itertools.islice(itertools.chain(admitted, self.waiting), MAX_WEIGHED_QUEUE):
             tokens = len(r.token_ids) - r.num_computed  # Req.remaining, inlined: read every step
             if tokens > 0:
-                yield QueuedPrefill(tokens, max(0.0, now - r.arrival) + r.waited_before_s,
-                                    len(r.token_ids) == len(r.prompt_ids))
+                yield QueuedPrefill(tokens, max(0.0, now - r.arrival), len(r.token_ids) == len(r.prompt_ids))
 
     def _turn(self, group: str) -> None:
         self._served[group] = next(self._turns)

@@ -40,10 +40,9 @@ def engine(model_dir, budget: ItlBudget | None) -> Engine:
     return eng
 
 
-def serve(eng: Engine, rows: list[list[int]], *long_prompts: list[int], waited_s: float = 0.0):
-    """Start the rows, once they decode add the long prompts (having waited `waited_s` at a
-    gateway before); every step's batch and the long prompts' tokens (of the first alone when
-    there is one)."""
+def serve(eng: Engine, rows: list[list[int]], *long_prompts: list[int]):
+    """Start the rows, once they decode add the long prompts; every step's batch and the
+    long prompts' tokens (of the first alone when there is one)."""
     for p in rows:
         eng.add_request(p, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
     batches, long_rids, tokens = [], [], {}
@@ -53,8 +52,7 @@ def serve(eng: Engine, rows: list[list[int]], *long_prompts: list[int], waited_s
         if seen and (not batches or batches[-1][0] != seen):
             batches.append((seen, StepShape.of_batch(eng.scheduler.last_batch.items)))
         if not long_rids and len(batches) >= 3:
-            long_rids = [eng.add_request(p, SamplingParams(temperature=0.0, max_tokens=5), waited_s=waited_s)
-                         for p in long_prompts]
+            long_rids = [eng.add_request(p, SamplingParams(temperature=0.0, max_tokens=5)) for p in long_prompts]
         for o in outs:
             if o.rid in long_rids:
                 tokens.setdefault(o.rid, []).extend(o.token_ids)
@@ -125,18 +123,3 @@ def test_a_short_queue_leaves_the_itl_room_as_it_was(model_dir):
     mixed = [s.prefill_tokens for s in shapes if s.decode_rows == 4 and s.prefill_tokens]
     assert mixed and max(mixed) == 24 and weighed.scheduler.budget_steps["ttft"] == 0, mixed
     assert shapes == plain_shapes and tokens == plain_tokens
-
-
-def test_a_prompt_that_waited_at_the_gateway_counts_that_wait_against_its_first_token_target(model_dir):
-    """The same 200-token prompt as above, having waited 0.45 s of its 0.5 s target at the
-    gateway before it reached the engine: it is near its target (a quarter of the target is
-    still given, 0.125 s), so it asks 1600 tokens a second, more than the 24-token room's 923,
-    and the chunks widen; the answer stays the same."""
-    rows = random_prompts(4, [6, 9, 5, 7], seed=42)
-    long_prompt = random_prompts(1, [200], seed=43)[0]
-    late = engine(model_dir, ItlBudget(target_s=0.0262, floor_tokens=8, model=MODEL, ttft_s=0.5))
-    shapes, tokens = serve(late, rows, long_prompt, waited_s=0.45)
-    mixed = [s.prefill_tokens for s in shapes if s.decode_rows == 4 and s.prefill_tokens]
-    assert mixed and mixed[0] > 24 and late.scheduler.budget_steps["ttft"] > 0, mixed
-    _, plain = serve(engine(model_dir, None), rows, long_prompt)
-    assert tokens == plain and len(tokens) == 5

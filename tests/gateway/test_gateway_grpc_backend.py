@@ -52,7 +52,6 @@ class Script:
         self.reserve_error: grpc.StatusCode | None = None
         self.prefill_delay_s = 0.0
         self.decode_delay_s = 0.0
-        self.reserve_delay_s = 0.0
         self.calls: list[tuple[str, object]] = []
         self.cancelled_rpcs: list[str] = []
         self.metadata: list[dict] = []
@@ -61,7 +60,7 @@ class Script:
     def reset(self):
         self.prefill_finish = duet_pb2.FINISH_REASON_UNSPECIFIED
         self.reserve_error = None
-        self.prefill_delay_s = self.decode_delay_s = self.reserve_delay_s = 0.0
+        self.prefill_delay_s = self.decode_delay_s = 0.0
         self.calls.clear()
         self.cancelled_rpcs.clear()
         self.metadata.clear()
@@ -80,8 +79,6 @@ class StandInDecode(GenerateStreamsServicer, duet_pb2_grpc.DecodeServicer):
 
     async def Reserve(self, request, context):
         self.s.note("Reserve", request, context)
-        if self.s.reserve_delay_s:
-            await asyncio.sleep(self.s.reserve_delay_s)
         if self.s.reserve_error is not None:
             await context.abort(self.s.reserve_error, "no free KV pages within 50 ms")
         return duet_pb2.Reservation(reservation_id=next(self.s.reservations), generation=1,
@@ -227,7 +224,6 @@ def test_health_waits_for_a_decode_worker_then_split_path(gateway, cluster, clie
 
     reply("Hello from two pools")
     cluster.script.reset()
-    cluster.script.reserve_delay_s = 0.25  # the request waits that long at the gateway before Prefill
     cached_before = cached_prompt_tokens(gateway)
     result = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=50)
     assert result.choices[0].message.content == "Hello from two pools"
@@ -242,8 +238,6 @@ def test_health_waits_for_a_decode_worker_then_split_path(gateway, cluster, clie
     assert prefill.reservation.reservation_id == generate.reservation.reservation_id
     assert generate.first_token.id == s.tokens[0] and generate.prefill_worker_id == "prefill-1"
     assert list(generate.prompt_token_ids) == list(prefill.prompt_token_ids)
-    # the prefill worker counts the request's first-token deadline from its arrival here
-    assert 250 <= prefill.queued_ms < 5000 and generate.queued_ms <= prefill.queued_ms
     assert wait_until(lambda: cluster.router_inflight() == {}, timeout=5), "router load not released"
     # One trace: every RPC carried the gateway span's W3C context.
     trace_ids = {m.get("traceparent", "").split("-")[1] for m in s.metadata if "traceparent" in m}

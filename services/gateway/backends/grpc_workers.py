@@ -418,7 +418,7 @@ class GrpcBackend:
             scope = cache_scope_fields(request.cache_scope)
             generate = duet_pb2.GenerateRequest(request_id=attempt.request_id, request_group=request.group,
                                                 sampling=sampling, **prompt.fields(),
-                                                **scope, queued_ms=queued_ms(request))
+                                                **scope)
             if not route.colocated:
                 reply = await self._reserve_and_prefill(request, attempt, route, decode, sampling, metadata, state)
                 answer = prefill_reply_from_proto(reply, attempt.request_id, want_logprobs)
@@ -534,7 +534,7 @@ class GrpcBackend:
         try:
             reply = await prefill.Prefill(duet_pb2.PrefillRequest(
                 request_id=attempt.request_id, sampling=sampling, reservation=state.reservation,
-                request_group=request.group, **attempt.prompt.fields(), **scope, queued_ms=queued_ms(request)),
+                request_group=request.group, **attempt.prompt.fields(), **scope),
                 metadata=metadata, timeout=self.config.rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
             what = f"prefill worker {route.prefill.worker_id}"
@@ -651,12 +651,6 @@ class _AttemptRecord:
 
 def _lost(exc: grpc.aio.AioRpcError, what: str, cause: str, worker: duet_pb2.WorkerRef) -> WorkerLost:
     return WorkerLost(f"{what}: {exc.details() or exc.code().name}", cause, worker.worker_id, worker.instance_nonce)
-
-
-def queued_ms(request: GenerationRequest) -> int:
-    """The request's wait at this gateway so far, for the worker's first-token deadline (the
-    wire's uint32: a wait past 49 days reads as that)."""
-    return min(int(1000 * request.queued_s()), (1 << 32) - 1)
 
 
 def request_prompt(generate: duet_pb2.GenerateRequest) -> list[int]:

@@ -17,7 +17,6 @@ Contract of `generate`:
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol, runtime_checkable
@@ -48,13 +47,6 @@ class GenerationRequest:
     # told, once routed, the prompt tokens the chosen worker is expected to hold (the admission
     # then charges only the rest to its prefill budget: Grant.routed); None: nobody asks
     on_routed: Callable[[int], None] | None = None
-    # time.monotonic() of the client request's arrival at the gateway (0: unknown): the workers
-    # count its first-token deadline from it (the wait at the gateway travels as queued_ms)
-    arrived_at: float = 0.0
-
-    def queued_s(self) -> float:
-        """Seconds since the client request arrived (0 when unknown)."""
-        return max(0.0, time.monotonic() - self.arrived_at) if self.arrived_at else 0.0
 
 
 @dataclass

@@ -134,8 +134,7 @@ class LocalBackend:
             # prompt will not prefill (the admission then charges only the rest)
             held = 0 if params.prompt_logprobs is not None else \
                 engine.kv.held_prefix_tokens(prompt[:-1], request.cache_scope.cache_key)
-            engine.add_request(prompt, params, rid, scope=request.cache_scope, request_group=request.group,
-                               waited_s=request.queued_s())
+            engine.add_request(prompt, params, rid, scope=request.cache_scope, request_group=request.group)
             loop.attach(rid, aloop, outputs)
             return held
 

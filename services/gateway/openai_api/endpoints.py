@@ -375,8 +375,7 @@ class OpenAIEndpoints:
                 rid = prepared.request_id if len(prepared.prompts) == 1 else f"{prepared.request_id}-{k}"
                 gen_request = GenerationRequest(rid, prompt_ids, prepared.sampling,
                                                 model=model.name, group=prepared.request_id,
-                                                trace_context=trace_context, cache_scope=cache_scope,
-                                                arrived_at=arrived_at)
+                                                trace_context=trace_context, cache_scope=cache_scope)
                 metrics.prompt_tokens.labels(endpoint, model.name, prepared.adapter or "").inc(len(prompt_ids))
                 generations.append(Generation(self.ctx.backend, gen_request, model.prompts.tokenizer, metrics,
                                               endpoint, arrived_at=arrived_at))
