@@ -214,6 +214,7 @@ def _rates(run, url: str, folder: Path, layout: str, log_dir: Path | None, rates
         if run.args.settle_seconds > 0:  # the same load first, unmeasured: a planner picks its split for it
             run_loadtest(load(run.args.settle_seconds, seed + 1, " settling"), out.with_name(out.name + "-settle"))
         before, planned = step_totals(log_dir), planner_activity(log_dir)
+        mixed_before = step_totals(log_dir, "mixed")
         run_loadtest(load(run.args.seconds_per_rate, seed, ""), out)
         s = read_results(out / "results.json").summaries()[0]
         switches = "" if planned is None else f", {planner_activity(log_dir).since(planned).text()}"
@@ -224,6 +225,10 @@ def _rates(run, url: str, folder: Path, layout: str, log_dir: Path | None, rates
         if steps > 0:  # the workers' own decode step over the same window, beside the client's TPOT
             run.add("stack", f"{layout} {workload} {rate}/s{tag} decode step ms", round(1000 * seconds / steps, 2),
                     f"mean of {steps:.0f} decode-only steps; TPOT p50 / step {(s.tpot.p50 or 0) / (1000 * seconds / steps):.2f}")
+        mixed_s, mixed = (a - b for a, b in zip(step_totals(log_dir, "mixed"), mixed_before))
+        if steps > 0:  # steps carrying a prompt beside decode rows: what the streams' TPOT pays past the step
+            run.add("stack", f"{layout} {workload} {rate}/s{tag} mixed step ms", round(1000 * mixed_s / max(mixed, 1), 2),
+                    f"mean of {mixed:.0f} steps with prefill beside decode rows")
 
 
 def _chats(run, url: str, folder: Path, layout: str, log_dir: Path | None = None) -> None:

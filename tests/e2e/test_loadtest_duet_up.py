@@ -110,6 +110,9 @@ def test_bench_stack_sections_measure_this_stack(duet_stack, tmp_path, torch_one
     from loadtest.bench.stacks import KV_READING, kv_tiers_text, step_totals, workers_sum
     seconds, steps = step_totals(log_dir)
     assert steps > 0 and seconds > 0
+    # and the steps that carried a prompt beside decode rows (a rate point's row beside its decode step)
+    mixed_s, mixed = step_totals(log_dir, "mixed")
+    assert mixed >= 0 and (mixed_s > 0) == (mixed > 0)
     # and their prefix hits by tier (a stack the section starts gets a row per conversation count)
     kv = workers_sum(log_dir, KV_READING)
     assert kv[0] > 0 and kv[2] == kv[3] == 0, kv  # the second turns hit the device; no host tier on CPU
