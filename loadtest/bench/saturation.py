@@ -31,7 +31,7 @@ def saturation(run) -> None:
                 str(folder), *_output_len(run)]
         run_loadtest([*base, "-n", "32", "-c", "32", "--label", f"{label} warm-up"], run.root / label / "warm")
         logs = stack.log_dir if stack else None
-        steps0, cpu0 = step_totals(logs, phase=None), _cpu_seconds(stack)
+        steps0, cpu0 = step_totals(logs, None), _cpu_seconds(stack)
         t0 = time.monotonic()
         conc = min(requests, 2 * ROWS_PER_WORKER * gpus)  # the running batches full, the gateway's queue fed
         run_loadtest([*base, "-n", str(requests), "-c", str(conc), "--label", f"{label} saturation"],
@@ -43,7 +43,7 @@ def saturation(run) -> None:
                 f"{per_gpu / offline:.2f}x offline per GPU ({gpus} GPU), TPOT p50 {s.tpot.p50 or 0:.1f} ms, TTFT p50 "
                 f"{s.ttft.p50 or 0:.0f} ms, {s.failed} of {s.requests} failed")
         run.add("saturation", f"{label} / offline per GPU", round(per_gpu / offline, 3))
-        seconds, steps = (a - b for a, b in zip(step_totals(logs, phase=None), steps0))
+        seconds, steps = (a - b for a, b in zip(step_totals(logs, None), steps0))
         if steps > 0:
             run.add("saturation", f"{label} engine step ms", round(1000 * seconds / steps, 2),
                     f"wall per step {1000 * wall * _workers(logs) / steps:.2f} ms over {steps:.0f} steps, "

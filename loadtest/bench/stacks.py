@@ -138,12 +138,12 @@ def workers_sum(log_dir: Path | None, names: list[tuple[str, dict]]) -> list[flo
     return total
 
 
-def step_totals(log_dir: Path | None, phase: str | None = "decode") -> tuple[float, float]:
-    """(seconds, steps) of the engine steps of `phase` (decode-only by default: the step the client's
-    TPOT should match; None: every step) summed over the stack's workers."""
-    seconds, steps = workers_sum(log_dir, [(f"duet_engine_step_seconds_{k}", {"phase": phase} if phase else {})
-                                           for k in ("sum", "count")])
-    return seconds, steps
+def step_totals(log_dir: Path | None, *phases: str | None) -> tuple[float, ...]:
+    """(seconds, steps) of the engine steps of each phase, in one read (decode-only when none is
+    given: the step the client's TPOT should match; None: every step), summed over the stack's
+    workers."""
+    return tuple(workers_sum(log_dir, [(f"duet_engine_step_seconds_{k}", {"phase": phase} if phase else {})
+                                       for phase in (phases or ("decode",)) for k in ("sum", "count")]))
 
 
 def _by_turn(run, label: str, out: Path, log_dir: Path | None, kv_before: list[float]) -> None:
@@ -213,20 +213,18 @@ def _rates(run, url: str, folder: Path, layout: str, log_dir: Path | None, rates
         seed = int(float(rate) * 100) + len(tag)
         if run.args.settle_seconds > 0:  # the same load first, unmeasured: a planner picks its split for it
             run_loadtest(load(run.args.settle_seconds, seed + 1, " settling"), out.with_name(out.name + "-settle"))
-        before, planned = step_totals(log_dir), planner_activity(log_dir)
-        mixed_before = step_totals(log_dir, "mixed")
+        before, planned = step_totals(log_dir, "decode", "mixed"), planner_activity(log_dir)
         run_loadtest(load(run.args.seconds_per_rate, seed, ""), out)
         s = read_results(out / "results.json").summaries()[0]
         switches = "" if planned is None else f", {planner_activity(log_dir).since(planned).text()}"
         run.add("stack", f"{layout} {workload} {rate}/s{tag} goodput %", round(100 * (s.goodput.share or 0), 1),
                 f"TTFT p50/p90 {s.ttft.p50}/{s.ttft.p90}, TPOT p50/p90 {s.tpot.p50}/{s.tpot.p90} ms, ITL p99 "
                 f"{s.itl.p99} ms, {s.request_throughput:.2f} req/s, {s.failed} of {s.requests} failed{switches}")
-        seconds, steps = (a - b for a, b in zip(step_totals(log_dir), before))
-        if steps > 0:  # the workers' own decode step over the same window, beside the client's TPOT
+        seconds, steps, mixed_s, mixed = (a - b for a, b in zip(step_totals(log_dir, "decode", "mixed"), before))
+        if steps > 0:  # the workers' own decode step over the same window, beside the client's TPOT, and
+            # the steps that carried a prompt beside decode rows: what that TPOT pays past the step
             run.add("stack", f"{layout} {workload} {rate}/s{tag} decode step ms", round(1000 * seconds / steps, 2),
                     f"mean of {steps:.0f} decode-only steps; TPOT p50 / step {(s.tpot.p50 or 0) / (1000 * seconds / steps):.2f}")
-        mixed_s, mixed = (a - b for a, b in zip(step_totals(log_dir, "mixed"), mixed_before))
-        if steps > 0:  # steps carrying a prompt beside decode rows: what the streams' TPOT pays past the step
             run.add("stack", f"{layout} {workload} {rate}/s{tag} mixed step ms", round(1000 * mixed_s / max(mixed, 1), 2),
                     f"mean of {mixed:.0f} steps with prefill beside decode rows")
 
