@@ -22,10 +22,12 @@ class Child:
     proc: subprocess.Popen | None = None
     started_at: float = 0.0  # time.monotonic() of the last start
     starts: int = 0
+    log_offset: int = 0  # the log's size at the last start: what this start wrote follows it
 
     def start(self) -> None:
         env = {**os.environ, **self.env}
         with self.log_path.open("ab") as log:  # the child keeps its own copy of the descriptor
+            self.log_offset = log.tell()
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, env=env)
         self.started_at = time.monotonic()
@@ -51,6 +53,15 @@ class Child:
         if self.running:
             self.proc.kill()
             self.proc.wait()
+
+    def wrote_since_start(self, text: str) -> bool:
+        """Whether this start of the child wrote `text` to its log (e.g. a worker's ready line)."""
+        try:
+            with self.log_path.open("rb") as log:
+                log.seek(self.log_offset)
+                return text.encode() in log.read()
+        except OSError:
+            return False
 
     def tail(self, lines: int = 15) -> str:
         try:

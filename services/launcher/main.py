@@ -258,13 +258,15 @@ def _serve(stack: Stack, model_dirs: list[str], stopping: dict) -> int:
              " to start with; the planner moves them" if cfg.switchable else "", stack.threads, stack.log_dir)
     deadline = time.monotonic() + cfg.health_timeout_s
     probe_ssl = health_ssl_context(cfg)
-    while not _healthy(base + "/health", probe_ssl):
+    while (waiting := workers_not_ready(stack.children)) or not _healthy(base + "/health", probe_ssl):
         if stopping["sig"] is not None:
             return 130
         if supervisor.tick() is not None:
             return _gave_up()
         if time.monotonic() > deadline:
-            say(f"the gateway did not become healthy in {cfg.health_timeout_s:.0f}s; logs in {stack.log_dir}")
+            what = f"workers {', '.join(waiting)} did not report ready" if waiting else \
+                "the gateway did not become healthy"
+            say(f"{what} in {cfg.health_timeout_s:.0f}s; logs in {stack.log_dir}")
             return 1
         time.sleep(0.25)
     print_banner(stack, model_dirs, base)
@@ -274,6 +276,14 @@ def _serve(stack: Stack, model_dirs: list[str], stopping: dict) -> int:
             return _gave_up()
         time.sleep(0.25)
     return 0
+
+
+def workers_not_ready(children: list[Child]) -> list[str]:
+    """The workers whose current start has not printed its ready line (services/worker/host.py,
+    after it registered). The gateway is healthy as soon as it can serve, by decode workers alone
+    when no prefill worker is live, so without this wait the first requests after the banner ran
+    in a layout the user did not ask for (a decode worker prefilling every prompt itself)."""
+    return [c.name for c in children if c.kind == "worker" and not c.wrote_since_start(f" {c.name} ready: ")]
 
 
 def _gave_up() -> int:

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from services.launcher.banner import certificates_in, registry_url_in
-from services.launcher.children import describe_exit
+from services.launcher.children import Child, describe_exit
+from services.launcher.main import workers_not_ready
 from services.launcher.config import UpConfig
 from services.launcher.restart_policy import MAX_BACKOFF_S, RestartCounter, RestartPolicy
 from services.launcher.security import SecretsDir, make_secure
@@ -172,6 +173,39 @@ def test_supervisor_forgives_a_child_that_ran_long():
         now[0] += 0.1
         assert sup.tick() is None
     assert len(redis.starts) == 4 and sup.restarts == 4
+
+
+def test_duet_up_waits_for_each_workers_ready_line_from_its_current_start(tmp_path):
+    """Real child processes: a worker counts as ready once the start now running printed its ready
+    line (an earlier start's line in the same log does not count); other children are not waited for."""
+    import sys
+    import time
+
+    def child(name: str, kind: str, delay_s: float) -> Child:
+        code = f"import time, sys; time.sleep({delay_s}); print('duet decode worker {name} ready: grpc x', " \
+               "file=sys.stderr, flush=True); time.sleep(30)"
+        return Child(name, [sys.executable, "-c", code], tmp_path / f"{name}.log", kind=kind)
+
+    fast, slow, router = child("decode-0", "worker", 0.0), child("prefill-0", "worker", 4.0), child("router", "router", 99)
+    try:
+        for c in (fast, slow, router):
+            c.start()
+        deadline = time.monotonic() + 30
+
+        def wait_until(want: list[str], children: list[Child]) -> None:
+            while (now := workers_not_ready(children)) != want:
+                assert time.monotonic() < deadline, now
+                time.sleep(0.05)
+
+        wait_until(["prefill-0"], [fast, slow, router])  # the fast one printed; the router is never waited for
+        wait_until([], [fast, slow, router])
+        fast.kill()
+        fast.start()  # a restart: the line the first start wrote is before this start's offset
+        assert "ready" in fast.log_path.read_text() and workers_not_ready([fast]) == ["decode-0"]
+        wait_until([], [fast])
+    finally:
+        for c in (fast, slow, router):
+            c.kill()
 
 
 def test_describe_exit():
