@@ -6,6 +6,7 @@ its query i sits at position seq_lens[b] - extend_len_b + i and attends to kv
 positions <= its own (causal over prefix + new tokens).
 """
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -53,11 +54,11 @@ def extend_attention_reference(q, k_cache, v_cache, page_table, qo_indptr, seq_l
 def extend_attention(
     q, k_cache, v_cache, page_table, qo_indptr, seq_lens, sm_scale,
     max_extend_len: Optional[int] = None, out: Optional[torch.Tensor] = None,
-    k_scale: float = 1.0, v_scale: float = 1.0, work: Optional[torch.Tensor] = None,
+    k_scale: float = 1.0, v_scale: float = 1.0, work: Optional["ExtendWork"] = None,
 ) -> torch.Tensor:
     """Triton. max_extend_len (the longest extend in the batch) sizes the grid;
     the engine knows it on the host, and without it this reads qo_indptr back
-    (one device sync). work (extend_work_items, with this q's block_m) sizes it
+    (one device sync). work (extend_work_items, cut in this q's block_m) sizes it
     instead: no host value at all, as a CUDA graph needs."""
     _check(q, k_cache, v_cache, page_table, qo_indptr, seq_lens)
     from kernels.triton_extend_attention import launch_extend_attention
@@ -76,7 +77,16 @@ def work_block_m(head_dim: int, dtype: torch.dtype, device: torch.device) -> int
     return default_extend_config(head_dim, dtype, device).block_m
 
 
-def extend_work_items(qo_indptr: torch.Tensor, block_m: int, items: int) -> torch.Tensor:
+@dataclass(frozen=True)
+class ExtendWork:
+    """A work list and the query-block size it was cut in (the launch checks it against its own:
+    blocks of another size would leave rows unwritten or written twice)."""
+
+    items: torch.Tensor  # int32 [n, 2]: (sequence, query block), (-1, 0) past the last
+    block_m: int
+
+
+def extend_work_items(qo_indptr: torch.Tensor, block_m: int, items: int) -> ExtendWork:
     """int32 [items, 2]: (sequence, query block) for each block of block_m new tokens, each
     sequence's last block first, then (-1, 0) past the last. Device ops only, so a CUDA graph
     captures it with the step (its sequences' extends vary from replay to replay).
@@ -89,4 +99,5 @@ def extend_work_items(qo_indptr: torch.Tensor, block_m: int, items: int) -> torc
     listed = seq < ends.shape[0]
     safe = seq.clamp(max=ends.shape[0] - 1)
     m_block = ends[safe] - 1 - i  # the sequence's blocks end at ends[seq]: its last block first
-    return torch.stack((torch.where(listed, safe, -1), torch.where(listed, m_block, 0)), 1).to(torch.int32)
+    return ExtendWork(torch.stack((torch.where(listed, safe, -1), torch.where(listed, m_block, 0)), 1).to(torch.int32),
+                      block_m)

@@ -138,7 +138,7 @@ def default_extend_config(head_dim: int, dtype: torch.dtype, device: torch.devic
 
 def launch_extend_attention(q, k_cache, v_cache, page_table, qo_indptr, seq_lens, sm_scale, max_extend_len: int, out=None,
                             config: Optional[ExtendConfig] = None, k_scale: float = 1.0, v_scale: float = 1.0,
-                            work: Optional[torch.Tensor] = None):
+                            work=None):
     num_tokens, num_q_heads, head_dim = q.shape
     batch = seq_lens.shape[0]
     num_kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
@@ -150,12 +150,15 @@ def launch_extend_attention(q, k_cache, v_cache, page_table, qo_indptr, seq_lens
     cfg = config or default_extend_config(head_dim, q.dtype, q.device)
     block_m = cfg.block_m
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    if work is not None:
-        grid = (work.shape[0], num_q_heads, 1)
+    if work is not None:  # kernels.extend_attention.ExtendWork
+        if work.block_m != block_m:
+            raise ValueError(f"the work list was cut in blocks of {work.block_m} query rows; this launch runs "
+                             f"{block_m} for q of {q.dtype} and head size {head_dim}")
+        grid = (work.items.shape[0], num_q_heads, 1)
     else:
         grid = (triton.cdiv(max_extend_len, block_m), num_q_heads, batch)
     _extend_kernel[grid](
-        q, k_cache, v_cache, page_table, qo_indptr, seq_lens, qo_indptr if work is None else work, o,
+        q, k_cache, v_cache, page_table, qo_indptr, seq_lens, qo_indptr if work is None else work.items, o,
         sm_scale * _LOG2E * k_scale, v_scale,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -148,7 +148,19 @@ def test_the_work_list_names_each_sequences_blocks_last_first_then_nothing():
 
     # extends 3, 0, 67, 1, 129 in blocks of 64: 1, 0, 2, 1, 3 blocks
     qo_indptr = torch.tensor([0, 3, 3, 70, 71, 200], dtype=torch.int32)
-    assert extend_work_items(qo_indptr, 64, 10).tolist() == [
+    assert extend_work_items(qo_indptr, 64, 10).items.tolist() == [
         [0, 0], [2, 1], [2, 0], [3, 0], [4, 2], [4, 1], [4, 0], [-1, 0], [-1, 0], [-1, 0]]
     nothing = torch.zeros(4, dtype=torch.int32)
-    assert extend_work_items(nothing, 64, 2).tolist() == [[-1, 0], [-1, 0]]
+    assert extend_work_items(nothing, 64, 2).items.tolist() == [[-1, 0], [-1, 0]]
+
+
+def test_a_work_list_cut_in_other_blocks_than_the_launchs_is_refused():
+    """Blocks of another size would leave query rows unwritten (or written twice) with no error:
+    the launch checks the list's block size against its own before it runs."""
+    from kernels.extend_attention import extend_attention, extend_work_items, work_block_m
+
+    kv, q, qo_indptr = _build(MIXED, torch.float32, torch.device("cpu"))
+    own = work_block_m(q.shape[-1], q.dtype, q.device)
+    work = extend_work_items(qo_indptr, 2 * own, 16)
+    with pytest.raises(ValueError, match=f"blocks of {2 * own} query rows; this launch runs {own}"):
+        extend_attention(q, kv.k_cache, kv.v_cache, kv.page_table, qo_indptr, kv.seq_lens, 0.125, work=work)

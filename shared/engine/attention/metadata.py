@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kernels.extend_attention import ExtendWork
 
 
 @dataclass
@@ -23,9 +27,9 @@ class AttentionMetadata:
     num_pages_host: list[int]
     # every sequence extends by this many tokens (a speculative verify step, 2..16); 0: not so
     uniform_q: int = 0
-    # int32 [items, 2]: the extend kernel's (sequence, query block) list, in place of a grid sized
-    # from the host lists (a captured graph's step: kernels.extend_attention.extend_work_items)
-    work: torch.Tensor | None = None
+    # the extend kernel's (sequence, query block) list, in place of a grid sized from the host
+    # lists (a captured graph's step: kernels.extend_attention.ExtendWork)
+    work: ExtendWork | None = None
 
     @property
     def batch_size(self) -> int:
