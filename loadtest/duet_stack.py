@@ -47,8 +47,9 @@ class DuetStack:
             if time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"duet up {' '.join(self.up_args)} not healthy in {health_timeout_s:.0f}s")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+            try:  # the banner: every worker reported ready (the gateway serves on decode workers alone)
+                if b"Duet is up." in (self.log_dir / "up.log").read_bytes() and \
+                        httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass

@@ -23,6 +23,7 @@ class Child:
     started_at: float = 0.0  # time.monotonic() of the last start
     starts: int = 0
     log_offset: int = 0  # the log's size at the last start: what this start wrote follows it
+    _found: set[str] = field(default_factory=set)  # texts this start wrote (wrote_since_start)
 
     def start(self) -> None:
         env = {**os.environ, **self.env}
@@ -32,6 +33,7 @@ class Child:
                                          stdin=subprocess.DEVNULL, env=env)
         self.started_at = time.monotonic()
         self.starts += 1
+        self._found = set()
 
     @property
     def pid(self) -> int | None:
@@ -56,12 +58,17 @@ class Child:
 
     def wrote_since_start(self, text: str) -> bool:
         """Whether this start of the child wrote `text` to its log (e.g. a worker's ready line)."""
+        if text in self._found:
+            return True
         try:
             with self.log_path.open("rb") as log:
                 log.seek(self.log_offset)
-                return text.encode() in log.read()
+                if text.encode() in log.read():
+                    self._found.add(text)
+                    return True
         except OSError:
-            return False
+            pass
+        return False
 
     def tail(self, lines: int = 15) -> str:
         try:

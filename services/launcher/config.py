@@ -61,7 +61,7 @@ class UpConfig:
     log_dir: str | None = setting(flag="--log-dir", help="where each process writes its log (default: a new temp dir)")
     worker_args: list[str] = field(default_factory=list)  # after `--`, passed to every worker
     health_timeout_s: float = setting(300.0, flag="--health-timeout",
-                                      help="seconds to wait for the gateway to become healthy")
+                                      help="seconds to wait for every worker to report ready and the gateway to become healthy")
     # supervision (services/launcher/restart_policy.py, shutdown.py)
     restart_limit: int = setting(
         5, flag="--restart-limit", env="DUET_RESTART_LIMIT",

@@ -1,11 +1,11 @@
 """`duet up`: the whole stack as local processes with one command.
 
 Starts redis-server (unless --redis-url), the router, the prefill/decode (or both)
-workers and the gateway; waits until the gateway's /health says it can serve; prints
-where everything is; supervises every child (supervisor.py: a child that dies is started
-again with backoff, and duet up gives up with exit code 1 when one keeps dying, except a worker
-of a stack that has served while others run: left down, tried again later); Ctrl-C or
-SIGTERM drains the whole stack within one grace period (shutdown.py)."""
+workers and the gateway; waits until every worker reports ready and the gateway's /health
+says it can serve; prints where everything is; supervises every child (supervisor.py: a child
+that dies is started again with backoff, and duet up gives up with exit code 1 when one keeps
+dying, except a worker of a stack that has served while others run: left down, tried again
+later); Ctrl-C or SIGTERM drains the whole stack within one grace period (shutdown.py)."""
 from __future__ import annotations
 
 import logging
@@ -283,7 +283,8 @@ def workers_not_ready(children: list[Child]) -> list[str]:
     after it registered). The gateway is healthy as soon as it can serve, by decode workers alone
     when no prefill worker is live, so without this wait the first requests after the banner ran
     in a layout the user did not ask for (a decode worker prefilling every prompt itself)."""
-    return [c.name for c in children if c.kind == "worker" and not c.wrote_since_start(f" {c.name} ready: ")]
+    return [c.name for c in children
+            if c.kind == "worker" and not (c.running and c.wrote_since_start(f" {c.name} ready: "))]
 
 
 def _gave_up() -> int:

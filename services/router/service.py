@@ -139,10 +139,10 @@ class RouterService(duet_pb2_grpc.RouterServicer):
 
     # --- the decision ---------------------------------------------------------
 
-    async def _route(self, request: duet_pb2.RouteRequest, request_id: str,
-                     model: str) -> tuple[duet_pb2.RouteReply | str | None, Placement | None]:
+    async def _route(self, request: duet_pb2.RouteRequest, request_id: str, model: str,
+                     settled: bool = False) -> tuple[duet_pb2.RouteReply | str | None, Placement | None]:
         """The decision and how it was placed; a string says why live workers could not be
-        paired, None: none live."""
+        paired, None: none live. settled: the trust probes under way were waited for already."""
         adapter = request.lora_adapter
         live = [w for w in self.watcher.workers() if eligible(w, model, request)]
         self.inflight.expire({w.worker_id for w in self.watcher.workers()})
@@ -191,6 +191,12 @@ class RouterService(duet_pb2_grpc.RouterServicer):
 
         if not boths:
             if by_role["decode"] and not by_role["prefill"]:
+                trust = self.watcher.trust
+                if not settled and trust is not None and trust.pending:
+                    # a worker that just joined (a stack's prefill worker coming up) is being asked
+                    # who it is: wait for that rather than have the decode worker prefill alone
+                    await trust.settle(trust.probe_timeout_s)
+                    return await self._route(request, request_id, model, settled=True)
                 return await self._decode_alone(request, request_id, by_role["decode"], loads, rotation), None
             if by_role["prefill"] and by_role["decode"]:  # workers there, but none can pair: say why
                 p, d = by_role["prefill"][0], by_role["decode"][0]

@@ -64,14 +64,16 @@ def registry(url: str) -> RegistryConfig:
 
 
 @contextlib.asynccontextmanager
-async def stand_in_worker(server_tls: GrpcTlsConfig):
+async def stand_in_worker(server_tls: GrpcTlsConfig, answer_after_s: float = 0.0):
     """A gRPC server with the health service, behind the same guard as a worker; yields
-    (port, the methods it was asked for)."""
+    (port, the methods it was asked for). answer_after_s: each call waits this long first (a
+    worker on a busy machine)."""
     asked: list[str] = []
 
     class Count(grpc.aio.ServerInterceptor):
         async def intercept_service(self, continuation, details):
             asked.append(details.method)
+            await asyncio.sleep(answer_after_s)
             return await continuation(details)
     server = grpc.aio.server(interceptors=[Count(), *server_tls.interceptors()])
     servicer = health.aio.HealthServicer()
@@ -240,6 +242,43 @@ def test_router_routes_only_to_entries_whose_worker_proved_its_identity(pki, red
     assert picks == {"ok: w"}
     assert fake_asked == {"decode-9": [], "decode-8": [], "decode-7": []}  # not one call got through
     assert real_asked and set(real_asked) == {"/grpc.health.v1.Health/Check"}  # the router's probe
+
+
+def test_a_prefill_worker_still_being_asked_who_it_is_is_waited_for_not_prefilled_around(pki, redis_server):
+    """A stack coming up: decode-0 is trusted, prefill-0 has just joined and its trust probe is
+    slow to be answered. A Route meanwhile waits for the probe and pairs the two, rather than
+    have decode-0 prefill the prompt alone as when no prefill worker is live (what the first
+    requests after `duet up`'s banner got on a slow machine)."""
+    url = redis_server.url
+
+    async def run():
+        async with contextlib.AsyncExitStack() as stack:
+            ports = {}
+            for wid, delay in (("decode-0", 0.0), ("prefill-0", 1.5)):
+                ports[wid], _ = await stack.enter_async_context(stand_in_worker(tls(pki[wid]), delay))
+            decode = WorkerPublisher(WorkerInfo(worker_id="decode-0", role="decode", address=f"127.0.0.1:{ports['decode-0']}",
+                                                model="m", page_size=16), registry(url))
+            await decode.start()
+            stack.push_async_callback(decode.stop)
+            router = RouterServer(RouterConfig(host="127.0.0.1", port=0, metrics_port=0, model="m",
+                                               registry=registry(url), tls=tls(pki["router"])))
+            await router.start()
+            stack.push_async_callback(router.stop)
+            assert await router.watcher.wait_for(lambda w: [x.worker_id for x in w.workers()] == ["decode-0"], 10)
+            prefill = WorkerPublisher(WorkerInfo(worker_id="prefill-0", role="prefill",
+                                                 address=f"127.0.0.1:{ports['prefill-0']}", model="m", page_size=16),
+                                      registry(url))
+            await prefill.start()
+            stack.push_async_callback(prefill.stop)
+            read = await router.watcher.wait_for(lambda w: "prefill-0" in w._workers and w.trust.pending, 10)
+            channel = tls(pki["gateway"]).aio_channel(f"127.0.0.1:{router.port}", server_name("router"), LOCAL)
+            async with channel:
+                reply = await duet_pb2_grpc.RouterStub(channel).Route(duet_pb2.RouteRequest(prompt_tokens=5), timeout=10)
+            return read, reply
+    read, reply = asyncio.run(run())
+    assert read, "the router never read prefill-0's entry while its probe was under way"
+    assert (reply.prefill.worker_id, reply.decode.worker_id, reply.local_prefill) == ("prefill-0", "decode-0", False), \
+        reply.reason
 
 
 def test_a_switchable_worker_is_trusted_in_every_role_it_switches_to_and_a_prefill_certificate_never_as_decode(

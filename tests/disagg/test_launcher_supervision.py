@@ -177,7 +177,8 @@ def test_supervisor_forgives_a_child_that_ran_long():
 
 def test_duet_up_waits_for_each_workers_ready_line_from_its_current_start(tmp_path):
     """Real child processes: a worker counts as ready once the start now running printed its ready
-    line (an earlier start's line in the same log does not count); other children are not waited for."""
+    line (an earlier start's line in the same log does not count, nor a line of a worker that has
+    died since); other children are not waited for."""
     import sys
     import time
 
@@ -200,6 +201,7 @@ def test_duet_up_waits_for_each_workers_ready_line_from_its_current_start(tmp_pa
         wait_until(["prefill-0"], [fast, slow, router])  # the fast one printed; the router is never waited for
         wait_until([], [fast, slow, router])
         fast.kill()
+        assert workers_not_ready([fast]) == ["decode-0"], "a worker that died is not ready, whatever it printed"
         fast.start()  # a restart: the line the first start wrote is before this start's offset
         assert "ready" in fast.log_path.read_text() and workers_not_ready([fast]) == ["decode-0"]
         wait_until([], [fast])
