@@ -254,7 +254,7 @@ def test_a_prefill_worker_still_being_asked_who_it_is_is_waited_for_not_prefille
     async def run():
         async with contextlib.AsyncExitStack() as stack:
             ports = {}
-            for wid, delay in (("decode-0", 0.0), ("prefill-0", 1.5)):
+            for wid, delay in (("decode-0", 0.0), ("prefill-0", 1.0)):
                 ports[wid], _ = await stack.enter_async_context(stand_in_worker(tls(pki[wid]), delay))
             decode = WorkerPublisher(WorkerInfo(worker_id="decode-0", role="decode", address=f"127.0.0.1:{ports['decode-0']}",
                                                 model="m", page_size=16), registry(url))
