@@ -28,7 +28,8 @@ without the budget when mixed steps held 8 sequences, docs/performance/serving.m
 more than `graph_rows` decode rows the budget does not slice: the token budget rules, one
 eager step takes as much of the prompt as it can, and the steps after it replay graphs again.
 Beside fewer, a slice stays within the tokens the graphs hold (`graph_tokens`, less the decode
-rows), so the slices it cuts are the graph steps its model prices; only the queue's
+rows' tokens: K + 1 a row while speculation drafts K, the drafts attached after the slice is
+cut), so the slices it cuts are the graph steps its model prices; only the queue's
 first-token target widens a step past that. Without graphs (a CPU worker, `graph_rows` -1,
 `graph_tokens` 0) every step is eager alike and the budget slices at any row count.
 
@@ -95,18 +96,19 @@ class ItlBudget:
         return self.ttft_s > 0
 
     def begin(self, decode_rows: int, decode_context: int, queue: Iterable[QueuedPrefill] = (),
-              token_budget: int | None = None) -> StepAllowance | None:
+              token_budget: int | None = None, row_tokens: int = 1) -> StepAllowance | None:
         """The room of a step with these decode rows and this prefill queue (in the order the
         scheduler serves it, read lazily); None when nothing limits it (no rows, no model yet,
         no target). token_budget: the prefill tokens the step can carry at most (what widening
-        stops at)."""
+        stops at); row_tokens: the tokens a decode row may carry in the graph (K + 1 when
+        speculation drafts K: the drafts are attached after the chunks are cut)."""
         if decode_rows <= 0 or self.model is None or self.target_s <= 0:
             return None
         if 0 <= self.graph_rows < decode_rows:
             return None  # the step runs eagerly anyway: one wide chunk, not many eager steps
         base = self.model.step_s(StepShape(decode_rows=decode_rows, decode_context=decode_context))
         room = StepAllowance(self.model, self.target_s - base, self.floor_tokens,
-                             graph_room=max(self.graph_tokens - decode_rows, 1) if self.graph_tokens > 0 else 0)
+                             graph_room=max(self.graph_tokens - decode_rows * row_tokens, 1) if self.graph_tokens > 0 else 0)
         if self.ttft_s > 0:
             itl_room = max(self.model.largest_chunk(room.time_left_s, 0), self.floor_tokens)
             cap = max(token_budget if token_budget is not None else 1 << 30, itl_room)

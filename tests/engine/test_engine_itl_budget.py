@@ -123,3 +123,43 @@ def test_a_short_queue_leaves_the_itl_room_as_it_was(model_dir):
     mixed = [s.prefill_tokens for s in shapes if s.decode_rows == 4 and s.prefill_tokens]
     assert mixed and max(mixed) == 24 and weighed.scheduler.budget_steps["ttft"] == 0, mixed
     assert shapes == plain_shapes and tokens == plain_tokens
+
+
+def test_beside_speculating_rows_a_slice_leaves_the_drafts_room_in_the_graph(model_dir):
+    """A verify step's decode rows carry K + 1 tokens each, drafts attached after the prompt's
+    slice was cut: the slice stays within the graph's tokens less K + 1 a row (64 - 4 x 4 = 48
+    here), so the whole step still fits the graph it would replay on a GPU; the answer is the same."""
+    rows = random_prompts(4, [6, 9, 5, 7], seed=42)
+    long_prompt = random_prompts(1, [200], seed=43)[0]
+
+    def run(spec: dict):
+        """(engine, (prompt-slice tokens, step tokens) of each step beside the 4 rows, the long prompt's tokens)."""
+        eng = Engine(model_dir=str(model_dir), dtype="float64", device="cpu", page_size=4,
+                     max_num_batched_tokens=256, kv_cache_memory=kv_bytes_for_pages(model_dir, 512, 4), **spec)
+        eng.scheduler.itl_budget = ItlBudget(target_s=1.0, floor_tokens=8, model=MODEL, graph_rows=64,
+                                             graph_tokens=64)
+        started = time.monotonic()
+        eng.scheduler.clock = lambda: started
+        for p in rows:
+            eng.add_request(p, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+        steps, rid, tokens, seen = [], None, [], 0
+        while eng.has_work:
+            outs = eng.step()
+            if eng.scheduler.num_batches != seen:
+                seen, items = eng.scheduler.num_batches, eng.scheduler.last_batch.items
+                chunk = sum(it.length for it in items if it.req.rid == rid)
+                if chunk and len(items) == 5:
+                    steps.append((chunk, sum(it.length for it in items)))
+            if rid is None and seen >= 3:
+                rid = eng.add_request(long_prompt, SamplingParams(temperature=0.0, max_tokens=5))
+            tokens += [t for o in outs if o.rid == rid for t in o.token_ids]
+        assert_all_pages_free(eng)
+        return eng, steps, tokens
+
+    eng, steps, tokens = run(dict(speculative_method="draft", speculative_draft_model=str(model_dir),
+                                  speculative_tokens=3, speculative_min_acceptance=0.0))
+    assert eng.spec.stats.verify_steps > 0
+    assert max(chunk for chunk, _ in steps) == 64 - 4 * 4 and all(total <= 64 for _, total in steps), steps
+    _, plain_steps, plain_tokens = run({})
+    assert max(chunk for chunk, _ in plain_steps) == 64 - 4, plain_steps  # a row is one token there
+    assert tokens == plain_tokens and len(tokens) == 5

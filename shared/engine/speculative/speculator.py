@@ -143,7 +143,11 @@ class Speculator:
     def step(self) -> list[StepOutput]:
         e = self.engine
         outs = e.overlap.flush() if e.overlap is not None else []
-        batch = e.scheduler.schedule()
+        e.scheduler.decode_row_tokens = self.k + 1  # a prompt's slice leaves the drafts room in the graph
+        try:
+            batch = e.scheduler.schedule()
+        finally:
+            e.scheduler.decode_row_tokens = 1
         if not batch.items:
             return outs
         items = self._attach_drafts(batch)
