@@ -86,13 +86,19 @@ class ExtendWork:
     block_m: int
 
 
-def extend_work_items(qo_indptr: torch.Tensor, block_m: int, items: int) -> ExtendWork:
+def extend_work_items(qo_indptr: torch.Tensor, block_m: int, items: int,
+                      skip_seqs: Optional[torch.Tensor] = None) -> ExtendWork:
     """int32 [items, 2]: (sequence, query block) for each block of block_m new tokens, each
     sequence's last block first, then (-1, 0) past the last. Device ops only, so a CUDA graph
     captures it with the step (its sequences' extends vary from replay to replay).
-    `items` must cover the blocks: at most cdiv(tokens, block_m) + the sequences extended."""
+    `items` must cover the blocks: at most cdiv(tokens, block_m) + the sequences extended.
+    skip_seqs (a device count): the sequences below it get no blocks (another kernel computes
+    them: a mixed step's leading decode rows, `leading_decode_rows`)."""
     ext = qo_indptr[1:] - qo_indptr[:-1]
     blocks = (ext + (block_m - 1)) // block_m
+    if skip_seqs is not None:
+        seqs = torch.arange(blocks.shape[0], dtype=torch.int32, device=blocks.device)
+        blocks = torch.where(seqs < skip_seqs, 0, blocks)
     ends = torch.cumsum(blocks, 0, dtype=torch.int32)
     i = torch.arange(items, dtype=torch.int32, device=qo_indptr.device)
     seq = torch.searchsorted(ends, i, right=True)
@@ -101,3 +107,13 @@ def extend_work_items(qo_indptr: torch.Tensor, block_m: int, items: int) -> Exte
     m_block = ends[safe] - 1 - i  # the sequence's blocks end at ends[seq]: its last block first
     return ExtendWork(torch.stack((torch.where(listed, safe, -1), torch.where(listed, m_block, 0)), 1).to(torch.int32),
                       block_m)
+
+
+def leading_decode_rows(extend_lens: torch.Tensor, seq_lens: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A mixed step's leading one-token sequences (the scheduler puts its decode rows first), on
+    the device: (int32 [rows] KV lengths of those among the first `rows`, 0 past them; their count).
+    Row i of q is sequence i's token while every sequence before it has one, so the flash-decoding
+    kernel can take them (kernels.decode_attention: a zero length writes zeros) and the extend
+    kernel the rest (extend_work_items' skip_seqs); device ops only, for a captured step."""
+    lead = torch.cumprod((extend_lens[:rows] == 1).to(torch.int32), 0)
+    return (seq_lens[:rows] * lead).to(torch.int32), lead.sum().to(torch.int32)

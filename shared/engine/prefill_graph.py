@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from kernels.extend_attention import extend_work_items, work_block_m
+from kernels.extend_attention import extend_work_items, leading_decode_rows, work_block_m
 
 from .attention.metadata import AttentionMetadata
 from .cuda_graph import capture_ladder
@@ -109,7 +109,9 @@ class PrefillGraphs:
 
     def _run_model(self, bucket: int):
         meta = self._meta(bucket)
-        meta.work = extend_work_items(self.qo_indptr, self._block_m, self.work_items(bucket))
+        # the leading decode rows go through flash-decoding, the rest through the work list
+        meta.lead_seq_lens, lead = leading_decode_rows(self.extend_lens, self.seq_lens, min(bucket, self.max_seqs))
+        meta.work = extend_work_items(self.qo_indptr, self._block_m, self.work_items(bucket), skip_seqs=lead)
         return self.model(self.input_ids[:bucket], self.positions[:bucket], self._forward_batch(self.backend, meta))
 
     def bucket_for(self, tokens: int) -> int | None:

@@ -164,3 +164,18 @@ def test_a_work_list_cut_in_other_blocks_than_the_launchs_is_refused():
     work = extend_work_items(qo_indptr, 2 * own, 16)
     with pytest.raises(ValueError, match=f"blocks of {2 * own} query rows; this launch runs {own}"):
         extend_attention(q, kv.k_cache, kv.v_cache, kv.page_table, qo_indptr, kv.seq_lens, 0.125, work=work)
+
+
+def test_a_mixed_steps_leading_decode_rows_are_counted_on_the_device_and_left_out_of_the_work_list():
+    from kernels.extend_attention import extend_work_items, leading_decode_rows
+
+    # two decode rows, a 67-token chunk, a one-token chunk after it (extend kernel), nothing
+    ext = torch.tensor([1, 1, 67, 1, 0], dtype=torch.int32)
+    seq_lens = torch.tensor([40, 7, 90, 3, 1], dtype=torch.int32)
+    lead, count = leading_decode_rows(ext, seq_lens, 4)
+    assert lead.tolist() == [40, 7, 0, 0] and count.item() == 2
+    qo_indptr = torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(ext, 0, dtype=torch.int32)])
+    assert extend_work_items(qo_indptr, 64, 5, skip_seqs=count).items.tolist() == [
+        [2, 1], [2, 0], [3, 0], [-1, 0], [-1, 0]]
+    none, zero = leading_decode_rows(torch.tensor([5, 1], dtype=torch.int32), seq_lens[:2], 2)
+    assert none.tolist() == [0, 0] and zero.item() == 0  # a chunk first: every row to the extend kernel

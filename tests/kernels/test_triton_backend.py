@@ -89,19 +89,39 @@ def check_backend_matches_torch(device: str, dtype_name: str, seed: int) -> dict
     meta = _meta([(11, 1), (7, 1), (2, 1)], tables, True, dev)
     q, k, v = rnd(3, HQ, D), rnd(3, HKV, D), rnd(3, HKV, D)
     o_ref = ref.forward(q, k, v, 0, meta, D ** -0.5)
-    o_tri = tri.forward(q, k, v, 0, meta, D ** -0.5)
-    errs["decode"] = (o_ref.float() - o_tri.float()).abs().max().item()
+    o_decode = tri.forward(q, k, v, 0, meta, D ** -0.5)
+    errs["decode"] = (o_ref.float() - o_decode.float()).abs().max().item()
+    decode_meta, decode_q, decode_k, decode_v = meta, q, k, v
     errs["pool_after_decode"] = (pool_ref.buffer.float() - pool_tri.buffer.float()).abs().max().item()
+
+    # mixed: two decode rows (flash-decoding), then a prompt chunk over a cached prefix and a
+    # one-token chunk (the extend kernel); and a captured step's lists for the same rows (the
+    # leading rows' lengths and a work list that skips them, computed on the device)
+    from kernels.extend_attention import extend_work_items, leading_decode_rows, work_block_m
+
+    tables = [[3, 4, 5], [9, 10, 11], [12, 13], [14]]
+    meta = _meta([(11, 1), (8, 1), (3, 5), (2, 1)], tables, False, dev)
+    q, k, v = rnd(8, HQ, D), rnd(8, HKV, D), rnd(8, HKV, D)
+    o_ref = ref.forward(q, k, v, 1, meta, D ** -0.5)
+    o_tri = tri.forward(q, k, v, 1, meta, D ** -0.5)
+    errs["mixed"] = (o_ref.float() - o_tri.float()).abs().max().item()
+    lead, count = leading_decode_rows(meta.extend_lens, meta.seq_lens, 4)
+    errs["mixed_lead"] = float(lead.tolist() != [12, 9, 0, 0] or count.item() != 2)
+    meta.lead_seq_lens = lead
+    meta.work = extend_work_items(meta.qo_indptr, work_block_m(D, dtype, dev), 6, skip_seqs=count)
+    o_listed = tri.forward(q, k, v, 1, meta, D ** -0.5)
+    errs["mixed_listed"] = (o_ref.float() - o_listed.float()).abs().max().item()
+    errs["pool_after_mixed"] = (pool_ref.buffer.float() - pool_tri.buffer.float()).abs().max().item()
 
     # graph path: static buffers for 4 rows (and 6 pages), the 3-row step padded to 4
     before = pool_tri.buffer.clone()
     tri.init_graph_state(max_bs=4, max_pages=6)
     gmeta = tri.capture_metadata(4)
-    tri.replay_metadata(meta, 4)
-    q4 = torch.cat([q, rnd(1, HQ, D)])
-    k4, v4 = torch.cat([k, rnd(1, HKV, D)]), torch.cat([v, rnd(1, HKV, D)])
+    tri.replay_metadata(decode_meta, 4)
+    q4 = torch.cat([decode_q, rnd(1, HQ, D)])
+    k4, v4 = torch.cat([decode_k, rnd(1, HKV, D)]), torch.cat([decode_v, rnd(1, HKV, D)])
     o_graph = tri.forward(q4, k4, v4, 0, gmeta, D ** -0.5)
-    errs["graph_rows"] = (o_graph[:3].float() - o_tri.float()).abs().max().item()
+    errs["graph_rows"] = (o_graph[:3].float() - o_decode.float()).abs().max().item()
     errs["graph_pad_finite"] = float(torch.isfinite(o_graph[3].float()).all().item())
     errs["graph_pool_change"] = (pool_tri.buffer.float() - before.float()).abs().max().item()
     return errs
@@ -113,6 +133,8 @@ def test_triton_backend_matches_torch_backend(runner, dtype_name, tol):
     for name, err in errs.items():
         if name == "graph_pad_finite":
             assert err == 1.0, "padded row produced NaN/inf"
+        elif name == "mixed_lead":
+            assert err == 0.0, "the leading one-token rows' lengths or count"
         elif name.startswith("pool") or name == "graph_pool_change":
             # same K/V written at the same slots; the padded row (slot -1) writes nothing and the
             # real rows rewrite what the eager decode already wrote

@@ -30,6 +30,9 @@ class AttentionMetadata:
     # the extend kernel's (sequence, query block) list, in place of a grid sized from the host
     # lists (a captured graph's step: kernels.extend_attention.ExtendWork)
     work: ExtendWork | None = None
+    # int32 [R]: a captured mixed step's leading one-token sequences' KV lengths, 0 past them
+    # (kernels.extend_attention.leading_decode_rows; the work list skips them); None: from the host lists
+    lead_seq_lens: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

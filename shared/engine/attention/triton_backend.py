@@ -43,9 +43,38 @@ class TritonAttentionBackend(AttentionBackend):
         if meta.uniform_q and kc.element_size() > 1:  # a verify step (FP8 pages: the extend kernel widens them)
             from kernels.verify_attention import verify_attention
             return verify_attention(q, kc, vc, meta.page_table, meta.seq_lens, scale, meta.uniform_q)
-        return extend_attention(q, kc, vc, meta.page_table, meta.qo_indptr, meta.seq_lens, scale,
-                                max_extend_len=max(meta.extend_lens_host), k_scale=k_scale, v_scale=v_scale,
-                                work=meta.work)
+        return self._mixed(q, kc, vc, meta, scale, k_scale, v_scale)
+
+    @staticmethod
+    def _mixed(q, kc, vc, meta: AttentionMetadata, scale, k_scale, v_scale):
+        """Prefill chunks, and the decode rows a step runs beside them (the scheduler puts those
+        first): the decode rows through flash-decoding, as in a decode step, the chunks through the
+        extend kernel. The extend kernel would give each one-token row a whole query block and
+        one program per query head, reading its context once a head without splitting it: several
+        times a decode step's reads beside long conversations."""
+        from kernels.decode_attention import decode_attention
+        from kernels.extend_attention import extend_attention
+
+        scales = dict(k_scale=k_scale, v_scale=v_scale)
+        if meta.work is not None:  # a captured step: which rows decode is known on the device only
+            lead = meta.lead_seq_lens
+            out = torch.empty_like(q)
+            if lead is not None:  # rows past the decode rows get zeros here, then the extend kernel's
+                r = lead.shape[0]
+                decode_attention(q[:r], kc, vc, meta.page_table[:r], lead, scale, out=out[:r], **scales)
+            return extend_attention(q, kc, vc, meta.page_table, meta.qo_indptr, meta.seq_lens, scale, out=out,
+                                    work=meta.work, **scales)
+        ext = meta.extend_lens_host
+        d = next((i for i, e in enumerate(ext) if e != 1), len(ext))  # the leading one-token rows
+        if d == 0:
+            return extend_attention(q, kc, vc, meta.page_table, meta.qo_indptr, meta.seq_lens, scale,
+                                    max_extend_len=max(ext), **scales)
+        out = torch.empty_like(q)
+        decode_attention(q[:d], kc, vc, meta.page_table[:d], meta.seq_lens[:d], scale, out=out[:d], **scales)
+        if d < len(ext):
+            extend_attention(q[d:], kc, vc, meta.page_table[d:], meta.qo_indptr[d:] - d, meta.seq_lens[d:], scale,
+                             max_extend_len=max(ext[d:]), out=out[d:], **scales)
+        return out
 
     # -- CUDA graph hooks -----------------------------------------------------------------
     def init_graph_state(self, max_bs: int, max_pages: int) -> None:
