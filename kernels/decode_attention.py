@@ -51,15 +51,17 @@ def decode_attention_reference(q, k_cache, v_cache, page_table, seq_lens, sm_sca
 def decode_attention(
     q, k_cache, v_cache, page_table, seq_lens, sm_scale,
     num_kv_splits: Optional[int] = None, out: Optional[torch.Tensor] = None, pdl=None,
-    k_scale: float = 1.0, v_scale: float = 1.0,
+    k_scale: float = 1.0, v_scale: float = 1.0, sized_as: Optional[tuple[int, int]] = None,
 ) -> torch.Tensor:
     """Triton flash-decoding. num_kv_splits=None picks the split count from
     the batch size and the page table's capacity (shapes only, no sync).
     out: optional preallocated [B, H_q, D] output (e.g. a CUDA graph's buffer).
     pdl: a kernels.pdl.Pdl to launch with programmatic dependent launch (Hopper+).
-    k_scale, v_scale: an FP8 cache's scales (1.0 for other caches)."""
+    k_scale, v_scale: an FP8 cache's scales (1.0 for other caches).
+    sized_as: (rows, KV capacity in tokens) to choose the splits and tiling for instead of the
+    batch's (rows of which only some are live; a launch variant compiled already)."""
     _check(q, k_cache, v_cache, page_table, seq_lens)
     from kernels.triton_decode_attention import launch_decode_attention
 
     return launch_decode_attention(q, k_cache, v_cache, page_table, seq_lens, sm_scale, num_kv_splits, out,
-                                   pdl=pdl, k_scale=k_scale, v_scale=v_scale)
+                                   pdl=pdl, k_scale=k_scale, v_scale=v_scale, sized_as=sized_as)

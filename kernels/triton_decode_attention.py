@@ -241,11 +241,13 @@ def launch_decode_attention(
     q, k_cache, v_cache, page_table, seq_lens, sm_scale,
     num_kv_splits: Optional[int] = None, out: Optional[torch.Tensor] = None,
     config: Optional[DecodeConfig] = None, pdl: Optional[Pdl] = None, k_scale: float = 1.0, v_scale: float = 1.0,
+    sized_as: Optional[tuple[int, int]] = None,
 ) -> torch.Tensor:
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
     fp8_pages = k_cache.element_size() == 1
-    cfg = config or default_config(page_table.shape[1] * page_size, fp8_pages)
+    split_rows, capacity = sized_as or (batch, page_table.shape[1] * page_size)
+    cfg = config or default_config(capacity, fp8_pages)
     group = num_q_heads // num_kv_heads
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -253,7 +255,7 @@ def launch_decode_attention(
     head_blocks = triton.cdiv(group, block_h)
     if num_kv_splits is None:
         num_kv_splits = choose_num_kv_splits(
-            batch, num_kv_heads * head_blocks, page_table.shape[1] * page_size, _num_sms(q.device),
+            split_rows, num_kv_heads * head_blocks, capacity, _num_sms(q.device),
             programs_per_sm=8 if fp8_pages else 2,
         )
     o = torch.empty_like(q) if out is None else out

@@ -15,8 +15,9 @@ n, gives the unused ones no tokens, and the last one, the padding sequence, take
 bucket's remaining tokens: positions from 0 over the padding page (zeros, never written),
 slot -1 (nothing stored). The extend attention runs over a work list computed inside the
 graph from the step's offsets (one program per sequence's block of queries, so unused
-sequences cost nothing and a decode row one block), so the captured launches fit any step
-of the bucket. The padding rows are computed and dropped; the real rows' numbers are those
+sequences cost nothing), and the step's leading decode rows go through the flash-decoding
+kernel instead (counted on the device; the work list skips them), so the captured launches
+fit any step of the bucket. The padding rows are computed and dropped; the real rows' numbers are those
 of an eager step of the same token count (capture=False runs these padded shapes eagerly)."""
 from __future__ import annotations
 

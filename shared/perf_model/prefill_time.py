@@ -41,6 +41,8 @@ class PrefillSite:
         if self.budget is None:
             return n
         queue = (QueuedPrefill(tokens, waited_s),) if self.budget.weighs_queue else ()
+        # a speculating worker's rows carry K + 1 tokens in its graphs (its scheduler passes
+        # row_tokens); not published, so a prediction beside such rows may cut wider chunks
         room = self.budget.begin(self.decode_rows, self.decode_context, queue, token_budget=cap)
         return max(1, min(n, room.allow(start))) if room is not None else n
 

@@ -25,8 +25,9 @@ runs eagerly, and an eager step of a large model costs its kernel launches from 
 the room the target leaves turns every step into an eager one: the streams' steps run several
 times the target and prefill crawls (two colocated 8B workers served a quarter of what they did
 without the budget when mixed steps held 8 sequences, docs/performance/serving.md). So beside
-more than `graph_rows` decode rows the budget does not slice: the token budget rules, one
-eager step takes as much of the prompt as it can, and the steps after it replay graphs again.
+more than `graph_rows` decode rows (or rows whose tokens leave the graphs less than the floor)
+the budget does not slice: the token budget rules, one eager step takes as much of the prompt
+as it can, and the steps after it replay graphs again.
 Beside fewer, a slice stays within the tokens the graphs hold (`graph_tokens`, less the decode
 rows' tokens: K + 1 a row while speculation drafts K, the drafts attached after the slice is
 cut), so the slices it cuts are the graph steps its model prices; only the queue's
@@ -104,11 +105,12 @@ class ItlBudget:
         speculation drafts K: the drafts are attached after the chunks are cut)."""
         if decode_rows <= 0 or self.model is None or self.target_s <= 0:
             return None
-        if 0 <= self.graph_rows < decode_rows:
+        graph_room = self.graph_tokens - decode_rows * row_tokens
+        if 0 <= self.graph_rows < decode_rows or 0 < self.graph_tokens and graph_room < self.floor_tokens:
             return None  # the step runs eagerly anyway: one wide chunk, not many eager steps
         base = self.model.step_s(StepShape(decode_rows=decode_rows, decode_context=decode_context))
         room = StepAllowance(self.model, self.target_s - base, self.floor_tokens,
-                             graph_room=max(self.graph_tokens - decode_rows * row_tokens, 1) if self.graph_tokens > 0 else 0)
+                             graph_room=graph_room if self.graph_tokens > 0 else 0)
         if self.ttft_s > 0:
             itl_room = max(self.model.largest_chunk(room.time_left_s, 0), self.floor_tokens)
             cap = max(token_budget if token_budget is not None else 1 << 30, itl_room)

@@ -196,7 +196,9 @@ def test_beside_fewer_rows_the_budget_slices_within_the_tokens_a_graph_holds():
     room.charge(0, 300)
     assert room.allow(300) == 112  # the step's later chunks share what is left
     full = ItlBudget(0.200, 16, TRUTH, graph_rows=263, graph_tokens=256)
-    assert full.begin(260, 260 * 1000).allow(0) == 16  # no room left in the graph: the floor
+    assert full.begin(260, 260 * 1000) is None  # no room for the floor in the graph: eager anyway, not sliced
+    assert full.begin(100, 100 * 1000, row_tokens=3) is None  # speculating rows fill it alike
+    assert full.begin(80, 80 * 1000, row_tokens=3).allow(0) == 16  # 16 tokens of room: the floor
     # the queue's first-token target asks more than the graph holds: widened past it
     pressed = ItlBudget(0.200, 16, TRUTH, ttft_s=0.5, graph_rows=263, graph_tokens=512)
     asked = pressed.begin(100, 100 * 1000, [QueuedPrefill(40000, 0.0)], 8192)

@@ -33,6 +33,11 @@ class AttentionMetadata:
     # int32 [R]: a captured mixed step's leading one-token sequences' KV lengths, 0 past them
     # (kernels.extend_attention.leading_decode_rows; the work list skips them); None: from the host lists
     lead_seq_lens: torch.Tensor | None = None
+    # an eager mixed step's split, once a step (TritonAttentionBackend.prepare): the leading
+    # one-token rows' count, and the offsets and longest extend of the sequences after them
+    lead_rows: int = 0
+    rest_qo_indptr: torch.Tensor | None = None
+    rest_max_extend: int = 0
 
     @property
     def batch_size(self) -> int:

@@ -18,6 +18,9 @@ from ..kv_pool import PADDING_PAGE
 from .base import AttentionBackend
 from .metadata import AttentionMetadata
 
+# a mixed step's decode rows: the launch's splits are chosen as for this many rows (_mixed)
+MIXED_DECODE_ROWS = 8
+
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
@@ -45,35 +48,49 @@ class TritonAttentionBackend(AttentionBackend):
             return verify_attention(q, kc, vc, meta.page_table, meta.seq_lens, scale, meta.uniform_q)
         return self._mixed(q, kc, vc, meta, scale, k_scale, v_scale)
 
-    @staticmethod
-    def _mixed(q, kc, vc, meta: AttentionMetadata, scale, k_scale, v_scale):
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """An eager mixed step's split, once for every layer: its leading one-token rows (the
+        decode rows the scheduler puts first) and the offsets of the sequences after them."""
+        if meta.is_decode or meta.work is not None:
+            return
+        ext = meta.extend_lens_host
+        d = next((i for i, e in enumerate(ext) if e != 1), len(ext))
+        meta.lead_rows = d
+        if 0 < d < len(ext):
+            meta.rest_qo_indptr, meta.rest_max_extend = meta.qo_indptr[d:] - d, max(ext[d:])
+
+    def _mixed(self, q, kc, vc, meta: AttentionMetadata, scale, k_scale, v_scale):
         """Prefill chunks, and the decode rows a step runs beside them (the scheduler puts those
         first): the decode rows through flash-decoding, as in a decode step, the chunks through the
         extend kernel. The extend kernel would give each one-token row a whole query block and
         one program per query head, reading its context once a head without splitting it: several
-        times a decode step's reads beside long conversations."""
+        times a decode step's reads beside long conversations. The decode launch is sized as for
+        MIXED_DECODE_ROWS rows over the graphs' page-table capacity whatever the rows: one kernel
+        variant for every mixed step, compiled with the graphs, and splits for a few long rows
+        (a graph's rows are counted on the device only; most are empty and exit at once)."""
         from kernels.decode_attention import decode_attention
         from kernels.extend_attention import extend_attention
 
         scales = dict(k_scale=k_scale, v_scale=v_scale)
-        if meta.work is not None:  # a captured step: which rows decode is known on the device only
+        pages = self._max_pages if self._g is not None else meta.page_table.shape[1]
+        sized = dict(sized_as=(MIXED_DECODE_ROWS, pages * meta.page_size), **scales)
+        if meta.work is not None:  # a captured step
             lead = meta.lead_seq_lens
             out = torch.empty_like(q)
             if lead is not None:  # rows past the decode rows get zeros here, then the extend kernel's
                 r = lead.shape[0]
-                decode_attention(q[:r], kc, vc, meta.page_table[:r], lead, scale, out=out[:r], **scales)
+                decode_attention(q[:r], kc, vc, meta.page_table[:r], lead, scale, out=out[:r], **sized)
             return extend_attention(q, kc, vc, meta.page_table, meta.qo_indptr, meta.seq_lens, scale, out=out,
                                     work=meta.work, **scales)
-        ext = meta.extend_lens_host
-        d = next((i for i, e in enumerate(ext) if e != 1), len(ext))  # the leading one-token rows
+        d, rows = meta.lead_rows, len(meta.extend_lens_host)
         if d == 0:
             return extend_attention(q, kc, vc, meta.page_table, meta.qo_indptr, meta.seq_lens, scale,
-                                    max_extend_len=max(ext), **scales)
+                                    max_extend_len=max(meta.extend_lens_host), **scales)
         out = torch.empty_like(q)
-        decode_attention(q[:d], kc, vc, meta.page_table[:d], meta.seq_lens[:d], scale, out=out[:d], **scales)
-        if d < len(ext):
-            extend_attention(q[d:], kc, vc, meta.page_table[d:], meta.qo_indptr[d:] - d, meta.seq_lens[d:], scale,
-                             max_extend_len=max(ext[d:]), out=out[d:], **scales)
+        decode_attention(q[:d], kc, vc, meta.page_table[:d], meta.seq_lens[:d], scale, out=out[:d], **sized)
+        if d < rows:
+            extend_attention(q[d:], kc, vc, meta.page_table[d:], meta.rest_qo_indptr, meta.seq_lens[d:], scale,
+                             max_extend_len=meta.rest_max_extend, out=out[d:], **scales)
         return out
 
     # -- CUDA graph hooks -----------------------------------------------------------------
