@@ -104,7 +104,7 @@ def check_backend_matches_torch(device: str, dtype_name: str, seed: int) -> dict
     q, k, v = rnd(8, HQ, D), rnd(8, HKV, D), rnd(8, HKV, D)
     o_ref = ref.forward(q, k, v, 1, meta, D ** -0.5)
     tri.prepare(meta)  # once a step: the two leading rows to flash-decoding
-    errs["mixed_split"] = float(meta.lead_rows != 2 or meta.rest_qo_indptr.tolist() != [0, 5, 6])
+    errs["mixed_split"] = float(meta.decode_lead.rows != 2 or meta.decode_lead.rest_qo_indptr.tolist() != [0, 5, 6])
     o_tri = tri.forward(q, k, v, 1, meta, D ** -0.5)
     errs["mixed"] = (o_ref.float() - o_tri.float()).abs().max().item()
     lead, count = leading_decode_rows(meta.extend_lens, meta.seq_lens, 4)

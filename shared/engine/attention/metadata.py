@@ -10,6 +10,16 @@ if TYPE_CHECKING:
     from kernels.extend_attention import ExtendWork
 
 
+@dataclass(frozen=True)
+class DecodeLead:
+    """A mixed step's leading one-token rows (the decode rows the scheduler puts first) and the
+    sequences after them: their offsets from 0 and their longest extend (None, 0: none after)."""
+
+    rows: int
+    rest_qo_indptr: torch.Tensor | None
+    rest_max_extend: int
+
+
 @dataclass
 class AttentionMetadata:
     is_decode: bool  # every sequence adds one token
@@ -33,11 +43,8 @@ class AttentionMetadata:
     # int32 [R]: a captured mixed step's leading one-token sequences' KV lengths, 0 past them
     # (kernels.extend_attention.leading_decode_rows; the work list skips them); None: from the host lists
     lead_seq_lens: torch.Tensor | None = None
-    # an eager mixed step's split, once a step (TritonAttentionBackend.prepare): the leading
-    # one-token rows' count, and the offsets and longest extend of the sequences after them
-    lead_rows: int = 0
-    rest_qo_indptr: torch.Tensor | None = None
-    rest_max_extend: int = 0
+    # an eager mixed step's split, once a step (TritonAttentionBackend.prepare); None: not split
+    decode_lead: DecodeLead | None = None
 
     @property
     def batch_size(self) -> int:

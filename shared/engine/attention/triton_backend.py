@@ -16,7 +16,7 @@ import torch
 
 from ..kv_pool import PADDING_PAGE
 from .base import AttentionBackend
-from .metadata import AttentionMetadata
+from .metadata import AttentionMetadata, DecodeLead
 
 # a mixed step's decode rows: the launch's splits are chosen as for this many rows (_mixed)
 MIXED_DECODE_ROWS = 8
@@ -55,9 +55,9 @@ class TritonAttentionBackend(AttentionBackend):
             return
         ext = meta.extend_lens_host
         d = next((i for i, e in enumerate(ext) if e != 1), len(ext))
-        meta.lead_rows = d
-        if 0 < d < len(ext):
-            meta.rest_qo_indptr, meta.rest_max_extend = meta.qo_indptr[d:] - d, max(ext[d:])
+        if d:
+            rest = d < len(ext)
+            meta.decode_lead = DecodeLead(d, meta.qo_indptr[d:] - d if rest else None, max(ext[d:]) if rest else 0)
 
     def _mixed(self, q, kc, vc, meta: AttentionMetadata, scale, k_scale, v_scale):
         """Prefill chunks, and the decode rows a step runs beside them (the scheduler puts those
@@ -82,15 +82,15 @@ class TritonAttentionBackend(AttentionBackend):
                 decode_attention(q[:r], kc, vc, meta.page_table[:r], lead, scale, out=out[:r], **sized)
             return extend_attention(q, kc, vc, meta.page_table, meta.qo_indptr, meta.seq_lens, scale, out=out,
                                     work=meta.work, **scales)
-        d, rows = meta.lead_rows, len(meta.extend_lens_host)
-        if d == 0:
+        lead = meta.decode_lead
+        if lead is None:
             return extend_attention(q, kc, vc, meta.page_table, meta.qo_indptr, meta.seq_lens, scale,
                                     max_extend_len=max(meta.extend_lens_host), **scales)
-        out = torch.empty_like(q)
+        d, out = lead.rows, torch.empty_like(q)
         decode_attention(q[:d], kc, vc, meta.page_table[:d], meta.seq_lens[:d], scale, out=out[:d], **sized)
-        if d < rows:
-            extend_attention(q[d:], kc, vc, meta.page_table[d:], meta.rest_qo_indptr, meta.seq_lens[d:], scale,
-                             max_extend_len=meta.rest_max_extend, out=out[d:], **scales)
+        if lead.rest_qo_indptr is not None:
+            extend_attention(q[d:], kc, vc, meta.page_table[d:], lead.rest_qo_indptr, meta.seq_lens[d:], scale,
+                             max_extend_len=lead.rest_max_extend, out=out[d:], **scales)
         return out
 
     # -- CUDA graph hooks -----------------------------------------------------------------
