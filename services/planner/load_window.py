@@ -9,6 +9,10 @@ overload first tokens come only as fast as the workers manage, so counting them 
 never show a split past its capacity. The per-request sizes (prompt, uncached and output
 tokens) stay those of the requests served.
 
+Beside it, the arrivals outside the window's busiest reading interval: a burst (lockstep chats'
+first turns all arrive within one) is weighed as a backlog to work off, and what keeps coming
+beside it as the rate (decide.py's backlog hold).
+
 A counter is read as its growth between the window's first and last reading, per process
 (gateway URL, worker id and instance nonce): a process that restarted or joined counts from its
 first reading in the window. The window restarts when the split changes, so a decision weighs
@@ -35,6 +39,7 @@ class Load:
     requests: float = 0.0           # requests that got their first token in it (served)
     requests_per_s: float = 0.0
     arrivals_per_s: float = 0.0     # requests that reached the gateways (0: they did not tell)
+    arrivals_beside_burst_per_s: float | None = None  # the same without the busiest reading interval's
     prompt_tokens_per_s: float = 0.0
     computed_prompt_tokens_per_s: float = 0.0  # what the workers computed: the uncached part
     output_tokens_per_s: float = 0.0
@@ -50,6 +55,15 @@ class Load:
     def offered_per_s(self) -> float:
         """The request rate the workers are asked to serve (what the predictions load them with)."""
         return max(self.requests_per_s, self.arrivals_per_s)
+
+    @property
+    def offered_beside_burst_per_s(self) -> float:
+        """The rate that keeps coming beside a burst: the arrivals outside the window's busiest
+        reading interval (lockstep chats' first turns all arrive within one), where the gateways
+        tell arrivals and the window has two intervals or more; else the offered rate."""
+        if self.arrivals_beside_burst_per_s is None:
+            return self.offered_per_s
+        return self.arrivals_beside_burst_per_s
 
     @property
     def prompt_tokens(self) -> float:
@@ -142,9 +156,22 @@ class LoadWindow:
         return Load(
             seconds=span, requests=requests, requests_per_s=requests / span,
             arrivals_per_s=_arrivals(first.gateways, last.gateways) / span,
+            arrivals_beside_burst_per_s=self._arrivals_beside_burst(),
             prompt_tokens_per_s=prompt / span, computed_prompt_tokens_per_s=computed / span,
             output_tokens_per_s=g("output_tokens") / span,
             decode_streams=rows / n, decode_context=context / rows if rows else 0.0, kv_live_pages=pages / n,
             queued_prefill_tokens=queued / n, backlog_tokens=peak,
             ttft_s=g("ttft_sum") / requests if requests else None,
             itl_s=g("itl_sum") / itl_count if itl_count else None)
+
+    def _arrivals_beside_burst(self) -> float | None:
+        """Arrivals a second outside the reading interval that had the most, or None (fewer than
+        two intervals, or no gateway tells arrivals)."""
+        pairs = list(zip(list(self.readings)[:-1], list(self.readings)[1:]))
+        if len(pairs) < 2 or not any("finished" in f for f in self.readings[-1].gateways.values()):
+            return None
+        counts = [(_arrivals(a.gateways, b.gateways), b.at - a.at) for a, b in pairs]
+        burst = max(range(len(counts)), key=lambda i: counts[i][0])
+        rest = [c for i, c in enumerate(counts) if i != burst]
+        seconds = sum(s for _, s in rest)
+        return sum(n for n, _ in rest) / seconds if seconds > 0 else None

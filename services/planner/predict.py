@@ -181,7 +181,7 @@ class Backlog:
 
     tokens: float   # the peak (a burst of new conversations, or a rate past capacity)
     clear_s: float  # seconds its prefill takes to compute them, in full chunks
-    busy: float     # share of its prefill time the offered rate takes, the backlog aside
+    busy: float     # share of its prefill time the rate beside the burst takes (Load.offered_beside_burst_per_s)
 
 
 def backlog(split: Split, load: Load, fleet: Fleet) -> Backlog:
@@ -203,8 +203,10 @@ def backlog(split: Split, load: Load, fleet: Fleet) -> Backlog:
     site = PrefillSite(fleet.model, int(round(rows)), int(round(context)), fleet.max_batched_tokens, None)
     chunk = max(1, fleet.max_batched_tokens - int(round(rows)))
     tokens_per_s = workers * chunk / site.step_s(chunk, start)
+    # busy: the rate that keeps coming beside the burst, not the burst's own arrivals (in the
+    # window's offered rate they would count twice, as backlog and as rate)
     return Backlog(load.backlog_tokens, load.backlog_tokens / tokens_per_s,
-                   load.offered_per_s * uncached / tokens_per_s)
+                   load.offered_beside_burst_per_s * uncached / tokens_per_s)
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ def figures(decision: Decision, fleet: Fleet | None) -> dict[str, object]:
         "current": str(decision.current), "target": str(decision.target),
         "load.window_s": round(load.seconds, 1), "load.requests": round(load.requests, 1),
         "load.requests_per_s": round(load.requests_per_s, 3), "load.arrivals_per_s": round(load.arrivals_per_s, 3),
+        "load.offered_beside_burst_per_s": round(load.offered_beside_burst_per_s, 3),
         "load.prompt_tokens": round(load.prompt_tokens, 1), "load.uncached_share": round(load.uncached_share, 3),
         "load.output_tokens": round(load.output_tokens, 1), "load.decode_streams": round(load.decode_streams, 2),
         "load.kv_live_pages": round(load.kv_live_pages, 1), "load.queued_prefill_tokens": load.queued_prefill_tokens,

@@ -285,6 +285,54 @@ def test_under_overload_the_load_is_the_requests_that_reached_the_gateway_not_th
     assert "finished" not in gateway_figures(gateway.exposition().decode(), model="m")
 
 
+def test_a_burst_of_arrivals_is_weighed_as_backlog_not_also_as_a_rate_the_prefill_must_keep_up_with():
+    """Lockstep chats' first turns: 24 new conversations reach the gateway at once, then a request
+    every 3 s. Counted over the window the burst's arrivals read 2.4 a second, four times what two
+    `both` workers prefill, and the same tokens are the backlog: the hold for a burst the split
+    clears within the dwell never applied (on two H200s 96 chats switched two `both` workers to the
+    split under their first turns, and their cached turns ran on the split). The rate beside the
+    burst is what arrives outside its reading interval. Spread evenly, the same arrivals are an
+    overload the backlog hold must not wait out. Read through a real gateway's /metrics pages."""
+    def window_of(per_interval: list[int]) -> Load:
+        gateway, labels = GatewayMetrics(), ("chat_completions", "m", "")
+        window = LoadWindow(seconds=60.0)
+        for i, arriving in enumerate([0, *per_interval]):
+            for _ in range(arriving):  # each arrives and waits in flight; one served a reading
+                gateway.inflight.labels("chat_completions").inc()
+            if i:
+                gateway.time_to_first_token.labels(*labels).observe(1.0)
+                gateway.prompt_tokens.labels(*labels).inc(250)
+                gateway.generation_tokens.labels(*labels).inc(16)
+            figures = gateway_figures(gateway.exposition().decode())
+            worker_figures = {"w0/n": {"prefill_tokens": 250.0 * i, "decode_tokens": 0.0}}
+            queued = 250 * (sum(per_interval[:i]) - i)
+            window.add(Reading(3.0 * i, {"g": figures}, worker_figures, (worker("w0", "both", queued=queued),
+                                                                            worker("w1", "both"))))
+        return window.load()
+
+    f, burst = fleet(), window_of([24, 1, 1, 1])
+    assert burst.arrivals_per_s == pytest.approx(27 / 12) and burst.offered_beside_burst_per_s == pytest.approx(3 / 9)
+    assert burst.backlog_tokens == 250 * 23
+    # LONG's prompts, which the split serves better than two `both` workers: the burst is held
+    held_load = Load(**{**LONG.__dict__, "arrivals_per_s": burst.arrivals_per_s, "backlog_tokens": burst.backlog_tokens,
+                        "arrivals_beside_burst_per_s": burst.arrivals_beside_burst_per_s})
+    queued = backlog(B2, held_load, f)
+    assert queued.clear_s < 60.0 and queued.busy < 0.9
+    held = decider().decide(100.0, B2, Split(), held_load, f)
+    assert (held.action, held.reason) == ("hold", "backlog")
+    # counted as a rate too (before), the same burst read as an overload and switched
+    as_rate = Load(**{**held_load.__dict__, "arrivals_beside_burst_per_s": None})
+    assert backlog(B2, as_rate, f).busy > 0.9 and decider().decide(100.0, B2, Split(), as_rate, f).action == "switch"
+    # the same requests spread over the window: every interval as busy, no burst to set aside
+    steady = window_of([7, 7, 7, 6])
+    assert steady.offered_beside_burst_per_s == pytest.approx(20 / 9)
+    overload = Load(**{**held_load.__dict__, "arrivals_beside_burst_per_s": steady.arrivals_beside_burst_per_s,
+                       "backlog_tokens": steady.backlog_tokens})
+    assert backlog(B2, overload, f).busy > 0.9 and decider().decide(100.0, B2, Split(), overload, f).action == "switch"
+    # one interval only, or a gateway that tells no arrivals: the window's offered rate
+    assert window_of([24]).arrivals_beside_burst_per_s is None
+
+
 def test_predictions_are_corrected_by_what_the_gateways_saw():
     f = fleet()
     seen = Load(**{**CHAT.__dict__, "ttft_s": 10.0, "itl_s": 0.05})
