@@ -28,6 +28,12 @@ class UpConfig:
              "give, and `duet planner` switches their roles as the load asks (TTFT and ITL against "
              "--slo-ttft-ms / --slo-itl-ms); off: the workers keep the roles they started with (prefill-0, "
              "decode-0, ...)")
+    placement_overflow: str = setting(
+        "auto", flag="--placement-overflow", env="DUET_UP_PLACEMENT_OVERFLOW", choices=("auto", "on", "off"),
+        help="the router's overflow placement (a decode worker also prefills long prompts while the prefill "
+             "workers are past the first-token target and its rows keep the inter-token target); auto: on "
+             "with the planner (measured on two H200s: 4096-token prompts at 12 req/s, goodput 59% -> 76%, "
+             "docs/performance/serving.md), off with fixed roles, which stay as configured for comparison")
     ttft: TtftTarget = nested(TtftTarget)
     slo: ItlTarget = nested(ItlTarget)
     redis_url: str | None = setting(flag="--redis-url", env="DUET_REDIS_URL",
@@ -163,6 +169,11 @@ class UpConfig:
 
     def role_tp(self, role: str, default: int) -> int:
         return {"prefill": self.prefill_tp, "decode": self.decode_tp}.get(role) or default
+
+    @property
+    def overflow(self) -> bool:
+        """The router places by overflow too (--placement-overflow; auto: with the planner)."""
+        return self.placement_overflow == "on" or (self.placement_overflow == "auto" and self.switchable)
 
     @property
     def scheme(self) -> str:

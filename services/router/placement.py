@@ -19,7 +19,8 @@ hands it to an idle prefill worker once its batch is heavy (DistServe's and Dyna
 latency models; Dynamo's and llm-d's deciders use fixed thresholds instead).
 
 `--local-prefill-min-share` / `--local-prefill-max-tokens` bound `local_prefill`, with one
-exception, overflow (`--placement-overflow`, off by default). When prefill queued on P, with the
+exception, overflow (`--placement-overflow`: off for a router alone, on where the planner runs:
+`duet up`, the k8s planner component). When prefill queued on P, with the
 prompts the gateway's admission holds back for the prefill workers (the route request's
 `admission_waiting_tokens`: the admission lets only a couple of prefill steps' worth reach the
 workers, so on two H200s P's own queue never looked past the target and overflow did not engage),

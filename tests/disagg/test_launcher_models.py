@@ -81,3 +81,20 @@ def test_two_folders_of_one_name_are_refused(tmp_path, capsys):
 def test_several_models_refuse_one_served_name():
     with pytest.raises(SystemExit):
         UpConfig.from_argv(["--model", "/a", "--model", "/b", "--", "--served-model-name", "x"], env={})
+
+
+@pytest.mark.parametrize("argv, overflow", [
+    ((), True),                                           # the planner on (the default): overflow with it
+    (("--planner", "off"), False),                        # fixed roles stay as configured
+    (("--planner", "off", "--placement-overflow", "on"), True),
+    (("--placement-overflow", "off"), False),
+])
+def test_the_router_places_by_overflow_where_the_planner_runs(tmp_path, argv, overflow):
+    """A decode worker prefills long prompts while the prefill workers are past the first-token
+    target (services/router/placement.py): `duet up` turns it on with the planner. The router's
+    arguments as its own parser reads them, a DUET_PLACEMENT_OVERFLOW in the environment aside."""
+    from services.router.config import RouterConfig
+
+    router = next(argv for argv in planned(tmp_path, *argv).values() if "router" in argv)
+    parsed = RouterConfig.from_argv(router[router.index("router") + 1:], env={"DUET_PLACEMENT_OVERFLOW": "true"})
+    assert parsed.weights.overflow is overflow

@@ -775,6 +775,8 @@ def test_components_planner_leaves_the_fixed_gpu_overlay_as_it_was():
     assert {h["metadata"]["name"] for h in fixed.of_kind("HorizontalPodAutoscaler")} == {"duet-prefill", "duet-decode"}
     assert "DUET_SWITCHABLE" not in fixed.configmap("duet-worker-config")
     assert planned.configmap("duet-worker-config")["DUET_SWITCHABLE"] == "true"
+    # the router places by overflow where the planner runs (as `duet up` does), read by its own parser
+    assert [parse_duet_command(r, r.pod("router")).config.weights.overflow for r in (fixed, planned)] == [False, True]
     assert {(o["kind"], o["metadata"]["name"]) for o in fixed.objects} < \
         {(o["kind"], o["metadata"]["name"]) for o in planned.objects} | {("HorizontalPodAutoscaler", "duet-prefill"),
                                                                          ("HorizontalPodAutoscaler", "duet-decode")}
