@@ -33,7 +33,8 @@ class UpConfig:
         help="the router's overflow placement (a decode worker also prefills long prompts while the prefill "
              "workers are past the first-token target and its rows keep the inter-token target); auto: on "
              "with the planner (measured on two H200s: 4096-token prompts at 12 req/s, goodput 59% -> 76%, "
-             "docs/performance/serving.md), off with fixed roles, which stay as configured for comparison")
+             "docs/performance/serving.md), off with fixed roles, which stay as configured for comparison; "
+             "auto leaves a DUET_PLACEMENT_OVERFLOW in the environment to the router")
     ttft: TtftTarget = nested(TtftTarget)
     slo: ItlTarget = nested(ItlTarget)
     redis_url: str | None = setting(flag="--redis-url", env="DUET_REDIS_URL",
@@ -170,10 +171,12 @@ class UpConfig:
     def role_tp(self, role: str, default: int) -> int:
         return {"prefill": self.prefill_tp, "decode": self.decode_tp}.get(role) or default
 
-    @property
-    def overflow(self) -> bool:
-        """The router places by overflow too (--placement-overflow; auto: with the planner)."""
-        return self.placement_overflow == "on" or (self.placement_overflow == "auto" and self.switchable)
+    def overflow_flags(self, env: Mapping[str, str]) -> list[str]:
+        """The router's overflow flag: --placement-overflow on or off as given; auto: on with the
+        planner, unless the environment the router inherits sets DUET_PLACEMENT_OVERFLOW (its own)."""
+        if self.placement_overflow != "auto":
+            return ["--placement-overflow" if self.placement_overflow == "on" else "--no-placement-overflow"]
+        return ["--placement-overflow"] if self.switchable and "DUET_PLACEMENT_OVERFLOW" not in env else []
 
     @property
     def scheme(self) -> str:

@@ -103,7 +103,7 @@ class Stack:
         secure, secure_env = self.secure, self.secure.child_env()
         self.children.append(Child("router", duet_command(
             "router", "--host", host, "--port", str(self.router_port), "--metrics-port", str(free_port(host)),
-            *common, *itl, "--placement-overflow" if cfg.overflow else "--no-placement-overflow", *secure.grpc_args("router")),
+            *common, *itl, *cfg.overflow_flags(os.environ), *secure.grpc_args("router")),
             self.log_dir / "router.log", kind="router",
             env={**thread_env(1), **secure_env}))
         for (model_dir, role, name), place, tp in zip(pools, self.placements, tps):

@@ -19,6 +19,7 @@ first reading in the window. The window restarts when the split changes, so a de
 only what the current split served."""
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -59,11 +60,13 @@ class Load:
     @property
     def offered_beside_burst_per_s(self) -> float:
         """The rate that keeps coming beside a burst: the arrivals outside the window's busiest
-        reading interval (lockstep chats' first turns all arrive within one), where the gateways
-        tell arrivals and the window has two intervals or more; else the offered rate."""
-        if self.arrivals_beside_burst_per_s is None:
+        reading interval where it stands out (lockstep chats' first turns all arrive within one;
+        LoadWindow._arrivals_beside_burst), as a share of the offered rate; else the offered rate."""
+        if self.arrivals_beside_burst_per_s is None or not self.arrivals_per_s:
             return self.offered_per_s
-        return self.arrivals_beside_burst_per_s
+        # the share of the offered rate that is not the burst: the offered rate counts first tokens
+        # where more came than arrivals (a prompt list is one arrival, several first tokens)
+        return self.offered_per_s * min(1.0, self.arrivals_beside_burst_per_s / self.arrivals_per_s)
 
     @property
     def prompt_tokens(self) -> float:
@@ -165,13 +168,30 @@ class LoadWindow:
             itl_s=g("itl_sum") / itl_count if itl_count else None)
 
     def _arrivals_beside_burst(self) -> float | None:
-        """Arrivals a second outside the reading interval that had the most, or None (fewer than
-        two intervals, or no gateway tells arrivals)."""
-        pairs = list(zip(list(self.readings)[:-1], list(self.readings)[1:]))
-        if len(pairs) < 2 or not any("finished" in f for f in self.readings[-1].gateways.values()):
+        """Arrivals a second outside the reading interval that had the most, where that interval
+        stands out as a burst; else None (the window's offered rate stands: fewer than three
+        intervals, no gateway tells arrivals, or no interval past what the rest's rate explains).
+
+        Stands out: more than twice what the other intervals' rate would bring in its time, and
+        past that by three standard deviations of a Poisson count (random arrivals always have a
+        busiest interval; setting it aside would read a steady overload as lighter than it is).
+        Each gateway is compared with the last reading it answered in, so a missed scrape does
+        not count its whole history as one interval's arrivals."""
+        readings = list(self.readings)
+        if len(readings) < 4 or not any("finished" in f for f in readings[-1].gateways.values()):
             return None
-        counts = [(_arrivals(a.gateways, b.gateways), b.at - a.at) for a, b in pairs]
+        seen: dict[str, dict[str, float]] = dict(readings[0].gateways)
+        counts: list[tuple[float, float]] = []
+        for before, r in zip(readings, readings[1:]):
+            counts.append((_arrivals({k: seen[k] for k in r.gateways if k in seen}, r.gateways), r.at - before.at))
+            seen.update(r.gateways)
         burst = max(range(len(counts)), key=lambda i: counts[i][0])
         rest = [c for i, c in enumerate(counts) if i != burst]
         seconds = sum(s for _, s in rest)
-        return sum(n for n, _ in rest) / seconds if seconds > 0 else None
+        if seconds <= 0:
+            return None
+        rate = sum(n for n, _ in rest) / seconds
+        expected = rate * counts[burst][1]
+        if counts[burst][0] <= max(2 * expected, expected + 3 * math.sqrt(expected)):
+            return None
+        return rate

@@ -83,18 +83,24 @@ def test_several_models_refuse_one_served_name():
         UpConfig.from_argv(["--model", "/a", "--model", "/b", "--", "--served-model-name", "x"], env={})
 
 
-@pytest.mark.parametrize("argv, overflow", [
-    ((), True),                                           # the planner on (the default): overflow with it
-    (("--planner", "off"), False),                        # fixed roles stay as configured
-    (("--planner", "off", "--placement-overflow", "on"), True),
-    (("--placement-overflow", "off"), False),
+@pytest.mark.parametrize("argv, env, overflow", [
+    ((), None, True),                                      # the planner on (the default): overflow with it
+    (("--planner", "off"), None, False),                   # fixed roles stay as configured
+    (("--planner", "off"), "true", True),                  # auto leaves the router's own variable to it
+    ((), "false", False),
+    (("--planner", "off", "--placement-overflow", "on"), "false", True),  # a value given to duet up wins
+    (("--placement-overflow", "off"), "true", False),
 ])
-def test_the_router_places_by_overflow_where_the_planner_runs(tmp_path, argv, overflow):
+def test_the_router_places_by_overflow_where_the_planner_runs(tmp_path, monkeypatch, argv, env, overflow):
     """A decode worker prefills long prompts while the prefill workers are past the first-token
     target (services/router/placement.py): `duet up` turns it on with the planner. The router's
-    arguments as its own parser reads them, a DUET_PLACEMENT_OVERFLOW in the environment aside."""
+    arguments read by its own parser, with the environment it inherits from duet up."""
     from services.router.config import RouterConfig
 
+    if env is None:
+        monkeypatch.delenv("DUET_PLACEMENT_OVERFLOW", raising=False)
+    else:
+        monkeypatch.setenv("DUET_PLACEMENT_OVERFLOW", env)
     router = next(argv for argv in planned(tmp_path, *argv).values() if "router" in argv)
-    parsed = RouterConfig.from_argv(router[router.index("router") + 1:], env={"DUET_PLACEMENT_OVERFLOW": "true"})
-    assert parsed.weights.overflow is overflow
+    inherited = {"DUET_PLACEMENT_OVERFLOW": env} if env is not None else {}
+    assert RouterConfig.from_argv(router[router.index("router") + 1:], env=inherited).weights.overflow is overflow

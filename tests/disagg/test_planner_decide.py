@@ -285,32 +285,35 @@ def test_under_overload_the_load_is_the_requests_that_reached_the_gateway_not_th
     assert "finished" not in gateway_figures(gateway.exposition().decode(), model="m")
 
 
+def _arrivals_window(per_interval: list[int], missed: tuple[int, ...] = (), prompts_each: int = 1) -> Load:
+    """A window of 3 s readings of a real gateway's /metrics page: per_interval[i] requests arrive
+    (and wait in flight) before reading i + 1, one request gets its first tokens each reading
+    (prompts_each of them: a prompt list), and the readings in `missed` lost the gateway's scrape."""
+    gateway, labels = GatewayMetrics(), ("chat_completions", "m", "")
+    window = LoadWindow(seconds=60.0)
+    for i, arriving in enumerate([0, *per_interval]):
+        for _ in range(arriving):
+            gateway.inflight.labels("chat_completions").inc()
+        if i:
+            for _ in range(prompts_each):
+                gateway.time_to_first_token.labels(*labels).observe(1.0)
+                gateway.prompt_tokens.labels(*labels).inc(250)
+            gateway.generation_tokens.labels(*labels).inc(16)
+        figures = {} if i in missed else {"g": gateway_figures(gateway.exposition().decode())}
+        worker_figures = {"w0/n": {"prefill_tokens": 250.0 * i * prompts_each, "decode_tokens": 0.0}}
+        queued = 250 * (sum(per_interval[:i]) - i)
+        window.add(Reading(3.0 * i, figures, worker_figures, (worker("w0", "both", queued=queued), worker("w1", "both"))))
+    return window.load()
+
+
 def test_a_burst_of_arrivals_is_weighed_as_backlog_not_also_as_a_rate_the_prefill_must_keep_up_with():
     """Lockstep chats' first turns: 24 new conversations reach the gateway at once, then a request
-    every 3 s. Counted over the window the burst's arrivals read 2.4 a second, four times what two
+    every 3 s. Counted over the window the burst's arrivals read 2.25 a second, far more than two
     `both` workers prefill, and the same tokens are the backlog: the hold for a burst the split
     clears within the dwell never applied (on two H200s 96 chats switched two `both` workers to the
     split under their first turns, and their cached turns ran on the split). The rate beside the
-    burst is what arrives outside its reading interval. Spread evenly, the same arrivals are an
-    overload the backlog hold must not wait out. Read through a real gateway's /metrics pages."""
-    def window_of(per_interval: list[int]) -> Load:
-        gateway, labels = GatewayMetrics(), ("chat_completions", "m", "")
-        window = LoadWindow(seconds=60.0)
-        for i, arriving in enumerate([0, *per_interval]):
-            for _ in range(arriving):  # each arrives and waits in flight; one served a reading
-                gateway.inflight.labels("chat_completions").inc()
-            if i:
-                gateway.time_to_first_token.labels(*labels).observe(1.0)
-                gateway.prompt_tokens.labels(*labels).inc(250)
-                gateway.generation_tokens.labels(*labels).inc(16)
-            figures = gateway_figures(gateway.exposition().decode())
-            worker_figures = {"w0/n": {"prefill_tokens": 250.0 * i, "decode_tokens": 0.0}}
-            queued = 250 * (sum(per_interval[:i]) - i)
-            window.add(Reading(3.0 * i, {"g": figures}, worker_figures, (worker("w0", "both", queued=queued),
-                                                                            worker("w1", "both"))))
-        return window.load()
-
-    f, burst = fleet(), window_of([24, 1, 1, 1])
+    burst is what arrives outside its reading interval. Read through a real gateway's /metrics."""
+    f, burst = fleet(), _arrivals_window([24, 1, 1, 1])
     assert burst.arrivals_per_s == pytest.approx(27 / 12) and burst.offered_beside_burst_per_s == pytest.approx(3 / 9)
     assert burst.backlog_tokens == 250 * 23
     # LONG's prompts, which the split serves better than two `both` workers: the burst is held
@@ -320,17 +323,36 @@ def test_a_burst_of_arrivals_is_weighed_as_backlog_not_also_as_a_rate_the_prefil
     assert queued.clear_s < 60.0 and queued.busy < 0.9
     held = decider().decide(100.0, B2, Split(), held_load, f)
     assert (held.action, held.reason) == ("hold", "backlog")
+    assert figures(held, f)["load.offered_beside_burst_per_s"] == pytest.approx(3 / 9, abs=1e-3)
     # counted as a rate too (before), the same burst read as an overload and switched
     as_rate = Load(**{**held_load.__dict__, "arrivals_beside_burst_per_s": None})
     assert backlog(B2, as_rate, f).busy > 0.9 and decider().decide(100.0, B2, Split(), as_rate, f).action == "switch"
-    # the same requests spread over the window: every interval as busy, no burst to set aside
-    steady = window_of([7, 7, 7, 6])
-    assert steady.offered_beside_burst_per_s == pytest.approx(20 / 9)
-    overload = Load(**{**held_load.__dict__, "arrivals_beside_burst_per_s": steady.arrivals_beside_burst_per_s,
-                       "backlog_tokens": steady.backlog_tokens})
-    assert backlog(B2, overload, f).busy > 0.9 and decider().decide(100.0, B2, Split(), overload, f).action == "switch"
-    # one interval only, or a gateway that tells no arrivals: the window's offered rate
-    assert window_of([24]).arrivals_beside_burst_per_s is None
+    # a missed scrape does not count the gateway's history as the next interval's arrivals
+    assert _arrivals_window([24, 1, 1, 1, 1], missed=(3,)).offered_beside_burst_per_s == pytest.approx(3 / 9)
+    # a prompt list is one arrival and several first tokens: the offered rate counts the first
+    # tokens where they outnumber the arrivals, and the rate beside the burst is its share of it
+    lists = _arrivals_window([24, 1, 1, 1], prompts_each=16)
+    assert lists.offered_per_s == lists.requests_per_s == pytest.approx(64 / 12) and lists.requests_per_s > lists.arrivals_per_s
+    assert lists.offered_beside_burst_per_s == pytest.approx(lists.offered_per_s * (3 / 9) / (27 / 12))
+
+
+@pytest.mark.parametrize("per_interval", [[7, 7, 7, 6], [9, 6, 7, 5], [12, 5, 6]])
+def test_arrivals_that_vary_as_random_ones_do_are_a_rate_not_a_burst(per_interval):
+    """Steady arrivals always have a busiest interval; setting it aside would read an overload as
+    lighter than it is and hold the split it overloads. Only an interval past twice the others'
+    rate, and past it by three standard deviations of a Poisson count, is a burst."""
+    load = _arrivals_window(per_interval)
+    assert load.arrivals_beside_burst_per_s is None
+    assert load.offered_beside_burst_per_s == load.offered_per_s == pytest.approx(sum(per_interval) / (3 * len(per_interval)))
+    overload = Load(**{**LONG.__dict__, "arrivals_per_s": load.arrivals_per_s, "backlog_tokens": 2000.0,
+                       "arrivals_beside_burst_per_s": load.arrivals_beside_burst_per_s})
+    assert backlog(B2, overload, fleet()).busy > 0.9 and decider().decide(100.0, B2, Split(), overload, fleet()).action == "switch"
+
+
+def test_a_window_too_short_to_tell_a_burst_or_without_arrivals_keeps_the_offered_rate():
+    assert _arrivals_window([24, 1]).arrivals_beside_burst_per_s is None  # two intervals
+    silent = _arrivals_window([24, 1, 1, 1], missed=(1, 2, 3, 4))  # the gateway never answered after the first
+    assert silent.arrivals_beside_burst_per_s is None and silent.offered_beside_burst_per_s == silent.offered_per_s
 
 
 def test_predictions_are_corrected_by_what_the_gateways_saw():
