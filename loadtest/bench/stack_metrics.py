@@ -1,6 +1,7 @@
 """What a bench section reads off a running `duet up` stack: each worker's metrics address, from
-the ready lines in its log (one a start: a restarted worker appends another), and metric
-samples from any /metrics (a worker's, or the gateway's on its HTTP port)."""
+the ready lines in its log (one a start: a restarted worker appends another), the router's from
+its listening line, and metric samples from any /metrics (a worker's, the router's, or the
+gateway's on its HTTP port)."""
 from __future__ import annotations
 
 import re
@@ -8,11 +9,19 @@ import time
 from pathlib import Path
 
 READY = re.compile(r" ready: grpc .* metrics (\S+) ")
+ROUTER = re.compile(r"router listening on (\S+):\d+ \(.*; metrics (\d+)\)")
 
 
 def ready_addresses(log: Path) -> list[str]:
     """The metrics address of each start the log records, oldest first."""
     return READY.findall(log.read_text(errors="replace")) if log.is_file() else []
+
+
+def router_metrics_address(log_dir: Path) -> str | None:
+    """The metrics address of the router's latest start, or None (no router log, or metrics off)."""
+    log = log_dir / "router.log"
+    found = ROUTER.findall(log.read_text(errors="replace")) if log.is_file() else []
+    return f"{found[-1][0]}:{found[-1][1]}" if found else None
 
 
 def worker_metrics_address(log_dir: Path, worker: str, timeout_s: float = 60.0) -> str:

@@ -138,6 +138,37 @@ def workers_sum(log_dir: Path | None, names: list[tuple[str, dict]]) -> list[flo
     return total
 
 
+ROUTE_KINDS = ("split", "local_prefill", "colocated")
+
+
+def routes(log_dir: Path | None) -> dict[str, float] | None:
+    """The router's placements so far by kind, and how many of the local ones were overflow
+    (`duet_router_decisions_total`); None without a router log or its /metrics."""
+    import httpx
+
+    from .stack_metrics import router_metrics_address, sample_sum, scrape
+
+    address = router_metrics_address(log_dir) if log_dir else None
+    if address is None:
+        return None
+    try:
+        samples = scrape(address)
+    except httpx.HTTPError:
+        return None
+    name = "duet_router_decisions_total"
+    return {**{k: sample_sum(samples, name, kind=k) for k in ROUTE_KINDS},
+            "overflow": sample_sum(samples, name, reason="overflow")}
+
+
+def routes_text(before: dict[str, float] | None, after: dict[str, float] | None) -> str:
+    """A point's placements, e.g. ", routes split 96, local_prefill 24 (overflow 24), colocated 0"."""
+    if before is None or after is None:
+        return ""
+    d = {k: after[k] - before[k] for k in after}
+    return (f", routes split {d['split']:.0f}, local_prefill {d['local_prefill']:.0f} (overflow {d['overflow']:.0f}), "
+            f"colocated {d['colocated']:.0f}")
+
+
 def step_totals(log_dir: Path | None, *phases: str | None) -> tuple[float, ...]:
     """(seconds, steps) of the engine steps of each phase, in one read (decode-only when none is
     given: the step the client's TPOT should match; None: every step), summed over the stack's
@@ -213,10 +244,11 @@ def _rates(run, url: str, folder: Path, layout: str, log_dir: Path | None, rates
         seed = int(float(rate) * 100) + len(tag)
         if run.args.settle_seconds > 0:  # the same load first, unmeasured: a planner picks its split for it
             run_loadtest(load(run.args.settle_seconds, seed + 1, " settling"), out.with_name(out.name + "-settle"))
-        before, planned = step_totals(log_dir, "decode", "mixed"), planner_activity(log_dir)
+        before, planned, routed = step_totals(log_dir, "decode", "mixed"), planner_activity(log_dir), routes(log_dir)
         run_loadtest(load(run.args.seconds_per_rate, seed, ""), out)
         s = read_results(out / "results.json").summaries()[0]
         switches = "" if planned is None else f", {planner_activity(log_dir).since(planned).text()}"
+        switches += routes_text(routed, routes(log_dir))
         run.add("stack", f"{layout} {workload} {rate}/s{tag} goodput %", round(100 * (s.goodput.share or 0), 1),
                 f"TTFT p50/p90 {s.ttft.p50}/{s.ttft.p90}, TPOT p50/p90 {s.tpot.p50}/{s.tpot.p90} ms, ITL p99 "
                 f"{s.itl.p99} ms, {s.request_throughput:.2f} req/s, {s.failed} of {s.requests} failed{switches}")
