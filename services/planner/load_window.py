@@ -175,22 +175,21 @@ class LoadWindow:
         Stands out: more than twice what the other intervals' rate would bring in its time, and
         past that by three standard deviations of a Poisson count (random arrivals always have a
         busiest interval; setting it aside would read a steady overload as lighter than it is).
-        Each gateway is compared with the last reading it answered in, so a missed scrape does
-        not count its whole history as one interval's arrivals."""
-        readings = list(self.readings)
-        if len(readings) < 4 or not any("finished" in f for f in readings[-1].gateways.values()):
+        An interval ends only at a reading every gateway of the last one answered in: a missed
+        scrape joins the intervals on both sides of it, so its arrivals are neither lost nor
+        counted in half the time."""
+        gateways = set(self.readings[-1].gateways)
+        if not any("finished" in f for f in self.readings[-1].gateways.values()):
             return None
-        seen: dict[str, dict[str, float]] = dict(readings[0].gateways)
-        counts: list[tuple[float, float]] = []
-        for before, r in zip(readings, readings[1:]):
-            counts.append((_arrivals({k: seen[k] for k in r.gateways if k in seen}, r.gateways), r.at - before.at))
-            seen.update(r.gateways)
-        burst = max(range(len(counts)), key=lambda i: counts[i][0])
+        ends = [r for r in self.readings if gateways <= set(r.gateways)]
+        if len(ends) < 4:
+            return None
+        counts = [(_arrivals(a.gateways, b.gateways), b.at - a.at) for a, b in zip(ends, ends[1:])]
+        if any(s <= 0 for _, s in counts):
+            return None
+        burst = max(range(len(counts)), key=lambda i: counts[i][0] / counts[i][1])
         rest = [c for i, c in enumerate(counts) if i != burst]
-        seconds = sum(s for _, s in rest)
-        if seconds <= 0:
-            return None
-        rate = sum(n for n, _ in rest) / seconds
+        rate = sum(n for n, _ in rest) / sum(s for _, s in rest)
         expected = rate * counts[burst][1]
         if counts[burst][0] <= max(2 * expected, expected + 3 * math.sqrt(expected)):
             return None

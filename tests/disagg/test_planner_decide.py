@@ -327,8 +327,11 @@ def test_a_burst_of_arrivals_is_weighed_as_backlog_not_also_as_a_rate_the_prefil
     # counted as a rate too (before), the same burst read as an overload and switched
     as_rate = Load(**{**held_load.__dict__, "arrivals_beside_burst_per_s": None})
     assert backlog(B2, as_rate, f).busy > 0.9 and decider().decide(100.0, B2, Split(), as_rate, f).action == "switch"
-    # a missed scrape does not count the gateway's history as the next interval's arrivals
-    assert _arrivals_window([24, 1, 1, 1, 1], missed=(3,)).offered_beside_burst_per_s == pytest.approx(3 / 9)
+    # a missed scrape joins the intervals on both sides of it: the gateway's history is not counted
+    # as one interval's arrivals, nor two intervals' arrivals read as a burst in one's time
+    missed = _arrivals_window([24, 1, 1, 1, 1], missed=(3,))
+    assert missed.offered_beside_burst_per_s == pytest.approx(missed.offered_per_s * (4 / 12) / (28 / 15))
+    assert _arrivals_window([7, 7, 7, 7, 7], missed=(3,)).arrivals_beside_burst_per_s is None
     # a prompt list is one arrival and several first tokens: the offered rate counts the first
     # tokens where they outnumber the arrivals, and the rate beside the burst is its share of it
     lists = _arrivals_window([24, 1, 1, 1], prompts_each=16)
