@@ -19,14 +19,16 @@ LAYOUTS = {  # `duet up`'s workers (GPU placement: services/launcher/gpus.py); -
     "colocated": ["--planner", "off", "--both", "1", "--prefill", "0", "--decode", "0"],
     "split": ["--planner", "off", "--prefill", "1", "--decode", "1"],
     "colocated2": ["--planner", "off", "--both", "2", "--prefill", "0", "--decode", "0"],  # as split's two GPUs
-    "planned": ["--prefill", "1", "--decode", "1"],  # split's two workers, their roles switched by the planner
+    "planned": ["--prefill", "1", "--decode", "1"],  # split's two workers, roles switched by the planner, overflow on
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 def stack(run) -> None:
     """Per layout: the first `duet loadtest` run after ready, then closed-loop points at each
-    --concurrency, random --stack-lens requests: TTFT, TPOT, ITL, output tokens/s, failures.
+    --concurrency, random --stack-lens requests: TTFT, TPOT, ITL, output tokens/s, failures; then
+    each open-loop rate point's goodput, with the workers' decode-only and mixed steps, the
+    router's placements and the planner's switches over the point.
     (The engine's own step at a batch: `--sections decode --batches C --ctx <mean context>`.)"""
     _stacks(run, ("stack", "multiturn") if "multiturn" in run.sections else ("stack",))
 
