@@ -118,12 +118,14 @@ def test_bench_stack_sections_measure_this_stack(duet_stack, tmp_path, torch_one
     assert kv[0] > 0 and kv[2] == kv[3] == 0, kv  # the second turns hit the device; no host tier on CPU
     assert kv_tiers_text([0.0] * 4, kv) == f"prefix hits {kv[0]:.0f} tokens from device, 0 from host; no host tier"
     # the router's placements by kind, read off its /metrics (its listening line names the port):
-    # every request the fixture's stack served was routed, none of these short prompts by overflow
+    # every request the fixture's stack served was routed; overflow (on with the planner) is a
+    # kind of local prefill (on a loaded CPU the prefill worker's queue may pass the target)
     from loadtest.bench.stacks import routes, routes_text
     placed = routes(log_dir)
     assert placed is not None and placed["split"] + placed["local_prefill"] + placed["colocated"] >= 10, placed
-    assert placed["overflow"] == 0 and routes_text(placed, placed) == \
-        ", routes split 0, local_prefill 0 (overflow 0), colocated 0"
+    assert placed["split"] > 0 and 0 <= placed["overflow"] <= placed["local_prefill"], placed
+    assert routes_text(placed, {**placed, "split": placed["split"] + 3}) == \
+        ", routes split 3, local_prefill 0 (overflow 0), colocated 0"
     # open loop: every request of the rate point met the loose SLO; the agentic sessions all finished
     assert d["stack"]["server random 2/s goodput %"] == d["stack"]["server random 2/s filled goodput %"] == 100.0
     # each rate point ran its load unmeasured first (--settle-seconds), into a folder of its own
