@@ -22,7 +22,7 @@ is too little to judge by). Rules, in order:
 - a current split working off a backlog (the window's peak of queued prompt tokens: a burst of
   new conversations, the first turns of a lockstep chat) that it clears within the dwell, at a
   rate beside the burst its prefill keeps up with (at most SATURATED of its time: the arrivals
-  outside the window's busiest reading interval, load_window.py; the burst's own arrivals are
+  outside the window's busiest reading interval where it stands out, load_window.py; the burst's own arrivals are
   its backlog, not a rate), and long enough to
   weigh (at least half the first-token target), is held (reason `backlog`): the queued requests
   stay on the workers they were placed on whatever the roles become, so a switch helps none of

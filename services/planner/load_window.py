@@ -40,7 +40,7 @@ class Load:
     requests: float = 0.0           # requests that got their first token in it (served)
     requests_per_s: float = 0.0
     arrivals_per_s: float = 0.0     # requests that reached the gateways (0: they did not tell)
-    arrivals_beside_burst_per_s: float | None = None  # the same without the busiest reading interval's
+    arrivals_beside_burst_per_s: float | None = None  # the same outside a burst's interval (None: none stood out)
     prompt_tokens_per_s: float = 0.0
     computed_prompt_tokens_per_s: float = 0.0  # what the workers computed: the uncached part
     output_tokens_per_s: float = 0.0

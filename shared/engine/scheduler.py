@@ -56,7 +56,6 @@ class Scheduler:
         self.num_passed_over = 0  # admissions that went ahead of a tenant over its live share
         # prefill beside decode rows within an inter-token target (the worker sets it)
         self.itl_budget = None
-        self.decode_row_tokens = 1  # tokens a decode row may carry this step (K + 1 while speculating)
         self.last_allowance = None  # the last step's StepAllowance (None: no decode rows or no budget)
         self.budget_steps = {"itl": 0, "ttft": 0}  # batches beside decode rows, by which target set their room
         self.clock = time.monotonic  # what the queue's waits are read against (Req.arrival's clock)
@@ -133,7 +132,10 @@ class Scheduler:
             heads.append(nxt[0])
         return [r for r in order[:front] if r is not req] + heads
 
-    def schedule(self) -> Batch:
+    def schedule(self, decode_row_tokens: int = 1) -> Batch:
+        """decode_row_tokens: what a decode row may carry in the step (K + 1 while speculation
+        drafts K: the drafts are attached after the prompt chunks are cut, so the budget leaves
+        them room)."""
         # host-tier copies: settle what landed, write back ahead of what the queue needs (never waits)
         self.kv.tick_tiers(self.tokens_to_place)
         batch = Batch()
@@ -163,7 +165,7 @@ class Scheduler:
         if self.itl_budget is not None and rows:
             queue = self.prefill_queue() if self.itl_budget.weighs_queue else ()
             room = self.itl_budget.begin(rows, sum(it.start + 1 for it in batch.items), queue, budget,
-                                         row_tokens=self.decode_row_tokens)
+                                         row_tokens=decode_row_tokens)
         self.last_allowance = room
         # 2. prefill chunks of admitted requests, then new admissions (turn order)
         for req in self.running:

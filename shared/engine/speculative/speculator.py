@@ -143,11 +143,7 @@ class Speculator:
     def step(self) -> list[StepOutput]:
         e = self.engine
         outs = e.overlap.flush() if e.overlap is not None else []
-        e.scheduler.decode_row_tokens = self.k + 1  # a prompt's slice leaves the drafts room in the graph
-        try:
-            batch = e.scheduler.schedule()
-        finally:
-            e.scheduler.decode_row_tokens = 1
+        batch = e.scheduler.schedule(decode_row_tokens=self.k + 1)  # a prompt's slice leaves the drafts room
         if not batch.items:
             return outs
         items = self._attach_drafts(batch)
