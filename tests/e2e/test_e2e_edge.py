@@ -215,7 +215,7 @@ class HealthWatch:
             self._stop.wait(0.1)
 
     def answered_within(self, start: float, end: float) -> int:
-        """Probes asked and answered 200 inside [start, end]: none if the gateway's loop was held."""
+        """Probes asked and answered 200 inside [start, end]."""
         return sum(1 for a, b in self.probes if start <= a and b <= end)
 
     def median_s(self) -> float:
@@ -252,11 +252,13 @@ def test_expensive_grammars_are_400_within_the_budget_and_health_stays_fast(stac
                 windows.append((started, time.monotonic()))
                 # the budget, and no restart's wait: the killed helper's replacement is a fork
                 assert windows[-1][1] - started < 10
-        # Health is answered while a compile runs (a held event loop would answer none of the
-        # ~20 probes of a 2 s compile; a busy 2-core machine delays some, once one by 1.2 s with
-        # two answered in the window, so the count is low).
+        # Health is answered while a compile runs. A held event loop answers a probe asked during
+        # the compile only when the compile ends, a few ms before the 400 goes out; so one probe
+        # asked and answered more than 0.2 s before the 400 shows the loop free. (A busy 2-core
+        # machine delays probes by up to 1.2 s; once only one of a 2.6 s window's answered, so
+        # asking for more than one fails runs whose loop was free.)
         for start, end in windows:
-            assert health.answered_within(start, end) >= 2, (end - start, health.probes)
+            assert health.answered_within(start, end - 0.2) >= 1, (end - start, health.probes)
         assert health.median_s() < 0.5, health.probes
         stack.wait_idle()
 
