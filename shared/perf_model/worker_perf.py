@@ -24,6 +24,7 @@ class WorkerPerf:
                                            # (a mixed step replays a graph); -1: any (no graphs)
     budget_graph_tokens: int = 0           # tokens a mixed step holds and still replays a graph (its budget's
                                            # slices stay within them); 0: any (no graphs)
+    budget_row_tokens: int = 1             # tokens a decode row takes of those: K + 1 where speculation drafts K
 
     def fields(self) -> dict[str, str]:
         return {
@@ -34,6 +35,7 @@ class WorkerPerf:
             "perf_ttft_target_s": repr(self.ttft_target_s),
             "perf_budget_graph_rows": str(self.budget_graph_rows),
             "perf_budget_graph_tokens": str(self.budget_graph_tokens),
+            "perf_budget_row_tokens": str(self.budget_row_tokens),
         }
 
     @classmethod
@@ -45,4 +47,5 @@ class WorkerPerf:
                    int(h.get("perf_budget_floor_tokens", 0) or 0),
                    float(h.get("perf_ttft_target_s", 0.0) or 0.0),
                    int(h.get("perf_budget_graph_rows", -1) or -1),
-                   int(h.get("perf_budget_graph_tokens", 0) or 0))
+                   int(h.get("perf_budget_graph_tokens", 0) or 0),
+                   int(h.get("perf_budget_row_tokens", 1) or 1))

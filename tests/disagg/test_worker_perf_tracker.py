@@ -76,6 +76,7 @@ def test_live_steps_refit_the_model_the_budget_and_the_registry_use(engine):
     assert (perf.itl_target_s, perf.budget_floor_tokens) == (0.040, 8)
     assert perf.budget_graph_rows == tracker.budget.graph_rows == -1  # CPU: no graphs, sliced at any rows
     assert perf.budget_graph_tokens == tracker.budget.graph_tokens == 0
+    assert perf.budget_row_tokens == 1  # no speculation: a decode row is one token
     drive(engine, tracker, random_prompts(1, [20], seed=52), 3)
     tracker.refit()
     assert perf.step is None  # uncalibrated, too few steps of each kind yet: nothing to publish

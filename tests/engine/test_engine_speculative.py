@@ -498,3 +498,18 @@ def test_warm_up_drafts_every_decode_step_then_starts_clean(model_dir):
     assert eng.spec.stats.verify_steps == 0 and not eng.spec.proposer.fill_when_empty
     assert eng.spec.policy.min_acceptance == 0.0  # this module's engines keep trying
     assert_all_pages_free(eng)
+
+
+def test_a_speculating_worker_publishes_its_rows_tokens_for_the_routers_simulation(model_dir):
+    """Its scheduler leaves K + 1 tokens a decode row in a graph's; the router and the planner
+    simulate its budget from the registry entry, so the entry says K + 1 (shared/perf_model)."""
+    from prometheus_client import CollectorRegistry
+
+    from services.worker_runtime.perf_tracker import PerfTracker
+    from shared.perf_model.config import PerfModelConfig
+    from shared.perf_model.worker_perf import WorkerPerf
+
+    perf = WorkerPerf()
+    PerfTracker(make(model_dir, True), perf, PerfModelConfig(calibrate=False), CollectorRegistry())
+    assert perf.budget_row_tokens == 5  # speculative_tokens=4
+    assert WorkerPerf.from_fields(perf.fields()).budget_row_tokens == 5
