@@ -221,7 +221,7 @@ def test_a_burst_the_gateways_admission_holds_back_counts_in_the_backlog():
     a fraction of the burst. Read through a real admission queue's /metrics page."""
     async def held_back() -> str:
         registry = CollectorRegistry()
-        queue = AdmissionQueue(100, 100, 0.0, budget=lambda: Budget(prefill_tokens=16384))
+        queue = AdmissionQueue(100, 100, 0.0, budget=lambda pool: Budget(prefill_tokens=16384))
         register_admission_metrics(registry, queue)
         tasks = [asyncio.create_task(queue.ticket().acquire(Work(1, 6128, 6000))) for _ in range(48)]
         await asyncio.sleep(0.05)

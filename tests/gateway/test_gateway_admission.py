@@ -32,7 +32,7 @@ CONTEXT = 256
 
 def test_units_weigh_sequences_and_tokens_against_the_budget():
     async def fair_line():
-        q = AdmissionQueue(10, 10, 5.0, budget=lambda: Budget(sequences=8, tokens=1000))
+        q = AdmissionQueue(10, 10, 5.0, budget=lambda pool: Budget(sequences=8, tokens=1000))
         a = await q.ticket().acquire(Work(6, 100))
         b = asyncio.create_task(q.ticket().acquire(Work(4, 100)))  # 6 + 4 > 8 sequences: waits
         await asyncio.sleep(0.01)
@@ -43,14 +43,14 @@ def test_units_weigh_sequences_and_tokens_against_the_budget():
         a.release()  # 2 + 4 fit now
         await asyncio.wait_for(b, 1)
         assert (q.running.sequences, q.running.tokens) == (6, 200)
-        tokens = AdmissionQueue(10, 10, 5.0, budget=lambda: Budget(sequences=100, tokens=300))
+        tokens = AdmissionQueue(10, 10, 5.0, budget=lambda pool: Budget(sequences=100, tokens=300))
         x = await tokens.ticket().acquire(Work(1, 250))
         y = asyncio.create_task(tokens.ticket().acquire(Work(1, 100)))  # 350 tokens > 300: waits
         await asyncio.sleep(0.01)
         assert not y.done()
         x.release()
         await asyncio.wait_for(y, 1)
-        alone = AdmissionQueue(10, 10, 5.0, budget=lambda: Budget(sequences=4, tokens=10))
+        alone = AdmissionQueue(10, 10, 5.0, budget=lambda pool: Budget(sequences=4, tokens=10))
         big = await asyncio.wait_for(alone.ticket().acquire(Work(128, 10_000)), 1)  # alone, anything runs
         big.release()
     asyncio.run(fair_line())
@@ -61,7 +61,7 @@ def test_a_unit_that_fits_passes_a_bigger_one_until_that_one_has_aged():
     once it has waited `aging_s`, nobody passes it and the budget drains for it."""
     async def go():
         clock = [0.0]
-        q = AdmissionQueue(10, 10, 0, budget=lambda: Budget(sequences=100, prefill_tokens=100), aging_s=5.0,
+        q = AdmissionQueue(10, 10, 0, budget=lambda pool: Budget(sequences=100, prefill_tokens=100), aging_s=5.0,
                            clock=lambda: clock[0])
         running = await q.ticket().acquire(Work(1, 60, 60))
         big = asyncio.create_task(q.ticket().acquire(Work(1, 500, 500)))  # 60 + 500 > 100: waits
@@ -82,12 +82,50 @@ def test_a_unit_that_fits_passes_a_bigger_one_until_that_one_has_aged():
     asyncio.run(go())
 
 
+def test_each_model_is_admitted_against_its_own_workers_budget():
+    """Two models, each with workers of its own: one key's prompts of model `big` fill big's
+    prefill budget and its aged prompt holds big's room, yet the same key's prompt of `small`
+    goes at once (small's workers are idle), and each pool frees alone."""
+    async def go():
+        clock = [0.0]
+        asked = []
+
+        def budget(pool: str) -> Budget:
+            asked.append(pool)
+            return Budget(sequences=100, prefill_tokens={"big": 100, "small": 40}[pool])
+
+        q = AdmissionQueue(10, 10, 0, budget=budget, aging_s=5.0, clock=lambda: clock[0],
+                           pools=lambda: ["big", "small"])
+        key = q.ticket("key")
+        bulk = [await key.acquire(Work(1, 50, 50, pool="big")), await key.acquire_more(Work(1, 50, 50, pool="big"))]
+        aged = asyncio.create_task(q.ticket("key").acquire(Work(1, 80, 80, pool="big")))
+        await asyncio.sleep(0.01)
+        clock[0] = 10.0  # big's waiting prompt has aged: big's freed room is its
+        assert not aged.done() and q.waiting_prompt_tokens_of("big") == 80 and q.waiting_prompt_tokens_of("small") == 0
+        small = await asyncio.wait_for(q.ticket("key").acquire(Work(1, 30, 30, pool="small")), 1)
+        other = asyncio.create_task(q.ticket("key").acquire(Work(1, 30, 30, pool="small")))  # 60 > small's 40
+        await asyncio.sleep(0.01)
+        assert not other.done() and (q.running.prefill_tokens, q.budget_total().prefill_tokens) == (130, 140)
+        small.prefilled()  # small's room frees small's prompt, not big's
+        await asyncio.wait_for(other, 1)
+        assert not aged.done()
+        for g in bulk:
+            g.prefilled()
+        await asyncio.wait_for(aged, 1)
+        assert {"big", "small"} <= set(asked)
+        for g in bulk + [small, other.result(), aged.result()]:
+            g.release()
+        key.release()
+        assert q.running == type(q.running)() and all(not p.tenants for p in q._pools.values())
+    asyncio.run(go())
+
+
 def test_a_full_prefill_budget_still_lets_each_tenant_its_share():
     """A prompt list fills the prefill budget; another client's short prompt is owed its
     share of it (the budget over the tenants with work) and goes at once; the list's next
     prompt and a newcomer's prompt longer than its share wait for room."""
     async def go():
-        q = AdmissionQueue(10, 10, 0, budget=lambda: Budget(sequences=100, prefill_tokens=100))
+        q = AdmissionQueue(10, 10, 0, budget=lambda pool: Budget(sequences=100, prefill_tokens=100))
         bulk = q.ticket("bulk")
         grants = [await bulk.acquire(Work(1, 12, 10))]
         grants += [await bulk.acquire_more(Work(1, 12, 10)) for _ in range(9)]
@@ -106,7 +144,7 @@ def test_a_full_prefill_budget_still_lets_each_tenant_its_share():
         for g in grants + [victim, long.result(), more.result()]:
             g.release()
         bulk.release()
-        assert (q.running.sequences, q.running.prefill_tokens, q._tenants) == (0, 0, {})
+        assert (q.running.sequences, q.running.prefill_tokens, q._pool("").tenants) == (0, 0, {})
     asyncio.run(go())
 
 
@@ -115,7 +153,7 @@ def test_two_prompt_lists_leave_a_newcomer_a_place_in_the_batch():
     one more: two lists stop at 30 of 32 sequences, and a third client's request runs at once
     instead of waiting for a list's sequence to finish."""
     async def go():
-        q = AdmissionQueue(10, 10, 0, budget=lambda: Budget(sequences=32))
+        q = AdmissionQueue(10, 10, 0, budget=lambda pool: Budget(sequences=32))
         lists, waiting = [q.ticket(k) for k in ("list-a", "list-b")], []
         for t in lists:
             await t.acquire(Work(1, 10))
@@ -131,7 +169,7 @@ def test_two_prompt_lists_leave_a_newcomer_a_place_in_the_batch():
         for w in waiting:
             w.cancel()
         await asyncio.gather(*waiting, return_exceptions=True)
-        assert (q.running.sequences, q._tenants) == (0, {})
+        assert (q.running.sequences, q._pool("").tenants) == (0, {})
     asyncio.run(go())
 
 
@@ -139,7 +177,7 @@ def test_prompt_tokens_count_until_their_first_token():
     """The prefill budget: a unit's prompt counts from its grant to its first token, so the
     prefill workers' queue stays a couple of steps long and the order is decided here."""
     async def go():
-        q = AdmissionQueue(10, 10, 5.0, budget=lambda: Budget(sequences=100, prefill_tokens=100))
+        q = AdmissionQueue(10, 10, 5.0, budget=lambda pool: Budget(sequences=100, prefill_tokens=100))
         a = await q.ticket().acquire(Work(1, 90, 80))
         # 80 + 60 > 100 prompt tokens, and 60 is more than b's half of the budget
         b = asyncio.create_task(q.ticket().acquire(Work(1, 70, 60)))
@@ -162,7 +200,7 @@ def test_a_routed_prompt_keeps_only_its_uncached_tokens_on_the_prefill_budget():
     rest is prefill work, so the next prompts reach the workers at once instead of two or three
     whole contexts at a time."""
     async def go():
-        q = AdmissionQueue(10, 10, 5.0, budget=lambda: Budget(sequences=100, prefill_tokens=10_000))
+        q = AdmissionQueue(10, 10, 5.0, budget=lambda pool: Budget(sequences=100, prefill_tokens=10_000))
         turns = [q.ticket("chat") for _ in range(3)]
         a = await turns[0].acquire(Work(1, 6200, 6000))
         b = asyncio.create_task(turns[1].acquire(Work(1, 6200, 6000)))  # 12k > 10k: waits
@@ -187,13 +225,13 @@ def test_a_routed_prompt_keeps_only_its_uncached_tokens_on_the_prefill_budget():
             grant.release()
             ticket.release()
         assert (q.running.sequences, q.running.tokens, q.running.prefill_tokens) == (0, 0, 0)
-        assert q._tenants == {}
+        assert q._pool("").tenants == {}
     asyncio.run(go())
 
 
 def test_fair_turns_across_api_keys_and_a_bound_per_request():
     async def go():
-        q = AdmissionQueue(10, 10, 5.0, budget=lambda: Budget(sequences=4), max_request_share=0.75)
+        q = AdmissionQueue(10, 10, 5.0, budget=lambda pool: Budget(sequences=4), max_request_share=0.75)
         big = q.ticket("key-a")
         grants = [await big.acquire(Work(1, 10))]
         more = [asyncio.create_task(big.acquire_more(Work(1, 10))) for _ in range(7)]

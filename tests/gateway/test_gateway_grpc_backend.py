@@ -428,7 +428,7 @@ def test_a_request_while_the_router_restarts_waits_for_it(client, cluster, reply
 
 def test_each_route_carries_the_prompt_tokens_waiting_in_the_gateways_admission(prompts):
     """What the router's overflow rule weighs as the prefill workers' backlog (placement.py):
-    the gateway's own admission queue, read when the route is sent."""
+    the gateway's own admission queue of the route's model, read when the route is sent."""
     from services.gateway.http_edge.admission import Work
     from services.gateway.http_edge.limits_config import GatewayLimits
 
@@ -437,13 +437,14 @@ def test_each_route_carries_the_prompt_tokens_waiting_in_the_gateways_admission(
                          limits=GatewayLimits(max_prefill_tokens=100))
 
     async def scenario():
-        assert backend.admission_backlog() == 0
-        running = await ctx.admission.ticket("k").acquire(Work(prompt_tokens=100))  # the budget, full
-        waiting = asyncio.ensure_future(ctx.admission.ticket("k").acquire(Work(prompt_tokens=700)))
+        assert backend.admission_backlog(MODEL) == 0
+        running = await ctx.admission.ticket("k").acquire(Work(prompt_tokens=100, pool=MODEL))  # the budget, full
+        waiting = asyncio.ensure_future(ctx.admission.ticket("k").acquire(Work(prompt_tokens=700, pool=MODEL)))
         await asyncio.sleep(0.05)
-        assert not waiting.done() and backend.admission_backlog() == 700
+        assert not waiting.done() and backend.admission_backlog(MODEL) == 700
+        assert backend.admission_backlog("another-model") == 0  # a pool of its own
         running.release()
         (await waiting).release()
-        assert backend.admission_backlog() == 0
+        assert backend.admission_backlog(MODEL) == 0
 
     asyncio.run(scenario())

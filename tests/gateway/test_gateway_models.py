@@ -22,6 +22,7 @@ from tests.helpers.gateway_support import (
     UvicornThread,
     byte_level_tokenizer_dir,
     sentencepiece_tokenizer_dir,
+    wait_until,
 )
 
 PROMPT = "hello world, the quick brown fox"
@@ -85,3 +86,54 @@ def test_two_models_may_not_share_a_name(models):
     with pytest.raises(ValueError, match="model-a"):
         GatewayContext(ScriptedBackend(script=[], eos_token_id=0), a, GatewayMetrics(), "model-a", 256,
                        extra_models=[ModelFiles("model-a", b, 128)])
+
+
+class TwoPools(ScriptedBackend):
+    """Each model's workers: one `both` worker running at most two sequences. Records the order
+    in which requests reach the workers and how many of each model ran at once."""
+
+    def live_capacity(self, model: str | None = None) -> list:
+        from services.gateway.backends.capacity import WorkerCapacity
+        one = [WorkerCapacity("both", 64, 16, 2, 256)]
+        return one if model is not None else one + one
+
+    def generate(self, request):
+        self.by_model = getattr(self, "by_model", {})
+        self.peaks = getattr(self, "peaks", {})
+        inner = super().generate(request)
+
+        async def counted():
+            self.by_model[request.model] = self.by_model.get(request.model, 0) + 1
+            self.peaks[request.model] = max(self.peaks.get(request.model, 0), self.by_model[request.model])
+            try:
+                async for event in inner:
+                    yield event
+            finally:
+                self.by_model[request.model] -= 1
+        return counted()
+
+
+def test_each_model_is_admitted_against_its_own_workers(models):
+    """Four requests of model-a fill its worker's batch of two (the other two wait at the
+    gateway); a model-b request sent after them reaches model-b's idle worker at once, ahead
+    of model-a's waiting ones, instead of waiting for room the gateway counted as one budget."""
+    import concurrent.futures
+
+    a, b = models
+    backend = TwoPools(script=[5] * 40, eos_token_id=a.tokenizer.eos_token_id, delay_s=0.02)
+    ctx = GatewayContext(backend, a, GatewayMetrics(), "model-a", 256, extra_models=[ModelFiles("model-b", b, 128)])
+
+    def ask(model: str) -> int:
+        r = httpx.post(server.base_url + "/v1/completions", json={"model": model, "prompt": PROMPT, "max_tokens": 40},
+                       timeout=60)
+        return r.status_code
+
+    with UvicornThread(build_app(ctx)) as server, concurrent.futures.ThreadPoolExecutor(5) as pool:
+        first = [pool.submit(ask, "model-a") for _ in range(4)]
+        assert wait_until(lambda: len(backend.requests) >= 2 and ctx.admission.queued >= 2, timeout=10)
+        late = pool.submit(ask, "model-b")
+        assert [f.result() for f in first] + [late.result()] == [200] * 5
+    order = [r.model for r in backend.requests]
+    assert order.index("model-b") < 4, order  # before model-a's third and fourth
+    assert backend.peaks == {"model-a": 2, "model-b": 1}, backend.peaks  # each pool's own batch bound
+    assert ctx.admission.running.sequences == 0 and ctx.admission.queued == 0

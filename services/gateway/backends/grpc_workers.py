@@ -181,7 +181,7 @@ class GrpcBackend:
         self._record_task: asyncio.Task | None = None
         self.leases = LeaseKeeper(config.cleanup_timeout_s)  # our reservations live on decode while renewed
         # prompt tokens waiting in this gateway's admission (the app sets it): sent with each route
-        self.admission_backlog: Callable[[], int] = lambda: 0
+        self.admission_backlog: Callable[[str], int] = lambda model: 0  # of a model's requests
         self.gateway_id = uuid.uuid4().hex  # with it the router sums every gateway's backlog
 
     # --- lifecycle --------------------------------------------------------------------
@@ -492,7 +492,7 @@ class GrpcBackend:
             max_tokens=attempt.remaining_tokens, page_hashes=hashes, n=attempt.sampling.n,
             exclude_instances=attempt.exclude, exclude_decode_instances=attempt.exclude_decode,
             checkpoint=attempt.checkpoint,
-            lora_adapter=request.cache_scope.adapter, admission_waiting_tokens=self.admission_backlog(),
+            lora_adapter=request.cache_scope.adapter, admission_waiting_tokens=self.admission_backlog(request.model),
             gateway_id=self.gateway_id)
         deadline = time.monotonic() + self.config.route_timeout_s
         while True:

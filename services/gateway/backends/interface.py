@@ -111,8 +111,8 @@ class GenerationBackend(Protocol):
     def ready(self) -> bool:
         """True once the backend can serve a request (model loaded / workers found)."""
 
-    def live_capacity(self) -> list[WorkerCapacity]:
-        """What the live workers hold (capacity.py); [] when unknown."""
+    def live_capacity(self, model: str | None = None) -> list[WorkerCapacity]:
+        """What the live workers (of `model`, when given) hold (capacity.py); [] when unknown."""
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         """Stream the completion's tokens (see the module docstring for the contract)."""

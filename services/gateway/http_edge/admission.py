@@ -29,6 +29,12 @@ wait behind its own), so a newcomer finds room at once; and a prompt list of 102
 fill the workers ahead of another user's one-token request: when room frees, the user with
 the smaller share goes first.
 
+Each model served is a pool of its own: its units are weighed against the budget of its own
+workers (`budget(pool)`, the pool being the base model's name), the running work and the tenants'
+shares are counted per pool, and a unit that has aged holds up only its own pool. So a burst
+of one model's prompts neither fills another model's workers' room nor keeps that model's
+requests waiting while its workers idle.
+
 Bounds against overload, in requests: at most `max_concurrent` requests are admitted at
 once and `max_queued` more hold a place (preparing or waiting); a request that finds no
 place is refused at once, one whose first unit waits past `queue_timeout_s` too (the HTTP
@@ -46,7 +52,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 
@@ -66,6 +72,7 @@ class Work:
     sequences: int = 1
     tokens: int = 0
     prompt_tokens: int = 0
+    pool: str = ""  # the base model whose workers run it (each model's budget is its own)
 
 
 @dataclass(frozen=True)
@@ -95,6 +102,14 @@ class _Share:
     prefill_tokens: int = 0
 
 
+@dataclass
+class _Pool:
+    """One model's admitted work: what runs, and each tenant's part of it."""
+
+    running: _Share = field(default_factory=_Share)
+    tenants: dict[str, _Share] = field(default_factory=dict)
+
+
 @dataclass(eq=False)
 class _Waiter:
     ticket: "Ticket"
@@ -107,8 +122,9 @@ class _Waiter:
 
 class AdmissionQueue:
     def __init__(self, max_concurrent: int, max_queued: int, queue_timeout_s: float, retry_after_s: float = 1.0,
-                 *, budget: Callable[[], Budget] | None = None, max_request_share: float = 1.0,
-                 aging_s: float = 10.0, clock: Callable[[], float] = time.monotonic):
+                 *, budget: Callable[[str], Budget] | None = None, max_request_share: float = 1.0,
+                 aging_s: float = 10.0, clock: Callable[[], float] = time.monotonic,
+                 pools: Callable[[], Iterable[str]] = lambda: ("",)):
         if min(max_concurrent, max_queued, queue_timeout_s, aging_s) < 0 or not 0 < max_request_share <= 1:
             raise ValueError("admission limits must be >= 0, the request share in (0, 1]")
         self.aging_s = aging_s  # a unit that does not fit is passed until it has waited this long
@@ -118,17 +134,33 @@ class AdmissionQueue:
         self.queue_timeout_s = queue_timeout_s  # 0 = wait without a deadline
         self.retry_after_s = retry_after_s
         self.max_request_share = max_request_share  # of the sequence budget; 1 = the whole budget
-        self.budget = budget or Budget  # read at each decision: the live workers change
+        self.budget = budget or (lambda pool: Budget())  # pool -> its budget, read at each decision: the live workers change
+        self.pools = pools  # the pools served (the gauges' budgets add theirs up)
         self.active = 0  # requests admitted (first unit granted) and not yet ended
         self.places = 0  # requests holding a place: admitted, waiting or being prepared
         self.refused = 0
         self.cached_prompt_tokens = 0  # taken off the prefill budget at routing (Grant.routed), since start
-        self.running = _Share()
-        self._tenants: dict[str, _Share] = {}
+        self._pools: dict[str, _Pool] = {}
         self._waiters: list[_Waiter] = []
         self._order = itertools.count()
 
     # --- reading -------------------------------------------------------------------------
+
+    @property
+    def running(self) -> _Share:
+        """What runs, over every pool."""
+        pools = self._pools.values()
+        return _Share(sum(p.running.sequences for p in pools), sum(p.running.tokens for p in pools),
+                      sum(p.running.prefill_tokens for p in pools))
+
+    def budget_total(self) -> Budget:
+        """The budgets of the pools served, added up (the gauges)."""
+        each = [self.budget(pool) for pool in self.pools()]
+        return Budget(sum(b.sequences for b in each), sum(b.tokens for b in each),
+                      sum(b.prefill_tokens for b in each))
+
+    def _pool(self, name: str) -> _Pool:
+        return self._pools.setdefault(name, _Pool())
 
     @property
     def queued(self) -> int:
@@ -145,18 +177,23 @@ class AdmissionQueue:
         here rather than in the workers' queues (the planner weighs both as its backlog)."""
         return sum(w.work.prompt_tokens for w in self._waiters if not w.future.done())
 
+    def waiting_prompt_tokens_of(self, pool: str) -> int:
+        """The same, of one pool's units (what a route of that model tells the router)."""
+        return sum(w.work.prompt_tokens for w in self._waiters if not w.future.done() and w.work.pool == pool)
+
     def stats(self) -> AdmissionStats:
-        return AdmissionStats(self.active, self.queued, self.refused, self.running.sequences, self.running.tokens,
-                              self.waiting_sequences, self.running.prefill_tokens)
+        running = self.running
+        return AdmissionStats(self.active, self.queued, self.refused, running.sequences, running.tokens,
+                              self.waiting_sequences, running.prefill_tokens)
 
     def ticket(self, tenant: str | None = None) -> "Ticket":
         return Ticket(self, tenant)
 
     # --- deciding --------------------------------------------------------------------------
 
-    def _share(self, tenant: str, budget: Budget) -> float:
-        """Dominant share of the running work (sequences or tokens over the budget)."""
-        mine = self._tenants.get(tenant)
+    def _share(self, tenant: str, pool: str, budget: Budget) -> float:
+        """Dominant share of the pool's running work (sequences or tokens over its budget)."""
+        mine = self._pool(pool).tenants.get(tenant)
         if mine is None:
             return 0.0
         seqs = mine.sequences / budget.sequences if budget.sequences else float(mine.sequences)
@@ -164,11 +201,12 @@ class AdmissionQueue:
         return max(seqs, toks)
 
     def _fits_budget(self, work: Work, budget: Budget, tenant: str, tenants: int) -> bool:
-        """tenants: how many have work running or waiting (the fair shares)."""
-        run = self.running
+        """tenants: how many have work of the pool running or waiting (the fair shares)."""
+        pool = self._pool(work.pool)
+        run = pool.running
         if run.sequences == 0:
             return True  # alone, a unit always runs
-        mine = self._tenants.get(tenant) or _Share()
+        mine = pool.tenants.get(tenant) or _Share()
         if budget.sequences:
             total = run.sequences + work.sequences
             if total > budget.sequences:
@@ -206,61 +244,73 @@ class AdmissionQueue:
         room and nobody passes it)."""
         self._waiters = [w for w in self._waiters if not w.future.done()]
         while self._waiters:
-            budget = self.budget()
-            w = self._next_grant(budget, self.request_bound(budget))
+            w = self._next_grant()
             if w is None:
                 return
             self._waiters.remove(w)
             self._take(w.ticket, w.work, w.first)
             w.future.set_result(None)
 
-    def _next_grant(self, budget: Budget, bound: int) -> _Waiter | None:
+    def _next_grant(self) -> _Waiter | None:
+        budgets: dict[str, Budget] = {}
+
+        def budget_of(pool: str) -> Budget:
+            if pool not in budgets:
+                budgets[pool] = self.budget(pool)
+            return budgets[pool]
+
         heads: dict[int, _Waiter] = {}
         for w in self._waiters:  # each request's oldest unit that the request's bound lets run
-            if id(w.ticket) not in heads and not self._blocked_by_request(w, bound):
+            if id(w.ticket) not in heads and not self._blocked_by_request(w, self.request_bound(budget_of(w.work.pool))):
                 heads[id(w.ticket)] = w
         now = self.clock()
-        tenants = len(set(self._tenants) | {w.ticket.tenant for w in self._waiters})
-        for w in sorted(heads.values(), key=lambda h: (self._share(h.ticket.tenant, budget),
+        tenants: dict[str, int] = {}  # pool -> tenants with its work running or waiting
+        for pool in {h.work.pool for h in heads.values()}:
+            waiting = {w.ticket.tenant for w in self._waiters if w.work.pool == pool}
+            tenants[pool] = len(set(self._pool(pool).tenants) | waiting)
+        held: set[str] = set()  # pools whose freed room an aged unit waits for
+        for w in sorted(heads.values(), key=lambda h: (self._share(h.ticket.tenant, h.work.pool, budget_of(h.work.pool)),
                                                        h.ticket.running_sequences, h.order)):
-            if self._fits_budget(w.work, budget, w.ticket.tenant, tenants):
+            if w.work.pool in held:
+                continue
+            if self._fits_budget(w.work, budget_of(w.work.pool), w.ticket.tenant, tenants[w.work.pool]):
                 return w
             if now - w.since >= self.aging_s:
-                return None  # it has waited long enough: the room freed from now on is its
+                held.add(w.work.pool)  # it has waited long enough: the room its pool frees from now on is its
         return None
 
     def _take(self, ticket: "Ticket", work: Work, first: bool) -> None:
         if first:
             self.active += 1
             ticket.admitted = True
-        self.running.sequences += work.sequences
-        self.running.tokens += work.tokens
-        self.running.prefill_tokens += work.prompt_tokens
-        share = self._tenants.setdefault(ticket.tenant, _Share())
-        share.sequences += work.sequences
-        share.tokens += work.tokens
-        share.prefill_tokens += work.prompt_tokens
+        pool = self._pool(work.pool)
+        for share in (pool.running, pool.tenants.setdefault(ticket.tenant, _Share())):
+            share.sequences += work.sequences
+            share.tokens += work.tokens
+            share.prefill_tokens += work.prompt_tokens
         ticket.running_sequences += work.sequences
 
     def _prefilled(self, ticket: "Ticket", work: Work) -> None:
-        self._uncharge(ticket, work.prompt_tokens)
+        self._uncharge(ticket, work.pool, work.prompt_tokens)
 
-    def _uncharge(self, ticket: "Ticket", prompt_tokens: int) -> None:
-        self.running.prefill_tokens -= prompt_tokens
-        self._tenants[ticket.tenant].prefill_tokens -= prompt_tokens
-        assert self.running.prefill_tokens >= 0, "prefill tokens released twice"
+    def _uncharge(self, ticket: "Ticket", pool_name: str, prompt_tokens: int) -> None:
+        pool = self._pool(pool_name)
+        pool.running.prefill_tokens -= prompt_tokens
+        pool.tenants[ticket.tenant].prefill_tokens -= prompt_tokens
+        assert pool.running.prefill_tokens >= 0, "prefill tokens released twice"
 
     def _give_back(self, ticket: "Ticket", work: Work, prefilling: bool = True) -> None:
         if prefilling:
             self._prefilled(ticket, work)
-        self.running.sequences -= work.sequences
-        self.running.tokens -= work.tokens
-        assert self.running.sequences >= 0 and self.running.tokens >= 0, "admitted work released twice"
-        share = self._tenants[ticket.tenant]
+        pool = self._pool(work.pool)
+        pool.running.sequences -= work.sequences
+        pool.running.tokens -= work.tokens
+        assert pool.running.sequences >= 0 and pool.running.tokens >= 0, "admitted work released twice"
+        share = pool.tenants[ticket.tenant]
         share.sequences -= work.sequences
         share.tokens -= work.tokens
         if share.sequences == 0 and share.tokens == 0 and share.prefill_tokens == 0:
-            del self._tenants[ticket.tenant]
+            del pool.tenants[ticket.tenant]
         ticket.running_sequences -= work.sequences
 
     async def _wait(self, ticket: "Ticket", work: Work, first: bool) -> None:
@@ -313,7 +363,7 @@ class Grant:
         if not (self.held and self.prefilling) or rest >= self.work.prompt_tokens:
             return
         queue = self._ticket._queue
-        queue._uncharge(self._ticket, self.work.prompt_tokens - rest)
+        queue._uncharge(self._ticket, self.work.pool, self.work.prompt_tokens - rest)
         queue.cached_prompt_tokens += self.work.prompt_tokens - rest
         self.work = replace(self.work, prompt_tokens=rest)
         queue._dispatch()
@@ -417,11 +467,11 @@ def register_admission_metrics(registry, queue: AdmissionQueue) -> None:
           "those the route found cached", registry=registry).set_function(lambda: queue.running.prefill_tokens)
     registry.register(_CachedPromptTokens(queue))
     Gauge("duet_gateway_prefill_budget", "Prompt tokens that may be admitted and not yet prefilled (0: no bound)",
-          registry=registry).set_function(lambda: queue.budget().prefill_tokens)
+          registry=registry).set_function(lambda: queue.budget_total().prefill_tokens)
     Gauge("duet_gateway_sequence_budget", "Sequences that may run at once (0: no bound)",
-          registry=registry).set_function(lambda: queue.budget().sequences)
+          registry=registry).set_function(lambda: queue.budget_total().sequences)
     Gauge("duet_gateway_token_budget", "KV tokens that may run at once (0: no bound)",
-          registry=registry).set_function(lambda: queue.budget().tokens)
+          registry=registry).set_function(lambda: queue.budget_total().tokens)
 
 
 class _CachedPromptTokens:

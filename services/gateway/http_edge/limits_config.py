@@ -19,6 +19,7 @@ class GatewayLimits:
     # max_request_share of that at once, waiting units served fairly across API keys; at most
     # max_concurrent requests are admitted and max_queued more wait up to queue_timeout_s;
     # beyond that 429 with Retry-After. 0 = no bound (max_running_sequences: the live capacity).
+    # The work budgets are each served model's (its own workers'; a set value holds for each model).
     max_concurrent: int = setting(256, flag="--max-concurrent-requests", env="DUET_MAX_CONCURRENT_REQUESTS",
                                   help="requests admitted at once; 0 = no bound")
     max_queued: int = setting(512, flag="--max-queued-requests", env="DUET_MAX_QUEUED_REQUESTS",

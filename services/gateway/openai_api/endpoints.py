@@ -107,10 +107,10 @@ class GatewayContext:
         lim = self.limits
         self.admission = AdmissionQueue(lim.max_concurrent, lim.max_queued, lim.queue_timeout_s, lim.retry_after_s,
                                         budget=self.admission_budget, max_request_share=lim.max_request_share,
-                                        aging_s=lim.admission_aging_s)
+                                        aging_s=lim.admission_aging_s, pools=lambda: list(self.models))
         register_admission_metrics(self.metrics.registry, self.admission)
         if hasattr(self.backend, "admission_backlog"):  # the router's overflow rule weighs what waits here
-            self.backend.admission_backlog = lambda: self.admission.waiting_prompt_tokens
+            self.backend.admission_backlog = self.admission.waiting_prompt_tokens_of
         default = ServedModel(self.served_model_name, self.prompts, self.max_context_len, self.template,
                               self.grammar, self.tool_call_parser)
         self.models: dict[str, ServedModel] = {default.name: default}
@@ -161,10 +161,11 @@ class GatewayContext:
             return []
         return capacity(model) if model is not None and len(self.models) > 1 else capacity()
 
-    def admission_budget(self) -> Budget:
-        """The limits' budget; sequences and prefill tokens default to this gateway's share of the
-        live workers' (`--gateways`: several gateways in front of them admit their capacity once)."""
-        lim, live = self.limits, self.live_capacity()
+    def admission_budget(self, model: str | None = None) -> Budget:
+        """The limits' budget of one model's requests (its admission pool; None or "": the default
+        model's); sequences and prefill tokens default to this gateway's share of that model's live
+        workers' (`--gateways`: several gateways in front of them admit their capacity once)."""
+        lim, live = self.limits, self.live_capacity(model or None)
         share = lambda capacity: -(-capacity // lim.gateways)  # noqa: E731 - rounded up: 0 stays unknown
         return Budget(lim.max_running_sequences or share(batch_capacity(live)), lim.max_running_tokens,
                       lim.max_prefill_tokens or share(prefill_capacity(live)))
@@ -417,7 +418,8 @@ class OpenAIEndpoints:
         works = []
         for prompt_ids in prepared.prompts:
             check_fits_some_worker(capacity, len(prompt_ids), max_tokens, n, prepared.limit_param)
-            works.append(Work(n, kv_demand(len(prompt_ids), max_tokens, n).tokens, len(prompt_ids)))
+            works.append(Work(n, kv_demand(len(prompt_ids), max_tokens, n).tokens, len(prompt_ids),
+                              pool=prepared.model.name if prepared.model is not None else ""))
         return works
 
     def _finish(self, endpoint: str, status, span) -> None:
