@@ -103,7 +103,7 @@ def _growth(first: dict[str, dict[str, float]], last: dict[str, dict[str, float]
 def _arrivals(first: dict[str, dict[str, float]], last: dict[str, dict[str, float]]) -> float:
     """Requests that reached the gateways in the window: per gateway, the growth of its finished
     requests plus that of its requests in flight (a gauge); one that joined or restarted counts
-    everything it holds. 0 where no gateway tells (scrape.py: a planner of one model of several)."""
+    everything it holds. 0 where no gateway tells (an older gateway without a model's series)."""
     total = 0.0
     for proc, figures in last.items():
         if "finished" not in figures:

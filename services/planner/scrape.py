@@ -37,11 +37,12 @@ def parse_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
 
 
 # the requests that reached the gateway: duet_requests_total{service="gateway"} (finished) and
-# duet_gateway_inflight_requests (not yet); neither has a `model` label, so a planner of one model
-# among several reads no arrivals (load_window.py then counts first tokens alone)
+# duet_gateway_inflight_requests (not yet); a planner of one model among several reads the same
+# pair by base model (counted once a request's model resolved)
 FINISHED, INFLIGHT = "duet_requests_total", "duet_gateway_inflight_requests"
+MODEL_FINISHED, MODEL_INFLIGHT = "duet_gateway_model_requests_total", "duet_gateway_model_inflight_requests"
 # prompt tokens held in the gateway's admission queue (a burst the prefill budget keeps out of the
-# workers' queues): part of the backlog (load_window.py); no `model` label either
+# workers' queues): part of the backlog (load_window.py); by base model
 WAITING = "duet_gateway_waiting_prompt_tokens"
 # a client error other than these was the request's own fault (a bad body, a key refused): no load
 OFFERED_CLIENT_STATUSES = ("408", "429", "499")
@@ -49,21 +50,22 @@ OFFERED_CLIENT_STATUSES = ("408", "429", "499")
 
 def gateway_figures(text: str, model: str = "") -> dict[str, float]:
     """The gateway's figures, of one base model's requests when `model` is given (the series'
-    `model` label: a gateway may serve several models, each with a pool of its own); without
-    `model`, also `finished` and `inflight`, the requests that reached it, and `waiting_prompt_tokens`,
-    those its admission queue holds."""
+    `model` label: a gateway may serve several models, each with a pool of its own): also
+    `finished` and `inflight`, the requests that reached it, and `waiting_prompt_tokens`, those
+    its admission queue holds."""
     totals = dict.fromkeys(GATEWAY_SERIES.values(), 0.0)
-    if not model:
-        totals.update(finished=0.0, inflight=0.0, waiting_prompt_tokens=0.0)
+    totals.update(finished=0.0, inflight=0.0, waiting_prompt_tokens=0.0)
+    finished, inflight = (MODEL_FINISHED, MODEL_INFLIGHT) if model else (FINISHED, INFLIGHT)
     for name, labels, value in parse_samples(text):
         key = GATEWAY_SERIES.get(name)
-        if key is not None and (not model or labels.get("model", model) == model):
+        ours = not model or labels.get("model", model) == model
+        if key is not None and ours:
             totals[key] += value
-        elif not model and name == FINISHED and labels.get("service") == "gateway" and _offered(labels):
+        elif name == finished and ours and labels.get("service", "gateway") == "gateway" and _offered(labels):
             totals["finished"] += value
-        elif not model and name == INFLIGHT:
+        elif name == inflight and ours:
             totals["inflight"] += value
-        elif not model and name == WAITING:
+        elif name == WAITING and ours:
             totals["waiting_prompt_tokens"] += value
     return totals
 

@@ -281,8 +281,16 @@ def test_under_overload_the_load_is_the_requests_that_reached_the_gateway_not_th
     served_only = Load(**{**load.__dict__, "arrivals_per_s": 0.0})
     f = fleet()
     assert predict(P1D1, served_only, f).ratios[0] < 1 < predict(P1D1, load, f).ratios[0]
-    # a gateway's request counters carry no model: a planner of one model among several reads none
-    assert "finished" not in gateway_figures(gateway.exposition().decode(), model="m")
+    # the same by base model, for the planner of one model among several: the page's requests whose
+    # model resolved (here none but these: 3 served, 1 turned away, 1 malformed, 2 in flight)
+    for status in (200, 200, 200, 429, 400):
+        gateway.request_resolved("m")
+        gateway.request_finished("chat_completions", status, "m")
+    for _ in range(2):
+        gateway.request_resolved("m")
+    page = gateway.exposition().decode()
+    assert (gateway_figures(page, "m")["finished"], gateway_figures(page, "m")["inflight"]) == (4.0, 2.0)
+    assert (gateway_figures(page, "other")["finished"], gateway_figures(page, "other")["inflight"]) == (0.0, 0.0)
 
 
 def _arrivals_window(per_interval: list[int], missed: tuple[int, ...] = (), prompts_each: int = 1) -> Load:

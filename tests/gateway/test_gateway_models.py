@@ -88,6 +88,37 @@ def test_two_models_may_not_share_a_name(models):
                        extra_models=[ModelFiles("model-a", b, 128)])
 
 
+def test_the_planner_of_one_model_reads_that_models_arrivals_and_waiting_prompts(served):
+    """A gateway's own /metrics page, read as the planner of model-b reads it (services/planner/
+    scrape.py): the requests of model-b that reached it (a stream among them; a 400 is the
+    request's own fault, no load; a name nobody serves is no model's), none of model-a's, and
+    each model's waiting prompts."""
+    from services.planner.scrape import gateway_figures
+
+    server, _, _ = served
+    url = server.base_url + "/v1/completions"
+
+    def page() -> dict[str, dict[str, float]]:
+        text = httpx.get(server.base_url + "/metrics", timeout=10).text
+        return {m: gateway_figures(text, m) for m in ("model-a", "model-b")}
+
+    before = page()
+    ok = {"model": "model-b", "prompt": PROMPT, "max_tokens": 2}
+    assert httpx.post(url, json=ok, timeout=30).status_code == 200
+    with httpx.stream("POST", url, json={**ok, "stream": True}, timeout=30) as r:
+        assert r.status_code == 200 and "[DONE]" in r.read().decode()
+    assert httpx.post(url, json={**ok, "max_tokens": 500}, timeout=30).status_code == 400
+    assert httpx.post(url, json={**ok, "model": "model-c"}, timeout=30).status_code == 404
+    after = page()
+    grew = {m: {k: after[m][k] - before[m][k] for k in ("finished", "inflight", "waiting_prompt_tokens")}
+            for m in after}
+    assert grew == {"model-a": {"finished": 0.0, "inflight": 0.0, "waiting_prompt_tokens": 0.0},
+                    "model-b": {"finished": 2.0, "inflight": 0.0, "waiting_prompt_tokens": 0.0}}, grew
+    text = httpx.get(server.base_url + "/metrics", timeout=10).text
+    assert 'duet_gateway_waiting_prompt_tokens{model="model-a"} 0.0' in text
+    assert 'duet_gateway_waiting_prompt_tokens{model="model-b"} 0.0' in text
+
+
 class TwoPools(ScriptedBackend):
     """Each model's workers: one `both` worker running at most two sequences. Records the order
     in which requests reach the workers and how many of each model ran at once."""

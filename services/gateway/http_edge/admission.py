@@ -459,8 +459,7 @@ def register_admission_metrics(registry, queue: AdmissionQueue) -> None:
           registry=registry).set_function(lambda: queue.running.sequences)
     Gauge("duet_gateway_waiting_sequences", "Sequences waiting for admission (queued requests and the "
           "later prompts of admitted ones)", registry=registry).set_function(lambda: queue.waiting_sequences)
-    Gauge("duet_gateway_waiting_prompt_tokens", "Prompt tokens of the sequences waiting for admission",
-          registry=registry).set_function(lambda: queue.waiting_prompt_tokens)
+    registry.register(_WaitingPromptTokens(queue))
     Gauge("duet_gateway_running_tokens", "KV tokens the running sequences can fill (prompt + n x max_tokens)",
           registry=registry).set_function(lambda: queue.running.tokens)
     Gauge("duet_gateway_prefilling_tokens", "Prompt tokens admitted and not yet past their first token, less "
@@ -472,6 +471,23 @@ def register_admission_metrics(registry, queue: AdmissionQueue) -> None:
           registry=registry).set_function(lambda: queue.budget_total().sequences)
     Gauge("duet_gateway_token_budget", "KV tokens that may run at once (0: no bound)",
           registry=registry).set_function(lambda: queue.budget_total().tokens)
+
+
+class _WaitingPromptTokens:
+    """duet_gateway_waiting_prompt_tokens{model}, each pool's, read at scrape time (the planner
+    of one model's pool weighs its own as part of its backlog)."""
+
+    def __init__(self, queue: AdmissionQueue):
+        self.queue = queue
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        family = GaugeMetricFamily("duet_gateway_waiting_prompt_tokens",
+                                   "Prompt tokens of the sequences waiting for admission, by base model", labels=["model"])
+        for pool in self.queue.pools():
+            family.add_metric([pool], self.queue.waiting_prompt_tokens_of(pool))
+        yield family
 
 
 class _CachedPromptTokens:

@@ -42,6 +42,14 @@ class GatewayMetrics:
             "usage cached_tokens", ["endpoint"], registry=r)
         self.inflight = Gauge(
             "duet_gateway_inflight_requests", "Requests being served by this gateway", ["endpoint"], registry=r)
+        # the same two by base model, from when a request's model resolved (its body read and
+        # checked): the planner of one model's pool reads its arrivals from them
+        self.model_requests = Counter(
+            "duet_gateway_model_requests", "Finished requests whose model resolved, by base model and HTTP status",
+            ["model", "status"], registry=r)
+        self.model_inflight = Gauge(
+            "duet_gateway_model_inflight_requests", "Requests of a resolved model being served, by base model",
+            ["model"], registry=r)
 
     def latency(self, endpoint: str, model: str, adapter: str) -> LatencySeries:
         """The three token-latency histograms of one request's labels."""
@@ -49,10 +57,18 @@ class GatewayMetrics:
         return LatencySeries(self.time_to_first_token.labels(*labels), self.inter_token_latency.labels(*labels),
                              self.e2e_latency.labels(*labels))
 
-    def request_finished(self, endpoint: str, status: int) -> None:
-        """status: the HTTP status the client got (499 when it left first)."""
+    def request_resolved(self, model: str) -> None:
+        """The request's base model is known: it counts in flight for that model."""
+        self.model_inflight.labels(model).inc()
+
+    def request_finished(self, endpoint: str, status: int, model: str = "") -> None:
+        """status: the HTTP status the client got (499 when it left first); model: its base
+        model, where it resolved (request_resolved)."""
         outcome, code = status_label(status)
         self.requests.labels(service="gateway", endpoint=endpoint, outcome=outcome, status=code).inc()
+        if model:
+            self.model_requests.labels(model, code).inc()
+            self.model_inflight.labels(model).dec()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -346,7 +346,7 @@ class OpenAIEndpoints:
         # of the stream (on_close), or of a cancelled task.
         tenant = request.scope.get("state", {}).get("tenant")  # the API key's (http_edge/auth.py)
         ticket = self.ctx.admission.ticket(tenant)
-        outcome = _Outcome(lambda status: (ticket.release(), self._finish(endpoint, status, span)))
+        outcome = _Outcome(lambda status: (ticket.release(), self._finish(endpoint, status, span, outcome.model)))
         try:
             body = await request.body()  # first: the disconnect watch below reads receive()
             try:
@@ -355,6 +355,8 @@ class OpenAIEndpoints:
                 raise server_busy(str(exc), exc.retry_after_s) from None
             try:
                 prepared = await prepare(body)
+                outcome.model = (prepared.model or self.ctx.default_model).name
+                metrics.request_resolved(outcome.model)
                 works = self._work(prepared)  # what can never fit: 400 now, before anything is sent
             except InvalidRequest as exc:
                 raise from_invalid_request(exc) from None
@@ -422,8 +424,8 @@ class OpenAIEndpoints:
                               pool=prepared.model.name if prepared.model is not None else ""))
         return works
 
-    def _finish(self, endpoint: str, status, span) -> None:
-        self.ctx.metrics.request_finished(endpoint, status)
+    def _finish(self, endpoint: str, status, span, model: str = "") -> None:
+        self.ctx.metrics.request_finished(endpoint, status, model)
         self.ctx.metrics.inflight.labels(endpoint).dec()
         span.set_attribute("http.status_code", status)
         span.end()
@@ -522,6 +524,7 @@ class _Outcome:
         self._finish = finish
         self.recorded = False
         self.handed_off = False
+        self.model = ""  # the request's base model once it resolved (its per-model counts)
 
     def record(self, status) -> None:
         if not self.recorded:
