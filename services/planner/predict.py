@@ -81,7 +81,8 @@ class Fleet:
     budget_ttft_s: float = 0.0  # the first-token target the workers' budgets weigh their queues against
     budget_graph_rows: int = -1  # decode rows beside which the budgets still slice (step_budget.py)
     budget_graph_tokens: int = 0  # tokens a sliced step holds (step_budget.py; 0: any)
-    budget_row_tokens: int = 1  # tokens a decode row takes of those (K + 1 where the workers speculate K)
+    budget_row_tokens: int = 1  # tokens a decode row takes of those (K + 1 where the workers speculate K) ...
+    budget_spec_rows: int = 0   # ... beside at most this many rows
 
     @classmethod
     def of(cls, workers: list[WorkerInfo], ttft_target_s: float, itl_target_s: float) -> "Fleet | None":
@@ -97,7 +98,7 @@ class Fleet:
                    max(transfers, key=lambda t: t.samples) if transfers else TransferModel(),
                    kv_bytes_per_token(ref), ttft_target_s, itl_target_s or ref.perf.itl_target_s,
                    ref.perf.ttft_target_s, ref.perf.budget_graph_rows, ref.perf.budget_graph_tokens,
-                   ref.perf.budget_row_tokens)
+                   ref.perf.budget_row_tokens, ref.perf.budget_spec_rows)
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,8 @@ def _beside_decode(workers: int, rows: float, context: float, uncached: float, s
     budget = ItlBudget(fleet.itl_target_s, fleet.budget_floor_tokens, model, ttft_s=fleet.budget_ttft_s,
                        graph_rows=fleet.budget_graph_rows, graph_tokens=fleet.budget_graph_tokens) \
         if fleet.budget_floor_tokens else None
-    site = PrefillSite(model, rows, context, fleet.max_batched_tokens, budget, fleet.budget_row_tokens)
+    site = PrefillSite(model, rows, context, fleet.max_batched_tokens, budget, fleet.budget_row_tokens,
+                       fleet.budget_spec_rows)
     # what prefilling one request adds to the steps (a step pays its base anyway while rows run)
     extra_s = model.chunk_s(start, int(round(uncached)))
     if not rows:

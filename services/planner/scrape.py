@@ -38,7 +38,8 @@ def parse_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
 
 # the requests that reached the gateway: duet_requests_total{service="gateway"} (finished) and
 # duet_gateway_inflight_requests (not yet); a planner of one model among several reads the same
-# pair by base model (counted once a request's model resolved)
+# pair by base model (counted once a request's model resolved: a request refused for want of a
+# place is no model's, so where the gateway serves this model alone the unlabelled pair counts)
 FINISHED, INFLIGHT = "duet_requests_total", "duet_gateway_inflight_requests"
 MODEL_FINISHED, MODEL_INFLIGHT = "duet_gateway_model_requests_total", "duet_gateway_model_inflight_requests"
 # prompt tokens held in the gateway's admission queue (a burst the prefill budget keeps out of the
@@ -55,8 +56,11 @@ def gateway_figures(text: str, model: str = "") -> dict[str, float]:
     its admission queue holds."""
     totals = dict.fromkeys(GATEWAY_SERIES.values(), 0.0)
     totals.update(finished=0.0, inflight=0.0, waiting_prompt_tokens=0.0)
-    finished, inflight = (MODEL_FINISHED, MODEL_INFLIGHT) if model else (FINISHED, INFLIGHT)
-    for name, labels, value in parse_samples(text):
+    samples = parse_samples(text)
+    served = {labels.get("model") for name, labels, _ in samples if name == WAITING}  # its admission pools
+    by_model = bool(model) and served != {model}
+    finished, inflight = (MODEL_FINISHED, MODEL_INFLIGHT) if by_model else (FINISHED, INFLIGHT)
+    for name, labels, value in samples:
         key = GATEWAY_SERIES.get(name)
         ours = not model or labels.get("model", model) == model
         if key is not None and ours:

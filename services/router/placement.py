@@ -94,7 +94,8 @@ def _site(worker: WorkerInfo, inflight: WorkerInflight) -> PrefillSite | None:
                        ttft_s=worker.perf.ttft_target_s, graph_rows=worker.perf.budget_graph_rows,
                        graph_tokens=worker.perf.budget_graph_tokens) \
         if worker.perf.budget_floor_tokens > 0 else None
-    return PrefillSite(model, rows, context, worker.max_batched_tokens or 8192, budget, worker.perf.budget_row_tokens)
+    return PrefillSite(model, rows, context, worker.max_batched_tokens or 8192, budget, worker.perf.budget_row_tokens,
+                       worker.perf.budget_spec_rows)
 
 
 def _queued(worker: WorkerInfo, inflight: WorkerInflight) -> int:

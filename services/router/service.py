@@ -178,7 +178,7 @@ class RouterService(duet_pb2_grpc.RouterServicer):
                               target_s=self.config.slo.itl_ms / 1000, colocated=both[0] if both else None,
                               backlog_tokens=self.gateway_backlogs.total(request.gateway_id,
                                                                          request.admission_waiting_tokens,
-                                                                         request.model))
+                                                                         model))
             if placement.kind == "local_prefill":  # it holds most of the prompt: no prefill worker, no transfer
                 return self._local_prefill_reply(request_id, decode, prompt_tokens, placement.detail, now), placement
             if placement.kind == "colocated":

@@ -65,7 +65,8 @@ class PerfTracker:
         perf.ttft_target_s = ttft if config.itl_budget else 0.0
         perf.budget_graph_rows = self.budget.graph_rows
         perf.budget_graph_tokens = self.budget.graph_tokens
-        perf.budget_row_tokens = engine.spec.k + 1 if engine.spec is not None else 1  # what its steps pass
+        if engine.spec is not None:  # a speculating step's rows, up to the batch it speculates at
+            perf.budget_row_tokens, perf.budget_spec_rows = engine.spec.k + 1, engine.spec.policy.max_batch
         self.handoffs = handoffs
         self._handoff_seen = (0.0, 0.0, 0.0)
         self.transfer_fit = OnlineLinearFit(TransferModel().coef(), HALF_LIFE_HANDOFFS) if handoffs else None

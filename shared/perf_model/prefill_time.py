@@ -32,7 +32,8 @@ class PrefillSite:
     decode_context: int = 0
     max_batched_tokens: int = 8192
     budget: ItlBudget | None = None  # the worker's inter-token budget (None: it runs none)
-    row_tokens: int = 1  # tokens a decode row takes of a graph's: K + 1 where the worker speculates K
+    row_tokens: int = 1  # tokens a decode row takes of a graph's where the worker speculates K: K + 1 ...
+    spec_rows: int = 0   # ... beside at most this many rows (above, its rows decode plainly); 0: it does not
 
     def chunk(self, tokens: int, start: int, waited_s: float = 0.0) -> int:
         """The chunk of `tokens` (after `start` held ones, one request that has waited
@@ -43,8 +44,10 @@ class PrefillSite:
             return n
         queue = (QueuedPrefill(tokens, waited_s),) if self.budget.weighs_queue else ()
         # a speculating worker's rows carry K + 1 tokens in its graphs, as its scheduler counts them
+        # (a pause after draftless steps aside: it lasts a few steps)
+        row_tokens = self.row_tokens if self.decode_rows <= self.spec_rows else 1
         room = self.budget.begin(self.decode_rows, self.decode_context, queue, token_budget=cap,
-                                 row_tokens=self.row_tokens)
+                                 row_tokens=row_tokens)
         return max(1, min(n, room.allow(start))) if room is not None else n
 
     def step_s(self, chunk: int = 0, start: int = 0) -> float:

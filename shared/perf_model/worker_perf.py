@@ -24,7 +24,9 @@ class WorkerPerf:
                                            # (a mixed step replays a graph); -1: any (no graphs)
     budget_graph_tokens: int = 0           # tokens a mixed step holds and still replays a graph (its budget's
                                            # slices stay within them); 0: any (no graphs)
-    budget_row_tokens: int = 1             # tokens a decode row takes of those: K + 1 where speculation drafts K
+    budget_row_tokens: int = 1             # tokens a decode row takes of those where it speculates: K + 1 ...
+    budget_spec_rows: int = 0              # ... beside at most this many decode rows (its speculation's
+                                           # max batch; above it rows decode plainly, one token); 0: none
 
     def fields(self) -> dict[str, str]:
         return {
@@ -36,6 +38,7 @@ class WorkerPerf:
             "perf_budget_graph_rows": str(self.budget_graph_rows),
             "perf_budget_graph_tokens": str(self.budget_graph_tokens),
             "perf_budget_row_tokens": str(self.budget_row_tokens),
+            "perf_budget_spec_rows": str(self.budget_spec_rows),
         }
 
     @classmethod
@@ -48,4 +51,5 @@ class WorkerPerf:
                    float(h.get("perf_ttft_target_s", 0.0) or 0.0),
                    int(h.get("perf_budget_graph_rows", -1) or -1),
                    int(h.get("perf_budget_graph_tokens", 0) or 0),
-                   int(h.get("perf_budget_row_tokens", 1) or 1))
+                   int(h.get("perf_budget_row_tokens", 1) or 1),
+                   int(h.get("perf_budget_spec_rows", 0) or 0))

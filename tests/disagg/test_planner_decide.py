@@ -293,6 +293,25 @@ def test_under_overload_the_load_is_the_requests_that_reached_the_gateway_not_th
     assert (gateway_figures(page, "other")["finished"], gateway_figures(page, "other")["inflight"]) == (0.0, 0.0)
 
 
+def test_the_planner_of_a_gateways_only_model_counts_the_requests_refused_before_their_model_resolved():
+    """A request turned away for want of a place (429 before its body is parsed) is no model's;
+    where the gateway serves the planner's model alone (its admission pools, the waiting gauge's
+    labels, say so: a Kubernetes planner always names its model) the unlabelled pair counts, those
+    refusals included. Beside another model it reads its model's own pair."""
+    def page(models: list[str]) -> str:
+        gateway = GatewayMetrics()
+        register_admission_metrics(gateway.registry, AdmissionQueue(10, 10, 0.0, pools=lambda: models))
+        for _ in range(3):
+            gateway.request_finished("chat_completions", 429)  # no place: refused before its model resolved
+        gateway.request_resolved("m")
+        gateway.request_finished("chat_completions", 200, "m")
+        return gateway.exposition().decode()
+
+    assert gateway_figures(page(["m"]), "m")["finished"] == 4.0
+    assert gateway_figures(page(["m", "other"]), "m")["finished"] == 1.0
+    assert gateway_figures(page(["m", "other"]), "other")["finished"] == 0.0
+
+
 def _arrivals_window(per_interval: list[int], missed: tuple[int, ...] = (), prompts_each: int = 1) -> Load:
     """A window of 3 s readings of a real gateway's /metrics page: per_interval[i] requests arrive
     (and wait in flight) before reading i + 1, one request gets its first tokens each reading

@@ -76,7 +76,7 @@ def test_live_steps_refit_the_model_the_budget_and_the_registry_use(engine):
     assert (perf.itl_target_s, perf.budget_floor_tokens) == (0.040, 8)
     assert perf.budget_graph_rows == tracker.budget.graph_rows == -1  # CPU: no graphs, sliced at any rows
     assert perf.budget_graph_tokens == tracker.budget.graph_tokens == 0
-    assert perf.budget_row_tokens == 1  # no speculation: a decode row is one token
+    assert (perf.budget_row_tokens, perf.budget_spec_rows) == (1, 0)  # no speculation: a decode row is one token
     drive(engine, tracker, random_prompts(1, [20], seed=52), 3)
     tracker.refit()
     assert perf.step is None  # uncalibrated, too few steps of each kind yet: nothing to publish
@@ -133,7 +133,7 @@ def test_a_prefill_worker_fits_its_handoff_tail():
         class scheduler:
             num_batches, last_batch, last_allowance, itl_budget = 0, None, None, None
             budget_steps = {"itl": 0, "ttft": 0}
-        overlap, device = None, type("D", (), {"type": "cpu"})()
+        overlap, spec, device = None, None, type("D", (), {"type": "cpu"})()
         runner = type("R", (), {"graphs": None, "prefill_graphs": None})()
 
     perf = WorkerPerf()

@@ -501,8 +501,9 @@ def test_warm_up_drafts_every_decode_step_then_starts_clean(model_dir):
 
 
 def test_a_speculating_worker_publishes_its_rows_tokens_for_the_routers_simulation(model_dir):
-    """Its scheduler leaves K + 1 tokens a decode row in a graph's; the router and the planner
-    simulate its budget from the registry entry, so the entry says K + 1 (shared/perf_model)."""
+    """Its scheduler leaves K + 1 tokens a decode row in a graph's while it speculates (beside at
+    most its speculation's max batch of rows); the router and the planner simulate its budget
+    from the registry entry, so the entry says both (shared/perf_model)."""
     from prometheus_client import CollectorRegistry
 
     from services.worker_runtime.perf_tracker import PerfTracker
@@ -510,6 +511,8 @@ def test_a_speculating_worker_publishes_its_rows_tokens_for_the_routers_simulati
     from shared.perf_model.worker_perf import WorkerPerf
 
     perf = WorkerPerf()
-    PerfTracker(make(model_dir, True), perf, PerfModelConfig(calibrate=False), CollectorRegistry())
-    assert perf.budget_row_tokens == 5  # speculative_tokens=4
-    assert WorkerPerf.from_fields(perf.fields()).budget_row_tokens == 5
+    PerfTracker(make(model_dir, True, speculative_max_batch=3), perf, PerfModelConfig(calibrate=False),
+                CollectorRegistry())
+    assert (perf.budget_row_tokens, perf.budget_spec_rows) == (5, 3)  # speculative_tokens=4, up to 3 rows
+    back = WorkerPerf.from_fields(perf.fields())
+    assert (back.budget_row_tokens, back.budget_spec_rows) == (5, 3)

@@ -206,13 +206,15 @@ def test_beside_fewer_rows_the_budget_slices_within_the_tokens_a_graph_holds():
     # the router's simulation of such a worker cuts the same slices
     site = PrefillSite(TRUTH, 100, 100 * 1000, 8192, capped)
     assert site.chunk(3000, 0) == 412
-    # and of a speculating worker (K = 2, published as row_tokens 3): its rows take 300 of the 512
-    assert PrefillSite(TRUTH, 100, 100 * 1000, 8192, capped, row_tokens=3).chunk(3000, 0) == 212
+    # and of a speculating worker (K = 2, published as row_tokens 3, up to 128 rows): its rows take
+    # 300 of the 512, as its scheduler counts them; above its speculation's batch they are plain rows
+    assert PrefillSite(TRUTH, 100, 100 * 1000, 8192, capped, row_tokens=3, spec_rows=128).chunk(3000, 0) == 212
     assert capped.begin(100, 100 * 1000, row_tokens=3).allow(0) == 212  # what its scheduler cuts
+    assert PrefillSite(TRUTH, 100, 100 * 1000, 8192, capped, row_tokens=3, spec_rows=32).chunk(3000, 0) == 412
 
 
 def test_registry_entry_carries_the_models():
-    perf = WorkerPerf(TRUTH, TransferModel(0.003, 5e9, 7), 0.03, 32, 2.0, 7, 512, 5)
+    perf = WorkerPerf(TRUTH, TransferModel(0.003, 5e9, 7), 0.03, 32, 2.0, 7, 512, 5, 32)
     info = WorkerInfo(worker_id="d1", role="decode", address="x:1", model="m", perf=perf,
                       load=WorkerLoad(running_requests=3, decode_context_tokens=9000))
     back = WorkerInfo.from_hash({k.encode(): v.encode() for k, v in info.to_hash().items()})
@@ -220,8 +222,8 @@ def test_registry_entry_carries_the_models():
     assert back.perf.step.step_s(StepShape(100, 5e3, 3, 9000)) == pytest.approx(TRUTH.step_s(StepShape(100, 5e3, 3, 9000)))
     assert back.perf.transfer == TransferModel(0.003, 5e9, 7)
     assert (back.perf.itl_target_s, back.perf.budget_floor_tokens, back.perf.ttft_target_s,
-            back.perf.budget_graph_rows, back.perf.budget_graph_tokens, back.perf.budget_row_tokens) == \
-        (0.03, 32, 2.0, 7, 512, 5)
+            back.perf.budget_graph_rows, back.perf.budget_graph_tokens, back.perf.budget_row_tokens,
+            back.perf.budget_spec_rows) == (0.03, 32, 2.0, 7, 512, 5, 32)
     bare = WorkerInfo.from_hash(WorkerInfo(worker_id="p1", role="prefill", address="x:1", model="m").to_hash())
     assert bare.perf.step is None and bare.perf.transfer is None and bare.perf.budget_graph_rows == -1
-    assert bare.perf.budget_graph_tokens == 0 and bare.perf.budget_row_tokens == 1
+    assert (bare.perf.budget_graph_tokens, bare.perf.budget_row_tokens, bare.perf.budget_spec_rows) == (0, 1, 0)

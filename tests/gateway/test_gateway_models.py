@@ -151,20 +151,26 @@ def test_each_model_is_admitted_against_its_own_workers(models):
     import concurrent.futures
 
     a, b = models
-    backend = TwoPools(script=[5] * 40, eos_token_id=a.tokenizer.eos_token_id, delay_s=0.02)
+    backend = TwoPools(script=[5] * 100, eos_token_id=a.tokenizer.eos_token_id, delay_s=0.02)
     ctx = GatewayContext(backend, a, GatewayMetrics(), "model-a", 256, extra_models=[ModelFiles("model-b", b, 128)])
 
-    def ask(model: str) -> int:
-        r = httpx.post(server.base_url + "/v1/completions", json={"model": model, "prompt": PROMPT, "max_tokens": 40},
-                       timeout=60)
-        return r.status_code
+    def ask(model: str, **extra) -> int:
+        body = {"model": model, "prompt": PROMPT, "max_tokens": 100 if model == "model-a" else 20, **extra}
+        return httpx.post(server.base_url + "/v1/completions", json=body, timeout=60).status_code
 
     with UvicornThread(build_app(ctx)) as server, concurrent.futures.ThreadPoolExecutor(5) as pool:
         first = [pool.submit(ask, "model-a") for _ in range(4)]
         assert wait_until(lambda: len(backend.requests) >= 2 and ctx.admission.queued >= 2, timeout=10)
         late = pool.submit(ask, "model-b")
         assert [f.result() for f in first] + [late.result()] == [200] * 5
+        # more than model-a's one worker could ever hold (8 x 200 tokens, 1024 in its pool): a 400
+        # after its model resolved, counted for model-a as the client's own error, not as load
+        assert ask("model-a", n=8, max_tokens=200) == 400
+        text = httpx.get(server.base_url + "/metrics", timeout=10).text
     order = [r.model for r in backend.requests]
     assert order.index("model-b") < 4, order  # before model-a's third and fourth
     assert backend.peaks == {"model-a": 2, "model-b": 1}, backend.peaks  # each pool's own batch bound
     assert ctx.admission.running.sequences == 0 and ctx.admission.queued == 0
+    assert 'duet_gateway_model_requests_total{model="model-a",status="400"} 1.0' in text
+    assert 'duet_gateway_model_inflight_requests{model="model-a"} 0.0' in text
+    assert 'duet_gateway_model_requests_total{model="model-b",status="200"} 1.0' in text

@@ -28,15 +28,15 @@ class GatewayLimits:
                                      help="seconds a request waits to be admitted before 429; 0 = no deadline")
     max_running_sequences: int = setting(
         0, flag="--max-running-sequences", env="DUET_MAX_RUNNING_SEQUENCES",
-        help="sequences (prompts x n) generating at once; 0 = the live workers' batch capacity (the sum of "
-             "their --max-running-requests), no bound when unknown")
+        help="sequences (prompts x n) of one model generating at once; 0 = its live workers' batch capacity "
+             "(the sum of their --max-running-requests), no bound when unknown")
     max_running_tokens: int = setting(
         0, flag="--max-running-tokens", env="DUET_MAX_RUNNING_TOKENS",
-        help="KV tokens (prompt + n x max_tokens) the running sequences may fill; 0 = no bound")
+        help="KV tokens (prompt + n x max_tokens) one model's running sequences may fill; 0 = no bound")
     max_prefill_tokens: int = setting(
         0, flag="--max-prefill-tokens", env="DUET_MAX_PREFILL_TOKENS",
-        help="prompt tokens admitted and not yet prefilled; 0 = two steps' worth of the live prefill workers "
-             "(their --max-num-batched-tokens, summed), no bound when unknown")
+        help="prompt tokens of one model admitted and not yet prefilled; 0 = two steps' worth of its live "
+             "prefill workers (their --max-num-batched-tokens, summed), no bound when unknown")
     gateways: int = setting(
         1, flag="--gateways", env="DUET_GATEWAYS",
         help="gateways (processes or pods) in front of the same workers: each admits its share of the live "
