@@ -5,7 +5,9 @@ files but a chat template of its own (another system prompt), so a request token
 wrong model's template would show in its prompt token count. Each model answers as itself
 through the official openai client (greedy, against that model's offline engine), /v1/models
 lists both, an unknown model is OpenAI's 404 `model_not_found`, and requests for B never reach
-A's workers (their request counters stay still)."""
+A's workers (their request counters stay still). A LoRA adapter of B's shapes loaded at run time
+with `base_model` B goes to B's workers only, is listed with B as its parent, answers as
+transformers + PEFT merged into B, and is recorded in B's registry record alone."""
 from __future__ import annotations
 
 import json
@@ -14,7 +16,9 @@ import shutil
 import openai
 import pytest
 
-from tests.helpers.stack import DuetUp, managed, model_dir, new_log_dir, offline_llm, offline_outputs
+from tests.helpers.engine_models import hf_greedy
+from tests.helpers.lora_adapters import merged_model, save_random_adapter
+from tests.helpers.stack import PREFIX, DuetUp, managed, model_dir, new_log_dir, offline_llm, offline_outputs
 from tests.helpers.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -51,7 +55,8 @@ def model_b(tmp_path_factory):
 @pytest.fixture(scope="module")
 def stack(request, model_b):
     with managed(request, DuetUp(new_log_dir("up-models"), "--model", str(model_dir()), "--model", str(model_b),
-                                 "--insecure").start()) as stack:
+                                 "--insecure", "--enable-lora-loading",
+                                 worker_args=["--max-loras", "2"]).start()) as stack:
         yield stack
 
 
@@ -108,3 +113,46 @@ def test_two_models_each_answer_as_itself_on_their_own_workers(stack, references
         client.chat.completions.create(model="no-such-model", messages=MESSAGES, max_tokens=2)
     assert err.value.status_code == 404
     assert err.value.body["code"] == "model_not_found" and err.value.body["type"] == "invalid_request_error"
+
+
+def test_an_adapter_loaded_at_run_time_for_model_b_runs_on_bs_workers_alone(stack, references, model_b, tmp_path):
+    import httpx
+    import torch
+    from transformers import AutoTokenizer
+
+    folder = save_random_adapter(model_b, tmp_path / "b-lora", rank=4, seed=5)
+    ids, base = references["tiny-llama-b"]
+    torch.set_num_threads(1)
+    want = AutoTokenizer.from_pretrained(str(model_b)).decode(
+        hf_greedy(merged_model(model_b, folder), ids, MAX_TOKENS), skip_special_tokens=True)
+    assert want != base.text  # the adapter changes B's answer
+
+    def admin(path: str, body: dict) -> httpx.Response:
+        return httpx.post(stack.base_url + path, json=body, timeout=60)
+
+    body = {"lora_name": "b-lora", "lora_path": str(folder), "base_model": "tiny-llama-b"}
+    clash = admin("/load_lora_adapter", {**body, "lora_name": "SmolLM2-135M-Instruct"})
+    assert clash.status_code == 400 and clash.json()["error"]["param"] == "lora_name", clash.text
+    unknown = admin("/load_lora_adapter", {**body, "base_model": "no-such-model"})
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found", unknown.text
+    loaded = admin("/load_lora_adapter", body)
+    assert loaded.status_code == 200, loaded.text
+    cards = {m["id"]: m for m in httpx.get(stack.base_url + "/models", timeout=10).json()["data"]}
+    assert cards["b-lora"]["parent"] == "tiny-llama-b"
+    entries = stack.workers()
+    assert all("b-lora" in json.loads(entries[w]["lora_adapters"]) for w in B_WORKERS)
+    assert not any("b-lora" in json.loads(entries[w]["lora_adapters"]) for w in A_WORKERS)
+    r = stack.redis()
+    assert r.hgetall(f"{PREFIX}:model:tiny-llama-b:lora") == {"b-lora": str(folder)}
+    assert r.hgetall(f"{PREFIX}:model:SmolLM2-135M-Instruct:lora") == {}
+
+    before = {w: worker_rpcs(stack, w) for w in A_WORKERS}
+    got = stack.client().chat.completions.create(model="b-lora", messages=MESSAGES, max_tokens=MAX_TOKENS,
+                                                 temperature=0)
+    assert got.model == "b-lora" and got.usage.prompt_tokens == len(ids)  # B's chat template
+    assert got.choices[0].message.content == want
+    assert {w: worker_rpcs(stack, w) for w in A_WORKERS} == before  # never on A's workers
+
+    assert admin("/unload_lora_adapter", {"lora_name": "b-lora"}).status_code == 200
+    assert "b-lora" not in {m.id for m in stack.client().models.list().data}
+    assert r.hgetall(f"{PREFIX}:model:tiny-llama-b:lora") == {}

@@ -21,6 +21,7 @@ from services.gateway.openai_api.endpoints import GatewayContext
 from services.gateway.openai_api.prompt_builder import PromptBuilder
 from tests.helpers.gateway_support import UvicornThread
 from tests.helpers.lora_adapters import save_random_adapter
+from tests.helpers.openai_schema import validate
 
 MODEL = "smollm2"
 CONTEXT = 1024
@@ -103,10 +104,16 @@ def test_load_and_unload_at_run_time(server, adapters):
                         ({"lora_name": "sql", "lora_path": "/no/such/folder"}, "lora_path")):
         bad = _post(server, "/load_lora_adapter", body)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
-    for taken in (MODEL, "tone"):
+    for taken, why in ((MODEL, "the name of a served model"), ("tone", "already been loaded")):
         again = _post(server, "/load_lora_adapter", {"lora_name": taken, "lora_path": str(adapters["sql"])})
-        assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
-    ok = _post(server, "/load_lora_adapter", {"lora_name": "sql", "lora_path": str(adapters["sql"])})
+        assert again.status_code == 400 and why in again.json()["error"]["message"], again.text
+    for base, status in (("no-such-model", 404), (7, 400)):  # the base model: a served one's name
+        wrong = _post(server, "/load_lora_adapter", {"lora_name": "sql", "lora_path": str(adapters["sql"]),
+                                                     "base_model": base})
+        assert wrong.status_code == status and wrong.json()["error"]["param"] == "base_model", wrong.text
+        validate(wrong.json(), "ErrorResponse")
+    ok = _post(server, "/load_lora_adapter", {"lora_name": "sql", "lora_path": str(adapters["sql"]),
+                                              "base_model": MODEL})
     assert ok.status_code == 200 and ok.text == "Success: LoRA adapter 'sql' added successfully."
     assert {m.id for m in client.models.list()} == {MODEL, "tone", "sql"}
     model, text = _complete(client, "sql")

@@ -44,3 +44,34 @@ def test_a_redis_restarted_empty_gets_the_run_time_adapters_back(redis_server):
             await publisher.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_gateway_of_two_models_writes_each_adapter_back_into_its_own_models_record(redis_server):
+    """An adapter fits one model's shapes: written into another model's record, that model's next
+    worker would try to load it at start."""
+    async def scenario():
+        config = RegistryConfig(redis_url=redis_server.url, ttl_s=2.0, heartbeat_interval_s=0.2, scan_interval_s=0.2,
+                                socket_timeout_s=0.5)
+        workers = [WorkerInfo(worker_id=f"d-{model}", role="decode", address=f"{model}.svc:7000", model=model,
+                              page_size=16, compat_hash="c1", adapters=WorkerAdapters(served=[adapter]))
+                   for model, adapter in ((MODEL, "sql"), ("other", "poems"))]
+        publishers = [WorkerPublisher(info, config) for info in workers]
+        watcher = WorkerWatcher(config)  # every model's entries, as a gateway of several models watches
+        record = RuntimeAdapters({"sql": "/adapters/sql", "poems": "/adapters/poems"},
+                                 {"sql": MODEL, "poems": "other"})
+        for p in publishers:
+            await p.start()
+        await watcher.start()
+        try:
+            assert await watcher.wait_for(lambda w: w.is_live(f"d-{MODEL}") and w.is_live("d-other"), 5)
+            await watcher.client.flushall()
+            assert sorted(await record.restore(watcher)) == ["poems", "sql"]
+            held = {m: {k.decode(): v.decode() for k, v in (await watcher.client.hgetall(f"duet:model:{m}:lora")).items()}
+                    for m in (MODEL, "other")}
+            assert held == {MODEL: {"sql": "/adapters/sql"}, "other": {"poems": "/adapters/poems"}}, held
+        finally:
+            await watcher.stop()
+            for p in publishers:
+                await p.stop()
+
+    asyncio.run(scenario())

@@ -41,21 +41,32 @@ def _stub(channels, w: WorkerInfo) -> duet_pb2_grpc.AdaptersStub:
 
 @dataclass
 class RuntimeAdapters:
-    """The adapters this gateway loaded at run time: name -> folder."""
+    """The adapters this gateway loaded at run time: name -> folder, and the base model whose
+    workers serve it."""
 
     paths: dict[str, str] = field(default_factory=dict)
+    models: dict[str, str] = field(default_factory=dict)
+
+    def remember(self, name: str, path: str, model: str) -> None:
+        self.paths[name], self.models[name] = path, model
+
+    def forget(self, name: str) -> None:
+        self.paths.pop(name, None)
+        self.models.pop(name, None)
 
     async def restore(self, watcher) -> list[str]:
-        """Write back the record's entries a live worker serves and the registry lost (a Redis
-        restarted empty); an adapter unloaded since (by any gateway: no worker serves it) stays
-        out. The names written; [] while Redis is down."""
-        served = set(served_adapters(watcher.workers()))
-        wanted = {name: path for name, path in self.paths.items() if name in served}
-        if not wanted:
-            return []
+        """Write back the record's entries a live worker of the adapter's model serves and the
+        registry lost (a Redis restarted empty), each into its own model's record; an adapter
+        unloaded since (by any gateway: no worker serves it) stays out. The names written; []
+        while Redis is down."""
         written = []
         try:
             for model in _models(watcher):
+                served = set(served_adapters([w for w in watcher.workers() if w.model == model]))
+                wanted = {name: path for name, path in self.paths.items()
+                          if name in served and self.models.get(name, model) == model}
+                if not wanted:
+                    continue
                 key = watcher.keys.lora_adapters(model)
                 known = {k.decode() if isinstance(k, bytes) else k for k in await watcher.client.hkeys(key)}
                 missing = {name: path for name, path in wanted.items() if name not in known}

@@ -284,15 +284,17 @@ class GrpcBackend:
             parents.update((name, model) for name in served_adapters(self._workers_of(model)))
         return parents
 
-    async def load_adapter(self, name: str, path: str) -> None:
+    async def load_adapter(self, name: str, path: str, model: str | None = None) -> None:
         from services.gateway.backends.grpc_adapters import load_everywhere
-        await load_everywhere(self._registry_view(), self._workers, name, path, self.config.rpc_timeout_s)
-        self.runtime_adapters.paths[name] = path
+        await load_everywhere(self._registry_view(model), self._workers, name, path, self.config.rpc_timeout_s)
+        self.runtime_adapters.remember(name, path, model or self.config.model)
 
     async def unload_adapter(self, name: str) -> None:
         from services.gateway.backends.grpc_adapters import unload_everywhere
-        self.runtime_adapters.paths.pop(name, None)
-        await unload_everywhere(self._registry_view(), self._workers, name, self.config.rpc_timeout_s)
+        self.runtime_adapters.forget(name)
+        # the workers serving it, whichever model's (an adapter name is one model's at a time)
+        await unload_everywhere(self._registry_view(self.adapter_parents().get(name)), self._workers, name,
+                                self.config.rpc_timeout_s)
 
     async def _keep_adapter_record(self) -> None:
         """Write back what a Redis restarted empty lost of the run-time adapter record."""
@@ -301,12 +303,14 @@ class GrpcBackend:
             if self.runtime_adapters.paths:
                 await self.runtime_adapters.restore(self._watcher)
 
-    def _registry_view(self):
-        """The workers a run-time adapter goes to: the default model's (vLLM's load body names
-        no base model, and an adapter fits one model's shapes only)."""
+    def _registry_view(self, model: str | None = None):
+        """The workers a run-time adapter goes to: `model`'s (an adapter fits one model's shapes
+        only; None: the default model's)."""
         if self._watcher is None:
             raise BackendUnavailable("LoRA adapters at run time need the registry (--redis-url)")
-        return _OneModel(self._watcher, self.config.model) if self.config.extra_models else self._watcher
+        if not self.config.extra_models:
+            return self._watcher  # it keeps our one model's entries only
+        return _OneModel(self._watcher, model or self.config.model)
 
     def _page_size(self, model: str) -> int:
         """The page size of `model`'s live workers (each model's pool has its own)."""

@@ -120,9 +120,10 @@ class GenerationBackend(Protocol):
     def adapters(self) -> list[str]:
         """The LoRA adapters clients may name as `model` now (sorted)."""
 
-    async def load_adapter(self, name: str, path: str) -> None:
-        """Serve LoRA adapter `name` from folder `path` (BackendBadRequest: a folder it cannot serve,
-        or LoRA off; BackendUnavailable: no worker to load it on)."""
+    async def load_adapter(self, name: str, path: str, model: str | None = None) -> None:
+        """Serve LoRA adapter `name` from folder `path` on base model `model`'s workers (None: the
+        default model's) (BackendBadRequest: a folder it cannot serve, or LoRA off;
+        BackendUnavailable: no worker to load it on)."""
 
     async def unload_adapter(self, name: str) -> None:
         """Stop serving LoRA adapter `name` (AdapterNotFound: nobody serves it)."""

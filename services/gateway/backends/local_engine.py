@@ -76,7 +76,7 @@ class LocalBackend:
     def adapters(self) -> list[str]:
         return list(self._adapters)
 
-    async def load_adapter(self, name: str, path: str) -> None:
+    async def load_adapter(self, name: str, path: str, model: str | None = None) -> None:  # one model: its own
         from shared.engine.lora.adapter_files import LoraAdapterError
         lora = self._lora()
         try:

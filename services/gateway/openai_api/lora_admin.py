@@ -2,6 +2,10 @@
 "lora_path"} and POST /v1/unload_lora_adapter {"lora_name"}, answered as vLLM does (200 with a
 plain-text line; errors in OpenAI's JSON). Off unless the gateway runs with --enable-lora-loading:
 the path is a folder of the workers' file system. Behind the API keys like every /v1 route.
+A gateway serving several base models takes the model an adapter is for as `base_model` in the
+load body (ours: vLLM serves one model; without it, the default model); an unload goes to the
+workers serving the adapter, whichever model's they are. An adapter is never named like a served
+model (its requests would reach the model instead).
 The backend tells the workers (backends/grpc_adapters.py) or its own engine (local_engine.py)."""
 from __future__ import annotations
 
@@ -21,10 +25,13 @@ class LoraAdmin:
 
     async def load(self, request: Request) -> Response:
         try:
-            name, path = await self._body(request, need_path=True)
-            if name == self.ctx.served_model_name or name in self.ctx.adapters():
+            name, path, base = await self._body(request, need_path=True)
+            if name in self.ctx.models:
+                raise invalid_request(f"'{name}' is the name of a served model, not free for a LoRA adapter",
+                                      "lora_name")
+            if name in self.ctx.adapters():
                 raise invalid_request(f"The lora adapter '{name}' has already been loaded.", "lora_name")
-            await self.ctx.backend.load_adapter(name, path)
+            await self.ctx.backend.load_adapter(name, path, base)
         except APIError as exc:
             return exc.response()
         except BackendError as exc:
@@ -33,7 +40,7 @@ class LoraAdmin:
 
     async def unload(self, request: Request) -> Response:
         try:
-            name, _ = await self._body(request, need_path=False)
+            name, _, _ = await self._body(request, need_path=False)
             await self.ctx.backend.unload_adapter(name)
         except APIError as exc:
             return exc.response()
@@ -43,7 +50,8 @@ class LoraAdmin:
             return from_backend_error(exc).response()
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
-    async def _body(self, request: Request, need_path: bool) -> tuple[str, str]:
+    async def _body(self, request: Request, need_path: bool) -> tuple[str, str, str]:
+        """(lora_name, lora_path, base_model: the default model's name when not given)."""
         if not self.ctx.lora_loading:
             raise APIError(404, "loading LoRA adapters at run time is off: start the gateway with "
                                 "--enable-lora-loading", "invalid_request_error", None, "not_found")
@@ -62,4 +70,10 @@ class LoraAdmin:
             raise invalid_request(str(exc), "lora_name") from None
         if need_path and (not isinstance(path, str) or not path):
             raise invalid_request("lora_path must be a non-empty string", "lora_path")
-        return name, path or ""
+        base = body.get("base_model", self.ctx.default_model.name)
+        if not isinstance(base, str):
+            raise invalid_request("base_model must be a string", "base_model")
+        if base not in self.ctx.models:
+            raise APIError(404, f"The model '{base}' does not exist.", "invalid_request_error", "base_model",
+                           "model_not_found")
+        return name, path or "", base
