@@ -75,3 +75,28 @@ def test_a_gateway_of_two_models_writes_each_adapter_back_into_its_own_models_re
                 await p.stop()
 
     asyncio.run(scenario())
+
+
+def test_an_unload_nobody_serves_is_not_found_and_still_clears_the_record(redis_server):
+    """A pool restarting (or a registry lagging) serves nothing: the unload answers 404, and the
+    record goes anyway, so the pool's next worker does not load what the client removed."""
+    import pytest
+
+    from services.gateway.backends.grpc_adapters import unload_everywhere
+    from services.gateway.backends.interface import AdapterNotFound
+
+    async def scenario():
+        config = RegistryConfig(redis_url=redis_server.url, ttl_s=2.0, heartbeat_interval_s=0.2, scan_interval_s=0.2,
+                                socket_timeout_s=0.5)
+        watcher = WorkerWatcher(config, model=MODEL)
+        await watcher.start()
+        try:
+            await watcher.client.hset(KEY, mapping={"sql": "/adapters/sql", "chat": "/adapters/chat"})
+            with pytest.raises(AdapterNotFound):
+                await unload_everywhere(watcher, None, "sql", 1.0)  # no live worker: no channel dialled
+            held = await watcher.client.hgetall(KEY)
+            assert {k.decode(): v.decode() for k, v in held.items()} == {"chat": "/adapters/chat"}
+        finally:
+            await watcher.stop()
+
+    asyncio.run(scenario())

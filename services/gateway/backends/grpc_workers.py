@@ -290,11 +290,13 @@ class GrpcBackend:
         self.runtime_adapters.remember(name, path, model or self.config.model)
 
     async def unload_adapter(self, name: str) -> None:
-        from services.gateway.backends.grpc_adapters import unload_everywhere
+        from services.gateway.backends.grpc_adapters import served_adapters, unload_everywhere
         self.runtime_adapters.forget(name)
-        # the workers serving it, whichever model's (an adapter name is one model's at a time)
-        await unload_everywhere(self._registry_view(self.adapter_parents().get(name)), self._workers, name,
-                                self.config.rpc_timeout_s)
+        # every model's workers serving it (a name given at start to two pools is both models')
+        holders = [m for m in self.models if name in served_adapters(self._workers_of(m))] \
+            if self.config.extra_models else [None]
+        for model in holders or [None]:  # none: the default model's view says it cannot be found
+            await unload_everywhere(self._registry_view(model), self._workers, name, self.config.rpc_timeout_s)
 
     async def _keep_adapter_record(self) -> None:
         """Write back what a Redis restarted empty lost of the run-time adapter record."""

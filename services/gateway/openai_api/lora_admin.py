@@ -3,8 +3,8 @@
 plain-text line; errors in OpenAI's JSON). Off unless the gateway runs with --enable-lora-loading:
 the path is a folder of the workers' file system. Behind the API keys like every /v1 route.
 A gateway serving several base models takes the model an adapter is for as `base_model` in the
-load body (ours: vLLM serves one model; without it, the default model); an unload goes to the
-workers serving the adapter, whichever model's they are. An adapter is never named like a served
+load body (ours: vLLM serves one model; without it, the default model); an unload goes to every
+model's workers that serve the adapter. An adapter is never named like a served
 model (its requests would reach the model instead).
 The backend tells the workers (backends/grpc_adapters.py) or its own engine (local_engine.py)."""
 from __future__ import annotations
@@ -25,7 +25,8 @@ class LoraAdmin:
 
     async def load(self, request: Request) -> Response:
         try:
-            name, path, base = await self._body(request, need_path=True)
+            name, path, body = await self._body(request, need_path=True)
+            base = self._base_model(body)
             if name in self.ctx.models:
                 raise invalid_request(f"'{name}' is the name of a served model, not free for a LoRA adapter",
                                       "lora_name")
@@ -40,7 +41,7 @@ class LoraAdmin:
 
     async def unload(self, request: Request) -> Response:
         try:
-            name, _, _ = await self._body(request, need_path=False)
+            name, _, _ = await self._body(request, need_path=False)  # from every model's workers serving it
             await self.ctx.backend.unload_adapter(name)
         except APIError as exc:
             return exc.response()
@@ -50,8 +51,8 @@ class LoraAdmin:
             return from_backend_error(exc).response()
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
-    async def _body(self, request: Request, need_path: bool) -> tuple[str, str, str]:
-        """(lora_name, lora_path, base_model: the default model's name when not given)."""
+    async def _body(self, request: Request, need_path: bool) -> tuple[str, str, dict]:
+        """(lora_name, lora_path, the body)."""
         if not self.ctx.lora_loading:
             raise APIError(404, "loading LoRA adapters at run time is off: start the gateway with "
                                 "--enable-lora-loading", "invalid_request_error", None, "not_found")
@@ -70,10 +71,14 @@ class LoraAdmin:
             raise invalid_request(str(exc), "lora_name") from None
         if need_path and (not isinstance(path, str) or not path):
             raise invalid_request("lora_path must be a non-empty string", "lora_path")
+        return name, path or "", body
+
+    def _base_model(self, body: dict) -> str:
+        """The served model a load is for: `base_model`, the default model when not given."""
         base = body.get("base_model", self.ctx.default_model.name)
         if not isinstance(base, str):
             raise invalid_request("base_model must be a string", "base_model")
         if base not in self.ctx.models:
             raise APIError(404, f"The model '{base}' does not exist.", "invalid_request_error", "base_model",
                            "model_not_found")
-        return name, path or "", base
+        return base
