@@ -203,6 +203,18 @@ def client(gateway):
 
 
 @pytest.fixture
+def split_pair(cluster, gateway):
+    """prefill-1 and decode-1 registered and seen by the router and the gateway (the first test
+    registers them as its scenario; a test run alone gets them here)."""
+    for worker_id, role in (("prefill-1", "prefill"), ("decode-1", "decode")):
+        if worker_id not in cluster.publishers:
+            cluster.add_worker(worker_id, role)
+    assert cluster.loop.run(cluster.router.watcher.wait_for(
+        lambda w: w.is_live("prefill-1") and w.is_live("decode-1"), 5))
+    assert wait_until(lambda: httpx.get(gateway.base_url + "/health").status_code == 200, timeout=5)
+
+
+@pytest.fixture
 def reply(cluster, prompts):
     cluster.script.reset()
 
@@ -250,7 +262,7 @@ def cached_prompt_tokens(gateway) -> float:
     return page.value("duet_cached_prompt_tokens_total", endpoint="chat_completions")
 
 
-def test_split_stream_schema_and_logprobs(gateway, cluster, reply, spans):
+def test_split_stream_schema_and_logprobs(gateway, cluster, reply, spans, split_pair):
     reply("你好 😀 ok")
     cached_before = cached_prompt_tokens(gateway)
     with httpx.Client(base_url=gateway.base_url, timeout=30) as http:
@@ -284,7 +296,7 @@ def test_split_stream_schema_and_logprobs(gateway, cluster, reply, spans):
     assert stream.attributes["duet.cached_tokens"] == 4 and stream.attributes["duet.stream.disconnected"] is False
 
 
-def test_first_token_ends_request_cancels_reservation(client, cluster, reply):
+def test_first_token_ends_request_cancels_reservation(client, cluster, reply, split_pair):
     reply("Hello there")
     result = client.completions.create(model=MODEL, prompt="x", max_tokens=1)
     assert result.choices[0].finish_reason == "length" and result.usage.completion_tokens == 1
@@ -294,7 +306,7 @@ def test_first_token_ends_request_cancels_reservation(client, cluster, reply):
     assert wait_until(lambda: cluster.router_inflight() == {}, timeout=5)
 
 
-def test_stop_string_in_first_token_cancels_reservation(client, cluster, reply, prompts):
+def test_stop_string_in_first_token_cancels_reservation(client, cluster, reply, prompts, split_pair):
     tokens = reply("Hello there")
     first_text = prompts.tokenizer.decode(tokens[:1])
     result = client.completions.create(model=MODEL, prompt="x", max_tokens=20, stop=[first_text])
@@ -303,7 +315,7 @@ def test_stop_string_in_first_token_cancels_reservation(client, cluster, reply, 
         cluster.script.names()
 
 
-def test_decode_admission_refused_is_429(client, cluster, reply):
+def test_decode_admission_refused_is_429(client, cluster, reply, split_pair):
     reply("nope")
     cluster.script.reserve_error = grpc.StatusCode.RESOURCE_EXHAUSTED
     with pytest.raises(openai.RateLimitError, match="no free KV pages"):
@@ -312,7 +324,7 @@ def test_decode_admission_refused_is_429(client, cluster, reply):
     assert wait_until(lambda: cluster.router_inflight() == {}, timeout=5)
 
 
-def test_disconnect_during_decode_cancels_stream_and_reservation(gateway, cluster, reply):
+def test_disconnect_during_decode_cancels_stream_and_reservation(gateway, cluster, reply, split_pair):
     reply("word " * 100)
     cluster.script.decode_delay_s = 0.03
     with httpx.Client(base_url=gateway.base_url, timeout=30) as http:
@@ -329,7 +341,7 @@ def test_disconnect_during_decode_cancels_stream_and_reservation(gateway, cluste
     assert wait_until(lambda: cluster.router_inflight() == {}, timeout=5)
 
 
-def test_disconnect_during_prefill_cancels_prefill_and_reservation(gateway, cluster, reply):
+def test_disconnect_during_prefill_cancels_prefill_and_reservation(gateway, cluster, reply, split_pair):
     reply("slow prefill")
     cluster.script.prefill_delay_s = 5
     with httpx.Client(base_url=gateway.base_url, timeout=0.5) as http:
