@@ -13,7 +13,8 @@ import math
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from services.gateway.http_edge.admission import AdmissionQueue, Budget, Work, register_admission_metrics
+from services.gateway.http_edge.admission import AdmissionQueue, Budget, Work
+from services.gateway.http_edge.admission_metrics import register_admission_metrics
 from services.gateway.http_edge.metrics import GatewayMetrics
 from services.planner.assign import assign, fixed_split, hand_overs
 from services.planner.decide import RESTARTS_WINDOW, Decider, pool_step

@@ -29,8 +29,8 @@ from services.gateway.http_edge.admission import (
     Grant,
     Ticket,
     Work,
-    register_admission_metrics,
 )
+from services.gateway.http_edge.admission_metrics import register_admission_metrics
 from services.gateway.http_edge.cache_namespace import CacheNamespaces
 from services.gateway.http_edge.error_responses import (
     APIError,
