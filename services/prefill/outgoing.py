@@ -58,6 +58,15 @@ class HandoffTimes:
     pages: int  # pages written (held ones skipped)
 
 
+class HandoffFailed(TransferError):
+    """A handoff that ended without its done notice, with where its time went until then (the
+    request's queue, compute and send spans: a failed request's trace shows them too)."""
+
+    def __init__(self, message: str, times: HandoffTimes, kv_bytes: int):
+        super().__init__(message)
+        self.times, self.kv_bytes = times, kv_bytes
+
+
 @dataclass
 class PrefillResult:
     first: StepOutput
@@ -336,7 +345,17 @@ class OutgoingTransfers:
                                                 cached_tokens=req_cached, times=self._times(out, now)))
         else:
             reason = out.error or out.stream.error or ("cancelled" if out.state is S.CANCELLED else "write failed")
-            out.result.set_exception(TransferError(f"KV transfer to the decode worker failed: {reason}"))
+            out.result.set_exception(HandoffFailed(f"KV transfer to the decode worker failed: {reason}",
+                                                   self._failed_times(out), sent))
+
+    def _failed_times(self, out: Outgoing) -> HandoffTimes:
+        """A failed or cancelled handoff's times: compute to its first token or to its end (the
+        state it ended in), the send from its first page posted (none posted: empty) to its end."""
+        now = out.trail[-1][1]
+        computed = out.entered(S.TAIL) or now
+        phase = PhaseTimes.of(out.req, computed) if out.req is not None else PhaseTimes(out.trail[0][1], None, computed)
+        return HandoffTimes(phase, send_started=out.first_post_at if out.first_post_at is not None else now,
+                            send_ended=now, pages=max(0, out.pages_sent - out.held_pages))
 
     def _times(self, out: Outgoing, now: float) -> HandoffTimes:
         """A finished handoff's times (its notice queued after the first token: FINISHING or DECLINING)."""

@@ -14,14 +14,13 @@ import uuid
 from dataclasses import dataclass
 
 import grpc
-from opentelemetry import trace
 
 from protos import duet_pb2, duet_pb2_grpc
 from services.prefill.capability_uses import CapabilityUses
-from services.prefill.outgoing import PrefillResult
+from services.prefill.handoff_spans import handoff_spans
+from services.prefill.outgoing import HandoffFailed, PrefillResult
 from services.worker_runtime.context import WorkerContext
 from services.worker_runtime.grammar_check import compile_ahead
-from services.worker_runtime.phase_spans import EpochClock, queue_and_compute
 from shared.kv_transfer.agent import TransferError
 from shared.kv_transfer.capability import refusal
 from shared.kv_transfer.head_plan import PairingError, plan_head_copies
@@ -136,6 +135,8 @@ class PrefillService(duet_pb2_grpc.PrefillServicer):
             try:
                 result = await asyncio.wrap_future(fut)  # cancelled (the caller left): _abandon stops it
             except TransferError as exc:
+                if isinstance(exc, HandoffFailed):  # its queue, compute and send so far, the send failed
+                    handoff_spans(ctx.tracer, span, exc.times, {"duet.request_id": rid}, exc.kv_bytes, error=str(exc))
                 ctx.metrics.request_finished("Prefill", grpc.StatusCode.UNAVAILABLE)
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc), trailing_metadata=DECODE_FAULT)
             ctx.metrics.request_finished("Prefill", grpc.StatusCode.OK)
@@ -150,15 +151,9 @@ class PrefillService(duet_pb2_grpc.PrefillServicer):
         series = ctx.metrics.latency("prefill")
         series.ttft.observe(times.phase.computed - arrived)
         series.e2e.observe(time.monotonic() - arrived)
-        clock = EpochClock()
         attributes = {"duet.request_id": rid, "duet.prompt_tokens": result.computed_tokens + result.cached_tokens,
                       "duet.cached_tokens": result.cached_tokens, "duet.computed_tokens": result.computed_tokens}
-        queue_and_compute(ctx.tracer, span, times.phase, clock, attributes)
-        send = ctx.tracer.start_span("kv_send", context=trace.set_span_in_context(span),
-                                     start_time=clock.ns(times.send_started),
-                                     attributes={"duet.request_id": rid, "duet.kv_bytes": result.kv_bytes,
-                                                 "duet.kv_pages": times.pages})
-        send.end(end_time=clock.ns(max(times.send_ended, times.send_started)))
+        handoff_spans(ctx.tracer, span, times, attributes, result.kv_bytes)
 
     async def _authorize(self, res: KvReservation, context, handoff: "_Handoff") -> None:
         """Refuse (PERMISSION_DENIED, nothing written, no notice) unless res's write capability

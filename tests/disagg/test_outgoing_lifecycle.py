@@ -16,7 +16,8 @@ import time
 import pytest
 import torch
 
-from services.prefill.outgoing import OutgoingTransfers
+from services.prefill.handoff_spans import handoff_spans
+from services.prefill.outgoing import HandoffFailed, OutgoingTransfers
 from services.prefill.outgoing_state import OUTGOING, OutgoingEvent, OutgoingState
 from shared.engine.engine import Engine
 from shared.engine.request import ReqStatus
@@ -215,9 +216,24 @@ def test_a_failed_write_or_notice_fails_the_request_and_frees_its_pages(engine, 
     end = S.CANCELLED if state is S.CANCELLING else S.FAILED
     assert h.trail()[-2:] == [state, end]
     assert_legal(h.trail())
-    with pytest.raises(TransferError, match="KV transfer to the decode worker failed"):
+    with pytest.raises(HandoffFailed, match="KV transfer to the decode worker failed") as failed:
         h.fut.result()
     assert_all_pages_free(engine)
+    # where its time went until then, for the request's spans: compute to its first token (or to
+    # the end, where it had none) and the send to its end, which is the failure
+    t = failed.value.times
+    assert t.phase.arrived <= t.send_started <= t.send_ended == h.out.entered(end)
+    assert t.phase.computed == (h.out.entered(S.TAIL) or h.out.entered(end))
+    from tests.helpers.gateway_support import in_memory_spans
+    provider, exporter = in_memory_spans()
+    tracer = provider.get_tracer("test")
+    with tracer.start_as_current_span("prefill") as parent:
+        handoff_spans(tracer, parent, t, {"duet.request_id": h.rid}, failed.value.kv_bytes, error=str(failed.value))
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert {"queue", "kv_send", "prefill"} <= set(spans) and spans["kv_send"].parent.span_id == \
+        spans["prefill"].context.span_id
+    assert spans["kv_send"].status.status_code.name == "ERROR" and "failed" in spans["kv_send"].status.description
+    assert ("compute" in spans) == (t.phase.scheduled is not None)
 
 
 def test_a_request_the_engine_ends_before_its_first_token_aborts(engine, agents):
