@@ -349,10 +349,11 @@ class OutgoingTransfers:
                                                    self._failed_times(out), sent))
 
     def _failed_times(self, out: Outgoing) -> HandoffTimes:
-        """A failed or cancelled handoff's times: compute to its first token or to its end (the
-        state it ended in), the send from its first page posted (none posted: empty) to its end."""
+        """A failed or cancelled handoff's times: compute to its first token, or to its cancel (the
+        engine stopped it then), or to its end (the state it ended in); the send from its first
+        page posted (none posted: empty) to its end."""
         now = out.trail[-1][1]
-        computed = out.entered(S.TAIL) or now
+        computed = out.entered(S.TAIL) or out.entered(S.CANCELLING) or now
         phase = PhaseTimes.of(out.req, computed) if out.req is not None else PhaseTimes(out.trail[0][1], None, computed)
         return HandoffTimes(phase, send_started=out.first_post_at if out.first_post_at is not None else now,
                             send_ended=now, pages=max(0, out.pages_sent - out.held_pages))

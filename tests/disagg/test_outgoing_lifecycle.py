@@ -220,10 +220,10 @@ def test_a_failed_write_or_notice_fails_the_request_and_frees_its_pages(engine, 
         h.fut.result()
     assert_all_pages_free(engine)
     # where its time went until then, for the request's spans: compute to its first token (or to
-    # the end, where it had none) and the send to its end, which is the failure
+    # its cancel, or its end, where it had none) and the send to its end, which is the failure
     t = failed.value.times
     assert t.phase.arrived <= t.send_started <= t.send_ended == h.out.entered(end)
-    assert t.phase.computed == (h.out.entered(S.TAIL) or h.out.entered(end))
+    assert t.phase.computed == (h.out.entered(S.TAIL) or h.out.entered(S.CANCELLING) or h.out.entered(end))
     from tests.helpers.gateway_support import in_memory_spans
     provider, exporter = in_memory_spans()
     tracer = provider.get_tracer("test")
