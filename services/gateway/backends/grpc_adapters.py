@@ -108,12 +108,11 @@ async def load_everywhere(watcher, channels, name: str, path: str, timeout_s: fl
 
 async def unload_everywhere(watcher, channels, name: str, timeout_s: float) -> None:
     holders = [w for w in watcher.workers() if name in w.adapters.served]
-    if not holders:
-        # nobody live serves it (a pool restarting, a registry lagging): its record goes anyway,
-        # so the pool's next worker does not load what the client asked to remove
-        await _remember(watcher, lambda client, key: client.hdel(key, name))
-        raise AdapterNotFound(f"The lora adapter '{name}' cannot be found.")
+    # the record goes even when nobody live serves it (a pool restarting, a registry lagging),
+    # so the pool's next worker does not load what the client asked to remove
     await _remember(watcher, lambda client, key: client.hdel(key, name))
+    if not holders:
+        raise AdapterNotFound(f"The lora adapter '{name}' cannot be found.")
     await _unload(channels, holders, name, timeout_s)
     log.info("LoRA adapter %s unloaded from %d workers", name, len(holders))
     await _until(watcher, lambda ws: all(name not in w.adapters.served for w in ws), {w.worker_id for w in holders})

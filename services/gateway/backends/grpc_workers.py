@@ -292,10 +292,11 @@ class GrpcBackend:
     async def unload_adapter(self, name: str) -> None:
         from services.gateway.backends.grpc_adapters import served_adapters, unload_everywhere
         self.runtime_adapters.forget(name)
-        # every model's workers serving it (a name given at start to two pools is both models')
-        holders = [m for m in self.models if name in served_adapters(self._workers_of(m))] \
-            if self.config.extra_models else [None]
-        for model in holders or [None]:  # none: the default model's view says it cannot be found
+        # every model's workers serving it (a name given at start to two pools is both models');
+        # none, or one model: the default view, which says so when nobody serves it
+        models = [m for m in self.models if name in served_adapters(self._workers_of(m))] \
+            if self.config.extra_models else []
+        for model in models or [None]:
             await unload_everywhere(self._registry_view(model), self._workers, name, self.config.rpc_timeout_s)
 
     async def _keep_adapter_record(self) -> None:

@@ -171,14 +171,10 @@ class AdmissionQueue:
     def waiting_sequences(self) -> int:
         return sum(w.work.sequences for w in self._waiters if not w.future.done())
 
-    @property
-    def waiting_prompt_tokens(self) -> int:
-        """Prompt tokens of the units waiting for admission: a burst the prefill budget holds
-        here rather than in the workers' queues (the planner weighs both as its backlog)."""
-        return sum(w.work.prompt_tokens for w in self._waiters if not w.future.done())
-
     def waiting_prompt_tokens_of(self, pool: str) -> int:
-        """The same, of one pool's units (what a route of that model tells the router)."""
+        """Prompt tokens of one pool's units waiting for admission: a burst the prefill budget
+        holds here rather than in the workers' queues (a route of that model tells the router;
+        the planner weighs both as its backlog)."""
         return sum(w.work.prompt_tokens for w in self._waiters if not w.future.done() and w.work.pool == pool)
 
     def stats(self) -> AdmissionStats:
@@ -303,12 +299,11 @@ class AdmissionQueue:
         if prefilling:
             self._prefilled(ticket, work)
         pool = self._pool(work.pool)
-        pool.running.sequences -= work.sequences
-        pool.running.tokens -= work.tokens
-        assert pool.running.sequences >= 0 and pool.running.tokens >= 0, "admitted work released twice"
         share = pool.tenants[ticket.tenant]
-        share.sequences -= work.sequences
-        share.tokens -= work.tokens
+        for s in (pool.running, share):
+            s.sequences -= work.sequences
+            s.tokens -= work.tokens
+        assert pool.running.sequences >= 0 and pool.running.tokens >= 0, "admitted work released twice"
         if share.sequences == 0 and share.tokens == 0 and share.prefill_tokens == 0:
             del pool.tenants[ticket.tenant]
         ticket.running_sequences -= work.sequences
