@@ -10,6 +10,7 @@ FP8-rounded model. The host tier row pushes a first round of prompts out of a sm
 with other prompts, then sends their prefixes again: the prefix comes back from the host tier."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -105,9 +106,27 @@ def rounds_tokens(device: str, ckpt: str, dtype: str, tp_size: int, rounds, new_
     eng = make_engine(torch.device(device), ckpt, dtype=dtype, tp_size=tp_size, cuda_graph_max_bs=8,
                       **{"kv_cache_memory": 1 << 30, **options})
     try:
+        host_tier_locked(eng)
         tokens = [seq for prompts in rounds for seq in generate(eng, prompts, new_tokens)]
         return tokens, TierInfo(f"weights {eng.weights_description}, KV {str(eng.kv_dtype).removeprefix('torch.')}"
                                 f" ({eng.layout.num_pages} pages a rank)", eng.stats.host_cached_tokens,
                                 eng.stats.cached_tokens)
     finally:
         eng.close()
+
+
+def host_tier_locked(eng, timeout_s: float = 120.0) -> None:
+    """Wait until every host-tier page is usable. On GPUs the pages join the tier as they are
+    page-locked in the background, on every rank, while the engine is idle: rounds run straight
+    after the start would evict into a tier of no pages, and the row would load nothing back (on
+    two H200s it read 0 / 0 host-hit tokens so)."""
+    tier = getattr(eng.kv.cache, "host", None)
+    if tier is None or tier.pinner is None:
+        return
+    until = time.monotonic() + timeout_s
+    tier.pinner.wait(timeout_s)
+    while tier.capacity < tier.num_pages and time.monotonic() < until:
+        tier.poll()
+        time.sleep(0.05)
+    if tier.capacity < tier.num_pages:
+        raise RuntimeError(f"the host tier locked {tier.capacity} of {tier.num_pages} pages in {timeout_s:.0f} s")
