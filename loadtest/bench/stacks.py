@@ -20,6 +20,8 @@ LAYOUTS = {  # `duet up`'s workers (GPU placement: services/launcher/gpus.py); -
     "split": ["--planner", "off", "--prefill", "1", "--decode", "1"],
     "colocated2": ["--planner", "off", "--both", "2", "--prefill", "0", "--decode", "0"],  # as split's two GPUs
     "planned": ["--prefill", "1", "--decode", "1"],  # split's two workers, roles switched by the planner, overflow on
+    # the same, started as two `both` workers: beside colocated2 it tells a layout's cost from its history
+    "planned2b": ["--both", "2", "--prefill", "0", "--decode", "0"],
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 

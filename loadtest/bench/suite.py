@@ -104,7 +104,8 @@ def parser() -> argparse.ArgumentParser:
     a("--lora-rank", type=int, default=16, help="lora: the adapters' rank (every linear adapted)")
     a("--offline-requests", type=int, default=256, help="prompt and output lengths uniform in [ctx/10, ctx]")
     a("--stacks", default="colocated,split",
-      help="stack, multiturn, saturation: colocated, split, colocated2 (two GPUs), planned (split, the planner on)")
+      help="stack, multiturn, saturation: colocated, split, colocated2 (two GPUs), planned (split, the planner on), "
+           "planned2b (two `both` workers, the planner on)")
     a("--concurrency", default="1,16,32", help="stack: closed-loop points")
     a("--stack-lens", default="1024,256", help="stack, failover: prompt and output tokens")
     a("--rates", default="", help="stack: Poisson rates (req/s) of --stack-lens prompts, --seconds-per-rate each, "
