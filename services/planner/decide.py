@@ -34,13 +34,14 @@ is too little to judge by). Rules, in order:
   it weighs only the load that stays.
   (Measured before this rule on two H200s: lockstep chats switched two `both` workers to the
   split under each burst of first turns, and their cached turns then ran on the split.)
-  Neither hold stops a split becoming every worker `both` (`widens`): each worker keeps the role
-  it had and takes the other too, so no queued work is stranded (running streams may be handed
-  over to even the batch, as after any switch), and what such a burst usually is, the first turns
-  of conversations, is what `both` workers serve best after it. (Measured with the hold on that
-  move too, two H200s: 48 lockstep chats met the split, the hold kept it through turns 2 and 3,
-  TTFT p90 590 / 610 ms and TPOT p50 14.4 ms against 466 / 491 ms and 10.3 ms on two `both`
-  workers; it switched at turn 4.)
+  Neither hold stops a split becoming every worker `both` (`widens`): no worker loses a role, no
+  capacity leaves any, the prompts the gateways' admission still holds back can then be prefilled
+  on every GPU, and the usual burst, the first turns of conversations, is what `both` workers
+  serve best once the cached turns follow. That move is still judged on readings the burst
+  distorts, and the hand-over after it moves part of the decode worker's streams onto a worker
+  still working off the burst. (Measured with the hold on that move too, two H200s: 48 lockstep
+  chats met the split, the hold kept it through turns 2 and 3, TTFT p90 591 / 610 ms and TPOT p50
+  14.4 ms against 466 / 491 ms and 10.3 ms on two `both` workers; it switched at turn 4.)
 Kubernetes pool sizes change by the same rules, one pod at a time (`pool_step`)."""
 from __future__ import annotations
 
@@ -138,17 +139,17 @@ class Decider:
         if now_score <= self.headroom_above:
             return Decision("hold", "meets_targets", current, best.split, load, preds, corr)
         queued = backlog(current, load, fleet)
-        if widens(current, best.split):  # nothing queued is stranded and no capacity leaves: no wait
-            self.bursting = False
-        elif self.clears_within_dwell(queued, fleet):
+        wider = widens(current, best.split)  # no role leaves any worker: neither backlog hold applies
+        if not wider and self.clears_within_dwell(queued, fleet):
             self.bursting = True
             return Decision("hold", "backlog", current, best.split, load, preds, corr, queued)
-        if self.bursting:  # the burst just left the window: judge what stays, on readings of its own
+        if self.bursting and not wider:  # the burst just left the window: judge what stays, on its own readings
             self.bursting = False
             self.changed(now)
             return Decision("hold", "after_backlog", current, best.split, load, preds, corr, queued)
         if not self.dwelt(now):
             return Decision("hold", "dwell", current, best.split, load, preds, corr, queued)
+        self.bursting = False
         return Decision("switch", "slo" if now_score > 1 else "headroom", current, best.split, load, preds, corr,
                         queued)
 

@@ -127,16 +127,20 @@ def test_a_burst_the_split_clears_within_the_dwell_holds_it_and_the_load_after_d
 
 
 def test_a_burst_does_not_hold_a_split_from_becoming_every_worker_both():
-    """The backlog hold keeps a split for a burst because the switch would strand or drain what is
-    queued; going from the split to every worker `both` takes no role from anyone, so a burst of
-    chats' first turns on the split is no reason to keep the split through the cached turns that
-    follow (on two H200s the hold kept 48 lockstep chats on it through turns 2 and 3)."""
+    """Going from the split to every worker `both` takes no role and no capacity from any worker,
+    so a burst of chats' first turns on the split is no reason to keep the split through the cached
+    turns that follow (on two H200s the hold kept 48 lockstep chats on it through turns 2 and 3)."""
     d, f = decider(), fleet()
     burst = Load(**{**CHAT.__dict__, "backlog_tokens": 2000.0})
     assert d.clears_within_dwell(backlog(P1D1, burst, f), f)  # the burst the split would be held for
     moved = d.decide(100.0, P1D1, Split(), burst, f)
     assert (moved.action, moved.target) == ("switch", B2)
-    assert not d.bursting  # and no `after_backlog` hold follows it
+    # a split held for an earlier burst does not stand an `after_backlog` dwell before widening
+    after = decider(bursting=True).decide(100.0, P1D1, Split(), CHAT, f)
+    assert (after.action, after.target) == ("switch", B2)
+    # the dwell still applies (60 s from the start), and holding for it keeps the burst in mind
+    early = decider(bursting=True)
+    assert early.decide(30.0, P1D1, Split(), burst, f).reason == "dwell" and early.bursting
     # the other way, the hold stands: two `both` workers under long prompts and a burst
     long_burst = Load(**{**LONG.__dict__, "backlog_tokens": 2000.0})
     assert decider().decide(100.0, B2, Split(), long_burst, f).reason == "backlog"
