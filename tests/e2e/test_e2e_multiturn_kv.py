@@ -92,6 +92,10 @@ def admission_cached_tokens(stack) -> float:
     return stack.gateway_metrics().value("duet_gateway_admission_cached_prompt_tokens_total")
 
 
+def admission_local_prefill_tokens(stack) -> float:
+    return stack.gateway_metrics().value("duet_gateway_admission_local_prefill_prompt_tokens_total")
+
+
 def assert_no_page_unaccounted(stack, workers) -> None:
     stack.wait_idle(workers)
     for w in workers:
@@ -179,6 +183,7 @@ def test_decode_prefills_later_turns_from_pages_it_loads_back(tiered_stack, refe
     s = tiered_stack
     a, b = Chat(s.client()), Chat(s.client(), system=SYSTEM.replace("Northwind", "Southwind"))
     local_before = s.router_decisions("local_prefill")
+    off_budget_before = admission_local_prefill_tokens(s)
     for i, question in enumerate(QUESTIONS[:4]):
         text, usage = a.turn(question)
         assert text == reference[i], f"turn {i + 1}"
@@ -192,6 +197,8 @@ def test_decode_prefills_later_turns_from_pages_it_loads_back(tiered_stack, refe
     # device before its second came, and the default write policy keeps a turn once a later one
     # extended it (the second turn's own pages are kept: a conversation, kv_write_policy.py)
     assert s.router_decisions("local_prefill") - local_before >= 5, "later turns stay on decode"
+    # what decode prefilled of them left the gateway's prefill budget at routing, not at its first token
+    assert admission_local_prefill_tokens(s) > off_budget_before
     m = s.metrics("decode-0")
     assert m.value("duet_kv_host_writeback_pages_total", decision="written", reason="conversation") > 0
     assert m.value("duet_kv_host_writeback_pages_total", decision="dropped", reason="not_reused") > 0

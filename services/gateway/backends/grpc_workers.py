@@ -419,7 +419,7 @@ class GrpcBackend:
             route = await self._route_attempt(request, attempt, metadata)
             state.routed = True
             if request.on_routed is not None:
-                request.on_routed(route.cached_tokens)  # the worker that prefills holds these
+                request.on_routed(route.cached_tokens, route.local_prefill)  # the worker that prefills holds these
             record.checkpoint, record.decode_worker = route.checkpoint, route.decode.worker_id
             decode = duet_pb2_grpc.DecodeStub(self._workers.get(route.decode, "decode"))
             scope = cache_scope_fields(request.cache_scope)

@@ -44,9 +44,10 @@ class GenerationRequest:
     # the prefix-cache namespace (tenant and cache_salt), tenant (http_edge/cache_namespace.py) and
     # the LoRA adapter the request runs with ("" = the base model; workers serving it are chosen)
     cache_scope: CacheScope = DEFAULT_SCOPE
-    # told, once routed, the prompt tokens the chosen worker is expected to hold (the admission
-    # then charges only the rest to its prefill budget: Grant.routed); None: nobody asks
-    on_routed: Callable[[int], None] | None = None
+    # told, once routed, the prompt tokens the chosen worker is expected to hold and whether a decode
+    # worker prefills the rest (the admission then charges only what a prefill or `both` worker
+    # prefills to its prefill budget: Grant.routed); None: nobody asks
+    on_routed: Callable[[int, bool], None] | None = None
 
 
 @dataclass

@@ -148,7 +148,7 @@ class LocalBackend:
         except ValueError as exc:  # the engine's checks (length, vocabulary, KV capacity, grammar)
             raise BackendBadRequest(str(exc)) from None
         if request.on_routed is not None:
-            request.on_routed(held)
+            request.on_routed(held, False)
         finished = False
         try:
             while True:

@@ -140,6 +140,7 @@ class AdmissionQueue:
         self.places = 0  # requests holding a place: admitted, waiting or being prepared
         self.refused = 0
         self.cached_prompt_tokens = 0  # taken off the prefill budget at routing (Grant.routed), since start
+        self.local_prefill_prompt_tokens = 0  # the same, placed on a decode worker to prefill (Grant.routed)
         self._pools: dict[str, _Pool] = {}
         self._waiters: list[_Waiter] = []
         self._order = itertools.count()
@@ -346,21 +347,28 @@ class Grant:
         self.held = True
         self.prefilling = True
 
-    def routed(self, cached_tokens: int) -> None:
+    def routed(self, cached_tokens: int, local_prefill: bool = False) -> None:
         """The route's word on how many of the prompt's tokens the chosen worker already holds:
         only the rest is prefill work, so only the rest stays on the prefill budget, and the
         next unit may go at once. A later turn of a chat is mostly cached (96-98% of a 6k-token
         context): charged whole, two or three of them filled a prefill worker's budget, and a
-        burst of them reached the workers that many at a time. Only lowers the charge (a moved
-        attempt routes again, to a worker that may hold less: counting that would make the
-        prefill budget wait on a charge the first route already let go)."""
-        rest = max(0, self.prompt_tokens - max(0, cached_tokens))
-        if not (self.held and self.prefilling) or rest >= self.work.prompt_tokens:
+        burst of them reached the workers that many at a time. local_prefill: a decode worker
+        prefills the rest beside its rows (the router's local or overflow placement), outside
+        the prefill and `both` workers whose steps the budget is made of, so none of it stays
+        there (held while the decode worker works through it in inter-token-budgeted slices, it
+        kept that much of the prefill workers' room idle). Only lowers
+        the charge (a moved attempt routes again, to a worker that may hold less: counting that
+        would make the prefill budget wait on a charge the first route already let go)."""
+        charged = self.work.prompt_tokens
+        cached_off = min(charged, max(0, cached_tokens - (self.prompt_tokens - charged)))  # beyond earlier routes
+        local_off = charged - cached_off if local_prefill else 0
+        if not (self.held and self.prefilling) or cached_off + local_off <= 0:
             return
         queue = self._ticket._queue
-        queue._uncharge(self._ticket, self.work.pool, self.work.prompt_tokens - rest)
-        queue.cached_prompt_tokens += self.work.prompt_tokens - rest
-        self.work = replace(self.work, prompt_tokens=rest)
+        queue._uncharge(self._ticket, self.work.pool, cached_off + local_off)
+        queue.cached_prompt_tokens += cached_off
+        queue.local_prefill_prompt_tokens += local_off
+        self.work = replace(self.work, prompt_tokens=charged - cached_off - local_off)
         queue._dispatch()
 
     def prefilled(self) -> None:

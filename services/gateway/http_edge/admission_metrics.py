@@ -53,7 +53,8 @@ class _WaitingPromptTokens:
 
 
 class _CachedPromptTokens:
-    """duet_gateway_admission_cached_prompt_tokens_total, read at scrape time."""
+    """duet_gateway_admission_cached_prompt_tokens_total and ..._local_prefill_prompt_tokens_total,
+    read at scrape time."""
 
     def __init__(self, queue: AdmissionQueue):
         self.queue = queue
@@ -64,3 +65,7 @@ class _CachedPromptTokens:
         yield CounterMetricFamily("duet_gateway_admission_cached_prompt_tokens",
                                   "Prompt tokens the routes found cached on the chosen worker, taken off the "
                                   "prefill budget before their first token", value=self.queue.cached_prompt_tokens)
+        yield CounterMetricFamily("duet_gateway_admission_local_prefill_prompt_tokens",
+                                  "Prompt tokens routed to a decode worker to prefill (local or overflow "
+                                  "placement), taken off the prefill workers' budget before their first token",
+                                  value=self.queue.local_prefill_prompt_tokens)
