@@ -197,7 +197,7 @@ def test_decode_prefills_later_turns_from_pages_it_loads_back(tiered_stack, refe
     # device before its second came, and the default write policy keeps a turn once a later one
     # extended it (the second turn's own pages are kept: a conversation, kv_write_policy.py)
     assert s.router_decisions("local_prefill") - local_before >= 5, "later turns stay on decode"
-    # what decode prefilled of them left the gateway's prefill budget at routing, not at its first token
+    # the route's local_prefill reached the gateway's admission: what decode prefilled left its budget
     assert admission_local_prefill_tokens(s) > off_budget_before
     m = s.metrics("decode-0")
     assert m.value("duet_kv_host_writeback_pages_total", decision="written", reason="conversation") > 0

@@ -231,13 +231,14 @@ def test_a_routed_prompt_keeps_only_its_uncached_tokens_on_the_prefill_budget():
 
 def test_a_prompt_a_decode_worker_prefills_leaves_the_prefill_budget_whole():
     """The router's local and overflow placements send a prompt to a decode worker, which prefills
-    it beside its rows in inter-token-budgeted slices: outside the prefill workers whose steps the
-    budget is, so none of the prompt stays on it and the next prompt reaches the prefill worker at
-    once (charged whole, an overflowed long prompt kept that much of the prefill worker's room idle
-    while the decode worker worked through it)."""
+    it beside its rows in inter-token-budgeted slices: outside the prefill workers whose prompts
+    the budget bounds, so none of the prompt stays on it and the next prompt reaches the prefill
+    worker at once (charged whole, an overflowed long prompt kept that much of the prefill
+    worker's room idle while the decode worker worked through it). Moved on to a prefill worker
+    (the decode worker lost before its first token), it is charged again for what that one lacks."""
     async def go():
         q = AdmissionQueue(10, 10, 5.0, budget=lambda pool: Budget(sequences=100, prefill_tokens=10_000))
-        tickets = [q.ticket("k") for _ in range(3)]
+        tickets = [q.ticket("k") for _ in range(4)]
         a = await tickets[0].acquire(Work(1, 4352, 4096))
         b = asyncio.create_task(tickets[1].acquire(Work(1, 4352, 4096)))
         c = asyncio.create_task(tickets[2].acquire(Work(1, 4352, 4096)))  # 12k > 10k: waits
@@ -247,15 +248,29 @@ def test_a_prompt_a_decode_worker_prefills_leaves_the_prefill_budget_whole():
         a.routed(1024, local_prefill=True)  # overflow: the decode worker prefills it (1024 it held)
         c_grant = await asyncio.wait_for(c, 1)
         assert q.running.prefill_tokens == 8192 and q.cached_prompt_tokens == 1024
-        assert q.local_prefill_prompt_tokens == 3072
         b_grant.routed(0)  # a split route, nothing cached: its whole prompt stays on the budget
         assert q.running.prefill_tokens == 8192
-        a.routed(0, local_prefill=True)  # routed again: nothing more to take off
-        assert q.local_prefill_prompt_tokens == 3072
-        for grant, ticket in zip((a, b_grant, c_grant), tickets):
+        a.routed(2048, local_prefill=True)  # routed again to a decode worker: nothing more to take off
+        a.prefilled()  # its first token: what the decode worker prefilled is counted
+        assert q.local_prefill_prompt_tokens == 3072 and q.running.prefill_tokens == 8192
+        # d goes to a decode worker, which is lost before the first token; the moved attempt is split
+        d = asyncio.create_task(tickets[3].acquire(Work(1, 4352, 4096)))
+        await asyncio.sleep(0.01)
+        assert not d.done()
+        c_grant.routed(0, local_prefill=True)
+        d_grant = await asyncio.wait_for(d, 1)
+        assert q.running.prefill_tokens == 8192
+        c_grant.routed(512)  # a prefill worker holding 512 of it: 3584 is its work again
+        assert q.running.prefill_tokens == 8192 + 3584
+        c_grant.routed(3000)  # a later word of more cached lowers it as before
+        assert q.running.prefill_tokens == 8192 + 1096
+        c_grant.prefilled()
+        assert q.local_prefill_prompt_tokens == 3072  # c's prefill was not a decode worker's
+        for grant, ticket in zip((a, b_grant, c_grant, d_grant), tickets):
             grant.release()
             ticket.release()
         assert (q.running.sequences, q.running.tokens, q.running.prefill_tokens) == (0, 0, 0)
+        assert q._pool("").tenants == {}
     asyncio.run(go())
 
 

@@ -4,9 +4,10 @@ A request is a set of units, one per prompt (a /v1/completions prompt list has s
 weighing `n` sequences, the KV tokens they can fill (prompt + n x max_tokens) and its prompt
 tokens. Units run while the running ones fit the budget: at most `sequences` sequences (by
 default the live workers' batch capacity), when set `tokens` KV tokens, and `prefill_tokens`
-prompt tokens not yet prefilled (by default a couple of the prefill workers' steps: a unit
-counts there from its grant to its first token, whole until routed, then only the part the
-chosen worker does not hold: `Grant.routed`). So the workers' own queues stay short and
+prompt tokens not yet prefilled by the prefill and `both` workers (by default a couple of
+their steps: a unit counts there from its grant to its first token, whole until routed, then
+only the part the chosen worker does not hold, and nothing when a decode worker prefills it:
+`Grant.routed`). So the workers' own queues stay short and
 the order in which work reaches them is decided here, fairly. A unit alone always runs (what
 can never fit a worker was refused with a 400 before). The prefill budget is shared: when it
 is full, a tenant holding less than its share of it (the budget over the tenants with work
@@ -290,6 +291,11 @@ class AdmissionQueue:
     def _prefilled(self, ticket: "Ticket", work: Work) -> None:
         self._uncharge(ticket, work.pool, work.prompt_tokens)
 
+    def _charge_prefill(self, ticket: "Ticket", pool_name: str, prompt_tokens: int) -> None:
+        pool = self._pool(pool_name)
+        pool.running.prefill_tokens += prompt_tokens
+        pool.tenants[ticket.tenant].prefill_tokens += prompt_tokens
+
     def _uncharge(self, ticket: "Ticket", pool_name: str, prompt_tokens: int) -> None:
         pool = self._pool(pool_name)
         pool.running.prefill_tokens -= prompt_tokens
@@ -346,6 +352,7 @@ class Grant:
         self.prompt_tokens = work.prompt_tokens  # the whole prompt: each route's cached count is of it
         self.held = True
         self.prefilling = True
+        self.local_off = 0  # prompt tokens taken off the prefill budget for a decode worker to prefill
 
     def routed(self, cached_tokens: int, local_prefill: bool = False) -> None:
         """The route's word on how many of the prompt's tokens the chosen worker already holds:
@@ -353,28 +360,45 @@ class Grant:
         next unit may go at once. A later turn of a chat is mostly cached (96-98% of a 6k-token
         context): charged whole, two or three of them filled a prefill worker's budget, and a
         burst of them reached the workers that many at a time. local_prefill: a decode worker
-        prefills the rest beside its rows (the router's local or overflow placement), outside
-        the prefill and `both` workers whose steps the budget is made of, so none of it stays
-        there (held while the decode worker works through it in inter-token-budgeted slices, it
-        kept that much of the prefill workers' room idle). Only lowers
-        the charge (a moved attempt routes again, to a worker that may hold less: counting that
-        would make the prefill budget wait on a charge the first route already let go)."""
-        charged = self.work.prompt_tokens
-        cached_off = min(charged, max(0, cached_tokens - (self.prompt_tokens - charged)))  # beyond earlier routes
-        local_off = charged - cached_off if local_prefill else 0
-        if not (self.held and self.prefilling) or cached_off + local_off <= 0:
+        prefills the rest beside its rows (the router's local or overflow placement, or a stack
+        with no prefill worker), outside the prefill and `both` workers whose prompts the budget
+        bounds, so none of it stays there (held while the decode worker works through it in
+        inter-token-budgeted slices, it kept that much of the prefill workers' room idle).
+        Only lowers the charge for what a worker holds (a moved attempt routes again, to a
+        worker that may hold less: counting that would make the prefill budget wait on a charge
+        the first route already let go); but a moved attempt that a prefill or `both` worker
+        prefills after a decode worker was to gets back what the local route took off, up to
+        what the new worker does not hold: that is new work on the budget's workers."""
+        if not (self.held and self.prefilling):
             return
         queue = self._ticket._queue
-        queue._uncharge(self._ticket, self.work.pool, cached_off + local_off)
+        charged = self.work.prompt_tokens
+        cached_off = min(charged, max(0, cached_tokens - (self.prompt_tokens - charged - self.local_off)))
+        if local_prefill:
+            off = charged
+            self.local_off += charged - cached_off
+        elif self.local_off:  # a decode worker was to prefill it, now a prefill or `both` worker does
+            back = max(0, min(self.local_off, max(0, self.prompt_tokens - max(0, cached_tokens)) - charged))
+            if back:
+                queue._charge_prefill(self._ticket, self.work.pool, back)
+                charged += back
+            queue.cached_prompt_tokens += self.local_off - back  # what stays off: the new worker holds it
+            self.local_off, off, cached_off = 0, 0, 0
+        else:
+            off = cached_off
+        if off <= 0:
+            self.work = replace(self.work, prompt_tokens=charged)
+            return
+        queue._uncharge(self._ticket, self.work.pool, off)
         queue.cached_prompt_tokens += cached_off
-        queue.local_prefill_prompt_tokens += local_off
-        self.work = replace(self.work, prompt_tokens=charged - cached_off - local_off)
+        self.work = replace(self.work, prompt_tokens=charged - off)
         queue._dispatch()
 
     def prefilled(self) -> None:
         if self.held and self.prefilling:
             self.prefilling = False
             queue = self._ticket._queue
+            queue.local_prefill_prompt_tokens += self.local_off  # what a decode worker did prefill
             queue._prefilled(self._ticket, self.work)
             queue._dispatch()
 

@@ -66,6 +66,7 @@ class _CachedPromptTokens:
                                   "Prompt tokens the routes found cached on the chosen worker, taken off the "
                                   "prefill budget before their first token", value=self.queue.cached_prompt_tokens)
         yield CounterMetricFamily("duet_gateway_admission_local_prefill_prompt_tokens",
-                                  "Prompt tokens routed to a decode worker to prefill (local or overflow "
-                                  "placement), taken off the prefill workers' budget before their first token",
+                                  "Prompt tokens a decode worker prefilled (local or overflow placement; the part "
+                                  "it did not hold), taken off the prefill budget at routing, counted at the first "
+                                  "token",
                                   value=self.queue.local_prefill_prompt_tokens)

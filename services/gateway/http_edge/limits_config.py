@@ -35,7 +35,8 @@ class GatewayLimits:
         help="KV tokens (prompt + n x max_tokens) one model's running sequences may fill; 0 = no bound")
     max_prefill_tokens: int = setting(
         0, flag="--max-prefill-tokens", env="DUET_MAX_PREFILL_TOKENS",
-        help="prompt tokens of one model admitted and not yet prefilled; 0 = two steps' worth of its live "
+        help="prompt tokens of one model admitted and not yet prefilled by its prefill and both workers (a "
+             "prompt routed to a decode worker to prefill leaves it); 0 = two steps' worth of its live "
              "prefill workers (their --max-num-batched-tokens, summed), no bound when unknown")
     gateways: int = setting(
         1, flag="--gateways", env="DUET_GATEWAYS",
