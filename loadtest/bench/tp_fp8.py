@@ -116,12 +116,10 @@ def rounds_tokens(device: str, ckpt: str, dtype: str, tp_size: int, rounds, new_
 
 
 def host_tier_locked(eng, timeout_s: float = 120.0, still_s: float = 5.0) -> str:
-    """Wait until every host-tier page is usable, and say so where some are not. On GPUs the
-    pages join the tier as they are page-locked in the background, on every rank, while the engine
-    is idle: rounds run straight after the start would evict into a tier of no pages, and the row
-    would load nothing back (on two H200s it read 0 / 0 host-hit tokens, likely so). Stops waiting
-    when locking failed, or when rank 0's ended and the usable pages (the least any rank locked)
-    stopped growing for `still_s`."""
+    """Wait until every host-tier page is usable (on GPUs they join as every rank page-locks them
+    in the background: rounds run at once evicted into a tier of no pages, 0 / 0 host-hit tokens
+    on two H200s, likely so); say so where some are not. Stops when locking failed, or rank 0's
+    ended and the usable pages (the least any rank locked) stopped growing for `still_s`."""
     tier = getattr(eng.kv.cache, "host", None)
     if tier is None or tier.pinner is None:
         return ""
