@@ -141,7 +141,7 @@ class AdmissionQueue:
         self.places = 0  # requests holding a place: admitted, waiting or being prepared
         self.refused = 0
         self.cached_prompt_tokens = 0  # taken off the prefill budget at routing (Grant.routed), since start
-        self.local_prefill_prompt_tokens = 0  # the same, placed on a decode worker to prefill (Grant.routed)
+        self.local_prefill_prompt_tokens = 0  # prefilled by a decode worker, off the budget since routing (Grant)
         self._pools: dict[str, _Pool] = {}
         self._waiters: list[_Waiter] = []
         self._order = itertools.count()
@@ -372,23 +372,20 @@ class Grant:
         if not (self.held and self.prefilling):
             return
         queue = self._ticket._queue
-        charged = self.work.prompt_tokens
-        cached_off = min(charged, max(0, cached_tokens - (self.prompt_tokens - charged - self.local_off)))
-        if local_prefill:
-            off = charged
-            self.local_off += charged - cached_off
-        elif self.local_off:  # a decode worker was to prefill it, now a prefill or `both` worker does
-            back = max(0, min(self.local_off, max(0, self.prompt_tokens - max(0, cached_tokens)) - charged))
+        charged = self.work.prompt_tokens  # 0 after a local route
+        if self.local_off and not local_prefill:  # a decode worker was to prefill it, now a prefill or `both` one does
+            back = max(0, min(self.local_off, max(0, self.prompt_tokens - max(0, cached_tokens))))
             if back:
                 queue._charge_prefill(self._ticket, self.work.pool, back)
-                charged += back
+                self.work = replace(self.work, prompt_tokens=back)
             queue.cached_prompt_tokens += self.local_off - back  # what stays off: the new worker holds it
-            self.local_off, off, cached_off = 0, 0, 0
-        else:
-            off = cached_off
-        if off <= 0:
-            self.work = replace(self.work, prompt_tokens=charged)
+            self.local_off = 0
             return
+        cached_off = min(charged, max(0, cached_tokens - (self.prompt_tokens - charged)))  # beyond earlier routes
+        off = charged if local_prefill else cached_off
+        if off <= 0:
+            return
+        self.local_off += off - cached_off
         queue._uncharge(self._ticket, self.work.pool, off)
         queue.cached_prompt_tokens += cached_off
         self.work = replace(self.work, prompt_tokens=charged - off)
