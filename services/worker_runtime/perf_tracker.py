@@ -19,7 +19,7 @@ from services.worker_runtime.step_sampler import StepSampler
 from shared.perf_model.config import PerfModelConfig, default_itl_s
 from shared.perf_model.linear_fit import OnlineLinearFit
 from shared.perf_model.step_budget import ItlBudget
-from shared.perf_model.step_model import RIDGE, StepModel, StepShape
+from shared.perf_model.step_model import RIDGE, TERMS, StepModel, StepShape
 from shared.perf_model.transfer_model import TransferModel
 from shared.perf_model.worker_perf import WorkerPerf
 
@@ -85,6 +85,11 @@ class PerfTracker:
             self.budget_steps.labels(slo=slo)  # both series from the start, at 0
         self.model_error = Gauge("duet_engine_step_model_error_ratio", "Relative RMS error of the step-time model "
                                  "over the steps it was fitted to", registry=registry)
+        # the model itself, as the registry entry carries it: what the budget and the router
+        # predicted with at any moment (a model fitted in one role meets another's steps after a switch)
+        self.model_terms = Gauge("duet_engine_step_model_coefficient", "The step-time model's coefficients in "
+                                 "natural units (seconds per step, per prompt token, per attended pair, per "
+                                 "decode row, per context token)", ["term"], registry=registry)
         self._last_refit = float("-inf")
         self._new = bool(calibration)
         self.refit()
@@ -131,6 +136,9 @@ class PerfTracker:
         model = StepModel(coef, self.fit.count, rel)
         self.budget.model = self.perf.step = model
         self.model_error.set(rel)
+        for term, value in model.to_dict().items():
+            if term in TERMS:
+                self.model_terms.labels(term=term).set(value)
 
     def _refit_transfer(self) -> None:
         now = self.handoffs()

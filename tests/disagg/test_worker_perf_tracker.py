@@ -89,6 +89,10 @@ def test_live_steps_refit_the_model_the_budget_and_the_registry_use(engine):
     assert value("duet_engine_step_seconds_count", {"phase": "prefill"}) >= 2
     assert value("duet_engine_step_seconds_count", {"phase": "decode"}) >= 5
     assert value("duet_engine_step_model_error_ratio") == perf.step.rel_error
+    published = perf.step.to_dict()  # the coefficients as the registry entry carries them
+    for term in ("base_s", "prefill_token_s", "attended_pair_s", "decode_row_s", "context_token_s"):
+        assert value("duet_engine_step_model_coefficient", {"term": term}) == published[term]
+    assert published["base_s"] > 0
     engine.scheduler.itl_budget = None
 
 
