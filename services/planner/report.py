@@ -82,12 +82,25 @@ def report(decision: Decision, fleet: Fleet | None, metrics: PlannerMetrics, spa
     queued = (f"; backlog {b.tokens:.0f} tokens, cleared in {b.clear_s:.1f}s at prefill busy {b.busy:.2f}"
               if b is not None and b.tokens > 0 else "")
     targets = f"; targets ttft {fleet.ttft_target_s:.3f}s itl {fleet.itl_target_s * 1000:.0f}ms" if fleet else ""
-    log.info("planner %s (%s): %s -> %s; now %s; target %s; load %.1f requests in %.0fs (%.2f/s offered), "
+    c = decision.corrections
+    seen += f"; corrections ttft {c.ttft:.2f} itl {c.itl:.2f}" if decision.predictions else ""
+    log.info("planner %s (%s): %s -> %s; now %s; target %s%s; load %.1f requests in %.0fs (%.2f/s offered), "
              "%.0f prompt tokens (%.0f%% uncached), %.0f out, %.1f decode streams%s%s%s", decision.action,
              decision.reason, decision.current, decision.target, _pred(decision.prediction(decision.current)),
-             _pred(decision.prediction(decision.target)), load.requests, load.seconds, load.offered_per_s,
-             load.prompt_tokens,
+             _pred(decision.prediction(decision.target)), _runner_up(decision), load.requests, load.seconds,
+             load.offered_per_s, load.prompt_tokens,
              100 * load.uncached_share, load.output_tokens, load.decode_streams, queued, seen, targets)
+
+
+def _runner_up(decision: Decision) -> str:
+    """Where the current split is kept as the best, the next best and its prediction (what it won by)."""
+    if decision.target != decision.current:
+        return ""
+    others = [p for s, p in decision.predictions.items() if s != decision.current]
+    if not others:
+        return ""
+    best = min(others, key=lambda p: (p.score, p.split))
+    return f"; next {best.split} {_pred(best)}"
 
 
 def report_pool(step: PoolStep, pool: str, replicas: int, metrics: PlannerMetrics, span) -> None:
