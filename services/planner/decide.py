@@ -48,9 +48,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from services.planner.correction_memory import CorrectionMemory
 from services.planner.load_window import Load
 from services.planner.predict import (SATURATED, Backlog, Corrections, Fleet, Prediction, Split, backlog, candidates,
-                                      predict)
+                                      predict, way)
 
 ACTIONS = ("switch", "scale", "hold", "keep")
 REASONS = ("unservable", "slo", "headroom", "hysteresis", "meets_targets", "backlog", "after_backlog", "dwell",
@@ -97,6 +98,7 @@ class Decider:
     served: bool = False  # the workers were seen able to serve at least once
     headroom_above: float = 0.0  # a split meeting every target with its worst ratio at most this is held
     bursting: bool = False  # the last weighing held the split for a backlog it was working off
+    memory: CorrectionMemory = field(default_factory=CorrectionMemory)  # correction factors by way of serving
 
     def dwelt(self, now: float) -> bool:
         return now - self.changed_at >= self.dwell_s
@@ -126,7 +128,11 @@ class Decider:
         if fleet is None:
             return Decision("keep", "no_model", current, current, load)
         corr = Corrections.of(current, load, fleet)
-        preds = {s: predict(s, load, fleet, corr) for s in {*options, current}}
+        serving = way(current, load)
+        if load.requests >= self.min_requests:
+            self.memory.note(serving, corr, now)
+        preds = {s: predict(s, load, fleet, self.memory.for_way(way(s, load), serving, corr, now))
+                 for s in {*options, current}}
         if load.requests < self.min_requests:
             return Decision("keep", "idle", current, current, load, preds, corr)
         best = best_of({s: p for s, p in preds.items() if s in options}, current)

@@ -154,6 +154,24 @@ def _beside_decode(workers: int, rows: float, context: float, uncached: float, s
     return site.prefill_s(int(round(uncached)), start) * stretch, site.step_s() * stretch
 
 
+SPLIT, BESIDE = "split", "beside"  # the two ways a split serves a load (way())
+
+
+def prefilled_locally(load: Load) -> bool:
+    """Prompts mostly held where they decode (a conversation's next turn) are prefilled there:
+    the router's local prefill, within its default bounds (services/router/placement.py)."""
+    return (load.uncached_share <= LOCAL.local_prefill_min_share
+            and load.uncached_tokens <= LOCAL.local_prefill_max_tokens)
+
+
+def way(split: Split, load: Load) -> str:
+    """How `split` serves the window's load: SPLIT (prefill workers compute the prompts, the decode
+    steps carry none) or BESIDE (each prompt prefilled beside decode rows: `both` workers, or a
+    split's local prefill of mostly cached turns). The predictions of the two differ in kind,
+    and so do their errors (correction_memory.py)."""
+    return SPLIT if split.prefill > 0 and split.decode > 0 and not prefilled_locally(load) else BESIDE
+
+
 def raw_figures(split: Split, load: Load, fleet: Fleet) -> tuple[float, float, float]:
     """(ttft_s, itl_s, kv_ratio) of `split` by the models alone."""
     if not split.servable:
@@ -165,10 +183,7 @@ def raw_figures(split: Split, load: Load, fleet: Fleet) -> tuple[float, float, f
     rows = load.decode_streams / decoders
     context = rows * load.decode_context
     kv_ratio = load.kv_live_pages / (decoders * fleet.pages_per_worker) if fleet.pages_per_worker else 0.0
-    # prompts mostly held where they decode (a conversation's next turn) are prefilled there: the
-    # router's local prefill, within its default bounds (services/router/placement.py)
-    local = load.uncached_share <= LOCAL.local_prefill_min_share and uncached <= LOCAL.local_prefill_max_tokens
-    if not splitting or local:
+    if way(split, load) == BESIDE:
         return (*_beside_decode(decoders, rows, context, uncached, start, load, fleet), kv_ratio)
     model = fleet.model
     site = PrefillSite(model, 0, 0, fleet.max_batched_tokens, None)  # a prefill worker runs no decode rows
@@ -197,8 +212,7 @@ def backlog(split: Split, load: Load, fleet: Fleet) -> Backlog:
         return Backlog(load.backlog_tokens, math.inf, math.inf)
     uncached, start = load.uncached_tokens, int(max(0.0, load.prompt_tokens - load.uncached_tokens))
     splitting = split.prefill > 0 and split.decode > 0
-    local = load.uncached_share <= LOCAL.local_prefill_min_share and uncached <= LOCAL.local_prefill_max_tokens
-    if splitting and not local:
+    if way(split, load) == SPLIT:
         workers, rows, context = split.prefill, 0.0, 0.0
     else:
         workers = split.decode + split.both if splitting else split.both
@@ -230,6 +244,11 @@ class Corrections:
                 return 1.0
             return min(hi, max(lo, seen / predicted))
         return cls(factor(load.ttft_s, ttft), factor(load.itl_s, itl))
+
+    def halfway(self) -> "Corrections":
+        """Half of each factor's distance from 1, in ratio (its square root): for a way of
+        serving not seen lately, whose own error the current one's says only part of."""
+        return Corrections(math.sqrt(self.ttft), math.sqrt(self.itl))
 
 
 def predict(split: Split, load: Load, fleet: Fleet, corrections: Corrections = Corrections()) -> Prediction:
