@@ -440,3 +440,34 @@ def test_the_ttft_target_defaults_by_device_and_the_itl_target_to_the_workers():
     assert TtftTarget(250.0).target_s(on_gpu=True) == 0.25
     f = Fleet.of([worker("w0", "decode")], 1.0, 0.0)
     assert f.itl_target_s == 0.25 and Fleet.of([worker("w0", "decode")], 1.0, 0.05).itl_target_s == 0.05
+
+
+def test_correction_factors_are_kept_by_the_way_a_split_serves_the_load():
+    from services.planner.correction_memory import CorrectionMemory
+    from services.planner.predict import BESIDE, SPLIT, way
+
+    f = fleet()
+    assert (way(P1D1, LONG), way(B2, LONG), way(P1D1, CHAT)) == (SPLIT, BESIDE, BESIDE)  # chat: local prefill
+    # two `both` workers under long prompts, the gateways seeing 4x the first-token wait and 2x
+    # the inter-token latency they were predicted: the chunks beside the decode rows
+    raw = predict(B2, LONG, f)
+    seen = Load(**{**LONG.__dict__, "ttft_s": raw.ttft_s * 4, "itl_s": raw.itl_s * 2})
+    d = decider(min_requests=1)
+    on_b2 = d.decide(100.0, B2, Split(), seen, f)
+    assert (on_b2.corrections.ttft, on_b2.corrections.itl) == (pytest.approx(4.0), pytest.approx(2.0))
+    assert on_b2.prediction(B2).ttft_s == pytest.approx(raw.ttft_s * 4)
+    # the split serves the load another way, not seen yet: halfway (2x and 1.41x), not the same 4x and 2x
+    split = predict(P1D1, seen, f)
+    assert on_b2.prediction(P1D1).ttft_s == pytest.approx(split.ttft_s * 2.0)
+    assert on_b2.prediction(P1D1).itl_s == pytest.approx(split.itl_s * math.sqrt(2.0))
+    # once the split served it (its own factors: as predicted), two `both` workers are predicted by
+    # what was seen of them, for as long as the memory keeps it
+    as_predicted = Load(**{**LONG.__dict__, "ttft_s": split.ttft_s, "itl_s": split.itl_s})
+    on_split = d.decide(130.0, P1D1, Split(), as_predicted, f)
+    assert on_split.corrections.ttft == pytest.approx(1.0)
+    assert on_split.prediction(B2).ttft_s == pytest.approx(predict(B2, as_predicted, f).ttft_s * 4)
+    memory = CorrectionMemory(memory_s=60.0)
+    memory.note(BESIDE, Corrections(4.0, 2.0), 100.0)
+    assert memory.for_way(BESIDE, SPLIT, Corrections(1.0, 1.0), 150.0) == Corrections(4.0, 2.0)
+    assert memory.for_way(BESIDE, SPLIT, Corrections(1.0, 9.0), 170.0) == Corrections(1.0, 3.0)  # forgotten
+    assert memory.for_way(SPLIT, SPLIT, Corrections(1.5, 1.0), 170.0) == Corrections(1.5, 1.0)
