@@ -14,7 +14,8 @@ of the time is past its capacity: its predictions grow with the square of the ex
 that, queueing is left to the correction factors: an M/M/1 queue's 1 / (1 - busy) overstates
 what a closed loop of clients waits by several times, and would flip the comparison).
 Predictions are scaled by how far the current split's predictions were from what the gateways
-saw (Dynamo's planner's correction factors), the same factor for every split.
+saw (Dynamo's planner's correction factors), kept by the way a split serves the load
+(correction_memory.py).
 
 The score of a split is its worst ratio to a target: TTFT / TTFT target, ITL / ITL target, KV
 pages needed / 90% of the pages there are; the planner prefers the lowest (decide.py)."""
