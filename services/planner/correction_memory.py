@@ -1,16 +1,18 @@
 """The correction factors (predict.Corrections: what the gateways saw over what the models
 predicted) by the way a split serves the load (predict.way: SPLIT, or BESIDE decode rows).
 
-The factors come from the current split only, and they are worth most for splits that serve the
-load the same way: on two `both` workers under long prompts the inter-token latency the gateways
-see is the prefill chunks' interference (the workers' budgets fill each step up to the target), a
-term a split's decode worker does not have; the same factor on the split's interference-free steps
-predicted it as slow, and the planner kept two `both` workers where the split served the load
-better (two H200s, 4096-token prompts at 12 req/s: 72.6% goodput against 81-88%; started as a
-split, the planner kept the split). So each way keeps the last factors seen while it served, for
-MEMORY_S; a way not seen within it takes the current factors halfway (Corrections.halfway):
-it shares the models' error and the closed loop's queueing, not the other way's mechanism. Dynamo's
-planner keeps its correction factors per pool for the same reason."""
+The factors come from the current split only, and they say most about splits that serve the
+load the same way: on two `both` workers the inter-token latency the gateways see holds the
+prefill chunks' interference (the workers' budgets fill each step up to the target), and their
+first-token wait the queueing of prompts prefilled beside decode rows; a split's decode steps
+carry neither. One factor for every split scaled the split's predictions by both. So each way
+keeps the last factors seen while it served, for MEMORY_S; a way not seen within it takes the
+current factors halfway (Corrections.halfway): it shares the models' error and the closed loop's
+queueing, not the other way's mechanism. Dynamo's planner keeps its correction factors per pool
+for the same reason. (Measured on two H200s, 4096-token prompts at 12 req/s on two `both`
+workers: the first-token factor sat at its 4x ceiling; halved, the split was still predicted
+at 11-23 s to the first token where it serves 1.3 s p50, so the planner kept `2b` as before: the
+split's own prediction is the larger error there, docs/performance/serving.md.)"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -84,6 +84,8 @@ class Fleet:
     budget_graph_tokens: int = 0  # tokens a sliced step holds (step_budget.py; 0: any)
     budget_row_tokens: int = 1  # tokens a decode row takes of those (K + 1 where the workers speculate K) ...
     budget_spec_rows: int = 0   # ... beside at most this many rows
+    prefill_model: StepModel | None = None  # steps carrying prompts alone (WorkerPerf.prefill_step): a
+                                            # split's prefill workers; None: `model`
 
     @classmethod
     def of(cls, workers: list[WorkerInfo], ttft_target_s: float, itl_target_s: float) -> "Fleet | None":
@@ -94,12 +96,19 @@ class Fleet:
             return None
         ref = max(modelled, key=lambda w: w.perf.step.samples)  # the best-fitted model
         transfers = [w.perf.transfer for w in workers if w.perf.transfer is not None]
+        alone = [w.perf.prefill_step for w in workers if w.perf.prefill_step is not None]
         return cls(ref.perf.step, ref.max_batched_tokens or 8192, ref.perf.budget_floor_tokens,
                    sum(w.load.total_pages for w in workers) / len(workers),
                    max(transfers, key=lambda t: t.samples) if transfers else TransferModel(),
                    kv_bytes_per_token(ref), ttft_target_s, itl_target_s or ref.perf.itl_target_s,
                    ref.perf.ttft_target_s, ref.perf.budget_graph_rows, ref.perf.budget_graph_tokens,
-                   ref.perf.budget_row_tokens, ref.perf.budget_spec_rows)
+                   ref.perf.budget_row_tokens, ref.perf.budget_spec_rows,
+                   max(alone, key=lambda m: m.samples) if alone else None)
+
+    @property
+    def prefill_alone(self) -> StepModel:
+        """The model of a step carrying prompts alone (a prefill worker's)."""
+        return self.prefill_model or self.model
 
 
 @dataclass(frozen=True)
@@ -187,7 +196,7 @@ def raw_figures(split: Split, load: Load, fleet: Fleet) -> tuple[float, float, f
     if way(split, load) == BESIDE:
         return (*_beside_decode(decoders, rows, context, uncached, start, load, fleet), kv_ratio)
     model = fleet.model
-    site = PrefillSite(model, 0, 0, fleet.max_batched_tokens, None)  # a prefill worker runs no decode rows
+    site = PrefillSite(fleet.prefill_alone, 0, 0, fleet.max_batched_tokens, None)  # no decode rows there
     tail = min(uncached, fleet.max_batched_tokens) * fleet.kv_bytes_per_token
     prefill_s = site.prefill_s(int(round(uncached)), start) + fleet.transfer.seconds(tail)
     ttft = prefill_s * _overloaded(load.offered_per_s * prefill_s / split.prefill)
@@ -213,13 +222,15 @@ def backlog(split: Split, load: Load, fleet: Fleet) -> Backlog:
         return Backlog(load.backlog_tokens, math.inf, math.inf)
     uncached, start = load.uncached_tokens, int(max(0.0, load.prompt_tokens - load.uncached_tokens))
     splitting = split.prefill > 0 and split.decode > 0
-    if way(split, load) == SPLIT:
+    alone = way(split, load) == SPLIT
+    if alone:
         workers, rows, context = split.prefill, 0.0, 0.0
     else:
         workers = split.decode + split.both if splitting else split.both
         rows = load.decode_streams / workers
         context = rows * load.decode_context
-    site = PrefillSite(fleet.model, int(round(rows)), int(round(context)), fleet.max_batched_tokens, None)
+    site = PrefillSite(fleet.prefill_alone if alone else fleet.model, int(round(rows)), int(round(context)),
+                       fleet.max_batched_tokens, None)
     chunk = max(1, fleet.max_batched_tokens - int(round(rows)))
     tokens_per_s = workers * chunk / site.step_s(chunk, start)
     # busy: the rate that keeps coming beside the burst, not the burst's own arrivals (in the

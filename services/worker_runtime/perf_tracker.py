@@ -49,7 +49,12 @@ class PerfTracker:
             seed.add(shape.features(), seconds)
         prior, _ = seed.solve()
         self.fit = OnlineLinearFit(prior, HALF_LIFE_STEPS, RIDGE)
-        self.kinds = {"prefill": 0, "decode": 0}
+        # the steps that carry prompts alone, apart: what a prefill worker runs. A `both` worker's
+        # fit is mostly mixed steps (short chunks beside decode rows, often in a padded graph),
+        # which price a whole prompt's chunks wrongly, and the planner predicts a split's
+        # prefill workers by this one (services/planner/predict.py)
+        self.prefill_fit = OnlineLinearFit(prior, HALF_LIFE_STEPS, RIDGE)
+        self.kinds = {"prefill": 0, "decode": 0, "prefill_only": 0}
         for shape, seconds in calibration:
             self._add(shape, seconds)
         self.calibrated = bool(calibration)
@@ -98,6 +103,9 @@ class PerfTracker:
         self.fit.add(shape.features(), seconds)
         self.kinds["prefill"] += shape.prefill_tokens > 0
         self.kinds["decode"] += shape.decode_rows > 0
+        if shape.prefill_tokens > 0 and shape.decode_rows == 0:
+            self.prefill_fit.add(shape.features(), seconds)
+            self.kinds["prefill_only"] += 1
 
     # -- engine-loop hooks --------------------------------------------------------------
     def on_step(self, t0: float, t1: float) -> None:
@@ -135,6 +143,9 @@ class PerfTracker:
         coef, rel = self.fit.solve()
         model = StepModel(coef, self.fit.count, rel)
         self.budget.model = self.perf.step = model
+        if self.calibrated or self.kinds["prefill_only"] >= MIN_PREFILL_STEPS:
+            alone, alone_rel = self.prefill_fit.solve()
+            self.perf.prefill_step = StepModel(alone, self.prefill_fit.count, alone_rel)
         self.model_error.set(rel)
         for term, value in model.to_dict().items():
             if term in TERMS:

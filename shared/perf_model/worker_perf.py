@@ -27,6 +27,9 @@ class WorkerPerf:
     budget_row_tokens: int = 1             # tokens a decode row takes of those where it speculates: K + 1 ...
     budget_spec_rows: int = 0              # ... beside at most this many decode rows (its speculation's
                                            # max batch; above it rows decode plainly, one token); 0: none
+    prefill_step: StepModel | None = None  # fitted to its steps that carried prompts alone (and the
+                                           # calibration): a prefill worker's steps, which a `both`
+                                           # worker's model, fitted mostly to mixed steps, misjudges
 
     def fields(self) -> dict[str, str]:
         return {
@@ -39,11 +42,12 @@ class WorkerPerf:
             "perf_budget_graph_tokens": str(self.budget_graph_tokens),
             "perf_budget_row_tokens": str(self.budget_row_tokens),
             "perf_budget_spec_rows": str(self.budget_spec_rows),
+            "perf_prefill_step": json.dumps(self.prefill_step.to_dict()) if self.prefill_step is not None else "",
         }
 
     @classmethod
     def from_fields(cls, h: dict[str, str]) -> "WorkerPerf":
-        step, transfer = h.get("perf_step", ""), h.get("perf_transfer", "")
+        step, transfer, prefill = h.get("perf_step", ""), h.get("perf_transfer", ""), h.get("perf_prefill_step", "")
         return cls(StepModel.from_dict(json.loads(step)) if step else None,
                    TransferModel.from_dict(json.loads(transfer)) if transfer else None,
                    float(h.get("perf_itl_target_s", 0.0) or 0.0),
@@ -52,4 +56,5 @@ class WorkerPerf:
                    int(h.get("perf_budget_graph_rows", -1) or -1),
                    int(h.get("perf_budget_graph_tokens", 0) or 0),
                    int(h.get("perf_budget_row_tokens", 1) or 1),
-                   int(h.get("perf_budget_spec_rows", 0) or 0))
+                   int(h.get("perf_budget_spec_rows", 0) or 0),
+                   prefill_step=StepModel.from_dict(json.loads(prefill)) if prefill else None)

@@ -471,3 +471,27 @@ def test_correction_factors_are_kept_by_the_way_a_split_serves_the_load():
     assert memory.for_way(BESIDE, SPLIT, Corrections(1.0, 1.0), 150.0) == Corrections(4.0, 2.0)
     assert memory.for_way(BESIDE, SPLIT, Corrections(1.0, 9.0), 170.0) == Corrections(1.0, 3.0)  # forgotten
     assert memory.for_way(SPLIT, SPLIT, Corrections(1.5, 1.0), 170.0) == Corrections(1.5, 1.0)
+
+
+def test_a_split_is_predicted_by_the_model_of_steps_that_carry_prompts_alone():
+    """Two `both` workers fit their models to mixed steps; the split they could become runs a
+    prefill worker's steps, prompts alone, which their published prefill_step models price."""
+    from dataclasses import replace
+
+    from shared.perf_model.step_model import StepModel
+
+    plain = [worker("w0", "both"), worker("w1", "both")]
+    base = plain[0].perf.step
+    # prompts alone cost a third of what the mixed-step model says a token
+    alone = StepModel((base.coef[0], base.coef[1] / 3, base.coef[2] / 3, base.coef[3], base.coef[4]), samples=50)
+    published = [worker("w0", "both"), worker("w1", "both")]
+    for w in published:
+        w.perf = replace(w.perf, prefill_step=alone)
+    f_plain, f_alone = fleet(*plain), fleet(*published)
+    assert f_plain.prefill_alone is f_plain.model and f_alone.prefill_alone == alone
+    load = long_prompts(1.2, 2.0)  # past one prefill worker's capacity by the mixed-step model
+    assert predict(P1D1, load, f_alone).ttft_s < predict(P1D1, load, f_plain).ttft_s / 2
+    # two `both` workers prefill beside their rows: the mixed-step model, as before
+    assert predict(B2, load, f_alone).ttft_s == pytest.approx(predict(B2, load, f_plain).ttft_s)
+    assert backlog(P1D1, Load(**{**load.__dict__, "backlog_tokens": 5000.0}), f_alone).clear_s < \
+        backlog(P1D1, Load(**{**load.__dict__, "backlog_tokens": 5000.0}), f_plain).clear_s

@@ -150,3 +150,32 @@ def test_a_prefill_worker_fits_its_handoff_tail():
     tracker.refit()
     assert perf.transfer.samples == 1 and perf.transfer != before
     assert perf.transfer.seconds(64 << 20) == pytest.approx(0.02, rel=0.05)
+
+
+def test_steps_that_carry_prompts_alone_keep_a_model_of_their_own(engine):
+    """A `both` worker's steps are mostly mixed; the model of its steps with prompts alone, which a
+    split's prefill worker runs, is fitted apart and published beside (perf_prefill_step)."""
+    from shared.perf_model.step_model import StepShape, attended_pairs
+
+    def prefill_s(tokens: int) -> float:  # a prompt's steps alone: 5 ms and 20 us a token
+        return 0.005 + 20e-6 * tokens
+
+    calibration = [(StepShape(n, attended_pairs(0, n)), prefill_s(n)) for n in (64, 256, 1024)] + \
+        [(StepShape(0, 0, rows, rows * 100), 0.005 + rows * 50e-6) for rows in (1, 8, 32)]
+    perf = WorkerPerf()
+    tracker = PerfTracker(engine, perf, PerfModelConfig(calibrate=False), CollectorRegistry(), calibration=calibration)
+    alone = perf.prefill_step
+    assert alone is not None and alone.samples == 3
+    assert alone.step_s(StepShape(2048, attended_pairs(0, 2048))) == pytest.approx(prefill_s(2048), rel=0.05)
+    # many mixed steps whose chunks cost three times as much a token (short chunks, padded graphs)
+    for k in range(400):
+        n = 32 + k % 64
+        tracker._add(StepShape(n, attended_pairs(4000, n), 16, 16 * 4000), 0.006 + n * 60e-6)
+    tracker._new = True
+    tracker.refit()
+    whole = StepShape(2048, attended_pairs(0, 2048))
+    assert perf.step.step_s(whole) > 1.3 * prefill_s(2048)  # the worker's model now prices a prompt by those
+    assert perf.prefill_step.samples == 3 and perf.prefill_step.step_s(whole) == pytest.approx(prefill_s(2048), rel=0.05)
+    published = WorkerPerf.from_fields(perf.fields()).prefill_step  # through the registry entry
+    assert published.coef == pytest.approx(perf.prefill_step.coef) and published.samples == 3
+    engine.scheduler.itl_budget = None
