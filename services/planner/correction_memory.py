@@ -10,9 +10,9 @@ keeps the last factors seen while it served, for MEMORY_S; a way not seen within
 current factors halfway (Corrections.halfway): it shares the models' error and the closed loop's
 queueing, not the other way's mechanism. Dynamo's planner keeps its correction factors per pool
 for the same reason. (Measured on two H200s, 4096-token prompts at 12 req/s on two `both`
-workers: the first-token factor sat at its 4x ceiling; halved, the split was still predicted
-at 11-23 s to the first token where it serves 1.3 s p50, so the planner kept `2b` as before: the
-split's own prediction is the larger error there, docs/performance/serving.md.)"""
+workers: the first-token factor sat at its 4x ceiling and, halved, still left the split predicted
+at 11-23 s; the larger error was the split's own model, fixed by perf_prefill_step:
+docs/performance/serving.md.)"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
