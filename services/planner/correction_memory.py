@@ -8,8 +8,9 @@ first-token wait the queueing of prompts prefilled beside decode rows; a split's
 carry neither. One factor for every split scaled the split's predictions by both. So each way
 keeps the last factors seen while it served, for MEMORY_S; a way not seen within it takes the
 current factors halfway (Corrections.halfway): it shares the models' error and the closed loop's
-queueing, not the other way's mechanism. Dynamo's planner keeps its correction factors per pool
-for the same reason. (Measured on two H200s, 4096-token prompts at 12 req/s on two `both`
+queueing, not the other way's mechanism. (Dynamo's planner keeps one factor per metric: TTFT for
+its prefill pool, ITL for its decode pool; its pools always serve one way.) A burst's readings are
+not kept (decide.py). (Measured on two H200s, 4096-token prompts at 12 req/s on two `both`
 workers: the first-token factor sat at its 4x ceiling and, halved, still left the split predicted
 at 11-23 s; the larger error was the split's own model, fixed by perf_prefill_step:
 docs/performance/serving.md.)"""

@@ -50,8 +50,8 @@ from dataclasses import dataclass, field
 
 from services.planner.correction_memory import CorrectionMemory
 from services.planner.load_window import Load
-from services.planner.predict import (SATURATED, Backlog, Corrections, Fleet, Prediction, Split, backlog, candidates,
-                                      predict, way)
+from services.planner.predict import (SATURATED, WAYS, Backlog, Corrections, Fleet, Prediction, Split, backlog,
+                                      candidates, predict, way)
 
 ACTIONS = ("switch", "scale", "hold", "keep")
 REASONS = ("unservable", "slo", "headroom", "hysteresis", "meets_targets", "backlog", "after_backlog", "dwell",
@@ -69,6 +69,7 @@ class Decision:
     predictions: dict = field(default_factory=dict)  # Split -> Prediction
     corrections: Corrections = Corrections()
     backlog: Backlog | None = None  # the current split's, where one was weighed
+    by_way: dict = field(default_factory=dict)  # way of serving -> the Corrections its splits were predicted by
 
     def prediction(self, split: Split) -> Prediction | None:
         return self.predictions.get(split)
@@ -128,36 +129,40 @@ class Decider:
         if fleet is None:
             return Decision("keep", "no_model", current, current, load)
         corr = Corrections.of(current, load, fleet)
-        serving = way(current, load)
-        if load.requests >= self.min_requests:
+        serving, queued = way(current, load), backlog(current, load, fleet)
+        burst = load.backlog_tokens > 0 and self.clears_within_dwell(queued, fleet)
+        if load.requests >= self.min_requests and not (burst or self.bursting):
+            # not a burst's readings (its first-token waits, the steps its chunks stretched): they
+            # would stand for this way for the memory's span once the split changes
             self.memory.note(serving, corr, now)
-        preds = {s: predict(s, load, fleet, self.memory.for_way(way(s, load), serving, corr, now))
-                 for s in {*options, current}}
+        by_way = {w: self.memory.for_way(w, serving, corr, now) for w in WAYS}
+        preds = {s: predict(s, load, fleet, by_way[way(s, load)]) for s in {*options, current}}
+
+        def decided(action: str, reason: str, target: Split = current, weighed: Backlog | None = None) -> Decision:
+            return Decision(action, reason, current, target, load, preds, corr, weighed, by_way)
         if load.requests < self.min_requests:
-            return Decision("keep", "idle", current, current, load, preds, corr)
+            return decided("keep", "idle")
         best = best_of({s: p for s, p in preds.items() if s in options}, current)
         if best.split == current:
             self.bursting = False
-            return Decision("keep", "best", current, current, load, preds, corr)
+            return decided("keep", "best")
         now_score = preds[current].score
         if not now_score > best.score * (1 + self.hysteresis):
-            return Decision("hold", "hysteresis", current, best.split, load, preds, corr)
+            return decided("hold", "hysteresis", best.split)
         if now_score <= self.headroom_above:
-            return Decision("hold", "meets_targets", current, best.split, load, preds, corr)
-        queued = backlog(current, load, fleet)
+            return decided("hold", "meets_targets", best.split)
         wider = widens(current, best.split)  # no role leaves any worker: neither backlog hold applies
-        if not wider and self.clears_within_dwell(queued, fleet):
+        if not wider and burst:
             self.bursting = True
-            return Decision("hold", "backlog", current, best.split, load, preds, corr, queued)
+            return decided("hold", "backlog", best.split, queued)
         if self.bursting and not wider:  # the burst just left the window: judge what stays, on its own readings
             self.bursting = False
             self.changed(now)
-            return Decision("hold", "after_backlog", current, best.split, load, preds, corr, queued)
+            return decided("hold", "after_backlog", best.split, queued)
         if not self.dwelt(now):
-            return Decision("hold", "dwell", current, best.split, load, preds, corr, queued)
+            return decided("hold", "dwell", best.split, queued)
         self.bursting = False
-        return Decision("switch", "slo" if now_score > 1 else "headroom", current, best.split, load, preds, corr,
-                        queued)
+        return decided("switch", "slo" if now_score > 1 else "headroom", best.split, queued)
 
 
 @dataclass(frozen=True)

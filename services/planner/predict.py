@@ -165,6 +165,7 @@ def _beside_decode(workers: int, rows: float, context: float, uncached: float, s
 
 
 SPLIT, BESIDE = "split", "beside"  # the two ways a split serves a load (way())
+WAYS = (SPLIT, BESIDE)
 
 
 def prefilled_locally(load: Load) -> bool:

@@ -50,6 +50,8 @@ def figures(decision: Decision, fleet: Fleet | None) -> dict[str, object]:
         "load.backlog_tokens": load.backlog_tokens,
         "correction.ttft": round(c.ttft, 3), "correction.itl": round(c.itl, 3),
     }
+    for way, wc in sorted(decision.by_way.items()):  # what each way's splits were predicted by
+        out[f"correction.{way}.ttft"], out[f"correction.{way}.itl"] = round(wc.ttft, 3), round(wc.itl, 3)
     if decision.backlog is not None:
         out["backlog.clear_s"] = round(decision.backlog.clear_s, 3)
         out["backlog.busy"] = round(decision.backlog.busy, 3)
@@ -82,8 +84,9 @@ def report(decision: Decision, fleet: Fleet | None, metrics: PlannerMetrics, spa
     queued = (f"; backlog {b.tokens:.0f} tokens, cleared in {b.clear_s:.1f}s at prefill busy {b.busy:.2f}"
               if b is not None and b.tokens > 0 else "")
     targets = f"; targets ttft {fleet.ttft_target_s:.3f}s itl {fleet.itl_target_s * 1000:.0f}ms" if fleet else ""
-    c = decision.corrections
-    seen += f"; corrections ttft {c.ttft:.2f} itl {c.itl:.2f}" if decision.predictions else ""
+    if decision.by_way:
+        seen += "; corrections " + ", ".join(f"{way} ttft {c.ttft:.2f} itl {c.itl:.2f}"
+                                             for way, c in sorted(decision.by_way.items()))
     log.info("planner %s (%s): %s -> %s; now %s; target %s%s; load %.1f requests in %.0fs (%.2f/s offered), "
              "%.0f prompt tokens (%.0f%% uncached), %.0f out, %.1f decode streams%s%s%s", decision.action,
              decision.reason, decision.current, decision.target, _pred(decision.prediction(decision.current)),

@@ -136,6 +136,10 @@ class PerfTracker:
         if not self._new:
             return
         self._new = False
+        # a prefill worker never runs the decode steps the whole model waits for: its own gate
+        if self.kinds["prefill_only"] >= (1 if self.calibrated else MIN_PREFILL_STEPS):
+            alone, alone_rel = self.prefill_fit.solve()
+            self.perf.prefill_step = StepModel(alone, self.prefill_fit.count, alone_rel)
         usable = self.calibrated or (self.kinds["prefill"] >= MIN_PREFILL_STEPS
                                      and self.kinds["decode"] >= MIN_DECODE_STEPS)
         if not usable:
@@ -143,9 +147,6 @@ class PerfTracker:
         coef, rel = self.fit.solve()
         model = StepModel(coef, self.fit.count, rel)
         self.budget.model = self.perf.step = model
-        if self.calibrated or self.kinds["prefill_only"] >= MIN_PREFILL_STEPS:
-            alone, alone_rel = self.prefill_fit.solve()
-            self.perf.prefill_step = StepModel(alone, self.prefill_fit.count, alone_rel)
         self.model_error.set(rel)
         for term, value in model.to_dict().items():
             if term in TERMS:

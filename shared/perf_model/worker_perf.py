@@ -1,6 +1,7 @@
 """What a worker publishes about its speed in its registry entry (shared/registry/worker_info.py):
-its step-time model, its handoff model (prefill workers), its inter-token target and the
-first-token target its budget weighs its queue against.
+its step-time model, the model of its steps that carried prompts alone (what a split's prefill
+worker runs), its handoff model (prefill workers), its inter-token target and the first-token
+target its budget weighs its queue against.
 Rewritten with every heartbeat as the worker refits."""
 from __future__ import annotations
 

@@ -466,6 +466,18 @@ def test_correction_factors_are_kept_by_the_way_a_split_serves_the_load():
     on_split = d.decide(130.0, P1D1, Split(), as_predicted, f)
     assert on_split.corrections.ttft == pytest.approx(1.0)
     assert on_split.prediction(B2).ttft_s == pytest.approx(predict(B2, as_predicted, f).ttft_s * 4)
+    assert on_split.by_way[BESIDE].ttft == pytest.approx(4.0) and on_split.by_way[SPLIT].ttft == pytest.approx(1.0)
+    shown = figures(on_split, f)  # the log line's and the span event's figures: each way's factors
+    assert (shown["correction.beside.ttft"], shown["correction.split.ttft"]) == (4.0, 1.0)
+    # neither an idle window nor a burst's readings stand for a way in the memory
+    quiet = decider(min_requests=1000)
+    quiet.decide(100.0, B2, Split(), seen, f)
+    assert quiet.memory.seen == {}
+    burst = Load(**{**seen.__dict__, "backlog_tokens": 2000.0})
+    assert quiet.clears_within_dwell(backlog(B2, burst, f), f)
+    bursting = decider(min_requests=1)
+    bursting.decide(100.0, B2, Split(), burst, f)
+    assert bursting.memory.seen == {}
     memory = CorrectionMemory(memory_s=60.0)
     memory.note(BESIDE, Corrections(4.0, 2.0), 100.0)
     assert memory.for_way(BESIDE, SPLIT, Corrections(1.0, 1.0), 150.0) == Corrections(4.0, 2.0)
@@ -482,15 +494,21 @@ def test_a_split_is_predicted_by_the_model_of_steps_that_carry_prompts_alone():
 
     plain = [worker("w0", "both"), worker("w1", "both")]
     base = plain[0].perf.step
-    # prompts alone cost a third of what the mixed-step model says a token
-    alone = StepModel((base.coef[0], base.coef[1] / 3, base.coef[2] / 3, base.coef[3], base.coef[4]), samples=50)
+    # prompts alone cost a third of what the mixed-step model says a token (its decode terms,
+    # never fitted there, are off tenfold: a split's decode steps are not predicted by them)
+    alone = StepModel((base.coef[0], base.coef[1] / 3, base.coef[2] / 3, base.coef[3] * 10, base.coef[4] * 10),
+                      samples=50)
+    fewer = replace(alone, coef=tuple(c * 2 for c in alone.coef), samples=10)
     published = [worker("w0", "both"), worker("w1", "both")]
-    for w in published:
-        w.perf = replace(w.perf, prefill_step=alone)
+    for w, model in zip(published, (fewer, alone)):
+        w.perf = replace(w.perf, prefill_step=model)
     f_plain, f_alone = fleet(*plain), fleet(*published)
-    assert f_plain.prefill_alone is f_plain.model and f_alone.prefill_alone == alone
+    assert f_plain.prefill_alone is f_plain.model and f_alone.prefill_alone == alone  # the most samples
     load = long_prompts(1.2, 2.0)  # past one prefill worker's capacity by the mixed-step model
-    assert predict(P1D1, load, f_alone).ttft_s < predict(P1D1, load, f_plain).ttft_s / 2
+    assert predict(P1D1, load, f_alone).ttft_s < predict(P1D1, load, f_plain).ttft_s / 2  # the best-fitted one
+    assert predict(P1D1, load, f_alone).itl_s == pytest.approx(predict(P1D1, load, f_plain).itl_s)
+    assert backlog(B2, Load(**{**load.__dict__, "backlog_tokens": 5000.0}), f_alone) == \
+        backlog(B2, Load(**{**load.__dict__, "backlog_tokens": 5000.0}), f_plain)
     # two `both` workers prefill beside their rows: the mixed-step model, as before
     assert predict(B2, load, f_alone).ttft_s == pytest.approx(predict(B2, load, f_plain).ttft_s)
     assert backlog(P1D1, Load(**{**load.__dict__, "backlog_tokens": 5000.0}), f_alone).clear_s < \

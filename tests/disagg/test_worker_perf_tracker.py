@@ -178,4 +178,17 @@ def test_steps_that_carry_prompts_alone_keep_a_model_of_their_own(engine):
     assert perf.prefill_step.samples == 3 and perf.prefill_step.step_s(whole) == pytest.approx(prefill_s(2048), rel=0.05)
     published = WorkerPerf.from_fields(perf.fields()).prefill_step  # through the registry entry
     assert published.coef == pytest.approx(perf.prefill_step.coef) and published.samples == 3
+    assert WorkerPerf.from_fields({k: v for k, v in perf.fields().items() if k != "perf_prefill_step"}) \
+        .prefill_step is None  # an entry from a worker before the field
+    # a prefill worker without calibration: prompts alone, never a decode row; the whole model
+    # waits for decode steps, the model of prompts alone for five of its own
+    cold = WorkerPerf()
+    prefill_worker = PerfTracker(engine, cold, PerfModelConfig(calibrate=False), CollectorRegistry())
+    for n in (64, 128, 256, 512, 1024):
+        assert cold.prefill_step is None
+        prefill_worker._add(StepShape(n, attended_pairs(0, n)), prefill_s(n))
+        prefill_worker._new = True
+        prefill_worker.refit()
+    assert cold.step is None and cold.prefill_step.samples == 5
+    assert cold.prefill_step.step_s(whole) == pytest.approx(prefill_s(2048), rel=0.05)
     engine.scheduler.itl_budget = None
