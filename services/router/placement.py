@@ -75,9 +75,11 @@ class Placement:
     target_s: float = 0.0
 
 
-def _site(worker: WorkerInfo, inflight: WorkerInflight) -> PrefillSite | None:
-    """The worker as its registry entry and this router's in-flight count describe it now."""
-    model = worker.perf.step
+def _site(worker: WorkerInfo, inflight: WorkerInflight, alone: bool = False) -> PrefillSite | None:
+    """The worker as its registry entry and this router's in-flight count describe it now;
+    alone: a prefill worker computing prompts alone, by its model of such steps where it
+    published one (a switchable worker's whole model may be fitted to its mixed steps as `both`)."""
+    model = (worker.perf.prefill_step or worker.perf.step) if alone else worker.perf.step
     if model is None:
         return None
     counted = worker.load.running_requests + worker.load.waiting_requests
@@ -123,7 +125,7 @@ def predict_split(prefill: PrefillChoice, decode: DecodeChoice, prompt_tokens: i
                   inflight: dict[str, WorkerInflight]) -> Option | None:
     """Prefill on a prefill worker, then the handoff of the last chunk's KV to decode."""
     p_load = inflight.get(prefill.worker.worker_id, _NO_LOAD)
-    p_site = _site(prefill.worker, p_load)
+    p_site = _site(prefill.worker, p_load, alone=True)
     if p_site is None:
         return None
     ttft = p_site.prefill_s(_queued(prefill.worker, p_load)) + p_site.prefill_s(prefill.uncached_tokens,
@@ -154,7 +156,7 @@ def overflow_option(prefill: PrefillChoice, decode: DecodeChoice, split: Option,
         return None
     behind = split.ttft_s  # when P would clear what is queued for it, this prompt's share included
     if backlog_tokens > 0:
-        p_site = _site(prefill.worker, p_load)
+        p_site = _site(prefill.worker, p_load, alone=True)
         behind += p_site.prefill_s(queued + backlog_tokens) - p_site.prefill_s(queued)
     if behind <= horizon:
         return None

@@ -252,3 +252,28 @@ def test_the_router_weighs_the_prompts_waiting_at_the_gateway(redis_server):
             assert both.local_prefill and "20000 prompt tokens waiting at the gateway" in both.reason, both.reason
 
     asyncio.run(scenario())
+
+
+def test_the_split_is_predicted_by_the_prefill_workers_model_of_prompts_alone():
+    """A switchable worker turned prefill may carry a whole model fitted to its mixed steps as
+    `both`; its published model of steps with prompts alone (perf_prefill_step) prices the split."""
+    from dataclasses import replace
+
+    from pytest import approx
+
+    weights = RoutingWeights()
+    d, p = worker("d1", "decode", rows=96), worker("p1", "prefill")
+    alone = StepModel.from_dict({**MODEL.to_dict(), "prefill_token_s": 1e-5})  # a quarter of the whole model's
+    p_alone = replace(p, perf=replace(p.perf, prefill_step=alone))
+    decode = DecodeChoice(d, pages=1, cost=0.0, cached_tokens=HELD)
+    inflight = {"d1": WorkerInflight(decode_requests=96)}
+
+    def split_ttft(prefill_worker):
+        choice = PrefillChoice(prefill_worker, cached_tokens=0, uncached_tokens=PROMPT, cost=0.0)
+        placed = place(decode, choice, PROMPT, inflight=inflight, weights=weights)
+        return {o.kind: o for o in placed.options}["split"].ttft_s
+
+    whole, by_alone = split_ttft(p), split_ttft(p_alone)
+    assert by_alone < whole / 2
+    # the prefill itself, by each model, is what the two predictions differ by (the handoff is the same)
+    assert whole - by_alone == approx((4e-5 - 1e-5) * PROMPT, rel=0.05)
