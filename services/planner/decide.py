@@ -174,15 +174,18 @@ class PoolStep:
 
 
 def pool_step(live: int, load: Load, fleet: Fleet, corrections: Corrections, hysteresis: float,
-              room: dict[str, tuple[int, int, int]]) -> PoolStep | None:
+              room: dict[str, tuple[int, int, int]], by_way: dict | None = None) -> PoolStep | None:
     """One pod more or fewer in a pool, or None. `room`: pool -> (replicas, min, max). A pod is
     added where the best split of one more worker puts it, when even the best split of the
     workers there are misses a target; one is removed where the best split of one fewer worker
-    takes it, when that split still meets every target with the hysteresis to spare."""
+    takes it, when that split still meets every target with the hysteresis to spare. Each split
+    is predicted by its way's correction factors (`by_way`, Decision.by_way), else `corrections`."""
+    by_way = by_way or {}
+
     def best(n: int) -> Prediction | None:
         if n < 1:
             return None
-        preds = {s: predict(s, load, fleet, corrections) for s in candidates(n)}
+        preds = {s: predict(s, load, fleet, by_way.get(way(s, load), corrections)) for s in candidates(n)}
         return min(preds.values(), key=lambda p: (p.score, p.split))
 
     now = best(live)

@@ -146,7 +146,7 @@ class Planner:
             return
         step = pool_step(decision.current.workers, decision.load, fleet, decision.corrections,
                          self.config.timing.hysteresis,
-                         {pool: (replicas[pool], lo, hi) for pool, (_, lo, hi) in pools.items()})
+                         {pool: (replicas[pool], lo, hi) for pool, (_, lo, hi) in pools.items()}, decision.by_way)
         if step is None or decision.load.requests < self.config.timing.min_requests:
             return
         name = pools[step.pool][0]

@@ -430,6 +430,11 @@ def test_a_pool_grows_where_a_target_is_missed_and_shrinks_with_headroom_to_spar
     fewer = pool_step(3, light, f, Corrections(), 0.2, {"prefill": (1, 1, 4), "decode": (2, 1, 4)})
     assert (fewer.pool, fewer.delta, fewer.reason) == ("decode", -1, "headroom")
     assert pool_step(3, light, f, Corrections(), 0.2, {"prefill": (1, 1, 4), "decode": (2, 2, 4)}) is None  # bounds
+    # each candidate by its way's correction factors: the split's own, not those seen beside decode rows
+    from services.planner.predict import BESIDE, SPLIT
+    fine = pool_step(2, long_prompts(0.4, 1.0), f, Corrections(4.0, 4.0), 0.2, room,
+                     {SPLIT: Corrections(), BESIDE: Corrections(4.0, 4.0)})
+    assert fine is None and pool_step(2, long_prompts(0.4, 1.0), f, Corrections(4.0, 4.0), 0.2, room) is not None
     other = pool_step(3, light, f, Corrections(), 0.2, {"prefill": (2, 1, 4), "decode": (1, 1, 4)})
     assert (other.pool, other.delta) == ("prefill", -1)
 
