@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from dataclasses import replace
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -17,11 +18,13 @@ from services.gateway.http_edge.admission import AdmissionQueue, Budget, Work
 from services.gateway.http_edge.admission_metrics import register_admission_metrics
 from services.gateway.http_edge.metrics import GatewayMetrics
 from services.planner.assign import assign, fixed_split, hand_overs
+from services.planner.correction_memory import CorrectionMemory
 from services.planner.decide import RESTARTS_WINDOW, Decider, pool_step
 from services.planner.load_window import Load, LoadWindow, Reading
-from services.planner.predict import Corrections, Fleet, Split, backlog, candidates, predict
+from services.planner.predict import BESIDE, SPLIT, Corrections, Fleet, Split, backlog, candidates, predict, way
 from services.planner.report import figures
 from services.planner.scrape import gateway_figures
+from shared.perf_model.step_model import StepModel
 from shared.registry.worker_info import WorkerInfo
 from tests.helpers.planner_fleet import CHAT, LONG, long_prompts, worker
 
@@ -431,7 +434,6 @@ def test_a_pool_grows_where_a_target_is_missed_and_shrinks_with_headroom_to_spar
     assert (fewer.pool, fewer.delta, fewer.reason) == ("decode", -1, "headroom")
     assert pool_step(3, light, f, Corrections(), 0.2, {"prefill": (1, 1, 4), "decode": (2, 2, 4)}) is None  # bounds
     # each candidate by its way's correction factors: the split's own, not those seen beside decode rows
-    from services.planner.predict import BESIDE, SPLIT
     fine = pool_step(2, long_prompts(0.4, 1.0), f, Corrections(4.0, 4.0), 0.2, room,
                      {SPLIT: Corrections(), BESIDE: Corrections(4.0, 4.0)})
     assert fine is None and pool_step(2, long_prompts(0.4, 1.0), f, Corrections(4.0, 4.0), 0.2, room) is not None
@@ -448,9 +450,6 @@ def test_the_ttft_target_defaults_by_device_and_the_itl_target_to_the_workers():
 
 
 def test_correction_factors_are_kept_by_the_way_a_split_serves_the_load():
-    from services.planner.correction_memory import CorrectionMemory
-    from services.planner.predict import BESIDE, SPLIT, way
-
     f = fleet()
     assert (way(P1D1, LONG), way(B2, LONG), way(P1D1, CHAT)) == (SPLIT, BESIDE, BESIDE)  # chat: local prefill
     # two `both` workers under long prompts, the gateways seeing 4x the first-token wait and 2x
@@ -493,10 +492,6 @@ def test_correction_factors_are_kept_by_the_way_a_split_serves_the_load():
 def test_a_split_is_predicted_by_the_model_of_steps_that_carry_prompts_alone():
     """Two `both` workers fit their models to mixed steps; the split they could become runs a
     prefill worker's steps, prompts alone, which their published prefill_step models price."""
-    from dataclasses import replace
-
-    from shared.perf_model.step_model import StepModel
-
     plain = [worker("w0", "both"), worker("w1", "both")]
     base = plain[0].perf.step
     # prompts alone cost a third of what the mixed-step model says a token (its decode terms,
