@@ -5,6 +5,7 @@ worker holds the same model) and the default model's tokenizer, or --model-dir. 
 sections run, they share each layout's stack."""
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import signal
@@ -45,10 +46,17 @@ def multiturn(run) -> None:
 
 def stack_model(run) -> tuple[Path, list[str]]:
     """The model folder and the workers' weight flags: --model-dir, or random weights of the last
-    --models shape with a tokenizer (the default model's ids fit every shape's vocabulary)."""
+    --models shape with a tokenizer, the shape's vocabulary widened to the tokenizer's where it is
+    smaller (a CPU shape, qwen3-tiny's 512, under the default model's: the gateway refuses ids past it)."""
     if run.args.model_dir:
         return Path(run.args.model_dir), []
-    return copy_tokenizer(run, config_only_dir(run.names(run.args.models)[-1], run.root)), ["--load-format", "dummy"]
+    from transformers import AutoTokenizer
+
+    folder = copy_tokenizer(run, config_only_dir(run.names(run.args.models)[-1], run.root))
+    config = json.loads((folder / "config.json").read_text())
+    config["vocab_size"] = max(config["vocab_size"], len(AutoTokenizer.from_pretrained(folder)))
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder, ["--load-format", "dummy"]
 
 
 def copy_tokenizer(run, folder: Path) -> Path:

@@ -149,3 +149,21 @@ def test_failover_section_moves_the_killed_workers_streams(tmp_path, torch_one_t
     # chunks a busy client reads from one socket read arrive 0.0 ms apart, so the median gap
     # before the kill may be 0 on a loaded machine (seen in a whole-suite run); it is measured
     assert d["moved moved longest gap p50 ms"] > 0 and d["moved ITL p50 ms before the kill"] >= 0
+
+
+def test_a_stack_on_a_cpu_shape_takes_every_id_of_the_tokenizer(tmp_path):
+    """qwen3-tiny's 512-token vocabulary under the default model's tokenizer (49k ids): the random
+    checkpoint the stack sections start is widened to the tokenizer, or the gateway refuses the
+    load's prompts (a 400 for ids past the vocabulary)."""
+    import json
+    from types import SimpleNamespace
+
+    from loadtest.bench.stacks import stack_model
+    from transformers import AutoTokenizer
+
+    run = SimpleNamespace(args=SimpleNamespace(model_dir=None, models="qwen3-tiny", tokenizer_from=None),
+                          root=tmp_path, names=lambda text: text.split(","))
+    folder, flags = stack_model(run)
+    config = json.loads((folder / "config.json").read_text())
+    assert flags == ["--load-format", "dummy"] and config["hidden_size"] == 64  # the tiny shape still
+    assert config["vocab_size"] == len(AutoTokenizer.from_pretrained(folder)) > 512
