@@ -71,7 +71,7 @@ class LoadPublisher:
         self._publish_tiers()
         lora = self.ctx.engine.lora
         if lora is not None:  # what the router picks by: the adapters served, those in a slot
-            adapters = WorkerAdapters(lora.names, lora.resident)
+            adapters = WorkerAdapters(lora.names, lora.resident, lora.runtime)
             if adapters != self.info.adapters:
                 self.info.adapters = adapters
 

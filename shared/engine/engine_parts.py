@@ -89,8 +89,6 @@ def lora_manager(model, mc, config, plan: EnginePlan, dtype: torch.dtype, device
     rows = plan.step_tokens.value + config.max_running_requests * (config.speculative_tokens + 1)
     rows = max(rows, config.cuda_graph_max_bs, config.prefill_graph_max_tokens)
     manager = LoraManager(model, mc, config.lora, dtype, device, triton=lora.triton, max_rows=rows)
-    for name, path in config.lora.named().items():
-        manager.load(name, path)
     log.info("LoRA: %d slots of rank %d (%.1f MiB on %s), adapters: %s", lora.slots, lora.rank,
              manager.device_bytes / 2**20, device, ", ".join(manager.names) or "none yet")
     return manager

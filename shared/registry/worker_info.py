@@ -54,14 +54,18 @@ class WorkerAdapters:
 
     served: list[str] = field(default_factory=list)    # every adapter it can run (names)
     resident: list[str] = field(default_factory=list)  # of those, the ones in its device slots now
+    runtime: dict[str, str] = field(default_factory=dict)  # of those, loaded at run time: name -> folder
+                                                           # (a gateway writes the record back from it)
 
     def fields(self) -> dict[str, str]:
-        return {"lora_adapters": json.dumps(self.served), "lora_resident": json.dumps(self.resident)}
+        return {"lora_adapters": json.dumps(self.served), "lora_resident": json.dumps(self.resident),
+                "lora_runtime": json.dumps(self.runtime)}
 
     @classmethod
     def from_fields(cls, h: dict[str, str]) -> "WorkerAdapters":
         return cls(served=json.loads(h.get("lora_adapters") or "[]"),
-                   resident=json.loads(h.get("lora_resident") or "[]"))
+                   resident=json.loads(h.get("lora_resident") or "[]"),
+                   runtime=json.loads(h.get("lora_runtime") or "{}"))
 
 
 @dataclass

@@ -46,5 +46,8 @@ def test_a_starting_worker_loads_the_adapters_recorded_at_run_time(redis_server,
     try:
         assert asyncio.run(scenario()) == ["late"]
         assert engine.lora.names == ["late", "own"]
+        # what the worker publishes as loaded at run time (a gateway restarted with Redis writes the
+        # record back from it): the recorded adapter, not its own --lora one
+        assert engine.lora.runtime == {"late": str(late)}
     finally:
         loop.stop()

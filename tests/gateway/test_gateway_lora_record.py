@@ -100,3 +100,44 @@ def test_an_unload_nobody_serves_is_not_found_and_still_clears_the_record(redis_
             await watcher.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_gateway_restarted_with_redis_writes_the_record_back_from_what_the_workers_loaded(redis_server):
+    """Redis and the gateway both restarted: the new gateway loaded nothing, but the live workers
+    publish what they loaded at run time (`lora_runtime`), so the record comes back and a worker
+    started later loads the adapter too; an adapter a worker was started with (--lora) is not put in
+    the record, and a record missing only some names (an unload not yet in the workers' entries) is
+    left as it is."""
+    async def scenario():
+        config = RegistryConfig(redis_url=redis_server.url, ttl_s=2.0, heartbeat_interval_s=0.2, scan_interval_s=0.2,
+                                socket_timeout_s=0.5)
+        info = WorkerInfo(worker_id="d1", role="decode", address="d1.svc:7000", model=MODEL, page_size=16,
+                          compat_hash="c1", adapters=WorkerAdapters(served=["sql", "chat", "own"],
+                                                                    runtime={"sql": "/adapters/sql",
+                                                                             "chat": "/adapters/chat"}))
+        publisher = WorkerPublisher(info, config)
+        watcher = WorkerWatcher(config, model=MODEL)
+        restarted = RuntimeAdapters()  # a gateway started again: it loaded nothing itself
+        await publisher.start()
+        await watcher.start()
+        try:
+            assert await watcher.wait_for(lambda w: w.is_live("d1"), 5)
+            assert watcher.workers()[0].adapters.runtime == {"sql": "/adapters/sql", "chat": "/adapters/chat"}
+            await watcher.client.flushall()
+            assert sorted(await restarted.restore(watcher)) == ["chat", "sql"]
+            held = await watcher.client.hgetall(KEY)
+            assert {k.decode(): v.decode() for k, v in held.items()} == {"sql": "/adapters/sql",
+                                                                        "chat": "/adapters/chat"}
+            # another gateway unloads them (services/gateway/backends/grpc_adapters.py, _forget), the
+            # workers' entries not showing it yet: a record that lacks a name, then none left, the
+            # unloads' marks keeping them out
+            from services.gateway.backends.grpc_adapters import _forget
+            await _forget(watcher.client, KEY, "chat")
+            assert await restarted.restore(watcher) == []
+            await _forget(watcher.client, KEY, "sql")
+            assert not await watcher.client.exists(KEY) and await restarted.restore(watcher) == []
+        finally:
+            await watcher.stop()
+            await publisher.stop()
+
+    asyncio.run(scenario())

@@ -21,6 +21,7 @@ from services.gateway.backends.interface import AdapterNotFound, BackendBadReque
 from shared.registry.worker_info import WorkerInfo
 
 log = logging.getLogger("duet.gateway.lora")
+UNLOADED_S = 60  # how long an unloaded name stays marked (the workers show it gone within a heartbeat)
 
 VISIBLE_WITHIN_S = 5.0  # a heartbeat and a registry scan, with room
 
@@ -56,20 +57,30 @@ class RuntimeAdapters:
 
     async def restore(self, watcher) -> list[str]:
         """Write back the record's entries a live worker of the adapter's model serves and the
-        registry lost (a Redis restarted empty), each into its own model's record; an adapter
-        unloaded since (by any gateway: no worker serves it) stays out. The names written; []
-        while Redis is down."""
+        registry lost (a Redis restarted empty), each into its own model's record: those this
+        gateway loaded, and, where the model's record is gone whole, those the workers say they
+        loaded at run time (`WorkerAdapters.runtime`: a gateway started again with Redis knows them
+        from there; a record that lacks only some names, or a name just unloaded (_forget's mark),
+        is an unload the workers' next heartbeat has not shown yet). An adapter unloaded since (by
+        any gateway: no worker serves it) stays out. The names written; [] while Redis is down."""
         written = []
         try:
             for model in _models(watcher):
-                served = set(served_adapters([w for w in watcher.workers() if w.model == model]))
-                wanted = {name: path for name, path in self.paths.items()
-                          if name in served and self.models.get(name, model) == model}
-                if not wanted:
+                workers = [w for w in watcher.workers() if w.model == model]
+                served = set(served_adapters(workers))
+                published = {name: path for w in workers for name, path in w.adapters.runtime.items()}
+                if not (published or self.paths):
                     continue
                 key = watcher.keys.lora_adapters(model)
                 known = {k.decode() if isinstance(k, bytes) else k for k in await watcher.client.hkeys(key)}
-                missing = {name: path for name, path in wanted.items() if name not in known}
+                if known:  # the record is there: the workers' lists only lag what it says
+                    published = {}
+                for name in list(published):
+                    if await watcher.client.exists(_unloaded(key, name)):
+                        del published[name]  # unloaded a moment ago, the workers' entries not there yet
+                wanted = {**published, **self.paths}
+                missing = {name: path for name, path in wanted.items()
+                           if name in served and name not in known and self.models.get(name, model) == model}
                 if missing:
                     await watcher.client.hset(key, mapping=missing)
                     written += sorted(missing)
@@ -110,7 +121,7 @@ async def unload_everywhere(watcher, channels, name: str, timeout_s: float) -> N
     holders = [w for w in watcher.workers() if name in w.adapters.served]
     # the record goes even when nobody live serves it (a pool restarting, a registry lagging),
     # so the pool's next worker does not load what the client asked to remove
-    await _remember(watcher, lambda client, key: client.hdel(key, name))
+    await _remember(watcher, lambda client, key: _forget(client, key, name))
     if not holders:
         raise AdapterNotFound(f"The lora adapter '{name}' cannot be found.")
     await _unload(channels, holders, name, timeout_s)
@@ -126,6 +137,18 @@ async def _remember(watcher, change) -> None:
             await change(watcher.client, watcher.keys.lora_adapters(model))
     except Exception as exc:  # noqa: BLE001 - the workers have it; only later ones would miss it
         log.warning("could not record the LoRA change in the registry: %s", exc)
+
+
+async def _forget(client, key: str, name: str) -> None:
+    """Take `name` out of the record, leaving a mark for UNLOADED_S: until the workers' next
+    heartbeats the live entries still list it as loaded at run time, and a record gone whole
+    would otherwise be written back from them (RuntimeAdapters.restore)."""
+    await client.set(_unloaded(key, name), "1", ex=UNLOADED_S)
+    await client.hdel(key, name)
+
+
+def _unloaded(key: str, name: str) -> str:
+    return f"{key}:unloaded:{name}"
 
 
 def _models(watcher) -> set[str]:

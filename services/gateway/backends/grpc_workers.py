@@ -303,8 +303,7 @@ class GrpcBackend:
         """Write back what a Redis restarted empty lost of the run-time adapter record."""
         while True:
             await asyncio.sleep(_ADAPTER_RECORD_CHECK_S)
-            if self.runtime_adapters.paths:
-                await self.runtime_adapters.restore(self._watcher)
+            await self.runtime_adapters.restore(self._watcher)
 
     def _registry_view(self, model: str | None = None):
         """The workers a run-time adapter goes to: `model`'s (an adapter fits one model's shapes

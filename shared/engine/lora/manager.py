@@ -55,6 +55,9 @@ class LoraManager:
         self._clock = 0
         # TP rank 0: callable(name, folder, slot) that writes the slot on every follower
         self.mirror: Callable[[str, str, int], None] | None = None
+        for name, path in config.named().items():  # --lora: served from the start
+            self.load(name, path)
+        self.started = frozenset(self.known)
 
     @property
     def device_bytes(self) -> int:
@@ -91,6 +94,12 @@ class LoraManager:
     @property
     def names(self) -> list[str]:
         return sorted(self.known)
+
+    @property
+    def runtime(self) -> dict[str, str]:
+        """Adapters loaded since the start (name -> folder): what the gateway's run-time record
+        holds, which the worker publishes so that a gateway started again can write it back."""
+        return {name: path for name, path in sorted(self.known.items()) if name not in self.started}
 
     @property
     def resident(self) -> list[str]:
