@@ -6,6 +6,7 @@
   <p>:worker:<id>:pages:host  set  of those, the ones held in its host tier only; same TTL
   <p>:workers:events      pubsub JSON {"event": "join"|"leave", "worker_id", "instance_nonce"}
   <p>:model:<m>:lora      hash   LoRA adapter name -> folder, loaded at run time for served model <m>
+  <p>:model:<m>:lora:kept string set with every write of that record: missing, Redis lost it
 
 Who writes and reads each, and the KV events: docs/ARCHITECTURE.md, "Registry keys and KV events".
 """
@@ -34,6 +35,12 @@ class RegistryKeys:
         """The adapters the gateway loaded at run time for `model` (no TTL: a worker that starts
         later loads them too; unloading removes them)."""
         return f"{self.prefix}:model:{model}:lora"
+
+    def lora_kept(self, model: str) -> str:
+        """Set with every write of `model`'s adapter record and never removed: a record missing
+        with it is empty (nothing loaded at run time, or all unloaded); missing without it, Redis
+        lost it (restarted empty), and a gateway writes it back (grpc_adapters.py)."""
+        return f"{self.prefix}:model:{model}:lora:kept"
 
     @property
     def events_channel(self) -> str:

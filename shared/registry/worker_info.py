@@ -63,9 +63,10 @@ class WorkerAdapters:
 
     @classmethod
     def from_fields(cls, h: dict[str, str]) -> "WorkerAdapters":
+        runtime = json.loads(h.get("lora_runtime") or "{}")
         return cls(served=json.loads(h.get("lora_adapters") or "[]"),
                    resident=json.loads(h.get("lora_resident") or "[]"),
-                   runtime=json.loads(h.get("lora_runtime") or "{}"))
+                   runtime=runtime if isinstance(runtime, dict) else {})
 
 
 @dataclass

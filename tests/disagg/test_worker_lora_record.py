@@ -49,5 +49,9 @@ def test_a_starting_worker_loads_the_adapters_recorded_at_run_time(redis_server,
         # what the worker publishes as loaded at run time (a gateway restarted with Redis writes the
         # record back from it): the recorded adapter, not its own --lora one
         assert engine.lora.runtime == {"late": str(late)}
+        # its own one unloaded and loaded again at run time is a run-time adapter from then on
+        assert loop.call(lambda: engine.lora.unload("own")).result(10) and "own" not in engine.lora.runtime
+        loop.call(lambda: engine.lora.load("own", str(own))).result(10)
+        assert engine.lora.runtime == {"late": str(late), "own": str(own)}
     finally:
         loop.stop()

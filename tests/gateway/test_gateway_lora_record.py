@@ -16,6 +16,7 @@ from tests.helpers.redis_server import redis_server  # noqa: F401  (fixture)
 
 MODEL = "tiny"
 KEY = f"duet:model:{MODEL}:lora"
+KEPT = f"{KEY}:kept"  # set with every write of the record by a gateway: missing, Redis lost it
 
 
 def test_a_redis_restarted_empty_gets_the_run_time_adapters_back(redis_server):
@@ -33,6 +34,7 @@ def test_a_redis_restarted_empty_gets_the_run_time_adapters_back(redis_server):
             assert await publisher.wait_registered(5)
             assert await watcher.wait_for(lambda w: w.is_live("d1"), 5)
             await watcher.client.hset(KEY, mapping={"sql": "/adapters/sql", "chat": "/adapters/chat"})
+            await watcher.client.set(KEPT, "1")  # as a gateway's write leaves it
             assert await record.restore(watcher) == []  # nothing lost
             await watcher.client.flushall()  # as a Redis restarted without persistence
             assert sorted(await record.restore(watcher)) == ["chat", "sql"]  # "gone": no worker serves it
@@ -104,10 +106,13 @@ def test_an_unload_nobody_serves_is_not_found_and_still_clears_the_record(redis_
 
 def test_a_gateway_restarted_with_redis_writes_the_record_back_from_what_the_workers_loaded(redis_server):
     """Redis and the gateway both restarted: the new gateway loaded nothing, but the live workers
-    publish what they loaded at run time (`lora_runtime`), so the record comes back and a worker
-    started later loads the adapter too; an adapter a worker was started with (--lora) is not put in
-    the record, and a record missing only some names (an unload not yet in the workers' entries) is
-    left as it is."""
+    publish what they loaded at run time (`lora_runtime`), so the record comes back (a worker
+    started later loads it: tests/disagg/test_worker_lora_record.py); an adapter a worker was
+    started with (--lora, not in its `runtime`) is not put in the record. A record that stands
+    (its `kept` key there), even empty, is left as the gateways left it: an unload the workers'
+    next heartbeat has not shown yet, or a load under way, must not be written back."""
+    from services.gateway.backends.grpc_adapters import _remember
+
     async def scenario():
         config = RegistryConfig(redis_url=redis_server.url, ttl_s=2.0, heartbeat_interval_s=0.2, scan_interval_s=0.2,
                                 socket_timeout_s=0.5)
@@ -118,24 +123,30 @@ def test_a_gateway_restarted_with_redis_writes_the_record_back_from_what_the_wor
         publisher = WorkerPublisher(info, config)
         watcher = WorkerWatcher(config, model=MODEL)
         restarted = RuntimeAdapters()  # a gateway started again: it loaded nothing itself
+        stale = RuntimeAdapters({"sql": "/adapters/sql-before"}, {"sql": MODEL})  # it remembers an older folder
         await publisher.start()
         await watcher.start()
         try:
             assert await watcher.wait_for(lambda w: w.is_live("d1"), 5)
             assert watcher.workers()[0].adapters.runtime == {"sql": "/adapters/sql", "chat": "/adapters/chat"}
-            await watcher.client.flushall()
+            await watcher.client.flushall()  # Redis restarted empty
             assert sorted(await restarted.restore(watcher)) == ["chat", "sql"]
             held = await watcher.client.hgetall(KEY)
             assert {k.decode(): v.decode() for k, v in held.items()} == {"sql": "/adapters/sql",
                                                                         "chat": "/adapters/chat"}
-            # another gateway unloads them (services/gateway/backends/grpc_adapters.py, _forget), the
-            # workers' entries not showing it yet: a record that lacks a name, then none left, the
-            # unloads' marks keeping them out
-            from services.gateway.backends.grpc_adapters import _forget
-            await _forget(watcher.client, KEY, "chat")
-            assert await restarted.restore(watcher) == []
-            await _forget(watcher.client, KEY, "sql")
+            assert await stale.restore(watcher) == [] and await watcher.client.exists(KEPT)  # it stands now
+            # both unloaded by a gateway (its hdel; the workers' entries a heartbeat behind): the
+            # record is gone whole but stands
+            await watcher.client.hdel(KEY, "sql", "chat")
             assert not await watcher.client.exists(KEY) and await restarted.restore(watcher) == []
+            # a load under way marks the record standing before any worker loads
+            await watcher.client.flushall()
+            await _remember(watcher, None)
+            assert await restarted.restore(watcher) == []
+            # what the workers serve wins over a folder a gateway remembers from before
+            await watcher.client.flushall()
+            assert sorted(await stale.restore(watcher)) == ["chat", "sql"]
+            assert (await watcher.client.hget(KEY, "sql")).decode() == "/adapters/sql"
         finally:
             await watcher.stop()
             await publisher.stop()

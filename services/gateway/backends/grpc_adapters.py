@@ -5,8 +5,10 @@ adapter and the router routes to it. A load that some worker refuses is undone o
 (nobody serves half an adapter). What is loaded is kept in the registry (`<prefix>:model:<m>:lora`,
 name -> folder) so that a worker that starts later, or again, loads it too
 (services/worker_runtime/adapters.py). That record has no TTL and no worker writes it, so a Redis
-restarted empty would lose it: the gateway keeps what it loaded (`RuntimeAdapters`) and writes
-back, every few seconds, the entries of it that a live worker still serves and the record lacks."""
+restarted empty would lose it: every few seconds a gateway looks for the record's `lora:kept`
+key, set with every write and never removed, and where Redis lost it writes the record back
+from what the live workers serve and publish as loaded at run time, and what it loaded itself
+(`RuntimeAdapters`), so a gateway restarted with Redis puts it back too."""
 from __future__ import annotations
 
 import asyncio
@@ -21,7 +23,6 @@ from services.gateway.backends.interface import AdapterNotFound, BackendBadReque
 from shared.registry.worker_info import WorkerInfo
 
 log = logging.getLogger("duet.gateway.lora")
-UNLOADED_S = 60  # how long an unloaded name stays marked (the workers show it gone within a heartbeat)
 
 VISIBLE_WITHIN_S = 5.0  # a heartbeat and a registry scan, with room
 
@@ -56,34 +57,26 @@ class RuntimeAdapters:
         self.models.pop(name, None)
 
     async def restore(self, watcher) -> list[str]:
-        """Write back the record's entries a live worker of the adapter's model serves and the
-        registry lost (a Redis restarted empty), each into its own model's record: those this
-        gateway loaded, and, where the model's record is gone whole, those the workers say they
-        loaded at run time (`WorkerAdapters.runtime`: a gateway started again with Redis knows them
-        from there; a record that lacks only some names, or a name just unloaded (_forget's mark),
-        is an unload the workers' next heartbeat has not shown yet). An adapter unloaded since (by
-        any gateway: no worker serves it) stays out. The names written; [] while Redis is down."""
+        """Write back a model's record where Redis lost it (restarted empty: its `lora:kept` key
+        is gone, which no gateway removes): the adapters a live worker of the model serves, with
+        the folders the workers publish as loaded at run time (`WorkerAdapters.runtime`, so a
+        gateway started again with Redis knows them) and those this gateway loaded for that model.
+        A record that stands, empty or not, is as the gateways left it (an unload the workers'
+        next heartbeat has not shown yet, a load under way). The names written; [] while Redis is
+        down."""
         written = []
         try:
             for model in _models(watcher):
                 workers = [w for w in watcher.workers() if w.model == model]
                 served = set(served_adapters(workers))
+                mine = {name: path for name, path in self.paths.items() if self.models.get(name, model) == model}
                 published = {name: path for w in workers for name, path in w.adapters.runtime.items()}
-                if not (published or self.paths):
+                wanted = {name: path for name, path in {**mine, **published}.items() if name in served}
+                if not wanted or await watcher.client.exists(watcher.keys.lora_kept(model)):
                     continue
-                key = watcher.keys.lora_adapters(model)
-                known = {k.decode() if isinstance(k, bytes) else k for k in await watcher.client.hkeys(key)}
-                if known:  # the record is there: the workers' lists only lag what it says
-                    published = {}
-                for name in list(published):
-                    if await watcher.client.exists(_unloaded(key, name)):
-                        del published[name]  # unloaded a moment ago, the workers' entries not there yet
-                wanted = {**published, **self.paths}
-                missing = {name: path for name, path in wanted.items()
-                           if name in served and name not in known and self.models.get(name, model) == model}
-                if missing:
-                    await watcher.client.hset(key, mapping=missing)
-                    written += sorted(missing)
+                await watcher.client.set(watcher.keys.lora_kept(model), "1")
+                await watcher.client.hset(watcher.keys.lora_adapters(model), mapping=wanted)
+                written += sorted(wanted)
         except Exception as exc:  # noqa: BLE001 - Redis down: the next pass tries again
             log.debug("could not restore the LoRA record: %s", exc)
             return []
@@ -96,6 +89,9 @@ async def load_everywhere(watcher, channels, name: str, path: str, timeout_s: fl
     workers = watcher.workers()
     if not workers:
         raise BackendUnavailable("no live worker to load the LoRA adapter on")
+    # the record stands from here (RuntimeAdapters.restore leaves it alone): the workers that load
+    # first publish the adapter before the others answer, and a load undone must not be recorded
+    await _remember(watcher, None)
     request = duet_pb2.LoadLoraAdapterRequest(lora_name=name, lora_path=path)
     results = await asyncio.gather(*(_stub(channels, w).LoadLoraAdapter(request, timeout=timeout_s)
                                      for w in workers), return_exceptions=True)
@@ -121,7 +117,7 @@ async def unload_everywhere(watcher, channels, name: str, timeout_s: float) -> N
     holders = [w for w in watcher.workers() if name in w.adapters.served]
     # the record goes even when nobody live serves it (a pool restarting, a registry lagging),
     # so the pool's next worker does not load what the client asked to remove
-    await _remember(watcher, lambda client, key: _forget(client, key, name))
+    await _remember(watcher, lambda client, key: client.hdel(key, name))
     if not holders:
         raise AdapterNotFound(f"The lora adapter '{name}' cannot be found.")
     await _unload(channels, holders, name, timeout_s)
@@ -131,24 +127,15 @@ async def unload_everywhere(watcher, channels, name: str, timeout_s: float) -> N
 
 async def _remember(watcher, change) -> None:
     """Apply change(client, key) to the registry's record of run-time adapters (a worker that
-    starts later reads it); a Redis outage leaves the live workers as they are told."""
+    starts later reads it), None: no change, and mark the record as standing (`lora:kept`); a
+    Redis outage leaves the live workers as they are told."""
     try:
         for model in _models(watcher):
-            await change(watcher.client, watcher.keys.lora_adapters(model))
+            await watcher.client.set(watcher.keys.lora_kept(model), "1")
+            if change is not None:
+                await change(watcher.client, watcher.keys.lora_adapters(model))
     except Exception as exc:  # noqa: BLE001 - the workers have it; only later ones would miss it
         log.warning("could not record the LoRA change in the registry: %s", exc)
-
-
-async def _forget(client, key: str, name: str) -> None:
-    """Take `name` out of the record, leaving a mark for UNLOADED_S: until the workers' next
-    heartbeats the live entries still list it as loaded at run time, and a record gone whole
-    would otherwise be written back from them (RuntimeAdapters.restore)."""
-    await client.set(_unloaded(key, name), "1", ex=UNLOADED_S)
-    await client.hdel(key, name)
-
-
-def _unloaded(key: str, name: str) -> str:
-    return f"{key}:unloaded:{name}"
 
 
 def _models(watcher) -> set[str]:

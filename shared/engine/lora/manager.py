@@ -57,7 +57,7 @@ class LoraManager:
         self.mirror: Callable[[str, str, int], None] | None = None
         for name, path in config.named().items():  # --lora: served from the start
             self.load(name, path)
-        self.started = frozenset(self.known)
+        self.started = set(self.known)  # of the adapters known, those given at start (not run-time ones)
 
     @property
     def device_bytes(self) -> int:
@@ -82,6 +82,7 @@ class LoraManager:
         slot is free once they are done."""
         if self.known.pop(name, None) is None:
             return False
+        self.started.discard(name)  # loaded again, it is a run-time adapter
         self.host.pop(name, None)
         for slot in self.slots:
             if slot.name == name:
