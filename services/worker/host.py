@@ -95,7 +95,7 @@ class WorkerHost:
         self.engine.kv.cache.events = self.kv_events
 
     def worker_info(self, address: str, metrics_address: str) -> WorkerInfo:
-        ctx, capacity, lora = self.ctx, self.engine.kv.capacity, self.engine.lora
+        ctx, capacity = self.ctx, self.engine.kv.capacity
         pools = [RankKvPool(rank=r, agent_name=a.name, **a.pool.as_dict()) for r, a in enumerate(ctx.rank_agents)]
         return WorkerInfo(worker_id=ctx.worker_id, role=self.config.role, address=address, model=self.served_model,
                           metrics_address=metrics_address, tp=self.config.engine.tp_size, page_size=ctx.page_size,
@@ -105,8 +105,7 @@ class WorkerHost:
                           max_batched_tokens=self.engine.scheduler.max_batched_tokens, kv_pools=pools,
                           capability_key=ctx.issuer.public_key if ctx.issuer is not None else "",
                           load=WorkerLoad(total_pages=capacity, free_pages=capacity),
-                          adapters=WorkerAdapters(lora.names, lora.resident, lora.runtime)
-                          if lora is not None else WorkerAdapters(),
+                          adapters=WorkerAdapters.of(self.engine.lora),
                           switchable=self.config.switchable, ipc_domain=ipc_domain())
 
     def request_drain(self, reason: str) -> None:

@@ -69,9 +69,8 @@ class LoadPublisher:
             self.recomputed.inc(self.ctx.recomputes - self._recomputes)
             self._recomputes = self.ctx.recomputes
         self._publish_tiers()
-        lora = self.ctx.engine.lora
-        if lora is not None:  # what the router picks by: the adapters served, those in a slot
-            adapters = WorkerAdapters(lora.names, lora.resident, lora.runtime)
+        if self.ctx.engine.lora is not None:  # what the router picks by: the adapters served, those in a slot
+            adapters = WorkerAdapters.of(self.ctx.engine.lora)
             if adapters != self.info.adapters:
                 self.info.adapters = adapters
 

@@ -62,6 +62,11 @@ class WorkerAdapters:
                 "lora_runtime": json.dumps(self.runtime)}
 
     @classmethod
+    def of(cls, lora) -> "WorkerAdapters":
+        """What a worker's LoRA slots (shared/engine/lora/manager.py; None: none) serve now."""
+        return cls(lora.names, lora.resident, lora.runtime) if lora is not None else cls()
+
+    @classmethod
     def from_fields(cls, h: dict[str, str]) -> "WorkerAdapters":
         runtime = json.loads(h.get("lora_runtime") or "{}")
         return cls(served=json.loads(h.get("lora_adapters") or "[]"),

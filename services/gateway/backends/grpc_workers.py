@@ -288,8 +288,9 @@ class GrpcBackend:
         from services.gateway.backends.grpc_adapters import load_everywhere
         # a Redis restarted empty since the last pass: what it lost goes back before this load
         # marks the record as standing
-        await self.runtime_adapters.restore(self._registry_view(model))
-        await load_everywhere(self._registry_view(model), self._workers, name, path, self.config.rpc_timeout_s)
+        view = self._registry_view(model)
+        await self.runtime_adapters.restore(view)
+        await load_everywhere(view, self._workers, name, path, self.config.rpc_timeout_s)
         self.runtime_adapters.remember(name, path, model or self.config.model)
 
     async def unload_adapter(self, name: str) -> None:
