@@ -93,6 +93,10 @@ def test_live_steps_refit_the_model_the_budget_and_the_registry_use(engine):
     for term in ("base_s", "prefill_token_s", "attended_pair_s", "decode_row_s", "context_token_s"):
         assert value("duet_engine_step_model_coefficient", {"term": term}) == published[term]
     assert published["base_s"] > 0
+    # in natural units: seconds a step, and a prompt token (the fit's feature is per thousand)
+    assert value("duet_engine_step_model_coefficient", {"term": "base_s"}) == pytest.approx(perf.step.coef[0])
+    assert value("duet_engine_step_model_coefficient", {"term": "prefill_token_s"}) == \
+        pytest.approx(perf.step.coef[1] / 1000)
     engine.scheduler.itl_budget = None
 
 
