@@ -208,8 +208,9 @@ def test_sweep_reports_scripted_latencies_errors_goodput_and_writes_files(serve,
         s = r["summary"]
         assert s["requests"] == 10
         # Known timing: first text 250 ms after sending (the role chunk before it is not a token),
-        # then 5 more tokens 50 ms apart. Upper bounds are loose: two busy cores.
-        assert 250 <= s["ttft"]["p50"] < 450
+        # then 5 more tokens 50 ms apart. Upper bounds are loose: two busy cores (472 ms seen once
+        # in a whole-suite run beside another test); below 500 it is still not the end of the stream.
+        assert 250 <= s["ttft"]["p50"] < 500
         assert 50 <= s["itl"]["p50"] < 110
         assert 50 <= s["tpot"]["mean"] < 110
         assert 500 <= s["e2e"]["p50"] < 800
